@@ -1,0 +1,154 @@
+"""Engine configuration: frozen dataclasses, validated once, each component gets only its part.
+
+This module imports no torch, so `pagedserve.core` can depend on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A local Hugging Face model directory and the shape facts the engine needs from its config.json."""
+
+    path: str
+    dtype: str
+    max_model_len: int
+    served_model_name: str
+    architecture: str
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hf_config: dict[str, Any] = field(repr=False, compare=False, hash=False)
+
+    @classmethod
+    def from_path(
+        cls, path: str, dtype: str, max_model_len: int | None = None, served_model_name: str | None = None
+    ) -> ModelConfig:
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"model: {path!r} is not a Hugging Face model directory (no config.json)")
+        hf = json.loads(config_file.read_text())
+        num_heads = hf["num_attention_heads"]
+        context_len = _context_length(hf)
+        if max_model_len is not None and not 1 <= max_model_len <= context_len:
+            raise ValueError(f"max_model_len: must be in [1, {context_len}] for this model, got {max_model_len}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {DTYPES}, got {dtype!r}")
+        return cls(
+            path=str(path),
+            dtype=dtype,
+            max_model_len=max_model_len or context_len,
+            served_model_name=served_model_name or Path(path).resolve().name,
+            architecture=(hf.get("architectures") or ["LlamaForCausalLM"])[0],
+            vocab_size=hf["vocab_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            hf_config=hf,
+        )
+
+
+def _context_length(hf: dict[str, Any]) -> int:
+    length = int(hf.get("max_position_embeddings", 2048))
+    # A sliding-window model is exact only within its window: we do not implement the window.
+    window = hf.get("sliding_window")
+    if isinstance(window, int) and window > 0 and hf.get("use_sliding_window", True):
+        length = min(length, window)
+    return length
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: `block_size` tokens per block; capacity from `num_blocks` or a memory budget."""
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None = a share of free device memory
+    memory_utilization: float = 0.9  # share of free memory for weights-after-load + KV cache, when no budget
+    num_blocks: int | None = None  # exact block count, overrides the memory budget (tests)
+    watermark: float = 0.01  # share of blocks kept free when admitting new requests
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size: must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory: must be > 0 bytes")
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError("memory_utilization: must be in (0, 1]")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks: must be >= 1")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError("watermark: must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: sequences per step and tokens per step (the token budget)."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs: must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens: must be >= 1")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size: must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str = "cpu"
+    seed: int = 0
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`auto`: bfloat16 on GPUs and on CPUs with native bf16 matrix support, float32 otherwise."""
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        return "bfloat16"
+    return "bfloat16" if _cpu_has_bf16() else "float32"
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_num_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

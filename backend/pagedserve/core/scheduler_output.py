@@ -1,0 +1,54 @@
+"""The plain-data contracts of one engine step: scheduler -> workers and workers -> scheduler.
+
+Nothing here references a live `Sequence`, so both can be pickled and broadcast to worker ranks as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.outputs import TokenLogprobs
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's work in this step.
+
+    `token_ids` are the tokens to run, at positions `num_computed_tokens ..` of the request.
+    `new_block_ids` extend the request's block table (the whole table when `is_new`).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    new_block_ids: list[int]
+    do_sample: bool  # this step's tokens reach the end of the known tokens: sample the next one
+    is_new: bool = False  # first scheduled, or resumed after preemption: workers (re)build its state
+    num_prompt_tokens: int = 0  # set when is_new
+    sampling_params: SamplingParams | None = None  # set when is_new
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    # Requests whose blocks were freed since the last step (finished, aborted or preempted):
+    # workers drop their per-request state.
+    freed_request_ids: list[str] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens, one per request whose `do_sample` was set, in scheduling order."""
+
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # parallel to request_ids; {} where not asked

@@ -1,0 +1,1 @@
+"""The synchronous engine step and the asyncio engine around it."""

@@ -1,0 +1,14 @@
+"""Errors that cross component boundaries: a bad request names its field; an engine fault is internal."""
+
+
+class InvalidRequestError(ValueError):
+    """A request (or one of its parameters) is invalid. `field` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class EngineDeadError(RuntimeError):
+    """The engine can no longer run steps (a model fault or a dead worker); requests fail with this."""

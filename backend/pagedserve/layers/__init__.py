@@ -1,0 +1,1 @@
+"""Model building blocks; tensor parallelism lives here so model files stay small."""

@@ -1,0 +1,41 @@
+"""Vocab-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.vocab_per_rank = -(-vocab_size // self.tp_size)  # the last shard is zero-padded
+        self.vocab_size = vocab_size
+        self.vocab_start = self.tp_rank * self.vocab_per_rank
+        self.weight = nn.Parameter(torch.zeros(self.vocab_per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = loaded[self.vocab_start : self.vocab_start + self.vocab_per_rank]
+        param.data[: shard.shape[0]].copy_(shard)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the full vocabulary, gathered from each rank's slice."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,102 @@
+"""Tensor-parallel linear layers. Each parameter carries a `weight_loader` that takes the full
+checkpoint tensor and keeps this rank's shard, so sharding happens at load time.
+
+Column-parallel splits output features across ranks (no communication); row-parallel splits input
+features and all-reduces the partial sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.distributed import all_reduce, get_tp_rank, get_tp_size
+
+
+def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def _shard(tensor: torch.Tensor, dim: int, num_shards: int, index: int) -> torch.Tensor:
+    size = tensor.shape[dim] // num_shards
+    return tensor.narrow(dim, index * size, size)
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        if output_size % self.tp_size:
+            raise ValueError(f"output size {output_size} is not divisible by tensor-parallel size {self.tp_size}")
+        self.weight = _param(output_size // self.tp_size, input_size)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias = _param(output_size // self.tp_size) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(_shard(loaded, 0, self.tp_size, self.tp_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input in one matmul (e.g. gate and up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(input_size, sum(output_sizes), bias)
+        self.output_sizes = output_sizes
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:  # type: ignore[override]
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        param.data.narrow(0, offset, size).copy_(_shard(loaded, 0, self.tp_size, self.tp_rank))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matmul. Query heads are split across ranks; KV heads too, or
+    replicated when there are more ranks than KV heads (each rank keeps the KV head its queries use)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+        tp_size = get_tp_size()
+        if num_heads % tp_size:
+            raise ValueError(f"{num_heads} attention heads cannot be split across tensor-parallel size {tp_size}")
+        if num_kv_heads % tp_size and tp_size % num_kv_heads:
+            raise ValueError(f"{num_kv_heads} KV heads cannot be split or replicated across tensor-parallel size {tp_size}")
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.num_kv_head_replicas = max(1, tp_size // num_kv_heads)
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:  # type: ignore[override]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        shard_index = self.tp_rank if shard_id == "q" else self.tp_rank // self.num_kv_head_replicas
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, shard_index * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        if input_size % self.tp_size:
+            raise ValueError(f"input size {input_size} is not divisible by tensor-parallel size {self.tp_size}")
+        self.weight = _param(output_size, input_size // self.tp_size)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias = _param(output_size) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self._bias_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(_shard(loaded, 1, self.tp_size, self.tp_rank))
+
+    def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias

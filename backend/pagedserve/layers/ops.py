@@ -1,0 +1,6 @@
+"""The elementwise kernels the layers call. CPU runs use the pure-torch references; the Triton
+attention backend (and kernels) are selected by the model runner."""
+
+from pagedserve_kernels.reference import fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
+
+__all__ = ["fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]

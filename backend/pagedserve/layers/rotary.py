@@ -1,0 +1,57 @@
+"""Rotary position embedding with the scaling variants Llama-family checkpoints use (default, linear,
+llama3). The cos/sin table is computed once, in float32, exactly as Hugging Face computes it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.layers import ops
+
+
+def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Normalize transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`) configs."""
+    params = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
+    params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    base = params["rope_theta"]
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    kind = params["rope_type"]
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / params["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, params)
+    raise ValueError(f"rope_scaling: type {kind!r} is not supported (default, linear, llama3 are)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, hf_config: dict[str, Any]) -> None:
+        super().__init__()
+        params = rope_parameters(hf_config)
+        self.rotary_dim = int(head_dim * hf_config.get("partial_rotary_factor", 1.0))
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * _inv_freq(self.rotary_dim, params)[None, :]
+        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rotary_embedding(positions, query, key, self.cos_sin_cache)

@@ -1,0 +1,122 @@
+"""Batched sampling: penalties, min_tokens, temperature, top-k/top-p/min-p, greedy, seeded draws.
+
+Random rows draw with the exponential trick (argmax(probs / q), q ~ Exp(1)), which samples from
+probs exactly. A seeded request's noise comes from its own generator seeded by (seed, output
+index), so its tokens do not depend on what else is in the batch, nor on preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_GREEDY_EPS = 1e-5
+_SEED_STRIDE = 1_000_003  # mixes the output index into a request's seed
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row parameters of one step's batch of rows to sample (built by the model runner)."""
+
+    temperatures: torch.Tensor  # [B] float32; 0 = greedy
+    top_ks: torch.Tensor | None  # [B] int64, vocab size where disabled; None if no row uses top-k
+    top_ps: torch.Tensor | None  # [B] float32
+    min_ps: torch.Tensor | None  # [B] float32
+    # penalties, None if no row uses them
+    repetition_penalties: torch.Tensor | None  # [B]
+    presence_penalties: torch.Tensor | None  # [B]
+    frequency_penalties: torch.Tensor | None  # [B]
+    prompt_token_ids: torch.Tensor | None  # [B, P] padded with vocab_size
+    output_token_ids: torch.Tensor | None  # [B, O] padded with vocab_size
+    # (row, token ids) that may not be sampled yet: EOS and stop ids before min_tokens
+    banned_tokens: list[tuple[int, list[int]]]
+    # (row, seed, output index) for seeded random rows
+    seeded_rows: list[tuple[int, int, int]]
+    max_num_logprobs: int | None  # None when no row asks for logprobs
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperatures < _GREEDY_EPS).all())
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B]
+    logprobs: torch.Tensor | None = None  # [B, 1 + k]: sampled token's logprob, then the top-k
+    logprob_token_ids: torch.Tensor | None = None  # [B, 1 + k]
+    sampled_ranks: torch.Tensor | None = None  # [B]
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_num_logprobs is not None else None
+        if t.repetition_penalties is not None:
+            logits = _apply_penalties(logits, t)
+        for row, token_ids in t.banned_tokens:
+            logits[row, token_ids] = float("-inf")
+        greedy = logits.argmax(dim=-1)
+        if t.all_greedy:
+            token_ids = greedy
+        else:
+            token_ids = torch.where(t.temperatures < _GREEDY_EPS, greedy, self._sample(logits, t))
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids)
+        return _gather_logprobs(raw_logprobs, token_ids, t.max_num_logprobs or 0)
+
+    def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        temperatures = torch.where(t.temperatures < _GREEDY_EPS, 1.0, t.temperatures)
+        logits = logits / temperatures.unsqueeze(1)
+        if t.top_ks is not None or t.top_ps is not None:
+            logits = _top_k_top_p(logits, t.top_ks, t.top_ps)
+        probs = torch.softmax(logits, dim=-1)
+        if t.min_ps is not None:
+            threshold = t.min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seed, index in t.seeded_rows:
+            row_generator = torch.Generator(device=probs.device).manual_seed(seed * _SEED_STRIDE + index)
+            noise[row].exponential_(generator=row_generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    assert t.prompt_token_ids is not None and t.output_token_ids is not None
+    assert t.presence_penalties is not None and t.frequency_penalties is not None
+    batch, vocab = logits.shape
+    output_counts = torch.zeros(batch, vocab + 1, device=logits.device)
+    output_counts.scatter_add_(1, t.output_token_ids, torch.ones_like(t.output_token_ids, dtype=torch.float32))
+    output_counts = output_counts[:, :vocab]
+    seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, t.prompt_token_ids, True)
+    seen = seen[:, :vocab] | (output_counts > 0)
+    # repetition (prompt + output): shrink positive logits, grow negative ones
+    penalty = torch.where(seen, t.repetition_penalties.unsqueeze(1), 1.0)
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    # presence and frequency (output only), as OpenAI defines them
+    logits = logits - t.frequency_penalties.unsqueeze(1) * output_counts
+    return logits - t.presence_penalties.unsqueeze(1) * (output_counts > 0)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_ks is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(ranks.unsqueeze(0) >= top_ks.unsqueeze(1), float("-inf"))
+    if top_ps is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # the most likely token is always kept
+        sorted_logits = sorted_logits.masked_fill(mass_before > top_ps.unsqueeze(1), float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _gather_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> SamplerOutput:
+    sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1))
+    top_values, top_ids = raw_logprobs.topk(k, dim=-1)
+    ranks = (raw_logprobs > sampled).sum(dim=-1) + 1
+    return SamplerOutput(token_ids, torch.cat((sampled, top_values), dim=1),
+                         torch.cat((token_ids.unsqueeze(1), top_ids), dim=1), ranks)

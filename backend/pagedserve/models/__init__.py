@@ -1,0 +1,1 @@
+"""Model implementations (our own forward passes over paged attention) and their registry."""

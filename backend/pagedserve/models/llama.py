@@ -1,0 +1,134 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 layouts): GQA, RoPE, RMSNorm, SwiGLU, tied or untied
+embeddings. Mirrors Hugging Face's LlamaForCausalLM; the difference is paged attention and
+tensor-parallel layers. Input is one packed batch of tokens, [num_tokens]."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.layers.activation import SiluAndMul
+from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend, qkv_bias: bool) -> None:
+        super().__init__()
+        hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=cfg.get("attention_bias", False))
+        self.rotary_emb = RotaryEmbedding(head_dim, max_position, cfg)
+        heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
+        self.head_dim = head_dim
+        self.attn = Attention(heads, kv_heads, head_dim, backend)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q.view(-1, self.q_size // self.head_dim, self.head_dim),
+                               k.view(-1, self.kv_size // self.head_dim, self.head_dim))
+        return self.o_proj(self.attn(q, k, v, metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        hidden, inter, bias = cfg["hidden_size"], cfg["intermediate_size"], cfg.get("mlp_bias", False)
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act: {cfg['hidden_act']!r} is not supported (silu is)")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend, qkv_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, max_position, backend, qkv_bias)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    # checkpoint name -> (our merged parameter, shard id)
+    stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, max_position, backend, self.qkv_bias)
+                                    for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            for ckpt_part, (our_part, shard_id) in self.stacked_params.items():
+                if f".{ckpt_part}." in name:
+                    target = name.replace(ckpt_part, our_part)
+                    params[target].weight_loader(params[target], tensor, shard_id)  # type: ignore[attr-defined]
+                    loaded.add(target)
+                    break
+            else:
+                param = params[name]
+                getattr(param, "weight_loader", _default_loader)(param, tensor)
+                loaded.add(name)
+        missing = {n for n in params if n not in loaded and not (self.tie_word_embeddings and n == "lm_head.weight")}
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]} ...")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+def _default_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    assert param.shape == loaded.shape, f"shape mismatch: {tuple(param.shape)} vs {tuple(loaded.shape)}"
+    param.data.copy_(loaded)

@@ -1,0 +1,114 @@
+"""Command-line and environment settings: every flag is a field here, also read from `PAGEDSERVE_<NAME>`.
+
+This is the one place environment variables are read. Settings turn into the frozen `EngineConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import types
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pagedserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    resolve_device,
+    resolve_dtype,
+)
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+               "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+
+
+def cache_root() -> Path:
+    """Where converted models are cached: $PAGEDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/pagedserve."""
+    if os.environ.get("PAGEDSERVE_CACHE_DIR"):
+        return Path(os.environ["PAGEDSERVE_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedserve"
+
+
+def parse_size(value: str | int | None) -> int | None:
+    """'4GiB', '512MiB', '2e9' or a byte count -> bytes."""
+    if value is None or isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a memory size: {value!r} (use e.g. 4GiB, 512MiB or a byte count)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+class EngineSettings(BaseSettings):
+    """Everything needed to build an engine. Field `max_num_seqs` is flag `--max-num-seqs` and env
+    `PAGEDSERVE_MAX_NUM_SEQS`."""
+
+    model_config = SettingsConfigDict(env_prefix="PAGEDSERVE_", protected_namespaces=(), extra="ignore")
+
+    model: str | None = Field(None, description="local Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)")
+    served_model_name: str | None = Field(None, description="name clients use for the model (default: the directory name)")
+    dtype: str = Field("auto", description="auto, float32, bfloat16 or float16")
+    device: str = Field("auto", description="auto, cpu or cuda")
+    max_model_len: int | None = Field(None, description="context length limit (default: the model's)")
+    block_size: int = Field(16, description="tokens per KV-cache block")
+    kv_cache_memory: str | None = Field(None, description="KV-cache budget, e.g. 4GiB (default: a share of free memory)")
+    memory_utilization: float = Field(0.9, description="share of free memory to use when no KV budget is given")
+    num_kv_blocks: int | None = Field(None, description="exact number of KV-cache blocks (overrides the budget)")
+    max_num_seqs: int = Field(128, description="most sequences in one batch")
+    max_num_batched_tokens: int = Field(2048, description="token budget of one engine step")
+    tensor_parallel_size: int = Field(1, description="number of tensor-parallel worker ranks")
+    seed: int = Field(0, description="seed for unseeded random sampling")
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _check_size(cls, value: str | None) -> str | None:
+        parse_size(value)
+        return value
+
+    def to_engine_config(self) -> EngineConfig:
+        from pagedserve.default_model import resolve_model_path
+
+        device = resolve_device(self.device)
+        model = ModelConfig.from_path(resolve_model_path(self.model), resolve_dtype(self.dtype, device),
+                                      self.max_model_len, self.served_model_name)
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=parse_size(self.kv_cache_memory),
+                              memory_utilization=self.memory_utilization, num_blocks=self.num_kv_blocks),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_model_len=model.max_model_len),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            device=device,
+            seed=self.seed,
+        )
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, settings_cls: type[BaseSettings]) -> None:
+    """One `--kebab-case` flag per settings field. Unset flags stay None so env vars and defaults apply."""
+    for name, info in settings_cls.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        base = _base_type(info.annotation)
+        help_text = f"{info.description or ''} [env PAGEDSERVE_{name.upper()}]"
+        if base is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, type=base, default=None, help=help_text)
+
+
+def settings_from_args(settings_cls: type[BaseSettings], args: argparse.Namespace) -> Any:
+    given = {name: getattr(args, name) for name in settings_cls.model_fields if getattr(args, name, None) is not None}
+    return settings_cls(**given)
+
+
+def _base_type(annotation: Any) -> type:
+    if get_origin(annotation) in (Union, types.UnionType):
+        annotation = next(arg for arg in get_args(annotation) if arg is not type(None))
+    return annotation if isinstance(annotation, type) else str

@@ -1,0 +1,1 @@
+"""Executors, workers, the KV cache tensors and the model runner."""

@@ -1,0 +1,208 @@
+"""Turns a `SchedulerOutput` into one batched forward pass and a sample per finishing request.
+
+Keeps per-request state across steps (block-table row, sampling params, token counts), so the
+scheduler sends only what changed. Input metadata is built with tensor ops over the whole batch:
+no Python loop runs over tokens or blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import chain
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from pagedserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors
+from pagedserve.models.loader import iter_safetensors
+from pagedserve.models.registry import get_model_class
+from pagedserve.outputs import Logprob, TokenLogprobs
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    row: int  # row of the persistent block table
+    params: SamplingParams
+    num_prompt_tokens: int
+    num_tokens: int = 0  # tokens fed to the model so far
+    num_blocks: int = 0
+    token_ids: list[int] = field(default_factory=list)  # kept only when penalties need the history
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int],
+                 backend: AttentionBackend | None = None) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.model.dtype)
+        self.block_size = config.cache.block_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.vocab_size = config.model.vocab_size
+        self.backend = backend or TorchAttentionBackend()
+        self.model = self._load_model()
+        max_seqs = config.scheduler.max_num_seqs
+        self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
+        self.block_tables = torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
+        self.free_rows = list(range(max_seqs - 1, -1, -1))
+        self.requests: dict[str, RequestState] = {}
+        self.sampler = Sampler(config.seed)
+
+    def _load_model(self) -> torch.nn.Module:
+        cfg = self.config.model
+        with torch.device(self.device), _default_dtype(self.dtype):
+            model = get_model_class(cfg.architecture)(cfg.hf_config, cfg.max_model_len, self.backend)
+        model.load_weights(iter_safetensors(cfg.path))
+        return model.eval()
+
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for attention, kv_cache in zip(self.model.attention_layers, kv_caches, strict=True):
+            attention.kv_cache = kv_cache
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(output)
+        if output.is_empty:
+            return ModelRunnerOutput([], [])
+        order = sorted(output.scheduled, key=lambda r: len(r.token_ids) > 1)  # decodes first, stable
+        input_ids, positions, metadata, sample_indices = self._prepare_inputs(order)
+        hidden = self.model(input_ids, positions, metadata)
+        sampled = [r for r in order if r.do_sample]
+        if not sampled:
+            return ModelRunnerOutput([], [])
+        logits = self.model.compute_logits(hidden[sample_indices])
+        result = self.sampler(logits, self._sampling_tensors(sampled))
+        return self._to_output(sampled, result)
+
+    # -- per-request state ------------------------------------------------------------------------
+
+    def _update_states(self, output: SchedulerOutput) -> None:
+        for request_id in output.freed_request_ids:
+            state = self.requests.pop(request_id, None)
+            if state is not None:
+                self.free_rows.append(state.row)
+        for req in output.scheduled:
+            if req.is_new:
+                assert req.sampling_params is not None
+                self.requests[req.request_id] = RequestState(self.free_rows.pop(), req.sampling_params,
+                                                             req.num_prompt_tokens)
+            state = self.requests[req.request_id]
+            if req.new_block_ids:
+                end = state.num_blocks + len(req.new_block_ids)
+                self.block_tables[state.row, state.num_blocks : end] = torch.tensor(req.new_block_ids,
+                                                                                     dtype=torch.int32)
+                state.num_blocks = end
+            state.num_tokens += len(req.token_ids)
+            if state.params.has_penalties:
+                state.token_ids.extend(req.token_ids)
+
+    # -- inputs --------------------------------------------------------------------------------------
+
+    def _prepare_inputs(self, order: list[ScheduledRequest]
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        num_decodes = sum(1 for r in order if len(r.token_ids) == 1)
+        q_lens = torch.tensor([len(r.token_ids) for r in order])
+        starts = torch.tensor([r.num_computed_tokens for r in order])
+        rows = torch.tensor([self.requests[r.request_id].row for r in order])
+        context_lens = starts + q_lens
+        query_start_loc = torch.zeros(len(order) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+
+        num_tokens = int(query_start_loc[-1])
+        token_seq = torch.repeat_interleave(torch.arange(len(order)), q_lens)
+        positions = starts[token_seq] + torch.arange(num_tokens) - query_start_loc[:-1][token_seq]
+        max_blocks = -(-int(context_lens.max()) // self.block_size)
+        tables = self.block_tables[rows, :max_blocks]
+        slot_mapping = (tables[token_seq, positions // self.block_size].long() * self.block_size
+                        + positions % self.block_size)
+        do_sample = torch.tensor([r.do_sample for r in order])
+        sample_indices = (query_start_loc[1:] - 1)[do_sample]
+
+        to_device = lambda t, dtype=None: t.to(self.device, dtype=dtype, non_blocking=True)  # noqa: E731
+        prefill_starts = query_start_loc[num_decodes:] - query_start_loc[num_decodes]
+        metadata = AttentionMetadata(
+            slot_mapping=to_device(slot_mapping),
+            num_decodes=num_decodes,
+            decode_block_tables=to_device(tables[:num_decodes]),
+            decode_context_lens=to_device(context_lens[:num_decodes], torch.int32),
+            prefill_block_tables=to_device(tables[num_decodes:]),
+            prefill_query_start_loc=to_device(prefill_starts, torch.int32),
+            prefill_context_lens=to_device(context_lens[num_decodes:], torch.int32),
+        )
+        input_ids = torch.tensor(list(chain.from_iterable(r.token_ids for r in order)))
+        return to_device(input_ids), to_device(positions), metadata, to_device(sample_indices)
+
+    def _sampling_tensors(self, sampled: list[ScheduledRequest]) -> SamplingTensors:
+        states = [self.requests[r.request_id] for r in sampled]
+        params = [s.params for s in states]
+        device = self.device
+        as_tensor = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+        use_top_k = any(p.top_k > 0 for p in params)
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        use_min_p = any(p.min_p > 0.0 for p in params)
+        use_penalties = any(p.has_penalties for p in params)
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingTensors(
+            temperatures=as_tensor([p.temperature for p in params]),
+            top_ks=as_tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], torch.int64)
+            if use_top_k else None,
+            top_ps=as_tensor([p.top_p for p in params]) if use_top_p else None,
+            min_ps=as_tensor([p.min_p for p in params]) if use_min_p else None,
+            repetition_penalties=as_tensor([p.repetition_penalty for p in params]) if use_penalties else None,
+            presence_penalties=as_tensor([p.presence_penalty for p in params]) if use_penalties else None,
+            frequency_penalties=as_tensor([p.frequency_penalty for p in params]) if use_penalties else None,
+            prompt_token_ids=self._padded([s.token_ids[: s.num_prompt_tokens] for s in states])
+            if use_penalties else None,
+            output_token_ids=self._padded([s.token_ids[s.num_prompt_tokens :] for s in states])
+            if use_penalties else None,
+            banned_tokens=[(row, self._banned(s)) for row, s in enumerate(states)
+                           if s.num_output_tokens < s.params.min_tokens],
+            seeded_rows=[(row, s.params.seed, s.num_output_tokens) for row, s in enumerate(states)
+                         if s.params.seed is not None and not s.params.is_greedy],
+            max_num_logprobs=max(logprobs) if logprobs else None,
+        )
+
+    def _banned(self, state: RequestState) -> list[int]:
+        eos = [] if state.params.ignore_eos else self.eos_token_ids
+        return [*eos, *state.params.stop_token_ids]
+
+    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
+        width = max(1, max(len(r) for r in rows))
+        padded = [r + [self.vocab_size] * (width - len(r)) for r in rows]
+        return torch.tensor(padded, dtype=torch.int64, device=self.device)
+
+    def _to_output(self, sampled: list[ScheduledRequest], result: SamplerOutput) -> ModelRunnerOutput:
+        token_ids = result.token_ids.tolist()  # the one host sync of the step
+        request_ids = [r.request_id for r in sampled]
+        if result.logprobs is None:
+            return ModelRunnerOutput(request_ids, token_ids)
+        assert result.logprob_token_ids is not None and result.sampled_ranks is not None
+        values, ids, ranks = result.logprobs.tolist(), result.logprob_token_ids.tolist(), result.sampled_ranks.tolist()
+        logprobs: list[TokenLogprobs] = []
+        for row, req in enumerate(sampled):
+            k = self.requests[req.request_id].params.logprobs
+            entry: TokenLogprobs = {}
+            if k is not None:
+                entry = {tid: Logprob(v, rank + 1) for rank, (tid, v) in enumerate(zip(ids[row][1 : k + 1],
+                                                                                      values[row][1 : k + 1]))}
+                entry[ids[row][0]] = Logprob(values[row][0], ranks[row])
+            logprobs.append(entry)
+        return ModelRunnerOutput(request_ids, token_ids, logprobs)

@@ -1,0 +1,63 @@
+"""One rank's worker: the model runner plus this rank's KV cache, sized from a memory budget."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.cache_engine import CacheEngine
+from pagedserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_CPU_DEFAULT_KV_BYTES = 4 * 1024**3
+_CPU_DEFAULT_KV_SHARE = 0.25  # of available memory, when that is less than the default
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
+        self.config = config
+        self.model_runner = ModelRunner(config, eos_token_ids)
+        self.cache_engine: CacheEngine | None = None
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model_runner.model.attention_layers[0].num_kv_heads
+
+    def bytes_per_block(self) -> int:
+        model = self.config.model
+        return CacheEngine.bytes_per_block(model.num_layers, self.config.cache.block_size, self.num_kv_heads,
+                                           model.head_dim, self.model_runner.dtype)
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else self._default_kv_budget()
+        num_blocks = budget // self.bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory: {budget} bytes is less than one KV block "
+                             f"({self.bytes_per_block()} bytes)")
+        return num_blocks
+
+    def _default_kv_budget(self) -> int:
+        utilization = self.config.cache.memory_utilization
+        if self.model_runner.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.model_runner.device)
+            return int(free - (1.0 - utilization) * total)
+        import psutil
+
+        return int(min(_CPU_DEFAULT_KV_BYTES, _CPU_DEFAULT_KV_SHARE * psutil.virtual_memory().available))
+
+    def init_cache(self, num_blocks: int) -> None:
+        model = self.config.model
+        self.cache_engine = CacheEngine(model.num_layers, num_blocks, self.config.cache.block_size,
+                                        self.num_kv_heads, model.head_dim, self.model_runner.dtype,
+                                        self.model_runner.device)
+        self.model_runner.bind_kv_cache(self.cache_engine.kv_caches)
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute(output)

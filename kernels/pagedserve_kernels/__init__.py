@@ -1,0 +1,1 @@
+"""Triton kernels for pagedserve and their pure-torch references (`pagedserve_kernels.reference`)."""
