@@ -102,8 +102,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs: must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens: must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens: must be >= max_num_seqs (every running sequence "
+                             "needs a token each step)")
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,10 @@ class IncrementalDetokenizer:
                 return stop
         return None
 
+    def flush(self) -> None:
+        """At the end of generation: add text still waiting for more bytes (as U+FFFD, like decode())."""
+        self.text += self._decode_new(final=True)
+
     def take_delta(self, finished: bool) -> str:
         """New text since the last call; holds back a possible stop-string prefix until finished."""
         end = len(self.text) if finished else max(self.num_emitted, len(self.text) - self.hold_back)
@@ -46,12 +50,12 @@ class IncrementalDetokenizer:
         self.num_emitted = end
         return delta
 
-    def _decode_new(self) -> str:
+    def _decode_new(self, final: bool = False) -> str:
         decode = self.tokenizer.decode
         prefix = decode(self.token_ids[self.prefix_offset : self.read_offset],
                         skip_special_tokens=self.skip_special_tokens)
         full = decode(self.token_ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
+        if (full.endswith("\ufffd") and not final) or len(full) <= len(prefix):
             return ""
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)

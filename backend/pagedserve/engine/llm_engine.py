@@ -134,6 +134,8 @@ class LLMEngine:
                 if seq.is_finished:  # the text was cut at a stop string on the same token
                     seq.finish_reason = FinishReason.STOP
                 self.scheduler.finish(seq, FinishReason.STOP)
+            elif seq.is_finished:
+                detokenizer.flush()
             metrics = self._metrics[seq.request_id]
             metrics.first_token_time = metrics.first_token_time or now
             new_logprobs = self._decode_logprobs(logprobs_by_id.get(seq.request_id), seq)

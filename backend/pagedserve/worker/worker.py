@@ -13,7 +13,7 @@ from pagedserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-_CPU_DEFAULT_KV_BYTES = 4 * 1024**3
+_CPU_DEFAULT_KV_BYTES = 1024**3  # zero-filling CPU memory is slow: raise with --kv-cache-memory
 _CPU_DEFAULT_KV_SHARE = 0.25  # of available memory, when that is less than the default
 
 

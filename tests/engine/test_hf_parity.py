@@ -1,0 +1,134 @@
+"""Greedy outputs equal Hugging Face `generate` token for token, in one continuous batch of mixed
+prompt lengths, with and without preemption. A divergence passes only at a genuine near-tie."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis to a child in two sentences.",
+    "List three prime numbers greater than 50.",
+    "What does HTTP stand for?",
+    "Give me a short tip for learning to cook.",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?",
+    "Summarize the plot of Romeo and Juliet in one paragraph, mentioning the families involved and the ending.",
+    "What is 17 times 23?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "How do I reverse a list in Python?",
+    "Describe a cat.",
+    "What are the three states of matter? Give one example of each and explain how one state can change "
+    "into another when heated or cooled.",
+    "Tell me a fun fact about octopuses.",
+    "Hi!",
+]
+NEAR_TIE = 1e-3
+DEFAULT_MAX_TOKENS = 64
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> tuple[object, list[list[int]]]:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # no EOS at all (like ignore_eos): the model's own generation config would stop at it
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    model.generation_config = config
+    outputs = []
+    with torch.inference_mode():
+        for ids in prompts:  # one at a time: no padding effects in the reference
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+            outputs.append(out[0, len(ids) :].tolist())
+    return model, outputs
+
+
+def top2_gap(model: object, context: list[int]) -> float:
+    with torch.inference_mode():
+        logits = model(torch.tensor([context])).logits[0, -1]  # type: ignore[operator]
+    top = torch.log_softmax(logits.float(), dim=-1).topk(2).values
+    return float(top[0] - top[1])
+
+
+def assert_greedy_equal(model: object, prompts: list[list[int]], ours: list[list[int]],
+                        theirs: list[list[int]]) -> list[str]:
+    """Equal, or diverging only where HF's own top-2 logprobs are within NEAR_TIE. Returns the ties."""
+    ties = []
+    for i, (prompt, a, b) in enumerate(zip(prompts, ours, theirs)):
+        if a == b:
+            continue
+        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert pos < min(len(a), len(b)), f"prompt {i}: lengths differ ({len(a)} vs {len(b)}) with equal prefix"
+        gap = top2_gap(model, prompt + b[:pos])
+        assert gap < NEAR_TIE, f"prompt {i}: diverged at token {pos} ({a[pos]} vs HF {b[pos]}), HF top-2 gap {gap:.2e}"
+        ties.append(f"prompt {i}: near-tie at token {pos} (gap {gap:.1e})")
+    return ties
+
+
+def run_parity(llm: LLM, reference: tuple[object, list[list[int]]], prompts: list[list[int]],
+               max_tokens: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    results = llm.generate(prompts, params)
+    ours = [r.outputs[0].token_ids for r in results]
+    assert all(len(o) == max_tokens for o in ours)
+    model, theirs = reference
+    ties = assert_greedy_equal(model, prompts, ours, theirs)
+    for r, ids, their_ids in zip(results, ours, theirs):
+        if ids == their_ids:  # text equality where the tokens agree
+            assert r.outputs[0].text == llm.engine.decode(their_ids)
+    print("\n".join(ties) or "all outputs identical")
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(default_model_dir: str) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=True)["input_ids"]) for p in CHAT_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def default_reference(default_model_dir: str, chat_prompts: list[list[int]]) -> tuple[object, list[list[int]]]:
+    return hf_greedy(default_model_dir, chat_prompts, DEFAULT_MAX_TOKENS)
+
+
+@pytest.mark.slow
+def test_default_model_matches_hf_in_one_batch(default_reference: tuple[object, list[list[int]]],
+                                               chat_prompts: list[list[int]]) -> None:
+    assert len({len(p) for p in chat_prompts}) > 8  # mixed prompt lengths
+    llm = LLM(dtype="float32", num_kv_blocks=512, max_num_batched_tokens=4096)
+    run_parity(llm, default_reference, chat_prompts, DEFAULT_MAX_TOKENS)
+    assert llm.engine.scheduler.num_preemptions == 0
+
+
+@pytest.mark.slow
+def test_default_model_matches_hf_under_preemption(default_reference: tuple[object, list[list[int]]],
+                                                   chat_prompts: list[list[int]]) -> None:
+    # ~8 blocks per request at the end, 16 requests: 48 blocks force preemption by recompute
+    llm = LLM(dtype="float32", num_kv_blocks=48, block_size=16)
+    run_parity(llm, default_reference, chat_prompts, DEFAULT_MAX_TOKENS)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().num_free_blocks == 48
+
+
+def tiny_prompts(offset: int, base_len: int, step: int) -> list[list[int]]:
+    return [[1] + list(range(offset + 7 * i, offset + 7 * i + base_len + step * i)) for i in range(8)]
+
+
+def test_tiny_llama_matches_hf(tiny_llama_dir: str) -> None:
+    prompts = tiny_prompts(100, 3, 11)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, block_size=16)
+    run_parity(llm, hf_greedy(tiny_llama_dir, prompts, 40), prompts, max_tokens=40)
+
+
+def test_tiny_llama_matches_hf_with_chunked_prefill_and_preemption(tiny_llama_dir: str) -> None:
+    prompts = tiny_prompts(200, 20, 9)
+    # a 24-token budget splits prompts into chunks; 20 blocks of 8 cannot hold all 8 requests
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=20, block_size=8, max_num_batched_tokens=24,
+              max_num_seqs=8)
+    run_parity(llm, hf_greedy(tiny_llama_dir, prompts, 40), prompts, max_tokens=40)
+    assert llm.engine.scheduler.num_preemptions > 0
