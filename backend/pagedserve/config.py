@@ -41,7 +41,9 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         context_len = _context_length(hf)
         if max_model_len is not None and not 1 <= max_model_len <= context_len:
-            raise ValueError(f"max_model_len: must be in [1, {context_len}] for this model, got {max_model_len}")
+            raise ValueError(
+                f"max_model_len: must be in [1, {context_len}] for this model, got {max_model_len}"
+            )
         if dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {DTYPES}, got {dtype!r}")
         return cls(
@@ -103,8 +105,10 @@ class SchedulerConfig:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs: must be >= 1")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens: must be >= max_num_seqs (every running sequence "
-                             "needs a token each step)")
+            raise ValueError(
+                "max_num_batched_tokens: must be >= max_num_seqs (every running sequence "
+                "needs a token each step)"
+            )
 
 
 @dataclass(frozen=True)

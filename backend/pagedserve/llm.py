@@ -22,26 +22,40 @@ class LLM:
         self.engine = LLMEngine.from_settings(EngineSettings(model=model, **settings))
         self._ids = count()
 
-    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
-                 = None, use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Run all prompts in one continuous batch; outputs come back in input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # type: ignore[list-item]
         token_ids = [self.engine.encode_prompt(p) if isinstance(p, str) else list(p) for p in prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
         return self._run(texts, token_ids, sampling_params, use_tqdm)
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         token_ids = [self.engine.encode_chat(c) for c in conversations]  # type: ignore[arg-type]
         texts = [self.engine.decode(ids) for ids in token_ids]
         return self._run(list(texts), token_ids, sampling_params, use_tqdm)
 
-    def _run(self, texts: list[str | None], token_ids: list[list[int]],
-             sampling_params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self,
+        texts: list[str | None],
+        token_ids: list[list[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(token_ids))
         outputs: dict[str, RequestOutput] = {}
         request_ids = []
@@ -49,7 +63,9 @@ class LLM:
             request_id = f"llm-{next(self._ids)}"
             self.engine.add_request(request_id, ids, p)
             request_ids.append(request_id)
-            outputs[request_id] = RequestOutput(request_id, text, ids, [CompletionOutput(0, "", [], None)], False)
+            outputs[request_id] = RequestOutput(
+                request_id, text, ids, [CompletionOutput(0, "", [], None)], False
+            )
         progress = _progress_bar(len(request_ids)) if use_tqdm else None
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
@@ -60,7 +76,11 @@ class LLM:
                 if delta.new_logprobs is not None:
                     completion.logprobs = (completion.logprobs or []) + delta.new_logprobs
                 if delta.finished:
-                    completion.finish_reason, out.finished, out.metrics = delta.finish_reason, True, delta.metrics
+                    completion.finish_reason, out.finished, out.metrics = (
+                        delta.finish_reason,
+                        True,
+                        delta.metrics,
+                    )
                     if delta.error:
                         raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
                     if progress is not None:

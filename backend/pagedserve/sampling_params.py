@@ -58,34 +58,53 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def _verify(self) -> None:
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value):
                 raise InvalidRequestError(name, f"must be a finite number, got {value!r}")
         self._check(self.temperature >= 0.0, "temperature", "must be >= 0 (0 means greedy)")
         self._check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        self._check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
-                    "must be an integer >= 1, or -1 to disable")
+        self._check(
+            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+            "top_k",
+            "must be an integer >= 1, or -1 to disable",
+        )
         self._check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
         self._check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
         self._check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         self._check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         self._check(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
         self._check(self.n == 1, "n", "parallel sampling (n > 1) is not supported yet")
-        self._check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
-        self._check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-                    "must be an integer in [0, max_tokens]")
+        self._check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1"
+        )
+        self._check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            "must be an integer in [0, max_tokens]",
+        )
         self._check(self.seed is None or _is_int(self.seed), "seed", "must be an integer")
         self._check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        self._check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-                    "must be non-negative integers")
-        self._check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-                    "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        self._check(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be non-negative integers",
+        )
+        self._check(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"must be an integer in [0, {MAX_LOGPROBS}]",
+        )
 
     @staticmethod
     def _check(ok: bool, name: str, message: str) -> None:

@@ -36,8 +36,14 @@ class Sequence:
                     [ in KV cache (computed) ....... | new  ]
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float | None = None,
+    ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -93,5 +99,7 @@ class Sequence:
         return None
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-                f"blocks={self.block_table}, {self.status.value})")
+        return (
+            f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={self.block_table}, {self.status.value})"
+        )

@@ -25,8 +25,19 @@ from pagedserve.config import (
     resolve_dtype,
 )
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-               "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+}
 
 
 def cache_root() -> Path:
@@ -52,15 +63,25 @@ class EngineSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="PAGEDSERVE_", protected_namespaces=(), extra="ignore")
 
-    model: str | None = Field(None, description="local Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)")
-    served_model_name: str | None = Field(None, description="name clients use for the model (default: the directory name)")
+    model: str | None = Field(
+        None, description="local Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)"
+    )
+    served_model_name: str | None = Field(
+        None, description="name clients use for the model (default: the directory name)"
+    )
     dtype: str = Field("auto", description="auto, float32, bfloat16 or float16")
     device: str = Field("auto", description="auto, cpu or cuda")
     max_model_len: int | None = Field(None, description="context length limit (default: the model's)")
     block_size: int = Field(16, description="tokens per KV-cache block")
-    kv_cache_memory: str | None = Field(None, description="KV-cache budget, e.g. 4GiB (default: a share of free memory)")
-    memory_utilization: float = Field(0.9, description="share of free memory to use when no KV budget is given")
-    num_kv_blocks: int | None = Field(None, description="exact number of KV-cache blocks (overrides the budget)")
+    kv_cache_memory: str | None = Field(
+        None, description="KV-cache budget, e.g. 4GiB (default: a share of free memory)"
+    )
+    memory_utilization: float = Field(
+        0.9, description="share of free memory to use when no KV budget is given"
+    )
+    num_kv_blocks: int | None = Field(
+        None, description="exact number of KV-cache blocks (overrides the budget)"
+    )
     max_num_seqs: int = Field(128, description="most sequences in one batch")
     max_num_batched_tokens: int = Field(2048, description="token budget of one engine step")
     tensor_parallel_size: int = Field(1, description="number of tensor-parallel worker ranks")
@@ -76,15 +97,25 @@ class EngineSettings(BaseSettings):
         from pagedserve.default_model import resolve_model_path
 
         device = resolve_device(self.device)
-        model = ModelConfig.from_path(resolve_model_path(self.model), resolve_dtype(self.dtype, device),
-                                      self.max_model_len, self.served_model_name)
+        model = ModelConfig.from_path(
+            resolve_model_path(self.model),
+            resolve_dtype(self.dtype, device),
+            self.max_model_len,
+            self.served_model_name,
+        )
         return EngineConfig(
             model=model,
-            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=parse_size(self.kv_cache_memory),
-                              memory_utilization=self.memory_utilization, num_blocks=self.num_kv_blocks),
-            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=self.max_num_batched_tokens,
-                                      max_model_len=model.max_model_len),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory=parse_size(self.kv_cache_memory),
+                memory_utilization=self.memory_utilization,
+                num_blocks=self.num_kv_blocks,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=model.max_model_len,
+            ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device=device,
             seed=self.seed,
@@ -98,13 +129,19 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings_cls: type[B
         base = _base_type(info.annotation)
         help_text = f"{info.description or ''} [env PAGEDSERVE_{name.upper()}]"
         if base is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         else:
             parser.add_argument(flag, dest=name, type=base, default=None, help=help_text)
 
 
 def settings_from_args(settings_cls: type[BaseSettings], args: argparse.Namespace) -> Any:
-    given = {name: getattr(args, name) for name in settings_cls.model_fields if getattr(args, name, None) is not None}
+    given = {
+        name: getattr(args, name)
+        for name in settings_cls.model_fields
+        if getattr(args, name, None) is not None
+    }
     return settings_cls(**given)
 
 

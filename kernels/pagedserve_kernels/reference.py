@@ -19,8 +19,13 @@ import torch
 import torch.nn.functional as F
 
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Scatter this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their cache slots."""
     valid = slot_mapping >= 0
     if not bool(valid.all()):
@@ -37,8 +42,14 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) 
     return blocks.flatten(1, 2)
 
 
-def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One query token per sequence ([num_seqs, num_heads, head_dim]) over its paged context."""
     block_size = k_cache.shape[1]
     max_context = int(context_lens.max())
@@ -47,14 +58,21 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     values = gather_kv(v_cache, block_tables, num_blocks).transpose(1, 2)
     positions = torch.arange(keys.shape[2], device=query.device)
     mask = (positions[None, :] < context_lens[:, None].to(positions.dtype))[:, None, None, :]
-    out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
-                                         enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )
     return out.squeeze(2)
 
 
-def paged_attention_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Causal attention for packed variable-length queries ([num_tokens, num_heads, head_dim]) whose
     keys, earlier context included, are already in the paged cache."""
     out = torch.empty_like(query)
@@ -96,15 +114,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """residual' = x + residual; returns (rms_norm(residual'), residual')."""
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
 
 
-def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX-style rotary embedding on [num_tokens, heads, head_dim] query and key (returns new tensors)."""
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, rot/2] each
     cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(query.dtype)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from pagedserve import LLM, SamplingParams
 
 CHAT_PROMPTS = [
@@ -31,7 +30,9 @@ NEAR_TIE = 1e-3
 DEFAULT_MAX_TOKENS = 64
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> tuple[object, list[list[int]]]:
+def hf_greedy(
+    model_dir: str, prompts: list[list[int]], max_new_tokens: int
+) -> tuple[object, list[list[int]]]:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -41,7 +42,9 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
     outputs = []
     with torch.inference_mode():
         for ids in prompts:  # one at a time: no padding effects in the reference
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+            out = model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)
+            )
             outputs.append(out[0, len(ids) :].tolist())
     return model, outputs
 
@@ -53,23 +56,29 @@ def top2_gap(model: object, context: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-def assert_greedy_equal(model: object, prompts: list[list[int]], ours: list[list[int]],
-                        theirs: list[list[int]]) -> list[str]:
+def assert_greedy_equal(
+    model: object, prompts: list[list[int]], ours: list[list[int]], theirs: list[list[int]]
+) -> list[str]:
     """Equal, or diverging only where HF's own top-2 logprobs are within NEAR_TIE. Returns the ties."""
     ties = []
     for i, (prompt, a, b) in enumerate(zip(prompts, ours, theirs)):
         if a == b:
             continue
         pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        assert pos < min(len(a), len(b)), f"prompt {i}: lengths differ ({len(a)} vs {len(b)}) with equal prefix"
+        assert pos < min(len(a), len(b)), (
+            f"prompt {i}: lengths differ ({len(a)} vs {len(b)}) with equal prefix"
+        )
         gap = top2_gap(model, prompt + b[:pos])
-        assert gap < NEAR_TIE, f"prompt {i}: diverged at token {pos} ({a[pos]} vs HF {b[pos]}), HF top-2 gap {gap:.2e}"
+        assert gap < NEAR_TIE, (
+            f"prompt {i}: diverged at token {pos} ({a[pos]} vs HF {b[pos]}), HF top-2 gap {gap:.2e}"
+        )
         ties.append(f"prompt {i}: near-tie at token {pos} (gap {gap:.1e})")
     return ties
 
 
-def run_parity(llm: LLM, reference: tuple[object, list[list[int]]], prompts: list[list[int]],
-               max_tokens: int) -> None:
+def run_parity(
+    llm: LLM, reference: tuple[object, list[list[int]]], prompts: list[list[int]], max_tokens: int
+) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     results = llm.generate(prompts, params)
     ours = [r.outputs[0].token_ids for r in results]
@@ -87,18 +96,27 @@ def chat_prompts(default_model_dir: str) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                               tokenize=True)["input_ids"]) for p in CHAT_PROMPTS]
+    return [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
+        for p in CHAT_PROMPTS
+    ]
 
 
 @pytest.fixture(scope="module")
-def default_reference(default_model_dir: str, chat_prompts: list[list[int]]) -> tuple[object, list[list[int]]]:
+def default_reference(
+    default_model_dir: str, chat_prompts: list[list[int]]
+) -> tuple[object, list[list[int]]]:
     return hf_greedy(default_model_dir, chat_prompts, DEFAULT_MAX_TOKENS)
 
 
 @pytest.mark.slow
-def test_default_model_matches_hf_in_one_batch(default_reference: tuple[object, list[list[int]]],
-                                               chat_prompts: list[list[int]]) -> None:
+def test_default_model_matches_hf_in_one_batch(
+    default_reference: tuple[object, list[list[int]]], chat_prompts: list[list[int]]
+) -> None:
     assert len({len(p) for p in chat_prompts}) > 8  # mixed prompt lengths
     llm = LLM(dtype="float32", num_kv_blocks=512, max_num_batched_tokens=4096)
     run_parity(llm, default_reference, chat_prompts, DEFAULT_MAX_TOKENS)
@@ -106,8 +124,9 @@ def test_default_model_matches_hf_in_one_batch(default_reference: tuple[object, 
 
 
 @pytest.mark.slow
-def test_default_model_matches_hf_under_preemption(default_reference: tuple[object, list[list[int]]],
-                                                   chat_prompts: list[list[int]]) -> None:
+def test_default_model_matches_hf_under_preemption(
+    default_reference: tuple[object, list[list[int]]], chat_prompts: list[list[int]]
+) -> None:
     # ~8 blocks per request at the end, 16 requests: 48 blocks force preemption by recompute
     llm = LLM(dtype="float32", num_kv_blocks=48, block_size=16)
     run_parity(llm, default_reference, chat_prompts, DEFAULT_MAX_TOKENS)
@@ -128,7 +147,13 @@ def test_tiny_llama_matches_hf(tiny_llama_dir: str) -> None:
 def test_tiny_llama_matches_hf_with_chunked_prefill_and_preemption(tiny_llama_dir: str) -> None:
     prompts = tiny_prompts(200, 20, 9)
     # a 24-token budget splits prompts into chunks; 20 blocks of 8 cannot hold all 8 requests
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=20, block_size=8, max_num_batched_tokens=24,
-              max_num_seqs=8)
+    llm = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        num_kv_blocks=20,
+        block_size=8,
+        max_num_batched_tokens=24,
+        max_num_seqs=8,
+    )
     run_parity(llm, hf_greedy(tiny_llama_dir, prompts, 40), prompts, max_tokens=40)
     assert llm.engine.scheduler.num_preemptions > 0

@@ -73,7 +73,9 @@ class BlockManager:
     def _grow(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         required = self.num_required_blocks(seq, num_new_tokens)
         if required > self.num_free_blocks:
-            raise RuntimeError(f"out of KV blocks: {seq.request_id} needs {required}, {self.num_free_blocks} free")
+            raise RuntimeError(
+                f"out of KV blocks: {seq.request_id} needs {required}, {self.num_free_blocks} free"
+            )
         new_block_ids = [self.free_block_ids.popleft() for _ in range(required)]
         for block_id in new_block_ids:
             self.ref_counts[block_id] = 1

@@ -46,8 +46,10 @@ class Scheduler:
         max_tokens = min(seq.max_num_tokens, self.config.max_model_len)
         if not self.block_manager.can_ever_fit(max_tokens):
             raise InvalidRequestError(
-                "max_tokens", f"prompt + max_tokens = {max_tokens} tokens can never fit the KV cache "
-                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})")
+                "max_tokens",
+                f"prompt + max_tokens = {max_tokens} tokens can never fit the KV cache "
+                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})",
+            )
         self.requests[seq.request_id] = seq
         bisect.insort(self.waiting, seq, key=_by_arrival)
 
@@ -90,7 +92,9 @@ class Scheduler:
             new_block_ids = self.block_manager.append_slot(seq, num_new)
             scheduled.append(self._scheduled(seq, num_new, new_block_ids, is_new=False))
             budget -= num_new
-        if self.num_preemptions == num_preemptions_before:  # admit new work only when nothing running had to make room
+        if (
+            self.num_preemptions == num_preemptions_before
+        ):  # admit new work only when nothing running had to make room
             budget = self._admit_waiting(budget, scheduled)
         freed, self._freed_request_ids = self._freed_request_ids, []
         return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, freed)
@@ -140,7 +144,9 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _scheduled(self, seq: Sequence, num_new: int, new_block_ids: list[int], is_new: bool) -> ScheduledRequest:
+    def _scheduled(
+        self, seq: Sequence, num_new: int, new_block_ids: list[int], is_new: bool
+    ) -> ScheduledRequest:
         start = seq.num_computed_tokens
         return ScheduledRequest(
             request_id=seq.request_id,
@@ -161,8 +167,12 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=_by_arrival)
-        logger.info("preempted %s by recompute (%d tokens); KV cache is full: raise --kv-cache-memory or "
-                    "lower --max-num-seqs", seq.request_id, seq.num_tokens)
+        logger.info(
+            "preempted %s by recompute (%d tokens); KV cache is full: raise --kv-cache-memory or "
+            "lower --max-num-seqs",
+            seq.request_id,
+            seq.num_tokens,
+        )
 
     def _release(self, seq: Sequence) -> None:
         if seq.block_table:

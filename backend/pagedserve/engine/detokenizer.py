@@ -14,8 +14,14 @@ _PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first output, for c
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str],
-                 include_stop_str_in_output: bool, skip_special_tokens: bool) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        include_stop_str_in_output: bool,
+        skip_special_tokens: bool,
+    ) -> None:
         self.tokenizer = tokenizer
         self.token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -52,8 +58,10 @@ class IncrementalDetokenizer:
 
     def _decode_new(self, final: bool = False) -> str:
         decode = self.tokenizer.decode
-        prefix = decode(self.token_ids[self.prefix_offset : self.read_offset],
-                        skip_special_tokens=self.skip_special_tokens)
+        prefix = decode(
+            self.token_ids[self.prefix_offset : self.read_offset],
+            skip_special_tokens=self.skip_special_tokens,
+        )
         full = decode(self.token_ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
         if (full.endswith("\ufffd") and not final) or len(full) <= len(prefix):
             return ""

@@ -69,14 +69,23 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
         self._validate_prompt(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
         self.scheduler.add(seq)
         self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output,
-            params.skip_special_tokens)
+            self.tokenizer,
+            prompt_token_ids,
+            params.stop,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
+        )
         self._metrics[request_id] = RequestMetrics(arrival_time=seq.arrival_time)
 
     def _validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -84,13 +93,21 @@ class LLMEngine:
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
         if any(not 0 <= t < self.config.model.vocab_size for t in prompt_token_ids):
-            raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {self.config.model.vocab_size})")
+            raise InvalidRequestError(
+                "prompt_token_ids", f"token ids must be in [0, {self.config.model.vocab_size})"
+            )
         if len(prompt_token_ids) >= max_len:
-            raise InvalidRequestError("prompt", f"{len(prompt_token_ids)} tokens leave no room to generate within "
-                                      f"the context length {max_len}")
+            raise InvalidRequestError(
+                "prompt",
+                f"{len(prompt_token_ids)} tokens leave no room to generate within "
+                f"the context length {max_len}",
+            )
         if len(prompt_token_ids) + params.max_tokens > max_len:
-            raise InvalidRequestError("max_tokens", f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
-                                      f"({params.max_tokens}) exceeds the context length {max_len}")
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                f"({params.max_tokens}) exceeds the context length {max_len}",
+            )
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         for seq in self.scheduler.abort(request_ids):
@@ -101,8 +118,14 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.scheduler.block_manager
-        return EngineStats(len(s.running), len(s.waiting), len(s.requests), bm.num_free_blocks, bm.num_blocks,
-                           s.num_preemptions)
+        return EngineStats(
+            len(s.running),
+            len(s.waiting),
+            len(s.requests),
+            bm.num_free_blocks,
+            bm.num_blocks,
+            s.num_preemptions,
+        )
 
     # -- the step ------------------------------------------------------------------------------------
 
@@ -120,11 +143,15 @@ class LLMEngine:
             raise
         except Exception as exc:  # a model fault fails this batch's requests, not the engine
             logger.exception("model step failed")
-            return self._fail([r.request_id for r in scheduler_output.scheduled], f"model step failed: {exc!r}")
+            return self._fail(
+                [r.request_id for r in scheduler_output.scheduled], f"model step failed: {exc!r}"
+            )
         updated = self.scheduler.update(scheduler_output, runner_output)
         return self._process_outputs(updated, runner_output)
 
-    def _process_outputs(self, updated: list[Sequence], runner_output: ModelRunnerOutput) -> list[RequestDelta]:
+    def _process_outputs(
+        self, updated: list[Sequence], runner_output: ModelRunnerOutput
+    ) -> list[RequestDelta]:
         now = time.monotonic()
         logprobs_by_id = dict(zip(runner_output.request_ids, runner_output.logprobs or [], strict=False))
         deltas = []
@@ -139,20 +166,33 @@ class LLMEngine:
             metrics = self._metrics[seq.request_id]
             metrics.first_token_time = metrics.first_token_time or now
             new_logprobs = self._decode_logprobs(logprobs_by_id.get(seq.request_id), seq)
-            deltas.append(self._delta(seq, [seq.token_ids[-1]], detokenizer.take_delta(seq.is_finished),
-                                      new_logprobs, now))
+            deltas.append(
+                self._delta(
+                    seq, [seq.token_ids[-1]], detokenizer.take_delta(seq.is_finished), new_logprobs, now
+                )
+            )
         return deltas
 
-    def _delta(self, seq: Sequence, token_ids: list[int], text: str, logprobs: list[TokenLogprobs] | None,
-               now: float) -> RequestDelta:
+    def _delta(
+        self, seq: Sequence, token_ids: list[int], text: str, logprobs: list[TokenLogprobs] | None, now: float
+    ) -> RequestDelta:
         metrics = self._metrics[seq.request_id]
         if seq.is_finished:
             metrics.finished_time = now
             metrics.num_preemptions = seq.num_preemptions
             self._forget(seq.request_id)
         reason = seq.finish_reason.value if seq.finish_reason else None
-        return RequestDelta(seq.request_id, token_ids, text, logprobs, seq.is_finished, reason,
-                            seq.num_prompt_tokens, seq.num_output_tokens, metrics)
+        return RequestDelta(
+            seq.request_id,
+            token_ids,
+            text,
+            logprobs,
+            seq.is_finished,
+            reason,
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            metrics,
+        )
 
     def _decode_logprobs(self, entry: TokenLogprobs | None, seq: Sequence) -> list[TokenLogprobs] | None:
         if seq.sampling_params.logprobs is None or entry is None:

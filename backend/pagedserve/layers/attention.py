@@ -16,9 +16,8 @@ import abc
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
 from pagedserve_kernels import reference
+from torch import nn
 
 
 @dataclass
@@ -40,17 +39,37 @@ class AttentionBackend(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
 
     @abc.abstractmethod
-    def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor: ...
+    def decode(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor: ...
 
     @abc.abstractmethod
-    def prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                scale: float) -> torch.Tensor: ...
+    def prefill(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor: ...
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -58,19 +77,40 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
-    def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    def decode(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         return reference.paged_attention_decode(query, k_cache, v_cache, block_tables, context_lens, scale)
 
-    def prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                scale: float) -> torch.Tensor:
-        return reference.paged_attention_prefill(query, k_cache, v_cache, block_tables, query_start_loc,
-                                                 context_lens, scale)
+    def prefill(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return reference.paged_attention_prefill(
+            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+        )
 
 
 class Attention(nn.Module):
@@ -83,25 +123,44 @@ class Attention(nn.Module):
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        assert self.kv_cache is not None, "KV cache not bound: the model runner binds it before the first step"
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        assert self.kv_cache is not None, (
+            "KV cache not bound: the model runner binds it before the first step"
+        )
         k_cache, v_cache = self.kv_cache
         q = q.view(-1, self.num_heads, self.head_dim)
-        self.backend.write_kv_cache(k.view(-1, self.num_kv_heads, self.head_dim),
-                                    v.view(-1, self.num_kv_heads, self.head_dim), k_cache, v_cache,
-                                    metadata.slot_mapping)
+        self.backend.write_kv_cache(
+            k.view(-1, self.num_kv_heads, self.head_dim),
+            v.view(-1, self.num_kv_heads, self.head_dim),
+            k_cache,
+            v_cache,
+            metadata.slot_mapping,
+        )
         num_decodes = metadata.num_decodes
         if metadata.num_prefills == 0:
-            out = self.backend.decode(q, k_cache, v_cache, metadata.decode_block_tables,
-                                      metadata.decode_context_lens, self.scale)
+            out = self.backend.decode(
+                q, k_cache, v_cache, metadata.decode_block_tables, metadata.decode_context_lens, self.scale
+            )
         else:
             out = torch.empty_like(q)
             if num_decodes:
-                out[:num_decodes] = self.backend.decode(q[:num_decodes], k_cache, v_cache,
-                                                        metadata.decode_block_tables,
-                                                        metadata.decode_context_lens, self.scale)
-            out[num_decodes:] = self.backend.prefill(q[num_decodes:], k_cache, v_cache,
-                                                     metadata.prefill_block_tables,
-                                                     metadata.prefill_query_start_loc,
-                                                     metadata.prefill_context_lens, self.scale)
+                out[:num_decodes] = self.backend.decode(
+                    q[:num_decodes],
+                    k_cache,
+                    v_cache,
+                    metadata.decode_block_tables,
+                    metadata.decode_context_lens,
+                    self.scale,
+                )
+            out[num_decodes:] = self.backend.prefill(
+                q[num_decodes:],
+                k_cache,
+                v_cache,
+                metadata.prefill_block_tables,
+                metadata.prefill_query_start_loc,
+                metadata.prefill_context_lens,
+                self.scale,
+            )
         return out.view(-1, self.num_heads * self.head_dim)

@@ -28,7 +28,9 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
         if output_size % self.tp_size:
-            raise ValueError(f"output size {output_size} is not divisible by tensor-parallel size {self.tp_size}")
+            raise ValueError(
+                f"output size {output_size} is not divisible by tensor-parallel size {self.tp_size}"
+            )
         self.weight = _param(output_size // self.tp_size, input_size)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias = _param(output_size // self.tp_size) if bias else None
@@ -59,12 +61,18 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V projections in one matmul. Query heads are split across ranks; KV heads too, or
     replicated when there are more ranks than KV heads (each rank keeps the KV head its queries use)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ) -> None:
         tp_size = get_tp_size()
         if num_heads % tp_size:
-            raise ValueError(f"{num_heads} attention heads cannot be split across tensor-parallel size {tp_size}")
+            raise ValueError(
+                f"{num_heads} attention heads cannot be split across tensor-parallel size {tp_size}"
+            )
         if num_kv_heads % tp_size and tp_size % num_kv_heads:
-            raise ValueError(f"{num_kv_heads} KV heads cannot be split or replicated across tensor-parallel size {tp_size}")
+            raise ValueError(
+                f"{num_kv_heads} KV heads cannot be split or replicated across tensor-parallel size {tp_size}"
+            )
         self.head_dim = head_dim
         self.num_heads = num_heads // tp_size
         self.num_kv_heads = max(1, num_kv_heads // tp_size)
@@ -84,7 +92,9 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
         if input_size % self.tp_size:
-            raise ValueError(f"input size {input_size} is not divisible by tensor-parallel size {self.tp_size}")
+            raise ValueError(
+                f"input size {input_size} is not divisible by tensor-parallel size {self.tp_size}"
+            )
         self.weight = _param(output_size, input_size // self.tp_size)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias = _param(output_size) if bias else None

@@ -14,8 +14,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)

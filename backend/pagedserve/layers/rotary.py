@@ -49,9 +49,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         params = rope_parameters(hf_config)
         self.rotary_dim = int(head_dim * hf_config.get("partial_rotary_factor", 1.0))
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * _inv_freq(self.rotary_dim, params)[None, :]
+        freqs = (
+            torch.arange(max_position, dtype=torch.float32)[:, None]
+            * _inv_freq(self.rotary_dim, params)[None, :]
+        )
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return ops.rotary_embedding(positions, query, key, self.cos_sin_cache)

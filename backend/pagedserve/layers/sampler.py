@@ -89,7 +89,9 @@ def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     assert t.presence_penalties is not None and t.frequency_penalties is not None
     batch, vocab = logits.shape
     output_counts = torch.zeros(batch, vocab + 1, device=logits.device)
-    output_counts.scatter_add_(1, t.output_token_ids, torch.ones_like(t.output_token_ids, dtype=torch.float32))
+    output_counts.scatter_add_(
+        1, t.output_token_ids, torch.ones_like(t.output_token_ids, dtype=torch.float32)
+    )
     output_counts = output_counts[:, :vocab]
     seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=logits.device)
     seen.scatter_(1, t.prompt_token_ids, True)
@@ -102,7 +104,9 @@ def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return logits - t.presence_penalties.unsqueeze(1) * (output_counts > 0)
 
 
-def _top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
+def _top_k_top_p(
+    logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None
+) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     if top_ks is not None:
         ranks = torch.arange(logits.shape[-1], device=logits.device)
@@ -118,5 +122,9 @@ def _gather_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
     sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1))
     top_values, top_ids = raw_logprobs.topk(k, dim=-1)
     ranks = (raw_logprobs > sampled).sum(dim=-1) + 1
-    return SamplerOutput(token_ids, torch.cat((sampled, top_values), dim=1),
-                         torch.cat((token_ids.unsqueeze(1), top_ids), dim=1), ranks)
+    return SamplerOutput(
+        token_ids,
+        torch.cat((sampled, top_values), dim=1),
+        torch.cat((token_ids.unsqueeze(1), top_ids), dim=1),
+        ranks,
+    )

@@ -19,7 +19,9 @@ from pagedserve.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend, qkv_bias: bool) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend, qkv_bias: bool
+    ) -> None:
         super().__init__()
         hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
@@ -32,10 +34,15 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim
         self.attn = Attention(heads, kv_heads, head_dim, backend)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q.view(-1, self.q_size // self.head_dim, self.head_dim),
-                               k.view(-1, self.kv_size // self.head_dim, self.head_dim))
+        q, k = self.rotary_emb(
+            positions,
+            q.view(-1, self.q_size // self.head_dim, self.head_dim),
+            k.view(-1, self.kv_size // self.head_dim, self.head_dim),
+        )
         return self.o_proj(self.attn(q, k, v, metadata))
 
 
@@ -54,15 +61,22 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend, qkv_bias: bool) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend, qkv_bias: bool
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, max_position, backend, qkv_bias)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -75,14 +89,21 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     # checkpoint name -> (our merged parameter, shard id)
-    stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    stacked_params = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, max_position, backend, self.qkv_bias)
-                                    for _ in range(cfg["num_hidden_layers"]))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, max_position, backend, self.qkv_bias)
+            for _ in range(cfg["num_hidden_layers"])
+        )
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
@@ -93,7 +114,9 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, metadata)
@@ -120,7 +143,9 @@ class LlamaForCausalLM(nn.Module):
                 param = params[name]
                 getattr(param, "weight_loader", _default_loader)(param, tensor)
                 loaded.add(name)
-        missing = {n for n in params if n not in loaded and not (self.tie_word_embeddings and n == "lm_head.weight")}
+        missing = {
+            n for n in params if n not in loaded and not (self.tie_word_embeddings and n == "lm_head.weight")
+        }
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]} ...")
 

@@ -27,9 +27,17 @@ class Executor:
         block_size, max_len = config.cache.block_size, config.model.max_model_len
         kv_bytes = self.num_kv_blocks * self.worker.bytes_per_block()
         max_concurrency = self.num_kv_blocks * block_size / max_len
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens, %s); max concurrency at %d tokens "
-                    "per request: %.2fx", self.num_kv_blocks, block_size, kv_bytes / 1024**3,
-                    self.num_kv_blocks * block_size, config.model.dtype, max_len, max_concurrency)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens, %s); max concurrency at %d tokens "
+            "per request: %.2fx",
+            self.num_kv_blocks,
+            block_size,
+            kv_bytes / 1024**3,
+            self.num_kv_blocks * block_size,
+            config.model.dtype,
+            max_len,
+            max_concurrency,
+        )
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute(output)

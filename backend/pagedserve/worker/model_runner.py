@@ -49,8 +49,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int],
-                 backend: AttentionBackend | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, eos_token_ids: frozenset[int], backend: AttentionBackend | None = None
+    ) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.model.dtype)
@@ -102,13 +103,15 @@ class ModelRunner:
         for req in output.scheduled:
             if req.is_new:
                 assert req.sampling_params is not None
-                self.requests[req.request_id] = RequestState(self.free_rows.pop(), req.sampling_params,
-                                                             req.num_prompt_tokens)
+                self.requests[req.request_id] = RequestState(
+                    self.free_rows.pop(), req.sampling_params, req.num_prompt_tokens
+                )
             state = self.requests[req.request_id]
             if req.new_block_ids:
                 end = state.num_blocks + len(req.new_block_ids)
-                self.block_tables[state.row, state.num_blocks : end] = torch.tensor(req.new_block_ids,
-                                                                                     dtype=torch.int32)
+                self.block_tables[state.row, state.num_blocks : end] = torch.tensor(
+                    req.new_block_ids, dtype=torch.int32
+                )
                 state.num_blocks = end
             state.num_tokens += len(req.token_ids)
             if state.params.has_penalties:
@@ -116,8 +119,9 @@ class ModelRunner:
 
     # -- inputs --------------------------------------------------------------------------------------
 
-    def _prepare_inputs(self, order: list[ScheduledRequest]
-                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _prepare_inputs(
+        self, order: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         num_decodes = sum(1 for r in order if len(r.token_ids) == 1)
         q_lens = torch.tensor([len(r.token_ids) for r in order])
         starts = torch.tensor([r.num_computed_tokens for r in order])
@@ -131,8 +135,10 @@ class ModelRunner:
         positions = starts[token_seq] + torch.arange(num_tokens) - query_start_loc[:-1][token_seq]
         max_blocks = -(-int(context_lens.max()) // self.block_size)
         tables = self.block_tables[rows, :max_blocks]
-        slot_mapping = (tables[token_seq, positions // self.block_size].long() * self.block_size
-                        + positions % self.block_size)
+        slot_mapping = (
+            tables[token_seq, positions // self.block_size].long() * self.block_size
+            + positions % self.block_size
+        )
         do_sample = torch.tensor([r.do_sample for r in order])
         sample_indices = (query_start_loc[1:] - 1)[do_sample]
 
@@ -163,20 +169,29 @@ class ModelRunner:
         return SamplingTensors(
             temperatures=as_tensor([p.temperature for p in params]),
             top_ks=as_tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], torch.int64)
-            if use_top_k else None,
+            if use_top_k
+            else None,
             top_ps=as_tensor([p.top_p for p in params]) if use_top_p else None,
             min_ps=as_tensor([p.min_p for p in params]) if use_min_p else None,
             repetition_penalties=as_tensor([p.repetition_penalty for p in params]) if use_penalties else None,
             presence_penalties=as_tensor([p.presence_penalty for p in params]) if use_penalties else None,
             frequency_penalties=as_tensor([p.frequency_penalty for p in params]) if use_penalties else None,
             prompt_token_ids=self._padded([s.token_ids[: s.num_prompt_tokens] for s in states])
-            if use_penalties else None,
+            if use_penalties
+            else None,
             output_token_ids=self._padded([s.token_ids[s.num_prompt_tokens :] for s in states])
-            if use_penalties else None,
-            banned_tokens=[(row, self._banned(s)) for row, s in enumerate(states)
-                           if s.num_output_tokens < s.params.min_tokens],
-            seeded_rows=[(row, s.params.seed, s.num_output_tokens) for row, s in enumerate(states)
-                         if s.params.seed is not None and not s.params.is_greedy],
+            if use_penalties
+            else None,
+            banned_tokens=[
+                (row, self._banned(s))
+                for row, s in enumerate(states)
+                if s.num_output_tokens < s.params.min_tokens
+            ],
+            seeded_rows=[
+                (row, s.params.seed, s.num_output_tokens)
+                for row, s in enumerate(states)
+                if s.params.seed is not None and not s.params.is_greedy
+            ],
             max_num_logprobs=max(logprobs) if logprobs else None,
         )
 
@@ -195,14 +210,20 @@ class ModelRunner:
         if result.logprobs is None:
             return ModelRunnerOutput(request_ids, token_ids)
         assert result.logprob_token_ids is not None and result.sampled_ranks is not None
-        values, ids, ranks = result.logprobs.tolist(), result.logprob_token_ids.tolist(), result.sampled_ranks.tolist()
+        values, ids, ranks = (
+            result.logprobs.tolist(),
+            result.logprob_token_ids.tolist(),
+            result.sampled_ranks.tolist(),
+        )
         logprobs: list[TokenLogprobs] = []
         for row, req in enumerate(sampled):
             k = self.requests[req.request_id].params.logprobs
             entry: TokenLogprobs = {}
             if k is not None:
-                entry = {tid: Logprob(v, rank + 1) for rank, (tid, v) in enumerate(zip(ids[row][1 : k + 1],
-                                                                                      values[row][1 : k + 1]))}
+                entry = {
+                    tid: Logprob(v, rank + 1)
+                    for rank, (tid, v) in enumerate(zip(ids[row][1 : k + 1], values[row][1 : k + 1]))
+                }
                 entry[ids[row][0]] = Logprob(values[row][0], ranks[row])
             logprobs.append(entry)
         return ModelRunnerOutput(request_ids, token_ids, logprobs)

@@ -29,8 +29,13 @@ class Worker:
 
     def bytes_per_block(self) -> int:
         model = self.config.model
-        return CacheEngine.bytes_per_block(model.num_layers, self.config.cache.block_size, self.num_kv_heads,
-                                           model.head_dim, self.model_runner.dtype)
+        return CacheEngine.bytes_per_block(
+            model.num_layers,
+            self.config.cache.block_size,
+            self.num_kv_heads,
+            model.head_dim,
+            self.model_runner.dtype,
+        )
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -39,8 +44,9 @@ class Worker:
         budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else self._default_kv_budget()
         num_blocks = budget // self.bytes_per_block()
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory: {budget} bytes is less than one KV block "
-                             f"({self.bytes_per_block()} bytes)")
+            raise ValueError(
+                f"kv_cache_memory: {budget} bytes is less than one KV block ({self.bytes_per_block()} bytes)"
+            )
         return num_blocks
 
     def _default_kv_budget(self) -> int:
@@ -54,9 +60,15 @@ class Worker:
 
     def init_cache(self, num_blocks: int) -> None:
         model = self.config.model
-        self.cache_engine = CacheEngine(model.num_layers, num_blocks, self.config.cache.block_size,
-                                        self.num_kv_heads, model.head_dim, self.model_runner.dtype,
-                                        self.model_runner.device)
+        self.cache_engine = CacheEngine(
+            model.num_layers,
+            num_blocks,
+            self.config.cache.block_size,
+            self.num_kv_heads,
+            model.head_dim,
+            self.model_runner.dtype,
+            self.model_runner.device,
+        )
         self.model_runner.bind_kv_cache(self.cache_engine.kv_caches)
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:

@@ -1,0 +1,201 @@
+"""Engine semantics on a tiny random Llama: seeds, stops, limits, logprobs, penalties, abort, and
+invalid requests rejected while the valid ones beside them keep running."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.errors import InvalidRequestError
+
+PROMPTS = [[1, 300, 301, 302], [1, 500, 600, 700, 800, 900], [1, 42], [1] + list(range(1000, 1030))]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: str) -> LLM:
+    return LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def engine(llm: LLM) -> LLMEngine:
+    return llm.engine
+
+
+def run_to_end(engine: LLMEngine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+    return tokens
+
+
+def test_seeded_sampling_is_reproducible_regardless_of_batch(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24)
+    alone = llm.generate([PROMPTS[0]], seeded)[0].outputs[0].token_ids
+    others = [
+        SamplingParams(temperature=1.0, max_tokens=30),
+        SamplingParams(temperature=0.7, seed=9, max_tokens=5),
+        SamplingParams(temperature=0, max_tokens=12),
+    ]
+    batch = llm.generate(
+        [PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[3]], [others[0], seeded, others[1], others[2]]
+    )
+    assert batch[1].outputs[0].token_ids == alone
+    other_seed = llm.generate(
+        [PROMPTS[0]], SamplingParams(temperature=1.0, top_p=0.9, seed=4321, max_tokens=24)
+    )
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_max_tokens_and_length_finish(llm: LLM) -> None:
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [7, 7, 7, 7]
+    assert {o.outputs[0].finish_reason for o in out} == {"length"}
+    assert out[0].prompt_token_ids == PROMPTS[0]
+
+
+def test_stop_strings_cut_text_exactly(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    full = llm.generate([PROMPTS[1]], greedy)[0].outputs[0].text
+    stop = full[10:16]
+    index = full.index(stop)
+    cut = llm.generate(
+        [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=[stop])
+    )
+    assert cut[0].outputs[0].text == full[:index]
+    assert cut[0].outputs[0].finish_reason == "stop"
+    kept = llm.generate(
+        [PROMPTS[1]],
+        SamplingParams(
+            temperature=0, max_tokens=32, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+        ),
+    )
+    assert kept[0].outputs[0].text == full[: index + len(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
+    base = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    ids = base[0].outputs[0].token_ids
+    stop_id = ids[3]
+    first = ids.index(stop_id)
+    out = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_id]))
+    assert out[0].outputs[0].token_ids == ids[: first + 1]
+    assert out[0].outputs[0].finish_reason == "stop"
+    # with min_tokens the stop token cannot be sampled before min_tokens outputs
+    late = llm.generate(
+        [PROMPTS[3]],
+        SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_id], min_tokens=first + 2),
+    )
+    late_ids = late[0].outputs[0].token_ids
+    assert stop_id not in late_ids[: first + 2] and len(late_ids) > first + 1
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(llm: LLM) -> None:
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    top_k = llm.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True))
+    top_p = llm.generate(PROMPTS, SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=10, ignore_eos=True))
+    expected = [o.outputs[0].token_ids for o in greedy]
+    assert [o.outputs[0].token_ids for o in top_k] == expected
+    assert [o.outputs[0].token_ids for o in top_p] == expected
+
+
+def test_logprobs_match_hugging_face(llm: LLM, tiny_llama_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = llm.generate(
+        [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    )[0]
+    completion = out.outputs[0]
+    assert completion.logprobs is not None and len(completion.logprobs) == 4
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model(torch.tensor([PROMPTS[1] + completion.token_ids])).logits[0]
+    reference = torch.log_softmax(logits[len(PROMPTS[1]) - 1 : -1], dim=-1)
+    for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        top = reference[step].topk(3)
+        assert set(entry) == set(top.indices.tolist()) | {token}
+        assert entry[token].rank == 1  # greedy picks the most likely token
+        for token_id, logprob in entry.items():
+            assert logprob.logprob == pytest.approx(float(reference[step, token_id]), abs=1e-4)
+            assert logprob.decoded_token is not None
+
+
+def test_repetition_penalty_matches_hugging_face(llm: LLM, tiny_llama_dir: str) -> None:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        max_new_tokens=20, do_sample=False, repetition_penalty=1.5, pad_token_id=0
+    )
+    prompt = [1, 5, 5, 5, 5, 5, 5]  # without a penalty, greedy output repeats a token by the 14th
+    with torch.inference_mode():
+        theirs = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long)
+        )
+    ours = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.5, ignore_eos=True)
+    )
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert ours[0].outputs[0].token_ids == theirs[0, len(prompt) :].tolist()
+    assert ours[0].outputs[0].token_ids != plain[0].outputs[0].token_ids
+
+
+def test_abort_frees_blocks_and_id_is_reusable(engine: LLMEngine) -> None:
+    free = engine.stats().num_free_blocks
+    engine.add_request("abort-me", PROMPTS[3], SamplingParams(temperature=0, max_tokens=50))
+    engine.add_request("keep-me", PROMPTS[0], SamplingParams(temperature=0, max_tokens=5))
+    for _ in range(3):
+        engine.step()
+    assert engine.stats().num_free_blocks < free
+    engine.abort_request(["abort-me"])
+    assert engine.stats().num_unfinished == 1
+    assert run_to_end(engine)["keep-me"]
+    assert engine.stats().num_free_blocks == free
+    engine.add_request("abort-me", PROMPTS[0], SamplingParams(temperature=0, max_tokens=3))
+    assert len(run_to_end(engine)["abort-me"]) == 3
+
+
+INVALID_REQUESTS = [
+    ("prompt", [], {}),
+    ("prompt_token_ids", [1, 49152], {}),
+    ("prompt_token_ids", [1, -1], {}),
+    ("prompt", [1] * 1024, {}),
+    ("max_tokens", [1] * 1000, {"max_tokens": 100}),
+]
+
+
+@pytest.mark.parametrize(("field", "prompt", "params"), INVALID_REQUESTS)
+def test_invalid_requests_are_rejected_beside_valid_ones(
+    engine: LLMEngine, field: str, prompt: list[int], params: dict[str, int]
+) -> None:
+    engine.add_request(
+        "valid-before", PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    )
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("invalid", prompt, SamplingParams(**params))
+    assert info.value.field == field
+    engine.add_request(
+        "valid-after", PROMPTS[2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    )
+    tokens = run_to_end(engine)
+    assert sorted(tokens) == ["valid-after", "valid-before"]
+    assert len(tokens["valid-before"]) == len(tokens["valid-after"]) == 6
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def test_duplicate_live_request_id_is_rejected(engine: LLMEngine) -> None:
+    engine.add_request("dup", PROMPTS[0], SamplingParams(max_tokens=3))
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("dup", PROMPTS[1], SamplingParams(max_tokens=3))
+    assert info.value.field == "request_id"
+    assert list(run_to_end(engine)) == ["dup"]
+
+
+def test_request_that_can_never_fit_is_rejected(tiny_llama_dir: str) -> None:
+    small = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=4, block_size=16)
+    with pytest.raises(InvalidRequestError) as info:
+        small.generate([PROMPTS[0]], SamplingParams(max_tokens=100))
+    assert info.value.field == "max_tokens"
+    ok = small.generate([PROMPTS[0]], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert len(ok[0].outputs[0].token_ids) == 20

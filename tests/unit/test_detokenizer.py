@@ -1,0 +1,79 @@
+"""Incremental detokenization: deltas concatenate to decode(all ids), multi-byte characters are never
+split, and stop strings cut the text exactly, even when they span tokens."""
+
+from __future__ import annotations
+
+import pytest
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from transformers import AutoTokenizer
+
+TEXTS = [
+    "Hello, world! The capital of France is Paris.",
+    "Emoji: 😀🎉👍🏽 and accents: café, naïve, Ångström.",
+    "中文字符测试：你好，世界。日本語もテストします。",
+    "  leading spaces and\ttabs\nnew lines  ",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir: str) -> object:
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def stream(
+    tokenizer: object, prompt: list[int], ids: list[int], **kwargs: object
+) -> tuple[list[str], str | None]:
+    detok = IncrementalDetokenizer(
+        tokenizer,
+        prompt,
+        kwargs.get("stop", []),  # type: ignore[arg-type]
+        bool(kwargs.get("include", False)),
+        True,
+    )
+    deltas, hit = [], None
+    for i, token in enumerate(ids):
+        hit = detok.update([token])
+        finished = hit is not None or i == len(ids) - 1
+        if finished and hit is None:
+            detok.flush()
+        deltas.append(detok.take_delta(finished))
+        if finished:
+            break
+    return deltas, hit
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_concatenate_to_decode(tokenizer: object, text: str) -> None:
+    prompt = tokenizer.encode("Say something:")  # type: ignore[attr-defined]
+    ids = tokenizer.encode(text)  # type: ignore[attr-defined]
+    deltas, _ = stream(tokenizer, prompt, ids)
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+    assert not any("\ufffd" in d for d in deltas)  # no half characters were ever emitted
+
+
+def test_multibyte_character_split_across_tokens_waits(tokenizer: object) -> None:
+    ids = tokenizer.encode("👍🏽")  # type: ignore[attr-defined]
+    assert len(ids) > 1  # byte-level BPE splits this emoji's bytes across tokens
+    deltas, _ = stream(tokenizer, [], ids)
+    assert deltas[0] == "" and "".join(deltas) == "👍🏽"
+
+
+@pytest.mark.parametrize(
+    ("stop", "include"), [("Paris", False), ("of Fra", False), ("France is", True), (".", True)]
+)
+def test_stop_string_cuts_text_exactly(tokenizer: object, stop: str, include: bool) -> None:
+    text = TEXTS[0]
+    ids = tokenizer.encode(text)  # type: ignore[attr-defined]
+    deltas, hit = stream(tokenizer, [], ids, stop=[stop], include=include)
+    index = text.index(stop)
+    assert hit == stop
+    assert "".join(deltas) == text[: index + len(stop) if include else index]
+
+
+def test_stop_string_prefix_is_held_back_until_resolved(tokenizer: object) -> None:
+    ids = tokenizer.encode("The cat sat on the mat.")  # type: ignore[attr-defined]
+    deltas, hit = stream(tokenizer, [], ids, stop=["sat on the rug"])
+    assert hit is None
+    # the last len(stop) - 1 characters could have begun the stop string: they come only at the end
+    assert len(deltas[-1]) >= len("sat on the rug") - 1
+    assert "".join(deltas) == "The cat sat on the mat."

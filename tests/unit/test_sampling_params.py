@@ -1,0 +1,57 @@
+"""Every invalid sampling parameter is rejected with an error naming its field."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from pagedserve.errors import InvalidRequestError
+from pagedserve.sampling_params import SamplingParams
+
+INVALID = [
+    ("temperature", -0.1),
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("temperature", "hot"),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_p", math.nan),
+    ("top_k", 0),
+    ("top_k", 2.5),
+    ("top_k", -2),
+    ("top_k", True),
+    ("min_p", -0.1),
+    ("min_p", 1.1),
+    ("repetition_penalty", 0.0),
+    ("presence_penalty", 2.5),
+    ("frequency_penalty", -3.0),
+    ("max_tokens", 0),
+    ("max_tokens", -5),
+    ("max_tokens", 1.5),
+    ("min_tokens", -1),
+    ("seed", 1.5),
+    ("stop", [""]),
+    ("stop_token_ids", [-1]),
+    ("logprobs", -1),
+    ("logprobs", 21),
+    ("n", 0),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), INVALID)
+def test_invalid_value_names_its_field(field: str, value: object) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**{field: value})
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+
+
+def test_min_tokens_above_max_tokens_is_rejected() -> None:
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_valid_values_are_kept() -> None:
+    params = SamplingParams(temperature=0, top_p=0.5, top_k=3, stop="###", seed=7, logprobs=2, max_tokens=9)
+    assert params.is_greedy and params.stop == ["###"] and params.top_k == 3 and params.logprobs == 2
+    assert not params.has_penalties and SamplingParams(presence_penalty=0.5).has_penalties
