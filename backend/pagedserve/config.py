@@ -79,10 +79,13 @@ class CacheConfig:
     memory_utilization: float = 0.9  # share of free memory for weights-after-load + KV cache, when no budget
     num_blocks: int | None = None  # exact block count, overrides the memory budget (tests)
     watermark: float = 0.01  # share of blocks kept free when admitting new requests
+    swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks (per rank)
+    num_cpu_blocks: int | None = None  # exact CPU block count, overrides swap_space (tests)
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size: must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if not (1 <= self.block_size <= 256 and self.block_size & (self.block_size - 1) == 0):
+            raise ValueError(f"block_size: must be a power of two in [1, 256], got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory: must be > 0 bytes")
         if not 0.0 < self.memory_utilization <= 1.0:
@@ -91,6 +94,10 @@ class CacheConfig:
             raise ValueError("num_blocks: must be >= 1")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError("watermark: must be in [0, 1)")
+        if self.swap_space < 0:
+            raise ValueError("swap_space: must be >= 0 GiB")
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
+            raise ValueError("num_cpu_blocks: must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -100,10 +107,15 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    # swap: move a preempted request's KV blocks to the CPU pool when it has room, else recompute;
+    # recompute: free them and run the tokens again (multi-sequence requests still swap when they can)
+    preemption_mode: str = "swap"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs: must be >= 1")
+        if self.preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode: must be swap or recompute, got {self.preemption_mode!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 "max_num_batched_tokens: must be >= max_num_seqs (every running sequence "

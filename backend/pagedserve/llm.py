@@ -7,7 +7,7 @@ from itertools import count
 from typing import Any
 
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.outputs import CompletionOutput, RequestDelta, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import EngineSettings
 
@@ -63,31 +63,31 @@ class LLM:
             request_id = f"llm-{next(self._ids)}"
             self.engine.add_request(request_id, ids, p)
             request_ids.append(request_id)
-            outputs[request_id] = RequestOutput(
-                request_id, text, ids, [CompletionOutput(0, "", [], None)], False
-            )
+            completions = [CompletionOutput(i, "", [], None) for i in range(p.n)]
+            outputs[request_id] = RequestOutput(request_id, text, ids, completions, False)
         progress = _progress_bar(len(request_ids)) if use_tqdm else None
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
+                if delta.error:
+                    raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
                 out = outputs[delta.request_id]
-                completion = out.outputs[0]
-                completion.text += delta.new_text
-                completion.token_ids.extend(delta.new_token_ids)
-                if delta.new_logprobs is not None:
-                    completion.logprobs = (completion.logprobs or []) + delta.new_logprobs
-                if delta.finished:
-                    completion.finish_reason, out.finished, out.metrics = (
-                        delta.finish_reason,
-                        True,
-                        delta.metrics,
-                    )
-                    if delta.error:
-                        raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
+                _accumulate(out.outputs[delta.index], delta)
+                if delta.request_finished:
+                    out.finished, out.metrics = True, delta.metrics
                     if progress is not None:
                         progress.update(1)
         if progress is not None:
             progress.close()
         return [outputs[rid] for rid in request_ids]
+
+
+def _accumulate(completion: CompletionOutput, delta: RequestDelta) -> None:
+    completion.text += delta.new_text
+    completion.token_ids.extend(delta.new_token_ids)
+    if delta.new_logprobs is not None:
+        completion.logprobs = (completion.logprobs or []) + delta.new_logprobs
+    if delta.finished:
+        completion.finish_reason = delta.finish_reason
 
 
 def _per_prompt(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:

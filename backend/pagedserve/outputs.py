@@ -35,7 +35,11 @@ class RequestMetrics:
 
 @dataclass
 class RequestDelta:
-    """What one engine step produced for one request: only the new tokens and the new text."""
+    """What one engine step produced for one completion of a request: only the new tokens and text.
+
+    `finished` ends completion `index`; `request_finished` is set on the last delta of the whole
+    request (all its `n` completions finished). With n = 1 the two coincide.
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -46,6 +50,8 @@ class RequestDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     metrics: RequestMetrics
+    index: int = 0
+    request_finished: bool = True
     error: str | None = None
 
 

@@ -84,7 +84,6 @@ class SamplingParams:
         self._check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         self._check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         self._check(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
-        self._check(self.n == 1, "n", "parallel sampling (n > 1) is not supported yet")
         self._check(
             _is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1"
         )

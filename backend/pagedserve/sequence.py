@@ -14,6 +14,7 @@ _arrival_counter = count()
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV blocks moved to the CPU pool
     FINISHED = "finished"
 
 
@@ -56,6 +57,9 @@ class Sequence:
         self.block_table: list[int] = []  # written only by the block manager
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
+        # parallel sampling (n > 1): siblings forked from this sequence once its prompt is computed
+        self.pending_forks: list[Sequence] = []
+        self.is_multi_sequence = False
 
     @property
     def num_tokens(self) -> int:

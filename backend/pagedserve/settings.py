@@ -82,6 +82,16 @@ class EngineSettings(BaseSettings):
     num_kv_blocks: int | None = Field(
         None, description="exact number of KV-cache blocks (overrides the budget)"
     )
+    swap_space: float = Field(
+        4.0, description="GiB of CPU memory for preempted requests' KV blocks (0 = recompute only)"
+    )
+    num_cpu_kv_blocks: int | None = Field(
+        None, description="exact number of CPU swap blocks (overrides --swap-space)"
+    )
+    preemption_mode: str = Field(
+        "swap", description="swap (when the CPU pool has room, else recompute) or recompute"
+    )
+    enable_prefix_caching: bool = Field(True, description="share KV blocks of identical prompt prefixes")
     max_num_seqs: int = Field(128, description="most sequences in one batch")
     max_num_batched_tokens: int = Field(2048, description="token budget of one engine step")
     tensor_parallel_size: int = Field(1, description="number of tensor-parallel worker ranks")
@@ -110,11 +120,15 @@ class EngineSettings(BaseSettings):
                 kv_cache_memory=parse_size(self.kv_cache_memory),
                 memory_utilization=self.memory_utilization,
                 num_blocks=self.num_kv_blocks,
+                swap_space=self.swap_space,
+                num_cpu_blocks=self.num_cpu_kv_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=model.max_model_len,
+                preemption_mode=self.preemption_mode,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device=device,

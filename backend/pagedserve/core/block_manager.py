@@ -1,8 +1,10 @@
-"""The KV block pool: free list and ref counts. The only thing it writes on a sequence is its block table."""
+"""The KV block pools (device and CPU): free lists, ref counts, prefix hashes and swap maps.
+The only thing it writes on a sequence is its block table."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence as Seq
 
 from pagedserve.sequence import Sequence
 
@@ -21,63 +23,221 @@ class BlockManager:
 
     Admission of a waiting sequence keeps `watermark_blocks` free, so that running sequences can
     grow for a while before anything must be preempted.
+
+    Prefix caching: a full block is named by a hash of its tokens and of the blocks before it, so
+    identical prefixes share blocks (ref counts). A cached block whose ref count drops to 0 goes to
+    an LRU evictor; it is reused on a hit, or evicted (its hash forgotten, so it is never read as
+    cached again) when a fresh block is needed and no uncached block is free.
+
+    Sharing a partly filled block (after a fork) is copy-on-write: the first sequence to write into
+    it gets a copy, recorded in `blocks_to_copy` for the cache engine to perform before the step.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        watermark: float = 0.01,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = False,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.watermark_blocks = int(watermark * num_blocks)
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.free_block_ids: deque[int] = deque(range(num_blocks))  # free and not cached
         self.ref_counts = [0] * num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.evictor: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # cached, ref count 0; least recently freed first
+        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.cached_block_ids: dict[int, int] = {}  # block hash -> block id
+        self.seq_hashes: dict[str, list[int]] = {}  # request id -> hashes of its leading full blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.free_cpu_block_ids: deque[int] = deque(range(num_cpu_blocks))
+        self.cpu_block_tables: dict[str, list[int]] = {}  # swapped-out request id -> its CPU blocks
+        self.blocks_to_copy: list[tuple[int, int]] = []  # copy-on-write work for the next step
+        self.num_prefix_queries = 0  # tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of which found
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.free_block_ids) + len(self.evictor)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_block_ids)
+        return self.num_blocks - self.num_free_blocks
 
-    def num_required_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks to add so the table covers the computed tokens plus `num_new_tokens`."""
-        needed = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
-        return max(0, needed - len(seq.block_table))
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self.free_cpu_block_ids)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` fits in the whole pool (alone, after preempting everyone)."""
         return cdiv(num_tokens, self.block_size) <= self.num_blocks
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        required = self.num_required_blocks(seq, num_new_tokens)
+    # -- admission of waiting sequences ------------------------------------------------------------
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding `seq`'s leading full blocks. At least the last token is left to
+        compute, so the model still produces the logits to sample from."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for block_hash in self._hash_chain(seq.token_ids, (seq.num_tokens - 1) // self.block_size):
+            block_id = self.cached_block_ids.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.num_prefix_queries += seq.num_tokens
+        self.num_prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def num_required_blocks(self, seq: Sequence, num_new_tokens: int, cached_block_ids: Seq[int] = ()) -> int:
+        """Free blocks consumed to cover the computed tokens (or the cached prefix) plus
+        `num_new_tokens`: new blocks, plus cached hits now idle in the evictor, plus a
+        copy-on-write block when the first slot to write lands in a shared block."""
+        if cached_block_ids:
+            new = cdiv(len(cached_block_ids) * self.block_size + num_new_tokens, self.block_size)
+            return new - len(cached_block_ids) + sum(1 for b in cached_block_ids if self.ref_counts[b] == 0)
+        needed = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        return max(0, needed - len(seq.block_table)) + int(self._needs_copy_on_write(seq))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_block_ids: Seq[int] = ()) -> bool:
+        required = self.num_required_blocks(seq, num_new_tokens, cached_block_ids)
         return self.num_free_blocks - required >= self.watermark_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> list[int]:
-        """Give a waiting sequence (no blocks yet) the blocks for its first `num_new_tokens` tokens."""
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_block_ids: Seq[int] = ()) -> list[int]:
+        """Give a waiting sequence (no blocks yet) its cached prefix blocks and fresh blocks for
+        `num_new_tokens` after them. Returns the whole new block table."""
         assert not seq.block_table, f"{seq.request_id} already holds blocks"
-        return self._grow(seq, num_new_tokens)
+        for block_id in cached_block_ids:
+            if self.ref_counts[block_id] == 0:
+                del self.evictor[block_id]
+            self.ref_counts[block_id] += 1
+        seq.block_table = list(cached_block_ids)
+        num_tokens = len(cached_block_ids) * self.block_size + num_new_tokens
+        self._take(seq, cdiv(num_tokens, self.block_size) - len(seq.block_table))
+        if cached_block_ids:
+            self.seq_hashes[seq.request_id] = [self.block_hashes[b] for b in cached_block_ids]  # type: ignore[misc]
+        return list(seq.block_table)
+
+    # -- running sequences ---------------------------------------------------------------------------
 
     def can_append_slot(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         return self.num_required_blocks(seq, num_new_tokens) <= self.num_free_blocks
 
     def append_slot(self, seq: Sequence, num_new_tokens: int = 1) -> list[int]:
-        """Make room for `num_new_tokens` more tokens; returns the block ids added (often none)."""
-        return self._grow(seq, num_new_tokens)
+        """Make room for `num_new_tokens` more tokens; returns the block ids added (often none).
+        A shared last block is first replaced by a private copy (copy-on-write)."""
+        if self._needs_copy_on_write(seq):
+            self._copy_on_write(seq)
+        needed = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        return self._take(seq, max(0, needed - len(seq.block_table)))
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares all of `parent`'s blocks (the child's tokens must start with the parent's)."""
+        assert not child.block_table
+        for block_id in parent.block_table:
+            self.ref_counts[block_id] += 1
+        child.block_table = list(parent.block_table)
+        if parent.request_id in self.seq_hashes:
+            self.seq_hashes[child.request_id] = list(self.seq_hashes[parent.request_id])
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Name the blocks that just became full of computed tokens, so later requests can hit them."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.seq_hashes.setdefault(seq.request_id, [])
+        num_full = seq.num_computed_tokens // self.block_size
+        parent = hashes[-1] if hashes else None
+        for index in range(len(hashes), num_full):
+            block_hash = self._block_hash(parent, seq.token_ids, index)
+            hashes.append(block_hash)
+            block_id = seq.block_table[index]
+            if block_hash not in self.cached_block_ids and self.block_hashes[block_id] is None:
+                self.cached_block_ids[block_hash] = block_id
+                self.block_hashes[block_id] = block_hash
+            parent = block_hash
 
     def free(self, seq: Sequence) -> None:
-        for block_id in reversed(seq.block_table):
+        """Release a sequence's device blocks (cached ones to the evictor) and any CPU blocks."""
+        for block_id in reversed(seq.block_table):  # the tail first: it is evicted before the prefix
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
-                self.free_block_ids.append(block_id)
+                if self.block_hashes[block_id] is None:
+                    self.free_block_ids.append(block_id)
+                else:
+                    self.evictor[block_id] = None
         seq.block_table = []
+        self.seq_hashes.pop(seq.request_id, None)
+        self.free_cpu_block_ids.extend(self.cpu_block_tables.pop(seq.request_id, []))
 
-    def _grow(self, seq: Sequence, num_new_tokens: int) -> list[int]:
-        required = self.num_required_blocks(seq, num_new_tokens)
-        if required > self.num_free_blocks:
+    # -- swap ------------------------------------------------------------------------------------------
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return 0 < len(seq.block_table) <= len(self.free_cpu_block_ids)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move a sequence's blocks to the CPU pool; returns (device block, CPU block) pairs."""
+        cpu_block_ids = [self.free_cpu_block_ids.popleft() for _ in seq.block_table]
+        mapping = list(zip(seq.block_table, cpu_block_ids))
+        self.free(seq)
+        self.cpu_block_tables[seq.request_id] = cpu_block_ids
+        return mapping
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        num_blocks = len(self.cpu_block_tables[seq.request_id])
+        needed = max(num_blocks, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size))
+        return self.num_free_blocks - needed >= self.watermark_blocks
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring a swapped-out sequence back into fresh device blocks; returns (CPU, device) pairs."""
+        cpu_block_ids = self.cpu_block_tables.pop(seq.request_id)
+        self._take(seq, len(cpu_block_ids))
+        self.free_cpu_block_ids.extend(cpu_block_ids)
+        return list(zip(cpu_block_ids, seq.block_table))
+
+    # -- helpers -------------------------------------------------------------------------------------
+
+    def _take(self, seq: Sequence, num_blocks: int) -> list[int]:
+        if num_blocks > self.num_free_blocks:
             raise RuntimeError(
-                f"out of KV blocks: {seq.request_id} needs {required}, {self.num_free_blocks} free"
+                f"out of KV blocks: {seq.request_id} needs {num_blocks}, {self.num_free_blocks} free"
             )
-        new_block_ids = [self.free_block_ids.popleft() for _ in range(required)]
+        new_block_ids = [self._pop_free_block() for _ in range(num_blocks)]
         for block_id in new_block_ids:
             self.ref_counts[block_id] = 1
         seq.block_table.extend(new_block_ids)
         return new_block_ids
+
+    def _pop_free_block(self) -> int:
+        if self.free_block_ids:
+            return self.free_block_ids.popleft()
+        block_id, _ = self.evictor.popitem(last=False)  # evict: forget its hash first
+        del self.cached_block_ids[self.block_hashes[block_id]]  # type: ignore[arg-type]
+        self.block_hashes[block_id] = None
+        return block_id
+
+    def _needs_copy_on_write(self, seq: Sequence) -> bool:
+        index = seq.num_computed_tokens // self.block_size
+        return index < len(seq.block_table) and self.ref_counts[seq.block_table[index]] > 1
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        index = seq.num_computed_tokens // self.block_size
+        shared = seq.block_table[index]
+        private = self._pop_free_block()
+        self.ref_counts[shared] -= 1
+        self.ref_counts[private] = 1
+        seq.block_table[index] = private
+        self.blocks_to_copy.append((shared, private))
+
+    def _hash_chain(self, token_ids: list[int], num_blocks: int) -> list[int]:
+        hashes: list[int] = []
+        for index in range(num_blocks):
+            hashes.append(self._block_hash(hashes[-1] if hashes else None, token_ids, index))
+        return hashes
+
+    def _block_hash(self, parent: int | None, token_ids: list[int], index: int) -> int:
+        start = index * self.block_size
+        return hash((parent, tuple(token_ids[start : start + self.block_size])))

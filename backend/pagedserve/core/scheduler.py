@@ -1,8 +1,8 @@
 """Continuous batching: which sequences run this step, and how many tokens each, under the token budget.
 
-Owns the waiting and running queues. Counts tokens, not phases: every scheduled sequence runs
-`min(num_tokens - num_computed_tokens, budget left)` tokens, so prefill, chunked prefill and
-recompute after preemption are the same rule.
+Owns the waiting, running and swapped queues. Counts tokens, not phases: every scheduled sequence
+runs `min(num_tokens - num_computed_tokens, budget left)` tokens, so prefill, chunked prefill,
+prefix-cache hits and recompute after preemption are the same rule.
 """
 
 from __future__ import annotations
@@ -25,18 +25,26 @@ def _by_arrival(seq: Sequence) -> int:
 
 
 class Scheduler:
-    """Both queues are kept in arrival order: the oldest request runs first and the youngest
-    running request is the preemption victim (preemption by recompute: its blocks are freed and its
-    tokens are run again when it is readmitted)."""
+    """All queues are kept in arrival order: the oldest request runs first and the youngest running
+    request is the preemption victim. A victim is swapped out (its blocks copied to the CPU pool) when
+    the mode and the pool allow, else recomputed (blocks freed, tokens run again when readmitted).
+    Swapped requests resume before any new request is admitted."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.num_recompute_preemptions = 0
+        self.num_swap_preemptions = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
         self._freed_request_ids: list[str] = []
+        self._swap_out: list[tuple[int, int]] = []
+        self._forked_ids: set[str] = set()
 
     # -- requests in and out --------------------------------------------------------------------
 
@@ -51,16 +59,21 @@ class Scheduler:
                 f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})",
             )
         self.requests[seq.request_id] = seq
+        for sibling in seq.pending_forks:  # parallel sampling: queued when the parent forks them
+            self.requests[sibling.request_id] = sibling
         bisect.insort(self.waiting, seq, key=_by_arrival)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (stopped, aborted or failed) and free its blocks."""
         if seq.is_finished:
             return
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
+        queue = self._queue(seq)
+        if seq in queue:  # a sibling not forked yet is in no queue
+            queue.remove(seq)
+        for sibling in seq.pending_forks:  # never forked: they end with it
+            self.finish(sibling, reason)
+        seq.pending_forks = []
+        self._forked_ids.discard(seq.request_id)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -80,6 +93,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        swap_in: list[tuple[int, int]] = []
         num_preemptions_before = self.num_preemptions
         for seq in list(self.running):
             if budget == 0:
@@ -90,14 +104,30 @@ class Scheduler:
             if not self._make_room(seq, num_new):
                 continue
             new_block_ids = self.block_manager.append_slot(seq, num_new)
-            scheduled.append(self._scheduled(seq, num_new, new_block_ids, is_new=False))
+            is_new = seq.request_id in self._forked_ids  # a forked sibling the workers do not know yet
+            if is_new:
+                self._forked_ids.discard(seq.request_id)
+                new_block_ids = list(seq.block_table)
+            scheduled.append(self._scheduled(seq, num_new, new_block_ids, is_new))
             budget -= num_new
-        if (
-            self.num_preemptions == num_preemptions_before
-        ):  # admit new work only when nothing running had to make room
-            budget = self._admit_waiting(budget, scheduled)
+        # Resume swapped requests, then admit new ones, only when nothing running had to make room:
+        # so one step never both swaps out and swaps in, which keeps the workers' order (out, in,
+        # copy) safe.
+        if self.num_preemptions == num_preemptions_before:
+            budget = self._resume_swapped(budget, scheduled, swap_in)
+            if not self.swapped:
+                budget = self._admit_waiting(budget, scheduled)
         freed, self._freed_request_ids = self._freed_request_ids, []
-        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, freed)
+        swap_out, self._swap_out = self._swap_out, []
+        copies, self.block_manager.blocks_to_copy = self.block_manager.blocks_to_copy, []
+        return SchedulerOutput(
+            scheduled,
+            self.config.max_num_batched_tokens - budget,
+            freed,
+            blocks_to_swap_in=swap_in,
+            blocks_to_swap_out=swap_out,
+            blocks_to_copy=copies,
+        )
 
     def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Sequence]:
         """Advance computed tokens, append sampled tokens, finish token-level stops.
@@ -107,11 +137,14 @@ class Scheduler:
             seq = self.requests.get(req.request_id)
             if seq is not None:
                 seq.num_computed_tokens += len(req.token_ids)
+                self.block_manager.cache_full_blocks(seq)
         updated = []
         for request_id, token_id in zip(runner_output.request_ids, runner_output.sampled_token_ids):
             seq = self.requests.get(request_id)
             if seq is None:
                 continue
+            if seq.pending_forks:
+                self._fork(seq)
             seq.append_token(token_id)
             reason = seq.check_stop_token(self.config.max_model_len)
             if reason is not None:
@@ -131,18 +164,43 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        block_manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, num_new):
+            cached_block_ids = block_manager.match_prefix(seq)
+            num_cached = len(cached_block_ids) * block_manager.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not block_manager.can_allocate(seq, num_new, cached_block_ids):
                 break
             self.waiting.pop(0)
-            block_ids = self.block_manager.allocate(seq, num_new)
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=_by_arrival)
+            block_ids = block_manager.allocate(seq, num_new, cached_block_ids)
+            seq.num_computed_tokens = num_cached
+            self._start_running(seq)
             scheduled.append(self._scheduled(seq, num_new, block_ids, is_new=True))
             budget -= num_new
         return budget
+
+    def _resume_swapped(
+        self, budget: int, scheduled: list[ScheduledRequest], swap_in: list[tuple[int, int]]
+    ) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.can_swap_in(seq, num_new):
+                break
+            self.swapped.pop(0)
+            mapping = self.block_manager.swap_in(seq)
+            swap_in.extend(mapping)
+            self.num_swapped_in_blocks += len(mapping)
+            self.block_manager.append_slot(seq, num_new)
+            self._start_running(seq)
+            scheduled.append(self._scheduled(seq, num_new, list(seq.block_table), is_new=True))
+            budget -= num_new
+        return budget
+
+    def _start_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=_by_arrival)
 
     def _scheduled(
         self, seq: Sequence, num_new: int, new_block_ids: list[int], is_new: bool
@@ -157,24 +215,58 @@ class Scheduler:
             is_new=is_new,
             num_prompt_tokens=seq.num_prompt_tokens if is_new else 0,
             sampling_params=seq.sampling_params if is_new else None,
+            computed_token_ids=seq.token_ids[:start] if is_new else [],
         )
+
+    def _fork(self, parent: Sequence) -> None:
+        """The parent's prompt is computed: its siblings share its blocks and each recomputes only the
+        last prompt token (into a copy-on-write copy of the shared last block) to sample its own
+        first token. Siblings that do not fit the batch wait and are prefilled on their own."""
+        for sibling in parent.pending_forks:
+            if sibling.is_finished:
+                continue
+            if len(self.running) < self.config.max_num_seqs:
+                self.block_manager.fork(parent, sibling)
+                sibling.num_computed_tokens = parent.num_computed_tokens - 1
+                self._forked_ids.add(sibling.request_id)
+                self._start_running(sibling)
+            else:
+                bisect.insort(self.waiting, sibling, key=_by_arrival)
+        parent.pending_forks = []
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._release(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        bisect.insort(self.waiting, seq, key=_by_arrival)
+        swap = self.config.preemption_mode == "swap" or seq.is_multi_sequence
+        if swap and self.block_manager.can_swap_out(seq):
+            mapping = self.block_manager.swap_out(seq)
+            self._swap_out.extend(mapping)
+            self._freed_request_ids.append(seq.request_id)
+            self.num_swap_preemptions += 1
+            self.num_swapped_out_blocks += len(mapping)
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=_by_arrival)
+            how = f"by swapping {len(mapping)} blocks to CPU"
+        else:
+            self._release(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.num_recompute_preemptions += 1
+            bisect.insort(self.waiting, seq, key=_by_arrival)
+            how = "by recompute"
         logger.info(
-            "preempted %s by recompute (%d tokens); KV cache is full: raise --kv-cache-memory or "
-            "lower --max-num-seqs",
+            "preempted %s %s (%d tokens): the KV cache is full; raise --kv-cache-memory (or --swap-space), "
+            "or lower --max-num-seqs / --max-num-batched-tokens",
             seq.request_id,
+            how,
             seq.num_tokens,
         )
 
+    def _queue(self, seq: Sequence) -> list[Sequence]:
+        queues = {SequenceStatus.RUNNING: self.running, SequenceStatus.SWAPPED: self.swapped}
+        return queues.get(seq.status, self.waiting)
+
     def _release(self, seq: Sequence) -> None:
-        if seq.block_table:
-            self.block_manager.free(seq)
+        self.block_manager.free(seq)
         self._freed_request_ids.append(seq.request_id)

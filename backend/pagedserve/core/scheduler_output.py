@@ -27,10 +27,14 @@ class ScheduledRequest:
     is_new: bool = False  # first scheduled, or resumed after preemption: workers (re)build its state
     num_prompt_tokens: int = 0  # set when is_new
     sampling_params: SamplingParams | None = None  # set when is_new
+    # when is_new: the tokens already in the cache (prefix-cache hit, swap-in or fork), for penalties
+    computed_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
 class SchedulerOutput:
+    """Workers perform, in this order: swap out, swap in, copy blocks, then the forward pass."""
+
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     # Requests whose blocks were freed since the last step (finished, aborted or preempted):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pagedserve.config import EngineConfig
@@ -27,10 +27,19 @@ logger = logging.getLogger(__name__)
 class EngineStats:
     num_running: int
     num_waiting: int
-    num_unfinished: int
+    num_swapped: int
+    num_unfinished: int  # client requests
     num_free_blocks: int
     num_total_blocks: int
+    num_free_cpu_blocks: int
+    num_total_cpu_blocks: int
     num_preemptions: int
+    num_recompute_preemptions: int
+    num_swap_preemptions: int
+    num_swapped_out_blocks: int
+    num_swapped_in_blocks: int
+    num_prefix_queries: int  # tokens looked up in the prefix cache
+    num_prefix_hits: int  # tokens found there
 
 
 class LLMEngine:
@@ -42,10 +51,16 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(config.model.path, self.tokenizer)
         self.executor = Executor(config, self.eos_token_ids)
         self.num_kv_blocks = self.executor.num_kv_blocks
-        block_manager = BlockManager(self.num_kv_blocks, config.cache.block_size, config.cache.watermark)
+        block_manager = BlockManager(
+            self.num_kv_blocks,
+            config.cache.block_size,
+            config.cache.watermark,
+            num_cpu_blocks=self.executor.num_cpu_blocks,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+        )
         self.scheduler = Scheduler(config.scheduler, block_manager)
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._metrics: dict[str, RequestMetrics] = {}
+        self._requests: dict[str, _Request] = {}  # by client request id
+        self._completions: dict[str, _Completion] = {}  # by sequence id
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> LLMEngine:
@@ -76,42 +91,70 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
+        """Queue a request. With `n > 1` it runs as n sequences that share the prompt's blocks."""
         self._validate_prompt(prompt_token_ids, params)
-        seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
-        self.scheduler.add(seq)
-        self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer,
-            prompt_token_ids,
-            params.stop,
-            params.include_stop_str_in_output,
-            params.skip_special_tokens,
-        )
-        self._metrics[request_id] = RequestMetrics(arrival_time=seq.arrival_time)
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        seqs = [
+            Sequence(
+                self._seq_id(request_id, i, params.n),
+                prompt_token_ids,
+                _child_params(params, i),
+                self.eos_token_ids,
+                arrival_time,
+            )
+            for i in range(params.n)
+        ]
+        seqs[0].pending_forks = seqs[1:]
+        for seq in seqs:
+            seq.is_multi_sequence = params.n > 1
+        self.scheduler.add(seqs[0])
+        self._requests[request_id] = _Request(RequestMetrics(arrival_time=seqs[0].arrival_time), len(seqs))
+        for index, seq in enumerate(seqs):
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            )
+            self._completions[seq.request_id] = _Completion(request_id, index, detokenizer)
+
+    @staticmethod
+    def _seq_id(request_id: str, index: int, n: int) -> str:
+        return request_id if n == 1 else f"{request_id}#{index}"
 
     def _validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         max_len = self.config.model.max_model_len
+        vocab_size = self.config.model.vocab_size
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
-        if any(not 0 <= t < self.config.model.vocab_size for t in prompt_token_ids):
-            raise InvalidRequestError(
-                "prompt_token_ids", f"token ids must be in [0, {self.config.model.vocab_size})"
-            )
+        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")
         if len(prompt_token_ids) >= max_len:
             raise InvalidRequestError(
                 "prompt",
-                f"{len(prompt_token_ids)} tokens leave no room to generate within "
-                f"the context length {max_len}",
+                f"{len(prompt_token_ids)} tokens leave no room to generate within the context length {max_len}",
             )
         if len(prompt_token_ids) + params.max_tokens > max_len:
             raise InvalidRequestError(
                 "max_tokens",
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
-                f"({params.max_tokens}) exceeds the context length {max_len}",
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the context length {max_len}",
             )
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
-        for seq in self.scheduler.abort(request_ids):
-            self._forget(seq.request_id)
+        """Abort requests (all their sequences); their blocks are free when this returns."""
+        for request_id in request_ids:
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                continue
+            seq_ids = [
+                self._seq_id(request_id, i, request.num_sequences) for i in range(request.num_sequences)
+            ]
+            self.scheduler.abort(seq_ids)
+            for seq_id in seq_ids:
+                self._completions.pop(seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -119,12 +162,21 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.scheduler.block_manager
         return EngineStats(
-            len(s.running),
-            len(s.waiting),
-            len(s.requests),
-            bm.num_free_blocks,
-            bm.num_blocks,
-            s.num_preemptions,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_swapped=len(s.swapped),
+            num_unfinished=len(self._requests),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            num_free_cpu_blocks=bm.num_free_cpu_blocks,
+            num_total_cpu_blocks=bm.num_cpu_blocks,
+            num_preemptions=s.num_preemptions,
+            num_recompute_preemptions=s.num_recompute_preemptions,
+            num_swap_preemptions=s.num_swap_preemptions,
+            num_swapped_out_blocks=s.num_swapped_out_blocks,
+            num_swapped_in_blocks=s.num_swapped_in_blocks,
+            num_prefix_queries=bm.num_prefix_queries,
+            num_prefix_hits=bm.num_prefix_hits,
         )
 
     # -- the step ------------------------------------------------------------------------------------
@@ -135,7 +187,7 @@ class LLMEngine:
             return []
         now = time.monotonic()
         for req in scheduler_output.scheduled:
-            metrics = self._metrics[req.request_id]
+            metrics = self._requests[self._completions[req.request_id].request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
         try:
             runner_output = self.executor.execute(scheduler_output)
@@ -156,42 +208,44 @@ class LLMEngine:
         logprobs_by_id = dict(zip(runner_output.request_ids, runner_output.logprobs or [], strict=False))
         deltas = []
         for seq in updated:
-            detokenizer = self._detokenizers[seq.request_id]
+            detokenizer = self._completions[seq.request_id].detokenizer
             if detokenizer.update(seq.token_ids[-1:]) is not None:
                 if seq.is_finished:  # the text was cut at a stop string on the same token
                     seq.finish_reason = FinishReason.STOP
                 self.scheduler.finish(seq, FinishReason.STOP)
             elif seq.is_finished:
                 detokenizer.flush()
-            metrics = self._metrics[seq.request_id]
-            metrics.first_token_time = metrics.first_token_time or now
             new_logprobs = self._decode_logprobs(logprobs_by_id.get(seq.request_id), seq)
-            deltas.append(
-                self._delta(
-                    seq, [seq.token_ids[-1]], detokenizer.take_delta(seq.is_finished), new_logprobs, now
-                )
-            )
+            text = detokenizer.take_delta(seq.is_finished)
+            deltas.append(self._delta(seq, [seq.token_ids[-1]], text, new_logprobs, now))
         return deltas
 
     def _delta(
         self, seq: Sequence, token_ids: list[int], text: str, logprobs: list[TokenLogprobs] | None, now: float
     ) -> RequestDelta:
-        metrics = self._metrics[seq.request_id]
+        completion = self._completions[seq.request_id]
+        request = self._requests[completion.request_id]
+        metrics = request.metrics
+        metrics.first_token_time = metrics.first_token_time or now
         if seq.is_finished:
-            metrics.finished_time = now
-            metrics.num_preemptions = seq.num_preemptions
+            request.num_finished += 1
+            metrics.num_preemptions += seq.num_preemptions
             self._forget(seq.request_id)
-        reason = seq.finish_reason.value if seq.finish_reason else None
+        request_finished = request.num_finished == request.num_sequences
+        if request_finished:
+            metrics.finished_time = now
         return RequestDelta(
-            seq.request_id,
-            token_ids,
-            text,
-            logprobs,
-            seq.is_finished,
-            reason,
-            seq.num_prompt_tokens,
-            seq.num_output_tokens,
-            metrics,
+            request_id=completion.request_id,
+            new_token_ids=token_ids,
+            new_text=text,
+            new_logprobs=logprobs,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            metrics=metrics,
+            index=completion.index,
+            request_finished=request_finished,
         )
 
     def _decode_logprobs(self, entry: TokenLogprobs | None, seq: Sequence) -> list[TokenLogprobs] | None:
@@ -201,10 +255,10 @@ class LLMEngine:
             logprob.decoded_token = self.tokenizer.decode([token_id])
         return [entry]
 
-    def _fail(self, request_ids: list[str], message: str) -> list[RequestDelta]:
+    def _fail(self, seq_ids: list[str], message: str) -> list[RequestDelta]:
         now, deltas = time.monotonic(), []
-        for request_id in request_ids:
-            seq = self.scheduler.requests.get(request_id)
+        for seq_id in seq_ids:
+            seq = self.scheduler.requests.get(seq_id)
             if seq is None:
                 continue
             self.scheduler.finish(seq, FinishReason.ERROR)
@@ -213,9 +267,38 @@ class LLMEngine:
             deltas.append(delta)
         return deltas
 
-    def _forget(self, request_id: str) -> None:
-        self._detokenizers.pop(request_id, None)
-        self._metrics.pop(request_id, None)
+    def _forget(self, seq_id: str) -> None:
+        """A sequence finished; the request goes when its last sequence has."""
+        completion = self._completions.pop(seq_id)
+        request = self._requests[completion.request_id]
+        if request.num_finished == request.num_sequences:
+            del self._requests[completion.request_id]
+
+
+@dataclass
+class _Request:
+    """The engine's record of a client request: its metrics and how many sequences it has."""
+
+    metrics: RequestMetrics
+    num_sequences: int
+    num_finished: int = 0
+
+
+@dataclass
+class _Completion:
+    """One sequence of a request: which request, which completion index, its detokenizer."""
+
+    request_id: str
+    index: int
+    detokenizer: IncrementalDetokenizer
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sequence `index` of a parallel-sampling request samples with its own seed."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return replace(params, n=1, seed=seed)
 
 
 def _eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:

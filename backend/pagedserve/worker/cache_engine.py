@@ -1,8 +1,11 @@
-"""The KV cache tensors, one (key, value) pair per layer, on one device:
+"""The KV cache tensors of one rank: one (key, value) pair per layer on the device, and a CPU pool
+of the same layout that preempted requests are swapped to:
 
-    kv_cache  [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache   [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]   (device)
+    cpu_cache  [num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim]  (CPU)
 
-Block `b` of every layer holds the same tokens, so block ids from the block manager index all layers.
+Block `b` of every layer holds the same tokens, so block ids from the block manager index all
+layers, and each swap or copy is one indexed copy over all layers at once.
 """
 
 from __future__ import annotations
@@ -20,13 +23,32 @@ class CacheEngine:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_cpu_blocks: int = 0,
     ) -> None:
         self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: a block's unwritten slots are read (then masked) by attention, and
         # uninitialised memory could hold NaN, which a zero attention weight does not cancel.
-        self.kv_cache = torch.zeros(
-            num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
-        )
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        # empty is safe here: a CPU block is read (swap in) only after a swap out wrote it
+        pin = torch.device(device).type == "cuda"
+        self.cpu_cache = torch.empty((*shape[:2], num_cpu_blocks, *shape[3:]), dtype=dtype, pin_memory=pin)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, CPU block) pairs."""
+        src, dst = _columns(pairs, self.kv_cache.device)
+        self.cpu_cache[:, :, dst.cpu()] = self.kv_cache[:, :, src].cpu()
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(CPU block, device block) pairs."""
+        src, dst = _columns(pairs, self.kv_cache.device)
+        self.kv_cache[:, :, dst] = self.cpu_cache[:, :, src.cpu()].to(self.kv_cache.device, non_blocking=True)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """(source, destination) device block pairs, for copy-on-write."""
+        src, dst = _columns(pairs, self.kv_cache.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -37,3 +59,8 @@ class CacheEngine:
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def _columns(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    table = torch.tensor(pairs, dtype=torch.int64, device=device)
+    return table[:, 0], table[:, 1]

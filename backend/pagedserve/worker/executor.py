@@ -20,7 +20,8 @@ class Executor:
         torch.manual_seed(config.seed)
         self.worker = Worker(config, eos_token_ids)
         self.num_kv_blocks = self.worker.determine_num_blocks()
-        self.worker.init_cache(self.num_kv_blocks)
+        self.num_cpu_blocks = self.worker.determine_num_cpu_blocks()
+        self.worker.init_cache(self.num_kv_blocks, self.num_cpu_blocks)
         self._log_capacity(config)
 
     def _log_capacity(self, config: EngineConfig) -> None:

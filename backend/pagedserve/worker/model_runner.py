@@ -102,10 +102,7 @@ class ModelRunner:
                 self.free_rows.append(state.row)
         for req in output.scheduled:
             if req.is_new:
-                assert req.sampling_params is not None
-                self.requests[req.request_id] = RequestState(
-                    self.free_rows.pop(), req.sampling_params, req.num_prompt_tokens
-                )
+                self._add_state(req)
             state = self.requests[req.request_id]
             if req.new_block_ids:
                 end = state.num_blocks + len(req.new_block_ids)
@@ -116,6 +113,19 @@ class ModelRunner:
             state.num_tokens += len(req.token_ids)
             if state.params.has_penalties:
                 state.token_ids.extend(req.token_ids)
+
+    def _add_state(self, req: ScheduledRequest) -> None:
+        """A request new to this worker (admitted, resumed or forked): tokens already in the cache count."""
+        assert req.sampling_params is not None
+        state = RequestState(
+            self.free_rows.pop(),
+            req.sampling_params,
+            req.num_prompt_tokens,
+            num_tokens=req.num_computed_tokens,
+        )
+        if state.params.has_penalties:
+            state.token_ids.extend(req.computed_token_ids)
+        self.requests[req.request_id] = state
 
     # -- inputs --------------------------------------------------------------------------------------
 

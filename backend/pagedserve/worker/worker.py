@@ -58,7 +58,13 @@ class Worker:
 
         return int(min(_CPU_DEFAULT_KV_BYTES, _CPU_DEFAULT_KV_SHARE * psutil.virtual_memory().available))
 
-    def init_cache(self, num_blocks: int) -> None:
+    def determine_num_cpu_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_cpu_blocks is not None:
+            return cache.num_cpu_blocks
+        return int(cache.swap_space * 1024**3) // self.bytes_per_block()
+
+    def init_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         model = self.config.model
         self.cache_engine = CacheEngine(
             model.num_layers,
@@ -68,8 +74,18 @@ class Worker:
             model.head_dim,
             self.model_runner.dtype,
             self.model_runner.device,
+            num_cpu_blocks,
         )
         self.model_runner.bind_kv_cache(self.cache_engine.kv_caches)
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        # The order matters: blocks freed by a swap out may be the destinations of this step's copies.
+        cache = self.cache_engine
+        assert cache is not None, "init_cache() first"
+        if output.blocks_to_swap_out:
+            cache.swap_out(output.blocks_to_swap_out)
+        if output.blocks_to_swap_in:
+            cache.swap_in(output.blocks_to_swap_in)
+        if output.blocks_to_copy:
+            cache.copy_blocks(output.blocks_to_copy)
         return self.model_runner.execute(output)
