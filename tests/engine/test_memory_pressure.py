@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import InvalidRequestError
