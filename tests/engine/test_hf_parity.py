@@ -128,9 +128,9 @@ def test_default_model_matches_hf_under_preemption(
     default_reference: tuple[object, list[list[int]]], chat_prompts: list[list[int]]
 ) -> None:
     # ~8 blocks per request at the end, 16 requests: 48 blocks force preemption by recompute
-    llm = LLM(dtype="float32", num_kv_blocks=48, block_size=16)
+    llm = LLM(dtype="float32", num_kv_blocks=48, block_size=16, preemption_mode="recompute")
     run_parity(llm, default_reference, chat_prompts, DEFAULT_MAX_TOKENS)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().num_recompute_preemptions > 0
     assert llm.engine.stats().num_free_blocks == 48
 
 
@@ -156,4 +156,4 @@ def test_tiny_llama_matches_hf_with_chunked_prefill_and_preemption(tiny_llama_di
         max_num_seqs=8,
     )
     run_parity(llm, hf_greedy(tiny_llama_dir, prompts, 40), prompts, max_tokens=40)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().num_swap_preemptions > 0
