@@ -1,0 +1,62 @@
+"""Scheduler preemption by swap with exact block maps, and swapped requests resuming before new ones."""
+
+from __future__ import annotations
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.core.block_manager import BlockManager
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.sequence import FinishReason, Sequence, SequenceStatus
+
+
+def make(num_blocks: int, num_cpu_blocks: int, mode: str = "swap") -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, preemption_mode=mode
+    )
+    return Scheduler(config, BlockManager(num_blocks, 4, watermark=0.0, num_cpu_blocks=num_cpu_blocks))
+
+
+def add(scheduler: Scheduler, request_id: str, num_prompt: int, max_tokens: int = 6) -> Sequence:
+    seq = Sequence(request_id, list(range(1, num_prompt + 1)), SamplingParams(max_tokens=max_tokens))
+    scheduler.add(seq)
+    return seq
+
+
+def run(scheduler: Scheduler) -> SchedulerOutput:
+    """One step in which every sampling request gets token 7."""
+    out = scheduler.schedule()
+    sampled = [r.request_id for r in out.scheduled if r.do_sample]
+    scheduler.update(out, ModelRunnerOutput(sampled, [7] * len(sampled)))
+    return out
+
+
+def test_youngest_request_is_swapped_out_and_resumes_first() -> None:
+    s = make(num_blocks=4, num_cpu_blocks=4)
+    a, b = add(s, "a", 8), add(s, "b", 4)
+    run(s)  # a: blocks [0, 1] full, b: block [2] full; each sampled one token
+    assert (a.block_table, b.block_table) == ([0, 1], [2])
+    out = run(s)  # both need a new block: 1 free; b (younger) is swapped out, a grows
+    assert b.status is SequenceStatus.SWAPPED and out.blocks_to_swap_out == [(2, 0)]
+    assert out.freed_request_ids == ["b"] and [r.request_id for r in out.scheduled] == ["a"]
+    assert a.block_table == [0, 1, 3] and s.num_swap_preemptions == 1
+    c = add(s, "c", 2)  # arrives while b is swapped out: b must come back first
+    s.finish(a, FinishReason.STOP)
+    out = run(s)  # free list is now [2, 3, 1, 0]: b's CPU block 0 returns to device block 2
+    assert out.blocks_to_swap_in == [(0, 2)]
+    first = out.scheduled[0]
+    assert first.request_id == "b" and first.is_new and first.num_computed_tokens == 4
+    assert first.token_ids == [7] and first.new_block_ids == b.block_table == [2, 3]
+    assert first.computed_token_ids == [1, 2, 3, 4]
+    assert [r.request_id for r in out.scheduled] == ["b", "c"]  # c admitted only after b resumed
+    assert s.block_manager.num_free_cpu_blocks == 4
+
+
+def test_recompute_mode_frees_blocks_and_restarts_from_zero() -> None:
+    s = make(num_blocks=4, num_cpu_blocks=4, mode="recompute")
+    add(s, "a", 8)
+    b = add(s, "b", 4)
+    run(s)
+    out = run(s)
+    assert out.blocks_to_swap_out == [] and b.status is SequenceStatus.WAITING
+    assert b.num_computed_tokens == 0 and b.block_table == [] and s.num_recompute_preemptions == 1
