@@ -49,6 +49,7 @@ def test_youngest_request_is_swapped_out_and_resumes_first() -> None:
     assert first.token_ids == [7] and first.new_block_ids == b.block_table == [2, 3]
     assert first.computed_token_ids == [1, 2, 3, 4]
     assert [r.request_id for r in out.scheduled] == ["b", "c"]  # c admitted only after b resumed
+    assert c.block_table == [1]
     assert s.block_manager.num_free_cpu_blocks == 4
 
 
