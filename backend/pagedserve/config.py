@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,11 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     hf_config: dict[str, Any] = field(repr=False, compare=False, hash=False)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Key and value bytes of one token over all layers and KV heads (all ranks together)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
     @classmethod
     def from_path(

@@ -1,31 +1,167 @@
-"""Every torch.distributed call goes through here. Without an initialized process group the
-tensor-parallel size is 1 and every collective is the identity."""
+"""Every torch.distributed call goes through here. Without `init_tensor_parallel` the tensor-parallel
+size is 1 and every collective is the identity.
+
+Two process groups span the same ranks: the tensor group (gloo on CPU, NCCL on CUDA) carries the
+layers' all-reduces and gathers; a gloo control group carries the pickled step plans and small CPU
+values. Every call has a timeout, and a failed call (a dead peer, a timeout) raises `CollectiveError`,
+an `EngineDeadError`: a process group is unusable after one failed collective.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pagedserve.errors import EngineDeadError
+
+
+class CollectiveError(EngineDeadError):
+    """A collective failed or timed out: a peer rank died or stopped answering."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """The rank a launcher (torchrun, or a script setting the same variables) gave this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+@dataclass
+class _State:
+    tensor_group: Any = None  # the default (world) group
+    control_group: Any = None
+    size: int = 1
+    rank: int = 0
+
+
+_state = _State()
+
+
+def launch_env() -> LaunchEnv | None:
+    """RANK/WORLD_SIZE/LOCAL_RANK as torchrun sets them, or None when no launcher started several ranks.
+
+    These are torch's rendezvous variables (with MASTER_ADDR/MASTER_PORT, which `env://` reads itself),
+    not pagedserve settings, so they are read here, next to the only code that uses them."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return None
+    rank = int(os.environ["RANK"])
+    return LaunchEnv(rank, world_size, int(os.environ.get("LOCAL_RANK", str(rank))))
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def init_tensor_parallel(
+    rank: int, world_size: int, backend: str, timeout_s: float, store: dist.Store | None = None
+) -> None:
+    """Join the rendezvous: through `store` when given (rank 0 of self-spawned ranks), else `env://`."""
+    if _state.tensor_group is not None:
+        raise RuntimeError(
+            "tensor parallelism is already initialized in this process (one engine per process)"
+        )
+    timeout = timedelta(seconds=timeout_s)
+    kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size, "timeout": timeout}
+    if store is not None:
+        kwargs["store"] = store
+    else:
+        kwargs["init_method"] = "env://"
+    with _collective("rendezvous"):
+        dist.init_process_group(**kwargs)
+        control = dist.new_group(backend="gloo", timeout=timeout)
+    _state.tensor_group, _state.control_group = dist.group.WORLD, control
+    _state.size, _state.rank = world_size, rank
+
+
+def destroy_tensor_parallel() -> None:
+    if _state.tensor_group is None:
+        return
+    _state.tensor_group = _state.control_group = None
+    _state.size, _state.rank = 1, 0
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def create_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A rendezvous store on a free loopback port, for ranks this process spawns itself."""
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
 
 def get_tp_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return _state.size
 
 
 def get_tp_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return _state.rank
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if get_tp_size() > 1:
-        dist.all_reduce(x)
+    """Sum over ranks, in place."""
+    if _state.size > 1:
+        with _collective("all_reduce"):
+            dist.all_reduce(x, group=_state.tensor_group)
     return x
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate each rank's shard along the last dimension, in rank order."""
-    size = get_tp_size()
-    if size == 1:
+    if _state.size == 1:
         return x
-    shards = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(shards, x.contiguous())
+    shards = [torch.empty_like(x) for _ in range(_state.size)]
+    with _collective("all_gather"):
+        dist.all_gather(shards, x.contiguous(), group=_state.tensor_group)
     return torch.cat(shards, dim=-1)
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest of every rank's `value` (e.g. the KV blocks each rank has room for)."""
+    if _state.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    with _collective("all_reduce_min"):
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_state.control_group)
+    return int(t.item())
+
+
+def broadcast_object(obj: Any = None) -> Any:
+    """Rank 0 sends `obj` (picklable plain data); every other rank returns it."""
+    if _state.size == 1:
+        return obj
+    objects = [obj]
+    with _collective("broadcast"):
+        dist.broadcast_object_list(objects, src=0, group=_state.control_group)
+    return objects[0]
+
+
+@contextlib.contextmanager
+def _collective(name: str) -> Iterator[None]:
+    """Turns a torch.distributed failure into `CollectiveError`. gloo raises RuntimeError (a dead peer:
+    'Connection closed by peer'; a timeout: 'Timed out waiting ...'); NCCL's watchdog aborts the
+    process on a timeout instead."""
+    try:
+        yield
+    except EngineDeadError:
+        raise
+    except RuntimeError as exc:
+        raise CollectiveError(f"tensor-parallel {name} failed: {exc}") from exc

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Iterable
 
 from pagedserve.config import SchedulerConfig
@@ -248,6 +249,7 @@ class Scheduler:
             seq.status = SequenceStatus.SWAPPED
             bisect.insort(self.swapped, seq, key=_by_arrival)
             how = f"by swapping {len(mapping)} blocks to CPU"
+            seq.preemption_events.append((time.monotonic(), "swap"))
         else:
             self._release(seq)
             seq.num_computed_tokens = 0
@@ -255,6 +257,7 @@ class Scheduler:
             self.num_recompute_preemptions += 1
             bisect.insort(self.waiting, seq, key=_by_arrival)
             how = "by recompute"
+            seq.preemption_events.append((time.monotonic(), "recompute"))
         logger.info(
             "preempted %s %s (%d tokens): the KV cache is full; raise --kv-cache-memory (or --swap-space), "
             "or lower --max-num-seqs / --max-num-batched-tokens",

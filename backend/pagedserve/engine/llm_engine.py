@@ -18,6 +18,7 @@ from pagedserve.outputs import RequestDelta, RequestMetrics, TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import FinishReason, Sequence
 from pagedserve.settings import EngineSettings
+from pagedserve.telemetry import EngineMetrics
 from pagedserve.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ class LLMEngine:
             enable_prefix_caching=config.cache.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config.scheduler, block_manager)
+        self.metrics = EngineMetrics(
+            config.model.served_model_name, config.model.kv_bytes_per_token * config.cache.block_size
+        )
         self._requests: dict[str, _Request] = {}  # by client request id
         self._completions: dict[str, _Completion] = {}  # by sequence id
 
@@ -195,11 +199,13 @@ class LLMEngine:
             raise
         except Exception as exc:  # a model fault fails this batch's requests, not the engine
             logger.exception("model step failed")
-            return self._fail(
-                [r.request_id for r in scheduler_output.scheduled], f"model step failed: {exc!r}"
-            )
-        updated = self.scheduler.update(scheduler_output, runner_output)
-        return self._process_outputs(updated, runner_output)
+            failed = [r.request_id for r in scheduler_output.scheduled]
+            deltas = self._fail(failed, f"model step failed: {exc!r}")
+        else:
+            updated = self.scheduler.update(scheduler_output, runner_output)
+            deltas = self._process_outputs(updated, runner_output)
+        self.metrics.record_step(self.stats(), deltas)
+        return deltas
 
     def _process_outputs(
         self, updated: list[Sequence], runner_output: ModelRunnerOutput
@@ -230,6 +236,7 @@ class LLMEngine:
         if seq.is_finished:
             request.num_finished += 1
             metrics.num_preemptions += seq.num_preemptions
+            metrics.preemption_events.extend(seq.preemption_events)
             self._forget(seq.request_id)
         request_finished = request.num_finished == request.num_sequences
         if request_finished:

@@ -23,13 +23,23 @@ def _shard(tensor: torch.Tensor, dim: int, num_shards: int, index: int) -> torch
     return tensor.narrow(dim, index * size, size)
 
 
+def check_head_split(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
+    """Query heads split evenly; KV heads split evenly, or each replicated on tp_size / num_kv_heads ranks."""
+    if num_heads % tp_size:
+        raise ValueError(f"tensor_parallel_size: {tp_size} does not divide the {num_heads} attention heads")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size: {tp_size} neither divides nor is a multiple of the {num_kv_heads} KV heads"
+        )
+
+
 class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
         if output_size % self.tp_size:
             raise ValueError(
-                f"output size {output_size} is not divisible by tensor-parallel size {self.tp_size}"
+                f"tensor_parallel_size: {self.tp_size} does not divide the output size {output_size}"
             )
         self.weight = _param(output_size // self.tp_size, input_size)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -49,6 +59,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__(input_size, sum(output_sizes), bias)
+        # each projection is sharded on its own, so each must split evenly (not just their sum)
+        for size in output_sizes:
+            if size % self.tp_size:
+                raise ValueError(
+                    f"tensor_parallel_size: {self.tp_size} does not divide the output size {size}"
+                )
         self.output_sizes = output_sizes
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:  # type: ignore[override]
@@ -65,14 +81,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
     ) -> None:
         tp_size = get_tp_size()
-        if num_heads % tp_size:
-            raise ValueError(
-                f"{num_heads} attention heads cannot be split across tensor-parallel size {tp_size}"
-            )
-        if num_kv_heads % tp_size and tp_size % num_kv_heads:
-            raise ValueError(
-                f"{num_kv_heads} KV heads cannot be split or replicated across tensor-parallel size {tp_size}"
-            )
+        check_head_split(num_heads, num_kv_heads, tp_size)
         self.head_dim = head_dim
         self.num_heads = num_heads // tp_size
         self.num_kv_heads = max(1, num_kv_heads // tp_size)
@@ -93,7 +102,7 @@ class RowParallelLinear(nn.Module):
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
         if input_size % self.tp_size:
             raise ValueError(
-                f"input size {input_size} is not divisible by tensor-parallel size {self.tp_size}"
+                f"tensor_parallel_size: {self.tp_size} does not divide the input size {input_size}"
             )
         self.weight = _param(output_size, input_size // self.tp_size)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]

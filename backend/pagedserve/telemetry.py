@@ -1,0 +1,373 @@
+"""Prometheus metrics (under vLLM's names, so existing dashboards and autoscalers work), request logs,
+and OpenTelemetry request spans. Nothing here runs per token beyond a few counter updates; with
+tracing disabled no span processor exists at all."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedserve.outputs import RequestDelta, RequestMetrics
+
+logger = logging.getLogger("pagedserve.requests")
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+_SUMMARY_INTERVAL_S = 10.0
+
+
+@dataclass
+class _Snapshot:
+    """Cumulative engine counters at the last observation, to turn them into counter increments."""
+
+    preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    swapped_out: int = 0
+    swapped_in: int = 0
+
+
+@dataclass
+class _StreamTimes:
+    last_token: dict[tuple[str, int], float] = field(default_factory=dict)
+
+
+class EngineMetrics:
+    """Fed once per engine step with the engine's stats and that step's deltas."""
+
+    def __init__(
+        self, model_name: str, bytes_per_block: int = 0, registry: CollectorRegistry | None = None
+    ) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        self.bytes_per_block = bytes_per_block
+        labels = ["model_name"]
+        r = self.registry
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", labels, registry=r)
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r
+        )
+        self.swapped = Gauge("vllm:num_requests_swapped", "Requests swapped out to CPU", labels, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full)", labels, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions", labels, registry=r)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens of started requests", labels, registry=r
+        )
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", labels, registry=r)
+        self.success = Counter(
+            "vllm:request_success", "Finished requests", [*labels, "finished_reason"], registry=r
+        )
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Tokens looked up in the prefix cache", labels, registry=r
+        )
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Tokens found in the prefix cache", labels, registry=r
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between consecutive tokens of a stream",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Arrival to last token",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Arrival to first scheduling",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Prompt tokens per request",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Output tokens per request",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.swapped_blocks = Counter(
+            "pagedserve:swapped_blocks",
+            "KV blocks moved between device and CPU",
+            [*labels, "direction"],
+            registry=r,
+        )
+        self.swap_bytes = Counter(
+            "pagedserve:swap_bytes",
+            "KV bytes moved between device and CPU",
+            [*labels, "direction"],
+            registry=r,
+        )
+        self.aborts = Counter(
+            "pagedserve:request_aborts", "Aborted requests by cause", [*labels, "cause"], registry=r
+        )
+        self._last = _Snapshot()
+        self._streams = _StreamTimes()
+        self._window_start = time.monotonic()
+        self._window_tokens = [0, 0]  # prompt, generation
+
+    def record_step(self, stats: Any, deltas: list[RequestDelta], now: float | None = None) -> None:
+        """`stats` is the engine's `EngineStats` after the step."""
+        now = time.monotonic() if now is None else now
+        m = self.model_name
+        self.running.labels(m).set(stats.num_running)
+        self.waiting.labels(m).set(stats.num_waiting)
+        self.swapped.labels(m).set(stats.num_swapped)
+        self.kv_usage.labels(m).set(1.0 - stats.num_free_blocks / max(1, stats.num_total_blocks))
+        self._add_cumulative(stats)
+        for delta in deltas:
+            self._record_delta(delta, now)
+        self._maybe_log_summary(stats, now)
+
+    def record_abort(self, cause: str) -> None:
+        """cause: client_cancel, deadline, abort_rpc, drain, error."""
+        self.aborts.labels(self.model_name, cause).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def _add_cumulative(self, stats: Any) -> None:
+        m, last = self.model_name, self._last
+        self.preemptions.labels(m).inc(stats.num_preemptions - last.preemptions)
+        self.prefix_queries.labels(m).inc(stats.num_prefix_queries - last.prefix_queries)
+        self.prefix_hits.labels(m).inc(stats.num_prefix_hits - last.prefix_hits)
+        for direction, now_count, before in (
+            ("out", stats.num_swapped_out_blocks, last.swapped_out),
+            ("in", stats.num_swapped_in_blocks, last.swapped_in),
+        ):
+            self.swapped_blocks.labels(m, direction).inc(now_count - before)
+            self.swap_bytes.labels(m, direction).inc((now_count - before) * self.bytes_per_block)
+        self._last = _Snapshot(
+            stats.num_preemptions,
+            stats.num_prefix_queries,
+            stats.num_prefix_hits,
+            stats.num_swapped_out_blocks,
+            stats.num_swapped_in_blocks,
+        )
+
+    def _record_delta(self, delta: RequestDelta, now: float) -> None:
+        m, key = self.model_name, (delta.request_id, delta.index)
+        num_new = len(delta.new_token_ids)
+        self.generation_tokens.labels(m).inc(num_new)
+        self._window_tokens[1] += num_new
+        last = self._streams.last_token.get(key)
+        if last is None and num_new:
+            if delta.index == 0:
+                self.prompt_tokens.labels(m).inc(delta.num_prompt_tokens)
+                self._window_tokens[0] += delta.num_prompt_tokens
+                metrics = delta.metrics
+                if metrics.time_to_first_token is not None:
+                    self.ttft.labels(m).observe(metrics.time_to_first_token)
+                if metrics.time_in_queue is not None:
+                    self.queue_time.labels(m).observe(metrics.time_in_queue)
+        elif last is not None and num_new:
+            self.itl.labels(m).observe(now - last)
+        if num_new:
+            self._streams.last_token[key] = now
+        if delta.finished:
+            self._streams.last_token.pop(key, None)
+        if delta.request_finished:
+            self._record_finished(delta, now)
+
+    def _record_finished(self, delta: RequestDelta, now: float) -> None:
+        m, metrics = self.model_name, delta.metrics
+        reason = delta.finish_reason or "unknown"
+        self.success.labels(m, reason).inc()
+        e2e = now - metrics.arrival_time
+        self.e2e.labels(m).observe(e2e)
+        self.request_prompt_tokens.labels(m).observe(delta.num_prompt_tokens)
+        self.request_generation_tokens.labels(m).observe(delta.num_output_tokens)
+        if metrics.first_token_time is not None and delta.num_output_tokens > 1:
+            self.tpot.labels(m).observe((now - metrics.first_token_time) / (delta.num_output_tokens - 1))
+        logger.info(
+            "request finished id=%s prompt_tokens=%d output_tokens=%d ttft_s=%.3f e2e_s=%.3f "
+            "preemptions=%d finish_reason=%s",
+            delta.request_id,
+            delta.num_prompt_tokens,
+            delta.num_output_tokens,
+            metrics.time_to_first_token or 0.0,
+            e2e,
+            metrics.num_preemptions,
+            reason,
+        )
+
+    def _maybe_log_summary(self, stats: Any, now: float) -> None:
+        elapsed = now - self._window_start
+        if elapsed < _SUMMARY_INTERVAL_S:
+            return
+        prompt, generation = self._window_tokens
+        logging.getLogger("pagedserve.engine").info(
+            "throughput: prompt %.1f tok/s, generation %.1f tok/s; running %d, waiting %d, swapped %d; "
+            "KV cache %.1f%% used",
+            prompt / elapsed,
+            generation / elapsed,
+            stats.num_running,
+            stats.num_waiting,
+            stats.num_swapped,
+            100.0 * (1.0 - stats.num_free_blocks / max(1, stats.num_total_blocks)),
+        )
+        self._window_start, self._window_tokens = now, [0, 0]
+
+
+# -- tracing ---------------------------------------------------------------------------------------
+
+
+class RequestTracer:
+    """One server span per request, continuing the caller's W3C trace, with child spans for tokenize,
+    queue, prefill and decode built from the request's timestamps when it finishes.
+
+    `provider=None` disables tracing: no tracer, no processor, `record` returns at once."""
+
+    def __init__(self, provider: Any | None, model_name: str) -> None:
+        self.provider = provider
+        self.model_name = model_name
+        self._tracer = provider.get_tracer("pagedserve") if provider is not None else None
+        # monotonic -> epoch nanoseconds, for span timestamps taken with time.monotonic()
+        self._epoch_offset_ns = time.time_ns() - time.monotonic_ns()
+
+    @property
+    def enabled(self) -> bool:
+        return self._tracer is not None
+
+    def extract(self, carrier: Mapping[str, str]) -> Any:
+        """The caller's trace context from gRPC metadata or HTTP headers (`traceparent`, `tracestate`)."""
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        return TraceContextTextMapPropagator().extract({k.lower(): v for k, v in carrier.items()})
+
+    def record(
+        self,
+        parent: Any,
+        request_id: str,
+        params: Any,
+        delta: RequestDelta,
+        tokenize: tuple[float, float] | None = None,
+        end: float | None = None,
+    ) -> None:
+        """Emit the request's spans once it is finished. Times are time.monotonic() seconds."""
+        if self._tracer is None:
+            return
+        from opentelemetry.trace import SpanKind
+
+        metrics = delta.metrics
+        end = time.monotonic() if end is None else end
+        start = tokenize[0] if tokenize else metrics.arrival_time
+        span = self._tracer.start_span(
+            "llm_request",
+            context=parent,
+            kind=SpanKind.SERVER,
+            start_time=self._ns(start),
+            attributes=self._attributes(request_id, params, delta, end),
+        )
+        from opentelemetry.trace import set_span_in_context
+
+        child_context = set_span_in_context(span)
+        for name, span_start, span_end in self._phases(metrics, tokenize, end):
+            child = self._tracer.start_span(name, context=child_context, start_time=self._ns(span_start))
+            child.end(end_time=self._ns(span_end))
+        for when, kind in metrics.preemption_events:
+            span.add_event(
+                "preemption", {"gen_ai.pagedserve.preemption_mode": kind}, timestamp=self._ns(when)
+            )
+        span.end(end_time=self._ns(end))
+
+    def _attributes(self, request_id: str, params: Any, delta: RequestDelta, end: float) -> dict[str, Any]:
+        m = delta.metrics
+        attrs: dict[str, Any] = {
+            "gen_ai.request.id": request_id,
+            "gen_ai.request.model": self.model_name,
+            "gen_ai.request.max_tokens": params.max_tokens,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+            "gen_ai.request.n": params.n,
+            "gen_ai.usage.prompt_tokens": delta.num_prompt_tokens,
+            "gen_ai.usage.completion_tokens": delta.num_output_tokens,
+            "gen_ai.response.finish_reasons": [delta.finish_reason or "unknown"],
+            "gen_ai.latency.e2e": end - m.arrival_time,
+            "gen_ai.pagedserve.num_preemptions": m.num_preemptions,
+        }
+        if m.time_in_queue is not None:
+            attrs["gen_ai.latency.time_in_queue"] = m.time_in_queue
+        if m.time_to_first_token is not None:
+            attrs["gen_ai.latency.time_to_first_token"] = m.time_to_first_token
+        return attrs
+
+    @staticmethod
+    def _phases(
+        m: RequestMetrics, tokenize: tuple[float, float] | None, end: float
+    ) -> list[tuple[str, float, float]]:
+        phases = []
+        if tokenize:
+            phases.append(("tokenize", *tokenize))
+        if m.first_scheduled_time is not None:
+            phases.append(("queue", m.arrival_time, m.first_scheduled_time))
+            if m.first_token_time is not None:
+                phases.append(("prefill", m.first_scheduled_time, m.first_token_time))
+                phases.append(("decode", m.first_token_time, end))
+        return phases
+
+    def _ns(self, monotonic_s: float) -> int:
+        return int(monotonic_s * 1e9) + self._epoch_offset_ns
+
+
+def configure_tracing(otlp_endpoint: str | None, exporter: str | None = None) -> Any | None:
+    """A TracerProvider when tracing is asked for (`--otlp-traces-endpoint`, or `OTEL_TRACES_EXPORTER`
+    = otlp/console passed as `exporter`), else None. Resource attributes come from the standard
+    OTEL_* variables (e.g. OTEL_SERVICE_NAME), which the SDK reads itself."""
+    exporter = exporter or ("otlp" if otlp_endpoint else None)
+    if exporter in (None, "", "none"):
+        return None
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    provider = TracerProvider(resource=Resource.create({"service.name": "pagedserve"}))
+    span_exporter = ConsoleSpanExporter() if exporter == "console" else _otlp_exporter(otlp_endpoint)
+    provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    return provider
+
+
+def _otlp_exporter(endpoint: str | None) -> Any:
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    except ImportError:
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError as exc:
+            raise RuntimeError(
+                "OTLP tracing needs opentelemetry-exporter-otlp: pip install opentelemetry-exporter-otlp"
+            ) from exc
+    return OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()
