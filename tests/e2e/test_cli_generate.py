@@ -13,7 +13,10 @@ import pytest
 def test_generate_answers_the_capital_of_france(default_model_dir: str) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "pagedserve", "generate", "--prompt", "What is the capital of France?"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
@@ -23,7 +26,9 @@ def test_generate_answers_the_capital_of_france(default_model_dir: str) -> None:
 def test_generate_rejects_a_bad_parameter_by_name() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "pagedserve", "generate", "--prompt", "hi", "--temperature", "-1"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert "temperature" in result.stderr
