@@ -4,7 +4,6 @@ decodes before admissions, the youngest request as the recompute victim, rejecti
 from __future__ import annotations
 
 import pytest
-
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.block_manager import BlockManager
 from pagedserve.core.scheduler import Scheduler
