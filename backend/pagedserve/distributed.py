@@ -1,10 +1,16 @@
 """Every torch.distributed call goes through here. Without `init_tensor_parallel` the tensor-parallel
 size is 1 and every collective is the identity.
 
-Two process groups span the same ranks: the tensor group (gloo on CPU, NCCL on CUDA) carries the
-layers' all-reduces and gathers; a gloo control group carries the pickled step plans and small CPU
-values. Every call has a timeout, and a failed call (a dead peer, a timeout) raises `CollectiveError`,
-an `EngineDeadError`: a process group is unusable after one failed collective.
+Three process groups span the same ranks:
+
+    world    gloo, start-up timeout   rendezvous and start-up agreement (KV blocks): ranks may load
+                                      weights at different speeds, or start on different nodes late
+    tensor   gloo on CPU, NCCL on     the layers' all-reduces and gathers
+             CUDA, step timeout
+    control  gloo, step timeout       the pickled step plans rank 0 broadcasts
+
+A failed call (a dead peer, a timeout) raises `CollectiveError`, an `EngineDeadError`: a process
+group is unusable after one failed collective.
 """
 
 from __future__ import annotations
@@ -33,11 +39,13 @@ class LaunchEnv:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int  # ranks on this node
 
 
 @dataclass
 class _State:
-    tensor_group: Any = None  # the default (world) group
+    owns_world: bool = False  # this module initialized the default process group
+    tensor_group: Any = None
     control_group: Any = None
     size: int = 1
     rank: int = 0
@@ -54,8 +62,11 @@ def launch_env() -> LaunchEnv | None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return None
+    if "RANK" not in os.environ:
+        raise ValueError(f"WORLD_SIZE={world_size} is set but RANK is not: set both (torchrun does)")
     rank = int(os.environ["RANK"])
-    return LaunchEnv(rank, world_size, int(os.environ.get("LOCAL_RANK", str(rank))))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    return LaunchEnv(rank, world_size, int(os.environ.get("LOCAL_RANK", str(rank))), local_world_size)
 
 
 def backend_for(device: str) -> str:
@@ -63,32 +74,41 @@ def backend_for(device: str) -> str:
 
 
 def init_tensor_parallel(
-    rank: int, world_size: int, backend: str, timeout_s: float, store: dist.Store | None = None
+    launch: LaunchEnv,
+    backend: str,
+    timeout_s: float,
+    startup_timeout_s: float,
+    store: dist.Store | None = None,
 ) -> None:
-    """Join the rendezvous: through `store` when given (rank 0 of self-spawned ranks), else `env://`."""
-    if _state.tensor_group is not None:
+    """Join the rendezvous: through `store` when given (ranks rank 0 spawned, and rank 0), else `env://`."""
+    if _state.owns_world:
         raise RuntimeError(
             "tensor parallelism is already initialized in this process (one engine per process)"
         )
-    timeout = timedelta(seconds=timeout_s)
-    kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size, "timeout": timeout}
+    kwargs: dict[str, Any] = {
+        "backend": "gloo",
+        "rank": launch.rank,
+        "world_size": launch.world_size,
+        "timeout": timedelta(seconds=startup_timeout_s),
+    }
     if store is not None:
         kwargs["store"] = store
     else:
         kwargs["init_method"] = "env://"
+    timeout = timedelta(seconds=timeout_s)
     with _collective("rendezvous"):
         dist.init_process_group(**kwargs)
-        control = dist.new_group(backend="gloo", timeout=timeout)
-    _state.tensor_group, _state.control_group = dist.group.WORLD, control
-    _state.size, _state.rank = world_size, rank
+        _state.owns_world = True
+        _state.tensor_group = dist.new_group(backend=backend, timeout=timeout)
+        _state.control_group = dist.new_group(backend="gloo", timeout=timeout)
+    _state.size, _state.rank = launch.world_size, launch.rank
 
 
 def destroy_tensor_parallel() -> None:
-    if _state.tensor_group is None:
-        return
-    _state.tensor_group = _state.control_group = None
-    _state.size, _state.rank = 1, 0
-    if dist.is_initialized():
+    """Leave the process groups (idempotent); afterwards this process is tensor-parallel size 1."""
+    global _state
+    owned, _state = _state.owns_world, _State()
+    if owned and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -135,12 +155,13 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_min(value: int) -> int:
-    """The smallest of every rank's `value` (e.g. the KV blocks each rank has room for)."""
+    """The smallest of every rank's `value` (e.g. the KV blocks each rank has room for). A start-up
+    call: it waits as long as the start-up timeout for the slowest rank."""
     if _state.size == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
     with _collective("all_reduce_min"):
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_state.control_group)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
 
 

@@ -19,7 +19,7 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import FinishReason, Sequence
 from pagedserve.settings import EngineSettings
 from pagedserve.telemetry import EngineMetrics
-from pagedserve.worker.executor import Executor
+from pagedserve.worker.executor import create_executor
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         self.eos_token_ids = _eos_token_ids(config.model.path, self.tokenizer)
-        self.executor = Executor(config, self.eos_token_ids)
+        self.executor = create_executor(config, self.eos_token_ids)
         self.num_kv_blocks = self.executor.num_kv_blocks
         block_manager = BlockManager(
             self.num_kv_blocks,

@@ -67,7 +67,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 )
         self.output_sizes = output_sizes
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:  # type: ignore[override]
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         param.data.narrow(0, offset, size).copy_(_shard(loaded, 0, self.tp_size, self.tp_rank))
@@ -89,7 +89,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:  # type: ignore[override]
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         shard_index = self.tp_rank if shard_id == "q" else self.tp_rank // self.num_kv_head_replicas

@@ -1,0 +1,378 @@
+"""Tensor-parallel ranks in separate processes; this process is rank 0 and also runs the scheduler.
+
+Each step rank 0 broadcasts the plan (a plain-data `SchedulerOutput`) on the control group, then
+every rank runs the same forward pass on its shard. All ranks gather the same logits and sample the
+same tokens (the sampler is seeded by `config.seed`); rank 0's are returned, the others' dropped.
+
+    rank 0 (engine process)                  rank k > 0 (`run_worker` loop)
+    broadcast (STEP, plan)   ──────────────▶ receive
+    worker.execute(plan)     ◀─ all-reduce ─▶ worker.execute(plan)
+    idle: (PING) every few seconds ────────▶ receive; rank 0 silent past the timeout: exit
+    shutdown: (STOP)         ──────────────▶ exit 0
+
+Ranks come from a launcher (torchrun: one process per rank, rendezvous through `env://`), or this
+process starts ranks 1..N-1 on this machine (`python -m pagedserve.worker.multiproc_executor`,
+configured through stdin, rendezvous through a store this process hosts on a free loopback port).
+
+Faults: a rank that dies closes its sockets, so the next collective fails at once; a rank that hangs
+fails it after the step timeout. Either way `execute` raises `EngineDeadError` and rank 0 stops the
+ranks it started. A watchdog thread also notices a local rank's death between steps.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, NoReturn
+
+import torch
+
+from pagedserve import distributed
+from pagedserve.config import EngineConfig, default_num_threads
+from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.distributed import CollectiveError, LaunchEnv
+from pagedserve.errors import EngineDeadError
+from pagedserve.worker.executor import Executor, build_worker, log_capacity
+from pagedserve.worker.worker import Worker
+
+if TYPE_CHECKING:
+    from torch.distributed import Store, TCPStore
+
+logger = logging.getLogger(__name__)
+
+STEP_TIMEOUT_S = 120.0  # longest wait in one collective of a step: a rank this late is hung
+STARTUP_TIMEOUT_S = 1800.0  # rendezvous and weight loading: other nodes' ranks may start late
+_PING_INTERVAL_S = 5.0  # idle rank 0 pings the workers, whose wait for a plan has STEP_TIMEOUT_S
+_WATCH_INTERVAL_S = 0.2
+_STOP_GRACE_S = 10.0
+
+_STEP, _PING, _STOP = "step", "ping", "stop"
+
+
+@dataclass(frozen=True)
+class _SpawnArgs:
+    """What a rank started by rank 0 reads from its stdin."""
+
+    config: EngineConfig
+    eos_token_ids: frozenset[int]
+    launch: LaunchEnv
+    store_port: int
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int], launch: LaunchEnv | None) -> None:
+        self.tensor_parallel_size = config.parallel.tensor_parallel_size
+        self._procs: list[subprocess.Popen[bytes]] = []  # ranks 1..N-1 when this process started them
+        self._lock = threading.Lock()  # one sequence of collectives at a time: a step or a ping
+        self._stopping = threading.Event()
+        self._dead_reason: str | None = None
+        self._dead_lock = threading.Lock()  # the watchdog and a failing step may both report a death
+        self._released = False
+        self._num_threads = torch.get_num_threads()
+        self._last_sent = time.monotonic()
+        try:
+            self._start(config, eos_token_ids, launch)
+        except BaseException as exc:
+            self._stopping.set()
+            self._release()
+            _stop_processes(self._procs, 0.0)
+            if isinstance(exc, CollectiveError):
+                raise RuntimeError(f"tensor-parallel start-up failed: {self._reason(exc)}") from exc
+            raise
+        log_capacity(config, self.worker, self.num_kv_blocks)
+        # stop the ranks at interpreter exit even if nobody called shutdown(): a launcher's ranks
+        # would otherwise see rank 0 vanish and fail
+        atexit.register(self.shutdown)
+        self._watchdog = threading.Thread(target=self._watch, name="pagedserve-tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _start(self, config: EngineConfig, eos_token_ids: frozenset[int], launch: LaunchEnv | None) -> None:
+        tp = self.tensor_parallel_size
+        store = None
+        if launch is None:
+            _check_local_devices(config.device, tp)
+            store = distributed.create_store(tp, STARTUP_TIMEOUT_S)
+            self._store = store  # rank 0 hosts the rendezvous: keep it alive with the process group
+            self._procs.extend(_spawn_ranks(config, eos_token_ids, store.port))
+            _wait_started(store, self._procs)
+            launch = _local_launch(0, tp)
+        self.worker, self.num_kv_blocks, self.num_cpu_blocks = init_rank(config, eos_token_ids, launch, store)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1 when this process started them (empty under a launcher)."""
+        return [proc.pid for proc in self._procs]
+
+    # -- the step -------------------------------------------------------------------------------------
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        with self._lock:
+            self._raise_if_dead()
+            try:
+                distributed.broadcast_object((_STEP, output))
+                result = self.worker.execute(output)
+            except CollectiveError as exc:
+                self._mark_dead(self._reason(exc))
+                self._release()
+                raise EngineDeadError(self._dead_reason) from exc
+            self._last_sent = time.monotonic()
+            return result
+
+    def check_health(self) -> None:
+        if self._dead_reason is None and (exited := _exited_ranks(self._procs)):
+            self._mark_dead(exited)
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        if self._stopping.is_set():
+            raise EngineDeadError("the tensor-parallel executor is shut down")
+
+    def shutdown(self) -> None:
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        atexit.unregister(self.shutdown)
+        with self._lock:
+            if self._dead_reason is None:
+                with contextlib.suppress(EngineDeadError):
+                    distributed.broadcast_object((_STOP, None))
+            self._release()
+        _stop_processes(self._procs, _STOP_GRACE_S)
+
+    # -- faults ---------------------------------------------------------------------------------------
+
+    def _raise_if_dead(self) -> None:
+        """Called with the lock held, so no collective is in flight when the groups are released."""
+        if self._dead_reason is not None:
+            self._release()
+            raise EngineDeadError(self._dead_reason)
+        if self._stopping.is_set():  # the groups are gone: the layers would silently run as one rank
+            raise EngineDeadError("the tensor-parallel executor is shut down")
+
+    def _mark_dead(self, reason: str) -> None:
+        with self._dead_lock:
+            if self._dead_reason is not None:
+                return
+            self._dead_reason = reason
+        logger.error("tensor-parallel engine is dead: %s", reason)
+        # the surviving ranks cannot go on without the dead one: stop them now
+        _stop_processes(self._procs, 0.0)
+
+    def _reason(self, exc: CollectiveError) -> str:
+        """Name the rank that died when it is one of ours; its exit shows up just after its sockets close."""
+        deadline = time.monotonic() + 1.0
+        while self._procs and time.monotonic() < deadline:
+            if exited := _exited_ranks(self._procs):
+                return exited
+            time.sleep(0.02)
+        return str(exc)
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        distributed.destroy_tensor_parallel()
+        torch.set_num_threads(self._num_threads)
+
+    def _watch(self) -> None:
+        """Between steps: notice a local rank's death, and keep idle workers from timing out."""
+        while not self._stopping.wait(_WATCH_INTERVAL_S):
+            if exited := _exited_ranks(self._procs):
+                self._mark_dead(exited)
+                return
+            if time.monotonic() - self._last_sent >= _PING_INTERVAL_S:
+                self._ping()
+
+    def _ping(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            return  # a step is running, which keeps the workers busy
+        try:
+            if self._dead_reason is None and not self._stopping.is_set():
+                distributed.broadcast_object((_PING, None))
+                self._last_sent = time.monotonic()
+        except CollectiveError as exc:
+            self._mark_dead(self._reason(exc))
+        finally:
+            self._lock.release()
+
+
+# -- every rank ----------------------------------------------------------------------------------------
+
+
+def init_rank(
+    config: EngineConfig,
+    eos_token_ids: frozenset[int],
+    launch: LaunchEnv,
+    store: Store | None = None,
+) -> tuple[Worker, int, int]:
+    """Join the process groups and build this rank's worker: (worker, KV blocks, CPU blocks)."""
+    config = _rank_config(config, launch)
+    distributed.init_tensor_parallel(
+        launch, distributed.backend_for(config.device), STEP_TIMEOUT_S, STARTUP_TIMEOUT_S, store
+    )
+    return build_worker(config, eos_token_ids)
+
+
+def _rank_config(config: EngineConfig, launch: LaunchEnv) -> EngineConfig:
+    """One GPU per local rank; on CPU, the cores shared among the local ranks."""
+    if config.device.startswith("cuda"):
+        torch.cuda.set_device(launch.local_rank)
+        return replace(config, device=f"cuda:{launch.local_rank}")
+    # oversubscribed cores make every rank wait on the slowest at each all-reduce
+    torch.set_num_threads(max(1, default_num_threads() // launch.local_world_size))
+    return config
+
+
+def run_worker(
+    config: EngineConfig, eos_token_ids: frozenset[int], launch: LaunchEnv, store: Store | None = None
+) -> int:
+    """Rank k > 0: run rank 0's plans until it says stop (exit code 0) or is gone (1)."""
+    try:
+        worker, _, _ = init_rank(config, eos_token_ids, launch, store)
+        logger.info("tensor-parallel rank %d of %d ready", launch.rank, launch.world_size)
+        _serve_plans(worker)
+        return 0
+    except EngineDeadError as exc:
+        logger.error("tensor-parallel rank %d stops: %s", launch.rank, exc)
+        return 1
+    finally:
+        distributed.destroy_tensor_parallel()
+
+
+def _serve_plans(worker: Worker) -> None:
+    while True:
+        kind, plan = distributed.broadcast_object()
+        if kind == _STOP:
+            return
+        if kind == _STEP:
+            _execute(worker, plan)
+
+
+def _execute(worker: Worker, plan: SchedulerOutput) -> None:
+    try:
+        worker.execute(plan)
+    except EngineDeadError:
+        raise
+    except Exception:  # rank 0 fails the same batch and goes on; so does this rank
+        logger.exception("model step failed")
+
+
+def run_launched_worker(config: EngineConfig, eos_token_ids: frozenset[int], launch: LaunchEnv) -> NoReturn:
+    """A launcher's rank k > 0 serves plans, then ends the process: whatever called the engine (a
+    server, a script) must not go on as if it were rank 0. os._exit, because a SystemExit raised in
+    an engine thread would end only that thread."""
+    code = run_worker(config, eos_token_ids, launch)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+# -- ranks this process starts ---------------------------------------------------------------------
+
+
+def _local_launch(rank: int, world_size: int) -> LaunchEnv:
+    return LaunchEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
+
+
+def _spawn_ranks(
+    config: EngineConfig, eos_token_ids: frozenset[int], store_port: int
+) -> list[subprocess.Popen[bytes]]:
+    """Ranks 1..N-1 as fresh interpreters (not fork: this process already runs torch threads). They
+    rendezvous through rank 0's store, given explicitly: `env://` would prefix its keys."""
+    tp = config.parallel.tensor_parallel_size
+    # the same import path as this process, as multiprocessing's spawn does
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    procs = []
+    for rank in range(1, tp):
+        args = _SpawnArgs(config, eos_token_ids, _local_launch(rank, tp), store_port)
+        proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, env=env)
+        assert proc.stdin is not None
+        proc.stdin.write(pickle.dumps(args))
+        proc.stdin.close()
+        procs.append(proc)
+    return procs
+
+
+def _check_local_devices(device: str, tp: int) -> None:
+    if device.startswith("cuda") and torch.cuda.device_count() < tp:
+        raise ValueError(
+            f"tensor_parallel_size: {tp} ranks on this machine need {tp} GPUs, "
+            f"{torch.cuda.device_count()} are visible (use torchrun to span several machines)"
+        )
+
+
+def _started_key(rank: int) -> str:
+    return f"pagedserve/started/{rank}"
+
+
+def _wait_started(store: TCPStore, procs: list[subprocess.Popen[bytes]]) -> None:
+    """Until every rank has reached its rendezvous: a rank that fails to start (a bad environment,
+    an import error) fails start-up at once instead of after the rendezvous timeout."""
+    keys = [_started_key(rank) for rank in range(1, len(procs) + 1)]
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not store.check(keys):
+        if exited := _exited_ranks(procs):
+            raise RuntimeError(f"tensor-parallel start-up failed: {exited} (its error is in the log above)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        time.sleep(0.05)
+
+
+def _exited_ranks(procs: list[subprocess.Popen[bytes]]) -> str:
+    """'' while every rank runs, else which ranks exited and how."""
+    return "; ".join(
+        f"tensor-parallel rank {rank} (pid {proc.pid}) {_describe_exit(proc.returncode)}"
+        for rank, proc in enumerate(procs, start=1)
+        if proc.poll() is not None
+    )
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _stop_processes(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """Wait up to `grace_s` for the ranks to exit, then terminate, then kill."""
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _spawned_rank_main() -> int:
+    args: _SpawnArgs = pickle.load(sys.stdin.buffer)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s [rank {args.launch.rank}] %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    store = distributed.connect_store("127.0.0.1", args.store_port, STARTUP_TIMEOUT_S)
+    store.set(_started_key(args.launch.rank), "1")
+    return run_worker(args.config, args.eos_token_ids, args.launch, store)
+
+
+if __name__ == "__main__":
+    # run the imported module's copy, the one that unpickling `_SpawnArgs` uses, not __main__'s
+    from pagedserve.worker.multiproc_executor import _spawned_rank_main as main
+
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""Tensor parallelism on CPU with gloo: greedy outputs equal single-rank outputs token for token (also
+under swap preemption, chunked prefill and prefix caching, and with KV heads replicated), a rank
+killed mid-generation fails the engine with `EngineDeadError` in bounded time and leaves no process
+behind, and sizes that cannot split the heads fail before any rank starts.
+
+A divergence passes only where the single-rank run's top-2 logprobs are within NEAR_TIE: a different
+all-reduce summation order may flip a genuine near-tie in float32, nothing more."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+from pagedserve import LLM, SamplingParams
+from pagedserve.distributed import get_tp_size
+from pagedserve.errors import EngineDeadError
+from pagedserve.outputs import TokenLogprobs
+
+NEAR_TIE = 1e-3
+MAX_TOKENS = 32
+DEAD_WITHIN_S = 60.0
+
+
+@dataclass
+class Reference:
+    """A single-rank greedy run, with the top-2 logprobs of every generated token."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs]]
+
+
+def tiny_prompts() -> list[list[int]]:
+    """Mixed lengths; the first four share a 40-token prefix (five full blocks of 8: prefix-cache hits)."""
+    system = [1, *range(400, 440)]
+    shared = [system + list(range(1000 + 13 * i, 1003 + 18 * i)) for i in range(4)]
+    alone = [[1, *range(100 + 7 * i, 103 + 7 * i + 11 * i)] for i in range(4)]
+    return shared + alone
+
+
+def greedy(max_tokens: int = MAX_TOKENS, logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+
+
+def single_rank_reference(model_dir: str, prompts: list[list[int]], **settings: object) -> Reference:
+    return greedy_reference(LLM(model=model_dir, dtype="float32", **settings), prompts)
+
+
+def greedy_reference(llm: LLM, prompts: list[list[int]]) -> Reference:
+    outputs = [r.outputs[0] for r in llm.generate(prompts, greedy(logprobs=2))]
+    return Reference([o.token_ids for o in outputs], [o.logprobs or [] for o in outputs])
+
+
+def assert_matches_reference(ours: list[list[int]], reference: Reference) -> list[str]:
+    """Equal, or diverging only at a single-rank near-tie. Returns the ties, for the log."""
+    ties = []
+    for i, (a, b, logprobs) in enumerate(zip(ours, reference.token_ids, reference.logprobs, strict=True)):
+        assert len(a) == len(b) == MAX_TOKENS
+        if a == b:
+            continue
+        pos = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        top = sorted((lp.logprob for lp in logprobs[pos].values()), reverse=True)
+        gap = top[0] - top[1]
+        assert gap < NEAR_TIE, (
+            f"prompt {i}: tensor-parallel output diverged at token {pos} ({a[pos]} vs {b[pos]}) "
+            f"where the single-rank top-2 logprob gap is {gap:.2e}"
+        )
+        ties.append(f"prompt {i}: near-tie at token {pos} (gap {gap:.1e})")
+    print("\n".join(ties) or "all outputs identical")
+    return ties
+
+
+@contextlib.contextmanager
+def tensor_parallel_llm(model_dir: str, tp: int, **settings: object) -> Iterator[LLM]:
+    llm = LLM(model=model_dir, dtype="float32", tensor_parallel_size=tp, **settings)
+    pids = llm.engine.executor.worker_pids  # type: ignore[attr-defined]
+    assert len(pids) == tp - 1
+    try:
+        yield llm
+    finally:
+        llm.engine.executor.shutdown()
+        assert_all_exited(pids)
+        assert get_tp_size() == 1  # the process groups are gone: another engine can start here
+    with pytest.raises(EngineDeadError, match="shut down"):  # not a silent single-rank step
+        llm.generate([[1, 2, 3]], greedy(max_tokens=2))
+
+
+def running(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+    return alive
+
+
+def assert_all_exited(pids: list[int]) -> None:
+    assert not running(pids), f"worker processes still running: {running(pids)}"
+
+
+def token_ids(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [r.outputs[0].token_ids for r in llm.generate(prompts, greedy())]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return tiny_prompts()
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_llama_dir: str, prompts: list[list[int]]) -> Reference:
+    return single_rank_reference(tiny_llama_dir, prompts, num_kv_blocks=256, block_size=8)
+
+
+def test_tp2_matches_single_rank(
+    tiny_llama_dir: str, prompts: list[list[int]], tiny_reference: Reference
+) -> None:
+    with tensor_parallel_llm(tiny_llama_dir, 2, num_kv_blocks=256, block_size=8) as llm:
+        executor = llm.engine.executor
+        assert executor.tensor_parallel_size == 2
+        assert executor.num_kv_blocks == 256
+        assert executor.worker.num_kv_heads == 1  # type: ignore[attr-defined]  # 2 KV heads split 2 ways
+        # the first request alone fills the prefix cache the others then hit, on every rank
+        assert_matches_reference(token_ids(llm, prompts[:1]), _subset(tiny_reference, slice(0, 1)))
+        assert_matches_reference(token_ids(llm, prompts), tiny_reference)
+        assert llm.engine.stats().num_prefix_hits >= 3 * 40
+
+
+def test_tp2_matches_single_rank_under_swap_and_chunked_prefill(
+    tiny_llama_dir: str, prompts: list[list[int]], tiny_reference: Reference
+) -> None:
+    # a 24-token budget splits prompts into chunks; 24 blocks of 8 cannot hold all 8 requests
+    settings = {"num_kv_blocks": 24, "block_size": 8, "max_num_batched_tokens": 24, "max_num_seqs": 8}
+    with tensor_parallel_llm(tiny_llama_dir, 2, **settings) as llm:
+        assert_matches_reference(token_ids(llm, prompts), tiny_reference)
+        stats = llm.engine.stats()
+        assert stats.num_swap_preemptions > 0
+        assert stats.num_swapped_in_blocks > 0
+        assert stats.num_free_blocks == 24
+
+
+def test_tp4_replicates_kv_heads(
+    tiny_llama_dir: str, prompts: list[list[int]], tiny_reference: Reference
+) -> None:
+    with tensor_parallel_llm(tiny_llama_dir, 4, num_kv_blocks=256, block_size=8) as llm:
+        # 2 KV heads on 4 ranks: each rank keeps the one its 1 query head uses
+        assert llm.engine.executor.worker.num_kv_heads == 1  # type: ignore[attr-defined]
+        assert_matches_reference(token_ids(llm, prompts[::2]), _subset(tiny_reference, slice(None, None, 2)))
+
+
+def _subset(reference: Reference, rows: slice) -> Reference:
+    return Reference(reference.token_ids[rows], reference.logprobs[rows])
+
+
+@pytest.mark.slow
+def test_default_model_tp3_matches_single_rank(default_model_dir: str) -> None:
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Summarize the plot of Romeo and Juliet in one paragraph, mentioning the families involved.",
+        "Hi!",
+    ]
+    single_rank = LLM(model=default_model_dir, dtype="float32", num_kv_blocks=64)
+    prompts = [single_rank.engine.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    reference = greedy_reference(single_rank, prompts)
+    with tensor_parallel_llm(default_model_dir, 3, num_kv_blocks=64) as llm:
+        assert llm.engine.executor.worker.num_kv_heads == 1  # type: ignore[attr-defined]  # 3 KV heads
+        assert_matches_reference(token_ids(llm, prompts), reference)
+
+
+def test_killed_rank_fails_the_engine_in_bounded_time(tiny_llama_dir: str) -> None:
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    engine, executor = llm.engine, llm.engine.executor
+    pids = executor.worker_pids  # type: ignore[attr-defined]
+    try:
+        engine.add_request("a", [1, 2, 3, 4, 5], greedy(max_tokens=500))
+        engine.add_request("b", [1, *range(300, 340)], greedy(max_tokens=500))
+        for _ in range(3):
+            assert engine.step()
+        os.kill(pids[0], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < DEAD_WITHIN_S
+        with pytest.raises(EngineDeadError):  # and again at once, without touching a collective
+            engine.step()
+        with pytest.raises(EngineDeadError):
+            executor.check_health()
+        assert get_tp_size() == 1
+    finally:
+        executor.shutdown()
+    assert_all_exited(pids)
+
+
+def test_rank_death_between_steps_is_noticed(tiny_llama_dir: str) -> None:
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    executor = llm.engine.executor
+    try:
+        executor.check_health()
+        os.kill(executor.worker_pids[0], signal.SIGKILL)  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            try:
+                executor.check_health()
+            except EngineDeadError:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("a dead rank went unnoticed for 10 s")
+        with pytest.raises(RuntimeError, match="rank 1"):
+            llm.generate([[1, 2, 3]], greedy(max_tokens=4))
+    finally:
+        executor.shutdown()
+
+
+def test_workers_exit_when_the_engine_process_dies(tiny_llama_dir: str) -> None:
+    script = (
+        "import time; from pagedserve import LLM\n"
+        f"llm = LLM(model={tiny_llama_dir!r}, dtype='float32', num_kv_blocks=16, tensor_parallel_size=2)\n"
+        "print(*llm.engine.executor.worker_pids, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    engine = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout is not None
+        pids = [int(pid) for pid in engine.stdout.readline().split()]
+        assert len(pids) == 1
+    finally:
+        engine.kill()  # no atexit, no STOP: the workers see rank 0's sockets close
+        engine.wait()
+    deadline = time.monotonic() + DEAD_WITHIN_S
+    while time.monotonic() < deadline and running(pids):
+        time.sleep(0.1)
+    assert_all_exited(pids)
+
+
+def test_sizes_that_cannot_split_the_heads_fail_before_any_rank_starts(
+    tiny_llama_dir: str, default_model_dir: str, tmp_path: Path
+) -> None:
+    from conftest import build_tiny_llama
+
+    children_before = set(psutil.Process().children(recursive=True))
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide the 4 attention heads"):
+        LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=16, tensor_parallel_size=3)
+    six_heads = build_tiny_llama(tmp_path / "six-heads", default_model_dir, num_heads=6, num_kv_heads=3)
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size: 2 neither divides nor is a multiple of the 3 KV"
+    ):
+        LLM(model=six_heads, dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
+    assert set(psutil.Process().children(recursive=True)) == children_before
+    assert get_tp_size() == 1
+
+
+@pytest.mark.slow
+def test_torchrun_launch_matches_single_rank(tiny_llama_dir: str) -> None:
+    """Every rank runs the same command; rank 1 turns into a worker and exits when rank 0 is done."""
+    prompt, max_tokens = "The quick brown fox", 16
+    expected = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    )[0]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "pagedserve", "generate", "--model", tiny_llama_dir, "--dtype", "float32",
+        "--num-kv-blocks", "64", "--tensor-parallel-size", "2", "--no-chat", "--prompt", prompt,
+        "--max-tokens", str(max_tokens), "--temperature", "0",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tensor-parallel size 2" in done.stderr
+    assert done.stdout.strip() == expected.outputs[0].text.strip()
