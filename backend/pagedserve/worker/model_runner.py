@@ -65,7 +65,7 @@ class ModelRunner:
         self.block_tables = torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
         self.free_rows = list(range(max_seqs - 1, -1, -1))
         self.requests: dict[str, RequestState] = {}
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.device)
 
     def _load_model(self) -> torch.nn.Module:
         cfg = self.config.model
