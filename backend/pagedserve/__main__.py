@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from pagedserve.rpc.cli import add_serve_parser, run_serve
 from pagedserve.settings import EngineSettings, add_settings_arguments, settings_from_args
 
 
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _generate_parser(subparsers)
+    add_serve_parser(subparsers)
     return parser
 
 
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.command == "generate":
         return _run_generate(args)
+    if args.command == "serve":
+        return run_serve(args)
     return 2
 
 

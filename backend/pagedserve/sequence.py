@@ -18,7 +18,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or the model's context length reached
     STOP = "stop"  # a stop string or stop token id
     EOS = "eos"  # the model's end-of-sequence token

@@ -128,6 +128,18 @@ class LLMEngine:
     def _seq_id(request_id: str, index: int, n: int) -> str:
         return request_id if n == 1 else f"{request_id}#{index}"
 
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Everything add_request() would reject, checked without touching engine state (any thread)."""
+        self._validate_prompt(prompt_token_ids, params)
+        block_manager = self.scheduler.block_manager
+        max_tokens = min(len(prompt_token_ids) + params.max_tokens, self.config.model.max_model_len)
+        if not block_manager.can_ever_fit(max_tokens):
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt + max_tokens = {max_tokens} tokens can never fit the KV cache "
+                f"({block_manager.num_blocks} blocks of {block_manager.block_size})",
+            )
+
     def _validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         max_len = self.config.model.max_model_len
         vocab_size = self.config.model.vocab_size

@@ -1,0 +1,193 @@
+"""The asyncio engine: one background loop steps the engine while there is work, each request reads
+its deltas from its own queue, and abort lives in the `finally` of the per-request generator, so a
+client cancel, a broken connection, an expired deadline or a drain all free the request's blocks
+before the next step.
+
+The synchronous engine is not thread-safe: adds and aborts are queued by callers and applied by the
+loop between steps, and `step()` itself runs in a worker thread so the event loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.errors import EngineDeadError, InvalidRequestError
+from pagedserve.outputs import RequestDelta, RequestMetrics
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """More requests are queued than --max-queued-requests allows."""
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue[RequestDelta | BaseException] = field(default_factory=asyncio.Queue)
+    num_completions: int = 1
+    finished: bool = False
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024) -> None:
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self._streams: dict[str, _Stream] = {}
+        self._pending_adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._pending_aborts: dict[str, str | None] = {}  # request id -> message for the client, if any
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
+        self.dead: BaseException | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="pagedserve-engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.engine.executor.shutdown()
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done() and self.dead is None
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._streams)
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def live_request_ids(self) -> list[str]:
+        return list(self._streams)
+
+    def check(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise what generate() would raise before its first delta, without starting anything."""
+        self._admit(request_id, prompt_token_ids, params)
+
+    def kill(self, exc: BaseException) -> None:
+        """The engine cannot continue (e.g. a worker rank died between steps): fail every request."""
+        if self.dead is None:
+            self._die(exc)
+            if self._task is not None:
+                self._task.cancel()
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestDelta]:
+        """Deltas of one request until all its completions finish. Raises InvalidRequestError before
+        the first delta for a request the engine would reject, QueueFullError when over the bound,
+        and EngineDeadError if the engine fails."""
+        self._admit(request_id, prompt_token_ids, params)
+        stream = self._streams[request_id] = _Stream(num_completions=params.n)
+        self._pending_adds.append((request_id, prompt_token_ids, params))
+        self._wakeup.set()
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.request_finished:
+                    stream.finished = True
+                    return
+        finally:
+            if not stream.finished:  # the caller went away (cancel, deadline, disconnect) or we failed
+                self._pending_aborts.setdefault(request_id, None)
+                self._wakeup.set()
+            self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str, message: str = "aborted") -> bool:
+        """Abort a live request; its stream ends with a final delta whose finish reason is aborted."""
+        if request_id not in self._streams:
+            return False
+        self._pending_aborts[request_id] = message
+        self._wakeup.set()
+        return True
+
+    def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead}")
+        if request_id in self._streams:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        self.engine.validate_request(prompt_token_ids, params)
+        if self.engine.stats().num_waiting + len(self._pending_adds) >= self.max_queued_requests:
+            raise QueueFullError(f"{self.max_queued_requests} requests are already queued; retry later")
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            if not self._has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            self._apply_pending()
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                deltas = await asyncio.to_thread(self.engine.step)
+            except Exception as exc:  # the engine cannot go on: fail everyone, never leave them hanging
+                self._die(exc)
+                return
+            for delta in deltas:
+                stream = self._streams.get(delta.request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(delta)
+
+    def _has_work(self) -> bool:
+        return bool(self._pending_adds or self._pending_aborts or self.engine.has_unfinished_requests())
+
+    def _apply_pending(self) -> None:
+        aborts, self._pending_aborts = self._pending_aborts, {}
+        self.engine.abort_request(list(aborts))
+        for request_id, message in aborts.items():
+            stream = self._streams.get(request_id)
+            if message is not None and stream is not None:
+                for index in range(stream.num_completions):
+                    stream.queue.put_nowait(
+                        _aborted_delta(request_id, index, message, stream.num_completions)
+                    )
+        adds, self._pending_adds = self._pending_adds, []
+        for request_id, prompt_token_ids, params in adds:
+            if request_id in aborts or request_id not in self._streams:
+                continue  # gone before it started
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params)
+            except InvalidRequestError as exc:
+                self._streams[request_id].queue.put_nowait(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        logger.error("engine loop stopped: %r", exc)
+        self.dead = exc
+        error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine step failed: {exc!r}")
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+
+
+def _aborted_delta(request_id: str, index: int, message: str, n: int) -> RequestDelta:
+    return RequestDelta(
+        request_id=request_id,
+        new_token_ids=[],
+        new_text="",
+        new_logprobs=None,
+        finished=True,
+        finish_reason="aborted",
+        num_prompt_tokens=0,
+        num_output_tokens=0,
+        metrics=RequestMetrics(arrival_time=0.0),
+        index=index,
+        request_finished=index == n - 1,
+        error=message,
+    )

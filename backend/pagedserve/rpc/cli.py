@@ -1,0 +1,87 @@
+"""`pagedserve serve`: build the engine, then serve gRPC (and HTTP metrics/health) until drained."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from pydantic import Field
+
+from pagedserve.settings import EngineSettings, add_settings_arguments, settings_from_args
+
+logger = logging.getLogger("pagedserve.serve")
+
+
+class ServeSettings(EngineSettings):
+    host: str = Field("0.0.0.0", description="address to bind")
+    port: int = Field(8001, description="gRPC port (0 = any free port)")
+    http_port: int = Field(
+        8000, description="HTTP port for /metrics and health (-1 = off, 0 = any free port)"
+    )
+    shutdown_timeout: float = Field(30.0, description="seconds in-flight requests may finish after SIGTERM")
+    max_queued_requests: int = Field(
+        1024, description="waiting requests beyond which calls get RESOURCE_EXHAUSTED"
+    )
+    otlp_traces_endpoint: str | None = Field(
+        None, description="OTLP collector for request traces (e.g. http://otel:4317)"
+    )
+    traces_exporter: str | None = Field(
+        None, description="otlp, console or none (default: otlp when an endpoint is set)"
+    )
+    warmup: bool = Field(True, description="generate one token before reporting ready")
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="serve the model over gRPC")
+    add_settings_arguments(parser, ServeSettings)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    settings = settings_from_args(ServeSettings, args)
+    return asyncio.run(_serve(settings))
+
+
+async def _serve(settings: ServeSettings) -> int:
+    from pagedserve.distributed import launch_env
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.rpc.http import HttpEndpoint
+    from pagedserve.rpc.server import Server, run_until_signalled
+    from pagedserve.telemetry import RequestTracer, configure_tracing
+
+    tracer = RequestTracer(
+        configure_tracing(settings.otlp_traces_endpoint, settings.traces_exporter),
+        settings.served_model_name or "",
+    )
+    # Under a launcher (torchrun) every process runs `serve` and ranks other than 0 become workers
+    # inside the engine constructor: build the engine before binding anything. Otherwise open the
+    # ports first, so probes see a live (not ready) server while the weights load.
+    under_launcher = launch_env() is not None
+    llm = LLMEngine.from_settings(settings) if under_launcher else None
+    server = Server(tracer)
+    port = server.add_port(f"{settings.host}:{settings.port}")
+    http = HttpEndpoint(server)
+    http_port = await http.start(settings.host, settings.http_port) if settings.http_port >= 0 else None
+    await server.open()
+    logger.info(
+        "gRPC on %s:%d, HTTP on %s: live; loading the model",
+        settings.host,
+        port,
+        f"{settings.host}:{http_port}" if http_port is not None else "off",
+    )
+    if llm is None:
+        llm = await asyncio.to_thread(LLMEngine.from_settings, settings)
+    tracer.model_name = llm.config.model.served_model_name
+    await server.start(AsyncEngine(llm, settings.max_queued_requests), warmup=settings.warmup)
+    logger.info(
+        "pagedserve ready: gRPC %s:%d (pagedserve.rpc.v1.Generation, grpc.health.v1, reflection), model %r",
+        settings.host,
+        port,
+        llm.config.model.served_model_name,
+    )
+    code = await run_until_signalled(server, settings.shutdown_timeout)
+    await http.stop()
+    if tracer.provider is not None:
+        tracer.provider.shutdown()
+    return code

@@ -1,0 +1,162 @@
+"""Protocol messages <-> engine types. Every rejection is an InvalidRequestError naming the field."""
+
+from __future__ import annotations
+
+from google.protobuf.message import DecodeError, Message
+
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.errors import InvalidRequestError
+from pagedserve.outputs import RequestDelta, TokenLogprobs
+from pagedserve.rpc.v1 import generate_pb2 as pb
+from pagedserve.sampling_params import SamplingParams
+
+_OPTIONAL_PARAMS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "n",
+    "skip_special_tokens",
+)
+_FINISH_REASONS = {
+    "length": pb.LENGTH,
+    "stop": pb.STOP,
+    "eos": pb.EOS,
+    "aborted": pb.ABORTED,
+    "error": pb.ERROR,
+}
+_MAX_REQUEST_ID_LEN = 256
+
+
+def parse_message(message_type: type[Message], data: bytes) -> Message | InvalidRequestError:
+    """Deserialize a request, turning undecodable bytes (e.g. invalid UTF-8 in a string field) into
+    an error naming the field instead of the transport's generic failure."""
+    try:
+        return message_type.FromString(data)
+    except DecodeError:
+        return InvalidRequestError(
+            _find_bad_string(message_type.DESCRIPTOR, data),
+            "is not valid UTF-8 or not a valid protobuf encoding",
+        )
+
+
+def _find_bad_string(descriptor: object, data: bytes, prefix: str = "") -> str:
+    """Walk the wire format to name the string field whose bytes are not UTF-8 (best effort)."""
+    from google.protobuf.internal.decoder import _DecodeVarint
+
+    fields = {f.number: f for f in descriptor.fields}  # type: ignore[attr-defined]
+    pos = 0
+    try:
+        while pos < len(data):
+            key, pos = _DecodeVarint(data, pos)
+            number, wire_type = key >> 3, key & 7
+            if wire_type == 0:
+                _, pos = _DecodeVarint(data, pos)
+            elif wire_type in (1, 5):
+                pos += 8 if wire_type == 1 else 4
+            elif wire_type == 2:
+                size, pos = _DecodeVarint(data, pos)
+                chunk, pos = data[pos : pos + size], pos + size
+                field = fields.get(number)
+                if field is None:
+                    continue
+                name = prefix + field.name
+                if field.type == field.TYPE_STRING:
+                    try:
+                        chunk.decode("utf-8")
+                    except UnicodeDecodeError:
+                        return name
+                elif field.type == field.TYPE_MESSAGE:
+                    inner = _find_bad_string(field.message_type, chunk, name + ".")
+                    if inner != name + ".request":
+                        return inner
+            else:
+                break
+    except (IndexError, ValueError):
+        pass
+    return prefix + "request"
+
+
+def sampling_params(message: pb.SamplingParameters) -> SamplingParams:
+    kwargs: dict[str, object] = {
+        name: getattr(message, name) for name in _OPTIONAL_PARAMS if message.HasField(name)
+    }
+    kwargs.update(
+        ignore_eos=message.ignore_eos,
+        stop=list(message.stop),
+        stop_token_ids=list(message.stop_token_ids),
+        include_stop_str_in_output=message.include_stop_str_in_output,
+    )
+    return SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def request_id(request: pb.GenerateRequest, assign: str) -> str:
+    rid = request.request_id or assign
+    if len(rid) > _MAX_REQUEST_ID_LEN or not rid.isprintable():
+        raise InvalidRequestError(
+            "request_id", f"must be printable and at most {_MAX_REQUEST_ID_LEN} characters"
+        )
+    return rid
+
+
+def prompt_token_ids(request: pb.GenerateRequest, engine: LLMEngine) -> list[int]:
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        if not request.text:
+            raise InvalidRequestError("text", "must not be empty")
+        return engine.encode_prompt(request.text)
+    if kind == "token_ids":
+        return list(request.token_ids.ids)
+    if kind == "messages":
+        return chat_token_ids(request.messages, engine)
+    raise InvalidRequestError("input", "set one of text, token_ids or messages")
+
+
+def chat_token_ids(messages: pb.ChatMessages, engine: LLMEngine) -> list[int]:
+    if not messages.messages:
+        raise InvalidRequestError("messages", "must not be empty")
+    for i, message in enumerate(messages.messages):
+        if message.role not in ("system", "user", "assistant"):
+            raise InvalidRequestError(f"messages[{i}].role", "must be system, user or assistant")
+    return engine.encode_chat([{"role": m.role, "content": m.content} for m in messages.messages])
+
+
+def response(delta: RequestDelta) -> pb.GenerateResponse:
+    out = pb.GenerateResponse(
+        request_id=delta.request_id,
+        index=delta.index,
+        text=delta.new_text,
+        token_ids=delta.new_token_ids,
+        prompt_tokens=delta.num_prompt_tokens,
+        completion_tokens=delta.num_output_tokens,
+        error=delta.error or "",
+    )
+    if delta.finished and delta.finish_reason:
+        out.finish_reason = _FINISH_REASONS.get(delta.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+    metrics = delta.metrics
+    if metrics.time_in_queue is not None:
+        out.time_in_queue_s = metrics.time_in_queue
+    if metrics.time_to_first_token is not None:
+        out.time_to_first_token_s = metrics.time_to_first_token
+    for token_id, entry in zip(delta.new_token_ids, delta.new_logprobs or []):
+        out.logprobs.append(_logprobs(token_id, entry))
+    return out
+
+
+def _logprobs(token_id: int, entry: TokenLogprobs) -> pb.TokenLogprobs:
+    """The sampled token, and every token of the engine's entry (top-k, plus the sampled one) by rank."""
+
+    def one(tid: int) -> pb.TokenLogprob:
+        lp = entry[tid]
+        return pb.TokenLogprob(token_id=tid, logprob=lp.logprob, rank=lp.rank, text=lp.decoded_token or "")
+
+    return pb.TokenLogprobs(
+        sampled=one(token_id), top=[one(t) for t in sorted(entry, key=lambda t: entry[t].rank)]
+    )

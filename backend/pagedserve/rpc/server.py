@@ -1,0 +1,379 @@
+"""The gRPC server: `pagedserve.rpc.v1.Generation` (convert and delegate to the AsyncEngine, nothing
+else), the standard `grpc.health.v1.Health`, reflection, and the serving lifecycle:
+
+    starting ──warm-up done──▶ serving ──SIGTERM──▶ draining ──in-flight done or timeout──▶ exit 0
+                                  └──engine loop or a worker died──▶ dead ──▶ exit 1
+
+Liveness (health service "") is SERVING from the first moment until the engine dies; readiness
+(service READINESS_SERVICE) only while serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pagedserve import __version__
+from pagedserve.engine.async_engine import AsyncEngine, QueueFullError
+from pagedserve.errors import EngineDeadError, InvalidRequestError
+from pagedserve.outputs import RequestDelta
+from pagedserve.rpc import convert
+from pagedserve.rpc.v1 import generate_pb2 as pb
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.telemetry import RequestTracer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "pagedserve.rpc.v1.Generation"
+READINESS_SERVICE = SERVICE_NAME
+_HEALTH_POLL_S = 1.0
+
+
+@dataclass
+class ServerState:
+    status: str = "starting"  # starting, serving, draining, dead
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "serving"
+
+
+class GenerationServicer:
+    """Every RPC checks the server state first, so nothing touches the engine before it is bound."""
+
+    def __init__(self, state: ServerState, tracer: RequestTracer) -> None:
+        self.state = state
+        self.tracer = tracer
+
+    def bind(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.llm = engine.engine
+        self.model_name = self.llm.config.model.served_model_name
+
+    # -- generation ----------------------------------------------------------------------------------
+
+    async def Generate(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        started = time.monotonic()
+        rid, prompt, params = await self._admit(request, context)
+        tokenized = (started, time.monotonic())
+        finished = False
+        last: RequestDelta | None = None
+        try:
+            async for delta in self._deltas(rid, prompt, params, context):
+                last = delta
+                yield convert.response(delta)
+            finished = True
+        finally:
+            if not finished:
+                self._record_abort(context)
+            if last is not None and last.request_finished:
+                self.tracer.record(self._trace_parent(context), rid, params, last, tokenized)
+
+    async def Complete(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
+        rid, prompt, params = await self._admit(request, context)
+        completions = [pb.GenerateResponse(request_id=rid, index=i) for i in range(params.n)]
+        async for delta in self._deltas(rid, prompt, params, context):
+            _merge(completions[delta.index], convert.response(delta))
+        return pb.CompleteResponse(completions=completions)
+
+    async def _admit(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> tuple[str, list[int], SamplingParams]:
+        if self.state.status != "serving":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is {self.state.status}")
+        try:
+            if isinstance(request, InvalidRequestError):
+                raise request
+            if request.model and request.model != self.model_name:
+                raise InvalidRequestError(
+                    "model", f"unknown model {request.model!r}; this server serves {self.model_name!r}"
+                )
+            rid = convert.request_id(request, self.engine.new_request_id())
+            params = convert.sampling_params(request.sampling)
+            prompt = convert.prompt_token_ids(request, self.llm)
+            self.engine.check(rid, prompt, params)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFullError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return rid, prompt, params
+
+    async def _deltas(
+        self, rid: str, prompt: list[int], params: SamplingParams, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[RequestDelta]:
+        try:
+            async for delta in self.engine.generate(rid, prompt, params):
+                if delta.finish_reason == "error":
+                    await context.abort(grpc.StatusCode.INTERNAL, delta.error or "generation failed")
+                yield delta
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFullError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {exc}")
+
+    def _record_abort(self, context: grpc.aio.ServicerContext) -> None:
+        remaining = context.time_remaining()
+        cause = "deadline" if remaining is not None and remaining <= 0 else "client_cancel"
+        self.llm.metrics.record_abort(cause)
+
+    def _trace_parent(self, context: grpc.aio.ServicerContext) -> Any:
+        if not self.tracer.enabled:
+            return None
+        return self.tracer.extract(
+            {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        )
+
+    # -- control -------------------------------------------------------------------------------------
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        await self._require_engine(context)
+        if isinstance(request, InvalidRequestError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
+        aborted = [rid for rid in request.request_ids if self.engine.abort(rid, "aborted by an Abort call")]
+        for _ in aborted:
+            self.llm.metrics.record_abort("abort_rpc")
+        return pb.AbortResponse(aborted_request_ids=aborted)
+
+    async def _require_engine(self, context: grpc.aio.ServicerContext) -> None:
+        if self.state.status in ("starting", "dead"):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is {self.state.status}")
+
+    async def Health(self, request: Any, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        if self.state.status == "starting":
+            return pb.HealthResponse(ready=False, status="starting")
+        stats = self.llm.stats()
+        ready = self.state.ready
+        if ready and not isinstance(request, InvalidRequestError) and request.deep:
+            ready = await deep_check(self.engine)
+        usage = 1.0 - stats.num_free_blocks / max(1, stats.num_total_blocks)
+        return pb.HealthResponse(
+            ready=ready,
+            status=self.state.status,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            kv_cache_usage=usage,
+        )
+
+    async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        await self._require_engine(context)
+        try:
+            if isinstance(request, InvalidRequestError):
+                raise request
+            kind = request.WhichOneof("input")
+            if kind == "messages":
+                ids = convert.chat_token_ids(request.messages, self.llm)
+            elif kind == "text":
+                ids = self.llm.encode_prompt(request.text)
+            else:
+                raise InvalidRequestError("input", "set text or messages")
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.TokenizeResponse(token_ids=ids, tokens=self.llm.tokenizer.convert_ids_to_tokens(ids))
+
+    async def Detokenize(self, request: Any, context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        await self._require_engine(context)
+        vocab = self.llm.config.model.vocab_size
+        if isinstance(request, InvalidRequestError) or any(not 0 <= t < vocab for t in request.token_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: must be in [0, {vocab})")
+        text = self.llm.tokenizer.decode(
+            list(request.token_ids), skip_special_tokens=request.skip_special_tokens
+        )
+        return pb.DetokenizeResponse(text=text)
+
+    async def ModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
+        await self._require_engine(context)
+        config, executor = self.llm.config, self.llm.executor
+        return pb.ModelInfoResponse(
+            model_name=self.model_name,
+            max_context_length=config.model.max_model_len,
+            num_kv_blocks=executor.num_kv_blocks,
+            block_size=config.cache.block_size,
+            kv_capacity_tokens=executor.num_kv_blocks * config.cache.block_size,
+            tensor_parallel_size=executor.tensor_parallel_size,
+            dtype=config.model.dtype,
+            version=__version__,
+            max_num_seqs=config.scheduler.max_num_seqs,
+        )
+
+
+def _merge(into: pb.GenerateResponse, delta: pb.GenerateResponse) -> None:
+    into.text += delta.text
+    into.token_ids.extend(delta.token_ids)
+    into.logprobs.extend(delta.logprobs)
+    for name in (
+        "finish_reason",
+        "prompt_tokens",
+        "completion_tokens",
+        "time_in_queue_s",
+        "time_to_first_token_s",
+        "error",
+    ):
+        if getattr(delta, name):
+            setattr(into, name, getattr(delta, name))
+
+
+async def deep_check(engine: AsyncEngine, timeout: float = 30.0) -> bool:
+    """Generate one token through the whole engine: weights, KV cache, sampler and the loop."""
+    rid = f"health-{engine.new_request_id()}"
+    bos = engine.engine.tokenizer.bos_token_id
+    prompt = [bos if bos is not None else 0, 1]
+    try:
+        async with asyncio.timeout(timeout):
+            async for delta in engine.generate(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1)):
+                if delta.request_finished:
+                    return delta.finish_reason in ("length", "eos", "stop")
+    except Exception:  # a failed check is an answer, not an error
+        logger.exception("deep health check failed")
+    return False
+
+
+def _handlers(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
+    """Method handlers with forgiving deserializers (see convert.parse_message)."""
+
+    def handler(kind: Any, method: Any, request_type: Any, response_type: Any) -> Any:
+        return kind(
+            method,
+            request_deserializer=partial(convert.parse_message, request_type),
+            response_serializer=response_type.SerializeToString,
+        )
+
+    unary, stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
+    return grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Generate": handler(stream, servicer.Generate, pb.GenerateRequest, pb.GenerateResponse),
+            "Complete": handler(unary, servicer.Complete, pb.GenerateRequest, pb.CompleteResponse),
+            "Abort": handler(unary, servicer.Abort, pb.AbortRequest, pb.AbortResponse),
+            "Health": handler(unary, servicer.Health, pb.HealthRequest, pb.HealthResponse),
+            "Tokenize": handler(unary, servicer.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse),
+            "Detokenize": handler(unary, servicer.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse),
+            "ModelInfo": handler(unary, servicer.ModelInfo, pb.ModelInfoRequest, pb.ModelInfoResponse),
+        },
+    )
+
+
+class Server:
+    """Owns the grpc.aio server, the health servicer and the lifecycle around an AsyncEngine."""
+
+    def __init__(self, tracer: RequestTracer | None = None) -> None:
+        self.state = ServerState()
+        self.health = health.aio.HealthServicer()
+        self.grpc = grpc.aio.server()
+        self.servicer = GenerationServicer(self.state, tracer or RequestTracer(None, ""))
+        self.grpc.add_generic_rpc_handlers((_handlers(self.servicer),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self.grpc,
+        )
+        self.stopped = asyncio.Event()
+
+    def add_port(self, address: str) -> int:
+        port = self.grpc.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"could not bind gRPC address {address}")
+        return port
+
+    async def open(self) -> None:
+        """Serve health at once: live, not ready (the engine may still be loading)."""
+        await self._set_health(liveness=True, ready=False)
+        await self.grpc.start()
+
+    async def start(self, engine: AsyncEngine, warmup: bool = True) -> None:
+        """Ready once the engine loop runs and a warm-up generation is done."""
+        self.engine = engine
+        self.servicer.bind(engine)
+        self.engine.start()
+        if warmup and not await deep_check(self.engine):
+            raise RuntimeError("warm-up generation failed")
+        self.state.status = "serving"
+        await self._set_health(liveness=True, ready=True)
+
+    async def watch_engine(self) -> None:
+        """Between steps, notice a dead engine loop or worker rank and flip health to NOT_SERVING."""
+        while self.state.status != "dead":
+            if self.engine.dead is None:
+                try:
+                    self.engine.engine.executor.check_health()
+                except EngineDeadError as exc:
+                    self.engine.kill(exc)
+            if self.engine.dead is not None:
+                self.state.status = "dead"
+                await self._set_health(liveness=False, ready=False)
+                return
+            await asyncio.sleep(_HEALTH_POLL_S)
+
+    async def drain(self, timeout: float) -> None:
+        """Stop accepting, let in-flight requests finish up to `timeout`, abort the rest with a message."""
+        if self.state.status == "serving":
+            self.state.status = "draining"
+        await self._set_health(liveness=True, ready=False)
+        deadline = time.monotonic() + timeout
+        while self.engine.num_live_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in self.engine.live_request_ids():
+            self.engine.abort(rid, "server shutting down")
+        for _ in range(100):  # give aborted streams a moment to deliver their final message
+            if not self.engine.num_live_requests:
+                break
+            await asyncio.sleep(0.02)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.grpc.stop(grace)
+        await self.engine.stop()
+        self.stopped.set()
+
+    async def _set_health(self, liveness: bool, ready: bool) -> None:
+        serving, not_serving = (
+            health_pb2.HealthCheckResponse.SERVING,
+            health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
+        await self.health.set("", serving if liveness else not_serving)
+        await self.health.set(READINESS_SERVICE, serving if ready else not_serving)
+
+
+async def run_until_signalled(server: Server, shutdown_timeout: float) -> int:
+    """Serve until SIGTERM/SIGINT (drain, exit 0) or until the engine dies (exit 1)."""
+    loop = asyncio.get_running_loop()
+    signalled = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, signalled.set)
+    watcher = asyncio.create_task(server.watch_engine())
+    signal_wait = asyncio.create_task(signalled.wait())
+    await asyncio.wait((watcher, signal_wait), return_when=asyncio.FIRST_COMPLETED)
+    if server.state.status == "dead":
+        logger.error("engine died: %s; exiting so the orchestrator restarts this server", server.engine.dead)
+        await asyncio.sleep(0.5)  # let failing streams deliver their errors
+        signal_wait.cancel()
+        await server.stop(grace=0.5)
+        return 1
+    logger.info(
+        "draining: waiting up to %.0f s for %d in-flight requests",
+        shutdown_timeout,
+        server.engine.num_live_requests,
+    )
+    watcher.cancel()
+    await server.drain(shutdown_timeout)
+    await server.stop()
+    logger.info("drained; bye")
+    return 0
