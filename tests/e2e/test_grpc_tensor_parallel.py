@@ -1,0 +1,83 @@
+"""The gRPC server with --tensor-parallel-size 2: streams correctly, and a killed worker rank turns
+health NOT_SERVING, fails the in-flight request with a clear error and ends the process non-zero."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_helpers import ServerProcess, request
+from pagedserve import LLM, SamplingParams
+from pagedserve.rpc.v1 import generate_pb2 as pb
+
+pytestmark = pytest.mark.slow
+
+
+def start(tiny_llama_dir: str, tmp_path: Path) -> ServerProcess:
+    return ServerProcess(
+        "--model",
+        tiny_llama_dir,
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "128",
+        "--tensor-parallel-size",
+        "2",
+        log=tmp_path / "server.log",
+    ).wait_ready()
+
+
+def test_tensor_parallel_server_streams_the_single_rank_output(tiny_llama_dir: str, tmp_path: Path) -> None:
+    proc = start(tiny_llama_dir, tmp_path)
+    try:
+        ids = [
+            t
+            for r in proc.stub.Generate(request("Once upon a time", max_tokens=16), timeout=60)
+            for t in r.token_ids
+        ]
+        prompt = proc.stub.Tokenize(pb.TokenizeRequest(text="Once upon a time")).token_ids
+        info = proc.stub.ModelInfo(pb.ModelInfoRequest())
+    finally:
+        proc.stop()
+    single = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128)
+    expected = single.generate([list(prompt)], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert ids == expected[0].outputs[0].token_ids
+    assert info.tensor_parallel_size == 2
+
+
+def test_killed_worker_fails_the_request_and_the_server_exits_non_zero(
+    tiny_llama_dir: str, tmp_path: Path
+) -> None:
+    proc = start(tiny_llama_dir, tmp_path)
+    try:
+        workers = psutil.Process(proc.proc.pid).children(recursive=True)
+        assert workers, "the rank-1 worker process should be a child of the server"
+        call = proc.stub.Generate(request(max_tokens=900), timeout=60)
+        next(call)
+        started = time.monotonic()
+        os.kill(workers[0].pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+        assert info.value.code() == grpc.StatusCode.INTERNAL and "engine failed" in info.value.details()
+        statuses = set()
+        while proc.proc.poll() is None and time.monotonic() - started < 30:
+            status = proc.readiness()
+            if status is not None:
+                statuses.add(status)
+            try:
+                live = proc.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+                statuses.add(("live", live))
+            except grpc.RpcError:
+                pass
+            time.sleep(0.02)
+        assert proc.proc.wait(timeout=30) == 1
+        assert time.monotonic() - started < 30
+        assert ("live", health_pb2.HealthCheckResponse.NOT_SERVING) in statuses
+    finally:
+        proc.stop()
