@@ -237,7 +237,8 @@ def test_bounded_queue_answers_resource_exhausted(tiny_llama_dir: str, tmp_path:
         running = proc.stub.Generate(request(max_tokens=900, request_id="running"))
         next(running)
         waiting = proc.stub.Generate(request(max_tokens=5, request_id="waiting"))
-        threading.Thread(target=lambda: list(waiting), daemon=True).start()
+        waiter = threading.Thread(target=lambda: list(waiting), daemon=True)
+        waiter.start()
         deadline = time.monotonic() + 10
         while proc.stub.Health(pb.HealthRequest()).num_waiting < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -245,6 +246,8 @@ def test_bounded_queue_answers_resource_exhausted(tiny_llama_dir: str, tmp_path:
             list(proc.stub.Generate(request(max_tokens=2), timeout=30))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         running.cancel()
+        waiter.join(timeout=30)  # the queued request runs once the slot frees; then the queue is empty
+        assert not waiter.is_alive()
         assert len(stream_text(proc.stub, request(max_tokens=2))[1]) == 2
     finally:
         proc.stop()
