@@ -1,4 +1,5 @@
-"""`pagedserve serve`: build the engine, then serve gRPC (and HTTP metrics/health) until drained."""
+"""`pagedserve serve`: build the engine, then serve gRPC (our API and the KServe v2 / Triton adapter)
+and HTTP (metrics, health, KServe v2 REST) until drained."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class ServeSettings(EngineSettings):
     host: str = Field("0.0.0.0", description="address to bind")
     port: int = Field(8001, description="gRPC port (0 = any free port)")
     http_port: int = Field(
-        8000, description="HTTP port for /metrics and health (-1 = off, 0 = any free port)"
+        8000, description="HTTP port for /metrics, health and KServe v2 REST (-1 = off, 0 = any free port)"
     )
     shutdown_timeout: float = Field(30.0, description="seconds in-flight requests may finish after SIGTERM")
     max_queued_requests: int = Field(
@@ -43,6 +44,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 async def _serve(settings: ServeSettings) -> int:
+    from pagedserve_adapters.grpc_service import SERVICE_NAME as INFERENCE_SERVICE
+    from pagedserve_adapters.grpc_service import add_to_server as add_inference_service
+    from pagedserve_adapters.llm_model import LLMModel
+    from pagedserve_adapters.rest import routes as rest_routes
+
     from pagedserve.distributed import launch_env
     from pagedserve.engine.async_engine import AsyncEngine
     from pagedserve.engine.llm_engine import LLMEngine
@@ -60,8 +66,11 @@ async def _serve(settings: ServeSettings) -> int:
     under_launcher = launch_env() is not None
     llm = LLMEngine.from_settings(settings) if under_launcher else None
     server = Server(tracer)
+    model = LLMModel(server)
+    add_inference_service(server.grpc, model)
+    server.service_names.append(INFERENCE_SERVICE)
     port = server.add_port(f"{settings.host}:{settings.port}")
-    http = HttpEndpoint(server)
+    http = HttpEndpoint(server, rest_routes(model))
     http_port = await http.start(settings.host, settings.http_port) if settings.http_port >= 0 else None
     await server.open()
     logger.info(
@@ -75,7 +84,8 @@ async def _serve(settings: ServeSettings) -> int:
     tracer.model_name = llm.config.model.served_model_name
     await server.start(AsyncEngine(llm, settings.max_queued_requests), warmup=settings.warmup)
     logger.info(
-        "pagedserve ready: gRPC %s:%d (pagedserve.rpc.v1.Generation, grpc.health.v1, reflection), model %r",
+        "pagedserve ready: gRPC %s:%d (pagedserve.rpc.v1.Generation, inference.GRPCInferenceService, "
+        "grpc.health.v1, reflection), HTTP KServe v2 REST, model %r",
         settings.host,
         port,
         llm.config.model.served_model_name,

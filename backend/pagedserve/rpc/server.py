@@ -278,14 +278,12 @@ class Server:
         self.servicer = GenerationServicer(self.state, tracer or RequestTracer(None, ""))
         self.grpc.add_generic_rpc_handlers((_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            self.grpc,
-        )
+        # Services listed by reflection; whoever adds a service (the adapters) appends its name.
+        self.service_names = [
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ]
         self.stopped = asyncio.Event()
 
     def add_port(self, address: str) -> int:
@@ -296,6 +294,7 @@ class Server:
 
     async def open(self) -> None:
         """Serve health at once: live, not ready (the engine may still be loading)."""
+        reflection.enable_server_reflection(self.service_names, self.grpc)
         await self._set_health(liveness=True, ready=False)
         await self.grpc.start()
 

@@ -1,0 +1,335 @@
+"""`inference.GRPCInferenceService`: the Open Inference Protocol (KServe v2) over gRPC with Triton's
+extensions, so `tritonclient.grpc` and KServe v2 clients use pagedserve unchanged.
+
+Decoupled streaming (`ModelStreamInfer`), as Triton does it: every response echoes its request's `id`
+and carries `triton_final_response` (true only on the last); a request that sets
+`triton_enable_empty_final_response` ends with an extra data-less final response instead; errors go
+out as `error_message` and the stream stays open, unless the client sent the `triton_grpc_error: true`
+header, which ends the stream with a gRPC status instead. The stream closes once the client has
+half-closed and every request on it is final; cancelling the call aborts them all.
+
+Unary `ModelInfer` returns the whole completion. Triton rejects unary calls to decoupled models; we
+answer them, which is what KServe v2 clients (which have no streaming RPC) need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
+
+import grpc
+from pagedserve import __version__
+from pagedserve.errors import InvalidRequestError
+from pagedserve.rpc.convert import parse_message
+
+from pagedserve_adapters import tensors
+from pagedserve_adapters.llm_model import (
+    INPUTS,
+    OUTPUTS,
+    AdapterError,
+    Completion,
+    LLMModel,
+    LLMRequest,
+    Tensor,
+    parse_request,
+)
+from pagedserve_adapters.v2 import inference_pb2 as pb
+
+SERVICE_NAME = "inference.GRPCInferenceService"
+EXTENSIONS = ("model_configuration", "statistics", "binary_tensor_data", "parameters", "generate")
+_STATUS = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "internal": grpc.StatusCode.INTERNAL,
+}
+_CONFIG_TYPES = {
+    "BYTES": pb.TYPE_STRING,
+    "BOOL": pb.TYPE_BOOL,
+    "UINT32": pb.TYPE_UINT32,
+    "FP32": pb.TYPE_FP32,
+}
+_DONE = object()  # end of a stream's responses
+
+
+class InferenceServicer:
+    def __init__(self, model: LLMModel) -> None:
+        self.model = model
+
+    # -- health and metadata -------------------------------------------------------------------------
+
+    async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=self.model.live)
+
+    async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.model.ready)
+
+    async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelReadyResponse:
+        request = await _valid(request, context)
+        return pb.ModelReadyResponse(ready=self.model.is_ready(request.name, request.version))
+
+    async def ServerMetadata(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="pagedserve", version=__version__, extensions=EXTENSIONS)
+
+    async def ModelMetadata(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.ModelMetadataResponse:
+        request = await _valid(request, context)
+        await self._resolve(request.name, request.version, context)
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=self.model.name,
+            versions=[self.model.version],
+            platform="pagedserve",
+            inputs=[tensor(name=s.name, datatype=s.datatype, shape=s.dims) for s in INPUTS],
+            outputs=[tensor(name=s.name, datatype=s.datatype, shape=s.dims) for s in OUTPUTS],
+        )
+
+    async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelConfigResponse:
+        request = await _valid(request, context)
+        await self._resolve(request.name, request.version, context)
+        return pb.ModelConfigResponse(config=model_config(self.model))
+
+    async def ModelStatistics(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.ModelStatisticsResponse:
+        request = await _valid(request, context)
+        if request.name:
+            await self._resolve(request.name, request.version, context)
+        return pb.ModelStatisticsResponse(model_stats=[model_statistics(self.model)])
+
+    async def RepositoryIndex(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryIndexResponse:
+        request = await _valid(request, context)
+        if not self.model.bound or (request.ready and not self.model.ready):
+            return pb.RepositoryIndexResponse()
+        state = "READY" if self.model.ready else "UNAVAILABLE"
+        index = pb.RepositoryIndexResponse.ModelIndex(
+            name=self.model.name, version=self.model.version, state=state
+        )
+        return pb.RepositoryIndexResponse(models=[index])
+
+    async def _resolve(self, name: str, version: str, context: grpc.aio.ServicerContext) -> None:
+        try:
+            self.model.resolve(name, version)
+        except AdapterError as exc:
+            await context.abort(_STATUS[exc.kind], str(exc))
+
+    # -- inference -----------------------------------------------------------------------------------
+
+    async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
+        try:
+            parsed = self._parse(request, stream=False)
+            completion = Completion(parsed)
+            async for delta in self.model.generate(parsed, _carrier(context)):
+                completion.add(delta)
+        except AdapterError as exc:
+            await context.abort(_STATUS[exc.kind], str(exc))
+        return self._response(request.id, completion.final_outputs(), final=None)
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        grpc_errors = dict(context.invocation_metadata() or ()).get("triton_grpc_error") == "true"
+        carrier = _carrier(context)
+        responses: asyncio.Queue[Any] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def read_requests() -> None:
+            async for request in request_iterator:
+                task = asyncio.create_task(self._stream_one(request, carrier, responses))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            while running:  # the client half-closed: finish what is in flight, then end the stream
+                await asyncio.gather(*running, return_exceptions=True)
+            responses.put_nowait(_DONE)
+
+        def end_on_failure(task: asyncio.Task[None]) -> None:
+            if not task.cancelled() and task.exception() is not None:  # the call broke while reading
+                responses.put_nowait(_DONE)
+
+        reader = asyncio.create_task(read_requests())
+        reader.add_done_callback(end_on_failure)
+        try:
+            while (item := await responses.get()) is not _DONE:
+                if isinstance(item, AdapterError) and grpc_errors:
+                    await context.abort(_STATUS[item.kind], str(item))
+                if isinstance(item, AdapterError):
+                    yield pb.ModelStreamInferResponse(error_message=str(item))
+                else:
+                    yield pb.ModelStreamInferResponse(infer_response=item)
+        finally:  # the client cancelled or broke the call: abort every request on the stream
+            reader.cancel()
+            for task in list(running):
+                task.cancel()
+
+    async def _stream_one(self, request: Any, carrier: dict[str, str], responses: asyncio.Queue[Any]) -> None:
+        """One request on a stream: its responses, or one error, go onto the stream's queue."""
+        try:
+            parsed = self._parse(request, stream=True)
+            completion = Completion(parsed)
+            async for delta in self.model.generate(parsed, carrier):
+                completion.add(delta)
+                final = delta.request_finished and not parsed.empty_final
+                if parsed.stream:
+                    responses.put_nowait(self._response(request.id, completion.step_outputs(delta), final))
+                elif final:
+                    responses.put_nowait(self._response(request.id, completion.final_outputs(), True))
+            if parsed.empty_final:
+                if not parsed.stream:
+                    responses.put_nowait(self._response(request.id, completion.final_outputs(), False))
+                responses.put_nowait(self._response(request.id, [], True))
+        except AdapterError as exc:
+            responses.put_nowait(exc)
+
+    def _parse(self, request: Any, stream: bool) -> LLMRequest:
+        """Decode and validate one ModelInferRequest."""
+        if isinstance(request, InvalidRequestError):
+            raise AdapterError("invalid", str(request))
+        self.model.resolve(request.model_name, request.model_version)
+        try:
+            parameters = {name: _parameter(p) for name, p in request.parameters.items()}
+            empty_final = parameters.get("triton_enable_empty_final_response", False)
+            if not isinstance(empty_final, bool):
+                raise InvalidRequestError("parameters.triton_enable_empty_final_response", "must be a bool")
+            return parse_request(
+                decode_inputs(request),
+                parameters,
+                [output.name for output in request.outputs],
+                empty_final=empty_final and stream,
+            )
+        except InvalidRequestError as exc:
+            raise AdapterError("invalid", str(exc)) from None
+
+    def _response(self, request_id: str, outputs: list[Tensor], final: bool | None) -> pb.ModelInferResponse:
+        response = pb.ModelInferResponse(
+            model_name=self.model.name, model_version=self.model.version, id=request_id
+        )
+        for tensor in outputs:
+            response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
+            response.raw_output_contents.append(tensors.encode_raw(tensor.datatype, tensor.values))
+        if final is not None:
+            response.parameters["triton_final_response"].bool_param = final
+        return response
+
+
+def decode_inputs(request: Any) -> list[Tensor]:
+    """Inputs given raw (one `raw_input_contents` entry per input, in order) or as typed contents."""
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidRequestError(
+            "raw_input_contents", f"has {len(raw)} entries for {len(request.inputs)} inputs (one per input)"
+        )
+    decoded = []
+    for i, tensor in enumerate(request.inputs):
+        where = f"inputs.{tensor.name or i}"
+        tensors.check_datatype(where, tensor.datatype)
+        shape = list(tensor.shape)
+        if raw:
+            values = tensors.decode_raw(where, tensor.datatype, shape, raw[i])
+        else:
+            values = tensors.decode_contents(where, tensor.datatype, shape, tensor.contents)
+        decoded.append(Tensor(tensor.name, tensor.datatype, shape, values))
+    return decoded
+
+
+def _parameter(parameter: Any) -> Any:
+    kind = parameter.WhichOneof("parameter_choice")
+    return getattr(parameter, kind) if kind else None
+
+
+def _carrier(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
+async def _valid(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    if isinstance(request, InvalidRequestError):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
+    return request
+
+
+def model_config(model: LLMModel) -> pb.ModelConfig:
+    """A decoupled model that batches internally (`max_batch_size: 0`), as Triton's vLLM backend reports."""
+    config = model.server.engine.engine.config
+    return pb.ModelConfig(
+        name=model.name,
+        backend="pagedserve",
+        max_batch_size=0,
+        input=[
+            pb.ModelInput(name=s.name, data_type=_CONFIG_TYPES[s.datatype], dims=s.dims, optional=s.optional)
+            for s in INPUTS
+        ],
+        output=[
+            pb.ModelOutput(name=s.name, data_type=_CONFIG_TYPES[s.datatype], dims=s.dims) for s in OUTPUTS
+        ],
+        model_transaction_policy=pb.ModelTransactionPolicy(decoupled=True),
+        parameters={
+            "max_model_len": pb.ModelParameter(string_value=str(config.model.max_model_len)),
+            "dtype": pb.ModelParameter(string_value=str(config.model.dtype)),
+        },
+    )
+
+
+def model_statistics(model: LLMModel) -> pb.ModelStatistics:
+    stats = model.stats
+    duration = pb.StatisticDuration
+    return pb.ModelStatistics(
+        name=model.name,
+        version=model.version,
+        last_inference=stats.last_inference_ms,
+        inference_count=stats.success_count,
+        execution_count=stats.executions,
+        inference_stats=pb.InferStatistics(
+            success=duration(count=stats.success_count, ns=stats.success_ns),
+            fail=duration(count=stats.fail_count, ns=stats.fail_ns),
+            queue=duration(count=stats.success_count, ns=stats.queue_ns),
+        ),
+    )
+
+
+def add_to_server(server: grpc.aio.Server, model: LLMModel) -> InferenceServicer:
+    """Register the servicer with deserializers that turn undecodable requests into named errors."""
+    servicer = InferenceServicer(model)
+
+    def handler(kind: Any, method: Any, request_type: Any, response_type: Any) -> Any:
+        return kind(
+            method,
+            request_deserializer=partial(parse_message, request_type),
+            response_serializer=response_type.SerializeToString,
+        )
+
+    unary = grpc.unary_unary_rpc_method_handler
+    rpcs = {
+        "ServerLive": (unary, pb.ServerLiveRequest, pb.ServerLiveResponse),
+        "ServerReady": (unary, pb.ServerReadyRequest, pb.ServerReadyResponse),
+        "ModelReady": (unary, pb.ModelReadyRequest, pb.ModelReadyResponse),
+        "ServerMetadata": (unary, pb.ServerMetadataRequest, pb.ServerMetadataResponse),
+        "ModelMetadata": (unary, pb.ModelMetadataRequest, pb.ModelMetadataResponse),
+        "ModelInfer": (unary, pb.ModelInferRequest, pb.ModelInferResponse),
+        "ModelStreamInfer": (
+            grpc.stream_stream_rpc_method_handler,
+            pb.ModelInferRequest,
+            pb.ModelStreamInferResponse,
+        ),
+        "ModelConfig": (unary, pb.ModelConfigRequest, pb.ModelConfigResponse),
+        "ModelStatistics": (unary, pb.ModelStatisticsRequest, pb.ModelStatisticsResponse),
+        "RepositoryIndex": (unary, pb.RepositoryIndexRequest, pb.RepositoryIndexResponse),
+    }
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                SERVICE_NAME,
+                {
+                    name: handler(kind, getattr(servicer, name), request_type, response_type)
+                    for name, (kind, request_type, response_type) in rpcs.items()
+                },
+            ),
+        )
+    )
+    return servicer

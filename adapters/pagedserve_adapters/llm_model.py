@@ -1,0 +1,452 @@
+"""The served model as KServe v2 and Triton clients see it: the tensors of Triton's vLLM backend, their
+meaning, and the bridge to the AsyncEngine. Protocol-neutral: the gRPC servicer and the REST routes
+decode their wire formats into `Tensor`s, call `parse_request` and `LLMModel.generate`, and encode the
+`Tensor`s that `Completion` builds.
+
+Semantics follow the vLLM backend: `text_input` (one string) is the prompt; `sampling_parameters` is
+a JSON object of sampling parameters whose values may be strings (`{"max_tokens": "32"}`), or, when that
+tensor is absent, the request's parameters are; `stream` makes a stream send the new text of each step
+(otherwise one response carries the whole completion); the prompt is prepended to the output unless
+streaming or `exclude_input_in_output` is true; the `return_*` switches add outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.engine.async_engine import QueueFullError
+from pagedserve.errors import EngineDeadError, InvalidRequestError
+from pagedserve.outputs import RequestDelta
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MODEL_VERSION = "1"
+
+
+class AdapterError(Exception):
+    """A failed call, with a protocol-neutral kind each protocol maps to its own status."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind  # invalid, not_found, unavailable, exhausted, internal
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str
+    dims: tuple[int, ...]
+    optional: bool = True
+
+
+INPUTS = (
+    TensorSpec("text_input", "BYTES", (1,), optional=False),
+    TensorSpec("stream", "BOOL", (1,)),
+    TensorSpec("sampling_parameters", "BYTES", (1,)),
+    TensorSpec("exclude_input_in_output", "BOOL", (1,)),
+    TensorSpec("return_finish_reason", "BOOL", (1,)),
+    TensorSpec("return_cumulative_logprob", "BOOL", (1,)),
+    TensorSpec("return_logprobs", "BOOL", (1,)),
+    TensorSpec("return_num_input_tokens", "BOOL", (1,)),
+    TensorSpec("return_num_output_tokens", "BOOL", (1,)),
+)
+OUTPUTS = (
+    TensorSpec("text_output", "BYTES", (-1,)),
+    TensorSpec("finish_reason", "BYTES", (-1,)),
+    TensorSpec("cumulative_logprob", "FP32", (-1,)),
+    TensorSpec("logprobs", "BYTES", (-1,)),
+    TensorSpec("num_input_tokens", "UINT32", (1,)),
+    TensorSpec("num_output_tokens", "UINT32", (-1,)),
+)
+_INPUT_SPECS = {spec.name: spec for spec in INPUTS}
+_OUTPUT_NAMES = tuple(spec.name for spec in OUTPUTS)
+_SWITCHES = ("stream", "exclude_input_in_output") + tuple(
+    spec.name for spec in INPUTS if spec.name.startswith("return_")
+)
+
+# Request parameters Triton reserves for itself; never sampling parameters.
+_RESERVED_PARAMETERS = frozenset(
+    {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers", "binary_data_output"}
+)
+# Sampling parameter -> the type a JSON value (or its string form) is cast to.
+_PARAMETER_TYPES: dict[str, str] = {
+    "n": "int",
+    "temperature": "float",
+    "top_p": "float",
+    "top_k": "int",
+    "min_p": "float",
+    "repetition_penalty": "float",
+    "presence_penalty": "float",
+    "frequency_penalty": "float",
+    "seed": "int",
+    "max_tokens": "int",
+    "min_tokens": "int",
+    "ignore_eos": "bool",
+    "stop": "str_list",
+    "stop_token_ids": "int_list",
+    "include_stop_str_in_output": "bool",
+    "logprobs": "int",
+    "skip_special_tokens": "bool",
+}
+# The vLLM backend reports vLLM's reasons: the end-of-sequence token is a "stop".
+_FINISH_REASONS = {"eos": "stop"}
+
+
+@dataclass
+class Tensor:
+    name: str
+    datatype: str
+    shape: list[int]
+    values: list[Any]
+
+
+@dataclass
+class LLMRequest:
+    prompt: str
+    params: SamplingParams
+    stream: bool
+    exclude_input: bool
+    outputs: tuple[str, ...]  # output tensors to return, in this order
+    empty_final: bool = False  # streams: end with a data-less response flagged final
+
+
+def parse_request(
+    inputs: Sequence[Tensor],
+    parameters: Mapping[str, Any],
+    requested_outputs: Sequence[str] = (),
+    empty_final: bool = False,
+) -> LLMRequest:
+    """Validate the decoded inputs against the model's tensors; every error names its field."""
+    values: dict[str, Any] = {}
+    for tensor in inputs:
+        spec = _INPUT_SPECS.get(tensor.name)
+        where = f"inputs.{tensor.name}"
+        if spec is None:
+            raise InvalidRequestError(where, f"unknown input; the model takes {', '.join(_INPUT_SPECS)}")
+        if tensor.name in values:
+            raise InvalidRequestError(where, "given twice")
+        if tensor.datatype != spec.datatype:
+            raise InvalidRequestError(f"{where}.datatype", f"must be {spec.datatype}, got {tensor.datatype}")
+        if len(tensor.values) != 1:
+            raise InvalidRequestError(
+                f"{where}.shape", f"must hold exactly one element, got shape {list(tensor.shape)}"
+            )
+        values[tensor.name] = tensor.values[0]
+    if "text_input" not in values:
+        raise InvalidRequestError("inputs.text_input", "is required")
+    prompt = _text(values.pop("text_input"), "inputs.text_input")
+    if not prompt:
+        raise InvalidRequestError("inputs.text_input", "must not be empty")
+
+    if "sampling_parameters" in values:
+        raw = _text(values.pop("sampling_parameters"), "inputs.sampling_parameters")
+        sampling = _json_object(raw, "sampling_parameters")
+    else:
+        sampling = {}
+        for name, value in parameters.items():
+            if name in _RESERVED_PARAMETERS or name.startswith("triton_"):
+                continue
+            if name in _SWITCHES:
+                values.setdefault(name, value)
+            else:
+                sampling[name] = value
+    switches = {name: _flag(values.get(name), f"inputs.{name}") for name in _SWITCHES}
+    stream = bool(switches["stream"])
+    if switches["exclude_input_in_output"] is None:
+        exclude_input = stream
+    elif stream and not switches["exclude_input_in_output"]:
+        raise InvalidRequestError(
+            "inputs.exclude_input_in_output", "must be true when streaming (the prompt is not streamed)"
+        )
+    else:
+        exclude_input = bool(switches["exclude_input_in_output"])
+
+    params = _sampling_params(sampling, "sampling_parameters")
+    if (switches["return_logprobs"] or switches["return_cumulative_logprob"]) and params.logprobs is None:
+        params = dataclasses.replace(params, logprobs=0)  # only the sampled tokens' logprobs
+    return LLMRequest(
+        prompt=prompt,
+        params=params,
+        stream=stream,
+        exclude_input=exclude_input,
+        outputs=_selected_outputs(switches, requested_outputs),
+        empty_final=empty_final,
+    )
+
+
+def _selected_outputs(switches: Mapping[str, bool | None], requested: Sequence[str]) -> tuple[str, ...]:
+    for name in requested:
+        if name not in _OUTPUT_NAMES:
+            raise InvalidRequestError(
+                f"outputs.{name}", f"unknown output; the model has {', '.join(_OUTPUT_NAMES)}"
+            )
+    if requested:
+        return tuple(requested)
+    return tuple(name for name in _OUTPUT_NAMES if name == "text_output" or switches.get(f"return_{name}"))
+
+
+def _text(value: Any, where: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidRequestError(where, "is not valid UTF-8") from None
+    if isinstance(value, str):
+        return value
+    raise InvalidRequestError(where, f"must be a string, got {type(value).__name__}")
+
+
+def _json_object(raw: str, where: str) -> dict[str, Any]:
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(where, f"is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(where, "must be a JSON object")
+    return value
+
+
+def _flag(value: Any, where: str) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise InvalidRequestError(where, f"must be a boolean, got {value!r}")
+
+
+def _sampling_params(given: Mapping[str, Any], where: str) -> SamplingParams:
+    kwargs: dict[str, Any] = {}
+    for name, value in given.items():
+        kind = _PARAMETER_TYPES.get(name)
+        if kind is None:
+            raise InvalidRequestError(
+                f"{where}.{name}", f"unknown sampling parameter; known: {', '.join(_PARAMETER_TYPES)}"
+            )
+        if value is not None:
+            kwargs[name] = _cast(value, kind, f"{where}.{name}")
+    try:
+        return SamplingParams(**kwargs)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{where}.{exc.field}", exc.message) from None
+
+
+def _cast(value: Any, kind: str, where: str) -> Any:
+    """JSON values, or their string forms as vLLM-backend clients send them."""
+    try:
+        if kind == "bool":
+            flag = _flag(value, where)
+            return flag
+        if kind in ("int", "float"):
+            if isinstance(value, bool):
+                raise ValueError
+            number = float(value) if isinstance(value, str) else value
+            if not isinstance(number, int | float):
+                raise ValueError
+            if kind == "int" and isinstance(number, float) and math.isfinite(number) and number.is_integer():
+                return int(number)
+            return number  # a fractional "int" is left for SamplingParams to reject by name
+        if kind == "str_list":
+            items = [value] if isinstance(value, str) else value
+            if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+                raise ValueError
+            return items
+        if kind == "int_list":
+            items = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(items, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in items
+            ):
+                raise ValueError
+            return items
+    except (ValueError, TypeError, json.JSONDecodeError):
+        pass
+    raise InvalidRequestError(where, f"{value!r} is not a valid {kind.replace('_', ' of ')}")
+
+
+class Completion:
+    """Accumulates one request's deltas (one per completion index) and builds its output tensors."""
+
+    def __init__(self, request: LLMRequest) -> None:
+        n = request.params.n
+        self.request = request
+        self.texts = [""] * n
+        self.num_tokens = [0] * n
+        self.cumulative_logprob = [0.0] * n
+        self.logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+        self.finish_reasons: list[str | None] = [None] * n
+        self.num_prompt_tokens = 0
+
+    def add(self, delta: RequestDelta) -> None:
+        i = delta.index
+        self.texts[i] += delta.new_text
+        self.num_tokens[i] += len(delta.new_token_ids)
+        self.logprobs[i].extend(_logprob_entries(delta))
+        for token_id, entry in zip(delta.new_token_ids, delta.new_logprobs or ()):
+            self.cumulative_logprob[i] += entry[token_id].logprob
+        if delta.finished:
+            self.finish_reasons[i] = _FINISH_REASONS.get(delta.finish_reason or "", delta.finish_reason)
+        self.num_prompt_tokens = delta.num_prompt_tokens
+
+    def step_outputs(self, delta: RequestDelta) -> list[Tensor]:
+        """A streamed response: the new text and tokens of `delta`'s completion, nothing for the others."""
+        n, i = len(self.texts), delta.index
+        texts, counts, logprobs = [""] * n, [0] * n, [[] for _ in range(n)]
+        texts[i], counts[i], logprobs[i] = delta.new_text, len(delta.new_token_ids), _logprob_entries(delta)
+        return self._tensors(texts, counts, logprobs)
+
+    def final_outputs(self) -> list[Tensor]:
+        """The one response of a non-streamed request: whole completions."""
+        prefix = "" if self.request.exclude_input else self.request.prompt
+        return self._tensors([prefix + t for t in self.texts], self.num_tokens, self.logprobs)
+
+    def _tensors(
+        self, texts: list[str], counts: list[int], logprobs: list[list[dict[str, Any]]]
+    ) -> list[Tensor]:
+        n = len(texts)
+        with_logprobs = self.request.params.logprobs is not None
+        values = {
+            "text_output": [t.encode() for t in texts],
+            "finish_reason": [str(r).encode() for r in self.finish_reasons],
+            "cumulative_logprob": list(self.cumulative_logprob),
+            "logprobs": [json.dumps(lp if with_logprobs else None).encode() for lp in logprobs],
+            "num_input_tokens": [self.num_prompt_tokens],
+            "num_output_tokens": counts,
+        }
+        specs = {spec.name: spec for spec in OUTPUTS}
+        return [
+            Tensor(name, specs[name].datatype, [1 if name == "num_input_tokens" else n], values[name])
+            for name in self.request.outputs
+        ]
+
+
+def _logprob_entries(delta: RequestDelta) -> list[dict[str, Any]]:
+    """vLLM's shape: per new token, {token_id: {logprob, rank, decoded_token}} for the sampled and top tokens."""
+    return [
+        {
+            str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in entry.items()
+        }
+        for entry in delta.new_logprobs or ()
+    ]
+
+
+@dataclass
+class ModelStats:
+    """Counters for Triton's ModelStatistics (durations in nanoseconds)."""
+
+    success_count: int = 0
+    success_ns: int = 0
+    fail_count: int = 0
+    fail_ns: int = 0
+    queue_ns: int = 0
+    last_inference_ms: int = 0
+    executions: int = 0
+    started: dict[str, int] = field(default_factory=dict)
+
+
+class LLMModel:
+    """The one served model: its identity and readiness (from the server's state) and generation."""
+
+    version = MODEL_VERSION
+
+    def __init__(self, server: Any) -> None:
+        self.server = server  # pagedserve.rpc.server.Server
+        self.stats = ModelStats()
+
+    @property
+    def bound(self) -> bool:
+        return self.server.state.status != "starting"
+
+    @property
+    def name(self) -> str:
+        return str(self.server.engine.engine.config.model.served_model_name) if self.bound else ""
+
+    @property
+    def live(self) -> bool:
+        return self.server.state.status != "dead"
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.server.state.ready)
+
+    def is_ready(self, name: str, version: str) -> bool:
+        return self.ready and name == self.name and version in ("", self.version)
+
+    def resolve(self, name: str, version: str) -> None:
+        """Raise unless `name`/`version` is this model and the server is serving."""
+        if not self.bound:
+            raise AdapterError("unavailable", "server is starting: the model is still loading")
+        if name != self.name:
+            raise AdapterError(
+                "not_found", f"model_name: unknown model {name!r}; this server serves {self.name!r}"
+            )
+        if version not in ("", self.version):
+            raise AdapterError("not_found", f"model_version: {name!r} has only version {self.version!r}")
+        if not self.ready:
+            raise AdapterError(
+                "unavailable", f"model {name!r} is not ready: server is {self.server.state.status}"
+            )
+
+    async def generate(self, request: LLMRequest, carrier: Mapping[str, str]) -> AsyncIterator[RequestDelta]:
+        """The request's deltas; closing the iterator early aborts the request and frees its blocks."""
+        engine = self.server.engine
+        llm = engine.engine
+        tracer = self.server.servicer.tracer
+        started = time.monotonic()
+        rid = f"v2-{engine.new_request_id()}"
+        try:
+            prompt = llm.encode_prompt(request.prompt)
+            engine.check(rid, prompt, request.params)
+        except Exception as exc:
+            raise _adapter_error(exc) from exc
+        tokenized = (started, time.monotonic())
+        last: RequestDelta | None = None
+        finished = False
+        try:
+            async for delta in engine.generate(rid, prompt, request.params):
+                if delta.finish_reason == "error":
+                    raise AdapterError("internal", delta.error or "generation failed")
+                last = delta
+                yield delta
+            finished = True
+        except (InvalidRequestError, QueueFullError, EngineDeadError) as exc:
+            raise _adapter_error(exc) from exc
+        finally:
+            self._count(started, last, finished)
+            if not finished:
+                llm.metrics.record_abort("client_cancel")
+            if last is not None and last.request_finished and tracer.enabled:
+                tracer.record(tracer.extract(carrier), rid, request.params, last, tokenized)
+
+    def _count(self, started: float, last: RequestDelta | None, finished: bool) -> None:
+        elapsed_ns = int((time.monotonic() - started) * 1e9)
+        stats = self.stats
+        stats.executions += 1
+        stats.last_inference_ms = int(time.time() * 1000)
+        if finished:
+            stats.success_count += 1
+            stats.success_ns += elapsed_ns
+        else:
+            stats.fail_count += 1
+            stats.fail_ns += elapsed_ns
+        if last is not None and last.metrics.time_in_queue is not None:
+            stats.queue_ns += int(last.metrics.time_in_queue * 1e9)
+
+
+def _adapter_error(exc: BaseException) -> AdapterError:
+    if isinstance(exc, AdapterError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return AdapterError("invalid", str(exc))
+    if isinstance(exc, QueueFullError):
+        return AdapterError("exhausted", str(exc))
+    if isinstance(exc, EngineDeadError):
+        return AdapterError("unavailable", f"engine failed: {exc}")
+    return AdapterError("internal", f"{type(exc).__name__}: {exc}")

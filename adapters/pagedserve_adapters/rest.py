@@ -1,0 +1,327 @@
+"""KServe v2 REST (the Open Inference Protocol over HTTP, with Triton's binary tensor extension) and the
+generate extension (`/generate`, `/generate_stream` as server-sent events), as aiohttp routes on the
+server's HTTP port. Health follows the same state machine as gRPC health.
+
+Errors are `{"error": "..."}` with 400 (bad request), 404 (unknown model), 429 (queue full), 503 (not
+ready) or 500. On `/generate_stream` the status is fixed by the first event, so a later error arrives
+as an `{"error": ...}` event inside the 200 response.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+from google.protobuf.json_format import MessageToDict
+from pagedserve import __version__
+from pagedserve.errors import InvalidRequestError
+
+from pagedserve_adapters import tensors
+from pagedserve_adapters.grpc_service import EXTENSIONS, model_config, model_statistics
+from pagedserve_adapters.llm_model import (
+    INPUTS,
+    OUTPUTS,
+    AdapterError,
+    Completion,
+    LLMModel,
+    LLMRequest,
+    Tensor,
+    parse_request,
+)
+
+_HTTP_STATUS = {"invalid": 400, "not_found": 404, "unavailable": 503, "exhausted": 429, "internal": 500}
+_HEADER_LENGTH = "Inference-Header-Content-Length"
+_SWITCH_INPUTS = {spec.name: spec.datatype for spec in INPUTS if spec.name != "text_input"}
+
+
+def routes(model: LLMModel) -> list[web.RouteDef]:
+    api = RestApi(model)
+    defs = [
+        web.get("/v2", api.server_metadata),
+        web.get("/v2/health/live", api.live),
+        web.get("/v2/health/ready", api.ready),
+        web.post("/v2/repository/index", api.repository_index),
+    ]
+    for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+        defs += [
+            web.get(prefix, api.model_metadata),
+            web.get(prefix + "/ready", api.model_ready),
+            web.get(prefix + "/config", api.model_config),
+            web.get(prefix + "/stats", api.model_stats),
+            web.post(prefix + "/infer", api.infer),
+            web.post(prefix + "/generate", api.generate),
+            web.post(prefix + "/generate_stream", api.generate_stream),
+        ]
+    return defs
+
+
+def _error(exc: AdapterError | InvalidRequestError) -> web.Response:
+    status = _HTTP_STATUS[exc.kind] if isinstance(exc, AdapterError) else 400
+    return web.json_response({"error": str(exc)}, status=status)
+
+
+class RestApi:
+    def __init__(self, model: LLMModel) -> None:
+        self.model = model
+
+    # -- health and metadata -------------------------------------------------------------------------
+
+    async def live(self, request: web.Request) -> web.Response:
+        return web.json_response({"live": self.model.live}, status=200 if self.model.live else 503)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        return web.json_response({"ready": self.model.ready}, status=200 if self.model.ready else 503)
+
+    async def server_metadata(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"name": "pagedserve", "version": __version__, "extensions": list(EXTENSIONS)}
+        )
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        name, version = request.match_info["model"], request.match_info.get("version", "")
+        ready = self.model.is_ready(name, version)
+        return web.json_response({"name": name, "ready": ready}, status=200 if ready else 503)
+
+    async def model_metadata(self, request: web.Request) -> web.Response:
+        try:
+            self._resolve(request)
+        except AdapterError as exc:
+            return _error(exc)
+        return web.json_response(
+            {
+                "name": self.model.name,
+                "versions": [self.model.version],
+                "platform": "pagedserve",
+                "inputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.dims)} for s in INPUTS],
+                "outputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.dims)} for s in OUTPUTS],
+            }
+        )
+
+    async def model_config(self, request: web.Request) -> web.Response:
+        try:
+            self._resolve(request)
+        except AdapterError as exc:
+            return _error(exc)
+        return web.json_response(MessageToDict(model_config(self.model), preserving_proto_field_name=True))
+
+    async def model_stats(self, request: web.Request) -> web.Response:
+        try:
+            self._resolve(request)
+        except AdapterError as exc:
+            return _error(exc)
+        stats = MessageToDict(model_statistics(self.model), preserving_proto_field_name=True)
+        return web.json_response({"model_stats": [stats]})
+
+    async def repository_index(self, request: web.Request) -> web.Response:
+        if not self.model.bound:
+            return web.json_response([])
+        state = "READY" if self.model.ready else "UNAVAILABLE"
+        return web.json_response([{"name": self.model.name, "version": self.model.version, "state": state}])
+
+    def _resolve(self, request: web.Request) -> None:
+        self.model.resolve(request.match_info["model"], request.match_info.get("version", ""))
+
+    # -- inference -----------------------------------------------------------------------------------
+
+    async def infer(self, request: web.Request) -> web.Response:
+        """`/infer`: JSON tensors, or Triton's binary extension (JSON header, then raw tensor data)."""
+        try:
+            self._resolve(request)
+            doc, binary = await _infer_body(request)
+            outputs_wanted = doc.get("outputs") or []
+            if not isinstance(outputs_wanted, list) or not all(isinstance(o, dict) for o in outputs_wanted):
+                raise InvalidRequestError("outputs", "must be a list of objects with a name")
+            parameters = _object(doc.get("parameters", {}), "parameters")
+            parsed = parse_request(
+                _json_inputs(doc.get("inputs"), binary),
+                parameters,
+                [str(o.get("name")) for o in outputs_wanted],
+            )
+            completion = await self._complete(parsed, request)
+        except (AdapterError, InvalidRequestError) as exc:
+            return _error(exc)
+        binary_default = parameters.get("binary_data_output") is True
+        binary_outputs = {
+            str(o.get("name")): (o.get("parameters") or {}).get("binary_data", binary_default) is True
+            for o in outputs_wanted
+        }
+        return _infer_response(
+            self.model, doc.get("id"), completion.final_outputs(), binary_outputs, binary_default
+        )
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """`/generate`: one JSON object with the whole completion."""
+        try:
+            self._resolve(request)
+            doc = _object(await _json_body(request), "request")
+            parsed = _generate_request(doc, stream_default=False)
+            if parsed.stream:
+                raise InvalidRequestError(
+                    "parameters.stream", "/generate sends one response; use /generate_stream"
+                )
+            completion = await self._complete(parsed, request)
+        except (AdapterError, InvalidRequestError) as exc:
+            return _error(exc)
+        return web.json_response(_generate_body(self.model, doc.get("id"), completion.final_outputs()))
+
+    async def generate_stream(self, request: web.Request) -> web.StreamResponse:
+        """`/generate_stream`: server-sent events, one per step (or one in all when `stream` is false)."""
+        try:
+            self._resolve(request)
+            doc = _object(await _json_body(request), "request")
+            parsed = _generate_request(doc, stream_default=True)
+            completion = Completion(parsed)
+            deltas = self.model.generate(parsed, dict(request.headers))
+            first = await anext(deltas)
+        except (AdapterError, InvalidRequestError) as exc:
+            return _error(exc)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await response.prepare(request)
+        try:
+            async for delta in _chain(first, deltas):
+                completion.add(delta)
+                if parsed.stream:
+                    body = _generate_body(self.model, doc.get("id"), completion.step_outputs(delta))
+                elif delta.request_finished:
+                    body = _generate_body(self.model, doc.get("id"), completion.final_outputs())
+                else:
+                    continue
+                await response.write(f"data: {json.dumps(body)}\n\n".encode())
+        except AdapterError as exc:
+            await response.write(f"data: {json.dumps({'error': str(exc)})}\n\n".encode())
+        finally:
+            await deltas.aclose()  # a client that went away aborts the request here
+        await response.write_eof()
+        return response
+
+    async def _complete(self, parsed: LLMRequest, request: web.Request) -> Completion:
+        completion = Completion(parsed)
+        async for delta in self.model.generate(parsed, dict(request.headers)):
+            completion.add(delta)
+        return completion
+
+
+async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+async def _json_body(request: web.Request) -> Any:
+    try:
+        return json.loads(await request.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError("request", f"body is not valid JSON: {exc}") from None
+
+
+async def _infer_body(request: web.Request) -> tuple[dict[str, Any], bytes]:
+    body = await request.read()
+    header_length = request.headers.get(_HEADER_LENGTH)
+    if header_length is None:
+        header, binary = body, b""
+    else:
+        if not header_length.isdigit() or int(header_length) > len(body):
+            raise InvalidRequestError(_HEADER_LENGTH, f"{header_length!r} is not a length within the body")
+        header, binary = body[: int(header_length)], body[int(header_length) :]
+    try:
+        doc = json.loads(header)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError("request", f"body is not valid JSON: {exc}") from None
+    return _object(doc, "request"), binary
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise InvalidRequestError(where, "must be a JSON object")
+    return value
+
+
+def _json_inputs(inputs: Any, binary: bytes) -> list[Tensor]:
+    """Input tensors from JSON `data`, or from the binary section (`parameters.binary_data_size`)."""
+    if not isinstance(inputs, list) or not inputs:
+        raise InvalidRequestError("inputs", "must be a non-empty list of tensors")
+    decoded, offset = [], 0
+    for i, item in enumerate(inputs):
+        tensor = _object(item, f"inputs[{i}]")
+        name, datatype, shape = tensor.get("name"), tensor.get("datatype"), tensor.get("shape")
+        where = f"inputs.{name if isinstance(name, str) else i}"
+        if not isinstance(name, str) or not isinstance(datatype, str):
+            raise InvalidRequestError(where, "needs a name and a datatype")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) for d in shape
+        ):
+            raise InvalidRequestError(f"{where}.shape", "must be a list of integers")
+        tensors.check_datatype(where, datatype)
+        size = (tensor.get("parameters") or {}).get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+                raise InvalidRequestError(
+                    f"{where}.parameters.binary_data_size", "runs past the end of the body"
+                )
+            values = tensors.decode_raw(where, datatype, shape, binary[offset : offset + size])
+            offset += size
+        elif "data" in tensor:
+            values = tensors.decode_json(where, datatype, shape, tensor["data"])
+        else:
+            raise InvalidRequestError(f"{where}.data", "is missing")
+        decoded.append(Tensor(name, datatype, shape, values))
+    return decoded
+
+
+def _infer_response(
+    model: LLMModel, request_id: Any, outputs: list[Tensor], binary: dict[str, bool], binary_default: bool
+) -> web.Response:
+    doc: dict[str, Any] = {"model_name": model.name, "model_version": model.version, "outputs": []}
+    if request_id:
+        doc["id"] = request_id
+    chunks = []
+    for tensor in outputs:
+        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": tensor.shape}
+        if binary.get(tensor.name, binary_default):
+            raw = tensors.encode_raw(tensor.datatype, tensor.values)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            entry["data"] = tensors.encode_json(tensor.datatype, tensor.values)
+        doc["outputs"].append(entry)
+    header = json.dumps(doc).encode()
+    if not chunks:
+        return web.Response(body=header, content_type="application/json")
+    return web.Response(
+        body=header + b"".join(chunks),
+        content_type="application/octet-stream",
+        headers={_HEADER_LENGTH: str(len(header))},
+    )
+
+
+def _generate_request(doc: dict[str, Any], stream_default: bool) -> LLMRequest:
+    """Triton's generate extension: `text_input`, `parameters` (sampling parameters and switches), and
+    any other top-level property naming one of the model's inputs."""
+    if "text_input" not in doc:
+        raise InvalidRequestError("text_input", "is required")
+    inputs = [Tensor("text_input", "BYTES", [1], [doc["text_input"]])]
+    for key, value in doc.items():
+        if key in ("text_input", "parameters", "id"):
+            continue
+        if key not in _SWITCH_INPUTS:
+            raise InvalidRequestError(key, "unknown field; give sampling parameters in `parameters`")
+        if key == "sampling_parameters" and isinstance(value, dict):
+            value = json.dumps(value)
+        inputs.append(Tensor(key, _SWITCH_INPUTS[key], [1], [value]))
+    parameters = dict(_object(doc.get("parameters", {}), "parameters"))
+    if "stream" not in doc and "stream" not in parameters:
+        parameters["stream"] = stream_default
+    return parse_request(inputs, parameters)
+
+
+def _generate_body(model: LLMModel, request_id: Any, outputs: list[Tensor]) -> dict[str, Any]:
+    """Each output tensor as a top-level property: its one element, or a list for several."""
+    body: dict[str, Any] = {"model_name": model.name, "model_version": model.version}
+    if request_id:
+        body["id"] = request_id
+    for tensor in outputs:
+        values = tensors.encode_json(tensor.datatype, tensor.values)
+        body[tensor.name] = values[0] if len(values) == 1 else values
+    return body
