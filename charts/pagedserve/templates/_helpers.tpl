@@ -1,0 +1,125 @@
+{{/* Names and labels. */}}
+{{- define "pagedserve.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pagedserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "pagedserve.labels" -}}
+{{ include "pagedserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "pagedserve.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/*
+Grace period: kubelet counts the preStop sleep against it, so it must cover preStop + drain.
+An explicit value that is too short fails the install instead of cutting in-flight requests.
+*/}}
+{{- define "pagedserve.terminationGracePeriodSeconds" -}}
+{{- $needed := add .Values.lifecycle.preStopSleepSeconds .Values.server.shutdownTimeout -}}
+{{- $given := .Values.lifecycle.terminationGracePeriodSeconds -}}
+{{- if kindIs "invalid" $given -}}
+{{- add $needed 15 -}}
+{{- else if lt (int $given) (int $needed) -}}
+{{- fail (printf "lifecycle.terminationGracePeriodSeconds (%d) must be >= lifecycle.preStopSleepSeconds + server.shutdownTimeout (%d)" (int $given) (int $needed)) -}}
+{{- else -}}
+{{- $given -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+`pagedserve serve` flags after the image's ENTRYPOINT. Arguments: (dict "root" $ "model" PATH "name" NAME).
+*/}}
+{{- define "pagedserve.args" -}}
+{{- $v := .root.Values -}}
+- --model={{ .model }}
+- --served-model-name={{ .name }}
+- --port={{ $v.server.grpcPort }}
+- --http-port={{ $v.server.httpPort }}
+- --tensor-parallel-size={{ $v.server.tensorParallelSize }}
+- --shutdown-timeout={{ $v.server.shutdownTimeout }}
+{{- range $v.server.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "pagedserve.env" -}}
+{{- if .Values.tracing.otlpEndpoint }}
+- name: PAGEDSERVE_OTLP_TRACES_ENDPOINT
+  value: {{ .Values.tracing.otlpEndpoint | quote }}
+- name: POD_NAME
+  valueFrom: {fieldRef: {fieldPath: metadata.name}}
+- name: POD_NAMESPACE
+  valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)
+{{- end }}
+{{- with .Values.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* GPU limit = tensor-parallel size (one GPU per rank), on top of the user's resources. */}}
+{{- define "pagedserve.resources" -}}
+{{- $resources := deepCopy .Values.resources -}}
+{{- if .Values.gpu.enabled -}}
+{{- $limits := $resources.limits | default dict -}}
+{{- $_ := set $limits .Values.gpu.resourceName (int .Values.server.tensorParallelSize) -}}
+{{- $_ := set $resources "limits" $limits -}}
+{{- end -}}
+{{- toYaml $resources -}}
+{{- end -}}
+
+{{- define "pagedserve.probes" -}}
+{{- $port := int .Values.server.grpcPort -}}
+{{- $ready := "pagedserve.rpc.v1.Generation" -}}
+startupProbe:
+  grpc: {port: {{ $port }}, service: {{ $ready | quote }}}
+  {{- toYaml .Values.probes.startup | nindent 2 }}
+readinessProbe:
+  grpc: {port: {{ $port }}, service: {{ $ready | quote }}}
+  {{- toYaml .Values.probes.readiness | nindent 2 }}
+livenessProbe:
+  grpc: {port: {{ $port }}, service: ""}
+  {{- toYaml .Values.probes.liveness | nindent 2 }}
+{{- end -}}
+
+{{/* Everything the Deployment's container and the KServe runtime container share. */}}
+{{- define "pagedserve.containerCommon" -}}
+image: {{ include "pagedserve.image" . }}
+imagePullPolicy: {{ .Values.image.pullPolicy }}
+{{- with include "pagedserve.env" . }}
+env:
+{{- . | nindent 2 }}
+{{- end }}
+resources:
+  {{- include "pagedserve.resources" . | nindent 2 }}
+{{ include "pagedserve.probes" . }}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", "{{ .Values.lifecycle.preStopSleepSeconds }}"]
+{{- with .Values.securityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "pagedserve.shmVolume" -}}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.sharedMemory.sizeLimit }}
+{{- end -}}
