@@ -1,0 +1,454 @@
+# Layouts (as in reference.py):
+#   query          decode [num_seqs, num_heads, head_dim]; prefill [num_tokens, num_heads, head_dim]
+#                  (any token/head strides, dense head_dim)
+#   k/v_cache      [num_blocks, block_size, num_kv_heads, head_dim], contiguous, same dtype as query
+#   block_tables   [num_seqs, max_blocks_per_seq] int32/int64
+#   context_lens   [num_seqs] int32/int64, tokens in the cache per sequence including this step's
+#   query_start_loc [num_seqs + 1] int32/int64, prefill only
+#   out            same shape and dtype as query, contiguous
+#
+# Query head h reads KV head h // (num_heads // num_kv_heads) (GQA). One program owns one KV head
+# and every query head of its group, so each K/V tile is loaded once per group.
+#
+# Keys are read in tiles of BLOCK_N token positions gathered through the block table, token by
+# token, so a tile may span several cache blocks and block_size only needs to be a power of two:
+#
+#   positions   0 ........ 15 | 16 ....... 31 | 32 .. 40
+#   block table [     7       |      2        |    9    ]   block_size 16, context_len 41
+#   tile        [ 0 ........................ 63 ]            BLOCK_N 64, positions >= 41 masked
+#
+# Softmax is the online (flash) form in base 2: running max m, running sum l, unnormalised
+# accumulator acc, rescaled by exp2(m_old - m_new) whenever the max grows.
+"""Paged attention kernels: decode (one query token per sequence, optional split-K) and prefill over
+packed variable-length queries whose keys, earlier context included, are in the paged cache."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve_kernels._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
+
+_LOG2E = 1.4426950408889634
+# tl.dot needs every dimension >= 16 on GPUs; smaller group/head/tile sizes are padded and masked.
+_MIN_DOT = 16
+_DECODE_BLOCK_N = 64
+_PREFILL_BLOCK_M = 64
+_PREFILL_BLOCK_N = 32
+# Split-K: a split keeps at least this many keys, and splitting stops once the grid has enough programs.
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _load_kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    offs_n,
+    n_mask,
+    kv_head,
+    offs_d,
+    d_mask,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """K and V for token positions offs_n ([BLOCK_N, BLOCK_D]); masked positions read as zero."""
+    block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    rows = block_ids * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+    offs = rows[:, None] + offs_d[None, :]
+    mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation. fp32 inputs use exact products ("ieee"): TF32 would miss the fp32
+    tolerance. UPCAST (set under TRITON_INTERPRET) feeds 16-bit inputs as fp32, because the
+    interpreter multiplies bfloat16's raw bits; the products are exact either way, so results agree."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
+    """One key tile of flash attention. Invariant: every row has a valid key in the first tile it
+    sees, so m_i is finite from then on and exp2(m_i - m_new) never sees -inf - -inf."""
+    scores = _dot(q, tl.trans(k), UPCAST) * scale_log2
+    scores = tl.where(valid, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    lse_ptr,
+    scale_log2,
+    tokens_per_split,
+    stride_qs,
+    stride_qh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_bt,
+    stride_os,
+    stride_oh,
+    stride_osplit,
+    stride_ls,
+    stride_lh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Program (seq, kv_head, split): the group's query heads over keys
+    [split * tokens_per_split, min((split + 1) * tokens_per_split, context_len)). Without split the
+    normalised output goes to out; with it, out holds each split's normalised partial output (fp32)
+    and lse its log2-sum-exp2, merged by _merge_splits_kernel."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, context_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        query_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0
+    )
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile_start in range(start, end, BLOCK_N):
+        offs_n = tile_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        k, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table_ptr, offs_n, n_mask, kv_head, offs_d, d_mask,
+            stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
+        )  # fmt: skip
+        m_i, l_i, acc = _online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, UPCAST)
+
+    # l_i >= 1 once a key was seen (the max key adds exp2(0)); an empty split (start >= context_len)
+    # keeps l_i == 0, m_i == -inf and acc == 0, so it writes zeros and lse -inf: weight 0 in the merge
+    out = acc / tl.maximum(l_i, 1.0)[:, None]
+    out_offs = seq * stride_os + heads[:, None] * stride_oh + split * stride_osplit + offs_d[None, :]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    if IS_SPLIT:
+        lse_offs = seq * stride_ls + heads * stride_lh + split
+        tl.store(lse_ptr + lse_offs, m_i + tl.log2(tl.maximum(l_i, 1.0)), mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partial_ptr,
+    lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_ps,
+    stride_ph,
+    stride_psplit,
+    stride_ls,
+    stride_lh,
+    stride_os,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+):
+    """Program (seq, head): out = sum_s w_s * partial_s with w_s = 2^lse_s / sum_s 2^lse_s.
+    Split 0 is never empty (context_len >= 1), so the max lse is finite."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    s_mask = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(lse_ptr + seq * stride_ls + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    offs = seq * stride_ps + head * stride_ph + offs_s[:, None] * stride_psplit + offs_d[None, :]
+    partial = tl.load(partial_ptr + offs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
+    tl.store(
+        out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask
+    )
+
+
+@triton.jit
+def _prefill_kernel(
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    context_lens_ptr,
+    out_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Program (seq, kv_head, q_tile): BLOCK_Q = BLOCK_M // GROUP query tokens of the sequence, times
+    the GROUP query heads of kv_head, as BLOCK_M rows:
+
+        row r -> token q_tile * BLOCK_Q + r // GROUP, head kv_head * GROUP + r % GROUP
+
+    Token i of a sequence sits at position context_len - q_len + i and sees keys 0..position."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_tile = tl.program_id(2)
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    context_len = tl.load(context_lens_ptr + seq)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tokens = q_tile * BLOCK_Q + offs_m // GROUP
+    heads = kv_head * GROUP + offs_m % GROUP
+    m_mask = (offs_m < BLOCK_Q * GROUP) & (tokens < q_len)
+    # padded rows get positions >= 0 too, so they also see key 0 and never hold an all -inf row
+    positions = context_len - q_len + tokens
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_rows = (q_start + tokens).to(tl.int64) * stride_qt + heads * stride_qh
+    q_mask = m_mask[:, None] & d_mask[None, :]
+    q = tl.load(query_ptr + q_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # keys past the tile's last query position are causally masked for every row: stop there;
+    # a tile past the sequence's last token (grid sized for the longest) reads nothing
+    last_token = tl.minimum((q_tile + 1) * BLOCK_Q, q_len) - 1
+    kv_end = tl.where(q_tile * BLOCK_Q < q_len, context_len - q_len + last_token + 1, 0)
+    for tile_start in range(0, kv_end, BLOCK_N):
+        offs_n = tile_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        k, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table_ptr, offs_n, n_mask, kv_head, offs_d, d_mask,
+            stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
+        )  # fmt: skip
+        valid = n_mask[None, :] & (offs_n[None, :] <= positions[:, None])
+        m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST)
+
+    out = acc / tl.maximum(l_i, 1.0)[:, None]  # padded rows of an empty tile keep l_i == 0
+    out_rows = (q_start + tokens).to(tl.int64) * stride_ot + heads * stride_oh
+    tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _check_attention_args(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> int:
+    """Checks shared by decode and prefill; returns the GQA group size (query heads per KV head)."""
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(query.dtype,), contiguous=True)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=(query.dtype,), contiguous=True)
+    check_shape("v_cache", v_cache, k_cache.shape)
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES)
+    check_tensor("context_lens", context_lens, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
+    check_same_device(
+        query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens
+    )
+    num_heads, head_dim = query.shape[1:]
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    assert head_dim == cache_head_dim, f"query head_dim {head_dim} != cache head_dim {cache_head_dim}"
+    assert num_heads % num_kv_heads == 0, (
+        f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}"
+    )
+    assert block_size & (block_size - 1) == 0, f"block_size must be a power of two, got {block_size}"
+    check_shape("context_lens", context_lens, (block_tables.shape[0],))
+    return num_heads // num_kv_heads
+
+
+@functools.cache
+def _num_sms(device_index: int | None) -> int:
+    """Cached: the launcher runs once per layer per step, the property query is not free."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _default_num_splits(num_programs: int, max_context_len: int, device: torch.device) -> int:
+    """Split long contexts until the grid fills the device about twice, keeping splits long enough
+    that the merge pass stays cheap."""
+    by_length = max_context_len // _MIN_TOKENS_PER_SPLIT
+    if by_length <= 1:
+        return 1
+    num_sms = _num_sms(device.index) if device.type == "cuda" else 64
+    by_occupancy = triton.cdiv(2 * num_sms, num_programs)
+    return max(1, min(by_length, by_occupancy, _MAX_SPLITS))
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence over its paged context (see reference.paged_attention_decode).
+
+    num_splits > 1 splits each context into that many key ranges run in parallel and merged
+    (split-K, for long contexts and few sequences); None picks it from the context length.
+    max_context_len (max of context_lens) spares a device-to-host sync when the caller knows it."""
+    group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens)
+    num_seqs, num_heads, head_dim = query.shape
+    check_shape("context_lens", context_lens, (num_seqs,))
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+    if max_context_len is None:
+        max_context_len = int(context_lens.max())
+    block_size = k_cache.shape[1]
+    assert block_tables.shape[1] * block_size >= max_context_len, (
+        f"block_tables: {block_tables.shape[1]} blocks of {block_size} cannot hold {max_context_len} tokens"
+    )
+    num_kv_heads = k_cache.shape[2]
+    if num_splits is None:
+        num_splits = _default_num_splits(num_seqs * num_kv_heads, max_context_len, query.device)
+    assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
+    # splits are whole multiples of 16 keys; a request for more splits than that allows gets fewer
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context_len, num_splits), _MIN_DOT) * _MIN_DOT
+    num_splits = triton.cdiv(max_context_len, tokens_per_split)
+    if num_splits == 1:
+        _launch_decode(
+            query, k_cache, v_cache, block_tables, context_lens, scale, group, out, None, max_context_len
+        )
+        return out
+    partial = torch.empty(
+        (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+    )
+    lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    _launch_decode(
+        query, k_cache, v_cache, block_tables, context_lens, scale, group, partial, lse, tokens_per_split
+    )
+    _merge_splits_kernel[(num_seqs, num_heads)](
+        partial, lse, out, num_splits, *partial.stride()[:3], *lse.stride()[:2], *out.stride()[:2],
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+    )  # fmt: skip
+    return out
+
+
+def _launch_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    group: int,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    tokens_per_split: int,
+) -> None:
+    """out is the final [S, H, D] output (lse None) or the [S, H, splits, D] partials with their
+    [S, H, splits] log2-sum-exp2 in lse."""
+    num_seqs, _, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    is_split = lse is not None
+    num_splits = out.shape[2] if is_split else 1
+    stride_split = out.stride(2) if is_split else 0
+    lse_strides = lse.stride()[:2] if lse is not None else (0, 0)
+    grid = (num_seqs, num_kv_heads, num_splits)
+    _decode_kernel[grid](
+        query, k_cache, v_cache, block_tables, context_lens, out, lse if is_split else out,
+        scale * _LOG2E, tokens_per_split,
+        *query.stride()[:2], *k_cache.stride()[:3], block_tables.stride(0),
+        out.stride(0), out.stride(1), stride_split, *lse_strides,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
+        BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
+        BLOCK_N=max(_MIN_DOT, min(_DECODE_BLOCK_N, triton.next_power_of_2(tokens_per_split))),
+        IS_SPLIT=is_split, UPCAST=triton.knobs.runtime.interpret,
+    )  # fmt: skip
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention for packed variable-length queries over keys in the paged cache (see
+    reference.paged_attention_prefill). Requires q_len <= context_len for every sequence.
+    max_query_len spares a device-to-host sync when the caller knows it."""
+    group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens)
+    num_seqs = context_lens.shape[0]
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
+    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0 or query.shape[0] == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    head_dim = query.shape[2]
+    block_m = max(_PREFILL_BLOCK_M, triton.next_power_of_2(group))
+    grid = (num_seqs, k_cache.shape[2], triton.cdiv(max_query_len, block_m // group))
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale * _LOG2E,
+        *query.stride()[:2], *k_cache.stride()[:3], block_tables.stride(0), *out.stride()[:2],
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
+        BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_N=_PREFILL_BLOCK_N,
+        UPCAST=triton.knobs.runtime.interpret,
+    )  # fmt: skip
+    return out
