@@ -13,6 +13,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ATTENTION_BACKENDS = ("torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,13 @@ class EngineConfig:
     parallel: ParallelConfig
     device: str = "cpu"
     seed: int = 0
+    attention_backend: str = "torch"  # resolved: torch (reference) or triton (kernels)
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
 
 
 def resolve_device(device: str) -> str:
@@ -154,6 +162,14 @@ def resolve_device(device: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_attention_backend(backend: str, device: str) -> str:
+    """`auto`: the Triton kernels on GPUs, the torch reference on CPU (where Triton runs only under
+    its interpreter, which is for tests)."""
+    if backend != "auto":
+        return backend
+    return "triton" if device.startswith("cuda") else "torch"
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

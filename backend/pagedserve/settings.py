@@ -10,7 +10,7 @@ import os
 import re
 import types
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -21,6 +21,7 @@ from pagedserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    resolve_attention_backend,
     resolve_device,
     resolve_dtype,
 )
@@ -96,6 +97,11 @@ class EngineSettings(BaseSettings):
     max_num_batched_tokens: int = Field(2048, description="token budget of one engine step")
     tensor_parallel_size: int = Field(1, description="number of tensor-parallel worker ranks")
     seed: int = Field(0, description="seed for unseeded random sampling")
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="auto (triton on CUDA, torch on CPU), torch (pure-torch reference) or triton "
+        "(Triton kernels; on CPU under Triton's interpreter, which is slow)",
+    )
 
     @field_validator("kv_cache_memory")
     @classmethod
@@ -133,6 +139,7 @@ class EngineSettings(BaseSettings):
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device=device,
             seed=self.seed,
+            attention_backend=resolve_attention_backend(self.attention_backend, device),
         )
 
 
@@ -146,6 +153,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings_cls: type[B
             parser.add_argument(
                 flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
             )
+        elif get_origin(info.annotation) is Literal:
+            choices = get_args(info.annotation)
+            parser.add_argument(flag, dest=name, choices=choices, default=None, help=help_text)
         else:
             parser.add_argument(flag, dest=name, type=base, default=None, help=help_text)
 

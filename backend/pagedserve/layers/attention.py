@@ -6,18 +6,23 @@ The packed batch puts decode tokens (one query token per sequence) first, then t
     tokens   [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]
               decodes     prefill seq 0  prefill seq 1
 
-A backend implements the two attention calls; the torch reference and the Triton kernels share
-the layouts described in `pagedserve_kernels.reference`.
+A backend implements the KV write and the two attention calls; the torch reference and the
+Triton kernels share the layouts described in `pagedserve_kernels.reference`.
 """
 
 from __future__ import annotations
 
 import abc
+import logging
+import sys
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from pagedserve_kernels import reference
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,6 +34,9 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, relative to the first prefill token
     prefill_context_lens: torch.Tensor  # [num_prefills] int32
+    # host-side maxima, so a kernel launch sizes its grid without a device-to-host sync
+    max_decode_context_len: int = 0
+    max_prefill_query_len: int = 0
 
     @property
     def num_prefills(self) -> int:
@@ -57,6 +65,7 @@ class AttentionBackend(abc.ABC):
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        max_context_len: int,
     ) -> torch.Tensor: ...
 
     @abc.abstractmethod
@@ -69,6 +78,7 @@ class AttentionBackend(abc.ABC):
         query_start_loc: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        max_query_len: int,
     ) -> torch.Tensor: ...
 
 
@@ -95,6 +105,7 @@ class TorchAttentionBackend(AttentionBackend):
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        max_context_len: int,
     ) -> torch.Tensor:
         return reference.paged_attention_decode(query, k_cache, v_cache, block_tables, context_lens, scale)
 
@@ -107,10 +118,99 @@ class TorchAttentionBackend(AttentionBackend):
         query_start_loc: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        max_query_len: int,
     ) -> torch.Tensor:
         return reference.paged_attention_prefill(
             query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
         )
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """The Triton kernels (`pagedserve_kernels.attention` and `.cache`): GPU runs, or CPU runs under
+    Triton's interpreter (the same kernel code, orders of magnitude slower: tests and debugging)."""
+
+    name = "triton"
+
+    def __init__(self, device: torch.device) -> None:
+        self._attention, self._cache = _import_triton_kernels(device)
+
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        self._cache.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def decode(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        max_context_len: int,
+    ) -> torch.Tensor:
+        return self._attention.paged_attention_decode(
+            query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=max_context_len
+        )
+
+    def prefill(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        max_query_len: int,
+    ) -> torch.Tensor:
+        return self._attention.paged_attention_prefill(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            context_lens,
+            scale,
+            max_query_len=max_query_len,
+        )
+
+
+_KERNEL_MODULES = ("pagedserve_kernels.attention", "pagedserve_kernels.cache")
+
+
+def _import_triton_kernels(device: torch.device) -> tuple[ModuleType, ModuleType]:
+    """Triton wraps a kernel for its GPU compiler or for its interpreter when the kernel's module is
+    imported, so a CPU run switches the interpreter on before that first import."""
+    import triton
+
+    if device.type != "cuda" and not triton.knobs.runtime.interpret:
+        if any(name in sys.modules for name in _KERNEL_MODULES):
+            raise RuntimeError(
+                "attention_backend triton on CPU runs under Triton's interpreter, but the kernels were "
+                "already loaded for the GPU compiler: set TRITON_INTERPRET=1 before starting"
+            )
+        triton.knobs.runtime.interpret = True  # also exports TRITON_INTERPRET=1 to worker processes
+    if device.type != "cuda":
+        logger.warning("attention backend triton on %s runs under Triton's interpreter: very slow", device)
+    from pagedserve_kernels import attention, cache
+
+    return attention, cache
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`name` is a resolved `EngineConfig.attention_backend`: torch or triton."""
+    logger.info("attention backend: %s on %s", name, device)
+    if name == "triton":
+        return TritonAttentionBackend(device)
+    if name == "torch":
+        return TorchAttentionBackend()
+    raise ValueError(f"attention_backend: unknown backend {name!r}")
 
 
 class Attention(nn.Module):
@@ -141,7 +241,13 @@ class Attention(nn.Module):
         num_decodes = metadata.num_decodes
         if metadata.num_prefills == 0:
             out = self.backend.decode(
-                q, k_cache, v_cache, metadata.decode_block_tables, metadata.decode_context_lens, self.scale
+                q,
+                k_cache,
+                v_cache,
+                metadata.decode_block_tables,
+                metadata.decode_context_lens,
+                self.scale,
+                metadata.max_decode_context_len,
             )
         else:
             out = torch.empty_like(q)
@@ -153,6 +259,7 @@ class Attention(nn.Module):
                     metadata.decode_block_tables,
                     metadata.decode_context_lens,
                     self.scale,
+                    metadata.max_decode_context_len,
                 )
             out[num_decodes:] = self.backend.prefill(
                 q[num_decodes:],
@@ -162,5 +269,6 @@ class Attention(nn.Module):
                 metadata.prefill_query_start_loc,
                 metadata.prefill_context_lens,
                 self.scale,
+                metadata.max_prefill_query_len,
             )
         return out.view(-1, self.num_heads * self.head_dim)

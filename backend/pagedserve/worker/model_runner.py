@@ -16,7 +16,7 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pagedserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from pagedserve.layers.attention import AttentionBackend, AttentionMetadata, make_attention_backend
 from pagedserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from pagedserve.models.loader import iter_safetensors
 from pagedserve.models.registry import get_model_class
@@ -58,7 +58,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.vocab_size = config.model.vocab_size
-        self.backend = backend or TorchAttentionBackend()
+        self.backend = backend or make_attention_backend(config.attention_backend, self.device)
         self.model = self._load_model()
         max_seqs = config.scheduler.max_num_seqs
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
@@ -162,6 +162,8 @@ class ModelRunner:
             prefill_block_tables=to_device(tables[num_decodes:]),
             prefill_query_start_loc=to_device(prefill_starts, torch.int32),
             prefill_context_lens=to_device(context_lens[num_decodes:], torch.int32),
+            max_decode_context_len=int(context_lens[:num_decodes].max()) if num_decodes else 0,
+            max_prefill_query_len=int(q_lens[num_decodes:].max()) if len(order) > num_decodes else 0,
         )
         input_ids = torch.tensor(list(chain.from_iterable(r.token_ids for r in order)))
         return to_device(input_ids), to_device(positions), metadata, to_device(sample_indices)

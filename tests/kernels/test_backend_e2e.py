@@ -1,0 +1,60 @@
+"""End to end: greedy token ids with the Triton attention backend (KV write, paged decode and
+prefill kernels; under Triton's interpreter on CPU) equal those with the torch reference backend.
+
+The workload makes every kernel path run inside the engine: a token budget of 32 chunks the long
+prompts (prefill over context already in the cache) and mixes decodes into the same steps, and a
+second batch reuses cached prompt prefixes (prefill starting past a prefix-cache hit).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from pagedserve import LLM, SamplingParams
+from pagedserve.layers.attention import TorchAttentionBackend, TritonAttentionBackend
+
+PROMPT_LENS = [1, 15, 16, 17, 45, 70]
+PREFIX_LEN = 32  # two whole blocks of 16: shared through the prefix cache
+MAX_TOKENS = 12
+
+
+def random_prompts(seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """A first batch of the listed lengths, and a second batch extending prefixes of the first."""
+    rng = random.Random(seed)
+    first = [[rng.randrange(3, 49152) for _ in range(n)] for n in PROMPT_LENS]
+    second = [first[-1][:PREFIX_LEN] + [rng.randrange(3, 49152) for _ in range(9)], first[-2][:40]]
+    return first, second
+
+
+def greedy_token_ids(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+
+
+def run(model_dir: str, attention_backend: str) -> tuple[type, int, list[list[int]]]:
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        device="cpu",
+        attention_backend=attention_backend,
+        num_kv_blocks=64,
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=True,
+    )
+    first, second = random_prompts(seed=1)
+    token_ids = greedy_token_ids(llm, first) + greedy_token_ids(llm, second)
+    backend = type(llm.engine.executor.worker.model_runner.backend)
+    return backend, llm.engine.scheduler.block_manager.num_prefix_hits, token_ids
+
+
+@pytest.mark.timeout(600)
+def test_triton_backend_greedy_equals_torch_backend(tiny_llama_dir: str) -> None:
+    torch_backend, _, expected = run(tiny_llama_dir, "torch")
+    triton_backend, num_prefix_hits, actual = run(tiny_llama_dir, "triton")
+    assert (torch_backend, triton_backend) == (TorchAttentionBackend, TritonAttentionBackend)
+    assert num_prefix_hits >= 2 * PREFIX_LEN  # the second batch started past cached prefixes
+    assert all(len(ids) == MAX_TOKENS for ids in actual)
+    assert actual == expected
