@@ -1,0 +1,398 @@
+"""gRPC load generator: a workload streamed through `pagedserve serve`, with request and token throughput
+and latency percentiles, optionally against the offline engine on the same workload.
+
+    python bench/serving.py --spawn --compare-offline                 # saturation: all 64 chat requests at once
+    python bench/serving.py --target localhost:8001 --request-rate 2  # Poisson arrivals, 2 requests/s
+    python bench/serving.py --spawn --concurrency 16 --workload random --num-requests 64
+
+Each request is one server-streaming `Generate` call (greedy, ignore_eos, the workload's forced
+max_tokens; chat workloads send messages and the server applies the chat template). Measured per
+request on the client:
+
+- TTFT  time to first token: call start -> first response carrying a token
+- TPOT  time per output token after the first: (end - first token) / (output tokens - 1)
+- ITL   inter-token latency: the gap between consecutive responses carrying tokens (one gap per
+        response; a response carrying k tokens counts once, as in vLLM's serving benchmark)
+- E2E   call start -> last response
+
+Throughput is over the benchmark's duration (first call start -> last call end). "Saturation" means
+--request-rate inf (the default) with no concurrency limit: the server sees every request at once, as
+the offline engine does. --compare-offline then runs the offline engine (`LLM`) with the same
+workload and engine settings in this process, after a spawned server has stopped, so the two never
+share the CPU; --offline-tokens-per-s compares with a figure measured earlier instead.
+
+The client shares the machine with a spawned server: on a small CPU its own work (gRPC, asyncio)
+takes cycles from the server, which this benchmark does not hide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pagedserve.rpc.v1 import generate_pb2 as pb
+from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
+from workloads import BenchRequest, build_workload
+
+READINESS_SERVICE = "pagedserve.rpc.v1.Generation"
+SATURATION = "inf (all at once)"
+ENGINE_FLAGS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "block_size")
+
+
+@dataclass
+class RequestRecord:
+    """What the client saw of one call; times are `time.perf_counter()` seconds."""
+
+    start: float
+    end: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # one per response carrying tokens
+    num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
+    error: str = ""
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.start
+
+    @property
+    def e2e(self) -> float:
+        return self.end - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        if self.num_output_tokens < 2:
+            return None
+        return (self.end - self.token_times[0]) / (self.num_output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+# -- the load --------------------------------------------------------------------------------------------
+
+
+def to_proto(request: BenchRequest) -> pb.GenerateRequest:
+    sampling = pb.SamplingParameters(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
+    if request.is_chat:
+        messages = [pb.ChatMessage(role=role, content=content) for role, content in request.messages]
+        return pb.GenerateRequest(messages=pb.ChatMessages(messages=messages), sampling=sampling)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=request.prompt_token_ids), sampling=sampling)
+
+
+async def send(stub: pb_grpc.GenerationStub, request: BenchRequest, timeout: float) -> RequestRecord:
+    record = RequestRecord(start=time.perf_counter())
+    try:
+        async for response in stub.Generate(to_proto(request), timeout=timeout):
+            now = time.perf_counter()
+            if response.error:
+                record.error = response.error
+            if response.token_ids:
+                record.token_times.append(now)
+                record.num_output_tokens += len(response.token_ids)
+            record.num_prompt_tokens = response.prompt_tokens or record.num_prompt_tokens
+    except grpc.aio.AioRpcError as exc:
+        record.error = f"{exc.code().name}: {exc.details()}"
+    record.end = time.perf_counter()
+    if not record.error and record.num_output_tokens != request.max_tokens:
+        record.error = f"got {record.num_output_tokens} tokens, asked for {request.max_tokens}"
+    return record
+
+
+async def run_load(
+    stub: pb_grpc.GenerationStub,
+    requests: list[BenchRequest],
+    request_rate: float,
+    concurrency: int | None,
+    seed: int,
+    timeout: float,
+) -> list[RequestRecord]:
+    """Start calls at Poisson arrivals (exponential gaps at `request_rate`; all at once when inf),
+    never more than `concurrency` in flight when given."""
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(concurrency) if concurrency else None
+
+    async def limited(request: BenchRequest) -> RequestRecord:
+        if limit is None:
+            return await send(stub, request, timeout)
+        async with limit:
+            return await send(stub, request, timeout)
+
+    tasks = []
+    for request in requests:
+        tasks.append(asyncio.create_task(limited(request)))
+        if math.isfinite(request_rate):
+            await asyncio.sleep(rng.expovariate(request_rate))
+    return list(await asyncio.gather(*tasks))
+
+
+async def benchmark(
+    args: argparse.Namespace, target: str, requests: list[BenchRequest]
+) -> tuple[list[RequestRecord], float]:
+    """The records of every timed call, and the CPU seconds this client process spent on them."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        await wait_ready(channel, args.ready_timeout)
+        stub = pb_grpc.GenerationStub(channel)
+        warmup = [BenchRequest(8, messages=(("user", "Warm up."),))] * args.num_warmup
+        for record in await asyncio.gather(*(send(stub, r, args.timeout) for r in warmup)):
+            if record.error:
+                raise RuntimeError(f"warm-up request failed: {record.error}")
+        info = await stub.ModelInfo(pb.ModelInfoRequest())
+        print(
+            f"server: {info.model_name} ({info.dtype}), {info.num_kv_blocks} KV blocks of {info.block_size}, "
+            f"max_num_seqs {info.max_num_seqs}, version {info.version}",
+            flush=True,
+        )
+        start = os.times()
+        records = await run_load(stub, requests, args.request_rate, args.concurrency, args.seed, args.timeout)
+        end = os.times()
+        return records, end.user - start.user + end.system - start.system
+
+
+async def wait_ready(channel: grpc.aio.Channel, timeout: float) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=READINESS_SERVICE), timeout=2)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"the server was not ready within {timeout:.0f} s")
+
+
+# -- a spawned server ----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class SpawnedServer:
+    """`python -m pagedserve serve` on loopback with the engine flags given here; log in a temp file."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.port = free_port()
+        command = [sys.executable, "-m", "pagedserve", "serve", "--host", "127.0.0.1"]
+        command += ["--port", str(self.port), "--http-port", "-1"]
+        for name in ENGINE_FLAGS:
+            if getattr(args, name) is not None:
+                command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+        if args.model:
+            command += ["--model", args.model]
+        command += args.server_arg
+        self.log = Path(tempfile.mkstemp(prefix="pagedserve-serve-", suffix=".log")[1])
+        print(f"spawning: {' '.join(command)} (log {self.log})", flush=True)
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def tail(self) -> str:
+        return self.log.read_text()[-3000:]
+
+
+# -- offline reference ---------------------------------------------------------------------------------
+
+
+def offline_tokens_per_s(args: argparse.Namespace, requests: list[BenchRequest]) -> float:
+    """The offline engine on the same workload and engine settings (model load and warm-up untimed)."""
+    from pagedserve import LLM, SamplingParams
+
+    settings = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
+    llm = LLM(args.model, **settings)
+    llm.chat([{"role": "user", "content": "Warm up."}], SamplingParams(temperature=0, max_tokens=8))
+    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    start = time.perf_counter()
+    if requests[0].is_chat:
+        outputs = llm.chat([r.chat_messages() for r in requests], params)
+    else:
+        outputs = llm.generate([list(r.prompt_token_ids) for r in requests], params)
+    seconds = time.perf_counter() - start
+    num_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    print(f"offline engine: {num_tokens} output tokens in {seconds:.1f} s", flush=True)
+    return num_tokens / seconds
+
+
+# -- report --------------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    pos = (len(ordered) - 1) * q / 100
+    low, high = math.floor(pos), math.ceil(pos)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def summarize(records: list[RequestRecord]) -> dict[str, Any]:
+    ok = [r for r in records if not r.error and r.token_times]
+    duration = max(r.end for r in records) - min(r.start for r in records)
+    num_output = sum(r.num_output_tokens for r in ok)
+    num_prompt = sum(r.num_prompt_tokens for r in ok)
+    summary: dict[str, Any] = {
+        "num_requests": len(records),
+        "num_completed": len(ok),
+        "num_failed": len(records) - len(ok),
+        "duration_s": duration,
+        "num_output_tokens": num_output,
+        "num_prompt_tokens": num_prompt,
+        "request_throughput": len(ok) / duration,
+        "output_tokens_per_s": num_output / duration,
+        "total_tokens_per_s": (num_output + num_prompt) / duration,
+    }
+    series = {
+        "ttft_s": [r.ttft for r in ok],
+        "tpot_s": [t for r in ok if (t := r.tpot) is not None],
+        "itl_s": [gap for r in ok for gap in r.itls],
+        "e2e_s": [r.e2e for r in ok],
+    }
+    for name, values in series.items():
+        summary[name] = {
+            "mean": sum(values) / len(values) if values else math.nan,
+            "p50": percentile(values, 50),
+            "p99": percentile(values, 99),
+            "max": max(values, default=math.nan),
+        }
+    return summary
+
+
+def print_summary(summary: dict[str, Any], errors: list[str]) -> None:
+    print(
+        f"\nrequests: {summary['num_completed']} completed, {summary['num_failed']} failed, "
+        f"in {summary['duration_s']:.1f} s"
+    )
+    for error in errors[:5]:
+        print(f"  error: {error}")
+    print(f"request throughput: {summary['request_throughput']:.3f} req/s")
+    print(
+        f"output throughput:  {summary['output_tokens_per_s']:.1f} tok/s ({summary['num_output_tokens']} tokens)"
+    )
+    print(f"total throughput:   {summary['total_tokens_per_s']:.1f} tok/s (prompt + output)")
+    print(
+        f"client CPU time: {summary['client_cpu_s']:.1f} s, "
+        f"{summary['client_cpu_s'] / summary['duration_s']:.2f} cores over the benchmark's duration"
+    )
+    print("\n| latency (ms) | mean | p50 | p99 | max |\n|---|---:|---:|---:|---:|")
+    for name, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+        row = summary[name]
+        print(
+            f"| {label} | {1e3 * row['mean']:.1f} | {1e3 * row['p50']:.1f} | {1e3 * row['p99']:.1f} "
+            f"| {1e3 * row['max']:.1f} |"
+        )
+    if "offline_tokens_per_s" in summary:
+        print(
+            f"\nserver / offline output throughput: {summary['output_tokens_per_s']:.1f} / "
+            f"{summary['offline_tokens_per_s']:.1f} tok/s = {100 * summary['share_of_offline']:.1f}%"
+        )
+        if summary["arrivals"] != SATURATION or summary["concurrency"]:
+            print(
+                "  (not at saturation: the arrival rate or the concurrency limit caps the server's throughput)"
+            )
+
+
+# -- main ----------------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", default="localhost:8001", help="host:port of a running server")
+    parser.add_argument(
+        "--spawn", action="store_true", help="start `pagedserve serve` on loopback and use it"
+    )
+    parser.add_argument(
+        "--server-arg", action="append", default=[], help="extra argument for the spawned server (repeatable)"
+    )
+    parser.add_argument("--workload", choices=("chat", "random"), default="chat")
+    parser.add_argument("--num-requests", type=int, help="default: 64 (chat) or 256 (random)")
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
+    parser.add_argument("--concurrency", type=int, help="most calls in flight (default: no limit)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the arrivals and the random workload")
+    parser.add_argument("--num-warmup", type=int, default=2, help="short untimed requests first")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="per-call deadline in seconds")
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--model", help="model directory for a spawned server and the offline engine")
+    parser.add_argument("--dtype", help="engine setting for a spawned server and the offline engine")
+    parser.add_argument("--max-num-seqs", type=int, help="engine setting (spawned server, offline engine)")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="engine setting")
+    parser.add_argument("--kv-cache-memory", help="engine setting, e.g. 1GiB")
+    parser.add_argument("--block-size", type=int, help="engine setting")
+    offline = parser.add_mutually_exclusive_group()
+    offline.add_argument("--compare-offline", action="store_true", help="also run the offline engine here")
+    offline.add_argument("--offline-tokens-per-s", type=float, help="offline output tok/s measured earlier")
+    parser.add_argument("--json-out", help="also write the summary to this JSON file")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    requests = build_workload(args.workload, args.num_requests, args.seed)
+    rate = SATURATION if math.isinf(args.request_rate) else f"{args.request_rate}/s Poisson"
+    print(
+        f"workload {args.workload}: {len(requests)} requests, {sum(r.max_tokens for r in requests)} output "
+        f"tokens forced; arrivals {rate}; concurrency {args.concurrency or 'unlimited'}; "
+        f"{os.cpu_count()} CPU cores here",
+        flush=True,
+    )
+    server = SpawnedServer(args) if args.spawn else None
+    target = server.target if server else args.target
+    try:
+        records, client_cpu_s = asyncio.run(benchmark(args, target, requests))
+    except Exception:
+        if server is not None:
+            print(server.tail(), file=sys.stderr)
+        raise
+    finally:
+        if server is not None:
+            server.stop()
+    summary = summarize(records)
+    summary["client_cpu_s"] = client_cpu_s
+    summary["arrivals"] = rate
+    summary["concurrency"] = args.concurrency
+    offline = args.offline_tokens_per_s
+    if args.compare_offline:
+        offline = offline_tokens_per_s(args, requests)
+    if offline:
+        summary["offline_tokens_per_s"] = offline
+        summary["share_of_offline"] = summary["output_tokens_per_s"] / offline
+    print_summary(summary, [r.error for r in records if r.error])
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"args": vars(args), "summary": summary, "records": [asdict(r) for r in records]}, f)
+    return 0 if summary["num_failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,436 @@
+"""Offline output throughput of pagedserve against Hugging Face peers, all in one run on one workload.
+
+    python bench/throughput.py                                   # 64 chat requests, 16/32/64/128 tokens
+    python bench/throughput.py --workload random --hf-sequential-limit 8 --hf-static-limit 64
+    python bench/throughput.py --num-requests 8                  # a quick check
+
+Peers (same model, dtype, prompt token ids and forced output lengths, greedy):
+
+- pagedserve      `LLM.generate` over all requests at once (continuous batching, paged KV cache)
+- hf-sequential   transformers `generate`, one request at a time
+- hf-static       transformers `generate` on static batches (default 64, left padded); a batch runs
+                  until its longest request is done, and only the tokens requested count as output
+- hf-continuous   transformers' own continuous batching (`init_continuous_batching` manager, the
+                  machinery behind `generate_batch`, which only takes one max_new_tokens for all)
+
+Hugging Face `generate` forces lengths with min_new_tokens = max_new_tokens (EOS masked);
+pagedserve and the continuous-batching manager ignore EOS. Times exclude model loading and a short
+warm-up, and for hf-continuous the manager's setup. A peer timed on a subset of the requests
+(--hf-sequential-limit, --hf-static-limit) reports tokens/s of that subset, marked in the table.
+
+Also prints the KV-cache memory that holds real tokens at the step where pagedserve holds the most
+blocks, against what contiguous per-request reservations would need for the same running requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from workloads import build_workload, prompt_token_ids
+
+PEERS = ("pagedserve", "hf-sequential", "hf-static", "hf-continuous")
+
+
+@dataclass
+class PeerResult:
+    peer: str
+    num_output_tokens: int
+    seconds: float
+    note: str = ""
+    available: bool = True
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class KVSnapshot:
+    """KV-cache occupancy at one step boundary (after the step's tokens were written)."""
+
+    step: int
+    num_running: int
+    block_size: int
+    num_used_blocks: int  # device blocks with a ref count > 0, as the block manager counts them
+    num_table_blocks: int  # distinct blocks in running sequences' block tables (should equal the above)
+    num_filled_slots: int  # distinct slots holding a computed token (a shared prefix counts once)
+    num_sequence_tokens: int  # computed tokens summed over sequences (a shared prefix counts per sequence)
+    num_reserved_exact: int  # contiguous: prompt + max_tokens per running request
+    num_reserved_batch_max: int  # contiguous: every running request padded to the longest reservation
+    num_reserved_model_len: int  # contiguous: every running request padded to max_model_len
+
+
+class KVProbe:
+    """Wraps `engine.step` to read the block manager after every step: the snapshot at the first step
+    holding the most blocks, and slot-steps summed over the run. The time spent reading is measured
+    and taken out of pagedserve's timing."""
+
+    def __init__(self, engine: Any) -> None:
+        self.scheduler = engine.scheduler
+        self.max_model_len = engine.config.model.max_model_len
+        self.peak: KVSnapshot | None = None
+        self.totals = KVSnapshot(0, 0, self.scheduler.block_manager.block_size, 0, 0, 0, 0, 0, 0, 0)
+        self.num_steps = 0
+        self.seconds = 0.0
+
+    def wrap(self, step: Callable[[], list[Any]]) -> Callable[[], list[Any]]:
+        def probed_step() -> list[Any]:
+            deltas = step()
+            start = time.perf_counter()
+            self.num_steps += 1
+            snapshot = self.snapshot()
+            if self.peak is None or snapshot.num_used_blocks > self.peak.num_used_blocks:
+                self.peak = snapshot
+            self._accumulate(snapshot)
+            self.seconds += time.perf_counter() - start
+            return deltas
+
+        return probed_step
+
+    def snapshot(self) -> KVSnapshot:
+        bm = self.scheduler.block_manager
+        size = bm.block_size
+        filled: dict[int, int] = {}  # block id -> slots holding computed tokens
+        reservations = []
+        num_sequence_tokens = 0
+        for seq in self.scheduler.running:
+            computed = seq.num_computed_tokens
+            num_sequence_tokens += computed
+            for index, block_id in enumerate(seq.block_table):
+                slots = min(size, max(0, computed - index * size))
+                filled[block_id] = max(filled.get(block_id, 0), slots)
+            reservations.append(
+                min(seq.num_prompt_tokens + seq.sampling_params.max_tokens, self.max_model_len)
+            )
+        n = len(reservations)
+        return KVSnapshot(
+            step=self.num_steps,
+            num_running=n,
+            block_size=size,
+            num_used_blocks=bm.num_used_blocks,
+            num_table_blocks=len(filled),
+            num_filled_slots=sum(filled.values()),
+            num_sequence_tokens=num_sequence_tokens,
+            num_reserved_exact=sum(reservations),
+            num_reserved_batch_max=n * max(reservations, default=0),
+            num_reserved_model_len=n * self.max_model_len,
+        )
+
+    def _accumulate(self, snapshot: KVSnapshot) -> None:
+        for name in (
+            "num_running",
+            "num_used_blocks",
+            "num_table_blocks",
+            "num_filled_slots",
+            "num_sequence_tokens",
+            "num_reserved_exact",
+            "num_reserved_batch_max",
+            "num_reserved_model_len",
+        ):
+            setattr(self.totals, name, getattr(self.totals, name) + getattr(snapshot, name))
+        self.totals.step = self.num_steps
+
+
+# -- peers ---------------------------------------------------------------------------------------------
+
+
+def run_pagedserve(
+    args: argparse.Namespace, prompts: list[list[int]], lengths: list[int]
+) -> tuple[PeerResult, KVProbe]:
+    from pagedserve import LLM, SamplingParams
+
+    settings = {
+        name: getattr(args, name)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "block_size")
+        if getattr(args, name) is not None
+    }
+    llm = LLM(args.model, dtype=args.dtype, **settings)
+    llm.generate("Warm up the engine, please.", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    probe = KVProbe(llm.engine)
+    llm.engine.step = probe.wrap(llm.engine.step)  # type: ignore[method-assign]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start - probe.seconds
+    num_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    stats = llm.engine.stats()
+    note = f"{probe.num_steps} steps, {stats.num_preemptions} preemptions"
+    del llm
+    gc.collect()
+    return PeerResult("pagedserve", num_tokens, seconds, note), probe
+
+
+def load_hf_model(path: str, dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return model, tokenizer
+
+
+@torch.inference_mode()
+def hf_generate(model: Any, batch: list[list[int]], num_new_tokens: int, pad_id: int) -> torch.Tensor:
+    """Left-padded greedy generate of exactly `num_new_tokens` tokens per row."""
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=mask,
+        max_new_tokens=num_new_tokens,
+        min_new_tokens=num_new_tokens,
+        do_sample=False,
+        pad_token_id=pad_id,
+    )
+    return out[:, width:]
+
+
+def run_hf_sequential(
+    model: Any, pad_id: int, prompts: list[list[int]], lengths: list[int], limit: int | None
+) -> PeerResult:
+    count = len(prompts) if not limit else min(limit, len(prompts))
+    hf_generate(model, [prompts[0]], 4, pad_id)  # warm-up
+    num_tokens = 0
+    start = time.perf_counter()
+    for ids, n in zip(prompts[:count], lengths[:count]):
+        num_tokens += hf_generate(model, [ids], n, pad_id).shape[1]
+    seconds = time.perf_counter() - start
+    note = "" if count == len(prompts) else f"timed {count} of {len(prompts)} requests"
+    return PeerResult("hf-sequential", num_tokens, seconds, note)
+
+
+def run_hf_static(
+    model: Any,
+    pad_id: int,
+    prompts: list[list[int]],
+    lengths: list[int],
+    batch_size: int,
+    limit: int | None,
+) -> PeerResult:
+    count = len(prompts) if not limit else min(len(prompts), -(-limit // batch_size) * batch_size)
+    hf_generate(model, prompts[:2], 4, pad_id)  # warm-up
+    num_tokens = num_computed = 0
+    start = time.perf_counter()
+    for first in range(0, count, batch_size):
+        batch_lengths = lengths[first : first + batch_size]
+        out = hf_generate(model, prompts[first : first + batch_size], max(batch_lengths), pad_id)
+        num_computed += out.numel()
+        num_tokens += sum(batch_lengths)  # what the requests asked for; the rest is padding work
+    seconds = time.perf_counter() - start
+    note = f"batches of up to {batch_size}, {num_computed} tokens computed"
+    if count < len(prompts):
+        note += f"; timed {count} of {len(prompts)} requests"
+    return PeerResult("hf-static", num_tokens, seconds, note)
+
+
+@torch.no_grad()  # not inference_mode: the manager updates its static tensors in place outside it
+def run_hf_continuous(model: Any, pad_id: int, prompts: list[list[int]], lengths: list[int]) -> PeerResult:
+    import transformers
+    from transformers import GenerationConfig
+
+    if not hasattr(model, "continuous_batching_context_manager"):
+        return PeerResult(
+            "hf-continuous", 0, 0.0, f"unavailable in transformers {transformers.__version__}", False
+        )
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=max(lengths), eos_token_id=-1, pad_token_id=pad_id
+    )
+    hints = WorkloadHints(max(len(p) for p in prompts), max(lengths), len(prompts))
+    setup = time.perf_counter()
+    with model.continuous_batching_context_manager(
+        generation_config=config, block=True, timeout=10, workload_hints=hints
+    ) as manager:
+        setup = time.perf_counter() - setup
+        start = time.perf_counter()
+        request_ids = [
+            manager.add_request(ids, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+            for i, (ids, n) in enumerate(zip(prompts, lengths))
+        ]
+        results: dict[str, Any] = {}
+        while len(results) < len(request_ids):
+            result = manager.get_result(timeout=1)
+            if result is None and not manager.is_running():
+                break
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+        seconds = time.perf_counter() - start
+    succeeded = [r for r in results.values() if r.error is None]
+    num_tokens = sum(len(r.generated_tokens) for r in succeeded)
+    note = f"manager setup {setup:.1f} s not timed; attention {model.config._attn_implementation}"
+    if len(succeeded) < len(request_ids):
+        note += f"; only {len(succeeded)} of {len(request_ids)} requests succeeded"
+        return PeerResult("hf-continuous", num_tokens, seconds, note, False)
+    return PeerResult("hf-continuous", num_tokens, seconds, note)
+
+
+# -- report --------------------------------------------------------------------------------------------
+
+
+def machine_line(dtype: str) -> str:
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"transformers {transformers.__version__}, {dtype}"
+    )
+
+
+def print_table(results: list[PeerResult]) -> None:
+    ours = next((r for r in results if r.peer == "pagedserve" and r.available), None)
+    print(
+        "\n| peer | output tokens | seconds | tok/s | pagedserve / peer | note |\n|---|---:|---:|---:|---:|---|"
+    )
+    for r in results:
+        if not r.available:
+            print(f"| {r.peer} | - | - | - | - | {r.note} |")
+            continue
+        ratio = f"{ours.tokens_per_s / r.tokens_per_s:.2f}x" if ours and r.tokens_per_s else "-"
+        print(
+            f"| {r.peer} | {r.num_output_tokens} | {r.seconds:.1f} | {r.tokens_per_s:.1f} | {ratio} | {r.note} |"
+        )
+
+
+def kv_shares(s: KVSnapshot) -> list[tuple[str, int, int]]:
+    """(layout, token slots reserved, real tokens held) for paged and contiguous layouts."""
+    return [
+        (
+            "paged (distinct slots; a shared prefix once)",
+            s.num_used_blocks * s.block_size,
+            s.num_filled_slots,
+        ),
+        ("contiguous, prompt + max_tokens per request", s.num_reserved_exact, s.num_sequence_tokens),
+        (
+            "contiguous, padded to the longest running request",
+            s.num_reserved_batch_max,
+            s.num_sequence_tokens,
+        ),
+        ("contiguous, padded to max_model_len", s.num_reserved_model_len, s.num_sequence_tokens),
+    ]
+
+
+def print_kv(peak: KVSnapshot, totals: KVSnapshot) -> None:
+    print(
+        f"\nKV cache: share of reserved token slots holding real tokens, at pagedserve's peak (step "
+        f"{peak.step} of {totals.step}: {peak.num_running} running, {peak.num_used_blocks} blocks of "
+        f"{peak.block_size}) and over the whole run (slot-steps summed over every step)"
+    )
+    if peak.num_table_blocks != peak.num_used_blocks:
+        print(f"  note: at the peak, running block tables hold {peak.num_table_blocks} distinct blocks")
+    print("| layout | slots reserved at peak | real tokens at peak | share at peak | share over the run |")
+    print("|---|---:|---:|---:|---:|")
+    for (name, reserved, real), (_, run_reserved, run_real) in zip(kv_shares(peak), kv_shares(totals)):
+        share = real / reserved if reserved else 0.0
+        run_share = run_real / run_reserved if run_reserved else 0.0
+        print(f"| {name} | {reserved} | {real} | {100 * share:.1f}% | {100 * run_share:.1f}% |")
+    if peak.num_sequence_tokens > peak.num_filled_slots:
+        print(
+            f"  prefix caching: at the peak {peak.num_sequence_tokens} sequence tokens live in "
+            f"{peak.num_filled_slots} filled slots"
+        )
+
+
+# -- main ----------------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workload", choices=("chat", "random"), default="chat")
+    parser.add_argument("--num-requests", type=int, help="default: 64 (chat) or 256 (random)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random workload")
+    parser.add_argument(
+        "--model", help="local Hugging Face directory (default: embedded SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    parser.add_argument(
+        "--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}"
+    )
+    parser.add_argument("--hf-sequential-limit", type=int, help="time only the first N requests one by one")
+    parser.add_argument("--hf-static-limit", type=int, help="time only the first N requests (whole batches)")
+    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, help="pagedserve engine setting (default: the engine's)")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="pagedserve engine setting")
+    parser.add_argument("--kv-cache-memory", help="pagedserve engine setting, e.g. 1GiB")
+    parser.add_argument("--block-size", type=int, help="pagedserve engine setting")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads for every peer (default: torch's)")
+    parser.add_argument("--json-out", help="also write the results to this JSON file")
+    args = parser.parse_args()
+    unknown = set(args.peers.split(",")) - set(PEERS)
+    if unknown:
+        parser.error(f"unknown peers: {', '.join(sorted(unknown))}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    from pagedserve.default_model import resolve_model_path
+    from transformers import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    peers = args.peers.split(",")
+    path = resolve_model_path(args.model)
+    model, tokenizer = load_hf_model(path, getattr(torch, args.dtype))
+    requests = build_workload(args.workload, args.num_requests, args.seed)
+    prompts = prompt_token_ids(tokenizer, requests)
+    lengths = [r.max_tokens for r in requests]
+    prompt_lens = [len(p) for p in prompts]
+    print(f"machine: {machine_line(args.dtype)}")
+    print(
+        f"workload {args.workload}: {len(prompts)} requests, prompts {min(prompt_lens)}-{max(prompt_lens)} "
+        f"tokens ({sum(prompt_lens)} total), {sum(lengths)} output tokens forced, greedy"
+    )
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    results: list[PeerResult] = []
+    probe = None
+    for peer in peers:
+        print(f"running {peer} ...", flush=True)
+        if peer == "pagedserve":
+            result, probe = run_pagedserve(args, prompts, lengths)
+        elif peer == "hf-sequential":
+            result = run_hf_sequential(model, pad_id, prompts, lengths, args.hf_sequential_limit)
+        elif peer == "hf-static":
+            result = run_hf_static(model, pad_id, prompts, lengths, args.hf_batch_size, args.hf_static_limit)
+        else:
+            result = run_hf_continuous(model, pad_id, prompts, lengths)
+        print(f"  {result.peer}: {result.num_output_tokens} tokens in {result.seconds:.1f} s", flush=True)
+        results.append(result)
+    print_table(results)
+    if probe is not None and probe.peak is not None:
+        print_kv(probe.peak, probe.totals)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(
+                {
+                    "machine": machine_line(args.dtype),
+                    "args": vars(args),
+                    "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
+                    "kv_peak": asdict(probe.peak) if probe and probe.peak else None,
+                    "kv_run_totals": asdict(probe.totals) if probe else None,
+                },
+                f,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()
