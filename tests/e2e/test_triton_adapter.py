@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import queue
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -363,3 +366,11 @@ def test_malformed_http_requests_get_400_and_the_next_call_succeeds(
         server, f"/v2/models/{MODEL}/generate", {"text_input": PROMPT, "parameters": {"max_tokens": 2}}
     )
     assert ok_status == 200 and json.loads(ok_body)["text_output"].startswith(PROMPT)
+
+
+def test_example_triton_client_streams_the_greedy_text(server: ServerProcess) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "triton_stream_client.py"
+    args = [PROMPT, "--url", f"127.0.0.1:{server.port}", "--max-tokens", "12"]
+    done = subprocess.run([sys.executable, str(example), *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == our_text(server) + "\n"

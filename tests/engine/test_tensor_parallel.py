@@ -246,7 +246,7 @@ def test_workers_exit_when_the_engine_process_dies(tiny_llama_dir: str) -> None:
 def test_sizes_that_cannot_split_the_heads_fail_before_any_rank_starts(
     tiny_llama_dir: str, default_model_dir: str, tmp_path: Path
 ) -> None:
-    from conftest import build_tiny_llama
+    from tiny_models import build_tiny_llama
 
     children_before = set(psutil.Process().children(recursive=True))
     with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide the 4 attention heads"):

@@ -1,0 +1,67 @@
+"""Tiny random-weight Llama checkpoints built from a config, for tests that need a fast model.
+
+Kept out of conftest.py so tests import it by a name no other folder's conftest shares.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
+
+
+def build_tiny_llama(
+    dest: Path,
+    tokenizer_dir: str,
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    num_layers: int = 2,
+    seed: int = 0,
+    **overrides: object,
+) -> str:
+    """A random-weight Llama with the default model's tokenizer (vocab 49152). A large init range
+    makes its next-token distributions peaked, so greedy decoding has few near-ties."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=num_heads * head_dim,
+        intermediate_size=96,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(dest / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    config_dict = config.to_dict()
+    config_dict["architectures"] = ["LlamaForCausalLM"]
+    (dest / "config.json").write_text(json.dumps(config_dict, indent=2))
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / name).exists():
+            shutil.copy(Path(tokenizer_dir) / name, dest / name)
+    return str(dest)
