@@ -15,6 +15,8 @@ position context_len - q_len + i and attends to cache positions 0..that position
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -37,9 +39,21 @@ def write_kv_cache(
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """[num_seqs, num_blocks * block_size, num_kv_heads, head_dim]: each sequence's first blocks, in order."""
-    blocks = cache[block_tables[:, :num_blocks].long()]
-    return blocks.flatten(1, 2)
+    """[num_seqs, num_blocks * block_size, num_kv_heads, head_dim]: each sequence's first blocks, in order.
+    One `index_select` over whole blocks (a row copy each), several times cheaper than advanced indexing."""
+    num_seqs = block_tables.shape[0]
+    block_ids = block_tables[:, :num_blocks].reshape(-1)
+    blocks = cache.view(cache.shape[0], -1).index_select(0, block_ids)
+    return blocks.view(num_seqs, num_blocks * cache.shape[1], *cache.shape[2:])
+
+
+def decode_key_mask(context_lens: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
+    """[num_seqs, 1, 1, num_slots] additive mask: 0 for a sequence's cached slots, -inf past its end.
+    Every layer of a step shares it."""
+    slots = torch.arange(num_slots, device=context_lens.device)
+    past_end = slots[None, :] >= context_lens[:, None]
+    mask = torch.zeros(past_end.shape, dtype=dtype, device=context_lens.device)
+    return mask.masked_fill_(past_end, float("-inf"))[:, None, None, :]
 
 
 def paged_attention_decode(
@@ -49,19 +63,75 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    max_context_len: int | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence ([num_seqs, num_heads, head_dim]) over its paged context."""
-    block_size = k_cache.shape[1]
-    max_context = int(context_lens.max())
-    num_blocks = -(-max_context // block_size)
-    keys = gather_kv(k_cache, block_tables, num_blocks).transpose(1, 2)  # [S, KVH, L, D]
+    """One query token per sequence ([num_seqs, num_heads, head_dim]) over its paged context.
+    `max_context_len` (host-side) and `key_mask` (`decode_key_mask`) may be passed in to save work.
+
+    The query heads sharing a KV head ride in the query-length dimension of one SDPA call:
+
+        query [S, H, D] -> [S, KVH, H / KVH, D]  against  keys [S, KVH, slots, D]
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if max_context_len is None:
+        max_context_len = int(context_lens.max())
+    num_blocks = -(-max_context_len // block_size)
+    if key_mask is None:
+        key_mask = decode_key_mask(context_lens, num_blocks * block_size, query.dtype)
+    keys = gather_kv(k_cache, block_tables, num_blocks).transpose(1, 2)  # [S, KVH, slots, D]
     values = gather_kv(v_cache, block_tables, num_blocks).transpose(1, 2)
-    positions = torch.arange(keys.shape[2], device=query.device)
-    mask = (positions[None, :] < context_lens[:, None].to(positions.dtype))[:, None, None, :]
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-    )
-    return out.squeeze(2)
+    grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=key_mask, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+@dataclass
+class PrefillBatch:
+    """How packed variable-length prefill queries sit in one padded batch, for a single SDPA call:
+
+        packed  [ p0 p0 p0 | p1 ]          padded  [ p0 p0 p0 ]   row r of sequence s is
+                                                   [ p1 -- -- ]   padded row s * max_query_len + r
+
+    Padded rows attend to the sequence's first slot (a finite value) and are dropped afterwards."""
+
+    rows: torch.Tensor  # [num_tokens] int64: the padded row of each packed query token
+    mask: torch.Tensor  # [num_seqs, 1, max_query_len, num_blocks * block_size] additive, causal
+    max_query_len: int
+    num_blocks: int
+
+
+# One padded SDPA call replaces the per-sequence loop while it computes at most this many times the
+# query-key pairs the sequences need (plus a small constant that lets tiny batches through).
+_MAX_PADDING_WASTE = 2.0
+_PADDING_SLACK_PAIRS = 64 * 1024
+
+
+def plan_prefill_batch(
+    query_start_loc: torch.Tensor, context_lens: torch.Tensor, block_size: int, dtype: torch.dtype
+) -> PrefillBatch | None:
+    """The padded layout of a step's prefills, or None when padding would waste too much compute
+    (one long prompt chunk beside short prompts): then each sequence is attended on its own."""
+    starts, ctx = query_start_loc.tolist(), context_lens.tolist()
+    q_lens = [end - start for start, end in zip(starts, starts[1:])]
+    max_q, max_ctx = max(q_lens), max(ctx)
+    num_blocks = -(-max_ctx // block_size)
+    needed = sum(q * c for q, c in zip(q_lens, ctx))
+    if len(q_lens) * max_q * num_blocks * block_size > _MAX_PADDING_WASTE * needed + _PADDING_SLACK_PAIRS:
+        return None
+    device = context_lens.device
+    q_lens_t = torch.tensor(q_lens, device=device)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens_t)
+    row_in_seq = torch.arange(int(starts[-1]), device=device) - query_start_loc[:-1].long()[seq_of_token]
+    rows = seq_of_token * max_q + row_in_seq
+    # query row r of sequence s sits at position ctx - q_len + r and sees slots up to it
+    query_pos = (context_lens.long() - q_lens_t)[:, None] + torch.arange(max_q, device=device)[None, :]
+    slots = torch.arange(num_blocks * block_size, device=device)
+    visible = (slots[None, None, :] <= query_pos[:, :, None]) & (slots < context_lens[:, None, None])
+    visible[:, :, 0] = True  # padded rows (r >= q_len) see slot 0 only if nothing else
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+    return PrefillBatch(rows, mask[:, None], max_q, num_blocks)
 
 
 def paged_attention_prefill(
@@ -72,9 +142,37 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    batch: PrefillBatch | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed variable-length queries ([num_tokens, num_heads, head_dim]) whose
-    keys, earlier context included, are already in the paged cache."""
+    keys, earlier context included, are already in the paged cache. `batch` (`plan_prefill_batch`)
+    pads them into one SDPA call; without it each sequence is attended on its own."""
+    if batch is None:
+        return _prefill_each_sequence(
+            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+        )
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = context_lens.shape[0]
+    padded = query.new_zeros(num_seqs * batch.max_query_len, num_heads, head_dim)
+    padded.index_copy_(0, batch.rows, query)
+    padded_q = padded.view(num_seqs, batch.max_query_len, num_heads, head_dim).transpose(1, 2)
+    keys = gather_kv(k_cache, block_tables, batch.num_blocks).transpose(1, 2)  # [S, KVH, slots, D]
+    values = gather_kv(v_cache, block_tables, batch.num_blocks).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        padded_q, keys, values, attn_mask=batch.mask, scale=scale, enable_gqa=True
+    )  # [S, H, max_q, D]
+    return out.transpose(1, 2).reshape(-1, num_heads, head_dim).index_select(0, batch.rows)
+
+
+def _prefill_each_sequence(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     out = torch.empty_like(query)
     block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
@@ -108,10 +206,10 @@ def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_mapping: tor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, scaled by weight in x's dtype (as Hugging Face Llama does)."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    """RMSNorm computed in float32, scaled by weight in x's dtype (as Hugging Face Llama does):
+    weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype). `F.rms_norm` computes exactly that inner
+    part in float32 for half-precision inputs, in one fused pass."""
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def fused_add_rms_norm(
@@ -126,13 +224,23 @@ def rotary_embedding(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX-style rotary embedding on [num_tokens, heads, head_dim] query and key (returns new tensors)."""
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, rot/2] each
-    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(query.dtype)
-    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(query.dtype)
-    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    cos, sin = rotary_cos_sin(positions, cos_sin_cache, query.dtype)
+    return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotary_cos_sin(
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [num_tokens, 1, rotary_dim] (each half repeated) cast to `dtype`, as Hugging Face Llama
+    casts them: the part of the rotary embedding that every layer of a step shares."""
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, rot/2] each
+    return torch.cat((cos, cos), dim=-1).unsqueeze(1).to(dtype), torch.cat((sin, sin), dim=-1).unsqueeze(
+        1
+    ).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, heads, head_dim] rotated by `rotary_cos_sin`'s tables (a new tensor)."""
     rot_dim = cos.shape[-1]
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
     x1, x2 = x_rot.chunk(2, dim=-1)

@@ -37,6 +37,9 @@ class AttentionMetadata:
     # host-side maxima, so a kernel launch sizes its grid without a device-to-host sync
     max_decode_context_len: int = 0
     max_prefill_query_len: int = 0
+    # derived once per step by the torch backend's `prepare`, shared by every layer
+    decode_key_mask: torch.Tensor | None = None
+    prefill_batch: reference.PrefillBatch | None = None
 
     @property
     def num_prefills(self) -> int:
@@ -45,6 +48,10 @@ class AttentionMetadata:
 
 class AttentionBackend(abc.ABC):
     name: str
+
+    def prepare(self, metadata: AttentionMetadata, dtype: torch.dtype, block_size: int) -> None:  # noqa: B027
+        """Called once per step before the forward pass: derive what every layer can reuse (an
+        optional hook: the Triton kernels need nothing)."""
 
     @abc.abstractmethod
     def write_kv_cache(
@@ -62,11 +69,10 @@ class AttentionBackend(abc.ABC):
         query: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
+        metadata: AttentionMetadata,
         scale: float,
-        max_context_len: int,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """[num_decodes, heads, head_dim] queries over the decode sequences' paged context."""
 
     @abc.abstractmethod
     def prefill(
@@ -74,18 +80,28 @@ class AttentionBackend(abc.ABC):
         query: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        context_lens: torch.Tensor,
+        metadata: AttentionMetadata,
         scale: float,
-        max_query_len: int,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """The packed prefill tokens' queries, causal over their paged context."""
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """The pure-torch reference (scaled_dot_product_attention over gathered blocks): CPU runs."""
+    """The pure-torch reference (scaled_dot_product_attention over gathered blocks): CPU runs.
+    The decode mask and the padded prefill layout are built once per step, not once per layer."""
 
     name = "torch"
+
+    def prepare(self, metadata: AttentionMetadata, dtype: torch.dtype, block_size: int) -> None:
+        if metadata.num_decodes:
+            num_blocks = -(-metadata.max_decode_context_len // block_size)
+            metadata.decode_key_mask = reference.decode_key_mask(
+                metadata.decode_context_lens, num_blocks * block_size, dtype
+            )
+        if metadata.num_prefills:
+            metadata.prefill_batch = reference.plan_prefill_batch(
+                metadata.prefill_query_start_loc, metadata.prefill_context_lens, block_size, dtype
+            )
 
     def write_kv_cache(
         self,
@@ -102,26 +118,37 @@ class TorchAttentionBackend(AttentionBackend):
         query: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
+        metadata: AttentionMetadata,
         scale: float,
-        max_context_len: int,
     ) -> torch.Tensor:
-        return reference.paged_attention_decode(query, k_cache, v_cache, block_tables, context_lens, scale)
+        return reference.paged_attention_decode(
+            query,
+            k_cache,
+            v_cache,
+            metadata.decode_block_tables,
+            metadata.decode_context_lens,
+            scale,
+            max_context_len=metadata.max_decode_context_len,
+            key_mask=metadata.decode_key_mask,
+        )
 
     def prefill(
         self,
         query: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        context_lens: torch.Tensor,
+        metadata: AttentionMetadata,
         scale: float,
-        max_query_len: int,
     ) -> torch.Tensor:
         return reference.paged_attention_prefill(
-            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+            query,
+            k_cache,
+            v_cache,
+            metadata.prefill_block_tables,
+            metadata.prefill_query_start_loc,
+            metadata.prefill_context_lens,
+            scale,
+            batch=metadata.prefill_batch,
         )
 
 
@@ -149,13 +176,17 @@ class TritonAttentionBackend(AttentionBackend):
         query: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
+        metadata: AttentionMetadata,
         scale: float,
-        max_context_len: int,
     ) -> torch.Tensor:
         return self._attention.paged_attention_decode(
-            query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=max_context_len
+            query,
+            k_cache,
+            v_cache,
+            metadata.decode_block_tables,
+            metadata.decode_context_lens,
+            scale,
+            max_context_len=metadata.max_decode_context_len,
         )
 
     def prefill(
@@ -163,21 +194,18 @@ class TritonAttentionBackend(AttentionBackend):
         query: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        context_lens: torch.Tensor,
+        metadata: AttentionMetadata,
         scale: float,
-        max_query_len: int,
     ) -> torch.Tensor:
         return self._attention.paged_attention_prefill(
             query,
             k_cache,
             v_cache,
-            block_tables,
-            query_start_loc,
-            context_lens,
+            metadata.prefill_block_tables,
+            metadata.prefill_query_start_loc,
+            metadata.prefill_context_lens,
             scale,
-            max_query_len=max_query_len,
+            max_query_len=metadata.max_prefill_query_len,
         )
 
 
@@ -240,35 +268,12 @@ class Attention(nn.Module):
         )
         num_decodes = metadata.num_decodes
         if metadata.num_prefills == 0:
-            out = self.backend.decode(
-                q,
-                k_cache,
-                v_cache,
-                metadata.decode_block_tables,
-                metadata.decode_context_lens,
-                self.scale,
-                metadata.max_decode_context_len,
-            )
+            out = self.backend.decode(q, k_cache, v_cache, metadata, self.scale)
         else:
             out = torch.empty_like(q)
             if num_decodes:
                 out[:num_decodes] = self.backend.decode(
-                    q[:num_decodes],
-                    k_cache,
-                    v_cache,
-                    metadata.decode_block_tables,
-                    metadata.decode_context_lens,
-                    self.scale,
-                    metadata.max_decode_context_len,
+                    q[:num_decodes], k_cache, v_cache, metadata, self.scale
                 )
-            out[num_decodes:] = self.backend.prefill(
-                q[num_decodes:],
-                k_cache,
-                v_cache,
-                metadata.prefill_block_tables,
-                metadata.prefill_query_start_loc,
-                metadata.prefill_context_lens,
-                self.scale,
-                metadata.max_prefill_query_len,
-            )
+            out[num_decodes:] = self.backend.prefill(q[num_decodes:], k_cache, v_cache, metadata, self.scale)
         return out.view(-1, self.num_heads * self.head_dim)

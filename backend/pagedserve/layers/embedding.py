@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from pagedserve.layers.linear import pack_weight, packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -34,8 +35,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits over the full vocabulary, gathered from each rank's slice."""
+    """Logits over the full vocabulary, gathered from each rank's slice. A packed copy of the weight
+    (see `layers.linear`) sits beside the plain one, which a tied input embedding still reads."""
+
+    packed_weight: torch.Tensor | None = None
+
+    def pack_weights(self, batch_size_hint: int) -> None:
+        self.packed_weight = pack_weight(self.weight, batch_size_hint)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))
-        return logits[..., : self.vocab_size]
+        if self.packed_weight is not None:
+            local = packed_linear(hidden, self.packed_weight)
+        else:
+            local = F.linear(hidden, self.weight)
+        return all_gather_last_dim(local)[..., : self.vocab_size]

@@ -3,6 +3,10 @@ checkpoint tensor and keeps this rank's shard, so sharding happens at load time.
 
 Column-parallel splits output features across ranks (no communication); row-parallel splits input
 features and all-reduces the partial sums.
+
+On CPUs, bfloat16 weights can be packed once into oneDNN's blocked layout (`pack_weights`): an
+unpacked bf16 `F.linear` reorders its weight on every call, which costs about as much as the matmul
+itself at decode batch sizes. The packed product is bit-identical to `F.linear`'s.
 """
 
 from __future__ import annotations
@@ -23,6 +27,44 @@ def _shard(tensor: torch.Tensor, dim: int, num_shards: int, index: int) -> torch
     return tensor.narrow(dim, index * size, size)
 
 
+def can_pack_weights(device: torch.device, dtype: torch.dtype) -> bool:
+    """Packing pays (and is exact) for bfloat16 on CPUs whose oneDNN has native bf16 (AVX-512 / AMX);
+    in float32 it is neither faster nor bit-identical to `F.linear`."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+
+
+def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
+    """`weight` [out, in] reordered once into oneDNN's blocked layout, for `packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class LinearBase(nn.Module):
+    """Holds `weight` [out, in] (this rank's shard); after `pack_weights` the matmul reads the packed copy
+    and the plain weight is released."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    packed_weight: torch.Tensor | None = None
+
+    def pack_weights(self, batch_size_hint: int) -> None:
+        self.packed_weight = pack_weight(self.weight, batch_size_hint)
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
+
+
 def check_head_split(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
     """Query heads split evenly; KV heads split evenly, or each replicated on tp_size / num_kv_heads ranks."""
     if num_heads % tp_size:
@@ -33,7 +75,7 @@ def check_head_split(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
         )
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
@@ -51,7 +93,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(_shard(loaded, 0, self.tp_size, self.tp_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -96,7 +138,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, shard_index * size, size))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
@@ -117,5 +159,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(F.linear(x, self.weight))
+        out = all_reduce(self.matmul(x))
         return out if self.bias is None else out + self.bias

@@ -45,6 +45,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
+    """One per model: `forward` turns a step's positions into the cos/sin tables every layer applies."""
+
     def __init__(self, head_dim: int, max_position: int, hf_config: dict[str, Any]) -> None:
         super().__init__()
         params = rope_parameters(hf_config)
@@ -55,7 +57,5 @@ class RotaryEmbedding(nn.Module):
         )
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rotary_embedding(positions, query, key, self.cos_sin_cache)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rotary_cos_sin(positions, self.cos_sin_cache, dtype)

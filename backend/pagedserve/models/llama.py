@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.layers import ops
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -17,32 +18,32 @@ from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLine
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
 
+Rotary = tuple[torch.Tensor, torch.Tensor]  # a step's cos and sin tables, shared by every layer
+
+
+def head_dim_of(cfg: dict[str, Any]) -> int:
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
 
 class LlamaAttention(nn.Module):
-    def __init__(
-        self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend, qkv_bias: bool
-    ) -> None:
+    def __init__(self, cfg: dict[str, Any], backend: AttentionBackend, qkv_bias: bool) -> None:
         super().__init__()
         hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
-        head_dim = cfg.get("head_dim") or hidden // num_heads
+        head_dim = head_dim_of(cfg)
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=cfg.get("attention_bias", False))
-        self.rotary_emb = RotaryEmbedding(head_dim, max_position, cfg)
-        heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.head_dim = head_dim
-        self.attn = Attention(heads, kv_heads, head_dim, backend)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, backend)
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(
-            positions,
-            q.view(-1, self.q_size // self.head_dim, self.head_dim),
-            k.view(-1, self.kv_size // self.head_dim, self.head_dim),
-        )
+    def forward(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # each row: [ q heads | k heads | v heads ]
+        # q and k sit side by side in every row, so one rotation covers both
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = ops.apply_rotary(qk, *rotary).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :]
         return self.o_proj(self.attn(q, k, v, metadata))
 
 
@@ -61,18 +62,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend, qkv_bias: bool
-    ) -> None:
+    def __init__(self, cfg: dict[str, Any], backend: AttentionBackend, qkv_bias: bool) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, max_position, backend, qkv_bias)
+        self.self_attn = LlamaAttention(cfg, backend, qkv_bias)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rotary: Rotary,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
@@ -81,7 +80,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, metadata)
+        hidden = self.self_attn(rotary, hidden, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -100,9 +99,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), max_position, cfg)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, max_position, backend, self.qkv_bias)
-            for _ in range(cfg["num_hidden_layers"])
+            LlamaDecoderLayer(cfg, backend, self.qkv_bias) for _ in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
@@ -118,8 +117,9 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        rotary = self.rotary_emb(positions, hidden.dtype)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, metadata)
+            hidden, residual = layer(rotary, hidden, residual, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -17,6 +17,7 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.layers.attention import AttentionBackend, AttentionMetadata, make_attention_backend
+from pagedserve.layers.linear import can_pack_weights
 from pagedserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from pagedserve.models.loader import iter_safetensors
 from pagedserve.models.registry import get_model_class
@@ -72,6 +73,10 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype):
             model = get_model_class(cfg.architecture)(cfg.hf_config, cfg.max_model_len, self.backend)
         model.load_weights(iter_safetensors(cfg.path))
+        if can_pack_weights(self.device, self.dtype):
+            for module in model.modules():
+                if hasattr(module, "pack_weights"):
+                    module.pack_weights(self.config.scheduler.max_num_seqs)
         return model.eval()
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -85,6 +90,7 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         order = sorted(output.scheduled, key=lambda r: len(r.token_ids) > 1)  # decodes first, stable
         input_ids, positions, metadata, sample_indices = self._prepare_inputs(order)
+        self.backend.prepare(metadata, self.dtype, self.block_size)
         hidden = self.model(input_ids, positions, metadata)
         sampled = [r for r in order if r.do_sample]
         if not sampled:
