@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import shlex
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,45 @@ def parse_serve_args(args: list[str]) -> ServeSettings:
     except SystemExit:
         pytest.fail(f"`pagedserve serve` rejects the args {args}")
     return settings_from_args(ServeSettings, namespace)
+
+
+def parse_serve_container(container: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> ServeSettings:
+    """Settings as the server in `container` ends up with them: its args, plus the PAGEDSERVE_*
+    variables of its env (and none of this test process's own)."""
+    for name in [name for name in os.environ if name.startswith("PAGEDSERVE_")]:
+        monkeypatch.delenv(name)
+    for name, value in container_env(container).items():
+        if name.startswith("PAGEDSERVE_"):
+            assert name.removeprefix("PAGEDSERVE_").lower() in ServeSettings.model_fields, name
+            monkeypatch.setenv(name, value)
+    return parse_serve_args(container["args"])
+
+
+def container_env(container: dict[str, Any]) -> dict[str, str]:
+    """The container's literal env values (entries with valueFrom are left out)."""
+    return {item["name"]: item["value"] for item in container.get("env", []) if "value" in item}
+
+
+def assert_shared_memory(container: dict[str, Any], volumes: list[dict[str, Any]], size_limit: str) -> None:
+    """/dev/shm is a memory-backed emptyDir (the container runtime's default is 64 MiB, too small for
+    NCCL and the tensor-parallel worker processes)."""
+    assert by_name(container["volumeMounts"])["dshm"]["mountPath"] == "/dev/shm"
+    assert by_name(volumes)["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": size_limit}
+
+
+def assert_tracing_reaches_server(
+    container: dict[str, Any], endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = {item["name"]: item for item in container["env"]}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    attributes = env["OTEL_RESOURCE_ATTRIBUTES"]["value"]
+    assert attributes == "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"
+    # Kubernetes expands $(VAR) only from variables defined earlier in the list.
+    names = list(env)
+    assert names.index("POD_NAME") < names.index("OTEL_RESOURCE_ATTRIBUTES")
+    assert names.index("POD_NAMESPACE") < names.index("OTEL_RESOURCE_ATTRIBUTES")
+    assert parse_serve_container(container, monkeypatch).otlp_traces_endpoint == endpoint
 
 
 def by_name(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -11,12 +11,14 @@ from deploy_helpers import (
     CHART_DIR,
     LIVENESS_SERVICE,
     READINESS_SERVICE,
+    assert_shared_memory,
+    assert_tracing_reaches_server,
     by_name,
     parse_serve_args,
-    prestop_sleep_seconds,
     render,
 )
-from pagedserve.rpc.cli import ServeSettings
+
+OTLP_ENDPOINT = "http://otel-collector.observability:4317"
 
 
 def server_container(objects: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -60,15 +62,6 @@ def test_probes_use_grpc_health_services_on_the_grpc_port() -> None:
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model loads take minutes"
 
 
-def test_grace_period_covers_prestop_and_drain() -> None:
-    objects = render()
-    container = server_container(objects)
-    drain = parse_serve_args(container["args"]).shutdown_timeout
-    prestop = prestop_sleep_seconds(container)
-    assert prestop > 0 and drain > 0
-    assert pod_spec(objects)["terminationGracePeriodSeconds"] >= prestop + drain
-
-
 def test_grace_period_follows_longer_drains_and_rejects_short_explicit_values() -> None:
     values = {"server": {"shutdownTimeout": 120}, "lifecycle": {"preStopSleepSeconds": 30}}
     objects = render(values)
@@ -84,16 +77,22 @@ def test_default_resources_one_gpu_and_shared_memory() -> None:
     container = server_container(objects)
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert container["resources"]["requests"]["memory"] == "8Gi"
-    shm = by_name(pod_spec(objects)["volumes"])["dshm"]
-    assert shm["emptyDir"]["medium"] == "Memory"
-    assert by_name(container["volumeMounts"])["dshm"]["mountPath"] == "/dev/shm"
+    assert_shared_memory(container, pod_spec(objects)["volumes"], "8Gi")
 
 
-def test_tensor_parallel_two_requests_two_gpus() -> None:
-    container = server_container(render({"server": {"tensorParallelSize": 2}}))
+def test_tensor_parallel_two_requests_two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    values = {
+        "server": {"tensorParallelSize": 2},
+        "sharedMemory": {"sizeLimit": "16Gi"},
+        "tracing": {"otlpEndpoint": OTLP_ENDPOINT},
+    }
+    objects = render(values)
+    container = server_container(objects)
     assert parse_serve_args(container["args"]).tensor_parallel_size == 2
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert container["resources"]["limits"]["memory"] == "32Gi"  # user limits kept
+    assert_shared_memory(container, pod_spec(objects)["volumes"], "16Gi")
+    assert_tracing_reaches_server(container, OTLP_ENDPOINT, monkeypatch)
 
 
 def test_cpu_only_requests_no_gpu() -> None:
@@ -133,16 +132,8 @@ def test_service_monitor_scrapes_the_http_port() -> None:
 
 
 def test_otlp_endpoint_reaches_the_server_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    endpoint = "http://otel-collector.observability:4317"
-    container = server_container(render({"tracing": {"otlpEndpoint": endpoint}}))
-    env = {item["name"]: item.get("value") for item in container["env"]}
-    assert env["PAGEDSERVE_OTLP_TRACES_ENDPOINT"] == endpoint
-    assert "k8s.pod.name=$(POD_NAME)" in env["OTEL_RESOURCE_ATTRIBUTES"]
-    for name, value in env.items():
-        if name.startswith("PAGEDSERVE_"):
-            assert name.removeprefix("PAGEDSERVE_").lower() in ServeSettings.model_fields, name
-            monkeypatch.setenv(name, value)
-    assert parse_serve_args(container["args"]).otlp_traces_endpoint == endpoint
+    container = server_container(render({"tracing": {"otlpEndpoint": OTLP_ENDPOINT}}))
+    assert_tracing_reaches_server(container, OTLP_ENDPOINT, monkeypatch)
     assert "env" not in server_container(render()), "no tracing env unless asked for"
 
 

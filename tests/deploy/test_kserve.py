@@ -10,7 +10,8 @@ from deploy_helpers import (
     KSERVE_DIR,
     LIVENESS_SERVICE,
     READINESS_SERVICE,
-    by_name,
+    assert_shared_memory,
+    assert_tracing_reaches_server,
     load_manifests,
     parse_serve_args,
     prestop_sleep_seconds,
@@ -18,6 +19,7 @@ from deploy_helpers import (
 )
 
 STORAGE_URI = "hf://HuggingFaceTB/SmolLM2-135M-Instruct"
+OTLP_ENDPOINT = "http://otel-collector.observability:4317"
 
 
 def render_kserve(**extra: Any) -> dict[str, dict[str, Any]]:
@@ -66,9 +68,8 @@ def test_runtime_probes_and_resources(kserve_objects: dict[str, dict[str, Any]])
     assert container["readinessProbe"]["grpc"] == {"port": settings.port, "service": READINESS_SERVICE}
     assert container["livenessProbe"]["grpc"] == {"port": settings.port, "service": LIVENESS_SERVICE}
     assert container["resources"]["limits"]["nvidia.com/gpu"] == settings.tensor_parallel_size == 1
-    assert by_name(container["volumeMounts"])["dshm"]["mountPath"] == "/dev/shm"
-    shm = by_name(kserve_objects["ServingRuntime"]["spec"]["volumes"])["dshm"]
-    assert shm["emptyDir"]["medium"] == "Memory"
+    assert_shared_memory(container, kserve_objects["ServingRuntime"]["spec"]["volumes"], "8Gi")
+    assert "env" not in container, "no tracing env unless asked for"
 
 
 def test_inference_service_uses_the_runtime(kserve_objects: dict[str, dict[str, Any]]) -> None:
@@ -92,10 +93,22 @@ def test_inference_service_grace_period_covers_prestop_and_drain(
     assert grace >= prestop_sleep_seconds(container) + drain
 
 
-def test_kserve_tensor_parallel_two() -> None:
-    container = runtime_container(render_kserve(server={"tensorParallelSize": 2})["ServingRuntime"])
+def test_kserve_otlp_endpoint_reaches_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    container = runtime_container(render_kserve(tracing={"otlpEndpoint": OTLP_ENDPOINT})["ServingRuntime"])
+    assert_tracing_reaches_server(container, OTLP_ENDPOINT, monkeypatch)
+
+
+def test_kserve_tensor_parallel_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    runtime = render_kserve(
+        server={"tensorParallelSize": 2},
+        sharedMemory={"sizeLimit": "16Gi"},
+        tracing={"otlpEndpoint": OTLP_ENDPOINT},
+    )["ServingRuntime"]
+    container = runtime_container(runtime)
     assert parse_serve_args(container["args"]).tensor_parallel_size == 2
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert_shared_memory(container, runtime["spec"]["volumes"], "16Gi")
+    assert_tracing_reaches_server(container, OTLP_ENDPOINT, monkeypatch)
 
 
 def test_plain_manifests_match_the_chart() -> None:

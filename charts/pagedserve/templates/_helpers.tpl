@@ -40,10 +40,31 @@ An explicit value that is too short fails the install instead of cutting in-flig
 {{- end -}}
 
 {{/*
+Flags the chart sets itself, each from the value named here. The server's parser lets the last
+occurrence win and accepts unique abbreviations (`--shutdown=300`), so the same flag in
+server.extraArgs would silently break what the chart derives from the value: the grace period
+(shutdownTimeout), the GPU limit (tensorParallelSize), the ports of probes and Service.
+*/}}
+{{- define "pagedserve.checkExtraArgs" -}}
+{{- $owned := dict "model" "model.path" "served-model-name" "model.servedModelName" "port" "server.grpcPort" "http-port" "server.httpPort" "tensor-parallel-size" "server.tensorParallelSize" "shutdown-timeout" "server.shutdownTimeout" -}}
+{{- range $arg := .Values.server.extraArgs -}}
+{{- $name := regexReplaceAll "=.*" (trimPrefix "--" $arg) "" -}}
+{{- if and (hasPrefix "--" $arg) $name -}}
+{{- range $flag, $value := $owned -}}
+{{- if hasPrefix $name $flag -}}
+{{- fail (printf "server.extraArgs: %q overrides --%s, which the chart passes from %s: set %s instead" $arg $flag $value $value) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 `pagedserve serve` flags after the image's ENTRYPOINT. Arguments: (dict "root" $ "model" PATH "name" NAME).
 */}}
 {{- define "pagedserve.args" -}}
 {{- $v := .root.Values -}}
+{{- include "pagedserve.checkExtraArgs" .root -}}
 - --model={{ .model }}
 - --served-model-name={{ .name }}
 - --port={{ $v.server.grpcPort }}

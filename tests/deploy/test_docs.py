@@ -1,0 +1,93 @@
+"""The deployment commands in README.md and docs/deploy.md: every `helm install/upgrade` renders, and
+the names, ports and model names the README's client commands use are the ones the chart renders."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+from deploy_helpers import REPO, by_name, parse_serve_args, render
+
+README = REPO / "README.md"
+DEPLOY_DOC = REPO / "docs" / "deploy.md"
+KSERVE_GRPC_SERVICE_PORT = 80  # KServe's RawDeployment Service maps the first container port to 80
+
+
+def helm_commands(path: Path) -> list[list[str]]:
+    """Every `helm` command line in the file's ```bash blocks, continuation lines joined."""
+    blocks = re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.DOTALL)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    return [shlex.split(line, comments=True) for line in lines if line.startswith("helm ")]
+
+
+def set_value(values: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        values = values.setdefault(key, {})
+    values[leaf] = value
+
+
+def scalar(text: str) -> Any:
+    """`--set` typing, as Helm does it for the values these docs use."""
+    if text in ("true", "false"):
+        return text == "true"
+    return int(text) if re.fullmatch(r"-?\d+", text) else text
+
+
+def helm_installs(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(release, values) of each `helm install`/`helm upgrade --reuse-values` in the file, in order."""
+    installs: list[tuple[str, dict[str, Any]]] = []
+    for argv in helm_commands(path):
+        if argv[:2] not in (["helm", "install"], ["helm", "upgrade"]):
+            continue
+        release, chart = argv[2], argv[3]
+        assert (REPO / chart).resolve() == REPO / "charts" / "pagedserve", argv
+        values: dict[str, Any] = {}
+        if "--reuse-values" in argv:
+            [previous] = [v for r, v in installs if r == release][-1:]
+            values = json.loads(json.dumps(previous))
+        for flag, arg in zip(argv, argv[1:]):
+            if flag in ("--set", "--set-json"):
+                key, _, raw = arg.partition("=")
+                set_value(values, key, json.loads(raw) if flag == "--set-json" else scalar(raw))
+        installs.append((release, values))
+    return installs
+
+
+@pytest.mark.parametrize("path", [README, DEPLOY_DOC], ids=lambda p: p.name)
+def test_every_documented_helm_command_renders(path: Path) -> None:
+    installs = helm_installs(path)
+    assert installs, f"no helm install in {path.name}"
+    for release, values in installs:
+        objects = render(values, release=release)
+        assert "Deployment" in objects or "InferenceService" in objects
+
+
+def readme_objects() -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """What the README's first plain and first KServe `helm install` render."""
+    installs = [(r, v) for r, v in helm_installs(README) if r]
+    plain = next(render(v, release=r) for r, v in installs if v.get("mode", "deployment") == "deployment")
+    kserve = next(render(v, release=r) for r, v in installs if v.get("mode") == "kserve")
+    return plain, kserve
+
+
+def test_readme_addresses_and_model_names_match_the_rendered_chart() -> None:
+    plain, kserve = readme_objects()
+    text = README.read_text()
+    service = plain["Service"]["metadata"]["name"]
+    grpc_port = by_name(plain["Service"]["spec"]["ports"])["grpc"]["port"]
+    isvc = kserve["InferenceService"]["metadata"]["name"]
+    [container] = plain["Deployment"]["spec"]["template"]["spec"]["containers"]
+    model_name = parse_serve_args(container["args"]).served_model_name
+    assert model_name == isvc, "KServe serves under the InferenceService name ({{.Name}})"
+
+    addresses = set(re.findall(r"\b([a-z0-9-]+-pagedserve(?:-predictor)?):(\d+)", text))
+    assert addresses == {(service, str(grpc_port)), (f"{isvc}-predictor", str(KSERVE_GRPC_SERVICE_PORT))}
+    assert f"deployment/{plain['Deployment']['metadata']['name']}" in text
+    assert f"inferenceservice {isvc}" in text
+    assert f'"name": "{model_name}"' in text  # grpcurl ModelReady
+    assert f'client.infer("{model_name}"' in text  # tritonclient
