@@ -3,9 +3,11 @@
 The grid names every required size without the full cartesian product (the interpreter is slow):
 every (head_dim 64/128, block_size 16/32, GQA ratio 1/3/8) combination on a batch of 7 sequences
 whose context lengths include 1, 15, 16, 17 and several hundred; batch 1 at each of those lengths;
-head_dim 80 (not a power of two); each in float32 and bfloat16. Beyond the grid: the default
-split-K choice on a long context, unused cache slots holding NaN, logits large enough to overflow
-a naive softmax, int64 index tensors, and the launchers' argument checks.
+head_dim 80 (not a power of two); each in float32 and bfloat16. Split-K decode, forced through the
+launcher's num_splits, runs every (head_dim, block_size, GQA ratio, dtype) combination on that batch
+of 7 and on batch 1 at 17 and 417 tokens. Beyond the grid: the default split-K choice on a long
+context, unused cache slots holding NaN, logits large enough to overflow a naive softmax, int64
+index tensors, and the launchers' argument checks.
 
 Tolerances: float32 atol = rtol = 1e-4 against the float32 reference. bfloat16 atol = rtol = 2e-2
 against the reference run in float32 on the same bfloat16 inputs (the kernel rounds the softmax
@@ -14,6 +16,7 @@ weights and the output to bfloat16).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from dataclasses import dataclass
 
@@ -112,13 +115,39 @@ def test_decode_matches_reference(
     assert_matches_reference(out, expected, dtype)
 
 
-# (num_heads, num_kv_heads, head_dim, block_size, context_lens, num_splits): split ranges that cut
-# through blocks, and splits left empty by short sequences in the same batch
+# Split-K decode runs the same grid with the split count forced through the launcher's num_splits.
+# Splits are whole multiples of 16 keys, so the requested count sets the split length on the 300-key
+# sequence: 19 -> 16 keys (several splits per 32-token block, 17 tokens split 16 + 1), 7 -> 48 (cuts
+# through 32-token blocks), 3 -> 112 (short sequences of the batch leave every split but the first
+# empty). A single sequence of 15 or 16 tokens cannot be split, so batch 1 runs 17 tokens (16 + 1)
+# and 417 tokens (the last split partly filled).
+SPLITS_BY_GQA_RATIO = {1: 19, 3: 7, 8: 3}
+SPLIT_BATCHES = {"b7": [1, 15, 16, 17, 33, 300, 2], "b1-ctx17": [17], "b1-ctx417": [417]}
+# (num_heads, num_kv_heads, head_dim, block_size, context_lens, num_splits)
 SPLIT_CASES = [
-    pytest.param(6, 2, 64, 16, [300, 17, 1, 16, 15, 64, 200], 4, id="b7-gqa3-d64-bs16-4splits"),
-    pytest.param(8, 1, 128, 32, [417], 3, id="b1-gqa8-d128-bs32-3splits"),
-    pytest.param(4, 4, 128, 16, [17, 40], 8, id="b2-gqa1-d128-bs16-8splits"),
-]
+    pytest.param(
+        2 * ratio, 2, head_dim, block_size, lens, SPLITS_BY_GQA_RATIO[ratio],
+        id=f"{batch}-gqa{ratio}-d{head_dim}-bs{block_size}-{SPLITS_BY_GQA_RATIO[ratio]}splits",
+    )
+    for head_dim, block_size, ratio in itertools.product((64, 128), (16, 32), (1, 3, 8))
+    for batch, lens in SPLIT_BATCHES.items()
+] + [pytest.param(16, 2, 80, 16, [15, 250], 5, id="b2-gqa8-d80-bs16-5splits")]  # fmt: skip
+
+
+def spy_on_decode_splits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of key splits of each decode launch (1 = no split-K), recorded on the way into
+    the real launch: a launcher that ignored num_splits would still match the reference."""
+    num_splits_launched = []
+    launch = attention._launch_decode
+    signature = inspect.signature(launch)
+
+    def recording_launch(*args, **kwargs) -> None:
+        bound = signature.bind(*args, **kwargs).arguments
+        num_splits_launched.append(1 if bound["lse"] is None else bound["out"].shape[2])
+        launch(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_launch_decode", recording_launch)
+    return num_splits_launched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -134,14 +163,17 @@ def test_split_k_decode_matches_reference(
     num_splits: int,
     dtype: torch.dtype,
     device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     cache = make_paged_cache(context_lens, num_kv_heads, head_dim, block_size, dtype, device)
     query = torch.randn(len(context_lens), num_heads, head_dim, dtype=dtype, device=device)
     args = (cache.block_tables, cache.context_lens, head_dim**-0.5)
+    num_splits_launched = spy_on_decode_splits(monkeypatch)
     out = attention.paged_attention_decode(query, cache.k_cache, cache.v_cache, *args, num_splits=num_splits)
     expected = reference.paged_attention_decode(
         query.float(), cache.k_cache.float(), cache.v_cache.float(), *args
     )
+    assert len(num_splits_launched) == 1 and 1 < num_splits_launched[0] <= num_splits
     assert_matches_reference(out, expected, dtype)
 
 

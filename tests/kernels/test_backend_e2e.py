@@ -4,6 +4,8 @@ prefill kernels; under Triton's interpreter on CPU) equal those with the torch r
 The workload makes every kernel path run inside the engine: a token budget of 32 chunks the long
 prompts (prefill over context already in the cache) and mixes decodes into the same steps, and a
 second batch reuses cached prompt prefixes (prefill starting past a prefix-cache hit).
+
+Tolerance: none, the greedy token ids must be equal.
 """
 
 from __future__ import annotations

@@ -1,9 +1,16 @@
-"""KV cache writes (slot mapping) and block copies against the pure-torch reference. Both move
-values without arithmetic, so results must be bit-identical, except that the interpreter truncates
-where torch rounds to nearest when a float32 key is stored into a bfloat16 cache (atol = rtol = 8e-3,
-one bfloat16 step)."""
+"""KV cache writes (slot mapping) and block copies against the pure-torch reference.
+
+Grid: writes of 1, 15, 16, 17 and 300 tokens with head_dim 64 and 128, block sizes 16 and 32, plus
+head_dim 80; block copies of 1, 3, 4 and 7 pairs; each in float32 and bfloat16.
+
+Tolerances: none. Both kernels move values without arithmetic, so the caches must be bit-identical
+to the reference's, except that the interpreter truncates where torch rounds to nearest when a
+float32 key is stored into a bfloat16 cache (atol = rtol = 8e-3, one bfloat16 step).
+"""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -24,11 +31,19 @@ def random_caches(
     return torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device)
 
 
+# num_kv_heads varies with the token count (1, 3 and 8 KV heads each appear), so the grid stays the
+# product of token count, head_dim, block size and dtype
+KV_HEADS_BY_NUM_TOKENS = {1: 1, 15: 3, 16: 8, 17: 2, 300: 3}
+# (num_tokens, num_kv_heads, head_dim, block_size)
+WRITE_CASES = [
+    pytest.param(num_tokens, KV_HEADS_BY_NUM_TOKENS[num_tokens], head_dim, block_size,
+                 id=f"t{num_tokens}-kvh{KV_HEADS_BY_NUM_TOKENS[num_tokens]}-d{head_dim}-bs{block_size}")
+    for num_tokens, head_dim, block_size in itertools.product(KV_HEADS_BY_NUM_TOKENS, (64, 128), (16, 32))
+] + [pytest.param(33, 2, 80, 16, id="t33-kvh2-d80-bs16")]  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    ("num_tokens", "num_kv_heads", "head_dim", "block_size"),
-    [(1, 1, 64, 16), (7, 3, 128, 32), (17, 8, 64, 32), (33, 2, 80, 16)],
-)
+@pytest.mark.parametrize(("num_tokens", "num_kv_heads", "head_dim", "block_size"), WRITE_CASES)
 def test_write_kv_cache_matches_reference(
     num_tokens: int,
     num_kv_heads: int,
@@ -37,11 +52,13 @@ def test_write_kv_cache_matches_reference(
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    k_cache, v_cache = random_caches(6, block_size, num_kv_heads, head_dim, dtype, device)
+    # room for every token plus a few blocks, so the slots scatter and most of the cache stays untouched
+    num_blocks = -(-num_tokens // block_size) + 3
+    k_cache, v_cache = random_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
     # value is a strided view, as the model passes the V part of its fused QKV output
     kv = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
     key, value = kv[:, :num_kv_heads].contiguous(), kv[:, num_kv_heads:]
-    slot_mapping = torch.randperm(k_cache.shape[0] * block_size, device=device)[:num_tokens]
+    slot_mapping = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
     if num_tokens > 1:
         slot_mapping[num_tokens // 2] = -1  # a padding token: written nowhere
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
@@ -69,6 +86,9 @@ def test_write_kv_cache_casts_to_the_cache_dtype(device: torch.device) -> None:
         (1, 64, 16, [[0, 5]]),
         (3, 128, 32, [[2, 7], [2, 1], [6, 0]]),
         (8, 64, 16, [[1, 3], [4, 6], [5, 2], [0, 7]]),
+        # seven copy-on-write pairs at once (one program row each), sources and targets interleaved
+        (2, 128, 32, [[0, 9], [3, 10], [5, 15], [1, 11], [7, 12], [2, 14], [4, 13]]),
+        (3, 64, 16, [[15, 0], [8, 3], [9, 1], [14, 6], [10, 2], [11, 7], [12, 5]]),
     ],
 )
 def test_copy_blocks_matches_reference(
@@ -79,7 +99,7 @@ def test_copy_blocks_matches_reference(
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    k_cache, v_cache = random_caches(8, block_size, num_kv_heads, head_dim, dtype, device)
+    k_cache, v_cache = random_caches(16, block_size, num_kv_heads, head_dim, dtype, device)
     block_mapping = torch.tensor(pairs, dtype=torch.int64, device=device)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     reference.copy_blocks(expected_k, expected_v, block_mapping)

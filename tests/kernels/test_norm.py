@@ -1,4 +1,5 @@
-"""RMSNorm and fused residual-add RMSNorm against the pure-torch reference.
+"""RMSNorm and fused residual-add RMSNorm against the pure-torch reference, on 1, 2 and 7 rows of
+hidden sizes 64 to 4096 (577 odd), and the launchers' argument checks.
 
 Tolerances: float32 atol = rtol = 1e-5. bfloat16 atol = rtol = 2e-2 against the reference run in
 bfloat16: the kernel rounds where the reference does, but the interpreter truncates float32 to
@@ -57,3 +58,48 @@ def test_rms_norm_large_eps_shrinks_output(device: torch.device) -> None:
     x = torch.randn(3, 64, device=device) * 1e-3
     weight = torch.ones(64, device=device)
     torch.testing.assert_close(norm.rms_norm(x, weight, 100.0), x / 10.0, atol=1e-7, rtol=1e-3)
+
+
+def bad_norm_args(device: torch.device) -> dict[str, dict]:
+    """Arguments both norm launchers take (x, weight, eps), each set with one problem."""
+    good = {"x": torch.randn(3, 64, device=device), "weight": torch.ones(64, device=device), "eps": 1e-6}
+    return {
+        "x: dtype": {**good, "x": good["x"].int()},
+        "x: must be contiguous": {**good, "x": torch.randn(3, 128, device=device)[:, ::2]},
+        "x: expected a tensor of at least one dimension": {**good, "x": torch.tensor(1.0, device=device)},
+        "x: hidden size": {**good, "x": torch.randn(1, 65537, device=device)},
+        "weight: dtype": {**good, "weight": good["weight"].int()},
+        "weight: expected shape": {**good, "weight": torch.ones(32, device=device)},
+        "weight: must be contiguous": {**good, "weight": torch.ones(128, device=device)[::2]},
+        # on CPU the device check names both tensors; on a GPU the meta tensor fails the CUDA check
+        "weight.*meta": {**good, "weight": torch.ones(64, device="meta")},
+    }
+
+
+def bad_residual_args(device: torch.device) -> dict[str, dict]:
+    """fused_add_rms_norm arguments with good x and weight and one problem in residual."""
+    good = {"x": torch.randn(3, 64, device=device), "weight": torch.ones(64, device=device), "eps": 1e-6}
+    return {
+        "residual: dtype": {**good, "residual": torch.ones(3, 64, dtype=torch.int64, device=device)},
+        "residual: expected shape": {**good, "residual": torch.randn(2, 64, device=device)},
+        "residual: expected 2 dimensions": {**good, "residual": torch.randn(3, 1, 64, device=device)},
+        "residual: must be contiguous": {**good, "residual": torch.randn(3, 128, device=device)[:, ::2]},
+        "residual.*meta": {**good, "residual": torch.randn(3, 64, device="meta")},
+    }
+
+
+@pytest.mark.parametrize("problem", list(bad_norm_args(torch.device("cpu"))))
+def test_norm_launchers_reject_bad_arguments(problem: str, device: torch.device) -> None:
+    """A bad tensor fails in the launcher with a message naming it, not inside the kernel."""
+    kwargs = bad_norm_args(device)[problem]
+    with pytest.raises(AssertionError, match=problem):
+        norm.rms_norm(**kwargs)
+    residual = torch.randn(kwargs["x"].shape, device=device) if kwargs["x"].dim() else kwargs["x"]
+    with pytest.raises(AssertionError, match=problem):
+        norm.fused_add_rms_norm(residual=residual, **kwargs)
+
+
+@pytest.mark.parametrize("problem", list(bad_residual_args(torch.device("cpu"))))
+def test_fused_add_rms_norm_rejects_bad_residual(problem: str, device: torch.device) -> None:
+    with pytest.raises(AssertionError, match=problem):
+        norm.fused_add_rms_norm(**bad_residual_args(device)[problem])
