@@ -231,6 +231,8 @@ def decode_inputs(request: Any) -> list[Tensor]:
         where = f"inputs.{tensor.name or i}"
         tensors.check_datatype(where, tensor.datatype)
         shape = list(tensor.shape)
+        if raw and tensor.HasField("contents"):  # the protocol allows one form per request, as Triton checks
+            raise InvalidRequestError(f"{where}.contents", "must not be set when raw_input_contents is used")
         if raw:
             values = tensors.decode_raw(where, tensor.datatype, shape, raw[i])
         else:

@@ -4,8 +4,10 @@ imported here: they define the same `inference.*` protobuf symbols as tritonclie
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
+import signal
 import subprocess
 import sys
 import time
@@ -19,9 +21,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
+from grpc_health.v1 import health_pb2
 from grpc_helpers import ServerProcess, request
 from pagedserve.rpc.v1 import generate_pb2 as pb
-from tritonclient.utils import InferenceServerException
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
 
 pytestmark = pytest.mark.slow
 
@@ -77,6 +81,27 @@ def collect(responses: queue.Queue[Any], until_final: int, timeout: float = 60) 
         if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
             finals += 1
     return got
+
+
+def flag_input(name: str, value: bool = True) -> tgrpc.InferInput:
+    flag = tgrpc.InferInput(name, [1], "BOOL")
+    flag.set_data_from_numpy(np.array([value]))
+    return flag
+
+
+def is_final(result: Any) -> bool:
+    return bool(result.get_response().parameters["triton_final_response"].bool_param)
+
+
+def http_status(server: ServerProcess, path: str) -> int | None:
+    """The status of a GET on the HTTP port, or None once it no longer answers."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}{path}", timeout=5) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
 
 
 # -- health, metadata, config ---------------------------------------------------------------------
@@ -192,6 +217,187 @@ def test_cancelling_a_stream_aborts_its_requests_and_frees_blocks(
     assert server.stub.Health(pb.HealthRequest()).num_running == 1
     client.stop_stream(cancel_requests=True)
     assert server.engine_idle(timeout=10), "the cancelled stream's request still holds KV blocks"
+
+
+def test_cancelling_a_stream_aborts_every_request_in_flight_on_it(
+    server: ServerProcess, client: tgrpc.InferenceServerClient
+) -> None:
+    responses: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    for rid, prompt in (("long-1", PROMPT), ("long-2", "Water boils at")):
+        inputs = grpc_inputs(prompt, stream=True, max_tokens=2000, ignore_eos=True)
+        client.async_stream_infer(MODEL, inputs, request_id=rid)
+    started: set[str] = set()
+    deadline = time.monotonic() + 60
+    while started != {"long-1", "long-2"}:  # both have streamed a token: both hold KV blocks
+        result, error = responses.get(timeout=max(0.1, deadline - time.monotonic()))
+        assert error is None and not is_final(result)
+        started.add(result.get_response().id)
+    assert server.stub.Health(pb.HealthRequest()).num_running == 2
+    client.stop_stream(cancel_requests=True)
+    assert server.engine_idle(timeout=10), "a cancelled stream's request still holds KV blocks"
+
+
+# -- typed contents, logprobs and token counts, statistics ---------------------------------------
+
+
+def typed_request(
+    prompt: str | bytes | list[bytes] = PROMPT, stream: bool = False, **params: Any
+) -> service_pb2.ModelInferRequest:
+    """A ModelInferRequest with every input in typed `contents` (tritonclient always sends raw)."""
+    request = service_pb2.ModelInferRequest(model_name=MODEL, id="typed")
+    texts = prompt if isinstance(prompt, list) else [prompt.encode() if isinstance(prompt, str) else prompt]
+    text = request.inputs.add(name="text_input", datatype="BYTES", shape=[len(texts)])
+    text.contents.bytes_contents.extend(texts)
+    sampling = request.inputs.add(name="sampling_parameters", datatype="BYTES", shape=[1])
+    sampling.contents.bytes_contents.append(
+        json.dumps({"temperature": 0, "max_tokens": 12, **params}).encode()
+    )
+    for name in ("stream", "exclude_input_in_output"):
+        switch = request.inputs.add(name=name, datatype="BOOL", shape=[1])
+        switch.contents.bool_contents.append(stream if name == "stream" else True)
+    return request
+
+
+def text_output(response: Any) -> str:
+    """`text_output` of a ModelInferResponse, read from its raw (length-prefixed) contents."""
+    index = [t.name for t in response.outputs].index("text_output")
+    return "".join(v.decode() for v in deserialize_bytes_tensor(response.raw_output_contents[index]))
+
+
+def test_typed_contents_inputs_give_the_same_text_as_raw_inputs(
+    server: ServerProcess, client: tgrpc.InferenceServerClient
+) -> None:
+    expected = our_text(server)
+    raw = client.infer(MODEL, [*grpc_inputs(), flag_input("exclude_input_in_output")])
+    assert raw.as_numpy("text_output")[0].decode() == expected
+
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(server.channel)
+    unary = stub.ModelInfer(typed_request(), timeout=60)
+    assert unary.id == "typed" and text_output(unary) == expected
+    streamed = list(stub.ModelStreamInfer(iter([typed_request(stream=True)]), timeout=60))
+    assert all(not r.error_message and r.infer_response.id == "typed" for r in streamed)
+    assert len(streamed) > 1 and "".join(text_output(r.infer_response) for r in streamed) == expected
+
+
+def test_malformed_typed_contents_are_rejected_by_field(server: ServerProcess) -> None:
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(server.channel)
+    wrong_field = typed_request()  # BOOL values in the INT32 field
+    flag = next(t for t in wrong_field.inputs if t.name == "stream")
+    flag.contents.ClearField("bool_contents")
+    flag.contents.int_contents.append(1)
+    both_forms = typed_request()  # raw data for tensors that also carry contents
+    both_forms.raw_input_contents.extend([b"\x00"] * len(both_forms.inputs))
+    cases = [
+        (typed_request([b"a", b"b"]), "inputs.text_input.shape"),
+        (wrong_field, "inputs.stream"),
+        (both_forms, "inputs.text_input.contents"),
+    ]
+    for bad, field in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(bad, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in info.value.details()
+    assert text_output(stub.ModelInfer(typed_request(), timeout=60)) == our_text(server)
+
+
+def our_completion(server: ServerProcess, num_top: int) -> pb.GenerateResponse:
+    """Greedy completion of PROMPT from our Generate RPC, with `num_top` top logprobs per token."""
+    req = request(PROMPT, max_tokens=12, ignore_eos=False, logprobs=num_top)
+    merged = pb.GenerateResponse()
+    for reply in server.stub.Generate(req, timeout=60):
+        merged.token_ids.extend(reply.token_ids)
+        merged.logprobs.extend(reply.logprobs)
+        merged.prompt_tokens = reply.prompt_tokens or merged.prompt_tokens
+    return merged
+
+
+def test_logprobs_and_token_counts_match_our_generate(
+    server: ServerProcess, client: tgrpc.InferenceServerClient
+) -> None:
+    ours = our_completion(server, num_top=2)
+    num_prompt_tokens = len(server.stub.Tokenize(pb.TokenizeRequest(text=PROMPT)).token_ids)
+    assert ours.prompt_tokens == num_prompt_tokens
+    switches = [
+        flag_input(f"return_{name}")
+        for name in ("logprobs", "cumulative_logprob", "num_input_tokens", "num_output_tokens")
+    ]
+    result = client.infer(MODEL, [*grpc_inputs(logprobs=2), *switches])
+    assert result.as_numpy("num_input_tokens").tolist() == [num_prompt_tokens]
+    assert result.as_numpy("num_output_tokens").tolist() == [len(ours.token_ids)]
+    entries = json.loads(result.as_numpy("logprobs")[0])  # vLLM's form: per token {id: {logprob, rank, ...}}
+    assert len(entries) == len(ours.token_ids)
+    for entry, token_id, expected in zip(entries, ours.token_ids, ours.logprobs, strict=True):
+        assert set(entry) == {str(t.token_id) for t in expected.top} and len(entry) == 2  # greedy: in top-2
+        for top in expected.top:
+            got = entry[str(top.token_id)]
+            assert got["rank"] == top.rank and (got["decoded_token"] or "") == top.text
+            assert got["logprob"] == pytest.approx(top.logprob, abs=1e-4) and got["logprob"] <= 0.0
+        assert entry[str(token_id)]["rank"] == 1
+    cumulative = result.as_numpy("cumulative_logprob").tolist()
+    assert cumulative == pytest.approx([sum(e.sampled.logprob for e in ours.logprobs)], abs=1e-3)
+
+    # streamed with return_logprobs alone: each response carries its new tokens' sampled logprob only
+    responses: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer(MODEL, [*grpc_inputs(stream=True), *switches], request_id="lp")
+    got = collect(responses, until_final=1)
+    client.stop_stream()
+    streamed_ids: list[int] = []
+    for piece, error in got:
+        assert error is None and piece.as_numpy("num_input_tokens").tolist() == [num_prompt_tokens]
+        new = json.loads(piece.as_numpy("logprobs")[0])
+        assert piece.as_numpy("num_output_tokens").tolist() == [len(new)]
+        assert all(len(entry) == 1 for entry in new)
+        streamed_ids += [int(token_id) for entry in new for token_id in entry]
+    assert streamed_ids == list(ours.token_ids)
+
+
+def test_statistics_count_requests_and_their_durations(
+    server: ServerProcess, client: tgrpc.InferenceServerClient
+) -> None:
+    def stats() -> Any:
+        models = client.get_inference_statistics(MODEL).model_stats
+        assert [(m.name, m.version) for m in models] == [(MODEL, "1")]
+        return models[0]
+
+    before, started_ms, started = stats(), time.time_ns() // 1_000_000, time.monotonic_ns()
+    client.infer(MODEL, grpc_inputs())
+    responses: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer(MODEL, grpc_inputs(stream=True))
+    collect(responses, until_final=1)
+    client.stop_stream()
+    elapsed_ns, after = time.monotonic_ns() - started, stats()
+
+    assert after.inference_count - before.inference_count == 2
+    assert after.execution_count - before.execution_count == 2
+    success = after.inference_stats.success.ns - before.inference_stats.success.ns
+    assert after.inference_stats.success.count - before.inference_stats.success.count == 2
+    assert 0 < success <= elapsed_ns
+    assert after.inference_stats.queue.count - before.inference_stats.queue.count == 2
+    assert 0 <= after.inference_stats.queue.ns - before.inference_stats.queue.ns <= success
+    assert after.inference_stats.fail == before.inference_stats.fail
+    assert started_ms <= after.last_inference <= time.time_ns() // 1_000_000
+
+    # a cancelled request counts as a failure, not a success
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer(MODEL, grpc_inputs(stream=True, max_tokens=2000, ignore_eos=True))
+    responses.get(timeout=60)
+    client.stop_stream(cancel_requests=True)
+    assert server.engine_idle(timeout=10)
+    failed = stats()
+    assert failed.inference_stats.fail.count - after.inference_stats.fail.count == 1
+    assert failed.inference_stats.fail.ns > after.inference_stats.fail.ns
+    assert failed.inference_count == after.inference_count
+    assert failed.execution_count - after.execution_count == 1
+
+    assert [m.name for m in client.get_inference_statistics().model_stats] == [MODEL]
+    with pytest.raises(InferenceServerException) as info:
+        client.get_inference_statistics("no-such-model")
+    assert info.value.status() == "StatusCode.NOT_FOUND"
+    with thttp.InferenceServerClient(f"127.0.0.1:{server.http_port}") as http:
+        over_http = http.get_inference_statistics(MODEL)["model_stats"][0]
+    assert int(over_http["inference_count"]) == failed.inference_count
 
 
 # -- malformed requests --------------------------------------------------------------------------
@@ -374,3 +580,94 @@ def test_example_triton_client_streams_the_greedy_text(server: ServerProcess) ->
     done = subprocess.run([sys.executable, str(example), *args], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout == our_text(server) + "\n"
+
+
+# -- lifecycle: drain on SIGTERM, --served-model-name ---------------------------------------------
+
+
+def test_readiness_goes_false_on_sigterm_while_liveness_stays_true_until_exit(
+    default_model_dir: str, tmp_path: Path
+) -> None:
+    proc = ServerProcess(
+        "--model", default_model_dir, "--dtype", "float32", "--shutdown-timeout", "8", log=tmp_path / "log"
+    ).wait_ready()  # fmt: skip
+    client = tgrpc.InferenceServerClient(f"127.0.0.1:{proc.port}")
+    try:
+        responses: queue.Queue[Any] = queue.Queue()
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        inputs = grpc_inputs(stream=True, max_tokens=2000, ignore_eos=True)
+        client.async_stream_infer(
+            MODEL, [*inputs, flag_input("return_finish_reason")], request_id="in-flight"
+        )
+        result, error = responses.get(timeout=60)
+        assert error is None and not is_final(result)
+        assert client.is_server_ready() and http_status(proc, "/v2/health/ready") == 200
+
+        proc.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while client.is_server_ready() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # draining: the request is still streaming; not ready everywhere, live everywhere
+        assert proc.proc.poll() is None and not any(is_final(r) for r, _ in list(responses.queue))
+        assert not client.is_server_ready() and not client.is_model_ready(MODEL)
+        assert http_status(proc, "/v2/health/ready") == 503
+        assert http_status(proc, f"/v2/models/{MODEL}/ready") == 503
+        assert proc.readiness() == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert [m.state for m in client.get_model_repository_index().models] == ["UNAVAILABLE"]
+        with pytest.raises(InferenceServerException) as info:
+            client.infer(MODEL, grpc_inputs())
+        assert info.value.status() == "StatusCode.UNAVAILABLE" and "draining" in info.value.message()
+
+        live_answers = []
+        while proc.proc.poll() is None:  # every answer until the process is gone says live
+            for answer in (http_status(proc, "/v2/health/live"), http_status(proc, "/health/live")):
+                if answer is not None:
+                    live_answers.append(answer == 200)
+            with contextlib.suppress(InferenceServerException):
+                live_answers.append(client.is_server_live(client_timeout=1))
+            time.sleep(0.05)
+        assert live_answers and all(live_answers)
+        assert proc.proc.returncode == 0
+        finals = [r for r, e in list(responses.queue) if e is None and is_final(r)]
+        assert [r.as_numpy("finish_reason")[0].decode() for r in finals] == ["aborted"]
+    finally:
+        with contextlib.suppress(InferenceServerException):
+            client.stop_stream(cancel_requests=True)
+        client.close()
+        proc.stop()
+
+
+def test_served_model_name_replaces_the_directory_name(tiny_llama_dir: str, tmp_path: Path) -> None:
+    name, derived = "team-llm", Path(tiny_llama_dir).name
+    proc = ServerProcess(
+        "--model", tiny_llama_dir, "--dtype", "float32", "--num-kv-blocks", "64",
+        "--served-model-name", name, log=tmp_path / "log",
+    ).wait_ready()  # fmt: skip
+    try:
+        with tgrpc.InferenceServerClient(f"127.0.0.1:{proc.port}") as client:
+            index = client.get_model_repository_index().models
+            assert [(m.name, m.version, m.state) for m in index] == [(name, "1", "READY")]
+            assert client.get_model_metadata(name).name == name
+            assert client.get_model_config(name).config.name == name
+            assert client.is_model_ready(name) and not client.is_model_ready(derived)
+            result = client.infer(name, grpc_inputs(max_tokens=4))
+            assert result.get_response().model_name == name
+            assert result.as_numpy("text_output")[0].decode().startswith(PROMPT)
+            for call in (
+                lambda: client.get_model_metadata(derived),
+                lambda: client.infer(derived, grpc_inputs()),
+            ):
+                with pytest.raises(InferenceServerException) as info:
+                    call()
+                assert info.value.status() == "StatusCode.NOT_FOUND" and name in info.value.message()
+        assert proc.stub.ModelInfo(pb.ModelInfoRequest()).model_name == name
+        assert http_status(proc, f"/v2/models/{name}") == 200
+        assert http_status(proc, f"/v2/models/{name}/ready") == 200
+        assert http_status(proc, f"/v2/models/{derived}") == 404
+        status, body = post(
+            proc, f"/v2/models/{name}/generate", {"text_input": PROMPT, "parameters": {"max_tokens": 4}}
+        )
+        assert status == 200 and json.loads(body)["model_name"] == name
+        assert post(proc, f"/v2/models/{derived}/generate", {"text_input": PROMPT})[0] == 404
+    finally:
+        proc.stop()

@@ -57,6 +57,19 @@ def test_numeric_raw_and_json_forms() -> None:
         tensors.decode_json("x", "BOOL", [1], [1])
 
 
+def test_typed_contents_are_read_from_the_datatype_field() -> None:
+    from types import SimpleNamespace
+
+    contents = SimpleNamespace(bytes_contents=[b"hi"], bool_contents=[True, False], int_contents=[1])
+    assert tensors.decode_contents("x", "BYTES", [1], contents) == [b"hi"]
+    assert tensors.decode_contents("x", "BOOL", [2], contents) == [True, False]
+    with pytest.raises(InvalidRequestError, match="holds 1 INT32 elements but its shape \\[2\\] needs 2"):
+        tensors.decode_contents("inputs.x", "INT32", [2], contents)
+    with pytest.raises(InvalidRequestError, match="must be sent in raw_input_contents") as info:
+        tensors.decode_contents("inputs.x", "FP16", [1], contents)
+    assert info.value.field == "inputs.x"
+
+
 def test_defaults_follow_the_vllm_backend() -> None:
     plain = parse_request([text()], {})
     assert not plain.stream and not plain.exclude_input and plain.outputs == ("text_output",)
