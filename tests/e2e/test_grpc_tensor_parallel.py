@@ -1,9 +1,12 @@
-"""The gRPC server with --tensor-parallel-size 2: streams correctly, and a killed worker rank turns
-health NOT_SERVING, fails the in-flight request with a clear error and ends the process non-zero."""
+"""The gRPC server with --tensor-parallel-size 2: streams correctly, reports the tensor-parallel size
+and per-rank KV capacity in ModelInfo and its startup log, and a killed worker rank turns health
+NOT_SERVING, fails the in-flight request with an error naming the rank and the cause, and ends the
+process non-zero."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -18,6 +21,8 @@ from pagedserve.rpc.v1 import generate_pb2 as pb
 
 pytestmark = pytest.mark.slow
 
+KV_BUDGET = "1MiB"  # per rank
+
 
 def start(tiny_llama_dir: str, tmp_path: Path) -> ServerProcess:
     return ServerProcess(
@@ -25,8 +30,8 @@ def start(tiny_llama_dir: str, tmp_path: Path) -> ServerProcess:
         tiny_llama_dir,
         "--dtype",
         "float32",
-        "--num-kv-blocks",
-        "128",
+        "--kv-cache-memory",
+        KV_BUDGET,
         "--tensor-parallel-size",
         "2",
         log=tmp_path / "server.log",
@@ -45,10 +50,22 @@ def test_tensor_parallel_server_streams_the_single_rank_output(tiny_llama_dir: s
         info = proc.stub.ModelInfo(pb.ModelInfoRequest())
     finally:
         proc.stop()
-    single = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128)
+    single = LLM(model=tiny_llama_dir, dtype="float32", kv_cache_memory=KV_BUDGET)
     expected = single.generate([list(prompt)], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert ids == expected[0].outputs[0].token_ids
-    assert info.tensor_parallel_size == 2
+
+    # Each rank holds 1 of the 2 KV heads, so a block costs half as much and the same per-rank
+    # budget holds twice the single-rank blocks.
+    assert single.engine.executor.worker.num_kv_heads == 2  # type: ignore[attr-defined]
+    num_blocks = 2 * single.engine.executor.num_kv_blocks
+    block_size = single.engine.config.cache.block_size
+    assert (info.tensor_parallel_size, info.num_kv_blocks, info.block_size) == (2, num_blocks, block_size)
+    assert info.kv_capacity_tokens == num_blocks * block_size
+    capacity = (
+        rf"KV cache: {num_blocks} blocks of {block_size} tokens per rank \([\d.]+ GiB, "
+        rf"{num_blocks * block_size} tokens, 1 KV heads, float32\); tensor-parallel size 2;"
+    )
+    assert re.search(capacity, (tmp_path / "server.log").read_text())
 
 
 def test_killed_worker_fails_the_request_and_the_server_exits_non_zero(
@@ -64,7 +81,9 @@ def test_killed_worker_fails_the_request_and_the_server_exits_non_zero(
         os.kill(workers[0].pid, signal.SIGKILL)
         with pytest.raises(grpc.RpcError) as info:
             list(call)
-        assert info.value.code() == grpc.StatusCode.INTERNAL and "engine failed" in info.value.details()
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        cause = rf"engine failed: .*rank 1 \(pid {workers[0].pid}\) was killed by SIGKILL"
+        assert re.search(cause, info.value.details()), info.value.details()
         statuses = set()
         while proc.proc.poll() is None and time.monotonic() - started < 30:
             status = proc.readiness()
