@@ -4,6 +4,7 @@ and latency percentiles, optionally against the offline engine on the same workl
     python bench/serving.py --spawn --compare-offline                 # saturation: all 64 chat requests at once
     python bench/serving.py --target localhost:8001 --request-rate 2  # Poisson arrivals, 2 requests/s
     python bench/serving.py --spawn --concurrency 16 --workload random --num-requests 64
+    python bench/serving.py --spawn --compare-tracing --num-requests 16  # tracing off / on / off
 
 Each request is one server-streaming `Generate` call (greedy, ignore_eos, the workload's forced
 max_tokens; chat workloads send messages and the server applies the chat template). Measured per
@@ -23,6 +24,11 @@ share the CPU; --offline-tokens-per-s compares with a figure measured earlier in
 
 The client shares the machine with a spawned server: on a small CPU its own work (gRPC, asyncio)
 takes cycles from the server, which this benchmark does not hide.
+
+--compare-tracing runs the workload three times on fresh spawned servers, tracing off, on, off
+(ABA order, so the two "off" runs show the machine's noise): "on" is `--traces-exporter console`,
+every request's spans built, batched and written as JSON to the server's log file, and the spans
+found in that log are counted to prove it. "Off" is the default: no tracer provider at all.
 """
 
 from __future__ import annotations
@@ -188,7 +194,7 @@ def free_port() -> int:
 class SpawnedServer:
     """`python -m pagedserve serve` on loopback with the engine flags given here; log in a temp file."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, extra_args: list[str] | None = None) -> None:
         self.port = free_port()
         command = [sys.executable, "-m", "pagedserve", "serve", "--host", "127.0.0.1"]
         command += ["--port", str(self.port), "--http-port", "-1"]
@@ -197,7 +203,7 @@ class SpawnedServer:
                 command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
         if args.model:
             command += ["--model", args.model]
-        command += args.server_arg
+        command += args.server_arg + (extra_args or [])
         self.log = Path(tempfile.mkstemp(prefix="pagedserve-serve-", suffix=".log")[1])
         print(f"spawning: {' '.join(command)} (log {self.log})", flush=True)
         with self.log.open("w") as log:
@@ -352,8 +358,56 @@ def parse_args() -> argparse.Namespace:
     offline = parser.add_mutually_exclusive_group()
     offline.add_argument("--compare-offline", action="store_true", help="also run the offline engine here")
     offline.add_argument("--offline-tokens-per-s", type=float, help="offline output tok/s measured earlier")
+    parser.add_argument(
+        "--compare-tracing",
+        action="store_true",
+        help="with --spawn: run the workload on servers with tracing off, on (console exporter), off",
+    )
     parser.add_argument("--json-out", help="also write the summary to this JSON file")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.compare_tracing and not args.spawn:
+        parser.error("--compare-tracing starts its own servers: add --spawn")
+    return args
+
+
+# -- tracing off / on ----------------------------------------------------------------------------------
+
+TRACING_RUNS = (("off", []), ("on", ["--traces-exporter", "console"]), ("off", []))
+
+
+def compare_tracing(args: argparse.Namespace, requests: list[BenchRequest]) -> list[dict[str, Any]]:
+    """The workload on a fresh spawned server per run, tracing off, on, off."""
+    rows = []
+    for label, extra in TRACING_RUNS:
+        server = SpawnedServer(args, extra)
+        try:
+            records, client_cpu_s = asyncio.run(benchmark(args, server.target, requests))
+        except Exception:
+            print(server.tail(), file=sys.stderr)
+            raise
+        finally:
+            server.stop()  # flushes the batched spans before exit
+        summary = summarize(records)
+        summary["tracing"] = label
+        summary["num_spans_exported"] = server.log.read_text().count('"name": "llm_request"')
+        rows.append(summary)
+        print(f"tracing {label}: {summary['output_tokens_per_s']:.1f} output tok/s", flush=True)
+    return rows
+
+
+def print_tracing_table(rows: list[dict[str, Any]]) -> None:
+    base = rows[0]["output_tokens_per_s"]
+    print(
+        "\n| run | tracing | failed | server spans exported | output tok/s | vs first run | TTFT p50 (ms) "
+        "| TPOT p50 (ms) | E2E p50 (ms) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    for i, row in enumerate(rows, 1):
+        print(
+            f"| {i} | {row['tracing']} | {row['num_failed']} | {row['num_spans_exported']} "
+            f"| {row['output_tokens_per_s']:.1f} | {row['output_tokens_per_s'] / base:.3f} "
+            f"| {1e3 * row['ttft_s']['p50']:.1f} | {1e3 * row['tpot_s']['p50']:.1f} "
+            f"| {1e3 * row['e2e_s']['p50']:.1f} |"
+        )
 
 
 def main() -> int:
@@ -366,6 +420,13 @@ def main() -> int:
         f"{os.cpu_count()} CPU cores here",
         flush=True,
     )
+    if args.compare_tracing:
+        rows = compare_tracing(args, requests)
+        print_tracing_table(rows)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump({"args": vars(args), "runs": rows}, f)
+        return 0 if all(row["num_failed"] == 0 for row in rows) else 1
     server = SpawnedServer(args) if args.spawn else None
     target = server.target if server else args.target
     try:

@@ -12,6 +12,7 @@ streaming or `exclude_input_in_output` is true; the `return_*` switches add outp
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -411,19 +412,19 @@ class LLMModel:
         finished = False
         try:
             async for delta in engine.generate(rid, prompt, request.params):
+                last = delta
                 if delta.finish_reason == "error":
                     raise AdapterError("internal", delta.error or "generation failed")
-                last = delta
                 yield delta
             finished = True
         except (InvalidRequestError, QueueFullError, EngineDeadError) as exc:
             raise _adapter_error(exc) from exc
+        except (asyncio.CancelledError, GeneratorExit):  # the caller went away: the engine aborts it
+            llm.metrics.record_abort("client_cancel")
+            raise
         finally:
             self._count(started, last, finished)
-            if not finished:
-                llm.metrics.record_abort("client_cancel")
-            if last is not None and last.request_finished and tracer.enabled:
-                tracer.record(tracer.extract(carrier), rid, request.params, last, tokenized)
+            tracer.finish_request(carrier, rid, request.params, last, tokenized, len(prompt))
 
     def _count(self, started: float, last: RequestDelta | None, finished: bool) -> None:
         elapsed_ns = int((time.monotonic() - started) * 1e9)

@@ -143,6 +143,18 @@ class EngineSettings(BaseSettings):
         )
 
 
+class OtelSettings(BaseSettings):
+    """The standard OpenTelemetry variables pagedserve acts on itself (the SDK and the OTLP exporter read
+    the rest, e.g. OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)."""
+
+    model_config = SettingsConfigDict(env_prefix="OTEL_", extra="ignore")
+
+    traces_exporter: str | None = Field(None, description="otlp, console or none, comma separated")
+    exporter_otlp_traces_protocol: str | None = Field(None, description="grpc or http/protobuf")
+    exporter_otlp_protocol: str | None = Field(None, description="fallback for the traces protocol")
+    sdk_disabled: bool = Field(False, description="true turns tracing off whatever else is set")
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser, settings_cls: type[BaseSettings]) -> None:
     """One `--kebab-case` flag per settings field. Unset flags stay None so env vars and defaults apply."""
     for name, info in settings_cls.model_fields.items():

@@ -4,9 +4,10 @@ tracing disabled no span processor exists at all."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,9 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
-_SUMMARY_INTERVAL_S = 10.0
+SUMMARY_INTERVAL_S = 10.0
+FINISH_REASONS = ("length", "stop", "eos", "error")  # of requests counted by vllm:request_success
+ABORT_CAUSES = ("client_cancel", "deadline", "abort_rpc", "drain")
 
 
 @dataclass
@@ -40,14 +43,21 @@ class _StreamTimes:
 
 
 class EngineMetrics:
-    """Fed once per engine step with the engine's stats and that step's deltas."""
+    """Fed once per engine step with the engine's stats and that step's deltas, and once per abort.
+
+    While the engine is busy it logs a throughput / KV-usage summary every `summary_interval_s`."""
 
     def __init__(
-        self, model_name: str, bytes_per_block: int = 0, registry: CollectorRegistry | None = None
+        self,
+        model_name: str,
+        bytes_per_block: int = 0,
+        registry: CollectorRegistry | None = None,
+        summary_interval_s: float = SUMMARY_INTERVAL_S,
     ) -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         self.bytes_per_block = bytes_per_block
+        self.summary_interval_s = summary_interval_s
         labels = ["model_name"]
         r = self.registry
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", labels, registry=r)
@@ -134,30 +144,78 @@ class EngineMetrics:
         self.aborts = Counter(
             "pagedserve:request_aborts", "Aborted requests by cause", [*labels, "cause"], registry=r
         )
+        self._export_every_series()
         self._last = _Snapshot()
         self._streams = _StreamTimes()
         self._window_start = time.monotonic()
         self._window_tokens = [0, 0]  # prompt, generation
+        self._is_idle = True  # nothing was left to do after the last step
+
+    def _export_every_series(self) -> None:
+        """Every series at 0 from the start, so dashboards and rate() see it before its first event."""
+        m = self.model_name
+        for metric in (
+            self.running,
+            self.waiting,
+            self.swapped,
+            self.kv_usage,
+            self.preemptions,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prefix_queries,
+            self.prefix_hits,
+            self.ttft,
+            self.tpot,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
+        ):
+            metric.labels(m)
+        for reason in FINISH_REASONS:
+            self.success.labels(m, reason)
+        for direction in ("out", "in"):
+            self.swapped_blocks.labels(m, direction)
+            self.swap_bytes.labels(m, direction)
+        for cause in ABORT_CAUSES:
+            self.aborts.labels(m, cause)
 
     def record_step(self, stats: Any, deltas: list[RequestDelta], now: float | None = None) -> None:
         """`stats` is the engine's `EngineStats` after the step."""
         now = time.monotonic() if now is None else now
+        if self._is_idle:  # idle time is no part of a throughput window
+            self._window_start, self._window_tokens = now, [0, 0]
+        self._set_gauges(stats)
+        self._add_cumulative(stats)
+        for delta in deltas:
+            self._record_delta(delta, now)
+        self._maybe_log_summary(stats, now)
+        self._is_idle = stats.num_unfinished == 0
+
+    def record_aborted(self, stats: Any, deltas: list[RequestDelta], now: float | None = None) -> None:
+        """Requests were aborted between steps: `deltas` are their final (aborted) deltas and `stats`
+        the engine's after the abort. No step may follow, so the gauges are refreshed here."""
+        now = time.monotonic() if now is None else now
+        self._set_gauges(stats)
+        for delta in deltas:
+            self._streams.last_token.pop((delta.request_id, delta.index), None)
+            if delta.request_finished:
+                log_finished(delta, now - delta.metrics.arrival_time)
+
+    def record_abort(self, cause: str) -> None:
+        """`cause` is one of ABORT_CAUSES."""
+        self.aborts.labels(self.model_name, cause).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def _set_gauges(self, stats: Any) -> None:
         m = self.model_name
         self.running.labels(m).set(stats.num_running)
         self.waiting.labels(m).set(stats.num_waiting)
         self.swapped.labels(m).set(stats.num_swapped)
         self.kv_usage.labels(m).set(1.0 - stats.num_free_blocks / max(1, stats.num_total_blocks))
-        self._add_cumulative(stats)
-        for delta in deltas:
-            self._record_delta(delta, now)
-        self._maybe_log_summary(stats, now)
-
-    def record_abort(self, cause: str) -> None:
-        """cause: client_cancel, deadline, abort_rpc, drain, error."""
-        self.aborts.labels(self.model_name, cause).inc()
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
 
     def _add_cumulative(self, stats: Any) -> None:
         m, last = self.model_name, self._last
@@ -212,21 +270,11 @@ class EngineMetrics:
         self.request_generation_tokens.labels(m).observe(delta.num_output_tokens)
         if metrics.first_token_time is not None and delta.num_output_tokens > 1:
             self.tpot.labels(m).observe((now - metrics.first_token_time) / (delta.num_output_tokens - 1))
-        logger.info(
-            "request finished id=%s prompt_tokens=%d output_tokens=%d ttft_s=%.3f e2e_s=%.3f "
-            "preemptions=%d finish_reason=%s",
-            delta.request_id,
-            delta.num_prompt_tokens,
-            delta.num_output_tokens,
-            metrics.time_to_first_token or 0.0,
-            e2e,
-            metrics.num_preemptions,
-            reason,
-        )
+        log_finished(delta, e2e)
 
     def _maybe_log_summary(self, stats: Any, now: float) -> None:
         elapsed = now - self._window_start
-        if elapsed < _SUMMARY_INTERVAL_S:
+        if elapsed < self.summary_interval_s or elapsed <= 0:
             return
         prompt, generation = self._window_tokens
         logging.getLogger("pagedserve.engine").info(
@@ -242,14 +290,49 @@ class EngineMetrics:
         self._window_start, self._window_tokens = now, [0, 0]
 
 
+def log_finished(delta: RequestDelta, e2e: float) -> None:
+    """The one info line of a finished request (aborted ones included); the same values ride on the
+    record as `request_id`, `num_prompt_tokens`, ... for structured (JSON) log handlers."""
+    metrics = delta.metrics
+    fields = {
+        "request_id": delta.request_id,
+        "num_prompt_tokens": delta.num_prompt_tokens,
+        "num_output_tokens": delta.num_output_tokens,
+        "ttft_s": metrics.time_to_first_token,
+        "e2e_s": e2e,
+        "num_preemptions": metrics.num_preemptions,
+        "finish_reason": delta.finish_reason or "unknown",
+    }
+    logger.info(
+        "request finished id=%s prompt_tokens=%d output_tokens=%d ttft_s=%.3f e2e_s=%.3f "
+        "preemptions=%d finish_reason=%s",
+        delta.request_id,
+        delta.num_prompt_tokens,
+        delta.num_output_tokens,
+        metrics.time_to_first_token or 0.0,
+        e2e,
+        metrics.num_preemptions,
+        fields["finish_reason"],
+        extra=fields,
+    )
+
+
 # -- tracing ---------------------------------------------------------------------------------------
+
+_EVENTS = {  # kind in RequestMetrics.preemption_events -> span events
+    "recompute": ("preemption",),
+    "swap": ("preemption", "swap_out"),
+    "swap_in": ("swap_in",),
+}
 
 
 class RequestTracer:
     """One server span per request, continuing the caller's W3C trace, with child spans for tokenize,
-    queue, prefill and decode built from the request's timestamps when it finishes.
+    queue, prefill and decode built from the request's timestamps when it ends, and events for
+    preemption and swap.
 
-    `provider=None` disables tracing: no tracer, no processor, `record` returns at once."""
+    `provider=None` disables tracing: no tracer, no processor, and every front end's call returns at
+    once without reading the request's metadata."""
 
     def __init__(self, provider: Any | None, model_name: str) -> None:
         self.provider = provider
@@ -262,11 +345,32 @@ class RequestTracer:
     def enabled(self) -> bool:
         return self._tracer is not None
 
-    def extract(self, carrier: Mapping[str, str]) -> Any:
-        """The caller's trace context from gRPC metadata or HTTP headers (`traceparent`, `tracestate`)."""
+    def extract(self, carrier: Mapping[str, Any] | Iterable[tuple[str, Any]] | None) -> Any:
+        """The caller's trace context from gRPC metadata (pairs) or HTTP headers (`traceparent`,
+        `tracestate`; names in any case)."""
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        return TraceContextTextMapPropagator().extract({k.lower(): v for k, v in carrier.items()})
+        pairs = carrier.items() if isinstance(carrier, Mapping) else carrier or ()
+        headers = {k.lower(): v for k, v in pairs if isinstance(v, str)}
+        return TraceContextTextMapPropagator().extract(headers)
+
+    def finish_request(
+        self,
+        carrier: Mapping[str, Any] | Iterable[tuple[str, Any]] | None,
+        request_id: str,
+        params: Any,
+        last: RequestDelta | None,
+        tokenize: tuple[float, float],
+        num_prompt_tokens: int,
+    ) -> None:
+        """What every front end calls when a request's call ends, however it ended. `last` is the last
+        delta the call saw: the request's final delta, or an earlier one (or none) when the caller went
+        away, which aborted the request."""
+        if self._tracer is None:
+            return
+        if last is None or not last.request_finished:
+            last = _cancelled_delta(request_id, last, num_prompt_tokens, arrival_time=tokenize[1])
+        self.record(self.extract(carrier), request_id, params, last, tokenize)
 
     def record(
         self,
@@ -277,10 +381,10 @@ class RequestTracer:
         tokenize: tuple[float, float] | None = None,
         end: float | None = None,
     ) -> None:
-        """Emit the request's spans once it is finished. Times are time.monotonic() seconds."""
+        """Emit the spans of a request that ended with final delta `delta`. Times are time.monotonic()."""
         if self._tracer is None:
             return
-        from opentelemetry.trace import SpanKind
+        from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 
         metrics = delta.metrics
         end = time.monotonic() if end is None else end
@@ -292,16 +396,16 @@ class RequestTracer:
             start_time=self._ns(start),
             attributes=self._attributes(request_id, params, delta, end),
         )
-        from opentelemetry.trace import set_span_in_context
-
         child_context = set_span_in_context(span)
         for name, span_start, span_end in self._phases(metrics, tokenize, end):
             child = self._tracer.start_span(name, context=child_context, start_time=self._ns(span_start))
-            child.end(end_time=self._ns(span_end))
+            child.end(end_time=self._ns(max(span_start, span_end)))
         for when, kind in metrics.preemption_events:
-            span.add_event(
-                "preemption", {"gen_ai.pagedserve.preemption_mode": kind}, timestamp=self._ns(when)
-            )
+            for event in _EVENTS.get(kind, ()):
+                attrs = {"gen_ai.pagedserve.preemption_mode": kind} if event == "preemption" else {}
+                span.add_event(event, attrs, timestamp=self._ns(when))
+        if delta.finish_reason == "error":
+            span.set_status(Status(StatusCode.ERROR, delta.error or "generation failed"))
         span.end(end_time=self._ns(end))
 
     def _attributes(self, request_id: str, params: Any, delta: RequestDelta, end: float) -> dict[str, Any]:
@@ -309,6 +413,7 @@ class RequestTracer:
         attrs: dict[str, Any] = {
             "gen_ai.request.id": request_id,
             "gen_ai.request.model": self.model_name,
+            "gen_ai.response.model": self.model_name,
             "gen_ai.request.max_tokens": params.max_tokens,
             "gen_ai.request.temperature": params.temperature,
             "gen_ai.request.top_p": params.top_p,
@@ -323,51 +428,119 @@ class RequestTracer:
             attrs["gen_ai.latency.time_in_queue"] = m.time_in_queue
         if m.time_to_first_token is not None:
             attrs["gen_ai.latency.time_to_first_token"] = m.time_to_first_token
+        if m.first_scheduled_time is not None and m.first_token_time is not None:
+            attrs["gen_ai.latency.time_in_model_prefill"] = m.first_token_time - m.first_scheduled_time
+            attrs["gen_ai.latency.time_in_model_decode"] = end - m.first_token_time
         return attrs
 
     @staticmethod
     def _phases(
         m: RequestMetrics, tokenize: tuple[float, float] | None, end: float
     ) -> list[tuple[str, float, float]]:
-        phases = []
-        if tokenize:
-            phases.append(("tokenize", *tokenize))
+        """(name, start, end) of each phase the request reached; an aborted one's last phase ends at
+        `end`. Prefill runs from first scheduling to the first token (recompute after a preemption is
+        inside decode)."""
+        phases = [("tokenize", *tokenize)] if tokenize else []
+        phases.append(("queue", m.arrival_time, m.first_scheduled_time or end))
         if m.first_scheduled_time is not None:
-            phases.append(("queue", m.arrival_time, m.first_scheduled_time))
-            if m.first_token_time is not None:
-                phases.append(("prefill", m.first_scheduled_time, m.first_token_time))
-                phases.append(("decode", m.first_token_time, end))
+            phases.append(("prefill", m.first_scheduled_time, m.first_token_time or end))
+        if m.first_token_time is not None:
+            phases.append(("decode", m.first_token_time, end))
         return phases
 
     def _ns(self, monotonic_s: float) -> int:
         return int(monotonic_s * 1e9) + self._epoch_offset_ns
 
 
-def configure_tracing(otlp_endpoint: str | None, exporter: str | None = None) -> Any | None:
-    """A TracerProvider when tracing is asked for (`--otlp-traces-endpoint`, or `OTEL_TRACES_EXPORTER`
-    = otlp/console passed as `exporter`), else None. Resource attributes come from the standard
-    OTEL_* variables (e.g. OTEL_SERVICE_NAME), which the SDK reads itself."""
-    exporter = exporter or ("otlp" if otlp_endpoint else None)
-    if exporter in (None, "", "none"):
-        return None
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+def _cancelled_delta(
+    request_id: str, last: RequestDelta | None, num_prompt_tokens: int, arrival_time: float
+) -> RequestDelta:
+    """The final delta of a request whose caller went away after delta `last` (None: before any)."""
+    if last is not None:
+        return dataclasses.replace(
+            last, new_token_ids=[], new_text="", finished=True, finish_reason="aborted", request_finished=True
+        )
+    return RequestDelta(
+        request_id=request_id,
+        new_token_ids=[],
+        new_text="",
+        new_logprobs=None,
+        finished=True,
+        finish_reason="aborted",
+        num_prompt_tokens=num_prompt_tokens,
+        num_output_tokens=0,
+        metrics=RequestMetrics(arrival_time=arrival_time),
+    )
 
-    provider = TracerProvider(resource=Resource.create({"service.name": "pagedserve"}))
-    span_exporter = ConsoleSpanExporter() if exporter == "console" else _otlp_exporter(otlp_endpoint)
-    provider.add_span_processor(BatchSpanProcessor(span_exporter))
+
+def configure_tracing(otlp_endpoint: str | None, exporter: str | None = None) -> Any | None:
+    """A TracerProvider when tracing is asked for, else None (no SDK object at all).
+
+    The exporter is `exporter` (--traces-exporter), else OTEL_TRACES_EXPORTER, else otlp when an
+    endpoint is given, else none; several may be given comma separated. OTLP speaks
+    OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (or OTEL_EXPORTER_OTLP_PROTOCOL): grpc (default) or
+    http/protobuf. OTEL_SDK_DISABLED=true turns tracing off. Resource attributes come from
+    OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES; service.name is pagedserve unless they set it."""
+    from pagedserve.settings import OtelSettings
+
+    otel = OtelSettings()
+    names = _exporter_names(exporter or otel.traces_exporter or ("otlp" if otlp_endpoint else "none"))
+    if otel.sdk_disabled or not names:
+        return None
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    protocol = otel.exporter_otlp_traces_protocol or otel.exporter_otlp_protocol or "grpc"
+    provider = TracerProvider(resource=_resource())
+    for name in names:
+        provider.add_span_processor(BatchSpanProcessor(_span_exporter(name, otlp_endpoint, protocol)))
     return provider
 
 
-def _otlp_exporter(endpoint: str | None) -> Any:
+def _exporter_names(value: str) -> list[str]:
+    names = [name.strip().lower() for name in value.split(",") if name.strip()]
+    for name in names:
+        if name not in ("otlp", "console", "none"):
+            raise ValueError(
+                f"traces exporter {name!r} (--traces-exporter / OTEL_TRACES_EXPORTER): "
+                "use otlp, console or none"
+            )
+    return [] if "none" in names else list(dict.fromkeys(names))
+
+
+def _resource() -> Any:
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+    resource = Resource.create()  # reads OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: "pagedserve"}))
+    return resource
+
+
+def _span_exporter(name: str, endpoint: str | None, protocol: str) -> Any:
+    if name == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter()
+    return _otlp_exporter(endpoint, protocol)
+
+
+def _otlp_exporter(endpoint: str | None, protocol: str) -> Any:
+    packages = {
+        "grpc": "opentelemetry-exporter-otlp-proto-grpc",
+        "http/protobuf": "opentelemetry-exporter-otlp-proto-http",
+    }
+    if protocol not in packages:
+        raise ValueError(
+            f"OTLP protocol {protocol!r} (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL): use grpc or http/protobuf"
+        )
     try:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    except ImportError:
-        try:
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        else:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        except ImportError as exc:
-            raise RuntimeError(
-                "OTLP tracing needs opentelemetry-exporter-otlp: pip install opentelemetry-exporter-otlp"
-            ) from exc
+    except ImportError as exc:
+        raise RuntimeError(
+            f"OTLP tracing over {protocol} needs the exporter package: pip install {packages[protocol]}"
+        ) from exc
     return OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -29,8 +30,9 @@ class QueueFullError(RuntimeError):
 
 @dataclass
 class _Stream:
+    arrival_time: float  # time.monotonic() when generate() was called: queueing starts here
+    num_prompt_tokens: int
     queue: asyncio.Queue[RequestDelta | BaseException] = field(default_factory=asyncio.Queue)
-    num_completions: int = 1
     finished: bool = False
 
 
@@ -39,7 +41,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self._streams: dict[str, _Stream] = {}
-        self._pending_adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._pending_adds: list[tuple[str, list[int], SamplingParams, float]] = []
         self._pending_aborts: dict[str, str | None] = {}  # request id -> message for the client, if any
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -91,8 +93,8 @@ class AsyncEngine:
         the first delta for a request the engine would reject, QueueFullError when over the bound,
         and EngineDeadError if the engine fails."""
         self._admit(request_id, prompt_token_ids, params)
-        stream = self._streams[request_id] = _Stream(num_completions=params.n)
-        self._pending_adds.append((request_id, prompt_token_ids, params))
+        stream = self._streams[request_id] = _Stream(time.monotonic(), len(prompt_token_ids))
+        self._pending_adds.append((request_id, prompt_token_ids, params, stream.arrival_time))
         self._wakeup.set()
         try:
             while True:
@@ -151,22 +153,33 @@ class AsyncEngine:
 
     def _apply_pending(self) -> None:
         aborts, self._pending_aborts = self._pending_aborts, {}
-        self.engine.abort_request(list(aborts))
-        for request_id, message in aborts.items():
-            stream = self._streams.get(request_id)
-            if message is not None and stream is not None:
-                for index in range(stream.num_completions):
-                    stream.queue.put_nowait(
-                        _aborted_delta(request_id, index, message, stream.num_completions)
-                    )
         adds, self._pending_adds = self._pending_adds, []
-        for request_id, prompt_token_ids, params in adds:
+        self._abort(aborts, never_added={add[0] for add in adds})
+        for request_id, prompt_token_ids, params, arrival_time in adds:
             if request_id in aborts or request_id not in self._streams:
                 continue  # gone before it started
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params)
+                self.engine.add_request(request_id, prompt_token_ids, params, arrival_time)
             except InvalidRequestError as exc:
                 self._streams[request_id].queue.put_nowait(exc)
+
+    def _abort(self, aborts: dict[str, str | None], never_added: set[str]) -> None:
+        """Abort in the engine; a stream still read (an Abort call, a drain) gets the final deltas with
+        `message`, also when its request never reached the engine."""
+        deltas = self.engine.abort_request(list(aborts))
+        for delta in deltas:
+            stream, message = self._streams.get(delta.request_id), aborts[delta.request_id]
+            if message is not None and stream is not None:
+                delta.error = message
+                stream.queue.put_nowait(delta)
+        for request_id in never_added.intersection(aborts):
+            stream, message = self._streams.get(request_id), aborts[request_id]
+            if stream is None:
+                continue
+            delta = _aborted_delta(request_id, stream, message)
+            self.engine.metrics.record_aborted(self.engine.stats(), [delta])  # its log line
+            if message is not None:
+                stream.queue.put_nowait(delta)
 
     def _die(self, exc: BaseException) -> None:
         logger.error("engine loop stopped: %r", exc)
@@ -176,7 +189,9 @@ class AsyncEngine:
             stream.queue.put_nowait(error)
 
 
-def _aborted_delta(request_id: str, index: int, message: str, n: int) -> RequestDelta:
+def _aborted_delta(request_id: str, stream: _Stream, message: str | None) -> RequestDelta:
+    """The final delta of a request aborted before it reached the engine."""
+    now = time.monotonic()
     return RequestDelta(
         request_id=request_id,
         new_token_ids=[],
@@ -184,10 +199,8 @@ def _aborted_delta(request_id: str, index: int, message: str, n: int) -> Request
         new_logprobs=None,
         finished=True,
         finish_reason="aborted",
-        num_prompt_tokens=0,
+        num_prompt_tokens=stream.num_prompt_tokens,
         num_output_tokens=0,
-        metrics=RequestMetrics(arrival_time=0.0),
-        index=index,
-        request_finished=index == n - 1,
+        metrics=RequestMetrics(arrival_time=stream.arrival_time, finished_time=now),
         error=message,
     )

@@ -159,18 +159,23 @@ class LLMEngine:
                 f"the context length {max_len}",
             )
 
-    def abort_request(self, request_ids: Iterable[str]) -> None:
-        """Abort requests (all their sequences); their blocks are free when this returns."""
+    def abort_request(self, request_ids: Iterable[str]) -> list[RequestDelta]:
+        """Abort requests (all their sequences); their blocks are free when this returns. Returns a final
+        delta (finish reason aborted, the request's own timing and token counts) per completion that
+        was still running; unknown or finished ids are skipped."""
+        now, deltas = time.monotonic(), []
         for request_id in request_ids:
-            request = self._requests.pop(request_id, None)
+            request = self._requests.get(request_id)
             if request is None:
                 continue
             seq_ids = [
                 self._seq_id(request_id, i, request.num_sequences) for i in range(request.num_sequences)
             ]
-            self.scheduler.abort(seq_ids)
-            for seq_id in seq_ids:
-                self._completions.pop(seq_id, None)
+            for seq in self.scheduler.abort(seq_ids):
+                deltas.append(self._delta(seq, [], "", None, now))
+        if deltas:  # no step may follow: the gauges must not keep showing the aborted requests
+            self.metrics.record_aborted(self.stats(), deltas, now)
+        return deltas
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -205,6 +210,8 @@ class LLMEngine:
         for req in scheduler_output.scheduled:
             metrics = self._requests[self._completions[req.request_id].request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
+            if scheduler_output.blocks_to_swap_in and req.is_new:
+                _note_swap_in(self.scheduler.requests[req.request_id], now)
         try:
             runner_output = self.executor.execute(scheduler_output)
         except EngineDeadError:
@@ -244,7 +251,8 @@ class LLMEngine:
         completion = self._completions[seq.request_id]
         request = self._requests[completion.request_id]
         metrics = request.metrics
-        metrics.first_token_time = metrics.first_token_time or now
+        if token_ids:
+            metrics.first_token_time = metrics.first_token_time or now
         if seq.is_finished:
             request.num_finished += 1
             metrics.num_preemptions += seq.num_preemptions
@@ -310,6 +318,12 @@ class _Completion:
     request_id: str
     index: int
     detokenizer: IncrementalDetokenizer
+
+
+def _note_swap_in(seq: Sequence, now: float) -> None:
+    """A resumed sequence whose last event was a swap-out was just swapped back in (for its span)."""
+    if seq.preemption_events and seq.preemption_events[-1][1] == "swap":
+        seq.preemption_events.append((now, "swap_in"))
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -40,6 +40,17 @@ _HEALTH_POLL_S = 1.0
 
 
 @dataclass
+class _Call:
+    """One Generate/Complete call: what it asked for, when it was tokenized, the last delta it saw."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    tokenized: tuple[float, float]  # time.monotonic() before and after tokenizing
+    last: RequestDelta | None = None
+
+
+@dataclass
 class ServerState:
     status: str = "starting"  # starting, serving, draining, dead
 
@@ -65,32 +76,31 @@ class GenerationServicer:
     async def Generate(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        started = time.monotonic()
-        rid, prompt, params = await self._admit(request, context)
-        tokenized = (started, time.monotonic())
-        finished = False
-        last: RequestDelta | None = None
+        call = await self._admit(request, context)
         try:
-            async for delta in self._deltas(rid, prompt, params, context):
-                last = delta
+            async for delta in self._deltas(call, context):
                 yield convert.response(delta)
-            finished = True
+        except (asyncio.CancelledError, GeneratorExit):  # the caller went away: the engine aborts it
+            self._record_abort(context)
+            raise
         finally:
-            if not finished:
-                self._record_abort(context)
-            if last is not None and last.request_finished:
-                self.tracer.record(self._trace_parent(context), rid, params, last, tokenized)
+            self._trace(call, context)
 
     async def Complete(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
-        rid, prompt, params = await self._admit(request, context)
-        completions = [pb.GenerateResponse(request_id=rid, index=i) for i in range(params.n)]
-        async for delta in self._deltas(rid, prompt, params, context):
-            _merge(completions[delta.index], convert.response(delta))
+        call = await self._admit(request, context)
+        completions = [pb.GenerateResponse(request_id=call.request_id, index=i) for i in range(call.params.n)]
+        try:
+            async for delta in self._deltas(call, context):
+                _merge(completions[delta.index], convert.response(delta))
+        except asyncio.CancelledError:
+            self._record_abort(context)
+            raise
+        finally:
+            self._trace(call, context)
         return pb.CompleteResponse(completions=completions)
 
-    async def _admit(
-        self, request: Any, context: grpc.aio.ServicerContext
-    ) -> tuple[str, list[int], SamplingParams]:
+    async def _admit(self, request: Any, context: grpc.aio.ServicerContext) -> _Call:
+        started = time.monotonic()
         if self.state.status != "serving":
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is {self.state.status}")
         try:
@@ -110,13 +120,12 @@ class GenerationServicer:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return rid, prompt, params
+        return _Call(rid, prompt, params, (started, time.monotonic()))
 
-    async def _deltas(
-        self, rid: str, prompt: list[int], params: SamplingParams, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[RequestDelta]:
+    async def _deltas(self, call: _Call, context: grpc.aio.ServicerContext) -> AsyncIterator[RequestDelta]:
         try:
-            async for delta in self.engine.generate(rid, prompt, params):
+            async for delta in self.engine.generate(call.request_id, call.prompt, call.params):
+                call.last = delta
                 if delta.finish_reason == "error":
                     await context.abort(grpc.StatusCode.INTERNAL, delta.error or "generation failed")
                 yield delta
@@ -132,12 +141,16 @@ class GenerationServicer:
         cause = "deadline" if remaining is not None and remaining <= 0 else "client_cancel"
         self.llm.metrics.record_abort(cause)
 
-    def _trace_parent(self, context: grpc.aio.ServicerContext) -> Any:
-        if not self.tracer.enabled:
-            return None
-        return self.tracer.extract(
-            {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-        )
+    def _trace(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
+        if self.tracer.enabled:
+            self.tracer.finish_request(
+                context.invocation_metadata(),
+                call.request_id,
+                call.params,
+                call.last,
+                call.tokenized,
+                len(call.prompt),
+            )
 
     # -- control -------------------------------------------------------------------------------------
 
@@ -331,7 +344,8 @@ class Server:
         while self.engine.num_live_requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for rid in self.engine.live_request_ids():
-            self.engine.abort(rid, "server shutting down")
+            if self.engine.abort(rid, "server shutting down"):
+                self.engine.engine.metrics.record_abort("drain")
         for _ in range(100):  # give aborted streams a moment to deliver their final message
             if not self.engine.num_live_requests:
                 break

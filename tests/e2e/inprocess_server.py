@@ -1,0 +1,114 @@
+"""`pagedserve serve` assembled as the CLI assembles it (our gRPC service and the KServe v2 / Triton
+adapter on one port, HTTP with /metrics and KServe v2 REST on another), on loopback, running in a
+background event loop of the test process: so a test owns its tracer provider and can read the
+engine's own counters. Real sockets and real clients, nothing mocked.
+
+tritonclient cannot be imported next to it (both define the `inference.*` protobuf symbols): run
+tritonclient in a child process (`run_python`)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
+
+FROM_SETTINGS = object()  # build the tracer provider from the settings, as `pagedserve serve` does
+
+
+class InProcessServer:
+    def __init__(self, model_dir: str, provider: Any = FROM_SETTINGS, **settings: Any) -> None:
+        from pagedserve.rpc.cli import ServeSettings
+
+        self.settings = ServeSettings(model=model_dir, host="127.0.0.1", port=0, http_port=0, **settings)
+        self.provider = provider
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="inprocess-server", daemon=True)
+
+    def start(self, timeout: float = 300.0) -> InProcessServer:
+        self.thread.start()
+        self.call(self._start(), timeout)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        return self
+
+    def call(self, coro: Any, timeout: float = 60.0) -> Any:
+        """Run a coroutine on the server's event loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.channel.close()
+        self.call(self._stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+
+    @property
+    def llm(self) -> Any:
+        """The LLMEngine: its stats() and metrics are the engine's own counts."""
+        return self.server.engine.engine
+
+    @property
+    def tracer(self) -> Any:
+        return self.server.servicer.tracer
+
+    def http_url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.http_port}{path}"
+
+    async def _start(self) -> None:
+        from pagedserve.engine.async_engine import AsyncEngine
+        from pagedserve.engine.llm_engine import LLMEngine
+        from pagedserve.rpc.http import HttpEndpoint
+        from pagedserve.rpc.server import Server
+        from pagedserve.telemetry import RequestTracer, configure_tracing
+        from pagedserve_adapters.grpc_service import SERVICE_NAME as INFERENCE_SERVICE
+        from pagedserve_adapters.grpc_service import add_to_server as add_inference_service
+        from pagedserve_adapters.llm_model import LLMModel
+        from pagedserve_adapters.rest import routes as rest_routes
+
+        s = self.settings
+        provider = self.provider
+        if provider is FROM_SETTINGS:
+            provider = configure_tracing(s.otlp_traces_endpoint, s.traces_exporter)
+        tracer = RequestTracer(provider, s.served_model_name or "")
+        self.server = server = Server(tracer)
+        model = LLMModel(server)
+        add_inference_service(server.grpc, model)
+        server.service_names.append(INFERENCE_SERVICE)
+        self.port = server.add_port(f"{s.host}:{s.port}")
+        self.http = HttpEndpoint(server, rest_routes(model))
+        self.http_port = await self.http.start(s.host, s.http_port)
+        await server.open()
+        llm = await asyncio.to_thread(LLMEngine.from_settings, s)
+        tracer.model_name = llm.config.model.served_model_name
+        await server.start(AsyncEngine(llm, s.max_queued_requests), warmup=s.warmup)
+
+    async def _stop(self) -> None:
+        await self.http.stop()
+        await self.server.stop(grace=0.5)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    """Poll `predicate` until it returns something truthy; return that."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def run_python(code: str, *args: str, timeout: float = 120.0) -> str:
+    """Run `code` in a fresh interpreter (for tritonclient); its stdout, or a failure with its stderr."""
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"child exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return done.stdout

@@ -1,0 +1,420 @@
+"""Request spans through the real front ends: our gRPC Generate and Complete, the Triton
+ModelStreamInfer adapter (real tritonclient in a child process) and KServe REST generate_stream, all
+against one in-process server whose tracer provider exports to memory. Each request must yield one
+SERVER span under the caller's W3C trace with the gen_ai attributes, latency attributes, child spans
+tokenize, queue, prefill, decode in order, and preemption/swap events when they happen."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import grpc
+import pytest
+from inprocess_server import InProcessServer, run_python, wait_for
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+from pagedserve.rpc.v1 import generate_pb2 as pb
+
+MODEL = "tiny"
+PHASES = ["tokenize", "queue", "prefill", "decode"]
+PARENT_SPAN_ID = 0x00F067AA0BA902B7
+_trace_ids = iter(range(0x4BF92F3577B34DA6A3CE929D0E0E4700, 0x4BF92F3577B34DA6A3CE929D0E0E4800))
+
+
+@pytest.fixture(scope="module")
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture(scope="module")
+def provider(exporter: InMemorySpanExporter) -> TracerProvider:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider
+    provider.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir: str, provider: TracerProvider) -> InProcessServer:
+    """Room for one long request: nothing is preempted here."""
+    srv = InProcessServer(
+        tiny_llama_dir, provider, dtype="float32", served_model_name=MODEL, num_kv_blocks=256, block_size=8
+    ).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tight_server(tiny_llama_dir: str, provider: TracerProvider) -> InProcessServer:
+    """16 KV blocks of 8 tokens and a roomy CPU pool: two 80-token requests cannot run together, so
+    the younger one is swapped out and back in."""
+    srv = InProcessServer(
+        tiny_llama_dir,
+        provider,
+        dtype="float32",
+        served_model_name=MODEL,
+        num_kv_blocks=16,
+        block_size=8,
+        num_cpu_kv_blocks=64,
+        preemption_mode="swap",
+        enable_prefix_caching=False,
+    ).start()
+    yield srv
+    srv.stop()
+
+
+def new_trace() -> tuple[int, list[tuple[str, str]]]:
+    trace_id = next(_trace_ids)
+    traceparent = f"00-{trace_id:032x}-{PARENT_SPAN_ID:016x}-01"
+    return trace_id, [("traceparent", traceparent), ("tracestate", "vendor=v1")]
+
+
+def request_spans(exporter: InMemorySpanExporter, trace_id: int, num_requests: int = 1) -> list[ReadableSpan]:
+    """All spans of the trace, once its `num_requests` server spans have ended (they end just after
+    the call's last response is sent)."""
+
+    def spans() -> list[ReadableSpan] | None:
+        found = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+        servers = [s for s in found if s.kind is SpanKind.SERVER]
+        return found if len(servers) >= num_requests else None
+
+    return wait_for(spans, what=f"{num_requests} server spans of trace {trace_id:032x}")
+
+
+def check_span_shape(spans: list[ReadableSpan], trace_id: int, **expected: Any) -> ReadableSpan:
+    """Exactly one SERVER span, child of the caller's span, with the attributes in `expected`
+    (gen_ai.* names without the prefix) and the four phases in order inside it."""
+    servers = [s for s in spans if s.kind is SpanKind.SERVER]
+    assert len(servers) == 1, [s.name for s in servers]
+    span = servers[0]
+    assert span.name == "llm_request"
+    assert span.context.trace_id == trace_id
+    assert span.parent is not None and span.parent.is_remote and span.parent.span_id == PARENT_SPAN_ID
+    assert span.context.trace_state.get("vendor") == "v1"
+    attrs = span.attributes
+    for name, value in expected.items():
+        actual = attrs[f"gen_ai.{name}"]
+        assert actual == (pytest.approx(value) if isinstance(value, float) else value), name
+    assert attrs["gen_ai.request.model"] == MODEL
+    latency = {k: attrs[f"gen_ai.latency.{k}"] for k in ("time_in_queue", "time_to_first_token", "e2e")}
+    assert 0 <= latency["time_in_queue"] < latency["time_to_first_token"] < latency["e2e"]
+    assert latency["e2e"] <= (span.end_time - span.start_time) / 1e9 + 1e-6
+
+    children = sorted(
+        (s for s in spans if s.parent is not None and s.parent.span_id == span.context.span_id),
+        key=lambda s: s.start_time,
+    )
+    assert [c.name for c in children] == PHASES
+    assert all(c.context.trace_id == trace_id for c in children)
+    assert span.start_time == children[0].start_time and children[-1].end_time == span.end_time
+    for before, after in zip(children, children[1:]):
+        assert before.end_time <= after.start_time, (before.name, after.name)
+    queue, prefill = children[1], children[2]
+    assert (queue.end_time - queue.start_time) / 1e9 == pytest.approx(latency["time_in_queue"], abs=1e-6)
+    assert (prefill.end_time - queue.start_time) / 1e9 == pytest.approx(
+        latency["time_to_first_token"], abs=1e-6
+    )
+    return span
+
+
+def stream(server: InProcessServer, req: pb.GenerateRequest, metadata: Any, **kwargs: Any) -> list[Any]:
+    return list(server.stub.Generate(req, metadata=metadata, timeout=60, **kwargs))
+
+
+def token_request(
+    prompt: list[int], max_tokens: int, request_id: str = "", **sampling: Any
+) -> pb.GenerateRequest:
+    params = pb.SamplingParameters(max_tokens=max_tokens, ignore_eos=True, **sampling)
+    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt), sampling=params)
+
+
+# -- our gRPC API ------------------------------------------------------------------------------------
+
+
+def test_generate_stream_span_continues_the_callers_trace(
+    server: InProcessServer, exporter: InMemorySpanExporter
+) -> None:
+    trace_id, metadata = new_trace()
+    prompt = [1, 415, 2936, 9060, 285, 1802, 20]
+    req = token_request(prompt, 12, request_id="traced-gen", temperature=0.7, top_p=0.9, seed=3)
+    started = time.monotonic()
+    responses = stream(server, req, metadata)
+    elapsed = time.monotonic() - started
+    num_tokens = sum(len(r.token_ids) for r in responses)
+    assert num_tokens == 12 and responses[-1].finish_reason == pb.LENGTH
+
+    span = check_span_shape(
+        request_spans(exporter, trace_id),
+        trace_id,
+        **{
+            "request.id": "traced-gen",
+            "request.max_tokens": 12,
+            "request.temperature": 0.7,
+            "request.top_p": 0.9,
+            "usage.prompt_tokens": len(prompt),
+            "usage.completion_tokens": 12,
+            "response.finish_reasons": ("length",),
+        },
+    )
+    assert span.attributes["gen_ai.latency.e2e"] < elapsed
+    assert not span.events  # nothing was preempted
+
+
+def test_complete_records_the_same_span(server: InProcessServer, exporter: InMemorySpanExporter) -> None:
+    trace_id, metadata = new_trace()
+    prompt = [1, 2, 3, 4, 5]
+    reply = server.stub.Complete(
+        token_request(prompt, 6, request_id="traced-complete", temperature=0.0), metadata=metadata, timeout=60
+    )
+    assert len(reply.completions[0].token_ids) == 6
+    check_span_shape(
+        request_spans(exporter, trace_id),
+        trace_id,
+        **{
+            "request.id": "traced-complete",
+            "request.max_tokens": 6,
+            "request.temperature": 0.0,
+            "usage.prompt_tokens": len(prompt),
+            "usage.completion_tokens": 6,
+            "response.finish_reasons": ("length",),
+        },
+    )
+
+
+def test_abort_rpc_span_has_the_requests_own_timing_and_counts(
+    server: InProcessServer, exporter: InMemorySpanExporter
+) -> None:
+    trace_id, metadata = new_trace()
+    prompt = [1, 7, 8, 9]
+    started = time.monotonic()
+    responses = server.stub.Generate(
+        token_request(prompt, 1000, request_id="to-abort", temperature=0.0), metadata=metadata, timeout=60
+    )
+    received = []
+    for response in responses:
+        received.append(response)
+        if len(received) == 1:
+            assert server.stub.Abort(pb.AbortRequest(request_ids=["to-abort"])).aborted_request_ids == [
+                "to-abort"
+            ]
+    elapsed = time.monotonic() - started
+    final = received[-1]
+    num_tokens = sum(len(r.token_ids) for r in received)
+    assert final.finish_reason == pb.ABORTED and 1 <= num_tokens < 1000
+    assert (final.prompt_tokens, final.completion_tokens) == (len(prompt), num_tokens)
+
+    span = check_span_shape(
+        request_spans(exporter, trace_id),
+        trace_id,
+        **{
+            "request.id": "to-abort",
+            "usage.prompt_tokens": len(prompt),
+            "usage.completion_tokens": num_tokens,
+            "response.finish_reasons": ("aborted",),
+        },
+    )
+    assert span.attributes["gen_ai.latency.e2e"] < elapsed  # not the time since the server started
+
+
+def test_client_cancel_span_is_aborted(server: InProcessServer, exporter: InMemorySpanExporter) -> None:
+    trace_id, metadata = new_trace()
+    call = server.stub.Generate(
+        token_request([1, 5, 6], 1000, request_id="to-cancel", temperature=0.0), metadata=metadata, timeout=60
+    )
+    num_tokens = len(next(call).token_ids)
+    call.cancel()
+    span = check_span_shape(
+        request_spans(exporter, trace_id),
+        trace_id,
+        **{"request.id": "to-cancel", "usage.prompt_tokens": 3, "response.finish_reasons": ("aborted",)},
+    )
+    assert num_tokens <= span.attributes["gen_ai.usage.completion_tokens"] < 1000
+
+
+def test_preemption_and_swap_events(tight_server: InProcessServer, exporter: InMemorySpanExporter) -> None:
+    trace_id, metadata = new_trace()
+    stats_before = tight_server.llm.stats()
+    prompts = [[1, *range(100 + 20 * i, 119 + 20 * i)] for i in range(3)]  # 20 tokens each
+    results: dict[int, list[Any]] = {}
+
+    def run(i: int) -> None:
+        req = token_request(prompts[i], 60, request_id=f"tight-{i}", temperature=0.0)
+        results[i] = stream(tight_server, req, metadata)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(sum(len(r.token_ids) for r in results[i]) == 60 for i in range(len(prompts)))
+    stats = tight_server.llm.stats()
+    num_swaps = stats.num_swap_preemptions - stats_before.num_swap_preemptions
+    assert num_swaps > 0  # the workload's premise
+
+    spans = request_spans(exporter, trace_id, num_requests=len(prompts))
+    servers = [s for s in spans if s.kind is SpanKind.SERVER]
+    assert sorted(s.attributes["gen_ai.request.id"] for s in servers) == [f"tight-{i}" for i in range(3)]
+    num_preemption_events = 0
+    for span in servers:
+        events = [(e.name, e.timestamp) for e in span.events]
+        preemptions = [e for e in span.events if e.name == "preemption"]
+        assert len(preemptions) == span.attributes["gen_ai.pagedserve.num_preemptions"]
+        num_preemption_events += len(preemptions)
+        for event in preemptions:
+            assert event.attributes["gen_ai.pagedserve.preemption_mode"] == "swap"
+        names = [name for name, _ in events]
+        # every swap-out is followed by its swap-in (all requests completed), in time order
+        assert names == ["preemption", "swap_out", "swap_in"] * len(preemptions)
+        times = [t for _, t in events]
+        assert times == sorted(times) and all(span.start_time <= t <= span.end_time for t in times)
+    assert num_preemption_events == stats.num_preemptions - stats_before.num_preemptions
+
+
+# -- the adapters ------------------------------------------------------------------------------------
+
+TRITON_CLIENT = """
+import json, queue, sys
+import numpy as np
+import tritonclient.grpc as tgrpc
+
+port, model, traceparent = sys.argv[1:4]
+responses = queue.Queue()
+with tgrpc.InferenceServerClient(f"127.0.0.1:{port}") as client:
+    client.start_stream(
+        callback=lambda result, error: responses.put((result, error)),
+        headers={"traceparent": traceparent, "tracestate": "vendor=v1"},
+    )
+    text = tgrpc.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"The capital of France is"], dtype=object))
+    stream = tgrpc.InferInput("stream", [1], "BOOL")
+    stream.set_data_from_numpy(np.array([True]))
+    sampling = tgrpc.InferInput("sampling_parameters", [1], "BYTES")
+    params = {"temperature": 0, "max_tokens": 7, "ignore_eos": True}
+    sampling.set_data_from_numpy(np.array([json.dumps(params).encode()], dtype=object))
+    client.async_stream_infer(model, [text, stream, sampling], request_id="triton-1")
+    texts = []
+    while True:
+        result, error = responses.get(timeout=60)
+        assert error is None, error
+        texts.append(result.as_numpy("text_output")[0].decode())
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+print(json.dumps({"num_responses": len(texts)}))
+"""
+
+
+def test_triton_stream_infer_yields_the_same_span(
+    server: InProcessServer, exporter: InMemorySpanExporter
+) -> None:
+    trace_id, metadata = new_trace()
+    out = run_python(TRITON_CLIENT, str(server.port), MODEL, dict(metadata)["traceparent"])
+    assert json.loads(out.strip().splitlines()[-1])["num_responses"] == 7
+    prompt_tokens = len(server.llm.encode_prompt("The capital of France is"))
+    span = check_span_shape(
+        request_spans(exporter, trace_id),
+        trace_id,
+        **{
+            "request.max_tokens": 7,
+            "request.temperature": 0.0,
+            "usage.prompt_tokens": prompt_tokens,
+            "usage.completion_tokens": 7,
+            "response.finish_reasons": ("length",),
+        },
+    )
+    assert span.attributes["gen_ai.request.id"].startswith("v2-")
+
+
+def test_rest_generate_stream_yields_the_same_span(
+    server: InProcessServer, exporter: InMemorySpanExporter
+) -> None:
+    trace_id, metadata = new_trace()
+    body = {
+        "text_input": "Hello there",
+        "parameters": {"temperature": 0, "max_tokens": 5, "ignore_eos": True},
+    }
+    req = urllib.request.Request(
+        server.http_url(f"/v2/models/{MODEL}/generate_stream"),
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **dict(metadata)},
+    )
+    with urllib.request.urlopen(req, timeout=60) as reply:
+        events = [line for line in reply.read().decode().splitlines() if line.startswith("data: ")]
+    assert len(events) == 5
+    check_span_shape(
+        request_spans(exporter, trace_id),
+        trace_id,
+        **{
+            "request.max_tokens": 5,
+            "usage.prompt_tokens": len(server.llm.encode_prompt("Hello there")),
+            "usage.completion_tokens": 5,
+            "response.finish_reasons": ("length",),
+        },
+    )
+
+
+# -- tracing off ---------------------------------------------------------------------------------------
+
+
+class SpyProcessor:
+    """A span processor that only counts what it is shown."""
+
+    def __init__(self) -> None:
+        self.num_started = self.num_ended = 0
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        self.num_started += 1
+
+    def on_end(self, span: Any) -> None:
+        self.num_ended += 1
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+@pytest.fixture()
+def global_spy() -> SpyProcessor:
+    """A spy on the process-wide tracer provider (the one `opentelemetry.trace.get_tracer` uses); the
+    global is put back afterwards, as OpenTelemetry's own test helpers do."""
+    from opentelemetry import trace
+    from opentelemetry.util._once import Once
+
+    spy = SpyProcessor()
+    global_provider = TracerProvider()
+    global_provider.add_span_processor(spy)
+    saved = trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE
+    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = None, Once()
+    trace.set_tracer_provider(global_provider)
+    yield spy
+    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
+    global_provider.shutdown()
+
+
+def test_default_settings_install_no_tracer_and_record_nothing(
+    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch, global_spy: SpyProcessor
+) -> None:
+    for name in ("OTEL_TRACES_EXPORTER", "PAGEDSERVE_TRACES_EXPORTER", "PAGEDSERVE_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    srv = InProcessServer(tiny_llama_dir, dtype="float32", served_model_name=MODEL, num_kv_blocks=64).start()
+    try:
+        assert srv.tracer.provider is None and not srv.tracer.enabled  # no provider, so no processor
+        _, metadata = new_trace()  # a caller's trace headers alone do not switch tracing on
+        responses = stream(srv, token_request([1, 2, 3], 4, temperature=0.0), metadata)
+        assert sum(len(r.token_ids) for r in responses) == 4
+        with pytest.raises(grpc.RpcError):  # and a cancelled call records nothing either
+            call = srv.stub.Generate(token_request([1, 2, 3], 1000, temperature=0.0), metadata=metadata)
+            next(call)
+            call.cancel()
+            list(call)
+    finally:
+        srv.stop()
+    assert (global_spy.num_started, global_spy.num_ended) == (0, 0)
