@@ -3,7 +3,9 @@ prefill and parallel sampling all leave greedy outputs exactly as an unconstrain
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 from pagedserve import LLM, SamplingParams
@@ -60,6 +62,37 @@ def test_swap_preemption_keeps_outputs(tiny_llama_dir: str, workload: tuple, unc
     assert stats.num_free_blocks == 40 and stats.num_free_cpu_blocks == 200
 
 
+def test_swap_space_in_gib_sizes_the_cpu_pool_and_swapping_keeps_outputs(
+    tiny_llama_dir: str, workload: tuple, unconstrained: list
+) -> None:
+    # The CPU pool from --swap-space: GiB over the bytes of one block (keys and values of every layer
+    # and KV head for block_size tokens, float32), derived here from the checkpoint's config.
+    config = json.loads((Path(tiny_llama_dir) / "config.json").read_text())
+    bytes_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 4
+    swap_space = 0.00075  # GiB: 786 KiB, room for ~196 blocks of 8 tokens
+    expected_num_cpu_blocks = int(swap_space * 1024**3) // (8 * bytes_per_token)
+    llm = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        num_kv_blocks=40,
+        block_size=8,
+        swap_space=swap_space,
+        preemption_mode="swap",
+        max_num_seqs=32,
+        max_num_batched_tokens=256,
+    )
+    stats = llm.engine.stats()
+    assert stats.num_total_cpu_blocks == expected_num_cpu_blocks == 196
+    cpu_cache = llm.engine.executor.worker.cache_engine.cpu_cache  # the host tensor really allocated
+    assert cpu_cache.shape[2] == expected_num_cpu_blocks
+    assert cpu_cache.numel() * cpu_cache.element_size() <= swap_space * 1024**3
+    assert token_ids(llm, *workload) == unconstrained
+    stats = llm.engine.stats()
+    assert stats.num_swap_preemptions > 0 and stats.num_recompute_preemptions == 0
+    assert stats.num_swapped_in_blocks == stats.num_swapped_out_blocks > 0
+    assert stats.num_free_cpu_blocks == expected_num_cpu_blocks
+
+
 def test_recompute_only_keeps_outputs(tiny_llama_dir: str, workload: tuple, unconstrained: list) -> None:
     llm = LLM(
         model=tiny_llama_dir,
@@ -94,13 +127,16 @@ def test_full_swap_space_falls_back_to_recompute(
 
 def test_request_that_can_never_fit_leaves_others_unaffected(tiny_llama_dir: str) -> None:
     llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=6, block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    alone = token_ids(llm, [[1, 2, 3]], [params])[0]
     engine = llm.engine
-    engine.add_request("fits", [1, 2, 3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    engine.add_request("fits", [1, 2, 3], params)
     with pytest.raises(InvalidRequestError) as info:
         engine.add_request("too-big", [1] * 30, SamplingParams(max_tokens=40))
     assert info.value.field == "max_tokens" and "never fit" in info.value.message
     tokens = drain(engine)
-    assert list(tokens) == ["fits"] and len(tokens["fits"]) == 20
+    assert list(tokens) == ["fits"] and len(alone) == 20 and tokens["fits"] == alone
+    assert engine.stats().num_free_blocks == 6
 
 
 def step(engine: LLMEngine, tokens: dict[str, list[int]]) -> None:

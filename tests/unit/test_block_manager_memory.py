@@ -74,7 +74,8 @@ def test_prefix_hits_share_full_blocks_and_keep_one_token_to_compute() -> None:
     assert bm.ref_counts[:4] == [2, 2, 1, 1]
     c = seq("c", list(range(8)))  # 8 tokens = exactly 2 blocks: the last block is recomputed
     assert bm.match_prefix(c) == [0]
-    assert (bm.num_prefix_queries, bm.num_prefix_hits) == (11 + 8, 8 + 4)
+    # counted per admitted sequence (a: 10 tokens, b: 11), not per lookup (c is never allocated)
+    assert (bm.num_prefix_queries, bm.num_prefix_hits) == (10 + 11, 8)
 
 
 def test_freed_cached_blocks_are_evicted_least_recently_freed_first() -> None:

@@ -90,11 +90,14 @@ def test_nothing_is_admitted_in_a_step_that_preempted() -> None:
 
 
 def test_requests_that_can_never_fit_are_rejected() -> None:
-    s = make(num_blocks=4)  # 16 token slots
+    s = make(num_blocks=4)  # 16 token slots; the last sampled token never takes one
     with pytest.raises(InvalidRequestError) as info:
-        add(s, "big", 10, max_tokens=7)
+        add(s, "big", 10, max_tokens=8)
     assert info.value.field == "max_tokens" and "big" not in s.requests
-    add(s, "ok", 10, max_tokens=6)
+    with pytest.raises(InvalidRequestError) as prompt:
+        add(s, "long", 17, max_tokens=1)
+    assert prompt.value.field == "prompt"
+    add(s, "ok", 10, max_tokens=7)
     with pytest.raises(InvalidRequestError) as dup:
         add(s, "ok", 2)
     assert dup.value.field == "request_id"

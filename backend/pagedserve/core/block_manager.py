@@ -3,7 +3,10 @@ The only thing it writes on a sequence is its block table."""
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
 from pagedserve.sequence import Sequence
@@ -21,13 +24,17 @@ class BlockManager:
         block_table  [ 7 | 2 | 9 ]        block_size = 4
         slots        [xxxx|xxxx|xx..]     a new block is taken only when the last one is full
 
-    Admission of a waiting sequence keeps `watermark_blocks` free, so that running sequences can
-    grow for a while before anything must be preempted.
+    Admission of a waiting sequence (and swap-in) keeps `watermark_blocks` free, so that running
+    sequences can grow for a while before anything must be preempted. It does so even in an otherwise
+    empty pool, so one sequence may hold at most `max_num_blocks_per_seq` blocks; `can_ever_fit` is the
+    matching test at arrival, and a sequence that passes it is always admitted once the pool is empty.
 
-    Prefix caching: a full block is named by a hash of its tokens and of the blocks before it, so
-    identical prefixes share blocks (ref counts). A cached block whose ref count drops to 0 goes to
-    an LRU evictor; it is reused on a hit, or evicted (its hash forgotten, so it is never read as
-    cached again) when a fresh block is needed and no uncached block is free.
+    Prefix caching: a full block is named by a SHA-256 of its tokens and of the blocks before it, so
+    identical prefixes share blocks (ref counts). The hash is cryptographic because a collision would
+    serve one request another's KV, and Python's hash() of a tuple can be collided on purpose. A cached
+    block whose ref count drops to 0 goes to an LRU evictor; it is reused on a hit, or evicted (its hash
+    forgotten, so it is never read as cached again) when a fresh block is needed and no uncached block
+    is free.
 
     Sharing a partly filled block (after a fork) is copy-on-write: the first sequence to write into
     it gets a copy, recorded in `blocks_to_copy` for the cache engine to perform before the step.
@@ -50,14 +57,14 @@ class BlockManager:
         self.evictor: OrderedDict[int, None] = (
             OrderedDict()
         )  # cached, ref count 0; least recently freed first
-        self.block_hashes: list[int | None] = [None] * num_blocks
-        self.cached_block_ids: dict[int, int] = {}  # block hash -> block id
-        self.seq_hashes: dict[str, list[int]] = {}  # request id -> hashes of its leading full blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.cached_block_ids: dict[bytes, int] = {}  # block hash -> block id
+        self.seq_hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its leading full blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.free_cpu_block_ids: deque[int] = deque(range(num_cpu_blocks))
         self.cpu_block_tables: dict[str, list[int]] = {}  # swapped-out request id -> its CPU blocks
         self.blocks_to_copy: list[tuple[int, int]] = []  # copy-on-write work for the next step
-        self.num_prefix_queries = 0  # tokens looked up in the prefix cache
+        self.num_prefix_queries = 0  # tokens of admitted sequences looked up in the prefix cache
         self.num_prefix_hits = 0  # of which found
 
     @property
@@ -72,25 +79,37 @@ class BlockManager:
     def num_free_cpu_blocks(self) -> int:
         return len(self.free_cpu_block_ids)
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        """Whether a sequence of `num_tokens` fits in the whole pool (alone, after preempting everyone)."""
-        return cdiv(num_tokens, self.block_size) <= self.num_blocks
+    @property
+    def max_num_blocks_per_seq(self) -> int:
+        """Blocks one sequence may ever hold: admission and swap-in keep the watermark free even when
+        nothing else runs, so a sequence needing more would be accepted but never admitted."""
+        return self.num_blocks - self.watermark_blocks
+
+    def num_blocks_to_hold(self, max_num_tokens: int) -> int:
+        """Blocks a sequence that grows to `max_num_tokens` tokens needs at most. Its last token is
+        sampled and never run through the model, so it never takes a KV slot."""
+        return cdiv(max_num_tokens - 1, self.block_size)
+
+    def can_ever_fit(self, max_num_tokens: int) -> bool:
+        """Whether a sequence growing to `max_num_tokens` tokens can run alone in the pool: then it is
+        admitted (or swapped back in) at the latest when everything else has finished."""
+        return self.num_blocks_to_hold(max_num_tokens) <= self.max_num_blocks_per_seq
 
     # -- admission of waiting sequences ------------------------------------------------------------
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding `seq`'s leading full blocks. At least the last token is left to
-        compute, so the model still produces the logits to sample from."""
+        compute, so the model still produces the logits to sample from. Counted as a query only
+        when `allocate` takes the hits: a sequence may be looked up on many steps before it fits."""
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        for block_hash in self._hash_chain(seq.token_ids, (seq.num_tokens - 1) // self.block_size):
+        num_blocks = (seq.num_tokens - 1) // self.block_size
+        for block_hash in self._block_hashes(None, seq.token_ids, 0, num_blocks):  # stops at the first miss
             block_id = self.cached_block_ids.get(block_hash)
             if block_id is None:
                 break
             hits.append(block_id)
-        self.num_prefix_queries += seq.num_tokens
-        self.num_prefix_hits += len(hits) * self.block_size
         return hits
 
     def num_required_blocks(self, seq: Sequence, num_new_tokens: int, cached_block_ids: Seq[int] = ()) -> int:
@@ -120,6 +139,9 @@ class BlockManager:
         self._take(seq, cdiv(num_tokens, self.block_size) - len(seq.block_table))
         if cached_block_ids:
             self.seq_hashes[seq.request_id] = [self.block_hashes[b] for b in cached_block_ids]  # type: ignore[misc]
+        if self.enable_prefix_caching:
+            self.num_prefix_queries += seq.num_tokens
+            self.num_prefix_hits += len(cached_block_ids) * self.block_size
         return list(seq.block_table)
 
     # -- running sequences ---------------------------------------------------------------------------
@@ -151,14 +173,14 @@ class BlockManager:
         hashes = self.seq_hashes.setdefault(seq.request_id, [])
         num_full = seq.num_computed_tokens // self.block_size
         parent = hashes[-1] if hashes else None
-        for index in range(len(hashes), num_full):
-            block_hash = self._block_hash(parent, seq.token_ids, index)
+        for index, block_hash in enumerate(
+            self._block_hashes(parent, seq.token_ids, len(hashes), num_full), start=len(hashes)
+        ):
             hashes.append(block_hash)
             block_id = seq.block_table[index]
             if block_hash not in self.cached_block_ids and self.block_hashes[block_id] is None:
                 self.cached_block_ids[block_hash] = block_id
                 self.block_hashes[block_id] = block_hash
-            parent = block_hash
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's device blocks (cached ones to the evictor) and any CPU blocks."""
@@ -232,12 +254,20 @@ class BlockManager:
         seq.block_table[index] = private
         self.blocks_to_copy.append((shared, private))
 
-    def _hash_chain(self, token_ids: list[int], num_blocks: int) -> list[int]:
-        hashes: list[int] = []
-        for index in range(num_blocks):
-            hashes.append(self._block_hash(hashes[-1] if hashes else None, token_ids, index))
-        return hashes
+    def _hash_chain(self, token_ids: list[int], num_blocks: int) -> list[bytes]:
+        return list(self._block_hashes(None, token_ids, 0, num_blocks))
 
-    def _block_hash(self, parent: int | None, token_ids: list[int], index: int) -> int:
-        start = index * self.block_size
-        return hash((parent, tuple(token_ids[start : start + self.block_size])))
+    def _block_hashes(
+        self, parent: bytes | None, token_ids: list[int], start: int, stop: int
+    ) -> Iterator[bytes]:
+        """Hashes of full blocks `start .. stop - 1`, `parent` being the hash of block `start - 1`.
+
+        Each is the SHA-256 of its parent's 32-byte digest (nothing for block 0) followed by its
+        token ids as 8-byte integers: fixed widths, so distinct (parent, tokens) never encode alike.
+        The tokens are encoded once for the whole range; hashing costs ~1 us per block."""
+        width = 8 * self.block_size
+        data = array("q", token_ids[start * self.block_size : stop * self.block_size]).tobytes()
+        block_hash = parent or b""
+        for offset in range(0, len(data), width):
+            block_hash = hashlib.sha256(block_hash + data[offset : offset + width]).digest()
+            yield block_hash

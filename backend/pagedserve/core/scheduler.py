@@ -52,17 +52,29 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
             raise InvalidRequestError("request_id", f"{seq.request_id!r} is already running")
-        max_tokens = min(seq.max_num_tokens, self.config.max_model_len)
-        if not self.block_manager.can_ever_fit(max_tokens):
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt + max_tokens = {max_tokens} tokens can never fit the KV cache "
-                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})",
-            )
+        self.check_can_ever_fit(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
         self.requests[seq.request_id] = seq
         for sibling in seq.pending_forks:  # parallel sampling: queued when the parent forks them
             self.requests[sibling.request_id] = sibling
         bisect.insort(self.waiting, seq, key=_by_arrival)
+
+    def check_can_ever_fit(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Reject a request that could never run, even alone: admission keeps the watermark free in
+        an empty pool too, so such a request would wait forever and hold up every request behind it."""
+        block_manager = self.block_manager
+        max_num_tokens = min(num_prompt_tokens + max_tokens, self.config.max_model_len)
+        if block_manager.can_ever_fit(max_num_tokens):
+            return
+        field = "max_tokens" if block_manager.can_ever_fit(num_prompt_tokens + 1) else "prompt"
+        raise InvalidRequestError(
+            field,
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) can never fit the KV cache: "
+            f"it needs {block_manager.num_blocks_to_hold(max_num_tokens)} blocks of "
+            f"{block_manager.block_size} tokens, and one request may hold at most "
+            f"{block_manager.max_num_blocks_per_seq} ({block_manager.num_blocks} blocks less a watermark "
+            f"of {block_manager.watermark_blocks} kept free for running requests to grow); "
+            "lower max_tokens or give the KV cache more memory",
+        )
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (stopped, aborted or failed) and free its blocks."""

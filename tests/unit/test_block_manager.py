@@ -1,0 +1,122 @@
+"""Block manager basics with tiny pools and exact ids: free-list order, append_slot taking a block only
+when the last one is full, ref counts, the watermark at its exact boundary, and prefix-cache hashes."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+import pytest
+from pagedserve.core.block_manager import BlockManager
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.sequence import Sequence
+
+
+def seq(request_id: str, tokens: list[int], computed: int = 0) -> Sequence:
+    s = Sequence(request_id, tokens, SamplingParams(max_tokens=8))
+    s.num_computed_tokens = computed
+    return s
+
+
+def test_blocks_come_from_the_free_list_head_and_return_to_its_tail_last_block_first() -> None:
+    bm = BlockManager(num_blocks=6, block_size=4, watermark=0.0)
+    a, b = seq("a", list(range(10))), seq("b", list(range(3)))
+    assert bm.allocate(a, 10) == [0, 1, 2] and bm.allocate(b, 3) == [3]
+    assert list(bm.free_block_ids) == [4, 5] and bm.ref_counts == [1, 1, 1, 1, 0, 0]
+    bm.free(a)
+    assert a.block_table == [] and list(bm.free_block_ids) == [4, 5, 2, 1, 0]
+    assert bm.ref_counts == [0, 0, 0, 1, 0, 0] and (bm.num_free_blocks, bm.num_used_blocks) == (5, 1)
+    c = seq("c", list(range(12)))
+    assert bm.allocate(c, 12) == [4, 5, 2] and list(bm.free_block_ids) == [1, 0]
+    assert bm.ref_counts == [0, 0, 1, 1, 1, 1]
+
+
+def test_append_slot_takes_a_new_block_only_when_the_last_one_is_full() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4, watermark=0.0)
+    a = seq("a", [5, 6, 7])
+    assert bm.allocate(a, 3) == [0]  # slots 0..2 of block 0
+    added = []
+    for computed in range(3, 9):  # decode one token at a time: slots 3 .. 8
+        a.num_computed_tokens = computed
+        a.append_token(9)
+        added.append(bm.append_slot(a, 1))
+    # slot 3 ends block 0; slot 4 opens block 1; slot 8 opens block 2
+    assert added == [[], [1], [], [], [], [2]]
+    assert a.block_table == [0, 1, 2] and bm.ref_counts == [1, 1, 1, 0]
+    a.num_computed_tokens = 9  # a chunk of 7 tokens (slots 9 .. 15) fills block 2 and needs block 3
+    assert bm.num_required_blocks(a, 7) == 1 and bm.append_slot(a, 7) == [3]
+    assert a.block_table == [0, 1, 2, 3] and bm.ref_counts == [1, 1, 1, 1] and bm.num_free_blocks == 0
+    a.num_computed_tokens = 16
+    assert bm.can_append_slot(a, 0) and not bm.can_append_slot(a, 1)  # slot 16 would need a 5th block
+    with pytest.raises(RuntimeError, match="out of KV blocks"):
+        bm.append_slot(a, 1)
+
+
+def test_admission_keeps_the_watermark_free_to_the_exact_block() -> None:
+    bm = BlockManager(num_blocks=10, block_size=4, watermark=0.1)  # 1 block kept free
+    assert bm.watermark_blocks == 1 and bm.max_num_blocks_per_seq == 9
+    assert bm.can_allocate(seq("x", list(range(36))), 36)  # 9 blocks: 10 - 9 == 1 left
+    assert not bm.can_allocate(seq("x", list(range(37))), 37)  # 10 blocks: the whole pool
+    other = seq("o", [1, 2, 3])
+    bm.allocate(other, 3)  # 9 free now
+    assert bm.can_allocate(seq("x", list(range(32))), 32)  # 8 blocks: 9 - 8 == 1
+    assert not bm.can_allocate(seq("x", list(range(33))), 33)  # 9 blocks would fit but eat the watermark
+    assert bm.can_append_slot(other, 30)  # a running sequence may grow into the watermark
+
+
+def test_swap_in_keeps_the_watermark_free_to_the_exact_block() -> None:
+    bm = BlockManager(num_blocks=10, block_size=4, watermark=0.1, num_cpu_blocks=10)
+    a = seq("a", list(range(33)), computed=32)  # 32 computed tokens, 1 to run: 9 blocks to resume
+    bm.allocate(a, 32)
+    assert bm.swap_out(a) == [(i, i) for i in range(8)]
+    other = seq("o", [1])
+    bm.allocate(other, 1)  # 9 free: a would fit, but only by taking the watermark
+    assert not bm.can_swap_in(a, 1) and bm.can_swap_in(a, 0)  # 8 blocks: 9 - 8 == 1
+    bm.free(other)  # free list: [9, 7, 6, 5, 4, 3, 2, 1, 0, 8]
+    assert bm.can_swap_in(a, 1)  # 10 - 9 == 1
+    assert bm.swap_in(a) == list(zip(range(8), [9, 7, 6, 5, 4, 3, 2, 1]))
+    assert bm.append_slot(a, 1) == [0] and list(bm.free_block_ids) == [8]
+
+
+def test_can_ever_fit_is_the_pool_less_the_watermark_and_counts_no_slot_for_the_last_token() -> None:
+    bm = BlockManager(num_blocks=10, block_size=4, watermark=0.1)
+    # a sequence growing to 37 tokens runs 36 of them (the 37th is sampled, never cached): 9 blocks
+    assert bm.num_blocks_to_hold(37) == 9 and bm.can_ever_fit(37) and not bm.can_ever_fit(38)
+    no_watermark = BlockManager(num_blocks=10, block_size=4, watermark=0.0)
+    assert no_watermark.can_ever_fit(41) and not no_watermark.can_ever_fit(42)
+
+
+def test_prefix_hashes_hit_equal_prefixes_and_miss_at_the_first_different_block() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4, watermark=0.0, enable_prefix_caching=True)
+    tokens = list(range(100, 113))  # 13 tokens: 3 full blocks
+    a = seq("a", tokens)
+    bm.allocate(a, 13)
+    a.num_computed_tokens = 13
+    bm.cache_full_blocks(a)
+    assert [bm.cached_block_ids[h] for h in bm.seq_hashes["a"]] == [0, 1, 2]
+    assert bm.match_prefix(seq("same", tokens[:12] + [7])) == [0, 1, 2]
+    assert bm.match_prefix(seq("at-8", tokens[:8] + [7, 7, 7, 7, 7])) == [0, 1]  # first token of block 2
+    assert bm.match_prefix(seq("at-7", tokens[:7] + [7] * 6)) == [0]  # last token of block 1
+    assert bm.match_prefix(seq("at-0", [7] + tokens[1:])) == []  # a later block equal, its prefix not
+    assert bm.num_prefix_queries == 13 and bm.num_prefix_hits == 0  # lookups count only when allocated
+
+
+def test_prefix_hashes_are_sha256_of_the_parent_digest_and_the_tokens() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2, watermark=0.0, enable_prefix_caching=True)
+    first = hashlib.sha256(array("q", [3, 4]).tobytes()).digest()
+    second = hashlib.sha256(first + array("q", [5, 6]).tobytes()).digest()
+    assert bm._hash_chain([3, 4, 5, 6, 7], 2) == [first, second]
+
+
+def test_tokens_whose_python_hashes_collide_do_not_share_blocks() -> None:
+    # hash(2**61 - 1) == hash(0) in CPython: hash(tuple) would name both blocks alike and serve one
+    # request the other's KV. Token ids are only checked against the vocabulary above this layer.
+    crafted = [2**61 - 1, 1, 2, 3]
+    assert hash((None, tuple(crafted))) == hash((None, (0, 1, 2, 3)))
+    bm = BlockManager(num_blocks=4, block_size=4, watermark=0.0, enable_prefix_caching=True)
+    victim = seq("victim", [0, 1, 2, 3, 4])
+    bm.allocate(victim, 5)
+    victim.num_computed_tokens = 5
+    bm.cache_full_blocks(victim)
+    assert bm.match_prefix(seq("attacker", [*crafted, 4])) == []
+    assert bm.match_prefix(seq("same", [0, 1, 2, 3, 9])) == [0]
