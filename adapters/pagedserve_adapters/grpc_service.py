@@ -37,7 +37,8 @@ from pagedserve_adapters.llm_model import (
 )
 from pagedserve_adapters.v2 import inference_pb2 as pb
 
-SERVICE_NAME = "inference.GRPCInferenceService"
+SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+SERVICE_NAME = SERVICE.full_name  # inference.GRPCInferenceService
 EXTENSIONS = ("model_configuration", "statistics", "binary_tensor_data", "parameters", "generate")
 _STATUS = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,

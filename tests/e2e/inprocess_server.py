@@ -3,8 +3,7 @@ adapter on one port, HTTP with /metrics and KServe v2 REST on another), on loopb
 background event loop of the test process: so a test owns its tracer provider and can read the
 engine's own counters. Real sockets and real clients, nothing mocked.
 
-tritonclient cannot be imported next to it (both define the `inference.*` protobuf symbols): run
-tritonclient in a child process (`run_python`)."""
+`run_python` runs a client (tritonclient) in a process of its own, as clients are in production."""
 
 from __future__ import annotations
 
@@ -66,7 +65,7 @@ class InProcessServer:
         from pagedserve.rpc.http import HttpEndpoint
         from pagedserve.rpc.server import Server
         from pagedserve.telemetry import RequestTracer, configure_tracing
-        from pagedserve_adapters.grpc_service import SERVICE_NAME as INFERENCE_SERVICE
+        from pagedserve_adapters.grpc_service import SERVICE as INFERENCE_SERVICE
         from pagedserve_adapters.grpc_service import add_to_server as add_inference_service
         from pagedserve_adapters.llm_model import LLMModel
         from pagedserve_adapters.rest import routes as rest_routes
@@ -79,7 +78,7 @@ class InProcessServer:
         self.server = server = Server(tracer)
         model = LLMModel(server)
         add_inference_service(server.grpc, model)
-        server.service_names.append(INFERENCE_SERVICE)
+        server.services.append(INFERENCE_SERVICE)
         self.port = server.add_port(f"{s.host}:{s.port}")
         self.http = HttpEndpoint(server, rest_routes(model))
         self.http_port = await self.http.start(s.host, s.http_port)

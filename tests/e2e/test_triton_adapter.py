@@ -1,6 +1,6 @@
 """KServe v2 / Triton compatibility: real `tritonclient` (gRPC and HTTP) and plain HTTP against a real
-`pagedserve serve` on the default model, on loopback. The server's own adapter stubs are never
-imported here: they define the same `inference.*` protobuf symbols as tritonclient."""
+`pagedserve serve` on the default model, on loopback. Requests are built with tritonclient's own
+protobufs, never with the server's adapter stubs."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 async def _serve(settings: ServeSettings) -> int:
-    from pagedserve_adapters.grpc_service import SERVICE_NAME as INFERENCE_SERVICE
+    from pagedserve_adapters.grpc_service import SERVICE as INFERENCE_SERVICE
     from pagedserve_adapters.grpc_service import add_to_server as add_inference_service
     from pagedserve_adapters.llm_model import LLMModel
     from pagedserve_adapters.rest import routes as rest_routes
@@ -68,7 +68,7 @@ async def _serve(settings: ServeSettings) -> int:
     server = Server(tracer)
     model = LLMModel(server)
     add_inference_service(server.grpc, model)
-    server.service_names.append(INFERENCE_SERVICE)
+    server.services.append(INFERENCE_SERVICE)
     port = server.add_port(f"{settings.host}:{settings.port}")
     http = HttpEndpoint(server, rest_routes(model))
     http_port = await http.start(settings.host, settings.http_port) if settings.http_port >= 0 else None

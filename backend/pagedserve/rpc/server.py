@@ -20,8 +20,10 @@ from functools import partial
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FileDescriptor, ServiceDescriptor
+from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from pagedserve import __version__
 from pagedserve.engine.async_engine import AsyncEngine, QueueFullError
@@ -281,6 +283,25 @@ def _handlers(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
     )
 
 
+def reflection_pool(services: list[ServiceDescriptor]) -> DescriptorPool:
+    """One pool with the files of every served service and their imports: the adapters' stubs live
+    in a pool of their own (see scripts/gen_protos.py), the rest in protobuf's default pool."""
+    pool = DescriptorPool()
+    added: set[str] = set()
+
+    def add(file: FileDescriptor) -> None:
+        if file.name in added:
+            return
+        for dependency in file.dependencies:
+            add(dependency)
+        pool.AddSerializedFile(file.serialized_pb)
+        added.add(file.name)
+
+    for service in services:
+        add(service.file)
+    return pool
+
+
 class Server:
     """Owns the grpc.aio server, the health servicer and the lifecycle around an AsyncEngine."""
 
@@ -291,11 +312,11 @@ class Server:
         self.servicer = GenerationServicer(self.state, tracer or RequestTracer(None, ""))
         self.grpc.add_generic_rpc_handlers((_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        # Services listed by reflection; whoever adds a service (the adapters) appends its name.
-        self.service_names = [
-            SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
+        # Services described by reflection; whoever adds a service (the adapters) appends its descriptor.
+        self.services: list[ServiceDescriptor] = [
+            pb.DESCRIPTOR.services_by_name["Generation"],
+            health_pb2.DESCRIPTOR.services_by_name["Health"],
+            reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
         ]
         self.stopped = asyncio.Event()
 
@@ -307,7 +328,8 @@ class Server:
 
     async def open(self) -> None:
         """Serve health at once: live, not ready (the engine may still be loading)."""
-        reflection.enable_server_reflection(self.service_names, self.grpc)
+        names = [service.full_name for service in self.services]
+        reflection.enable_server_reflection(names, self.grpc, pool=reflection_pool(self.services))
         await self._set_health(liveness=True, ready=False)
         await self.grpc.start()
 
