@@ -7,7 +7,7 @@ import logging
 import sys
 
 from pagedserve.rpc.cli import add_serve_parser, run_serve
-from pagedserve.settings import EngineSettings, add_settings_arguments, settings_from_args
+from pagedserve.settings import EngineSettings, SettingsError, add_settings_arguments, settings_from_args
 
 
 def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -74,10 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    if args.command == "generate":
-        return _run_generate(args)
-    if args.command == "serve":
-        return run_serve(args)
+    try:
+        if args.command == "generate":
+            return _run_generate(args)
+        if args.command == "serve":
+            return run_serve(args)
+    except SettingsError as exc:
+        print(f"pagedserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     return 2
 
 

@@ -12,7 +12,7 @@ import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pagedserve.config import (
@@ -109,6 +109,33 @@ class EngineSettings(BaseSettings):
         parse_size(value)
         return value
 
+    @model_validator(mode="after")
+    def _check_limits(self) -> EngineSettings:
+        """The checks that need no model, at once: a bad value stops `serve` before it binds a port."""
+        self._cache_config()
+        self._scheduler_config(self.max_model_len or 1)
+        ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
+        return self
+
+    def _cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory=parse_size(self.kv_cache_memory),
+            memory_utilization=self.memory_utilization,
+            num_blocks=self.num_kv_blocks,
+            swap_space=self.swap_space,
+            num_cpu_blocks=self.num_cpu_kv_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+    def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            preemption_mode=self.preemption_mode,
+        )
+
     def to_engine_config(self) -> EngineConfig:
         from pagedserve.default_model import resolve_model_path
 
@@ -121,21 +148,8 @@ class EngineSettings(BaseSettings):
         )
         return EngineConfig(
             model=model,
-            cache=CacheConfig(
-                block_size=self.block_size,
-                kv_cache_memory=parse_size(self.kv_cache_memory),
-                memory_utilization=self.memory_utilization,
-                num_blocks=self.num_kv_blocks,
-                swap_space=self.swap_space,
-                num_cpu_blocks=self.num_cpu_kv_blocks,
-                enable_prefix_caching=self.enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_model_len=model.max_model_len,
-                preemption_mode=self.preemption_mode,
-            ),
+            cache=self._cache_config(),
+            scheduler=self._scheduler_config(model.max_model_len),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device=device,
             seed=self.seed,
@@ -172,13 +186,55 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings_cls: type[B
             parser.add_argument(flag, dest=name, type=base, default=None, help=help_text)
 
 
-def settings_from_args(settings_cls: type[BaseSettings], args: argparse.Namespace) -> Any:
-    given = {
+class SettingsError(ValueError):
+    """A bad setting, said in the operator's terms: the flag or the environment variable that set it."""
+
+
+# Config fields named differently from the setting that fills them (config.py's messages use these).
+_SETTING_OF_CONFIG_FIELD = {"num_blocks": "num_kv_blocks", "num_cpu_blocks": "num_cpu_kv_blocks"}
+
+
+def flags_given(settings_cls: type[BaseSettings], args: argparse.Namespace) -> dict[str, Any]:
+    return {
         name: getattr(args, name)
         for name in settings_cls.model_fields
         if getattr(args, name, None) is not None
     }
-    return settings_cls(**given)
+
+
+def settings_from_args(settings_cls: type[BaseSettings], args: argparse.Namespace) -> Any:
+    given = flags_given(settings_cls, args)
+    try:
+        return settings_cls(**given)
+    except ValidationError as exc:
+        lines = []
+        for error in exc.errors():
+            message = str(error["msg"]).removeprefix("Value error, ")
+            if error["loc"]:
+                lines.append(
+                    f"{setting_source(str(error['loc'][0]), given)}: {message} (got {error['input']!r})"
+                )
+            else:  # a check across fields (config.py), its message starting with the field it is about
+                lines.append(str(config_error(ValueError(message), given)))
+        raise SettingsError("\n".join(lines)) from None
+
+
+def config_error(exc: ValueError, given: dict[str, Any] | set[str]) -> SettingsError:
+    """config.py's `field: what is wrong`, with the field said as the flag or variable that set it."""
+    field, _, rest = str(exc).partition(": ")
+    if not rest or not field.isidentifier():
+        return SettingsError(str(exc))
+    return SettingsError(f"{setting_source(_SETTING_OF_CONFIG_FIELD.get(field, field), given)}: {rest}")
+
+
+def setting_source(name: str, given: dict[str, Any] | set[str]) -> str:
+    """`--max-num-seqs` or `PAGEDSERVE_MAX_NUM_SEQS`, whichever set it (both when neither did)."""
+    flag, variable = "--" + name.replace("_", "-"), f"PAGEDSERVE_{name.upper()}"
+    if name in given:
+        return flag
+    if variable in os.environ:
+        return variable
+    return f"{flag} / {variable}"
 
 
 def _base_type(annotation: Any) -> type:

@@ -9,7 +9,13 @@ import logging
 
 from pydantic import Field
 
-from pagedserve.settings import EngineSettings, add_settings_arguments, settings_from_args
+from pagedserve.settings import (
+    EngineSettings,
+    add_settings_arguments,
+    config_error,
+    flags_given,
+    settings_from_args,
+)
 
 logger = logging.getLogger("pagedserve.serve")
 
@@ -28,7 +34,9 @@ class ServeSettings(EngineSettings):
         None, description="OTLP collector for request traces (e.g. http://otel:4317)"
     )
     traces_exporter: str | None = Field(
-        None, description="otlp, console or none (default: otlp when an endpoint is set)"
+        None,
+        description="otlp, console or none, comma separated (default: OTEL_TRACES_EXPORTER, else otlp "
+        "when an endpoint is set; OTLP over OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, grpc or http/protobuf)",
     )
     warmup: bool = Field(True, description="generate one token before reporting ready")
 
@@ -40,10 +48,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(ServeSettings, args)
-    return asyncio.run(_serve(settings))
+    return asyncio.run(_serve(settings, set(flags_given(ServeSettings, args))))
 
 
-async def _serve(settings: ServeSettings) -> int:
+async def _serve(settings: ServeSettings, flags: set[str]) -> int:
     from pagedserve_adapters.grpc_service import SERVICE as INFERENCE_SERVICE
     from pagedserve_adapters.grpc_service import add_to_server as add_inference_service
     from pagedserve_adapters.llm_model import LLMModel
@@ -64,7 +72,10 @@ async def _serve(settings: ServeSettings) -> int:
     # inside the engine constructor: build the engine before binding anything. Otherwise open the
     # ports first, so probes see a live (not ready) server while the weights load.
     under_launcher = launch_env() is not None
-    llm = LLMEngine.from_settings(settings) if under_launcher else None
+    try:
+        llm = LLMEngine.from_settings(settings) if under_launcher else None
+    except ValueError as exc:  # what only the model can tell: its path, its context length
+        raise config_error(exc, flags) from None
     server = Server(tracer)
     model = LLMModel(server)
     add_inference_service(server.grpc, model)
@@ -80,7 +91,12 @@ async def _serve(settings: ServeSettings) -> int:
         f"{settings.host}:{http_port}" if http_port is not None else "off",
     )
     if llm is None:
-        llm = await asyncio.to_thread(LLMEngine.from_settings, settings)
+        try:
+            llm = await asyncio.to_thread(LLMEngine.from_settings, settings)
+        except ValueError as exc:
+            await http.stop()
+            await server.grpc.stop(0)  # no engine yet: nothing to drain
+            raise config_error(exc, flags) from None
     tracer.model_name = llm.config.model.served_model_name
     await server.start(AsyncEngine(llm, settings.max_queued_requests), warmup=settings.warmup)
     logger.info(

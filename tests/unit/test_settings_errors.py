@@ -1,0 +1,72 @@
+"""A bad setting is reported in the operator's terms: the flag or PAGEDSERVE_* variable that set it,
+what is wrong and the value given, before `serve` binds a port or loads a model."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from pagedserve.rpc.cli import ServeSettings
+from pagedserve.settings import SettingsError, add_settings_arguments, config_error, settings_from_args
+
+
+def parse(argv: list[str]) -> ServeSettings:
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, ServeSettings)
+    return settings_from_args(ServeSettings, parser.parse_args(argv))
+
+
+@pytest.fixture(autouse=True)
+def no_pagedserve_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in [n for n in os.environ if n.startswith("PAGEDSERVE_")]:
+        monkeypatch.delenv(name)
+
+
+def test_a_bad_flag_names_the_flag_and_the_value() -> None:
+    with pytest.raises(SettingsError) as info:
+        parse(["--block-size", "24"])
+    assert str(info.value) == "--block-size: must be a power of two in [1, 256], got 24"
+
+
+def test_a_bad_variable_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_MAX_NUM_SEQS", "many")
+    with pytest.raises(SettingsError) as info:
+        parse([])
+    message = str(info.value)
+    assert message.startswith("PAGEDSERVE_MAX_NUM_SEQS: ") and "(got 'many')" in message, message
+
+
+def test_a_flag_wins_over_its_variable_and_is_the_one_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_NUM_KV_BLOCKS", "10")
+    assert parse([]).num_kv_blocks == 10
+    with pytest.raises(SettingsError, match=r"^--num-kv-blocks: must be >= 1$"):
+        parse(["--num-kv-blocks", "0"])  # config.py calls it num_blocks; the operator never sees that
+
+
+def test_a_limit_across_settings_names_the_one_to_raise() -> None:
+    with pytest.raises(SettingsError) as info:
+        parse(["--max-num-seqs", "4096"])
+    # max_num_batched_tokens was left at its default: both ways to set it are named
+    assert str(info.value).startswith(
+        "--max-num-batched-tokens / PAGEDSERVE_MAX_NUM_BATCHED_TOKENS: must be >="
+    )
+
+
+def test_every_bad_setting_is_listed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_SWAP_SPACE", "lots")
+    monkeypatch.setenv("PAGEDSERVE_PORT", "http")  # a flag of the wrong type is argparse's to reject
+    with pytest.raises(SettingsError) as info:
+        parse([])
+    lines = str(info.value).splitlines()
+    assert sorted(line.split(":")[0] for line in lines) == ["PAGEDSERVE_PORT", "PAGEDSERVE_SWAP_SPACE"], lines
+
+
+def test_config_errors_from_the_model_name_their_source() -> None:
+    model_error = ValueError("max_model_len: must be in [1, 8192] for this model, got 99999")
+    assert str(config_error(model_error, {"max_model_len"})) == (
+        "--max-model-len: must be in [1, 8192] for this model, got 99999"
+    )
+    plain = ValueError("something without a field")
+    assert str(config_error(plain, set())) == "something without a field"
