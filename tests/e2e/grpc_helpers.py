@@ -2,19 +2,34 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 READINESS = "pagedserve.rpc.v1.Generation"
+
+# A tiny-model request this long cannot finish on its own within any check below: measured on the
+# 2-core CPU machine, 16000 greedy tokens streamed in 52 s (2.5 ms per token at first, slower as the
+# context grows), so a stream that ends, or an engine that goes idle, within seconds was cut short.
+LONG_CONTEXT = 16384
+LONG_MAX_TOKENS = 16000
+LONG_NUM_KV_BLOCKS = 1280  # 20480 tokens of 16: room for one LONG_MAX_TOKENS request and then some
+# An aborted request frees its blocks before the next engine step (milliseconds); this bound leaves
+# room for a busy machine and is still a small fraction of a LONG_MAX_TOKENS request's run time.
+IDLE_AFTER_ABORT_S = 3.0
 
 
 def free_port() -> int:
@@ -23,26 +38,45 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def long_context_copy(model_dir: str, dest: Path, max_position_embeddings: int = LONG_CONTEXT) -> str:
+    """The same weights with a longer context (rotary tables are computed, not stored), so one
+    request can outlive any test's patience."""
+    shutil.copytree(model_dir, dest, dirs_exist_ok=True)
+    config = json.loads((dest / "config.json").read_text())
+    config["max_position_embeddings"] = max_position_embeddings
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return str(dest)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
 class ServerProcess:
-    def __init__(self, *args: str, log: Path) -> None:
+    """`pagedserve serve` on free loopback ports. `address_from_env` passes host and ports as
+    PAGEDSERVE_* variables instead of flags (as a Kubernetes pod spec would); `env` adds variables."""
+
+    def __init__(
+        self, *args: str, log: Path, env: dict[str, str] | None = None, address_from_env: bool = False
+    ) -> None:
         self.port, self.http_port = free_port(), free_port()
         self.log = log
-        command = [
-            sys.executable,
-            "-m",
-            "pagedserve",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--http-port",
-            str(self.http_port),
-            *args,
-        ]
-        self.proc = subprocess.Popen(
-            command, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-        )
+        address = {"host": "127.0.0.1", "port": str(self.port), "http_port": str(self.http_port)}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        if address_from_env:
+            env.update({f"PAGEDSERVE_{name.upper()}": value for name, value in address.items()})
+            address_flags = []
+        else:
+            address_flags = [
+                arg for name, value in address.items() for arg in (f"--{name.replace('_', '-')}", value)
+            ]
+        command = [sys.executable, "-m", "pagedserve", "serve", *address_flags, *args]
+        self.proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -67,13 +101,15 @@ class ServerProcess:
 
     def engine_idle(self, timeout: float = 10.0) -> bool:
         """True once no request runs or waits and no KV block is in use (our Health RPC's counters)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            h = self.stub.Health(pb.HealthRequest())
-            if h.num_running == 0 and h.num_waiting == 0 and h.kv_cache_usage == 0.0:
-                return True
-            time.sleep(0.05)
-        return False
+        return wait_until(self._is_idle, timeout)
+
+    def _is_idle(self) -> bool:
+        h = self.stub.Health(pb.HealthRequest())
+        return h.num_running == 0 and h.num_waiting == 0 and h.kv_cache_usage == 0.0
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample of /metrics (0 when absent: a labelled counter appears on its first increment)."""
+        return metric_sample(self.http_port, name, **labels)
 
     def stop(self) -> None:
         self.channel.close()
@@ -83,6 +119,15 @@ class ServerProcess:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def metric_sample(http_port: int, name: str, **labels: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
 
 
 def request(

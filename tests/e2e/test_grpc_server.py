@@ -10,29 +10,46 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2
-from grpc_helpers import ServerProcess, request
+from grpc_helpers import (
+    IDLE_AFTER_ABORT_S,
+    LONG_CONTEXT,
+    LONG_MAX_TOKENS,
+    LONG_NUM_KV_BLOCKS,
+    ServerProcess,
+    long_context_copy,
+    request,
+    wait_until,
+)
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
+SERVED_NAME = "tiny"
+
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+def long_llama_dir(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return long_context_copy(tiny_llama_dir, tmp_path_factory.mktemp("long-llama"))
+
+
+@pytest.fixture(scope="module")
+def server(long_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
     log = tmp_path_factory.mktemp("server") / "server.log"
     proc = ServerProcess(
         "--model",
-        tiny_llama_dir,
+        long_llama_dir,
         "--dtype",
         "float32",
         "--num-kv-blocks",
-        "256",
+        str(LONG_NUM_KV_BLOCKS),
         "--max-num-seqs",
         "64",
         "--served-model-name",
-        "tiny",
+        SERVED_NAME,
         log=log,
     ).wait_ready()
     yield proc
@@ -61,7 +78,7 @@ def test_64_concurrent_streams_equal_their_one_at_a_time_outputs(server: ServerP
     reqs = [request(f"Prompt number {i} " * (1 + i % 5), max_tokens=4 + i % 13) for i in range(64)]
     alone = [stream_text(server.stub, r)[:2] for r in reqs]
 
-    async def run_all() -> list[tuple[str, list[int]]]:
+    async def run_all() -> tuple[list[tuple[str, list[int]]], int]:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.GenerationStub(channel)
 
@@ -72,43 +89,94 @@ def test_64_concurrent_streams_equal_their_one_at_a_time_outputs(server: ServerP
                     ids.extend(response.token_ids)
                 return text, ids
 
-            return await asyncio.gather(*(one(r) for r in reqs))
+            streams = asyncio.gather(*(one(r) for r in reqs))
+            peak = await peak_num_running(stub, streams)
+            return await streams, peak
 
-    assert asyncio.run(run_all()) == alone
+    outputs, peak = asyncio.run(run_all())
+    assert outputs == alone
+    # Overlapped, not served one after another: the engine ran many of them in one batch. All 64
+    # are sent at once and the longest runs 16 steps, so the batch is wide for most of the run.
+    assert peak > 1, peak
     assert server.engine_idle()
+
+
+async def peak_num_running(stub: pb_grpc.GenerationStub, until: asyncio.Future) -> int:
+    """The most requests the engine had running at once (our Health RPC), sampled until `until` is done."""
+    peak = 0
+    while not until.done():
+        peak = max(peak, (await stub.Health(pb.HealthRequest(), timeout=10)).num_running)
+        await asyncio.sleep(0.005)
+    return peak
+
+
+class EngineCounters:
+    """/metrics counters read before an action, for the deltas the action caused."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        self.server = server
+        self.before = self.read()
+
+    def read(self) -> dict[str, float]:
+        name = SERVED_NAME
+        return {
+            cause: self.server.metric("pagedserve:request_aborts_total", cause=cause, model_name=name)
+            for cause in ("client_cancel", "deadline", "abort_rpc")
+        } | {
+            "generated": self.server.metric("vllm:generation_tokens_total", model_name=name),
+            "finished": sum(
+                self.server.metric("vllm:request_success_total", finished_reason=reason, model_name=name)
+                for reason in ("length", "stop", "eos")
+            ),
+        }
+
+    def deltas(self) -> dict[str, float]:
+        return {key: value - self.before[key] for key, value in self.read().items()}
+
+
+def assert_aborted_early(counters: EngineCounters, *causes: str) -> None:
+    """The engine dropped the request (idle at once, one abort counted under one of `causes`) long
+    before it could have finished: far fewer tokens generated than asked for, none finished normally."""
+    assert counters.server.engine_idle(timeout=IDLE_AFTER_ABORT_S)
+    deltas = counters.deltas()
+    assert sum(deltas[cause] for cause in causes) == 1, deltas
+    assert deltas["generated"] < LONG_MAX_TOKENS // 10 and deltas["finished"] == 0, deltas
 
 
 def test_cancel_mid_stream_frees_blocks_and_the_id_is_reusable(server: ServerProcess) -> None:
-    call = server.stub.Generate(request(max_tokens=900, request_id="cancel-me"))
+    counters = EngineCounters(server)
+    call = server.stub.Generate(request(max_tokens=LONG_MAX_TOKENS, request_id="cancel-me"))
     for _ in range(3):
         next(call)
     call.cancel()
-    assert server.engine_idle()
+    assert_aborted_early(counters, "client_cancel")
     text, ids, reason = stream_text(server.stub, request(max_tokens=5, request_id="cancel-me"))
     assert len(ids) == 5 and reason == pb.LENGTH
 
 
 def test_expired_deadline_returns_deadline_exceeded_and_frees_blocks(server: ServerProcess) -> None:
+    counters = EngineCounters(server)
     with pytest.raises(grpc.RpcError) as info:
-        stream_text_with_timeout = server.stub.Generate(
-            request(max_tokens=900, request_id="late"), timeout=0.3
-        )
-        for _ in stream_text_with_timeout:
+        for _ in server.stub.Generate(request(max_tokens=LONG_MAX_TOKENS, request_id="late"), timeout=0.5):
             pass
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert server.engine_idle()
+    # Either cause: the client's own deadline timer may cancel the call a moment before the server's
+    # expires, and rpc/server.py then counts it as a client cancel (2 deadlines in 30 here; reported).
+    assert_aborted_early(counters, "deadline", "client_cancel")
     assert len(stream_text(server.stub, request(max_tokens=3, request_id="late"))[1]) == 3
 
 
 def test_abort_ends_the_stream_with_finish_reason_aborted(server: ServerProcess) -> None:
-    call = server.stub.Generate(request(max_tokens=900, request_id="to-abort"))
+    counters = EngineCounters(server)
+    call = server.stub.Generate(request(max_tokens=LONG_MAX_TOKENS, request_id="to-abort"), timeout=60)
     first = next(call)
     assert first.request_id == "to-abort"
     reply = server.stub.Abort(pb.AbortRequest(request_ids=["to-abort", "unknown"]))
     assert list(reply.aborted_request_ids) == ["to-abort"]
-    last = list(call)[-1]
-    assert last.finish_reason == pb.ABORTED and last.error
-    assert server.engine_idle()
+    rest = list(call)
+    assert rest[-1].finish_reason == pb.ABORTED and rest[-1].error
+    assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) < LONG_MAX_TOKENS // 10
+    assert_aborted_early(counters, "abort_rpc")
 
 
 def _sp(**kwargs: object) -> pb.SamplingParameters:
@@ -130,8 +198,8 @@ INVALID = [
     ("input", pb.GenerateRequest()),
     ("prompt_token_ids", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 99999999]))),
     ("prompt", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[]))),
-    ("prompt", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 2000))),
-    ("max_tokens", pb.GenerateRequest(text="hi", sampling=_sp(max_tokens=5000))),
+    ("prompt", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * LONG_CONTEXT))),
+    ("max_tokens", pb.GenerateRequest(text="hi", sampling=_sp(max_tokens=LONG_CONTEXT))),
     ("messages", pb.GenerateRequest(messages=pb.ChatMessages())),
     (
         "messages[0].role",
@@ -168,7 +236,7 @@ def test_invalid_utf8_in_text_is_invalid_argument(server: ServerProcess) -> None
 
 
 def test_duplicate_live_request_id_is_rejected(server: ServerProcess) -> None:
-    call = server.stub.Generate(request(max_tokens=900, request_id="dup"))
+    call = server.stub.Generate(request(max_tokens=LONG_MAX_TOKENS, request_id="dup"))
     next(call)
     with pytest.raises(grpc.RpcError) as info:
         list(server.stub.Generate(request(request_id="dup"), timeout=30))
@@ -184,47 +252,55 @@ def test_tokenize_detokenize_model_info_health_and_reflection(server: ServerProc
     assert server.stub.Detokenize(pb.DetokenizeRequest(token_ids=ids)).text == "Hello world"
     info = server.stub.ModelInfo(pb.ModelInfoRequest())
     assert (info.model_name, info.num_kv_blocks, info.block_size, info.tensor_parallel_size) == (
-        "tiny",
-        256,
+        SERVED_NAME,
+        LONG_NUM_KV_BLOCKS,
         16,
         1,
     )
-    assert info.kv_capacity_tokens == 256 * 16 and info.max_context_length == 1024
+    assert info.kv_capacity_tokens == LONG_NUM_KV_BLOCKS * 16 and info.max_context_length == LONG_CONTEXT
     assert server.stub.Health(pb.HealthRequest(deep=True)).ready
     live = server.health.Check(health_pb2.HealthCheckRequest(service=""))
     assert live.status == health_pb2.HealthCheckResponse.SERVING
     reflect = reflection_pb2_grpc.ServerReflectionStub(server.channel)
     replies = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
     names = {s.name for reply in replies for s in reply.list_services_response.service}
-    assert {"pagedserve.rpc.v1.Generation", "grpc.health.v1.Health"} <= names
+    assert {
+        "pagedserve.rpc.v1.Generation",
+        "grpc.health.v1.Health",
+        "inference.GRPCInferenceService",
+    } <= names
+    # grpcurl's `describe`: every listed service's file, the adapter's (kept in a pool of its own) too
+    for name in names:
+        (reply,) = reflect.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=name)])
+        )
+        assert not reply.HasField("error_response"), (name, reply.error_response)
+        files = [
+            descriptor_pb2.FileDescriptorProto.FromString(raw)
+            for raw in reply.file_descriptor_response.file_descriptor_proto
+        ]
+        assert name.rsplit(".", 1)[1] in {s.name for f in files for s in f.service}, name
 
 
 def test_metrics_endpoint_counts_requests(server: ServerProcess) -> None:
     import urllib.request
 
-    before = _metric(server, 'vllm:request_success_total{finished_reason="length",model_name="tiny"}')
+    labels = {"finished_reason": "length", "model_name": SERVED_NAME}
+    before = server.metric("vllm:request_success_total", **labels)
     stream_text(server.stub, request(max_tokens=3))
-    after = _metric(server, 'vllm:request_success_total{finished_reason="length",model_name="tiny"}')
-    assert after == before + 1
+    assert server.metric("vllm:request_success_total", **labels) == before + 1
     ready = urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/v2/health/ready")
     assert ready.status == 200
 
 
-def _metric(server: ServerProcess, name: str) -> float:
-    import urllib.request
-
-    body = urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/metrics").read().decode()
-    return next(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name))
-
-
-def test_bounded_queue_answers_resource_exhausted(tiny_llama_dir: str, tmp_path: Path) -> None:
+def test_bounded_queue_answers_resource_exhausted(long_llama_dir: str, tmp_path: Path) -> None:
     proc = ServerProcess(
         "--model",
-        tiny_llama_dir,
+        long_llama_dir,
         "--dtype",
         "float32",
         "--num-kv-blocks",
-        "64",
+        str(LONG_NUM_KV_BLOCKS),
         "--max-num-seqs",
         "1",
         "--max-num-batched-tokens",
@@ -234,7 +310,7 @@ def test_bounded_queue_answers_resource_exhausted(tiny_llama_dir: str, tmp_path:
         log=tmp_path / "server.log",
     ).wait_ready()
     try:
-        running = proc.stub.Generate(request(max_tokens=900, request_id="running"))
+        running = proc.stub.Generate(request(max_tokens=LONG_MAX_TOKENS, request_id="running"))
         next(running)
         waiting = proc.stub.Generate(request(max_tokens=5, request_id="waiting"))
         waiter = threading.Thread(target=lambda: list(waiting), daemon=True)
@@ -267,8 +343,7 @@ def test_not_ready_while_loading_then_drain_on_sigterm(default_model_dir: str, t
         call = proc.stub.Generate(request("Count to fifty:", max_tokens=48))
         first = next(call)
         proc.proc.terminate()  # SIGTERM while the request is in flight
-        time.sleep(0.5)
-        assert proc.readiness() == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert wait_until(lambda: proc.readiness() == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
         with pytest.raises(grpc.RpcError) as info:
             list(proc.stub.Generate(request(max_tokens=2), timeout=10))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -278,5 +353,39 @@ def test_not_ready_while_loading_then_drain_on_sigterm(default_model_dir: str, t
             and len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 48
         )
         assert proc.proc.wait(timeout=60) == 0
+    finally:
+        proc.stop()
+
+
+SHUTDOWN_TIMEOUT_S = 2.0
+
+
+def test_sigterm_drain_aborts_a_stream_that_outlives_the_shutdown_timeout(
+    long_llama_dir: str, tmp_path: Path
+) -> None:
+    proc = ServerProcess(
+        "--model",
+        long_llama_dir,
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        str(LONG_NUM_KV_BLOCKS),
+        "--shutdown-timeout",
+        str(SHUTDOWN_TIMEOUT_S),
+        log=tmp_path / "server.log",
+    ).wait_ready()
+    try:
+        call = proc.stub.Generate(request(max_tokens=LONG_MAX_TOKENS), timeout=60)
+        num_before = len(next(call).token_ids)
+        proc.proc.terminate()
+        signalled = time.monotonic()
+        rest = list(call)  # the call ends with OK status: its last message carries the abort
+        waited = time.monotonic() - signalled
+        assert rest[-1].finish_reason == pb.ABORTED and rest[-1].error, rest[-1]
+        num_after = sum(len(r.token_ids) for r in rest)
+        assert num_after > 0  # it kept generating through the grace period...
+        assert 0.9 * SHUTDOWN_TIMEOUT_S <= waited < SHUTDOWN_TIMEOUT_S + 15, waited  # ...for about that long
+        assert num_before + num_after < LONG_MAX_TOKENS
+        assert proc.proc.wait(timeout=30) == 0, proc.log.read_text()[-2000:]
     finally:
         proc.stop()
