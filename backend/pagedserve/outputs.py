@@ -23,9 +23,9 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
-    preemption_events: list[tuple[float, str]] = field(
-        default_factory=list
-    )  # (monotonic time, swap|recompute)
+    # (monotonic time, swap | recompute | swap_in): preempted by swapping out or by freeing the blocks,
+    # and resumed from the CPU pool
+    preemption_events: list[tuple[float, str]] = field(default_factory=list)
 
     @property
     def time_in_queue(self) -> float | None:

@@ -57,7 +57,8 @@ class Sequence:
         self.block_table: list[int] = []  # written only by the block manager
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
-        self.preemption_events: list[tuple[float, str]] = []  # (time.monotonic(), "swap" | "recompute")
+        # (time.monotonic(), "swap" | "recompute" | "swap_in")
+        self.preemption_events: list[tuple[float, str]] = []
         # parallel sampling (n > 1): siblings forked from this sequence once its prompt is computed
         self.pending_forks: list[Sequence] = []
         self.is_multi_sequence = False

@@ -197,5 +197,9 @@ def test_request_that_can_never_fit_is_rejected(tiny_llama_dir: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
         small.generate([PROMPTS[0]], SamplingParams(max_tokens=100))
     assert info.value.field == "max_tokens"
+    # The servers check before queueing (any thread), with the same reason and remedy
+    with pytest.raises(InvalidRequestError) as info:
+        small.engine.validate_request(PROMPTS[0], SamplingParams(max_tokens=100))
+    assert info.value.field == "max_tokens" and "watermark" in str(info.value), info.value
     ok = small.generate([PROMPTS[0]], SamplingParams(max_tokens=20, ignore_eos=True))
     assert len(ok[0].outputs[0].token_ids) == 20

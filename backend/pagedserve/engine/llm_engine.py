@@ -131,14 +131,7 @@ class LLMEngine:
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Everything add_request() would reject, checked without touching engine state (any thread)."""
         self._validate_prompt(prompt_token_ids, params)
-        block_manager = self.scheduler.block_manager
-        max_tokens = min(len(prompt_token_ids) + params.max_tokens, self.config.model.max_model_len)
-        if not block_manager.can_ever_fit(max_tokens):
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt + max_tokens = {max_tokens} tokens can never fit the KV cache "
-                f"({block_manager.num_blocks} blocks of {block_manager.block_size})",
-            )
+        self.scheduler.check_can_ever_fit(len(prompt_token_ids), params.max_tokens)
 
     def _validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         max_len = self.config.model.max_model_len

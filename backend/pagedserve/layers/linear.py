@@ -44,7 +44,7 @@ def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], None)
 
 
 class LinearBase(nn.Module):
