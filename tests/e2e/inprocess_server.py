@@ -60,7 +60,7 @@ class InProcessServer:
         return f"http://127.0.0.1:{self.http_port}{path}"
 
     async def _start(self) -> None:
-        from pagedserve.engine.async_engine import AsyncEngine
+        from pagedserve.engine.async_engine import AsyncEngine, in_torch_thread
         from pagedserve.engine.llm_engine import LLMEngine
         from pagedserve.rpc.http import HttpEndpoint
         from pagedserve.rpc.server import Server
@@ -83,7 +83,7 @@ class InProcessServer:
         self.http = HttpEndpoint(server, rest_routes(model))
         self.http_port = await self.http.start(s.host, s.http_port)
         await server.open()
-        llm = await asyncio.to_thread(LLMEngine.from_settings, s)
+        llm = await in_torch_thread(LLMEngine.from_settings, s)
         tracer.model_name = llm.config.model.served_model_name
         await server.start(AsyncEngine(llm, s.max_queued_requests), warmup=s.warmup)
 

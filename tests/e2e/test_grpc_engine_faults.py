@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_helpers import READINESS, request
-from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.async_engine import AsyncEngine, in_torch_thread
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import EngineDeadError
 from pagedserve.rpc.server import Server, run_until_signalled
@@ -52,7 +52,7 @@ class LiveServer:
 @asynccontextmanager
 async def live_server(model_dir: str, **settings: Any) -> AsyncIterator[LiveServer]:
     engine_settings = EngineSettings(model=model_dir, dtype="float32", num_kv_blocks=256, **settings)
-    llm = await asyncio.to_thread(LLMEngine.from_settings, engine_settings)
+    llm = await in_torch_thread(LLMEngine.from_settings, engine_settings)
     server = Server()
     port = server.add_port("127.0.0.1:0")
     await server.open()

@@ -4,7 +4,8 @@ client cancel, a broken connection, an expired deadline or a drain all free the 
 before the next step.
 
 The synchronous engine is not thread-safe: adds and aborts are queued by callers and applied by the
-loop between steps, and `step()` itself runs in a worker thread so the event loop keeps serving.
+loop between steps, and `step()` itself runs in a worker thread so the event loop keeps serving:
+the torch thread (`in_torch_thread`), which also builds the engine.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import EngineDeadError, InvalidRequestError
@@ -22,6 +25,20 @@ from pagedserve.outputs import RequestDelta, RequestMetrics
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Every torch call of a serving process runs on this one thread. libgomp gives each thread that enters
+# a parallel region a thread team of its own, and once a process holds more OpenMP threads than cores
+# its barriers stop spinning and sleep instead: with two threads running torch ops, each op ran 1.3x
+# to 6x slower on 2 cores (an elementwise add 13 -> 71 us), and the server, stepping on asyncio's
+# default executor, reached 63-65% of the offline engine's output throughput (bench/serving.py; 92%
+# on this thread, which also builds the engine).
+_TORCH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-torch")
+
+
+async def in_torch_thread(fn: Callable[..., T], *args: Any) -> T:
+    return await asyncio.get_running_loop().run_in_executor(_TORCH_THREAD, fn, *args)
 
 
 class QueueFullError(RuntimeError):
@@ -57,6 +74,7 @@ class AsyncEngine:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        await in_torch_thread(lambda: None)  # a step under way ends before the model goes
         self.engine.executor.shutdown()
 
     @property
@@ -139,7 +157,7 @@ class AsyncEngine:
             if not self.engine.has_unfinished_requests():
                 continue
             try:
-                deltas = await asyncio.to_thread(self.engine.step)
+                deltas = await in_torch_thread(self.engine.step)
             except Exception as exc:  # the engine cannot go on: fail everyone, never leave them hanging
                 self._die(exc)
                 return

@@ -58,7 +58,7 @@ async def _serve(settings: ServeSettings, flags: set[str]) -> int:
     from pagedserve_adapters.rest import routes as rest_routes
 
     from pagedserve.distributed import launch_env
-    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.engine.async_engine import AsyncEngine, in_torch_thread
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.rpc.http import HttpEndpoint
     from pagedserve.rpc.server import Server, run_until_signalled
@@ -73,7 +73,7 @@ async def _serve(settings: ServeSettings, flags: set[str]) -> int:
     # ports first, so probes see a live (not ready) server while the weights load.
     under_launcher = launch_env() is not None
     try:
-        llm = LLMEngine.from_settings(settings) if under_launcher else None
+        llm = await in_torch_thread(LLMEngine.from_settings, settings) if under_launcher else None
     except ValueError as exc:  # what only the model can tell: its path, its context length
         raise config_error(exc, flags) from None
     server = Server(tracer)
@@ -92,7 +92,7 @@ async def _serve(settings: ServeSettings, flags: set[str]) -> int:
     )
     if llm is None:
         try:
-            llm = await asyncio.to_thread(LLMEngine.from_settings, settings)
+            llm = await in_torch_thread(LLMEngine.from_settings, settings)
         except ValueError as exc:
             await http.stop()
             await server.grpc.stop(0)  # no engine yet: nothing to drain
