@@ -172,6 +172,16 @@ def resolve_attention_backend(backend: str, device: str) -> str:
     return "triton" if device.startswith("cuda") else "torch"
 
 
+def resolve_block_size(block_size: int | None, attention_backend: str) -> int:
+    """Unset: 16 tokens for the Triton kernels, which tile attention by block; 8 for the torch
+    reference (CPU), which gathers K/V by slot, so smaller blocks cost nothing per step and leave less
+    of each sequence's last block empty: on the 64-request chat benchmark 93.6% of the KV slots hold
+    real tokens at peak against 82.5% with 16, at the same throughput (bench/README.md)."""
+    if block_size is not None:
+        return block_size
+    return 16 if attention_backend == "triton" else 8
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
     """`auto`: bfloat16 on GPUs and on CPUs with native bf16 matrix support, float32 otherwise."""
     if dtype != "auto":

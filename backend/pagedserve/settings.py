@@ -22,6 +22,7 @@ from pagedserve.config import (
     ParallelConfig,
     SchedulerConfig,
     resolve_attention_backend,
+    resolve_block_size,
     resolve_device,
     resolve_dtype,
 )
@@ -73,7 +74,9 @@ class EngineSettings(BaseSettings):
     dtype: str = Field("auto", description="auto, float32, bfloat16 or float16")
     device: str = Field("auto", description="auto, cpu or cuda")
     max_model_len: int | None = Field(None, description="context length limit (default: the model's)")
-    block_size: int = Field(16, description="tokens per KV-cache block")
+    block_size: int | None = Field(
+        None, description="tokens per KV-cache block (default: 16 for the Triton kernels, 8 on CPU)"
+    )
     kv_cache_memory: str | None = Field(
         None, description="KV-cache budget, e.g. 4GiB (default: a share of free memory)"
     )
@@ -118,8 +121,9 @@ class EngineSettings(BaseSettings):
         return self
 
     def _cache_config(self) -> CacheConfig:
+        backend = resolve_attention_backend(self.attention_backend, resolve_device(self.device))
         return CacheConfig(
-            block_size=self.block_size,
+            block_size=resolve_block_size(self.block_size, backend),
             kv_cache_memory=parse_size(self.kv_cache_memory),
             memory_utilization=self.memory_utilization,
             num_blocks=self.num_kv_blocks,

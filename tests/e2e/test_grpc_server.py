@@ -36,22 +36,17 @@ def long_llama_dir(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
     return long_context_copy(tiny_llama_dir, tmp_path_factory.mktemp("long-llama"))
 
 
+def long_server(model_dir: str, log: Path, *args: str) -> ServerProcess:
+    """A ready server on the long-context tiny model, room for one LONG_MAX_TOKENS request."""
+    flags = ["--model", model_dir, "--dtype", "float32", "--block-size", "16"]
+    flags += ["--num-kv-blocks", str(LONG_NUM_KV_BLOCKS)]
+    return ServerProcess(*flags, *args, log=log).wait_ready()
+
+
 @pytest.fixture(scope="module")
 def server(long_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
     log = tmp_path_factory.mktemp("server") / "server.log"
-    proc = ServerProcess(
-        "--model",
-        long_llama_dir,
-        "--dtype",
-        "float32",
-        "--num-kv-blocks",
-        str(LONG_NUM_KV_BLOCKS),
-        "--max-num-seqs",
-        "64",
-        "--served-model-name",
-        SERVED_NAME,
-        log=log,
-    ).wait_ready()
+    proc = long_server(long_llama_dir, log, "--max-num-seqs", "64", "--served-model-name", SERVED_NAME)
     yield proc
     proc.stop()
 
@@ -294,21 +289,11 @@ def test_metrics_endpoint_counts_requests(server: ServerProcess) -> None:
 
 
 def test_bounded_queue_answers_resource_exhausted(long_llama_dir: str, tmp_path: Path) -> None:
-    proc = ServerProcess(
-        "--model",
+    proc = long_server(
         long_llama_dir,
-        "--dtype",
-        "float32",
-        "--num-kv-blocks",
-        str(LONG_NUM_KV_BLOCKS),
-        "--max-num-seqs",
-        "1",
-        "--max-num-batched-tokens",
-        "64",
-        "--max-queued-requests",
-        "1",
-        log=tmp_path / "server.log",
-    ).wait_ready()
+        tmp_path / "server.log",
+        *("--max-num-seqs", "1", "--max-num-batched-tokens", "64", "--max-queued-requests", "1"),
+    )
     try:
         running = proc.stub.Generate(request(max_tokens=LONG_MAX_TOKENS, request_id="running"))
         next(running)
@@ -363,17 +348,7 @@ SHUTDOWN_TIMEOUT_S = 2.0
 def test_sigterm_drain_aborts_a_stream_that_outlives_the_shutdown_timeout(
     long_llama_dir: str, tmp_path: Path
 ) -> None:
-    proc = ServerProcess(
-        "--model",
-        long_llama_dir,
-        "--dtype",
-        "float32",
-        "--num-kv-blocks",
-        str(LONG_NUM_KV_BLOCKS),
-        "--shutdown-timeout",
-        str(SHUTDOWN_TIMEOUT_S),
-        log=tmp_path / "server.log",
-    ).wait_ready()
+    proc = long_server(long_llama_dir, tmp_path / "server.log", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S))
     try:
         call = proc.stub.Generate(request(max_tokens=LONG_MAX_TOKENS), timeout=60)
         num_before = len(next(call).token_ids)

@@ -174,7 +174,7 @@ def test_default_model_tp3_matches_single_rank(default_model_dir: str) -> None:
 
 
 def test_killed_rank_fails_the_engine_in_bounded_time(tiny_llama_dir: str) -> None:
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64, block_size=16, tensor_parallel_size=2)
     engine, executor = llm.engine, llm.engine.executor
     pids = executor.worker_pids  # type: ignore[attr-defined]
     try:

@@ -67,3 +67,21 @@ def test_unknown_backend_is_rejected(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         parse(["--attention-backend", "flash"])
     assert "invalid choice: 'flash'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "block_size"),
+    [
+        ([], 8),  # torch reference on CPU: slot-wise gathers, smaller blocks waste less
+        (["--attention-backend", "triton"], 16),  # the kernels tile by block
+        (["--block-size", "32"], 32),
+        (["--attention-backend", "triton", "--block-size", "32"], 32),
+    ],
+)
+def test_block_size_default_follows_the_attention_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str], block_size: int
+) -> None:
+    for name in ("PAGEDSERVE_ATTENTION_BACKEND", "PAGEDSERVE_BLOCK_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    settings = parse([*argv, "--model", model_dir(tmp_path), "--device", "cpu"])
+    assert settings.to_engine_config().cache.block_size == block_size
