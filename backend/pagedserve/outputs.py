@@ -57,6 +57,24 @@ class RequestDelta:
     request_finished: bool = True
     error: str | None = None
 
+    @classmethod
+    def aborted_before_output(
+        cls, request_id: str, num_prompt_tokens: int, metrics: RequestMetrics, error: str | None = None
+    ) -> RequestDelta:
+        """The final delta of a request that ended, aborted, before it produced anything."""
+        return cls(
+            request_id=request_id,
+            new_token_ids=[],
+            new_text="",
+            new_logprobs=None,
+            finished=True,
+            finish_reason="aborted",
+            num_prompt_tokens=num_prompt_tokens,
+            num_output_tokens=0,
+            metrics=metrics,
+            error=error,
+        )
+
 
 @dataclass
 class CompletionOutput:

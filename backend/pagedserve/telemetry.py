@@ -460,17 +460,7 @@ def _cancelled_delta(
         return dataclasses.replace(
             last, new_token_ids=[], new_text="", finished=True, finish_reason="aborted", request_finished=True
         )
-    return RequestDelta(
-        request_id=request_id,
-        new_token_ids=[],
-        new_text="",
-        new_logprobs=None,
-        finished=True,
-        finish_reason="aborted",
-        num_prompt_tokens=num_prompt_tokens,
-        num_output_tokens=0,
-        metrics=RequestMetrics(arrival_time=arrival_time),
-    )
+    return RequestDelta.aborted_before_output(request_id, num_prompt_tokens, RequestMetrics(arrival_time))
 
 
 def configure_tracing(otlp_endpoint: str | None, exporter: str | None = None) -> Any | None:

@@ -234,9 +234,9 @@ def rotary_cos_sin(
     """cos and sin [num_tokens, 1, rotary_dim] (each half repeated) cast to `dtype`, as Hugging Face Llama
     casts them: the part of the rotary embedding that every layer of a step shares."""
     cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, rot/2] each
-    return torch.cat((cos, cos), dim=-1).unsqueeze(1).to(dtype), torch.cat((sin, sin), dim=-1).unsqueeze(
-        1
-    ).to(dtype)
+    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(dtype)
+    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(dtype)
+    return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

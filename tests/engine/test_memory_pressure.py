@@ -203,7 +203,7 @@ def test_evicted_block_is_never_read_as_cached(tiny_llama_dir: str) -> None:
     assert list(manager.evictor) == [5, 4, 3, 2, 1, 0]  # the tail is evicted first
     # another prompt needs 11 of the 12 blocks: 6 never-cached ones, then 5 evicted (LRU: tail first)
     token_ids(llm, [[1] + list(range(5000, 5080))], [params])
-    system_hashes = manager._hash_chain(SYSTEM, 6)
+    system_hashes = list(manager._block_hashes(None, SYSTEM, 0, 6))
     assert manager.cached_block_ids.get(system_hashes[0]) == 0  # SYSTEM's first block survived
     assert not set(system_hashes[1:]) & manager.cached_block_ids.keys()  # the evicted ones are forgotten
     hits_before = engine.stats().num_prefix_hits

@@ -105,7 +105,7 @@ def test_prefix_hashes_are_sha256_of_the_parent_digest_and_the_tokens() -> None:
     bm = BlockManager(num_blocks=4, block_size=2, watermark=0.0, enable_prefix_caching=True)
     first = hashlib.sha256(array("q", [3, 4]).tobytes()).digest()
     second = hashlib.sha256(first + array("q", [5, 6]).tobytes()).digest()
-    assert bm._hash_chain([3, 4, 5, 6, 7], 2) == [first, second]
+    assert list(bm._block_hashes(None, [3, 4, 5, 6, 7], 0, 2)) == [first, second]
 
 
 def test_tokens_whose_python_hashes_collide_do_not_share_blocks() -> None:

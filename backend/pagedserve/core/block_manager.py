@@ -254,9 +254,6 @@ class BlockManager:
         seq.block_table[index] = private
         self.blocks_to_copy.append((shared, private))
 
-    def _hash_chain(self, token_ids: list[int], num_blocks: int) -> list[bytes]:
-        return list(self._block_hashes(None, token_ids, 0, num_blocks))
-
     def _block_hashes(
         self, parent: bytes | None, token_ids: list[int], start: int, stop: int
     ) -> Iterator[bytes]:

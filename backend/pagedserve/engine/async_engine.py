@@ -194,7 +194,8 @@ class AsyncEngine:
             stream, message = self._streams.get(request_id), aborts[request_id]
             if stream is None:
                 continue
-            delta = _aborted_delta(request_id, stream, message)
+            metrics = RequestMetrics(arrival_time=stream.arrival_time, finished_time=time.monotonic())
+            delta = RequestDelta.aborted_before_output(request_id, stream.num_prompt_tokens, metrics, message)
             self.engine.metrics.record_aborted(self.engine.stats(), [delta])  # its log line
             if message is not None:
                 stream.queue.put_nowait(delta)
@@ -205,20 +206,3 @@ class AsyncEngine:
         error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine step failed: {exc!r}")
         for stream in self._streams.values():
             stream.queue.put_nowait(error)
-
-
-def _aborted_delta(request_id: str, stream: _Stream, message: str | None) -> RequestDelta:
-    """The final delta of a request aborted before it reached the engine."""
-    now = time.monotonic()
-    return RequestDelta(
-        request_id=request_id,
-        new_token_ids=[],
-        new_text="",
-        new_logprobs=None,
-        finished=True,
-        finish_reason="aborted",
-        num_prompt_tokens=stream.num_prompt_tokens,
-        num_output_tokens=0,
-        metrics=RequestMetrics(arrival_time=stream.arrival_time, finished_time=now),
-        error=message,
-    )

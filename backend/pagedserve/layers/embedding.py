@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
-from pagedserve.layers.linear import pack_weight, packed_linear
+from pagedserve.layers.linear import linear, pack_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -44,8 +44,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed_weight = pack_weight(self.weight, batch_size_hint)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            local = packed_linear(hidden, self.packed_weight)
-        else:
-            local = F.linear(hidden, self.weight)
+        local = linear(hidden, self.weight, self.packed_weight)
         return all_gather_last_dim(local)[..., : self.vocab_size]

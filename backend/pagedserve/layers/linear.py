@@ -39,12 +39,17 @@ def can_pack_weights(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
-    """`weight` [out, in] reordered once into oneDNN's blocked layout, for `packed_linear`."""
+    """`weight` [out, in] reordered once into oneDNN's blocked layout, for `linear`."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], None)
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, read from `packed` (`pack_weight`) when there is one."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], None)
+    return F.linear(x, weight, bias)
 
 
 class LinearBase(nn.Module):
@@ -60,9 +65,7 @@ class LinearBase(nn.Module):
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, bias)
-        return F.linear(x, self.weight, bias)
+        return linear(x, self.weight, self.packed_weight, bias)
 
 
 def check_head_split(num_heads: int, num_kv_heads: int, tp_size: int) -> None:

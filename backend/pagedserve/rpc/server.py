@@ -144,15 +144,10 @@ class GenerationServicer:
         self.llm.metrics.record_abort(cause)
 
     def _trace(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
-        if self.tracer.enabled:
-            self.tracer.finish_request(
-                context.invocation_metadata(),
-                call.request_id,
-                call.params,
-                call.last,
-                call.tokenized,
-                len(call.prompt),
-            )
+        metadata = context.invocation_metadata()
+        self.tracer.finish_request(
+            metadata, call.request_id, call.params, call.last, call.tokenized, len(call.prompt)
+        )
 
     # -- control -------------------------------------------------------------------------------------
 
