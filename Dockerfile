@@ -14,12 +14,14 @@ FROM ubuntu:24.04 AS base-cpu
 FROM base-${VARIANT}
 ARG VARIANT
 
-# Triton compiles its GPU launcher with the system C compiler and Python headers at run time,
-# so the CUDA variant needs them; CPU runs use the pure-torch kernels. Versions follow the base image.
+# Compilers at run time: Triton builds its GPU launcher with the system C compiler and Python
+# headers (CUDA variant); on CPU, torch.compile's inductor builds the fused forward pass with the
+# C++ compiler (without one the server runs eagerly, slower). Versions follow the base image.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv \
- && if [ "$VARIANT" = cuda ]; then apt-get install -y --no-install-recommends gcc libc6-dev python3-dev; fi \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev libc6-dev \
+ && if [ "$VARIANT" = cuda ]; then apt-get install -y --no-install-recommends gcc; \
+    else apt-get install -y --no-install-recommends g++; fi \
  && rm -rf /var/lib/apt/lists/*
 
 ENV VIRTUAL_ENV=/opt/venv \

@@ -9,6 +9,9 @@ from tiny_models import build_tiny_llama
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines (and spawned servers) run eagerly unless a test asks for the compiled forward pass, which
+# takes ~30 s to compile: tests/engine/test_compile.py and the parity tests' compiled cases do.
+os.environ.setdefault("PAGEDSERVE_ENFORCE_EAGER", "1")
 
 
 @pytest.fixture(scope="session")

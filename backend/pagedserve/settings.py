@@ -23,6 +23,7 @@ from pagedserve.config import (
     SchedulerConfig,
     resolve_attention_backend,
     resolve_block_size,
+    resolve_compile,
     resolve_device,
     resolve_dtype,
 )
@@ -105,6 +106,11 @@ class EngineSettings(BaseSettings):
         description="auto (triton on CUDA, torch on CPU), torch (pure-torch reference) or triton "
         "(Triton kernels; on CPU under Triton's interpreter, which is slow)",
     )
+    enforce_eager: bool = Field(
+        False,
+        description="run the forward pass eagerly: no torch.compile (starts ~1 min sooner on CPU, "
+        "steps slower; compile is used on CPU with the torch backend and one rank)",
+    )
 
     @field_validator("kv_cache_memory")
     @classmethod
@@ -144,6 +150,7 @@ class EngineSettings(BaseSettings):
         from pagedserve.default_model import resolve_model_path
 
         device = resolve_device(self.device)
+        backend = resolve_attention_backend(self.attention_backend, device)
         model = ModelConfig.from_path(
             resolve_model_path(self.model),
             resolve_dtype(self.dtype, device),
@@ -157,7 +164,8 @@ class EngineSettings(BaseSettings):
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device=device,
             seed=self.seed,
-            attention_backend=resolve_attention_backend(self.attention_backend, device),
+            attention_backend=backend,
+            compile=resolve_compile(self.enforce_eager, device, backend, self.tensor_parallel_size),
         )
 
 

@@ -121,12 +121,18 @@ def default_reference(
     return hf_greedy(default_model_dir, chat_prompts, DEFAULT_MAX_TOKENS)
 
 
+# Every optimisation keeps greedy outputs: the torch.compile'd forward pass (the CPU default) too.
+EAGER_AND_COMPILED = pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+
+
 @pytest.mark.slow
+@EAGER_AND_COMPILED
 def test_default_model_matches_hf_in_one_batch(
-    default_reference: tuple[object, list[list[int]]], chat_prompts: list[list[int]]
+    default_reference: tuple[object, list[list[int]]], chat_prompts: list[list[int]], enforce_eager: bool
 ) -> None:
     assert len({len(p) for p in chat_prompts}) > 8  # mixed prompt lengths
-    llm = LLM(dtype="float32", num_kv_blocks=512, max_num_batched_tokens=4096)
+    llm = LLM(dtype="float32", num_kv_blocks=512, max_num_batched_tokens=4096, enforce_eager=enforce_eager)
+    assert llm.engine.config.compile is not enforce_eager
     run_parity(llm, default_reference, chat_prompts, DEFAULT_MAX_TOKENS)
     assert llm.engine.scheduler.num_preemptions == 0
 
@@ -146,13 +152,19 @@ def tiny_prompts(offset: int, base_len: int, step: int) -> list[list[int]]:
     return [[1] + list(range(offset + 7 * i, offset + 7 * i + base_len + step * i)) for i in range(8)]
 
 
-def test_tiny_llama_matches_hf(tiny_llama_dir: str) -> None:
+@EAGER_AND_COMPILED
+def test_tiny_llama_matches_hf(tiny_llama_dir: str, enforce_eager: bool) -> None:
     prompts = tiny_prompts(100, 3, 11)
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, block_size=16)
+    llm = LLM(
+        model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, block_size=16, enforce_eager=enforce_eager
+    )
     run_parity(llm, hf_greedy(tiny_llama_dir, prompts, 40), prompts, max_tokens=40)
 
 
-def test_tiny_llama_matches_hf_with_chunked_prefill_and_preemption(tiny_llama_dir: str) -> None:
+@EAGER_AND_COMPILED
+def test_tiny_llama_matches_hf_with_chunked_prefill_and_preemption(
+    tiny_llama_dir: str, enforce_eager: bool
+) -> None:
     prompts = tiny_prompts(200, 20, 9)
     # a 24-token budget splits prompts into chunks; 20 blocks of 8 cannot hold all 8 requests
     llm = LLM(
@@ -162,6 +174,7 @@ def test_tiny_llama_matches_hf_with_chunked_prefill_and_preemption(tiny_llama_di
         block_size=8,
         max_num_batched_tokens=24,
         max_num_seqs=8,
+        enforce_eager=enforce_eager,
     )
     run_parity(llm, hf_greedy(tiny_llama_dir, prompts, 40), prompts, max_tokens=40)
     assert llm.engine.stats().num_swap_preemptions > 0

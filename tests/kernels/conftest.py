@@ -14,10 +14,12 @@ import sys
 import pytest
 import torch
 
+# triton.language too: its own @triton.jit helpers (tl.zeros, ...) are wrapped when it is imported,
+# and torch._dynamo / torch.compile import it (a test module importing them at collection did).
 _KERNELS_IMPORTED_EARLY = sorted(
     name
     for name in sys.modules
-    if name.startswith("pagedserve_kernels.")
+    if (name.startswith("pagedserve_kernels.") or name == "triton.language")
     and name not in ("pagedserve_kernels.reference", "pagedserve_kernels._checks")
 )
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

@@ -13,8 +13,12 @@ Triton kernels share the layouts described in `pagedserve_kernels.reference`.
 from __future__ import annotations
 
 import abc
+import contextlib
+import itertools
 import logging
 import sys
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -250,22 +254,28 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.layer_id = next(_layer_ids)
+        _LAYERS[self.layer_id] = self
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if torch.compiler.is_compiling():
+            return torch.ops.pagedserve.attention(q, k, v, self.layer_id)
+        return self.attend(q, k, v, metadata)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Write this step's k, v into the cache, then attend: [num_tokens, num_heads * head_dim]."""
         assert self.kv_cache is not None, (
             "KV cache not bound: the model runner binds it before the first step"
         )
         k_cache, v_cache = self.kv_cache
-        q = q.view(-1, self.num_heads, self.head_dim)
-        self.backend.write_kv_cache(
-            k.view(-1, self.num_kv_heads, self.head_dim),
-            v.view(-1, self.num_kv_heads, self.head_dim),
-            k_cache,
-            v_cache,
-            metadata.slot_mapping,
-        )
+        self.backend.write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
         num_decodes = metadata.num_decodes
         if metadata.num_prefills == 0:
             out = self.backend.decode(q, k_cache, v_cache, metadata, self.scale)
@@ -277,3 +287,38 @@ class Attention(nn.Module):
                 )
             out[num_decodes:] = self.backend.prefill(q[num_decodes:], k_cache, v_cache, metadata, self.scale)
         return out.view(-1, self.num_heads * self.head_dim)
+
+
+# -- the torch.compile boundary -------------------------------------------------------------------
+# A compiled forward pass (see `ModelRunner`) leaves attention out of the graph, as one opaque op per
+# layer: the step's metadata (block tables, Python ints that change every step) would otherwise be
+# traced, guarded on and recompiled for, and the cache writes would be functionalized into copies of
+# the whole cache. The op finds its layer by id and the step's metadata in `step_metadata`. It is
+# declared free of mutations because the caches it writes are not graph inputs: nothing in the graph
+# reads them, so no ordering is lost.
+
+_layer_ids = itertools.count()
+_LAYERS: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictionary()
+_step_metadata: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def step_metadata(metadata: AttentionMetadata) -> Iterator[None]:
+    """The metadata the compiled forward pass's attention ops read during one step."""
+    global _step_metadata
+    _step_metadata = metadata
+    try:
+        yield
+    finally:
+        _step_metadata = None
+
+
+@torch.library.custom_op("pagedserve::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    assert _step_metadata is not None, "a compiled forward pass runs inside step_metadata()"
+    return _LAYERS[layer_id].attend(q, k, v, _step_metadata)
+
+
+@_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

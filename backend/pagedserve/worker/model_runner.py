@@ -8,7 +8,9 @@ no Python loop runs over tokens or blocks.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import logging
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -16,13 +18,20 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pagedserve.layers.attention import AttentionBackend, AttentionMetadata, make_attention_backend
+from pagedserve.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    make_attention_backend,
+    step_metadata,
+)
 from pagedserve.layers.linear import can_pack_weights
 from pagedserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from pagedserve.models.loader import iter_safetensors
 from pagedserve.models.registry import get_model_class
 from pagedserve.outputs import Logprob, TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,6 +70,7 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         self.backend = backend or make_attention_backend(config.attention_backend, self.device)
         self.model = self._load_model()
+        self.forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor] = self.model
         max_seqs = config.scheduler.max_num_seqs
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.block_tables = torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
@@ -74,7 +84,10 @@ class ModelRunner:
             model = get_model_class(cfg.architecture)(cfg.hf_config, cfg.max_model_len, self.backend)
         model.load_weights(iter_safetensors(cfg.path))
         if can_pack_weights(self.device, self.dtype):
-            for module in model.modules():
+            # a compiled forward pass gets its linear weights packed by inductor (freezing);
+            # the LM head runs outside it
+            packed = [model.lm_head] if self.config.compile else model.modules()
+            for module in packed:
                 if hasattr(module, "pack_weights"):
                     module.pack_weights(self.config.scheduler.max_num_seqs)
         return model.eval()
@@ -82,6 +95,58 @@ class ModelRunner:
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for attention, kv_cache in zip(self.model.attention_layers, kv_caches, strict=True):
             attention.kv_cache = kv_cache
+        if self.config.compile:
+            self.forward = self._compile()
+
+    @torch.inference_mode()
+    def _compile(self) -> Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]:
+        """The model's forward pass through torch.compile (inductor, weights frozen as constants),
+        compiled now with a dummy two-token step so that no request waits for it.
+
+        The token count is unbacked: one graph serves every step size, 1 included, with no guard on
+        it and no recompilation. Attention stays outside the graph (`layers.attention`)."""
+        compiled = torch.compile(self.model, fullgraph=True, dynamic=False, options={"freezing": True})
+
+        def forward(
+            input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        ) -> torch.Tensor:
+            torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+            torch._dynamo.decorators.mark_unbacked(positions, 0)
+            return compiled(input_ids, positions, metadata)
+
+        logger.info("compiling the forward pass with torch.compile (--enforce-eager skips this)")
+        start = time.perf_counter()
+        ids = torch.zeros(2, dtype=torch.int64, device=self.device)
+        metadata = self._dummy_metadata()
+        try:
+            with step_metadata(metadata):
+                forward(ids, torch.arange(2, device=self.device), metadata)
+        except Exception as exc:  # e.g. no C++ compiler for inductor: slower, but serving
+            logger.warning("torch.compile failed, running the forward pass eagerly: %s", exc)
+            if can_pack_weights(self.device, self.dtype):
+                for module in self.model.modules():
+                    if hasattr(module, "pack_weights") and module is not self.model.lm_head:
+                        module.pack_weights(self.config.scheduler.max_num_seqs)
+            return self.model
+        logger.info("forward pass compiled in %.1f s", time.perf_counter() - start)
+        return forward
+
+    def _dummy_metadata(self) -> AttentionMetadata:
+        """One two-token prefill that writes nothing (slots -1) and reads block 0 (what it holds)."""
+        to_device = lambda values, dtype: torch.tensor(values, dtype=dtype, device=self.device)  # noqa: E731
+        table = [[0] * -(-2 // self.block_size)]
+        metadata = AttentionMetadata(
+            slot_mapping=to_device([-1, -1], torch.int64),
+            num_decodes=0,
+            decode_block_tables=to_device(table, torch.int32)[:0],
+            decode_context_lens=to_device([], torch.int32),
+            prefill_block_tables=to_device(table, torch.int32),
+            prefill_query_start_loc=to_device([0, 2], torch.int32),
+            prefill_context_lens=to_device([2], torch.int32),
+            max_prefill_query_len=2,
+        )
+        self.backend.prepare(metadata, self.dtype, self.block_size)
+        return metadata
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -91,7 +156,8 @@ class ModelRunner:
         order = sorted(output.scheduled, key=lambda r: len(r.token_ids) > 1)  # decodes first, stable
         input_ids, positions, metadata, sample_indices = self._prepare_inputs(order)
         self.backend.prepare(metadata, self.dtype, self.block_size)
-        hidden = self.model(input_ids, positions, metadata)
+        with step_metadata(metadata):
+            hidden = self.forward(input_ids, positions, metadata)
         sampled = [r for r in order if r.do_sample]
         if not sampled:
             return ModelRunnerOutput([], [])
