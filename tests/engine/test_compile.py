@@ -26,7 +26,8 @@ def test_compile_is_used_on_cpu_with_the_torch_backend_and_one_rank() -> None:
 def test_enforce_eager_comes_from_the_flag_or_the_environment(
     monkeypatch: pytest.MonkeyPatch, default_model_dir: str
 ) -> None:
-    monkeypatch.delenv("PAGEDSERVE_ENFORCE_EAGER")
+    monkeypatch.delenv("PAGEDSERVE_ENFORCE_EAGER")  # set for the suite by conftest.py
+    # (default_model_dir: to_engine_config reads the default model's config.json)
     assert EngineSettings(device="cpu").to_engine_config().compile
     assert not EngineSettings(device="cpu", enforce_eager=True).to_engine_config().compile
     monkeypatch.setenv("PAGEDSERVE_ENFORCE_EAGER", "1")

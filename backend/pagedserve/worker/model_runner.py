@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -83,14 +83,18 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype):
             model = get_model_class(cfg.architecture)(cfg.hf_config, cfg.max_model_len, self.backend)
         model.load_weights(iter_safetensors(cfg.path))
-        if can_pack_weights(self.device, self.dtype):
-            # a compiled forward pass gets its linear weights packed by inductor (freezing);
-            # the LM head runs outside it
-            packed = [model.lm_head] if self.config.compile else model.modules()
-            for module in packed:
-                if hasattr(module, "pack_weights"):
-                    module.pack_weights(self.config.scheduler.max_num_seqs)
+        # a compiled forward pass gets its linear weights packed by inductor (freezing); the LM head
+        # runs outside it
+        self._pack_weights([model.lm_head] if self.config.compile else model.modules())
         return model.eval()
+
+    def _pack_weights(self, modules: Iterable[torch.nn.Module]) -> None:
+        """Pack the linear weights of `modules` not packed yet, where packing pays (`layers.linear`)."""
+        if not can_pack_weights(self.device, self.dtype):
+            return
+        for module in modules:
+            if hasattr(module, "pack_weights") and module.packed_weight is None:
+                module.pack_weights(self.config.scheduler.max_num_seqs)
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for attention, kv_cache in zip(self.model.attention_layers, kv_caches, strict=True):
@@ -123,10 +127,7 @@ class ModelRunner:
                 forward(ids, torch.arange(2, device=self.device), metadata)
         except Exception as exc:  # e.g. no C++ compiler for inductor: slower, but serving
             logger.warning("torch.compile failed, running the forward pass eagerly: %s", exc)
-            if can_pack_weights(self.device, self.dtype):
-                for module in self.model.modules():
-                    if hasattr(module, "pack_weights") and module is not self.model.lm_head:
-                        module.pack_weights(self.config.scheduler.max_num_seqs)
+            self._pack_weights(self.model.modules())
             return self.model
         logger.info("forward pass compiled in %.1f s", time.perf_counter() - start)
         return forward
