@@ -123,7 +123,10 @@ class ModelRunner:
         ids = torch.zeros(2, dtype=torch.int64, device=self.device)
         metadata = self._dummy_metadata()
         try:
-            with step_metadata(metadata):
+            # Dynamo reads `freezing` from the global config while tracing (parameters become graph
+            # constants only then); `options` reaches inductor alone, which would leave every weight
+            # a graph input and every linear layer an unpacked bf16 matmul.
+            with step_metadata(metadata), torch._inductor.config.patch(freezing=True):
                 forward(ids, torch.arange(2, device=self.device), metadata)
         except Exception as exc:  # e.g. no C++ compiler for inductor: slower, but serving
             logger.warning("torch.compile failed, running the forward pass eagerly: %s", exc)
