@@ -1,7 +1,8 @@
 """Offline output throughput of pagedserve against Hugging Face peers, all in one run on one workload.
 
     python bench/throughput.py                                   # 64 chat requests, 16/32/64/128 tokens
-    python bench/throughput.py --workload random --hf-sequential-limit 8 --hf-static-limit 64
+    python bench/throughput.py --workload random --hf-sequential-limit 8 --hf-static-limit 64 \
+        --hf-continuous-limit 64
     python bench/throughput.py --num-requests 8                  # a quick check
 
 Peers (same model, dtype, prompt token ids and forced output lengths, greedy):
@@ -16,7 +17,8 @@ Peers (same model, dtype, prompt token ids and forced output lengths, greedy):
 Hugging Face `generate` forces lengths with min_new_tokens = max_new_tokens (EOS masked);
 pagedserve and the continuous-batching manager ignore EOS. Times exclude model loading and a short
 warm-up, and for hf-continuous the manager's setup. A peer timed on a subset of the requests
-(--hf-sequential-limit, --hf-static-limit) reports tokens/s of that subset, marked in the table.
+(--hf-sequential-limit, --hf-static-limit, --hf-continuous-limit) reports tokens/s of that subset,
+marked in the table.
 
 Also prints the KV-cache memory that holds real tokens at the step where pagedserve holds the most
 blocks, against what contiguous per-request reservations would need for the same running requests.
@@ -233,7 +235,9 @@ def run_hf_static(
 
 
 @torch.no_grad()  # not inference_mode: the manager updates its static tensors in place outside it
-def run_hf_continuous(model: Any, pad_id: int, prompts: list[list[int]], lengths: list[int]) -> PeerResult:
+def run_hf_continuous(
+    model: Any, pad_id: int, prompts: list[list[int]], lengths: list[int], limit: int | None
+) -> PeerResult:
     import transformers
     from transformers import GenerationConfig
 
@@ -241,6 +245,9 @@ def run_hf_continuous(model: Any, pad_id: int, prompts: list[list[int]], lengths
         return PeerResult(
             "hf-continuous", 0, 0.0, f"unavailable in transformers {transformers.__version__}", False
         )
+    total = len(prompts)
+    if limit:
+        prompts, lengths = prompts[:limit], lengths[:limit]
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     config = GenerationConfig(
@@ -268,6 +275,8 @@ def run_hf_continuous(model: Any, pad_id: int, prompts: list[list[int]], lengths
     succeeded = [r for r in results.values() if r.error is None]
     num_tokens = sum(len(r.generated_tokens) for r in succeeded)
     note = f"manager setup {setup:.1f} s not timed; attention {model.config._attn_implementation}"
+    if len(prompts) < total:
+        note += f"; timed {len(prompts)} of {total} requests"
     if len(succeeded) < len(request_ids):
         note += f"; only {len(succeeded)} of {len(request_ids)} requests succeeded"
         return PeerResult("hf-continuous", num_tokens, seconds, note, False)
@@ -365,6 +374,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--hf-sequential-limit", type=int, help="time only the first N requests one by one")
     parser.add_argument("--hf-static-limit", type=int, help="time only the first N requests (whole batches)")
+    parser.add_argument(
+        "--hf-continuous-limit",
+        type=int,
+        help="give transformers' continuous batching only the first N requests",
+    )
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, help="pagedserve engine setting (default: the engine's)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="pagedserve engine setting")
@@ -411,7 +425,7 @@ def main() -> None:
         elif peer == "hf-static":
             result = run_hf_static(model, pad_id, prompts, lengths, args.hf_batch_size, args.hf_static_limit)
         else:
-            result = run_hf_continuous(model, pad_id, prompts, lengths)
+            result = run_hf_continuous(model, pad_id, prompts, lengths, args.hf_continuous_limit)
         print(f"  {result.peer}: {result.num_output_tokens} tokens in {result.seconds:.1f} s", flush=True)
         results.append(result)
     print_table(results)
