@@ -20,7 +20,7 @@ _KERNELS_IMPORTED_EARLY = sorted(
     name
     for name in sys.modules
     if (name.startswith("pagedserve_kernels.") or name == "triton.language")
-    and name not in ("pagedserve_kernels.reference", "pagedserve_kernels._checks")
+    and name not in ("pagedserve_kernels.reference", "pagedserve_kernels._checks", "pagedserve_kernels.cpu")
 )
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     assert not _KERNELS_IMPORTED_EARLY, (

@@ -1,0 +1,64 @@
+"""C++ kernels for CPU runs (`csrc/`), built on first use by torch's extension builder and cached
+(`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions): a few seconds once per machine and
+source version, then a library load.
+
+They are compiled for the machine they run on (`-march=native`, the CPU's flags in the library's name,
+so a cache shared between different CPUs never hands one the other's build). When no C++ compiler is
+there, `load()` says so once and returns False; callers keep the pure-torch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = (Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",)
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+
+
+def _machine_tag() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+@functools.cache
+def load() -> bool:
+    """Build (or find the cached build of) the CPU kernels and register `torch.ops.pagedserve_cpu`."""
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name=f"pagedserve_cpu_{_machine_tag()}",
+            sources=[str(path) for path in _SOURCES],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a failed build: the torch reference still works
+        logger.warning("CPU kernels unavailable, using the pure-torch reference: %s", str(exc)[-500:])
+        return False
+    return True
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`reference.paged_attention_decode`, reading K/V straight from the paged cache (needs `load()`)."""
+    return torch.ops.pagedserve_cpu.paged_attention_decode(
+        query, k_cache, v_cache, block_tables, context_lens, scale
+    )

@@ -1,0 +1,233 @@
+// Paged decode attention for CPUs: one query token per sequence, read straight from the paged KV cache
+// (no gathered copy of the context), with an online softmax in float32. Layouts as in
+// pagedserve_kernels/reference.py. Threads split the sequences; a sequence's tokens go in chunks of
+// 16: the chunk's K slots (every KV head) are widened to float32 once and scored against every query
+// head, then its V slots are widened and accumulated.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kChunk = 16;
+
+inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;  // bf16 = top half of a float
+}
+
+inline void widen(const c10::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// kDim > 0: the head size known at compile time (loops fully unrolled); 0: `dim` at run time.
+// s[t] = q . rows[t] for the n rows of a chunk (`stride` floats apart).
+template <int64_t kDim>
+inline void score_chunk(const float* __restrict q, const float* __restrict rows, int64_t stride, int64_t n,
+                        float* __restrict s, int64_t dim) {
+  const int64_t size = kDim > 0 ? kDim : dim;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* __restrict row = rows + t * stride;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < size; ++i) sum += q[i] * row[i];
+    s[t] = sum;
+  }
+}
+
+// acc += sum over t of p[t] * rows[t], the accumulator held in registers when the head size is known.
+template <int64_t kDim>
+inline void accumulate_chunk(const float* __restrict p, const float* __restrict rows, int64_t stride, int64_t n,
+                             float* __restrict acc, int64_t dim) {
+  if constexpr (kDim > 0) {
+    float a[kDim];
+#pragma omp simd
+    for (int64_t i = 0; i < kDim; ++i) a[i] = acc[i];
+    for (int64_t t = 0; t < n; ++t) {
+      const float* __restrict row = rows + t * stride;
+      const float w = p[t];
+#pragma omp simd
+      for (int64_t i = 0; i < kDim; ++i) a[i] += w * row[i];
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < kDim; ++i) acc[i] = a[i];
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      const float* __restrict row = rows + t * stride;
+      const float w = p[t];
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) acc[i] += w * row[i];
+    }
+  }
+}
+
+template <int64_t kDim>
+inline void scale_by(float alpha, float* y, int64_t dim) {
+  const int64_t n = kDim > 0 ? kDim : dim;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] *= alpha;
+}
+
+// exp(x) for x <= 0 (scores minus their running max), written so that a loop of it vectorizes:
+// 2^n * p(r) with n = round(x / ln 2) and r = x - n ln 2 in [-ln2/2, ln2/2], p a degree-6 Taylor
+// polynomial (relative error below 2e-7, about one float32 ulp). Below -87 it returns 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln 2 split in two for precision
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;  // times 2^n
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+template <typename scalar_t, int64_t kDim>
+void decode_kernel(
+    at::Tensor& out,
+    const at::Tensor& query,
+    const at::Tensor& k_cache,
+    const at::Tensor& v_cache,
+    const at::Tensor& block_tables,
+    const at::Tensor& context_lens,
+    double scale) {
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t q_seq_stride = query.stride(0), q_head_stride = query.stride(1);
+  const int64_t o_seq_stride = out.stride(0), o_head_stride = out.stride(1);
+  const int64_t slot_size = num_kv_heads * dim;  // one cache slot: every KV head of one token
+  const float fscale = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // One sequence at a time per thread, all its heads together: a slot's K (then V) row for every KV
+  // head is one contiguous read, widened once.
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(num_heads * dim), acc(num_heads * dim), rows(kChunk * slot_size);
+    std::vector<float> scores(num_heads * kChunk), maxes(num_heads), sums(num_heads);
+    int64_t offsets[kChunk];
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t context_len = std::min<int64_t>(lens[seq], max_blocks * block_size);
+      const int32_t* table = tables + seq * max_blocks;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        widen(q + seq * q_seq_stride + h * q_head_stride, qf.data() + h * dim, dim);
+        scale_by<kDim>(fscale, qf.data() + h * dim, dim);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(maxes.begin(), maxes.end(), neg_inf);
+      std::fill(sums.begin(), sums.end(), 0.0f);
+      for (int64_t first = 0; first < context_len; first += kChunk) {
+        const int64_t n = std::min(kChunk, context_len - first);
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t pos = first + t;
+          offsets[t] = (table[pos / block_size] * block_size + pos % block_size) * slot_size;
+        }
+        for (int64_t t = 0; t < n; ++t) widen(kc + offsets[t], rows.data() + t * slot_size, slot_size);
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float* key = rows.data() + (h / group) * dim;
+          float* s = scores.data() + h * kChunk;
+          score_chunk<kDim>(qf.data() + h * dim, key, slot_size, n, s, dim);
+          float chunk_max = maxes[h];
+          for (int64_t t = 0; t < n; ++t) chunk_max = std::max(chunk_max, s[t]);
+          const float correction = std::exp(maxes[h] - chunk_max);  // 0 on the first chunk (exp(-inf))
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < n; ++t) {
+            s[t] = exp_nonpositive(s[t] - chunk_max);
+            sum += s[t];
+          }
+          sums[h] = sums[h] * correction + sum;
+          maxes[h] = chunk_max;
+          scale_by<kDim>(correction, acc.data() + h * dim, dim);
+        }
+        for (int64_t t = 0; t < n; ++t) widen(vc + offsets[t], rows.data() + t * slot_size, slot_size);
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float* value = rows.data() + (h / group) * dim;
+          accumulate_chunk<kDim>(scores.data() + h * kChunk, value, slot_size, n, acc.data() + h * dim, dim);
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        scalar_t* dst = o + seq * o_seq_stride + h * o_head_stride;
+        const float inv = sums[h] > 0.0f ? 1.0f / sums[h] : 0.0f;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[h * dim + d] * inv);
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void dispatch_dim(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& tables, const at::Tensor& lens, double scale) {
+  switch (q.size(2)) {
+    case 64: return decode_kernel<scalar_t, 64>(out, q, k, v, tables, lens, scale);
+    case 128: return decode_kernel<scalar_t, 128>(out, q, k, v, tables, lens, scale);
+    default: return decode_kernel<scalar_t, 0>(out, q, k, v, tables, lens, scale);
+  }
+}
+
+at::Tensor paged_attention_decode(
+    const at::Tensor& query,
+    const at::Tensor& k_cache,
+    const at::Tensor& v_cache,
+    const at::Tensor& block_tables,
+    const at::Tensor& context_lens,
+    double scale) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "query [seqs, heads, head_dim]; k_cache, v_cache [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0,
+              "query heads: a multiple of the KV heads, of the same head_dim");
+  TORCH_CHECK(query.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "query rows and the caches must be contiguous");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "query and caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "block_tables and context_lens must be int32");
+  TORCH_CHECK(block_tables.size(0) == query.size(0) && context_lens.size(0) == query.size(0),
+              "one block table row and context length per sequence");
+  const auto tables = block_tables.contiguous();
+  const auto lens = context_lens.contiguous();
+  auto out = at::empty_like(query);
+  switch (query.scalar_type()) {
+    case at::kFloat: dispatch_dim<float>(out, query, k_cache, v_cache, tables, lens, scale); break;
+    case at::kBFloat16: dispatch_dim<c10::BFloat16>(out, query, k_cache, v_cache, tables, lens, scale); break;
+    case at::kHalf: dispatch_dim<c10::Half>(out, query, k_cache, v_cache, tables, lens, scale); break;
+    default: TORCH_CHECK(false, "paged_attention_decode: float32, bfloat16 or float16, not ", query.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_attention_decode", &paged_attention_decode); }
