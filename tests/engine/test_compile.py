@@ -118,8 +118,9 @@ def test_compiled_bf16_linear_layers_read_packed_frozen_weights(
 
 
 def test_without_a_cpp_compiler_the_engine_runs_eagerly(tiny_llama_dir: str, tmp_path: Path) -> None:
-    """Inductor builds CPU kernels with the C++ compiler: none found (and nothing cached) means a
-    warning and the eager forward pass, with the same outputs, not a failed start."""
+    """Inductor and the C++ decode kernel (pagedserve_kernels.cpu) are built with the C++ compiler:
+    none found (and nothing cached) means warnings, the eager forward pass and the pure-torch
+    attention, with the same outputs, not a failed start."""
     script = (
         "from pagedserve import LLM, SamplingParams\n"
         f"llm = LLM(model={tiny_llama_dir!r}, dtype='float32', num_kv_blocks=16, enforce_eager=False)\n"
@@ -130,12 +131,14 @@ def test_without_a_cpp_compiler_the_engine_runs_eagerly(tiny_llama_dir: str, tmp
         **os.environ,
         "CXX": str(tmp_path / "no-such-g++"),
         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache"),
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),
     }
     result = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "torch.compile failed, running the forward pass eagerly" in result.stderr
+    assert "CPU kernels unavailable, using the pure-torch reference" in result.stderr
     eager = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=16, enforce_eager=True)
     expected = eager.generate([[1, 400, 401, 402]], SamplingParams(temperature=0, max_tokens=5))
     assert f"TOKENS {expected[0].outputs[0].token_ids}" in result.stdout

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+from pagedserve_kernels import cpu as cpu_kernels
 from pagedserve_kernels import reference
 from torch import nn
 
@@ -91,13 +92,20 @@ class AttentionBackend(abc.ABC):
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """The pure-torch reference (scaled_dot_product_attention over gathered blocks): CPU runs.
-    The decode mask and the padded prefill layout are built once per step, not once per layer."""
+    """CPU runs: the pure-torch reference (scaled_dot_product_attention over gathered blocks), with
+    decode attention in the C++ CPU kernel (`pagedserve_kernels.cpu`, read straight from the paged
+    cache) where it builds. The decode mask and the padded prefill layout are built once per step,
+    not once per layer."""
 
     name = "torch"
 
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.cpu_decode = device is not None and device.type == "cpu" and cpu_kernels.load()
+        if self.cpu_decode:
+            logger.info("decode attention: the C++ CPU kernel")
+
     def prepare(self, metadata: AttentionMetadata, dtype: torch.dtype, block_size: int) -> None:
-        if metadata.num_decodes:
+        if metadata.num_decodes and not self.cpu_decode:
             num_blocks = -(-metadata.max_decode_context_len // block_size)
             metadata.decode_key_mask = reference.decode_key_mask(
                 metadata.decode_context_lens, num_blocks * block_size, dtype
@@ -125,6 +133,10 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if self.cpu_decode:
+            return cpu_kernels.paged_attention_decode(
+                query, k_cache, v_cache, metadata.decode_block_tables, metadata.decode_context_lens, scale
+            )
         return reference.paged_attention_decode(
             query,
             k_cache,
@@ -241,7 +253,7 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "triton":
         return TritonAttentionBackend(device)
     if name == "torch":
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(device)
     raise ValueError(f"attention_backend: unknown backend {name!r}")
 
 
