@@ -106,3 +106,12 @@ def test_bad_arguments_are_refused_with_the_reason() -> None:
         cpu.paged_attention_decode(
             query[:1], cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale
         )
+
+
+def test_the_engine_decodes_with_the_kernel_on_cpu() -> None:
+    """Where the kernel builds, the CPU attention backend uses it (a silent fallback to the reference
+    would cost 15% on the chat benchmark and 2x on long contexts)."""
+    from pagedserve.layers.attention import make_attention_backend
+
+    backend = make_attention_backend("torch", torch.device("cpu"))
+    assert backend.cpu_decode  # type: ignore[attr-defined]

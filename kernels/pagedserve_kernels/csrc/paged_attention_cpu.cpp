@@ -47,29 +47,16 @@ inline void score_chunk(const float* __restrict q, const float* __restrict rows,
   }
 }
 
-// acc += sum over t of p[t] * rows[t], the accumulator held in registers when the head size is known.
+// acc += sum over t of p[t] * rows[t] for the n rows of a chunk.
 template <int64_t kDim>
 inline void accumulate_chunk(const float* __restrict p, const float* __restrict rows, int64_t stride, int64_t n,
                              float* __restrict acc, int64_t dim) {
-  if constexpr (kDim > 0) {
-    float a[kDim];
+  const int64_t size = kDim > 0 ? kDim : dim;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* __restrict row = rows + t * stride;
+    const float w = p[t];
 #pragma omp simd
-    for (int64_t i = 0; i < kDim; ++i) a[i] = acc[i];
-    for (int64_t t = 0; t < n; ++t) {
-      const float* __restrict row = rows + t * stride;
-      const float w = p[t];
-#pragma omp simd
-      for (int64_t i = 0; i < kDim; ++i) a[i] += w * row[i];
-    }
-#pragma omp simd
-    for (int64_t i = 0; i < kDim; ++i) acc[i] = a[i];
-  } else {
-    for (int64_t t = 0; t < n; ++t) {
-      const float* __restrict row = rows + t * stride;
-      const float w = p[t];
-#pragma omp simd
-      for (int64_t i = 0; i < dim; ++i) acc[i] += w * row[i];
-    }
+    for (int64_t i = 0; i < size; ++i) acc[i] += w * row[i];
   }
 }
 
