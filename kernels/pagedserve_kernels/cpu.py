@@ -50,6 +50,17 @@ def load() -> bool:
     return True
 
 
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """`reference.write_kv_cache` in one call: a row copy per token, slot -1 skipped (needs `load()`)."""
+    torch.ops.pagedserve_cpu.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
 def paged_attention_decode(
     query: torch.Tensor,
     k_cache: torch.Tensor,

@@ -93,19 +93,19 @@ class AttentionBackend(abc.ABC):
 
 class TorchAttentionBackend(AttentionBackend):
     """CPU runs: the pure-torch reference (scaled_dot_product_attention over gathered blocks), with
-    decode attention in the C++ CPU kernel (`pagedserve_kernels.cpu`, read straight from the paged
-    cache) where it builds. The decode mask and the padded prefill layout are built once per step,
-    not once per layer."""
+    the KV writes and decode attention in the C++ CPU kernels (`pagedserve_kernels.cpu`, decode read
+    straight from the paged cache) where they build. The decode mask and the padded prefill layout
+    are built once per step, not once per layer."""
 
     name = "torch"
 
     def __init__(self, device: torch.device | None = None) -> None:
-        self.cpu_decode = device is not None and device.type == "cpu" and cpu_kernels.load()
-        if self.cpu_decode:
-            logger.info("decode attention: the C++ CPU kernel")
+        self.cpu_kernels = device is not None and device.type == "cpu" and cpu_kernels.load()
+        if self.cpu_kernels:
+            logger.info("KV writes and decode attention: the C++ CPU kernels")
 
     def prepare(self, metadata: AttentionMetadata, dtype: torch.dtype, block_size: int) -> None:
-        if metadata.num_decodes and not self.cpu_decode:
+        if metadata.num_decodes and not self.cpu_kernels:
             num_blocks = -(-metadata.max_decode_context_len // block_size)
             metadata.decode_key_mask = reference.decode_key_mask(
                 metadata.decode_context_lens, num_blocks * block_size, dtype
@@ -123,7 +123,10 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        if self.cpu_kernels:
+            cpu_kernels.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        else:
+            reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
     def decode(
         self,
@@ -133,7 +136,7 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if self.cpu_decode:
+        if self.cpu_kernels:
             return cpu_kernels.paged_attention_decode(
                 query, k_cache, v_cache, metadata.decode_block_tables, metadata.decode_context_lens, scale
             )

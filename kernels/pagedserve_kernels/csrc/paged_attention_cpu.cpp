@@ -210,11 +210,49 @@ at::Tensor paged_attention_decode(
   return out;
 }
 
+// Scatter this step's K/V ([tokens, kv_heads, head_dim]) into their cache slots; slot -1 = skip.
+void write_kv_cache(
+    const at::Tensor& key,
+    const at::Tensor& value,
+    at::Tensor& k_cache,
+    at::Tensor& v_cache,
+    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "k_cache, v_cache: contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              "key and value must have the caches' dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1, "slot_mapping: int64 [tokens]");
+  const int64_t num_tokens = slot_mapping.size(0);
+  const int64_t slot_size = k_cache.size(2) * k_cache.size(3);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(key.size(0) == num_tokens && value.size(0) == num_tokens && key.numel() == num_tokens * slot_size &&
+                  value.numel() == num_tokens * slot_size,
+              "key, value: [tokens, kv_heads, head_dim] matching the caches and slot_mapping");
+  const auto k = key.contiguous(), v = value.contiguous(), slots = slot_mapping.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t bytes = slot_size * k_cache.element_size();
+  const char* k_src = static_cast<const char*>(k.data_ptr());
+  const char* v_src = static_cast<const char*>(v.data_ptr());
+  char* k_dst = static_cast<char*>(k_cache.data_ptr());
+  char* v_dst = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slot[t] < 0) continue;
+    TORCH_CHECK(slot[t] < num_slots, "slot_mapping: slot ", slot[t], " is past the cache's ", num_slots);
+    std::memcpy(k_dst + slot[t] * bytes, k_src + t * bytes, bytes);
+    std::memcpy(v_dst + slot[t] * bytes, v_src + t * bytes, bytes);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_attention_decode", &paged_attention_decode); }
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("paged_attention_decode", &paged_attention_decode);
+  m.impl("write_kv_cache", &write_kv_cache);
+}
