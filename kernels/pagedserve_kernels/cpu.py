@@ -18,7 +18,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = (Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",)
+_SOURCES = (Path(__file__).parent / "csrc" / "cpu_kernels.cpp",)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
 

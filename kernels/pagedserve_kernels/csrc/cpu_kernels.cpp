@@ -1,8 +1,12 @@
-// Paged decode attention for CPUs: one query token per sequence, read straight from the paged KV cache
-// (no gathered copy of the context), with an online softmax in float32. Layouts as in
-// pagedserve_kernels/reference.py. Threads split the sequences; a sequence's tokens go in chunks of
-// 16: the chunk's K slots (every KV head) are widened to float32 once and scored against every query
-// head, then its V slots are widened and accumulated.
+// C++ kernels for CPU runs (pagedserve_kernels/cpu.py builds and loads them); layouts as in
+// pagedserve_kernels/reference.py.
+//
+// paged_attention_decode: one query token per sequence, read straight from the paged KV cache (no
+// gathered copy of the context), with an online softmax in float32. Threads split the sequences; a
+// sequence's tokens go in chunks of 16: the chunk's K slots (every KV head) are widened to float32
+// once and scored against every query head, then its V slots are widened and accumulated.
+//
+// write_kv_cache: this step's K/V rows copied into their slots, one call per layer.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
