@@ -120,6 +120,11 @@ def test_write_kv_cache_matches_reference_and_skips_slot_minus_one(dtype: torch.
     cpu.write_kv_cache(key, value, *ours, slots)
     reference.write_kv_cache(key, value, *theirs, slots)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    # rows that are not contiguous inside (heads and head_dim swapped in memory) are copied first
+    key = torch.randn(5, 64, 3).to(dtype).transpose(1, 2)
+    cpu.write_kv_cache(key, key, *ours, torch.tensor([3, 4, 5, -1, 40]))
+    reference.write_kv_cache(key, key, *theirs, torch.tensor([3, 4, 5, -1, 40]))
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
 
 
 def test_write_kv_cache_refuses_a_slot_past_the_cache() -> None:

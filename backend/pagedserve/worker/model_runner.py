@@ -109,7 +109,7 @@ class ModelRunner:
 
         The token count is unbacked: one graph serves every step size, 1 included, with no guard on
         it and no recompilation. Attention stays outside the graph (`layers.attention`)."""
-        compiled = torch.compile(self.model, fullgraph=True, dynamic=False, options={"freezing": True})
+        compiled = torch.compile(self.model, fullgraph=True, dynamic=False)
 
         def forward(
             input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -123,9 +123,10 @@ class ModelRunner:
         ids = torch.zeros(2, dtype=torch.int64, device=self.device)
         metadata = self._dummy_metadata()
         try:
-            # Dynamo reads `freezing` from the global config while tracing (parameters become graph
-            # constants only then); `options` reaches inductor alone, which would leave every weight
-            # a graph input and every linear layer an unpacked bf16 matmul.
+            # Freezing comes from the global config, patched around this first call (which traces
+            # and compiles): dynamo reads it while tracing to make the parameters graph constants,
+            # which inductor then packs. torch.compile's `options` reach inductor alone and would
+            # leave every weight a graph input and every linear layer an unpacked bf16 matmul.
             with step_metadata(metadata), torch._inductor.config.patch(freezing=True):
                 forward(ids, torch.arange(2, device=self.device), metadata)
         except Exception as exc:  # e.g. no C++ compiler for inductor: slower, but serving

@@ -233,9 +233,17 @@ void write_kv_cache(
   TORCH_CHECK(key.size(0) == num_tokens && value.size(0) == num_tokens && key.numel() == num_tokens * slot_size &&
                   value.numel() == num_tokens * slot_size,
               "key, value: [tokens, kv_heads, head_dim] matching the caches and slot_mapping");
-  const auto k = key.contiguous(), v = value.contiguous(), slots = slot_mapping.contiguous();
+  // key and value are usually views into the fused qkv projection: rows apart, each row contiguous.
+  // They are read in place then; anything else is made contiguous first.
+  const auto rows = [slot_size](const at::Tensor& x) {
+    return x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(1) * x.size(2) == slot_size
+               ? x
+               : x.contiguous().view({x.size(0), slot_size});
+  };
+  const auto k = rows(key), v = rows(value), slots = slot_mapping.contiguous();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t bytes = slot_size * k_cache.element_size();
+  const int64_t element = k_cache.element_size(), bytes = slot_size * element;
+  const int64_t k_stride = k.stride(0) * element, v_stride = v.stride(0) * element;
   const char* k_src = static_cast<const char*>(k.data_ptr());
   const char* v_src = static_cast<const char*>(v.data_ptr());
   char* k_dst = static_cast<char*>(k_cache.data_ptr());
@@ -243,8 +251,8 @@ void write_kv_cache(
   for (int64_t t = 0; t < num_tokens; ++t) {
     if (slot[t] < 0) continue;
     TORCH_CHECK(slot[t] < num_slots, "slot_mapping: slot ", slot[t], " is past the cache's ", num_slots);
-    std::memcpy(k_dst + slot[t] * bytes, k_src + t * bytes, bytes);
-    std::memcpy(v_dst + slot[t] * bytes, v_src + t * bytes, bytes);
+    std::memcpy(k_dst + slot[t] * bytes, k_src + t * k_stride, bytes);
+    std::memcpy(v_dst + slot[t] * bytes, v_src + t * v_stride, bytes);
   }
 }
 
