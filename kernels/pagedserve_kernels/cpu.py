@@ -73,3 +73,9 @@ def paged_attention_decode(
     return torch.ops.pagedserve_cpu.paged_attention_decode(
         query, k_cache, v_cache, block_tables, context_lens, scale
     )
+
+
+def decode_isa() -> str:
+    """The instructions bfloat16 decode attention runs on in this build: "avx512_bf16" where the
+    compiler targets AVX512-BF16 (vdpbf16ps scoring), else "generic" (needs `load()`)."""
+    return str(torch.ops.pagedserve_cpu.decode_isa())

@@ -102,7 +102,7 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, device: torch.device | None = None) -> None:
         self.cpu_kernels = device is not None and device.type == "cpu" and cpu_kernels.load()
         if self.cpu_kernels:
-            logger.info("KV writes and decode attention: the C++ CPU kernels")
+            logger.info("KV writes and decode attention: the C++ CPU kernels (%s)", cpu_kernels.decode_isa())
 
     def prepare(self, metadata: AttentionMetadata, dtype: torch.dtype, block_size: int) -> None:
         if metadata.num_decodes and not self.cpu_kernels:

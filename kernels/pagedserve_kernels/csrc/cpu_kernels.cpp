@@ -3,8 +3,12 @@
 //
 // paged_attention_decode: one query token per sequence, read straight from the paged KV cache (no
 // gathered copy of the context), with an online softmax in float32. Threads split the sequences; a
-// sequence's tokens go in chunks of 16: the chunk's K slots (every KV head) are widened to float32
-// once and scored against every query head, then its V slots are widened and accumulated.
+// sequence's tokens go in chunks of 16. Two paths:
+// - bfloat16 with head size 64 or 128 where the compiler targets AVX512-BF16 (decode_kernel_avx512_bf16):
+//   K rows scored in bf16 by vdpbf16ps, 16 tokens' scores reduced into one vector, V accumulated in
+//   registers, the next chunk's slots prefetched;
+// - everything else (decode_kernel): the chunk's K slots (every KV head) are widened to float32 once
+//   and scored against every query head, then its V slots are widened and accumulated.
 //
 // write_kv_cache: this step's K/V rows copied into their slots, one call per layer.
 
@@ -13,10 +17,17 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define PAGEDSERVE_AVX512_BF16 1
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -173,9 +184,203 @@ void decode_kernel(
   });
 }
 
+
+#ifdef PAGEDSERVE_AVX512_BF16
+// bfloat16 on CPUs with AVX512-BF16, head sizes 64 and 128. Per chunk of 16 tokens and per query head,
+// each K row is scored in its bf16 form (vdpbf16ps: bf16 products, exact in float32, summed in
+// float32) and the 16 tokens' partial-sum vectors are reduced together into one vector of scores;
+// the softmax weights stay in that vector. V rows are widened once per group of query heads sharing
+// them, and the heads' accumulators stay in registers for the chunk.
+
+// r[t] = the sum of v[t]'s 16 lanes: a tree of adds over 256-bit, 128-bit, then 64- and 32-bit lanes.
+inline __m512 reduce16(const __m512* v) {
+  __m512 c[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: v[2i]'s partial sums, 8-15: v[2i+1]'s
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane j: token 4i + j's four partial sums
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // 128-bit lane j: two partial sums of token 8i + j, two of 8i + 4 + j
+    e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0xEE));
+  // element 4j + i holds token 4i + j
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, f);
+}
+
+// exp_nonpositive on 16 lanes
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);  // times 2^n
+}
+
+inline __m512 widen16(const c10::BFloat16* src) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// The online-softmax state of one query head over its sequence so far.
+template <int64_t kDim>
+struct HeadState {
+  float max = -std::numeric_limits<float>::infinity();
+  float sum = 0.0f;
+  alignas(64) float acc[kDim] = {};
+};
+
+// Scores one query head against a chunk's K rows (`keys[t]`, 16 of them, those past `valid` repeat a
+// valid row) and folds the chunk into the head's max and sum: returns the weights exp(s - max), zero
+// past the chunk's end, and sets `correction`, the factor for the head's accumulator.
+template <int64_t kDim>
+inline __m512 score_chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* const* keys, __mmask16 valid,
+                               __m512 scale, HeadState<kDim>& state, float& correction) {
+  constexpr int kPairs = kDim / 32;  // 32 bf16 per vdpbf16ps operand
+  __m512bh qv[kPairs];
+  for (int i = 0; i < kPairs; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
+  __m512 dots[kChunk];
+  for (int64_t t = 0; t < kChunk; ++t) {
+    dots[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(keys[t]));
+    for (int i = 1; i < kPairs; ++i)
+      dots[t] = _mm512_dpbf16_ps(dots[t], qv[i], (__m512bh)_mm512_loadu_si512(keys[t] + 32 * i));
+  }
+  const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                                      reduce16(dots), scale);
+  const float chunk_max = std::max(state.max, _mm512_reduce_max_ps(s));
+  // 0 on the first chunk; exp_nonpositive would give exp(-87) ~ 1e-38 for exp(-inf), so it is spelt out
+  correction = state.sum > 0.0f ? exp_nonpositive(state.max - chunk_max) : 0.0f;
+  const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(s, _mm512_set1_ps(chunk_max))));
+  state.sum = state.sum * correction + _mm512_reduce_add_ps(p);
+  state.max = chunk_max;
+  return p;
+}
+
+// acc_g = acc_g * correction_g + sum over t < n of p_g[t] * V[t] for kHeads query heads sharing V.
+template <int64_t kDim, int kHeads>
+inline void accumulate_chunk_bf16(const c10::BFloat16* const* values, int64_t n, const float* probs,
+                                  const float* corrections, HeadState<kDim>* states) {
+  constexpr int kVecs = kDim / 16;  // 16 floats per register
+  __m512 acc[kHeads][kVecs];
+  for (int g = 0; g < kHeads; ++g) {
+    const __m512 c = _mm512_set1_ps(corrections[g]);
+    for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_mul_ps(_mm512_load_ps(states[g].acc + 16 * i), c);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 v[kVecs];
+    for (int i = 0; i < kVecs; ++i) v[i] = widen16(values[t] + 16 * i);
+    for (int g = 0; g < kHeads; ++g) {
+      const __m512 w = _mm512_set1_ps(probs[g * kChunk + t]);
+      for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_fmadd_ps(w, v[i], acc[g][i]);
+    }
+  }
+  for (int g = 0; g < kHeads; ++g)
+    for (int i = 0; i < kVecs; ++i) _mm512_store_ps(states[g].acc + 16 * i, acc[g][i]);
+}
+
+template <int64_t kDim>
+void decode_kernel_avx512_bf16(
+    at::Tensor& out,
+    const at::Tensor& query,
+    const at::Tensor& k_cache,
+    const at::Tensor& v_cache,
+    const at::Tensor& block_tables,
+    const at::Tensor& context_lens,
+    double scale) {
+  using bf16 = c10::BFloat16;
+  constexpr int kHeadsPerPass = 256 / kDim;  // accumulators of this many heads fit in 16 registers
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const bf16* const q = query.data_ptr<bf16>();
+  const bf16* const kc = k_cache.data_ptr<bf16>();
+  const bf16* const vc = v_cache.data_ptr<bf16>();
+  const int32_t* const tables = block_tables.data_ptr<int32_t>();
+  const int32_t* const lens = context_lens.data_ptr<int32_t>();
+  bf16* const o = out.data_ptr<bf16>();
+  const int64_t q_seq_stride = query.stride(0), q_head_stride = query.stride(1);
+  const int64_t o_seq_stride = out.stride(0), o_head_stride = out.stride(1);
+  const int64_t slot_size = num_kv_heads * kDim;
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+
+  at::parallel_for(0, num_seqs, 1, [=](int64_t begin, int64_t end) {
+    std::vector<HeadState<kDim>> states(num_heads);
+    alignas(64) float probs[kHeadsPerPass * kChunk];
+    float corrections[kHeadsPerPass];
+    const bf16* keys[kChunk];
+    const bf16* values[kChunk];
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t context_len = std::min<int64_t>(lens[seq], max_blocks * block_size);
+      const int32_t* table = tables + seq * max_blocks;
+      std::fill(states.begin(), states.end(), HeadState<kDim>());
+      for (int64_t first = 0; first < context_len; first += kChunk) {
+        const int64_t n = std::min(kChunk, context_len - first);
+        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+        // start fetching the next chunk's K and V slots from memory while this chunk is computed
+        for (int64_t pos = first + kChunk; pos < std::min(first + 2 * kChunk, context_len); ++pos) {
+          const int64_t slot_offset = (table[pos / block_size] * block_size + pos % block_size) * slot_size;
+          for (int64_t i = 0; i < slot_size; i += 32) {  // 32 bf16 = one 64-byte line
+            _mm_prefetch(reinterpret_cast<const char*>(kc + slot_offset + i), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(vc + slot_offset + i), _MM_HINT_T0);
+          }
+        }
+        for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+          for (int64_t t = 0; t < kChunk; ++t) {
+            const int64_t pos = first + std::min(t, n - 1);  // past the end: repeat the last row, unused
+            const int64_t slot_offset = (table[pos / block_size] * block_size + pos % block_size) * slot_size;
+            keys[t] = kc + slot_offset + kv * kDim;
+            values[t] = vc + slot_offset + kv * kDim;
+          }
+          for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
+            const int64_t count = std::min<int64_t>(kHeadsPerPass, group - g0);
+            HeadState<kDim>* head_states = states.data() + kv * group + g0;
+            for (int64_t g = 0; g < count; ++g) {
+              const bf16* qh = q + seq * q_seq_stride + (kv * group + g0 + g) * q_head_stride;
+              const __m512 p = score_chunk_bf16<kDim>(qh, keys, valid, vscale, head_states[g], corrections[g]);
+              _mm512_store_ps(probs + g * kChunk, p);
+            }
+            switch (count) {
+              case 1: accumulate_chunk_bf16<kDim, 1>(values, n, probs, corrections, head_states); break;
+              case 2: accumulate_chunk_bf16<kDim, 2>(values, n, probs, corrections, head_states); break;
+              case 3: accumulate_chunk_bf16<kDim, 3>(values, n, probs, corrections, head_states); break;
+              default: accumulate_chunk_bf16<kDim, 4>(values, n, probs, corrections, head_states); break;
+            }
+          }
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        bf16* dst = o + seq * o_seq_stride + h * o_head_stride;
+        const float inv = states[h].sum > 0.0f ? 1.0f / states[h].sum : 0.0f;
+        for (int64_t d = 0; d < kDim; ++d) dst[d] = static_cast<bf16>(states[h].acc[d] * inv);
+      }
+    }
+  });
+}
+#endif  // PAGEDSERVE_AVX512_BF16
+
 template <typename scalar_t>
 void dispatch_dim(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& tables, const at::Tensor& lens, double scale) {
+#ifdef PAGEDSERVE_AVX512_BF16
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    switch (q.size(2)) {
+      case 64: return decode_kernel_avx512_bf16<64>(out, q, k, v, tables, lens, scale);
+      case 128: return decode_kernel_avx512_bf16<128>(out, q, k, v, tables, lens, scale);
+      default: break;
+    }
+  }
+#endif
   switch (q.size(2)) {
     case 64: return decode_kernel<scalar_t, 64>(out, q, k, v, tables, lens, scale);
     case 128: return decode_kernel<scalar_t, 128>(out, q, k, v, tables, lens, scale);
@@ -256,9 +461,19 @@ void write_kv_cache(
   }
 }
 
+// Which decode path bfloat16 takes on this build: the AVX512-BF16 one or the generic loops.
+std::string decode_isa() {
+#ifdef PAGEDSERVE_AVX512_BF16
+  return "avx512_bf16";
+#else
+  return "generic";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def("decode_isa() -> str", &decode_isa);
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
