@@ -4,12 +4,12 @@ reference.
 It is built here with the machine's C++ compiler (as the engine builds it on first use); on a machine
 without one these tests are skipped, and tests/engine/test_compile.py checks the engine then falls back.
 
-Grid: head_dim 64 and 128 (the unrolled paths, and in bf16 the AVX512-BF16 one where the CPU has it)
-and 80 (the generic one), GQA ratios 1/3/4/8 (the AVX512 path accumulates 4 heads at a time for head
-size 64, 2 for 128), block sizes 8 and 16, context lengths across block and 16-token chunk boundaries (1, 7, 8, 9, 16, 17, 33,
-300), float32, bfloat16 and float16. Tolerances: float32 1e-5 against the float32 reference; bf16 and
-fp16 against the reference run in float32 on the same inputs, no further off than the reference's own
-low-precision result.
+Grid: head_dim 64 and 128 (the unrolled paths, and in bf16 the AVX512-BF16 one where the CPU has
+it) and 80 (the generic one), GQA ratios 1/3/4/8 (the AVX512 path accumulates 4 heads at a time for
+head size 64, 2 for 128), block sizes 8 and 16, context lengths across block and 16-token chunk
+boundaries (1, 7, 8, 9, 16, 17, 33, 300), float32, bfloat16 and float16. Tolerances: float32 1e-5
+against the float32 reference; bf16 and fp16 against the reference run in float32 on the same
+inputs, no further off than the reference's own low-precision result.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def test_the_engine_uses_the_kernels_on_cpu() -> None:
 
 def test_bf16_decode_takes_the_avx512_path_where_the_cpu_has_it() -> None:
     """The kernels are built with -march=native: on a CPU with AVX512-BF16 bf16 decode must take the
-    vdpbf16ps path (1.4-1.8x the generic loops per call, bench/README.md), not silently the generic one."""
+    vdpbf16ps path (1.3-1.7x the generic loops per call, bench/README.md), not silently the generic one."""
     with open("/proc/cpuinfo") as f:
         has_avx512_bf16 = " avx512_bf16" in f.read()
     assert cpu.decode_isa() == ("avx512_bf16" if has_avx512_bf16 else "generic")

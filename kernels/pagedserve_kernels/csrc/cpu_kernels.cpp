@@ -328,7 +328,8 @@ void decode_kernel_avx512_bf16(
         const int64_t n = std::min(kChunk, context_len - first);
         const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
         // start fetching the next chunk's K and V slots from memory while this chunk is computed
-        for (int64_t pos = first + kChunk; pos < std::min(first + 2 * kChunk, context_len); ++pos) {
+        const int64_t prefetch_end = std::min(first + 2 * kChunk, context_len);
+        for (int64_t pos = first + kChunk; pos < prefetch_end; ++pos) {
           const int64_t slot_offset = (table[pos / block_size] * block_size + pos % block_size) * slot_size;
           for (int64_t i = 0; i < slot_size; i += 32) {  // 32 bf16 = one 64-byte line
             _mm_prefetch(reinterpret_cast<const char*>(kc + slot_offset + i), _MM_HINT_T0);
@@ -350,11 +351,17 @@ void decode_kernel_avx512_bf16(
               const __m512 p = score_chunk_bf16<kDim>(qh, keys, valid, vscale, head_states[g], corrections[g]);
               _mm512_store_ps(probs + g * kChunk, p);
             }
-            switch (count) {
-              case 1: accumulate_chunk_bf16<kDim, 1>(values, n, probs, corrections, head_states); break;
-              case 2: accumulate_chunk_bf16<kDim, 2>(values, n, probs, corrections, head_states); break;
-              case 3: accumulate_chunk_bf16<kDim, 3>(values, n, probs, corrections, head_states); break;
-              default: accumulate_chunk_bf16<kDim, 4>(values, n, probs, corrections, head_states); break;
+            // count <= kHeadsPerPass: 4 for head size 64, 2 for 128
+            if (count == 1) {
+              accumulate_chunk_bf16<kDim, 1>(values, n, probs, corrections, head_states);
+            } else if (count == 2) {
+              accumulate_chunk_bf16<kDim, 2>(values, n, probs, corrections, head_states);
+            } else if constexpr (kHeadsPerPass == 4) {
+              if (count == 3) {
+                accumulate_chunk_bf16<kDim, 3>(values, n, probs, corrections, head_states);
+              } else {
+                accumulate_chunk_bf16<kDim, 4>(values, n, probs, corrections, head_states);
+              }
             }
           }
         }
