@@ -104,56 +104,81 @@ inline float exp_nonpositive(float x) {
   return out;
 }
 
+// What both decode kernels read: sizes, data pointers and strides of one call's tensors (checked by
+// paged_attention_decode), and the slot arithmetic of the paged layout.
+template <typename scalar_t>
+struct DecodeArgs {
+  DecodeArgs(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale)
+      : num_seqs(query.size(0)),
+        num_heads(query.size(1)),
+        dim(query.size(2)),
+        block_size(k_cache.size(1)),
+        num_kv_heads(k_cache.size(2)),
+        group(num_heads / num_kv_heads),
+        max_blocks(block_tables.size(1)),
+        slot_size(num_kv_heads * dim),
+        q_seq_stride(query.stride(0)),
+        q_head_stride(query.stride(1)),
+        o_seq_stride(out.stride(0)),
+        o_head_stride(out.stride(1)),
+        scale(static_cast<float>(scale)),
+        q(query.data_ptr<scalar_t>()),
+        k_cache(k_cache.data_ptr<scalar_t>()),
+        v_cache(v_cache.data_ptr<scalar_t>()),
+        tables(block_tables.data_ptr<int32_t>()),
+        lens(context_lens.data_ptr<int32_t>()),
+        out(out.data_ptr<scalar_t>()) {}
+
+  int64_t num_seqs, num_heads, dim, block_size, num_kv_heads, group, max_blocks;
+  int64_t slot_size;  // one cache slot: every KV head of one token
+  int64_t q_seq_stride, q_head_stride, o_seq_stride, o_head_stride;
+  float scale;
+  const scalar_t *q, *k_cache, *v_cache;
+  const int32_t *tables, *lens;
+  scalar_t* out;
+
+  int64_t context_len(int64_t seq) const { return std::min<int64_t>(lens[seq], max_blocks * block_size); }
+  // the offset of the slot holding token `pos` of sequence `seq`, in either cache
+  int64_t slot_offset(int64_t seq, int64_t pos) const {
+    const int32_t block = tables[seq * max_blocks + pos / block_size];
+    return (block * block_size + pos % block_size) * slot_size;
+  }
+  const scalar_t* query_head(int64_t seq, int64_t head) const { return q + seq * q_seq_stride + head * q_head_stride; }
+  // out[seq, head] = acc / sum (0 where sum is 0)
+  void store(int64_t seq, int64_t head, const float* acc, float sum) const {
+    scalar_t* dst = out + seq * o_seq_stride + head * o_head_stride;
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
+  }
+};
+
 template <typename scalar_t, int64_t kDim>
-void decode_kernel(
-    at::Tensor& out,
-    const at::Tensor& query,
-    const at::Tensor& k_cache,
-    const at::Tensor& v_cache,
-    const at::Tensor& block_tables,
-    const at::Tensor& context_lens,
-    double scale) {
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), dim = query.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
-  const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vc = v_cache.data_ptr<scalar_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = context_lens.data_ptr<int32_t>();
-  scalar_t* o = out.data_ptr<scalar_t>();
-  const int64_t q_seq_stride = query.stride(0), q_head_stride = query.stride(1);
-  const int64_t o_seq_stride = out.stride(0), o_head_stride = out.stride(1);
-  const int64_t slot_size = num_kv_heads * dim;  // one cache slot: every KV head of one token
-  const float fscale = static_cast<float>(scale);
+void decode_kernel(const DecodeArgs<scalar_t>& a) {
+  const int64_t num_heads = a.num_heads, dim = a.dim, slot_size = a.slot_size;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   // One sequence at a time per thread, all its heads together: a slot's K (then V) row for every KV
   // head is one contiguous read, widened once.
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, a.num_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(num_heads * dim), acc(num_heads * dim), rows(kChunk * slot_size);
     std::vector<float> scores(num_heads * kChunk), maxes(num_heads), sums(num_heads);
     int64_t offsets[kChunk];
     for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t context_len = std::min<int64_t>(lens[seq], max_blocks * block_size);
-      const int32_t* table = tables + seq * max_blocks;
+      const int64_t context_len = a.context_len(seq);
       for (int64_t h = 0; h < num_heads; ++h) {
-        widen(q + seq * q_seq_stride + h * q_head_stride, qf.data() + h * dim, dim);
-        scale_by<kDim>(fscale, qf.data() + h * dim, dim);
+        widen(a.query_head(seq, h), qf.data() + h * dim, dim);
+        scale_by<kDim>(a.scale, qf.data() + h * dim, dim);
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(maxes.begin(), maxes.end(), neg_inf);
       std::fill(sums.begin(), sums.end(), 0.0f);
       for (int64_t first = 0; first < context_len; first += kChunk) {
         const int64_t n = std::min(kChunk, context_len - first);
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t pos = first + t;
-          offsets[t] = (table[pos / block_size] * block_size + pos % block_size) * slot_size;
-        }
-        for (int64_t t = 0; t < n; ++t) widen(kc + offsets[t], rows.data() + t * slot_size, slot_size);
+        for (int64_t t = 0; t < n; ++t) offsets[t] = a.slot_offset(seq, first + t);
+        for (int64_t t = 0; t < n; ++t) widen(a.k_cache + offsets[t], rows.data() + t * slot_size, slot_size);
         for (int64_t h = 0; h < num_heads; ++h) {
-          const float* key = rows.data() + (h / group) * dim;
+          const float* key = rows.data() + (h / a.group) * dim;
           float* s = scores.data() + h * kChunk;
           score_chunk<kDim>(qf.data() + h * dim, key, slot_size, n, s, dim);
           float chunk_max = maxes[h];
@@ -169,17 +194,13 @@ void decode_kernel(
           maxes[h] = chunk_max;
           scale_by<kDim>(correction, acc.data() + h * dim, dim);
         }
-        for (int64_t t = 0; t < n; ++t) widen(vc + offsets[t], rows.data() + t * slot_size, slot_size);
+        for (int64_t t = 0; t < n; ++t) widen(a.v_cache + offsets[t], rows.data() + t * slot_size, slot_size);
         for (int64_t h = 0; h < num_heads; ++h) {
-          const float* value = rows.data() + (h / group) * dim;
+          const float* value = rows.data() + (h / a.group) * dim;
           accumulate_chunk<kDim>(scores.data() + h * kChunk, value, slot_size, n, acc.data() + h * dim, dim);
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        scalar_t* dst = o + seq * o_seq_stride + h * o_head_stride;
-        const float inv = sums[h] > 0.0f ? 1.0f / sums[h] : 0.0f;
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[h * dim + d] * inv);
-      }
+      for (int64_t h = 0; h < num_heads; ++h) a.store(seq, h, acc.data() + h * dim, sums[h]);
     }
   });
 }
@@ -289,40 +310,20 @@ inline void accumulate_chunk_bf16(const c10::BFloat16* const* values, int64_t n,
 }
 
 template <int64_t kDim>
-void decode_kernel_avx512_bf16(
-    at::Tensor& out,
-    const at::Tensor& query,
-    const at::Tensor& k_cache,
-    const at::Tensor& v_cache,
-    const at::Tensor& block_tables,
-    const at::Tensor& context_lens,
-    double scale) {
+void decode_kernel_avx512_bf16(const DecodeArgs<c10::BFloat16>& a) {
   using bf16 = c10::BFloat16;
   constexpr int kHeadsPerPass = 256 / kDim;  // accumulators of this many heads fit in 16 registers
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
-  const bf16* const q = query.data_ptr<bf16>();
-  const bf16* const kc = k_cache.data_ptr<bf16>();
-  const bf16* const vc = v_cache.data_ptr<bf16>();
-  const int32_t* const tables = block_tables.data_ptr<int32_t>();
-  const int32_t* const lens = context_lens.data_ptr<int32_t>();
-  bf16* const o = out.data_ptr<bf16>();
-  const int64_t q_seq_stride = query.stride(0), q_head_stride = query.stride(1);
-  const int64_t o_seq_stride = out.stride(0), o_head_stride = out.stride(1);
-  const int64_t slot_size = num_kv_heads * kDim;
-  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+  const int64_t group = a.group;
+  const __m512 vscale = _mm512_set1_ps(a.scale);
 
-  at::parallel_for(0, num_seqs, 1, [=](int64_t begin, int64_t end) {
-    std::vector<HeadState<kDim>> states(num_heads);
+  at::parallel_for(0, a.num_seqs, 1, [=](int64_t begin, int64_t end) {
+    std::vector<HeadState<kDim>> states(a.num_heads);
     alignas(64) float probs[kHeadsPerPass * kChunk];
     float corrections[kHeadsPerPass];
     const bf16* keys[kChunk];
     const bf16* values[kChunk];
     for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t context_len = std::min<int64_t>(lens[seq], max_blocks * block_size);
-      const int32_t* table = tables + seq * max_blocks;
+      const int64_t context_len = a.context_len(seq);
       std::fill(states.begin(), states.end(), HeadState<kDim>());
       for (int64_t first = 0; first < context_len; first += kChunk) {
         const int64_t n = std::min(kChunk, context_len - first);
@@ -330,24 +331,24 @@ void decode_kernel_avx512_bf16(
         // start fetching the next chunk's K and V slots from memory while this chunk is computed
         const int64_t prefetch_end = std::min(first + 2 * kChunk, context_len);
         for (int64_t pos = first + kChunk; pos < prefetch_end; ++pos) {
-          const int64_t slot_offset = (table[pos / block_size] * block_size + pos % block_size) * slot_size;
-          for (int64_t i = 0; i < slot_size; i += 32) {  // 32 bf16 = one 64-byte line
-            _mm_prefetch(reinterpret_cast<const char*>(kc + slot_offset + i), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(vc + slot_offset + i), _MM_HINT_T0);
+          const int64_t slot_offset = a.slot_offset(seq, pos);
+          for (int64_t i = 0; i < a.slot_size; i += 32) {  // 32 bf16 = one 64-byte line
+            _mm_prefetch(reinterpret_cast<const char*>(a.k_cache + slot_offset + i), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(a.v_cache + slot_offset + i), _MM_HINT_T0);
           }
         }
-        for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+        for (int64_t kv = 0; kv < a.num_kv_heads; ++kv) {
           for (int64_t t = 0; t < kChunk; ++t) {
-            const int64_t pos = first + std::min(t, n - 1);  // past the end: repeat the last row, unused
-            const int64_t slot_offset = (table[pos / block_size] * block_size + pos % block_size) * slot_size;
-            keys[t] = kc + slot_offset + kv * kDim;
-            values[t] = vc + slot_offset + kv * kDim;
+            // past the end: repeat the last row (scored, then masked out)
+            const int64_t slot_offset = a.slot_offset(seq, first + std::min(t, n - 1));
+            keys[t] = a.k_cache + slot_offset + kv * kDim;
+            values[t] = a.v_cache + slot_offset + kv * kDim;
           }
           for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
             const int64_t count = std::min<int64_t>(kHeadsPerPass, group - g0);
             HeadState<kDim>* head_states = states.data() + kv * group + g0;
             for (int64_t g = 0; g < count; ++g) {
-              const bf16* qh = q + seq * q_seq_stride + (kv * group + g0 + g) * q_head_stride;
+              const bf16* qh = a.query_head(seq, kv * group + g0 + g);
               const __m512 p = score_chunk_bf16<kDim>(qh, keys, valid, vscale, head_states[g], corrections[g]);
               _mm512_store_ps(probs + g * kChunk, p);
             }
@@ -366,32 +367,27 @@ void decode_kernel_avx512_bf16(
           }
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        bf16* dst = o + seq * o_seq_stride + h * o_head_stride;
-        const float inv = states[h].sum > 0.0f ? 1.0f / states[h].sum : 0.0f;
-        for (int64_t d = 0; d < kDim; ++d) dst[d] = static_cast<bf16>(states[h].acc[d] * inv);
-      }
+      for (int64_t h = 0; h < a.num_heads; ++h) a.store(seq, h, states[h].acc, states[h].sum);
     }
   });
 }
 #endif  // PAGEDSERVE_AVX512_BF16
 
 template <typename scalar_t>
-void dispatch_dim(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  const at::Tensor& tables, const at::Tensor& lens, double scale) {
+void dispatch_dim(const DecodeArgs<scalar_t>& args) {
 #ifdef PAGEDSERVE_AVX512_BF16
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    switch (q.size(2)) {
-      case 64: return decode_kernel_avx512_bf16<64>(out, q, k, v, tables, lens, scale);
-      case 128: return decode_kernel_avx512_bf16<128>(out, q, k, v, tables, lens, scale);
+    switch (args.dim) {
+      case 64: return decode_kernel_avx512_bf16<64>(args);
+      case 128: return decode_kernel_avx512_bf16<128>(args);
       default: break;
     }
   }
 #endif
-  switch (q.size(2)) {
-    case 64: return decode_kernel<scalar_t, 64>(out, q, k, v, tables, lens, scale);
-    case 128: return decode_kernel<scalar_t, 128>(out, q, k, v, tables, lens, scale);
-    default: return decode_kernel<scalar_t, 0>(out, q, k, v, tables, lens, scale);
+  switch (args.dim) {
+    case 64: return decode_kernel<scalar_t, 64>(args);
+    case 128: return decode_kernel<scalar_t, 128>(args);
+    default: return decode_kernel<scalar_t, 0>(args);
   }
 }
 
@@ -418,9 +414,9 @@ at::Tensor paged_attention_decode(
   const auto lens = context_lens.contiguous();
   auto out = at::empty_like(query);
   switch (query.scalar_type()) {
-    case at::kFloat: dispatch_dim<float>(out, query, k_cache, v_cache, tables, lens, scale); break;
-    case at::kBFloat16: dispatch_dim<c10::BFloat16>(out, query, k_cache, v_cache, tables, lens, scale); break;
-    case at::kHalf: dispatch_dim<c10::Half>(out, query, k_cache, v_cache, tables, lens, scale); break;
+    case at::kFloat: dispatch_dim(DecodeArgs<float>(out, query, k_cache, v_cache, tables, lens, scale)); break;
+    case at::kBFloat16: dispatch_dim(DecodeArgs<c10::BFloat16>(out, query, k_cache, v_cache, tables, lens, scale)); break;
+    case at::kHalf: dispatch_dim(DecodeArgs<c10::Half>(out, query, k_cache, v_cache, tables, lens, scale)); break;
     default: TORCH_CHECK(false, "paged_attention_decode: float32, bfloat16 or float16, not ", query.scalar_type());
   }
   return out;
