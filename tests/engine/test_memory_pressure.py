@@ -194,6 +194,21 @@ def test_prefix_cache_on_and_off_give_the_same_greedy_outputs(
     assert on.engine.stats().num_prefix_hits > 0 and off.engine.stats().num_prefix_hits == 0
 
 
+def test_requests_arriving_together_share_a_system_prompt_computed_in_their_first_step(
+    tiny_llama_dir: str,
+) -> None:
+    # A cold cache: all 16 prompts are admitted in one step, and the first computes SYSTEM's 5 full
+    # blocks in it; every layer writes the step's K/V before any token attends, so the other 15 read them.
+    prompts, params = mixed_workload()
+    shared = [SYSTEM + p[1:] for p in prompts[:16]]
+    off = LLM(
+        model=tiny_llama_dir, dtype="float32", num_kv_blocks=300, block_size=8, enable_prefix_caching=False
+    )
+    on = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=300, block_size=8)
+    assert token_ids(on, shared, params[:16]) == token_ids(off, shared, params[:16])
+    assert on.engine.stats().num_prefix_hits == 15 * 40
+
+
 def test_evicted_block_is_never_read_as_cached(tiny_llama_dir: str) -> None:
     llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=12, block_size=8)
     engine = llm.engine

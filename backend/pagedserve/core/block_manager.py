@@ -36,6 +36,13 @@ class BlockManager:
     forgotten, so it is never read as cached again) when a fresh block is needed and no uncached block
     is free.
 
+    Blocks filled within a step are shared within it: every layer writes the whole batch's K/V
+    before any token attends, so a request admitted after another in the same step can read the
+    prefix the other computes in that step (vLLM's scheduler does the same). `note_filling` offers
+    such blocks to `match_prefix` until the next step is scheduled; they are named in the cache only
+    by `cache_full_blocks` once the step has run, so a failed step leaves no name on a block it never
+    wrote.
+
     Sharing a partly filled block (after a fork) is copy-on-write: the first sequence to write into
     it gets a copy, recorded in `blocks_to_copy` for the cache engine to perform before the step.
     """
@@ -60,6 +67,8 @@ class BlockManager:
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.cached_block_ids: dict[bytes, int] = {}  # block hash -> block id
         self.seq_hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its leading full blocks
+        self.filling_block_ids: dict[bytes, int] = {}  # block hash -> block id, filled by this step
+        self.filling_hashes: dict[int, bytes] = {}  # the same pairs, by block id
         self.num_cpu_blocks = num_cpu_blocks
         self.free_cpu_block_ids: deque[int] = deque(range(num_cpu_blocks))
         self.cpu_block_tables: dict[str, list[int]] = {}  # swapped-out request id -> its CPU blocks
@@ -106,7 +115,7 @@ class BlockManager:
         hits: list[int] = []
         num_blocks = (seq.num_tokens - 1) // self.block_size
         for block_hash in self._block_hashes(None, seq.token_ids, 0, num_blocks):  # stops at the first miss
-            block_id = self.cached_block_ids.get(block_hash)
+            block_id = self.cached_block_ids.get(block_hash, self.filling_block_ids.get(block_hash))
             if block_id is None:
                 break
             hits.append(block_id)
@@ -138,7 +147,9 @@ class BlockManager:
         num_tokens = len(cached_block_ids) * self.block_size + num_new_tokens
         self._take(seq, cdiv(num_tokens, self.block_size) - len(seq.block_table))
         if cached_block_ids:
-            self.seq_hashes[seq.request_id] = [self.block_hashes[b] for b in cached_block_ids]  # type: ignore[misc]
+            self.seq_hashes[seq.request_id] = [
+                self.block_hashes[b] or self.filling_hashes[b] for b in cached_block_ids
+            ]
         if self.enable_prefix_caching:
             self.num_prefix_queries += seq.num_tokens
             self.num_prefix_hits += len(cached_block_ids) * self.block_size
@@ -181,6 +192,25 @@ class BlockManager:
             if block_hash not in self.cached_block_ids and self.block_hashes[block_id] is None:
                 self.cached_block_ids[block_hash] = block_id
                 self.block_hashes[block_id] = block_hash
+
+    def note_filling(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Offer the full blocks `seq` is scheduled to fill this step to requests admitted after it."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.seq_hashes.get(seq.request_id, [])
+        num_full = (seq.num_computed_tokens + num_new_tokens) // self.block_size
+        parent = hashes[-1] if hashes else None
+        for index, block_hash in enumerate(
+            self._block_hashes(parent, seq.token_ids, len(hashes), num_full), start=len(hashes)
+        ):
+            if block_hash not in self.filling_block_ids:
+                self.filling_block_ids[block_hash] = seq.block_table[index]
+                self.filling_hashes[seq.block_table[index]] = block_hash
+
+    def forget_filling(self) -> None:
+        """A new step: last step's blocks are computed (and named) or were never written."""
+        self.filling_block_ids.clear()
+        self.filling_hashes.clear()
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's device blocks (cached ones to the evictor) and any CPU blocks."""

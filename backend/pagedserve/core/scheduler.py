@@ -108,6 +108,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         swap_in: list[tuple[int, int]] = []
         num_preemptions_before = self.num_preemptions
+        self.block_manager.forget_filling()
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -218,6 +219,8 @@ class Scheduler:
     def _scheduled(
         self, seq: Sequence, num_new: int, new_block_ids: list[int], is_new: bool
     ) -> ScheduledRequest:
+        if self.waiting:  # a request admitted later this step may share what this one computes
+            self.block_manager.note_filling(seq, num_new)
         start = seq.num_computed_tokens
         return ScheduledRequest(
             request_id=seq.request_id,
