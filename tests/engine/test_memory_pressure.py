@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pagedserve import LLM, SamplingParams
@@ -207,6 +208,32 @@ def test_requests_arriving_together_share_a_system_prompt_computed_in_their_firs
     on = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=300, block_size=8)
     assert token_ids(on, shared, params[:16]) == token_ids(off, shared, params[:16])
     assert on.engine.stats().num_prefix_hits == 15 * 40
+
+
+def test_a_failed_step_names_no_block_it_shared_and_the_prompts_run_afresh(tiny_llama_dir: str) -> None:
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64, block_size=8)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [SYSTEM + [300, 301, 302], SYSTEM + [400, 401]]
+    engine.add_request("a", prompts[0], params)
+    engine.add_request("b", prompts[1], params)
+    execute, planned = engine.executor.execute, []
+
+    def fail(output: Any) -> Any:
+        planned.extend((r.request_id, r.num_computed_tokens, len(r.token_ids)) for r in output.scheduled)
+        raise RuntimeError("injected model fault")
+
+    engine.executor.execute = fail  # type: ignore[method-assign]
+    deltas = engine.step()
+    engine.executor.execute = execute  # type: ignore[method-assign]
+    assert planned == [("a", 0, 49), ("b", 40, 8)]  # b was to read SYSTEM's blocks as a wrote them
+    assert sorted(d.request_id for d in deltas) == ["a", "b"] and all(d.error for d in deltas)
+    manager = engine.scheduler.block_manager
+    assert not manager.cached_block_ids and manager.num_free_blocks == 64
+    off = LLM(
+        model=tiny_llama_dir, dtype="float32", num_kv_blocks=64, block_size=8, enable_prefix_caching=False
+    )
+    assert token_ids(llm, prompts, [params, params]) == token_ids(off, prompts, [params, params])
 
 
 def test_evicted_block_is_never_read_as_cached(tiny_llama_dir: str) -> None:
