@@ -68,7 +68,6 @@ class BlockManager:
         self.cached_block_ids: dict[bytes, int] = {}  # block hash -> block id
         self.seq_hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its leading full blocks
         self.filling_block_ids: dict[bytes, int] = {}  # block hash -> block id, filled by this step
-        self.filling_hashes: dict[int, bytes] = {}  # the same pairs, by block id
         self.num_cpu_blocks = num_cpu_blocks
         self.free_cpu_block_ids: deque[int] = deque(range(num_cpu_blocks))
         self.cpu_block_tables: dict[str, list[int]] = {}  # swapped-out request id -> its CPU blocks
@@ -146,10 +145,10 @@ class BlockManager:
         seq.block_table = list(cached_block_ids)
         num_tokens = len(cached_block_ids) * self.block_size + num_new_tokens
         self._take(seq, cdiv(num_tokens, self.block_size) - len(seq.block_table))
-        if cached_block_ids:
-            self.seq_hashes[seq.request_id] = [
-                self.block_hashes[b] or self.filling_hashes[b] for b in cached_block_ids
-            ]
+        if cached_block_ids:  # the hits may still be filling, unnamed: hash the tokens again
+            self.seq_hashes[seq.request_id] = list(
+                self._block_hashes(None, seq.token_ids, 0, len(cached_block_ids))
+            )
         if self.enable_prefix_caching:
             self.num_prefix_queries += seq.num_tokens
             self.num_prefix_hits += len(cached_block_ids) * self.block_size
@@ -182,13 +181,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self.seq_hashes.setdefault(seq.request_id, [])
-        num_full = seq.num_computed_tokens // self.block_size
-        parent = hashes[-1] if hashes else None
-        for index, block_hash in enumerate(
-            self._block_hashes(parent, seq.token_ids, len(hashes), num_full), start=len(hashes)
-        ):
+        for block_id, block_hash in self._unnamed_full_blocks(seq, hashes, seq.num_computed_tokens):
             hashes.append(block_hash)
-            block_id = seq.block_table[index]
             if block_hash not in self.cached_block_ids and self.block_hashes[block_id] is None:
                 self.cached_block_ids[block_hash] = block_id
                 self.block_hashes[block_id] = block_hash
@@ -198,19 +192,14 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self.seq_hashes.get(seq.request_id, [])
-        num_full = (seq.num_computed_tokens + num_new_tokens) // self.block_size
-        parent = hashes[-1] if hashes else None
-        for index, block_hash in enumerate(
-            self._block_hashes(parent, seq.token_ids, len(hashes), num_full), start=len(hashes)
+        for block_id, block_hash in self._unnamed_full_blocks(
+            seq, hashes, seq.num_computed_tokens + num_new_tokens
         ):
-            if block_hash not in self.filling_block_ids:
-                self.filling_block_ids[block_hash] = seq.block_table[index]
-                self.filling_hashes[seq.block_table[index]] = block_hash
+            self.filling_block_ids.setdefault(block_hash, block_id)
 
     def forget_filling(self) -> None:
         """A new step: last step's blocks are computed (and named) or were never written."""
         self.filling_block_ids.clear()
-        self.filling_hashes.clear()
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's device blocks (cached ones to the evictor) and any CPU blocks."""
@@ -283,6 +272,15 @@ class BlockManager:
         self.ref_counts[private] = 1
         seq.block_table[index] = private
         self.blocks_to_copy.append((shared, private))
+
+    def _unnamed_full_blocks(
+        self, seq: Sequence, hashes: list[bytes], num_tokens: int
+    ) -> list[tuple[int, bytes]]:
+        """(block id, hash) of `seq`'s blocks full within its first `num_tokens` tokens, after the
+        leading blocks `hashes` already names."""
+        start, parent = len(hashes), hashes[-1] if hashes else None
+        block_hashes = self._block_hashes(parent, seq.token_ids, start, num_tokens // self.block_size)
+        return [(seq.block_table[index], h) for index, h in enumerate(block_hashes, start=start)]
 
     def _block_hashes(
         self, parent: bytes | None, token_ids: list[int], start: int, stop: int
