@@ -79,3 +79,9 @@ def decode_isa() -> str:
     """The instructions bfloat16 decode attention runs on in this build: "avx512_bf16" where the
     compiler targets AVX512-BF16 (vdpbf16ps scoring), else "generic" (needs `load()`)."""
     return str(torch.ops.pagedserve_cpu.decode_isa())
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum, as `logits.max(dim=-1).indices` (NaN first), read in the logits' own
+    dtype: greedy sampling without a float32 copy of the logits (needs `load()`)."""
+    return torch.ops.pagedserve_cpu.argmax_rows(logits)

@@ -118,6 +118,17 @@ def test_compiled_bf16_linear_layers_read_packed_frozen_weights(
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+def test_greedy_sampling_takes_the_cpp_argmax_on_cpu(tiny_llama_dir: str) -> None:
+    """Where the C++ CPU kernels build, the engine's sampler reads the argmax of all-greedy batches
+    from them (tests/kernels/test_cpu_argmax.py: the same index as torch's max); greedy parity with
+    Hugging Face through this path is in test_hf_parity.py."""
+    from pagedserve_kernels import cpu
+
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=16, enforce_eager=True)
+    assert cpu.load()
+    assert llm.engine.executor.worker.model_runner.sampler.argmax_rows is cpu.argmax_rows
+
+
 def test_without_a_cpp_compiler_the_engine_runs_eagerly(tiny_llama_dir: str, tmp_path: Path) -> None:
     """Inductor and the C++ CPU kernels (pagedserve_kernels.cpu) are built with the C++ compiler:
     none found (and nothing cached) means warnings, the eager forward pass and the pure-torch
@@ -127,6 +138,7 @@ def test_without_a_cpp_compiler_the_engine_runs_eagerly(tiny_llama_dir: str, tmp
         f"llm = LLM(model={tiny_llama_dir!r}, dtype='float32', num_kv_blocks=16, enforce_eager=False)\n"
         "out = llm.generate([[1, 400, 401, 402]], SamplingParams(temperature=0, max_tokens=5))\n"
         "print('TOKENS', out[0].outputs[0].token_ids)\n"
+        "print('ARGMAX', llm.engine.executor.worker.model_runner.sampler.argmax_rows)\n"
     )
     env = {
         **os.environ,
@@ -140,6 +152,7 @@ def test_without_a_cpp_compiler_the_engine_runs_eagerly(tiny_llama_dir: str, tmp
     assert result.returncode == 0, result.stderr[-3000:]
     assert "torch.compile failed, running the forward pass eagerly" in result.stderr
     assert "CPU kernels unavailable, using the pure-torch reference" in result.stderr
+    assert "ARGMAX None" in result.stdout  # greedy sampling on torch's max too
     eager = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=16, enforce_eager=True)
     expected = eager.generate([[1, 400, 401, 402]], SamplingParams(temperature=0, max_tokens=5))
     assert f"TOKENS {expected[0].outputs[0].token_ids}" in result.stdout

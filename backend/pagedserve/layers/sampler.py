@@ -7,6 +7,7 @@ index), so its tokens do not depend on what else is in the batch, nor on preempt
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,16 @@ class SamplingTensors:
     def all_greedy(self) -> bool:
         return bool((self.temperatures < _GREEDY_EPS).all())
 
+    @property
+    def only_argmax(self) -> bool:
+        """Every row greedy, and nothing to change in the logits or read from them but the argmax."""
+        return (
+            self.max_num_logprobs is None
+            and self.repetition_penalties is None
+            and not self.banned_tokens
+            and self.all_greedy
+        )
+
 
 @dataclass
 class SamplerOutput:
@@ -49,10 +60,21 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
+    """`argmax_rows`, where given, replaces `max(dim=-1).indices` on the raw logits of all-greedy
+    batches (the C++ CPU kernel reads bf16 logits in place: ~0.3 against ~1.1 ms for 64 rows)."""
+
+    def __init__(
+        self,
+        seed: int,
+        device: torch.device | str = "cpu",
+        argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)  # on the logits' device
+        self.argmax_rows = argmax_rows
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        if self.argmax_rows is not None and t.only_argmax:
+            return SamplerOutput(self.argmax_rows(logits))
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_num_logprobs is not None else None
         if t.repetition_penalties is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
+from pagedserve_kernels import cpu as cpu_kernels
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -76,7 +77,13 @@ class ModelRunner:
         self.block_tables = torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
         self.free_rows = list(range(max_seqs - 1, -1, -1))
         self.requests: dict[str, RequestState] = {}
-        self.sampler = Sampler(config.seed, self.device)
+        self.sampler = Sampler(config.seed, self.device, self._argmax_kernel())
+
+    def _argmax_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Greedy sampling's argmax in the C++ CPU kernels, where they build (else torch's)."""
+        if self.device.type == "cpu" and cpu_kernels.load():
+            return cpu_kernels.argmax_rows
+        return None
 
     def _load_model(self) -> torch.nn.Module:
         cfg = self.config.model

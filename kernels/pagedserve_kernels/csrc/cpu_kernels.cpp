@@ -11,14 +11,22 @@
 //   and scored against every query head, then its V slots are widened and accumulated.
 //
 // write_kv_cache: this step's K/V rows copied into their slots, one call per layer.
+//
+// argmax_rows: greedy sampling's argmax over each row of the logits, as torch's max(dim).indices
+// picks it (the first maximum; a NaN beats everything, the first NaN wins), read in the logits' own
+// dtype: a vectorized pass for the maximum, then one for its first position.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+#define PAGEDSERVE_AVX512 1
+#endif
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
 #define PAGEDSERVE_AVX512_BF16 1
 #endif
 
@@ -464,6 +472,81 @@ void write_kv_cache(
   }
 }
 
+// -- greedy argmax ---------------------------------------------------------------------------------
+
+// The first maximum of x[0, n), NaN greater than everything: one scalar pass.
+template <typename scalar_t>
+int64_t argmax_scalar(const scalar_t* x, int64_t n) {
+  int64_t best = 0;
+  float best_value = static_cast<float>(x[0]);
+  for (int64_t i = 0; i < n && !std::isnan(best_value); ++i) {
+    const float v = static_cast<float>(x[i]);
+    if (std::isnan(v) || v > best_value) best = i, best_value = v;
+  }
+  return best;
+}
+
+#ifdef PAGEDSERVE_AVX512
+inline __m512 load16(const float* x, __mmask16 m) { return _mm512_maskz_loadu_ps(m, x); }
+
+inline __m512 load16(const c10::BFloat16* x, __mmask16 m) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Two vector passes: the row's maximum (and whether it holds a NaN), then the first slot equal to it.
+template <typename scalar_t>
+int64_t argmax_avx512(const scalar_t* x, int64_t n) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 v = _mm512_mask_mov_ps(best, m, load16(x + i, m));  // lanes past the end keep best
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    best = _mm512_max_ps(best, v);
+  }
+  if (nan) return argmax_scalar(x, n);  // the first NaN: rare enough for the scalar walk
+  const __m512 target = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, load16(x + i, m), target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  return 0;  // unreachable: the maximum is one of the row's values
+}
+#endif
+
+template <typename scalar_t>
+int64_t argmax_row(const scalar_t* x, int64_t n) {
+#ifdef PAGEDSERVE_AVX512
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+    return argmax_avx512(x, n);
+  }
+#endif
+  return argmax_scalar(x, n);
+}
+
+// [rows, n] -> [rows] int64: each row's first maximum, as max(dim=-1).indices.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax_rows: logits [rows, n] with n > 0");
+  const auto x = logits.stride(1) == 1 ? logits : logits.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* index = out.data_ptr<int64_t>();
+  const auto run = [&](auto* base) {
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) index[r] = argmax_row(base + r * stride, n);
+    });
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run(x.data_ptr<float>()); break;
+    case at::kBFloat16: run(x.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: run(x.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "argmax_rows: float32, bfloat16 or float16 logits, not ", x.scalar_type());
+  }
+  return out;
+}
+
 // Which decode path bfloat16 takes on this build: the AVX512-BF16 one or the generic loops.
 std::string decode_isa() {
 #ifdef PAGEDSERVE_AVX512_BF16
@@ -477,6 +560,7 @@ std::string decode_isa() {
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("decode_isa() -> str", &decode_isa);
+  m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
@@ -485,4 +569,5 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("paged_attention_decode", &paged_attention_decode);
   m.impl("write_kv_cache", &write_kv_cache);
+  m.impl("argmax_rows", &argmax_rows);
 }
