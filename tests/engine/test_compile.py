@@ -13,6 +13,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import resolve_compile
 from pagedserve.settings import EngineSettings
+from tiny_models import build_tiny_llama
 
 
 def test_compile_is_used_on_cpu_with_the_torch_backend_and_one_rank() -> None:
@@ -64,6 +65,28 @@ def test_one_graph_serves_every_step_and_outputs_equal_the_eager_pass(tiny_llama
 
     assert single[0].outputs[0].token_ids == eager[0].outputs[0].token_ids
     assert [r.outputs[0].token_ids for r in compiled] == [r.outputs[0].token_ids for r in eager]
+
+
+def test_two_compiled_models_in_one_process_each_run_their_own_weights(
+    tiny_llama_dir: str, tmp_path: Path, default_model_dir: str
+) -> None:
+    """The compiled pass keeps only the guards that tell models apart (the attention layers' ids),
+    not the ~4,700 on each model's module tree: a second model of the same shapes, compiled while
+    the first is alive in the same process, still gets a graph of its own, with its own weights."""
+    other_dir = build_tiny_llama(tmp_path / "other", default_model_dir, seed=1)
+    prompts = [[1, 400, 401, 402], [1, *range(500, 520)]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    settings = dict(dtype="float32", num_kv_blocks=16, block_size=8)
+
+    def tokens(llm: LLM) -> list[list[int]]:
+        return [list(r.outputs[0].token_ids) for r in llm.generate(prompts, params)]
+
+    first = LLM(model=tiny_llama_dir, **settings, enforce_eager=False)
+    other = LLM(model=other_dir, **settings, enforce_eager=False)
+    other_tokens, first_tokens = tokens(other), tokens(first)
+    assert first_tokens == tokens(LLM(model=tiny_llama_dir, **settings, enforce_eager=True))
+    assert other_tokens == tokens(LLM(model=other_dir, **settings, enforce_eager=True))
+    assert first_tokens != other_tokens  # so one model's graph could not pass for the other's
 
 
 @pytest.mark.skipif(
