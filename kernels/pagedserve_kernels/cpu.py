@@ -18,7 +18,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = (Path(__file__).parent / "csrc" / "cpu_kernels.cpp",)
+_SOURCES = (
+    Path(__file__).parent / "csrc" / "cpu_kernels.cpp",
+    Path(__file__).parent / "csrc" / "linear_amx.cpp",
+)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
 
@@ -47,7 +50,15 @@ def load() -> bool:
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch reference still works
         logger.warning("CPU kernels unavailable, using the pure-torch reference: %s", str(exc)[-500:])
         return False
+    torch.library.register_fake("pagedserve_cpu::linear_amx")(_linear_amx_shape)
     return True
+
+
+def _linear_amx_shape(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What `linear_amx` returns, for tracing (torch.compile)."""
+    return x.new_empty((*x.shape[:-1], packed.shape[0] * 16))
 
 
 def write_kv_cache(
@@ -85,3 +96,23 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum, as `logits.max(dim=-1).indices` (NaN first), read in the logits' own
     dtype: greedy sampling without a float32 copy of the logits (needs `load()`)."""
     return torch.ops.pagedserve_cpu.argmax_rows(logits)
+
+
+@functools.cache
+def linear_amx_supported() -> bool:
+    """Whether `linear_amx` runs here: a build for a CPU with AMX bfloat16 tiles, which Linux lets this
+    process use (needs `load()`)."""
+    return bool(torch.ops.pagedserve_cpu.linear_amx_supported())
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight [N, K] (N and K multiples of 32) reordered once into the AMX tiles `linear_amx`
+    reads: [N/16, K/32, 16, 16, 2] (needs `load()`)."""
+    return torch.ops.pagedserve_cpu.pack_linear_weight(weight)
+
+
+def linear_amx(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` in bfloat16 on AMX tiles from `pack_linear_weight(weight)`. Each row's
+    result is the same in any batch, and F.linear's for batches of up to 32 rows (needs
+    `linear_amx_supported()`)."""
+    return torch.ops.pagedserve_cpu.linear_amx(x, packed, bias)

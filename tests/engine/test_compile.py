@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pagedserve.layers.linear
+import pagedserve.worker.model_runner
 import pytest
 import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import resolve_compile
+from pagedserve.layers.linear import LinearBase, amx_linear_available
 from pagedserve.settings import EngineSettings
 from tiny_models import build_tiny_llama
 
@@ -126,12 +129,14 @@ def test_compiled_bf16_is_as_close_to_float32_as_the_eager_pass(tiny_llama_dir: 
 def test_compiled_bf16_linear_layers_read_packed_frozen_weights(
     tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every linear layer of every decoder layer (qkv, o, gate_up, down) becomes a oneDNN matmul on
-    a weight packed once at compile time. Without freezing at trace time the weights stay graph
-    inputs and each step runs plain bf16 matmuls that reorder them (1.4x the linear layers' time on
-    the chat benchmark)."""
+    """Without AMX: every linear layer of every decoder layer (qkv, o, gate_up, down) becomes a oneDNN
+    matmul on a weight packed once at compile time. Without freezing at trace time the weights stay
+    graph inputs and each step runs plain bf16 matmuls that reorder them (1.4x the linear layers' time
+    on the chat benchmark)."""
     from torch._dynamo.utils import counters
 
+    monkeypatch.setattr(pagedserve.worker.model_runner, "amx_linear_available", lambda: False)
+    monkeypatch.setattr(pagedserve.layers.linear, "amx_linear_available", lambda: False)
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # count the passes' matches
     counters.clear()
     llm = LLM(model=tiny_llama_dir, dtype="bfloat16", num_kv_blocks=16, enforce_eager=False)
@@ -139,6 +144,28 @@ def test_compiled_bf16_linear_layers_read_packed_frozen_weights(
     assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 4 * num_layers
     out = llm.generate([[1, 400, 401, 402]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_bf16_linear_layers_run_on_amx_tiles(tiny_llama_dir: str, enforce_eager: bool) -> None:
+    """With AMX, every linear layer and the LM head hold their weight in the AMX kernel's tiles (the
+    plain copy released, the LM head's kept for the embedding) and the forward pass, compiled or not,
+    runs them there: four multiplies a decoder layer and the LM head, each step."""
+    if not amx_linear_available():
+        pytest.skip("no AMX bf16 tiles (or no C++ compiler) here")
+    llm = LLM(model=tiny_llama_dir, dtype="bfloat16", num_kv_blocks=16, enforce_eager=enforce_eager)
+    model = llm.engine.executor.worker.model_runner.model
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert len(linears) == 4 * llm.engine.config.model.num_layers
+    assert all(m.packed_weight.dim() == 5 and m.weight.numel() == 0 for m in linears)
+    assert model.lm_head.packed_weight.dim() == 5 and model.lm_head.weight.numel() > 0
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = llm.generate([[1, 400, 401, 402]], params)
+    calls = sum(e.count for e in prof.key_averages() if e.key == "pagedserve_cpu::linear_amx")
+    assert calls == 3 * (len(linears) + 1)  # three steps
+    assert not any(e.key == "mkldnn::_linear_pointwise" for e in prof.key_averages())
+    assert len(out[0].outputs[0].token_ids) == 3
 
 
 def test_greedy_sampling_takes_the_cpp_argmax_on_cpu(tiny_llama_dir: str) -> None:

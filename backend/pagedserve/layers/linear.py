@@ -4,15 +4,22 @@ checkpoint tensor and keeps this rank's shard, so sharding happens at load time.
 Column-parallel splits output features across ranks (no communication); row-parallel splits input
 features and all-reduces the partial sums.
 
-On CPUs, bfloat16 weights can be packed once into oneDNN's blocked layout (`pack_weights`): an
-unpacked bf16 `F.linear` reorders its weight on every call, which costs about as much as the matmul
-itself at decode batch sizes. The packed product is bit-identical to `F.linear`'s.
+On CPUs, bfloat16 weights are packed once (`pack_weights`): an unpacked bf16 `F.linear` reorders its
+weight on every call, which costs about as much as the matmul itself at decode batch sizes. Where the
+CPU has AMX tiles and the C++ kernels build, the weight goes into the tiles of
+`pagedserve_kernels.cpu.linear_amx`, which reads it about 1.5x as fast as oneDNN at decode batch sizes
+(bench/README.md); else into oneDNN's blocked layout. Either product is bit-identical to `F.linear`'s
+for up to 32 rows; beyond that oneDNN changes how it sums, while the AMX kernel gives each row what it
+gives that row alone.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+from pagedserve_kernels import cpu as cpu_kernels
 from torch import nn
 
 from pagedserve.distributed import all_reduce, get_tp_rank, get_tp_size
@@ -38,8 +45,24 @@ def can_pack_weights(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+@functools.cache
+def amx_linear_available() -> bool:
+    """The C++ kernels build here and the CPU lets them use AMX bfloat16 tiles."""
+    return cpu_kernels.load() and cpu_kernels.linear_amx_supported()
+
+
+def packs_for_amx(weight: torch.Tensor) -> bool:
+    """Whether `pack_weight` puts this (CPU bfloat16) weight into AMX tiles: it needs both sizes in
+    multiples of 32."""
+    out_features, in_features = weight.shape
+    return out_features % 32 == 0 and in_features % 32 == 0 and amx_linear_available()
+
+
 def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
-    """`weight` [out, in] reordered once into oneDNN's blocked layout, for `linear`."""
+    """`weight` [out, in] reordered once, for `linear`: into AMX tiles where `packs_for_amx` (a 5-d
+    tensor), else into oneDNN's blocked layout (2-d)."""
+    if packs_for_amx(weight):
+        return cpu_kernels.pack_linear_weight(weight.detach())
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
 
 
@@ -47,9 +70,11 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, read from `packed` (`pack_weight`) when there is one."""
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], None)
-    return F.linear(x, weight, bias)
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if packed.dim() == 5:
+        return cpu_kernels.linear_amx(x, packed, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], None)
 
 
 class LinearBase(nn.Module):

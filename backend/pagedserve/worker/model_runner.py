@@ -26,7 +26,7 @@ from pagedserve.layers.attention import (
     make_attention_backend,
     step_metadata,
 )
-from pagedserve.layers.linear import can_pack_weights
+from pagedserve.layers.linear import amx_linear_available, can_pack_weights
 from pagedserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from pagedserve.models.loader import iter_safetensors
 from pagedserve.models.registry import get_model_class
@@ -103,10 +103,15 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype):
             model = get_model_class(cfg.architecture)(cfg.hf_config, cfg.max_model_len, self.backend)
         model.load_weights(iter_safetensors(cfg.path))
-        # a compiled forward pass gets its linear weights packed by inductor (freezing); the LM head
-        # runs outside it
-        self._pack_weights([model.lm_head] if self.config.compile else model.modules())
+        # A compiled forward pass leaves its oneDNN weights to inductor (freezing packs them); AMX
+        # weights are packed here either way, and the LM head runs outside the compiled pass.
+        self._pack_weights(
+            [model.lm_head] if self.config.compile and not self._packs_for_amx() else model.modules()
+        )
         return model.eval()
+
+    def _packs_for_amx(self) -> bool:
+        return can_pack_weights(self.device, self.dtype) and amx_linear_available()
 
     def _pack_weights(self, modules: Iterable[torch.nn.Module]) -> None:
         """Pack the linear weights of `modules` not packed yet, where packing pays (`layers.linear`)."""

@@ -1,0 +1,233 @@
+// bfloat16 linear layers on AMX tiles (pagedserve_kernels/cpu.py builds and loads this with
+// cpu_kernels.cpp).
+//
+// pack_linear_weight: a weight [N, K] (nn.Linear's layout) is reordered once into the tiles the
+// multiply reads: [N/16][K/32][16 pairs of k][16 n][2], so the 16 columns of an n-block over 32 k are
+// one contiguous 1 KiB tile and an n-block's tiles follow each other in k order.
+//
+// linear_amx: out [M, N] = x [M, K] @ weight^T (+ bias), float32 accumulation, rounded to bfloat16 once
+// at the end. Threads split the output columns in pairs of n-blocks; each pair runs down the rows 32
+// at a time (four accumulator tiles: two row blocks x two n-blocks), so the weight is streamed from
+// memory once a call and the rows come from cache. Every row is accumulated the same way whatever
+// the number of rows (k-blocks in order, one tile product each), so a row's result does not depend on
+// the batch it is in, and it equals oneDNN's (F.linear's) for batches of up to 32 rows.
+//
+// At decode batch sizes the multiply is bound by reading the weight; oneDNN's brgemm reads the same
+// packed weight at about two thirds of the rate this loop does (bench/README.md).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGEDSERVE_AMX 1
+#endif
+
+namespace {
+
+constexpr int64_t kTileRows = 16;              // rows of an accumulator tile, pairs of k in a weight tile
+constexpr int64_t kTileK = 32;                 // bfloat16 values of k in one tile row
+constexpr int64_t kTileElems = kTileRows * kTileK;  // 512 bfloat16: one 1 KiB tile
+
+#ifdef PAGEDSERVE_AMX
+
+// Linux hands out AMX's tile data state only on request, once per process (threads share it).
+bool request_amx() {
+  constexpr int kArchReqXcompPerm = 0x1023;
+  constexpr int kXfeatureXtiledata = 18;
+  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3 accumulate (row block a x n-blocks 0, 1; row block b x n-blocks 0, 1), 4 and 5 hold the
+// two row blocks of x, 6 and 7 the two weight tiles. `rows_b` 0: only row block a is in use.
+void configure_tiles(int rows_a, int rows_b) {
+  TileConfig config;
+  std::fill(config.colsb, config.colsb + 8, static_cast<uint16_t>(64));
+  config.rows[0] = config.rows[1] = config.rows[4] = static_cast<uint8_t>(rows_a);
+  config.rows[2] = config.rows[3] = config.rows[5] = static_cast<uint8_t>(std::max(rows_b, 1));
+  config.rows[6] = config.rows[7] = kTileRows;
+  _tile_loadconfig(&config);
+}
+
+// `rows` rows of a float32 accumulator tile (16 x 16, plus the bias) rounded to bfloat16 into `out`.
+inline void store_rows(const float* acc, const float* bias, c10::BFloat16* out, int64_t ld_out, int rows) {
+  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < rows; ++r) {
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ld_out), reinterpret_cast<const __m256i&>(v));
+  }
+}
+
+struct LinearArgs {
+  const c10::BFloat16* x;
+  int64_t ld_x;  // elements between rows of x
+  const c10::BFloat16* weight;
+  const float* bias;  // float32 [N] or nullptr
+  c10::BFloat16* out;
+  int64_t num_rows, n, k_blocks;
+};
+
+// Rows [row, row + 32) x n-blocks 2 * pair, 2 * pair + 1.
+void multiply_block(const LinearArgs& a, int64_t row, int64_t pair, int& rows_a, int& rows_b) {
+  const int ra = static_cast<int>(std::min(kTileRows, a.num_rows - row));
+  const int rb = static_cast<int>(std::clamp(a.num_rows - row - kTileRows, int64_t{0}, kTileRows));
+  if (ra != rows_a || rb != rows_b) {
+    configure_tiles(ra, rb);
+    rows_a = ra;
+    rows_b = rb;
+  }
+  const c10::BFloat16* w0 = a.weight + 2 * pair * a.k_blocks * kTileElems;
+  const c10::BFloat16* w1 = w0 + a.k_blocks * kTileElems;
+  const c10::BFloat16* xa = a.x + row * a.ld_x;
+  const c10::BFloat16* xb = xa + kTileRows * a.ld_x;
+  const int64_t stride_x = a.ld_x * 2;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (rb) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < a.k_blocks; ++kb) {
+    _tile_loadd(4, xa + kb * kTileK, stride_x);
+    _tile_loadd(6, w0 + kb * kTileElems, 64);
+    _tile_loadd(7, w1 + kb * kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (rb) {
+      _tile_loadd(5, xb + kb * kTileK, stride_x);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float acc[4][kTileRows * 16];
+  const int64_t col = 2 * pair * 16;
+  const float* bias0 = a.bias ? a.bias + col : nullptr;
+  const float* bias1 = a.bias ? a.bias + col + 16 : nullptr;
+  c10::BFloat16* out = a.out + row * a.n + col;
+  _tile_stored(0, acc[0], 64);
+  _tile_stored(1, acc[1], 64);
+  store_rows(acc[0], bias0, out, a.n, ra);
+  store_rows(acc[1], bias1, out + 16, a.n, ra);
+  if (rb) {
+    _tile_stored(2, acc[2], 64);
+    _tile_stored(3, acc[3], 64);
+    store_rows(acc[2], bias0, out + kTileRows * a.n, a.n, rb);
+    store_rows(acc[3], bias1, out + kTileRows * a.n + 16, a.n, rb);
+  }
+}
+
+#endif  // PAGEDSERVE_AMX
+
+bool linear_amx_supported() {
+#ifdef PAGEDSERVE_AMX
+  return request_amx();
+#else
+  return false;
+#endif
+}
+
+void check_supported() {
+  TORCH_CHECK(linear_amx_supported(),
+              "linear_amx: this build or CPU has no AMX bfloat16 (check linear_amx_supported() first)");
+}
+
+void check_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16,
+              "linear_amx: the weight must be a bfloat16 CPU tensor, got ", weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 2, "linear_amx: the weight must be [out_features, in_features], got ",
+              weight.sizes());
+  TORCH_CHECK(weight.size(0) % (2 * kTileRows) == 0 && weight.size(1) % kTileK == 0,
+              "linear_amx: out_features must be a multiple of 32 and in_features of 32, got ", weight.sizes());
+}
+
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  check_weight(weight);
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const at::Tensor w = weight.contiguous();
+  at::Tensor packed = at::empty({n / kTileRows, k / kTileK, kTileRows, 16, 2}, w.options());
+  const c10::BFloat16* src = w.data_ptr<c10::BFloat16>();
+  c10::BFloat16* dst = packed.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, n / kTileRows, 1, [&](int64_t nb0, int64_t nb1) {
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+      c10::BFloat16* tile = dst + nb * (k / kTileK) * kTileElems;
+      for (int64_t kb = 0; kb < k / kTileK; ++kb)
+        for (int64_t pair = 0; pair < kTileRows; ++pair)
+          for (int64_t col = 0; col < 16; ++col)
+            for (int64_t half = 0; half < 2; ++half)
+              *tile++ = src[(nb * kTileRows + col) * k + kb * kTileK + pair * 2 + half];
+    }
+  });
+  return packed;
+}
+
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  check_supported();
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 && packed.dim() == 5 &&
+                  packed.size(0) % 2 == 0 && packed.size(2) == kTileRows && packed.size(3) == 16 &&
+                  packed.size(4) == 2 && packed.is_contiguous(),
+              "linear_amx: `packed` must come from pack_linear_weight, got ", packed.sizes());
+  const int64_t n = packed.size(0) * kTileRows, k = packed.size(1) * kTileK;
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "linear_amx: x must be a bfloat16 CPU tensor, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "linear_amx: x's last dimension must be ", k, ", got ",
+              x.sizes());
+  at::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_amx: bias must be [", n, "], got ",
+                bias->sizes());
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor rows = x.reshape({-1, k});
+  if (rows.stride(1) != 1 || (rows.size(0) > 1 && rows.stride(0) < k)) rows = rows.contiguous();
+  at::Tensor out = at::empty({rows.size(0), n}, x.options());
+#ifdef PAGEDSERVE_AMX
+  if (rows.size(0) > 0) {
+    const LinearArgs args{rows.data_ptr<c10::BFloat16>(),
+                          rows.size(0) > 1 ? rows.stride(0) : k,
+                          packed.data_ptr<c10::BFloat16>(),
+                          bias32.defined() ? bias32.data_ptr<float>() : nullptr,
+                          out.data_ptr<c10::BFloat16>(),
+                          rows.size(0),
+                          n,
+                          k / kTileK};
+    at::parallel_for(0, packed.size(0) / 2, 1, [&](int64_t pair0, int64_t pair1) {
+      int rows_a = -1, rows_b = -1;  // the tile configuration loaded on this thread
+      for (int64_t pair = pair0; pair < pair1; ++pair)
+        for (int64_t row = 0; row < args.num_rows; row += 2 * kTileRows)
+          multiply_block(args, row, pair, rows_a, rows_b);
+      if (rows_a >= 0) _tile_release();
+    });
+  }
+#endif
+  return out.view(out_shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("linear_amx_supported() -> bool", &linear_amx_supported);
+  m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
+  m.def("linear_amx(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("linear_amx", &linear_amx); }
