@@ -36,7 +36,9 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32, 64, 128, 512, 2048])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
@@ -47,34 +49,29 @@ def main() -> None:
     weights = [torch.randn(n, k).to(torch.bfloat16) for n, k, count in DEFAULT_LAYERS for _ in range(count)]
     amx = [cpu.pack_linear_weight(w) for w in weights]
     num_bytes = sum(w.numel() * w.element_size() for w in weights)
-    print(f"{len(weights)} weights, {num_bytes / 1e6:.0f} MB, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"{len(weights)} weights, {num_bytes / 1e6:.0f} MB, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print("| rows | AMX ms | AMX GB/s | oneDNN packed ms | F.linear ms | oneDNN / AMX | F.linear / AMX |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for rows in args.rows:
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
-        inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for _, k, _ in DEFAULT_LAYERS}
-
-        def run_amx() -> None:
-            for w, p in zip(weights, amx):
-                cpu.linear_amx(inputs[w.shape[1]], p)
-
-        def run_onednn() -> None:
-            for w, p in zip(weights, onednn):
-                torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], None)
-
-        def run_plain() -> None:
-            for w in weights:
-                F.linear(inputs[w.shape[1]], w)
-
-        for fn in (run_amx, run_onednn, run_plain):
+        inputs = [torch.randn(rows, w.shape[1]).to(torch.bfloat16) for w in weights]
+        arms = {
+            "amx": lambda x=inputs: [cpu.linear_amx(a, p) for a, p in zip(x, amx)],
+            "onednn": lambda x=inputs, packed=onednn: [
+                torch.ops.mkldnn._linear_pointwise(a, p, None, "none", [], None) for a, p in zip(x, packed)
+            ],
+            "plain": lambda x=inputs: [F.linear(a, w) for a, w in zip(x, weights)],
+        }
+        for fn in arms.values():
             fn()  # warm-up: oneDNN creates its primitives for this shape
-        t_amx, t_onednn, t_plain = (median_ms(fn, args.repeats) for fn in (run_amx, run_onednn, run_plain))
+        t_amx, t_onednn, t_plain = (median_ms(fn, args.repeats) for fn in arms.values())
         gbps = num_bytes / t_amx / 1e6
         print(
             f"| {rows} | {t_amx:.2f} | {gbps:.1f} | {t_onednn:.2f} | {t_plain:.2f} "
             f"| {t_onednn / t_amx:.2f}x | {t_plain / t_amx:.2f}x |"
         )
-        del onednn
 
 
 if __name__ == "__main__":
