@@ -12,8 +12,9 @@
 // the number of rows (k-blocks in order, one tile product each), so a row's result does not depend on
 // the batch it is in, and it equals oneDNN's (F.linear's) for batches of up to 32 rows.
 //
-// At decode batch sizes the multiply is bound by reading the weight; oneDNN's brgemm reads the same
-// packed weight at about two thirds of the rate this loop does (bench/README.md).
+// At decode batch sizes the multiply is bound by reading the weight; oneDNN's brgemm reads its own
+// packed weight at about two thirds of the rate this loop does (bench/cpu_linear.py). From ~128 rows
+// on it is no faster than oneDNN, and slower on 2,048-row prefill chunks (bench/README.md).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
