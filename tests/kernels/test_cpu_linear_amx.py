@@ -98,8 +98,10 @@ def test_refuses_bad_inputs() -> None:
         cpu.linear_amx(bf16(4, 64), packed)
     with pytest.raises(RuntimeError, match="x must be a bfloat16"):
         cpu.linear_amx(torch.randn(4, 96), packed)
-    with pytest.raises(RuntimeError, match=r"bias must be \[64\]"):
+    with pytest.raises(RuntimeError, match=r"bias must be bfloat16 \[64\]"):
         cpu.linear_amx(bf16(4, 96), packed, bf16(32))
+    with pytest.raises(RuntimeError, match=r"bias must be bfloat16 \[64\], got Float"):
+        cpu.linear_amx(bf16(4, 96), packed, torch.randn(64))
     with pytest.raises(RuntimeError, match="must come from pack_linear_weight"):
         cpu.linear_amx(bf16(4, 96), weight)
 

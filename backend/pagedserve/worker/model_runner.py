@@ -105,13 +105,9 @@ class ModelRunner:
         model.load_weights(iter_safetensors(cfg.path))
         # A compiled forward pass leaves its oneDNN weights to inductor (freezing packs them); AMX
         # weights are packed here either way, and the LM head runs outside the compiled pass.
-        self._pack_weights(
-            [model.lm_head] if self.config.compile and not self._packs_for_amx() else model.modules()
-        )
+        on_amx = can_pack_weights(self.device, self.dtype) and amx_linear_available()  # no CPU build on a GPU
+        self._pack_weights([model.lm_head] if self.config.compile and not on_amx else model.modules())
         return model.eval()
-
-    def _packs_for_amx(self) -> bool:
-        return can_pack_weights(self.device, self.dtype) and amx_linear_available()
 
     def _pack_weights(self, modules: Iterable[torch.nn.Module]) -> None:
         """Pack the linear weights of `modules` not packed yet, where packing pays (`layers.linear`)."""

@@ -68,9 +68,12 @@ void configure_tiles(int rows_a, int rows_b) {
   _tile_loadconfig(&config);
 }
 
-// `rows` rows of a float32 accumulator tile (16 x 16, plus the bias) rounded to bfloat16 into `out`.
-inline void store_rows(const float* acc, const float* bias, c10::BFloat16* out, int64_t ld_out, int rows) {
-  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+// `rows` rows of a float32 accumulator tile (16 x 16, plus the 16 bfloat16 `bias` values widened)
+// rounded to bfloat16 into `out`.
+inline void store_rows(const float* acc, const c10::BFloat16* bias, c10::BFloat16* out, int64_t ld_out, int rows) {
+  const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias))), 16))
+                        : _mm512_setzero_ps();
   for (int r = 0; r < rows; ++r) {
     const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ld_out), reinterpret_cast<const __m256i&>(v));
@@ -81,7 +84,7 @@ struct LinearArgs {
   const c10::BFloat16* x;
   int64_t ld_x;  // elements between rows of x
   const c10::BFloat16* weight;
-  const float* bias;  // float32 [N] or nullptr
+  const c10::BFloat16* bias;  // [N] or nullptr
   c10::BFloat16* out;
   int64_t num_rows, n, k_blocks;
 };
@@ -120,8 +123,8 @@ void multiply_block(const LinearArgs& a, int64_t row, int64_t pair, int& rows_a,
   }
   alignas(64) float acc[4][kTileRows * 16];
   const int64_t col = 2 * pair * 16;
-  const float* bias0 = a.bias ? a.bias + col : nullptr;
-  const float* bias1 = a.bias ? a.bias + col + 16 : nullptr;
+  const c10::BFloat16* bias0 = a.bias ? a.bias + col : nullptr;
+  const c10::BFloat16* bias1 = a.bias ? a.bias + col + 16 : nullptr;
   c10::BFloat16* out = a.out + row * a.n + col;
   _tile_stored(0, acc[0], 64);
   _tile_stored(1, acc[1], 64);
@@ -190,11 +193,11 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const std::
               "linear_amx: x must be a bfloat16 CPU tensor, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "linear_amx: x's last dimension must be ", k, ", got ",
               x.sizes());
-  at::Tensor bias32;
+  at::Tensor bias_rows;  // read in place: a bf16 bias is widened as the rows are stored
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_amx: bias must be [", n, "], got ",
-                bias->sizes());
-    bias32 = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kBFloat16,
+                "linear_amx: bias must be bfloat16 [", n, "], got ", bias->scalar_type(), " ", bias->sizes());
+    bias_rows = bias->contiguous();
   }
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
@@ -206,7 +209,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const std::
     const LinearArgs args{rows.data_ptr<c10::BFloat16>(),
                           rows.size(0) > 1 ? rows.stride(0) : k,
                           packed.data_ptr<c10::BFloat16>(),
-                          bias32.defined() ? bias32.data_ptr<float>() : nullptr,
+                          bias_rows.defined() ? bias_rows.data_ptr<c10::BFloat16>() : nullptr,
                           out.data_ptr<c10::BFloat16>(),
                           rows.size(0),
                           n,
