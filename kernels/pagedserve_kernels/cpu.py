@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = (
     Path(__file__).parent / "csrc" / "cpu_kernels.cpp",
     Path(__file__).parent / "csrc" / "linear_amx.cpp",
+    Path(__file__).parent / "csrc" / "decode_layers.cpp",
 )
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
@@ -116,3 +117,52 @@ def linear_amx(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     result is the same in any batch, and F.linear's for batches of up to 32 rows (needs
     `linear_amx_supported()`)."""
     return torch.ops.pagedserve_cpu.linear_amx(x, packed, bias)
+
+
+def decode_layers(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    embedding: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    norms: list[torch.Tensor],
+    qkv: list[torch.Tensor],
+    qkv_bias: list[torch.Tensor],
+    o_proj: list[torch.Tensor],
+    gate_up: list[torch.Tensor],
+    down: list[torch.Tensor],
+    final_norm: torch.Tensor,
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    scale: float,
+) -> torch.Tensor:
+    """Every decoder layer of a Llama-family model for a decode-only step, bfloat16 on AMX-packed weights
+    (`csrc/decode_layers.cpp`): the final-normed hidden states [tokens, hidden] (needs
+    `linear_amx_supported()`)."""
+    return torch.ops.pagedserve_cpu.decode_layers(
+        input_ids,
+        positions,
+        embedding,
+        cos_sin_cache,
+        norms,
+        qkv,
+        qkv_bias,
+        o_proj,
+        gate_up,
+        down,
+        final_norm,
+        k_caches,
+        v_caches,
+        slot_mapping,
+        block_tables,
+        context_lens,
+        num_heads,
+        num_kv_heads,
+        eps,
+        scale,
+    )

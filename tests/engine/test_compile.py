@@ -14,6 +14,7 @@ import pytest
 import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import resolve_compile
+from pagedserve.layers.attention import step_metadata
 from pagedserve.layers.linear import LinearBase, amx_linear_available
 from pagedserve.settings import EngineSettings
 from tiny_models import build_tiny_llama
@@ -166,6 +167,49 @@ def test_bf16_linear_layers_run_on_amx_tiles(tiny_llama_dir: str, enforce_eager:
     assert calls == 3 * (len(linears) + 1)  # three steps
     assert not any(e.key == "mkldnn::_linear_pointwise" for e in prof.key_averages())
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_decode_steps_run_every_layer_in_one_cpp_call(tiny_llama_dir: str) -> None:
+    """bf16 on AMX: a decode-only step is one `decode_layers` call (the compiled pass runs the prefill
+    step) whose hidden states are the compiled pass's within bfloat16 rounding (the kernel against the
+    reference layers: tests/kernels/test_cpu_decode_layers.py). Greedy tokens may part where two
+    logits are that close; tests/engine/test_hf_parity.py holds the float32 path to Hugging Face."""
+    if not amx_linear_available():
+        pytest.skip("no AMX bf16 tiles (or no C++ compiler) here")
+    llm = LLM(model=tiny_llama_dir, dtype="bfloat16", num_kv_blocks=64, enforce_eager=False)
+    runner = llm.engine.executor.worker.model_runner
+    fused = runner.fused_decode
+    assert fused is not None
+    steps: list[tuple[torch.Tensor, torch.Tensor, object, torch.Tensor]] = []
+
+    def recording(input_ids: torch.Tensor, positions: torch.Tensor, metadata: object) -> torch.Tensor:
+        hidden = fused(input_ids, positions, metadata)  # type: ignore[arg-type]
+        steps.append((input_ids.clone(), positions.clone(), metadata, hidden))
+        return hidden
+
+    runner.fused_decode = recording  # type: ignore[assignment]
+    prompts = [[1, 400 + i, 401, 402 + 3 * i] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        outputs = llm.generate(prompts, params)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("pagedserve_cpu::decode_layers") == 7 == len(steps)  # one prefill step, 7 decodes
+    assert calls.get("pagedserve::attention") == llm.engine.config.model.num_layers  # the prefill's
+    input_ids, positions, metadata, hidden = steps[3]
+    with torch.inference_mode(), step_metadata(metadata):  # type: ignore[arg-type]
+        compiled = runner.forward(input_ids, positions, metadata)  # rewrites the same K/V slots
+    assert hidden.shape == compiled.shape == (6, runner.model.embed_tokens.weight.shape[1])
+    error = (hidden.float() - compiled.float()).abs().max() / compiled.float().abs().max()
+    assert error < 0.03, f"fused decode differs from the compiled pass by {error:.3%} of the largest value"
+
+
+def test_decode_layers_only_where_it_applies(tiny_llama_dir: str) -> None:
+    """Not for float32 (the kernel is bf16 on AMX tiles), nor with --enforce-eager (no compiled pass to
+    stand beside): both keep the forward pass for every step."""
+    for dtype, eager in (("float32", False), ("bfloat16", True)):
+        llm = LLM(model=tiny_llama_dir, dtype=dtype, num_kv_blocks=16, enforce_eager=eager)
+        assert llm.engine.executor.worker.model_runner.fused_decode is None
 
 
 def test_greedy_sampling_takes_the_cpp_argmax_on_cpu(tiny_llama_dir: str) -> None:

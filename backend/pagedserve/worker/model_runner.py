@@ -32,6 +32,7 @@ from pagedserve.models.loader import iter_safetensors
 from pagedserve.models.registry import get_model_class
 from pagedserve.outputs import Logprob, TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.fused_decode import FusedDecode
 
 if TYPE_CHECKING:  # torch._dynamo imports triton.language: not at import time (tests/kernels/conftest.py)
     from torch._dynamo.types import GuardFilterEntry
@@ -85,6 +86,10 @@ class ModelRunner:
         self.backend = backend or make_attention_backend(config.attention_backend, self.device)
         self.model = self._load_model()
         self.forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor] = self.model
+        # decode-only steps skip the compiled pass where one C++ call runs every layer (`fused_decode`)
+        self.fused_decode = (
+            FusedDecode.build(self.model, self.backend, self.dtype) if config.compile else None
+        )
         max_seqs = config.scheduler.max_num_seqs
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.block_tables = torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
@@ -186,9 +191,12 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         order = sorted(output.scheduled, key=lambda r: len(r.token_ids) > 1)  # decodes first, stable
         input_ids, positions, metadata, sample_indices = self._prepare_inputs(order)
-        self.backend.prepare(metadata, self.dtype, self.block_size)
-        with step_metadata(metadata):
-            hidden = self.forward(input_ids, positions, metadata)
+        if self.fused_decode is not None and metadata.num_prefills == 0:
+            hidden = self.fused_decode(input_ids, positions, metadata)
+        else:
+            self.backend.prepare(metadata, self.dtype, self.block_size)
+            with step_metadata(metadata):
+                hidden = self.forward(input_ids, positions, metadata)
         sampled = [r for r in order if r.do_sample]
         if not sampled:
             return ModelRunnerOutput([], [])

@@ -1,0 +1,116 @@
+"""Decode-only steps of a Llama-family model in one C++ call (`pagedserve_kernels.cpu.decode_layers`).
+
+At decode batch sizes on a CPU the compiled forward pass spends ~2 ms a step between and in its small
+kernels (inductor's Python wrapper calls ~8 ops a layer); the weights and the KV cache are read at the
+machine's streaming rate already. `decode_layers` runs every layer of the step in C++: the same AMX
+multiplies, KV writes and decode attention, with its own norm, rotary and SiLU loops. Steps with
+prefill tokens keep the compiled pass (prefill attention is torch's SDPA).
+
+Used where the compiled pass is (CPU, one rank, torch attention with its C++ kernels) for bfloat16
+models whose linear layers all hold AMX tiles and carry no bias but an optional qkv bias.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from pagedserve_kernels import cpu as cpu_kernels
+
+from pagedserve.layers.attention import AttentionMetadata, TorchAttentionBackend
+from pagedserve.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class FusedDecode:
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        layers = list(model.layers)
+        attention = layers[0].self_attn
+        self.num_heads, self.num_kv_heads = attention.num_heads, attention.num_kv_heads
+        self.scale = attention.attn.scale
+        self.eps = model.norm.eps
+        self.embedding = model.embed_tokens.weight
+        self.cos_sin_cache = model.rotary_emb.cos_sin_cache
+        self.norms = [
+            w
+            for layer in layers
+            for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        ]
+        self.qkv = [layer.self_attn.qkv_proj.packed_weight for layer in layers]
+        biases = [layer.self_attn.qkv_proj.bias for layer in layers]
+        self.qkv_bias = [b for b in biases if b is not None]
+        self.o_proj = [layer.self_attn.o_proj.packed_weight for layer in layers]
+        self.gate_up = [layer.mlp.gate_up_proj.packed_weight for layer in layers]
+        self.down = [layer.mlp.down_proj.packed_weight for layer in layers]
+        self.final_norm = model.norm.weight
+        self.attention_layers = model.attention_layers
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, backend: object, dtype: torch.dtype) -> FusedDecode | None:
+        """A FusedDecode for `model`, or None where `decode_layers` cannot run it (then say why)."""
+        reason = _unsupported(model, backend, dtype)
+        if reason:
+            logger.info("decode steps run the compiled forward pass: %s", reason)
+            return None
+        assert isinstance(model, LlamaForCausalLM)
+        logger.info("decode steps run every decoder layer in one C++ call (decode_layers)")
+        return cls(model)
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """The final-normed hidden states [tokens, hidden] of a step whose tokens are all decodes."""
+        caches = [layer.kv_cache for layer in self.attention_layers]
+        assert all(c is not None for c in caches), "KV cache not bound"
+        return cpu_kernels.decode_layers(
+            input_ids,
+            positions,
+            self.embedding,
+            self.cos_sin_cache,
+            self.norms,
+            self.qkv,
+            self.qkv_bias,
+            self.o_proj,
+            self.gate_up,
+            self.down,
+            self.final_norm,
+            [c[0] for c in caches],  # type: ignore[index]
+            [c[1] for c in caches],  # type: ignore[index]
+            metadata.slot_mapping,
+            metadata.decode_block_tables,
+            metadata.decode_context_lens,
+            self.num_heads,
+            self.num_kv_heads,
+            self.eps,
+            self.scale,
+        )
+
+
+def _unsupported(model: torch.nn.Module, backend: object, dtype: torch.dtype) -> str:
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not a Llama-family model"
+    if dtype != torch.bfloat16:
+        return f"dtype {dtype} (bfloat16 only)"
+    if not (isinstance(backend, TorchAttentionBackend) and backend.cpu_kernels):
+        return "no C++ decode attention"
+    layers = list(model.layers)
+    if not layers:
+        return "no decoder layers"
+    rotary_dim, head_dim = model.rotary_emb.rotary_dim, layers[0].self_attn.head_dim
+    if rotary_dim != head_dim or head_dim % 2:
+        return f"rotary over {rotary_dim} of {head_dim} dimensions"
+    if model.embed_tokens.weight.dim() != 2 or model.embed_tokens.weight.dtype != dtype:
+        return "the embedding is not a bfloat16 table"
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            packed = linear.packed_weight
+            if packed is None or packed.dim() != 5:
+                return "a linear layer is not packed for AMX"
+        if any(m.bias is not None for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            return "biases beyond qkv"
+    qkv_biases = [layer.self_attn.qkv_proj.bias is not None for layer in layers]
+    if any(qkv_biases) and not all(qkv_biases):
+        return "qkv bias on some layers only"
+    return ""

@@ -1,0 +1,204 @@
+"""Every decoder layer of a decode step in one C++ call (`pagedserve_kernels.cpu.decode_layers`) against
+the same layers composed from the torch references (`pagedserve_kernels.reference`) and F.linear:
+hidden states within bfloat16 rounding, the KV cache written at the step's slots, and the inputs it
+refuses. Runs where the CPU has AMX bfloat16 tiles (the kernel reads AMX-packed weights).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pagedserve_kernels import cpu, reference
+
+pytestmark = [
+    pytest.mark.skipif(
+        shutil.which("c++") is None and shutil.which("g++") is None,
+        reason="no C++ compiler to build the kernel",
+    ),
+    pytest.mark.skipif("not cpu.load() or not cpu.linear_amx_supported()", reason="no AMX bf16 here"),
+]
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 64, 4, 2, 16, 96, 2
+BLOCK_SIZE, NUM_BLOCKS, EPS = 8, 160, 1e-5
+
+
+@dataclass
+class Model:
+    embedding: torch.Tensor
+    norms: list[torch.Tensor]
+    qkv: list[torch.Tensor]
+    qkv_bias: list[torch.Tensor]
+    o_proj: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+    final_norm: torch.Tensor
+    cos_sin_cache: torch.Tensor
+
+
+def bf16(*shape: int, scale: float = 0.1) -> torch.Tensor:
+    return (torch.randn(*shape) * scale).to(torch.bfloat16)
+
+
+def make_model(qkv_bias: bool, head_dim: int = HEAD_DIM) -> Model:
+    torch.manual_seed(0)
+    qkv_size = (HEADS + 2 * KV_HEADS) * head_dim
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(256).float()[:, None] * inv_freq[None, :]
+    return Model(
+        embedding=bf16(1000, HIDDEN, scale=1.0),
+        norms=[1 + bf16(HIDDEN) for _ in range(2 * LAYERS)],
+        qkv=[bf16(qkv_size, HIDDEN) for _ in range(LAYERS)],
+        qkv_bias=[bf16(qkv_size) for _ in range(LAYERS)] if qkv_bias else [],
+        o_proj=[bf16(HIDDEN, HEADS * head_dim) for _ in range(LAYERS)],
+        gate_up=[bf16(2 * INTER, HIDDEN) for _ in range(LAYERS)],
+        down=[bf16(HIDDEN, INTER) for _ in range(LAYERS)],
+        final_norm=1 + bf16(HIDDEN),
+        cos_sin_cache=torch.cat((freqs.cos(), freqs.sin()), dim=-1),
+    )
+
+
+def make_step(num_seqs: int, head_dim: int = HEAD_DIM) -> dict[str, torch.Tensor]:
+    """A decode step: sequence i has 5 + (7 i mod 27) tokens (its new token last) in blocks 4 i .. 4 i + 3."""
+    context_lens = torch.tensor([5 + (7 * i) % 27 for i in range(num_seqs)], dtype=torch.int32)
+    tables = torch.arange(num_seqs * 4, dtype=torch.int32).view(num_seqs, 4)
+    positions = context_lens.long() - 1
+    slots = (
+        tables[torch.arange(num_seqs), positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
+    )
+    caches = [bf16(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, head_dim, scale=1.0) for _ in range(2 * LAYERS)]
+    return {
+        "input_ids": torch.randint(0, 1000, (num_seqs,)),
+        "positions": positions,
+        "slot_mapping": slots,
+        "block_tables": tables,
+        "context_lens": context_lens,
+        "k_caches": caches[:LAYERS],
+        "v_caches": caches[LAYERS:],
+    }
+
+
+def run_kernel(model: Model, step: dict, head_dim: int = HEAD_DIM) -> torch.Tensor:
+    return cpu.decode_layers(
+        step["input_ids"],
+        step["positions"],
+        model.embedding,
+        model.cos_sin_cache,
+        model.norms,
+        [cpu.pack_linear_weight(w) for w in model.qkv],
+        model.qkv_bias,
+        [cpu.pack_linear_weight(w) for w in model.o_proj],
+        [cpu.pack_linear_weight(w) for w in model.gate_up],
+        [cpu.pack_linear_weight(w) for w in model.down],
+        model.final_norm,
+        step["k_caches"],
+        step["v_caches"],
+        step["slot_mapping"],
+        step["block_tables"],
+        step["context_lens"],
+        HEADS,
+        KV_HEADS,
+        EPS,
+        head_dim**-0.5,
+    )
+
+
+def run_reference(model: Model, step: dict, head_dim: int = HEAD_DIM) -> torch.Tensor:
+    """The model's layers as the eager model runs them, on the torch references."""
+    q_size, kv_size = HEADS * head_dim, KV_HEADS * head_dim
+    cos, sin = reference.rotary_cos_sin(step["positions"], model.cos_sin_cache, torch.bfloat16)
+    hidden = model.embedding[step["input_ids"]]
+    residual = None
+    for layer in range(LAYERS):
+        weight = model.norms[2 * layer]
+        if residual is None:
+            residual, hidden = hidden, reference.rms_norm(hidden, weight, EPS)
+        else:
+            hidden, residual = reference.fused_add_rms_norm(hidden, residual, weight, EPS)
+        bias = model.qkv_bias[layer] if model.qkv_bias else None
+        qkv = F.linear(hidden, model.qkv[layer], bias)
+        qk = qkv[:, : q_size + kv_size].view(-1, HEADS + KV_HEADS, head_dim)
+        q, k = reference.apply_rotary(qk, cos, sin).split([HEADS, KV_HEADS], dim=1)
+        v = qkv[:, q_size + kv_size :].view(-1, KV_HEADS, head_dim)
+        k_cache, v_cache = step["k_caches"][layer], step["v_caches"][layer]
+        reference.write_kv_cache(k, v, k_cache, v_cache, step["slot_mapping"])
+        attn = reference.paged_attention_decode(
+            q, k_cache, v_cache, step["block_tables"], step["context_lens"], head_dim**-0.5
+        )
+        hidden = F.linear(attn.reshape(-1, q_size), model.o_proj[layer])
+        hidden, residual = reference.fused_add_rms_norm(hidden, residual, model.norms[2 * layer + 1], EPS)
+        hidden = F.linear(reference.silu_and_mul(F.linear(hidden, model.gate_up[layer])), model.down[layer])
+    hidden, _ = reference.fused_add_rms_norm(hidden, residual, model.final_norm, EPS)
+    return hidden
+
+
+def clone_step(step: dict) -> dict:
+    return {k: [c.clone() for c in v] if isinstance(v, list) else v.clone() for k, v in step.items()}
+
+
+@pytest.mark.parametrize("num_seqs", [1, 5, 16, 40])
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_matches_the_reference_layers(num_seqs: int, qkv_bias: bool) -> None:
+    model, step = make_model(qkv_bias), make_step(num_seqs)
+    ours, ref_step = clone_step(step), clone_step(step)
+    out = run_kernel(model, ours)
+    expected = run_reference(model, ref_step)
+    assert out.shape == (num_seqs, HIDDEN) and out.dtype == torch.bfloat16
+    # bfloat16 rounding differs in places (inductor-style single roundings here, eager's per-op ones
+    # there); the layers' outputs agree to a few bf16 ulps of the largest values
+    torch.testing.assert_close(out.float(), expected.float(), atol=0.05, rtol=0.03)
+    for layer in range(LAYERS):  # this step's K/V went to its slots, and nothing else moved
+        for name in ("k_caches", "v_caches"):
+            written = ours[name][layer].view(-1, KV_HEADS, HEAD_DIM)
+            torch.testing.assert_close(
+                written.float(),
+                ref_step[name][layer].view(-1, KV_HEADS, HEAD_DIM).float(),
+                atol=0.05,
+                rtol=0.03,
+            )
+            untouched = torch.ones(written.shape[0], dtype=torch.bool)
+            untouched[step["slot_mapping"]] = False
+            assert torch.equal(written[untouched], step[name][layer].view(-1, KV_HEADS, HEAD_DIM)[untouched])
+
+
+def test_a_head_wider_than_a_vector() -> None:
+    """head_dim 64 (SmolLM2's): rotary halves of 32 values, two vectors each."""
+    model, step = make_model(False, head_dim=64), make_step(8, head_dim=64)
+    ours, ref_step = clone_step(step), clone_step(step)
+    torch.testing.assert_close(
+        run_kernel(model, ours, head_dim=64).float(),
+        run_reference(model, ref_step, head_dim=64).float(),
+        atol=0.05,
+        rtol=0.03,
+    )
+
+
+def test_rows_do_not_depend_on_the_batch() -> None:
+    """Each sequence's hidden state is the same alone as among 16 (the multiplies and attention are
+    per row; the elementwise loops too)."""
+    model, step = make_model(False), make_step(16)
+    together = run_kernel(model, clone_step(step))
+    for i in (0, 7, 15):
+        alone = {
+            k: ([c.clone() for c in v] if isinstance(v, list) else v[i : i + 1].clone())
+            for k, v in step.items()
+        }
+        assert torch.equal(run_kernel(model, alone)[0], together[i])
+
+
+def test_refuses_bad_inputs_with_a_message() -> None:
+    model, step = make_model(False), make_step(4)
+    bad_id = clone_step(step)
+    bad_id["input_ids"][2] = 5000
+    with pytest.raises(RuntimeError, match="token id 5000 is out of the vocabulary"):
+        run_kernel(model, bad_id)
+    bad_pos = clone_step(step)
+    bad_pos["positions"][0] = 10_000
+    with pytest.raises(RuntimeError, match="position 10000 is out of the rotary table"):
+        run_kernel(model, bad_pos)
+    model.norms = model.norms[:-1]
+    with pytest.raises(RuntimeError, match="two norms a layer"):
+        run_kernel(model, clone_step(step))
