@@ -190,8 +190,8 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
   TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 && cos_sin_cache.is_contiguous() &&
                   head_dim % 2 == 0,
               "decode_layers: cos_sin_cache must be contiguous float32 [positions, head_dim], head_dim even");
-  TORCH_CHECK(hidden % 32 == 0 && final_norm.numel() == hidden && is_bf16_cpu(final_norm),
-              "decode_layers: hidden size a multiple of 32, final_norm bfloat16 [hidden]");
+  TORCH_CHECK(hidden % 32 == 0 && final_norm.numel() == hidden && is_bf16_cpu(final_norm) && final_norm.is_contiguous(),
+              "decode_layers: hidden size a multiple of 32, final_norm contiguous bfloat16 [hidden]");
   const int64_t* ids = input_ids.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
