@@ -22,6 +22,8 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "bf16_vec.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define PAGEDSERVE_AVX512 1
@@ -256,11 +258,6 @@ inline __m512 exp_nonpositive16(__m512 x) {
   return _mm512_scalef_ps(p, n);  // times 2^n
 }
 
-inline __m512 widen16(const c10::BFloat16* src) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
 // The online-softmax state of one query head over its sequence so far.
 template <int64_t kDim>
 struct HeadState {
@@ -307,7 +304,7 @@ inline void accumulate_chunk_bf16(const c10::BFloat16* const* values, int64_t n,
   }
   for (int64_t t = 0; t < n; ++t) {
     __m512 v[kVecs];
-    for (int i = 0; i < kVecs; ++i) v[i] = widen16(values[t] + 16 * i);
+    for (int i = 0; i < kVecs; ++i) v[i] = pagedserve::load_bf16(values[t] + 16 * i);
     for (int g = 0; g < kHeads; ++g) {
       const __m512 w = _mm512_set1_ps(probs[g * kChunk + t]);
       for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_fmadd_ps(w, v[i], acc[g][i]);
@@ -489,10 +486,7 @@ int64_t argmax_scalar(const scalar_t* x, int64_t n) {
 #ifdef PAGEDSERVE_AVX512
 inline __m512 load16(const float* x, __mmask16 m) { return _mm512_maskz_loadu_ps(m, x); }
 
-inline __m512 load16(const c10::BFloat16* x, __mmask16 m) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, x);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+inline __m512 load16(const c10::BFloat16* x, __mmask16 m) { return pagedserve::load_bf16(x, m); }
 
 // Two vector passes: the row's maximum (and whether it holds a NaN), then the first slot equal to it.
 template <typename scalar_t>

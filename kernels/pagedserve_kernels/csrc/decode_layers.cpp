@@ -21,6 +21,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "bf16_vec.h"
+
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -42,25 +44,8 @@ namespace {
 
 using BF16 = c10::BFloat16;
 
-inline __m512 load_bf16(const BF16* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-inline void store_bf16(BF16* p, __m512 v) {
-  const __m256bh b = _mm512_cvtneps_pbh(v);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<const __m256i&>(b));
-}
-
-// The first lanes of `mask` only (a head half shorter than 16 values).
-inline __m512 load_bf16(const BF16* p, __mmask16 mask) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-}
-
-inline void store_bf16(BF16* p, __m512 v, __mmask16 mask) {
-  const __m256bh b = _mm512_cvtneps_pbh(v);
-  _mm256_mask_storeu_epi16(p, mask, reinterpret_cast<const __m256i&>(b));
-}
+using pagedserve::load_bf16;
+using pagedserve::store_bf16;
 
 // Rows go to the threads a few at a time: a parallel region costs about a microsecond, a row of these
 // loops a fraction of one.

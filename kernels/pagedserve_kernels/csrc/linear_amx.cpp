@@ -21,6 +21,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "bf16_vec.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <optional>
@@ -71,13 +73,8 @@ void configure_tiles(int rows_a, int rows_b) {
 // `rows` rows of a float32 accumulator tile (16 x 16, plus the 16 bfloat16 `bias` values widened)
 // rounded to bfloat16 into `out`.
 inline void store_rows(const float* acc, const c10::BFloat16* bias, c10::BFloat16* out, int64_t ld_out, int rows) {
-  const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias))), 16))
-                        : _mm512_setzero_ps();
-  for (int r = 0; r < rows; ++r) {
-    const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ld_out), reinterpret_cast<const __m256i&>(v));
-  }
+  const __m512 b = bias ? pagedserve::load_bf16(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < rows; ++r) pagedserve::store_bf16(out + r * ld_out, _mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b));
 }
 
 struct LinearArgs {

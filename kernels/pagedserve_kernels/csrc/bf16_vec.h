@@ -1,0 +1,36 @@
+// bfloat16 <-> float32 for 16 lanes of AVX-512, shared by the CPU kernels (cpu_kernels.cpp,
+// linear_amx.cpp, decode_layers.cpp). Widening is exact (the bf16 bits become a float's top half);
+// narrowing rounds to nearest even (AVX512-BF16's vcvtneps2bf16).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+namespace pagedserve {
+
+inline __m512 widen_bf16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+
+inline __m512 load_bf16(const c10::BFloat16* p) {
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The lanes of `mask` only; the others read as 0.
+inline __m512 load_bf16(const c10::BFloat16* p, __mmask16 mask) { return widen_bf16(_mm256_maskz_loadu_epi16(mask, p)); }
+
+#if defined(__AVX512BF16__)
+inline void store_bf16(c10::BFloat16* p, __m512 v) {
+  const __m256bh b = _mm512_cvtneps_pbh(v);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<const __m256i&>(b));
+}
+
+inline void store_bf16(c10::BFloat16* p, __m512 v, __mmask16 mask) {
+  const __m256bh b = _mm512_cvtneps_pbh(v);
+  _mm256_mask_storeu_epi16(p, mask, reinterpret_cast<const __m256i&>(b));
+}
+#endif
+
+}  // namespace pagedserve
+
+#endif
