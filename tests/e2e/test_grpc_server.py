@@ -242,6 +242,26 @@ def test_duplicate_live_request_id_is_rejected(server: ServerProcess) -> None:
     assert server.engine_idle()
 
 
+def test_a_cancelled_id_sent_again_at_once_gets_a_stream_of_its_own(server: ServerProcess) -> None:
+    """A retry with the id of a call just cancelled is refused while the old request may still be in
+    a step (INVALID_ARGUMENT naming request_id), then served whole: never the old request's tokens,
+    never a call that hangs."""
+    call = server.stub.Generate(request(max_tokens=LONG_MAX_TOKENS, request_id="again"))
+    next(call)
+    call.cancel()
+    for _ in range(200):
+        try:
+            responses = list(server.stub.Generate(request(max_tokens=3, request_id="again"), timeout=30))
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT and exc.details().startswith("request_id:")
+            time.sleep(0.02)
+    else:
+        pytest.fail("the id stayed refused for 4 s after its call was cancelled")
+    assert [r.completion_tokens for r in responses if r.token_ids] == [1, 2, 3]
+    assert server.engine_idle()
+
+
 def test_tokenize_detokenize_model_info_health_and_reflection(server: ServerProcess) -> None:
     ids = list(server.stub.Tokenize(pb.TokenizeRequest(text="Hello world")).token_ids)
     assert server.stub.Detokenize(pb.DetokenizeRequest(token_ids=ids)).text == "Hello world"

@@ -142,6 +142,8 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine has stopped: {self.dead}")
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        if request_id in self._pending_aborts:  # a step under way may still hold the old request's tokens
+            raise InvalidRequestError("request_id", f"{request_id!r} is still being cancelled; retry shortly")
         self.engine.validate_request(prompt_token_ids, params)
         if self.engine.stats().num_waiting + len(self._pending_adds) >= self.max_queued_requests:
             raise QueueFullError(f"{self.max_queued_requests} requests are already queued; retry later")
