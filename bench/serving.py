@@ -511,11 +511,13 @@ def main() -> int:
     if offline:
         summary["offline_tokens_per_s"] = offline
         summary["share_of_offline"] = summary["output_tokens_per_s"] / offline
-    print_summary(summary, [r.error for r in records if r.error])
+    # failures of every round, not only of the one summarized
+    failed = [r for round_records, _ in results for r in round_records if r.error or not r.token_times]
+    print_summary(summary, [r.error for r in failed if r.error])
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"args": vars(args), "summary": summary, "records": [asdict(r) for r in records]}, f)
-    return 0 if summary["num_failed"] == 0 else 1
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":
