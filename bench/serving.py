@@ -288,13 +288,17 @@ def duration_s(records: list[RequestRecord]) -> float:
     return max(r.end for r in records) - min(r.start for r in records)
 
 
+def completed(records: list[RequestRecord]) -> list[RequestRecord]:
+    """The calls that streamed tokens and ended without an error."""
+    return [r for r in records if not r.error and r.token_times]
+
+
 def output_tokens_per_s(records: list[RequestRecord]) -> float:
-    ok = [r for r in records if not r.error and r.token_times]
-    return sum(r.num_output_tokens for r in ok) / duration_s(records)
+    return sum(r.num_output_tokens for r in completed(records)) / duration_s(records)
 
 
 def summarize(records: list[RequestRecord]) -> dict[str, Any]:
-    ok = [r for r in records if not r.error and r.token_times]
+    ok = completed(records)
     duration = duration_s(records)
     num_output = sum(r.num_output_tokens for r in ok)
     num_prompt = sum(r.num_prompt_tokens for r in ok)

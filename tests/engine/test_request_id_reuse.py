@@ -5,6 +5,7 @@ request's tokens, never a request that is silently dropped and hangs."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
 from pagedserve.engine.async_engine import AsyncEngine, in_torch_thread
@@ -28,8 +29,13 @@ def test_an_id_is_reusable_only_once_its_cancelled_request_has_left_the_engine(t
         await anext(old)
         await anext(old)  # the old request is running, and the loop has its next step under way
         await old.aclose()  # the caller went away: its abort waits for the loop
+        # no await has yielded to the loop since: the abort is certainly still pending
         rejections: list[str] = []
-        while True:
+        try:
+            await anext(engine.generate("x", [1, 7, 9], short))
+        except InvalidRequestError as exc:
+            rejections.append(str(exc))
+        while True:  # retry until the id is free again: then the whole stream is its own
             try:
                 new = engine.generate("x", [1, 7, 9], short)
                 deltas = await asyncio.wait_for(_collect(new), timeout=10)
@@ -42,7 +48,7 @@ def test_an_id_is_reusable_only_once_its_cancelled_request_has_left_the_engine(t
         return rejections, deltas, idle
 
     rejections, deltas, idle = asyncio.run(scenario())
-    assert rejections, "the id was taken again while its old request was still in the engine"
+    assert rejections, "the id was taken again while its old request was still pending abort"
     assert all(r.startswith("request_id:") and "still being cancelled" in r for r in rejections)
     assert [d.num_output_tokens for d in deltas] == [1, 2, 3, 4]  # its own tokens, none of the old one's
     assert [d.num_prompt_tokens for d in deltas] == [3] * 4
@@ -50,8 +56,8 @@ def test_an_id_is_reusable_only_once_its_cancelled_request_has_left_the_engine(t
     assert idle
 
 
-async def _collect(stream: object) -> list[RequestDelta]:
-    return [delta async for delta in stream]  # type: ignore[attr-defined]
+async def _collect(stream: AsyncIterator[RequestDelta]) -> list[RequestDelta]:
+    return [delta async for delta in stream]
 
 
 @pytest.mark.parametrize("message", [None, "stop it"])
