@@ -57,6 +57,14 @@ class RequestDelta:
     request_finished: bool = True
     error: str | None = None
 
+    def prepend(self, earlier: RequestDelta) -> None:
+        """Take in an earlier delta of the same completion that was held back, unsent (a stream that
+        sends every `stream_interval` tokens): its tokens, text and logprobs go in front of ours."""
+        self.new_token_ids = earlier.new_token_ids + self.new_token_ids
+        self.new_text = earlier.new_text + self.new_text
+        if earlier.new_logprobs is not None:
+            self.new_logprobs = earlier.new_logprobs + (self.new_logprobs or [])
+
     @classmethod
     def aborted_before_output(
         cls, request_id: str, num_prompt_tokens: int, metrics: RequestMetrics, error: str | None = None

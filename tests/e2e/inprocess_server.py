@@ -85,7 +85,7 @@ class InProcessServer:
         await server.open()
         llm = await in_torch_thread(LLMEngine.from_settings, s)
         tracer.model_name = llm.config.model.served_model_name
-        await server.start(AsyncEngine(llm, s.max_queued_requests), warmup=s.warmup)
+        await server.start(AsyncEngine(llm, s.max_queued_requests, s.stream_interval), warmup=s.warmup)
 
     async def _stop(self) -> None:
         await self.http.stop()

@@ -308,6 +308,23 @@ def test_metrics_endpoint_counts_requests(server: ServerProcess) -> None:
     assert ready.status == 200
 
 
+def test_stream_interval_sends_tokens_n_to_a_response_after_the_first(
+    long_llama_dir: str, server: ServerProcess, tmp_path: Path
+) -> None:
+    req = request("Count with me", max_tokens=10)
+    text, ids, reason = stream_text(server.stub, req)  # one response a token
+    proc = long_server(long_llama_dir, tmp_path / "server.log", "--stream-interval", "4", "--enforce-eager")
+    try:
+        responses = list(proc.stub.Generate(req, timeout=60))
+    finally:
+        proc.stop()
+    assert [len(r.token_ids) for r in responses] == [1, 4, 4, 1]
+    assert [r.completion_tokens for r in responses] == [1, 5, 9, 10]
+    assert [t for r in responses for t in r.token_ids] == ids
+    assert "".join(r.text for r in responses) == text
+    assert responses[-1].finish_reason == reason == pb.LENGTH
+
+
 def test_bounded_queue_answers_resource_exhausted(long_llama_dir: str, tmp_path: Path) -> None:
     proc = long_server(
         long_llama_dir,

@@ -49,6 +49,7 @@ def test_pagedserve_env_vars_reach_the_engine(tiny_llama_dir: str, tmp_path: Pat
 INVALID_ENV = [
     ("PAGEDSERVE_MAX_NUM_SEQS", "many", "(got 'many')"),
     ("PAGEDSERVE_BLOCK_SIZE", "24", "must be a power of two in [1, 256], got 24"),
+    ("PAGEDSERVE_STREAM_INTERVAL", "0", "greater than or equal to 1 (got '0')"),
     ("PAGEDSERVE_MODEL", "/no/such/model", "'/no/such/model' is not a Hugging Face model directory"),
 ]
 

@@ -671,3 +671,35 @@ def test_served_model_name_replaces_the_directory_name(tiny_llama_dir: str, tmp_
         assert post(proc, f"/v2/models/{derived}/generate", {"text_input": PROMPT})[0] == 404
     finally:
         proc.stop()
+
+
+def test_stream_interval_reaches_triton_and_kserve_streams(tiny_llama_dir: str, tmp_path: Path) -> None:
+    """`--stream-interval 3`: the first token alone, then three a response, on ModelStreamInfer and on
+    KServe REST generate_stream alike, and the pieces still make the whole text."""
+    proc = ServerProcess(
+        "--model", tiny_llama_dir, "--dtype", "float32", "--num-kv-blocks", "64",
+        "--stream-interval", "3", "--enforce-eager", log=tmp_path / "log",
+    ).wait_ready()  # fmt: skip
+    model = Path(tiny_llama_dir).name
+    try:
+        expected = "".join(r.text for r in proc.stub.Generate(request(PROMPT, max_tokens=7), timeout=60))
+        responses: queue.Queue[Any] = queue.Queue()
+        with tgrpc.InferenceServerClient(f"127.0.0.1:{proc.port}") as client:
+            client.start_stream(callback=lambda result, error: responses.put((result, error)))
+            inputs = grpc_inputs(stream=True, max_tokens=7, ignore_eos=True)
+            inputs.append(flag_input("return_num_output_tokens"))
+            client.async_stream_infer(model, inputs, request_id="s-3")
+            got = collect(responses, until_final=1)
+            client.stop_stream()
+        params = {"temperature": 0, "max_tokens": 7, "ignore_eos": True}
+        status, body = post(
+            proc, f"/v2/models/{model}/generate_stream", {"text_input": PROMPT, "parameters": params}
+        )
+    finally:
+        proc.stop()
+    assert all(error is None for _, error in got)
+    assert [int(result.as_numpy("num_output_tokens")[0]) for result, _ in got] == [1, 3, 3]
+    assert "".join(result.as_numpy("text_output")[0].decode() for result, _ in got) == expected
+    events = [json.loads(line[len("data: ") :]) for line in body.splitlines() if line.startswith("data: ")]
+    assert status == 200 and len(events) == 3
+    assert "".join(e["text_output"] for e in events) == expected

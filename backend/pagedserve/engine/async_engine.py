@@ -51,12 +51,16 @@ class _Stream:
     num_prompt_tokens: int
     queue: asyncio.Queue[RequestDelta | BaseException] = field(default_factory=asyncio.Queue)
     finished: bool = False
+    held: dict[int, RequestDelta] = field(default_factory=dict)  # by completion index: not yet sent
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024) -> None:
+    def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval: must be at least 1, got {stream_interval}")
         self.engine = engine
         self.max_queued_requests = max_queued_requests
+        self.stream_interval = stream_interval
         self._streams: dict[str, _Stream] = {}
         self._pending_adds: list[tuple[str, list[int], SamplingParams, float]] = []
         self._pending_aborts: dict[str, str | None] = {}  # request id -> message for the client, if any
@@ -109,7 +113,11 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestDelta]:
         """Deltas of one request until all its completions finish. Raises InvalidRequestError before
         the first delta for a request the engine would reject, QueueFullError when over the bound,
-        and EngineDeadError if the engine fails."""
+        and EngineDeadError if the engine fails.
+
+        With `stream_interval` N > 1 a completion's first token comes alone, at once, and after it a
+        delta carries N tokens (the engine's deltas of N steps, joined), except the last, which carries
+        what is left when the completion finishes: fewer, larger messages for the same tokens."""
         self._admit(request_id, prompt_token_ids, params)
         stream = self._streams[request_id] = _Stream(time.monotonic(), len(prompt_token_ids))
         self._pending_adds.append((request_id, prompt_token_ids, params, stream.arrival_time))
@@ -166,7 +174,20 @@ class AsyncEngine:
             for delta in deltas:
                 stream = self._streams.get(delta.request_id)
                 if stream is not None:
-                    stream.queue.put_nowait(delta)
+                    self._deliver(stream, delta)
+
+    def _deliver(self, stream: _Stream, delta: RequestDelta) -> None:
+        """Hand a delta to its stream, or hold it back while its completion has fewer than
+        `stream_interval` unsent tokens (never its first token, never its last delta)."""
+        held = stream.held.pop(delta.index, None)
+        if held is not None:
+            delta.prepend(held)
+        num_new = len(delta.new_token_ids)
+        first = delta.num_output_tokens == num_new
+        if self.stream_interval > 1 and num_new < self.stream_interval and not delta.finished and not first:
+            stream.held[delta.index] = delta
+        else:
+            stream.queue.put_nowait(delta)
 
     def _has_work(self) -> bool:
         return bool(self._pending_adds or self._pending_aborts or self.engine.has_unfinished_requests())
@@ -191,7 +212,7 @@ class AsyncEngine:
             stream, message = self._streams.get(delta.request_id), aborts[delta.request_id]
             if message is not None and stream is not None:
                 delta.error = message
-                stream.queue.put_nowait(delta)
+                self._deliver(stream, delta)  # with the tokens held back for it, if any
         for request_id in never_added.intersection(aborts):
             stream, message = self._streams.get(request_id), aborts[request_id]
             if stream is None:
