@@ -309,6 +309,7 @@ def summarize(records: list[RequestRecord]) -> dict[str, Any]:
         "duration_s": duration,
         "num_output_tokens": num_output,
         "num_prompt_tokens": num_prompt,
+        "num_token_responses": sum(len(r.token_times) for r in ok),
         "request_throughput": len(ok) / duration,
         "output_tokens_per_s": num_output / duration,
         "total_tokens_per_s": (num_output + num_prompt) / duration,
@@ -341,6 +342,11 @@ def print_summary(summary: dict[str, Any], errors: list[str]) -> None:
         f"output throughput:  {summary['output_tokens_per_s']:.1f} tok/s ({summary['num_output_tokens']} tokens)"
     )
     print(f"total throughput:   {summary['total_tokens_per_s']:.1f} tok/s (prompt + output)")
+    responses = summary["num_token_responses"]
+    print(
+        f"responses with tokens: {responses} "
+        f"({summary['num_output_tokens'] / max(1, responses):.2f} tokens each; see the server's --stream-interval)"
+    )
     print(
         f"client CPU time: {summary['client_cpu_s']:.1f} s, "
         f"{summary['client_cpu_s'] / summary['duration_s']:.2f} cores over the benchmark's duration"
