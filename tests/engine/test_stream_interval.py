@@ -91,8 +91,9 @@ def test_an_abort_delivers_the_tokens_held_back(tiny_llama_dir: str, message: st
         engine.start()
         stream = engine.generate("x", PROMPT, params)
         first = await anext(stream)
-        while engine._streams["x"].held.get(0) is None:  # a few more tokens, held back
-            await asyncio.sleep(0.005)
+        async with asyncio.timeout(10):
+            while engine._streams["x"].held.get(0) is None:  # a few more tokens, held back
+                await asyncio.sleep(0.005)
         assert engine.abort("x", *([message] if message else []))
         deltas = [first, *await _collect(stream)]
         idle = not llm.has_unfinished_requests()
