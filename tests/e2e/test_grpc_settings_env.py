@@ -50,6 +50,7 @@ INVALID_ENV = [
     ("PAGEDSERVE_MAX_NUM_SEQS", "many", "(got 'many')"),
     ("PAGEDSERVE_BLOCK_SIZE", "24", "must be a power of two in [1, 256], got 24"),
     ("PAGEDSERVE_STREAM_INTERVAL", "0", "greater than or equal to 1 (got '0')"),
+    ("PAGEDSERVE_MAX_QUEUED_REQUESTS", "0", "greater than or equal to 1 (got '0')"),
     ("PAGEDSERVE_MODEL", "/no/such/model", "'/no/such/model' is not a Hugging Face model directory"),
 ]
 

@@ -28,7 +28,7 @@ class ServeSettings(EngineSettings):
     )
     shutdown_timeout: float = Field(30.0, description="seconds in-flight requests may finish after SIGTERM")
     max_queued_requests: int = Field(
-        1024, description="waiting requests beyond which calls get RESOURCE_EXHAUSTED"
+        1024, ge=1, description="waiting requests beyond which calls get RESOURCE_EXHAUSTED"
     )
     stream_interval: int = Field(
         1,
