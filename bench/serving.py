@@ -19,14 +19,17 @@ request on the client:
 
 Throughput is over the benchmark's duration (first call start -> last call end). "Saturation" means
 --request-rate inf (the default) with no concurrency limit: the server sees every request at once, as
-the offline engine does. --compare-offline then runs the offline engine (`LLM`) with the same
-workload and engine settings in this process, after a spawned server has stopped, so the two never
-share the CPU; --offline-tokens-per-s compares with a figure measured earlier instead.
+the offline engine does. --compare-offline also runs the offline engine (`LLM`) with the same
+workload and engine settings in this process, one offline round beside each server round, never at
+the same time: the server is idle while the offline engine runs and the other way round.
+--offline-tokens-per-s compares with a figure measured earlier instead.
 
-One round's share moves by several points from run to run on a small machine shared with others (the
-server's and the offline engine's figures each move by ~5%). --rounds N runs the workload N times on
-the same server after its warm-up and N times on one offline engine, and compares the median rounds;
-repeated prompts hit the prefix cache from the second round on, on both sides alike.
+One round's share moves by several points from run to run on a small machine shared with others: the
+machine itself speeds up and slows down by several percent within minutes. --rounds N runs the
+workload N times on the same server after its warm-up and N times on one offline engine, in ABBA
+order (server then offline in odd rounds, offline then server in even ones), so a drift weighs on
+both sides alike, and compares the median rounds; repeated prompts hit the prefix cache from the
+second round on, on both sides alike.
 
 The client shares the machine with a spawned server: on a small CPU its own work (gRPC, asyncio)
 takes cycles from the server, which this benchmark does not hide.
@@ -155,10 +158,16 @@ async def run_load(
 
 
 async def benchmark(
-    args: argparse.Namespace, target: str, requests: list[BenchRequest], rounds: int = 1
+    args: argparse.Namespace,
+    target: str,
+    requests: list[BenchRequest],
+    rounds: int = 1,
+    offline: OfflineEngine | None = None,
 ) -> list[tuple[list[RequestRecord], float]]:
     """Per round, the records of every timed call and the CPU seconds this client process spent on
-    them; the rounds run one after another on the same server after one warm-up."""
+    them; the rounds run one after another on the same server after one warm-up. With `offline`, one
+    offline round runs next to each server round, after it in odd rounds and before it in even ones
+    (this blocks the event loop, which has no call in flight then)."""
     async with grpc.aio.insecure_channel(target) as channel:
         await wait_ready(channel, args.ready_timeout)
         stub = pb_grpc.GenerationStub(channel)
@@ -173,7 +182,9 @@ async def benchmark(
             flush=True,
         )
         results = []
-        for _ in range(rounds):
+        for round_ in range(1, rounds + 1):
+            if offline is not None and round_ % 2 == 0:
+                offline.run_round()
             start = os.times()
             records = await run_load(
                 stub, requests, args.request_rate, args.concurrency, args.seed, args.timeout
@@ -181,6 +192,8 @@ async def benchmark(
             end = os.times()
             results.append((records, end.user - start.user + end.system - start.system))
             print(f"round {len(results)}: {output_tokens_per_s(records):.1f} output tok/s", flush=True)
+            if offline is not None and round_ % 2 == 1:
+                offline.run_round()
         return results
 
 
@@ -243,31 +256,36 @@ class SpawnedServer:
 # -- offline reference ---------------------------------------------------------------------------------
 
 
-def offline_tokens_per_s(args: argparse.Namespace, requests: list[BenchRequest]) -> list[float]:
-    """The offline engine on the same workload and engine settings, --rounds times on one engine as
-    the server ran them (model load and warm-up untimed)."""
-    from pagedserve import LLM, SamplingParams
+class OfflineEngine:
+    """The offline engine (`LLM`) in this process on the same workload and engine settings as the
+    server, one timed round at a time (model load and warm-up untimed)."""
 
-    settings = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
-    llm = LLM(args.model, **settings)
-    llm.chat([{"role": "user", "content": "Warm up."}], SamplingParams(temperature=0, max_tokens=8))
-    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
-    rates = []
-    for round_ in range(1, args.rounds + 1):
+    def __init__(self, args: argparse.Namespace, requests: list[BenchRequest]) -> None:
+        from pagedserve import LLM, SamplingParams
+
+        settings = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
+        self.llm = LLM(args.model, **settings)
+        self.llm.chat([{"role": "user", "content": "Warm up."}], SamplingParams(temperature=0, max_tokens=8))
+        self.requests = requests
+        self.params = [
+            SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests
+        ]
+        self.rates: list[float] = []  # output tok/s of each round so far
+
+    def run_round(self) -> None:
         start = time.perf_counter()
-        if requests[0].is_chat:
-            outputs = llm.chat([r.chat_messages() for r in requests], params)
+        if self.requests[0].is_chat:
+            outputs = self.llm.chat([r.chat_messages() for r in self.requests], self.params)
         else:
-            outputs = llm.generate([list(r.prompt_token_ids) for r in requests], params)
+            outputs = self.llm.generate([list(r.prompt_token_ids) for r in self.requests], self.params)
         seconds = time.perf_counter() - start
         num_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
-        rates.append(num_tokens / seconds)
+        self.rates.append(num_tokens / seconds)
         print(
-            f"offline engine, round {round_}: {num_tokens} output tokens in {seconds:.2f} s "
-            f"({rates[-1]:.1f} tok/s)",
+            f"offline engine, round {len(self.rates)}: {num_tokens} output tokens in {seconds:.2f} s "
+            f"({self.rates[-1]:.1f} tok/s)",
             flush=True,
         )
-    return rates
 
 
 # -- report --------------------------------------------------------------------------------------------
@@ -498,7 +516,9 @@ def main() -> int:
     server = SpawnedServer(args) if args.spawn else None
     target = server.target if server else args.target
     try:
-        results = asyncio.run(benchmark(args, target, requests, args.rounds))
+        # loaded here while a spawned server loads
+        offline_engine = OfflineEngine(args, requests) if args.compare_offline else None
+        results = asyncio.run(benchmark(args, target, requests, args.rounds, offline_engine))
     except Exception:
         if server is not None:
             print(server.tail(), file=sys.stderr)
@@ -515,9 +535,9 @@ def main() -> int:
     summary["concurrency"] = args.concurrency
     summary["rounds_output_tokens_per_s"] = rates
     offline = args.offline_tokens_per_s
-    if args.compare_offline:
-        summary["offline_rounds_tokens_per_s"] = offline_rates = offline_tokens_per_s(args, requests)
-        offline = statistics.median_low(offline_rates)
+    if offline_engine is not None:
+        summary["offline_rounds_tokens_per_s"] = offline_engine.rates
+        offline = statistics.median_low(offline_engine.rates)
     if offline:
         summary["offline_tokens_per_s"] = offline
         summary["share_of_offline"] = summary["output_tokens_per_s"] / offline
