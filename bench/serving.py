@@ -82,6 +82,11 @@ class RequestRecord:
     error: str = ""
 
     @property
+    def ok(self) -> bool:
+        """The call streamed tokens and ended without an error."""
+        return not self.error and bool(self.token_times)
+
+    @property
     def ttft(self) -> float:
         return self.token_times[0] - self.start
 
@@ -307,8 +312,7 @@ def duration_s(records: list[RequestRecord]) -> float:
 
 
 def completed(records: list[RequestRecord]) -> list[RequestRecord]:
-    """The calls that streamed tokens and ended without an error."""
-    return [r for r in records if not r.error and r.token_times]
+    return [r for r in records if r.ok]
 
 
 def output_tokens_per_s(records: list[RequestRecord]) -> float:
@@ -542,7 +546,7 @@ def main() -> int:
         summary["offline_tokens_per_s"] = offline
         summary["share_of_offline"] = summary["output_tokens_per_s"] / offline
     # failures of every round, not only of the one summarized
-    failed = [r for round_records, _ in results for r in round_records if r.error or not r.token_times]
+    failed = [r for round_records, _ in results for r in round_records if not r.ok]
     print_summary(summary, [r.error for r in failed if r.error])
     if args.json_out:
         with open(args.json_out, "w") as f:
