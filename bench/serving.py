@@ -6,6 +6,7 @@ and latency percentiles, optionally against the offline engine on the same workl
     python bench/serving.py --target localhost:8001 --request-rate 2  # Poisson arrivals, 2 requests/s
     python bench/serving.py --spawn --concurrency 16 --workload random --num-requests 64
     python bench/serving.py --spawn --compare-tracing --num-requests 16  # tracing off / on / off
+    python bench/serving.py --spawn --rounds 8 --twin-server-arg=--stream-interval=2  # one setting vs another
 
 Each request is one server-streaming `Generate` call (greedy, ignore_eos, the workload's forced
 max_tokens; chat workloads send messages and the server applies the chat template). Measured per
@@ -33,6 +34,10 @@ second round on, on both sides alike.
 
 The client shares the machine with a spawned server: on a small CPU its own work (gRPC, asyncio)
 takes cycles from the server, which this benchmark does not hide.
+
+--twin-server-arg starts a second server beside the first, the same but for the extra arguments, and
+alternates the rounds between the two (A then B in odd rounds, B then A in even ones): the most
+sensitive way to see what a server setting costs or buys, both sides seeing the machine's drift.
 
 --compare-tracing runs the workload three times on fresh spawned servers, tracing off, on, off
 (ABA order, so the two "off" runs show the machine's noise): "on" is `--traces-exporter console`,
@@ -164,42 +169,55 @@ async def run_load(
 
 async def benchmark(
     args: argparse.Namespace,
-    target: str,
+    targets: list[str],
     requests: list[BenchRequest],
     rounds: int = 1,
     offline: OfflineEngine | None = None,
-) -> list[tuple[list[RequestRecord], float]]:
-    """Per round, the records of every timed call and the CPU seconds this client process spent on
-    them; the rounds run one after another on the same server after one warm-up. With `offline`, one
-    offline round runs next to each server round, after it in odd rounds and before it in even ones
-    (this blocks the event loop, which has no call in flight then)."""
-    async with grpc.aio.insecure_channel(target) as channel:
-        await wait_ready(channel, args.ready_timeout)
-        stub = pb_grpc.GenerationStub(channel)
-        warmup = [BenchRequest(8, messages=(("user", "Warm up."),))] * args.num_warmup
-        for record in await asyncio.gather(*(send(stub, r, args.timeout) for r in warmup)):
-            if record.error:
-                raise RuntimeError(f"warm-up request failed: {record.error}")
-        info = await stub.ModelInfo(pb.ModelInfoRequest())
-        print(
-            f"server: {info.model_name} ({info.dtype}), {info.num_kv_blocks} KV blocks of {info.block_size}, "
-            f"max_num_seqs {info.max_num_seqs}, version {info.version}",
-            flush=True,
-        )
-        results = []
+) -> list[list[tuple[list[RequestRecord], float]]]:
+    """Per target, per round, the records of every timed call and the CPU seconds this client process
+    spent on them. Each target gets one warm-up; the rounds run one after another. Two targets (twin
+    servers) take turns in ABBA order (A then B in odd rounds, B then A in even ones). With `offline`
+    (one target), one offline round runs next to each server round, after it in odd rounds and before
+    it in even ones (this blocks the event loop, which has no call in flight then)."""
+    async with contextlib.AsyncExitStack() as stack:
+        stubs = []
+        for target in targets:
+            channel = await stack.enter_async_context(grpc.aio.insecure_channel(target))
+            stubs.append(await warm_up(args, channel))
+        results: list[list[tuple[list[RequestRecord], float]]] = [[] for _ in targets]
         for round_ in range(1, rounds + 1):
             if offline is not None and round_ % 2 == 0:
                 offline.run_round()
-            start = os.times()
-            records = await run_load(
-                stub, requests, args.request_rate, args.concurrency, args.seed, args.timeout
-            )
-            end = os.times()
-            results.append((records, end.user - start.user + end.system - start.system))
-            print(f"round {len(results)}: {output_tokens_per_s(records):.1f} output tok/s", flush=True)
+            order = list(range(len(targets)))
+            for i in order if round_ % 2 == 1 else order[::-1]:
+                start = os.times()
+                records = await run_load(
+                    stubs[i], requests, args.request_rate, args.concurrency, args.seed, args.timeout
+                )
+                end = os.times()
+                results[i].append((records, end.user - start.user + end.system - start.system))
+                which = f"server {chr(ord('A') + i)}, " if len(targets) > 1 else ""
+                print(f"{which}round {round_}: {output_tokens_per_s(records):.1f} output tok/s", flush=True)
             if offline is not None and round_ % 2 == 1:
                 offline.run_round()
         return results
+
+
+async def warm_up(args: argparse.Namespace, channel: grpc.aio.Channel) -> pb_grpc.GenerationStub:
+    """Wait for the server, send the untimed warm-up requests and say what it serves."""
+    await wait_ready(channel, args.ready_timeout)
+    stub = pb_grpc.GenerationStub(channel)
+    warmup = [BenchRequest(8, messages=(("user", "Warm up."),))] * args.num_warmup
+    for record in await asyncio.gather(*(send(stub, r, args.timeout) for r in warmup)):
+        if record.error:
+            raise RuntimeError(f"warm-up request failed: {record.error}")
+    info = await stub.ModelInfo(pb.ModelInfoRequest())
+    print(
+        f"server: {info.model_name} ({info.dtype}), {info.num_kv_blocks} KV blocks of {info.block_size}, "
+        f"max_num_seqs {info.max_num_seqs}, version {info.version}",
+        flush=True,
+    )
+    return stub
 
 
 async def wait_ready(channel: grpc.aio.Channel, timeout: float) -> None:
@@ -352,6 +370,21 @@ def summarize(records: list[RequestRecord]) -> dict[str, Any]:
     return summary
 
 
+def median_round(
+    results: list[tuple[list[RequestRecord], float]],
+) -> tuple[dict[str, Any], list[RequestRecord], list[RequestRecord]]:
+    """The summary and records of the round with the median output throughput (the lower middle one
+    for an even count), and the failed calls of every round, not only of that one."""
+    rates = [output_tokens_per_s(records) for records, _ in results]
+    records, client_cpu_s = results[rates.index(statistics.median_low(rates))]
+    summary = summarize(records)
+    summary["client_cpu_s"] = client_cpu_s
+    summary["rounds_output_tokens_per_s"] = rates
+    failed = [r for round_records, _ in results for r in round_records if not r.ok]
+    summary["num_failed_all_rounds"] = len(failed)
+    return summary, records, failed
+
+
 def print_summary(summary: dict[str, Any], errors: list[str]) -> None:
     print(
         f"\nrequests: {summary['num_completed']} completed, {summary['num_failed']} failed, "
@@ -451,12 +484,26 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="with --spawn: run the workload on servers with tracing off, on (console exporter), off",
     )
+    parser.add_argument(
+        "--twin-server-arg",
+        action="append",
+        default=[],
+        help="with --spawn: also start a twin server with this extra argument (repeatable) and alternate "
+        "the rounds between the two",
+    )
     parser.add_argument("--json-out", help="also write the summary to this JSON file")
     args = parser.parse_args()
     if args.compare_tracing and not args.spawn:
         parser.error("--compare-tracing starts its own servers: add --spawn")
     if args.compare_tracing and args.rounds > 1:
         parser.error("--compare-tracing runs one round a server: leave out --rounds")
+    if args.twin_server_arg and not args.spawn:
+        parser.error("--twin-server-arg starts its own servers: add --spawn")
+    if args.twin_server_arg and (args.compare_offline or args.offline_tokens_per_s or args.compare_tracing):
+        parser.error(
+            "--twin-server-arg compares two servers: leave out --compare-offline, "
+            "--offline-tokens-per-s and --compare-tracing"
+        )
     return args
 
 
@@ -471,7 +518,7 @@ def compare_tracing(args: argparse.Namespace, requests: list[BenchRequest]) -> l
     for label, extra in TRACING_RUNS:
         server = SpawnedServer(args, extra)
         try:
-            ((records, client_cpu_s),) = asyncio.run(benchmark(args, server.target, requests))
+            (((records, client_cpu_s),),) = asyncio.run(benchmark(args, [server.target], requests))
         except Exception:
             print(server.tail(), file=sys.stderr)
             raise
@@ -500,6 +547,52 @@ def print_tracing_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
+# -- twin servers ---------------------------------------------------------------------------------------
+
+
+def compare_twins(args: argparse.Namespace, requests: list[BenchRequest]) -> list[dict[str, Any]]:
+    """The workload on two spawned servers loaded side by side, the second with --twin-server-arg as
+    well, their rounds taking turns (ABBA): one setting against another at the same moments."""
+    extra = (args.server_arg, args.server_arg + args.twin_server_arg)
+    servers = [SpawnedServer(args), SpawnedServer(args, args.twin_server_arg)]
+    try:
+        results = asyncio.run(benchmark(args, [server.target for server in servers], requests, args.rounds))
+    except Exception:
+        for server in servers:
+            print(server.tail(), file=sys.stderr)
+        raise
+    finally:
+        for server in servers:
+            server.stop()
+    rows = []
+    for name, server_args, side in zip("AB", extra, results):
+        summary, _, failed = median_round(side)
+        summary["server"] = name
+        summary["server_args"] = server_args
+        for error in sorted({r.error for r in failed if r.error})[:5]:
+            print(f"server {name} error: {error}")
+        rows.append(summary)
+    return rows
+
+
+def print_twin_table(rows: list[dict[str, Any]]) -> None:
+    base = rows[0]["output_tokens_per_s"]
+    print(
+        "\n| server | server arguments | failed | output tok/s, rounds | median | vs A | tokens a response "
+        "| TTFT p50 (ms) | TPOT p50 (ms) | ITL p50 (ms) |\n|---|---|---:|---|---:|---:|---:|---:|---:|---:|"
+    )
+    for row in rows:
+        responses = max(1, row["num_token_responses"])
+        print(
+            f"| {row['server']} | {' '.join(row['server_args']) or '(none)'} | {row['num_failed_all_rounds']} "
+            f"| {_figures(row['rounds_output_tokens_per_s'])} | {row['output_tokens_per_s']:.1f} "
+            f"| {row['output_tokens_per_s'] / base:.3f} | {row['num_output_tokens'] / responses:.2f} "
+            f"| {1e3 * row['ttft_s']['p50']:.1f} | {1e3 * row['tpot_s']['p50']:.1f} "
+            f"| {1e3 * row['itl_s']['p50']:.1f} |"
+        )
+    print("(median round of each server; rounds alternate A B B A ...)")
+
+
 def main() -> int:
     args = parse_args()
     requests = build_workload(args.workload, args.num_requests, args.seed)
@@ -517,12 +610,19 @@ def main() -> int:
             with open(args.json_out, "w") as f:
                 json.dump({"args": vars(args), "runs": rows}, f)
         return 0 if all(row["num_failed"] == 0 for row in rows) else 1
+    if args.twin_server_arg:
+        rows = compare_twins(args, requests)
+        print_twin_table(rows)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump({"args": vars(args), "servers": rows}, f)
+        return 0 if all(row["num_failed_all_rounds"] == 0 for row in rows) else 1
     server = SpawnedServer(args) if args.spawn else None
     target = server.target if server else args.target
     try:
         # loaded here while a spawned server loads
         offline_engine = OfflineEngine(args, requests) if args.compare_offline else None
-        results = asyncio.run(benchmark(args, target, requests, args.rounds, offline_engine))
+        (results,) = asyncio.run(benchmark(args, [target], requests, args.rounds, offline_engine))
     except Exception:
         if server is not None:
             print(server.tail(), file=sys.stderr)
@@ -530,14 +630,9 @@ def main() -> int:
     finally:
         if server is not None:
             server.stop()
-    # the round with the median output throughput (the lower middle one for an even count)
-    rates = [output_tokens_per_s(records) for records, _ in results]
-    records, client_cpu_s = results[rates.index(statistics.median_low(rates))]
-    summary = summarize(records)
-    summary["client_cpu_s"] = client_cpu_s
+    summary, records, failed = median_round(results)
     summary["arrivals"] = rate
     summary["concurrency"] = args.concurrency
-    summary["rounds_output_tokens_per_s"] = rates
     offline = args.offline_tokens_per_s
     if offline_engine is not None:
         summary["offline_rounds_tokens_per_s"] = offline_engine.rates
@@ -545,8 +640,6 @@ def main() -> int:
     if offline:
         summary["offline_tokens_per_s"] = offline
         summary["share_of_offline"] = summary["output_tokens_per_s"] / offline
-    # failures of every round, not only of the one summarized
-    failed = [r for round_records, _ in results for r in round_records if not r.ok]
     print_summary(summary, [r.error for r in failed if r.error])
     if args.json_out:
         with open(args.json_out, "w") as f:
