@@ -518,7 +518,8 @@ def compare_tracing(args: argparse.Namespace, requests: list[BenchRequest]) -> l
     for label, extra in TRACING_RUNS:
         server = SpawnedServer(args, extra)
         try:
-            (((records, client_cpu_s),),) = asyncio.run(benchmark(args, [server.target], requests))
+            (one_round,) = asyncio.run(benchmark(args, [server.target], requests))  # one target, one round
+            records, client_cpu_s = one_round[0]
         except Exception:
             print(server.tail(), file=sys.stderr)
             raise
@@ -553,7 +554,7 @@ def print_tracing_table(rows: list[dict[str, Any]]) -> None:
 def compare_twins(args: argparse.Namespace, requests: list[BenchRequest]) -> list[dict[str, Any]]:
     """The workload on two spawned servers loaded side by side, the second with --twin-server-arg as
     well, their rounds taking turns (ABBA): one setting against another at the same moments."""
-    extra = (args.server_arg, args.server_arg + args.twin_server_arg)
+    server_args = (args.server_arg, args.server_arg + args.twin_server_arg)
     servers = [SpawnedServer(args), SpawnedServer(args, args.twin_server_arg)]
     try:
         results = asyncio.run(benchmark(args, [server.target for server in servers], requests, args.rounds))
@@ -565,10 +566,10 @@ def compare_twins(args: argparse.Namespace, requests: list[BenchRequest]) -> lis
         for server in servers:
             server.stop()
     rows = []
-    for name, server_args, side in zip("AB", extra, results):
+    for name, args_of_side, side in zip("AB", server_args, results):
         summary, _, failed = median_round(side)
         summary["server"] = name
-        summary["server_args"] = server_args
+        summary["server_args"] = args_of_side
         for error in sorted({r.error for r in failed if r.error})[:5]:
             print(f"server {name} error: {error}")
         rows.append(summary)
