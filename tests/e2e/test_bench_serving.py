@@ -1,0 +1,90 @@
+"""bench/serving.py, the instrument of the serving throughput target, run as its README runs it: spawned
+servers on loopback, the offline engine beside them, twin servers with a setting apart, and the exit
+status a failed call gives. On the tiny model, so that a run takes seconds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "serving.py"
+
+pytestmark = pytest.mark.slow
+
+
+def run_bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def run_ok(json_out: Path, *args: str) -> dict[str, Any]:
+    done = run_bench(*args, "--json-out", str(json_out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(json_out.read_text())
+
+
+def test_compare_offline_reports_the_share_of_interleaved_rounds(tiny_llama_dir: str, tmp_path: Path) -> None:
+    out = run_ok(
+        tmp_path / "out.json",
+        *("--spawn", "--model", tiny_llama_dir, "--compare-offline", "--num-requests", "4", "--rounds", "2"),
+    )
+    summary = out["summary"]
+    assert summary["num_completed"] == 4 and summary["num_failed_all_rounds"] == 0
+    assert summary["num_output_tokens"] == 16 + 32 + 64 + 128  # the chat workload's forced lengths
+    assert len(summary["rounds_output_tokens_per_s"]) == 2
+    assert len(summary["offline_rounds_tokens_per_s"]) == 2
+    offline = sorted(summary["offline_rounds_tokens_per_s"])[0]  # the lower middle of two
+    assert summary["share_of_offline"] == pytest.approx(summary["output_tokens_per_s"] / offline)
+    for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert 0 < summary[name]["p50"] <= summary[name]["p99"] <= summary[name]["max"]
+
+
+def test_twin_servers_differ_only_by_the_twin_argument(tiny_llama_dir: str, tmp_path: Path) -> None:
+    out = run_ok(
+        tmp_path / "out.json",
+        *("--spawn", "--model", tiny_llama_dir, "--num-requests", "4", "--rounds", "2"),
+        "--twin-server-arg=--stream-interval=4",
+    )
+    a, b = out["servers"]
+    assert (a["server"], a["server_args"]) == ("A", [])
+    assert (b["server"], b["server_args"]) == ("B", ["--stream-interval=4"])
+    for side in (a, b):
+        assert side["num_failed_all_rounds"] == 0 and len(side["rounds_output_tokens_per_s"]) == 2
+        assert side["num_output_tokens"] == 16 + 32 + 64 + 128
+    # the argument reached B alone: one response a token from A, about four from B
+    assert a["num_token_responses"] == a["num_output_tokens"]
+    assert b["num_token_responses"] < a["num_token_responses"] / 3
+
+
+def test_failed_calls_give_a_nonzero_exit_and_their_errors(tiny_llama_dir: str) -> None:
+    done = run_bench(
+        *("--spawn", "--model", tiny_llama_dir, "--num-requests", "4", "--num-warmup", "0"),
+        *("--timeout", "0.02", "--twin-server-arg=--stream-interval=2"),
+    )
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "server A error: DEADLINE_EXCEEDED" in done.stdout
+    assert "server B error: DEADLINE_EXCEEDED" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--twin-server-arg=--stream-interval=2"], "--twin-server-arg starts its own servers: add --spawn"),
+        (
+            ["--spawn", "--compare-offline", "--twin-server-arg=--stream-interval=2"],
+            "--twin-server-arg compares two servers: leave out --compare-offline",
+        ),
+        (["--compare-tracing"], "--compare-tracing starts its own servers: add --spawn"),
+        (["--rounds", "0"], "--rounds: must be at least 1, not 0"),
+    ],
+)
+def test_contradictory_flags_are_refused_before_anything_starts(args: list[str], message: str) -> None:
+    done = run_bench(*args, timeout=60)
+    assert done.returncode == 2
+    assert message in done.stderr
