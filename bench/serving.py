@@ -406,13 +406,15 @@ def print_summary(summary: dict[str, Any], errors: list[str]) -> None:
         f"client CPU time: {summary['client_cpu_s']:.1f} s, "
         f"{summary['client_cpu_s'] / summary['duration_s']:.2f} cores over the benchmark's duration"
     )
-    print("\n| latency (ms) | mean | p50 | p99 | max |\n|---|---:|---:|---:|---:|")
-    for name, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
-        row = summary[name]
-        print(
-            f"| {label} | {1e3 * row['mean']:.1f} | {1e3 * row['p50']:.1f} | {1e3 * row['p99']:.1f} "
-            f"| {1e3 * row['max']:.1f} |"
-        )
+    latencies = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
+    print_table(
+        ["latency (ms)", "mean", "p50", "p99", "max"],
+        "lrrrr",
+        [
+            [label, *(_ms(summary[name][stat]) for stat in ("mean", "p50", "p99", "max"))]
+            for name, label in latencies
+        ],
+    )
     rounds = len(summary["rounds_output_tokens_per_s"])
     if rounds > 1:
         print(f"\nrounds, server output tok/s: {_figures(summary['rounds_output_tokens_per_s'])}")
@@ -435,6 +437,25 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
+
+
+def print_table(header: list[str], align: str, rows: list[list[str]]) -> None:
+    """A markdown table after a blank line; `align` has a letter a column: l (text) or r (numbers)."""
+    print("\n| " + " | ".join(header) + " |")
+    print("|" + "|".join("---:" if a == "r" else "---" for a in align) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def write_json(path: str | None, report: dict[str, Any]) -> None:
+    """The report as JSON at `path` (--json-out), when given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f)
+
+
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.1f}"
 
 
 def _figures(values: list[float]) -> str:
@@ -535,17 +556,17 @@ def compare_tracing(args: argparse.Namespace, requests: list[BenchRequest]) -> l
 
 def print_tracing_table(rows: list[dict[str, Any]]) -> None:
     base = rows[0]["output_tokens_per_s"]
-    print(
-        "\n| run | tracing | failed | server spans exported | output tok/s | vs first run | TTFT p50 (ms) "
-        "| TPOT p50 (ms) | E2E p50 (ms) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|"
+    print_table(
+        ["run", "tracing", "failed", "server spans exported", "output tok/s", "vs first run"]
+        + ["TTFT p50 (ms)", "TPOT p50 (ms)", "E2E p50 (ms)"],
+        "llrrrrrrr",
+        [
+            [str(i), row["tracing"], str(row["num_failed"]), str(row["num_spans_exported"])]
+            + [f"{row['output_tokens_per_s']:.1f}", f"{row['output_tokens_per_s'] / base:.3f}"]
+            + [_ms(row["ttft_s"]["p50"]), _ms(row["tpot_s"]["p50"]), _ms(row["e2e_s"]["p50"])]
+            for i, row in enumerate(rows, 1)
+        ],
     )
-    for i, row in enumerate(rows, 1):
-        print(
-            f"| {i} | {row['tracing']} | {row['num_failed']} | {row['num_spans_exported']} "
-            f"| {row['output_tokens_per_s']:.1f} | {row['output_tokens_per_s'] / base:.3f} "
-            f"| {1e3 * row['ttft_s']['p50']:.1f} | {1e3 * row['tpot_s']['p50']:.1f} "
-            f"| {1e3 * row['e2e_s']['p50']:.1f} |"
-        )
 
 
 # -- twin servers ---------------------------------------------------------------------------------------
@@ -578,19 +599,27 @@ def compare_twins(args: argparse.Namespace, requests: list[BenchRequest]) -> lis
 
 def print_twin_table(rows: list[dict[str, Any]]) -> None:
     base = rows[0]["output_tokens_per_s"]
-    print(
-        "\n| server | server arguments | failed | output tok/s, rounds | median | vs A | tokens a response "
-        "| TTFT p50 (ms) | TPOT p50 (ms) | ITL p50 (ms) |\n|---|---|---:|---|---:|---:|---:|---:|---:|---:|"
+    print_table(
+        [
+            "server",
+            "server arguments",
+            "failed",
+            "output tok/s, rounds",
+            "median",
+            "vs A",
+            "tokens a response",
+        ]
+        + ["TTFT p50 (ms)", "TPOT p50 (ms)", "ITL p50 (ms)"],
+        "llrlrrrrrr",
+        [
+            [row["server"], " ".join(row["server_args"]) or "(none)", str(row["num_failed_all_rounds"])]
+            + [_figures(row["rounds_output_tokens_per_s"]), f"{row['output_tokens_per_s']:.1f}"]
+            + [f"{row['output_tokens_per_s'] / base:.3f}"]
+            + [f"{row['num_output_tokens'] / max(1, row['num_token_responses']):.2f}"]
+            + [_ms(row["ttft_s"]["p50"]), _ms(row["tpot_s"]["p50"]), _ms(row["itl_s"]["p50"])]
+            for row in rows
+        ],
     )
-    for row in rows:
-        responses = max(1, row["num_token_responses"])
-        print(
-            f"| {row['server']} | {' '.join(row['server_args']) or '(none)'} | {row['num_failed_all_rounds']} "
-            f"| {_figures(row['rounds_output_tokens_per_s'])} | {row['output_tokens_per_s']:.1f} "
-            f"| {row['output_tokens_per_s'] / base:.3f} | {row['num_output_tokens'] / responses:.2f} "
-            f"| {1e3 * row['ttft_s']['p50']:.1f} | {1e3 * row['tpot_s']['p50']:.1f} "
-            f"| {1e3 * row['itl_s']['p50']:.1f} |"
-        )
     print("(median round of each server; rounds alternate A B B A ...)")
 
 
@@ -607,16 +636,12 @@ def main() -> int:
     if args.compare_tracing:
         rows = compare_tracing(args, requests)
         print_tracing_table(rows)
-        if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump({"args": vars(args), "runs": rows}, f)
+        write_json(args.json_out, {"args": vars(args), "runs": rows})
         return 0 if all(row["num_failed"] == 0 for row in rows) else 1
     if args.twin_server_arg:
         rows = compare_twins(args, requests)
         print_twin_table(rows)
-        if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump({"args": vars(args), "servers": rows}, f)
+        write_json(args.json_out, {"args": vars(args), "servers": rows})
         return 0 if all(row["num_failed_all_rounds"] == 0 for row in rows) else 1
     server = SpawnedServer(args) if args.spawn else None
     target = server.target if server else args.target
@@ -642,9 +667,9 @@ def main() -> int:
         summary["offline_tokens_per_s"] = offline
         summary["share_of_offline"] = summary["output_tokens_per_s"] / offline
     print_summary(summary, [r.error for r in failed if r.error])
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"args": vars(args), "summary": summary, "records": [asdict(r) for r in records]}, f)
+    write_json(
+        args.json_out, {"args": vars(args), "summary": summary, "records": [asdict(r) for r in records]}
+    )
     return 0 if not failed else 1
 
 
