@@ -48,6 +48,21 @@ def test_seeded_sampling_is_reproducible_regardless_of_batch(llm: LLM) -> None:
     assert other_seed[0].outputs[0].token_ids != alone
 
 
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63), 2**64 + 7, 10**30])
+def test_any_integer_seed_samples_reproducibly_beside_others(llm: LLM, seed: int) -> None:
+    """The edges of the gRPC field's int64 and the larger integers JSON clients send: a request's seed
+    is mixed with its output index into torch's 64-bit seed, and once overflowed that range, failing
+    the whole step, every request in the batch with it."""
+    edge = SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+    neighbour = SamplingParams(temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True)
+    neighbour_alone = llm.generate([PROMPTS[1]], neighbour)[0].outputs[0].token_ids
+    first = llm.generate([PROMPTS[0], PROMPTS[1]], [edge, neighbour])
+    again = llm.generate([PROMPTS[0]], edge)
+    assert len(first[0].outputs[0].token_ids) == 8
+    assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids
+    assert first[1].outputs[0].token_ids == neighbour_alone
+
+
 def test_max_tokens_and_length_finish(llm: LLM) -> None:
     out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in out] == [7, 7, 7, 7]

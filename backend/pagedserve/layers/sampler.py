@@ -14,6 +14,7 @@ import torch
 
 _GREEDY_EPS = 1e-5
 _SEED_STRIDE = 1_000_003  # mixes the output index into a request's seed
+_SEED_MODULUS = 2**64  # torch takes 64-bit seeds: any integer seed folds into them
 
 
 @dataclass
@@ -101,7 +102,9 @@ class Sampler:
             probs = probs.masked_fill(probs < threshold, 0.0)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seed, index in t.seeded_rows:
-            row_generator = torch.Generator(device=probs.device).manual_seed(seed * _SEED_STRIDE + index)
+            row_generator = torch.Generator(device=probs.device).manual_seed(
+                (seed * _SEED_STRIDE + index) % _SEED_MODULUS
+            )
             noise[row].exponential_(generator=row_generator)
         return _argmax(probs / noise)
 
