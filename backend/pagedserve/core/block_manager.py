@@ -45,6 +45,8 @@ class BlockManager:
 
     Sharing a partly filled block (after a fork) is copy-on-write: the first sequence to write into
     it gets a copy, recorded in `blocks_to_copy` for the cache engine to perform before the step.
+    Workers learn a running sequence's table only by additions, so only a sequence announced anew
+    in that step (its whole table sent) may be the one to copy: the scheduler's forks see to that.
     """
 
     def __init__(
@@ -168,13 +170,15 @@ class BlockManager:
         return self._take(seq, max(0, needed - len(seq.block_table)))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """`child` shares all of `parent`'s blocks (the child's tokens must start with the parent's)."""
-        assert not child.block_table
-        for block_id in parent.block_table:
+        """`child` shares the blocks of `parent` that hold its `num_computed_tokens` tokens (the
+        child's tokens must start with the parent's)."""
+        assert not child.block_table and child.num_computed_tokens <= parent.num_computed_tokens
+        shared = parent.block_table[: cdiv(child.num_computed_tokens, self.block_size)]
+        for block_id in shared:
             self.ref_counts[block_id] += 1
-        child.block_table = list(parent.block_table)
+        child.block_table = list(shared)
         if parent.request_id in self.seq_hashes:
-            self.seq_hashes[child.request_id] = list(self.seq_hashes[parent.request_id])
+            self.seq_hashes[child.request_id] = self.seq_hashes[parent.request_id][: len(shared)]
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Name the blocks that just became full of computed tokens, so later requests can hit them."""

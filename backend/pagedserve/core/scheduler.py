@@ -50,8 +50,9 @@ class Scheduler:
     # -- requests in and out --------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        if seq.request_id in self.requests:
-            raise InvalidRequestError("request_id", f"{seq.request_id!r} is already running")
+        for request_id in [seq.request_id, *(sibling.request_id for sibling in seq.pending_forks)]:
+            if request_id in self.requests:  # a client's id may be another request's sequence id
+                raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         self.check_can_ever_fit(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
         self.requests[seq.request_id] = seq
         for sibling in seq.pending_forks:  # parallel sampling: queued when the parent forks them
@@ -235,15 +236,22 @@ class Scheduler:
         )
 
     def _fork(self, parent: Sequence) -> None:
-        """The parent's prompt is computed: its siblings share its blocks and each recomputes only the
-        last prompt token (into a copy-on-write copy of the shared last block) to sample its own
-        first token. Siblings that do not fit the batch wait and are prefilled on their own."""
+        """The parent's prompt is computed: its siblings share its full blocks and each recomputes the
+        tokens after them (at least the last prompt token, into a copy-on-write copy of the last
+        block when that one is full) to sample its own first token. A partly filled last block is
+        not shared: the parent writes on into it, and a copy-on-write there would replace a block in
+        a table the workers already hold, which they never learn of. Siblings that do not fit the
+        batch wait and are prefilled on their own."""
+        block_size = self.block_manager.block_size
+        num_shared_tokens = min(
+            parent.num_computed_tokens - 1, parent.num_computed_tokens // block_size * block_size
+        )
         for sibling in parent.pending_forks:
             if sibling.is_finished:
                 continue
             if len(self.running) < self.config.max_num_seqs:
+                sibling.num_computed_tokens = num_shared_tokens
                 self.block_manager.fork(parent, sibling)
-                sibling.num_computed_tokens = parent.num_computed_tokens - 1
                 self._forked_ids.add(sibling.request_id)
                 self._start_running(sibling)
             else:
@@ -252,6 +260,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._forked_ids.discard(seq.request_id)  # announced to the workers when it resumes instead
         seq.num_preemptions += 1
         self.num_preemptions += 1
         swap = self.config.preemption_mode == "swap" or seq.is_multi_sequence

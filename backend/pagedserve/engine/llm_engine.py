@@ -281,10 +281,12 @@ class LLMEngine:
             seq = self.scheduler.requests.get(seq_id)
             if seq is None:
                 continue
+            ended = [seq, *(s for s in seq.pending_forks if not s.is_finished)]  # never forked: end with it
             self.scheduler.finish(seq, FinishReason.ERROR)
-            delta = self._delta(seq, [], "", None, now)
-            delta.error = message
-            deltas.append(delta)
+            for ended_seq in ended:
+                delta = self._delta(ended_seq, [], "", None, now)
+                delta.error = message
+                deltas.append(delta)
         return deltas
 
     def _forget(self, seq_id: str) -> None:
