@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from pagedserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# Every stop string is searched for after every token, on the thread that steps everyone's batch:
+# 300,000 of them on one request made another request's 300 tokens take 38 s instead of 3.4 s.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 
 
 def _is_int(value: object) -> bool:
@@ -94,6 +98,11 @@ class SamplingParams:
         )
         self._check(self.seed is None or _is_int(self.seed), "seed", "must be an integer")
         self._check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        self._check(
+            len(self.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+            "stop",
+            f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters each",
+        )
         self._check(
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",

@@ -35,6 +35,8 @@ INVALID = [
     ("logprobs", -1),
     ("logprobs", 21),
     ("n", 0),
+    ("stop", [f"s{i}" for i in range(65)]),
+    ("stop", ["s" * 1025]),
 ]
 
 
@@ -55,3 +57,4 @@ def test_valid_values_are_kept() -> None:
     params = SamplingParams(temperature=0, top_p=0.5, top_k=3, stop="###", seed=7, logprobs=2, max_tokens=9)
     assert params.is_greedy and params.stop == ["###"] and params.top_k == 3 and params.logprobs == 2
     assert not params.has_penalties and SamplingParams(presence_penalty=0.5).has_penalties
+    assert len(SamplingParams(stop=[f"{i:04}" + "s" * 1020 for i in range(64)]).stop) == 64  # the limits

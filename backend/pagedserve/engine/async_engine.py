@@ -11,9 +11,9 @@ the torch thread (`in_torch_thread`), which also builds the engine.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,6 +41,17 @@ async def in_torch_thread(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(_TORCH_THREAD, fn, *args)
 
 
+# A front end's tokenizing (and chat templates) runs on this thread, off the event loop: a 4 MB prompt
+# takes seconds to tokenize (or to find too long), and on the loop that stalls every stream. One
+# thread, as vLLM does: a fast tokenizer is not safe to share between threads once one of them
+# changes its settings.
+_TOKENIZER_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-tokenizer")
+
+
+async def in_tokenizer_thread(fn: Callable[..., T], *args: Any) -> T:
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZER_THREAD, fn, *args)
+
+
 class QueueFullError(RuntimeError):
     """More requests are queued than --max-queued-requests allows."""
 
@@ -66,7 +77,6 @@ class AsyncEngine:
         self._pending_aborts: dict[str, str | None] = {}  # request id -> message for the client, if any
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._ids = itertools.count()
         self.dead: BaseException | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -89,8 +99,11 @@ class AsyncEngine:
     def num_live_requests(self) -> int:
         return len(self._streams)
 
-    def new_request_id(self) -> str:
-        return f"req-{next(self._ids)}"
+    @staticmethod
+    def new_request_id(prefix: str = "req") -> str:
+        """An id for a request whose caller chose none: random, so that no client's own id collides
+        with it and no other client can guess it (to Abort it)."""
+        return f"{prefix}-{uuid.uuid4().hex}"
 
     def live_request_ids(self) -> list[str]:
         return list(self._streams)

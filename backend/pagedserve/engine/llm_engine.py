@@ -96,7 +96,7 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request. With `n > 1` it runs as n sequences that share the prompt's blocks."""
-        self._validate_prompt(prompt_token_ids, params)
+        self._validate(prompt_token_ids, params)
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         seqs = [
@@ -130,16 +130,17 @@ class LLMEngine:
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Everything add_request() would reject, checked without touching engine state (any thread)."""
-        self._validate_prompt(prompt_token_ids, params)
+        self._validate(prompt_token_ids, params)
         self.scheduler.check_can_ever_fit(len(prompt_token_ids), params.max_tokens)
 
-    def _validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """What `SamplingParams` cannot check alone: the prompt and the limits of this model and engine.
+        Cheap checks first: a prompt of a million ids is refused for its length before its ids are read."""
         max_len = self.config.model.max_model_len
         vocab_size = self.config.model.vocab_size
+        max_num_seqs = self.config.scheduler.max_num_seqs
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
-        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
-            raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")
         if len(prompt_token_ids) >= max_len:
             raise InvalidRequestError(
                 "prompt",
@@ -151,6 +152,12 @@ class LLMEngine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the context length {max_len}",
             )
+        if params.n > max_num_seqs:  # its n sequences must fit one batch (and n objects the memory)
+            raise InvalidRequestError("n", f"must be at most {max_num_seqs}, the engine's --max-num-seqs")
+        if any(t >= vocab_size for t in params.stop_token_ids):  # min_tokens bans them by index
+            raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {vocab_size})")
+        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestDelta]:
         """Abort requests (all their sequences); their blocks are free when this returns. Returns a final

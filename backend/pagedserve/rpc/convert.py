@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from google.protobuf.message import DecodeError, Message
+from jinja2 import TemplateError
 
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import InvalidRequestError
@@ -125,7 +126,29 @@ def chat_token_ids(messages: pb.ChatMessages, engine: LLMEngine) -> list[int]:
     for i, message in enumerate(messages.messages):
         if message.role not in ("system", "user", "assistant"):
             raise InvalidRequestError(f"messages[{i}].role", "must be system, user or assistant")
-    return engine.encode_chat([{"role": m.role, "content": m.content} for m in messages.messages])
+    try:
+        return engine.encode_chat([{"role": m.role, "content": m.content} for m in messages.messages])
+    except TemplateError as exc:  # the template's raise_exception(), e.g. roles that must alternate
+        raise InvalidRequestError("messages", f"refused by the model's chat template: {exc}") from None
+
+
+def tokenize(request: pb.TokenizeRequest, engine: LLMEngine) -> pb.TokenizeResponse:
+    kind = request.WhichOneof("input")
+    if kind == "messages":
+        ids = chat_token_ids(request.messages, engine)
+    elif kind == "text":
+        ids = engine.encode_prompt(request.text)
+    else:
+        raise InvalidRequestError("input", "set text or messages")
+    return pb.TokenizeResponse(token_ids=ids, tokens=engine.tokenizer.convert_ids_to_tokens(ids))
+
+
+def detokenize(request: pb.DetokenizeRequest, engine: LLMEngine) -> pb.DetokenizeResponse:
+    vocab = engine.config.model.vocab_size
+    if any(not 0 <= t < vocab for t in request.token_ids):
+        raise InvalidRequestError("token_ids", f"must be in [0, {vocab})")
+    text = engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
+    return pb.DetokenizeResponse(text=text)
 
 
 def response(delta: RequestDelta) -> pb.GenerateResponse:

@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from pagedserve import __version__
-from pagedserve.engine.async_engine import AsyncEngine, QueueFullError
+from pagedserve.engine.async_engine import AsyncEngine, QueueFullError, in_tokenizer_thread
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta
 from pagedserve.rpc import convert
@@ -114,7 +114,7 @@ class GenerationServicer:
                 )
             rid = convert.request_id(request, self.engine.new_request_id())
             params = convert.sampling_params(request.sampling)
-            prompt = convert.prompt_token_ids(request, self.llm)
+            prompt = await in_tokenizer_thread(convert.prompt_token_ids, request, self.llm)
             self.engine.check(rid, prompt, params)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -185,26 +185,18 @@ class GenerationServicer:
         try:
             if isinstance(request, InvalidRequestError):
                 raise request
-            kind = request.WhichOneof("input")
-            if kind == "messages":
-                ids = convert.chat_token_ids(request.messages, self.llm)
-            elif kind == "text":
-                ids = self.llm.encode_prompt(request.text)
-            else:
-                raise InvalidRequestError("input", "set text or messages")
+            return await in_tokenizer_thread(convert.tokenize, request, self.llm)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return pb.TokenizeResponse(token_ids=ids, tokens=self.llm.tokenizer.convert_ids_to_tokens(ids))
 
     async def Detokenize(self, request: Any, context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
         await self._require_engine(context)
-        vocab = self.llm.config.model.vocab_size
-        if isinstance(request, InvalidRequestError) or any(not 0 <= t < vocab for t in request.token_ids):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: must be in [0, {vocab})")
-        text = self.llm.tokenizer.decode(
-            list(request.token_ids), skip_special_tokens=request.skip_special_tokens
-        )
-        return pb.DetokenizeResponse(text=text)
+        try:
+            if isinstance(request, InvalidRequestError):
+                raise request
+            return await in_tokenizer_thread(convert.detokenize, request, self.llm)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def ModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
         await self._require_engine(context)
@@ -240,7 +232,7 @@ def _merge(into: pb.GenerateResponse, delta: pb.GenerateResponse) -> None:
 
 async def deep_check(engine: AsyncEngine, timeout: float = 30.0) -> bool:
     """Generate one token through the whole engine: weights, KV cache, sampler and the loop."""
-    rid = f"health-{engine.new_request_id()}"
+    rid = engine.new_request_id("health")
     bos = engine.engine.tokenizer.bos_token_id
     prompt = [bos if bos is not None else 0, 1]
     try:

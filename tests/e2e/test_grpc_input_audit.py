@@ -1,0 +1,213 @@
+"""Bad input and misbehaving clients against `pagedserve.rpc.v1`: each gets a specific answer (a status
+naming the field), and the server goes on serving everyone else at full speed.
+
+One in-process server (the CLI's assembly, real sockets, real grpc clients) on the tiny model with a
+longer context and a strict chat template of the kind real models ship (Llama-2 and Mistral raise
+when roles do not alternate)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_helpers import LONG_MAX_TOKENS, long_context_copy, request, wait_until
+from inprocess_server import InProcessServer
+from pagedserve.rpc.v1 import generate_pb2 as pb
+
+pytestmark = pytest.mark.slow
+
+STRICT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% else %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> InProcessServer:
+    model_dir = Path(long_context_copy(tiny_llama_dir, tmp_path_factory.mktemp("strict-llama")))
+    (model_dir / "chat_template.jinja").write_text(STRICT_TEMPLATE)
+    srv = InProcessServer(
+        str(model_dir), provider=None, dtype="float32", block_size=16, num_kv_blocks=1280
+    ).start()
+    yield srv
+    srv.stop()
+
+
+def assert_serves_on(server: InProcessServer) -> None:
+    responses = list(server.stub.Generate(request(max_tokens=2), timeout=30))
+    assert sum(len(r.token_ids) for r in responses) == 2 and responses[-1].finish_reason == pb.LENGTH
+
+
+def invalid_argument(call: object, *args: object) -> str:
+    """Call an RPC (a stream is read to its end); it must fail with INVALID_ARGUMENT: its details."""
+    with pytest.raises(grpc.RpcError) as info:
+        result = call(*args, timeout=30)  # type: ignore[operator]
+        if not hasattr(result, "DESCRIPTOR"):
+            list(result)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    return info.value.details()
+
+
+def test_a_chat_the_template_refuses_is_invalid_argument_naming_messages(server: InProcessServer) -> None:
+    """The template's raise_exception() came back as UNKNOWN ("Unexpected <class TemplateError>")."""
+    odd = pb.ChatMessages(messages=[pb.ChatMessage(role="assistant", content="hi")])
+    req = pb.GenerateRequest(messages=odd, sampling=pb.SamplingParameters(max_tokens=2))
+    for call, arg in (
+        (server.stub.Generate, req),
+        (server.stub.Complete, req),
+        (server.stub.Tokenize, pb.TokenizeRequest(messages=odd)),
+    ):
+        details = invalid_argument(call, arg)
+        assert details.startswith("messages:") and "roles must alternate" in details, details
+    good = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+    assert server.stub.Tokenize(pb.TokenizeRequest(messages=good)).token_ids
+    assert_serves_on(server)
+
+
+def _ahead(request_id: str, num: int) -> str:
+    """The id a server that counts would assign `num` ids after `request_id` (itself if it does not count)."""
+    match = re.fullmatch(r"(.*\D)(\d+)", request_id)
+    return f"{match[1]}{int(match[2]) + num}" if match else request_id
+
+
+def test_a_caller_without_a_request_id_never_gets_another_clients_id(server: InProcessServer) -> None:
+    """Assigned ids counted req-0, req-1, ...: a client that chose an id a few ahead for itself made
+    the caller without an id that reached it fail with INVALID_ARGUMENT "request_id: 'req-N' is
+    already running"."""
+    seen = list(server.stub.Generate(request(max_tokens=1), timeout=30))[0].request_id
+    taken = _ahead(seen, 3)
+    call = server.stub.Generate(request(max_tokens=LONG_MAX_TOKENS, request_id=taken), timeout=60)
+    try:
+        assert next(call).request_id == taken
+        ids = []
+        for _ in range(5):
+            responses = list(server.stub.Generate(request(max_tokens=2), timeout=30))
+            assert sum(len(r.token_ids) for r in responses) == 2
+            ids.append(responses[0].request_id)
+        assert taken not in ids and len(set(ids)) == 5
+    finally:
+        call.cancel()
+
+
+def test_another_client_cannot_abort_a_request_by_guessing_its_assigned_id(server: InProcessServer) -> None:
+    """With counted ids, Abort(req-0 ... req-999) ended every request whose caller let the server
+    choose its id."""
+    call = server.stub.Generate(request(max_tokens=LONG_MAX_TOKENS), timeout=60)
+    try:
+        own = next(call).request_id
+        guesses = [f"req-{i}" for i in range(1000)] + [f"health-req-{i}" for i in range(1000)]
+        assert list(server.stub.Abort(pb.AbortRequest(request_ids=guesses)).aborted_request_ids) == []
+        assert list(server.stub.Abort(pb.AbortRequest(request_ids=[own])).aborted_request_ids) == [own]
+        assert list(call)[-1].finish_reason == pb.ABORTED
+    finally:
+        call.cancel()
+
+
+def test_a_huge_prompt_does_not_stall_the_other_streams(server: InProcessServer) -> None:
+    """Tokenizing ran on the event loop: while a 2 MB prompt was tokenized (only to be refused as too
+    long) no other stream got a token; the longest pause between a running stream's tokens equalled
+    the whole time the huge request took."""
+    victim = server.stub.Generate(request(max_tokens=LONG_MAX_TOKENS), timeout=120)
+    arrivals: list[float] = []
+
+    def read() -> None:
+        try:
+            for _ in victim:
+                arrivals.append(time.monotonic())
+        except grpc.RpcError:
+            pass  # cancelled below
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        assert wait_until(lambda: len(arrivals) >= 20, timeout=30)
+        start = time.monotonic()
+        details = invalid_argument(server.stub.Generate, request("a" * 2_000_000))
+        end = time.monotonic()
+        assert details.startswith("prompt:") and "context length" in details, details
+        assert wait_until(lambda: arrivals[-1] > end, timeout=30)  # the victim streams on after it
+    finally:
+        victim.cancel()
+        reader.join(timeout=30)
+    window = [t for t in arrivals if t < start][-1:] + [t for t in arrivals if start <= t]
+    worst_gap = max(b - a for a, b in zip(window, window[1:]))
+    assert worst_gap < 0.5 * (end - start), (worst_gap, end - start)
+
+
+def _sp(**kwargs: object) -> pb.SamplingParameters:
+    return pb.SamplingParameters(**kwargs)
+
+
+# Requests test_grpc_server.py does not already try: each must be refused naming its field.
+INVALID = [
+    ("n", pb.GenerateRequest(text="hi", sampling=_sp(n=0))),
+    ("n", pb.GenerateRequest(text="hi", sampling=_sp(n=-3))),
+    ("max_tokens", pb.GenerateRequest(text="hi", sampling=_sp(max_tokens=-1))),
+    ("max_tokens", pb.GenerateRequest(text="hi", sampling=_sp(max_tokens=2**63 - 1))),
+    ("min_tokens", pb.GenerateRequest(text="hi", sampling=_sp(min_tokens=-1))),
+    ("top_k", pb.GenerateRequest(text="hi", sampling=_sp(top_k=-2))),
+    ("top_p", pb.GenerateRequest(text="hi", sampling=_sp(top_p=float("nan")))),
+    ("temperature", pb.GenerateRequest(text="hi", sampling=_sp(temperature=float("inf")))),
+    ("min_p", pb.GenerateRequest(text="hi", sampling=_sp(min_p=float("nan")))),
+    ("frequency_penalty", pb.GenerateRequest(text="hi", sampling=_sp(frequency_penalty=float("-inf")))),
+    ("repetition_penalty", pb.GenerateRequest(text="hi", sampling=_sp(repetition_penalty=0))),
+    ("logprobs", pb.GenerateRequest(text="hi", sampling=_sp(logprobs=-1))),
+    ("stop_token_ids", pb.GenerateRequest(text="hi", sampling=_sp(stop_token_ids=[-1]))),
+    ("prompt_token_ids", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[-1, 5]))),
+    ("prompt_token_ids", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[2**63 - 1]))),
+    ("request_id", pb.GenerateRequest(text="hi", request_id="tab\there")),
+    # n sequences were built on the event loop: 2**62 of them froze it until the kernel killed the server
+    ("n", pb.GenerateRequest(text="hi", sampling=_sp(n=2**62))),
+    # min_tokens bans the stop ids by index: one past the vocabulary failed the whole batch's step
+    ("stop_token_ids", pb.GenerateRequest(text="hi", sampling=_sp(stop_token_ids=[49152], min_tokens=2))),
+    # every stop string is searched after every token on the thread that steps everyone
+    ("stop", pb.GenerateRequest(text="hi", sampling=_sp(stop=[f"s{i}" for i in range(65)]))),
+    ("stop", pb.GenerateRequest(text="hi", sampling=_sp(stop=["s" * 1025]))),
+]
+
+
+@pytest.mark.parametrize(("field", "req"), INVALID, ids=[f"{f}-{i}" for i, (f, _) in enumerate(INVALID)])
+def test_odd_values_are_refused_naming_the_field(server: InProcessServer, field: str, req: object) -> None:
+    for call in (server.stub.Generate, server.stub.Complete):
+        assert invalid_argument(call, req).startswith(f"{field}:")
+    assert_serves_on(server)
+
+
+def test_odd_tokenize_detokenize_and_undecodable_nested_fields(server: InProcessServer) -> None:
+    assert invalid_argument(server.stub.Tokenize, pb.TokenizeRequest()).startswith("input:")
+    for ids in ([-1], [49152], [2**63 - 1]):
+        details = invalid_argument(server.stub.Detokenize, pb.DetokenizeRequest(token_ids=ids))
+        assert details.startswith("token_ids:")
+    raw = server.channel.unary_stream(
+        "/pagedserve.rpc.v1.Generation/Generate",
+        request_serializer=lambda b: b,
+        response_deserializer=lambda b: b,
+    )
+    bad_stop = pb.GenerateRequest(text="hi").SerializeToString() + b"\x2a\x03\x62\x01\xff"  # sampling.stop
+    assert invalid_argument(raw, bad_stop).startswith("sampling.stop:")
+    assert_serves_on(server)
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63)])
+def test_a_seed_at_the_edges_of_int64_samples_and_fails_nobody_beside_it(
+    server: InProcessServer, seed: int
+) -> None:
+    """The sampler mixed the seed with the output index past torch's 64 bits: the step failed with
+    INTERNAL for the seeded request and for every stream batched with it."""
+    victim = server.stub.Generate(request(max_tokens=LONG_MAX_TOKENS), timeout=120)
+    try:
+        assert next(victim).token_ids
+        seeded = list(server.stub.Generate(request(max_tokens=4, temperature=1.0, seed=seed), timeout=30))
+        assert sum(len(r.token_ids) for r in seeded) == 4 and seeded[-1].finish_reason == pb.LENGTH
+        assert next(victim).token_ids  # still streaming
+    finally:
+        victim.cancel()
+    assert_serves_on(server)
