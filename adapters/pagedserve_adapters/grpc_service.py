@@ -4,8 +4,10 @@ extensions, so `tritonclient.grpc` and KServe v2 clients use pagedserve unchange
 Decoupled streaming (`ModelStreamInfer`), as Triton does it: every response echoes its request's `id`
 and carries `triton_final_response` (true only on the last); a request that sets
 `triton_enable_empty_final_response` ends with an extra data-less final response instead; errors go
-out as `error_message` and the stream stays open, unless the client sent the `triton_grpc_error: true`
-header, which ends the stream with a gRPC status instead. The stream closes once the client has
+out as `error_message` (with the failed request's `id` in an otherwise empty `infer_response`, so a
+client with several requests on the stream knows which failed) and the stream stays open, unless the
+client sent the `triton_grpc_error: true` header, which ends the stream with a gRPC status instead.
+Every request gets its final response or its error. The stream closes once the client has
 half-closed and every request on it is final; cancelling the call aborts them all.
 
 Unary `ModelInfer` returns the whole completion. Triton rejects unary calls to decoupled models; we
@@ -15,6 +17,7 @@ answer them, which is what KServe v2 clients (which have no streaming RPC) need.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
@@ -36,6 +39,8 @@ from pagedserve_adapters.llm_model import (
     parse_request,
 )
 from pagedserve_adapters.v2 import inference_pb2 as pb
+
+logger = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 SERVICE_NAME = SERVICE.full_name  # inference.GRPCInferenceService
@@ -159,19 +164,22 @@ class InferenceServicer:
         reader.add_done_callback(end_on_failure)
         try:
             while (item := await responses.get()) is not _DONE:
-                if isinstance(item, AdapterError) and grpc_errors:
-                    await context.abort(_STATUS[item.kind], str(item))
-                if isinstance(item, AdapterError):
-                    yield pb.ModelStreamInferResponse(error_message=str(item))
-                else:
+                if isinstance(item, pb.ModelInferResponse):
                     yield pb.ModelStreamInferResponse(infer_response=item)
+                    continue
+                request_id, error = item
+                if grpc_errors:
+                    await context.abort(_STATUS[error.kind], str(error))
+                failed = pb.ModelInferResponse(id=request_id)
+                yield pb.ModelStreamInferResponse(error_message=str(error), infer_response=failed)
         finally:  # the client cancelled or broke the call: abort every request on the stream
             reader.cancel()
             for task in list(running):
                 task.cancel()
 
     async def _stream_one(self, request: Any, carrier: dict[str, str], responses: asyncio.Queue[Any]) -> None:
-        """One request on a stream: its responses, or one error, go onto the stream's queue."""
+        """One request on a stream: its responses, or one `(id, error)`, go onto the stream's queue."""
+        request_id = "" if isinstance(request, InvalidRequestError) else request.id
         try:
             parsed = self._parse(request, stream=True)
             completion = Completion(parsed)
@@ -187,7 +195,10 @@ class InferenceServicer:
                     responses.put_nowait(self._response(request.id, completion.final_outputs(), False))
                 responses.put_nowait(self._response(request.id, [], True))
         except AdapterError as exc:
-            responses.put_nowait(exc)
+            responses.put_nowait((request_id, exc))
+        except Exception as exc:  # a bug, or a request too big to hold: still an answer, never a hang
+            logger.exception("stream request %r failed", request_id)
+            responses.put_nowait((request_id, AdapterError("internal", f"{type(exc).__name__}: {exc}")))
 
     def _parse(self, request: Any, stream: bool) -> LLMRequest:
         """Decode and validate one ModelInferRequest."""

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.engine.async_engine import QueueFullError
+from pagedserve.engine.async_engine import QueueFullError, in_tokenizer_thread
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta
 from pagedserve.sampling_params import SamplingParams
@@ -37,7 +37,9 @@ class AdapterError(Exception):
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
-        self.kind = kind  # invalid, not_found, unavailable, exhausted, internal
+        self.kind = (
+            kind  # invalid, not_found, unavailable, exhausted, internal, cancelled (REST: client gone)
+        )
 
 
 @dataclass(frozen=True)
@@ -200,7 +202,11 @@ def _text(value: Any, where: str) -> str:
             return value.decode("utf-8")
         except UnicodeDecodeError:
             raise InvalidRequestError(where, "is not valid UTF-8") from None
-    if isinstance(value, str):
+    if isinstance(value, str):  # JSON text may hold a lone surrogate ("\ud800"), which is not UTF-8
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequestError(where, "is not valid UTF-8 (it holds a lone surrogate)") from None
         return value
     raise InvalidRequestError(where, f"must be a string, got {type(value).__name__}")
 
@@ -208,7 +214,7 @@ def _text(value: Any, where: str) -> str:
 def _json_object(raw: str, where: str) -> dict[str, Any]:
     try:
         value = json.loads(raw)
-    except json.JSONDecodeError as exc:
+    except (ValueError, RecursionError) as exc:  # also integers past 4300 digits and deep nesting
         raise InvalidRequestError(where, f"is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise InvalidRequestError(where, "must be a JSON object")
@@ -266,7 +272,7 @@ def _cast(value: Any, kind: str, where: str) -> Any:
             ):
                 raise ValueError
             return items
-    except (ValueError, TypeError, json.JSONDecodeError):
+    except (ValueError, TypeError, RecursionError):
         pass
     raise InvalidRequestError(where, f"{value!r} is not a valid {kind.replace('_', ' of ')}")
 
@@ -401,9 +407,9 @@ class LLMModel:
         llm = engine.engine
         tracer = self.server.servicer.tracer
         started = time.monotonic()
-        rid = f"v2-{engine.new_request_id()}"
+        rid = engine.new_request_id("v2")
         try:
-            prompt = llm.encode_prompt(request.prompt)
+            prompt = await in_tokenizer_thread(llm.encode_prompt, request.prompt)
             engine.check(rid, prompt, request.params)
         except Exception as exc:
             raise _adapter_error(exc) from exc

@@ -3,8 +3,9 @@ generate extension (`/generate`, `/generate_stream` as server-sent events), as a
 server's HTTP port. Health follows the same state machine as gRPC health.
 
 Errors are `{"error": "..."}` with 400 (bad request), 404 (unknown model), 429 (queue full), 503 (not
-ready) or 500. On `/generate_stream` the status is fixed by the first event, so a later error arrives
-as an `{"error": ...}` event inside the 200 response.
+ready) or 500 (499 for a client that hung up first, which nobody reads). On `/generate_stream` the
+status is fixed by the first event, so a later error arrives as an `{"error": ...}` event inside the
+200 response.
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ from pagedserve_adapters.llm_model import (
     parse_request,
 )
 
-_HTTP_STATUS = {"invalid": 400, "not_found": 404, "unavailable": 503, "exhausted": 429, "internal": 500}
+_HTTP_STATUS = {
+    "invalid": 400,
+    "not_found": 404,
+    "unavailable": 503,
+    "exhausted": 429,
+    "internal": 500,
+    "cancelled": 499,  # nobody reads it: the client is gone
+}
 _HEADER_LENGTH = "Inference-Header-Content-Length"
 _SWITCH_INPUTS = {spec.name: spec.datatype for spec in INPUTS if spec.name != "text_input"}
 
@@ -133,22 +141,25 @@ class RestApi:
             outputs_wanted = doc.get("outputs") or []
             if not isinstance(outputs_wanted, list) or not all(isinstance(o, dict) for o in outputs_wanted):
                 raise InvalidRequestError("outputs", "must be a list of objects with a name")
+            output_parameters = {
+                str(o.get("name")): _object(o.get("parameters") or {}, f"outputs.{o.get('name')}.parameters")
+                for o in outputs_wanted
+            }
+            request_id = _request_id(doc)
             parameters = _object(doc.get("parameters", {}), "parameters")
             parsed = parse_request(
-                _json_inputs(doc.get("inputs"), binary),
-                parameters,
-                [str(o.get("name")) for o in outputs_wanted],
+                _json_inputs(doc.get("inputs"), binary), parameters, list(output_parameters)
             )
             completion = await self._complete(parsed, request)
         except (AdapterError, InvalidRequestError) as exc:
             return _error(exc)
         binary_default = parameters.get("binary_data_output") is True
         binary_outputs = {
-            str(o.get("name")): (o.get("parameters") or {}).get("binary_data", binary_default) is True
-            for o in outputs_wanted
+            name: given.get("binary_data", binary_default) is True
+            for name, given in output_parameters.items()
         }
         return _infer_response(
-            self.model, doc.get("id"), completion.final_outputs(), binary_outputs, binary_default
+            self.model, request_id, completion.final_outputs(), binary_outputs, binary_default
         )
 
     async def generate(self, request: web.Request) -> web.Response:
@@ -156,6 +167,7 @@ class RestApi:
         try:
             self._resolve(request)
             doc = _object(await _json_body(request), "request")
+            request_id = _request_id(doc)
             parsed = _generate_request(doc, stream_default=False)
             if parsed.stream:
                 raise InvalidRequestError(
@@ -164,13 +176,14 @@ class RestApi:
             completion = await self._complete(parsed, request)
         except (AdapterError, InvalidRequestError) as exc:
             return _error(exc)
-        return web.json_response(_generate_body(self.model, doc.get("id"), completion.final_outputs()))
+        return web.json_response(_generate_body(self.model, request_id, completion.final_outputs()))
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         """`/generate_stream`: server-sent events, one per step (or one in all when `stream` is false)."""
         try:
             self._resolve(request)
             doc = _object(await _json_body(request), "request")
+            request_id = _request_id(doc)
             parsed = _generate_request(doc, stream_default=True)
             completion = Completion(parsed)
             deltas = self.model.generate(parsed, dict(request.headers))
@@ -183,9 +196,9 @@ class RestApi:
             async for delta in _chain(first, deltas):
                 completion.add(delta)
                 if parsed.stream:
-                    body = _generate_body(self.model, doc.get("id"), completion.step_outputs(delta))
+                    body = _generate_body(self.model, request_id, completion.step_outputs(delta))
                 elif delta.request_finished:
-                    body = _generate_body(self.model, doc.get("id"), completion.final_outputs())
+                    body = _generate_body(self.model, request_id, completion.final_outputs())
                 else:
                     continue
                 await response.write(f"data: {json.dumps(body)}\n\n".encode())
@@ -197,9 +210,17 @@ class RestApi:
         return response
 
     async def _complete(self, parsed: LLMRequest, request: web.Request) -> Completion:
+        """The whole completion. aiohttp does not cancel a handler whose client hung up, so each step
+        checks the connection: a request nobody waits for is aborted, not generated to the end."""
         completion = Completion(parsed)
-        async for delta in self.model.generate(parsed, dict(request.headers)):
-            completion.add(delta)
+        deltas = self.model.generate(parsed, dict(request.headers))
+        try:
+            async for delta in deltas:
+                if request.transport is None or request.transport.is_closing():
+                    raise AdapterError("cancelled", "the client closed the connection")
+                completion.add(delta)
+        finally:
+            await deltas.aclose()  # aborts the request unless it finished
         return completion
 
 
@@ -210,10 +231,7 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 
 async def _json_body(request: web.Request) -> Any:
-    try:
-        return json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError("request", f"body is not valid JSON: {exc}") from None
+    return _json_document(await request.read())
 
 
 async def _infer_body(request: web.Request) -> tuple[dict[str, Any], bytes]:
@@ -222,14 +240,25 @@ async def _infer_body(request: web.Request) -> tuple[dict[str, Any], bytes]:
     if header_length is None:
         header, binary = body, b""
     else:
-        if not header_length.isdigit() or int(header_length) > len(body):
+        if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(body):
             raise InvalidRequestError(_HEADER_LENGTH, f"{header_length!r} is not a length within the body")
         header, binary = body[: int(header_length)], body[int(header_length) :]
+    return _object(_json_document(header), "request"), binary
+
+
+def _json_document(body: bytes) -> Any:
     try:
-        doc = json.loads(header)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:  # also bad UTF-8, integers past 4300 digits, deep nesting
         raise InvalidRequestError("request", f"body is not valid JSON: {exc}") from None
-    return _object(doc, "request"), binary
+
+
+def _request_id(doc: dict[str, Any]) -> str:
+    """The `id` to echo; a string, as Triton and KServe require."""
+    request_id = doc.get("id", "")
+    if not isinstance(request_id, str):
+        raise InvalidRequestError("id", f"must be a string, got {type(request_id).__name__}")
+    return request_id
 
 
 def _object(value: Any, where: str) -> dict[str, Any]:
@@ -254,9 +283,11 @@ def _json_inputs(inputs: Any, binary: bytes) -> list[Tensor]:
         ):
             raise InvalidRequestError(f"{where}.shape", "must be a list of integers")
         tensors.check_datatype(where, datatype)
-        size = (tensor.get("parameters") or {}).get("binary_data_size")
+        size = _object(tensor.get("parameters") or {}, f"{where}.parameters").get("binary_data_size")
         if size is not None:
-            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise InvalidRequestError(f"{where}.parameters.binary_data_size", "must be an integer >= 0")
+            if offset + size > len(binary):
                 raise InvalidRequestError(
                     f"{where}.parameters.binary_data_size", "runs past the end of the body"
                 )
@@ -271,7 +302,7 @@ def _json_inputs(inputs: Any, binary: bytes) -> list[Tensor]:
 
 
 def _infer_response(
-    model: LLMModel, request_id: Any, outputs: list[Tensor], binary: dict[str, bool], binary_default: bool
+    model: LLMModel, request_id: str, outputs: list[Tensor], binary: dict[str, bool], binary_default: bool
 ) -> web.Response:
     doc: dict[str, Any] = {"model_name": model.name, "model_version": model.version, "outputs": []}
     if request_id:
@@ -316,7 +347,7 @@ def _generate_request(doc: dict[str, Any], stream_default: bool) -> LLMRequest:
     return parse_request(inputs, parameters)
 
 
-def _generate_body(model: LLMModel, request_id: Any, outputs: list[Tensor]) -> dict[str, Any]:
+def _generate_body(model: LLMModel, request_id: str, outputs: list[Tensor]) -> dict[str, Any]:
     """Each output tensor as a top-level property: its one element, or a list for several."""
     body: dict[str, Any] = {"model_name": model.name, "model_version": model.version}
     if request_id:

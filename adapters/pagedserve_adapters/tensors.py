@@ -129,7 +129,7 @@ def decode_json(field: str, datatype: str, shape: Sequence[int], data: Any) -> l
     for value in values:
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise InvalidRequestError(field, f"{value!r} is not a {datatype} value")
-    return [v.encode() for v in values] if datatype == "BYTES" else values
+    return [_utf8(field, v) for v in values] if datatype == "BYTES" else values
 
 
 def _flatten(data: Any) -> Iterable[Any]:
@@ -138,6 +138,13 @@ def _flatten(data: Any) -> Iterable[Any]:
             yield from _flatten(item)
     else:
         yield data
+
+
+def _utf8(field: str, text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate, which JSON's "\ud800" escapes can spell
+        raise InvalidRequestError(field, "is not valid UTF-8 (it holds a lone surrogate)") from None
 
 
 def encode_raw(datatype: str, values: Sequence[Any]) -> bytes:

@@ -1,0 +1,182 @@
+"""Garbage in, a named error out: the KServe v2 / Triton adapters against requests Python's own JSON
+parser, UTF-8 codec or a careless client can trip on, and against HTTP clients that hang up. Real
+`tritonclient`, real gRPC stubs and raw HTTP against a real `pagedserve serve` on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import urllib.error
+import urllib.request
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tgrpc
+from grpc_helpers import (
+    IDLE_AFTER_ABORT_S,
+    LONG_MAX_TOKENS,
+    LONG_NUM_KV_BLOCKS,
+    ServerProcess,
+    long_context_copy,
+    wait_until,
+)
+from pagedserve.rpc.v1 import generate_pb2 as pb
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"
+# JSON that `json.loads` refuses with something other than JSONDecodeError
+HUGE_INTEGER = b'{"max_tokens": ' + b"1" * 5000 + b"}"  # ValueError: past 4300 digits
+DEEP_ARRAY = b"[" * 100_000 + b"]" * 100_000  # RecursionError
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+    """Long context, so a request can outlive the test that abandons it."""
+    model_dir = long_context_copy(tiny_llama_dir, tmp_path_factory.mktemp("long-llama"))
+    flags = ["--model", model_dir, "--dtype", "float32", "--block-size", "16", "--served-model-name", MODEL]
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    proc = ServerProcess(*flags, "--num-kv-blocks", str(LONG_NUM_KV_BLOCKS), log=log).wait_ready()
+    yield proc
+    proc.stop()
+
+
+def triton_inputs(sampling: bytes) -> list[tgrpc.InferInput]:
+    text = tgrpc.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"Hello"], dtype=object))
+    params = tgrpc.InferInput("sampling_parameters", [1], "BYTES")
+    params.set_data_from_numpy(np.array([sampling], dtype=object))
+    return [text, params]
+
+
+def stream_request(request_id: str, sampling: bytes | None, text: bool = True) -> Any:
+    """A streamed ModelInferRequest in raw form, as tritonclient builds it."""
+    request = service_pb2.ModelInferRequest(model_name=MODEL, id=request_id)
+    values = {"stream": struct.pack("?", True)}
+    if text:
+        values["text_input"] = struct.pack("<I", 5) + b"Hello"
+    if sampling is not None:
+        values["sampling_parameters"] = struct.pack("<I", len(sampling)) + sampling
+    for name, raw in values.items():
+        request.inputs.add(name=name, datatype="BOOL" if name == "stream" else "BYTES", shape=[1])
+        request.raw_input_contents.append(raw)
+    return request
+
+
+@pytest.mark.parametrize("sampling", [HUGE_INTEGER, DEEP_ARRAY], ids=["huge-integer", "deep-array"])
+def test_unparsable_sampling_parameters_are_invalid_argument(server: ServerProcess, sampling: bytes) -> None:
+    with tgrpc.InferenceServerClient(f"127.0.0.1:{server.port}") as client:
+        with pytest.raises(InferenceServerException) as info:
+            client.infer(MODEL, triton_inputs(sampling))
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert info.value.message().startswith("sampling_parameters: is not valid JSON")
+        good = client.infer(MODEL, triton_inputs(b'{"max_tokens": 3}'))
+        assert good.as_numpy("text_output")[0].decode().startswith("Hello")
+
+
+def test_every_bad_request_on_a_stream_gets_an_error_with_its_id_and_the_good_one_completes(
+    server: ServerProcess,
+) -> None:
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(server.channel)
+    requests = [
+        stream_request("digits", HUGE_INTEGER),
+        stream_request("good", b'{"max_tokens": 6, "ignore_eos": true, "temperature": 0}'),
+        stream_request("deep", DEEP_ARRAY),
+        stream_request("no-text", None, text=False),
+        stream_request("huge-n", b'{"n": 4611686018427387904, "max_tokens": 1}'),  # 2**62: no memory
+    ]
+    # the request iterator ends, so the server closes the stream once every request is final
+    replies = list(stub.ModelStreamInfer(iter(requests), timeout=60))
+    errors = {r.infer_response.id: r.error_message for r in replies if r.error_message}
+    assert set(errors) == {"digits", "deep", "no-text", "huge-n"}, errors
+    assert errors["digits"].startswith("sampling_parameters: is not valid JSON")
+    assert errors["deep"].startswith("sampling_parameters: is not valid JSON")
+    assert errors["no-text"].startswith("inputs.text_input")
+    good = [r.infer_response for r in replies if not r.error_message]
+    assert {r.id for r in good} == {"good"} and good[-1].parameters["triton_final_response"].bool_param
+    assert b"".join(deserialize_bytes_tensor(r.raw_output_contents[0])[0] for r in good)
+    assert server.engine_idle()
+
+
+def post(server: ServerProcess, path: str, body: bytes, headers: dict[str, str] | None = None) -> Any:
+    url = f"http://127.0.0.1:{server.http_port}/v2/models/{MODEL}/{path}"
+    req = urllib.request.Request(url, data=body, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def infer_body(data: Any = "Hello", **tensor: Any) -> dict[str, Any]:
+    text = {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": [data], **tensor}
+    return {"inputs": [text], "parameters": {"max_tokens": 3}}
+
+
+BINARY_HEADER = json.dumps(infer_body()).encode()
+BAD_HTTP_REQUESTS = {
+    "deep JSON": ("infer", b'{"inputs": ' + DEEP_ARRAY + b"}", {}, "request: body is not valid JSON"),
+    "huge integer": (
+        "generate",
+        b'{"text_input": "Hello", "parameters": ' + HUGE_INTEGER + b"}",
+        {},
+        "request: body is not valid JSON",
+    ),
+    "input parameters a list": ("infer", infer_body(parameters=[1]), {}, "inputs.text_input.parameters"),
+    "output parameters a string": (
+        "infer",
+        {**infer_body(), "outputs": [{"name": "text_output", "parameters": "binary"}]},
+        {},
+        "outputs.text_output.parameters",
+    ),
+    "lone surrogate in data": ("infer", infer_body("\ud800"), {}, "inputs.text_input: is not valid UTF-8"),
+    "lone surrogate in text_input": (
+        "generate",
+        b'{"text_input": "\\ud800"}',
+        {},
+        "inputs.text_input: is not valid UTF-8",
+    ),
+    "id an object": ("infer", {**infer_body(), "id": {"a": 1}}, {}, "id: must be a string"),
+    "generate id a list": ("generate", {"text_input": "Hello", "id": [1]}, {}, "id: must be a string"),
+    "header length a superscript digit": (
+        "infer",
+        BINARY_HEADER,
+        {"Inference-Header-Content-Length": "²".encode().decode("latin-1")},  # UTF-8 on the wire
+        "Inference-Header-Content-Length",
+    ),
+    "binary_data_size a string": (
+        "infer",
+        infer_body(parameters={"binary_data_size": "9"}),
+        {},
+        "inputs.text_input.parameters.binary_data_size: must be an integer",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HTTP_REQUESTS))
+def test_malformed_rest_requests_get_400_naming_the_field(server: ServerProcess, case: str) -> None:
+    path, body, headers, message = BAD_HTTP_REQUESTS[case]
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, reply = post(server, path, data, headers)
+    assert status == 400, reply[:300]
+    assert json.loads(reply)["error"].startswith(message), reply[:300]
+    status, reply = post(server, "infer", json.dumps(infer_body()).encode())
+    assert status == 200 and json.loads(reply)["outputs"][0]["data"][0].startswith("Hello")
+
+
+@pytest.mark.parametrize("path", ["infer", "generate"])
+def test_rest_client_that_hangs_up_aborts_its_request(server: ServerProcess, path: str) -> None:
+    params = {"max_tokens": LONG_MAX_TOKENS, "ignore_eos": True, "temperature": 0}
+    doc = infer_body() if path == "infer" else {"text_input": "Hello"}
+    body = json.dumps({**doc, "parameters": params}).encode()
+    head = f"POST /v2/models/{MODEL}/{path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    assert server.engine_idle()
+    with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+        sock.sendall(head.encode() + body)
+        assert wait_until(lambda: server.stub.Health(pb.HealthRequest()).num_running == 1, timeout=30)
+    # the request would take most of a minute; nobody waits for it any more
+    assert server.engine_idle(timeout=IDLE_AFTER_ABORT_S), "a hung-up client's request still runs"
