@@ -14,10 +14,10 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.descriptor import FileDescriptor, ServiceDescriptor
@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from pagedserve import __version__
 from pagedserve.engine.async_engine import AsyncEngine, QueueFullError, in_tokenizer_thread
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta
 from pagedserve.rpc import convert
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "pagedserve.rpc.v1.Generation"
 READINESS_SERVICE = SERVICE_NAME
 _HEALTH_POLL_S = 1.0
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -181,20 +184,19 @@ class GenerationServicer:
         )
 
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        await self._require_engine(context)
-        try:
-            if isinstance(request, InvalidRequestError):
-                raise request
-            return await in_tokenizer_thread(convert.tokenize, request, self.llm)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return await self._convert_on_tokenizer_thread(convert.tokenize, request, context)
 
     async def Detokenize(self, request: Any, context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        return await self._convert_on_tokenizer_thread(convert.detokenize, request, context)
+
+    async def _convert_on_tokenizer_thread(
+        self, conversion: Callable[[Any, LLMEngine], T], request: Any, context: grpc.aio.ServicerContext
+    ) -> T:
         await self._require_engine(context)
         try:
             if isinstance(request, InvalidRequestError):
                 raise request
-            return await in_tokenizer_thread(convert.detokenize, request, self.llm)
+            return await in_tokenizer_thread(conversion, request, self.llm)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
