@@ -129,18 +129,19 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
+        for checkpoint_name, tensor in weights:
+            name = checkpoint_name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             for ckpt_part, (our_part, shard_id) in self.stacked_params.items():
                 if f".{ckpt_part}." in name:
                     target = name.replace(ckpt_part, our_part)
-                    params[target].weight_loader(params[target], tensor, shard_id)  # type: ignore[attr-defined]
+                    param = _param(params, target, checkpoint_name)
+                    param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
                     loaded.add(target)
                     break
             else:
-                param = params[name]
+                param = _param(params, name, checkpoint_name)
                 getattr(param, "weight_loader", _default_loader)(param, tensor)
                 loaded.add(name)
         missing = {
@@ -148,6 +149,12 @@ class LlamaForCausalLM(nn.Module):
         }
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]} ...")
+
+
+def _param(params: dict[str, nn.Parameter], name: str, checkpoint_name: str) -> nn.Parameter:
+    if name not in params:
+        raise ValueError(f"checkpoint has a weight this model does not: {checkpoint_name!r}")
+    return params[name]
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
