@@ -6,7 +6,11 @@
 # gRPC on 8001 and HTTP (/metrics, health, KServe v2 REST) on 8000.
 ARG VARIANT=cuda
 
-FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04 AS base-cuda
+# The CUDA version of the base follows torch's: the PyPI torch==2.13.0 wheel is built with CUDA 13.0
+# (it requires cuda-toolkit==13.0.3). The base's NVIDIA_REQUIRE_CUDA then makes the NVIDIA runtime
+# refuse a node whose driver is too old for it (CUDA 13.0 needs driver >= 580), and its cuda-compat
+# libraries are the ones torch can use, instead of a 12.x base that starts where torch finds no GPU.
+FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04 AS base-cuda
 FROM ubuntu:24.04 AS base-cpu
 
 # The base is one of the two stages above, picked by VARIANT; both are pinned there.
@@ -17,9 +21,10 @@ ARG VARIANT
 # Compilers at run time: Triton builds its GPU launcher with the system C compiler and Python
 # headers (CUDA variant); on CPU, torch.compile's inductor builds the fused forward pass with the
 # C++ compiler (without one the server runs eagerly, slower). Versions follow the base image.
+# tini runs as PID 1 (see ENTRYPOINT).
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-dev libc6-dev \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev libc6-dev tini \
  && if [ "$VARIANT" = cuda ]; then apt-get install -y --no-install-recommends gcc; \
     else apt-get install -y --no-install-recommends g++; fi \
  && rm -rf /var/lib/apt/lists/*
@@ -53,5 +58,9 @@ USER 10001
 WORKDIR /home/pagedserve
 
 EXPOSE 8001 8000
-ENTRYPOINT ["pagedserve", "serve"]
+# tini is PID 1 and forwards SIGTERM to the server. The kernel drops signals to a PID 1 that has no
+# handler for them, and the server installs its SIGTERM handler only once the model is loaded: as
+# PID 1 itself, a pod deleted while loading would lose the SIGTERM and wait out the grace period.
+# tini also reaps orphaned subprocesses (compiler and worker processes).
+ENTRYPOINT ["/usr/bin/tini", "--", "pagedserve", "serve"]
 CMD ["--model", "/mnt/models", "--port", "8001", "--http-port", "8000"]

@@ -49,8 +49,9 @@ def test_hadolint_flags_a_bad_dockerfile(tmp_path: Path) -> None:
 def test_entrypoint_and_cmd_are_accepted_by_the_cli() -> None:
     entrypoint, cmd = exec_form("ENTRYPOINT"), exec_form("CMD")
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert entrypoint[0] in pyproject["project"]["scripts"]
-    assert entrypoint[1:] == ["serve"]  # charts and KServe pass only flags after this
+    server = entrypoint[entrypoint.index("--") + 1 :]  # after the init (tini) and its `--`
+    assert server[0] in pyproject["project"]["scripts"]
+    assert server[1:] == ["serve"]  # charts and KServe pass only flags after this
     settings = parse_serve_args(cmd)
     assert settings.model == "/mnt/models"
     [exposed] = [rest for kw, rest in dockerfile_instructions() if kw == "EXPOSE"]

@@ -60,11 +60,28 @@ server.extraArgs would silently break what the chart derives from the value: the
 {{- end -}}
 
 {{/*
+The server binds each port once. In KServe's RawDeployment Service the first container port (gRPC)
+becomes port 80 and the HTTP port keeps its number, so an HTTP port 80 would give the Service two
+ports 80: KServe fails to create it and the InferenceService never becomes ready.
+*/}}
+{{- define "pagedserve.checkPorts" -}}
+{{- $grpc := int .Values.server.grpcPort -}}
+{{- $http := int .Values.server.httpPort -}}
+{{- if eq $grpc $http -}}
+{{- fail (printf "server.grpcPort and server.httpPort are both %d: the server needs two ports" $grpc) -}}
+{{- end -}}
+{{- if and (eq .Values.mode "kserve") (eq $http 80) -}}
+{{- fail "server.httpPort: 80 is taken in kserve mode: KServe's predictor Service maps the gRPC port to port 80" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 `pagedserve serve` flags after the image's ENTRYPOINT. Arguments: (dict "root" $ "model" PATH "name" NAME).
 */}}
 {{- define "pagedserve.args" -}}
 {{- $v := .root.Values -}}
 {{- include "pagedserve.checkExtraArgs" .root -}}
+{{- include "pagedserve.checkPorts" .root -}}
 - --model={{ .model }}
 - --served-model-name={{ .name }}
 - --port={{ $v.server.grpcPort }}
