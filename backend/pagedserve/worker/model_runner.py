@@ -208,9 +208,7 @@ class ModelRunner:
 
     def _update_states(self, output: SchedulerOutput) -> None:
         for request_id in output.freed_request_ids:
-            state = self.requests.pop(request_id, None)
-            if state is not None:
-                self.free_rows.append(state.row)
+            self._free_state(request_id)
         for req in output.scheduled:
             if req.is_new:
                 self._add_state(req)
@@ -226,8 +224,18 @@ class ModelRunner:
                 state.token_ids.extend(req.token_ids)
 
     def _add_state(self, req: ScheduledRequest) -> None:
-        """A request new to this worker (admitted, resumed or forked): tokens already in the cache count."""
+        """A request new to this worker (admitted, resumed or forked): tokens already in the cache count.
+
+        An announcement carries the request's whole state (its whole block table, the tokens already
+        in the cache), so one for an id this worker still holds replaces that state and gives back its
+        row: taking a second row would lose the first for good."""
         assert req.sampling_params is not None
+        self._free_state(req.request_id)
+        if not self.free_rows:
+            raise RuntimeError(
+                f"no free block-table row for {req.request_id!r}: "
+                f"{len(self.requests)} requests hold all {len(self.block_tables)} (max_num_seqs)"
+            )
         state = RequestState(
             self.free_rows.pop(),
             req.sampling_params,
@@ -237,6 +245,11 @@ class ModelRunner:
         if state.params.has_penalties:
             state.token_ids.extend(req.computed_token_ids)
         self.requests[req.request_id] = state
+
+    def _free_state(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self.free_rows.append(state.row)
 
     # -- inputs --------------------------------------------------------------------------------------
 
