@@ -6,6 +6,7 @@ This is the one place environment variables are read. Settings turn into the fro
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import types
@@ -57,7 +58,10 @@ def parse_size(value: str | int | None) -> int | None:
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"not a memory size: {value!r} (use e.g. 4GiB, 512MiB or a byte count)")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    size = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    if not math.isfinite(size):  # '1e999': int() of it would raise OverflowError, not a ValueError
+        raise ValueError(f"not a memory size: {value!r} is too large")
+    return int(size)
 
 
 class EngineSettings(BaseSettings):
@@ -88,7 +92,10 @@ class EngineSettings(BaseSettings):
         None, description="exact number of KV-cache blocks (overrides the budget)"
     )
     swap_space: float = Field(
-        4.0, description="GiB of CPU memory for preempted requests' KV blocks (0 = recompute only)"
+        4.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="GiB of CPU memory for preempted requests' KV blocks (0 = recompute only)",
     )
     num_cpu_kv_blocks: int | None = Field(
         None, description="exact number of CPU swap blocks (overrides --swap-space)"
@@ -116,6 +123,20 @@ class EngineSettings(BaseSettings):
     @classmethod
     def _check_size(cls, value: str | None) -> str | None:
         parse_size(value)
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        """Checked here, not by torch once the ports are bound and the weights half loaded."""
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
+            raise ValueError("must be auto, cpu, cuda or cuda:N")
+        if value.startswith("cuda"):
+            import torch
+
+            index = int(value.partition(":")[2] or 0)
+            if index >= torch.cuda.device_count():
+                raise ValueError(f"{torch.cuda.device_count()} CUDA devices are visible")
         return value
 
     @model_validator(mode="after")

@@ -124,7 +124,7 @@ class EngineMetrics:
         )
         self.request_generation_tokens = Histogram(
             "vllm:request_generation_tokens",
-            "Output tokens per request",
+            "Output tokens per completion (n of them per request with n > 1, as vLLM counts)",
             labels,
             buckets=_TOKEN_BUCKETS,
             registry=r,
@@ -150,6 +150,9 @@ class EngineMetrics:
         self._window_start = time.monotonic()
         self._window_tokens = [0, 0]  # prompt, generation
         self._is_idle = True  # nothing was left to do after the last step
+        # Requests the server makes itself (warm-up, deep health checks) are no client's traffic: no
+        # request counter, histogram or log line sees them (gauges and engine counters still do).
+        self.unmetered_request_ids: set[str] = set()
 
     def _export_every_series(self) -> None:
         """Every series at 0 from the start, so dashboards and rate() see it before its first event."""
@@ -189,7 +192,8 @@ class EngineMetrics:
         self._set_gauges(stats)
         self._add_cumulative(stats)
         for delta in deltas:
-            self._record_delta(delta, now)
+            if delta.request_id not in self.unmetered_request_ids:
+                self._record_delta(delta, now)
         self._maybe_log_summary(stats, now)
         self._is_idle = stats.num_unfinished == 0
 
@@ -200,7 +204,7 @@ class EngineMetrics:
         self._set_gauges(stats)
         for delta in deltas:
             self._streams.last_token.pop((delta.request_id, delta.index), None)
-            if delta.request_finished:
+            if delta.request_finished and delta.request_id not in self.unmetered_request_ids:
                 log_finished(delta, now - delta.metrics.arrival_time)
 
     def record_abort(self, cause: str) -> None:
@@ -257,6 +261,7 @@ class EngineMetrics:
             self._streams.last_token[key] = now
         if delta.finished:
             self._streams.last_token.pop(key, None)
+            self.request_generation_tokens.labels(m).observe(delta.num_output_tokens)
         if delta.request_finished:
             self._record_finished(delta, now)
 
@@ -267,7 +272,6 @@ class EngineMetrics:
         e2e = now - metrics.arrival_time
         self.e2e.labels(m).observe(e2e)
         self.request_prompt_tokens.labels(m).observe(delta.num_prompt_tokens)
-        self.request_generation_tokens.labels(m).observe(delta.num_output_tokens)
         if metrics.first_token_time is not None and delta.num_output_tokens > 1:
             self.tpot.labels(m).observe((now - metrics.first_token_time) / (delta.num_output_tokens - 1))
         log_finished(delta, e2e)
@@ -362,14 +366,15 @@ class RequestTracer:
         last: RequestDelta | None,
         tokenize: tuple[float, float],
         num_prompt_tokens: int,
+        error: str | None = None,
     ) -> None:
         """What every front end calls when a request's call ends, however it ended. `last` is the last
         delta the call saw: the request's final delta, or an earlier one (or none) when the caller went
-        away, which aborted the request."""
+        away, which aborted the request, or when the engine failed under it (`error`, its message)."""
         if self._tracer is None:
             return
         if last is None or not last.request_finished:
-            last = _cancelled_delta(request_id, last, num_prompt_tokens, arrival_time=tokenize[1])
+            last = _unfinished_delta(request_id, last, num_prompt_tokens, tokenize[1], error)
         self.record(self.extract(carrier), request_id, params, last, tokenize)
 
     def record(
@@ -452,15 +457,22 @@ class RequestTracer:
         return int(monotonic_s * 1e9) + self._epoch_offset_ns
 
 
-def _cancelled_delta(
-    request_id: str, last: RequestDelta | None, num_prompt_tokens: int, arrival_time: float
+def _unfinished_delta(
+    request_id: str, last: RequestDelta | None, num_prompt_tokens: int, arrival_time: float, error: str | None
 ) -> RequestDelta:
-    """The final delta of a request whose caller went away after delta `last` (None: before any)."""
-    if last is not None:
-        return dataclasses.replace(
-            last, new_token_ids=[], new_text="", finished=True, finish_reason="aborted", request_finished=True
-        )
-    return RequestDelta.aborted_before_output(request_id, num_prompt_tokens, RequestMetrics(arrival_time))
+    """The final delta of a request whose call ended after delta `last` (None: before any) without
+    the engine's final delta: aborted (the caller went away), or failed with `error`."""
+    if last is None:
+        last = RequestDelta.aborted_before_output(request_id, num_prompt_tokens, RequestMetrics(arrival_time))
+    return dataclasses.replace(
+        last,
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason="aborted" if error is None else "error",
+        request_finished=True,
+        error=error,
+    )
 
 
 def configure_tracing(otlp_endpoint: str | None, exporter: str | None = None) -> Any | None:

@@ -6,27 +6,40 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
 from pagedserve.settings import (
     EngineSettings,
+    SettingsError,
     add_settings_arguments,
     config_error,
     flags_given,
+    setting_source,
     settings_from_args,
 )
+
+if TYPE_CHECKING:
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.rpc.http import HttpEndpoint
+    from pagedserve.rpc.server import Server
 
 logger = logging.getLogger("pagedserve.serve")
 
 
 class ServeSettings(EngineSettings):
     host: str = Field("0.0.0.0", description="address to bind")
-    port: int = Field(8001, description="gRPC port (0 = any free port)")
+    port: int = Field(8001, ge=0, le=65535, description="gRPC port (0 = any free port)")
     http_port: int = Field(
-        8000, description="HTTP port for /metrics, health and KServe v2 REST (-1 = off, 0 = any free port)"
+        8000,
+        ge=-1,
+        le=65535,
+        description="HTTP port for /metrics, health and KServe v2 REST (-1 = off, 0 = any free port)",
     )
-    shutdown_timeout: float = Field(30.0, description="seconds in-flight requests may finish after SIGTERM")
+    shutdown_timeout: float = Field(
+        30.0, ge=0, description="seconds in-flight requests may finish after SIGTERM"
+    )
     max_queued_requests: int = Field(
         1024, ge=1, description="waiting requests beyond which calls get RESOURCE_EXHAUSTED"
     )
@@ -65,16 +78,17 @@ async def _serve(settings: ServeSettings, flags: set[str]) -> int:
     from pagedserve_adapters.rest import routes as rest_routes
 
     from pagedserve.distributed import launch_env
-    from pagedserve.engine.async_engine import AsyncEngine, in_torch_thread
+    from pagedserve.engine.async_engine import in_torch_thread
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.rpc.http import HttpEndpoint
-    from pagedserve.rpc.server import Server, run_until_signalled
+    from pagedserve.rpc.server import Server
     from pagedserve.telemetry import RequestTracer, configure_tracing
 
-    tracer = RequestTracer(
-        configure_tracing(settings.otlp_traces_endpoint, settings.traces_exporter),
-        settings.served_model_name or "",
-    )
+    try:
+        provider = configure_tracing(settings.otlp_traces_endpoint, settings.traces_exporter)
+    except (ValueError, RuntimeError) as exc:  # an unknown exporter or protocol, a missing exporter package
+        raise SettingsError(str(exc)) from None
+    tracer = RequestTracer(provider, settings.served_model_name or "")
     # Under a launcher (torchrun) every process runs `serve` and ranks other than 0 become workers
     # inside the engine constructor: build the engine before binding anything. Otherwise open the
     # ports first, so probes see a live (not ready) server while the weights load.
@@ -87,9 +101,37 @@ async def _serve(settings: ServeSettings, flags: set[str]) -> int:
     model = LLMModel(server)
     add_inference_service(server.grpc, model)
     server.services.append(INFERENCE_SERVICE)
-    port = server.add_port(f"{settings.host}:{settings.port}")
     http = HttpEndpoint(server, rest_routes(model))
-    http_port = await http.start(settings.host, settings.http_port) if settings.http_port >= 0 else None
+    try:
+        return await _run(server, http, llm, settings, flags)
+    finally:  # drained, dead, or failed on the way up: nothing bound or started outlives this
+        await http.stop()
+        if not server.stopped.is_set():
+            await server.stop(grace=0)
+        if llm is not None and not hasattr(server, "engine"):  # built under a launcher, never bound
+            llm.executor.shutdown()
+        if provider is not None:
+            provider.shutdown()
+
+
+async def _run(
+    server: Server, http: HttpEndpoint, llm: LLMEngine | None, settings: ServeSettings, flags: set[str]
+) -> int:
+    """Bind, load the model (unless built already), serve until drained; the exit code."""
+    from pagedserve.engine.async_engine import AsyncEngine, in_torch_thread
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.errors import InvalidRequestError
+    from pagedserve.rpc.server import run_until_signalled
+
+    address = f"{setting_source('host', flags)}, {setting_source('port', flags)}"
+    try:
+        port = server.add_port(f"{settings.host}:{settings.port}")
+    except OSError as exc:
+        raise SettingsError(f"{address}: {exc}") from None
+    try:
+        http_port = await http.start(settings.host, settings.http_port) if settings.http_port >= 0 else None
+    except OSError as exc:
+        raise SettingsError(f"{setting_source('http_port', flags)}: {exc}") from None
     await server.open()
     logger.info(
         "gRPC on %s:%d, HTTP on %s: live; loading the model",
@@ -101,13 +143,17 @@ async def _serve(settings: ServeSettings, flags: set[str]) -> int:
         try:
             llm = await in_torch_thread(LLMEngine.from_settings, settings)
         except ValueError as exc:
-            await http.stop()
-            await server.grpc.stop(0)  # no engine yet: nothing to drain
             raise config_error(exc, flags) from None
-    tracer.model_name = llm.config.model.served_model_name
-    await server.start(
-        AsyncEngine(llm, settings.max_queued_requests, settings.stream_interval), warmup=settings.warmup
-    )
+    server.servicer.tracer.model_name = llm.config.model.served_model_name
+    try:
+        await server.start(
+            AsyncEngine(llm, settings.max_queued_requests, settings.stream_interval), warmup=settings.warmup
+        )
+    except InvalidRequestError as exc:  # not even the warm-up's 2 tokens in, 1 out can ever run
+        names = ", ".join(
+            setting_source(n, flags) for n in ("max_model_len", "num_kv_blocks", "kv_cache_memory")
+        )
+        raise SettingsError(f"{names}: too small for any request (the warm-up's {exc})") from None
     logger.info(
         "pagedserve ready: gRPC %s:%d (pagedserve.rpc.v1.Generation, inference.GRPCInferenceService, "
         "grpc.health.v1, reflection), HTTP KServe v2 REST, model %r",
@@ -115,8 +161,4 @@ async def _serve(settings: ServeSettings, flags: set[str]) -> int:
         port,
         llm.config.model.served_model_name,
     )
-    code = await run_until_signalled(server, settings.shutdown_timeout)
-    await http.stop()
-    if tracer.provider is not None:
-        tracer.provider.shutdown()
-    return code
+    return await run_until_signalled(server, settings.shutdown_timeout)

@@ -1,7 +1,7 @@
 """The gRPC server: `pagedserve.rpc.v1.Generation` (convert and delegate to the AsyncEngine, nothing
 else), the standard `grpc.health.v1.Health`, reflection, and the serving lifecycle:
 
-    starting ──warm-up done──▶ serving ──SIGTERM──▶ draining ──in-flight done or timeout──▶ exit 0
+    starting ──warm-up done──▶ serving ──SIGTERM──▶ draining ──in-flight done, timeout or signal──▶ exit 0
                                   └──engine loop or a worker died──▶ dead ──▶ exit 1
 
 Liveness (health service "") is SERVING from the first moment until the engine dies; readiness
@@ -53,6 +53,7 @@ class _Call:
     params: SamplingParams
     tokenized: tuple[float, float]  # time.monotonic() before and after tokenizing
     last: RequestDelta | None = None
+    error: str | None = None  # why the engine failed it, when it did
 
 
 @dataclass
@@ -139,7 +140,8 @@ class GenerationServicer:
         except QueueFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineDeadError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {exc}")
+            call.error = f"engine failed: {exc}"
+            await context.abort(grpc.StatusCode.INTERNAL, call.error)
 
     def _record_abort(self, context: grpc.aio.ServicerContext) -> None:
         remaining = context.time_remaining()
@@ -149,7 +151,7 @@ class GenerationServicer:
     def _trace(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
         metadata = context.invocation_metadata()
         self.tracer.finish_request(
-            metadata, call.request_id, call.params, call.last, call.tokenized, len(call.prompt)
+            metadata, call.request_id, call.params, call.last, call.tokenized, len(call.prompt), call.error
         )
 
     # -- control -------------------------------------------------------------------------------------
@@ -232,18 +234,27 @@ def _merge(into: pb.GenerateResponse, delta: pb.GenerateResponse) -> None:
             setattr(into, name, getattr(delta, name))
 
 
+def probe_request(engine: AsyncEngine) -> tuple[list[int], SamplingParams]:
+    """The deep check's (and the warm-up's) request: BOS and one more token in, one token out."""
+    bos = engine.engine.tokenizer.bos_token_id
+    return [bos if bos is not None else 0, 1], SamplingParams(temperature=0.0, max_tokens=1)
+
+
 async def deep_check(engine: AsyncEngine, timeout: float = 30.0) -> bool:
     """Generate one token through the whole engine: weights, KV cache, sampler and the loop."""
     rid = engine.new_request_id("health")
-    bos = engine.engine.tokenizer.bos_token_id
-    prompt = [bos if bos is not None else 0, 1]
+    prompt, params = probe_request(engine)
+    unmetered = engine.engine.metrics.unmetered_request_ids  # not a client's request
+    unmetered.add(rid)
     try:
         async with asyncio.timeout(timeout):
-            async for delta in engine.generate(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1)):
+            async for delta in engine.generate(rid, prompt, params):
                 if delta.request_finished:
                     return delta.finish_reason in ("length", "eos", "stop")
     except Exception:  # a failed check is an answer, not an error
         logger.exception("deep health check failed")
+    finally:
+        unmetered.discard(rid)
     return False
 
 
@@ -310,9 +321,12 @@ class Server:
         self.stopped = asyncio.Event()
 
     def add_port(self, address: str) -> int:
-        port = self.grpc.add_insecure_port(address)
+        try:
+            port = self.grpc.add_insecure_port(address)
+        except RuntimeError:  # grpc's own message says only to set GRPC_VERBOSITY=debug
+            port = 0
         if port == 0:
-            raise OSError(f"could not bind gRPC address {address}")
+            raise OSError(f"could not bind gRPC address {address} (in use, or no address of this host)")
         return port
 
     async def open(self) -> None:
@@ -323,12 +337,15 @@ class Server:
         await self.grpc.start()
 
     async def start(self, engine: AsyncEngine, warmup: bool = True) -> None:
-        """Ready once the engine loop runs and a warm-up generation is done."""
+        """Ready once the engine loop runs and a warm-up generation is done. Raises InvalidRequestError
+        when the engine could never run the warm-up request (its context or KV cache is too small)."""
         self.engine = engine
         self.servicer.bind(engine)
         self.engine.start()
-        if warmup and not await deep_check(self.engine):
-            raise RuntimeError("warm-up generation failed")
+        if warmup:
+            engine.engine.validate_request(*probe_request(engine))
+            if not await deep_check(self.engine):
+                raise RuntimeError("warm-up generation failed")
         self.state.status = "serving"
         await self._set_health(liveness=True, ready=True)
 
@@ -346,13 +363,19 @@ class Server:
                 return
             await asyncio.sleep(_HEALTH_POLL_S)
 
-    async def drain(self, timeout: float) -> None:
-        """Stop accepting, let in-flight requests finish up to `timeout`, abort the rest with a message."""
+    async def drain(self, timeout: float, cut_short: asyncio.Event | None = None) -> None:
+        """Stop accepting, let in-flight requests finish up to `timeout` (or until `cut_short` is set),
+        abort the rest with a message."""
         if self.state.status == "serving":
             self.state.status = "draining"
         await self._set_health(liveness=True, ready=False)
         deadline = time.monotonic() + timeout
         while self.engine.num_live_requests and time.monotonic() < deadline:
+            if cut_short is not None and cut_short.is_set():
+                logger.info(
+                    "signalled again: aborting %d in-flight requests now", self.engine.num_live_requests
+                )
+                break
             await asyncio.sleep(0.05)
         for rid in self.engine.live_request_ids():
             if self.engine.abort(rid, "server shutting down"):
@@ -364,7 +387,8 @@ class Server:
 
     async def stop(self, grace: float = 1.0) -> None:
         await self.grpc.stop(grace)
-        await self.engine.stop()
+        if hasattr(self, "engine"):  # bound by start(); absent when start-up failed before it
+            await self.engine.stop()
         self.stopped.set()
 
     async def _set_health(self, liveness: bool, ready: bool) -> None:
@@ -377,7 +401,8 @@ class Server:
 
 
 async def run_until_signalled(server: Server, shutdown_timeout: float) -> int:
-    """Serve until SIGTERM/SIGINT (drain, exit 0) or until the engine dies (exit 1)."""
+    """Serve until SIGTERM/SIGINT (drain, exit 0; a second signal aborts what is still in flight) or
+    until the engine dies (exit 1)."""
     loop = asyncio.get_running_loop()
     signalled = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -392,12 +417,13 @@ async def run_until_signalled(server: Server, shutdown_timeout: float) -> int:
         await server.stop(grace=0.5)
         return 1
     logger.info(
-        "draining: waiting up to %.0f s for %d in-flight requests",
+        "draining: waiting up to %.0f s for %d in-flight requests (signal again to abort them now)",
         shutdown_timeout,
         server.engine.num_live_requests,
     )
     watcher.cancel()
-    await server.drain(shutdown_timeout)
+    signalled.clear()  # a second SIGTERM/SIGINT (an impatient operator) ends the grace period
+    await server.drain(shutdown_timeout, signalled)
     await server.stop()
     logger.info("drained; bye")
     return 0
