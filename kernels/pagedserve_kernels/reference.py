@@ -75,6 +75,8 @@ def paged_attention_decode(
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_seqs == 0:  # an empty batch, as the kernels return it (context_lens.max() has no value)
+        return query.new_empty(query.shape)
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     num_blocks = -(-max_context_len // block_size)

@@ -148,7 +148,7 @@ struct DecodeArgs {
   const int32_t *tables, *lens;
   scalar_t* out;
 
-  int64_t context_len(int64_t seq) const { return std::min<int64_t>(lens[seq], max_blocks * block_size); }
+  int64_t context_len(int64_t seq) const { return lens[seq]; }  // within its table row: checked
   // the offset of the slot holding token `pos` of sequence `seq`, in either cache
   int64_t slot_offset(int64_t seq, int64_t pos) const {
     const int32_t block = tables[seq * max_blocks + pos / block_size];
@@ -413,10 +413,18 @@ at::Tensor paged_attention_decode(
               "query and caches must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block_tables and context_lens must be int32");
-  TORCH_CHECK(block_tables.size(0) == query.size(0) && context_lens.size(0) == query.size(0),
+  TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1 && block_tables.size(0) == query.size(0) &&
+                  context_lens.size(0) == query.size(0),
               "one block table row and context length per sequence");
   const auto tables = block_tables.contiguous();
   const auto lens = context_lens.contiguous();
+  // A context longer than its row would read slots the row does not name: refuse it, as the reference
+  // and the Triton launcher do, rather than attend over part of it (one compare per sequence).
+  const int64_t capacity = tables.size(1) * k_cache.size(1);
+  const int32_t* len = lens.data_ptr<int32_t>();
+  for (int64_t seq = 0; seq < lens.size(0); ++seq)
+    TORCH_CHECK(len[seq] >= 0 && len[seq] <= capacity, "context_lens: sequence ", seq, " has ", len[seq],
+                " tokens, its block table row holds ", capacity);
   auto out = at::empty_like(query);
   switch (query.scalar_type()) {
     case at::kFloat: dispatch_dim(DecodeArgs<float>(out, query, k_cache, v_cache, tables, lens, scale)); break;
@@ -437,21 +445,24 @@ void write_kv_cache(
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "k_cache, v_cache: contiguous [blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
-              "key and value must have the caches' dtype");
+  // one dtype for all four: a row is copied as slot_size elements of the key cache's size
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "key, value and both caches must share a dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1, "slot_mapping: int64 [tokens]");
   const int64_t num_tokens = slot_mapping.size(0);
   const int64_t slot_size = k_cache.size(2) * k_cache.size(3);
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  TORCH_CHECK(key.size(0) == num_tokens && value.size(0) == num_tokens && key.numel() == num_tokens * slot_size &&
-                  value.numel() == num_tokens * slot_size,
-              "key, value: [tokens, kv_heads, head_dim] matching the caches and slot_mapping");
+  // the shape itself, not only the element count: [tokens, 1, 128] would fill a [.., 2, 64] slot
+  // with its heads split in the wrong place
+  TORCH_CHECK(key.dim() == 3 && key.size(0) == num_tokens && key.size(1) == k_cache.size(2) &&
+                  key.size(2) == k_cache.size(3) && value.sizes() == key.sizes(),
+              "key, value: [tokens, kv_heads, head_dim] matching the caches and slot_mapping, got ", key.sizes(),
+              " and ", value.sizes(), " for caches ", k_cache.sizes(), " and ", num_tokens, " slots");
   // key and value are usually views into the fused qkv projection: rows apart, each row contiguous.
   // They are read in place then; anything else is made contiguous first.
-  const auto rows = [slot_size](const at::Tensor& x) {
-    return x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(1) * x.size(2) == slot_size
-               ? x
-               : x.contiguous().view({x.size(0), slot_size});
+  const auto rows = [](const at::Tensor& x) {
+    return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
   };
   const auto k = rows(key), v = rows(value), slots = slot_mapping.contiguous();
   const int64_t* slot = slots.data_ptr<int64_t>();
