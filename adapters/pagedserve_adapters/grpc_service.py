@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
@@ -26,6 +26,7 @@ import grpc
 from pagedserve import __version__
 from pagedserve.errors import InvalidRequestError
 from pagedserve.rpc.convert import parse_message
+from pagedserve.rpc.server import cancel_cause
 
 from pagedserve_adapters import tensors
 from pagedserve_adapters.llm_model import (
@@ -133,7 +134,7 @@ class InferenceServicer:
         try:
             parsed = self._parse(request, stream=False)
             completion = Completion(parsed)
-            async for delta in self.model.generate(parsed, _carrier(context)):
+            async for delta in self.model.generate(parsed, _carrier(context), partial(cancel_cause, context)):
                 completion.add(delta)
         except AdapterError as exc:
             await context.abort(_STATUS[exc.kind], str(exc))
@@ -143,13 +144,13 @@ class InferenceServicer:
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         grpc_errors = dict(context.invocation_metadata() or ()).get("triton_grpc_error") == "true"
-        carrier = _carrier(context)
+        carrier, cause = _carrier(context), partial(cancel_cause, context)
         responses: asyncio.Queue[Any] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
 
         async def read_requests() -> None:
             async for request in request_iterator:
-                task = asyncio.create_task(self._stream_one(request, carrier, responses))
+                task = asyncio.create_task(self._stream_one(request, carrier, cause, responses))
                 running.add(task)
                 task.add_done_callback(running.discard)
             while running:  # the client half-closed: finish what is in flight, then end the stream
@@ -177,13 +178,15 @@ class InferenceServicer:
             for task in list(running):
                 task.cancel()
 
-    async def _stream_one(self, request: Any, carrier: dict[str, str], responses: asyncio.Queue[Any]) -> None:
+    async def _stream_one(
+        self, request: Any, carrier: dict[str, str], cause: Callable[[], str], responses: asyncio.Queue[Any]
+    ) -> None:
         """One request on a stream: its responses, or one `(id, error)`, go onto the stream's queue."""
         request_id = "" if isinstance(request, InvalidRequestError) else request.id
         try:
             parsed = self._parse(request, stream=True)
             completion = Completion(parsed)
-            async for delta in self.model.generate(parsed, carrier):
+            async for delta in self.model.generate(parsed, carrier, cause):
                 completion.add(delta)
                 final = delta.request_finished and not parsed.empty_final
                 if parsed.stream:

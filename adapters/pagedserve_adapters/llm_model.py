@@ -18,7 +18,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -401,8 +401,14 @@ class LLMModel:
                 "unavailable", f"model {name!r} is not ready: server is {self.server.state.status}"
             )
 
-    async def generate(self, request: LLMRequest, carrier: Mapping[str, str]) -> AsyncIterator[RequestDelta]:
-        """The request's deltas; closing the iterator early aborts the request and frees its blocks."""
+    async def generate(
+        self,
+        request: LLMRequest,
+        carrier: Mapping[str, str],
+        cancel_cause: Callable[[], str] = lambda: "client_cancel",
+    ) -> AsyncIterator[RequestDelta]:
+        """The request's deltas; closing the iterator early aborts the request and frees its blocks.
+        `cancel_cause` says why, when it is closed early (an abort cause, e.g. deadline)."""
         engine = self.server.engine
         llm = engine.engine
         tracer = self.server.servicer.tracer
@@ -426,7 +432,7 @@ class LLMModel:
         except (InvalidRequestError, QueueFullError, EngineDeadError) as exc:
             raise _adapter_error(exc) from exc
         except (asyncio.CancelledError, GeneratorExit):  # the caller went away: the engine aborts it
-            llm.metrics.record_abort("client_cancel")
+            llm.metrics.record_abort(cancel_cause())
             raise
         finally:
             self._count(started, last, finished)

@@ -6,8 +6,43 @@ import argparse
 import logging
 import sys
 
+from pydantic import Field, model_validator
+
+from pagedserve.errors import InvalidRequestError
 from pagedserve.rpc.cli import add_serve_parser, run_serve
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import EngineSettings, SettingsError, add_settings_arguments, settings_from_args
+
+
+class GenerateSettings(EngineSettings):
+    """`pagedserve generate`'s own flags, beside the engine's; each is also a PAGEDSERVE_* variable, as
+    `serve`'s are. The prompts are not: they are the command's input, given as flags."""
+
+    chat: bool = Field(True, description="apply the model's chat template (--no-chat: prompts as raw text)")
+    max_tokens: int = Field(128, description="most tokens to generate per prompt")
+    temperature: float = Field(0.0, description="0 = greedy")
+    top_p: float = Field(1.0, description="nucleus sampling: the smallest token set with this probability")
+    top_k: int = Field(-1, description="sample among the k most likely tokens (-1 = all)")
+    sampling_seed: int | None = Field(None, description="per-request seed for random sampling")
+
+    @model_validator(mode="after")
+    def _check_sampling(self) -> GenerateSettings:
+        """A bad value stops the command before the model loads, naming its flag or variable."""
+        self.sampling_params()
+        return self
+
+    def sampling_params(self) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_tokens=self.max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                seed=self.sampling_seed,
+            )
+        except InvalidRequestError as exc:  # `field: message`, said as the setting (see config_error)
+            field = "sampling_seed" if exc.field == "seed" else exc.field
+            raise ValueError(f"{field}: {exc.message}") from None
 
 
 def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -15,40 +50,16 @@ def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--prompt", action="append", required=True, help="a prompt (repeat the flag for a batch)"
     )
-    parser.add_argument(
-        "--no-chat",
-        action="store_true",
-        help="use prompts as raw text instead of applying the model's chat template",
-    )
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument(
-        "--sampling-seed", type=int, default=None, help="per-request seed for random sampling"
-    )
-    add_settings_arguments(parser, EngineSettings)
+    add_settings_arguments(parser, GenerateSettings)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from pagedserve.errors import InvalidRequestError
     from pagedserve.llm import LLM
-    from pagedserve.sampling_params import SamplingParams
 
-    settings = settings_from_args(EngineSettings, args)
-    try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.sampling_seed,
-        )
-    except InvalidRequestError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    llm = LLM(**settings.model_dump())
-    use_chat = not args.no_chat and bool(llm.engine.tokenizer.chat_template)
+    settings = settings_from_args(GenerateSettings, args)
+    params = settings.sampling_params()
+    llm = LLM(**settings.model_dump(include=set(EngineSettings.model_fields)))
+    use_chat = settings.chat and bool(llm.engine.tokenizer.chat_template)
     batch = len(args.prompt) > 1
     if use_chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=batch)

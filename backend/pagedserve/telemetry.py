@@ -22,7 +22,9 @@ _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 SUMMARY_INTERVAL_S = 10.0
-FINISH_REASONS = ("length", "stop", "eos", "error")  # of requests counted by vllm:request_success
+FINISH_REASONS = ("length", "stop", "error")  # of requests counted by vllm:request_success
+# vLLM's reasons: the end-of-sequence token is a "stop", as a stop token or string is.
+_VLLM_FINISH_REASONS = {"eos": "stop"}
 ABORT_CAUSES = ("client_cancel", "deadline", "abort_rpc", "drain")
 
 
@@ -207,6 +209,14 @@ class EngineMetrics:
             if delta.request_finished and delta.request_id not in self.unmetered_request_ids:
                 log_finished(delta, now - delta.metrics.arrival_time)
 
+    def record_failed(self, deltas: list[RequestDelta], now: float | None = None) -> None:
+        """Requests the engine failed outside a step (it died): `deltas` are their final (error)
+        deltas. Counted as a step's failed requests are, so no failure is missing from the counts."""
+        now = time.monotonic() if now is None else now
+        for delta in deltas:
+            if delta.request_id not in self.unmetered_request_ids:
+                self._record_delta(delta, now)
+
     def record_abort(self, cause: str) -> None:
         """`cause` is one of ABORT_CAUSES."""
         self.aborts.labels(self.model_name, cause).inc()
@@ -268,7 +278,7 @@ class EngineMetrics:
     def _record_finished(self, delta: RequestDelta, now: float) -> None:
         m, metrics = self.model_name, delta.metrics
         reason = delta.finish_reason or "unknown"
-        self.success.labels(m, reason).inc()
+        self.success.labels(m, _VLLM_FINISH_REASONS.get(reason, reason)).inc()
         e2e = now - metrics.arrival_time
         self.e2e.labels(m).observe(e2e)
         self.request_prompt_tokens.labels(m).observe(delta.num_prompt_tokens)
@@ -366,15 +376,16 @@ class RequestTracer:
         last: RequestDelta | None,
         tokenize: tuple[float, float],
         num_prompt_tokens: int,
-        error: str | None = None,
     ) -> None:
         """What every front end calls when a request's call ends, however it ended. `last` is the last
-        delta the call saw: the request's final delta, or an earlier one (or none) when the caller went
-        away, which aborted the request, or when the engine failed under it (`error`, its message)."""
+        delta the call saw: the request's final delta; a failed completion's (finish reason error),
+        after which the call ended; or an earlier one (or none) when the caller went away, which
+        aborted the request."""
         if self._tracer is None:
             return
         if last is None or not last.request_finished:
-            last = _unfinished_delta(request_id, last, num_prompt_tokens, tokenize[1], error)
+            error = last.error if last is not None and last.finish_reason == "error" else None
+            last = unfinished_delta(request_id, last, num_prompt_tokens, tokenize[1], error)
         self.record(self.extract(carrier), request_id, params, last, tokenize)
 
     def record(
@@ -457,17 +468,19 @@ class RequestTracer:
         return int(monotonic_s * 1e9) + self._epoch_offset_ns
 
 
-def _unfinished_delta(
+def unfinished_delta(
     request_id: str, last: RequestDelta | None, num_prompt_tokens: int, arrival_time: float, error: str | None
 ) -> RequestDelta:
-    """The final delta of a request whose call ended after delta `last` (None: before any) without
-    the engine's final delta: aborted (the caller went away), or failed with `error`."""
+    """The final delta of a request that ended after delta `last` (None: before any) without the
+    engine's final delta: aborted (the caller went away), or failed with `error` (the engine died
+    under it, or one of its completions failed)."""
     if last is None:
         last = RequestDelta.aborted_before_output(request_id, num_prompt_tokens, RequestMetrics(arrival_time))
     return dataclasses.replace(
         last,
         new_token_ids=[],
         new_text="",
+        new_logprobs=None,
         finished=True,
         finish_reason="aborted" if error is None else "error",
         request_finished=True,

@@ -23,6 +23,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta, RequestMetrics
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.telemetry import unfinished_delta
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class _Stream:
     queue: asyncio.Queue[RequestDelta | BaseException] = field(default_factory=asyncio.Queue)
     finished: bool = False
     held: dict[int, RequestDelta] = field(default_factory=dict)  # by completion index: not yet sent
+    last: RequestDelta | None = None  # the engine's latest delta: a dead engine's final delta builds on it
 
 
 class AsyncEngine:
@@ -126,7 +128,9 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestDelta]:
         """Deltas of one request until all its completions finish. Raises InvalidRequestError before
         the first delta for a request the engine would reject, QueueFullError when over the bound,
-        and EngineDeadError if the engine fails.
+        and EngineDeadError when the engine has stopped. A request the engine fails under it (a model
+        fault, or the engine dying) ends with a delta whose finish reason is error and whose `error`
+        says why: every front end reports, traces and counts a failure from that one delta.
 
         With `stream_interval` N > 1 a completion's first token comes alone, at once, and after it a
         delta carries N tokens (the engine's deltas of N steps, joined), except the last, which carries
@@ -192,6 +196,7 @@ class AsyncEngine:
     def _deliver(self, stream: _Stream, delta: RequestDelta) -> None:
         """Hand a delta to its stream, or hold it back while its completion has fewer than
         `stream_interval` unsent tokens (never its first token, never its last delta)."""
+        stream.last = delta
         held = stream.held.pop(delta.index, None)
         if held is not None:
             delta.prepend(held)
@@ -237,8 +242,16 @@ class AsyncEngine:
                 stream.queue.put_nowait(delta)
 
     def _die(self, exc: BaseException) -> None:
+        """Fail every live request with a final error delta, as a model fault fails a batch's."""
         logger.error("engine loop stopped: %r", exc)
         self.dead = exc
         error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine step failed: {exc!r}")
-        for stream in self._streams.values():
-            stream.queue.put_nowait(error)
+        message, now = f"engine failed: {error}", time.monotonic()
+        deltas = [
+            unfinished_delta(request_id, stream.last, stream.num_prompt_tokens, stream.arrival_time, message)
+            for request_id, stream in self._streams.items()
+            if stream.last is None or not stream.last.request_finished  # else its final delta is queued
+        ]
+        self.engine.metrics.record_failed(deltas, now)  # no step records them
+        for delta in deltas:
+            self._deliver(self._streams[delta.request_id], delta)

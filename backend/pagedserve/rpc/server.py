@@ -46,14 +46,14 @@ T = TypeVar("T")
 
 @dataclass
 class _Call:
-    """One Generate/Complete call: what it asked for, when it was tokenized, the last delta it saw."""
+    """One Generate/Complete call: what it asked for, when it was tokenized, the last delta it saw
+    (a failed request's carries why: the engine ends it with finish reason error)."""
 
     request_id: str
     prompt: list[int]
     params: SamplingParams
     tokenized: tuple[float, float]  # time.monotonic() before and after tokenizing
     last: RequestDelta | None = None
-    error: str | None = None  # why the engine failed it, when it did
 
 
 @dataclass
@@ -139,19 +139,16 @@ class GenerationServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except EngineDeadError as exc:
-            call.error = f"engine failed: {exc}"
-            await context.abort(grpc.StatusCode.INTERNAL, call.error)
+        except EngineDeadError as exc:  # stopped before this request started
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     def _record_abort(self, context: grpc.aio.ServicerContext) -> None:
-        remaining = context.time_remaining()
-        cause = "deadline" if remaining is not None and remaining <= 0 else "client_cancel"
-        self.llm.metrics.record_abort(cause)
+        self.llm.metrics.record_abort(cancel_cause(context))
 
     def _trace(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
         metadata = context.invocation_metadata()
         self.tracer.finish_request(
-            metadata, call.request_id, call.params, call.last, call.tokenized, len(call.prompt), call.error
+            metadata, call.request_id, call.params, call.last, call.tokenized, len(call.prompt)
         )
 
     # -- control -------------------------------------------------------------------------------------
@@ -218,6 +215,13 @@ class GenerationServicer:
         )
 
 
+def cancel_cause(context: grpc.aio.ServicerContext) -> str:
+    """Why a gRPC call was cut short, as `pagedserve:request_aborts` counts it: its deadline passed,
+    or the client went away (every gRPC front end counts the same way)."""
+    remaining = context.time_remaining()
+    return "deadline" if remaining is not None and remaining <= 0 else "client_cancel"
+
+
 def _merge(into: pb.GenerateResponse, delta: pb.GenerateResponse) -> None:
     into.text += delta.text
     into.token_ids.extend(delta.token_ids)
@@ -250,8 +254,13 @@ async def deep_check(engine: AsyncEngine, timeout: float = 30.0) -> bool:
         async with asyncio.timeout(timeout):
             async for delta in engine.generate(rid, prompt, params):
                 if delta.request_finished:
+                    if delta.finish_reason == "error":
+                        logger.warning("deep health check: not ready: %s", delta.error)
                     return delta.finish_reason in ("length", "eos", "stop")
-    except Exception:  # a failed check is an answer, not an error
+    except (QueueFullError, EngineDeadError, TimeoutError) as exc:
+        # An answer, not a fault: probes come every few seconds, so one line each and no traceback.
+        logger.warning("deep health check: not ready: %s", str(exc) or f"no token within {timeout:g} s")
+    except Exception:  # a bug: its traceback is what finds it
         logger.exception("deep health check failed")
     finally:
         unmetered.discard(rid)
