@@ -1,4 +1,5 @@
-"""Tiny random-weight Llama checkpoints built from a config, for tests that need a fast model.
+"""Tiny random-weight checkpoints built from a transformers config (a Llama by default), for tests
+that need a fast model.
 
 Kept out of conftest.py so tests import it by a name no other folder's conftest shares.
 """
@@ -30,9 +31,7 @@ def build_tiny_llama(
 ) -> str:
     """A random-weight Llama with the default model's tokenizer (vocab 49152). A large init range
     makes its next-token distributions peaked, so greedy decoding has few near-ties."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     config = LlamaConfig(
         vocab_size=49152,
@@ -50,16 +49,31 @@ def build_tiny_llama(
         pad_token_id=2,
         **overrides,
     )
+    return save_tiny_model(dest, tokenizer_dir, config, seed=seed)
+
+
+def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int = 0) -> str:
+    """A random-weight checkpoint of any transformers causal-LM `config` (its class picks the
+    architecture), saved as a Hugging Face directory with the default model's tokenizer. Biases are
+    random too (transformers initializes them to zero, which would hide a bias never applied), and a
+    tied LM head is left out of the weights, as transformers saves it."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        del weights["lm_head.weight"]
     dest.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {k: v.contiguous() for k, v in model.state_dict().items()},
-        str(dest / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    config_dict = config.to_dict()
-    config_dict["architectures"] = ["LlamaForCausalLM"]
+    save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    config_dict = config.to_dict()  # type: ignore[attr-defined]
+    config_dict["architectures"] = [type(model).__name__]
     (dest / "config.json").write_text(json.dumps(config_dict, indent=2))
     for name in TOKENIZER_FILES:
         if (Path(tokenizer_dir) / name).exists():

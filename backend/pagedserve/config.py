@@ -6,6 +6,7 @@ This module imports no torch, so `pagedserve.core` can depend on it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,8 @@ from typing import Any
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ATTENTION_BACKENDS = ("torch", "triton")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,20 +48,19 @@ class ModelConfig:
         if not config_file.is_file():
             raise ValueError(f"model: {path!r} is not a Hugging Face model directory (no config.json)")
         hf = json.loads(config_file.read_text())
+        if hf.get("quantization_config"):  # its weights would load as garbage or not at all
+            method = hf["quantization_config"].get("quant_method", "?")
+            raise ValueError(f"model: config.json's quantization_config ({method}) is not supported")
         num_heads = hf["num_attention_heads"]
-        context_len = _context_length(hf)
-        if max_model_len is not None and not 1 <= max_model_len <= context_len:
-            raise ValueError(
-                f"max_model_len: must be in [1, {context_len}] for this model, got {max_model_len}"
-            )
+        architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
         if dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {DTYPES}, got {dtype!r}")
         return cls(
             path=str(path),
             dtype=dtype,
-            max_model_len=max_model_len or context_len,
+            max_model_len=_max_model_len(hf, architecture, max_model_len),
             served_model_name=served_model_name or Path(path).resolve().name,
-            architecture=(hf.get("architectures") or ["LlamaForCausalLM"])[0],
+            architecture=architecture,
             vocab_size=hf["vocab_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
@@ -68,13 +70,49 @@ class ModelConfig:
         )
 
 
-def _context_length(hf: dict[str, Any]) -> int:
-    length = int(hf.get("max_position_embeddings", 2048))
-    # A sliding-window model is exact only within its window: we do not implement the window.
+def _max_model_len(hf: dict[str, Any], architecture: str, requested: int | None) -> int:
+    """The requested context length, else the model's. We have no sliding-window attention, so a
+    model with a window is exact only up to it (a window of W tokens covers the whole of a W-token
+    context): its length is capped there, as vLLM did where its backend lacked the window."""
+    positions = int(hf.get("max_position_embeddings", 2048))
+    window = _sliding_window(hf, architecture)
+    limit = min(positions, window or positions)
+    if requested is not None and not 1 <= requested <= limit:
+        if limit < positions and requested > limit:  # the window binds, not the positions
+            raise ValueError(
+                f"max_model_len: {requested} exceeds this model's sliding_window ({window} tokens, "
+                "config.json), which pagedserve does not implement: a longer context would attend "
+                f"beyond the window; use at most {window}"
+            )
+        raise ValueError(f"max_model_len: must be in [1, {limit}] for this model, got {requested}")
+    if requested is None and limit < positions:
+        logger.warning(
+            "max_model_len capped at %d tokens, this model's sliding_window (max_position_embeddings "
+            "%d): pagedserve has no sliding-window attention, a longer context would attend beyond it",
+            limit,
+            positions,
+        )
+    return requested or limit
+
+
+def _sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
+    """The attention window some layer of this model slides, or None. `use_sliding_window: false`
+    turns it off (Qwen2 configs carry a window they do not use; vLLM reads it so for every model).
+    Qwen2's default is off, and when on, transformers slides only the layers `layer_types` names,
+    by default those from `max_window_layers` on: with none of them, no window applies."""
     window = hf.get("sliding_window")
-    if isinstance(window, int) and window > 0 and hf.get("use_sliding_window", True):
-        length = min(length, window)
-    return length
+    is_qwen2 = architecture == "Qwen2ForCausalLM"
+    if not (isinstance(window, int) and window > 0) or not hf.get("use_sliding_window", not is_qwen2):
+        return None
+    if is_qwen2:
+        first_sliding = hf.get("max_window_layers", 28)  # transformers' Qwen2Config default
+        layer_types = hf.get("layer_types") or [
+            "sliding_attention" if i >= first_sliding else "full_attention"
+            for i in range(hf["num_hidden_layers"])
+        ]
+        if "sliding_attention" not in layer_types:
+            return None
+    return window
 
 
 @dataclass(frozen=True)

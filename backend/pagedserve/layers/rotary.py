@@ -13,10 +13,34 @@ from pagedserve.layers import ops
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """Normalize transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`) configs."""
-    params = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
-    params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    """The RoPE parameters transformers 5 reads from a 4.x (`rope_theta` + `rope_scaling`) or 5.x
+    (`rope_parameters`) config: `rope_scaling` wins where both are set, so a config both carry is
+    refused when they differ (transformers would also drop the other's `rope_theta`)."""
+    scaling, params = hf_config.get("rope_scaling"), hf_config.get("rope_parameters")
+    chosen = _standardized(scaling or params or {}, hf_config)
+    if scaling and params and _standardized(params, hf_config) != chosen:
+        raise ValueError(
+            f"model: config.json sets both rope_scaling {scaling} and rope_parameters {params}, which "
+            "differ; keep the one the model was trained with"
+        )
+    return chosen
+
+
+def _standardized(raw: dict[str, Any], hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Top-level `rope_theta` and `partial_rotary_factor` fill in what the dict lacks, as in
+    transformers' `standardize_rope_params`; so does llama3's pretraining length (a top-level
+    `original_max_position_embeddings` first, else the dict's, else `max_position_embeddings`)."""
+    params = {k: v for k, v in raw.items() if k != "type"}
+    params["rope_type"] = raw.get("rope_type") or raw.get("type") or "default"
+    params.setdefault("rope_theta", hf_config.get("rope_theta") or 10000.0)
+    if hf_config.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", hf_config["partial_rotary_factor"])
+    if params["rope_type"] == "llama3":
+        params["original_max_position_embeddings"] = (
+            hf_config.get("original_max_position_embeddings")
+            or params.get("original_max_position_embeddings")
+            or hf_config.get("max_position_embeddings", 2048)
+        )
     return params
 
 
@@ -30,7 +54,10 @@ def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
         return inv_freq / params["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, params)
-    raise ValueError(f"rope_scaling: type {kind!r} is not supported (default, linear, llama3 are)")
+    raise ValueError(
+        f"model: config.json's rope_type {kind!r} (rope_scaling / rope_parameters) is not supported "
+        "(default, linear, llama3 are)"
+    )
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -50,7 +77,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, hf_config: dict[str, Any]) -> None:
         super().__init__()
         params = rope_parameters(hf_config)
-        self.rotary_dim = int(head_dim * hf_config.get("partial_rotary_factor", 1.0))
+        self.rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         freqs = (
             torch.arange(max_position, dtype=torch.float32)[:, None]
             * _inv_freq(self.rotary_dim, params)[None, :]

@@ -16,9 +16,10 @@ from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMe
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedserve.layers.norm import RMSNorm
-from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.layers.rotary import RotaryEmbedding, rope_parameters
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # a step's cos and sin tables, shared by every layer
+Biases = tuple[bool, bool]  # whether the q/k/v projections and the o projection carry a bias
 
 
 def head_dim_of(cfg: dict[str, Any]) -> int:
@@ -26,13 +27,14 @@ def head_dim_of(cfg: dict[str, Any]) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], backend: AttentionBackend, qkv_bias: bool) -> None:
+    def __init__(self, cfg: dict[str, Any], backend: AttentionBackend, biases: Biases) -> None:
         super().__init__()
         hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
         head_dim = head_dim_of(cfg)
+        qkv_bias, o_bias = biases
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=cfg.get("attention_bias", False))
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.head_dim = head_dim
@@ -52,7 +54,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         hidden, inter, bias = cfg["hidden_size"], cfg["intermediate_size"], cfg.get("mlp_bias", False)
         if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act: {cfg['hidden_act']!r} is not supported (silu is)")
+            raise ValueError(
+                f"model: config.json's hidden_act {cfg['hidden_act']!r} is not supported (silu is)"
+            )
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=bias)
         self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
         self.act = SiluAndMul()
@@ -62,9 +66,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], backend: AttentionBackend, qkv_bias: bool) -> None:
+    def __init__(self, cfg: dict[str, Any], backend: AttentionBackend, biases: Biases) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, qkv_bias)
+        self.self_attn = LlamaAttention(cfg, backend, biases)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
@@ -86,7 +90,6 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    qkv_bias = False
     # checkpoint name -> (our merged parameter, shard id)
     stacked_params = {
         "q_proj": ("qkv_proj", "q"),
@@ -98,16 +101,24 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
         super().__init__()
+        _check_full_rotary(cfg)
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
         self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), max_position, cfg)
+        biases = self.attention_biases(cfg)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, self.qkv_bias) for _ in range(cfg["num_hidden_layers"])
+            LlamaDecoderLayer(cfg, backend, biases) for _ in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        """Llama's `attention_bias` covers all four projections (as in transformers)."""
+        bias = bool(cfg.get("attention_bias", False))
+        return bias, bias
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -158,7 +169,22 @@ def _param(params: dict[str, nn.Parameter], name: str, checkpoint_name: str) -> 
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    qkv_bias = True
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        """Qwen2 always biases q, k and v and never o; transformers reads no `attention_bias` for it."""
+        return True, False
+
+
+def _check_full_rotary(cfg: dict[str, Any]) -> None:
+    """transformers' Llama, Mistral and Qwen2 rotate the whole head: their default rope ignores a
+    `partial_rotary_factor` and their scaled ropes fail on it. Which dimensions such a checkpoint
+    was trained to rotate is unknown, so it is refused rather than guessed."""
+    factor = rope_parameters(cfg).get("partial_rotary_factor", 1.0)
+    if factor != 1.0:
+        raise ValueError(
+            f"model: config.json's partial_rotary_factor {factor} is not supported for "
+            f"{(cfg.get('architectures') or ['LlamaForCausalLM'])[0]} (the whole head rotates)"
+        )
 
 
 def _default_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:

@@ -1,0 +1,383 @@
+"""The config.json options of the Llama family that change outputs (Qwen2's biases, linear and llama3
+rope scaling in the 4.x and 5.x formats, an explicit head_dim, attention and MLP biases, tied
+embeddings, sliding windows), each held to transformers on a tiny random-weight checkpoint; and the
+options pagedserve does not implement, refused at load naming the option.
+
+Greedy float32 outputs equal transformers' `generate` (a divergence passes only at a near-tie, as in
+test_hf_parity.py). bfloat16 rounds differently from transformers' float32 reference, so its greedy
+tokens part from it within a few steps (as transformers' own bfloat16 tokens do); each token it picks
+is instead held to within BF16_GAP of transformers' float32 best choice on the same context."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pagedserve import LLM, SamplingParams
+from pagedserve.errors import InvalidRequestError
+from pagedserve.layers.rotary import RotaryEmbedding
+from test_hf_parity import assert_greedy_equal, hf_greedy
+from tiny_models import save_tiny_model
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+TINY = {
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "initializer_range": 0.2,  # peaked next-token distributions: few near-ties
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+# Llama 3.1's rope with a pretraining length of 64: prompts of 300+ tokens run far past it, and with
+# head_dim 16 and theta 5e5 six of the eight frequencies are scaled or smoothed.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+MAX_TOKENS = 16
+# Measured on these checkpoints: transformers' own bfloat16 tokens sit at most 0.21 below its float32
+# best (ours at most 0.21 too); a model that drops its rope scaling or a bias sits ~10 below.
+BF16_GAP = 0.5
+
+ConfigPatch = Callable[[dict[str, Any]], None]
+
+
+def as_transformers_4(config: dict[str, Any]) -> None:
+    """The 4.x layout: rope_theta beside rope_scaling, whose kind older configs name `type`."""
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+
+
+def with_unused_window(config: dict[str, Any]) -> None:
+    """As Qwen2 checkpoints ship: a window that `use_sliding_window: false` turns off."""
+    config.update(sliding_window=32, use_sliding_window=False)
+
+
+VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
+    "llama-linear-rope": (
+        lambda: LlamaConfig(**TINY, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+        None,
+    ),
+    "llama-llama3-rope-4.x-config": (
+        lambda: LlamaConfig(**TINY, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE),
+        as_transformers_4,
+    ),
+    "llama-head-dim-32": (lambda: LlamaConfig(**TINY, head_dim=32), None),
+    "llama-attention-and-mlp-bias": (lambda: LlamaConfig(**TINY, attention_bias=True, mlp_bias=True), None),
+    "llama-tied": (lambda: LlamaConfig(**TINY, tie_word_embeddings=True), None),
+    "qwen2": (lambda: Qwen2Config(**TINY), with_unused_window),
+    "qwen2-tied-head-dim-32": (lambda: Qwen2Config(**TINY, tie_word_embeddings=True, head_dim=32), None),
+    # the window is on but slides no layer: max_window_layers covers both
+    "qwen2-window-on-no-sliding-layer": (
+        lambda: Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=2),
+        None,
+    ),
+    "mistral-head-dim-32": (lambda: MistralConfig(**TINY, head_dim=32, sliding_window=None), None),
+}
+
+
+def long_prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[1] + [rng.randrange(3, 49152) for _ in range(300 + 41 * i)] for i in range(2)]
+
+
+def build(root: Path, name: str, config: Any, patch: ConfigPatch | None, tokenizer_dir: str) -> str:
+    model_dir = save_tiny_model(root / name, tokenizer_dir, config)
+    if patch is not None:
+        config_file = Path(model_dir) / "config.json"
+        config_dict = json.loads(config_file.read_text())
+        patch(config_dict)
+        config_file.write_text(json.dumps(config_dict, indent=2))
+    return model_dir
+
+
+def with_config(root: Path, model_dir: str, patch: ConfigPatch) -> str:
+    """`model_dir`'s files, with config.json patched."""
+    root.mkdir(parents=True, exist_ok=True)
+    for file in Path(model_dir).iterdir():
+        if file.name != "config.json":
+            (root / file.name).symlink_to(file)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    patch(config)
+    (root / "config.json").write_text(json.dumps(config))
+    return str(root)
+
+
+def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+
+
+def worst_gap(model: Any, prompts: list[list[int]], outputs: list[list[int]]) -> float:
+    """How far below transformers' best float32 logprob the worst of our chosen tokens sits."""
+    worst = 0.0
+    with torch.inference_mode():
+        for prompt, output in zip(prompts, outputs):
+            logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            chosen = logprobs.gather(1, torch.tensor(output)[:, None])[:, 0]
+            worst = max(worst, float((logprobs.max(dim=-1).values - chosen).max()))
+    return worst
+
+
+@pytest.fixture(scope="module")
+def variant_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> Callable[[str], str]:
+    built: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            make_config, patch = VARIANTS[name]
+            built[name] = build(tmp_path_factory.mktemp(name), name, make_config(), patch, default_model_dir)
+        return built[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: str) -> None:
+    model_dir, prompts = variant_dir(name), long_prompts()
+    model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16)
+    assert llm.engine.config.model.max_model_len == 1024  # no window caps these
+    assert_greedy_equal(model, prompts, greedy(llm, prompts, MAX_TOKENS), theirs)
+    bf16 = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=128, block_size=16)
+    gap = worst_gap(model, prompts, greedy(bf16, prompts, MAX_TOKENS))
+    assert gap < BF16_GAP, f"a bfloat16 token sits {gap:.2f} below transformers' float32 best"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2", "llama-llama3-rope-4.x-config", "llama-attention-and-mlp-bias"])
+def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str], name: str) -> None:
+    """The CPU default: the torch.compile'd forward pass (and, on AMX, decode steps in one C++ call,
+    which takes a qkv bias and refuses other biases). ~30 s a compile."""
+    model_dir, prompts = variant_dir(name), long_prompts()
+    model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(model=model_dir, dtype=dtype, num_kv_blocks=128, block_size=16, enforce_eager=False)
+        assert llm.engine.config.compile
+        ours = greedy(llm, prompts, MAX_TOKENS)
+        if dtype == "float32":
+            assert_greedy_equal(model, prompts, ours, theirs)
+        else:
+            assert worst_gap(model, prompts, ours) < BF16_GAP
+
+
+def test_dropping_the_rope_scaling_changes_transformers_outputs(
+    variant_dir: Callable[[str], str], tmp_path: Path
+) -> None:
+    """The prompts run far enough past the pretraining length that the scaling decides tokens, so
+    parity above could fail. (The biases are random, not transformers' zeros: `save_tiny_model`.)"""
+    prompts = long_prompts()[:1]
+    for name, without in [
+        (
+            "llama-linear-rope",
+            lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        ),
+        ("llama-llama3-rope-4.x-config", lambda c: c.pop("rope_scaling")),
+    ]:
+        model_dir = variant_dir(name)
+        plain = with_config(tmp_path / name, model_dir, without)
+        assert hf_greedy(plain, prompts, 4)[1] != hf_greedy(model_dir, prompts, 4)[1], name
+
+
+# --- sliding windows: pagedserve has none, so the context stops at the window -----------------------
+
+
+def mistral_with_window(root: Path, tokenizer_dir: str) -> str:
+    return build(root, "mistral-window-32", MistralConfig(**TINY, sliding_window=32), None, tokenizer_dir)
+
+
+def test_a_sliding_window_caps_the_context_at_the_window(
+    tmp_path: Path, default_model_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    model_dir = mistral_with_window(tmp_path, default_model_dir)
+    # the defect a cap prevents: past the window, transformers' outputs are not full attention's
+    long = long_prompts()[0][:100]
+    full_attention = with_config(tmp_path / "no-window", model_dir, lambda c: c.update(sliding_window=None))
+    assert hf_greedy(model_dir, [long], 4)[1] != hf_greedy(full_attention, [long], 4)[1]
+
+    with caplog.at_level(logging.WARNING, logger="pagedserve.config"):
+        llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=16, block_size=16)
+    assert llm.engine.config.model.max_model_len == 32
+    assert "max_model_len capped at 32 tokens, this model's sliding_window" in caplog.text
+    with pytest.raises(InvalidRequestError, match="context length 32"):
+        llm.generate([long], SamplingParams(max_tokens=4))
+    # within the window, sliding and full attention agree: the last of 32 tokens still sees the first
+    prompt = long[:20]
+    model, theirs = hf_greedy(model_dir, [prompt], 12)
+    assert_greedy_equal(model, [prompt], greedy(llm, [prompt], 12), theirs)
+
+
+def test_a_max_model_len_past_the_window_is_refused_naming_it(tmp_path: Path, default_model_dir: str) -> None:
+    model_dir = mistral_with_window(tmp_path, default_model_dir)
+    with pytest.raises(ValueError, match=r"^max_model_len: 100 exceeds this model's sliding_window \(32"):
+        LLM(model=model_dir, max_model_len=100)
+    with pytest.raises(ValueError, match=r"^max_model_len: must be in \[1, 32\]"):
+        LLM(model=model_dir, max_model_len=0)
+
+
+def drop(*keys: str) -> ConfigPatch:
+    def patch(config: dict[str, Any]) -> None:
+        for key in keys:
+            del config[key]
+
+    return patch
+
+
+@pytest.mark.parametrize(
+    ("config", "patch", "max_model_len"),
+    [
+        # Qwen2 slides the layers from max_window_layers on: here layer 1 of 2
+        (Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=1), None, 32),
+        (Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=2), None, 1024),
+        # configs from before layer_types: Qwen2's use_sliding_window is off unless set, and
+        # max_window_layers defaults to 28 (both of these layers full)
+        (
+            Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32),
+            drop("use_sliding_window", "layer_types"),
+            1024,
+        ),
+        (
+            Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32),
+            drop("max_window_layers", "layer_types"),
+            1024,
+        ),
+        (
+            Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=0),
+            drop("layer_types"),
+            32,
+        ),
+        (Qwen2Config(**TINY), with_unused_window, 1024),
+        (MistralConfig(**TINY, sliding_window=None), None, 1024),
+    ],
+    ids=[
+        "qwen2-layer-1-slides",
+        "qwen2-no-layer-slides",
+        "qwen2-use-unset",
+        "qwen2-28-window-layers-default",
+        "qwen2-every-layer-slides",
+        "qwen2-use-false",
+        "mistral-no-window",
+    ],
+)
+def test_the_window_applies_where_transformers_slides_a_layer(
+    tmp_path: Path, config: Any, patch: ConfigPatch | None, max_model_len: int
+) -> None:
+    from pagedserve.config import ModelConfig
+
+    config_dict = {**config.to_dict(), "architectures": [config.model_type.title() + "ForCausalLM"]}
+    if patch is not None:
+        patch(config_dict)
+    (tmp_path / "config.json").write_text(json.dumps(config_dict))
+    # transformers' own reading of the same file agrees
+    theirs = type(config).from_pretrained(tmp_path)
+    layer_types = getattr(theirs, "layer_types", None) or ["sliding_attention"]  # Mistral: every layer
+    slides = theirs.sliding_window is not None and "sliding_attention" in layer_types
+    assert max_model_len == (32 if slides else 1024)
+    assert ModelConfig.from_path(str(tmp_path), "float32").max_model_len == max_model_len
+
+
+# --- rope tables, read from config.json as transformers reads it ---------------------------------------
+
+
+def llama3_without_pretraining_length(config: dict[str, Any]) -> None:
+    del config["rope_parameters"]["original_max_position_embeddings"]  # transformers: max_position_embeddings
+
+
+def llama3_with_top_level_pretraining_length(config: dict[str, Any]) -> None:
+    config["original_max_position_embeddings"] = 128  # Phi-3's place, which transformers reads first
+
+
+def rope_in_both_layouts(config: dict[str, Any]) -> None:
+    config["rope_scaling"] = {"type": "linear", "factor": 4.0}  # the same rope, as a 4.x config adds it
+    config["rope_parameters"] = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "patch"),
+    [
+        ({"rope_theta": 500000.0}, None),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, None),
+        ({"rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE}, None),
+        ({"rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE}, as_transformers_4),
+        ({"rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE}, llama3_without_pretraining_length),
+        ({"rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE}, llama3_with_top_level_pretraining_length),
+        ({}, rope_in_both_layouts),
+        ({"head_dim": 32, "rope_scaling": LLAMA3_ROPE}, None),
+    ],
+    ids=[
+        "default-theta-5e5",
+        "linear",
+        "llama3",
+        "llama3-4.x-config",
+        "llama3-no-pretraining-length",
+        "llama3-top-level-pretraining-length",
+        "both-layouts-agreeing",
+        "llama3-head-dim-32",
+    ],
+)
+def test_rotary_tables_equal_transformers(
+    tmp_path: Path, overrides: dict[str, Any], patch: ConfigPatch | None
+) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config_dict = {**LlamaConfig(**TINY, **overrides).to_dict(), "architectures": ["LlamaForCausalLM"]}
+    if patch is not None:
+        patch(config_dict)
+    (tmp_path / "config.json").write_text(json.dumps(config_dict))
+    theirs = LlamaConfig.from_pretrained(tmp_path)
+    positions = torch.tensor([0, 1, 63, 64, 300, 1023])
+    cos, sin = LlamaRotaryEmbedding(theirs)(torch.zeros(1, dtype=torch.float32), positions[None])
+    head_dim = theirs.head_dim
+    ours = RotaryEmbedding(head_dim, 1024, config_dict).cos_sin_cache[positions]
+    half = head_dim // 2
+    torch.testing.assert_close(ours, torch.cat((cos[0, :, :half], sin[0, :, :half]), dim=-1))
+
+
+# --- what pagedserve does not implement is refused at load, naming the option ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        # transformers' Llama rotates the whole head by default and fails under scaled rope
+        (lambda c: c.update(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported"),
+        (lambda c: c["rope_parameters"].update(partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
+        (lambda c: c.update(rope_scaling={"type": "linear", "factor": 4.0}), "both rope_scaling .* differ"),
+        (
+            lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+            "rope_type 'yarn' .* is not supported",
+        ),
+        (lambda c: c.update(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+        (
+            lambda c: c.update(quantization_config={"quant_method": "gptq", "bits": 4}),
+            r"quantization_config \(gptq\) is not supported",
+        ),
+    ],
+    ids=["partial-rotary", "partial-rotary-in-rope", "two-ropes", "yarn", "gelu", "quantized"],
+)
+def test_an_unsupported_option_is_refused_naming_it(
+    tmp_path: Path, tiny_llama_dir: str, patch: ConfigPatch, message: str
+) -> None:
+    from pagedserve.settings import config_error
+
+    model_dir = with_config(tmp_path / "model", tiny_llama_dir, patch)
+    with pytest.raises(ValueError, match=f"^model: config.json('s)? .*{message}") as info:
+        LLM(model=model_dir, dtype="float32", num_kv_blocks=8)
+    # `serve` says it of --model, the setting that chose this config.json
+    assert str(config_error(info.value, {"model"})).startswith("--model: config.json")
