@@ -234,13 +234,26 @@ def resolve_compile(
     )
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
-    """`auto`: bfloat16 on GPUs and on CPUs with native bf16 matrix support, float32 otherwise."""
+def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str | None = None) -> str:
+    """`auto`: on GPUs a float16 checkpoint runs in float16 (as vLLM runs it: bfloat16 would drop
+    mantissa bits it was trained with), any other in bfloat16; on CPUs bfloat16 where the CPU has
+    native bf16 matrix support, float32 otherwise (float16 matrix products are slow on CPUs)."""
     if dtype != "auto":
         return dtype
     if device.startswith("cuda"):
-        return "bfloat16"
+        return "float16" if checkpoint_dtype == "float16" else "bfloat16"
     return "bfloat16" if _cpu_has_bf16() else "float32"
+
+
+def checkpoint_dtype(model_path: str) -> str | None:
+    """The dtype config.json says the weights were saved in (`torch_dtype` in transformers 4, `dtype`
+    in 5), or None when it says nothing or the directory has no config.json."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return None
+    hf = json.loads(config_file.read_text())
+    value = hf.get("dtype") or hf.get("torch_dtype")
+    return value if isinstance(value, str) else None
 
 
 def _cpu_has_bf16() -> bool:

@@ -22,6 +22,7 @@ from pagedserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    checkpoint_dtype,
     resolve_attention_backend,
     resolve_block_size,
     resolve_compile,
@@ -172,9 +173,10 @@ class EngineSettings(BaseSettings):
 
         device = resolve_device(self.device)
         backend = resolve_attention_backend(self.attention_backend, device)
+        model_path = resolve_model_path(self.model)
         model = ModelConfig.from_path(
-            resolve_model_path(self.model),
-            resolve_dtype(self.dtype, device),
+            model_path,
+            resolve_dtype(self.dtype, device, checkpoint_dtype(model_path)),
             self.max_model_len,
             self.served_model_name,
         )
