@@ -26,9 +26,12 @@ def _is_number(value: object) -> bool:
 class SamplingParams:
     """How to pick each next token and when to stop. Shaped like vLLM's `SamplingParams`.
 
-    `temperature == 0` is greedy. `top_k == -1` disables top-k. `stop` strings are cut from the
-    returned text (unless `include_stop_str_in_output`). `logprobs=k` returns, per generated token,
-    the log-probabilities of the sampled token and the k most likely ones (raw model distribution).
+    `temperature == 0` is greedy. `top_k == -1` disables top-k. The text ends where a `stop` string is
+    first completed (of several, the one that ends first); the stop string is cut from it unless
+    `include_stop_str_in_output`, and so is the text of an EOS or stop token id that ended generation.
+    No stop of any kind counts within the first `min_tokens` tokens. `logprobs=k` returns, per
+    generated token, the log-probabilities of the sampled token and the k most likely ones (raw model
+    distribution).
     """
 
     n: int = 1

@@ -2,8 +2,9 @@
 
 Text is produced by decoding a small window of tokens and emitting only what became stable: a
 window whose text ends in U+FFFD is an incomplete UTF-8 sequence (a multi-byte character split
-across tokens) and waits for the next token. With stop strings, the last `len(longest stop) - 1`
-characters are held back until they cannot be the start of a stop string.
+across tokens) and waits for the next token. The text is always `decode(output ids)` cut where
+generation first completes a stop string. When streaming, the last `len(longest stop) - 1`
+characters are held back until they cannot be the start of a stop string that would cut them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 _PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first output, for correct leading spaces
+_REPLACEMENT_CHAR = "\ufffd"  # what decode() makes of an incomplete UTF-8 sequence
 
 
 class IncrementalDetokenizer:
@@ -21,33 +23,41 @@ class IncrementalDetokenizer:
         stop: list[str],
         include_stop_str_in_output: bool,
         skip_special_tokens: bool,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
-        self.token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids = self._prompt_context(prompt_token_ids)
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.stop = stop
         self.include_stop = include_stop_str_in_output
-        self.skip_special_tokens = skip_special_tokens
-        self.hold_back = max((len(s) for s in stop), default=1) - 1
+        self.min_tokens = min_tokens  # stop strings completed within the first min_tokens do not count
+        self.num_output_tokens = 0
+        # A stop string kept in the output never cuts text before its end, which is in the newest text:
+        # then nothing already decoded can be taken back, and nothing needs holding back (as in vLLM).
+        self.hold_back = max(len(s) for s in stop) - 1 if stop and not include_stop_str_in_output else 0
         self.text = ""  # all output text so far (cut at a stop string)
         self.num_emitted = 0  # characters of `text` already returned
 
-    def update(self, new_token_ids: list[int]) -> str | None:
-        """Add tokens; returns the stop string hit, if any (then `text` ends at it)."""
-        self.token_ids.extend(new_token_ids)
-        start = len(self.text)
-        self.text += self._decode_new()
-        for stop in self.stop:
-            index = self.text.find(stop, max(0, start - len(stop) + 1))
-            if index != -1:
-                self.text = self.text[: index + len(stop) if self.include_stop else index]
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
+        """Add tokens; returns the stop string hit, if any (then `text` ends at it). `stop_terminated`:
+        the last token ended the sequence as EOS or a stop token id; like vLLM, its text is left out
+        unless `include_stop_str_in_output`."""
+        if stop_terminated and not self.include_stop:
+            new_token_ids = new_token_ids[:-1]
+        for token_id in new_token_ids:  # one at a time: min_tokens counts tokens, not steps
+            self.token_ids.append(token_id)
+            self.num_output_tokens += 1
+            stop = self._append(self._decode_new())
+            if stop is not None:
                 return stop
         return None
 
-    def flush(self) -> None:
-        """At the end of generation: add text still waiting for more bytes (as U+FFFD, like decode())."""
-        self.text += self._decode_new(final=True)
+    def flush(self) -> str | None:
+        """At the end of generation: add text still waiting for more bytes (as U+FFFD, like decode()).
+        That text can complete a stop string too: returns it, if any."""
+        return self._append(self._decode_new(final=True))
 
     def take_delta(self, finished: bool) -> str:
         """New text since the last call; holds back a possible stop-string prefix until finished."""
@@ -56,15 +66,44 @@ class IncrementalDetokenizer:
         self.num_emitted = end
         return delta
 
+    def _append(self, new_text: str) -> str | None:
+        start = len(self.text)
+        self.text += new_text
+        if not new_text or self.num_output_tokens <= self.min_tokens:
+            return None
+        return self._cut_at_stop(start)
+
+    def _cut_at_stop(self, start: int) -> str | None:
+        """Cut `text` at the stop string that ends first in the text added at `start` (ties: the first
+        listed): where generation would have stopped had each character been its own token. Every
+        earlier end was searched before, so only matches ending after `start` are looked for."""
+        first: tuple[int, str] | None = None  # (end, stop string)
+        for stop in self.stop:
+            index = self.text.find(stop, max(0, start - len(stop) + 1))
+            if index != -1 and (first is None or index + len(stop) < first[0]):
+                first = (index + len(stop), stop)
+        if first is None:
+            return None
+        end, stop = first
+        self.text = self.text[: end if self.include_stop else end - len(stop)]
+        return stop
+
+    def _prompt_context(self, prompt_token_ids: list[int]) -> list[int]:
+        """The prompt's last tokens, less any that end it inside a character: the output's first bytes
+        would complete that character, and the text would no longer be decode(output ids)."""
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        while context and self._decode(context).endswith(_REPLACEMENT_CHAR):
+            context.pop()
+        return context
+
     def _decode_new(self, final: bool = False) -> str:
-        decode = self.tokenizer.decode
-        prefix = decode(
-            self.token_ids[self.prefix_offset : self.read_offset],
-            skip_special_tokens=self.skip_special_tokens,
-        )
-        full = decode(self.token_ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
-        if (full.endswith("\ufffd") and not final) or len(full) <= len(prefix):
+        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset :])
+        if (full.endswith(_REPLACEMENT_CHAR) and not final) or len(full) <= len(prefix):
             return ""
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
         return full[len(prefix) :]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens))

@@ -121,6 +121,7 @@ class LLMEngine:
                 params.stop,
                 params.include_stop_str_in_output,
                 params.skip_special_tokens,
+                params.min_tokens,
             )
             self._completions[seq.request_id] = _Completion(request_id, index, detokenizer)
 
@@ -172,7 +173,7 @@ class LLMEngine:
                 self._seq_id(request_id, i, request.num_sequences) for i in range(request.num_sequences)
             ]
             for seq in self.scheduler.abort(seq_ids):
-                deltas.append(self._delta(seq, [], "", None, now))
+                deltas.append(self._delta(seq, [], self._rest_of_text(seq), None, now))
         if deltas:  # no step may follow: the gauges must not keep showing the aborted requests
             self.metrics.record_aborted(self.stats(), deltas, now)
         return deltas
@@ -234,12 +235,14 @@ class LLMEngine:
         deltas = []
         for seq in updated:
             detokenizer = self._completions[seq.request_id].detokenizer
-            if detokenizer.update(seq.token_ids[-1:]) is not None:
+            stop_terminated = seq.finish_reason in (FinishReason.EOS, FinishReason.STOP)
+            stop = detokenizer.update(seq.token_ids[-1:], stop_terminated)
+            if stop is None and seq.is_finished:
+                stop = detokenizer.flush()
+            if stop is not None:
                 if seq.is_finished:  # the text was cut at a stop string on the same token
                     seq.finish_reason = FinishReason.STOP
                 self.scheduler.finish(seq, FinishReason.STOP)
-            elif seq.is_finished:
-                detokenizer.flush()
             new_logprobs = self._decode_logprobs(logprobs_by_id.get(seq.request_id), seq)
             text = detokenizer.take_delta(seq.is_finished)
             deltas.append(self._delta(seq, [seq.token_ids[-1]], text, new_logprobs, now))
@@ -274,6 +277,13 @@ class LLMEngine:
             index=completion.index,
             request_finished=request_finished,
         )
+
+    def _rest_of_text(self, seq: Sequence) -> str:
+        """An aborted completion's text not yet sent (held back as a possible stop-string start, or a
+        character still incomplete): its stream ends with all of its tokens' text, like a finished one."""
+        detokenizer = self._completions[seq.request_id].detokenizer
+        detokenizer.flush()
+        return detokenizer.take_delta(finished=True)
 
     def _decode_logprobs(self, entry: TokenLogprobs | None, seq: Sequence) -> list[TokenLogprobs] | None:
         if seq.sampling_params.logprobs is None or entry is None:
