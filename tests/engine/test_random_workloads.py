@@ -488,3 +488,49 @@ def test_a_failed_step_ends_every_completion_of_a_parallel_request(ample: LLM) -
     engine.add_request("p", [1, 2, 3], SamplingParams(n=2, max_tokens=2, ignore_eos=True))  # the id is free
     while engine.has_unfinished_requests():
         engine.step()
+
+
+@pytest.mark.slow
+def test_a_step_failing_one_forked_sibling_fails_the_whole_request(tiny_llama_dir: str) -> None:
+    # Memory pressure preempts one of a's two forked completions; the step that runs the other alone
+    # fails. Both completions end with the error (the other ran on to "length" for a caller that had
+    # already been told the request failed), and request b, not in that step, goes on.
+    llm = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        num_kv_blocks=16,
+        block_size=4,
+        max_num_seqs=4,
+        preemption_mode="recompute",
+        enable_prefix_caching=False,
+    )
+    engine = llm.engine
+    engine.add_request(
+        "a", [1, 2, 3], SamplingParams(n=2, max_tokens=40, ignore_eos=True, temperature=1.0, seed=1)
+    )
+    engine.add_request("b", [4, 5, 6], SamplingParams(max_tokens=40, ignore_eos=True))
+    execute, failed_steps = engine.executor.execute, []
+
+    def fail_when_one_sibling_runs_alone(output: SchedulerOutput) -> Any:
+        live = {s for s in ("a#0", "a#1") if s in engine.scheduler.requests}
+        forked = len(live) == 2 and not engine.scheduler.requests["a#0"].pending_forks
+        scheduled = {r.request_id for r in output.scheduled}
+        if not failed_steps and forked and len(scheduled & live) == 1:
+            failed_steps.append(scheduled)
+            raise RuntimeError("injected model fault")
+        return execute(output)
+
+    engine.executor.execute = fail_when_one_sibling_runs_alone  # type: ignore[method-assign]
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+    assert failed_steps and "b" not in failed_steps[0]
+    ends = {(d.request_id, d.index): d for d in deltas if d.finished}
+    assert {k: d.finish_reason for k, d in ends.items()} == {
+        ("a", 0): "error",
+        ("a", 1): "error",
+        ("b", 0): "length",
+    }
+    assert all("injected model fault" in (ends["a", i].error or "") for i in range(2))
+    assert [d.request_finished for d in deltas if d.request_id == "a" and d.finished] == [False, True]
+    assert engine.stats().num_free_blocks == 16

@@ -293,15 +293,21 @@ class LLMEngine:
         return [entry]
 
     def _fail(self, seq_ids: list[str], message: str) -> list[RequestDelta]:
+        """Fail the requests these sequences belong to, every completion of each: a front end ends a
+        call at its first failed completion, so siblings left running (not in the failed step: swapped,
+        preempted or over the budget) would compute for nobody and the request would never finish."""
         now, deltas = time.monotonic(), []
-        for seq_id in seq_ids:
-            seq = self.scheduler.requests.get(seq_id)
-            if seq is None:
-                continue
-            ended = [seq, *(s for s in seq.pending_forks if not s.is_finished)]  # never forked: end with it
-            self.scheduler.finish(seq, FinishReason.ERROR)
-            for ended_seq in ended:
-                delta = self._delta(ended_seq, [], "", None, now)
+        request_ids = dict.fromkeys(
+            self._completions[s].request_id for s in seq_ids if s in self._completions
+        )
+        for request_id in request_ids:
+            n = self._requests[request_id].num_sequences
+            live = [self.scheduler.requests.get(self._seq_id(request_id, i, n)) for i in range(n)]
+            ended = [seq for seq in live if seq is not None]  # collected first: a parent's finish
+            for seq in ended:  # ends its never-forked siblings too
+                self.scheduler.finish(seq, FinishReason.ERROR)
+            for seq in ended:
+                delta = self._delta(seq, [], "", None, now)
                 delta.error = message
                 deltas.append(delta)
         return deltas
