@@ -30,8 +30,14 @@ class SamplingParams:
     first completed (of several, the one that ends first); the stop string is cut from it unless
     `include_stop_str_in_output`, and so is the text of an EOS or stop token id that ended generation.
     No stop of any kind counts within the first `min_tokens` tokens. `logprobs=k` returns, per
-    generated token, the log-probabilities of the sampled token and the k most likely ones (raw model
-    distribution).
+    generated token, the log-probabilities of the sampled token (with its rank, even outside the k)
+    and the k most likely ones, all of the raw model output: before penalties, temperature and
+    top-k/top-p/min-p (vLLM's default, `raw_logprobs`).
+
+    Where we differ from vLLM, on purpose: a temperature in (0, 1e-5) is greedy and one in [1e-5, 0.01)
+    is used as given, where vLLM raises both to 0.01 (the softmax subtracts the maximum logit, so
+    nothing overflows); any finite temperature is taken (recent vLLM refuses those above 2); `top_k=0`
+    is refused (vLLM takes it as -1, disabled).
     """
 
     n: int = 1

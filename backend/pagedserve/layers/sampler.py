@@ -1,5 +1,9 @@
 """Batched sampling: penalties, min_tokens, temperature, top-k/top-p/min-p, greedy, seeded draws.
 
+In vLLM's order: penalties and min_tokens bans on the raw logits, then temperature, then top-k, top-p
+and min-p on the tempered distribution; greedy rows take the argmax of the penalized logits. Logprobs
+are those of the raw logits (vLLM's default), whatever changed the distribution sampled from.
+
 Random rows draw with the exponential trick (argmax(probs / q), q ~ Exp(1)), which samples from
 probs exactly. A seeded request's noise comes from its own generator seeded by (seed, output
 index), so its tokens do not depend on what else is in the batch, nor on preemption.
@@ -13,6 +17,9 @@ from dataclasses import dataclass
 import torch
 
 _GREEDY_EPS = 1e-5
+# SamplingParams takes any finite temperature; past float32's range it would be inf here, and a banned
+# token's -inf logit divided by inf is NaN, which poisons the whole row's softmax.
+_MAX_TEMPERATURE = torch.finfo(torch.float32).max
 _SEED_STRIDE = 1_000_003  # mixes the output index into a request's seed
 _SEED_MODULUS = 2**64  # torch takes 64-bit seeds: any integer seed folds into them
 
@@ -55,7 +62,7 @@ class SamplingTensors:
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [B]
-    logprobs: torch.Tensor | None = None  # [B, 1 + k]: sampled token's logprob, then the top-k
+    logprobs: torch.Tensor | None = None  # [B, 1 + k]: sampled token's raw logprob, then the raw top-k
     logprob_token_ids: torch.Tensor | None = None  # [B, 1 + k]
     sampled_ranks: torch.Tensor | None = None  # [B]
 
@@ -80,8 +87,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_num_logprobs is not None else None
         if t.repetition_penalties is not None:
             logits = _apply_penalties(logits, t)
-        for row, token_ids in t.banned_tokens:
-            logits[row, token_ids] = float("-inf")
+        for row, banned_ids in t.banned_tokens:
+            logits[row, banned_ids] = float("-inf")
         greedy = _argmax(logits)
         if t.all_greedy:
             token_ids = greedy
@@ -93,7 +100,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         temperatures = torch.where(t.temperatures < _GREEDY_EPS, 1.0, t.temperatures)
-        logits = logits / temperatures.unsqueeze(1)
+        logits = logits / temperatures.clamp(max=_MAX_TEMPERATURE).unsqueeze(1)
         if t.top_ks is not None or t.top_ps is not None:
             logits = _top_k_top_p(logits, t.top_ks, t.top_ps)
         probs = torch.softmax(logits, dim=-1)
@@ -118,6 +125,7 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     assert t.prompt_token_ids is not None and t.output_token_ids is not None
     assert t.presence_penalties is not None and t.frequency_penalties is not None
+    assert t.repetition_penalties is not None
     batch, vocab = logits.shape
     output_counts = torch.zeros(batch, vocab + 1, device=logits.device)
     output_counts.scatter_add_(
@@ -138,14 +146,20 @@ def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 def _top_k_top_p(
     logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None
 ) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    """vLLM's and transformers' definitions. Top-k keeps every token whose logit is at least the k-th
+    largest: ties at the boundary all stay (a rank cut would keep whichever the sort put first). Top-p
+    keeps the smallest most likely set whose mass reaches p: a token goes when the less likely ones and
+    itself hold at most 1 - p (summed from the tail, so top_p = 1 drops no token the softmax left)."""
+    sorted_logits, order = logits.sort(dim=-1)  # ascending: the most likely token is the last
     if top_ks is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)
-        sorted_logits = sorted_logits.masked_fill(ranks.unsqueeze(0) >= top_ks.unsqueeze(1), float("-inf"))
+        vocab = logits.shape[-1]
+        kth = sorted_logits.gather(1, (vocab - top_ks.clamp(1, vocab)).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if top_ps is not None:
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # the most likely token is always kept
-        sorted_logits = sorted_logits.masked_fill(mass_before > top_ps.unsqueeze(1), float("-inf"))
+        mass_up_to = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        dropped = mass_up_to <= 1 - top_ps.unsqueeze(1)
+        dropped[:, -1] = False  # the most likely token always stays
+        sorted_logits = sorted_logits.masked_fill(dropped, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 

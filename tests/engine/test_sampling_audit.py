@@ -1,0 +1,438 @@
+"""Sampling checked against its definitions (vLLM's and transformers'): penalties, then temperature, then
+top-k (ties at the k-th value kept), top-p (the smallest set holding at least p) and min-p; greedy rows
+the argmax of the penalized logits; logprobs of the raw model output; seeds independent of the batch and of
+preemption; EOS and stop ids held back until min_tokens. Every expectation is computed here, in plain
+numpy from the definition, never by the sampler's own helpers."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pagedserve import LLM, SamplingParams
+from pagedserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors
+
+NUM_DRAWS = 4000
+
+
+@dataclass(frozen=True)
+class Row:
+    """One request's row of a sampling batch, as the model runner describes it to the sampler."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    prompt_ids: tuple[int, ...] = ()
+    output_ids: tuple[int, ...] = ()
+    banned: tuple[int, ...] = ()  # EOS and stop ids before min_tokens
+    seed: int | None = None
+    index: int = 0  # output index of a seeded row
+    logprobs: int | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def build(rows: list[Row], vocab: int) -> SamplingTensors:
+    """The sampler's tensors for `rows`, by the conventions of `SamplingTensors` (what the model runner
+    builds): an optional tensor only when some row uses it, neutral values in the other rows."""
+    floats = lambda values: torch.tensor(values, dtype=torch.float32)  # noqa: E731
+    penalties = any(r.has_penalties for r in rows)
+
+    def padded(lists: list[tuple[int, ...]]) -> torch.Tensor:
+        width = max(1, *(len(ids) for ids in lists))
+        return torch.tensor([[*ids, *[vocab] * (width - len(ids))] for ids in lists], dtype=torch.int64)
+
+    logprobs = [r.logprobs for r in rows if r.logprobs is not None]
+    return SamplingTensors(
+        temperatures=floats([r.temperature for r in rows]),
+        top_ks=torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows])
+        if any(r.top_k > 0 for r in rows)
+        else None,
+        top_ps=floats([r.top_p for r in rows]) if any(r.top_p < 1.0 for r in rows) else None,
+        min_ps=floats([r.min_p for r in rows]) if any(r.min_p > 0.0 for r in rows) else None,
+        repetition_penalties=floats([r.repetition_penalty for r in rows]) if penalties else None,
+        presence_penalties=floats([r.presence_penalty for r in rows]) if penalties else None,
+        frequency_penalties=floats([r.frequency_penalty for r in rows]) if penalties else None,
+        prompt_token_ids=padded([r.prompt_ids for r in rows]) if penalties else None,
+        output_token_ids=padded([r.output_ids for r in rows]) if penalties else None,
+        banned_tokens=[(i, list(r.banned)) for i, r in enumerate(rows) if r.banned],
+        seeded_rows=[
+            (i, r.seed, r.index) for i, r in enumerate(rows) if r.seed is not None and r.temperature > 0
+        ],
+        max_num_logprobs=max(logprobs) if logprobs else None,
+    )
+
+
+def sample(logits: list[list[float]] | torch.Tensor, rows: list[Row], seed: int = 0) -> SamplerOutput:
+    """One sampler call over `rows` (a fresh sampler: only unseeded random rows depend on `seed`)."""
+    logits = torch.as_tensor(logits, dtype=torch.float32)
+    return Sampler(seed)(logits.clone(), build(rows, logits.shape[-1]))
+
+
+# -- the definitions ---------------------------------------------------------------------------------
+
+
+def penalized(logits: np.ndarray, row: Row) -> np.ndarray:
+    """vLLM: repetition over prompt and output (positive logits divided, negative multiplied), then
+    frequency and presence over the output only (OpenAI)."""
+    x = logits.astype(np.float64).copy()
+    seen = sorted(set(row.prompt_ids) | set(row.output_ids))
+    x[seen] = np.where(x[seen] > 0, x[seen] / row.repetition_penalty, x[seen] * row.repetition_penalty)
+    counts = np.bincount(np.array(row.output_ids, dtype=np.int64), minlength=len(x))
+    x = x - row.frequency_penalty * counts - row.presence_penalty * (counts > 0)
+    x[list(row.banned)] = -np.inf
+    return x
+
+
+def expected_probs(logits: list[float], row: Row) -> np.ndarray:
+    """The distribution a random row samples from, step by step as vLLM defines it."""
+    x = penalized(np.array(logits), row) / row.temperature
+    if row.top_k > 0:  # every token whose logit is at least the k-th largest
+        kth = np.sort(x)[::-1][min(row.top_k, len(x)) - 1]
+        x = np.where(x >= kth, x, -np.inf)
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    if row.top_p < 1.0:  # the smallest most-likely set holding at least top_p
+        order = np.argsort(-probs, kind="stable")
+        mass_before = np.cumsum(probs[order]) - probs[order]
+        probs[order[mass_before >= row.top_p]] = 0.0
+        probs /= probs.sum()
+    if row.min_p > 0.0:
+        probs = np.where(probs >= row.min_p * probs.max(), probs, 0.0)
+    return probs / probs.sum()
+
+
+def assert_distribution(token_ids: torch.Tensor, expected: np.ndarray) -> None:
+    """No token of probability 0 drawn, and a chi-square statistic far below what a wrong distribution
+    gives: with a fixed seed the draws are fixed, and the bound sits past the 1e-9 tail for df <= 8."""
+    counts = np.bincount(token_ids.numpy(), minlength=len(expected))
+    assert len(counts) == len(expected), f"a token outside the vocabulary: {counts}"
+    impossible = counts[expected == 0].sum()
+    assert impossible == 0, f"{impossible} draws of tokens of probability 0: {counts} vs {expected.round(3)}"
+    kept = expected > 0
+    wanted = expected[kept] * len(token_ids)
+    chi2 = float(((counts[kept] - wanted) ** 2 / wanted).sum())
+    df = max(1, int(kept.sum()) - 1)
+    assert chi2 < df + 10 * math.sqrt(2 * df) + 10, f"chi2 {chi2:.1f}: {counts} vs {wanted.round(0)}"
+
+
+# -- distributions -----------------------------------------------------------------------------------
+
+LOGITS = [2.0, 1.0, 0.5, 0.0, -1.0, -3.0]
+
+CASES = {
+    "temperature": (LOGITS, Row(temperature=0.8)),
+    "top-k keeps ties at the k-th value": ([2.0, 1.2, 1.0, 1.0, 0.0], Row(temperature=0.5, top_k=3)),
+    "top-k above the vocabulary": (LOGITS, Row(top_k=1000)),
+    # probabilities exact in float32: 0.5 + 0.25 already holds 0.75, so the third token is out
+    "top-p stops where the mass reaches p": (
+        [math.log(p) for p in (0.5, 0.25, 0.125, 0.125)],
+        Row(top_p=0.75),
+    ),
+    # on the raw distribution the top token alone holds 0.64 >= 0.6; tempered it holds 0.43
+    "temperature before top-p": ([3.0, 2.0, 1.0, 0.0, -1.0], Row(temperature=2.0, top_p=0.6)),
+    "min-p on the tempered distribution": (LOGITS, Row(temperature=1.5, min_p=0.3)),
+    "top-k, top-p and min-p together": (LOGITS, Row(temperature=1.2, top_k=4, top_p=0.9, min_p=0.1)),
+    # penalized: 1.5, 0.3, 2.0, -1.8, 1.0, 0.5 -> the top 2 are tokens 2 and 0 (raw: 0 and 1)
+    "penalties before temperature and top-k": (
+        [3.0, 2.8, 2.0, -0.5, 1.0, 0.5],
+        Row(
+            temperature=0.8,
+            top_k=2,
+            repetition_penalty=2.0,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            prompt_ids=(0,),
+            output_ids=(1, 3, 1),
+        ),
+    ),
+    "negative penalties favour repeats": (
+        LOGITS,
+        Row(
+            repetition_penalty=0.5,
+            presence_penalty=-1.0,
+            frequency_penalty=-0.5,
+            prompt_ids=(5,),
+            output_ids=(4, 4),
+        ),
+    ),
+    "banned tokens (min_tokens)": (LOGITS, Row(banned=(0, 2))),
+    # 1e39 overflows float32 to inf: the distribution is uniform over the tokens allowed
+    "temperature beyond float32": (LOGITS, Row(temperature=1e39, banned=(0,))),
+    "temperature 1e6": (LOGITS, Row(temperature=1e6, top_k=3)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_draws_follow_the_defined_distribution(case: str) -> None:
+    logits, row = CASES[case]
+    out = sample([logits] * NUM_DRAWS, [row] * NUM_DRAWS)
+    assert_distribution(out.token_ids, expected_probs(logits, row))
+
+
+def test_seeded_draws_follow_the_distribution() -> None:
+    """A seeded request draws from its own generator at each output index: across indices, the draws
+    follow the distribution too."""
+    row = Row(temperature=1.3, top_p=0.95, seed=7)
+    rows = [replace(row, index=i) for i in range(NUM_DRAWS)]
+    out = sample([LOGITS] * NUM_DRAWS, rows)
+    assert_distribution(out.token_ids, expected_probs(LOGITS, row))
+
+
+@pytest.mark.parametrize("temperature", [1e-5, 2e-5, 5e-5])
+def test_tiny_temperatures_pick_the_maximum_without_overflow(temperature: float) -> None:
+    """Logits 1e-3 apart are 20 to 100 apart at these temperatures: the maximum always wins (but for
+    odds of 1e-8), and no logit overflows to inf or NaN."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randperm(500, generator=generator).float() * 1e-3 + 30.0
+    logits = logits.expand(64, -1).clone()
+    logits[::2] *= -1  # rows of negative logits too
+    banned = Row(temperature=temperature, banned=(int(logits[1].argmax()),))
+    rows = [Row(temperature=temperature), banned] * 32
+    expected = [int(logits[0].argmax()), int(torch.topk(logits[1], 2).indices[1])] * 32
+    assert sample(logits, rows).token_ids.tolist() == expected
+
+
+# -- greedy rows, and rows in a batch ----------------------------------------------------------------
+
+
+def random_row(generator: np.random.Generator, vocab: int) -> Row:
+    return Row(
+        repetition_penalty=float(generator.uniform(0.5, 2.0)),
+        presence_penalty=float(generator.uniform(-2.0, 2.0)),
+        frequency_penalty=float(generator.uniform(-2.0, 2.0)),
+        prompt_ids=tuple(generator.integers(0, vocab, size=int(generator.integers(0, 8))).tolist()),
+        output_ids=tuple(generator.integers(0, vocab, size=int(generator.integers(0, 8))).tolist()),
+    )
+
+
+def test_greedy_rows_take_the_argmax_of_the_penalized_logits() -> None:
+    """Greedy applies every penalty first (vLLM) and ignores top-k, top-p, min-p and the seed."""
+    generator = np.random.default_rng(0)
+    vocab, num_rows = 40, 256
+    logits = generator.normal(0.0, 3.0, size=(num_rows, vocab))
+    rows = [
+        replace(random_row(generator, vocab), temperature=0.0, top_k=2, top_p=0.1, min_p=0.9, seed=i)
+        for i in range(num_rows)
+    ]
+    expected = [int(np.argmax(penalized(logits[i], rows[i]))) for i in range(num_rows)]
+    raw_argmax = logits.argmax(axis=1).tolist()
+    assert sum(e != r for e, r in zip(expected, raw_argmax)) > num_rows // 10  # the penalties matter
+    assert sample(torch.from_numpy(logits), rows).token_ids.tolist() == expected
+
+
+MIXED = [
+    Row(temperature=0.0, repetition_penalty=1.8, prompt_ids=(3, 4), output_ids=(5,), top_p=0.3, seed=1),
+    Row(temperature=0.0),
+    Row(temperature=1.0, seed=11),
+    Row(temperature=0.7, seed=12, top_k=3, presence_penalty=1.0, frequency_penalty=0.5, output_ids=(1, 1, 2)),
+    Row(temperature=1.5, seed=13, min_p=0.2, index=9),
+    Row(temperature=1.0, seed=14, banned=(0, 1, 2), top_p=0.8),
+    Row(temperature=0.0, banned=(7,), logprobs=2),
+    Row(temperature=1e39, seed=15, logprobs=0),
+    Row(temperature=0.9, seed=16, repetition_penalty=0.7, prompt_ids=(9, 10, 11), top_p=0.99999),
+]
+
+
+@pytest.mark.parametrize(
+    "order", [list(range(len(MIXED))), list(reversed(range(len(MIXED)))), [4, 0, 8, 2, 6, 1, 7, 3, 5]]
+)
+def test_each_row_of_a_mixed_batch_samples_as_it_would_alone(order: list[int]) -> None:
+    """Greedy and seeded random rows, with and without penalties, top-k/top-p/min-p, banned tokens and
+    logprobs: each row's token (and logprobs) as in a batch of that row alone, whatever the order."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(len(MIXED), 64, generator=generator) * 2
+    alone = [sample(logits[i : i + 1], [MIXED[i]]) for i in range(len(MIXED))]
+    batch = sample(logits[order], [MIXED[i] for i in order], seed=99)
+    for position, i in enumerate(order):
+        assert int(batch.token_ids[position]) == int(alone[i].token_ids[0]), f"row {i}"
+        if MIXED[i].logprobs is not None:
+            k = MIXED[i].logprobs + 1
+            assert batch.logprob_token_ids is not None and batch.logprobs is not None
+            assert (
+                batch.logprob_token_ids[position, :k].tolist() == alone[i].logprob_token_ids[0, :k].tolist()
+            )
+            assert torch.equal(batch.logprobs[position, :k], alone[i].logprobs[0, :k])
+
+
+def test_a_seed_gives_its_own_draws_and_another_seed_others() -> None:
+    logits = torch.zeros(20, 64)  # uniform: two seeds agree on 20 draws with probability 64**-20
+    draws = {
+        seed: sample(logits, [Row(seed=seed, index=i) for i in range(20)], seed=0).token_ids.tolist()
+        for seed in (1, 2, 3, -1)
+    }
+    again = sample(logits, [Row(seed=1, index=i) for i in range(20)], seed=5).token_ids.tolist()
+    assert again == draws[1]
+    assert len({tuple(d) for d in draws.values()}) == len(draws)
+
+
+# -- logprobs ----------------------------------------------------------------------------------------
+
+
+def test_logprobs_are_of_the_raw_logits_and_report_the_sampled_token_outside_the_top_k() -> None:
+    """The penalty turns greedy to token 3, banned tokens and temperature change the sampled row:
+    reported values stay those of the raw model output, the sampled token first with its raw rank."""
+    logits = torch.tensor([[5.0, 4.9, 4.8, 1.0, 0.0, -1.0], [5.0, 4.9, 4.8, 1.0, 0.0, -1.0]])
+    rows = [
+        Row(temperature=0.0, repetition_penalty=10.0, prompt_ids=(0, 1, 2), logprobs=2),
+        Row(temperature=0.5, banned=(0, 1, 2, 3), seed=3, logprobs=1),
+    ]
+    out = sample(logits, rows)
+    raw = torch.log_softmax(logits.double(), dim=-1)
+    assert out.token_ids.tolist()[0] == 3
+    assert out.logprob_token_ids is not None and out.logprobs is not None and out.sampled_ranks is not None
+    for row in range(2):
+        token = int(out.token_ids[row])
+        assert token not in (0, 1, 2)
+        assert out.logprob_token_ids[row].tolist() == [token, 0, 1]
+        assert out.logprobs[row].double().tolist() == pytest.approx(
+            raw[row, [token, 0, 1]].tolist(), abs=1e-6
+        )
+        assert int(out.sampled_ranks[row]) == token + 1  # logits fall with the token id
+
+
+# -- the engine --------------------------------------------------------------------------------------
+
+PROMPTS = [[1, 300, 301, 302], [1, 500, 600, 700, 800, 900], [1, 42], [1, *range(1000, 1030)]]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: str) -> LLM:
+    return LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128, block_size=16)
+
+
+def test_logprobs_with_n_and_penalties_are_the_raw_model_distribution(llm: LLM, tiny_llama_dir: str) -> None:
+    """n = 2 completions sampled hot with penalties: each token's entry holds the sampled token and the
+    top 2 of the raw model output (no penalty, no temperature), with their raw ranks."""
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(
+        n=2, temperature=3.0, seed=5, max_tokens=8, logprobs=2, repetition_penalty=1.5,
+        presence_penalty=1.0, frequency_penalty=0.5, ignore_eos=True,
+    )  # fmt: skip
+    prompt = PROMPTS[1]
+    out = llm.generate([prompt], params)[0]
+    assert len(out.outputs) == 2 and out.outputs[0].token_ids != out.outputs[1].token_ids
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    num_outside_top_2 = 0
+    for completion in out.outputs:
+        assert completion.logprobs is not None and len(completion.logprobs) == len(completion.token_ids)
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + completion.token_ids])).logits[0]
+        reference = torch.log_softmax(logits[len(prompt) - 1 : -1].double(), dim=-1)
+        for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            top = reference[step].topk(2).indices.tolist()
+            num_outside_top_2 += token not in top
+            assert set(entry) == {token, *top}
+            for token_id, logprob in entry.items():
+                assert logprob.logprob == pytest.approx(float(reference[step, token_id]), abs=1e-4)
+                # ranks far down the vocabulary meet near-ties: between those counting them or not
+                above = reference[step] - reference[step, token_id]
+                assert 1 + int((above > 1e-4).sum()) <= logprob.rank <= 1 + int((above > -1e-4).sum())
+    assert num_outside_top_2 > 0  # the case where the sampled token is reported beside the top-k
+
+
+MIXED_REQUESTS = [
+    SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, top_p=0.5, ignore_eos=True),
+    SamplingParams(temperature=1.0, seed=21, max_tokens=10, presence_penalty=1.5, frequency_penalty=0.5),
+    SamplingParams(temperature=0.8, seed=22, max_tokens=14, top_k=5, min_p=0.05, min_tokens=6),
+    SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+    SamplingParams(
+        temperature=1.2, seed=23, top_p=0.9, max_tokens=11, repetition_penalty=0.8, ignore_eos=True
+    ),
+]
+
+
+def test_mixed_requests_in_a_batch_get_what_they_get_alone(llm: LLM) -> None:
+    alone = [
+        llm.generate([p], s)[0].outputs[0].token_ids for p, s in zip(PROMPTS + PROMPTS[:1], MIXED_REQUESTS)
+    ]
+    together = llm.generate(PROMPTS + PROMPTS[:1], MIXED_REQUESTS)
+    assert [o.outputs[0].token_ids for o in together] == alone
+    order = [3, 1, 4, 0, 2]
+    shuffled = llm.generate([(PROMPTS + PROMPTS[:1])[i] for i in order], [MIXED_REQUESTS[i] for i in order])
+    assert [o.outputs[0].token_ids for o in shuffled] == [alone[i] for i in order]
+
+
+def test_parallel_samples_are_requests_seeded_seed_plus_index(llm: LLM) -> None:
+    """n = 3 with a seed and penalties: completion i is the request with seed + i alone (vLLM's child
+    seeds), each forked sibling counting its own output for the penalties."""
+    params = SamplingParams(
+        n=3, temperature=1.0, seed=70, max_tokens=12, ignore_eos=True, repetition_penalty=1.5,
+        presence_penalty=0.5, frequency_penalty=1.0,
+    )  # fmt: skip
+    parallel = llm.generate([PROMPTS[2]], params)[0].outputs
+    alone = llm.generate([PROMPTS[2]] * 3, [replace(params, n=1, seed=70 + i) for i in range(3)])
+    assert [c.token_ids for c in parallel] == [o.outputs[0].token_ids for o in alone]
+    assert len({tuple(c.token_ids) for c in parallel}) == 3
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_seeded_penalized_sampling_survives_preemption(
+    llm: LLM, tiny_llama_dir: str, preemption_mode: str
+) -> None:
+    """A resumed request rebuilds the token history the penalties count and the output index its seed
+    draws with: 6 requests of 3 blocks each, in 8 blocks, give the tokens they give with room."""
+    prompts = [[1, *range(100 + 40 * i, 112 + 40 * i)] for i in range(6)]
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=40 + i,
+            max_tokens=30,
+            ignore_eos=True,
+            repetition_penalty=1.4,
+            frequency_penalty=0.4 if i % 2 else 0.0,
+            top_k=50 if i % 3 == 0 else -1,
+        )  # fmt: skip
+        for i in range(6)
+    ]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    tight = LLM(
+        model=tiny_llama_dir, dtype="float32", num_kv_blocks=8, block_size=16, preemption_mode=preemption_mode
+    )
+    assert [o.outputs[0].token_ids for o in tight.generate(prompts, params)] == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+
+
+def test_stop_token_ids_wait_for_min_tokens_then_stop(llm: LLM) -> None:
+    """Near-uniform draws over a vocabulary of which 40% are stop ids: without min_tokens a stop comes
+    within a few tokens; with min_tokens=8 none comes before the 8th, and one ends the output after."""
+    stop_ids = list(range(0, 49152, 5)) + list(range(1, 49152, 5))
+    stops = set(stop_ids)
+    base = dict(temperature=1e4, max_tokens=40, stop_token_ids=stop_ids)
+    early = llm.generate([PROMPTS[0]] * 6, [SamplingParams(seed=s, **base) for s in range(6)])
+    assert min(len(o.outputs[0].token_ids) for o in early) < 8
+    held = llm.generate([PROMPTS[0]] * 6, [SamplingParams(seed=s, min_tokens=8, **base) for s in range(6)])
+    for late in (o.outputs[0] for o in held):
+        assert not stops & set(late.token_ids[:8])
+        assert late.finish_reason == "stop" and late.token_ids[-1] in stops and len(late.token_ids) > 8
+
+
+def test_eos_waits_for_min_tokens(tiny_llama_dir: str, tmp_path: Path) -> None:
+    """The greedy first token made an EOS (generation_config.json): it ends the output at once, unless
+    min_tokens holds it back."""
+    plain = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=32, block_size=16)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = plain.generate([PROMPTS[3]], greedy)[0].outputs[0].token_ids[0]
+    model_dir = tmp_path / "eos"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, first]}))
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=32, block_size=16)
+    stopped = llm.generate([PROMPTS[3]], replace(greedy, ignore_eos=False))[0].outputs[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "eos"
+    held = llm.generate([PROMPTS[3]], replace(greedy, ignore_eos=False, min_tokens=5))[0].outputs[0]
+    assert first not in held.token_ids[:5] and len(held.token_ids) >= 5
+    if first in held.token_ids:  # after min_tokens an EOS ends the output again
+        assert held.token_ids.index(first) == len(held.token_ids) - 1 and held.finish_reason == "eos"
