@@ -26,7 +26,7 @@ def _is_number(value: object) -> bool:
 class SamplingParams:
     """How to pick each next token and when to stop. Shaped like vLLM's `SamplingParams`.
 
-    `temperature == 0` is greedy. `top_k == -1` disables top-k. The text ends where a `stop` string is
+    `temperature == 0` is greedy. `top_k` 0 or -1 disables top-k. The text ends where a `stop` string is
     first completed (of several, the one that ends first); the stop string is cut from it unless
     `include_stop_str_in_output`, and so is the text of an EOS or stop token id that ended generation.
     No stop of any kind counts within the first `min_tokens` tokens. `logprobs=k` returns, per
@@ -36,8 +36,7 @@ class SamplingParams:
 
     Where we differ from vLLM, on purpose: a temperature in (0, 1e-5) is greedy and one in [1e-5, 0.01)
     is used as given, where vLLM raises both to 0.01 (the softmax subtracts the maximum logit, so
-    nothing overflows); any finite temperature is taken (recent vLLM refuses those above 2); `top_k=0`
-    is refused (vLLM takes it as -1, disabled).
+    nothing overflows); any finite temperature is taken (recent vLLM refuses those above 2).
     """
 
     n: int = 1
@@ -63,6 +62,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if _is_int(self.top_k) and self.top_k == 0:  # vLLM's "disabled", its default since 0.8
+            self.top_k = -1
         self._verify()
 
     @property
@@ -90,7 +91,7 @@ class SamplingParams:
         self._check(
             _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
             "top_k",
-            "must be an integer >= 1, or -1 to disable",
+            "must be an integer >= 1, or 0 or -1 to disable",
         )
         self._check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
         self._check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")

@@ -183,7 +183,7 @@ INVALID = [
     ("temperature", pb.GenerateRequest(text="hi", sampling=_sp(temperature=math.nan))),
     ("top_p", pb.GenerateRequest(text="hi", sampling=_sp(top_p=0))),
     ("top_p", pb.GenerateRequest(text="hi", sampling=_sp(top_p=1.5))),
-    ("top_k", pb.GenerateRequest(text="hi", sampling=_sp(top_k=0))),
+    ("top_k", pb.GenerateRequest(text="hi", sampling=_sp(top_k=-3))),
     ("max_tokens", pb.GenerateRequest(text="hi", sampling=_sp(max_tokens=0))),
     ("min_tokens", pb.GenerateRequest(text="hi", sampling=_sp(max_tokens=2, min_tokens=5))),
     ("presence_penalty", pb.GenerateRequest(text="hi", sampling=_sp(presence_penalty=3))),

@@ -16,7 +16,6 @@ INVALID = [
     ("top_p", 0.0),
     ("top_p", 1.5),
     ("top_p", math.nan),
-    ("top_k", 0),
     ("top_k", 2.5),
     ("top_k", -2),
     ("top_k", True),
@@ -58,3 +57,9 @@ def test_valid_values_are_kept() -> None:
     assert params.is_greedy and params.stop == ["###"] and params.top_k == 3 and params.logprobs == 2
     assert not params.has_penalties and SamplingParams(presence_penalty=0.5).has_penalties
     assert len(SamplingParams(stop=[f"{i:04}" + "s" * 1020 for i in range(64)]).stop) == 64  # the limits
+
+
+@pytest.mark.parametrize("top_k", [0, -1])
+def test_top_k_zero_or_minus_one_disables_it_as_in_vllm(top_k: int) -> None:
+    # vLLM's default is 0 since 0.8: code written for it passes top_k=0 and means "all tokens"
+    assert SamplingParams(top_k=top_k).top_k == -1
