@@ -76,6 +76,11 @@ def with_unused_window(config: dict[str, Any]) -> None:
     config.update(sliding_window=32, use_sliding_window=False)
 
 
+def without_rms_norm_eps(config: dict[str, Any]) -> None:
+    """A hand-written config.json may leave it out: transformers then takes its default."""
+    del config["rms_norm_eps"]
+
+
 VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "llama-linear-rope": (
         lambda: LlamaConfig(**TINY, rope_scaling={"rope_type": "linear", "factor": 4.0}),
@@ -88,6 +93,7 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "llama-head-dim-32": (lambda: LlamaConfig(**TINY, head_dim=32), None),
     "llama-attention-and-mlp-bias": (lambda: LlamaConfig(**TINY, attention_bias=True, mlp_bias=True), None),
     "llama-tied": (lambda: LlamaConfig(**TINY, tie_word_embeddings=True), None),
+    "llama-rms-norm-eps-unset": (lambda: LlamaConfig(**TINY), without_rms_norm_eps),
     "qwen2": (lambda: Qwen2Config(**TINY), with_unused_window),
     "qwen2-tied-head-dim-32": (lambda: Qwen2Config(**TINY, tie_word_embeddings=True, head_dim=32), None),
     # the window is on but slides no layer: max_window_layers covers both

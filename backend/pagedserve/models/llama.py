@@ -26,6 +26,11 @@ def head_dim_of(cfg: dict[str, Any]) -> int:
     return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
 
 
+def rms_norm_eps(cfg: dict[str, Any]) -> float:
+    """transformers' default (LlamaConfig, MistralConfig, Qwen2Config) where config.json omits it."""
+    return float(cfg.get("rms_norm_eps", 1e-6))
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: dict[str, Any], backend: AttentionBackend, biases: Biases) -> None:
         super().__init__()
@@ -70,8 +75,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, backend, biases)
         self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
 
     def forward(
         self,
@@ -108,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, backend, biases) for _ in range(cfg["num_hidden_layers"])
         )
-        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.norm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
         if self.tie_word_embeddings:
