@@ -111,7 +111,7 @@ def test_return_switches_select_outputs_and_logprobs() -> None:
         ([Tensor("text_input", "BYTES", [1], [b"\xff"])], {}, [], "inputs.text_input"),
         ([text(), Tensor("image", "BYTES", [1], [b""])], {}, [], "inputs.image"),
         ([text(), sampling([1])], {}, [], "sampling_parameters"),
-        ([text(), sampling({"top_k": 0})], {}, [], "sampling_parameters.top_k"),
+        ([text(), sampling({"top_k": -2})], {}, [], "sampling_parameters.top_k"),
         ([text(), sampling({"top_k": "2.5"})], {}, [], "sampling_parameters.top_k"),
         ([text(), sampling({"temperature": "warm"})], {}, [], "sampling_parameters.temperature"),
         ([text(), sampling({"best_of": 2})], {}, [], "sampling_parameters.best_of"),
