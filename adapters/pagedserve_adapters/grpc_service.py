@@ -218,6 +218,7 @@ class InferenceServicer:
                 parameters,
                 [output.name for output in request.outputs],
                 empty_final=empty_final and stream,
+                make_params=self.model.sampling_params,
             )
         except InvalidRequestError as exc:
             raise AdapterError("invalid", str(exc)) from None

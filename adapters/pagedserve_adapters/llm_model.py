@@ -126,8 +126,11 @@ def parse_request(
     parameters: Mapping[str, Any],
     requested_outputs: Sequence[str] = (),
     empty_final: bool = False,
+    make_params: Callable[..., SamplingParams] = SamplingParams,
 ) -> LLMRequest:
-    """Validate the decoded inputs against the model's tensors; every error names its field."""
+    """Validate the decoded inputs against the model's tensors; every error names its field.
+    `make_params` builds the sampling parameters from those given (`LLMModel.sampling_params`: the
+    model's defaults for the rest)."""
     values: dict[str, Any] = {}
     for tensor in inputs:
         spec = _INPUT_SPECS.get(tensor.name)
@@ -172,7 +175,7 @@ def parse_request(
     else:
         exclude_input = bool(switches["exclude_input_in_output"])
 
-    params = _sampling_params(sampling, "sampling_parameters")
+    params = _sampling_params(sampling, "sampling_parameters", make_params)
     if (switches["return_logprobs"] or switches["return_cumulative_logprob"]) and params.logprobs is None:
         params = dataclasses.replace(params, logprobs=0)  # only the sampled tokens' logprobs
     return LLMRequest(
@@ -229,7 +232,9 @@ def _flag(value: Any, where: str) -> bool | None:
     raise InvalidRequestError(where, f"must be a boolean, got {value!r}")
 
 
-def _sampling_params(given: Mapping[str, Any], where: str) -> SamplingParams:
+def _sampling_params(
+    given: Mapping[str, Any], where: str, make_params: Callable[..., SamplingParams]
+) -> SamplingParams:
     kwargs: dict[str, Any] = {}
     for name, value in given.items():
         kind = _PARAMETER_TYPES.get(name)
@@ -240,7 +245,7 @@ def _sampling_params(given: Mapping[str, Any], where: str) -> SamplingParams:
         if value is not None:
             kwargs[name] = _cast(value, kind, f"{where}.{name}")
     try:
-        return SamplingParams(**kwargs)
+        return make_params(**kwargs)
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"{where}.{exc.field}", exc.message) from None
 
@@ -382,6 +387,12 @@ class LLMModel:
     @property
     def ready(self) -> bool:
         return bool(self.server.state.ready)
+
+    def sampling_params(self, **given: Any) -> SamplingParams:
+        """Those `given`, the model's defaults (generation_config.json) for the rest, as our gRPC API's."""
+        if not self.bound:  # no engine yet; requests are refused as unavailable anyway
+            return SamplingParams(**given)
+        return self.server.engine.engine.sampling_params(**given)  # type: ignore[no-any-return]
 
     def is_ready(self, name: str, version: str) -> bool:
         return self.ready and name == self.name and version in ("", self.version)

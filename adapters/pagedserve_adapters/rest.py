@@ -11,13 +11,14 @@ status is fixed by the first event, so a later error arrives as an `{"error": ..
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 from pagedserve import __version__
 from pagedserve.errors import InvalidRequestError
+from pagedserve.sampling_params import SamplingParams
 
 from pagedserve_adapters import tensors
 from pagedserve_adapters.grpc_service import EXTENSIONS, model_config, model_statistics
@@ -148,7 +149,10 @@ class RestApi:
             request_id = _request_id(doc)
             parameters = _object(doc.get("parameters", {}), "parameters")
             parsed = parse_request(
-                _json_inputs(doc.get("inputs"), binary), parameters, list(output_parameters)
+                _json_inputs(doc.get("inputs"), binary),
+                parameters,
+                list(output_parameters),
+                make_params=self.model.sampling_params,
             )
             completion = await self._complete(parsed, request)
         except (AdapterError, InvalidRequestError) as exc:
@@ -168,7 +172,7 @@ class RestApi:
             self._resolve(request)
             doc = _object(await _json_body(request), "request")
             request_id = _request_id(doc)
-            parsed = _generate_request(doc, stream_default=False)
+            parsed = _generate_request(doc, False, self.model.sampling_params)
             if parsed.stream:
                 raise InvalidRequestError(
                     "parameters.stream", "/generate sends one response; use /generate_stream"
@@ -184,7 +188,7 @@ class RestApi:
             self._resolve(request)
             doc = _object(await _json_body(request), "request")
             request_id = _request_id(doc)
-            parsed = _generate_request(doc, stream_default=True)
+            parsed = _generate_request(doc, True, self.model.sampling_params)
             completion = Completion(parsed)
             deltas = self.model.generate(parsed, dict(request.headers))
             first = await anext(deltas)
@@ -327,7 +331,9 @@ def _infer_response(
     )
 
 
-def _generate_request(doc: dict[str, Any], stream_default: bool) -> LLMRequest:
+def _generate_request(
+    doc: dict[str, Any], stream_default: bool, make_params: Callable[..., SamplingParams]
+) -> LLMRequest:
     """Triton's generate extension: `text_input`, `parameters` (sampling parameters and switches), and
     any other top-level property naming one of the model's inputs."""
     if "text_input" not in doc:
@@ -344,7 +350,7 @@ def _generate_request(doc: dict[str, Any], stream_default: bool) -> LLMRequest:
     parameters = dict(_object(doc.get("parameters", {}), "parameters"))
     if "stream" not in doc and "stream" not in parameters:
         parameters["stream"] = stream_default
-    return parse_request(inputs, parameters)
+    return parse_request(inputs, parameters, make_params=make_params)
 
 
 def _generate_body(model: LLMModel, request_id: str, outputs: list[Tensor]) -> dict[str, Any]:

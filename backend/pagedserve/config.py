@@ -34,6 +34,8 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     hf_config: dict[str, Any] = field(repr=False, compare=False, hash=False)
+    # SamplingParams fields a request leaves unset take these (the model's generation_config.json)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -42,7 +44,12 @@ class ModelConfig:
 
     @classmethod
     def from_path(
-        cls, path: str, dtype: str, max_model_len: int | None = None, served_model_name: str | None = None
+        cls,
+        path: str,
+        dtype: str,
+        max_model_len: int | None = None,
+        served_model_name: str | None = None,
+        generation_config: str = "auto",
     ) -> ModelConfig:
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
@@ -67,7 +74,48 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             hf_config=hf,
+            sampling_defaults=sampling_defaults(path, generation_config),
         )
+
+
+GENERATION_CONFIG_MODES = ("auto", "vllm")
+# generation_config.json key -> SamplingParams field: the ones vLLM takes as defaults
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def sampling_defaults(model_path: str, mode: str) -> dict[str, Any]:
+    """What the model's generation_config.json recommends for the sampling parameters a request leaves
+    unset, as vLLM's `--generation-config auto` reads it (`do_sample` is not read, as vLLM does not);
+    `vllm`: nothing, SamplingParams' own defaults. A value SamplingParams would refuse fails here,
+    naming the file, rather than failing every request that leaves it unset."""
+    from pagedserve.errors import InvalidRequestError
+    from pagedserve.sampling_params import SamplingParams
+
+    if mode not in GENERATION_CONFIG_MODES:
+        raise ValueError(f"generation_config: must be auto or vllm, got {mode!r}")
+    config_file = Path(model_path) / "generation_config.json"
+    if mode == "vllm" or not config_file.is_file():
+        return {}
+    generation = json.loads(config_file.read_text())
+    defaults = {
+        ours: generation[theirs]
+        for theirs, ours in _GENERATION_DEFAULTS.items()
+        if generation.get(theirs) is not None
+    }
+    try:
+        SamplingParams(**defaults)
+    except InvalidRequestError as exc:
+        raise ValueError(
+            f"model: generation_config.json's {exc.field}: {exc.message} (--generation-config vllm ignores the file)"
+        ) from None
+    return defaults
 
 
 def _max_model_len(hf: dict[str, Any], architecture: str, requested: int | None) -> int:

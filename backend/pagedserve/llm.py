@@ -22,6 +22,11 @@ class LLM:
         self.engine = LLMEngine.from_settings(EngineSettings(model=model, **settings))
         self._ids = count()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use without `sampling_params`: the model's generation_config.json
+        values where it has them (as vLLM's), else SamplingParams' defaults."""
+        return self.engine.sampling_params()
+
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],
@@ -56,6 +61,8 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, len(token_ids))
         outputs: dict[str, RequestOutput] = {}
         request_ids = []
@@ -90,9 +97,7 @@ def _accumulate(completion: CompletionOutput, delta: RequestDelta) -> None:
         completion.finish_reason = delta.finish_reason
 
 
-def _per_prompt(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
+def _per_prompt(params: SamplingParams | Seq[SamplingParams], n: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
     if len(params) != n:

@@ -78,6 +78,12 @@ class EngineSettings(BaseSettings):
         None, description="name clients use for the model (default: the directory name)"
     )
     dtype: str = Field("auto", description="auto, float32, bfloat16 or float16")
+    generation_config: Literal["auto", "vllm"] = Field(
+        "auto",
+        description="auto: sampling parameters a request leaves unset take the model's generation_config.json "
+        "values (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as in vLLM; "
+        "vllm: the built-in defaults",
+    )
     device: str = Field("auto", description="auto, cpu or cuda")
     max_model_len: int | None = Field(None, description="context length limit (default: the model's)")
     block_size: int | None = Field(
@@ -179,6 +185,7 @@ class EngineSettings(BaseSettings):
             resolve_dtype(self.dtype, device, checkpoint_dtype(model_path)),
             self.max_model_len,
             self.served_model_name,
+            self.generation_config,
         )
         return EngineConfig(
             model=model,

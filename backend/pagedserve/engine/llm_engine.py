@@ -65,10 +65,21 @@ class LLMEngine:
         )
         self._requests: dict[str, _Request] = {}  # by client request id
         self._completions: dict[str, _Completion] = {}  # by sequence id
+        if config.model.sampling_defaults:
+            logger.info(
+                "sampling parameters a request leaves unset take the model's generation_config.json "
+                "values %s (--generation-config vllm: the built-in defaults)",
+                config.model.sampling_defaults,
+            )
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> LLMEngine:
         return cls(settings.to_engine_config())
+
+    def sampling_params(self, **given: Any) -> SamplingParams:
+        """A request's parameters: those `given`, the model's defaults for the rest (generation_config.json,
+        unless --generation-config vllm), SamplingParams' own for what neither sets."""
+        return SamplingParams(**{**self.config.model.sampling_defaults, **given})
 
     # -- inputs --------------------------------------------------------------------------------------
 

@@ -85,7 +85,8 @@ def _find_bad_string(descriptor: object, data: bytes, prefix: str = "") -> str:
     return prefix + "request"
 
 
-def sampling_params(message: pb.SamplingParameters) -> SamplingParams:
+def sampling_params(message: pb.SamplingParameters, engine: LLMEngine) -> SamplingParams:
+    """The fields the message sets; the engine's defaults (the model's, then ours) for the rest."""
     kwargs: dict[str, object] = {
         name: getattr(message, name) for name in _OPTIONAL_PARAMS if message.HasField(name)
     }
@@ -95,7 +96,7 @@ def sampling_params(message: pb.SamplingParameters) -> SamplingParams:
         stop_token_ids=list(message.stop_token_ids),
         include_stop_str_in_output=message.include_stop_str_in_output,
     )
-    return SamplingParams(**kwargs)  # type: ignore[arg-type]
+    return engine.sampling_params(**kwargs)
 
 
 def request_id(request: pb.GenerateRequest, assign: str) -> str:

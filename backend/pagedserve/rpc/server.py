@@ -117,7 +117,7 @@ class GenerationServicer:
                     "model", f"unknown model {request.model!r}; this server serves {self.model_name!r}"
                 )
             rid = convert.request_id(request, self.engine.new_request_id())
-            params = convert.sampling_params(request.sampling)
+            params = convert.sampling_params(request.sampling, self.llm)
             prompt = await in_tokenizer_thread(convert.prompt_token_ids, request, self.llm)
             self.engine.check(rid, prompt, params)
         except InvalidRequestError as exc:
