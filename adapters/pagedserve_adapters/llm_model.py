@@ -18,7 +18,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -309,7 +309,8 @@ class Completion:
     def step_outputs(self, delta: RequestDelta) -> list[Tensor]:
         """A streamed response: the new text and tokens of `delta`'s completion, nothing for the others."""
         n, i = len(self.texts), delta.index
-        texts, counts, logprobs = [""] * n, [0] * n, [[] for _ in range(n)]
+        texts, counts = [""] * n, [0] * n
+        logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         texts[i], counts[i], logprobs[i] = delta.new_text, len(delta.new_token_ids), _logprob_entries(delta)
         return self._tensors(texts, counts, logprobs)
 
@@ -323,7 +324,7 @@ class Completion:
     ) -> list[Tensor]:
         n = len(texts)
         with_logprobs = self.request.params.logprobs is not None
-        values = {
+        values: dict[str, list[Any]] = {
             "text_output": [t.encode() for t in texts],
             "finish_reason": [str(r).encode() for r in self.finish_reasons],
             "cumulative_logprob": list(self.cumulative_logprob),
@@ -392,7 +393,7 @@ class LLMModel:
         """Those `given`, the model's defaults (generation_config.json) for the rest, as our gRPC API's."""
         if not self.bound:  # no engine yet; requests are refused as unavailable anyway
             return SamplingParams(**given)
-        return self.server.engine.engine.sampling_params(**given)  # type: ignore[no-any-return]
+        return self.server.engine.engine.sampling_params(**given)
 
     def is_ready(self, name: str, version: str) -> bool:
         return self.ready and name == self.name and version in ("", self.version)
@@ -417,7 +418,7 @@ class LLMModel:
         request: LLMRequest,
         carrier: Mapping[str, str],
         cancel_cause: Callable[[], str] = lambda: "client_cancel",
-    ) -> AsyncIterator[RequestDelta]:
+    ) -> AsyncGenerator[RequestDelta, None]:
         """The request's deltas; closing the iterator early aborts the request and frees its blocks.
         `cancel_cause` says why, when it is closed early (an abort cause, e.g. deadline)."""
         engine = self.server.engine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from itertools import count
-from typing import Any
+from typing import Any, cast
 
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import CompletionOutput, RequestDelta, RequestOutput
@@ -34,12 +34,12 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run all prompts in one continuous batch; outputs come back in input order."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        token_ids = [self.engine.encode_prompt(p) if isinstance(p, str) else list(p) for p in prompts]
-        texts = [p if isinstance(p, str) else None for p in prompts]
+        one = isinstance(prompts, str) or (
+            isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+        )
+        batch = [cast(Prompt, prompts)] if one else list(cast(Seq[Prompt], prompts))  # one: text or token ids
+        token_ids = [self.engine.encode_prompt(p) if isinstance(p, str) else list(p) for p in batch]
+        texts = [p if isinstance(p, str) else None for p in batch]
         return self._run(texts, token_ids, sampling_params, use_tqdm)
 
     def chat(

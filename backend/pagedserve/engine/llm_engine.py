@@ -91,7 +91,7 @@ class LLMEngine:
             raise InvalidRequestError("messages", "this model has no chat template")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers returns a BatchEncoding
-            ids = ids["input_ids"]
+            ids = ids["input_ids"]  # type: ignore[call-overload,index]
         return list(ids)
 
     def decode(self, token_ids: list[int]) -> str:
@@ -300,7 +300,7 @@ class LLMEngine:
         if seq.sampling_params.logprobs is None or entry is None:
             return None
         for token_id, logprob in entry.items():
-            logprob.decoded_token = self.tokenizer.decode([token_id])
+            logprob.decoded_token = str(self.tokenizer.decode([token_id]))
         return [entry]
 
     def _fail(self, seq_ids: list[str], message: str) -> list[RequestDelta]:

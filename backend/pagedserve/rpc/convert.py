@@ -148,7 +148,9 @@ def detokenize(request: pb.DetokenizeRequest, engine: LLMEngine) -> pb.Detokeniz
     vocab = engine.config.model.vocab_size
     if any(not 0 <= t < vocab for t in request.token_ids):
         raise InvalidRequestError("token_ids", f"must be in [0, {vocab})")
-    text = engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
+    text = str(
+        engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
+    )
     return pb.DetokenizeResponse(text=text)
 
 

@@ -198,6 +198,7 @@ class GenerationServicer:
             return await in_tokenizer_thread(conversion, request, self.llm)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("context.abort raises") from exc
 
     async def ModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
         await self._require_engine(context)
