@@ -12,7 +12,6 @@ streaming or `exclude_input_in_output` is true; the `return_*` switches add outp
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
@@ -434,8 +433,8 @@ class LLMModel:
         tokenized = (started, time.monotonic())
         last: RequestDelta | None = None
         finished = False
-        try:
-            async for delta in engine.generate(rid, prompt, request.params):
+        try:  # a caller that goes away closes the engine's generator: the engine aborts and counts it
+            async for delta in engine.generate(rid, prompt, request.params, cancel_cause):
                 last = delta
                 if delta.finish_reason == "error":
                     raise AdapterError("internal", delta.error or "generation failed")
@@ -443,9 +442,6 @@ class LLMModel:
             finished = True
         except (InvalidRequestError, QueueFullError, EngineDeadError) as exc:
             raise _adapter_error(exc) from exc
-        except (asyncio.CancelledError, GeneratorExit):  # the caller went away: the engine aborts it
-            llm.metrics.record_abort(cancel_cause())
-            raise
         finally:
             self._count(started, last, finished)
             tracer.finish_request(carrier, rid, request.params, last, tokenized, len(prompt))

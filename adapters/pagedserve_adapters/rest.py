@@ -195,8 +195,8 @@ class RestApi:
         except (AdapterError, InvalidRequestError) as exc:
             return _error(exc)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        await response.prepare(request)
         try:
+            await response.prepare(request)
             async for delta in _chain(first, deltas):
                 completion.add(delta)
                 if parsed.stream:
@@ -208,6 +208,8 @@ class RestApi:
                 await response.write(f"data: {json.dumps(body)}\n\n".encode())
         except AdapterError as exc:
             await response.write(f"data: {json.dumps({'error': str(exc)})}\n\n".encode())
+        except ConnectionResetError:  # the client went away: an everyday event, not a server error to log
+            return response
         finally:
             await deltas.aclose()  # a client that went away aborts the request here
         await response.write_eof()

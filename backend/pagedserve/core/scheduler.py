@@ -102,6 +102,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_freed_requests(self) -> bool:
+        """Requests freed since the last schedule(): the workers drop their state with the next step."""
+        return bool(self._freed_request_ids)
+
     # -- one step ----------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

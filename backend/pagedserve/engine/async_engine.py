@@ -66,6 +66,20 @@ class _Stream:
     held: dict[int, RequestDelta] = field(default_factory=dict)  # by completion index: not yet sent
     last: RequestDelta | None = None  # the engine's latest delta: a dead engine's final delta builds on it
 
+    @property
+    def is_done_in_engine(self) -> bool:
+        """The engine has ended the request (its final delta may still wait to be read): nothing is
+        left to abort."""
+        return self.last is not None and self.last.request_finished
+
+
+@dataclass
+class _Abort:
+    """An abort the loop applies between steps."""
+
+    message: str | None  # for a stream still read (an Abort call, a drain); None: nobody reads it
+    cause: str | None  # counted in pagedserve:request_aborts if it ends a request; None: not counted
+
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024, stream_interval: int = 1) -> None:
@@ -76,7 +90,7 @@ class AsyncEngine:
         self.stream_interval = stream_interval
         self._streams: dict[str, _Stream] = {}
         self._pending_adds: list[tuple[str, list[int], SamplingParams, float]] = []
-        self._pending_aborts: dict[str, str | None] = {}  # request id -> message for the client, if any
+        self._pending_aborts: dict[str, _Abort] = {}  # by request id
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.dead: BaseException | None = None
@@ -124,13 +138,22 @@ class AsyncEngine:
     # -- requests ------------------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cancel_cause: Callable[[], str] | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Deltas of one request until all its completions finish. Raises InvalidRequestError before
         the first delta for a request the engine would reject, QueueFullError when over the bound,
         and EngineDeadError when the engine has stopped. A request the engine fails under it (a model
         fault, or the engine dying) ends with a delta whose finish reason is error and whose `error`
         says why: every front end reports, traces and counts a failure from that one delta.
+
+        Closing the generator early aborts the request; `cancel_cause` says why (an abort cause of
+        `pagedserve:request_aborts`, e.g. deadline), counted only when the abort ends the request: a
+        request the engine already finished (its final delta unread) is counted as finished alone.
+        None counts nothing (the server's own requests).
 
         With `stream_interval` N > 1 a completion's first token comes alone, at once, and after it a
         delta carries N tokens (the engine's deltas of N steps, joined), except the last, which carries
@@ -149,16 +172,20 @@ class AsyncEngine:
                     stream.finished = True
                     return
         finally:
-            if not stream.finished:  # the caller went away (cancel, deadline, disconnect) or we failed
-                self._pending_aborts.setdefault(request_id, None)
+            if not stream.finished and not stream.is_done_in_engine:  # the caller went away or we failed
+                cause = cancel_cause() if cancel_cause is not None else None
+                self._pending_aborts.setdefault(request_id, _Abort(None, cause))
                 self._wakeup.set()
             self._streams.pop(request_id, None)
 
-    def abort(self, request_id: str, message: str = "aborted") -> bool:
-        """Abort a live request; its stream ends with a final delta whose finish reason is aborted."""
-        if request_id not in self._streams:
+    def abort(self, request_id: str, message: str = "aborted", cause: str | None = None) -> bool:
+        """Abort a live request; its stream ends with a final delta whose finish reason is aborted.
+        False for an unknown request, or one the engine has already finished (its final delta not
+        read yet): that one ends as it finished. `cause` is counted as generate()'s `cancel_cause` is."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.is_done_in_engine:
             return False
-        self._pending_aborts[request_id] = message
+        self._pending_aborts[request_id] = _Abort(message, cause)
         self._wakeup.set()
         return True
 
@@ -181,7 +208,7 @@ class AsyncEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
             self._apply_pending()
-            if not self.engine.has_unfinished_requests():
+            if not self.engine.has_work():
                 continue
             try:
                 deltas = await in_torch_thread(self.engine.step)
@@ -208,7 +235,7 @@ class AsyncEngine:
             stream.queue.put_nowait(delta)
 
     def _has_work(self) -> bool:
-        return bool(self._pending_adds or self._pending_aborts or self.engine.has_unfinished_requests())
+        return bool(self._pending_adds or self._pending_aborts or self.engine.has_work())
 
     def _apply_pending(self) -> None:
         aborts, self._pending_aborts = self._pending_aborts, {}
@@ -222,17 +249,19 @@ class AsyncEngine:
             except InvalidRequestError as exc:
                 self._streams[request_id].queue.put_nowait(exc)
 
-    def _abort(self, aborts: dict[str, str | None], never_added: set[str]) -> None:
+    def _abort(self, aborts: dict[str, _Abort], never_added: set[str]) -> None:
         """Abort in the engine; a stream still read (an Abort call, a drain) gets the final deltas with
-        `message`, also when its request never reached the engine."""
+        the abort's message, also when its request never reached the engine. Each request ended here
+        is counted under its abort's cause: here alone is it known that an abort ended a request."""
         deltas = self.engine.abort_request(list(aborts))
         for delta in deltas:
-            stream, message = self._streams.get(delta.request_id), aborts[delta.request_id]
+            stream, message = self._streams.get(delta.request_id), aborts[delta.request_id].message
             if message is not None and stream is not None:
                 delta.error = message
                 self._deliver(stream, delta)  # with the tokens held back for it, if any
+        ended = {delta.request_id for delta in deltas} | never_added.intersection(aborts)
         for request_id in never_added.intersection(aborts):
-            stream, message = self._streams.get(request_id), aborts[request_id]
+            stream, message = self._streams.get(request_id), aborts[request_id].message
             if stream is None:
                 continue
             metrics = RequestMetrics(arrival_time=stream.arrival_time, finished_time=time.monotonic())
@@ -240,6 +269,9 @@ class AsyncEngine:
             self.engine.metrics.record_aborted(self.engine.stats(), [delta])  # its log line
             if message is not None:
                 stream.queue.put_nowait(delta)
+        for request_id in ended:
+            if (cause := aborts[request_id].cause) is not None:
+                self.engine.metrics.record_abort(cause)
 
     def _die(self, exc: BaseException) -> None:
         """Fail every live request with a final error delta, as a model fault fails a batch's."""

@@ -192,6 +192,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Unfinished requests, or ended ones whose per-request state the workers still hold (they
+        drop it with the next step): a server steps until neither is left, so an idle engine holds
+        nothing of any request in any layer."""
+        return self.has_unfinished_requests() or self.scheduler.has_freed_requests()
+
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.scheduler.block_manager
         return EngineStats(
@@ -216,8 +222,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestDelta]:
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            return []
+        if scheduler_output.is_empty and not scheduler_output.freed_request_ids:
+            return []  # else the workers still run it: they drop the freed requests' state
         now = time.monotonic()
         for req in scheduler_output.scheduled:
             metrics = self._requests[self._completions[req.request_id].request_id].metrics

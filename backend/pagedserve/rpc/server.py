@@ -83,12 +83,9 @@ class GenerationServicer:
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         call = await self._admit(request, context)
-        try:
+        try:  # a caller that goes away closes the engine's generator: the engine aborts and counts it
             async for delta in self._deltas(call, context):
                 yield convert.response(delta)
-        except (asyncio.CancelledError, GeneratorExit):  # the caller went away: the engine aborts it
-            self._record_abort(context)
-            raise
         finally:
             self._trace(call, context)
 
@@ -98,9 +95,6 @@ class GenerationServicer:
         try:
             async for delta in self._deltas(call, context):
                 _merge(completions[delta.index], convert.response(delta))
-        except asyncio.CancelledError:
-            self._record_abort(context)
-            raise
         finally:
             self._trace(call, context)
         return pb.CompleteResponse(completions=completions)
@@ -130,7 +124,8 @@ class GenerationServicer:
 
     async def _deltas(self, call: _Call, context: grpc.aio.ServicerContext) -> AsyncIterator[RequestDelta]:
         try:
-            async for delta in self.engine.generate(call.request_id, call.prompt, call.params):
+            cause = partial(cancel_cause, context)
+            async for delta in self.engine.generate(call.request_id, call.prompt, call.params, cause):
                 call.last = delta
                 if delta.finish_reason == "error":
                     await context.abort(grpc.StatusCode.INTERNAL, delta.error or "generation failed")
@@ -141,9 +136,6 @@ class GenerationServicer:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineDeadError as exc:  # stopped before this request started
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-
-    def _record_abort(self, context: grpc.aio.ServicerContext) -> None:
-        self.llm.metrics.record_abort(cancel_cause(context))
 
     def _trace(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
         metadata = context.invocation_metadata()
@@ -157,9 +149,11 @@ class GenerationServicer:
         await self._require_engine(context)
         if isinstance(request, InvalidRequestError):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
-        aborted = [rid for rid in request.request_ids if self.engine.abort(rid, "aborted by an Abort call")]
-        for _ in aborted:
-            self.llm.metrics.record_abort("abort_rpc")
+        aborted = [
+            rid
+            for rid in dict.fromkeys(request.request_ids)  # an id given twice is one request
+            if self.engine.abort(rid, "aborted by an Abort call", "abort_rpc")
+        ]
         return pb.AbortResponse(aborted_request_ids=aborted)
 
     async def _require_engine(self, context: grpc.aio.ServicerContext) -> None:
@@ -388,8 +382,7 @@ class Server:
                 break
             await asyncio.sleep(0.05)
         for rid in self.engine.live_request_ids():
-            if self.engine.abort(rid, "server shutting down"):
-                self.engine.engine.metrics.record_abort("drain")
+            self.engine.abort(rid, "server shutting down", "drain")
         for _ in range(100):  # give aborted streams a moment to deliver their final message
             if not self.engine.num_live_requests:
                 break
