@@ -26,6 +26,8 @@ from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta
 from pagedserve.sampling_params import SamplingParams
 
+from pagedserve_adapters import tensors
+
 logger = logging.getLogger(__name__)
 
 MODEL_VERSION = "1"
@@ -36,9 +38,8 @@ class AdapterError(Exception):
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
-        self.kind = (
-            kind  # invalid, not_found, unavailable, exhausted, internal, cancelled (REST: client gone)
-        )
+        # invalid, not_found, unavailable, exhausted, internal, cancelled (REST: the client is gone)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -205,10 +206,7 @@ def _text(value: Any, where: str) -> str:
         except UnicodeDecodeError:
             raise InvalidRequestError(where, "is not valid UTF-8") from None
     if isinstance(value, str):  # JSON text may hold a lone surrogate ("\ud800"), which is not UTF-8
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidRequestError(where, "is not valid UTF-8 (it holds a lone surrogate)") from None
+        tensors.utf8(where, value)
         return value
     raise InvalidRequestError(where, f"must be a string, got {type(value).__name__}")
 

@@ -129,7 +129,7 @@ def decode_json(field: str, datatype: str, shape: Sequence[int], data: Any) -> l
     for value in values:
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise InvalidRequestError(field, f"{value!r} is not a {datatype} value")
-    return [_utf8(field, v) for v in values] if datatype == "BYTES" else values
+    return [utf8(field, v) for v in values] if datatype == "BYTES" else values
 
 
 def _flatten(data: Any) -> Iterable[Any]:
@@ -140,7 +140,8 @@ def _flatten(data: Any) -> Iterable[Any]:
         yield data
 
 
-def _utf8(field: str, text: str) -> bytes:
+def utf8(field: str, text: str) -> bytes:
+    """`text` as UTF-8, or an error naming `field`."""
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate, which JSON's "\ud800" escapes can spell

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -80,6 +80,31 @@ class RequestDelta:
             num_prompt_tokens=num_prompt_tokens,
             num_output_tokens=0,
             metrics=metrics,
+            error=error,
+        )
+
+    @classmethod
+    def ended_early(
+        cls,
+        request_id: str,
+        last: RequestDelta | None,
+        num_prompt_tokens: int,
+        arrival_time: float,
+        error: str | None,
+    ) -> RequestDelta:
+        """The final delta of a request that ended after delta `last` (None: before any) without the
+        engine's final delta: aborted (the caller went away), or failed with `error` (the engine died
+        under it, or one of its completions failed)."""
+        if last is None:
+            last = cls.aborted_before_output(request_id, num_prompt_tokens, RequestMetrics(arrival_time))
+        return replace(
+            last,
+            new_token_ids=[],
+            new_text="",
+            new_logprobs=None,
+            finished=True,
+            finish_reason="aborted" if error is None else "error",
+            request_finished=True,
             error=error,
         )
 

@@ -4,7 +4,6 @@ tracing disabled no span processor exists at all."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -193,9 +192,7 @@ class EngineMetrics:
             self._window_start, self._window_tokens = now, [0, 0]
         self._set_gauges(stats)
         self._add_cumulative(stats)
-        for delta in deltas:
-            if delta.request_id not in self.unmetered_request_ids:
-                self._record_delta(delta, now)
+        self.record_failed(deltas, now)
         self._maybe_log_summary(stats, now)
         self._is_idle = stats.num_unfinished == 0
 
@@ -211,7 +208,8 @@ class EngineMetrics:
 
     def record_failed(self, deltas: list[RequestDelta], now: float | None = None) -> None:
         """Requests the engine failed outside a step (it died): `deltas` are their final (error)
-        deltas. Counted as a step's failed requests are, so no failure is missing from the counts."""
+        deltas. Counted as a step's deltas are (record_step counts its own here), so no failure is
+        missing from the counts."""
         now = time.monotonic() if now is None else now
         for delta in deltas:
             if delta.request_id not in self.unmetered_request_ids:
@@ -385,7 +383,7 @@ class RequestTracer:
             return
         if last is None or not last.request_finished:
             error = last.error if last is not None and last.finish_reason == "error" else None
-            last = unfinished_delta(request_id, last, num_prompt_tokens, tokenize[1], error)
+            last = RequestDelta.ended_early(request_id, last, num_prompt_tokens, tokenize[1], error)
         self.record(self.extract(carrier), request_id, params, last, tokenize)
 
     def record(
@@ -466,26 +464,6 @@ class RequestTracer:
 
     def _ns(self, monotonic_s: float) -> int:
         return int(monotonic_s * 1e9) + self._epoch_offset_ns
-
-
-def unfinished_delta(
-    request_id: str, last: RequestDelta | None, num_prompt_tokens: int, arrival_time: float, error: str | None
-) -> RequestDelta:
-    """The final delta of a request that ended after delta `last` (None: before any) without the
-    engine's final delta: aborted (the caller went away), or failed with `error` (the engine died
-    under it, or one of its completions failed)."""
-    if last is None:
-        last = RequestDelta.aborted_before_output(request_id, num_prompt_tokens, RequestMetrics(arrival_time))
-    return dataclasses.replace(
-        last,
-        new_token_ids=[],
-        new_text="",
-        new_logprobs=None,
-        finished=True,
-        finish_reason="aborted" if error is None else "error",
-        request_finished=True,
-        error=error,
-    )
 
 
 def configure_tracing(otlp_endpoint: str | None, exporter: str | None = None) -> Any | None:

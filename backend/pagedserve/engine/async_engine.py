@@ -23,7 +23,6 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta, RequestMetrics
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.telemetry import unfinished_delta
 
 logger = logging.getLogger(__name__)
 
@@ -259,8 +258,9 @@ class AsyncEngine:
             if message is not None and stream is not None:
                 delta.error = message
                 self._deliver(stream, delta)  # with the tokens held back for it, if any
-        ended = {delta.request_id for delta in deltas} | never_added.intersection(aborts)
-        for request_id in never_added.intersection(aborts):
+        aborted_unadded = never_added.intersection(aborts)
+        ended = {delta.request_id for delta in deltas} | aborted_unadded
+        for request_id in aborted_unadded:
             stream, message = self._streams.get(request_id), aborts[request_id].message
             if stream is None:
                 continue
@@ -280,9 +280,11 @@ class AsyncEngine:
         error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine step failed: {exc!r}")
         message, now = f"engine failed: {error}", time.monotonic()
         deltas = [
-            unfinished_delta(request_id, stream.last, stream.num_prompt_tokens, stream.arrival_time, message)
+            RequestDelta.ended_early(
+                request_id, stream.last, stream.num_prompt_tokens, stream.arrival_time, message
+            )
             for request_id, stream in self._streams.items()
-            if stream.last is None or not stream.last.request_finished  # else its final delta is queued
+            if not stream.is_done_in_engine  # else its final delta is queued
         ]
         self.engine.metrics.record_failed(deltas, now)  # no step records them
         for delta in deltas:

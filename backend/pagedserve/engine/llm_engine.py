@@ -140,6 +140,11 @@ class LLMEngine:
     def _seq_id(request_id: str, index: int, n: int) -> str:
         return request_id if n == 1 else f"{request_id}#{index}"
 
+    def _seq_ids(self, request_id: str) -> list[str]:
+        """The ids of all the sequences of a request the engine holds, finished ones included."""
+        n = self._requests[request_id].num_sequences
+        return [self._seq_id(request_id, i, n) for i in range(n)]
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Everything add_request() would reject, checked without touching engine state (any thread)."""
         self._validate(prompt_token_ids, params)
@@ -180,10 +185,7 @@ class LLMEngine:
             request = self._requests.get(request_id)
             if request is None:
                 continue
-            seq_ids = [
-                self._seq_id(request_id, i, request.num_sequences) for i in range(request.num_sequences)
-            ]
-            for seq in self.scheduler.abort(seq_ids):
+            for seq in self.scheduler.abort(self._seq_ids(request_id)):
                 deltas.append(self._delta(seq, [], self._rest_of_text(seq), None, now))
         if deltas:  # no step may follow: the gauges must not keep showing the aborted requests
             self.metrics.record_aborted(self.stats(), deltas, now)
@@ -318,8 +320,7 @@ class LLMEngine:
             self._completions[s].request_id for s in seq_ids if s in self._completions
         )
         for request_id in request_ids:
-            n = self._requests[request_id].num_sequences
-            live = [self.scheduler.requests.get(self._seq_id(request_id, i, n)) for i in range(n)]
+            live = (self.scheduler.requests.get(seq_id) for seq_id in self._seq_ids(request_id))
             ended = [seq for seq in live if seq is not None]  # collected first: a parent's finish
             for seq in ended:  # ends its never-forked siblings too
                 self.scheduler.finish(seq, FinishReason.ERROR)
