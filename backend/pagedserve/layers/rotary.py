@@ -74,6 +74,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
 class RotaryEmbedding(nn.Module):
     """One per model: `forward` turns a step's positions into the cos/sin tables every layer applies."""
 
+    cos_sin_cache: torch.Tensor  # [max_position, rotary_dim] cos | sin, a buffer (register_buffer)
+
     def __init__(self, head_dim: int, max_position: int, hf_config: dict[str, Any]) -> None:
         super().__init__()
         params = rope_parameters(hf_config)

@@ -5,7 +5,7 @@ tensor-parallel layers. Input is one packed batch of tokens, [num_tokens]."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -126,8 +126,14 @@ class LlamaForCausalLM(nn.Module):
         return bias, bias
 
     @property
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """`layers` typed for set-up code: nn.ModuleList is not generic, so its items type as Module;
+        `__init__` fills it with LlamaDecoderLayer alone. (`forward` iterates `layers` as it is.)"""
+        return cast(list[LlamaDecoderLayer], list(self.layers))
+
+    @property
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.layers]
+        return [layer.self_attn.attn for layer in self.decoder_layers]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata

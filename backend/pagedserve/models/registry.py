@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from pagedserve.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 
-MODELS: dict[str, type[nn.Module]] = {
+# every architecture served is Llama-family: the model runner and `fused_decode` use its typed attributes
+MODELS: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
 }
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     if architecture not in MODELS:
         raise ValueError(f"model: architecture {architecture!r} is not supported ({', '.join(MODELS)} are)")
     return MODELS[architecture]

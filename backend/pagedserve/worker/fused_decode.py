@@ -18,6 +18,7 @@ import torch
 from pagedserve_kernels import cpu as cpu_kernels
 
 from pagedserve.layers.attention import AttentionMetadata, TorchAttentionBackend
+from pagedserve.layers.linear import LinearBase
 from pagedserve.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -25,24 +26,24 @@ logger = logging.getLogger(__name__)
 
 class FusedDecode:
     def __init__(self, model: LlamaForCausalLM) -> None:
-        layers = list(model.layers)
+        layers = model.decoder_layers
         attention = layers[0].self_attn
         self.num_heads, self.num_kv_heads = attention.num_heads, attention.num_kv_heads
         self.scale = attention.attn.scale
         self.eps = model.norm.eps
         self.embedding = model.embed_tokens.weight
         self.cos_sin_cache = model.rotary_emb.cos_sin_cache
-        self.norms = [
+        self.norms: list[torch.Tensor] = [
             w
             for layer in layers
             for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         ]
-        self.qkv = [layer.self_attn.qkv_proj.packed_weight for layer in layers]
+        self.qkv = [_packed(layer.self_attn.qkv_proj) for layer in layers]
         biases = [layer.self_attn.qkv_proj.bias for layer in layers]
-        self.qkv_bias = [b for b in biases if b is not None]
-        self.o_proj = [layer.self_attn.o_proj.packed_weight for layer in layers]
-        self.gate_up = [layer.mlp.gate_up_proj.packed_weight for layer in layers]
-        self.down = [layer.mlp.down_proj.packed_weight for layer in layers]
+        self.qkv_bias: list[torch.Tensor] = [b for b in biases if b is not None]
+        self.o_proj = [_packed(layer.self_attn.o_proj) for layer in layers]
+        self.gate_up = [_packed(layer.mlp.gate_up_proj) for layer in layers]
+        self.down = [_packed(layer.mlp.down_proj) for layer in layers]
         self.final_norm = model.norm.weight
         self.attention_layers = model.attention_layers
 
@@ -87,6 +88,12 @@ class FusedDecode:
         )
 
 
+def _packed(linear: LinearBase) -> torch.Tensor:
+    """The AMX tiles of `linear`'s weight, which `_unsupported` has checked are there."""
+    assert linear.packed_weight is not None, "linear layer not packed"
+    return linear.packed_weight
+
+
 def _unsupported(model: torch.nn.Module, backend: object, dtype: torch.dtype) -> str:
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not a Llama-family model"
@@ -94,7 +101,7 @@ def _unsupported(model: torch.nn.Module, backend: object, dtype: torch.dtype) ->
         return f"dtype {dtype} (bfloat16 only)"
     if not (isinstance(backend, TorchAttentionBackend) and backend.cpu_kernels):
         return "no C++ decode attention"
-    layers = list(model.layers)
+    layers = model.decoder_layers
     if not layers:
         return "no decoder layers"
     rotary_dim, head_dim = model.rotary_emb.rotary_dim, layers[0].self_attn.head_dim

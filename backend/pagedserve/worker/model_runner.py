@@ -28,6 +28,7 @@ from pagedserve.layers.attention import (
 )
 from pagedserve.layers.linear import amx_linear_available, can_pack_weights
 from pagedserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors
+from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import iter_safetensors
 from pagedserve.models.registry import get_model_class
 from pagedserve.outputs import Logprob, TokenLogprobs
@@ -103,7 +104,7 @@ class ModelRunner:
             return cpu_kernels.argmax_rows
         return None
 
-    def _load_model(self) -> torch.nn.Module:
+    def _load_model(self) -> LlamaForCausalLM:
         cfg = self.config.model
         with torch.device(self.device), _default_dtype(self.dtype):
             model = get_model_class(cfg.architecture)(cfg.hf_config, cfg.max_model_len, self.backend)
