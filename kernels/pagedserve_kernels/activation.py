@@ -18,7 +18,7 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, D: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr: tl.tensor, out_ptr: tl.tensor, D: tl.constexpr, BLOCK: tl.constexpr) -> None:
     """Program (row, chunk): lanes [chunk * BLOCK, (chunk + 1) * BLOCK) of one row's d outputs."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

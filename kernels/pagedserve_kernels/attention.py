@@ -51,19 +51,19 @@ _MAX_SPLITS = 64
 
 @triton.jit
 def _load_kv_tile(
-    k_cache_ptr,
-    v_cache_ptr,
-    block_table_ptr,
-    offs_n,
-    n_mask,
-    kv_head,
-    offs_d,
-    d_mask,
-    stride_cb,
-    stride_ct,
-    stride_ch,
+    k_cache_ptr: tl.tensor,
+    v_cache_ptr: tl.tensor,
+    block_table_ptr: tl.tensor,
+    offs_n: tl.tensor,
+    n_mask: tl.tensor,
+    kv_head: tl.tensor,
+    offs_d: tl.tensor,
+    d_mask: tl.tensor,
+    stride_cb: tl.tensor,
+    stride_ct: tl.tensor,
+    stride_ch: tl.tensor,
     BLOCK_SIZE: tl.constexpr,
-):
+) -> tuple[tl.tensor, tl.tensor]:
     """K and V for token positions offs_n ([BLOCK_N, BLOCK_D]); masked positions read as zero."""
     block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     rows = block_ids * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
@@ -75,7 +75,7 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
+def _dot(a: tl.tensor, b: tl.tensor, UPCAST: tl.constexpr) -> tl.tensor:
     """a @ b with fp32 accumulation. fp32 inputs use exact products ("ieee"): TF32 would miss the fp32
     tolerance. UPCAST (set under TRITON_INTERPRET) feeds 16-bit inputs as fp32, because the
     interpreter multiplies bfloat16's raw bits; the products are exact either way, so results agree."""
@@ -86,7 +86,17 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
+def _online_softmax_step(
+    q: tl.tensor,
+    k: tl.tensor,
+    v: tl.tensor,
+    valid: tl.tensor,
+    m_i: tl.tensor,
+    l_i: tl.tensor,
+    acc: tl.tensor,
+    scale_log2: tl.tensor,
+    UPCAST: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """One key tile of flash attention. Invariant: every row has a valid key in the first tile it
     sees, so m_i is finite from then on and exp2(m_i - m_new) never sees -inf - -inf."""
     scores = _dot(q, tl.trans(k), UPCAST) * scale_log2
@@ -101,26 +111,26 @@ def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST: tl.c
 
 @triton.jit
 def _decode_kernel(
-    query_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    context_lens_ptr,
-    out_ptr,
-    lse_ptr,
-    scale_log2,
-    tokens_per_split,
-    stride_qs,
-    stride_qh,
-    stride_cb,
-    stride_ct,
-    stride_ch,
-    stride_bt,
-    stride_os,
-    stride_oh,
-    stride_osplit,
-    stride_ls,
-    stride_lh,
+    query_ptr: tl.tensor,
+    k_cache_ptr: tl.tensor,
+    v_cache_ptr: tl.tensor,
+    block_tables_ptr: tl.tensor,
+    context_lens_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    lse_ptr: tl.tensor,
+    scale_log2: tl.tensor,
+    tokens_per_split: tl.tensor,
+    stride_qs: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_cb: tl.tensor,
+    stride_ct: tl.tensor,
+    stride_ch: tl.tensor,
+    stride_bt: tl.tensor,
+    stride_os: tl.tensor,
+    stride_oh: tl.tensor,
+    stride_osplit: tl.tensor,
+    stride_ls: tl.tensor,
+    stride_lh: tl.tensor,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -129,7 +139,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
-):
+) -> None:
     """Program (seq, kv_head, split): the group's query heads over keys
     [split * tokens_per_split, min((split + 1) * tokens_per_split, context_len)). Without split the
     normalised output goes to out; with it, out holds each split's normalised partial output (fp32)
@@ -176,21 +186,21 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    partial_ptr,
-    lse_ptr,
-    out_ptr,
-    num_splits,
-    stride_ps,
-    stride_ph,
-    stride_psplit,
-    stride_ls,
-    stride_lh,
-    stride_os,
-    stride_oh,
+    partial_ptr: tl.tensor,
+    lse_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    num_splits: tl.tensor,
+    stride_ps: tl.tensor,
+    stride_ph: tl.tensor,
+    stride_psplit: tl.tensor,
+    stride_ls: tl.tensor,
+    stride_lh: tl.tensor,
+    stride_os: tl.tensor,
+    stride_oh: tl.tensor,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
-):
+) -> None:
     """Program (seq, head): out = sum_s w_s * partial_s with w_s = 2^lse_s / sum_s 2^lse_s.
     Split 0 is never empty (context_len >= 1), so the max lse is finite."""
     seq = tl.program_id(0)
@@ -211,22 +221,22 @@ def _merge_splits_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    query_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    query_start_loc_ptr,
-    context_lens_ptr,
-    out_ptr,
-    scale_log2,
-    stride_qt,
-    stride_qh,
-    stride_cb,
-    stride_ct,
-    stride_ch,
-    stride_bt,
-    stride_ot,
-    stride_oh,
+    query_ptr: tl.tensor,
+    k_cache_ptr: tl.tensor,
+    v_cache_ptr: tl.tensor,
+    block_tables_ptr: tl.tensor,
+    query_start_loc_ptr: tl.tensor,
+    context_lens_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    scale_log2: tl.tensor,
+    stride_qt: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_cb: tl.tensor,
+    stride_ct: tl.tensor,
+    stride_ch: tl.tensor,
+    stride_bt: tl.tensor,
+    stride_ot: tl.tensor,
+    stride_oh: tl.tensor,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -234,7 +244,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
-):
+) -> None:
     """Program (seq, kv_head, q_tile): BLOCK_Q = BLOCK_M // GROUP query tokens of the sequence, times
     the GROUP query heads of kv_head, as BLOCK_M rows:
 
@@ -344,7 +354,11 @@ def paged_attention_decode(
 
     num_splits > 1 splits each context into that many key ranges run in parallel and merged
     (split-K, for long contexts and few sequences); None picks it from the context length.
-    max_context_len (max of context_lens) spares a device-to-host sync when the caller knows it."""
+    max_context_len (max of context_lens) spares a device-to-host sync when the caller knows it.
+
+    Block ids are trusted, not checked: checking them would cost a device-to-host sync every step.
+    Each sequence's first ceil(context_len / block_size) ids must name blocks of the cache (an id
+    outside it reads other memory, or faults); the ids past them are never read."""
     group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens)
     num_seqs, num_heads, head_dim = query.shape
     check_shape("context_lens", context_lens, (num_seqs,))
@@ -431,7 +445,10 @@ def paged_attention_prefill(
 ) -> torch.Tensor:
     """Causal attention for packed variable-length queries over keys in the paged cache (see
     reference.paged_attention_prefill). Requires q_len <= context_len for every sequence.
-    max_query_len spares a device-to-host sync when the caller knows it."""
+    max_query_len spares a device-to-host sync when the caller knows it.
+
+    Block ids are trusted, as in paged_attention_decode: those covering each context must name
+    blocks of the cache; the ids past them are never read."""
     group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens)
     num_seqs = context_lens.shape[0]
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)

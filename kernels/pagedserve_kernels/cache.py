@@ -31,20 +31,20 @@ _COPY_BLOCK = 1024
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr,
-    value_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_mapping_ptr,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
+    key_ptr: tl.tensor,
+    value_ptr: tl.tensor,
+    k_cache_ptr: tl.tensor,
+    v_cache_ptr: tl.tensor,
+    slot_mapping_ptr: tl.tensor,
+    stride_kt: tl.tensor,
+    stride_kh: tl.tensor,
+    stride_vt: tl.tensor,
+    stride_vh: tl.tensor,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+) -> None:
     """Program (token): copy its [num_kv_heads, head_dim] key and value into slot slot_mapping[token]."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -62,12 +62,12 @@ def _write_kv_kernel(
 
 @triton.jit
 def _copy_blocks_kernel(
-    k_cache_ptr,
-    v_cache_ptr,
-    block_mapping_ptr,
+    k_cache_ptr: tl.tensor,
+    v_cache_ptr: tl.tensor,
+    block_mapping_ptr: tl.tensor,
     BLOCK_NUMEL: tl.constexpr,
     BLOCK: tl.constexpr,
-):
+) -> None:
     """Program (pair, chunk): copy elements [chunk * BLOCK, (chunk + 1) * BLOCK) of block src onto dst."""
     pair = tl.program_id(0)
     chunk = tl.program_id(1)

@@ -81,7 +81,9 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """`reference.paged_attention_decode`, reading K/V straight from the paged cache (needs `load()`)."""
+    """`reference.paged_attention_decode`, reading K/V straight from the paged cache (needs `load()`).
+    The block ids covering each context are checked first (a RuntimeError names one outside the
+    cache); those past it are padding, never read, and may hold anything."""
     return torch.ops.pagedserve_cpu.paged_attention_decode(
         query, k_cache, v_cache, block_tables, context_lens, scale
     )
@@ -143,7 +145,8 @@ def decode_layers(
 ) -> torch.Tensor:
     """Every decoder layer of a Llama-family model for a decode-only step, bfloat16 on AMX-packed weights
     (`csrc/decode_layers.cpp`): the final-normed hidden states [tokens, hidden] (needs
-    `linear_amx_supported()`)."""
+    `linear_amx_supported()`). Block tables are checked as `paged_attention_decode` checks them,
+    before any layer runs."""
     return torch.ops.pagedserve_cpu.decode_layers(
         input_ids,
         positions,

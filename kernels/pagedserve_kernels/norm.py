@@ -22,7 +22,15 @@ _MAX_HIDDEN = 65536
 
 
 @triton.jit
-def _round_then_normalize(x, weight_ptr, out_ptr, offs, mask, eps, HIDDEN: tl.constexpr):
+def _round_then_normalize(
+    x: tl.tensor,
+    weight_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    offs: tl.tensor,
+    mask: tl.tensor,
+    eps: tl.tensor,
+    HIDDEN: tl.constexpr,
+) -> None:
     """The reference rounds the normalised row to x's dtype before the weight multiply."""
     mean_square = tl.sum(x.to(tl.float32) * x.to(tl.float32), 0) / HIDDEN
     normed = (x.to(tl.float32) * tl.rsqrt(mean_square + eps)).to(x.dtype)
@@ -31,7 +39,14 @@ def _round_then_normalize(x, weight_ptr, out_ptr, offs, mask, eps, HIDDEN: tl.co
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr: tl.tensor,
+    weight_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    eps: tl.tensor,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+) -> None:
     row_start = tl.program_id(0).to(tl.int64) * HIDDEN
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -41,15 +56,15 @@ def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, eps, HIDDEN: tl.constexpr, BLOC
 
 @triton.jit
 def _fused_add_rms_norm_kernel(
-    x_ptr,
-    residual_ptr,
-    weight_ptr,
-    out_ptr,
-    residual_out_ptr,
-    eps,
+    x_ptr: tl.tensor,
+    residual_ptr: tl.tensor,
+    weight_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    residual_out_ptr: tl.tensor,
+    eps: tl.tensor,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
-):
+) -> None:
     """residual' = x + residual (rounded to residual_out's dtype); out = rms_norm(residual')."""
     row_start = tl.program_id(0).to(tl.int64) * HIDDEN
     offs = tl.arange(0, BLOCK)

@@ -29,19 +29,19 @@ from pagedserve_kernels._checks import (
 
 @triton.jit
 def _rotate_heads(
-    in_ptr,
-    out_ptr,
-    stride_h,
-    cos,
-    sin,
-    partner,
-    sign,
-    is_rotated,
-    offs_d,
+    in_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    stride_h: tl.tensor,
+    cos: tl.tensor,
+    sin: tl.tensor,
+    partner: tl.tensor,
+    sign: tl.tensor,
+    is_rotated: tl.tensor,
+    offs_d: tl.tensor,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
-):
+) -> None:
     """Rotate one token's [NUM_HEADS, HEAD_DIM] heads; cos/sin/partner/sign are per lane."""
     offs_h = tl.arange(0, BLOCK_H)
     mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
@@ -58,16 +58,16 @@ def _rotate_heads(
 
 @triton.jit
 def _rotary_kernel(
-    positions_ptr,
-    query_ptr,
-    key_ptr,
-    cos_sin_ptr,
-    query_out_ptr,
-    key_out_ptr,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
+    positions_ptr: tl.tensor,
+    query_ptr: tl.tensor,
+    key_ptr: tl.tensor,
+    cos_sin_ptr: tl.tensor,
+    query_out_ptr: tl.tensor,
+    key_out_ptr: tl.tensor,
+    stride_qt: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_kt: tl.tensor,
+    stride_kh: tl.tensor,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -75,7 +75,7 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_KV_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+) -> None:
     """Program (token): rotate every query and key head of the token by its position's angles."""
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)

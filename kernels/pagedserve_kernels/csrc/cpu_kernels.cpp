@@ -9,6 +9,7 @@
 //   registers, the next chunk's slots prefetched;
 // - everything else (decode_kernel): the chunk's K slots (every KV head) are widened to float32 once
 //   and scored against every query head, then its V slots are widened and accumulated.
+// Both trust the block ids they read: check_block_tables (paged_checks.h) has checked them first.
 //
 // write_kv_cache: this step's K/V rows copied into their slots, one call per layer.
 //
@@ -23,6 +24,7 @@
 #include <torch/library.h>
 
 #include "bf16_vec.h"
+#include "paged_checks.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -149,7 +151,7 @@ struct DecodeArgs {
   scalar_t* out;
 
   int64_t context_len(int64_t seq) const { return lens[seq]; }  // within its table row: checked
-  // the offset of the slot holding token `pos` of sequence `seq`, in either cache
+  // the offset of the slot holding token `pos` of sequence `seq`, in either cache (its block id: checked)
   int64_t slot_offset(int64_t seq, int64_t pos) const {
     const int32_t block = tables[seq * max_blocks + pos / block_size];
     return (block * block_size + pos % block_size) * slot_size;
@@ -418,13 +420,7 @@ at::Tensor paged_attention_decode(
               "one block table row and context length per sequence");
   const auto tables = block_tables.contiguous();
   const auto lens = context_lens.contiguous();
-  // A context longer than its row would read slots the row does not name: refuse it, as the reference
-  // and the Triton launcher do, rather than attend over part of it (one compare per sequence).
-  const int64_t capacity = tables.size(1) * k_cache.size(1);
-  const int32_t* len = lens.data_ptr<int32_t>();
-  for (int64_t seq = 0; seq < lens.size(0); ++seq)
-    TORCH_CHECK(len[seq] >= 0 && len[seq] <= capacity, "context_lens: sequence ", seq, " has ", len[seq],
-                " tokens, its block table row holds ", capacity);
+  pagedserve::check_block_tables(tables, lens, k_cache.size(1), k_cache.size(0));
   auto out = at::empty_like(query);
   switch (query.scalar_type()) {
     case at::kFloat: dispatch_dim(DecodeArgs<float>(out, query, k_cache, v_cache, tables, lens, scale)); break;

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "bf16_vec.h"
+#include "paged_checks.h"
 
 #include <cmath>
 #include <cstdint>
@@ -185,6 +186,18 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
                 " is out of the rotary table");
   }
   for (const at::Tensor& w : norms) TORCH_CHECK(is_bf16_cpu(w) && w.numel() == hidden && w.is_contiguous(), "decode_layers: norm weights must be bfloat16 [hidden]");
+  // The block tables once, before layer 0 writes a KV row or starts a thread, against the cache shape
+  // every layer shares (each layer's attention call checks them again: a pass over a few ids).
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.size(0) == tokens &&
+                  context_lens.dim() == 1 && context_lens.scalar_type() == at::kInt && context_lens.size(0) == tokens,
+              "decode_layers: block_tables [tokens, max_blocks] and context_lens [tokens] must be int32");
+  for (int64_t l = 0; l < layers; ++l)
+    TORCH_CHECK(k_caches[l].dim() == 4 && k_caches[l].sizes() == k_caches[0].sizes() &&
+                    v_caches[l].sizes() == k_caches[0].sizes(),
+                "decode_layers: every layer's k and v cache must be [blocks, block_size, kv_heads, head_dim], one "
+                "shape for all");
+  pagedserve::check_block_tables(block_tables.contiguous(), context_lens.contiguous(), k_caches[0].size(1),
+                                 k_caches[0].size(0));
 #ifdef PAGEDSERVE_DECODE_LAYERS
   const auto options = embedding.options();
   at::Tensor residual = embedding.index_select(0, input_ids);  // the first layer's residual is its input
