@@ -430,26 +430,30 @@ class LLMModel:
             raise _adapter_error(exc) from exc
         tokenized = (started, time.monotonic())
         last: RequestDelta | None = None
-        finished = False
-        try:  # a caller that goes away closes the engine's generator: the engine aborts and counts it
-            async for delta in engine.generate(rid, prompt, request.params, cancel_cause):
+        deltas = engine.generate(rid, prompt, request.params, cancel_cause)
+        try:
+            async for delta in deltas:
                 last = delta
                 if delta.finish_reason == "error":
                     raise AdapterError("internal", delta.error or "generation failed")
                 yield delta
-            finished = True
         except (InvalidRequestError, QueueFullError, EngineDeadError) as exc:
             raise _adapter_error(exc) from exc
         finally:
-            self._count(started, last, finished)
+            # A caller that went away aborts the request here (the engine counts it), not whenever
+            # the engine's generator is collected; a request the engine ended first is traced and
+            # counted as it ended, as the engine's metrics count it.
+            await deltas.aclose()
+            last = engine.unread_final_delta(rid) or last
+            self._count(started, last)
             tracer.finish_request(carrier, rid, request.params, last, tokenized, len(prompt))
 
-    def _count(self, started: float, last: RequestDelta | None, finished: bool) -> None:
+    def _count(self, started: float, last: RequestDelta | None) -> None:
         elapsed_ns = int((time.monotonic() - started) * 1e9)
         stats = self.stats
         stats.executions += 1
         stats.last_inference_ms = int(time.time() * 1000)
-        if finished:
+        if last is not None and last.request_finished and last.finish_reason not in ("error", "aborted"):
             stats.success_count += 1
             stats.success_ns += elapsed_ns
         else:

@@ -6,6 +6,10 @@ Errors are `{"error": "..."}` with 400 (bad request), 404 (unknown model), 429 (
 ready) or 500 (499 for a client that hung up first, which nobody reads). On `/generate_stream` the
 status is fixed by the first event, so a later error arrives as an `{"error": ...}` event inside the
 200 response.
+
+A client that hangs up aborts its request, as a cancelled gRPC call does: the HTTP endpoint runs
+aiohttp with `handler_cancellation`, so a closed connection cancels its handler, and the cancel reaches
+the engine's generator, whose `finally` aborts the request (rpc/http.py).
 """
 
 from __future__ import annotations
@@ -197,27 +201,28 @@ class RestApi:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         try:
             await response.prepare(request)
-            async for delta in _chain(first, deltas):
-                completion.add(delta)
-                if parsed.stream:
-                    body = _generate_body(self.model, request_id, completion.step_outputs(delta))
-                elif delta.request_finished:
-                    body = _generate_body(self.model, request_id, completion.final_outputs())
-                else:
-                    continue
-                await response.write(f"data: {json.dumps(body)}\n\n".encode())
-        except AdapterError as exc:
-            await response.write(f"data: {json.dumps({'error': str(exc)})}\n\n".encode())
+            try:
+                async for delta in _chain(first, deltas):
+                    completion.add(delta)
+                    if parsed.stream:
+                        body = _generate_body(self.model, request_id, completion.step_outputs(delta))
+                    elif delta.request_finished:
+                        body = _generate_body(self.model, request_id, completion.final_outputs())
+                    else:
+                        continue
+                    await response.write(f"data: {json.dumps(body)}\n\n".encode())
+            except AdapterError as exc:
+                await response.write(f"data: {json.dumps({'error': str(exc)})}\n\n".encode())
+            await response.write_eof()
         except ConnectionResetError:  # the client went away: an everyday event, not a server error to log
-            return response
+            pass
         finally:
             await deltas.aclose()  # a client that went away aborts the request here
-        await response.write_eof()
         return response
 
     async def _complete(self, parsed: LLMRequest, request: web.Request) -> Completion:
-        """The whole completion. aiohttp does not cancel a handler whose client hung up, so each step
-        checks the connection: a request nobody waits for is aborted, not generated to the end."""
+        """The whole completion. A client that hangs up cancels this handler (handler_cancellation), or
+        is found gone at the next delta: a request nobody waits for is aborted, not generated to the end."""
         completion = Completion(parsed)
         deltas = self.model.generate(parsed, dict(request.headers))
         try:

@@ -375,10 +375,11 @@ class RequestTracer:
         tokenize: tuple[float, float],
         num_prompt_tokens: int,
     ) -> None:
-        """What every front end calls when a request's call ends, however it ended. `last` is the last
-        delta the call saw: the request's final delta; a failed completion's (finish reason error),
-        after which the call ended; or an earlier one (or none) when the caller went away, which
-        aborted the request."""
+        """What every front end calls when a request's call ends, however it ended. `last` is the
+        request's final delta: the one the call read, or the one the engine ended the request with
+        while its caller went away (`AsyncEngine.unread_final_delta`), so that the span says what the
+        metrics count; else a failed completion's (finish reason error), after which the call ended;
+        or an earlier one (or none) when the caller went away, which aborted the request."""
         if self._tracer is None:
             return
         if last is None or not last.request_finished:

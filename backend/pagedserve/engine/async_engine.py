@@ -61,7 +61,7 @@ class _Stream:
     arrival_time: float  # time.monotonic() when generate() was called: queueing starts here
     num_prompt_tokens: int
     queue: asyncio.Queue[RequestDelta | BaseException] = field(default_factory=asyncio.Queue)
-    finished: bool = False
+    finished: bool = False  # the caller has been handed the request's final delta
     held: dict[int, RequestDelta] = field(default_factory=dict)  # by completion index: not yet sent
     last: RequestDelta | None = None  # the engine's latest delta: a dead engine's final delta builds on it
 
@@ -80,6 +80,11 @@ class _Abort:
     cause: str | None  # counted in pagedserve:request_aborts if it ends a request; None: not counted
 
 
+# How many final deltas that callers went away without reading are kept (see unread_final_delta). A
+# front end takes its own as its call ends: only one that never asks leaves any behind.
+_MAX_NUM_UNREAD_FINALS = 256
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024, stream_interval: int = 1) -> None:
         if stream_interval < 1:
@@ -90,6 +95,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._pending_adds: list[tuple[str, list[int], SamplingParams, float]] = []
         self._pending_aborts: dict[str, _Abort] = {}  # by request id
+        self._unread_finals: dict[str, RequestDelta] = {}  # by request id, oldest first
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.dead: BaseException | None = None
@@ -151,13 +157,15 @@ class AsyncEngine:
 
         Closing the generator early aborts the request; `cancel_cause` says why (an abort cause of
         `pagedserve:request_aborts`, e.g. deadline), counted only when the abort ends the request: a
-        request the engine already finished (its final delta unread) is counted as finished alone.
-        None counts nothing (the server's own requests).
+        request the engine already finished (its final delta unread) is counted as finished alone,
+        and `unread_final_delta` gives its front end that delta. None counts nothing (the server's
+        own requests).
 
         With `stream_interval` N > 1 a completion's first token comes alone, at once, and after it a
         delta carries N tokens (the engine's deltas of N steps, joined), except the last, which carries
         what is left when the completion finishes: fewer, larger messages for the same tokens."""
         self._admit(request_id, prompt_token_ids, params)
+        self._unread_finals.pop(request_id, None)  # an earlier request's under the same id
         stream = self._streams[request_id] = _Stream(time.monotonic(), len(prompt_token_ids))
         self._pending_adds.append((request_id, prompt_token_ids, params, stream.arrival_time))
         self._wakeup.set()
@@ -166,16 +174,36 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                stream.finished = item.request_finished
                 yield item
-                if item.request_finished:
-                    stream.finished = True
+                if stream.finished:
                     return
         finally:
-            if not stream.finished and not stream.is_done_in_engine:  # the caller went away or we failed
+            if not stream.finished and stream.is_done_in_engine:  # the caller left, its final delta unread
+                self._keep_unread_final(request_id, stream.last)
+            elif not stream.finished:  # the caller went away or we failed
                 cause = cancel_cause() if cancel_cause is not None else None
                 self._pending_aborts.setdefault(request_id, _Abort(None, cause))
                 self._wakeup.set()
             self._streams.pop(request_id, None)
+
+    def unread_final_delta(self, request_id: str) -> RequestDelta | None:
+        """The final delta of a request that the engine ended (finished, failed, or aborted by an
+        Abort call or a drain) while its caller, gone now, had not read that delta: how the request
+        really ended, as the metrics counted it. None for any other request. A front end asks once,
+        as its call ends, to trace it; the delta is forgotten then (the oldest also once more than
+        _MAX_NUM_UNREAD_FINALS wait, and any under an id that is reused)."""
+        stream = self._streams.get(request_id)
+        if stream is not None and stream.is_done_in_engine:  # asked before generate()'s finally ran
+            stream.finished = True  # handed over now
+            return stream.last
+        return self._unread_finals.pop(request_id, None)
+
+    def _keep_unread_final(self, request_id: str, delta: RequestDelta | None) -> None:
+        assert delta is not None  # is_done_in_engine
+        self._unread_finals[request_id] = delta
+        while len(self._unread_finals) > _MAX_NUM_UNREAD_FINALS:  # a front end that never asks
+            del self._unread_finals[next(iter(self._unread_finals))]
 
     def abort(self, request_id: str, message: str = "aborted", cause: str | None = None) -> bool:
         """Abort a live request; its stream ends with a final delta whose finish reason is aborted.
@@ -289,3 +317,7 @@ class AsyncEngine:
         self.engine.metrics.record_failed(deltas, now)  # no step records them
         for delta in deltas:
             self._deliver(self._streams[delta.request_id], delta)
+        for request_id, abort in self._pending_aborts.items():  # their callers left: ended by the abort
+            if request_id not in self._streams and abort.cause is not None:
+                self.engine.metrics.record_abort(abort.cause)
+        self._pending_aborts.clear()  # nothing applies them now

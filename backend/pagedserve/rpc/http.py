@@ -30,7 +30,11 @@ class HttpEndpoint:
         self.runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> int:
-        self.runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=1.0)
+        # handler_cancellation: a client that hangs up cancels its handler, which aborts its request
+        # even while the handler waits for tokens with nothing to write (adapters' rest.py)
+        self.runner = web.AppRunner(
+            self.app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True
+        )
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port)
         await site.start()
