@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import difflib
+import operator
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from itertools import count
 from typing import Any, cast
 
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, RequestDelta, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import EngineSettings
 
-Prompt = str | list[int]
+# text, token ids, or vLLM's TextPrompt / TokensPrompt: {"prompt": text} or {"prompt_token_ids": ids}
+Prompt = str | list[int] | Mapping[str, Any]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 class LLM:
@@ -19,6 +25,7 @@ class LLM:
     engine settings (`dtype`, `kv_cache_memory`, `max_num_seqs`, `num_kv_blocks`, ...)."""
 
     def __init__(self, model: str | None = None, **settings: Any) -> None:
+        _check_setting_names(settings)
         self.engine = LLMEngine.from_settings(EngineSettings(model=model, **settings))
         self._ids = count()
 
@@ -31,27 +38,42 @@ class LLM:
         self,
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = False,
     ) -> list[RequestOutput]:
-        """Run all prompts in one continuous batch; outputs come back in input order."""
-        one = isinstance(prompts, str) or (
-            isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
-        )
-        batch = [cast(Prompt, prompts)] if one else list(cast(Seq[Prompt], prompts))  # one: text or token ids
-        token_ids = [self.engine.encode_prompt(p) if isinstance(p, str) else list(p) for p in batch]
-        texts = [p if isinstance(p, str) else None for p in batch]
+        """Run all prompts in one continuous batch; outputs come back in input order. `use_tqdm` may
+        be a tqdm-like class to make the progress bar with (as in vLLM)."""
+        batch = _batch(prompts)
+        texts: list[str | None] = []
+        token_ids = []
+        for index, prompt in enumerate(batch):
+            parsed = _parse_prompt(prompt, index)
+            texts.append(parsed if isinstance(parsed, str) else None)
+            token_ids.append(self.engine.encode_prompt(parsed) if isinstance(parsed, str) else parsed)
         return self._run(texts, token_ids, sampling_params, use_tqdm)
 
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_ids = [self.engine.encode_chat(c) for c in conversations]  # type: ignore[arg-type]
-        texts = [self.engine.decode(ids) for ids in token_ids]
+        """Apply the model's chat template to one conversation or a list of them, then generate. Each
+        output's `prompt` is the templated text, special tokens included (as vLLM's)."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        if not isinstance(conversations, list):
+            raise InvalidRequestError(
+                "messages", f"expected a list of message dicts, got {type(messages).__name__}"
+            )
+        for index, conversation in enumerate(conversations):
+            if not isinstance(conversation, list) or not all(
+                isinstance(m, Mapping) and "role" in m for m in conversation
+            ):
+                raise InvalidRequestError(
+                    "messages",
+                    f"conversation {index}: expected a list of {{'role': ..., 'content': ...}} dicts",
+                )
+        token_ids = [self.engine.encode_chat(c) for c in cast(list[list[dict[str, str]]], conversations)]
+        texts = [self.engine.decode(ids, skip_special_tokens=False) for ids in token_ids]
         return self._run(list(texts), token_ids, sampling_params, use_tqdm)
 
     def _run(
@@ -59,33 +81,117 @@ class LLM:
         texts: list[str | None],
         token_ids: list[list[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None,
-        use_tqdm: bool,
+        use_tqdm: bool | Callable[..., Any],
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, len(token_ids))
-        outputs: dict[str, RequestOutput] = {}
-        request_ids = []
-        for text, ids, p in zip(texts, token_ids, params):
-            request_id = f"llm-{next(self._ids)}"
-            self.engine.add_request(request_id, ids, p)
-            request_ids.append(request_id)
-            completions = [CompletionOutput(i, "", [], None) for i in range(p.n)]
-            outputs[request_id] = RequestOutput(request_id, text, ids, completions, False)
-        progress = _progress_bar(len(request_ids)) if use_tqdm else None
-        while self.engine.has_unfinished_requests():
+        for index, (ids, p) in enumerate(zip(token_ids, params)):  # a bad prompt adds none of the batch
+            try:
+                self.engine.validate_request(ids, p)
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(exc.field, f"{exc.message} (prompts[{index}])") from None
+        outputs: dict[str, RequestOutput] = {}  # in input order
+        progress = _progress_bar(use_tqdm, len(token_ids))
+        try:
+            for text, ids, p in zip(texts, token_ids, params):
+                request_id = f"llm-{next(self._ids)}"
+                completions = [CompletionOutput(i, "", [], None) for i in range(p.n)]
+                outputs[request_id] = RequestOutput(request_id, text, ids, completions, False)
+                self.engine.add_request(request_id, ids, p)
+            error = self._step_until_finished(outputs, progress)
+        finally:
+            # A failed request, an exception or a Ctrl-C (from tqdm, the model, anywhere in here) must
+            # not leave this call's other requests in the engine: the next call would step them too.
+            self.engine.abort_request([rid for rid, out in outputs.items() if not out.finished])
+            if progress is not None:
+                progress.close()
+        self._drop_worker_state()
+        if error is not None:
+            raise RuntimeError(error)
+        return list(outputs.values())
+
+    def _step_until_finished(self, outputs: dict[str, RequestOutput], progress: Any) -> str | None:
+        """Step until every request in `outputs` finished; the first failure's message ends it early."""
+        num_unfinished = len(outputs)
+        while num_unfinished and self.engine.has_unfinished_requests():
             for delta in self.engine.step():
+                out = outputs.get(delta.request_id)
+                if out is None:  # someone else's, added to self.engine directly
+                    continue
                 if delta.error:
-                    raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
-                out = outputs[delta.request_id]
+                    return f"request {delta.request_id} failed: {delta.error}"
                 _accumulate(out.outputs[delta.index], delta)
                 if delta.request_finished:
                     out.finished, out.metrics = True, delta.metrics
+                    num_unfinished -= 1
                     if progress is not None:
                         progress.update(1)
-        if progress is not None:
-            progress.close()
-        return [outputs[rid] for rid in request_ids]
+        return None
+
+    def _drop_worker_state(self) -> None:
+        """The workers drop an ended request's state with the next step; a server steps once more when
+        idle (`LLMEngine.has_work`). Offline no step may come for a long time, so take it now: it runs
+        no model, it only frees the last batch's rows and sampling state."""
+        while not self.engine.has_unfinished_requests() and self.engine.has_work():
+            self.engine.step()
+
+
+def _check_setting_names(settings: dict[str, Any]) -> None:
+    """Engine settings are read by name, and an unknown one would be ignored: vLLM's
+    `gpu_memory_utilization` silently doing nothing is worse than an error naming it."""
+    known = [name for name in EngineSettings.model_fields if name != "model"]
+    for name in settings:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; the settings are {', '.join(known)}"
+            raise InvalidRequestError(name, f"not an engine setting of LLM(){hint}")
+
+
+def _batch(prompts: Prompt | Seq[Prompt]) -> list[Any]:
+    """One prompt (text, a token-id list, a prompt dict) or a list or tuple of them, as a list."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and not isinstance(prompts[0], (str, list, tuple, Mapping)):
+        return [prompts]  # token ids; an element that is not an integer is refused in _token_ids
+    if isinstance(prompts, (list, tuple)):
+        return list(prompts)
+    raise InvalidRequestError(
+        "prompts",
+        f"expected a string, a list of token ids, a prompt dict, or a list of them; got {type(prompts).__name__}",
+    )
+
+
+def _parse_prompt(prompt: Any, index: int) -> str | list[int]:
+    """A text prompt's text, or a token prompt's ids."""
+    if isinstance(prompt, Mapping):
+        unknown = [key for key in prompt if key not in PROMPT_KEYS]
+        if unknown:
+            raise InvalidRequestError(f"prompts[{index}]", f"unsupported keys {unknown} (only {PROMPT_KEYS})")
+        if "prompt_token_ids" in prompt:
+            return _token_ids(prompt["prompt_token_ids"], index)
+        if "prompt" not in prompt:
+            raise InvalidRequestError(
+                f"prompts[{index}]", "a prompt dict needs 'prompt' or 'prompt_token_ids'"
+            )
+        prompt = prompt["prompt"]
+    return prompt if isinstance(prompt, str) else _token_ids(prompt, index)
+
+
+def _token_ids(ids: Any, index: int) -> list[int]:
+    """A token-id prompt as a list of Python ints (NumPy or torch integers too, not bools or floats)."""
+    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Seq):
+        raise InvalidRequestError(
+            f"prompts[{index}]", f"expected a string or a list of token ids, got {type(ids).__name__}"
+        )
+    try:
+        if any(isinstance(t, bool) for t in ids):
+            raise TypeError
+        return [operator.index(t) for t in ids]
+    except TypeError:
+        raise InvalidRequestError(
+            "prompt_token_ids", f"token ids must be integers (prompts[{index}])"
+        ) from None
 
 
 def _accumulate(completion: CompletionOutput, delta: RequestDelta) -> None:
@@ -100,12 +206,18 @@ def _accumulate(completion: CompletionOutput, delta: RequestDelta) -> None:
 def _per_prompt(params: SamplingParams | Seq[SamplingParams], n: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+        raise InvalidRequestError("sampling_params", "must be a SamplingParams or a list of one per prompt")
     if len(params) != n:
-        raise ValueError(f"sampling_params: got {len(params)} for {n} prompts")
+        raise InvalidRequestError("sampling_params", f"got {len(params)} for {n} prompts")
     return list(params)
 
 
-def _progress_bar(total: int) -> Any:
+def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:
+    if not use_tqdm:
+        return None
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="generating", unit="req")
     from tqdm import tqdm
 
     return tqdm(total=total, desc="generating", unit="req")

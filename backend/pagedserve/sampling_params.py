@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.errors import InvalidRequestError
 
@@ -12,10 +13,20 @@ MAX_LOGPROBS = 20
 # 300,000 of them on one request made another request's 300 tokens take 38 s instead of 3.4 s.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+MAX_INT64 = 2**63 - 1
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_list(value: Any, name: str) -> list[Any]:
+    """A list, tuple or other iterable of values as a list; None (vLLM's default) as an empty one."""
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise InvalidRequestError(name, f"must be a list, got {type(value).__name__}")
+    return list(value)
 
 
 def _is_number(value: object) -> bool:
@@ -60,8 +71,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        self.stop = _as_list(self.stop, "stop")
+        self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids")
         if _is_int(self.top_k) and self.top_k == 0:  # vLLM's "disabled", its default since 0.8
             self.top_k = -1
         self._verify()
@@ -88,10 +99,10 @@ class SamplingParams:
                 raise InvalidRequestError(name, f"must be a finite number, got {value!r}")
         self._check(self.temperature >= 0.0, "temperature", "must be >= 0 (0 means greedy)")
         self._check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        self._check(
-            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+        self._check(  # the workers hold top_k as int64: a larger one failed the step of its batch
+            _is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= MAX_INT64),
             "top_k",
-            "must be an integer >= 1, or 0 or -1 to disable",
+            f"must be an integer in [1, {MAX_INT64}], or 0 or -1 to disable",
         )
         self._check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
         self._check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")

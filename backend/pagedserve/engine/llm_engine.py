@@ -94,8 +94,8 @@ class LLMEngine:
             ids = ids["input_ids"]  # type: ignore[call-overload,index]
         return list(ids)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -187,6 +187,8 @@ class LLMEngine:
                 continue
             for seq in self.scheduler.abort(self._seq_ids(request_id)):
                 deltas.append(self._delta(seq, [], self._rest_of_text(seq), None, now))
+            if request_id in self._requests:  # a sequence the scheduler ended in a step cut short
+                self._drop(request_id)  # (Ctrl-C) before its output was processed: no delta came
         if deltas:  # no step may follow: the gauges must not keep showing the aborted requests
             self.metrics.record_aborted(self.stats(), deltas, now)
         return deltas
@@ -336,6 +338,12 @@ class LLMEngine:
         request = self._requests[completion.request_id]
         if request.num_finished == request.num_sequences:
             del self._requests[completion.request_id]
+
+    def _drop(self, request_id: str) -> None:
+        """Forget a request whose sequences the scheduler no longer holds, whatever their deltas."""
+        for seq_id in self._seq_ids(request_id):
+            self._completions.pop(seq_id, None)
+        del self._requests[request_id]
 
 
 @dataclass
