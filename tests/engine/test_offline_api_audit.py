@@ -95,6 +95,31 @@ def test_ctrl_c_in_generate_aborts_the_call_s_requests(llm: LLM) -> None:
     assert_idle(llm)
 
 
+def test_a_ctrl_c_before_the_workers_took_a_step_leaves_no_row_held(llm: LLM) -> None:
+    """A step carries the ids of requests ended since the last one, for the workers to drop their rows
+    and sampling state; a Ctrl-C landing before the workers took the step lost those ids, and the rows
+    stayed held for good (max_num_seqs of them and no request could start)."""
+    engine = llm.engine
+    engine.add_request("ended", PROMPTS[0], SamplingParams(temperature=0, max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    runner = engine.executor.worker.model_runner  # type: ignore[attr-defined]
+    assert "ended" in runner.requests  # dropped with the next step
+    execute = engine.executor.execute
+
+    def interrupted(*args: object) -> None:  # the user's Ctrl-C, just before the workers run
+        raise KeyboardInterrupt
+
+    engine.executor.execute = interrupted  # type: ignore[method-assign]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+    finally:
+        engine.executor.execute = execute  # type: ignore[method-assign]
+    llm.generate(PROMPTS[:1], GREEDY)
+    assert_idle(llm)
+
+
 def test_aborting_a_request_a_cut_short_step_ended_forgets_it(llm: LLM) -> None:
     """A Ctrl-C can land in LLMEngine.step() after the scheduler ended a sequence and before the
     engine took its output: generate() then aborts the request, which the scheduler no longer holds.

@@ -106,6 +106,11 @@ class Scheduler:
         """Requests freed since the last schedule(): the workers drop their state with the next step."""
         return bool(self._freed_request_ids)
 
+    def requeue_freed(self, request_ids: list[str]) -> None:
+        """Freed requests a step took to its workers that may not have reached them (the step was cut
+        short): they go again with the next step; a worker ignores an id it no longer holds."""
+        self._freed_request_ids[:0] = request_ids
+
     # -- one step ----------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

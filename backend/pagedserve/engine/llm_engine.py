@@ -238,7 +238,13 @@ class LLMEngine:
             runner_output = self.executor.execute(scheduler_output)
         except EngineDeadError:
             raise
-        except Exception as exc:  # a model fault fails this batch's requests, not the engine
+        except BaseException as exc:
+            # A fault before the workers dropped the requests freed since the last step, or a Ctrl-C
+            # (offline): they would hold those requests' rows for good.
+            self.scheduler.requeue_freed(scheduler_output.freed_request_ids)
+            if not isinstance(exc, Exception):
+                raise
+            # a model fault fails this batch's requests, not the engine
             logger.exception("model step failed")
             failed = [r.request_id for r in scheduler_output.scheduled]
             deltas = self._fail(failed, f"model step failed: {exc!r}")
