@@ -58,15 +58,28 @@ def launch_env() -> LaunchEnv | None:
     """RANK/WORLD_SIZE/LOCAL_RANK as torchrun sets them, or None when no launcher started several ranks.
 
     These are torch's rendezvous variables (with MASTER_ADDR/MASTER_PORT, which `env://` reads itself),
-    not pagedserve settings, so they are read here, next to the only code that uses them."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    not pagedserve settings, so they are read here, next to the only code that uses them. A bad value
+    raises ValueError naming the variable (a rank outside the world would wait in the rendezvous)."""
+    world_size = _int_variable("WORLD_SIZE", 1)
     if world_size <= 1:
         return None
     if "RANK" not in os.environ:
         raise ValueError(f"WORLD_SIZE={world_size} is set but RANK is not: set both (torchrun does)")
-    rank = int(os.environ["RANK"])
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    return LaunchEnv(rank, world_size, int(os.environ.get("LOCAL_RANK", str(rank))), local_world_size)
+    rank = _int_variable("RANK", 0)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} is not a rank of WORLD_SIZE={world_size} (0 to {world_size - 1})")
+    local_world_size = _int_variable("LOCAL_WORLD_SIZE", world_size)
+    return LaunchEnv(rank, world_size, _int_variable("LOCAL_RANK", rank), local_world_size)
+
+
+def _int_variable(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
 
 
 def backend_for(device: str) -> str:

@@ -2,7 +2,8 @@
 else), the standard `grpc.health.v1.Health`, reflection, and the serving lifecycle:
 
     starting ──warm-up done──▶ serving ──SIGTERM──▶ draining ──in-flight done, timeout or signal──▶ exit 0
-                                  └──engine loop or a worker died──▶ dead ──▶ exit 1
+       │                          └──engine loop or a worker died──▶ dead ──▶ exit 1
+       └──SIGTERM/SIGINT──▶ exit 0 at once (`pagedserve serve` does not wait for a model load under way)
 
 Liveness (health service "") is SERVING from the first moment until the engine dies; readiness
 (service READINESS_SERVICE) only while serving.
@@ -403,13 +404,23 @@ class Server:
         await self.health.set(READINESS_SERVICE, serving if ready else not_serving)
 
 
-async def run_until_signalled(server: Server, shutdown_timeout: float) -> int:
-    """Serve until SIGTERM/SIGINT (drain, exit 0; a second signal aborts what is still in flight) or
-    until the engine dies (exit 1)."""
+def catch_stop_signals() -> asyncio.Event:
+    """An event that SIGTERM and SIGINT set from now on, instead of ending the process: an orchestrator
+    stops a server at any stage, one still loading its model too."""
     loop = asyncio.get_running_loop()
     signalled = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signalled.set)
+    return signalled
+
+
+async def run_until_signalled(
+    server: Server, shutdown_timeout: float, signalled: asyncio.Event | None = None
+) -> int:
+    """Serve until SIGTERM/SIGINT (drain, exit 0; a second signal aborts what is still in flight) or
+    until the engine dies (exit 1). `signalled`: from catch_stop_signals(), when caught already."""
+    if signalled is None:
+        signalled = catch_stop_signals()
     watcher = asyncio.create_task(server.watch_engine())
     signal_wait = asyncio.create_task(signalled.wait())
     await asyncio.wait((watcher, signal_wait), return_when=asyncio.FIRST_COMPLETED)

@@ -16,13 +16,16 @@ configured through stdin, rendezvous through a store this process hosts on a fre
 
 Faults: a rank that dies closes its sockets, so the next collective fails at once; a rank that hangs
 fails it after the step timeout. Either way `execute` raises `EngineDeadError` and rank 0 stops the
-ranks it started. A watchdog thread also notices a local rank's death between steps.
+ranks it started. A watchdog thread also notices a local rank's death between steps. During start-up
+rank 0 watches the ranks it started itself: one that exits fails start-up at once (`StartupError`),
+even in the rendezvous, where the others would wait for it in the store until the start-up timeout.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import pickle
@@ -31,8 +34,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import torch
 
@@ -56,6 +62,17 @@ _WATCH_INTERVAL_S = 0.2
 _STOP_GRACE_S = 10.0
 
 _STEP, _PING, _STOP = "step", "ping", "stop"
+
+T = TypeVar("T")
+
+# Every rank this process started, for stop_spawned_ranks(); once that has run, no more start.
+_spawned: list[subprocess.Popen[bytes]] = []
+_spawn_lock = threading.Lock()
+_spawning_stopped = False
+
+
+class StartupError(RuntimeError):
+    """Tensor-parallel start-up failed: a rank exited, or never started (its own error is in the log)."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +103,7 @@ class MultiprocExecutor(Executor):
             self._release()
             _stop_processes(self._procs, 0.0)
             if isinstance(exc, CollectiveError):
-                raise RuntimeError(f"tensor-parallel start-up failed: {self._reason(exc)}") from exc
+                raise StartupError(f"tensor-parallel start-up failed: {self._reason(exc)}") from exc
             raise
         log_capacity(config, self.worker, self.num_kv_blocks)
         # stop the ranks at interpreter exit even if nobody called shutdown(): a launcher's ranks
@@ -105,7 +122,11 @@ class MultiprocExecutor(Executor):
             self._procs.extend(_spawn_ranks(config, eos_token_ids, store.port))
             _wait_started(store, self._procs)
             launch = _local_launch(0, tp)
-        self.worker, self.num_kv_blocks, self.num_cpu_blocks = init_rank(config, eos_token_ids, launch, store)
+        self.worker, self.num_kv_blocks, self.num_cpu_blocks = init_rank(
+            config, eos_token_ids, launch, store, self._procs
+        )
+        if exited := _exited_ranks(self._procs):  # e.g. during the compile warm-up, which falls back to eager
+            raise StartupError(f"tensor-parallel start-up failed: {exited}")
 
     @property
     def worker_pids(self) -> list[int]:
@@ -212,13 +233,47 @@ def init_rank(
     eos_token_ids: frozenset[int],
     launch: LaunchEnv,
     store: Store | None = None,
+    procs: list[subprocess.Popen[bytes]] | None = None,
 ) -> tuple[Worker, int, int]:
-    """Join the process groups and build this rank's worker: (worker, KV blocks, CPU blocks)."""
+    """Join the process groups and build this rank's worker: (worker, KV blocks, CPU blocks). `procs`,
+    the ranks this process started, fail the rendezvous as soon as one exits."""
     config = _rank_config(config, launch)
-    distributed.init_tensor_parallel(
-        launch, distributed.backend_for(config.device), STEP_TIMEOUT_S, STARTUP_TIMEOUT_S, store
+    join = functools.partial(
+        distributed.init_tensor_parallel,
+        launch,
+        distributed.backend_for(config.device),
+        STEP_TIMEOUT_S,
+        STARTUP_TIMEOUT_S,
+        store,
     )
+    if procs:
+        _unless_a_rank_exits(procs, join)
+    else:
+        join()
+    # Past the rendezvous a dead rank's closed sockets fail the start-up agreement at once.
     return build_worker(config, eos_token_ids)
+
+
+def _unless_a_rank_exits(procs: list[subprocess.Popen[bytes]], fn: Callable[[], T]) -> T:
+    """fn() on a helper thread while this one watches `procs`. A rank that dies in the rendezvous after
+    its started key leaves the others waiting for its address in the store up to STARTUP_TIMEOUT_S,
+    and no wait in torch.distributed can be interrupted: raise StartupError as soon as a rank exits,
+    leaving the helper to its wait (a daemon thread, which does not keep the process alive)."""
+    done: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn())
+        except BaseException as exc:  # handed to the waiting thread
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name="pagedserve-tp-rendezvous", daemon=True).start()
+    while not wait_futures([done], timeout=_WATCH_INTERVAL_S).done:
+        if exited := _exited_ranks(procs):
+            # a rendezvous that completed just now ends at once, and the caller releases its groups
+            wait_futures([done], timeout=1.0)
+            raise StartupError(f"tensor-parallel start-up failed: {exited}")
+    return done.result()
 
 
 def _rank_config(config: EngineConfig, launch: LaunchEnv) -> EngineConfig:
@@ -291,15 +346,31 @@ def _spawn_ranks(
     tp = config.parallel.tensor_parallel_size
     # the same import path as this process, as multiprocessing's spawn does
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    procs = []
-    for rank in range(1, tp):
-        args = _SpawnArgs(config, eos_token_ids, _local_launch(rank, tp), store_port)
-        proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, env=env)
-        assert proc.stdin is not None
-        proc.stdin.write(pickle.dumps(args))
-        proc.stdin.close()
-        procs.append(proc)
+    procs: list[subprocess.Popen[bytes]] = []
+    with _spawn_lock:
+        if _spawning_stopped:
+            raise StartupError("tensor-parallel start-up failed: this process is exiting")
+        _spawned[:] = [proc for proc in _spawned if proc.poll() is None]
+        for rank in range(1, tp):
+            args = _SpawnArgs(config, eos_token_ids, _local_launch(rank, tp), store_port)
+            proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, env=env)
+            _spawned.append(proc)
+            assert proc.stdin is not None
+            proc.stdin.write(pickle.dumps(args))
+            proc.stdin.close()
+            procs.append(proc)
     return procs
+
+
+def stop_spawned_ranks() -> None:
+    """Stop every rank this process started, and start no more: for a process that exits while an
+    engine is still starting in another thread (nothing can interrupt it), whose ranks would
+    otherwise outlive it."""
+    global _spawning_stopped
+    with _spawn_lock:
+        _spawning_stopped = True
+        procs = list(_spawned)
+    _stop_processes(procs, 0.0)
 
 
 def _check_local_devices(device: str, tp: int) -> None:
@@ -321,9 +392,9 @@ def _wait_started(store: TCPStore, procs: list[subprocess.Popen[bytes]]) -> None
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while not store.check(keys):
         if exited := _exited_ranks(procs):
-            raise RuntimeError(f"tensor-parallel start-up failed: {exited} (its error is in the log above)")
+            raise StartupError(f"tensor-parallel start-up failed: {exited} (its error is in the log above)")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"tensor-parallel ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
+            raise StartupError(f"tensor-parallel ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
         time.sleep(0.05)
 
 
@@ -360,6 +431,9 @@ def _stop_processes(procs: list[subprocess.Popen[bytes]], grace_s: float) -> Non
 
 
 def _spawned_rank_main() -> int:
+    # Ctrl-C in a terminal signals the whole foreground process group, this rank too: rank 0 drains
+    # (or stops starting) and then stops this rank, which must not die of a KeyboardInterrupt first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     args: _SpawnArgs = pickle.load(sys.stdin.buffer)
     logging.basicConfig(
         level=logging.INFO,
