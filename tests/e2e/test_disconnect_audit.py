@@ -16,10 +16,10 @@ at once, counted once, and traced as the metrics count it.
 Real servers on loopback (inprocess_server.py), real sockets; nothing is stubbed (one test injects a
 dead worker's failing step, as test_observability_audit does).
 
-The gRPC Generation service (rpc/server.py) traces a caller gone after the engine finished its
-request once it asks `AsyncEngine.unread_final_delta` as the adapter does; that race needs a client
-to cancel between the engine's final delta and the servicer reading it (one event-loop turn), which
-no real client can hit on purpose: the engine API test below covers what it relies on."""
+The gRPC Generation service (rpc/server.py) asks `AsyncEngine.unread_final_delta` as the adapter
+does; its race needs a client to cancel between the engine's final delta and the servicer reading it
+(one event-loop turn), which no real client can hit on purpose: the engine API test below covers
+both orders it can ask in (before and after the engine's generator is closed)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -84,19 +84,23 @@ class GenerationServicer:
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         call = await self._admit(request, context)
-        try:  # a caller that goes away closes the engine's generator: the engine aborts and counts it
-            async for delta in self._deltas(call, context):
+        deltas = self._deltas(call, context)
+        try:
+            async for delta in deltas:
                 yield convert.response(delta)
-        finally:
+        finally:  # a caller that went away aborts its request here (the engine counts it)
+            await deltas.aclose()
             self._trace(call, context)
 
     async def Complete(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         call = await self._admit(request, context)
         completions = [pb.GenerateResponse(request_id=call.request_id, index=i) for i in range(call.params.n)]
+        deltas = self._deltas(call, context)
         try:
-            async for delta in self._deltas(call, context):
+            async for delta in deltas:
                 _merge(completions[delta.index], convert.response(delta))
         finally:
+            await deltas.aclose()
             self._trace(call, context)
         return pb.CompleteResponse(completions=completions)
 
@@ -123,10 +127,15 @@ class GenerationServicer:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return _Call(rid, prompt, params, (started, time.monotonic()))
 
-    async def _deltas(self, call: _Call, context: grpc.aio.ServicerContext) -> AsyncIterator[RequestDelta]:
+    async def _deltas(
+        self, call: _Call, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[RequestDelta, None]:
+        """The engine's deltas; closing this closes the engine's generator at once, which aborts a
+        request its caller left (left to the garbage collector, the abort waited for it)."""
+        cause = partial(cancel_cause, context)
+        deltas = self.engine.generate(call.request_id, call.prompt, call.params, cause)
         try:
-            cause = partial(cancel_cause, context)
-            async for delta in self.engine.generate(call.request_id, call.prompt, call.params, cause):
+            async for delta in deltas:
                 call.last = delta
                 if delta.finish_reason == "error":
                     await context.abort(grpc.StatusCode.INTERNAL, delta.error or "generation failed")
@@ -137,11 +146,16 @@ class GenerationServicer:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineDeadError as exc:  # stopped before this request started
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        finally:
+            await deltas.aclose()
 
     def _trace(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
+        """After the engine's generator is closed: a request the engine ended while its caller left
+        is traced as it ended (its final delta unread), as the metrics count it."""
+        last = self.engine.unread_final_delta(call.request_id) or call.last
         metadata = context.invocation_metadata()
         self.tracer.finish_request(
-            metadata, call.request_id, call.params, call.last, call.tokenized, len(call.prompt)
+            metadata, call.request_id, call.params, last, call.tokenized, len(call.prompt)
         )
 
     # -- control -------------------------------------------------------------------------------------
