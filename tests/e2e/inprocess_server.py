@@ -63,7 +63,7 @@ class InProcessServer:
         from pagedserve.engine.async_engine import AsyncEngine, in_torch_thread
         from pagedserve.engine.llm_engine import LLMEngine
         from pagedserve.rpc.http import HttpEndpoint
-        from pagedserve.rpc.server import Server
+        from pagedserve.rpc.server import Server, keepalive_options
         from pagedserve.telemetry import RequestTracer, configure_tracing
         from pagedserve_adapters.grpc_service import SERVICE as INFERENCE_SERVICE
         from pagedserve_adapters.grpc_service import add_to_server as add_inference_service
@@ -75,7 +75,9 @@ class InProcessServer:
         if provider is FROM_SETTINGS:
             provider = configure_tracing(s.otlp_traces_endpoint, s.traces_exporter)
         tracer = RequestTracer(provider, s.served_model_name or "")
-        self.server = server = Server(tracer)
+        self.server = server = Server(
+            tracer, keepalive_options(s.grpc_keepalive_time, s.grpc_keepalive_timeout)
+        )
         model = LLMModel(server)
         add_inference_service(server.grpc, model)
         server.services.append(INFERENCE_SERVICE)

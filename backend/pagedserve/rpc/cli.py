@@ -64,6 +64,16 @@ class ServeSettings(EngineSettings):
         "when an endpoint is set; OTLP over OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, grpc or http/protobuf)",
     )
     warmup: bool = Field(True, description="generate one token before reporting ready")
+    grpc_keepalive_time: float = Field(
+        30.0,
+        ge=0,
+        description="seconds a connection with calls in flight may stay silent before the server pings "
+        "the client (0 = never): a client gone without closing its connection (a crashed host, a cut "
+        "network, a hung process) is found out and its requests aborted",
+    )
+    grpc_keepalive_timeout: float = Field(
+        20.0, gt=0, description="seconds the server waits for a ping's answer before it closes the connection"
+    )
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -125,7 +135,7 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
     from pagedserve.engine.async_engine import in_torch_thread
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.rpc.http import HttpEndpoint
-    from pagedserve.rpc.server import Server
+    from pagedserve.rpc.server import Server, keepalive_options
     from pagedserve.telemetry import RequestTracer, configure_tracing
     from pagedserve.worker.multiproc_executor import StartupError
 
@@ -140,7 +150,7 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
         startup.llm = await in_torch_thread(LLMEngine.from_settings, settings) if under_launcher else None
     except ValueError as exc:  # what only the model can tell: its path, its context length
         raise config_error(exc, flags) from None
-    server = Server(tracer)
+    server = Server(tracer, keepalive_options(settings.grpc_keepalive_time, settings.grpc_keepalive_timeout))
     model = LLMModel(server)
     add_inference_service(server.grpc, model)
     server.services.append(INFERENCE_SERVICE)

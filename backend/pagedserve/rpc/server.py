@@ -321,13 +321,32 @@ def reflection_pool(services: list[ServiceDescriptor]) -> DescriptorPool:
     return pool
 
 
+def keepalive_options(time_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    """gRPC server arguments: ping a client whose connection has calls in flight and has sent nothing
+    for `time_s`, and close the connection, cancelling its calls (so aborting their requests), when no
+    answer comes within `timeout_s`. A client gone without closing its connection (a crashed host, a
+    cut network, a stopped process) otherwise held its requests, KV blocks and all: one still queued
+    or held back by --stream-interval for good, one streaming until it finished. gRPC times the answer
+    with its ping timeout (keepalive_timeout_ms alone left it at 60 s)."""
+    if time_s == 0:
+        return []
+    timeout_ms = max(1, round(timeout_s * 1000))
+    return [
+        ("grpc.keepalive_time_ms", max(1, round(time_s * 1000))),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+    ]
+
+
 class Server:
     """Owns the grpc.aio server, the health servicer and the lifecycle around an AsyncEngine."""
 
-    def __init__(self, tracer: RequestTracer | None = None) -> None:
+    def __init__(
+        self, tracer: RequestTracer | None = None, options: list[tuple[str, int]] | None = None
+    ) -> None:
         self.state = ServerState()
         self.health = health.aio.HealthServicer()
-        self.grpc = grpc.aio.server()
+        self.grpc = grpc.aio.server(options=options)
         self.servicer = GenerationServicer(self.state, tracer or RequestTracer(None, ""))
         self.grpc.add_generic_rpc_handlers((_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
