@@ -41,6 +41,7 @@ import psutil
 import pytest
 import tritonclient.grpc.aio as triton_aio
 from inprocess_server import InProcessServer, wait_for
+from pagedserve.engine.async_engine import in_torch_thread
 from pagedserve.outputs import RequestDelta
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
@@ -780,6 +781,9 @@ async def started_and_finished_unread(
     (request_id,) = srv.server.engine.live_request_ids()
     while srv.llm.has_unfinished_requests():
         await asyncio.sleep(0.01)
+    # It ended inside a step that may still be returning on the torch thread: the engine loop hands
+    # that step's deltas to their streams before a later job of that thread is seen done.
+    await in_torch_thread(lambda: None)
     return deltas, request_id
 
 
