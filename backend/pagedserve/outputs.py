@@ -26,6 +26,9 @@ class RequestMetrics:
     # (monotonic time, swap | recompute | swap_in): preempted by swapping out or by freeing the blocks,
     # and resumed from the CPU pool
     preemption_events: list[tuple[float, str]] = field(default_factory=list)
+    # (finish reason, output tokens) of each finished completion, by index: a request's final delta
+    # is one completion's, so its n > 1 siblings' ends are read here (spans, the finished-request log)
+    completion_ends: dict[int, tuple[str, int]] = field(default_factory=dict)
 
     @property
     def time_in_queue(self) -> float | None:
@@ -56,6 +59,15 @@ class RequestDelta:
     index: int = 0
     request_finished: bool = True
     error: str | None = None
+
+    def completion_ends(self, n: int) -> list[tuple[str, int]]:
+        """(finish reason, output tokens) of each of the n completions of the request this final delta
+        ended: the engine's record when it holds all n, else this delta's own (a request its front
+        end ended early: the caller went away, or the engine died, before the engine ended them all)."""
+        ends = self.metrics.completion_ends
+        if len(ends) == n:
+            return [ends[index] for index in range(n)]
+        return [(self.finish_reason or "unknown", self.num_output_tokens)]
 
     def prepend(self, earlier: RequestDelta) -> None:
         """Take in an earlier delta of the same completion that was held back, unsent (a stream that

@@ -306,21 +306,22 @@ def log_finished(delta: RequestDelta, e2e: float) -> None:
     """The one info line of a finished request (aborted ones included); the same values ride on the
     record as `request_id`, `num_prompt_tokens`, ... for structured (JSON) log handlers."""
     metrics = delta.metrics
+    ends = delta.completion_ends(len(metrics.completion_ends) or 1)  # the engine's: all n completions
     fields = {
         "request_id": delta.request_id,
         "num_prompt_tokens": delta.num_prompt_tokens,
-        "num_output_tokens": delta.num_output_tokens,
+        "num_output_tokens": sum(tokens for _, tokens in ends),
         "ttft_s": metrics.time_to_first_token,
         "e2e_s": e2e,
         "num_preemptions": metrics.num_preemptions,
-        "finish_reason": delta.finish_reason or "unknown",
+        "finish_reason": ",".join(reason for reason, _ in ends),  # one per completion
     }
     logger.info(
         "request finished id=%s prompt_tokens=%d output_tokens=%d ttft_s=%.3f e2e_s=%.3f "
         "preemptions=%d finish_reason=%s",
         delta.request_id,
         delta.num_prompt_tokens,
-        delta.num_output_tokens,
+        fields["num_output_tokens"],
         metrics.time_to_first_token or 0.0,
         e2e,
         metrics.num_preemptions,
@@ -425,6 +426,9 @@ class RequestTracer:
 
     def _attributes(self, request_id: str, params: Any, delta: RequestDelta, end: float) -> dict[str, Any]:
         m = delta.metrics
+        ends = delta.completion_ends(
+            params.n
+        )  # semantic conventions: the response's tokens, a reason a choice
         attrs: dict[str, Any] = {
             "gen_ai.request.id": request_id,
             "gen_ai.request.model": self.model_name,
@@ -434,8 +438,8 @@ class RequestTracer:
             "gen_ai.request.top_p": params.top_p,
             "gen_ai.request.n": params.n,
             "gen_ai.usage.prompt_tokens": delta.num_prompt_tokens,
-            "gen_ai.usage.completion_tokens": delta.num_output_tokens,
-            "gen_ai.response.finish_reasons": [delta.finish_reason or "unknown"],
+            "gen_ai.usage.completion_tokens": sum(tokens for _, tokens in ends),
+            "gen_ai.response.finish_reasons": [reason for reason, _ in ends],
             "gen_ai.latency.e2e": end - m.arrival_time,
             "gen_ai.pagedserve.num_preemptions": m.num_preemptions,
         }

@@ -116,6 +116,48 @@ def test_request_spans_continue_the_callers_trace(workload_llm: tuple[LLM, list]
     assert all(children[i].end_time <= children[i + 1].start_time + 1000 for i in range(3))
 
 
+def test_a_span_and_log_line_of_an_n_greater_than_1_request_count_every_completion(
+    workload_llm: tuple[LLM, list], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The request's final delta is its last completion's: the span said that one's tokens and finish
+    reason alone. Semantic conventions: the response's output tokens, and a finish reason per choice."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    llm, _ = workload_llm
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = RequestTracer(provider, "m")
+    engine = llm.engine
+    # completion 0 stops at its first token (the id it samples first, seeded, made a stop id), the
+    # others (seeds of their own) run on to max_tokens
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    engine.add_request("probe", [1, 2, 3, 4], params)
+    first = [d.new_token_ids[0] for d in engine.step() if d.index == 0 and d.new_token_ids]
+    engine.abort_request(["probe"])
+    engine.step()  # the workers drop the probe
+    stop = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True, stop_token_ids=first)
+    engine.add_request("n3", [1, 2, 3, 4], stop)
+    deltas = []
+    with caplog.at_level(logging.INFO, logger="pagedserve.requests"):
+        while engine.has_unfinished_requests():
+            deltas.extend(engine.step())
+    tokens = {i: sum(len(d.new_token_ids) for d in deltas if d.index == i) for i in range(3)}
+    reasons = {d.index: d.finish_reason for d in deltas if d.finished}
+    last = deltas[-1]
+    assert last.request_finished and sum(d.request_finished for d in deltas) == 1
+    tracer.finish_request({}, "n3", stop, last, (last.metrics.arrival_time,) * 2, 4)
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "llm_request"]
+    assert span.attributes["gen_ai.usage.completion_tokens"] == sum(tokens.values())
+    assert span.attributes["gen_ai.response.finish_reasons"] == tuple(reasons[i] for i in range(3))
+    assert len(set(span.attributes["gen_ai.response.finish_reasons"])) == 2  # stop and length
+    (line,) = [r for r in caplog.records if r.getMessage().startswith("request finished id=n3")]
+    assert line.num_output_tokens == sum(tokens.values())  # type: ignore[attr-defined]
+    assert line.finish_reason == ",".join(reasons[i] for i in range(3))  # type: ignore[attr-defined]
+
+
 def test_recompute_preemption_is_an_event_of_the_victims_span(workload_llm: tuple[LLM, list]) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor

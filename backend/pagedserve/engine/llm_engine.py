@@ -285,6 +285,8 @@ class LLMEngine:
             metrics.first_token_time = metrics.first_token_time or now
         if seq.is_finished:
             request.num_finished += 1
+            reason = seq.finish_reason.value if seq.finish_reason else "unknown"
+            metrics.completion_ends[completion.index] = (reason, seq.num_output_tokens)
             metrics.num_preemptions += seq.num_preemptions
             metrics.preemption_events.extend(seq.preemption_events)
             self._forget(seq.request_id)
