@@ -91,3 +91,14 @@ def test_readme_addresses_and_model_names_match_the_rendered_chart() -> None:
     assert f"inferenceservice {isvc}" in text
     assert f'"name": "{model_name}"' in text  # grpcurl ModelReady
     assert f'client.infer("{model_name}"' in text  # tritonclient
+
+
+def test_every_serve_flag_has_a_row_in_the_readme_settings_table() -> None:
+    """The table is where operators look flags up: one added without a row (three had none) is one
+    they only find in `--help`."""
+    from pagedserve.rpc.cli import ServeSettings
+
+    rows = [line for line in README.read_text().splitlines() if line.startswith("| `--")]
+    documented = {flag for row in rows for flag in re.findall(r"`(--[a-z0-9-]+)", row.split(" | ")[0])}
+    flags = {"--" + name.replace("_", "-") for name in ServeSettings.model_fields}
+    assert sorted(flags - documented) == []
