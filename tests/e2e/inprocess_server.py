@@ -105,6 +105,17 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "c
     raise TimeoutError(f"timed out waiting for {what}")
 
 
+def server_span(exporter: Any, trace_id: int) -> Any:
+    """The server span of trace `trace_id` once `exporter` (an InMemorySpanExporter) has it."""
+    from opentelemetry.trace import SpanKind
+
+    def find() -> Any:
+        spans = exporter.get_finished_spans()
+        return next((s for s in spans if s.kind is SpanKind.SERVER and s.context.trace_id == trace_id), None)
+
+    return wait_for(find, what=f"the server span of trace {trace_id:x}")
+
+
 def run_python(code: str, *args: str, timeout: float = 120.0) -> str:
     """Run `code` in a fresh interpreter (for tritonclient); its stdout, or a failure with its stderr."""
     done = subprocess.run(

@@ -39,11 +39,10 @@ from grpc_helpers import (
     metric_sample,
     wait_until,
 )
-from inprocess_server import InProcessServer, wait_for
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from inprocess_server import InProcessServer, server_span, wait_for
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
 from pagedserve.engine.async_engine import in_torch_thread
 from pagedserve.errors import EngineDeadError
 from pagedserve.outputs import RequestDelta
@@ -223,14 +222,6 @@ async def leave_after_the_engine_finished(srv: InProcessServer, model: LLMModel,
     (request_id,) = srv.server.engine.live_request_ids()
     await deltas.aclose()  # the caller goes away
     return request_id
-
-
-def server_span(exporter: InMemorySpanExporter, trace_id: int) -> ReadableSpan:
-    def find() -> ReadableSpan | None:
-        spans = exporter.get_finished_spans()
-        return next((s for s in spans if s.kind is SpanKind.SERVER and s.context.trace_id == trace_id), None)
-
-    return wait_for(find, what=f"the server span of trace {trace_id:x}")
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 import pytest
-from inprocess_server import InProcessServer, wait_for
+from inprocess_server import InProcessServer, server_span, wait_for
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -267,14 +267,6 @@ def fail_next_step(srv: InProcessServer, message: str) -> None:
         raise RuntimeError(message)
 
     executor.execute = faulty
-
-
-def server_span(exporter: InMemorySpanExporter, trace_id: int) -> ReadableSpan:
-    def find() -> ReadableSpan | None:
-        spans = exporter.get_finished_spans()
-        return next((s for s in spans if s.kind is SpanKind.SERVER and s.context.trace_id == trace_id), None)
-
-    return wait_for(find, what=f"the server span of trace {trace_id:x}")
 
 
 @pytest.mark.slow
