@@ -59,8 +59,8 @@ WORKDIR /home/pagedserve
 
 EXPOSE 8001 8000
 # tini is PID 1 and forwards SIGTERM to the server. The kernel drops signals to a PID 1 that has no
-# handler for them, and the server has none while Python imports torch: as PID 1 itself, a pod
-# deleted in that second would lose the SIGTERM and wait out the grace period.
+# handler for them, and the server has none while Python starts: as PID 1 itself, a pod deleted
+# in that moment would lose the SIGTERM and wait out the grace period.
 # tini also reaps orphaned subprocesses (compiler and worker processes).
 ENTRYPOINT ["/usr/bin/tini", "--", "pagedserve", "serve"]
 CMD ["--model", "/mnt/models", "--port", "8001", "--http-port", "8000"]

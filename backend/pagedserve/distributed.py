@@ -16,7 +16,6 @@ group is unusable after one failed collective.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,20 +25,12 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.errors import EngineDeadError
+from pagedserve.launch import LaunchEnv as LaunchEnv  # the launcher's variables, read without torch
+from pagedserve.launch import launch_env as launch_env
 
 
 class CollectiveError(EngineDeadError):
     """A collective failed or timed out: a peer rank died or stopped answering."""
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    """The rank a launcher (torchrun, or a script setting the same variables) gave this process."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int  # ranks on this node
 
 
 @dataclass
@@ -52,34 +43,6 @@ class _State:
 
 
 _state = _State()
-
-
-def launch_env() -> LaunchEnv | None:
-    """RANK/WORLD_SIZE/LOCAL_RANK as torchrun sets them, or None when no launcher started several ranks.
-
-    These are torch's rendezvous variables (with MASTER_ADDR/MASTER_PORT, which `env://` reads itself),
-    not pagedserve settings, so they are read here, next to the only code that uses them. A bad value
-    raises ValueError naming the variable (a rank outside the world would wait in the rendezvous)."""
-    world_size = _int_variable("WORLD_SIZE", 1)
-    if world_size <= 1:
-        return None
-    if "RANK" not in os.environ:
-        raise ValueError(f"WORLD_SIZE={world_size} is set but RANK is not: set both (torchrun does)")
-    rank = _int_variable("RANK", 0)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"RANK={rank} is not a rank of WORLD_SIZE={world_size} (0 to {world_size - 1})")
-    local_world_size = _int_variable("LOCAL_WORLD_SIZE", world_size)
-    return LaunchEnv(rank, world_size, _int_variable("LOCAL_RANK", rank), local_world_size)
-
-
-def _int_variable(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r} is not an integer") from None
 
 
 def backend_for(device: str) -> str:

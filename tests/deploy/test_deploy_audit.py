@@ -30,8 +30,8 @@ def run_steps() -> list[str]:
 
 def test_entrypoint_runs_the_server_under_an_init_that_forwards_sigterm() -> None:
     """Linux drops a signal sent to a PID 1 that has no handler for it, and the server has none while
-    Python imports torch (its handlers come right after): as PID 1 a pod deleted then would lose the
-    SIGTERM and sit out the grace period. tini also reaps orphans (compiler, rank processes)."""
+    Python starts (its handlers come right after): as PID 1 a pod deleted then would lose the SIGTERM
+    and sit out the grace period. tini also reaps orphans (compiler, rank processes)."""
     [rest] = [rest for keyword, rest in dockerfile_instructions() if keyword == "ENTRYPOINT"]
     entrypoint = json.loads(rest)
     init, separator, *server = entrypoint

@@ -213,3 +213,18 @@ def test_launcher_variables_set_wrong_exit_2_naming_the_variable(
     assert f"pagedserve serve: error: {message}" in done.stderr and "Traceback" not in done.stderr, (
         done.stderr
     )
+
+
+def test_serve_catches_stop_signals_before_it_imports_torch() -> None:
+    """Until its handlers are in place a signal ends `serve` by the default action (or, as PID 1, is
+    lost); importing torch took the first 1.3 s of every start. The command's modules up to the
+    handlers (`_serve` installs them first thing) import no torch."""
+    code = (
+        "import sys\n"
+        "import pagedserve.__main__, pagedserve.launch, pagedserve.rpc.signals\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "False"

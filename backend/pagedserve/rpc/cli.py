@@ -115,8 +115,8 @@ def _exit_now(code: int) -> NoReturn:
 
 
 async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) -> int:
-    from pagedserve.distributed import launch_env
-    from pagedserve.rpc.server import catch_stop_signals
+    from pagedserve.launch import launch_env
+    from pagedserve.rpc.signals import catch_stop_signals
 
     # Under a launcher (torchrun) every process runs `serve` and ranks other than 0 become workers
     # inside the engine constructor, never to return: their signals stay the launcher's business

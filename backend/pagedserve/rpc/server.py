@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta
 from pagedserve.rpc import convert
+from pagedserve.rpc.signals import catch_stop_signals
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.telemetry import RequestTracer
@@ -435,16 +435,6 @@ class Server:
         )
         await self.health.set("", serving if liveness else not_serving)
         await self.health.set(READINESS_SERVICE, serving if ready else not_serving)
-
-
-def catch_stop_signals() -> asyncio.Event:
-    """An event that SIGTERM and SIGINT set from now on, instead of ending the process: an orchestrator
-    stops a server at any stage, one still loading its model too."""
-    loop = asyncio.get_running_loop()
-    signalled = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, signalled.set)
-    return signalled
 
 
 async def run_until_signalled(
