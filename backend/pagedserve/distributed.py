@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.errors import EngineDeadError
-from pagedserve.launch import LaunchEnv as LaunchEnv  # the launcher's variables, read without torch
-from pagedserve.launch import launch_env as launch_env
+from pagedserve.launch import LaunchEnv
 
 
 class CollectiveError(EngineDeadError):

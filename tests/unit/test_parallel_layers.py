@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from pagedserve import distributed
-from pagedserve.distributed import CollectiveError, LaunchEnv
+from pagedserve.distributed import CollectiveError
+from pagedserve.launch import LaunchEnv
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 

@@ -14,7 +14,8 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedserve.distributed import all_reduce_min, launch_env
+from pagedserve.distributed import all_reduce_min
+from pagedserve.launch import launch_env
 from pagedserve.layers.linear import check_head_split
 from pagedserve.worker.worker import Worker
 

@@ -45,8 +45,9 @@ import torch
 from pagedserve import distributed
 from pagedserve.config import EngineConfig, default_num_threads
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedserve.distributed import CollectiveError, LaunchEnv
+from pagedserve.distributed import CollectiveError
 from pagedserve.errors import EngineDeadError
+from pagedserve.launch import LaunchEnv
 from pagedserve.worker.executor import Executor, build_worker, log_capacity
 from pagedserve.worker.worker import Worker
 
