@@ -338,6 +338,27 @@ def keepalive_options(time_s: float, timeout_s: float) -> list[tuple[str, int]]:
     ]
 
 
+class _ClientGoneWrites(logging.Filter):
+    """grpc.aio logs an ERROR with a traceback when a streaming handler's response cannot be sent
+    because the client has just gone (cancelled, hung up): grpc notices the write fail before it marks
+    the call closed. Clients leaving is everyday traffic, no server error: logged at debug instead."""
+
+    PREFIX = "ExecuteBatchError raised in core by servicer method"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(self.PREFIX):
+            return True
+        logger.debug("%s: its client went away as a response was being sent", message)
+        return False
+
+
+def _quiet_client_gone_writes() -> None:
+    grpc_logger = logging.getLogger("grpc._cython.cygrpc")
+    if not any(isinstance(f, _ClientGoneWrites) for f in grpc_logger.filters):
+        grpc_logger.addFilter(_ClientGoneWrites())
+
+
 class Server:
     """Owns the grpc.aio server, the health servicer and the lifecycle around an AsyncEngine."""
 
@@ -346,6 +367,7 @@ class Server:
     ) -> None:
         self.state = ServerState()
         self.health = health.aio.HealthServicer()
+        _quiet_client_gone_writes()
         self.grpc = grpc.aio.server(options=options)
         self.servicer = GenerationServicer(self.state, tracer or RequestTracer(None, ""))
         self.grpc.add_generic_rpc_handlers((_handlers(self.servicer),))
