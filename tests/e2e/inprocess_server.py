@@ -12,11 +12,16 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+# (sample name, sorted labels) -> value, from a /metrics scrape
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 FROM_SETTINGS = object()  # build the tracer provider from the settings, as `pagedserve serve` does
 
@@ -103,6 +108,20 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "c
             return value
         time.sleep(0.01)
     raise TimeoutError(f"timed out waiting for {what}")
+
+
+def parse_metrics(text: str) -> Samples:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def scrape(srv: InProcessServer) -> Samples:
+    """Every sample of the server's /metrics."""
+    with urllib.request.urlopen(srv.http_url("/metrics"), timeout=10) as reply:
+        return parse_metrics(reply.read().decode())
 
 
 def server_span(exporter: Any, trace_id: int) -> Any:

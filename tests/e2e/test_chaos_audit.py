@@ -27,7 +27,6 @@ import logging
 import random
 import sys
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -40,13 +39,12 @@ import numpy as np
 import psutil
 import pytest
 import tritonclient.grpc.aio as triton_aio
-from inprocess_server import InProcessServer, wait_for
+from inprocess_server import InProcessServer, Samples, parse_metrics, scrape, wait_for
 from pagedserve.engine.async_engine import in_torch_thread
 from pagedserve.outputs import RequestDelta
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
 from pagedserve_adapters.llm_model import LLMModel, LLMRequest, Tensor, parse_request
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
@@ -73,7 +71,6 @@ MAX_TOKENS = [8, 24, 64, 120]
 
 # (prompt kind "ids" or "text", prompt, max_tokens, stop, ignore_eos) of a greedy request
 GreedyKey = tuple[str, Any, int, tuple[str, ...], bool]
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 # A client process holding two streams open, unread, until it is SIGKILLed: its connection vanishes.
 KILLED_CLIENT = r"""
@@ -640,19 +637,6 @@ def settle(server: InProcessServer) -> None:
 
 async def _on_loop(fn: Callable[[InProcessServer], Any], server: InProcessServer) -> Any:
     return fn(server)  # on the server's event loop: no step or callback runs meanwhile
-
-
-def parse_metrics(text: str) -> Samples:
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def scrape(server: InProcessServer) -> Samples:
-    with urllib.request.urlopen(server.http_url("/metrics"), timeout=10) as reply:
-        return parse_metrics(reply.read().decode())
 
 
 def total(samples: Samples, name: str, **labels: str) -> float:

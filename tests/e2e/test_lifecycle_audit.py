@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,12 +22,11 @@ from grpc_helpers import (
     request,
     wait_until,
 )
-from inprocess_server import InProcessServer
+from inprocess_server import InProcessServer, scrape
 from pagedserve.__main__ import build_parser
 from pagedserve.rpc.cli import ServeSettings
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.settings import SettingsError, settings_from_args
-from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "tiny"
 
@@ -122,16 +120,6 @@ def test_a_second_sigterm_aborts_the_in_flight_streams_at_once(tiny_llama_dir: s
 
 
 # -- metrics: what clients asked for, all of it, nothing else ---------------------------------------
-
-
-def scrape(srv: InProcessServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(srv.http_url("/metrics"), timeout=10) as reply:
-        text = reply.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str) -> float:

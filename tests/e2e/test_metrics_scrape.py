@@ -11,9 +11,8 @@ from typing import Any
 
 import grpc
 import pytest
-from inprocess_server import InProcessServer, wait_for
+from inprocess_server import InProcessServer, Samples, parse_metrics, wait_for
 from pagedserve.rpc.v1 import generate_pb2 as pb
-from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "tiny"
 BLOCK_SIZE = 16
@@ -37,8 +36,6 @@ VLLM_NAMES = (
     "pagedserve:request_aborts_total",
 )
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: str) -> InProcessServer:
@@ -61,12 +58,7 @@ def server(tiny_llama_dir: str) -> InProcessServer:
 def scrape(server: InProcessServer) -> Samples:
     with urllib.request.urlopen(server.http_url("/metrics"), timeout=10) as reply:
         assert reply.status == 200 and reply.headers.get_content_type() == "text/plain"
-        text = reply.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
+        return parse_metrics(reply.read().decode())
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:

@@ -21,30 +21,17 @@ from typing import Any
 
 import grpc
 import pytest
-from inprocess_server import InProcessServer, server_span, wait_for
+from inprocess_server import InProcessServer, Samples, scrape, server_span, wait_for
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from pagedserve.errors import EngineDeadError
 from pagedserve.rpc.v1 import generate_pb2 as pb
-from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "tiny"
 MAX_TOKENS = 900  # seconds of tokens on the tiny model: still running when the fault is injected
 FAULT = "injected: rank 1 lost"
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def scrape(srv: InProcessServer) -> Samples:
-    with urllib.request.urlopen(srv.http_url("/metrics"), timeout=10) as reply:
-        text = reply.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
