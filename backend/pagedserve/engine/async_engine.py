@@ -191,12 +191,8 @@ class AsyncEngine:
         """The final delta of a request that the engine ended (finished, failed, or aborted by an
         Abort call or a drain) while its caller, gone now, had not read that delta: how the request
         really ended, as the metrics counted it. None for any other request. A front end asks once,
-        as its call ends, to trace it; the delta is forgotten then (the oldest also once more than
-        _MAX_NUM_UNREAD_FINALS wait, and any under an id that is reused)."""
-        stream = self._streams.get(request_id)
-        if stream is not None and stream.is_done_in_engine:  # asked before generate()'s finally ran
-            stream.finished = True  # handed over now
-            return stream.last
+        after closing generate()'s generator, to trace it; the delta is forgotten then (the oldest
+        also once more than _MAX_NUM_UNREAD_FINALS wait, and any under an id that is reused)."""
         return self._unread_finals.pop(request_id, None)
 
     def _keep_unread_final(self, request_id: str, delta: RequestDelta | None) -> None:
