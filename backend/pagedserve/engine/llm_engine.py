@@ -283,10 +283,10 @@ class LLMEngine:
         metrics = request.metrics
         if token_ids:
             metrics.first_token_time = metrics.first_token_time or now
+        reason = seq.finish_reason.value if seq.finish_reason else None
         if seq.is_finished:
             request.num_finished += 1
-            reason = seq.finish_reason.value if seq.finish_reason else "unknown"
-            metrics.completion_ends[completion.index] = (reason, seq.num_output_tokens)
+            metrics.completion_ends[completion.index] = (reason or "unknown", seq.num_output_tokens)
             metrics.num_preemptions += seq.num_preemptions
             metrics.preemption_events.extend(seq.preemption_events)
             self._forget(seq.request_id)
@@ -299,7 +299,7 @@ class LLMEngine:
             new_text=text,
             new_logprobs=logprobs,
             finished=seq.is_finished,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             metrics=metrics,
