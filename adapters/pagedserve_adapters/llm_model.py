@@ -38,7 +38,7 @@ class AdapterError(Exception):
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
-        # invalid, not_found, unavailable, exhausted, internal, cancelled (REST: the client is gone)
+        # invalid, not_found, unavailable, exhausted, internal
         self.kind = kind
 
 

@@ -3,7 +3,7 @@ generate extension (`/generate`, `/generate_stream` as server-sent events), as a
 server's HTTP port. Health follows the same state machine as gRPC health.
 
 Errors are `{"error": "..."}` with 400 (bad request), 404 (unknown model), 429 (queue full), 503 (not
-ready) or 500 (499 for a client that hung up first, which nobody reads). On `/generate_stream` the
+ready) or 500. On `/generate_stream` the
 status is fixed by the first event, so a later error arrives as an `{"error": ...}` event inside the
 200 response.
 
@@ -43,7 +43,6 @@ _HTTP_STATUS = {
     "unavailable": 503,
     "exhausted": 429,
     "internal": 500,
-    "cancelled": 499,  # nobody reads it: the client is gone
 }
 _HEADER_LENGTH = "Inference-Header-Content-Length"
 _SWITCH_INPUTS = {spec.name: spec.datatype for spec in INPUTS if spec.name != "text_input"}
@@ -221,14 +220,12 @@ class RestApi:
         return response
 
     async def _complete(self, parsed: LLMRequest, request: web.Request) -> Completion:
-        """The whole completion. A client that hangs up cancels this handler (handler_cancellation), or
-        is found gone at the next delta: a request nobody waits for is aborted, not generated to the end."""
+        """The whole completion. A client that hangs up cancels this handler (handler_cancellation): a
+        request nobody waits for is aborted, not generated to the end."""
         completion = Completion(parsed)
         deltas = self.model.generate(parsed, dict(request.headers))
         try:
             async for delta in deltas:
-                if request.transport is None or request.transport.is_closing():
-                    raise AdapterError("cancelled", "the client closed the connection")
                 completion.add(delta)
         finally:
             await deltas.aclose()  # aborts the request unless it finished
