@@ -144,7 +144,12 @@ class InferenceServicer:
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         grpc_errors = dict(context.invocation_metadata() or ()).get("triton_grpc_error") == "true"
-        carrier, cause = _carrier(context), partial(cancel_cause, context)
+        carrier = _carrier(context)
+        ended_by_error = False  # one request's error ended the stream (triton_grpc_error), not the client
+
+        def cause() -> str:
+            return "stream_error" if ended_by_error else cancel_cause(context)
+
         responses: asyncio.Queue[Any] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
 
@@ -170,6 +175,7 @@ class InferenceServicer:
                     continue
                 request_id, error = item
                 if grpc_errors:
+                    ended_by_error = True
                     await context.abort(_STATUS[error.kind], str(error))
                 failed = pb.ModelInferResponse(id=request_id)
                 yield pb.ModelStreamInferResponse(error_message=str(error), infer_response=failed)

@@ -22,7 +22,7 @@ import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 from grpc_health.v1 import health_pb2
-from grpc_helpers import ServerProcess, request
+from grpc_helpers import ServerProcess, metric_sample, request, wait_until
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
@@ -462,6 +462,41 @@ def test_triton_grpc_error_header_ends_the_stream_with_a_status(server: ServerPr
         result, error = responses.get(timeout=30)
         assert result is None and error.status() == "StatusCode.INVALID_ARGUMENT"
         client.stop_stream()
+
+
+def test_requests_a_stream_error_ends_are_counted_as_stream_errors_not_client_cancels(
+    server: ServerProcess,
+) -> None:
+    """With triton_grpc_error, one request's error ends the stream and so aborts the others on it: the
+    server's doing, not the client's, so they are no `client_cancel`."""
+    aborts = {
+        cause: metric_sample(server.http_port, "pagedserve:request_aborts_total", cause=cause)
+        for cause in ("client_cancel", "stream_error")
+    }
+    with tgrpc.InferenceServerClient(f"127.0.0.1:{server.port}") as client:
+        responses: queue.Queue[Any] = queue.Queue()
+        client.start_stream(
+            callback=lambda result, error: responses.put((result, error)),
+            headers={"triton_grpc_error": "true"},
+        )
+        client.async_stream_infer(MODEL, grpc_inputs(stream=True, max_tokens=2000, ignore_eos=True))
+        result, error = responses.get(timeout=30)  # its first token: it runs
+        assert error is None and result.as_numpy("text_output") is not None
+        client.async_stream_infer(MODEL, grpc_inputs(prompt=None))
+        while error is None:
+            result, error = responses.get(timeout=30)
+        assert error.status() == "StatusCode.INVALID_ARGUMENT"
+        client.stop_stream()
+
+    def stream_error_counted() -> bool:
+        now = metric_sample(server.http_port, "pagedserve:request_aborts_total", cause="stream_error")
+        return now == aborts["stream_error"] + 1
+
+    assert wait_until(stream_error_counted, timeout=30)
+    assert (
+        metric_sample(server.http_port, "pagedserve:request_aborts_total", cause="client_cancel")
+        == (aborts["client_cancel"])
+    )
 
 
 def test_undecodable_request_gets_invalid_argument(server: ServerProcess) -> None:
