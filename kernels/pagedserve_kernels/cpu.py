@@ -102,6 +102,12 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
+def decode_layers_supported() -> bool:
+    """Whether `decode_layers` runs here: a build for a CPU with AVX512-BF16 (needs `load()`)."""
+    return bool(torch.ops.pagedserve_cpu.decode_layers_supported())
+
+
+@functools.cache
 def linear_amx_supported() -> bool:
     """Whether `linear_amx` runs here: a build for a CPU with AMX bfloat16 tiles, which Linux lets this
     process use (needs `load()`)."""
@@ -143,10 +149,11 @@ def decode_layers(
     eps: float,
     scale: float,
 ) -> torch.Tensor:
-    """Every decoder layer of a Llama-family model for a decode-only step, bfloat16 on AMX-packed weights
-    (`csrc/decode_layers.cpp`): the final-normed hidden states [tokens, hidden] (needs
-    `linear_amx_supported()`). Block tables are checked as `paged_attention_decode` checks them,
-    before any layer runs."""
+    """Every decoder layer of a Llama-family model for a decode-only step, bfloat16 on packed weights
+    (`csrc/decode_layers.cpp`): each one in AMX tiles (`pack_linear_weight`, needs
+    `linear_amx_supported()`) or in oneDNN's layout (`torch.ops.mkldnn._reorder_linear_weight`). The
+    final-normed hidden states [tokens, hidden] (needs `decode_layers_supported()`). Block tables are
+    checked as `paged_attention_decode` checks them, before any layer runs."""
     return torch.ops.pagedserve_cpu.decode_layers(
         input_ids,
         positions,

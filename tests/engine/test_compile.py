@@ -169,17 +169,34 @@ def test_bf16_linear_layers_run_on_amx_tiles(tiny_llama_dir: str, enforce_eager:
     assert len(out[0].outputs[0].token_ids) == 3
 
 
-def test_decode_steps_run_every_layer_in_one_cpp_call(tiny_llama_dir: str) -> None:
-    """bf16 on AMX: a decode-only step is one `decode_layers` call (the compiled pass runs the prefill
-    step) whose hidden states are the compiled pass's within bfloat16 rounding (the kernel against the
-    reference layers: tests/kernels/test_cpu_decode_layers.py). Greedy tokens may part where two
-    logits are that close; tests/engine/test_hf_parity.py holds the float32 path to Hugging Face."""
-    if not amx_linear_available():
-        pytest.skip("no AMX bf16 tiles (or no C++ compiler) here")
+def decode_layers_available() -> bool:
+    from pagedserve_kernels import cpu
+
+    return cpu.load() and cpu.decode_layers_supported()
+
+
+@pytest.mark.parametrize("without_amx", [False, True], ids=["this-cpu", "without-amx"])
+def test_decode_steps_run_every_layer_in_one_cpp_call(
+    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch, without_amx: bool
+) -> None:
+    """bf16 on a CPU with AVX512-BF16: a decode-only step is one `decode_layers` call (the compiled pass
+    runs the prefill step) whose hidden states are the compiled pass's within bfloat16 rounding (the
+    kernel against the reference layers: tests/kernels/test_cpu_decode_layers.py). Greedy tokens may
+    part where two logits are that close; tests/engine/test_hf_parity.py holds the float32 path to
+    Hugging Face. Without AMX the linear weights it reads are packed for oneDNN once the pass is
+    compiled (inductor packs its own copies), their plain copies released."""
+    if not decode_layers_available():
+        pytest.skip("no AVX512-BF16 build of the C++ kernels here")
+    if without_amx:
+        monkeypatch.setattr(pagedserve.worker.model_runner, "amx_linear_available", lambda: False)
+        monkeypatch.setattr(pagedserve.layers.linear, "amx_linear_available", lambda: False)
     llm = LLM(model=tiny_llama_dir, dtype="bfloat16", num_kv_blocks=64, enforce_eager=False)
     runner = llm.engine.executor.worker.model_runner
     fused = runner.fused_decode
     assert fused is not None
+    if without_amx or not amx_linear_available():
+        linears = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
+        assert all(m.packed_weight.dim() == 2 and m.weight.numel() == 0 for m in linears)
     steps: list[tuple[torch.Tensor, torch.Tensor, object, torch.Tensor]] = []
 
     def recording(input_ids: torch.Tensor, positions: torch.Tensor, metadata: object) -> torch.Tensor:
@@ -205,8 +222,8 @@ def test_decode_steps_run_every_layer_in_one_cpp_call(tiny_llama_dir: str) -> No
 
 
 def test_decode_layers_only_where_it_applies(tiny_llama_dir: str) -> None:
-    """Not for float32 (the kernel is bf16 on AMX tiles), nor with --enforce-eager (no compiled pass to
-    stand beside): both keep the forward pass for every step."""
+    """Not for float32 (the kernel is bf16 only), nor with --enforce-eager (no compiled pass to stand
+    beside): both keep the forward pass for every step."""
     for dtype, eager in (("float32", False), ("bfloat16", True)):
         llm = LLM(model=tiny_llama_dir, dtype=dtype, num_kv_blocks=16, enforce_eager=eager)
         assert llm.engine.executor.worker.model_runner.fused_decode is None

@@ -8,7 +8,7 @@ its rows, never read, so any value there gives the result of a clean row.
 Grid: the decode paths (the generic loops: float32, bfloat16 with head size 80; AVX512-BF16 where the
 CPU has it: bfloat16 with head size 64 or 128), an id one past the cache and a negative one, each in
 the last block of a context. decode_layers refuses a bad table on any build (its checks come before
-its AMX code); it runs a padded table only where the CPU has AMX bfloat16 tiles. The Triton kernels
+its AVX-512 code); it runs a padded table where the build has it (AVX512-BF16). The Triton kernels
 trust their ids (a check would cost a device sync each step) and are not tested here.
 """
 
@@ -118,7 +118,7 @@ def test_decode_layers_refuses_block_tables_of_another_dtype() -> None:
         run_kernel(model, step)
 
 
-@pytest.mark.skipif("not cpu.load() or not cpu.linear_amx_supported()", reason="no AMX bf16 here")
+@pytest.mark.skipif("not cpu.load() or not cpu.decode_layers_supported()", reason="no AVX512-BF16 build")
 def test_decode_layers_ignores_any_id_past_each_context() -> None:
     model, step = make_model(False), padded_step(6)
     clean = clone_step(step)

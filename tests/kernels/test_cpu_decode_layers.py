@@ -1,7 +1,8 @@
 """Every decoder layer of a decode step in one C++ call (`pagedserve_kernels.cpu.decode_layers`) against
 the same layers composed from the torch references (`pagedserve_kernels.reference`) and F.linear:
 hidden states within bfloat16 rounding, the KV cache written at the step's slots, and the inputs it
-refuses. Runs where the CPU has AMX bfloat16 tiles (the kernel reads AMX-packed weights).
+refuses. Runs where the build has it (CPUs with AVX512-BF16), on weights packed as the engine packs
+them there (AMX tiles where the CPU has them, else oneDNN's layout), and on both layouts where it can.
 """
 
 from __future__ import annotations
@@ -19,7 +20,19 @@ pytestmark = [
         shutil.which("c++") is None and shutil.which("g++") is None,
         reason="no C++ compiler to build the kernel",
     ),
-    pytest.mark.skipif("not cpu.load() or not cpu.linear_amx_supported()", reason="no AMX bf16 here"),
+    pytest.mark.skipif("not cpu.load() or not cpu.decode_layers_supported()", reason="no AVX512-BF16 build"),
+]
+PACKINGS = [
+    pytest.param(
+        "amx",
+        marks=pytest.mark.skipif("not cpu.load() or not cpu.linear_amx_supported()", reason="no AMX bf16"),
+    ),
+    pytest.param(
+        "onednn",
+        marks=pytest.mark.skipif(
+            "not torch.ops.mkldnn._is_mkldnn_bf16_supported()", reason="no oneDNN bf16 here"
+        ),
+    ),
 ]
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 64, 4, 2, 16, 96, 2
@@ -81,18 +94,30 @@ def make_step(num_seqs: int, head_dim: int = HEAD_DIM) -> dict[str, torch.Tensor
     }
 
 
-def run_kernel(model: Model, step: dict, head_dim: int = HEAD_DIM) -> torch.Tensor:
+def pack(weight: torch.Tensor, packing: str | None) -> torch.Tensor:
+    """`weight` as `layers.linear.pack_weight` packs it: into AMX tiles or oneDNN's layout (by default
+    the one the engine picks on this CPU)."""
+    if packing is None:
+        packing = "amx" if cpu.linear_amx_supported() else "onednn"
+    if packing == "amx":
+        return cpu.pack_linear_weight(weight)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+
+
+def run_kernel(
+    model: Model, step: dict, head_dim: int = HEAD_DIM, packing: str | None = None
+) -> torch.Tensor:
     return cpu.decode_layers(
         step["input_ids"],
         step["positions"],
         model.embedding,
         model.cos_sin_cache,
         model.norms,
-        [cpu.pack_linear_weight(w) for w in model.qkv],
+        [pack(w, packing) for w in model.qkv],
         model.qkv_bias,
-        [cpu.pack_linear_weight(w) for w in model.o_proj],
-        [cpu.pack_linear_weight(w) for w in model.gate_up],
-        [cpu.pack_linear_weight(w) for w in model.down],
+        [pack(w, packing) for w in model.o_proj],
+        [pack(w, packing) for w in model.gate_up],
+        [pack(w, packing) for w in model.down],
         model.final_norm,
         step["k_caches"],
         step["v_caches"],
@@ -141,10 +166,11 @@ def clone_step(step: dict) -> dict:
 
 @pytest.mark.parametrize("num_seqs", [1, 5, 16, 40])
 @pytest.mark.parametrize("qkv_bias", [False, True])
-def test_matches_the_reference_layers(num_seqs: int, qkv_bias: bool) -> None:
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_matches_the_reference_layers(num_seqs: int, qkv_bias: bool, packing: str) -> None:
     model, step = make_model(qkv_bias), make_step(num_seqs)
     ours, ref_step = clone_step(step), clone_step(step)
-    out = run_kernel(model, ours)
+    out = run_kernel(model, ours, packing=packing)
     expected = run_reference(model, ref_step)
     assert out.shape == (num_seqs, HIDDEN) and out.dtype == torch.bfloat16
     # bfloat16 rounding differs in places (inductor-style single roundings here, eager's per-op ones

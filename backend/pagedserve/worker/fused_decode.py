@@ -2,12 +2,14 @@
 
 At decode batch sizes on a CPU the compiled forward pass spends ~2 ms a step between and in its small
 kernels (inductor's Python wrapper calls ~8 ops a layer); the weights and the KV cache are read at the
-machine's streaming rate already. `decode_layers` runs every layer of the step in C++: the same AMX
-multiplies, KV writes and decode attention, with its own norm, rotary and SiLU loops. Steps with
-prefill tokens keep the compiled pass (prefill attention is torch's SDPA).
+machine's streaming rate already. `decode_layers` runs every layer of the step in C++: the same
+multiplies (AMX tiles, or oneDNN on CPUs without them), KV writes and decode attention, with its own
+norm, rotary and SiLU loops. Steps with prefill tokens keep the compiled pass (prefill attention is
+torch's SDPA).
 
-Used where the compiled pass is (CPU, one rank, torch attention with its C++ kernels) for bfloat16
-models whose linear layers all hold AMX tiles and carry no bias but an optional qkv bias.
+Used where the compiled pass is (CPU, one rank, torch attention with its C++ kernels) on CPUs with
+AVX512-BF16, for bfloat16 models whose linear layers are all packed (`LinearBase.packed_weight`) and
+carry no bias but an optional qkv bias.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class FusedDecode:
 
 
 def _packed(linear: LinearBase) -> torch.Tensor:
-    """The AMX tiles of `linear`'s weight, which `_unsupported` has checked are there."""
+    """`linear`'s packed weight, which `_unsupported` has checked is there."""
     assert linear.packed_weight is not None, "linear layer not packed"
     return linear.packed_weight
 
@@ -101,6 +103,8 @@ def _unsupported(model: torch.nn.Module, backend: object, dtype: torch.dtype) ->
         return f"dtype {dtype} (bfloat16 only)"
     if not (isinstance(backend, TorchAttentionBackend) and backend.cpu_kernels):
         return "no C++ decode attention"
+    if not cpu_kernels.decode_layers_supported():
+        return "the C++ kernels have no decode_layers for this CPU (it needs AVX512-BF16)"
     layers = model.decoder_layers
     if not layers:
         return "no decoder layers"
@@ -112,9 +116,8 @@ def _unsupported(model: torch.nn.Module, backend: object, dtype: torch.dtype) ->
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            packed = linear.packed_weight
-            if packed is None or packed.dim() != 5:
-                return "a linear layer is not packed for AMX"
+            if linear.packed_weight is None:
+                return "a linear layer is not packed"
         if any(m.bias is not None for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             return "biases beyond qkv"
     qkv_biases = [layer.self_attn.qkv_proj.bias is not None for layer in layers]

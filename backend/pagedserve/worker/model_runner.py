@@ -87,10 +87,7 @@ class ModelRunner:
         self.backend = backend or make_attention_backend(config.attention_backend, self.device)
         self.model = self._load_model()
         self.forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor] = self.model
-        # decode-only steps skip the compiled pass where one C++ call runs every layer (`fused_decode`)
-        self.fused_decode = (
-            FusedDecode.build(self.model, self.backend, self.dtype) if config.compile else None
-        )
+        self.fused_decode: FusedDecode | None = None  # set beside the compiled pass (`bind_kv_cache`)
         max_seqs = config.scheduler.max_num_seqs
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.block_tables = torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
@@ -109,8 +106,9 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype):
             model = get_model_class(cfg.architecture)(cfg.hf_config, cfg.max_model_len, self.backend)
         model.load_weights(iter_safetensors(cfg.path))
-        # A compiled forward pass leaves its oneDNN weights to inductor (freezing packs them); AMX
-        # weights are packed here either way, and the LM head runs outside the compiled pass.
+        # A compiled forward pass leaves its oneDNN weights to inductor (freezing packs them) until it
+        # is compiled (`bind_kv_cache`); AMX weights are packed here either way, and the LM head runs
+        # outside the compiled pass.
         on_amx = can_pack_weights(self.device, self.dtype) and amx_linear_available()  # no CPU build on a GPU
         self._pack_weights([model.lm_head] if self.config.compile and not on_amx else model.modules())
         return model.eval()
@@ -128,6 +126,12 @@ class ModelRunner:
             attention.kv_cache = kv_cache
         if self.config.compile:
             self.forward = self._compile()
+            # Decode-only steps skip the compiled pass where one C++ call runs every layer
+            # (`fused_decode`), which reads packed weights. Without AMX the linear weights were left
+            # to inductor: its frozen graph holds packed copies of its own and no longer reads the
+            # plain ones, so they are packed (and released) now, for decode_layers.
+            self._pack_weights(self.model.modules())
+            self.fused_decode = FusedDecode.build(self.model, self.backend, self.dtype)
 
     @torch.inference_mode()
     def _compile(self) -> Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]:

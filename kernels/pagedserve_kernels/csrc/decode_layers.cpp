@@ -4,7 +4,7 @@
 // A decode step of a small model on a CPU spends as much time between its kernels as in its small ones:
 // the compiled forward pass calls ~8 ops a layer from Python (inductor's wrapper), each a few
 // microseconds of dispatch, and its fused elementwise kernels are tiny at decode batch sizes. Here a
-// layer is: residual add + RMSNorm, the qkv multiply (linear_amx), rotary on q and k, the KV write and
+// layer is: residual add + RMSNorm, the qkv multiply, rotary on q and k, the KV write and
 // decode attention (cpu_kernels.cpp), the o multiply, residual add + RMSNorm, the gate_up multiply,
 // SiLU(gate) * up, the down multiply. The multiplies and attention are the same ops the compiled pass
 // calls (through the dispatcher); the elementwise parts are written here in float32, rounded to
@@ -12,8 +12,9 @@
 // eager model rounds it (inductor sums several adds in float32 first), so greedy bfloat16 tokens can
 // part from the compiled pass's where two logits are within rounding of each other.
 //
-// bfloat16 only, with the linear weights packed for AMX (`pack_linear_weight`), full rotary (NeoX
-// layout), no biases but an optional qkv bias: the model runner checks that before using it.
+// bfloat16 only, on CPUs with AVX512-BF16, with the linear weights packed (for AMX tiles where the CPU
+// has them, else for oneDNN), full rotary (NeoX layout), no biases but an optional qkv bias: the model
+// runner checks that before using it.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -28,7 +29,7 @@
 #include <cstdint>
 #include <optional>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #define PAGEDSERVE_DECODE_LAYERS 1
 #ifndef CPU_CAPABILITY_AVX512
 #define CPU_CAPABILITY_AVX512  // ATen's vectorized exp (Sleef), as inductor's kernels use it
@@ -120,11 +121,22 @@ void silu_and_mul(const BF16* gate_up, BF16* out, int64_t rows, int64_t inter) {
   });
 }
 
+// A weight packed into AMX tiles (5-d, `pack_linear_weight`) multiplies on them; one packed by oneDNN
+// (`torch.ops.mkldnn._reorder_linear_weight`, on CPUs without AMX) through oneDNN, as torch.compile's
+// frozen graphs call it.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("pagedserve_cpu::linear_amx", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
-  return op.call(x, packed, bias);
+  if (packed.dim() == 5) {
+    static const auto amx = c10::Dispatcher::singleton()
+                                .findSchemaOrThrow("pagedserve_cpu::linear_amx", "")
+                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+    return amx.call(x, packed, bias);
+  }
+  static const auto onednn =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                            c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+  return onednn.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
 
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -232,13 +244,22 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
                tokens, hidden, static_cast<float>(eps));
   return normed;
 #else
-  TORCH_CHECK(false, "decode_layers: this build has no AMX bfloat16 (check linear_amx_supported() first)");
+  TORCH_CHECK(false, "decode_layers: this build has no AVX512-BF16 (check decode_layers_supported() first)");
+#endif
+}
+
+bool decode_layers_supported() {
+#ifdef PAGEDSERVE_DECODE_LAYERS
+  return true;
+#else
+  return false;
 #endif
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("decode_layers_supported() -> bool", &decode_layers_supported);
   m.def(
       "decode_layers(Tensor input_ids, Tensor positions, Tensor embedding, Tensor cos_sin_cache, Tensor[] norms, "
       "Tensor[] qkv, Tensor[] qkv_bias, Tensor[] o_proj, Tensor[] gate_up, Tensor[] down, Tensor final_norm, "
@@ -247,3 +268,5 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }
+// Weights in oneDNN's layout make the call dispatch as MkldnnCPU.
+TORCH_LIBRARY_IMPL(pagedserve_cpu, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }
