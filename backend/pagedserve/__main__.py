@@ -1,4 +1,5 @@
-"""The `pagedserve` command line: `pagedserve generate ...` and `pagedserve serve ...`."""
+"""The `pagedserve` command line: `pagedserve generate ...`, `pagedserve serve ...` and
+`pagedserve health ...`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from pydantic import Field, model_validator
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.rpc.cli import add_serve_parser, run_serve
+from pagedserve.rpc.cli import add_health_parser, add_serve_parser, run_health, run_serve
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import EngineSettings, SettingsError, add_settings_arguments, settings_from_args
 
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _generate_parser(subparsers)
     add_serve_parser(subparsers)
+    add_health_parser(subparsers)
     return parser
 
 
@@ -90,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_generate(args)
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "health":
+            return run_health(args)
     except SettingsError as exc:
         print(f"pagedserve {args.command}: error: {exc}", file=sys.stderr)
         return 2

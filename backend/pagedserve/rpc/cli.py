@@ -1,20 +1,23 @@
 """`pagedserve serve`: build the engine, then serve gRPC (our API and the KServe v2 / Triton adapter)
-and HTTP (metrics, health, KServe v2 REST) until drained. SIGTERM or SIGINT before the server is
-ready ends it at once, exit 0 (see rpc/server.py for the whole lifecycle)."""
+and HTTP (metrics, health, KServe v2 REST), both over TLS when given a certificate, until drained.
+SIGTERM or SIGINT before the server is ready ends it at once, exit 0 (see rpc/server.py for the whole
+lifecycle). `pagedserve health`: the gRPC health check an exec probe or HEALTHCHECK runs (no torch)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from pagedserve.rpc.tls import TlsFiles, check_client_files, server_context
 from pagedserve.settings import (
     EngineSettings,
     SettingsError,
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.rpc.http import HttpEndpoint
     from pagedserve.rpc.server import Server
+    from pagedserve.rpc.tls import ServerTls
 
 logger = logging.getLogger("pagedserve.serve")
 
@@ -74,11 +78,100 @@ class ServeSettings(EngineSettings):
     grpc_keepalive_timeout: float = Field(
         20.0, gt=0, description="seconds the server waits for a ping's answer before it closes the connection"
     )
+    ssl_certfile: str | None = Field(
+        None,
+        description="PEM certificate (chain, leaf first): TLS on the gRPC and the HTTP port, with "
+        "--ssl-keyfile; re-read when the file changes, for new connections",
+    )
+    ssl_keyfile: str | None = Field(None, description="PEM private key of --ssl-certfile (unencrypted)")
+    ssl_ca_certs: str | None = Field(
+        None,
+        description="PEM CA bundle: mutual TLS, clients must present a certificate signed by one of these",
+    )
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> ServeSettings:
+        """The files are read and matched now, before the model loads: not at the first handshake."""
+        if self.tls_files.paths:
+            server_context(self.tls_files)
+        return self
+
+    @property
+    def tls_files(self) -> TlsFiles:
+        return TlsFiles(self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs)
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="serve the model over gRPC")
     add_settings_arguments(parser, ServeSettings)
+
+
+def add_health_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "health",
+        help="ask a server's gRPC health service: exit 0 when SERVING, else 1 (exec probes, HEALTHCHECK)",
+        description="Check a pagedserve server (or any gRPC server) through grpc.health.v1: exit 0 when "
+        "the service is SERVING, 1 otherwise (not serving, unreachable, TLS refused) with one line on "
+        "stderr. TLS when any --ssl-* flag is given.",
+    )
+    parser.add_argument("--address", default="localhost:8001", help="gRPC host:port (default: %(default)s)")
+    parser.add_argument(
+        "--service",
+        default="",
+        help='"" (default): liveness; pagedserve.rpc.v1.Generation: readiness (model loaded, warmed up)',
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait for the answer (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--ssl-ca-certs",
+        help="PEM CA bundle to verify the server's certificate (default: the system's roots)",
+    )
+    parser.add_argument("--ssl-certfile", help="PEM client certificate for mutual TLS, with --ssl-keyfile")
+    parser.add_argument("--ssl-keyfile", help="PEM private key of --ssl-certfile")
+    parser.add_argument(
+        "--ssl-target-name",
+        help="name the server's certificate must carry when it is not the host of --address "
+        "(a certificate for a DNS name, probed at 127.0.0.1)",
+    )
+
+
+def run_health(args: argparse.Namespace) -> int:
+    """One Check RPC: 0 for SERVING, else 1 and one line on stderr. Unusable flags: SettingsError."""
+    files = TlsFiles(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
+    use_tls = bool(files.paths) or args.ssl_target_name is not None
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise SettingsError(f"--timeout: must be a number of seconds above 0 (got {args.timeout})")
+    if use_tls:
+        try:
+            check_client_files(files)
+        except ValueError as exc:  # `ssl_<setting>: what is wrong`; this command reads no environment
+            setting, _, message = str(exc).partition(": ")
+            raise SettingsError(f"--{setting.replace('_', '-')}: {message}") from None
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # its own log of a refused handshake: one line is ours
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pagedserve.rpc.tls import channel_credentials
+
+    if use_tls:
+        options = [("grpc.ssl_target_name_override", args.ssl_target_name)] if args.ssl_target_name else []
+        channel = grpc.secure_channel(args.address, channel_credentials(files), options=options)
+    else:
+        channel = grpc.insecure_channel(args.address)
+    with channel:
+        try:
+            request = health_pb2.HealthCheckRequest(service=args.service)
+            reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=args.timeout)
+        except grpc.RpcError as exc:
+            status = f"{exc.code().name}: {' '.join(str(exc.details()).split())}"
+        else:
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return 0
+            status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    service = repr(args.service) if args.service else "liveness"
+    print(f"pagedserve health: {args.address} {service}: {status}", file=sys.stderr)
+    return 1
 
 
 @dataclass
@@ -136,6 +229,7 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.rpc.http import HttpEndpoint
     from pagedserve.rpc.server import Server, keepalive_options
+    from pagedserve.rpc.tls import ServerTls
     from pagedserve.telemetry import RequestTracer, configure_tracing
     from pagedserve.worker.multiproc_executor import StartupError
 
@@ -144,6 +238,10 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
     except (ValueError, RuntimeError) as exc:  # an unknown exporter or protocol, a missing exporter package
         raise SettingsError(str(exc)) from None
     tracer = RequestTracer(provider, settings.served_model_name or "")
+    try:  # checked with the settings already: this fails only for files rewritten since
+        tls = ServerTls(settings.tls_files) if settings.tls_files.paths else None
+    except ValueError as exc:
+        raise config_error(exc, flags) from None
     # Under a launcher build the engine before binding anything (see above). Otherwise open the
     # ports first, so probes see a live (not ready) server while the weights load.
     try:
@@ -156,7 +254,7 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
     server.services.append(INFERENCE_SERVICE)
     http = HttpEndpoint(server, rest_routes(model))
     try:
-        return await _run(server, http, startup, settings, flags, stop or catch_stop_signals())
+        return await _run(server, http, tls, startup, settings, flags, stop or catch_stop_signals())
     except StartupError as exc:  # a tensor-parallel rank died or never started: not a bug, no traceback
         logger.error("%s", exc)
         return 1
@@ -173,6 +271,7 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
 async def _run(
     server: Server,
     http: HttpEndpoint,
+    tls: ServerTls | None,
     startup: _Startup,
     settings: ServeSettings,
     flags: set[str],
@@ -184,19 +283,27 @@ async def _run(
 
     address = f"{setting_source('host', flags)}, {setting_source('port', flags)}"
     try:
-        port = server.add_port(f"{settings.host}:{settings.port}")
+        port = server.add_port(f"{settings.host}:{settings.port}", tls.grpc_credentials() if tls else None)
     except OSError as exc:
         raise SettingsError(f"{address}: {exc}") from None
     try:
-        http_port = await http.start(settings.host, settings.http_port) if settings.http_port >= 0 else None
+        http_port = (
+            await http.start(settings.host, settings.http_port, tls.http_context() if tls else None)
+            if settings.http_port >= 0
+            else None
+        )
     except OSError as exc:
         raise SettingsError(f"{setting_source('http_port', flags)}: {exc}") from None
     await server.open()
+    https = "HTTPS" if tls and http_port is not None else "HTTP"
+    security = f" ({tls.mode})" if tls else ""
     logger.info(
-        "gRPC on %s:%d, HTTP on %s: live; loading the model",
+        "gRPC on %s:%d, %s on %s%s: live; loading the model",
         settings.host,
         port,
+        https,
         f"{settings.host}:{http_port}" if http_port is not None else "off",
+        security,
     )
     starting = asyncio.create_task(_start(server, startup, settings, flags))
     signal_wait = asyncio.create_task(stop.wait())
@@ -211,9 +318,11 @@ async def _run(
     llm = await starting
     logger.info(
         "pagedserve ready: gRPC %s:%d (pagedserve.rpc.v1.Generation, inference.GRPCInferenceService, "
-        "grpc.health.v1, reflection), HTTP KServe v2 REST, model %r",
+        "grpc.health.v1, reflection), %s KServe v2 REST%s, model %r",
         settings.host,
         port,
+        https,
+        security,
         llm.config.model.served_model_name,
     )
     return await run_until_signalled(server, settings.shutdown_timeout, stop)

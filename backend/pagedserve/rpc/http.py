@@ -1,10 +1,11 @@
-"""The HTTP port (--http-port): Prometheus `/metrics`, health for HTTP probes (`/health/live`,
-`/health/ready`), and whatever routes the adapters add (KServe v2 REST). Built on aiohttp, so
-keep-alive clients, request bodies and server-sent events work as HTTP clients expect."""
+"""The HTTP port (--http-port; HTTPS with --ssl-certfile): Prometheus `/metrics`, health for HTTP
+probes (`/health/live`, `/health/ready`), and whatever routes the adapters add (KServe v2 REST). Built
+on aiohttp, so keep-alive clients, request bodies and server-sent events work as HTTP clients expect."""
 
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,14 +30,15 @@ class HttpEndpoint:
         self.app.add_routes(list(extra_routes))
         self.runner: web.AppRunner | None = None
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+        """Listen on `host:port` (0: any free port), HTTPS with `ssl_context` (rpc/tls.py); the port."""
         # handler_cancellation: a client that hangs up cancels its handler, which aborts its request
         # even while the handler waits for tokens with nothing to write (adapters' rest.py)
         self.runner = web.AppRunner(
             self.app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True
         )
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
+        site = web.TCPSite(self.runner, host, port, ssl_context=ssl_context)
         await site.start()
         return int(self.runner.addresses[0][1])
 

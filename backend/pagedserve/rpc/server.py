@@ -380,9 +380,13 @@ class Server:
         ]
         self.stopped = asyncio.Event()
 
-    def add_port(self, address: str) -> int:
+    def add_port(self, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
+        """Bind `address`: plaintext, or TLS with `credentials` (rpc/tls.py ServerTls)."""
         try:
-            port = self.grpc.add_insecure_port(address)
+            if credentials is None:
+                port = self.grpc.add_insecure_port(address)
+            else:
+                port = self.grpc.add_secure_port(address, credentials)
         except RuntimeError:  # grpc's own message says only to set GRPC_VERBOSITY=debug
             port = 0
         if port == 0:
