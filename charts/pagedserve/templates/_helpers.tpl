@@ -46,7 +46,7 @@ server.extraArgs would silently break what the chart derives from the value: the
 (shutdownTimeout), the GPU limit (tensorParallelSize), the ports of probes and Service.
 */}}
 {{- define "pagedserve.checkExtraArgs" -}}
-{{- $owned := dict "model" "model.path" "served-model-name" "model.servedModelName" "port" "server.grpcPort" "http-port" "server.httpPort" "tensor-parallel-size" "server.tensorParallelSize" "shutdown-timeout" "server.shutdownTimeout" -}}
+{{- $owned := dict "model" "model.path" "served-model-name" "model.servedModelName" "port" "server.grpcPort" "http-port" "server.httpPort" "tensor-parallel-size" "server.tensorParallelSize" "shutdown-timeout" "server.shutdownTimeout" "ssl-certfile" "tls.secretName" "ssl-keyfile" "tls.secretName" "ssl-ca-certs" "tls.clientAuth" -}}
 {{- range $arg := .Values.server.extraArgs -}}
 {{- $name := regexReplaceAll "=.*" (trimPrefix "--" $arg) "" -}}
 {{- if and (hasPrefix "--" $arg) $name -}}
@@ -76,18 +76,42 @@ ports 80: KServe fails to create it and the InferenceService never becomes ready
 {{- end -}}
 
 {{/*
+TLS: the Secret's files where the server and the probes read them. Deployment mode only: KServe's
+runtime port is named h2c (cleartext gRPC) and its ingress or mesh terminates TLS.
+*/}}
+{{- define "pagedserve.tlsDir" -}}/etc/pagedserve/tls{{- end -}}
+
+{{- define "pagedserve.checkTls" -}}
+{{- if and .Values.tls.clientAuth (not .Values.tls.secretName) -}}
+{{- fail "tls.clientAuth needs tls.secretName: the Secret's ca.crt is what client certificates are checked against" -}}
+{{- end -}}
+{{- if and .Values.tls.secretName (eq .Values.mode "kserve") -}}
+{{- fail "tls.secretName is for deployment mode: in kserve mode KServe's ingress or mesh terminates TLS" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 `pagedserve serve` flags after the image's ENTRYPOINT. Arguments: (dict "root" $ "model" PATH "name" NAME).
 */}}
 {{- define "pagedserve.args" -}}
 {{- $v := .root.Values -}}
 {{- include "pagedserve.checkExtraArgs" .root -}}
 {{- include "pagedserve.checkPorts" .root -}}
+{{- include "pagedserve.checkTls" .root -}}
 - --model={{ .model }}
 - --served-model-name={{ .name }}
 - --port={{ $v.server.grpcPort }}
 - --http-port={{ $v.server.httpPort }}
 - --tensor-parallel-size={{ $v.server.tensorParallelSize }}
 - --shutdown-timeout={{ $v.server.shutdownTimeout }}
+{{- if $v.tls.secretName }}
+{{- $dir := include "pagedserve.tlsDir" .root }}
+- --ssl-certfile={{ $dir }}/tls.crt
+- --ssl-keyfile={{ $dir }}/tls.key
+{{- if $v.tls.clientAuth }}
+- --ssl-ca-certs={{ $dir }}/ca.crt
+{{- end }}
+{{- end }}
 {{- range $v.server.extraArgs }}
 - {{ . | quote }}
 {{- end }}
@@ -121,17 +145,46 @@ ports 80: KServe fails to create it and the InferenceService never becomes ready
 {{- end -}}
 
 {{- define "pagedserve.probes" -}}
-{{- $port := int .Values.server.grpcPort -}}
 {{- $ready := "pagedserve.rpc.v1.Generation" -}}
 startupProbe:
-  grpc: {port: {{ $port }}, service: {{ $ready | quote }}}
+  {{- include "pagedserve.probeAction" (dict "root" . "service" $ready "probe" .Values.probes.startup) | nindent 2 }}
   {{- toYaml .Values.probes.startup | nindent 2 }}
 readinessProbe:
-  grpc: {port: {{ $port }}, service: {{ $ready | quote }}}
+  {{- include "pagedserve.probeAction" (dict "root" . "service" $ready "probe" .Values.probes.readiness) | nindent 2 }}
   {{- toYaml .Values.probes.readiness | nindent 2 }}
 livenessProbe:
-  grpc: {port: {{ $port }}, service: ""}
+  {{- include "pagedserve.probeAction" (dict "root" . "service" "" "probe" .Values.probes.liveness) | nindent 2 }}
   {{- toYaml .Values.probes.liveness | nindent 2 }}
+{{- end -}}
+
+{{/*
+A probe's check of a grpc.health.v1 service: kubelet's own gRPC probe, or with TLS (which kubelet's
+gRPC probes do not speak) `pagedserve health` in the container, verifying the server's certificate
+and, under mutual TLS, presenting the pod's own. Arguments: (dict "root" $ "service" NAME "probe" VALUES).
+*/}}
+{{- define "pagedserve.probeAction" -}}
+{{- $v := .root.Values -}}
+{{- $port := int $v.server.grpcPort -}}
+{{- if $v.tls.secretName -}}
+{{- $dir := include "pagedserve.tlsDir" .root -}}
+{{- $serverName := $v.tls.serverName | default (printf "%s.%s.svc" (include "pagedserve.fullname" .root) .root.Release.Namespace) -}}
+exec:
+  command:
+    - pagedserve
+    - health
+    - --address=127.0.0.1:{{ $port }}
+    - --service={{ .service }}
+    {{- /* a second under kubelet's own timeout, so a slow answer fails with the probe's message */}}
+    - --timeout={{ max 1 (sub (int (.probe.timeoutSeconds | default 1)) 1) }}
+    - --ssl-ca-certs={{ $dir }}/ca.crt
+    - --ssl-target-name={{ $serverName }}
+    {{- if $v.tls.clientAuth }}
+    - --ssl-certfile={{ $dir }}/tls.crt
+    - --ssl-keyfile={{ $dir }}/tls.key
+    {{- end }}
+{{- else -}}
+grpc: {port: {{ $port }}, service: {{ .service | quote }}}
+{{- end -}}
 {{- end -}}
 
 {{/* Everything the Deployment's container and the KServe runtime container share. */}}
