@@ -11,11 +11,17 @@ Three process groups span the same ranks:
 
 A failed call (a dead peer, a timeout) raises `CollectiveError`, an `EngineDeadError`: a process
 group is unusable after one failed collective.
+
+Ranks match the tensor group's collectives by the order they enter them, so a step that raises on
+some ranks only leaves the ranks out of step. Such a rank reports it in the rendezvous store
+(`report_step_fault`), where the other ranks read it (`step_faults`): no collective is needed for
+that, and the happy path pays only a count of the collectives entered (`num_collectives`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,8 +43,20 @@ class _State:
     owns_world: bool = False  # this module initialized the default process group
     tensor_group: Any = None
     control_group: Any = None
+    store: dist.Store | None = None  # the rendezvous store every rank reaches (step faults)
     size: int = 1
     rank: int = 0
+    num_collectives: int = 0  # tensor-group collectives this rank has entered and returned from
+
+
+@dataclass(frozen=True)
+class StepFault:
+    """A rank's report that its model step raised an ordinary exception (not a failed collective)."""
+
+    rank: int
+    step: int  # counted alike on every rank: the STEP plans rank 0 broadcast
+    num_collectives: int  # tensor-group collectives the rank entered in that step before it raised
+    error: str
 
 
 _state = _State()
@@ -76,6 +94,8 @@ def init_tensor_parallel(
         _state.owns_world = True
         _state.tensor_group = dist.new_group(backend=backend, timeout=timeout)
         _state.control_group = dist.new_group(backend="gloo", timeout=timeout)
+        # `store` as given, or the one `env://` (torchrun) connected to, prefixed alike on every rank
+        _state.store = dist.distributed_c10d._get_default_store()
     _state.size, _state.rank = launch.world_size, launch.rank
 
 
@@ -116,6 +136,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _state.size > 1:
         with _collective("all_reduce"):
             dist.all_reduce(x, group=_state.tensor_group)
+        _state.num_collectives += 1
     return x
 
 
@@ -126,6 +147,7 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     shards = [torch.empty_like(x) for _ in range(_state.size)]
     with _collective("all_gather"):
         dist.all_gather(shards, x.contiguous(), group=_state.tensor_group)
+    _state.num_collectives += 1
     return torch.cat(shards, dim=-1)
 
 
@@ -148,6 +170,39 @@ def broadcast_object(obj: Any = None) -> Any:
     with _collective("broadcast"):
         dist.broadcast_object_list(objects, src=0, group=_state.control_group)
     return objects[0]
+
+
+def num_collectives() -> int:
+    """Tensor-group collectives this rank has entered (and returned from) so far: two ranks that entered
+    different numbers would pair the wrong ones from then on."""
+    return _state.num_collectives
+
+
+def report_step_fault(step: int, num_collectives: int, error: str) -> None:
+    """Tell the other ranks that this rank's step `step` raised `error`. One key per rank, overwritten
+    by its next report: the store never holds more than one per rank."""
+    assert _state.store is not None, "init_tensor_parallel() first"
+    with _collective("step fault report"):
+        _state.store.set(_fault_key(_state.rank), json.dumps([step, num_collectives, error]))
+
+
+def step_faults() -> list[StepFault]:
+    """The latest fault each rank has reported, if any, in rank order (none once the groups are gone)."""
+    store, size = _state.store, _state.size  # read once: a watchdog thread may call this meanwhile
+    faults: list[StepFault] = []
+    if store is None:
+        return faults
+    with _collective("step fault lookup"):
+        for rank in range(size):
+            key = _fault_key(rank)
+            if store.check([key]):
+                step, num_collectives, error = json.loads(store.get(key))
+                faults.append(StepFault(rank, step, num_collectives, error))
+    return faults
+
+
+def _fault_key(rank: int) -> str:
+    return f"pagedserve/step-fault/{rank}"
 
 
 @contextlib.contextmanager

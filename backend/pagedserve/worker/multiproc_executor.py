@@ -19,6 +19,16 @@ fails it after the step timeout. Either way `execute` raises `EngineDeadError` a
 ranks it started. A watchdog thread also notices a local rank's death between steps. During start-up
 rank 0 watches the ranks it started itself: one that exits fails start-up at once (`StartupError`),
 even in the rendezvous, where the others would wait for it in the store until the start-up timeout.
+
+A step that raises an ordinary exception (a bad plan, an out-of-memory, a bug in one shard) is
+reported in the rendezvous store by every rank it raised on, each then waiting a few seconds for the
+other ranks' reports of the same step (`_agree_on_fault`). All there, after the same number of
+collectives: the ranks are still in step, so rank 0 fails that batch's requests and every rank goes
+on. Not: the ranks that did not fail wait in a collective the failed ones skipped, which only the
+step timeout would end. Rank k > 0 then exits, which fails rank 0's collective at once, and rank 0
+reports the rank's stored error; rank 0 failing alone marks the engine dead itself (stopping the
+ranks it started). Either way `execute` raises `EngineDeadError` within seconds, naming the step, the
+rank and its error. A step that raises nowhere pays for none of this: no collective is added.
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ import torch
 from pagedserve import distributed
 from pagedserve.config import EngineConfig, default_num_threads
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedserve.distributed import CollectiveError
+from pagedserve.distributed import CollectiveError, StepFault
 from pagedserve.errors import EngineDeadError
 from pagedserve.launch import LaunchEnv
 from pagedserve.worker.executor import Executor, build_worker, log_capacity
@@ -61,6 +71,9 @@ STARTUP_TIMEOUT_S = 1800.0  # rendezvous and weight loading: other nodes' ranks 
 _PING_INTERVAL_S = 5.0  # idle rank 0 pings the workers, whose wait for a plan has STEP_TIMEOUT_S
 _WATCH_INTERVAL_S = 0.2
 _STOP_GRACE_S = 10.0
+# A rank whose step raised waits this long for the other ranks' reports of the same step: those that
+# fail it too do so at the same point of the same plan, within milliseconds of each other.
+_FAULT_WAIT_S = 5.0
 
 _STEP, _PING, _STOP = "step", "ping", "stop"
 
@@ -74,6 +87,11 @@ _spawning_stopped = False
 
 class StartupError(RuntimeError):
     """Tensor-parallel start-up failed: a rank exited, or never started (its own error is in the log)."""
+
+
+class OutOfStepError(EngineDeadError):
+    """A step raised on some ranks but not on others (or after different collectives): the ranks no
+    longer enter the same collectives, so none can go on."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +115,8 @@ class MultiprocExecutor(Executor):
         self._released = False
         self._num_threads = torch.get_num_threads()
         self._last_sent = time.monotonic()
+        self._num_steps = 0  # STEP plans broadcast: each rank counts them alike (step faults)
+        self._last_fault_step = 0  # the last step that raised here, on every rank alike
         try:
             self._start(config, eos_token_ids, launch)
         except BaseException as exc:
@@ -141,17 +161,21 @@ class MultiprocExecutor(Executor):
             self._raise_if_dead()
             try:
                 distributed.broadcast_object((_STEP, output))
-                result = self.worker.execute(output)
-            except CollectiveError as exc:
+                self._num_steps += 1
+                result = _run_step(self.worker, output, self._num_steps)
+            except EngineDeadError as exc:
                 self._mark_dead(self._reason(exc))
                 self._release()
                 raise EngineDeadError(self._dead_reason) from exc
+            except Exception:  # raised on every rank alike: LLMEngine fails the batch, and the
+                self._last_fault_step = self._num_steps  # others' reports of it are no news
+                raise
             self._last_sent = time.monotonic()
             return result
 
     def check_health(self) -> None:
         if self._dead_reason is None and (exited := _exited_ranks(self._procs)):
-            self._mark_dead(exited)
+            self._mark_dead(self._peer_fault() or exited)
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
         if self._stopping.is_set():
@@ -188,14 +212,34 @@ class MultiprocExecutor(Executor):
         # the surviving ranks cannot go on without the dead one: stop them now
         _stop_processes(self._procs, 0.0)
 
-    def _reason(self, exc: CollectiveError) -> str:
-        """Name the rank that died when it is one of ours; its exit shows up just after its sockets close."""
+    def _reason(self, exc: EngineDeadError) -> str:
+        """Why the engine is dead: this rank's own step fault as it stands; after a failed collective,
+        the step fault a peer reported before it exited, else the rank that died when it is one of
+        ours (its exit shows up just after its sockets close)."""
+        if not isinstance(exc, CollectiveError):
+            return str(exc)
+        if fault := self._peer_fault():
+            return fault
         deadline = time.monotonic() + 1.0
         while self._procs and time.monotonic() < deadline:
             if exited := _exited_ranks(self._procs):
                 return exited
             time.sleep(0.02)
         return str(exc)
+
+    def _peer_fault(self) -> str:
+        """'' unless another rank reported a step fault that this rank did not share: such a rank
+        exits after `_FAULT_WAIT_S`, which is how this rank's collective (or the watchdog) finds out."""
+        if self._released:  # the store went with the process groups
+            return ""
+        try:
+            faults = [f for f in distributed.step_faults() if f.step > self._last_fault_step]
+        except CollectiveError:  # the store's host (a launcher's agent, or rank 0's) is gone too
+            return ""
+        if not faults:
+            return ""
+        step = max(f.step for f in faults)
+        return _out_of_step(step, [f for f in faults if f.step == step], self.tensor_parallel_size)
 
     def _release(self) -> None:
         if self._released:
@@ -208,7 +252,7 @@ class MultiprocExecutor(Executor):
         """Between steps: notice a local rank's death, and keep idle workers from timing out."""
         while not self._stopping.wait(_WATCH_INTERVAL_S):
             if exited := _exited_ranks(self._procs):
-                self._mark_dead(exited)
+                self._mark_dead(self._peer_fault() or exited)
                 return
             if time.monotonic() - self._last_sent >= _PING_INTERVAL_S:
                 self._ping()
@@ -304,21 +348,72 @@ def run_worker(
 
 
 def _serve_plans(worker: Worker) -> None:
+    num_steps = 0  # as rank 0 counts them
     while True:
         kind, plan = distributed.broadcast_object()
         if kind == _STOP:
             return
         if kind == _STEP:
-            _execute(worker, plan)
+            num_steps += 1
+            _execute(worker, plan, num_steps)
 
 
-def _execute(worker: Worker, plan: SchedulerOutput) -> None:
+def _execute(worker: Worker, plan: SchedulerOutput, step: int) -> None:
     try:
-        worker.execute(plan)
+        _run_step(worker, plan, step)
     except EngineDeadError:
         raise
-    except Exception:  # rank 0 fails the same batch and goes on; so does this rank
+    except Exception:  # raised on every rank alike: rank 0 fails the same batch and goes on, so does this one
         logger.exception("model step failed")
+
+
+def _run_step(worker: Worker, plan: SchedulerOutput, step: int) -> ModelRunnerOutput:
+    """worker.execute(plan), the `step`-th plan. An ordinary exception from it is raised again when
+    every rank's step raised after the same collectives (the ranks are still in step), else
+    `OutOfStepError`."""
+    entered = distributed.num_collectives()
+    try:
+        return worker.execute(plan)
+    except EngineDeadError:
+        raise
+    except Exception as exc:
+        if reason := _agree_on_fault(step, distributed.num_collectives() - entered, exc):
+            logger.error("model step %d failed, and the ranks are out of step", step, exc_info=exc)
+            raise OutOfStepError(reason) from exc
+        raise
+
+
+def _agree_on_fault(step: int, num_collectives: int, exc: Exception) -> str:
+    """Report this rank's fault in step `step` and wait up to `_FAULT_WAIT_S` for every other rank's
+    report of it: '' when every rank's step raised after the same number of collectives, else why
+    the ranks are out of step. A rank whose step did not raise is in a collective that this one
+    will never enter (or waits for the next plan, rank 0 being in one), so its report never comes."""
+    distributed.report_step_fault(step, num_collectives, repr(exc))
+    world_size = distributed.get_tp_size()
+    deadline = time.monotonic() + _FAULT_WAIT_S
+    while len(faults := [f for f in distributed.step_faults() if f.step == step]) < world_size:
+        if time.monotonic() > deadline:
+            return _out_of_step(step, faults, world_size)
+        time.sleep(0.05)
+    if len({f.num_collectives for f in faults}) > 1:
+        return _out_of_step(step, faults, world_size)
+    return ""
+
+
+def _out_of_step(step: int, faults: list[StepFault], world_size: int) -> str:
+    """e.g. "tensor-parallel step 7 failed on rank 1 but not on rank 0: RuntimeError('...')"."""
+    failed = [f.rank for f in faults]
+    if len(failed) < world_size:
+        where = f"on {_ranks(failed)} but not on {_ranks([r for r in range(world_size) if r not in failed])}"
+    else:
+        counts = ", ".join(f"rank {f.rank} after {f.num_collectives}" for f in faults)
+        where = f"on every rank, but after different numbers of collectives ({counts})"
+    errors = faults[0].error if len(faults) == 1 else "; ".join(f"rank {f.rank}: {f.error}" for f in faults)
+    return f"tensor-parallel step {step} failed {where}: {errors}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def run_launched_worker(config: EngineConfig, eos_token_ids: frozenset[int], launch: LaunchEnv) -> NoReturn:
