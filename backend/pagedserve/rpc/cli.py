@@ -183,6 +183,9 @@ class _Startup:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    # gRPC core logs to stderr past our logging, and at INFO it logs every failed TLS handshake (a
+    # plaintext client, a port scanner, a load balancer's TCP check): its errors only, unless asked.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     settings = settings_from_args(ServeSettings, args)
     startup = _Startup()
     code = asyncio.run(_serve(settings, set(flags_given(ServeSettings, args)), startup))
