@@ -62,10 +62,18 @@ def _run_generate(args: argparse.Namespace) -> int:
     llm = LLM(**settings.model_dump(include=set(EngineSettings.model_fields)))
     use_chat = settings.chat and bool(llm.engine.tokenizer.chat_template)
     batch = len(args.prompt) > 1
-    if use_chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=batch)
-    else:
-        outputs = llm.generate(args.prompt, params, use_tqdm=batch)
+    try:
+        if use_chat:
+            outputs = llm.chat(
+                [[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=batch
+            )
+        else:
+            outputs = llm.generate(args.prompt, params, use_tqdm=batch)
+    except InvalidRequestError as exc:  # a prompt the model cannot take (too long for its context)
+        raise SettingsError(f"--prompt: {exc.message if exc.field == 'prompt' else exc}") from None
+    except RuntimeError as exc:  # a request that failed (a model fault), a dead engine: said in one line
+        print(f"pagedserve generate: error: {exc}", file=sys.stderr)
+        return 1
     for prompt, output in zip(args.prompt, outputs):
         if batch:
             print(f"### {prompt}")
