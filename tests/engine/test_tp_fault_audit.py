@@ -219,4 +219,5 @@ def test_torchrun_a_fault_on_one_rank_fails_within_seconds(
     ) in stderr, stderr[-3000:]
     assert "Timed out" not in stderr
     # rank 0's `pagedserve generate` says it in one line
-    assert re.search(r"^pagedserve generate: error: .*tensor-parallel step 1 failed", stderr, re.M), stderr[-3000:]
+    one_line = r"^pagedserve generate: error: .*tensor-parallel step 1 failed"
+    assert re.search(one_line, stderr, re.M), stderr[-3000:]
