@@ -15,7 +15,7 @@ from typing import Any
 
 import helm_python as helm
 import pytest
-from deploy_helpers import LIVENESS_SERVICE, READINESS_SERVICE, by_name, render
+from deploy_helpers import CHART_DIR, LIVENESS_SERVICE, READINESS_SERVICE, by_name, render
 from tls_certs import Ca
 
 TLS_DIR = "/etc/pagedserve/tls"
@@ -68,6 +68,23 @@ def test_tls_mounts_the_secret_where_the_server_flags_and_probes_read_it(client_
 
     ports = by_name(objects["Service"]["spec"]["ports"])
     assert ports["grpc"]["appProtocol"] == "https" and ports["http"]["appProtocol"] == "https"
+
+
+@pytest.mark.parametrize(
+    ("tls", "grpc_line", "http_line"),
+    [
+        ({}, "gRPC  demo-pagedserve.serving.svc:8001\n", "HTTP  demo-pagedserve.serving.svc:8000"),
+        ({"secretName": SECRET}, "8001 (TLS)\n", "HTTPS demo-pagedserve.serving.svc:8000"),
+        ({"secretName": SECRET, "clientAuth": True}, "8001 (TLS, client certificates required)\n", "HTTPS"),
+    ],
+    ids=["plain", "tls", "mutual-tls"],
+)
+def test_install_notes_say_how_the_ports_are_reached(
+    tls: dict[str, Any], grpc_line: str, http_line: str
+) -> None:
+    manifests = helm.Chart.load(CHART_DIR).render({"tls": tls}, name="demo", namespace="serving")
+    notes = next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
+    assert grpc_line in notes and http_line in notes, notes
 
 
 def test_server_name_overrides_the_name_the_probes_check() -> None:
