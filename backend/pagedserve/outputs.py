@@ -21,7 +21,12 @@ class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
+    # the request's n and max_tokens (vLLM's request_params_* histograms); None on a record made
+    # outside the engine, for a request that never reached it
+    n: int | None = None
+    max_tokens: int | None = None
     num_preemptions: int = 0
     # (monotonic time, swap | recompute | swap_in): preempted by swapping out or by freeing the blocks,
     # and resumed from the CPU pool

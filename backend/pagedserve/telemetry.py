@@ -20,6 +20,11 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+# vLLM v1's own edges for the histograms below that the older ones above predate: its request latency
+# buckets (queue, prefill, decode, inference), tokens per engine step, and the n parameter
+_REQUEST_LATENCY_BUCKETS = (*_E2E_BUCKETS, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
 SUMMARY_INTERVAL_S = 10.0
 FINISH_REASONS = ("length", "stop", "error")  # of requests counted by vllm:request_success
 # vLLM's reasons: the end-of-sequence token is a "stop", as a stop token or string is.
@@ -55,6 +60,7 @@ class EngineMetrics:
         bytes_per_block: int = 0,
         registry: CollectorRegistry | None = None,
         summary_interval_s: float = SUMMARY_INTERVAL_S,
+        max_model_len: int = 10000,
     ) -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
@@ -131,6 +137,7 @@ class EngineMetrics:
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
+        self._add_vllm_v1_histograms(labels, max_model_len)
         self.swapped_blocks = Counter(
             "pagedserve:swapped_blocks",
             "KV blocks moved between device and CPU",
@@ -156,6 +163,57 @@ class EngineMetrics:
         # request counter, histogram or log line sees them (gauges and engine counters still do).
         self.unmetered_request_ids: set[str] = set()
 
+    def _add_vllm_v1_histograms(self, labels: list[str], max_model_len: int) -> None:
+        """vLLM v1's request phase, request parameter and per-step histograms: its names, help texts
+        and bucket edges (token counts in 1-2-5 steps up to the context length, as vLLM's are)."""
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
+
+        token_buckets = one_two_five_buckets(max_model_len)
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            _REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            _REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            _REQUEST_LATENCY_BUCKETS,
+        )
+        self.max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            token_buckets,
+        )
+        self.params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS
+        )
+        self.params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            _ITERATION_TOKEN_BUCKETS,
+        )
+
+    def set_cache_config_info(self, info: Mapping[str, str]) -> None:
+        """vLLM's `vllm:cache_config_info`: a gauge at 1 whose labels are the KV cache's settings
+        (`cache_config_labels`), set once when the engine has sized its cache."""
+        gauge = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            list(info),
+            registry=self.registry,
+        )
+        gauge.labels(**info).set(1)
+
     def _export_every_series(self) -> None:
         """Every series at 0 from the start, so dashboards and rate() see it before its first event."""
         m = self.model_name
@@ -176,6 +234,13 @@ class EngineMetrics:
             self.queue_time,
             self.request_prompt_tokens,
             self.request_generation_tokens,
+            self.prefill_time,
+            self.decode_time,
+            self.inference_time,
+            self.max_generation_tokens,
+            self.params_n,
+            self.params_max_tokens,
+            self.iteration_tokens,
         ):
             metric.labels(m)
         for reason in FINISH_REASONS:
@@ -193,7 +258,9 @@ class EngineMetrics:
             self._window_start, self._window_tokens = now, [0, 0]
         self._set_gauges(stats)
         self._add_cumulative(stats)
-        self.record_failed(deltas, now)
+        num_tokens = self._record_deltas(deltas, now)
+        if num_tokens is not None:  # as vLLM: one sample per step that gave client requests output
+            self.iteration_tokens.labels(self.model_name).observe(num_tokens)
         self._maybe_log_summary(stats, now)
         self._is_idle = stats.num_unfinished == 0
 
@@ -211,10 +278,16 @@ class EngineMetrics:
         """Requests the engine failed outside a step (it died): `deltas` are their final (error)
         deltas. Counted as a step's deltas are (record_step counts its own here), so no failure is
         missing from the counts."""
-        now = time.monotonic() if now is None else now
+        self._record_deltas(deltas, time.monotonic() if now is None else now)
+
+    def _record_deltas(self, deltas: list[RequestDelta], now: float) -> int | None:
+        """Count the client requests' deltas; the tokens counted (prompt tokens of requests that got
+        their first token, and generated tokens), None when no delta was a client request's."""
+        num_tokens: int | None = None
         for delta in deltas:
             if delta.request_id not in self.unmetered_request_ids:
-                self._record_delta(delta, now)
+                num_tokens = (num_tokens or 0) + self._record_delta(delta, now)
+        return num_tokens
 
     def record_abort(self, cause: str) -> None:
         """`cause` is one of ABORT_CAUSES."""
@@ -249,9 +322,10 @@ class EngineMetrics:
             stats.num_swapped_in_blocks,
         )
 
-    def _record_delta(self, delta: RequestDelta, now: float) -> None:
+    def _record_delta(self, delta: RequestDelta, now: float) -> int:
+        """Count one delta; returns the prompt and generated tokens it added to the token counters."""
         m, key = self.model_name, (delta.request_id, delta.index)
-        num_new = len(delta.new_token_ids)
+        num_new = num_counted = len(delta.new_token_ids)
         self.generation_tokens.labels(m).inc(num_new)
         self._window_tokens[1] += num_new
         last = self._streams.last_token.get(key)
@@ -259,6 +333,7 @@ class EngineMetrics:
             if delta.index == 0:
                 self.prompt_tokens.labels(m).inc(delta.num_prompt_tokens)
                 self._window_tokens[0] += delta.num_prompt_tokens
+                num_counted += delta.num_prompt_tokens
                 metrics = delta.metrics
                 if metrics.time_to_first_token is not None:
                     self.ttft.labels(m).observe(metrics.time_to_first_token)
@@ -273,6 +348,7 @@ class EngineMetrics:
             self.request_generation_tokens.labels(m).observe(delta.num_output_tokens)
         if delta.request_finished:
             self._record_finished(delta, now)
+        return num_counted
 
     def _record_finished(self, delta: RequestDelta, now: float) -> None:
         m, metrics = self.model_name, delta.metrics
@@ -283,7 +359,37 @@ class EngineMetrics:
         self.request_prompt_tokens.labels(m).observe(delta.num_prompt_tokens)
         if metrics.first_token_time is not None and delta.num_output_tokens > 1:
             self.tpot.labels(m).observe((now - metrics.first_token_time) / (delta.num_output_tokens - 1))
+        self._record_phases(metrics)
+        self._record_params(delta)
         log_finished(delta, e2e)
+
+    def _record_phases(self, metrics: RequestMetrics) -> None:
+        """vLLM's request phases: prefill from the first scheduling to the first token, decode from the
+        first token to the last, inference from the first scheduling to the last token. Like vLLM's,
+        they run from the FIRST scheduling: a preemption's wait (and its recompute) falls inside the
+        phase it interrupted. A request that never got a token has no phases to observe."""
+        scheduled, first, last = (
+            metrics.first_scheduled_time,
+            metrics.first_token_time,
+            metrics.last_token_time,
+        )
+        if scheduled is None or first is None or last is None:
+            return
+        m = self.model_name
+        self.prefill_time.labels(m).observe(first - scheduled)
+        self.decode_time.labels(m).observe(last - first)
+        self.inference_time.labels(m).observe(last - scheduled)
+
+    def _record_params(self, delta: RequestDelta) -> None:
+        """The request's n and max_tokens and its longest completion, known from the engine's record
+        (not for a request that failed before it reached the engine)."""
+        metrics, m = delta.metrics, self.model_name
+        if metrics.n is None or metrics.max_tokens is None:
+            return
+        longest = max(tokens for _, tokens in delta.completion_ends(metrics.n))
+        self.max_generation_tokens.labels(m).observe(longest)
+        self.params_n.labels(m).observe(metrics.n)
+        self.params_max_tokens.labels(m).observe(metrics.max_tokens)
 
     def _maybe_log_summary(self, stats: Any, now: float) -> None:
         elapsed = now - self._window_start
@@ -301,6 +407,38 @@ class EngineMetrics:
             100.0 * (1.0 - stats.num_free_blocks / max(1, stats.num_total_blocks)),
         )
         self._window_start, self._window_tokens = now, [0, 0]
+
+
+def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value`: vLLM's edges for token-count histograms."""
+    edges: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(edges)
+            edges.append(mantissa * scale)
+        scale *= 10
+
+
+def cache_config_labels(
+    cache: Any, cache_dtype: str, num_gpu_blocks: int, num_cpu_blocks: int
+) -> dict[str, str]:
+    """The labels of `vllm:cache_config_info`: those of vLLM's CacheConfig that we have a value for
+    (`cache` is our CacheConfig; KV blocks are per rank), as strings the way vLLM writes them."""
+    values = {
+        "block_size": cache.block_size,
+        "cache_dtype": cache_dtype,
+        "enable_prefix_caching": cache.enable_prefix_caching,
+        "gpu_memory_utilization": cache.memory_utilization,
+        "kv_cache_memory_bytes": cache.kv_cache_memory,
+        "num_cpu_blocks": num_cpu_blocks,
+        "num_gpu_blocks": num_gpu_blocks,
+        "num_gpu_blocks_override": cache.num_blocks,
+        "swap_space": cache.swap_space,
+        "engine": 0,
+    }
+    return {name: str(value) for name, value in values.items()}
 
 
 def log_finished(delta: RequestDelta, e2e: float) -> None:

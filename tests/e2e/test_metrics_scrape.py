@@ -1,7 +1,8 @@
 """`/metrics` scraped over real HTTP from an in-process server after a known gRPC workload: every
-metric name of issue 9 is there labelled with the model name, counters equal the engine's own counts
-and the client's token counts, histograms have one sample per request (or per token gap), and aborts
-are counted by cause. The KV budget is tiny so preemption by swap happens."""
+metric name of issue 9 and of vLLM's dashboard is there labelled with the model name, counters equal
+the engine's own counts and the client's token counts, histograms have one sample per request (or per
+token gap, or per step), and aborts are counted by cause. The KV budget is tiny so preemption by swap
+happens."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ VLLM_NAMES = (
     "vllm:e2e_request_latency_seconds_count",
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
+    "vllm:request_prefill_time_seconds_count",
+    "vllm:request_decode_time_seconds_count",
+    "vllm:request_inference_time_seconds_count",
+    "vllm:request_max_num_generation_tokens_count",
+    "vllm:request_params_n_count",
+    "vllm:request_params_max_tokens_count",
+    "vllm:iteration_tokens_total_count",
     "pagedserve:swap_bytes_total",
     "pagedserve:request_aborts_total",
 )
@@ -153,6 +161,10 @@ def test_counters_and_histograms_equal_the_engine_counts(server: InProcessServer
     assert diff(after, before, "vllm:inter_token_latency_seconds_count") == num_tokens - num_requests
     assert diff(after, before, "vllm:request_prompt_tokens_sum") == num_prompt
     assert diff(after, before, "vllm:request_generation_tokens_count") == num_requests
+    for name in ("prefill_time_seconds", "decode_time_seconds", "inference_time_seconds", "params_n"):
+        assert diff(after, before, f"vllm:request_{name}_count") == num_requests, name
+    assert diff(after, before, "vllm:request_max_num_generation_tokens_sum") == num_tokens
+    assert diff(after, before, "vllm:iteration_tokens_total_sum") == num_prompt + num_tokens
     for gauge in ("running", "waiting", "swapped"):
         assert value(after, f"vllm:num_requests_{gauge}") == 0
     assert value(after, "vllm:kv_cache_usage_perc") == 0.0

@@ -18,7 +18,7 @@ from pagedserve.outputs import RequestDelta, RequestMetrics, TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import FinishReason, Sequence
 from pagedserve.settings import EngineSettings
-from pagedserve.telemetry import EngineMetrics
+from pagedserve.telemetry import EngineMetrics, cache_config_labels
 from pagedserve.worker.executor import create_executor
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,14 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, block_manager)
         self.metrics = EngineMetrics(
-            config.model.served_model_name, config.model.kv_bytes_per_token * config.cache.block_size
+            config.model.served_model_name,
+            config.model.kv_bytes_per_token * config.cache.block_size,
+            max_model_len=config.model.max_model_len,
+        )
+        self.metrics.set_cache_config_info(
+            cache_config_labels(
+                config.cache, config.model.dtype, self.num_kv_blocks, self.executor.num_cpu_blocks
+            )
         )
         self._requests: dict[str, _Request] = {}  # by client request id
         self._completions: dict[str, _Completion] = {}  # by sequence id
@@ -124,7 +131,8 @@ class LLMEngine:
         for seq in seqs:
             seq.is_multi_sequence = params.n > 1
         self.scheduler.add(seqs[0])
-        self._requests[request_id] = _Request(RequestMetrics(arrival_time=seqs[0].arrival_time), len(seqs))
+        metrics = RequestMetrics(seqs[0].arrival_time, n=params.n, max_tokens=params.max_tokens)
+        self._requests[request_id] = _Request(metrics, len(seqs))
         for index, seq in enumerate(seqs):
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
@@ -283,6 +291,7 @@ class LLMEngine:
         metrics = request.metrics
         if token_ids:
             metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
         reason = seq.finish_reason.value if seq.finish_reason else None
         if seq.is_finished:
             request.num_finished += 1
