@@ -99,6 +99,16 @@ class InProcessServer:
         await self.server.stop(grace=0.5)
 
 
+def exporting_to(exporter: Any) -> Any:
+    """A tracer provider that hands each finished span to `exporter` at once (an InMemorySpanExporter)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
     """Poll `predicate` until it returns something truthy; return that."""
     deadline = time.monotonic() + timeout

@@ -39,9 +39,7 @@ from grpc_helpers import (
     metric_sample,
     wait_until,
 )
-from inprocess_server import InProcessServer, server_span, wait_for
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from inprocess_server import InProcessServer, exporting_to, server_span, wait_for
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pagedserve.engine.async_engine import in_torch_thread
 from pagedserve.errors import EngineDeadError
@@ -78,8 +76,7 @@ def start(model_dir: str, stream_interval: int, provider: Any = None) -> InProce
 
 @pytest.fixture(scope="module")
 def server(long_model: str, exporter: InMemorySpanExporter) -> Iterator[InProcessServer]:
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider = exporting_to(exporter)
     srv = start(long_model, 1, provider)
     yield srv
     srv.stop()

@@ -21,9 +21,8 @@ from typing import Any
 
 import grpc
 import pytest
-from inprocess_server import InProcessServer, Samples, scrape, server_span, wait_for
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from inprocess_server import InProcessServer, Samples, exporting_to, scrape, server_span, wait_for
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from pagedserve.errors import EngineDeadError
@@ -82,8 +81,7 @@ def engine_death(tiny_llama_dir: str) -> EngineDeath:
     from pagedserve_adapters.v2 import inference_pb2_grpc as v2_grpc
 
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider = exporting_to(exporter)
     srv = InProcessServer(
         tiny_llama_dir, provider, dtype="float32", served_model_name=MODEL, num_kv_blocks=256
     )
@@ -188,8 +186,7 @@ def exporter() -> InMemorySpanExporter:
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: str, exporter: InMemorySpanExporter) -> InProcessServer:
     """Two sequences run at once and one request may wait: a third request fills the queue."""
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider = exporting_to(exporter)
     srv = InProcessServer(
         tiny_llama_dir,
         provider,

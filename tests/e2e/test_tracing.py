@@ -14,9 +14,8 @@ from typing import Any
 
 import grpc
 import pytest
-from inprocess_server import InProcessServer, run_python, wait_for
+from inprocess_server import InProcessServer, exporting_to, run_python, wait_for
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from pagedserve.rpc.v1 import generate_pb2 as pb
@@ -34,8 +33,7 @@ def exporter() -> InMemorySpanExporter:
 
 @pytest.fixture(scope="module")
 def provider(exporter: InMemorySpanExporter) -> TracerProvider:
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider = exporting_to(exporter)
     yield provider
     provider.shutdown()
 

@@ -12,9 +12,8 @@ import threading
 from typing import Any
 
 import pytest
-from inprocess_server import InProcessServer, Samples, scrape, wait_for
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from inprocess_server import InProcessServer, Samples, exporting_to, scrape, wait_for
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from pagedserve.rpc.v1 import generate_pb2 as pb
@@ -51,8 +50,7 @@ def started(tiny_llama_dir: str, exporter: InMemorySpanExporter) -> tuple[InProc
     """The server and its /metrics right after start (its warm-up request has run). 16 KV blocks
     of 8 tokens and a roomy CPU pool: three 80-token requests cannot run together, so the younger
     ones are swapped out and back in."""
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider = exporting_to(exporter)
     srv = InProcessServer(
         tiny_llama_dir,
         provider,
