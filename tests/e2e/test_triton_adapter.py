@@ -5,6 +5,7 @@ protobufs, never with the server's adapter stubs."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import queue
 import signal
@@ -13,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,16 @@ def server(default_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> 
     proc = ServerProcess("--model", default_model_dir, "--dtype", "float32", log=log).wait_ready()
     yield proc
     proc.stop()
+
+
+@pytest.fixture(autouse=True)
+def _collect_http_clients() -> Iterator[None]:
+    """tritonclient.http's clients sit in a reference cycle with their gevent pool; left to the cyclic
+    collector, one may be freed later on another thread (a later module's in-process server), where
+    its __del__ fails (gevent's InvalidThreadUseError, an unraisable-exception warning in that test).
+    Collected here, after each test, they are freed on this thread."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture()
