@@ -65,12 +65,13 @@ class RequestDelta:
     request_finished: bool = True
     error: str | None = None
 
-    def completion_ends(self, n: int) -> list[tuple[str, int]]:
+    def completion_ends(self) -> list[tuple[str, int]]:
         """(finish reason, output tokens) of each of the n completions of the request this final delta
         ended: the engine's record when it holds all n, else this delta's own (a request its front
-        end ended early: the caller went away, or the engine died, before the engine ended them all)."""
-        ends = self.metrics.completion_ends
-        if len(ends) == n:
+        end ended early: the caller went away, or the engine died, before the engine ended them all;
+        or one that never reached the engine)."""
+        ends, n = self.metrics.completion_ends, self.metrics.n
+        if n is not None and len(ends) == n:
             return [ends[index] for index in range(n)]
         return [(self.finish_reason or "unknown", self.num_output_tokens)]
 

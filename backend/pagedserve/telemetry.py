@@ -386,7 +386,7 @@ class EngineMetrics:
         metrics, m = delta.metrics, self.model_name
         if metrics.n is None or metrics.max_tokens is None:
             return
-        longest = max(tokens for _, tokens in delta.completion_ends(metrics.n))
+        longest = max(tokens for _, tokens in delta.completion_ends())
         self.max_generation_tokens.labels(m).observe(longest)
         self.params_n.labels(m).observe(metrics.n)
         self.params_max_tokens.labels(m).observe(metrics.max_tokens)
@@ -445,7 +445,7 @@ def log_finished(delta: RequestDelta, e2e: float) -> None:
     """The one info line of a finished request (aborted ones included); the same values ride on the
     record as `request_id`, `num_prompt_tokens`, ... for structured (JSON) log handlers."""
     metrics = delta.metrics
-    ends = delta.completion_ends(len(metrics.completion_ends) or 1)  # the engine's: all n completions
+    ends = delta.completion_ends()
     fields = {
         "request_id": delta.request_id,
         "num_prompt_tokens": delta.num_prompt_tokens,
@@ -565,9 +565,7 @@ class RequestTracer:
 
     def _attributes(self, request_id: str, params: Any, delta: RequestDelta, end: float) -> dict[str, Any]:
         m = delta.metrics
-        ends = delta.completion_ends(
-            params.n
-        )  # semantic conventions: the response's tokens, a reason a choice
+        ends = delta.completion_ends()  # semantic conventions: the response's tokens, a reason a choice
         attrs: dict[str, Any] = {
             "gen_ai.request.id": request_id,
             "gen_ai.request.model": self.model_name,
