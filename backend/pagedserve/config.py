@@ -15,6 +15,7 @@ from typing import Any
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ATTENTION_BACKENDS = ("torch", "triton")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 logger = logging.getLogger(__name__)
 
@@ -203,12 +204,17 @@ class SchedulerConfig:
     # swap: move a preempted request's KV blocks to the CPU pool when it has room, else recompute;
     # recompute: free them and run the tokens again (multi-sequence requests still swap when they can)
     preemption_mode: str = "swap"
+    # fcfs: queues in arrival order; priority: by each request's priority (lower first), then arrival,
+    # and a waiting request preempts less urgent running ones when it cannot be admitted (as vLLM's)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs: must be >= 1")
         if self.preemption_mode not in ("swap", "recompute"):
             raise ValueError(f"preemption_mode: must be swap or recompute, got {self.preemption_mode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 "max_num_batched_tokens: must be >= max_num_seqs (every running sequence "

@@ -39,9 +39,11 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = False,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Run all prompts in one continuous batch; outputs come back in input order. `use_tqdm` may
-        be a tqdm-like class to make the progress bar with (as in vLLM)."""
+        be a tqdm-like class to make the progress bar with (as in vLLM). `priority`, one int per
+        prompt (lower runs earlier), needs `LLM(scheduling_policy="priority")`, as in vLLM."""
         batch = _batch(prompts)
         texts: list[str | None] = []
         token_ids = []
@@ -49,16 +51,18 @@ class LLM:
             parsed = _parse_prompt(prompt, index)
             texts.append(parsed if isinstance(parsed, str) else None)
             token_ids.append(self.engine.encode_prompt(parsed) if isinstance(parsed, str) else parsed)
-        return self._run(texts, token_ids, sampling_params, use_tqdm)
+        return self._run(texts, token_ids, sampling_params, use_tqdm, priority)
 
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = False,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate. Each
-        output's `prompt` is the templated text, special tokens included (as vLLM's)."""
+        output's `prompt` is the templated text, special tokens included (as vLLM's). `priority`: one
+        int per conversation, as `generate`'s."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         if not isinstance(conversations, list):
             raise InvalidRequestError(
@@ -74,7 +78,7 @@ class LLM:
                 )
         token_ids = [self.engine.encode_chat(c) for c in cast(list[list[dict[str, str]]], conversations)]
         texts = [self.engine.decode(ids, skip_special_tokens=False) for ids in token_ids]
-        return self._run(list(texts), token_ids, sampling_params, use_tqdm)
+        return self._run(list(texts), token_ids, sampling_params, use_tqdm, priority)
 
     def _run(
         self,
@@ -82,23 +86,26 @@ class LLM:
         token_ids: list[list[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None,
         use_tqdm: bool | Callable[..., Any],
+        priority: list[int] | None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, len(token_ids))
-        for index, (ids, p) in enumerate(zip(token_ids, params)):  # a bad prompt adds none of the batch
+        priorities = _priorities(priority, len(token_ids))
+        # a bad prompt adds none of the batch
+        for index, (ids, p, prio) in enumerate(zip(token_ids, params, priorities)):
             try:
-                self.engine.validate_request(ids, p)
+                self.engine.validate_request(ids, p, prio)
             except InvalidRequestError as exc:
                 raise InvalidRequestError(exc.field, f"{exc.message} (prompts[{index}])") from None
         outputs: dict[str, RequestOutput] = {}  # in input order
         progress = _progress_bar(use_tqdm, len(token_ids))
         try:
-            for text, ids, p in zip(texts, token_ids, params):
+            for text, ids, p, prio in zip(texts, token_ids, params, priorities):
                 request_id = f"llm-{next(self._ids)}"
                 completions = [CompletionOutput(i, "", [], None) for i in range(p.n)]
                 outputs[request_id] = RequestOutput(request_id, text, ids, completions, False)
-                self.engine.add_request(request_id, ids, p)
+                self.engine.add_request(request_id, ids, p, priority=prio)
             error = self._step_until_finished(outputs, progress)
         finally:
             # A failed request, an exception or a Ctrl-C (from tqdm, the model, anywhere in here) must
@@ -211,6 +218,24 @@ def _per_prompt(params: SamplingParams | Seq[SamplingParams], n: int) -> list[Sa
     if len(params) != n:
         raise InvalidRequestError("sampling_params", f"got {len(params)} for {n} prompts")
     return list(params)
+
+
+def _priorities(priority: Seq[int] | None, n: int) -> list[int]:
+    """One priority per prompt, as Python ints (NumPy or torch integers too, not bools or floats)."""
+    if priority is None:
+        return [0] * n
+    if not isinstance(priority, (list, tuple)):
+        raise InvalidRequestError(
+            "priority", f"must be a list of one int per prompt, got {type(priority).__name__}"
+        )
+    if len(priority) != n:
+        raise InvalidRequestError("priority", f"got {len(priority)} for {n} prompts")
+    try:
+        if any(isinstance(p, bool) for p in priority):
+            raise TypeError
+        return [operator.index(p) for p in priority]
+    except TypeError:
+        raise InvalidRequestError("priority", "must be integers") from None
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:

@@ -27,6 +27,9 @@ class RequestMetrics:
     # outside the engine, for a request that never reached it
     n: int | None = None
     max_tokens: int | None = None
+    # prompt tokens found in the prefix cache when the request was first scheduled (vLLM's
+    # num_cached_tokens); None until then
+    num_cached_tokens: int | None = None
     num_preemptions: int = 0
     # (monotonic time, swap | recompute | swap_in): preempted by swapping out or by freeing the blocks,
     # and resumed from the CPU pool
@@ -146,3 +149,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """Prompt tokens found in the prefix cache (vLLM's field); None before it was scheduled."""
+        return None if self.metrics is None else self.metrics.num_cached_tokens

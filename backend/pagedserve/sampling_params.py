@@ -34,6 +34,63 @@ def _is_number(value: object) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain every sampled token so the completion matches one of: a JSON schema (`json`, as text or
+    a dict), a regular expression, one of the `choice` strings, an EBNF grammar (xgrammar's syntax, a
+    `root` rule), or any JSON object (`json_object=True`). Exactly one is set. Shaped like vLLM's.
+    Once the grammar is complete only EOS may follow: the completion ends there (finish reason eos),
+    also under `ignore_eos` or before `min_tokens` (as vLLM ends it). JSON allows any whitespace.
+
+    Here the kind and the types are checked; the engine compiles the schema, regex or grammar when it
+    admits the request, and rejects one that does not compile naming the field (`structured_outputs.json`)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            self.choice = _as_list(self.choice, "structured_outputs.choice")
+        self._verify()
+        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise InvalidRequestError(
+                "structured_outputs",
+                f"set exactly one of json, regex, choice, grammar or json_object, got {kinds or 'none'}",
+            )
+
+    @property
+    def kind(self) -> str:
+        """The one constraint set: json, regex, choice, grammar or json_object."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    def _verify(self) -> None:
+        def check(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise InvalidRequestError(f"structured_outputs.{name}", message)
+
+        check(isinstance(self.json_object, bool), "json_object", "must be a boolean")
+        check(
+            self.json is None or isinstance(self.json, (str, dict)),
+            "json",
+            "must be a JSON schema, as a string or a dict",
+        )
+        check(self.regex is None or isinstance(self.regex, str), "regex", "must be a string")
+        check(self.grammar is None or isinstance(self.grammar, str), "grammar", "must be a string")
+        check(
+            self.choice is None or (bool(self.choice) and all(isinstance(c, str) and c for c in self.choice)),
+            "choice",
+            "must be a non-empty list of non-empty strings",
+        )
+
+
+@dataclass
 class SamplingParams:
     """How to pick each next token and when to stop. Shaped like vLLM's `SamplingParams`.
 
@@ -43,7 +100,8 @@ class SamplingParams:
     No stop of any kind counts within the first `min_tokens` tokens. `logprobs=k` returns, per
     generated token, the log-probabilities of the sampled token (with its rank, even outside the k)
     and the k most likely ones, all of the raw model output: before penalties, temperature and
-    top-k/top-p/min-p (vLLM's default, `raw_logprobs`).
+    top-k/top-p/min-p (vLLM's default, `raw_logprobs`); with `structured_outputs`, of the output the
+    grammar allows (as vLLM's: its mask applies first), and tokens it disallows are not listed.
 
     Where we differ from vLLM, on purpose: a temperature in (0, 1e-5) is greedy and one in [1e-5, 0.01)
     is used as given, where vLLM raises both to 0.01 (the softmax subtracts the maximum logit, so
@@ -67,6 +125,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -133,6 +192,11 @@ class SamplingParams:
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
             f"must be an integer in [0, {MAX_LOGPROBS}]",
+        )
+        self._check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "must be a StructuredOutputsParams",
         )
 
     @staticmethod

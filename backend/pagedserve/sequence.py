@@ -44,6 +44,7 @@ class Sequence:
         sampling_params: SamplingParams,
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -51,7 +52,8 @@ class Sequence:
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.arrival_order = next(_arrival_counter)  # priority: a later arrival is preempted first
+        self.arrival_order = next(_arrival_counter)  # a later arrival is preempted first
+        self.priority = priority  # under --scheduling-policy priority: lower runs first, then arrival
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []  # written only by the block manager

@@ -110,6 +110,11 @@ class EngineSettings(BaseSettings):
     preemption_mode: str = Field(
         "swap", description="swap (when the CPU pool has room, else recompute) or recompute"
     )
+    scheduling_policy: str = Field(
+        "fcfs",
+        description="fcfs (first come, first served) or priority (a request's priority, lower first, then "
+        "arrival; a more urgent request preempts less urgent running ones when the KV cache is full)",
+    )
     enable_prefix_caching: bool = Field(True, description="share KV blocks of identical prompt prefixes")
     max_num_seqs: int = Field(128, description="most sequences in one batch")
     max_num_batched_tokens: int = Field(2048, description="token budget of one engine step")
@@ -172,6 +177,7 @@ class EngineSettings(BaseSettings):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_model_len,
             preemption_mode=self.preemption_mode,
+            scheduling_policy=self.scheduling_policy,
         )
 
     def to_engine_config(self) -> EngineConfig:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.block_manager import BlockManager
@@ -25,15 +26,24 @@ def _by_arrival(seq: Sequence) -> int:
     return seq.arrival_order
 
 
+def _by_priority(seq: Sequence) -> tuple[int, int]:
+    return seq.priority, seq.arrival_order
+
+
 class Scheduler:
-    """All queues are kept in arrival order: the oldest request runs first and the youngest running
-    request is the preemption victim. A victim is swapped out (its blocks copied to the CPU pool) when
-    the mode and the pool allow, else recomputed (blocks freed, tokens run again when readmitted).
-    Swapped requests resume before any new request is admitted."""
+    """All queues are kept in arrival order (fcfs), or under the priority policy by (priority, arrival):
+    the head of a queue goes first and the last running request (the youngest, or the least urgent) is
+    the preemption victim. A victim is swapped out (its blocks copied to the CPU pool) when the mode
+    and the pool allow, else recomputed (blocks freed, tokens run again when readmitted). Under fcfs
+    swapped requests resume before any new request is admitted; under priority the more urgent of
+    the two heads goes first, and a waiting head that does not fit preempts less urgent running
+    requests (`_preempt_for_priority`)."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.is_priority = config.scheduling_policy == "priority"
+        self._key: Callable[[Sequence], Any] = _by_priority if self.is_priority else _by_arrival
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -57,7 +67,7 @@ class Scheduler:
         self.requests[seq.request_id] = seq
         for sibling in seq.pending_forks:  # parallel sampling: queued when the parent forks them
             self.requests[sibling.request_id] = sibling
-        bisect.insort(self.waiting, seq, key=_by_arrival)
+        bisect.insort(self.waiting, seq, key=self._key)
 
     def check_can_ever_fit(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Reject a request that could never run, even alone: admission keeps the watermark free in
@@ -117,8 +127,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         swap_in: list[tuple[int, int]] = []
-        num_preemptions_before = self.num_preemptions
         self.block_manager.forget_filling()
+        if self.is_priority:  # before the running requests are scheduled: a victim is in no batch
+            self._preempt_for_priority()
+        num_preemptions_before = self.num_preemptions
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -136,11 +148,15 @@ class Scheduler:
             budget -= num_new
         # Resume swapped requests, then admit new ones, only when nothing running had to make room:
         # so one step never both swaps out and swaps in, which keeps the workers' order (out, in,
-        # copy) safe.
+        # copy) safe. Priority preemption came first, so its swap-outs are known here: after one,
+        # swapped requests wait a step (`_admit_by_priority`), while new requests may take the room.
         if self.num_preemptions == num_preemptions_before:
-            budget = self._resume_swapped(budget, scheduled, swap_in)
-            if not self.swapped:
-                budget = self._admit_waiting(budget, scheduled)
+            if self.is_priority:
+                budget = self._admit_by_priority(budget, scheduled, swap_in)
+            else:
+                budget = self._resume_swapped(budget, scheduled, swap_in)
+                if not self.swapped:
+                    budget = self._admit_waiting(budget, scheduled)
         freed, self._freed_request_ids = self._freed_request_ids, []
         swap_out, self._swap_out = self._swap_out, []
         copies, self.block_manager.blocks_to_copy = self.block_manager.blocks_to_copy, []
@@ -179,7 +195,8 @@ class Scheduler:
     # -- helpers -------------------------------------------------------------------------------------
 
     def _make_room(self, seq: Sequence, num_new: int) -> bool:
-        """Preempt the youngest running sequences until `seq` can grow; False if `seq` itself went."""
+        """Preempt the last running sequences (the youngest; under priority the least urgent) until
+        `seq` can grow; False if `seq` itself went."""
         while not self.block_manager.can_append_slot(seq, num_new):
             victim = self.running[-1]
             self._preempt(victim)
@@ -188,19 +205,10 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        block_manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            cached_block_ids = block_manager.match_prefix(seq)
-            num_cached = len(cached_block_ids) * block_manager.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
-            if not block_manager.can_allocate(seq, num_new, cached_block_ids):
+            num_new = self._admit(budget, scheduled)
+            if num_new is None:
                 break
-            self.waiting.pop(0)
-            block_ids = block_manager.allocate(seq, num_new, cached_block_ids)
-            seq.num_computed_tokens = num_cached
-            self._start_running(seq)
-            scheduled.append(self._scheduled(seq, num_new, block_ids, is_new=True))
             budget -= num_new
         return budget
 
@@ -208,23 +216,91 @@ class Scheduler:
         self, budget: int, scheduled: list[ScheduledRequest], swap_in: list[tuple[int, int]]
     ) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.swapped[0]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.can_swap_in(seq, num_new):
+            num_new = self._resume(budget, scheduled, swap_in)
+            if num_new is None:
                 break
-            self.swapped.pop(0)
-            mapping = self.block_manager.swap_in(seq)
-            swap_in.extend(mapping)
-            self.num_swapped_in_blocks += len(mapping)
-            self.block_manager.append_slot(seq, num_new)
-            self._start_running(seq)
-            scheduled.append(self._scheduled(seq, num_new, list(seq.block_table), is_new=True))
             budget -= num_new
         return budget
 
+    def _admit_by_priority(
+        self, budget: int, scheduled: list[ScheduledRequest], swap_in: list[tuple[int, int]]
+    ) -> int:
+        """The more urgent of the waiting and the swapped head goes next, until one does not fit: a
+        waiting request more urgent than every swapped one does not wait for them to resume. In a
+        step that swapped out for priority, a swapped head waits for the next step (and so does
+        everything behind it), so that the step does not swap in too."""
+        can_swap_in = not self._swap_out
+        while (self.waiting or self.swapped) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if self.swapped and (not self.waiting or self._key(self.swapped[0]) < self._key(self.waiting[0])):
+                num_new = self._resume(budget, scheduled, swap_in) if can_swap_in else None
+            else:
+                num_new = self._admit(budget, scheduled)
+            if num_new is None:
+                break
+            budget -= num_new
+        return budget
+
+    def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> int | None:
+        """Admit the waiting head with up to `budget` tokens; its number of tokens, None if it does not fit."""
+        block_manager = self.block_manager
+        seq = self.waiting[0]
+        cached_block_ids = block_manager.match_prefix(seq)
+        num_cached = len(cached_block_ids) * block_manager.block_size
+        num_new = min(seq.num_tokens - num_cached, budget)
+        if not block_manager.can_allocate(seq, num_new, cached_block_ids):
+            return None
+        self.waiting.pop(0)
+        block_ids = block_manager.allocate(seq, num_new, cached_block_ids)
+        seq.num_computed_tokens = num_cached
+        self._start_running(seq)
+        scheduled.append(self._scheduled(seq, num_new, block_ids, is_new=True))
+        return num_new
+
+    def _resume(
+        self, budget: int, scheduled: list[ScheduledRequest], swap_in: list[tuple[int, int]]
+    ) -> int | None:
+        """Swap the swapped head back in with up to `budget` tokens; its number of tokens, None if it
+        does not fit."""
+        seq = self.swapped[0]
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if not self.block_manager.can_swap_in(seq, num_new):
+            return None
+        self.swapped.pop(0)
+        mapping = self.block_manager.swap_in(seq)
+        swap_in.extend(mapping)
+        self.num_swapped_in_blocks += len(mapping)
+        self.block_manager.append_slot(seq, num_new)
+        self._start_running(seq)
+        scheduled.append(self._scheduled(seq, num_new, list(seq.block_table), is_new=True))
+        return num_new
+
+    def _preempt_for_priority(self) -> None:
+        """vLLM's priority preemption: while the waiting head cannot be admitted (no free seat or too
+        few blocks) and is strictly more urgent than the least urgent running request, preempt that
+        one (swap or recompute, as `_make_room` does). A swapped head ahead of the waiting one
+        preempts nothing: it resumes as room frees. The victims queue behind the head, so they never
+        come back before it, and equal priorities never preempt each other: no ping-pong."""
+        if not self.waiting or (self.swapped and self._key(self.swapped[0]) < self._key(self.waiting[0])):
+            return
+        head = self.waiting[0]
+        while self.running and self.running[-1].priority > head.priority and not self._can_admit(head):
+            self._preempt(self.running[-1])
+
+    def _can_admit(self, seq: Sequence) -> bool:
+        """Whether the waiting head would be admitted now: a free seat, and blocks for the tokens the
+        budget gives it after the running requests' tokens (at least one, the smallest chunk)."""
+        block_manager = self.block_manager
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        num_running_tokens = sum(s.num_tokens - s.num_computed_tokens for s in self.running)
+        budget = max(self.config.max_num_batched_tokens - num_running_tokens, 1)
+        cached_block_ids = block_manager.match_prefix(seq)
+        num_new = min(seq.num_tokens - len(cached_block_ids) * block_manager.block_size, budget)
+        return block_manager.can_allocate(seq, num_new, cached_block_ids)
+
     def _start_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
-        bisect.insort(self.running, seq, key=_by_arrival)
+        bisect.insort(self.running, seq, key=self._key)
 
     def _scheduled(
         self, seq: Sequence, num_new: int, new_block_ids: list[int], is_new: bool
@@ -264,7 +340,7 @@ class Scheduler:
                 self._forked_ids.add(sibling.request_id)
                 self._start_running(sibling)
             else:
-                bisect.insort(self.waiting, sibling, key=_by_arrival)
+                bisect.insort(self.waiting, sibling, key=self._key)
         parent.pending_forks = []
 
     def _preempt(self, seq: Sequence) -> None:
@@ -280,7 +356,7 @@ class Scheduler:
             self.num_swap_preemptions += 1
             self.num_swapped_out_blocks += len(mapping)
             seq.status = SequenceStatus.SWAPPED
-            bisect.insort(self.swapped, seq, key=_by_arrival)
+            bisect.insort(self.swapped, seq, key=self._key)
             how = f"by swapping {len(mapping)} blocks to CPU"
             seq.preemption_events.append((time.monotonic(), "swap"))
         else:
@@ -288,7 +364,7 @@ class Scheduler:
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self.num_recompute_preemptions += 1
-            bisect.insort(self.waiting, seq, key=_by_arrival)
+            bisect.insort(self.waiting, seq, key=self._key)
             how = "by recompute"
             seq.preemption_events.append((time.monotonic(), "recompute"))
         logger.info(

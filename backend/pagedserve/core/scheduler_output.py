@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedserve.outputs import TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 
@@ -43,6 +45,11 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Structured outputs (set by the engine, None when no request sampled this step has a grammar):
+    # row i of the int32 bitmask [rows, ceil(vocab / 32)] constrains the token sampled for
+    # structured_output_request_ids[i]; bit t % 32 of word t // 32 set = token t allowed.
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:

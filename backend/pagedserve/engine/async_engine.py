@@ -93,7 +93,7 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.stream_interval = stream_interval
         self._streams: dict[str, _Stream] = {}
-        self._pending_adds: list[tuple[str, list[int], SamplingParams, float]] = []
+        self._pending_adds: list[tuple[str, list[int], SamplingParams, float, int]] = []
         self._pending_aborts: dict[str, _Abort] = {}  # by request id
         self._unread_finals: dict[str, RequestDelta] = {}  # by request id, oldest first
         self._wakeup = asyncio.Event()
@@ -129,9 +129,11 @@ class AsyncEngine:
     def live_request_ids(self) -> list[str]:
         return list(self._streams)
 
-    def check(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
         """Raise what generate() would raise before its first delta, without starting anything."""
-        self._admit(request_id, prompt_token_ids, params)
+        self._admit(request_id, prompt_token_ids, params, priority)
 
     def kill(self, exc: BaseException) -> None:
         """The engine cannot continue (e.g. a worker rank died between steps): fail every request."""
@@ -148,6 +150,7 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cancel_cause: Callable[[], str] | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestDelta, None]:
         """Deltas of one request until all its completions finish. Raises InvalidRequestError before
         the first delta for a request the engine would reject, QueueFullError when over the bound,
@@ -163,11 +166,15 @@ class AsyncEngine:
 
         With `stream_interval` N > 1 a completion's first token comes alone, at once, and after it a
         delta carries N tokens (the engine's deltas of N steps, joined), except the last, which carries
-        what is left when the completion finishes: fewer, larger messages for the same tokens."""
-        self._admit(request_id, prompt_token_ids, params)
+        what is left when the completion finishes: fewer, larger messages for the same tokens.
+
+        `priority` (an int64, 0 by default) orders the request under --scheduling-policy priority:
+        lower runs earlier and may preempt running requests of a higher value; any other value than 0
+        is refused (InvalidRequestError naming `priority`) under the default fcfs policy."""
+        self._admit(request_id, prompt_token_ids, params, priority)
         self._unread_finals.pop(request_id, None)  # an earlier request's under the same id
         stream = self._streams[request_id] = _Stream(time.monotonic(), len(prompt_token_ids))
-        self._pending_adds.append((request_id, prompt_token_ids, params, stream.arrival_time))
+        self._pending_adds.append((request_id, prompt_token_ids, params, stream.arrival_time, priority))
         self._wakeup.set()
         try:
             while True:
@@ -212,14 +219,16 @@ class AsyncEngine:
         self._wakeup.set()
         return True
 
-    def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _admit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int
+    ) -> None:
         if self.dead is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead}")
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         if request_id in self._pending_aborts:  # a step under way may still hold the old request's tokens
             raise InvalidRequestError("request_id", f"{request_id!r} is still being cancelled; retry shortly")
-        self.engine.validate_request(prompt_token_ids, params)
+        self.engine.validate_request(prompt_token_ids, params, priority)
         if self.engine.stats().num_waiting + len(self._pending_adds) >= self.max_queued_requests:
             raise QueueFullError(f"{self.max_queued_requests} requests are already queued; retry later")
 
@@ -264,11 +273,11 @@ class AsyncEngine:
         aborts, self._pending_aborts = self._pending_aborts, {}
         adds, self._pending_adds = self._pending_adds, []
         self._abort(aborts, never_added={add[0] for add in adds})
-        for request_id, prompt_token_ids, params, arrival_time in adds:
+        for request_id, prompt_token_ids, params, arrival_time, priority in adds:
             if request_id in aborts or request_id not in self._streams:
                 continue  # gone before it started
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params, arrival_time)
+                self.engine.add_request(request_id, prompt_token_ids, params, arrival_time, priority)
             except InvalidRequestError as exc:
                 self._streams[request_id].queue.put_nowait(exc)
 

@@ -13,6 +13,7 @@ from pagedserve.core.block_manager import BlockManager
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.scheduler_output import ModelRunnerOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.structured_output import StructuredOutputs
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta, RequestMetrics, TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
@@ -72,6 +73,9 @@ class LLMEngine:
         )
         self._requests: dict[str, _Request] = {}  # by client request id
         self._completions: dict[str, _Completion] = {}  # by sequence id
+        self.structured_outputs = StructuredOutputs(
+            self.tokenizer, config.model.vocab_size, self.eos_token_ids
+        )
         if config.model.sampling_defaults:
             logger.info(
                 "sampling parameters a request leaves unset take the model's generation_config.json "
@@ -112,11 +116,14 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
-        """Queue a request. With `n > 1` it runs as n sequences that share the prompt's blocks."""
-        self._validate(prompt_token_ids, params)
+        """Queue a request. With `n > 1` it runs as n sequences that share the prompt's blocks (and
+        its `priority`: under --scheduling-policy priority a lower value runs earlier)."""
+        self._validate(prompt_token_ids, params, priority)
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        grammar = self.structured_outputs.compile(params.structured_outputs)  # cached after validate_request
         seqs = [
             Sequence(
                 self._seq_id(request_id, i, params.n),
@@ -124,6 +131,7 @@ class LLMEngine:
                 _child_params(params, i),
                 self.eos_token_ids,
                 arrival_time,
+                priority,
             )
             for i in range(params.n)
         ]
@@ -131,6 +139,7 @@ class LLMEngine:
         for seq in seqs:
             seq.is_multi_sequence = params.n > 1
         self.scheduler.add(seqs[0])
+        self.structured_outputs.add([seq.request_id for seq in seqs], grammar)
         metrics = RequestMetrics(seqs[0].arrival_time, n=params.n, max_tokens=params.max_tokens)
         self._requests[request_id] = _Request(metrics, len(seqs))
         for index, seq in enumerate(seqs):
@@ -153,14 +162,19 @@ class LLMEngine:
         n = self._requests[request_id].num_sequences
         return [self._seq_id(request_id, i, n) for i in range(n)]
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
         """Everything add_request() would reject, checked without touching engine state (any thread)."""
-        self._validate(prompt_token_ids, params)
+        self._validate(prompt_token_ids, params, priority)
         self.scheduler.check_can_ever_fit(len(prompt_token_ids), params.max_tokens)
+        self.structured_outputs.compile(params.structured_outputs)  # last: the costliest check
 
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """What `SamplingParams` cannot check alone: the prompt and the limits of this model and engine.
-        Cheap checks first: a prompt of a million ids is refused for its length before its ids are read."""
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        """What `SamplingParams` cannot check alone: the prompt, the priority and the limits of this model
+        and engine. Cheap checks first: a prompt of a million ids is refused for its length before its
+        ids are read."""
+        self._validate_priority(priority)
         max_len = self.config.model.max_model_len
         vocab_size = self.config.model.vocab_size
         max_num_seqs = self.config.scheduler.max_num_seqs
@@ -183,6 +197,20 @@ class LLMEngine:
             raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {vocab_size})")
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")
+
+    def _validate_priority(self, priority: int) -> None:
+        """An int64 (the gRPC field's range), and 0 unless the engine schedules by priority: vLLM also
+        refuses a priority it would silently ignore."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError("priority", f"must be an integer, got {type(priority).__name__}")
+        if not -(2**63) <= priority < 2**63:
+            raise InvalidRequestError("priority", f"must be a 64-bit signed integer, got {priority}")
+        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                "priority",
+                f"got {priority}, but the scheduling policy is fcfs; start the server with "
+                "--scheduling-policy priority",
+            )
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestDelta]:
         """Abort requests (all their sequences); their blocks are free when this returns. Returns a final
@@ -239,10 +267,13 @@ class LLMEngine:
         now = time.monotonic()
         for req in scheduler_output.scheduled:
             metrics = self._requests[self._completions[req.request_id].request_id].metrics
-            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+            if metrics.first_scheduled_time is None:  # the request's first sequence, first scheduled
+                metrics.first_scheduled_time = now
+                metrics.num_cached_tokens = req.num_computed_tokens  # prefix-cache hits
             if scheduler_output.blocks_to_swap_in and req.is_new:
                 _note_swap_in(self.scheduler.requests[req.request_id], now)
         try:
+            self.structured_outputs.fill_bitmask(scheduler_output)  # a grammar's fault fails the batch alone
             runner_output = self.executor.execute(scheduler_output)
         except EngineDeadError:
             raise
@@ -269,6 +300,9 @@ class LLMEngine:
         logprobs_by_id = dict(zip(runner_output.request_ids, runner_output.logprobs or [], strict=False))
         deltas = []
         for seq in updated:
+            grammar_end = self.structured_outputs.advance(seq)
+            if grammar_end is not None:
+                self.scheduler.finish(seq, grammar_end)
             detokenizer = self._completions[seq.request_id].detokenizer
             stop_terminated = seq.finish_reason in (FinishReason.EOS, FinishReason.STOP)
             stop = detokenizer.update(seq.token_ids[-1:], stop_terminated)
@@ -281,6 +315,8 @@ class LLMEngine:
             new_logprobs = self._decode_logprobs(logprobs_by_id.get(seq.request_id), seq)
             text = detokenizer.take_delta(seq.is_finished)
             deltas.append(self._delta(seq, [seq.token_ids[-1]], text, new_logprobs, now))
+            if grammar_end is FinishReason.ERROR:
+                deltas[-1].error = "structured outputs: the grammar rejected the sampled token"
         return deltas
 
     def _delta(
@@ -352,6 +388,7 @@ class LLMEngine:
     def _forget(self, seq_id: str) -> None:
         """A sequence finished; the request goes when its last sequence has."""
         completion = self._completions.pop(seq_id)
+        self.structured_outputs.remove(seq_id)
         request = self._requests[completion.request_id]
         if request.num_finished == request.num_sequences:
             del self._requests[completion.request_id]
@@ -360,6 +397,7 @@ class LLMEngine:
         """Forget a request whose sequences the scheduler no longer holds, whatever their deltas."""
         for seq_id in self._seq_ids(request_id):
             self._completions.pop(seq_id, None)
+            self.structured_outputs.remove(seq_id)
         del self._requests[request_id]
 
 

@@ -7,6 +7,10 @@ are those of the raw logits (vLLM's default), whatever changed the distribution 
 Random rows draw with the exponential trick (argmax(probs / q), q ~ Exp(1)), which samples from
 probs exactly. A seeded request's noise comes from its own generator seeded by (seed, output
 index), so its tokens do not depend on what else is in the batch, nor on preemption.
+
+Structured outputs: the model runner applies a grammar's token bitmask (`apply_token_bitmask`) to the
+logits before the sampler, so greedy and random rows, penalties and logprobs all see masked logits
+(vLLM's order): a disallowed token's logprob is -inf.
 """
 
 from __future__ import annotations
@@ -120,6 +124,19 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     """The first index of each row's maximum, as `argmax` picks it; `max(dim)` finds the same index and
     is several times faster on CPU (about 0.8 ms against 2.1 ms for 64 rows of a 49,152-token vocabulary)."""
     return x.max(dim=-1).indices
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Structured outputs: set to -inf, in place, the logits of `rows` whose bit in `bitmask` is clear
+    (int32 [len(rows), W]: bit t % 32 of word t // 32 is token t, as xgrammar fills it). Tokens past
+    the mask's 32 * W (a vocabulary padded beyond the grammar's) are disallowed too."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

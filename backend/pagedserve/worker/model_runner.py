@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from pagedserve_kernels import cpu as cpu_kernels
 
@@ -27,7 +28,7 @@ from pagedserve.layers.attention import (
     step_metadata,
 )
 from pagedserve.layers.linear import amx_linear_available, can_pack_weights
-from pagedserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors
+from pagedserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors, apply_token_bitmask
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import iter_safetensors
 from pagedserve.models.registry import get_model_class
@@ -206,8 +207,22 @@ class ModelRunner:
         if not sampled:
             return ModelRunnerOutput([], [])
         logits = self.model.compute_logits(hidden[sample_indices])
-        result = self.sampler(logits, self._sampling_tensors(sampled))
+        grammar_masks = self._apply_grammar_bitmask(logits, sampled, output)
+        result = self.sampler(logits, self._sampling_tensors(sampled, grammar_masks))
         return self._to_output(sampled, result)
+
+    def _apply_grammar_bitmask(
+        self, logits: torch.Tensor, sampled: list[ScheduledRequest], output: SchedulerOutput
+    ) -> dict[str, np.ndarray]:
+        """Structured outputs: mask the logits of the rows whose request has a grammar (before the
+        sampler, so every fast path samples from masked logits). Returns each such request's bitmask row."""
+        if output.grammar_bitmask is None:
+            return {}
+        row_of = {r.request_id: row for row, r in enumerate(sampled)}
+        rows = [row_of[request_id] for request_id in output.structured_output_request_ids]
+        bitmask = torch.from_numpy(output.grammar_bitmask).to(self.device, non_blocking=True)
+        apply_token_bitmask(logits, bitmask, rows)
+        return dict(zip(output.structured_output_request_ids, output.grammar_bitmask, strict=True))
 
     # -- per-request state ------------------------------------------------------------------------
 
@@ -297,7 +312,9 @@ class ModelRunner:
         input_ids = torch.tensor(list(chain.from_iterable(r.token_ids for r in order)))
         return to_device(input_ids), to_device(positions), metadata, to_device(sample_indices)
 
-    def _sampling_tensors(self, sampled: list[ScheduledRequest]) -> SamplingTensors:
+    def _sampling_tensors(
+        self, sampled: list[ScheduledRequest], grammar_masks: dict[str, np.ndarray]
+    ) -> SamplingTensors:
         states = [self.requests[r.request_id] for r in sampled]
         params = [s.params for s in states]
         device = self.device
@@ -324,9 +341,10 @@ class ModelRunner:
             if use_penalties
             else None,
             banned_tokens=[
-                (row, self._banned(s))
-                for row, s in enumerate(states)
+                (row, banned)
+                for row, (r, s) in enumerate(zip(sampled, states, strict=True))
                 if s.num_output_tokens < s.params.min_tokens
+                and (banned := self._banned(s, grammar_masks.get(r.request_id)))
             ],
             seeded_rows=[
                 (row, s.params.seed, s.num_output_tokens)
@@ -336,9 +354,14 @@ class ModelRunner:
             max_num_logprobs=max(logprobs) if logprobs else None,
         )
 
-    def _banned(self, state: RequestState) -> list[int]:
+    def _banned(self, state: RequestState, grammar_mask: np.ndarray | None) -> list[int]:
+        """The tokens min_tokens bans for this row; none where the row's grammar allows nothing else
+        (it is complete, only EOS may follow): the grammar wins, else the row would have no token."""
         eos = [] if state.params.ignore_eos else self.eos_token_ids
-        return [*eos, *state.params.stop_token_ids]
+        banned = [*eos, *state.params.stop_token_ids]
+        if grammar_mask is not None and _allows_only(grammar_mask, banned):
+            return []
+        return banned
 
     def _padded(self, rows: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(r) for r in rows))
@@ -360,11 +383,21 @@ class ModelRunner:
         for row, req in enumerate(sampled):
             k = self.requests[req.request_id].params.logprobs
             entry: TokenLogprobs = {}
-            if k is not None:
+            if k is not None:  # a grammar's disallowed tokens (-inf) are no candidates: left out
                 entry = {
                     tid: Logprob(v, rank + 1)
                     for rank, (tid, v) in enumerate(zip(ids[row][1 : k + 1], values[row][1 : k + 1]))
+                    if v != float("-inf")
                 }
                 entry[ids[row][0]] = Logprob(values[row][0], ranks[row])
             logprobs.append(entry)
         return ModelRunnerOutput(request_ids, token_ids, logprobs)
+
+
+def _allows_only(bitmask_row: np.ndarray, token_ids: list[int]) -> bool:
+    """Whether a grammar's bitmask row allows no token outside `token_ids`."""
+    num_allowed = int(np.unpackbits(bitmask_row.view(np.uint8)).sum())
+    words, bits = np.divmod(np.array(sorted(set(token_ids)), dtype=np.int64), 32)
+    in_range = words < bitmask_row.shape[0]
+    num_listed = int(((bitmask_row[words[in_range]] >> bits[in_range]) & 1).sum())
+    return num_allowed == num_listed

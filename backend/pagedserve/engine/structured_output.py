@@ -1,0 +1,140 @@
+"""Structured outputs on the engine side: compile a request's constraint (xgrammar), keep one grammar
+matcher per sequence, fill each step's token bitmask for the workers, advance matchers with sampled tokens.
+
+The workers only see the bitmask (`SchedulerOutput.grammar_bitmask`, plain numpy data that pickles to
+tensor-parallel ranks) and mask the logits with it before sampling (`layers.sampler.apply_token_bitmask`).
+A matcher lives as long as its sequence: preemption (swap or recompute) keeps the output tokens, so it
+keeps the matcher; a finished or aborted sequence drops it. When the grammar is complete it allows only
+the engine's EOS ids, and a sequence whose matcher accepted one ends with finish reason eos, also under
+`ignore_eos` (as vLLM ends it): nothing may follow a complete grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pagedserve.core.scheduler_output import SchedulerOutput
+from pagedserve.errors import InvalidRequestError
+from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.sequence import FinishReason, Sequence
+
+if TYPE_CHECKING:  # xgrammar imports transformers (a second): loaded with the first grammar
+    import xgrammar
+
+logger = logging.getLogger(__name__)
+
+# xgrammar keeps compiled grammars in a cache keyed by the spec, so the same schema for many requests
+# compiles once; bounded as vLLM bounds it (VLLM_XGRAMMAR_CACHE_MB): clients may send endless new ones.
+_CACHE_LIMIT_BYTES = 512 * 1024**2
+_MAX_COMPILE_THREADS = 8
+_MAX_ERROR_CHARS = 500
+# xgrammar's errors open with "[12:00:00] /project/cpp/file.cc:123: " and often "Check failed: (...) is false: "
+_ERROR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
+
+
+class StructuredOutputs:
+    """Grammars of the requests with `SamplingParams.structured_outputs`. The compiler (and the
+    tokenizer's vocabulary it indexes) is built on the first such request, once per engine: an engine
+    that never sees one never imports xgrammar, and a step with no matcher costs one dict check."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size  # the model's: padded rows past the tokenizer's are never allowed
+        self._eos_token_ids = sorted(eos_token_ids)
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._lock = threading.Lock()  # validate_request compiles off the engine thread
+        self._matchers: dict[str, xgrammar.GrammarMatcher] = {}  # by sequence id
+
+    def compile(self, params: StructuredOutputsParams | None) -> xgrammar.CompiledGrammar | None:
+        """The compiled grammar of a request (None without structured outputs). Raises
+        InvalidRequestError naming the field (`structured_outputs.json`, ...) with the compiler's message."""
+        if params is None:
+            return None
+        kind = params.kind
+        try:
+            return self._compile(params)
+        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar raises RuntimeError (and subclasses)
+            message = _ERROR_PREFIX.sub("", str(exc)).strip()
+            if len(message) > _MAX_ERROR_CHARS:
+                message = message[:_MAX_ERROR_CHARS] + "..."
+            raise InvalidRequestError(f"structured_outputs.{kind}", f"does not compile: {message}") from None
+
+    def _compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        compiler = self._get_compiler()
+        if params.json is not None:
+            schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+            return compiler.compile_json_schema(schema)
+        if params.regex is not None:
+            return compiler.compile_regex(params.regex)
+        if params.choice is not None:  # JSON's string escapes are EBNF's
+            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in params.choice))
+        if params.grammar is not None:
+            return compiler.compile_grammar(params.grammar)
+        return compiler.compile_builtin_json_grammar()
+
+    def _get_compiler(self) -> xgrammar.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar
+
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._eos_token_ids
+                )
+                self._compiler = xgrammar.GrammarCompiler(
+                    info, max_threads=_MAX_COMPILE_THREADS, cache_limit_bytes=_CACHE_LIMIT_BYTES
+                )
+            return self._compiler
+
+    # -- matchers, one per sequence ----------------------------------------------------------------
+
+    def add(self, seq_ids: list[str], grammar: xgrammar.CompiledGrammar | None) -> None:
+        """A matcher of `grammar` for each sequence (n > 1 siblings each their own, all at the start)."""
+        if grammar is None:
+            return
+        import xgrammar
+
+        for seq_id in seq_ids:
+            self._matchers[seq_id] = xgrammar.GrammarMatcher(grammar)
+
+    def remove(self, seq_id: str) -> None:
+        self._matchers.pop(seq_id, None)
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._matchers
+
+    def fill_bitmask(self, output: SchedulerOutput) -> None:
+        """Set the step's bitmask: a row per scheduled request that samples this step and has a grammar."""
+        if not self._matchers:
+            return
+        request_ids = [
+            r.request_id for r in output.scheduled if r.do_sample and r.request_id in self._matchers
+        ]
+        if not request_ids:
+            return
+        bitmask = np.zeros((len(request_ids), -(-self._vocab_size // 32)), dtype=np.int32)
+        for row, request_id in enumerate(request_ids):
+            self._matchers[request_id].fill_next_token_bitmask(bitmask, row)
+        output.structured_output_request_ids = request_ids
+        output.grammar_bitmask = bitmask
+
+    def advance(self, seq: Sequence) -> FinishReason | None:
+        """Feed a running sequence's last sampled token to its matcher. Returns how the grammar ends the
+        sequence: EOS once the matcher terminated (it accepted EOS and `ignore_eos` or min_tokens kept
+        the sequence going), ERROR if it rejected the token (the mask allowed it: never expected)."""
+        matcher = self._matchers.get(seq.request_id)
+        if matcher is None or seq.is_finished:
+            return None
+        token_id = seq.token_ids[-1]
+        if not matcher.accept_token(token_id):
+            logger.error(
+                "structured outputs: %s sampled token %d, which its grammar rejects", seq.request_id, token_id
+            )
+            return FinishReason.ERROR
+        return FinishReason.EOS if matcher.is_terminated() else None

@@ -1,0 +1,315 @@
+"""Structured outputs: every sampled token keeps the completion inside a JSON schema, regex, choice
+or EBNF grammar, through sampling, n > 1, preemption (swap and recompute) and tensor parallelism;
+bad constraints are refused at admission naming their field, and unconstrained requests beside
+constrained ones are untouched."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+import pytest
+from pagedserve import LLM, SamplingParams
+from pagedserve.errors import InvalidRequestError
+from pagedserve.sampling_params import StructuredOutputsParams
+from tiny_models import save_tiny_model
+
+PROMPTS = [[1, 300, 301, 302], [1, 500, 600, 700, 800, 900], [1, 42], [1, *range(1000, 1030)]]
+# bounded: a random-weight model ends these within a few dozen tokens (then only EOS is allowed)
+REGEX = r"[a-z]{2,6}-[0-9]{2}( [a-z]{1,4}){0,3}"
+CHOICES = ["red", "green", 'say "blue"\n', "yellow ☀"]
+GRAMMAR = 'root ::= num (" + " num){1,3}\nnum ::= [1-9] [0-9]?'
+EXPR = re.compile(r"[1-9][0-9]?( \+ [1-9][0-9]?){1,3}")
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"enum": ["Paris", "Berlin", "Rome"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+def so(**kind: object) -> StructuredOutputsParams:
+    return StructuredOutputsParams(**kind)  # type: ignore[arg-type]
+
+
+def greedy(structured: StructuredOutputsParams | None = None, **extra: object) -> SamplingParams:
+    settings: dict[str, object] = {"temperature": 0, "max_tokens": 48, **extra}
+    return SamplingParams(structured_outputs=structured, **settings)  # type: ignore[arg-type]
+
+
+def assert_person(text: str) -> None:
+    value = json.loads(text)
+    assert set(value) == {"name", "age", "city"}
+    assert isinstance(value["name"], str) and len(value["name"]) <= 24
+    assert isinstance(value["age"], int) and 0 <= value["age"] <= 150
+    assert value["city"] in ("Paris", "Berlin", "Rome")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: str) -> LLM:
+    return LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128, block_size=16)
+
+
+# -- the constraints hold ----------------------------------------------------------------------------
+
+
+def test_regex_choice_and_grammar_hold_greedy_and_sampled(llm: LLM) -> None:
+    cases = [(so(regex=REGEX), re.compile(REGEX)), (so(grammar=GRAMMAR), EXPR)]
+    for temperature in (0.0, 1.0):
+        for structured, pattern in cases:
+            params = SamplingParams(
+                temperature=temperature, top_k=50, seed=7, max_tokens=64, structured_outputs=structured
+            )
+            for out in llm.generate(PROMPTS, params):
+                completion = out.outputs[0]
+                assert pattern.fullmatch(completion.text), completion.text
+                assert completion.finish_reason == "eos"
+        params = SamplingParams(temperature=temperature, seed=3, structured_outputs=so(choice=CHOICES))
+        for out in llm.generate(PROMPTS, params):
+            assert out.outputs[0].text in CHOICES
+            assert out.outputs[0].finish_reason == "eos"
+
+
+def test_unconstrained_output_breaks_the_constraints(llm: LLM) -> None:
+    """The constrained tests above could not pass by luck: unconstrained, the same model matches none."""
+    for out in llm.generate(PROMPTS, greedy()):
+        text = out.outputs[0].text
+        assert not re.fullmatch(REGEX, text) and not EXPR.fullmatch(text) and text not in CHOICES
+
+
+def test_n_siblings_each_follow_the_grammar(llm: LLM) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=64, structured_outputs=so(regex=REGEX))
+    outs = llm.generate(PROMPTS[:2], params)
+    for out in outs:
+        texts = [c.text for c in out.outputs]
+        assert all(re.fullmatch(REGEX, t) for t in texts), texts
+        assert len(set(texts)) > 1  # each sibling samples its own path through the grammar
+
+
+def test_mixed_batch_leaves_unconstrained_requests_untouched(llm: LLM) -> None:
+    alone = [llm.generate([p], greedy())[0].outputs[0].token_ids for p in PROMPTS[:2]]
+    constrained = [greedy(so(regex=REGEX)), greedy(so(choice=CHOICES))]
+    mixed = llm.generate(PROMPTS[:2] + PROMPTS[2:], [greedy(), greedy(), *constrained])
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == alone
+    assert re.fullmatch(REGEX, mixed[2].outputs[0].text) and mixed[3].outputs[0].text in CHOICES
+
+
+def test_a_complete_grammar_ends_the_request_under_ignore_eos_and_min_tokens(llm: LLM) -> None:
+    """Past a complete grammar only EOS may follow: the request ends there (finish reason eos, its
+    text without EOS), although ignore_eos or min_tokens would have it go on (as vLLM ends it)."""
+    for extra in ({"ignore_eos": True}, {"min_tokens": 40}):
+        out = llm.generate(PROMPTS, greedy(so(choice=CHOICES), **extra))
+        assert all(o.outputs[0].text in CHOICES for o in out)
+        assert {o.outputs[0].finish_reason for o in out} == {"eos"}
+        assert all(o.outputs[0].token_ids[-1] == 2 for o in out)  # the EOS the grammar ended with
+
+
+def test_logprobs_are_of_the_masked_distribution(llm: LLM) -> None:
+    out = llm.generate([PROMPTS[0]], greedy(so(choice=["red", "green"]), logprobs=5))[0].outputs[0]
+    assert out.text in ("red", "green") and out.logprobs is not None
+    for token_id, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert entry[token_id].logprob > float("-inf")
+        assert all(lp.logprob > float("-inf") for lp in entry.values())  # disallowed tokens are left out
+    assert set(out.logprobs[-1]) == {2}  # the complete grammar allowed EOS alone: probability 1
+    assert out.logprobs[-1][2].logprob == pytest.approx(0.0, abs=1e-5)
+
+
+def test_a_spec_compiles_once_for_many_requests(llm: LLM) -> None:
+    structured = llm.engine.structured_outputs
+    structured.compile(so(regex=REGEX))
+    compiler = structured._get_compiler()
+    size = compiler.get_cache_size_bytes()
+    outs = llm.generate(PROMPTS, greedy(so(regex=REGEX)))  # validated and added: two compiles each
+    assert all(re.fullmatch(REGEX, o.outputs[0].text) for o in outs)
+    assert compiler.get_cache_size_bytes() == size
+    structured.compile(so(regex=REGEX + "x"))
+    assert compiler.get_cache_size_bytes() > size
+
+
+# -- preemption ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preempted_requests_keep_their_grammar(tiny_llama_dir: str, llm: LLM, mode: str) -> None:
+    prompts = [[1, *range(100 + 40 * i, 100 + 40 * i + 20)] for i in range(8)]
+    kinds = [so(regex=REGEX), so(grammar=GRAMMAR), so(choice=CHOICES), None]
+    params = [greedy(kinds[i % 4], ignore_eos=kinds[i % 4] is None, max_tokens=40) for i in range(8)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    # 14 blocks of 8 tokens cannot hold 8 requests of up to 60 tokens: preempt
+    small = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        num_kv_blocks=14,
+        block_size=8,
+        num_cpu_kv_blocks=64,
+        preemption_mode=mode,
+    )
+    outs = small.generate(prompts, params)
+    stats = small.engine.stats()
+    assert (stats.num_swap_preemptions if mode == "swap" else stats.num_recompute_preemptions) > 0
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert re.fullmatch(REGEX, outs[0].outputs[0].text) and EXPR.fullmatch(outs[1].outputs[0].text)
+    assert not small.engine.structured_outputs._matchers  # every finished sequence dropped its matcher
+
+
+# -- invalid constraints ---------------------------------------------------------------------------------
+
+INVALID = [
+    ("structured_outputs.json", {"json": "{not json"}),
+    ("structured_outputs.json", {"json": {"type": "no-such-type"}}),
+    ("structured_outputs.regex", {"regex": "a(b"}),
+    ("structured_outputs.grammar", {"grammar": "root ::= undefined_rule"}),
+]
+
+
+@pytest.mark.parametrize(("field", "kind"), INVALID)
+def test_constraints_that_do_not_compile_are_refused_at_admission(
+    llm: LLM, field: str, kind: dict[str, object]
+) -> None:
+    engine = llm.engine
+    params = greedy(so(**kind))
+    with pytest.raises(InvalidRequestError) as validated:
+        engine.validate_request(PROMPTS[0], params)
+    assert validated.value.field == field
+    assert "/project/cpp" not in validated.value.message  # the compiler's message, not its source line
+    with pytest.raises(InvalidRequestError) as added:
+        engine.add_request("bad", PROMPTS[0], params)
+    assert added.value.field == field
+    assert not engine.has_unfinished_requests() and not engine.structured_outputs._matchers
+    assert re.fullmatch(REGEX, llm.generate([PROMPTS[0]], greedy(so(regex=REGEX)))[0].outputs[0].text)
+
+
+def test_async_engine_refuses_a_bad_grammar_before_the_first_delta(tiny_llama_dir: str) -> None:
+    """The server's path: validate_request compiles on the event loop, the step thread never sees it."""
+    from pagedserve.engine.async_engine import AsyncEngine, in_torch_thread
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.settings import EngineSettings
+
+    settings = EngineSettings(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64)
+
+    async def scenario() -> tuple[str, str]:
+        engine = AsyncEngine(await in_torch_thread(LLMEngine.from_settings, settings))
+        engine.start()
+        try:
+            good = engine.generate("good", PROMPTS[1], greedy(so(regex=REGEX)))
+            first = await anext(good)
+            with pytest.raises(InvalidRequestError) as bad:
+                await anext(engine.generate("bad", PROMPTS[0], greedy(so(grammar="root ::= ("))))
+            text = first.new_text + "".join([delta.new_text async for delta in good])
+            return bad.value.field, text
+        finally:
+            await engine.stop()
+
+    field, text = asyncio.run(asyncio.wait_for(scenario(), timeout=120))
+    assert field == "structured_outputs.grammar"
+    assert re.fullmatch(REGEX, text)
+
+
+@pytest.mark.parametrize(
+    ("field", "kind"),
+    [
+        ("structured_outputs", {}),
+        ("structured_outputs", {"json": "{}", "regex": "a"}),
+        ("structured_outputs", {"choice": ["a"], "json_object": True}),
+        ("structured_outputs.choice", {"choice": []}),
+        ("structured_outputs.choice", {"choice": "ab"}),
+        ("structured_outputs.json", {"json": 3}),
+        ("structured_outputs.json_object", {"json_object": "yes"}),
+    ],
+)
+def test_malformed_structured_outputs_name_the_field(field: str, kind: dict[str, object]) -> None:
+    with pytest.raises(InvalidRequestError) as exc:
+        so(**kind)
+    assert exc.value.field == field
+    with pytest.raises(InvalidRequestError) as not_params:
+        SamplingParams(structured_outputs={"regex": "a"})  # type: ignore[arg-type]
+    assert not_params.value.field == "structured_outputs"
+
+
+# -- padded vocabulary -----------------------------------------------------------------------------------
+
+
+def test_padded_vocabulary_rows_are_never_sampled(tmp_path: Path, default_model_dir: str) -> None:
+    """A model with 64 embedding rows past the tokenizer's vocabulary, whose LM head makes two of them
+    win every step: unconstrained greedy picks them, constrained never does."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig
+
+    vocab = 49152 + 64
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model_dir = save_tiny_model(tmp_path / "padded", default_model_dir, config)
+    weights = load_file(f"{model_dir}/model.safetensors")
+    weights["model.norm.weight"][0] = 1000.0  # the final hidden state is all dimension 0
+    weights["lm_head.weight"][49152 + 10] = 0.0
+    weights["lm_head.weight"][49152 + 10, 0] = 100.0  # wins where dimension 0 is positive
+    weights["lm_head.weight"][49152 + 20] = 0.0
+    weights["lm_head.weight"][49152 + 20, 0] = -100.0  # and this one where it is negative
+    save_file({k: v.contiguous() for k, v in weights.items()}, f"{model_dir}/model.safetensors")
+    padded = LLM(model=model_dir, dtype="float32", num_kv_blocks=32)
+    free = padded.generate(PROMPTS[:2], greedy(ignore_eos=True, max_tokens=8))
+    assert all(set(o.outputs[0].token_ids) <= {49162, 49172} for o in free)
+    for out in padded.generate(PROMPTS[:2], greedy(so(regex=REGEX), max_tokens=64)):
+        assert re.fullmatch(REGEX, out.outputs[0].text)
+        assert max(out.outputs[0].token_ids) < 49152
+
+
+# -- the real model: JSON ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_default_model_json_schema_and_json_object(default_model_dir: str) -> None:
+    """bfloat16 on the CPU: greedy rows take the C++ argmax kernel, on the masked logits."""
+    real = LLM(model=default_model_dir, num_kv_blocks=256)
+    ask = [{"role": "user", "content": "Describe a person who lives in Europe as JSON."}]
+    schema_text = json.dumps(PERSON)
+    for schema in (PERSON, schema_text):
+        out = real.chat(ask, greedy(so(json=schema), max_tokens=80))[0].outputs[0]
+        assert out.finish_reason == "eos"
+        assert_person(out.text)
+    sampled = SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=80, structured_outputs=so(json=PERSON))
+    for completion in real.chat(ask, sampled)[0].outputs:
+        assert_person(completion.text)
+    cat = [{"role": "user", "content": "Describe a cat in JSON with two keys: name and color."}]
+    out = real.chat(cat, greedy(so(json_object=True), max_tokens=120))[0].outputs[0]
+    assert out.finish_reason == "eos" and isinstance(json.loads(out.text), dict)
+    free = real.chat(cat, greedy(max_tokens=120))[0].outputs[0].text
+    with pytest.raises(json.JSONDecodeError):  # unconstrained, the model wraps its JSON in prose
+        json.loads(free)
+
+
+# -- tensor parallel -----------------------------------------------------------------------------------
+
+
+def test_tensor_parallel_ranks_apply_the_bitmask(tiny_llama_dir: str, llm: LLM) -> None:
+    """The bitmask travels in the plan rank 0 broadcasts: every rank masks and samples its own copy of
+    the logits (rank 0's tokens are returned; a rank that could not apply it would fail the step)."""
+    params = [
+        greedy(so(regex=REGEX)),
+        SamplingParams(temperature=1.0, seed=4, structured_outputs=so(choice=CHOICES)),
+    ]
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
+    tp2 = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64, block_size=16, tensor_parallel_size=2)
+    try:
+        outs = tp2.generate(PROMPTS[:2], params)
+    finally:
+        tp2.engine.executor.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert re.fullmatch(REGEX, outs[0].outputs[0].text) and outs[1].outputs[0].text in CHOICES
