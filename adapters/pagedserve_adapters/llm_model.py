@@ -24,7 +24,7 @@ from typing import Any
 from pagedserve.engine.async_engine import QueueFullError, in_tokenizer_thread
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 from pagedserve_adapters import tensors
 
@@ -98,6 +98,8 @@ _PARAMETER_TYPES: dict[str, str] = {
     "include_stop_str_in_output": "bool",
     "logprobs": "int",
     "skip_special_tokens": "bool",
+    "structured_outputs": "object",
+    "guided_decoding": "object",  # vLLM's name before 0.11, as the vLLM backend's clients send it
 }
 # The vLLM backend reports vLLM's reasons: the end-of-sequence token is a "stop".
 _FINISH_REASONS = {"eos": "stop"}
@@ -119,6 +121,7 @@ class LLMRequest:
     exclude_input: bool
     outputs: tuple[str, ...]  # output tensors to return, in this order
     empty_final: bool = False  # streams: end with a data-less response flagged final
+    priority: int = 0  # Triton's request priority: 0 the default level, 1 the most urgent
 
 
 def parse_request(
@@ -176,6 +179,9 @@ def parse_request(
         exclude_input = bool(switches["exclude_input_in_output"])
 
     params = _sampling_params(sampling, "sampling_parameters", make_params)
+    priority = parameters.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority < 2**63:
+        raise InvalidRequestError("parameters.priority", f"must be an unsigned integer, got {priority!r}")
     if (switches["return_logprobs"] or switches["return_cumulative_logprob"]) and params.logprobs is None:
         params = dataclasses.replace(params, logprobs=0)  # only the sampled tokens' logprobs
     return LLMRequest(
@@ -185,6 +191,7 @@ def parse_request(
         exclude_input=exclude_input,
         outputs=_selected_outputs(switches, requested_outputs),
         empty_final=empty_final,
+        priority=priority,
     )
 
 
@@ -239,12 +246,38 @@ def _sampling_params(
             raise InvalidRequestError(
                 f"{where}.{name}", f"unknown sampling parameter; known: {', '.join(_PARAMETER_TYPES)}"
             )
-        if value is not None:
+        if value is None:
+            continue
+        if kind == "object":  # structured outputs, under either name
+            if "structured_outputs" in kwargs:
+                raise InvalidRequestError(
+                    f"{where}.{name}", "give structured_outputs or guided_decoding, not both"
+                )
+            kwargs["structured_outputs"] = _structured_outputs(value, f"{where}.{name}")
+        else:
             kwargs[name] = _cast(value, kind, f"{where}.{name}")
     try:
         return make_params(**kwargs)
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"{where}.{exc.field}", exc.message) from None
+
+
+def _structured_outputs(value: Any, where: str) -> StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams as a JSON object (or its text, as a request parameter's string):
+    one of json (a schema, object or text), regex, choice, grammar, json_object."""
+    doc = _json_object(value, where) if isinstance(value, str) else value
+    if not isinstance(doc, dict):
+        raise InvalidRequestError(where, 'must be a JSON object such as {"regex": "[0-9]+"}')
+    known = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+    for key in doc:
+        if key not in known:
+            raise InvalidRequestError(f"{where}.{key}", f"unknown; known: {', '.join(sorted(known))}")
+    try:
+        return StructuredOutputsParams(**doc)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(
+            f"{where}{exc.field.removeprefix('structured_outputs')}", exc.message
+        ) from None
 
 
 def _cast(value: Any, kind: str, where: str) -> Any:
@@ -423,14 +456,20 @@ class LLMModel:
         tracer = self.server.servicer.tracer
         started = time.monotonic()
         rid = engine.new_request_id("v2")
+        # Triton ignores a request's priority unless the model has priority levels: so do we, unless
+        # the server schedules by priority, where Triton's levels keep their order (1 first; 0, the
+        # default level, runs as the engine's default 0, ahead of them).
+        priority = request.priority if llm.config.scheduler.scheduling_policy == "priority" else 0
         try:
             prompt = await in_tokenizer_thread(llm.encode_prompt, request.prompt)
-            engine.check(rid, prompt, request.params)
+            # a new schema compiles here, off the event loop (ms to s); check() then finds it cached
+            await in_tokenizer_thread(llm.structured_outputs.compile, request.params.structured_outputs)
+            engine.check(rid, prompt, request.params, priority)
         except Exception as exc:
             raise _adapter_error(exc) from exc
         tokenized = (started, time.monotonic())
         last: RequestDelta | None = None
-        deltas = engine.generate(rid, prompt, request.params, cancel_cause)
+        deltas = engine.generate(rid, prompt, request.params, cancel_cause, priority=priority)
         try:
             async for delta in deltas:
                 last = delta

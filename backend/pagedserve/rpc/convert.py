@@ -9,7 +9,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import RequestDelta, TokenLogprobs
 from pagedserve.rpc.v1 import generate_pb2 as pb
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 _OPTIONAL_PARAMS = (
     "temperature",
@@ -96,7 +96,20 @@ def sampling_params(message: pb.SamplingParameters, engine: LLMEngine) -> Sampli
         stop_token_ids=list(message.stop_token_ids),
         include_stop_str_in_output=message.include_stop_str_in_output,
     )
+    if message.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs(message.structured_outputs)
     return engine.sampling_params(**kwargs)
+
+
+def structured_outputs(message: pb.StructuredOutputs) -> StructuredOutputsParams:
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError(
+            "structured_outputs", "set one of json, regex, choice, grammar or json_object"
+        )
+    if kind == "choice":
+        return StructuredOutputsParams(choice=list(message.choice.choices))
+    return StructuredOutputsParams(**{kind: getattr(message, kind)})
 
 
 def request_id(request: pb.GenerateRequest, assign: str) -> str:
@@ -164,6 +177,8 @@ def response(delta: RequestDelta) -> pb.GenerateResponse:
         completion_tokens=delta.num_output_tokens,
         error=delta.error or "",
     )
+    if delta.metrics.num_cached_tokens is not None:
+        out.cached_tokens = delta.metrics.num_cached_tokens
     if delta.finished and delta.finish_reason:
         out.finish_reason = _FINISH_REASONS.get(delta.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
     metrics = delta.metrics

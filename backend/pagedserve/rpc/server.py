@@ -54,6 +54,7 @@ class _Call:
     prompt: list[int]
     params: SamplingParams
     tokenized: tuple[float, float]  # time.monotonic() before and after tokenizing
+    priority: int = 0
     last: RequestDelta | None = None
 
 
@@ -118,14 +119,16 @@ class GenerationServicer:
             rid = convert.request_id(request, self.engine.new_request_id())
             params = convert.sampling_params(request.sampling, self.llm)
             prompt = await in_tokenizer_thread(convert.prompt_token_ids, request, self.llm)
-            self.engine.check(rid, prompt, params)
+            # a new schema compiles here, off the event loop (ms to s); check() then finds it cached
+            await in_tokenizer_thread(self.llm.structured_outputs.compile, params.structured_outputs)
+            self.engine.check(rid, prompt, params, request.priority)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return _Call(rid, prompt, params, (started, time.monotonic()))
+        return _Call(rid, prompt, params, (started, time.monotonic()), request.priority)
 
     async def _deltas(
         self, call: _Call, context: grpc.aio.ServicerContext
@@ -133,7 +136,9 @@ class GenerationServicer:
         """The engine's deltas; closing this closes the engine's generator at once, which aborts a
         request its caller left (left to the garbage collector, the abort waited for it)."""
         cause = partial(cancel_cause, context)
-        deltas = self.engine.generate(call.request_id, call.prompt, call.params, cause)
+        deltas = self.engine.generate(
+            call.request_id, call.prompt, call.params, cause, priority=call.priority
+        )
         try:
             async for delta in deltas:
                 call.last = delta
@@ -243,6 +248,7 @@ def _merge(into: pb.GenerateResponse, delta: pb.GenerateResponse) -> None:
         "time_in_queue_s",
         "time_to_first_token_s",
         "error",
+        "cached_tokens",
     ):
         if getattr(delta, name):
             setattr(into, name, getattr(delta, name))

@@ -1,0 +1,310 @@
+"""Request options through the front ends, on an in-process server (tiny model, real gRPC, real
+tritonclient, real HTTP): a request's `priority` (our GenerateRequest field, Triton's request
+parameter) orders the queue under `--scheduling-policy priority` and is refused (ours) or ignored
+(Triton's, as Triton ignores it for a model without priority levels) under fcfs; structured outputs
+(our `sampling.structured_outputs`, Triton's `structured_outputs` / `guided_decoding` sampling
+parameter) constrain the text, and a schema the compiler refuses is INVALID_ARGUMENT naming the field;
+`cached_tokens` reports the prompt tokens found in the prefix cache."""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from inprocess_server import InProcessServer, wait_for
+from pagedserve.rpc.v1 import generate_pb2 as pb
+
+MODEL = "tiny"
+PROMPT = [1, *range(200, 239)]  # 40 tokens: 5 full blocks of 8
+
+
+def start(model_dir: str, **settings: Any) -> InProcessServer:
+    return InProcessServer(
+        model_dir, None, dtype="float32", served_model_name=MODEL, block_size=8, max_num_seqs=1, **settings
+    ).start()
+
+
+@pytest.fixture(scope="module")
+def priority_server(tiny_llama_dir: str) -> Iterator[InProcessServer]:
+    srv = start(tiny_llama_dir, scheduling_policy="priority")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def fcfs_server(tiny_llama_dir: str) -> Iterator[InProcessServer]:
+    srv = start(tiny_llama_dir)
+    yield srv
+    srv.stop()
+
+
+def request(request_id: str, max_tokens: int = 8, priority: int = 0, **sampling: Any) -> pb.GenerateRequest:
+    params = pb.SamplingParameters(temperature=0, max_tokens=max_tokens, ignore_eos=True, **sampling)
+    return pb.GenerateRequest(
+        request_id=request_id, token_ids=pb.TokenIds(ids=PROMPT), sampling=params, priority=priority
+    )
+
+
+def stream_in_thread(
+    srv: InProcessServer, req: pb.GenerateRequest, events: queue.Queue[Any]
+) -> threading.Thread:
+    """Stream `req`, putting (request id, response or the RpcError) on `events` as they come."""
+
+    def run() -> None:
+        try:
+            for response in srv.stub.Generate(req, timeout=120):
+                events.put((req.request_id, response))
+        except grpc.RpcError as exc:
+            events.put((req.request_id, exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def first_tokens_order(events: queue.Queue[Any], ids: set[str], timeout: float = 60.0) -> list[str]:
+    """The order in which the requests `ids` got their first token (every request runs to its end)."""
+    order: list[str] = []
+    finished: set[str] = set()
+    while finished != ids:
+        rid, item = events.get(timeout=timeout)
+        assert not isinstance(item, grpc.RpcError), f"{rid}: {item}"
+        if rid in ids and item.token_ids and rid not in order:
+            order.append(rid)
+        if rid in ids and item.finish_reason:
+            finished.add(rid)
+    return order
+
+
+def test_queued_requests_start_by_priority_not_arrival(priority_server: InProcessServer) -> None:
+    """One seat (max_num_seqs 1), held by the most urgent request until both others wait: the one of
+    lower value starts first though it arrived last."""
+    srv = priority_server
+    events: queue.Queue[Any] = queue.Queue()
+    holder = stream_in_thread(srv, request("holder", max_tokens=900, priority=-5), events)
+    wait_for(lambda: srv.llm.stats().num_running == 1, what="the holder to run")
+    threads = [stream_in_thread(srv, request("late-urgent-not", priority=7), events)]
+    wait_for(lambda: srv.llm.stats().num_waiting == 1, what="the first request to wait")
+    threads.append(stream_in_thread(srv, request("urgent", priority=1), events))
+    wait_for(lambda: srv.llm.stats().num_waiting == 2, what="both requests to wait")
+    assert srv.stub.Abort(pb.AbortRequest(request_ids=["holder"]), timeout=10).aborted_request_ids == [
+        "holder"
+    ]
+    assert first_tokens_order(events, {"urgent", "late-urgent-not"}) == ["urgent", "late-urgent-not"]
+    for thread in [holder, *threads]:
+        thread.join(timeout=30)
+
+
+def test_a_more_urgent_request_preempts_the_running_one(priority_server: InProcessServer) -> None:
+    """The seat is taken by a request of priority 3; one of priority 0 arriving takes it at once (the
+    other is preempted, then finishes with the tokens it gives alone)."""
+    srv = priority_server
+    alone = [t for r in srv.stub.Generate(request("alone", max_tokens=60), timeout=60) for t in r.token_ids]
+    events: queue.Queue[Any] = queue.Queue()
+    low = stream_in_thread(srv, request("low", max_tokens=60, priority=3), events)
+    wait_for(lambda: srv.llm.stats().num_running == 1, what="the low-priority request to run")
+    preemptions = srv.llm.stats().num_preemptions
+    high = stream_in_thread(srv, request("high", max_tokens=4, priority=0), events)
+    tokens: dict[str, list[int]] = {"low": [], "high": []}
+    finished: list[str] = []
+    while len(finished) < 2:
+        rid, item = events.get(timeout=60)
+        assert not isinstance(item, grpc.RpcError), f"{rid}: {item}"
+        tokens[rid] += item.token_ids
+        if item.finish_reason:
+            finished.append(rid)
+    low.join(timeout=30)
+    high.join(timeout=30)
+    assert finished == ["high", "low"]
+    assert srv.llm.stats().num_preemptions > preemptions
+    assert tokens["low"] == alone
+
+
+def test_fcfs_refuses_a_priority_naming_the_field(fcfs_server: InProcessServer) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        list(fcfs_server.stub.Generate(request("p", priority=2), timeout=30))
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("priority:")
+    assert "--scheduling-policy priority" in caught.value.details()
+    assert [r.finish_reason for r in fcfs_server.stub.Generate(request("after"), timeout=30)][-1] == pb.LENGTH
+
+
+def triton_stream(srv: InProcessServer, priority: int, params: dict[str, Any]) -> list[Any]:
+    """One request on a tritonclient stream: (result, error) pairs until its final response."""
+    import tritonclient.grpc as tgrpc
+
+    responses: queue.Queue[Any] = queue.Queue()
+    text = tgrpc.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"Name a color."], dtype=object))
+    sampling = tgrpc.InferInput("sampling_parameters", [1], "BYTES")
+    sampling.set_data_from_numpy(np.array([json.dumps(params).encode()], dtype=object))
+    exclude = tgrpc.InferInput("exclude_input_in_output", [1], "BOOL")
+    exclude.set_data_from_numpy(np.array([True]))
+    got = []
+    with tgrpc.InferenceServerClient(f"127.0.0.1:{srv.port}") as client:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer(MODEL, [text, sampling, exclude], request_id="t", priority=priority)
+        while True:
+            result, error = responses.get(timeout=60)
+            got.append((result, error))
+            if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+                break
+        client.stop_stream()
+    return got
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_triton_priority_is_used_or_ignored_as_the_policy_says(
+    policy: str, fcfs_server: InProcessServer, priority_server: InProcessServer
+) -> None:
+    """tritonclient sends `priority` as a uint64 request parameter. Under fcfs it is ignored, as
+    Triton ignores it for a model without priority levels; under priority it reaches the engine."""
+    srv = fcfs_server if policy == "fcfs" else priority_server
+    seen: list[int] = []
+    engine = srv.server.engine
+    original = engine.generate
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("priority", 0))
+        return original(*args, **kwargs)
+
+    engine.generate = spy
+    try:
+        got = triton_stream(srv, 9, {"temperature": 0, "max_tokens": 4})
+    finally:
+        del engine.generate
+    assert [error for _, error in got] == [None]
+    assert seen == [0 if policy == "fcfs" else 9]
+
+
+def post_generate(srv: InProcessServer, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(
+        srv.http_url(f"/v2/models/{MODEL}/generate"),
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.parametrize("bad", ["high", -1, 1.5, True, 2**64])
+def test_a_bad_triton_priority_is_a_400_naming_it(priority_server: InProcessServer, bad: Any) -> None:
+    status, body = post_generate(priority_server, {"text_input": "Hi", "parameters": {"priority": bad}})
+    assert status == 400
+    assert body["error"].startswith("parameters.priority:")
+
+
+def test_cached_tokens_count_the_prompt_found_in_the_prefix_cache(fcfs_server: InProcessServer) -> None:
+    """A prompt of 5 full blocks, twice: the second finds the first 4 in the cache (the last block is
+    computed again, as the last prompt token must run to sample from). Every response says so."""
+
+    def req(rid: str) -> pb.GenerateRequest:
+        return pb.GenerateRequest(
+            request_id=rid,
+            token_ids=pb.TokenIds(ids=[1, *range(300, 339)]),
+            sampling=pb.SamplingParameters(temperature=0, max_tokens=3, ignore_eos=True),
+        )
+
+    first = list(fcfs_server.stub.Generate(req("first"), timeout=60))
+    second = list(fcfs_server.stub.Generate(req("second"), timeout=60))
+    assert [r.cached_tokens for r in first] == [0, 0, 0]
+    assert [r.cached_tokens for r in second] == [32, 32, 32]
+    assert fcfs_server.stub.Complete(req("third"), timeout=60).completions[0].cached_tokens == 32
+
+
+def structured(srv: InProcessServer, rid: str, max_tokens: int = 24, **kind: Any) -> str:
+    req = request(rid, max_tokens=max_tokens, structured_outputs=pb.StructuredOutputs(**kind))
+    responses = list(srv.stub.Generate(req, timeout=60))
+    assert responses[-1].finish_reason in (pb.EOS, pb.LENGTH)
+    return "".join(r.text for r in responses)
+
+
+def test_structured_outputs_constrain_the_text(fcfs_server: InProcessServer) -> None:
+    """The tiny model's weights are random: unconstrained, its text matches none of these."""
+    free = "".join(r.text for r in fcfs_server.stub.Generate(request("free", max_tokens=24), timeout=60))
+    assert not re.fullmatch(r"[0-9]{3}-[a-z]{2}", free)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", structured(fcfs_server, "rx", regex=r"[0-9]{3}-[a-z]{2}"))
+    choices = ["red", "green", "deep blue"]
+    assert structured(fcfs_server, "ch", choice=pb.Choices(choices=choices)) in choices
+    grammar = 'root ::= "(" [a-c] [a-c] ")"'
+    assert re.fullmatch(r"\([a-c]{2}\)", structured(fcfs_server, "gr", grammar=grammar))
+
+
+@pytest.mark.parametrize(
+    ("kind", "field"),
+    [
+        ({"regex": "[0-9"}, "structured_outputs.regex:"),
+        ({"json": "{not json"}, "structured_outputs.json:"),
+        ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar:"),
+        ({"json_object": False}, "structured_outputs:"),
+        ({}, "structured_outputs:"),
+        ({"choice": pb.Choices(choices=[])}, "structured_outputs.choice:"),
+    ],
+)
+def test_a_constraint_that_does_not_compile_is_invalid_argument_naming_it(
+    fcfs_server: InProcessServer, kind: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        list(
+            fcfs_server.stub.Generate(
+                request("bad", structured_outputs=pb.StructuredOutputs(**kind)), timeout=30
+            )
+        )
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith(field), caught.value.details()
+    assert [r.finish_reason for r in fcfs_server.stub.Generate(request("after"), timeout=30)][-1] == pb.LENGTH
+
+
+@pytest.mark.parametrize("name", ["structured_outputs", "guided_decoding"])
+def test_triton_clients_give_structured_outputs_as_a_sampling_parameter(
+    fcfs_server: InProcessServer, name: str
+) -> None:
+    got = triton_stream(fcfs_server, 0, {"temperature": 0, "max_tokens": 12, name: {"regex": "[0-9]{4}"}})
+    [(result, error)] = got
+    assert error is None
+    assert re.fullmatch("[0-9]{4}", result.as_numpy("text_output")[0].decode())
+
+
+@pytest.mark.parametrize(
+    ("parameters", "field"),
+    [
+        (
+            {"structured_outputs": {"regex": "a", "colour": "red"}},
+            "sampling_parameters.structured_outputs.colour:",
+        ),
+        (
+            {"structured_outputs": {"regex": "a"}, "guided_decoding": {"regex": "b"}},
+            "sampling_parameters.guided_decoding:",
+        ),
+        ({"structured_outputs": ["regex"]}, "sampling_parameters.structured_outputs:"),
+        ({"structured_outputs": {"regex": 5}}, "sampling_parameters.structured_outputs.regex:"),
+        ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex:"),
+    ],
+)
+def test_bad_structured_outputs_over_rest_are_a_400_naming_the_field(
+    fcfs_server: InProcessServer, parameters: dict[str, Any], field: str
+) -> None:
+    status, body = post_generate(fcfs_server, {"text_input": "Hi", "parameters": parameters})
+    assert status == 400
+    assert body["error"].startswith(field), body["error"]
+
+
+def test_structured_outputs_over_rest_generate(fcfs_server: InProcessServer) -> None:
+    parameters = {"temperature": 0, "max_tokens": 8, "structured_outputs": {"choice": ["yes", "no"]}}
+    status, body = post_generate(
+        fcfs_server, {"text_input": "Hi", "exclude_input_in_output": True, "parameters": parameters}
+    )
+    assert status == 200, body
+    assert body["text_output"] in ("yes", "no")
