@@ -129,6 +129,8 @@ class LLM:
                 if delta.error:
                     return f"request {delta.request_id} failed: {delta.error}"
                 _accumulate(out.outputs[delta.index], delta)
+                if delta.prompt_logprobs is not None:
+                    out.prompt_logprobs = delta.prompt_logprobs
                 if delta.request_finished:
                     out.finished, out.metrics = True, delta.metrics
                     num_unfinished -= 1

@@ -14,6 +14,8 @@ class Logprob:
 
 # One entry per generated token: token id -> Logprob, holding the sampled token and the top-k.
 TokenLogprobs = dict[int, Logprob]
+# One entry per prompt token, holding that token and the top-k there; None for the first (no context).
+PromptLogprobs = list[TokenLogprobs | None]
 
 
 @dataclass
@@ -52,7 +54,9 @@ class RequestDelta:
     """What one engine step produced for one completion of a request: only the new tokens and text.
 
     `finished` ends completion `index`; `request_finished` is set on the last delta of the whole
-    request (all its `n` completions finished). With n = 1 the two coincide.
+    request (all its `n` completions finished). With n = 1 the two coincide. `prompt_logprobs` (asked
+    for in the request's parameters) come once, on completion 0's first delta with tokens (as vLLM
+    streams them with the first output).
     """
 
     request_id: str
@@ -67,6 +71,7 @@ class RequestDelta:
     index: int = 0
     request_finished: bool = True
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     def completion_ends(self) -> list[tuple[str, int]]:
         """(finish reason, output tokens) of each of the n completions of the request this final delta
@@ -85,6 +90,7 @@ class RequestDelta:
         self.new_text = earlier.new_text + self.new_text
         if earlier.new_logprobs is not None:
             self.new_logprobs = earlier.new_logprobs + (self.new_logprobs or [])
+        self.prompt_logprobs = earlier.prompt_logprobs or self.prompt_logprobs
 
     @classmethod
     def aborted_before_output(
@@ -123,6 +129,7 @@ class RequestDelta:
             new_token_ids=[],
             new_text="",
             new_logprobs=None,
+            prompt_logprobs=None,  # sent with the first tokens, if any
             finished=True,
             finish_reason="aborted" if error is None else "error",
             request_finished=True,
@@ -149,6 +156,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    prompt_logprobs: PromptLogprobs | None = None  # when asked: one entry per prompt token, None first
 
     @property
     def num_cached_tokens(self) -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,15 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_INT64 = 2**63 - 1
+# The logit controls cost each step of their request's row on the same thread: an index into the logits
+# per entry, and for bad words a match of the last tokens. Capped as vLLM's GPU sampler caps
+# allowed_token_ids and logit_bias (1,024 ids each): more would only make one request slow everyone's batch.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_ALLOWED_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_CHARS = 1024
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range, to which vLLM's OpenAI server clamps each bias
+_MAX_TOKEN_ID_DIGITS = 18
 
 
 def _is_int(value: object) -> bool:
@@ -31,6 +41,41 @@ def _as_list(value: Any, name: str) -> list[Any]:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_finite(value: float) -> bool:
+    """math.isfinite, but an int too large for a float (10**400) is not finite rather than an error."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _as_logit_bias(value: Any) -> dict[int, float]:
+    """A dict of token id to bias, its keys ints or their decimal strings (JSON objects have only string
+    keys), its biases finite numbers clamped to [-100, 100]."""
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(
+            "logit_bias", f"must be a dict of token id to bias, got {type(value).__name__}"
+        )
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(
+            "logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} token ids, got {len(value)}"
+        )
+    bias = {}
+    for key, amount in value.items():
+        # a string of more digits than any token id has is none (nor parsed: int() refuses 4,300 digits)
+        is_digits = isinstance(key, str) and key.isdecimal() and len(key) <= _MAX_TOKEN_ID_DIGITS
+        token_id = key if _is_int(key) else int(key) if is_digits else None
+        if token_id is None or token_id < 0:
+            raise InvalidRequestError("logit_bias", f"keys must be token ids (integers >= 0), got {key!r}")
+        if not _is_number(amount) or (isinstance(amount, float) and not math.isfinite(amount)):
+            raise InvalidRequestError(
+                "logit_bias", f"biases must be finite numbers, got {amount!r} for {key!r}"
+            )
+        # clamped before float(): an int of 400 digits is a finite number, but fits no float
+        bias[token_id] = float(min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, amount)))
+    return bias
 
 
 @dataclass
@@ -102,10 +147,24 @@ class SamplingParams:
     and the k most likely ones, all of the raw model output: before penalties, temperature and
     top-k/top-p/min-p (vLLM's default, `raw_logprobs`); with `structured_outputs`, of the output the
     grammar allows (as vLLM's: its mask applies first), and tokens it disallows are not listed.
+    `prompt_logprobs=k` returns the same for every prompt token after the first (the token itself and
+    the k most likely there), computing the whole prompt: such a request takes no prefix-cache hits.
+
+    Logit controls, vLLM's, applied to every row they are set on, greedy ones included, before
+    penalties and temperature (logprobs stay the raw model's): `logit_bias` adds to the logits of its
+    token ids (keys may be decimal strings, as JSON sends them; each bias clamped to [-100, 100], as
+    vLLM's OpenAI server does); only `allowed_token_ids` may be sampled; no `bad_words` word is ever
+    completed: each is tokenized as given and after a space (" word" and "word" differ), and the last
+    token of either is banned where the output so far ends with the rest of it (a one-token word at
+    every step). Where a structured-outputs grammar and `allowed_token_ids` share no token the grammar
+    wins, and where bans (bad words, `min_tokens`) would leave nothing the grammar or
+    `allowed_token_ids` allow, the bans yield for that token: a row never has no token to sample.
 
     Where we differ from vLLM, on purpose: a temperature in (0, 1e-5) is greedy and one in [1e-5, 0.01)
     is used as given, where vLLM raises both to 0.01 (the softmax subtracts the maximum logit, so
-    nothing overflows); any finite temperature is taken (recent vLLM refuses those above 2).
+    nothing overflows); any finite temperature is taken (recent vLLM refuses those above 2); a bad
+    word's form after a space is banned whenever it differs from the word's own, where vLLM keeps it
+    only when it is as many tokens (and so lets " word" through when "word" is two tokens and " word" one).
     """
 
     n: int = 1
@@ -124,14 +183,28 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # vLLM's private field: the bad words' token ids, set by the engine at admission (it holds the
+    # tokenizer; `update_from_tokenizer`), whatever a caller passed. They travel with the params to the
+    # workers (pickled to tensor-parallel ranks); an init field so that `dataclasses.replace` keeps them.
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = _as_list(self.stop, "stop")
         self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids")
+        if self.logit_bias is not None:
+            self.logit_bias = _as_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _as_list(self.allowed_token_ids, "allowed_token_ids")
+        if self.bad_words is not None:
+            self.bad_words = _as_list(self.bad_words, "bad_words")
         if _is_int(self.top_k) and self.top_k == 0:  # vLLM's "disabled", its default since 0.8
             self.top_k = -1
         self._verify()
@@ -144,6 +217,29 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """Each bad word's token ids, as given and after a space (empty until the engine admits it)."""
+        return self._bad_words_token_ids or []
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize the bad words (vLLM's method: the engine calls it at admission). Each word, stripped
+        of leading spaces, as it is and after one space; the spaced form where its tokens differ."""
+        if not self.bad_words:
+            self._bad_words_token_ids = None
+            return
+        words = [word.lstrip() for word in self.bad_words]
+        plain = tokenizer(words, add_special_tokens=False)["input_ids"]
+        spaced = tokenizer([" " + word for word in words], add_special_tokens=False)["input_ids"]
+        token_ids: list[list[int]] = []
+        for word, ids, spaced_ids in zip(self.bad_words, plain, spaced, strict=True):
+            if not ids:
+                raise InvalidRequestError("bad_words", f"{word!r} is no token of this model's tokenizer")
+            token_ids.append(list(ids))
+            if spaced_ids and spaced_ids != ids:
+                token_ids.append(list(spaced_ids))
+        self._bad_words_token_ids = token_ids
+
     def _verify(self) -> None:
         for name in (
             "temperature",
@@ -154,7 +250,7 @@ class SamplingParams:
             "frequency_penalty",
         ):
             value = getattr(self, name)
-            if not _is_number(value) or not math.isfinite(value):
+            if not _is_number(value) or not _is_finite(value):
                 raise InvalidRequestError(name, f"must be a finite number, got {value!r}")
         self._check(self.temperature >= 0.0, "temperature", "must be >= 0 (0 means greedy)")
         self._check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
@@ -194,10 +290,41 @@ class SamplingParams:
             f"must be an integer in [0, {MAX_LOGPROBS}]",
         )
         self._check(
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            "prompt_logprobs",
+            f"must be an integer in [0, {MAX_LOGPROBS}]",
+        )
+        self._check(
             self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
             "structured_outputs",
             "must be a StructuredOutputsParams",
         )
+        self._verify_allowed_token_ids_and_bad_words()
+
+    def _verify_allowed_token_ids_and_bad_words(self) -> None:
+        """Types and sizes; that the ids are in the model's vocabulary the engine checks at admission."""
+        if self.allowed_token_ids is not None:
+            self._check(
+                0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS,
+                "allowed_token_ids",
+                f"must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids, got {len(self.allowed_token_ids)}",
+            )
+            self._check(
+                all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                "must be token ids (integers >= 0)",
+            )
+        if self.bad_words is not None:
+            self._check(
+                len(self.bad_words) <= MAX_BAD_WORDS
+                and all(isinstance(w, str) and 0 < len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words),
+                "bad_words",
+                f"at most {MAX_BAD_WORDS} strings of at most {MAX_BAD_WORD_CHARS} characters each",
+            )
+            self._check(
+                all(w.strip() for w in self.bad_words), "bad_words", "must not be empty or only spaces"
+            )
 
     @staticmethod
     def _check(ok: bool, name: str, message: str) -> None:

@@ -13,6 +13,8 @@ INVALID = [
     ("temperature", math.nan),
     ("temperature", math.inf),
     ("temperature", "hot"),
+    ("temperature", 10**400),  # an int no float holds: was an OverflowError
+    ("repetition_penalty", -(10**400)),
     ("top_p", 0.0),
     ("top_p", 1.5),
     ("top_p", math.nan),

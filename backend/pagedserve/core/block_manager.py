@@ -110,8 +110,10 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding `seq`'s leading full blocks. At least the last token is left to
         compute, so the model still produces the logits to sample from. Counted as a query only
-        when `allocate` takes the hits: a sequence may be looked up on many steps before it fits."""
-        if not self.enable_prefix_caching:
+        when `allocate` takes the hits: a sequence may be looked up on many steps before it fits.
+        None for a sequence asking for prompt logprobs: every prompt position must produce its
+        logits (as in vLLM); it still fills the cache for others."""
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         hits: list[int] = []
         num_blocks = (seq.num_tokens - 1) // self.block_size

@@ -30,6 +30,12 @@ def _by_priority(seq: Sequence) -> tuple[int, int]:
     return seq.priority, seq.arrival_order
 
 
+def _owes_prompt_logprobs(seq: Sequence) -> bool:
+    """Asks for prompt logprobs and has sampled nothing yet: once it has, they were all returned (in the
+    step that sampled its first token), and a recompute after a preemption need not score them again."""
+    return seq.sampling_params.prompt_logprobs is not None and seq.num_output_tokens == 0
+
+
 class Scheduler:
     """All queues are kept in arrival order (fcfs), or under the priority policy by (priority, arrival):
     the head of a queue goes first and the last running request (the youngest, or the least urgent) is
@@ -318,6 +324,7 @@ class Scheduler:
             num_prompt_tokens=seq.num_prompt_tokens if is_new else 0,
             sampling_params=seq.sampling_params if is_new else None,
             computed_token_ids=seq.token_ids[:start] if is_new else [],
+            prompt_token_ids=seq.prompt_token_ids if is_new and _owes_prompt_logprobs(seq) else None,
         )
 
     def _fork(self, parent: Sequence) -> None:

@@ -31,6 +31,9 @@ class ScheduledRequest:
     sampling_params: SamplingParams | None = None  # set when is_new
     # when is_new: the tokens already in the cache (prefix-cache hit, swap-in or fork), for penalties
     computed_token_ids: list[int] = field(default_factory=list)
+    # when is_new and the request still owes prompt logprobs: its whole prompt (a chunk's last position
+    # scores the first token of the next chunk, which the workers have not seen yet)
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -58,8 +61,11 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled tokens, one per request whose `do_sample` was set, in scheduling order."""
+    """Sampled tokens, one per request whose `do_sample` was set, in scheduling order; prompt logprobs."""
 
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # parallel to request_ids; {} where not asked
+    # Prompt logprobs of the prompt positions run this step (sampled or not), for requests that ask:
+    # request id -> (p, entries), entries[i] scoring prompt token p + i (p >= 1: token 0 has none).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

@@ -15,7 +15,7 @@ from pagedserve.core.scheduler_output import ModelRunnerOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.structured_output import StructuredOutputs
 from pagedserve.errors import EngineDeadError, InvalidRequestError
-from pagedserve.outputs import RequestDelta, RequestMetrics, TokenLogprobs
+from pagedserve.outputs import PromptLogprobs, RequestDelta, RequestMetrics, TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import FinishReason, Sequence
 from pagedserve.settings import EngineSettings
@@ -173,7 +173,7 @@ class LLMEngine:
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """What `SamplingParams` cannot check alone: the prompt, the priority and the limits of this model
         and engine. Cheap checks first: a prompt of a million ids is refused for its length before its
-        ids are read."""
+        ids are read. Tokenizes the bad words into `params` (they go to the workers with them)."""
         self._validate_priority(priority)
         max_len = self.config.model.max_model_len
         vocab_size = self.config.model.vocab_size
@@ -197,6 +197,23 @@ class LLMEngine:
             raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {vocab_size})")
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")
+        self._validate_logit_controls(params)
+
+    def _validate_logit_controls(self, params: SamplingParams) -> None:
+        """Their token ids index the logits: each in the model's vocabulary (vLLM's check and message)."""
+        vocab_size = self.config.model.vocab_size
+        params.update_from_tokenizer(self.tokenizer)  # a word whose tokens the model lacks is refused too
+        for name, token_ids in (
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("bad_words", [t for ids in params.bad_words_token_ids for t in ids]),
+        ):
+            outside = sorted({t for t in token_ids if t >= vocab_size})
+            if outside:
+                raise InvalidRequestError(
+                    name,
+                    f"contains out-of-vocab token id(s) {outside[:8]}: the vocabulary size is {vocab_size}",
+                )
 
     def _validate_priority(self, priority: int) -> None:
         """An int64 (the gRPC field's range), and 0 unless the engine schedules by priority: vLLM also
@@ -298,6 +315,7 @@ class LLMEngine:
     ) -> list[RequestDelta]:
         now = time.monotonic()
         logprobs_by_id = dict(zip(runner_output.request_ids, runner_output.logprobs or [], strict=False))
+        self._take_prompt_logprobs(runner_output.prompt_logprobs)
         deltas = []
         for seq in updated:
             grammar_end = self.structured_outputs.advance(seq)
@@ -313,8 +331,10 @@ class LLMEngine:
                     seq.finish_reason = FinishReason.STOP
                 self.scheduler.finish(seq, FinishReason.STOP)
             new_logprobs = self._decode_logprobs(logprobs_by_id.get(seq.request_id), seq)
+            prompt_logprobs = self._first_prompt_logprobs(seq)  # before _delta, which may forget the request
             text = detokenizer.take_delta(seq.is_finished)
             deltas.append(self._delta(seq, [seq.token_ids[-1]], text, new_logprobs, now))
+            deltas[-1].prompt_logprobs = prompt_logprobs
             if grammar_end is FinishReason.ERROR:
                 deltas[-1].error = "structured outputs: the grammar rejected the sampled token"
         return deltas
@@ -366,6 +386,36 @@ class LLMEngine:
             logprob.decoded_token = str(self.tokenizer.decode([token_id]))
         return [entry]
 
+    def _take_prompt_logprobs(self, chunks: dict[str, tuple[int, list[TokenLogprobs]]]) -> None:
+        """Keep each request's prompt logprobs as its chunks come in, in prompt order (such a request
+        takes no prefix-cache hits). One run again after a recompute preemption adds only the
+        positions not held yet: each is reported once."""
+        for seq_id, (first, entries) in chunks.items():
+            completion = self._completions.get(seq_id)
+            if completion is None:  # aborted while its step ran
+                continue
+            request = self._requests[completion.request_id]
+            held = request.prompt_logprobs = request.prompt_logprobs or [None]
+            assert first <= len(held), f"{seq_id}: prompt logprobs from token {first}, {len(held)} held"
+            held.extend(entries[len(held) - first :])
+
+    def _first_prompt_logprobs(self, seq: Sequence) -> PromptLogprobs | None:
+        """The request's prompt logprobs, decoded, for completion 0's first token (the prompt is all
+        computed by then); None for any other delta, or when not asked."""
+        if seq.sampling_params.prompt_logprobs is None or seq.num_output_tokens != 1:
+            return None
+        completion = self._completions[seq.request_id]
+        if completion.index != 0:
+            return None
+        held = self._requests[completion.request_id].prompt_logprobs or [None]  # a 1-token prompt: none
+        texts: dict[int, str] = {}  # each distinct token decoded once: a prompt repeats its top tokens
+        for entry in held:
+            for token_id, logprob in (entry or {}).items():
+                if token_id not in texts:
+                    texts[token_id] = str(self.tokenizer.decode([token_id]))  # as _decode_logprobs
+                logprob.decoded_token = texts[token_id]
+        return held
+
     def _fail(self, seq_ids: list[str], message: str) -> list[RequestDelta]:
         """Fail the requests these sequences belong to, every completion of each: a front end ends a
         call at its first failed completion, so siblings left running (not in the failed step: swapped,
@@ -408,6 +458,7 @@ class _Request:
     metrics: RequestMetrics
     num_sequences: int
     num_finished: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # as computed so far, when asked
 
 
 @dataclass
@@ -426,11 +477,13 @@ def _note_swap_in(seq: Sequence, now: float) -> None:
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sequence `index` of a parallel-sampling request samples with its own seed."""
+    """Sequence `index` of a parallel-sampling request samples with its own seed. Sequence 0 alone
+    scores the prompt the others share (so they may take prefix-cache hits)."""
     if params.n == 1:
         return params
     seed = None if params.seed is None else params.seed + index
-    return replace(params, n=1, seed=seed)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def _eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:

@@ -1,8 +1,9 @@
-"""Batched sampling: penalties, min_tokens, temperature, top-k/top-p/min-p, greedy, seeded draws.
+"""Batched sampling: logit controls, penalties, temperature, top-k/top-p/min-p, greedy, seeded draws.
 
-In vLLM's order: penalties and min_tokens bans on the raw logits, then temperature, then top-k, top-p
-and min-p on the tempered distribution; greedy rows take the argmax of the penalized logits. Logprobs
-are those of the raw logits (vLLM's default), whatever changed the distribution sampled from.
+In vLLM's order: the logit controls on the raw logits (allowed_token_ids, then the bans of bad words and
+of min_tokens, then logit_bias), then penalties, then temperature, then top-k, top-p and min-p on the
+tempered distribution; greedy rows take the argmax of the penalized logits. Logprobs are those of the
+raw logits (vLLM's default), whatever changed the distribution sampled from.
 
 Random rows draw with the exponential trick (argmax(probs / q), q ~ Exp(1)), which samples from
 probs exactly. A seeded request's noise comes from its own generator seeded by (seed, output
@@ -16,7 +17,7 @@ logits before the sampler, so greedy and random rows, penalties and logprobs all
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,11 +43,15 @@ class SamplingTensors:
     frequency_penalties: torch.Tensor | None  # [B]
     prompt_token_ids: torch.Tensor | None  # [B, P] padded with vocab_size
     output_token_ids: torch.Tensor | None  # [B, O] padded with vocab_size
-    # (row, token ids) that may not be sampled yet: EOS and stop ids before min_tokens
+    # (row, token ids) that may not be sampled this step: EOS and stop ids before min_tokens, bad words
     banned_tokens: list[tuple[int, list[int]]]
     # (row, seed, output index) for seeded random rows
     seeded_rows: list[tuple[int, int, int]]
     max_num_logprobs: int | None  # None when no row asks for logprobs
+    # (row, token ids): only these may be sampled (allowed_token_ids); empty where no row has them
+    allowed_tokens: list[tuple[int, list[int]]] = field(default_factory=list)
+    # (row, token ids, biases): added to the logits (logit_bias); empty where no row has them
+    logit_biases: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
 
     @property
     def all_greedy(self) -> bool:
@@ -59,6 +64,8 @@ class SamplingTensors:
             self.max_num_logprobs is None
             and self.repetition_penalties is None
             and not self.banned_tokens
+            and not self.allowed_tokens
+            and not self.logit_biases
             and self.all_greedy
         )
 
@@ -89,10 +96,9 @@ class Sampler:
             return SamplerOutput(self.argmax_rows(logits))
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_num_logprobs is not None else None
+        _apply_logit_controls(logits, t)
         if t.repetition_penalties is not None:
             logits = _apply_penalties(logits, t)
-        for row, banned_ids in t.banned_tokens:
-            logits[row, banned_ids] = float("-inf")
         greedy = _argmax(logits)
         if t.all_greedy:
             token_ids = greedy
@@ -137,6 +143,19 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     index = torch.tensor(rows, device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def _apply_logit_controls(logits: torch.Tensor, t: SamplingTensors) -> None:
+    """allowed_token_ids, the bans (bad words, min_tokens) and logit_bias, in place (the bias after the
+    -inf of a ban or of a token not allowed leaves it -inf). The model runner leaves every row a token."""
+    for row, allowed_ids in t.allowed_tokens:
+        kept = logits[row, allowed_ids]
+        logits[row] = float("-inf")
+        logits[row, allowed_ids] = kept
+    for row, banned_ids in t.banned_tokens:
+        logits[row, banned_ids] = float("-inf")
+    for row, bias_ids, biases in t.logit_biases:
+        logits[row, bias_ids] += torch.tensor(biases, device=logits.device)
 
 
 def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -41,6 +41,12 @@ if TYPE_CHECKING:  # torch._dynamo imports triton.language: not at import time (
 
 logger = logging.getLogger(__name__)
 
+# Prompt logprobs run the LM head over every prompt position of a chunk (2,048 by default): a slice
+# of at most this many logits at a time (2**23 float32 values, 32 MiB; 170 rows of a 49,152-token
+# vocabulary) bounds the memory to about three such tensors (the logits, their float32 copy, the
+# log_softmax), whatever the chunk's length.
+PROMPT_LOGPROBS_SLICE_ELEMENTS = 2**23
+
 
 @dataclass
 class RequestState:
@@ -49,11 +55,46 @@ class RequestState:
     num_prompt_tokens: int
     num_tokens: int = 0  # tokens fed to the model so far
     num_blocks: int = 0
-    token_ids: list[int] = field(default_factory=list)  # kept only when penalties need the history
+    token_ids: list[int] = field(default_factory=list)  # kept only when penalties or bad words need it
+    bad_words: BadWords | None = None  # built on the request's first sample, where it has bad words
 
     @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def keeps_token_ids(self) -> bool:
+        return self.params.has_penalties or bool(self.params.bad_words_token_ids)
+
+
+@dataclass
+class BadWords:
+    """A request's bad words as each step bans them: the one-token words always; the last token of a
+    longer one where the output ends with the rest of it, looked up by the output's last token (a step
+    reads only the words that token could continue, not all of them, as vLLM does)."""
+
+    always: list[int]
+    by_last_token: dict[int, list[tuple[list[int], int]]]  # prefix's last token -> (prefix, banned token)
+
+    @classmethod
+    def build(cls, bad_words_token_ids: list[list[int]]) -> BadWords:
+        words = cls([], {})
+        for ids in bad_words_token_ids:
+            if len(ids) == 1:
+                words.always.append(ids[0])
+            else:
+                words.by_last_token.setdefault(ids[-2], []).append((ids[:-1], ids[-1]))
+        return words
+
+    def banned(self, output_token_ids: list[int]) -> list[int]:
+        if not output_token_ids:
+            return self.always
+        words = self.by_last_token.get(output_token_ids[-1], ())
+        return self.always + [
+            token_id
+            for prefix, token_id in words
+            if len(prefix) <= len(output_token_ids) and output_token_ids[-len(prefix) :] == prefix
+        ]
 
 
 @contextlib.contextmanager
@@ -94,6 +135,8 @@ class ModelRunner:
         self.block_tables = torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
         self.free_rows = list(range(max_seqs - 1, -1, -1))
         self.requests: dict[str, RequestState] = {}
+        # requests owing prompt logprobs -> their prompts; empty (no per-step work) when none asks
+        self.prompt_token_ids: dict[str, list[int]] = {}
         self.sampler = Sampler(config.seed, self.device, self._argmax_kernel())
 
     def _argmax_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -203,13 +246,14 @@ class ModelRunner:
             self.backend.prepare(metadata, self.dtype, self.block_size)
             with step_metadata(metadata):
                 hidden = self.forward(input_ids, positions, metadata)
+        prompt_logprobs = self._prompt_logprobs(order, hidden) if self.prompt_token_ids else {}
         sampled = [r for r in order if r.do_sample]
-        if not sampled:
-            return ModelRunnerOutput([], [])
+        if not sampled:  # chunks of prompts: nothing to sample, maybe prompt logprobs
+            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[sample_indices])
         grammar_masks = self._apply_grammar_bitmask(logits, sampled, output)
         result = self.sampler(logits, self._sampling_tensors(sampled, grammar_masks))
-        return self._to_output(sampled, result)
+        return self._to_output(sampled, result, prompt_logprobs)
 
     def _apply_grammar_bitmask(
         self, logits: torch.Tensor, sampled: list[ScheduledRequest], output: SchedulerOutput
@@ -240,7 +284,7 @@ class ModelRunner:
                 )
                 state.num_blocks = end
             state.num_tokens += len(req.token_ids)
-            if state.params.has_penalties:
+            if state.keeps_token_ids:
                 state.token_ids.extend(req.token_ids)
 
     def _add_state(self, req: ScheduledRequest) -> None:
@@ -262,11 +306,14 @@ class ModelRunner:
             req.num_prompt_tokens,
             num_tokens=req.num_computed_tokens,
         )
-        if state.params.has_penalties:
+        if state.keeps_token_ids:
             state.token_ids.extend(req.computed_token_ids)
+        if req.prompt_token_ids is not None:
+            self.prompt_token_ids[req.request_id] = req.prompt_token_ids
         self.requests[req.request_id] = state
 
     def _free_state(self, request_id: str) -> None:
+        self.prompt_token_ids.pop(request_id, None)
         state = self.requests.pop(request_id, None)
         if state is not None:
             self.free_rows.append(state.row)
@@ -324,6 +371,7 @@ class ModelRunner:
         use_min_p = any(p.min_p > 0.0 for p in params)
         use_penalties = any(p.has_penalties for p in params)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        controls = self._token_controls(sampled, states, grammar_masks)
         return SamplingTensors(
             temperatures=as_tensor([p.temperature for p in params]),
             top_ks=as_tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], torch.int64)
@@ -340,39 +388,76 @@ class ModelRunner:
             output_token_ids=self._padded([s.token_ids[s.num_prompt_tokens :] for s in states])
             if use_penalties
             else None,
-            banned_tokens=[
-                (row, banned)
-                for row, (r, s) in enumerate(zip(sampled, states, strict=True))
-                if s.num_output_tokens < s.params.min_tokens
-                and (banned := self._banned(s, grammar_masks.get(r.request_id)))
-            ],
+            banned_tokens=[(row, banned) for row, (banned, _) in controls.items() if banned],
             seeded_rows=[
                 (row, s.params.seed, s.num_output_tokens)
                 for row, s in enumerate(states)
                 if s.params.seed is not None and not s.params.is_greedy
             ],
             max_num_logprobs=max(logprobs) if logprobs else None,
+            allowed_tokens=[(row, allowed) for row, (_, allowed) in controls.items() if allowed],
+            logit_biases=[
+                (row, list(p.logit_bias), list(p.logit_bias.values()))
+                for row, p in enumerate(params)
+                if p.logit_bias
+            ],
         )
 
-    def _banned(self, state: RequestState, grammar_mask: np.ndarray | None) -> list[int]:
-        """The tokens min_tokens bans for this row; none where the row's grammar allows nothing else
-        (it is complete, only EOS may follow): the grammar wins, else the row would have no token."""
-        eos = [] if state.params.ignore_eos else self.eos_token_ids
-        banned = [*eos, *state.params.stop_token_ids]
-        if grammar_mask is not None and _allows_only(grammar_mask, banned):
-            return []
-        return banned
+    def _token_controls(
+        self,
+        sampled: list[ScheduledRequest],
+        states: list[RequestState],
+        grammar_masks: dict[str, np.ndarray],
+    ) -> dict[int, tuple[list[int], list[int] | None]]:
+        """(banned, allowed) token ids by row, for the rows that ban or allow any this step."""
+        controls: dict[int, tuple[list[int], list[int] | None]] = {}
+        for row, (r, s) in enumerate(zip(sampled, states, strict=True)):
+            p = s.params
+            if p.allowed_token_ids or p.bad_words_token_ids or s.num_output_tokens < p.min_tokens:
+                controls[row] = self._banned_and_allowed(s, grammar_masks.get(r.request_id))
+        return controls
+
+    def _banned_and_allowed(
+        self, state: RequestState, grammar_mask: np.ndarray | None
+    ) -> tuple[list[int], list[int] | None]:
+        """The tokens this row may not sample this step (min_tokens' EOS and stop ids, bad words), and
+        those alone it may (allowed_token_ids, None for all). Each yields where it would leave the row
+        no token, in this order: allowed_token_ids to the grammar (none of them is in it), then the bans
+        to allowed_token_ids or to the grammar (they ban all those allow; a complete grammar allows only
+        EOS, which min_tokens bans)."""
+        params, allowed = state.params, state.params.allowed_token_ids
+        if allowed is not None and grammar_mask is not None:
+            allowed = _allowed_by(grammar_mask, allowed) or None
+        banned: list[int] = []
+        if state.num_output_tokens < params.min_tokens:
+            banned += [*([] if params.ignore_eos else self.eos_token_ids), *params.stop_token_ids]
+        if params.bad_words_token_ids:
+            if state.bad_words is None:
+                state.bad_words = BadWords.build(params.bad_words_token_ids)
+            banned += state.bad_words.banned(state.token_ids[state.num_prompt_tokens :])
+        if not banned:
+            return banned, allowed
+        if allowed is not None:
+            leaves_none = set(allowed) <= set(banned)
+        else:
+            leaves_none = grammar_mask is not None and _allows_only(grammar_mask, banned)
+        return ([] if leaves_none else banned), allowed
 
     def _padded(self, rows: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(r) for r in rows))
         padded = [r + [self.vocab_size] * (width - len(r)) for r in rows]
         return torch.tensor(padded, dtype=torch.int64, device=self.device)
 
-    def _to_output(self, sampled: list[ScheduledRequest], result: SamplerOutput) -> ModelRunnerOutput:
-        token_ids = result.token_ids.tolist()  # the one host sync of the step
+    def _to_output(
+        self,
+        sampled: list[ScheduledRequest],
+        result: SamplerOutput,
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]],
+    ) -> ModelRunnerOutput:
+        token_ids = result.token_ids.tolist()  # the one host sync of the step (without prompt logprobs)
         request_ids = [r.request_id for r in sampled]
         if result.logprobs is None:
-            return ModelRunnerOutput(request_ids, token_ids)
+            return ModelRunnerOutput(request_ids, token_ids, prompt_logprobs=prompt_logprobs)
         assert result.logprob_token_ids is not None and result.sampled_ranks is not None
         values, ids, ranks = (
             result.logprobs.tolist(),
@@ -382,16 +467,76 @@ class ModelRunner:
         logprobs: list[TokenLogprobs] = []
         for row, req in enumerate(sampled):
             k = self.requests[req.request_id].params.logprobs
-            entry: TokenLogprobs = {}
-            if k is not None:  # a grammar's disallowed tokens (-inf) are no candidates: left out
-                entry = {
-                    tid: Logprob(v, rank + 1)
-                    for rank, (tid, v) in enumerate(zip(ids[row][1 : k + 1], values[row][1 : k + 1]))
-                    if v != float("-inf")
-                }
-                entry[ids[row][0]] = Logprob(values[row][0], ranks[row])
-            logprobs.append(entry)
-        return ModelRunnerOutput(request_ids, token_ids, logprobs)
+            logprobs.append({} if k is None else _logprob_entry(ids[row], values[row], ranks[row], k))
+        return ModelRunnerOutput(request_ids, token_ids, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, order: list[ScheduledRequest], hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """The prompt logprobs this step's rows give, for the requests owing them.
+
+        The logits at position j score prompt token j + 1. A chunk of positions [start, end) scores
+        tokens start + 1 .. min(end, num_prompt - 1): its last row scores the next chunk's first token,
+        which is why the workers hold the whole prompt. Positions past the prompt score nothing."""
+        found: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        row = 0  # the request's first row in `hidden` (rows follow `order`)
+        for req in order:
+            first, row = row, row + len(req.token_ids)
+            prompt = self.prompt_token_ids.get(req.request_id)
+            if prompt is None:
+                continue
+            start = req.num_computed_tokens
+            end = min(start + len(req.token_ids), len(prompt) - 1)
+            if end > start:
+                k = self.requests[req.request_id].params.prompt_logprobs
+                assert k is not None
+                entries = self._score(hidden[first : first + end - start], prompt[start + 1 : end + 1], k)
+                found[req.request_id] = (start + 1, entries)
+            if end == len(prompt) - 1:  # every prompt position scored
+                del self.prompt_token_ids[req.request_id]
+        return found
+
+    def _score(self, hidden: torch.Tensor, target_ids: list[int], k: int) -> list[TokenLogprobs]:
+        """Each row's log-probability of its target token, with its rank, and the top k: from the raw
+        logits in float32, a slice of rows at a time (`PROMPT_LOGPROBS_SLICE_ELEMENTS`)."""
+        targets = torch.tensor(target_ids, device=self.device).unsqueeze(1)
+        num_rows = max(1, PROMPT_LOGPROBS_SLICE_ELEMENTS // self.vocab_size)
+        values, ids, ranks = [], [], []
+        for begin in range(0, len(target_ids), num_rows):
+            logits = self.model.compute_logits(hidden[begin : begin + num_rows])
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            target = targets[begin : begin + num_rows]
+            chosen = logprobs.gather(1, target)
+            top_values, top_ids = logprobs.topk(k, dim=-1)
+            values.append(torch.cat((chosen, top_values), dim=1))
+            ids.append(torch.cat((target, top_ids), dim=1))
+            ranks.append((logprobs > chosen).sum(dim=-1) + 1)
+        rows = zip(
+            torch.cat(ids).tolist(), torch.cat(values).tolist(), torch.cat(ranks).tolist(), strict=True
+        )
+        return [_logprob_entry(i, v, rank, k) for i, v, rank in rows]
+
+
+def _allowed_by(bitmask_row: np.ndarray, token_ids: list[int]) -> list[int]:
+    """Those of `token_ids` a grammar's bitmask row allows."""
+    ids = np.array(token_ids, dtype=np.int64)
+    words, bits = np.divmod(ids, 32)
+    in_range = words < bitmask_row.shape[0]
+    ids, words, bits = ids[in_range], words[in_range], bits[in_range]
+    return ids[((bitmask_row[words] >> bits) & 1).astype(bool)].tolist()
+
+
+def _logprob_entry(ids: list[int], values: list[float], rank: int, k: int) -> TokenLogprobs:
+    """One token's entry from a row of ids and logprobs (the scored token, then the top k): the top k
+    at ranks 1..k (a grammar's disallowed tokens, -inf, are no candidates: left out), and the scored
+    token at its own `rank`, even outside them."""
+    entry = {
+        tid: Logprob(v, r + 1)
+        for r, (tid, v) in enumerate(zip(ids[1 : k + 1], values[1 : k + 1]))
+        if v != float("-inf")
+    }
+    entry[ids[0]] = Logprob(values[0], rank)
+    return entry
 
 
 def _allows_only(bitmask_row: np.ndarray, token_ids: list[int]) -> bool:
