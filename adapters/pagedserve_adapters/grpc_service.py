@@ -45,13 +45,21 @@ logger = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 SERVICE_NAME = SERVICE.full_name  # inference.GRPCInferenceService
-EXTENSIONS = ("model_configuration", "statistics", "binary_tensor_data", "parameters", "generate")
+EXTENSIONS = (
+    "model_configuration",
+    "statistics",
+    "binary_tensor_data",
+    "parameters",
+    "generate",
+    "schedule_policy",  # a request's priority and timeout parameters
+)
 _STATUS = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     "not_found": grpc.StatusCode.NOT_FOUND,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "internal": grpc.StatusCode.INTERNAL,
+    "timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 _CONFIG_TYPES = {
     "BYTES": pb.TYPE_STRING,

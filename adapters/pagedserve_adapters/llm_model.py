@@ -12,6 +12,7 @@ streaming or `exclude_input_in_output` is true; the `return_*` switches add outp
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -38,7 +39,7 @@ class AdapterError(Exception):
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
-        # invalid, not_found, unavailable, exhausted, internal
+        # invalid, not_found, unavailable, exhausted, internal, timeout
         self.kind = kind
 
 
@@ -98,8 +99,11 @@ _PARAMETER_TYPES: dict[str, str] = {
     "include_stop_str_in_output": "bool",
     "logprobs": "int",
     "skip_special_tokens": "bool",
-    "structured_outputs": "object",
-    "guided_decoding": "object",  # vLLM's name before 0.11, as the vLLM backend's clients send it
+    "structured_outputs": "structured",
+    "guided_decoding": "structured",  # vLLM's name before 0.11, as the vLLM backend's clients send it
+    "logit_bias": "object",
+    "allowed_token_ids": "int_list",
+    "bad_words": "str_list",
 }
 # The vLLM backend reports vLLM's reasons: the end-of-sequence token is a "stop".
 _FINISH_REASONS = {"eos": "stop"}
@@ -122,6 +126,7 @@ class LLMRequest:
     outputs: tuple[str, ...]  # output tensors to return, in this order
     empty_final: bool = False  # streams: end with a data-less response flagged final
     priority: int = 0  # Triton's request priority: 0 the default level, 1 the most urgent
+    timeout_us: int = 0  # Triton's request timeout in microseconds (0: none): aborted when it passes
 
 
 def parse_request(
@@ -179,9 +184,8 @@ def parse_request(
         exclude_input = bool(switches["exclude_input_in_output"])
 
     params = _sampling_params(sampling, "sampling_parameters", make_params)
-    priority = parameters.get("priority", 0)
-    if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority < 2**63:
-        raise InvalidRequestError("parameters.priority", f"must be an unsigned integer, got {priority!r}")
+    priority = _unsigned(parameters.get("priority", 0), "parameters.priority")
+    timeout_us = _unsigned(parameters.get("timeout", 0), "parameters.timeout")
     if (switches["return_logprobs"] or switches["return_cumulative_logprob"]) and params.logprobs is None:
         params = dataclasses.replace(params, logprobs=0)  # only the sampled tokens' logprobs
     return LLMRequest(
@@ -192,7 +196,15 @@ def parse_request(
         outputs=_selected_outputs(switches, requested_outputs),
         empty_final=empty_final,
         priority=priority,
+        timeout_us=timeout_us,
     )
+
+
+def _unsigned(value: Any, where: str) -> int:
+    """Triton's schedule-policy parameters (`priority`, `timeout`): a non-negative int64."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+        raise InvalidRequestError(where, f"must be an unsigned integer, got {value!r}")
+    return value
 
 
 def _selected_outputs(switches: Mapping[str, bool | None], requested: Sequence[str]) -> tuple[str, ...]:
@@ -248,7 +260,7 @@ def _sampling_params(
             )
         if value is None:
             continue
-        if kind == "object":  # structured outputs, under either name
+        if kind == "structured":  # structured outputs, under either name
             if "structured_outputs" in kwargs:
                 raise InvalidRequestError(
                     f"{where}.{name}", "give structured_outputs or guided_decoding, not both"
@@ -300,6 +312,8 @@ def _cast(value: Any, kind: str, where: str) -> Any:
             if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
                 raise ValueError
             return items
+        if kind == "object":  # a JSON object, or its text as a request parameter's string
+            return _json_object(value, where) if isinstance(value, str) else value
         if kind == "int_list":
             items = json.loads(value) if isinstance(value, str) else value
             if not isinstance(items, list) or not all(
@@ -469,9 +483,23 @@ class LLMModel:
             raise _adapter_error(exc) from exc
         tokenized = (started, time.monotonic())
         last: RequestDelta | None = None
-        deltas = engine.generate(rid, prompt, request.params, cancel_cause, priority=priority)
+        deadline = started + request.timeout_us / 1e6 if request.timeout_us else None
+
+        def cause() -> str:  # asked as the engine's generator closes early
+            return "deadline" if deadline is not None and time.monotonic() >= deadline else cancel_cause()
+
+        deltas = engine.generate(rid, prompt, request.params, cause, priority=priority)
         try:
-            async for delta in deltas:
+            while True:
+                try:  # waiting for the next delta, not while the caller handles one
+                    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    delta = await asyncio.wait_for(anext(deltas), remaining)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:  # the cancelled wait aborted the request (cause: deadline)
+                    raise AdapterError(
+                        "timeout", f"Request timeout expired ({request.timeout_us} us)"
+                    ) from None
                 last = delta
                 if delta.finish_reason == "error":
                     raise AdapterError("internal", delta.error or "generation failed")

@@ -43,6 +43,7 @@ _HTTP_STATUS = {
     "unavailable": 503,
     "exhausted": 429,
     "internal": 500,
+    "timeout": 504,
 }
 _HEADER_LENGTH = "Inference-Header-Content-Length"
 _SWITCH_INPUTS = {spec.name: spec.datatype for spec in INPUTS if spec.name != "text_input"}

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from inprocess_server import InProcessServer, wait_for
+from inprocess_server import InProcessServer, scrape, wait_for
 from pagedserve.rpc.v1 import generate_pb2 as pb
 
 MODEL = "tiny"
@@ -308,3 +308,168 @@ def test_structured_outputs_over_rest_generate(fcfs_server: InProcessServer) -> 
     )
     assert status == 200, body
     assert body["text_output"] in ("yes", "no")
+
+
+def aborts_by_deadline(srv: InProcessServer) -> float:
+    return scrape(srv).get(
+        ("pagedserve:request_aborts_total", (("cause", "deadline"), ("model_name", MODEL))), 0.0
+    )
+
+
+def test_a_triton_request_past_its_timeout_is_aborted_and_the_stream_goes_on(
+    fcfs_server: InProcessServer,
+) -> None:
+    """Triton's schedule-policy `timeout` (microseconds, tritonclient's `timeout=`): a request not done
+    in time ends with an error on the stream, its blocks freed and its abort counted as a deadline;
+    another request on the same stream finishes."""
+    import tritonclient.grpc as tgrpc
+
+    srv = fcfs_server
+    before = aborts_by_deadline(srv)
+    responses: queue.Queue[Any] = queue.Queue()
+
+    def inputs(max_tokens: int) -> list[Any]:
+        text = tgrpc.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([b"Count to a thousand."], dtype=object))
+        sampling = tgrpc.InferInput("sampling_parameters", [1], "BYTES")
+        params = {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
+        sampling.set_data_from_numpy(np.array([json.dumps(params).encode()], dtype=object))
+        return [text, sampling]
+
+    with tgrpc.InferenceServerClient(f"127.0.0.1:{srv.port}") as client:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer(MODEL, inputs(900), request_id="slow", timeout=30_000)
+        client.async_stream_infer(MODEL, inputs(4), request_id="quick")
+        got = [responses.get(timeout=60) for _ in range(2)]
+        client.stop_stream()
+    errors = [str(error) for _, error in got if error is not None]
+    results = [result for result, error in got if error is None]
+    assert len(errors) == 1 and "Request timeout expired (30000 us)" in errors[0]
+    assert [r.get_response().id for r in results] == ["quick"]
+    assert wait_for(lambda: aborts_by_deadline(srv) == before + 1, what="the deadline abort to be counted")
+    assert wait_for(lambda: srv.server.engine.num_live_requests == 0, what="the engine to drop the request")
+
+
+def test_a_unary_triton_request_past_its_timeout_is_deadline_exceeded(fcfs_server: InProcessServer) -> None:
+    import tritonclient.grpc as tgrpc
+    from tritonclient.utils import InferenceServerException
+
+    text = tgrpc.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"Hi"], dtype=object))
+    sampling = tgrpc.InferInput("sampling_parameters", [1], "BYTES")
+    sampling.set_data_from_numpy(np.array([b'{"max_tokens": 900, "ignore_eos": true}'], dtype=object))
+    with tgrpc.InferenceServerClient(f"127.0.0.1:{fcfs_server.port}") as client:
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer(MODEL, [text, sampling], timeout=30_000)
+        assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+        assert "Request timeout expired" in caught.value.message()
+        # a timeout the request meets changes nothing
+        result = client.infer(MODEL, [text, sampling_of(4)], timeout=60_000_000)
+        assert result.as_numpy("text_output") is not None
+
+
+def sampling_of(max_tokens: int) -> Any:
+    import tritonclient.grpc as tgrpc
+
+    sampling = tgrpc.InferInput("sampling_parameters", [1], "BYTES")
+    sampling.set_data_from_numpy(np.array([json.dumps({"max_tokens": max_tokens}).encode()], dtype=object))
+    return sampling
+
+
+def test_rest_generate_past_its_timeout_is_a_504(fcfs_server: InProcessServer) -> None:
+    body = {"text_input": "Hi", "parameters": {"max_tokens": 900, "ignore_eos": True, "timeout": 30_000}}
+    status, reply = post_generate(fcfs_server, body)
+    assert status == 504
+    assert reply["error"].startswith("Request timeout expired")
+
+
+@pytest.mark.parametrize("bad", ["soon", -1, 0.5, False])
+def test_a_bad_triton_timeout_is_a_400_naming_it(fcfs_server: InProcessServer, bad: Any) -> None:
+    status, body = post_generate(fcfs_server, {"text_input": "Hi", "parameters": {"timeout": bad}})
+    assert status == 400
+    assert body["error"].startswith("parameters.timeout:")
+
+
+def test_server_metadata_lists_the_schedule_policy_extension(fcfs_server: InProcessServer) -> None:
+    import tritonclient.grpc as tgrpc
+
+    with tgrpc.InferenceServerClient(f"127.0.0.1:{fcfs_server.port}") as client:
+        assert "schedule_policy" in client.get_server_metadata().extensions
+
+
+def tokens_of(srv: InProcessServer, req: pb.GenerateRequest) -> list[int]:
+    return [t for r in srv.stub.Generate(req, timeout=60) for t in r.token_ids]
+
+
+def test_logit_controls_over_grpc(fcfs_server: InProcessServer) -> None:
+    srv = fcfs_server
+    free = tokens_of(srv, request("free", max_tokens=12))
+    assert set(free) != {42}
+    assert tokens_of(srv, request("bias", max_tokens=12, logit_bias={42: 100.0})) == [42] * 12
+    allowed = [7, 8, 9]
+    assert set(tokens_of(srv, request("allowed", max_tokens=12, allowed_token_ids=allowed))) <= set(allowed)
+    # the tokens of a word the model generates: banned, it is never completed
+    word = srv.stub.Detokenize(pb.DetokenizeRequest(token_ids=free[2:4]), timeout=10).text
+    banned = "".join(
+        r.text for r in srv.stub.Generate(request("bad", max_tokens=12, bad_words=[word]), timeout=60)
+    )
+    assert word.strip() not in banned
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        ({"allowed_token_ids": [10**9]}, "allowed_token_ids:"),
+        ({"logit_bias": {10**9: 1.0}}, "logit_bias:"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias:"),
+        ({"bad_words": [""]}, "bad_words:"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs:"),
+    ],
+)
+def test_bad_logit_controls_are_invalid_argument_naming_the_field(
+    fcfs_server: InProcessServer, sampling: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        list(fcfs_server.stub.Generate(request("bad", **sampling), timeout=30))
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith(field), caught.value.details()
+
+
+def test_triton_clients_give_logit_controls_as_sampling_parameters(fcfs_server: InProcessServer) -> None:
+    biased = {"temperature": 0, "max_tokens": 6, "logit_bias": {"42": 100}}
+    [(result, error)] = triton_stream(fcfs_server, 0, biased)
+    assert error is None
+    req = pb.GenerateRequest(
+        text="Name a color.",
+        sampling=pb.SamplingParameters(temperature=0, max_tokens=6, logit_bias={42: 100.0}),
+    )
+    ours = "".join(r.text for r in fcfs_server.stub.Generate(req, timeout=60))
+    assert result.as_numpy("text_output")[0].decode() == ours
+    status, body = post_generate(
+        fcfs_server, {"text_input": "Hi", "parameters": {"allowed_token_ids": "[1, 2]", "bad_words": 5}}
+    )
+    assert status == 400
+    assert body["error"].startswith("sampling_parameters.bad_words:")
+
+
+def test_prompt_logprobs_over_grpc_are_the_models(fcfs_server: InProcessServer, tiny_llama_dir: str) -> None:
+    """Every prompt token after the first, with its logprob as a float32 forward pass of the same model
+    gives it and the top 3 there; on the first response only, the same through Complete."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    responses = list(fcfs_server.stub.Generate(request("plp", max_tokens=3, prompt_logprobs=3), timeout=60))
+    entries = responses[0].prompt_logprobs
+    assert [len(r.prompt_logprobs) for r in responses] == [len(PROMPT) - 1, 0, 0]
+    assert [e.sampled.token_id for e in entries] == PROMPT[1:]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)
+    for position, entry in enumerate(entries):
+        row = expected[position]
+        assert entry.sampled.logprob == pytest.approx(row[PROMPT[position + 1]].item(), abs=1e-3)
+        assert [t.token_id for t in entry.top][:3] == row.topk(3).indices.tolist()
+        assert entry.sampled.rank == int((row > row[PROMPT[position + 1]]).sum()) + 1
+    completed = fcfs_server.stub.Complete(request("plp2", max_tokens=3, prompt_logprobs=0), timeout=60)
+    assert [e.sampled.token_id for e in completed.completions[0].prompt_logprobs] == PROMPT[1:]

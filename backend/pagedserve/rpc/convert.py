@@ -25,6 +25,7 @@ _OPTIONAL_PARAMS = (
     "logprobs",
     "n",
     "skip_special_tokens",
+    "prompt_logprobs",
 )
 _FINISH_REASONS = {
     "length": pb.LENGTH,
@@ -96,6 +97,12 @@ def sampling_params(message: pb.SamplingParameters, engine: LLMEngine) -> Sampli
         stop_token_ids=list(message.stop_token_ids),
         include_stop_str_in_output=message.include_stop_str_in_output,
     )
+    if message.logit_bias:
+        kwargs["logit_bias"] = dict(message.logit_bias)
+    if message.allowed_token_ids:  # empty: unset (proto3 cannot tell the two apart)
+        kwargs["allowed_token_ids"] = list(message.allowed_token_ids)
+    if message.bad_words:
+        kwargs["bad_words"] = list(message.bad_words)
     if message.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_outputs(message.structured_outputs)
     return engine.sampling_params(**kwargs)
@@ -167,7 +174,9 @@ def detokenize(request: pb.DetokenizeRequest, engine: LLMEngine) -> pb.Detokeniz
     return pb.DetokenizeResponse(text=text)
 
 
-def response(delta: RequestDelta) -> pb.GenerateResponse:
+def response(delta: RequestDelta, prompt_token_ids: list[int] | None = None) -> pb.GenerateResponse:
+    """`prompt_token_ids`: the request's prompt, to name each prompt token when the delta carries
+    prompt logprobs."""
     out = pb.GenerateResponse(
         request_id=delta.request_id,
         index=delta.index,
@@ -188,6 +197,10 @@ def response(delta: RequestDelta) -> pb.GenerateResponse:
         out.time_to_first_token_s = metrics.time_to_first_token
     for token_id, entry in zip(delta.new_token_ids, delta.new_logprobs or []):
         out.logprobs.append(_logprobs(token_id, entry))
+    if delta.prompt_logprobs is not None and prompt_token_ids is not None:
+        for token_id, prompt_entry in zip(prompt_token_ids[1:], delta.prompt_logprobs[1:], strict=True):
+            assert prompt_entry is not None  # only the first prompt token has none
+            out.prompt_logprobs.append(_logprobs(token_id, prompt_entry))
     return out
 
 

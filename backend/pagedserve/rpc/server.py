@@ -88,7 +88,7 @@ class GenerationServicer:
         deltas = self._deltas(call, context)
         try:
             async for delta in deltas:
-                yield convert.response(delta)
+                yield convert.response(delta, call.prompt)
         finally:  # a caller that went away aborts its request here (the engine counts it)
             await deltas.aclose()
             self._trace(call, context)
@@ -99,7 +99,7 @@ class GenerationServicer:
         deltas = self._deltas(call, context)
         try:
             async for delta in deltas:
-                _merge(completions[delta.index], convert.response(delta))
+                _merge(completions[delta.index], convert.response(delta, call.prompt))
         finally:
             await deltas.aclose()
             self._trace(call, context)
@@ -241,6 +241,7 @@ def _merge(into: pb.GenerateResponse, delta: pb.GenerateResponse) -> None:
     into.text += delta.text
     into.token_ids.extend(delta.token_ids)
     into.logprobs.extend(delta.logprobs)
+    into.prompt_logprobs.extend(delta.prompt_logprobs)
     for name in (
         "finish_reason",
         "prompt_tokens",

@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pagedserve/rpc/v1/generate.proto\x12\x11pagedserve.rpc.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"@\n\x0c\x43hatMessages\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.pagedserve.rpc.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xff\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1b.pagedserve.rpc.v1.TokenIdsH\x00\x12\x33\n\x08messages\x18\x04 \x01(\x0b\x32\x1f.pagedserve.rpc.v1.ChatMessagesH\x00\x12\x37\n\x08sampling\x18\x05 \x01(\x0b\x32%.pagedserve.rpc.v1.SamplingParameters\x12\r\n\x05model\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x03\x42\x07\n\x05input\"\xba\x05\n\x12SamplingParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x03H\t\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x03\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x03H\n\x88\x01\x01\x12\x0e\n\x01n\x18\x10 \x01(\x03H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0c\x88\x01\x01\x12@\n\x12structured_outputs\x18\x12 \x01(\x0b\x32$.pagedserve.rpc.v1.StructuredOutputsB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x04\n\x02_nB\x16\n\x14_skip_special_tokens\"\x94\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12,\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x1a.pagedserve.rpc.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"M\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\"o\n\rTokenLogprobs\x12\x30\n\x07sampled\x18\x01 \x01(\x0b\x32\x1f.pagedserve.rpc.v1.TokenLogprob\x12,\n\x03top\x18\x02 \x03(\x0b\x32\x1f.pagedserve.rpc.v1.TokenLogprob\"\xd2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x03\x12\x32\n\x08logprobs\x18\x05 \x03(\x0b\x32 .pagedserve.rpc.v1.TokenLogprobs\x12\x36\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1f.pagedserve.rpc.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\r\x12\x17\n\x0ftime_in_queue_s\x18\t \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\n \x01(\x01\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x15\n\rcached_tokens\x18\x0c \x01(\r\"L\n\x10\x43ompleteResponse\x12\x38\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32#.pagedserve.rpc.v1.GenerateResponse\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"\x1d\n\rHealthRequest\x12\x0c\n\x04\x64\x65\x65p\x18\x01 \x01(\x08\"q\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\"_\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x33\n\x08messages\x18\x02 \x01(\x0b\x32\x1f.pagedserve.rpc.v1.ChatMessagesH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xde\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x05 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r*d\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\x07\n\x03\x45OS\x10\x03\x12\x0b\n\x07\x41\x42ORTED\x10\x04\x12\t\n\x05\x45RROR\x10\x05\x32\xdb\x04\n\nGeneration\x12U\n\x08Generate\x12\".pagedserve.rpc.v1.GenerateRequest\x1a#.pagedserve.rpc.v1.GenerateResponse0\x01\x12S\n\x08\x43omplete\x12\".pagedserve.rpc.v1.GenerateRequest\x1a#.pagedserve.rpc.v1.CompleteResponse\x12J\n\x05\x41\x62ort\x12\x1f.pagedserve.rpc.v1.AbortRequest\x1a .pagedserve.rpc.v1.AbortResponse\x12M\n\x06Health\x12 .pagedserve.rpc.v1.HealthRequest\x1a!.pagedserve.rpc.v1.HealthResponse\x12S\n\x08Tokenize\x12\".pagedserve.rpc.v1.TokenizeRequest\x1a#.pagedserve.rpc.v1.TokenizeResponse\x12Y\n\nDetokenize\x12$.pagedserve.rpc.v1.DetokenizeRequest\x1a%.pagedserve.rpc.v1.DetokenizeResponse\x12V\n\tModelInfo\x12#.pagedserve.rpc.v1.ModelInfoRequest\x1a$.pagedserve.rpc.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pagedserve/rpc/v1/generate.proto\x12\x11pagedserve.rpc.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"@\n\x0c\x43hatMessages\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.pagedserve.rpc.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xff\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1b.pagedserve.rpc.v1.TokenIdsH\x00\x12\x33\n\x08messages\x18\x04 \x01(\x0b\x32\x1f.pagedserve.rpc.v1.ChatMessagesH\x00\x12\x37\n\x08sampling\x18\x05 \x01(\x0b\x32%.pagedserve.rpc.v1.SamplingParameters\x12\r\n\x05model\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x03\x42\x07\n\x05input\"\x96\x07\n\x12SamplingParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x03H\t\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x03\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x03H\n\x88\x01\x01\x12\x0e\n\x01n\x18\x10 \x01(\x03H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0c\x88\x01\x01\x12@\n\x12structured_outputs\x18\x12 \x01(\x0b\x32$.pagedserve.rpc.v1.StructuredOutputs\x12H\n\nlogit_bias\x18\x13 \x03(\x0b\x32\x34.pagedserve.rpc.v1.SamplingParameters.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x14 \x03(\x03\x12\x11\n\tbad_words\x18\x15 \x03(\t\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\x03H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x04\n\x02_nB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\x94\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12,\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x1a.pagedserve.rpc.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"M\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\"o\n\rTokenLogprobs\x12\x30\n\x07sampled\x18\x01 \x01(\x0b\x32\x1f.pagedserve.rpc.v1.TokenLogprob\x12,\n\x03top\x18\x02 \x03(\x0b\x32\x1f.pagedserve.rpc.v1.TokenLogprob\"\x8d\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x03\x12\x32\n\x08logprobs\x18\x05 \x03(\x0b\x32 .pagedserve.rpc.v1.TokenLogprobs\x12\x36\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1f.pagedserve.rpc.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\r\x12\x17\n\x0ftime_in_queue_s\x18\t \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\n \x01(\x01\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x15\n\rcached_tokens\x18\x0c \x01(\r\x12\x39\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32 .pagedserve.rpc.v1.TokenLogprobs\"L\n\x10\x43ompleteResponse\x12\x38\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32#.pagedserve.rpc.v1.GenerateResponse\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"\x1d\n\rHealthRequest\x12\x0c\n\x04\x64\x65\x65p\x18\x01 \x01(\x08\"q\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\"_\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x33\n\x08messages\x18\x02 \x01(\x0b\x32\x1f.pagedserve.rpc.v1.ChatMessagesH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xde\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x05 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r*d\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\x07\n\x03\x45OS\x10\x03\x12\x0b\n\x07\x41\x42ORTED\x10\x04\x12\t\n\x05\x45RROR\x10\x05\x32\xdb\x04\n\nGeneration\x12U\n\x08Generate\x12\".pagedserve.rpc.v1.GenerateRequest\x1a#.pagedserve.rpc.v1.GenerateResponse0\x01\x12S\n\x08\x43omplete\x12\".pagedserve.rpc.v1.GenerateRequest\x1a#.pagedserve.rpc.v1.CompleteResponse\x12J\n\x05\x41\x62ort\x12\x1f.pagedserve.rpc.v1.AbortRequest\x1a .pagedserve.rpc.v1.AbortResponse\x12M\n\x06Health\x12 .pagedserve.rpc.v1.HealthRequest\x1a!.pagedserve.rpc.v1.HealthResponse\x12S\n\x08Tokenize\x12\".pagedserve.rpc.v1.TokenizeRequest\x1a#.pagedserve.rpc.v1.TokenizeResponse\x12Y\n\nDetokenize\x12$.pagedserve.rpc.v1.DetokenizeRequest\x1a%.pagedserve.rpc.v1.DetokenizeResponse\x12V\n\tModelInfo\x12#.pagedserve.rpc.v1.ModelInfoRequest\x1a$.pagedserve.rpc.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.rpc.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2672
-  _globals['_FINISHREASON']._serialized_end=2772
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2951
+  _globals['_FINISHREASON']._serialized_end=3051
   _globals['_CHATMESSAGE']._serialized_start=55
   _globals['_CHATMESSAGE']._serialized_end=99
   _globals['_CHATMESSAGES']._serialized_start=101
@@ -42,39 +44,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=193
   _globals['_GENERATEREQUEST']._serialized_end=448
   _globals['_SAMPLINGPARAMETERS']._serialized_start=451
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=1149
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1152
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1300
-  _globals['_CHOICES']._serialized_start=1302
-  _globals['_CHOICES']._serialized_end=1328
-  _globals['_TOKENLOGPROB']._serialized_start=1330
-  _globals['_TOKENLOGPROB']._serialized_end=1407
-  _globals['_TOKENLOGPROBS']._serialized_start=1409
-  _globals['_TOKENLOGPROBS']._serialized_end=1520
-  _globals['_GENERATERESPONSE']._serialized_start=1523
-  _globals['_GENERATERESPONSE']._serialized_end=1861
-  _globals['_COMPLETERESPONSE']._serialized_start=1863
-  _globals['_COMPLETERESPONSE']._serialized_end=1939
-  _globals['_ABORTREQUEST']._serialized_start=1941
-  _globals['_ABORTREQUEST']._serialized_end=1976
-  _globals['_ABORTRESPONSE']._serialized_start=1978
-  _globals['_ABORTRESPONSE']._serialized_end=2022
-  _globals['_HEALTHREQUEST']._serialized_start=2024
-  _globals['_HEALTHREQUEST']._serialized_end=2053
-  _globals['_HEALTHRESPONSE']._serialized_start=2055
-  _globals['_HEALTHRESPONSE']._serialized_end=2168
-  _globals['_TOKENIZEREQUEST']._serialized_start=2170
-  _globals['_TOKENIZEREQUEST']._serialized_end=2265
-  _globals['_TOKENIZERESPONSE']._serialized_start=2267
-  _globals['_TOKENIZERESPONSE']._serialized_end=2320
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2322
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2389
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2391
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2425
-  _globals['_MODELINFOREQUEST']._serialized_start=2427
-  _globals['_MODELINFOREQUEST']._serialized_end=2445
-  _globals['_MODELINFORESPONSE']._serialized_start=2448
-  _globals['_MODELINFORESPONSE']._serialized_end=2670
-  _globals['_GENERATION']._serialized_start=2775
-  _globals['_GENERATION']._serialized_end=3378
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=1369
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=1107
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=1155
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1372
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1520
+  _globals['_CHOICES']._serialized_start=1522
+  _globals['_CHOICES']._serialized_end=1548
+  _globals['_TOKENLOGPROB']._serialized_start=1550
+  _globals['_TOKENLOGPROB']._serialized_end=1627
+  _globals['_TOKENLOGPROBS']._serialized_start=1629
+  _globals['_TOKENLOGPROBS']._serialized_end=1740
+  _globals['_GENERATERESPONSE']._serialized_start=1743
+  _globals['_GENERATERESPONSE']._serialized_end=2140
+  _globals['_COMPLETERESPONSE']._serialized_start=2142
+  _globals['_COMPLETERESPONSE']._serialized_end=2218
+  _globals['_ABORTREQUEST']._serialized_start=2220
+  _globals['_ABORTREQUEST']._serialized_end=2255
+  _globals['_ABORTRESPONSE']._serialized_start=2257
+  _globals['_ABORTRESPONSE']._serialized_end=2301
+  _globals['_HEALTHREQUEST']._serialized_start=2303
+  _globals['_HEALTHREQUEST']._serialized_end=2332
+  _globals['_HEALTHRESPONSE']._serialized_start=2334
+  _globals['_HEALTHRESPONSE']._serialized_end=2447
+  _globals['_TOKENIZEREQUEST']._serialized_start=2449
+  _globals['_TOKENIZEREQUEST']._serialized_end=2544
+  _globals['_TOKENIZERESPONSE']._serialized_start=2546
+  _globals['_TOKENIZERESPONSE']._serialized_end=2599
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2601
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2668
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2670
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2704
+  _globals['_MODELINFOREQUEST']._serialized_start=2706
+  _globals['_MODELINFOREQUEST']._serialized_end=2724
+  _globals['_MODELINFORESPONSE']._serialized_start=2727
+  _globals['_MODELINFORESPONSE']._serialized_end=2949
+  _globals['_GENERATION']._serialized_start=3054
+  _globals['_GENERATION']._serialized_end=3657
 # @@protoc_insertion_point(module_scope)
