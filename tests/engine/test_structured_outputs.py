@@ -59,6 +59,20 @@ def llm(tiny_llama_dir: str) -> LLM:
 # -- the constraints hold ----------------------------------------------------------------------------
 
 
+def test_special_tokens_never_stand_in_for_text(llm: LLM) -> None:
+    """SmolLM2's tokenizer has added special tokens whose strings look like text (`<reponame>`, id 4);
+    xgrammar took them for that text, so `"<" [a-z]+ ">"` was complete with one of them, and the
+    completion, its special token skipped, read "". Pushed hard towards them, the grammar still keeps
+    them out, and the text matches."""
+    pattern = re.compile("<[a-z]{2,8}>")
+    grammar = 'root ::= "<" [a-z]{2,8} ">"'  # <reponame> (4) and <filename> (6) would match
+    params = greedy(so(grammar=grammar), max_tokens=24, logit_bias={4: 100.0, 6: 100.0})
+    for out in llm.generate(PROMPTS, params):
+        completion = out.outputs[0]
+        assert not {4, 6} & set(completion.token_ids)
+        assert completion.finish_reason == "eos" and pattern.fullmatch(completion.text), completion
+
+
 def test_regex_choice_and_grammar_hold_greedy_and_sampled(llm: LLM) -> None:
     cases = [(so(regex=REGEX), re.compile(REGEX)), (so(grammar=GRAMMAR), EXPR)]
     for temperature in (0.0, 1.0):

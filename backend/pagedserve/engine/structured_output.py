@@ -84,13 +84,34 @@ class StructuredOutputs:
             if self._compiler is None:
                 import xgrammar
 
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._eos_token_ids
-                )
+                info = self._tokenizer_info(xgrammar)
                 self._compiler = xgrammar.GrammarCompiler(
                     info, max_threads=_MAX_COMPILE_THREADS, cache_limit_bytes=_CACHE_LIMIT_BYTES
                 )
             return self._compiler
+
+    def _tokenizer_info(self, xgrammar: Any) -> xgrammar.TokenizerInfo:
+        """The vocabulary as xgrammar matches it, special tokens left out. `from_huggingface` knows only
+        the tokenizer's named special tokens: SmolLM2's `<reponame>`, one of its added special tokens,
+        passed for the text "<reponame>", so a grammar `"<" [a-z]+ ">"` was complete with that one token,
+        which the detokenizer then skips (the completion read ""). A token with no text is one xgrammar
+        never allows (but the stop tokens), as it never allows the rows past the tokenizer's."""
+        tokenizer = self._tokenizer
+        plain = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size)
+        encoded = [""] * self._vocab_size
+        for token, token_id in tokenizer.get_vocab().items():
+            if token_id < self._vocab_size:
+                encoded[token_id] = token
+        for token_id, added in tokenizer.added_tokens_decoder.items():
+            if added.special and token_id < self._vocab_size:
+                encoded[token_id] = ""
+        return xgrammar.TokenizerInfo(
+            encoded,
+            plain.vocab_type,
+            vocab_size=self._vocab_size,
+            stop_token_ids=self._eos_token_ids,
+            add_prefix_space=plain.add_prefix_space,
+        )
 
     # -- matchers, one per sequence ----------------------------------------------------------------
 
