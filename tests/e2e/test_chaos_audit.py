@@ -2,7 +2,8 @@
 
 For a few seconds, seeded asyncio clients drive one in-process server (tiny model, a KV cache small
 enough that requests are preempted, by swap or by recompute) over every front end at once: our
-`Generate` streams (greedy and seeded, n = 1..3, stop strings) read to the end, cancelled after k
+`Generate` streams (greedy and seeded, n = 1..3, stop strings; structured outputs with prompt
+logprobs and logit controls) read to the end, cancelled after k
 responses, cut by short deadlines, aborted by id together with finished and unknown ids, dropped with
 their channel, or duplicated while running; Triton `ModelStreamInfer` / `ModelInfer` through
 `tritonclient.grpc.aio`, some cancelled or timed out; KServe REST `/generate_stream` and `/infer`, some
@@ -25,6 +26,7 @@ import gc
 import json
 import logging
 import random
+import re
 import sys
 import time
 from collections import Counter
@@ -239,6 +241,47 @@ async def short_deadline(c: Clients, rng: random.Random) -> None:
         if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
             c.ledger.problems.append(f"deadline {timeout}: {exc.code()} {exc.details()}")
     c.ledger.outcomes["grpc_deadline"] += 1
+
+
+CONSTRAINTS = [
+    (pb.StructuredOutputs(regex=r"[0-9]{2,6}"), re.compile(r"[0-9]{2,6}")),
+    (pb.StructuredOutputs(choice=pb.Choices(choices=["left", "right", "up"])), re.compile("left|right|up")),
+    (pb.StructuredOutputs(grammar='root ::= "<" [a-z]+ ">"'), re.compile("<[a-z]+>")),
+]
+
+
+async def constrained(c: Clients, rng: random.Random) -> None:
+    """Structured outputs, prompt logprobs, logit controls, mixed: read to the end, the text matches its
+    constraint; or cancelled after k responses."""
+    structured, pattern = rng.choice(CONSTRAINTS)
+    prompt = rng.choice(ID_PROMPTS)
+    params = pb.SamplingParameters(
+        max_tokens=rng.choice([6, 12, 40]),
+        temperature=rng.choice([0.0, 0.8]),
+        structured_outputs=structured,
+        prompt_logprobs=rng.choice([0, 3]),
+        bad_words=["zz"],
+        logit_bias={rng.randrange(100, 40000): 5.0},
+        n=rng.choice([1, 2]),
+    )
+    call = c.stub.Generate(
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params), timeout=120
+    )
+    if int(c.new_id("constrained").rsplit("-", 1)[1]) % 2 == 0:  # every other one, so both kinds run
+        await call.read()
+        call.cancel()
+        c.ledger.outcomes["grpc_constrained_cancel"] += 1
+        return
+    responses = [r async for r in call]
+    _, texts, reasons = completions(responses, params.n)
+    first = [r for r in responses if r.index == 0][0]
+    if len(first.prompt_logprobs) != len(prompt) - 1:
+        c.ledger.problems.append(f"constrained: {len(first.prompt_logprobs)} prompt logprobs")
+    for text, reason in zip(texts, reasons, strict=True):
+        done = reason == pb.EOS  # the grammar completed; LENGTH may cut it short
+        if reason not in (pb.EOS, pb.LENGTH) or (done and not pattern.fullmatch(text)):
+            c.ledger.problems.append(f"constrained {structured}: {reason} {text!r}")
+    c.ledger.outcomes["grpc_constrained"] += 1
 
 
 async def abort_by_id(c: Clients, rng: random.Random) -> None:
@@ -497,6 +540,7 @@ GRPC_ACTIONS: list[Action] = [
     abort_by_id,
     drop_channel,
     duplicate_id,
+    constrained,
 ]
 TRITON_ACTIONS: list[Action] = [
     partial(triton_stream, cancel=False),
@@ -528,6 +572,8 @@ OUTCOMES = {
     "grpc_abort",
     "grpc_drop_channel",
     "grpc_duplicate",
+    "grpc_constrained",
+    "grpc_constrained_cancel",
     "triton_stream",
     "triton_stream_cancel",
     "triton_unary",
@@ -608,7 +654,9 @@ def leftovers(server: InProcessServer) -> dict[str, int]:
         "block_manager.used_blocks": bm.num_used_blocks,
         "block_manager.referenced_blocks": sum(1 for count in bm.ref_counts if count),
         "block_manager.used_cpu_blocks": bm.num_cpu_blocks - bm.num_free_cpu_blocks,
+        "structured_outputs.matchers": len(llm.structured_outputs._matchers),
         "model_runner.requests": len(runner.requests),
+        "model_runner.prompt_token_ids": len(runner.prompt_token_ids),
         "model_runner.used_rows": len(runner.block_tables) - len(runner.free_rows),
         "metrics.last_token": len(llm.metrics._streams.last_token),
         "metrics.unmetered_request_ids": len(llm.metrics.unmetered_request_ids),
