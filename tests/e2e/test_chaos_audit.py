@@ -129,6 +129,12 @@ class Clients:
     def address(self) -> str:
         return f"127.0.0.1:{self.server.port}"
 
+    def prioritized(self, request: pb.GenerateRequest, rng: random.Random) -> pb.GenerateRequest:
+        """Under --scheduling-policy priority, a random priority (more urgent ones preempt the rest)."""
+        if self.server.settings.scheduling_policy == "priority":
+            request.priority = rng.randrange(-2, 3)
+        return request
+
 
 # -- requests -------------------------------------------------------------------------------------------
 
@@ -200,7 +206,7 @@ async def generate_to_the_end(c: Clients, rng: random.Random) -> None:
     n = rng.choice([1, 1, 2, 3])
     rid = c.new_id("full")
     request, key = greedy_request(rng, n, rid)
-    responses = [r async for r in c.stub.Generate(request, timeout=120)]
+    responses = [r async for r in c.stub.Generate(c.prioritized(request, rng), timeout=120)]
     token_ids, texts, reasons = completions(responses, n)
     for i in range(n):
         if reasons[i] not in (pb.LENGTH, pb.STOP, pb.EOS) or len(token_ids[i]) > key[2]:
@@ -224,7 +230,7 @@ async def generate_seeded(c: Clients, rng: random.Random) -> None:
 
 
 async def cancel_after_k(c: Clients, rng: random.Random) -> None:
-    call = c.stub.Generate(long_request(rng, n=rng.choice([1, 2])), timeout=120)
+    call = c.stub.Generate(c.prioritized(long_request(rng, n=rng.choice([1, 2])), rng), timeout=120)
     k, received = rng.randrange(0, 6), 0
     while received < k and await call.read() is not grpc.aio.EOF:
         received += 1
@@ -264,9 +270,8 @@ async def constrained(c: Clients, rng: random.Random) -> None:
         logit_bias={rng.randrange(100, 40000): 5.0},
         n=rng.choice([1, 2]),
     )
-    call = c.stub.Generate(
-        pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params), timeout=120
-    )
+    request = c.prioritized(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params), rng)
+    call = c.stub.Generate(request, timeout=120)
     if int(c.new_id("constrained").rsplit("-", 1)[1]) % 2 == 0:  # every other one, so both kinds run
         await call.read()
         call.cancel()
@@ -288,7 +293,7 @@ async def abort_by_id(c: Clients, rng: random.Random) -> None:
     """Abort a live request by id, with an unknown id and ids of requests already finished: only the
     live one is reported aborted, and its stream then ends with ABORTED."""
     rid = c.new_id("abort")
-    call = c.stub.Generate(long_request(rng, rid), timeout=120)
+    call = c.stub.Generate(c.prioritized(long_request(rng, rid), rng), timeout=120)
     responses = [await call.read() for _ in range(rng.randrange(1, 6))]
     finished = c.ledger.finished_ids[-2:]
     reply = await c.stub.Abort(pb.AbortRequest(request_ids=[rid, c.new_id("unknown"), *finished]))
@@ -731,11 +736,21 @@ def start_server(model_dir: str, **settings: Any) -> InProcessServer:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("preemption_mode", "num_rounds"), [("swap", 2), ("recompute", 1)])
+@pytest.mark.parametrize(
+    ("preemption_mode", "num_rounds", "scheduling_policy"),
+    [("swap", 2, "fcfs"), ("recompute", 1, "priority")],
+)
 def test_chaos_leaves_correct_tokens_and_nothing_behind(
-    tiny_llama_dir: str, preemption_mode: str, num_rounds: int, caplog: pytest.LogCaptureFixture
+    tiny_llama_dir: str,
+    preemption_mode: str,
+    num_rounds: int,
+    scheduling_policy: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    server = start_server(tiny_llama_dir, preemption_mode=preemption_mode)
+    """The recompute run schedules by priority: our Generate clients send random priorities."""
+    server = start_server(
+        tiny_llama_dir, preemption_mode=preemption_mode, scheduling_policy=scheduling_policy
+    )
     try:
         streams = server.server.engine._streams = CountingStreams()  # set while idle
         before, stats_before = scrape(server), server.llm.stats()
