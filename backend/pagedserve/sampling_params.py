@@ -84,7 +84,9 @@ class StructuredOutputsParams:
     a dict), a regular expression, one of the `choice` strings, an EBNF grammar (xgrammar's syntax, a
     `root` rule), or any JSON object (`json_object=True`). Exactly one is set. Shaped like vLLM's.
     Once the grammar is complete only EOS may follow: the completion ends there (finish reason eos),
-    also under `ignore_eos` or before `min_tokens` (as vLLM ends it). JSON allows any whitespace.
+    also under `ignore_eos` or before `min_tokens` (as vLLM ends it). JSON allows any whitespace unless
+    `disable_any_whitespace` (vLLM's option): then none but single spaces after `:` and `,`, so that a
+    weak model cannot spend its tokens on newlines between the fields.
 
     Here the kind and the types are checked; the engine compiles the schema, regex or grammar when it
     admits the request, and rejects one that does not compile naming the field (`structured_outputs.json`)."""
@@ -94,6 +96,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    disable_any_whitespace: bool = False  # json and json_object only
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -121,6 +124,7 @@ class StructuredOutputsParams:
                 raise InvalidRequestError(f"structured_outputs.{name}", message)
 
         check(isinstance(self.json_object, bool), "json_object", "must be a boolean")
+        check(isinstance(self.disable_any_whitespace, bool), "disable_any_whitespace", "must be a boolean")
         check(
             self.json is None or isinstance(self.json, (str, dict)),
             "json",

@@ -25,6 +25,12 @@ from pagedserve.rpc.v1 import generate_pb2 as pb
 
 MODEL = "tiny"
 PROMPT = [1, *range(200, 239)]  # 40 tokens: 5 full blocks of 8
+WHITESPACE_BIAS = {
+    198: 50.0,
+    1116: 50.0,
+    256: 50.0,
+    197: 50.0,
+}  # "\n", "\n\n", "  ", "\t" in SmolLM2's vocabulary
 
 
 def start(model_dir: str, **settings: Any) -> InProcessServer:
@@ -473,3 +479,33 @@ def test_prompt_logprobs_over_grpc_are_the_models(fcfs_server: InProcessServer, 
         assert entry.sampled.rank == int((row > row[PROMPT[position + 1]]).sum()) + 1
     completed = fcfs_server.stub.Complete(request("plp2", max_tokens=3, prompt_logprobs=0), timeout=60)
     assert [e.sampled.token_id for e in completed.completions[0].prompt_logprobs] == PROMPT[1:]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_model_info_says_the_scheduling_policy(
+    policy: str, fcfs_server: InProcessServer, priority_server: InProcessServer
+) -> None:
+    srv = fcfs_server if policy == "fcfs" else priority_server
+    assert srv.stub.ModelInfo(pb.ModelInfoRequest(), timeout=10).scheduling_policy == policy
+
+
+PAIR = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+    "required": ["a", "b"],
+}
+
+
+def test_json_without_free_whitespace(fcfs_server: InProcessServer) -> None:
+    """`disable_any_whitespace`: no newline, tab or run of spaces anywhere in the JSON, though the
+    request pushes the model towards them (without the option the grammar lets them through)."""
+    req = request(
+        "nows",
+        max_tokens=40,
+        logit_bias=WHITESPACE_BIAS,
+        structured_outputs=pb.StructuredOutputs(json=json.dumps(PAIR), disable_any_whitespace=True),
+    )
+    text = "".join(r.text for r in fcfs_server.stub.Generate(req, timeout=60))
+    assert text.startswith("{")
+    outside_strings = re.sub(r'"(?:[^"\\]|\\.)*"', "S", text).split('"')[0]  # strings may hold any
+    assert not re.search(r"[\n\t\r]|  ", outside_strings), repr(text)

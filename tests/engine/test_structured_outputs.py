@@ -327,3 +327,21 @@ def test_tensor_parallel_ranks_apply_the_bitmask(tiny_llama_dir: str, llm: LLM) 
         tp2.engine.executor.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert re.fullmatch(REGEX, outs[0].outputs[0].text) and outs[1].outputs[0].text in CHOICES
+
+
+def outside_strings(text: str) -> str:
+    """JSON text with each string as S (strings may hold any whitespace), up to an unfinished one."""
+    return re.sub(r'"(?:[^"\\]|\\.)*"', "S", text).split('"')[0]
+
+
+def test_disable_any_whitespace_leaves_no_free_whitespace(llm: LLM) -> None:
+    for kind in ({"json_object": True}, {"json": PERSON}):
+        # pushed towards "\n", "\n\n", "  " and "\t", which the grammar would allow between the fields
+        bias = {198: 50.0, 1116: 50.0, 256: 50.0, 197: 50.0}
+        params = greedy(so(**kind, disable_any_whitespace=True), max_tokens=64, logit_bias=bias)
+        for out in llm.generate(PROMPTS, params):
+            text = out.outputs[0].text
+            assert text.startswith("{") and not re.search(r"[\n\t\r]|  ", outside_strings(text)), repr(text)
+    with pytest.raises(InvalidRequestError) as caught:
+        so(regex="a", disable_any_whitespace="yes")
+    assert caught.value.field == "structured_outputs.disable_any_whitespace"

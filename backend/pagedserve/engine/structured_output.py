@@ -68,15 +68,18 @@ class StructuredOutputs:
 
     def _compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         compiler = self._get_compiler()
+        any_whitespace = not params.disable_any_whitespace
         if params.json is not None:
             schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-            return compiler.compile_json_schema(schema)
+            return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
         if params.regex is not None:
             return compiler.compile_regex(params.regex)
         if params.choice is not None:  # JSON's string escapes are EBNF's
             return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in params.choice))
         if params.grammar is not None:
             return compiler.compile_grammar(params.grammar)
+        if not any_whitespace:  # the built-in JSON grammar has no such option: any object, as a schema
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         return compiler.compile_builtin_json_grammar()
 
     def _get_compiler(self) -> xgrammar.GrammarCompiler:

@@ -114,9 +114,10 @@ def structured_outputs(message: pb.StructuredOutputs) -> StructuredOutputsParams
         raise InvalidRequestError(
             "structured_outputs", "set one of json, regex, choice, grammar or json_object"
         )
+    whitespace = message.disable_any_whitespace
     if kind == "choice":
-        return StructuredOutputsParams(choice=list(message.choice.choices))
-    return StructuredOutputsParams(**{kind: getattr(message, kind)})
+        return StructuredOutputsParams(choice=list(message.choice.choices), disable_any_whitespace=whitespace)
+    return StructuredOutputsParams(**{kind: getattr(message, kind)}, disable_any_whitespace=whitespace)
 
 
 def request_id(request: pb.GenerateRequest, assign: str) -> str:

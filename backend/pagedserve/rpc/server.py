@@ -227,6 +227,7 @@ class GenerationServicer:
             dtype=config.model.dtype,
             version=__version__,
             max_num_seqs=config.scheduler.max_num_seqs,
+            scheduling_policy=config.scheduler.scheduling_policy,
         )
 
 

@@ -116,18 +116,20 @@ class SamplingParameters(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class StructuredOutputs(_message.Message):
-    __slots__ = ("json", "regex", "choice", "grammar", "json_object")
+    __slots__ = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
     JSON_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_ANY_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     json: str
     regex: str
     choice: Choices
     grammar: str
     json_object: bool
-    def __init__(self, json: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ...) -> None: ...
+    disable_any_whitespace: bool
+    def __init__(self, json: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ..., disable_any_whitespace: _Optional[bool] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("choices",)
@@ -258,7 +260,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_context_length", "num_kv_blocks", "block_size", "kv_capacity_tokens", "tensor_parallel_size", "dtype", "version", "max_num_seqs")
+    __slots__ = ("model_name", "max_context_length", "num_kv_blocks", "block_size", "kv_capacity_tokens", "tensor_parallel_size", "dtype", "version", "max_num_seqs", "scheduling_policy")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +270,7 @@ class ModelInfoResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULING_POLICY_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_context_length: int
     num_kv_blocks: int
@@ -277,4 +280,5 @@ class ModelInfoResponse(_message.Message):
     dtype: str
     version: str
     max_num_seqs: int
-    def __init__(self, model_name: _Optional[str] = ..., max_context_length: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[str] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+    scheduling_policy: str
+    def __init__(self, model_name: _Optional[str] = ..., max_context_length: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., scheduling_policy: _Optional[str] = ...) -> None: ...
