@@ -509,3 +509,23 @@ def test_json_without_free_whitespace(fcfs_server: InProcessServer) -> None:
     assert text.startswith("{")
     outside_strings = re.sub(r'"(?:[^"\\]|\\.)*"', "S", text).split('"')[0]  # strings may hold any
     assert not re.search(r"[\n\t\r]|  ", outside_strings), repr(text)
+
+
+def test_the_example_client_asks_for_structured_outputs(fcfs_server: InProcessServer) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "stream_client.py"
+    address = f"127.0.0.1:{fcfs_server.port}"
+
+    def run(*flags: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, str(example), "Pick a number.", "--address", address, *flags]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+    done = run("--regex", "[0-9]{3}", "--max-tokens", "8")
+    assert done.returncode == 0, done.stderr
+    answer, summary = done.stdout.split("\n")[:2]
+    assert re.fullmatch("[0-9]{3}", answer) and summary.startswith("[eos:"), done.stdout
+    bad = run("--json-schema", "{not json")
+    assert bad.returncode == 1 and "INVALID_ARGUMENT: structured_outputs.json" in bad.stderr
