@@ -13,9 +13,9 @@ import pytest
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.block_manager import BlockManager
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler_steps import run
 
 
 def make(
@@ -43,14 +43,6 @@ def add(
     )
     scheduler.add(seq)
     return seq
-
-
-def run(scheduler: Scheduler) -> SchedulerOutput:
-    """One step in which every sampling request gets token 7."""
-    out = scheduler.schedule()
-    sampled = [r.request_id for r in out.scheduled if r.do_sample]
-    scheduler.update(out, ModelRunnerOutput(sampled, [7] * len(sampled)))
-    return out
 
 
 def ids(seqs: list[Sequence]) -> list[str]:

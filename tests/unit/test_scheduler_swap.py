@@ -5,9 +5,9 @@ from __future__ import annotations
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.block_manager import BlockManager
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler_steps import run
 
 
 def make(num_blocks: int, num_cpu_blocks: int, mode: str = "swap") -> Scheduler:
@@ -21,14 +21,6 @@ def add(scheduler: Scheduler, request_id: str, num_prompt: int, max_tokens: int 
     seq = Sequence(request_id, list(range(1, num_prompt + 1)), SamplingParams(max_tokens=max_tokens))
     scheduler.add(seq)
     return seq
-
-
-def run(scheduler: Scheduler) -> SchedulerOutput:
-    """One step in which every sampling request gets token 7."""
-    out = scheduler.schedule()
-    sampled = [r.request_id for r in out.scheduled if r.do_sample]
-    scheduler.update(out, ModelRunnerOutput(sampled, [7] * len(sampled)))
-    return out
 
 
 def test_youngest_request_is_swapped_out_and_resumes_first() -> None:
