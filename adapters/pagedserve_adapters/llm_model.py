@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.engine.async_engine import QueueFullError, in_tokenizer_thread
+from pagedserve.engine.async_engine import QueueFullError, in_grammar_thread, in_tokenizer_thread
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -477,7 +477,7 @@ class LLMModel:
         try:
             prompt = await in_tokenizer_thread(llm.encode_prompt, request.prompt)
             # a new schema compiles here, off the event loop (ms to s); check() then finds it cached
-            await in_tokenizer_thread(llm.structured_outputs.compile, request.params.structured_outputs)
+            await in_grammar_thread(llm.structured_outputs.compile, request.params.structured_outputs)
             engine.check(rid, prompt, request.params, priority)
         except Exception as exc:
             raise _adapter_error(exc) from exc

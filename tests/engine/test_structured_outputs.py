@@ -345,3 +345,11 @@ def test_disable_any_whitespace_leaves_no_free_whitespace(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError) as caught:
         so(regex="a", disable_any_whitespace="yes")
     assert caught.value.field == "structured_outputs.disable_any_whitespace"
+
+
+def test_a_spec_over_64_kib_is_refused_before_it_compiles() -> None:
+    schema = {"enum": [f"value-{i}" for i in range(8000)]}  # as a dict: its JSON text is measured
+    with pytest.raises(InvalidRequestError) as caught:
+        so(json=schema)
+    assert caught.value.field == "structured_outputs.json" and "at most 65536 characters" in str(caught.value)
+    assert so(json={"enum": [f"value-{i}" for i in range(100)]}).kind == "json"

@@ -52,6 +52,15 @@ async def in_tokenizer_thread(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(_TOKENIZER_THREAD, fn, *args)
 
 
+# Structured outputs compile a request's schema, regex or grammar here (ms, up to a third of a second
+# for the largest allowed): not on the tokenizer's thread, where every other request would wait.
+_GRAMMAR_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-grammar")
+
+
+async def in_grammar_thread(fn: Callable[..., T], *args: Any) -> T:
+    return await asyncio.get_running_loop().run_in_executor(_GRAMMAR_THREAD, fn, *args)
+
+
 class QueueFullError(RuntimeError):
     """More requests are queued than --max-queued-requests allows."""
 

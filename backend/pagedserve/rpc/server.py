@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from pagedserve import __version__
-from pagedserve.engine.async_engine import AsyncEngine, QueueFullError, in_tokenizer_thread
+from pagedserve.engine.async_engine import AsyncEngine, QueueFullError, in_grammar_thread, in_tokenizer_thread
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta
@@ -120,7 +120,7 @@ class GenerationServicer:
             params = convert.sampling_params(request.sampling, self.llm)
             prompt = await in_tokenizer_thread(convert.prompt_token_ids, request, self.llm)
             # a new schema compiles here, off the event loop (ms to s); check() then finds it cached
-            await in_tokenizer_thread(self.llm.structured_outputs.compile, params.structured_outputs)
+            await in_grammar_thread(self.llm.structured_outputs.compile, params.structured_outputs)
             self.engine.check(rid, prompt, params, request.priority)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
