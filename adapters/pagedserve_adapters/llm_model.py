@@ -478,6 +478,7 @@ class LLMModel:
             prompt = await in_tokenizer_thread(llm.encode_prompt, request.prompt)
             # a new schema compiles here, off the event loop (ms to s); check() then finds it cached
             await in_grammar_thread(llm.structured_outputs.compile, request.params.structured_outputs)
+            await in_tokenizer_thread(llm.tokenize_bad_words, request.params)  # check() then finds them
             engine.check(rid, prompt, request.params, priority)
         except Exception as exc:
             raise _adapter_error(exc) from exc

@@ -536,3 +536,25 @@ def test_the_example_client_asks_for_structured_outputs(fcfs_server: InProcessSe
     assert re.fullmatch("[0-9]{3}", answer) and summary.startswith("[eos:"), done.stdout
     bad = run("--json-schema", "{not json")
     assert bad.returncode == 1 and "INVALID_ARGUMENT: structured_outputs.json" in bad.stderr
+
+
+def test_bad_words_are_tokenized_once_on_the_tokenizer_thread(
+    fcfs_server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not again on the event loop (check) nor on the engine thread (add_request): 1,024 words of 1,024
+    characters take half a second, and a fast tokenizer is not to be shared between threads."""
+    from pagedserve.sampling_params import SamplingParams
+
+    threads: list[str] = []
+    original = SamplingParams.update_from_tokenizer
+
+    def recording(self: SamplingParams, tokenizer: Any) -> None:
+        threads.append(threading.current_thread().name)
+        original(self, tokenizer)
+
+    monkeypatch.setattr(SamplingParams, "update_from_tokenizer", recording)
+    words = ["quokka marmalade", "zeppelin"]
+    for rid in ("w1", "w2"):  # the second finds the first's ids in the engine's cache
+        responses = list(fcfs_server.stub.Generate(request(rid, bad_words=words), timeout=60))
+        assert responses[-1].finish_reason == pb.LENGTH
+    assert len(threads) == 1 and threads[0].startswith("pagedserve-tokenizer"), threads

@@ -121,6 +121,7 @@ class GenerationServicer:
             prompt = await in_tokenizer_thread(convert.prompt_token_ids, request, self.llm)
             # a new schema compiles here, off the event loop (ms to s); check() then finds it cached
             await in_grammar_thread(self.llm.structured_outputs.compile, params.structured_outputs)
+            await in_tokenizer_thread(self.llm.tokenize_bad_words, params)  # check() then finds them
             self.engine.check(rid, prompt, params, request.priority)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
