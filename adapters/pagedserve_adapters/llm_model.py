@@ -476,9 +476,11 @@ class LLMModel:
         priority = request.priority if llm.config.scheduler.scheduling_policy == "priority" else 0
         try:
             prompt = await in_tokenizer_thread(llm.encode_prompt, request.prompt)
-            # a new schema compiles here, off the event loop (ms to s); check() then finds it cached
-            await in_grammar_thread(llm.structured_outputs.compile, request.params.structured_outputs)
-            await in_tokenizer_thread(llm.tokenize_bad_words, request.params)  # check() then finds them
+            # a new schema compiles, and bad words tokenize, off the event loop; check() finds them done
+            if request.params.structured_outputs is not None:
+                await in_grammar_thread(llm.structured_outputs.compile, request.params.structured_outputs)
+            if request.params.bad_words:
+                await in_tokenizer_thread(llm.tokenize_bad_words, request.params)
             engine.check(rid, prompt, request.params, priority)
         except Exception as exc:
             raise _adapter_error(exc) from exc

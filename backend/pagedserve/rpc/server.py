@@ -119,9 +119,11 @@ class GenerationServicer:
             rid = convert.request_id(request, self.engine.new_request_id())
             params = convert.sampling_params(request.sampling, self.llm)
             prompt = await in_tokenizer_thread(convert.prompt_token_ids, request, self.llm)
-            # a new schema compiles here, off the event loop (ms to s); check() then finds it cached
-            await in_grammar_thread(self.llm.structured_outputs.compile, params.structured_outputs)
-            await in_tokenizer_thread(self.llm.tokenize_bad_words, params)  # check() then finds them
+            # a new schema compiles, and bad words tokenize, off the event loop; check() finds them done
+            if params.structured_outputs is not None:
+                await in_grammar_thread(self.llm.structured_outputs.compile, params.structured_outputs)
+            if params.bad_words:
+                await in_tokenizer_thread(self.llm.tokenize_bad_words, params)
             self.engine.check(rid, prompt, params, request.priority)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
