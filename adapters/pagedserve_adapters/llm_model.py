@@ -98,6 +98,7 @@ _PARAMETER_TYPES: dict[str, str] = {
     "stop_token_ids": "int_list",
     "include_stop_str_in_output": "bool",
     "logprobs": "int",
+    "truncate_prompt_tokens": "int",
     "skip_special_tokens": "bool",
     "structured_outputs": "structured",
     "guided_decoding": "structured",  # vLLM's name before 0.11, as the vLLM backend's clients send it
@@ -476,6 +477,7 @@ class LLMModel:
         priority = request.priority if llm.config.scheduler.scheduling_policy == "priority" else 0
         try:
             prompt = await in_tokenizer_thread(llm.encode_prompt, request.prompt)
+            prompt = llm.truncate_prompt(prompt, request.params)
             # a new schema compiles, and bad words tokenize, off the event loop; check() finds them done
             if request.params.structured_outputs is not None:
                 await in_grammar_thread(llm.structured_outputs.compile, request.params.structured_outputs)

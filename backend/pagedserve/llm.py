@@ -95,7 +95,8 @@ class LLM:
         # a bad prompt adds none of the batch
         for index, (ids, p, prio) in enumerate(zip(token_ids, params, priorities)):
             try:
-                self.engine.validate_request(ids, p, prio)
+                token_ids[index] = self.engine.truncate_prompt(ids, p)  # what the outputs report
+                self.engine.validate_request(token_ids[index], p, prio)
             except InvalidRequestError as exc:
                 raise InvalidRequestError(exc.field, f"{exc.message} (prompts[{index}])") from None
         outputs: dict[str, RequestOutput] = {}  # in input order

@@ -178,6 +178,9 @@ class SamplingParams:
     grammar allows (as vLLM's: its mask applies first), and tokens it disallows are not listed.
     `prompt_logprobs=k` returns the same for every prompt token after the first (the token itself and
     the k most likely there), computing the whole prompt: such a request takes no prefix-cache hits.
+    `truncate_prompt_tokens=k` keeps only the prompt's last k tokens (left truncation, vLLM's): -1
+    keeps as many as leave `max_tokens` of room in the context (vLLM's -1 keeps the context length,
+    which leaves none); a k above the context length is refused, as vLLM refuses it.
 
     Logit controls, vLLM's, applied to every row they are set on, greedy ones included, before
     penalties and temperature (logprobs stay the raw model's): `logit_bias` adds to the logits of its
@@ -213,6 +216,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
@@ -323,6 +327,15 @@ class SamplingParams:
             or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
             "prompt_logprobs",
             f"must be an integer in [0, {MAX_LOGPROBS}]",
+        )
+        self._check(
+            self.truncate_prompt_tokens is None
+            or (
+                _is_int(self.truncate_prompt_tokens)
+                and (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)
+            ),
+            "truncate_prompt_tokens",
+            "must be an integer >= 1, or -1 (as many as leave max_tokens of room in the context)",
         )
         self._check(
             self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),

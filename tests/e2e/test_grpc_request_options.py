@@ -558,3 +558,53 @@ def test_bad_words_are_tokenized_once_on_the_tokenizer_thread(
         responses = list(fcfs_server.stub.Generate(request(rid, bad_words=words), timeout=60))
         assert responses[-1].finish_reason == pb.LENGTH
     assert len(threads) == 1 and threads[0].startswith("pagedserve-tokenizer"), threads
+
+
+def test_truncate_prompt_tokens_over_grpc(fcfs_server: InProcessServer) -> None:
+    """The last 12 prompt tokens run as that tail sent alone would, and every response (prompt_tokens,
+    the prompt logprobs) describes the prompt that ran."""
+    truncated = list(
+        fcfs_server.stub.Generate(request("tr", truncate_prompt_tokens=12, prompt_logprobs=0), timeout=60)
+    )
+    tail = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=PROMPT[-12:]),
+        sampling=pb.SamplingParameters(temperature=0, max_tokens=8, ignore_eos=True),
+    )
+    expected = [t for r in fcfs_server.stub.Generate(tail, timeout=60) for t in r.token_ids]
+    assert [t for r in truncated for t in r.token_ids] == expected
+    assert {r.prompt_tokens for r in truncated} == {12}
+    assert [e.sampled.token_id for e in truncated[0].prompt_logprobs] == PROMPT[-11:]
+
+
+@pytest.mark.parametrize("bad", [0, -2, 4096])
+def test_a_bad_truncate_prompt_tokens_is_invalid_argument_naming_it(
+    fcfs_server: InProcessServer, bad: int
+) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        list(fcfs_server.stub.Generate(request("trbad", truncate_prompt_tokens=bad), timeout=60))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "truncate_prompt_tokens" in caught.value.details()
+
+
+def test_triton_clients_give_truncate_prompt_tokens_as_a_sampling_parameter(
+    fcfs_server: InProcessServer,
+) -> None:
+    """The Triton front ends truncate the tokenized text_input as ours does (REST generate here)."""
+    text = "Tell me a story about a dragon who guards a library."
+    ours = pb.GenerateRequest(
+        text=text,
+        sampling=pb.SamplingParameters(temperature=0, max_tokens=6, truncate_prompt_tokens=4),
+    )
+    expected = "".join(r.text for r in fcfs_server.stub.Generate(ours, timeout=60))
+    params = {"temperature": 0, "max_tokens": 6, "truncate_prompt_tokens": 4, "exclude_input_in_output": True}
+    status, body = post_generate(fcfs_server, {"text_input": text, "parameters": params})
+    assert status == 200, body
+    assert body["text_output"] == expected
+    untruncated = {k: v for k, v in params.items() if k != "truncate_prompt_tokens"}
+    status, whole = post_generate(fcfs_server, {"text_input": text, "parameters": untruncated})
+    assert status == 200 and whole["text_output"] != expected  # the tail alone continues differently
+    status, body = post_generate(
+        fcfs_server, {"text_input": text, "parameters": {"truncate_prompt_tokens": 0}}
+    )
+    assert status == 400
+    assert body["error"].startswith("sampling_parameters.truncate_prompt_tokens:")

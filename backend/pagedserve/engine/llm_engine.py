@@ -112,6 +112,22 @@ class LLMEngine:
             ids = ids["input_ids"]  # type: ignore[call-overload,index]
         return list(ids)
 
+    def truncate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt a request runs with: its last `params.truncate_prompt_tokens` tokens when set.
+        Front ends call this where they tokenize, so that what they report (prompt logprobs, the
+        prompt's tokens) is the prompt the engine runs."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        max_len = self.config.model.max_model_len
+        if k == -1:
+            k = max(1, max_len - params.max_tokens)
+        elif k > max_len:
+            raise InvalidRequestError(
+                "truncate_prompt_tokens", f"{k} is greater than the context length {max_len}"
+            )
+        return prompt_token_ids[-k:]
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
@@ -127,6 +143,7 @@ class LLMEngine:
     ) -> None:
         """Queue a request. With `n > 1` it runs as n sequences that share the prompt's blocks (and
         its `priority`: under --scheduling-policy priority a lower value runs earlier)."""
+        prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)  # the front end's, unchanged
         self._validate(prompt_token_ids, params, priority)
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
@@ -173,6 +190,7 @@ class LLMEngine:
         self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> None:
         """Everything add_request() would reject, checked without touching engine state (any thread)."""
+        prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         self._validate(prompt_token_ids, params, priority)
         self.scheduler.check_can_ever_fit(len(prompt_token_ids), params.max_tokens)
         self.structured_outputs.compile(params.structured_outputs)  # last: the costliest check

@@ -26,6 +26,7 @@ _OPTIONAL_PARAMS = (
     "n",
     "skip_special_tokens",
     "prompt_logprobs",
+    "truncate_prompt_tokens",
 )
 _FINISH_REASONS = {
     "length": pb.LENGTH,

@@ -119,6 +119,7 @@ class GenerationServicer:
             rid = convert.request_id(request, self.engine.new_request_id())
             params = convert.sampling_params(request.sampling, self.llm)
             prompt = await in_tokenizer_thread(convert.prompt_token_ids, request, self.llm)
+            prompt = self.llm.truncate_prompt(prompt, params)
             # a new schema compiles, and bad words tokenize, off the event loop; check() finds them done
             if params.structured_outputs is not None:
                 await in_grammar_thread(self.llm.structured_outputs.compile, params.structured_outputs)
