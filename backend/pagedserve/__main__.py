@@ -4,15 +4,24 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.rpc.cli import add_health_parser, add_serve_parser, run_health, run_serve
-from pagedserve.sampling_params import SamplingParams
-from pagedserve.settings import EngineSettings, SettingsError, add_settings_arguments, settings_from_args
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.settings import (
+    EngineSettings,
+    SettingsError,
+    add_settings_arguments,
+    flags_given,
+    setting_source,
+    settings_from_args,
+)
 
 
 class GenerateSettings(EngineSettings):
@@ -25,6 +34,34 @@ class GenerateSettings(EngineSettings):
     top_p: float = Field(1.0, description="nucleus sampling: the smallest token set with this probability")
     top_k: int = Field(-1, description="sample among the k most likely tokens (-1 = all)")
     sampling_seed: int | None = Field(None, description="per-request seed for random sampling")
+    min_tokens: int = Field(0, description="tokens to generate before EOS or a stop string may end the text")
+    n: int = Field(1, description="completions per prompt, each printed under '### completion i'")
+    stop: list[str] | None = Field(None, description="a stop string: the text ends before it")
+    json_schema: str | None = Field(
+        None, description="a JSON schema the output must match: its text, or @path to a file holding it"
+    )
+    regex: str | None = Field(None, description="a regular expression the output must match")
+    choice: list[str] | None = Field(None, description="a string the output must be one of")
+
+    @field_validator("json_schema")
+    @classmethod
+    def _read_json_schema(cls, value: str | None) -> str | None:
+        """`@path` becomes the file's text; either must be JSON (whether it is a schema the engine's
+        compiler accepts is known only once the model's tokenizer is loaded)."""
+        if value is None:
+            return None
+        if value.startswith("@"):
+            try:
+                value = Path(value[1:]).read_text()
+            except OSError as exc:
+                raise ValueError(f"cannot read {value[1:]!r}: {exc.strerror or exc}") from None
+            except UnicodeDecodeError:
+                raise ValueError(f"{value[1:]!r} is not UTF-8 text") from None
+        try:
+            json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not JSON: {exc}") from None
+        return value
 
     @model_validator(mode="after")
     def _check_sampling(self) -> GenerateSettings:
@@ -40,18 +77,59 @@ class GenerateSettings(EngineSettings):
                 top_p=self.top_p,
                 top_k=self.top_k,
                 seed=self.sampling_seed,
+                min_tokens=self.min_tokens,
+                n=self.n,
+                stop=self.stop or [],
+                structured_outputs=self._structured_outputs(),
             )
         except InvalidRequestError as exc:  # `field: message`, said as the setting (see config_error)
-            field = "sampling_seed" if exc.field == "seed" else exc.field
+            field = _SETTING_OF_REQUEST_FIELD.get(exc.field, exc.field)
             raise ValueError(f"{field}: {exc.message}") from None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        given = [name for name in _STRUCTURED_OUTPUTS_SETTINGS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"{given[1]}: cannot be combined with {_flag(given[0])} "
+                f"(give at most one of {', '.join(map(_flag, _STRUCTURED_OUTPUTS_SETTINGS))})"
+            )
+        if not given:
+            return None
+        return StructuredOutputsParams(json=self.json_schema, regex=self.regex, choice=self.choice)
+
+
+_STRUCTURED_OUTPUTS_SETTINGS = ("json_schema", "regex", "choice")
+# Request fields that InvalidRequestError names, as the settings that set them.
+_SETTING_OF_REQUEST_FIELD = {
+    "seed": "sampling_seed",
+    "structured_outputs.json": "json_schema",
+    "structured_outputs.regex": "regex",
+    "structured_outputs.choice": "choice",
+}
+_LIST_SETTINGS = ("stop", "choice")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("generate", help="generate completions for prompts and print them")
+    # "resolve": the list settings' flags, added again below, replace the one-value flags of the first pass
+    parser = subparsers.add_parser(
+        "generate", help="generate completions for prompts and print them", conflict_handler="resolve"
+    )
     parser.add_argument(
         "--prompt", action="append", required=True, help="a prompt (repeat the flag for a batch)"
     )
     add_settings_arguments(parser, GenerateSettings)
+    for name in _LIST_SETTINGS:
+        description = GenerateSettings.model_fields[name].description
+        parser.add_argument(
+            _flag(name),
+            dest=name,
+            action="append",
+            help=f"{description} (repeat the flag for more) [env PAGEDSERVE_{name.upper()}, a JSON list]",
+        )
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -69,16 +147,28 @@ def _run_generate(args: argparse.Namespace) -> int:
             )
         else:
             outputs = llm.generate(args.prompt, params, use_tqdm=batch)
-    except InvalidRequestError as exc:  # a prompt the model cannot take (too long for its context)
-        raise SettingsError(f"--prompt: {exc.message if exc.field == 'prompt' else exc}") from None
+    except InvalidRequestError as exc:  # a prompt too long for the context, a schema that does not compile
+        raise _request_error(exc, flags_given(GenerateSettings, args)) from None
     except RuntimeError as exc:  # a request that failed (a model fault), a dead engine: said in one line
         print(f"pagedserve generate: error: {exc}", file=sys.stderr)
         return 1
     for prompt, output in zip(args.prompt, outputs):
         if batch:
             print(f"### {prompt}")
-        print(output.outputs[0].text.strip())
+        for completion in output.outputs:
+            if params.n > 1:
+                print(f"### completion {completion.index + 1}")
+            print(completion.text.strip())
     return 0
+
+
+def _request_error(exc: InvalidRequestError, given: dict[str, object]) -> SettingsError:
+    """What the engine refuses once the model is loaded, said as the flag or variable that set it (the
+    prompt when it is no setting's: a prompt too long, a bad token)."""
+    setting = _SETTING_OF_REQUEST_FIELD.get(exc.field, exc.field)
+    if setting in GenerateSettings.model_fields:
+        return SettingsError(f"{setting_source(setting, given)}: {exc.message}")
+    return SettingsError(f"--prompt: {exc.message if exc.field == 'prompt' else exc}")
 
 
 def build_parser() -> argparse.ArgumentParser:
