@@ -7,17 +7,25 @@ import operator
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from itertools import count
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import InvalidRequestError
-from pagedserve.outputs import CompletionOutput, RequestDelta, RequestOutput
+from pagedserve.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestDelta,
+    RequestOutput,
+)
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import EngineSettings
 
 # text, token ids, or vLLM's TextPrompt / TokensPrompt: {"prompt": text} or {"prompt_token_ids": ids}
 Prompt = str | list[int] | Mapping[str, Any]
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
+P = TypeVar("P", SamplingParams, PoolingParams)
 
 
 class LLM:
@@ -44,14 +52,41 @@ class LLM:
         """Run all prompts in one continuous batch; outputs come back in input order. `use_tqdm` may
         be a tqdm-like class to make the progress bar with (as in vLLM). `priority`, one int per
         prompt (lower runs earlier), needs `LLM(scheduling_policy="priority")`, as in vLLM."""
-        batch = _batch(prompts)
+        texts, token_ids = self._tokenized(prompts)
+        return self._run(texts, token_ids, sampling_params, use_tqdm, priority)
+
+    def embed(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = False,
+        priority: list[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's `LLM.embed`), in input order: the model's final hidden
+        state of the last prompt token, L2-normalized, unless `pooling_params` say otherwise. The
+        prompts share the batches, the KV cache and the prefix cache with generation."""
+        texts, token_ids = self._tokenized(prompts)
+        pooling = _per_prompt(pooling_params or PoolingParams(), len(texts), PoolingParams, "pooling_params")
+        embeddings: dict[str, list[float]] = {}
+        outputs = self._run(
+            texts, token_ids, [p.as_sampling_params() for p in pooling], use_tqdm, priority, embeddings
+        )
+        return [
+            EmbeddingRequestOutput(
+                out.request_id, out.prompt, out.prompt_token_ids, EmbeddingOutput(embeddings[out.request_id])
+            )
+            for out in outputs
+        ]
+
+    def _tokenized(self, prompts: Prompt | Seq[Prompt]) -> tuple[list[str | None], list[list[int]]]:
+        """Each prompt's text (None for token ids) and token ids."""
         texts: list[str | None] = []
         token_ids = []
-        for index, prompt in enumerate(batch):
+        for index, prompt in enumerate(_batch(prompts)):
             parsed = _parse_prompt(prompt, index)
             texts.append(parsed if isinstance(parsed, str) else None)
             token_ids.append(self.engine.encode_prompt(parsed) if isinstance(parsed, str) else parsed)
-        return self._run(texts, token_ids, sampling_params, use_tqdm, priority)
+        return texts, token_ids
 
     def chat(
         self,
@@ -87,10 +122,12 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None,
         use_tqdm: bool | Callable[..., Any],
         priority: list[int] | None,
+        embeddings: dict[str, list[float]] | None = None,
     ) -> list[RequestOutput]:
+        """Run the requests to their end; `embeddings` receives each embedding request's vector."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = _per_prompt(sampling_params, len(token_ids))
+        params = _per_prompt(sampling_params, len(token_ids), SamplingParams, "sampling_params")
         priorities = _priorities(priority, len(token_ids))
         # a bad prompt adds none of the batch
         for index, (ids, p, prio) in enumerate(zip(token_ids, params, priorities)):
@@ -107,7 +144,7 @@ class LLM:
                 completions = [CompletionOutput(i, "", [], None) for i in range(p.n)]
                 outputs[request_id] = RequestOutput(request_id, text, ids, completions, False)
                 self.engine.add_request(request_id, ids, p, priority=prio)
-            error = self._step_until_finished(outputs, progress)
+            error = self._step_until_finished(outputs, progress, embeddings)
         finally:
             # A failed request, an exception or a Ctrl-C (from tqdm, the model, anywhere in here) must
             # not leave this call's other requests in the engine: the next call would step them too.
@@ -119,7 +156,9 @@ class LLM:
             raise RuntimeError(error)
         return list(outputs.values())
 
-    def _step_until_finished(self, outputs: dict[str, RequestOutput], progress: Any) -> str | None:
+    def _step_until_finished(
+        self, outputs: dict[str, RequestOutput], progress: Any, embeddings: dict[str, list[float]] | None
+    ) -> str | None:
         """Step until every request in `outputs` finished; the first failure's message ends it early."""
         num_unfinished = len(outputs)
         while num_unfinished and self.engine.has_unfinished_requests():
@@ -132,6 +171,8 @@ class LLM:
                 _accumulate(out.outputs[delta.index], delta)
                 if delta.prompt_logprobs is not None:
                     out.prompt_logprobs = delta.prompt_logprobs
+                if delta.embedding is not None and embeddings is not None:
+                    embeddings[delta.request_id] = delta.embedding
                 if delta.request_finished:
                     out.finished, out.metrics = True, delta.metrics
                     num_unfinished -= 1
@@ -213,13 +254,14 @@ def _accumulate(completion: CompletionOutput, delta: RequestDelta) -> None:
         completion.finish_reason = delta.finish_reason
 
 
-def _per_prompt(params: SamplingParams | Seq[SamplingParams], n: int) -> list[SamplingParams]:
-    if isinstance(params, SamplingParams):
+def _per_prompt(params: P | Seq[P], n: int, kind: type[P], name: str) -> list[P]:
+    """One parameters object per prompt: `params` given once for all, or a list of one each."""
+    if isinstance(params, kind):
         return [params] * n
-    if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
-        raise InvalidRequestError("sampling_params", "must be a SamplingParams or a list of one per prompt")
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, kind) for p in params):
+        raise InvalidRequestError(name, f"must be a {kind.__name__} or a list of one per prompt")
     if len(params) != n:
-        raise InvalidRequestError("sampling_params", f"got {len(params)} for {n} prompts")
+        raise InvalidRequestError(name, f"got {len(params)} for {n} prompts")
     return list(params)
 
 

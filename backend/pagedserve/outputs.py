@@ -72,6 +72,7 @@ class RequestDelta:
     request_finished: bool = True
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, on its one final delta
 
     def completion_ends(self) -> list[tuple[str, int]]:
         """(finish reason, output tokens) of each of the n completions of the request this final delta
@@ -162,3 +163,19 @@ class RequestOutput:
     def num_cached_tokens(self) -> int | None:
         """Prompt tokens found in the prefix cache (vLLM's field); None before it was scheduled."""
         return None if self.metrics is None else self.metrics.num_cached_tokens
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """An embedding request's result, shaped like vLLM's (`.outputs.embedding`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

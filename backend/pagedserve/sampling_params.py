@@ -6,9 +6,12 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from pagedserve.pooling_params import PoolingParams
 
 MAX_LOGPROBS = 20
 # Every stop string is searched for after every token, on the thread that steps everyone's batch:
@@ -226,6 +229,8 @@ class SamplingParams:
     # tokenizer; `update_from_tokenizer`), whatever a caller passed. They travel with the params to the
     # workers (pickled to tensor-parallel ranks); an init field so that `dataclasses.replace` keeps them.
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
+    # An embedding request's pooling (`PoolingParams.as_sampling_params`): it samples nothing.
+    _pooling: PoolingParams | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -241,6 +246,11 @@ class SamplingParams:
         if _is_int(self.top_k) and self.top_k == 0:  # vLLM's "disabled", its default since 0.8
             self.top_k = -1
         self._verify()
+
+    @property
+    def pooling(self) -> PoolingParams | None:
+        """The `PoolingParams` of an embedding request, None for generation."""
+        return self._pooling
 
     @property
     def is_greedy(self) -> bool:

@@ -580,6 +580,10 @@ class RequestTracer:
             "gen_ai.latency.e2e": end - m.arrival_time,
             "gen_ai.pagedserve.num_preemptions": m.num_preemptions,
         }
+        if params.pooling is not None:  # an embedding: nothing sampled, nothing to say of sampling
+            for name in ("max_tokens", "temperature", "top_p", "n"):
+                del attrs[f"gen_ai.request.{name}"]
+            attrs["gen_ai.operation.name"] = "embeddings"  # the semantic conventions' operation
         if m.time_in_queue is not None:
             attrs["gen_ai.latency.time_in_queue"] = m.time_in_queue
         if m.time_to_first_token is not None:

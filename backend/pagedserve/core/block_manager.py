@@ -111,9 +111,9 @@ class BlockManager:
         """Cached blocks holding `seq`'s leading full blocks. At least the last token is left to
         compute, so the model still produces the logits to sample from. Counted as a query only
         when `allocate` takes the hits: a sequence may be looked up on many steps before it fits.
-        None for a sequence asking for prompt logprobs: every prompt position must produce its
-        logits (as in vLLM); it still fills the cache for others."""
-        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+        None for a sequence asking for prompt logprobs, or for an embedding that is the mean over its
+        prompt: every prompt position must run (as in vLLM); it still fills the cache for others."""
+        if not self.enable_prefix_caching or _runs_every_prompt_position(seq):
             return []
         hits: list[int] = []
         num_blocks = (seq.num_tokens - 1) // self.block_size
@@ -302,3 +302,10 @@ class BlockManager:
         for offset in range(0, len(data), width):
             block_hash = hashlib.sha256(block_hash + data[offset : offset + width]).digest()
             yield block_hash
+
+
+def _runs_every_prompt_position(seq: Sequence) -> bool:
+    params = seq.sampling_params
+    return params.prompt_logprobs is not None or (
+        params.pooling is not None and params.pooling.pooling == "mean"
+    )

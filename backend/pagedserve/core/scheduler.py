@@ -176,15 +176,20 @@ class Scheduler:
         )
 
     def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Sequence]:
-        """Advance computed tokens, append sampled tokens, finish token-level stops.
+        """Advance computed tokens, append sampled tokens, finish token-level stops, and finish the
+        embedding requests whose prompt is all computed (they sample nothing).
 
-        Returns the sequences that received a token this step (finished ones included)."""
+        Returns the sequences that received a token this step (finished ones included), after the
+        embedding requests it finished."""
+        updated = []
         for req in output.scheduled:
             seq = self.requests.get(req.request_id)
             if seq is not None:
                 seq.num_computed_tokens += len(req.token_ids)
                 self.block_manager.cache_full_blocks(seq)
-        updated = []
+                if seq.sampling_params.pooling is not None and seq.num_computed_tokens == seq.num_tokens:
+                    self.finish(seq, FinishReason.STOP)
+                    updated.append(seq)
         for request_id, token_id in zip(runner_output.request_ids, runner_output.sampled_token_ids):
             seq = self.requests.get(request_id)
             if seq is None:
@@ -319,7 +324,7 @@ class Scheduler:
             token_ids=seq.token_ids[start : start + num_new],
             num_computed_tokens=start,
             new_block_ids=new_block_ids,
-            do_sample=start + num_new == seq.num_tokens,
+            do_sample=start + num_new == seq.num_tokens and seq.sampling_params.pooling is None,
             is_new=is_new,
             num_prompt_tokens=seq.num_prompt_tokens if is_new else 0,
             sampling_params=seq.sampling_params if is_new else None,

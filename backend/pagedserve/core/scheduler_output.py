@@ -69,3 +69,7 @@ class ModelRunnerOutput:
     # Prompt logprobs of the prompt positions run this step (sampled or not), for requests that ask:
     # request id -> (p, entries), entries[i] scoring prompt token p + i (p >= 1: token 0 has none).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Embedding requests run this step: request id -> (p, values), p their first position this step;
+    # values the sum of those positions' final hidden states ("mean" pooling), or the last prompt
+    # position's alone ("last", only in the step that runs it).
+    pooled: dict[str, tuple[int, list[float]]] = field(default_factory=dict)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -120,8 +121,8 @@ class LLMEngine:
         if k is None:
             return prompt_token_ids
         max_len = self.config.model.max_model_len
-        if k == -1:
-            k = max(1, max_len - params.max_tokens)
+        if k == -1:  # an embedding generates nothing: it may fill the context
+            k = max_len if params.pooling is not None else max(1, max_len - params.max_tokens)
         elif k > max_len:
             raise InvalidRequestError(
                 "truncate_prompt_tokens", f"{k} is greater than the context length {max_len}"
@@ -164,7 +165,10 @@ class LLMEngine:
             seq.is_multi_sequence = params.n > 1
         self.scheduler.add(seqs[0])
         self.structured_outputs.add([seq.request_id for seq in seqs], grammar)
-        metrics = RequestMetrics(seqs[0].arrival_time, n=params.n, max_tokens=params.max_tokens)
+        if params.pooling is None:
+            metrics = RequestMetrics(seqs[0].arrival_time, n=params.n, max_tokens=params.max_tokens)
+        else:  # an embedding: no generation parameters for vLLM's request_params_* histograms
+            metrics = RequestMetrics(seqs[0].arrival_time)
         self._requests[request_id] = _Request(metrics, len(seqs))
         for index, seq in enumerate(seqs):
             detokenizer = IncrementalDetokenizer(
@@ -205,12 +209,17 @@ class LLMEngine:
         max_num_seqs = self.config.scheduler.max_num_seqs
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
-        if len(prompt_token_ids) >= max_len:
+        if params.pooling is not None:  # an embedding: the prompt alone, up to the whole context
+            if len(prompt_token_ids) > max_len:
+                raise InvalidRequestError(
+                    "prompt", f"{len(prompt_token_ids)} tokens exceed the context length {max_len}"
+                )
+        elif len(prompt_token_ids) >= max_len:
             raise InvalidRequestError(
                 "prompt",
                 f"{len(prompt_token_ids)} tokens leave no room to generate within the context length {max_len}",
             )
-        if len(prompt_token_ids) + params.max_tokens > max_len:
+        elif len(prompt_token_ids) + params.max_tokens > max_len:
             raise InvalidRequestError(
                 "max_tokens",
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -364,8 +373,12 @@ class LLMEngine:
         now = time.monotonic()
         logprobs_by_id = dict(zip(runner_output.request_ids, runner_output.logprobs or [], strict=False))
         self._take_prompt_logprobs(runner_output.prompt_logprobs)
+        self._take_pooled(runner_output.pooled)
         deltas = []
         for seq in updated:
+            if seq.sampling_params.pooling is not None:  # an embedding, finished by the scheduler
+                deltas.append(self._embedding_delta(seq, now))
+                continue
             grammar_end = self.structured_outputs.advance(seq)
             if grammar_end is not None:
                 self.scheduler.finish(seq, grammar_end)
@@ -447,6 +460,34 @@ class LLMEngine:
             assert first <= len(held), f"{seq_id}: prompt logprobs from token {first}, {len(held)} held"
             held.extend(entries[len(held) - first :])
 
+    def _take_pooled(self, chunks: dict[str, tuple[int, list[float]]]) -> None:
+        """Add up each embedding request's hidden states as its chunks come in: a chunk from position
+        0 starts again (a recompute after a preemption runs the prompt again)."""
+        for seq_id, (first, values) in chunks.items():
+            completion = self._completions.get(seq_id)
+            if completion is None:  # aborted while its step ran
+                continue
+            request = self._requests[completion.request_id]
+            if first == 0 or request.pooled is None:
+                request.pooled = values
+            else:
+                request.pooled = [a + b for a, b in zip(request.pooled, values, strict=True)]
+
+    def _embedding_delta(self, seq: Sequence, now: float) -> RequestDelta:
+        """The one delta of an embedding request: its vector, pooled as asked."""
+        pooling = seq.sampling_params.pooling
+        request = self._requests[self._completions[seq.request_id].request_id]
+        assert pooling is not None and request.pooled is not None, f"{seq.request_id}: no hidden states"
+        embedding = request.pooled
+        if pooling.pooling == "mean":
+            embedding = [value / seq.num_prompt_tokens for value in embedding]
+        if pooling.normalize:
+            norm = max(math.sqrt(math.fsum(value * value for value in embedding)), 1e-12)
+            embedding = [value / norm for value in embedding]
+        delta = self._delta(seq, [], "", None, now)
+        delta.embedding = embedding
+        return delta
+
     def _first_prompt_logprobs(self, seq: Sequence) -> PromptLogprobs | None:
         """The request's prompt logprobs, decoded, for completion 0's first token (the prompt is all
         computed by then); None for any other delta, or when not asked."""
@@ -507,6 +548,7 @@ class _Request:
     num_sequences: int
     num_finished: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # as computed so far, when asked
+    pooled: list[float] | None = None  # an embedding request's hidden states, added up so far
 
 
 @dataclass

@@ -8,6 +8,7 @@ from jinja2 import TemplateError
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import RequestDelta, TokenLogprobs
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -109,6 +110,30 @@ def sampling_params(message: pb.SamplingParameters, engine: LLMEngine) -> Sampli
     return engine.sampling_params(**kwargs)
 
 
+def pooling_params(request: pb.EmbedRequest) -> SamplingParams:
+    """An Embed call's parameters, as the engine runs them."""
+    pooling = PoolingParams(
+        pooling=request.pooling or "last",
+        normalize=request.normalize if request.HasField("normalize") else True,
+        truncate_prompt_tokens=(
+            request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None
+        ),
+    )
+    return pooling.as_sampling_params()
+
+
+def embed_response(delta: RequestDelta) -> pb.EmbedResponse:
+    assert delta.embedding is not None
+    out = pb.EmbedResponse(
+        request_id=delta.request_id, embedding=delta.embedding, prompt_tokens=delta.num_prompt_tokens
+    )
+    if delta.metrics.num_cached_tokens is not None:
+        out.cached_tokens = delta.metrics.num_cached_tokens
+    if delta.metrics.time_in_queue is not None:
+        out.time_in_queue_s = delta.metrics.time_in_queue
+    return out
+
+
 def structured_outputs(message: pb.StructuredOutputs) -> StructuredOutputsParams:
     kind = message.WhichOneof("kind")
     if kind is None:
@@ -121,7 +146,7 @@ def structured_outputs(message: pb.StructuredOutputs) -> StructuredOutputsParams
     return StructuredOutputsParams(**{kind: getattr(message, kind)}, disable_any_whitespace=whitespace)
 
 
-def request_id(request: pb.GenerateRequest, assign: str) -> str:
+def request_id(request: pb.GenerateRequest | pb.EmbedRequest, assign: str) -> str:
     rid = request.request_id or assign
     if len(rid) > _MAX_REQUEST_ID_LEN or not rid.isprintable():
         raise InvalidRequestError(
@@ -130,7 +155,7 @@ def request_id(request: pb.GenerateRequest, assign: str) -> str:
     return rid
 
 
-def prompt_token_ids(request: pb.GenerateRequest, engine: LLMEngine) -> list[int]:
+def prompt_token_ids(request: pb.GenerateRequest | pb.EmbedRequest, engine: LLMEngine) -> list[int]:
     kind = request.WhichOneof("input")
     if kind == "text":
         if not request.text:

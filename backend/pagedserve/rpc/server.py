@@ -105,7 +105,29 @@ class GenerationServicer:
             self._trace(call, context)
         return pb.CompleteResponse(completions=completions)
 
-    async def _admit(self, request: Any, context: grpc.aio.ServicerContext) -> _Call:
+    async def Embed(self, request: Any, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        call = await self._admit(request, context, convert.pooling_params)
+        deltas = self._deltas(call, context)
+        try:
+            async for delta in deltas:
+                call.last = delta
+        finally:
+            await deltas.aclose()
+            self._trace(call, context)
+        if call.last is None or call.last.embedding is None:  # aborted (an Abort call, a drain timeout)
+            error = call.last.error if call.last is not None else None
+            await context.abort(grpc.StatusCode.CANCELLED, error or "the request was aborted")
+            raise AssertionError("context.abort raises")
+        return convert.embed_response(call.last)
+
+    async def _admit(
+        self,
+        request: Any,
+        context: grpc.aio.ServicerContext,
+        params_of: Callable[[Any], SamplingParams] | None = None,
+    ) -> _Call:
+        """Check and tokenize a call's request; `params_of` makes its parameters (default: the
+        Generate request's sampling)."""
         started = time.monotonic()
         if self.state.status != "serving":
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is {self.state.status}")
@@ -117,7 +139,10 @@ class GenerationServicer:
                     "model", f"unknown model {request.model!r}; this server serves {self.model_name!r}"
                 )
             rid = convert.request_id(request, self.engine.new_request_id())
-            params = convert.sampling_params(request.sampling, self.llm)
+            if params_of is None:
+                params = convert.sampling_params(request.sampling, self.llm)
+            else:
+                params = params_of(request)
             prompt = await in_tokenizer_thread(convert.prompt_token_ids, request, self.llm)
             prompt = self.llm.truncate_prompt(prompt, params)
             # a new schema compiles, and bad words tokenize, off the event loop; check() finds them done
@@ -310,6 +335,7 @@ def _handlers(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
             "Tokenize": handler(unary, servicer.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse),
             "Detokenize": handler(unary, servicer.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse),
             "ModelInfo": handler(unary, servicer.ModelInfo, pb.ModelInfoRequest, pb.ModelInfoResponse),
+            "Embed": handler(unary, servicer.Embed, pb.EmbedRequest, pb.EmbedResponse),
         },
     )
 

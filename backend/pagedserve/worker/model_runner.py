@@ -137,6 +137,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         # requests owing prompt logprobs -> their prompts; empty (no per-step work) when none asks
         self.prompt_token_ids: dict[str, list[int]] = {}
+        self.pooling_request_ids: set[str] = set()  # embedding requests: empty (no work) when none
         self.sampler = Sampler(config.seed, self.device, self._argmax_kernel())
 
     def _argmax_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -247,13 +248,16 @@ class ModelRunner:
             with step_metadata(metadata):
                 hidden = self.forward(input_ids, positions, metadata)
         prompt_logprobs = self._prompt_logprobs(order, hidden) if self.prompt_token_ids else {}
+        pooled = self._pool(order, hidden) if self.pooling_request_ids else {}
         sampled = [r for r in order if r.do_sample]
-        if not sampled:  # chunks of prompts: nothing to sample, maybe prompt logprobs
-            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
+        if not sampled:  # chunks of prompts: nothing to sample, maybe prompt logprobs or embeddings
+            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs, pooled=pooled)
         logits = self.model.compute_logits(hidden[sample_indices])
         grammar_masks = self._apply_grammar_bitmask(logits, sampled, output)
         result = self.sampler(logits, self._sampling_tensors(sampled, grammar_masks))
-        return self._to_output(sampled, result, prompt_logprobs)
+        runner_output = self._to_output(sampled, result, prompt_logprobs)
+        runner_output.pooled = pooled
+        return runner_output
 
     def _apply_grammar_bitmask(
         self, logits: torch.Tensor, sampled: list[ScheduledRequest], output: SchedulerOutput
@@ -310,10 +314,13 @@ class ModelRunner:
             state.token_ids.extend(req.computed_token_ids)
         if req.prompt_token_ids is not None:
             self.prompt_token_ids[req.request_id] = req.prompt_token_ids
+        if req.sampling_params.pooling is not None:
+            self.pooling_request_ids.add(req.request_id)
         self.requests[req.request_id] = state
 
     def _free_state(self, request_id: str) -> None:
         self.prompt_token_ids.pop(request_id, None)
+        self.pooling_request_ids.discard(request_id)
         state = self.requests.pop(request_id, None)
         if state is not None:
             self.free_rows.append(state.row)
@@ -494,6 +501,27 @@ class ModelRunner:
                 found[req.request_id] = (start + 1, entries)
             if end == len(prompt) - 1:  # every prompt position scored
                 del self.prompt_token_ids[req.request_id]
+        return found
+
+    def _pool(
+        self, order: list[ScheduledRequest], hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[float]]]:
+        """The embedding requests' part of this step's hidden states, per request (its first
+        position this step, values): the sum of the rows of a "mean" one (the engine adds the chunks
+        up, as a preemption drops this worker's state), the last prompt row of a "last" one, in the
+        step that runs it."""
+        found: dict[str, tuple[int, list[float]]] = {}
+        row = 0  # the request's first row in `hidden` (rows follow `order`)
+        for req in order:
+            first, row = row, row + len(req.token_ids)
+            if req.request_id not in self.pooling_request_ids:
+                continue
+            state = self.requests[req.request_id]
+            assert state.params.pooling is not None
+            if state.params.pooling.pooling == "mean":
+                found[req.request_id] = (req.num_computed_tokens, hidden[first:row].float().sum(0).tolist())
+            elif state.num_tokens == state.num_prompt_tokens:  # this step ran the last prompt token
+                found[req.request_id] = (req.num_computed_tokens, hidden[row - 1].float().tolist())
         return found
 
     def _score(self, hidden: torch.Tensor, target_ids: list[int], k: int) -> list[TokenLogprobs]:

@@ -69,6 +69,11 @@ class GenerationStub:
                 request_serializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pagedserve.rpc.v1.Generation/Embed',
+                request_serializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -119,6 +124,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One embedding of a prompt (vLLM's embed task): the model's final hidden state of the last prompt
+        token, or the mean over the prompt, L2-normalized unless asked not to. It shares the batches, the
+        KV cache and the prefix cache with generation, and is aborted as a Generate call is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -156,6 +170,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ModelInfo,
                     request_deserializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.ModelInfoRequest.FromString,
                     response_serializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.EmbedRequest.FromString,
+                    response_serializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -347,6 +366,33 @@ class Generation:
             '/pagedserve.rpc.v1.Generation/ModelInfo',
             pagedserve_dot_rpc_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
             pagedserve_dot_rpc_dot_v1_dot_generate__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.rpc.v1.Generation/Embed',
+            pagedserve_dot_rpc_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+            pagedserve_dot_rpc_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
