@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, PoolingParams, SamplingParams
 from pagedserve.distributed import get_tp_size
 from pagedserve.errors import EngineDeadError
 from pagedserve.outputs import TokenLogprobs
@@ -140,6 +140,13 @@ def test_tp2_matches_single_rank_under_swap_and_chunked_prefill(
         assert stats.num_swap_preemptions > 0
         assert stats.num_swapped_in_blocks > 0
         assert stats.num_free_blocks == 24
+        # embeddings: the final hidden states every rank holds whole, pooled as one rank pools them
+        pooling = [PoolingParams("mean"), PoolingParams("last")] * (len(prompts) // 2)
+        ours = [out.outputs.embedding for out in llm.embed(prompts, pooling)]
+    single_rank = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, block_size=8)
+    expected = [out.outputs.embedding for out in single_rank.embed(prompts, pooling)]
+    for got, want in zip(ours, expected, strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
 
 
 def test_tp4_replicates_kv_heads(
