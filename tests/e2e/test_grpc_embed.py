@@ -121,8 +121,8 @@ def test_embed_and_generate_share_the_engine(server: InProcessServer) -> None:
     assert after[params] - before[params] == 1  # the stream's: an embedding has no max_tokens
 
 
-def test_an_aborted_embed_is_cancelled(server: InProcessServer) -> None:
-    """Both seats taken by streams: an Embed call waits, an Abort call ends it, CANCELLED."""
+def take_both_seats(server: InProcessServer) -> list[Any]:
+    """Two streams running (the server's --max-num-seqs): a request sent now waits for a seat."""
     long = pb.SamplingParameters(temperature=0, max_tokens=CONTEXT - 8, ignore_eos=True)
     streams = [
         server.stub.Generate(
@@ -131,7 +131,13 @@ def test_an_aborted_embed_is_cancelled(server: InProcessServer) -> None:
         for _ in range(2)
     ]
     for stream in streams:
-        next(stream)  # both running
+        next(stream)  # its first token: running
+    return streams
+
+
+def test_an_aborted_embed_is_cancelled(server: InProcessServer) -> None:
+    """Both seats taken by streams: an Embed call waits, an Abort call ends it, CANCELLED."""
+    streams = take_both_seats(server)
     outcome: queue.Queue[Any] = queue.Queue()
 
     def embed() -> None:
@@ -212,15 +218,7 @@ def test_an_embed_call_is_traced_as_an_embeddings_operation(server: InProcessSer
 def test_an_embed_call_past_its_deadline_leaves_the_engine(server: InProcessServer) -> None:
     """Both seats taken: an Embed call with a 0.5 s deadline waits, expires, and its request is gone
     from the engine (aborted, as a Generate call's is), while the streams go on."""
-    long = pb.SamplingParameters(temperature=0, max_tokens=CONTEXT - 8, ignore_eos=True)
-    streams = [
-        server.stub.Generate(
-            pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT[:8]), sampling=long), timeout=60
-        )
-        for _ in range(2)
-    ]
-    for stream in streams:
-        next(stream)
+    streams = take_both_seats(server)
     with pytest.raises(grpc.RpcError) as caught:
         server.stub.Embed(pb.EmbedRequest(request_id="emb-late", text="hello"), timeout=0.5)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
