@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.engine.async_engine import QueueFullError, in_grammar_thread, in_tokenizer_thread
+from pagedserve.engine.async_engine import QueueFullError, in_tokenizer_thread
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -477,13 +477,7 @@ class LLMModel:
         priority = request.priority if llm.config.scheduler.scheduling_policy == "priority" else 0
         try:
             prompt = await in_tokenizer_thread(llm.encode_prompt, request.prompt)
-            prompt = llm.truncate_prompt(prompt, request.params)
-            # a new schema compiles, and bad words tokenize, off the event loop; check() finds them done
-            if request.params.structured_outputs is not None:
-                await in_grammar_thread(llm.structured_outputs.compile, request.params.structured_outputs)
-            if request.params.bad_words:
-                await in_tokenizer_thread(llm.tokenize_bad_words, request.params)
-            engine.check(rid, prompt, request.params, priority)
+            prompt = await engine.prepare(rid, prompt, request.params, priority)
         except Exception as exc:
             raise _adapter_error(exc) from exc
         tokenized = (started, time.monotonic())

@@ -144,6 +144,22 @@ class AsyncEngine:
         """Raise what generate() would raise before its first delta, without starting anything."""
         self._admit(request_id, prompt_token_ids, params, priority)
 
+    async def prepare(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> list[int]:
+        """What every front end does between tokenizing a request and generate(): truncate the prompt
+        as the engine runs it (returned: what the front end reports), compile a new constraint on
+        the grammar thread and tokenize the bad words on the tokenizer thread (off the event loop:
+        check() then finds both done), and check()."""
+        llm = self.engine
+        prompt = llm.truncate_prompt(prompt_token_ids, params)
+        if params.structured_outputs is not None:
+            await in_grammar_thread(llm.structured_outputs.compile, params.structured_outputs)
+        if params.bad_words:
+            await in_tokenizer_thread(llm.tokenize_bad_words, params)
+        self.check(request_id, prompt, params, priority)
+        return prompt
+
     def kill(self, exc: BaseException) -> None:
         """The engine cannot continue (e.g. a worker rank died between steps): fail every request."""
         if self.dead is None:

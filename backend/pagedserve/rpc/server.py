@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from pagedserve import __version__
-from pagedserve.engine.async_engine import AsyncEngine, QueueFullError, in_grammar_thread, in_tokenizer_thread
+from pagedserve.engine.async_engine import AsyncEngine, QueueFullError, in_tokenizer_thread
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta
@@ -144,13 +144,7 @@ class GenerationServicer:
             else:
                 params = params_of(request)
             prompt = await in_tokenizer_thread(convert.prompt_token_ids, request, self.llm)
-            prompt = self.llm.truncate_prompt(prompt, params)
-            # a new schema compiles, and bad words tokenize, off the event loop; check() finds them done
-            if params.structured_outputs is not None:
-                await in_grammar_thread(self.llm.structured_outputs.compile, params.structured_outputs)
-            if params.bad_words:
-                await in_tokenizer_thread(self.llm.tokenize_bad_words, params)
-            self.engine.check(rid, prompt, params, request.priority)
+            prompt = await self.engine.prepare(rid, prompt, params, request.priority)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFullError as exc:
