@@ -253,16 +253,14 @@ class Scheduler:
 
     def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> int | None:
         """Admit the waiting head with up to `budget` tokens; its number of tokens, None if it does not fit."""
-        block_manager = self.block_manager
         seq = self.waiting[0]
-        cached_block_ids = block_manager.match_prefix(seq)
-        num_cached = len(cached_block_ids) * block_manager.block_size
-        num_new = min(seq.num_tokens - num_cached, budget)
-        if not block_manager.can_allocate(seq, num_new, cached_block_ids):
+        fit = self._fit(seq, budget)
+        if fit is None:
             return None
+        cached_block_ids, num_new = fit
         self.waiting.pop(0)
-        block_ids = block_manager.allocate(seq, num_new, cached_block_ids)
-        seq.num_computed_tokens = num_cached
+        block_ids = self.block_manager.allocate(seq, num_new, cached_block_ids)
+        seq.num_computed_tokens = len(cached_block_ids) * self.block_manager.block_size
         self._start_running(seq)
         scheduled.append(self._scheduled(seq, num_new, block_ids, is_new=True))
         return num_new
@@ -300,14 +298,20 @@ class Scheduler:
     def _can_admit(self, seq: Sequence) -> bool:
         """Whether the waiting head would be admitted now: a free seat, and blocks for the tokens the
         budget gives it after the running requests' tokens (at least one, the smallest chunk)."""
-        block_manager = self.block_manager
         if len(self.running) >= self.config.max_num_seqs:
             return False
         num_running_tokens = sum(s.num_tokens - s.num_computed_tokens for s in self.running)
-        budget = max(self.config.max_num_batched_tokens - num_running_tokens, 1)
+        return self._fit(seq, max(self.config.max_num_batched_tokens - num_running_tokens, 1)) is not None
+
+    def _fit(self, seq: Sequence, budget: int) -> tuple[list[int], int] | None:
+        """A waiting sequence's prefix-cache hits and the tokens it would run with up to `budget`,
+        None when the blocks for them are not free."""
+        block_manager = self.block_manager
         cached_block_ids = block_manager.match_prefix(seq)
         num_new = min(seq.num_tokens - len(cached_block_ids) * block_manager.block_size, budget)
-        return block_manager.can_allocate(seq, num_new, cached_block_ids)
+        if not block_manager.can_allocate(seq, num_new, cached_block_ids):
+            return None
+        return cached_block_ids, num_new
 
     def _start_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
