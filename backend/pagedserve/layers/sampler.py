@@ -50,8 +50,8 @@ class SamplingTensors:
     max_num_logprobs: int | None  # None when no row asks for logprobs
     # (row, token ids): only these may be sampled (allowed_token_ids); empty where no row has them
     allowed_tokens: list[tuple[int, list[int]]] = field(default_factory=list)
-    # (row, token ids, biases): added to the logits (logit_bias); empty where no row has them
-    logit_biases: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
+    # (row, token ids, float32 biases): added to the logits (logit_bias); empty where no row has them
+    logit_biases: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property
     def all_greedy(self) -> bool:
@@ -155,7 +155,7 @@ def _apply_logit_controls(logits: torch.Tensor, t: SamplingTensors) -> None:
     for row, banned_ids in t.banned_tokens:
         logits[row, banned_ids] = float("-inf")
     for row, bias_ids, biases in t.logit_biases:
-        logits[row, bias_ids] += torch.tensor(biases, device=logits.device)
+        logits[row, bias_ids] += biases
 
 
 def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

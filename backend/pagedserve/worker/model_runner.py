@@ -57,6 +57,7 @@ class RequestState:
     num_blocks: int = 0
     token_ids: list[int] = field(default_factory=list)  # kept only when penalties or bad words need it
     bad_words: BadWords | None = None  # built on the request's first sample, where it has bad words
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (token ids, biases), on the device
 
     @property
     def num_output_tokens(self) -> int:
@@ -312,6 +313,12 @@ class ModelRunner:
         )
         if state.keeps_token_ids:
             state.token_ids.extend(req.computed_token_ids)
+        if req.sampling_params.logit_bias:  # once, not every step: up to 1,024 entries
+            bias = req.sampling_params.logit_bias
+            state.logit_bias = (
+                torch.tensor(list(bias), device=self.device),
+                torch.tensor(list(bias.values()), dtype=torch.float32, device=self.device),
+            )
         if req.prompt_token_ids is not None:
             self.prompt_token_ids[req.request_id] = req.prompt_token_ids
         if req.sampling_params.pooling is not None:
@@ -403,11 +410,7 @@ class ModelRunner:
             ],
             max_num_logprobs=max(logprobs) if logprobs else None,
             allowed_tokens=[(row, allowed) for row, (_, allowed) in controls.items() if allowed],
-            logit_biases=[
-                (row, list(p.logit_bias), list(p.logit_bias.values()))
-                for row, p in enumerate(params)
-                if p.logit_bias
-            ],
+            logit_biases=[(row, *s.logit_bias) for row, s in enumerate(states) if s.logit_bias is not None],
         )
 
     def _token_controls(
