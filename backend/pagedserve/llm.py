@@ -66,7 +66,9 @@ class LLM:
         state of the last prompt token, L2-normalized, unless `pooling_params` say otherwise. The
         prompts share the batches, the KV cache and the prefix cache with generation."""
         texts, token_ids = self._tokenized(prompts)
-        pooling = _per_prompt(pooling_params or PoolingParams(), len(texts), PoolingParams, "pooling_params")
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        pooling = _per_prompt(pooling_params, len(texts), PoolingParams, "pooling_params")
         embeddings: dict[str, list[float]] = {}
         outputs = self._run(
             texts, token_ids, [p.as_sampling_params() for p in pooling], use_tqdm, priority, embeddings

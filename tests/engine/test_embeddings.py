@@ -148,6 +148,8 @@ def test_bad_embed_calls_name_what_is_wrong(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError) as caught:
         llm.embed(["a", "b"], [PoolingParams()])
     assert caught.value.field == "pooling_params"
+    with pytest.raises(InvalidRequestError, match="got 0 for 2 prompts"):  # not the defaults for all
+        llm.embed(["a", "b"], [])
     with pytest.raises(InvalidRequestError) as caught:
         llm.embed(["a"], SamplingParams())  # type: ignore[arg-type]
     assert caught.value.field == "pooling_params"
