@@ -287,9 +287,16 @@ async def _valid(request: Any, context: grpc.aio.ServicerContext) -> Any:
 
 
 def model_config(model: LLMModel) -> pb.ModelConfig:
-    """A decoupled model that batches internally (`max_batch_size: 0`), as Triton's vLLM backend reports."""
+    """A decoupled model that batches internally (`max_batch_size: 0`), as Triton's vLLM backend reports;
+    under the priority scheduling policy, with the priority levels its requests' `priority` picks from."""
     config = model.server.engine.engine.config
+    levels = model.priority_levels
     return pb.ModelConfig(
+        dynamic_batching=pb.ModelDynamicBatching(
+            priority_levels=levels.levels, default_priority_level=levels.default
+        )
+        if model.schedules_by_priority
+        else None,
         name=model.name,
         backend="pagedserve",
         max_batch_size=0,

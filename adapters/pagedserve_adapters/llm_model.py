@@ -395,6 +395,23 @@ def _logprob_entries(delta: RequestDelta) -> list[dict[str, Any]]:
     ]
 
 
+@dataclass(frozen=True)
+class PriorityLevels:
+    """Triton's priority levels (the model config's `dynamic_batching`): 1 is the most urgent, then 2,
+    ... up to `levels`. A request's 0 (Triton's "not given") or a level above `levels` runs at `default`,
+    as Triton runs it. Under the priority scheduling policy a level becomes the engine's priority (lower
+    first) counted from the default level, so that the default level runs as the engine's default 0,
+    beside our gRPC API's requests that set none; under fcfs every request runs at 0, as Triton ignores
+    priorities for a model without levels."""
+
+    levels: int = 3  # at least 1 (`pagedserve serve` checks its flags)
+    default: int = 2  # in [1, levels]
+
+    def engine_priority(self, requested: int) -> int:
+        level = requested if 1 <= requested <= self.levels else self.default
+        return level - self.default
+
+
 @dataclass
 class ModelStats:
     """Counters for Triton's ModelStatistics (durations in nanoseconds)."""
@@ -414,9 +431,14 @@ class LLMModel:
 
     version = MODEL_VERSION
 
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: Any, priority_levels: PriorityLevels = PriorityLevels()) -> None:
         self.server = server  # pagedserve.rpc.server.Server
+        self.priority_levels = priority_levels
         self.stats = ModelStats()
+
+    @property
+    def schedules_by_priority(self) -> bool:
+        return self.bound and self.server.engine.engine.config.scheduler.scheduling_policy == "priority"
 
     @property
     def bound(self) -> bool:
@@ -471,10 +493,7 @@ class LLMModel:
         tracer = self.server.servicer.tracer
         started = time.monotonic()
         rid = engine.new_request_id("v2")
-        # Triton ignores a request's priority unless the model has priority levels: so do we, unless
-        # the server schedules by priority, where Triton's levels keep their order (1 first; 0, the
-        # default level, runs as the engine's default 0, ahead of them).
-        priority = request.priority if llm.config.scheduler.scheduling_policy == "priority" else 0
+        priority = self.priority_levels.engine_priority(request.priority) if self.schedules_by_priority else 0
         try:
             prompt = await in_tokenizer_thread(llm.encode_prompt, request.prompt)
             prompt = await engine.prepare(rid, prompt, request.params, priority)

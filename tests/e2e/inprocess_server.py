@@ -72,7 +72,7 @@ class InProcessServer:
         from pagedserve.telemetry import RequestTracer, configure_tracing
         from pagedserve_adapters.grpc_service import SERVICE as INFERENCE_SERVICE
         from pagedserve_adapters.grpc_service import add_to_server as add_inference_service
-        from pagedserve_adapters.llm_model import LLMModel
+        from pagedserve_adapters.llm_model import LLMModel, PriorityLevels
         from pagedserve_adapters.rest import routes as rest_routes
 
         s = self.settings
@@ -83,7 +83,7 @@ class InProcessServer:
         self.server = server = Server(
             tracer, keepalive_options(s.grpc_keepalive_time, s.grpc_keepalive_timeout)
         )
-        model = LLMModel(server)
+        model = LLMModel(server, PriorityLevels(s.triton_priority_levels, s.triton_default_priority_level))
         add_inference_service(server.grpc, model)
         server.services.append(INFERENCE_SERVICE)
         self.port = server.add_port(f"{s.host}:{s.port}")

@@ -168,12 +168,24 @@ def triton_stream(srv: InProcessServer, priority: int, params: dict[str, Any]) -
     return got
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_triton_priority_is_used_or_ignored_as_the_policy_says(
-    policy: str, fcfs_server: InProcessServer, priority_server: InProcessServer
+@pytest.mark.parametrize(
+    ("policy", "sent", "level"),
+    [
+        ("fcfs", 1, 0),
+        ("fcfs", 9, 0),
+        ("priority", 0, 0),
+        ("priority", 1, -1),
+        ("priority", 3, 1),
+        ("priority", 9, 0),
+    ],
+)
+def test_triton_priority_is_a_level_or_ignored_as_the_policy_says(
+    policy: str, sent: int, level: int, fcfs_server: InProcessServer, priority_server: InProcessServer
 ) -> None:
     """tritonclient sends `priority` as a uint64 request parameter. Under fcfs it is ignored, as
-    Triton ignores it for a model without priority levels; under priority it reaches the engine."""
+    Triton ignores it for a model without priority levels; under priority it picks one of the 3
+    levels (the defaults), and 0 (not given) or a level above them runs at the default level, 2: the
+    engine's priority is the level less the default one (the default level is the engine's 0)."""
     srv = fcfs_server if policy == "fcfs" else priority_server
     seen: list[int] = []
     engine = srv.server.engine
@@ -185,11 +197,65 @@ def test_triton_priority_is_used_or_ignored_as_the_policy_says(
 
     engine.generate = spy
     try:
-        got = triton_stream(srv, 9, {"temperature": 0, "max_tokens": 4})
+        got = triton_stream(srv, sent, {"temperature": 0, "max_tokens": 4})
     finally:
         del engine.generate
     assert [error for _, error in got] == [None]
-    assert seen == [0 if policy == "fcfs" else 9]
+    assert seen == [level]
+
+
+def test_a_triton_request_of_level_1_runs_before_one_without_a_priority(
+    priority_server: InProcessServer,
+) -> None:
+    """Triton's level 1 is the most urgent and a request without a priority runs at the default level:
+    with the one seat held, a request without a priority waits first, one of level 1 after it, and
+    the level-1 request runs first (one seat: it finishes first)."""
+    import tritonclient.grpc as tgrpc
+
+    srv = priority_server
+    events: queue.Queue[Any] = queue.Queue()
+    holder = stream_in_thread(srv, request("holder", max_tokens=900, priority=-5), events)
+    wait_for(lambda: srv.llm.stats().num_running == 1, what="the holder to run")
+    finals: queue.Queue[Any] = queue.Queue()
+
+    def on_response(result: Any, error: Any) -> None:
+        finals.put(error if error is not None else result.get_response().id)
+
+    text = tgrpc.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"Name a color."], dtype=object))
+    params = json.dumps({"temperature": 0, "max_tokens": 4}).encode()
+    sampling = tgrpc.InferInput("sampling_parameters", [1], "BYTES")
+    sampling.set_data_from_numpy(np.array([params], dtype=object))
+    with tgrpc.InferenceServerClient(f"127.0.0.1:{srv.port}") as client:
+        client.start_stream(callback=on_response)
+        client.async_stream_infer(MODEL, [text, sampling], request_id="default")
+        wait_for(lambda: srv.llm.stats().num_waiting == 1, what="the request without a priority to wait")
+        client.async_stream_infer(MODEL, [text, sampling], request_id="level-1", priority=1)
+        wait_for(lambda: srv.llm.stats().num_waiting == 2, what="both requests to wait")
+        srv.stub.Abort(pb.AbortRequest(request_ids=["holder"]), timeout=10)
+        order = [finals.get(timeout=60) for _ in range(2)]
+        client.stop_stream()
+    holder.join(timeout=30)
+    assert order == ["level-1", "default"]
+
+
+def test_model_config_reports_the_priority_levels_under_the_priority_policy(
+    fcfs_server: InProcessServer, priority_server: InProcessServer
+) -> None:
+    """Triton's clients read the levels from the model config's dynamic_batching, over gRPC and REST;
+    under fcfs the model has none (priorities are ignored), as a Triton model without levels."""
+    import tritonclient.grpc as tgrpc
+
+    for srv, expected in (
+        (priority_server, {"priority_levels": "3", "default_priority_level": "2"}),
+        (fcfs_server, None),
+    ):
+        with tgrpc.InferenceServerClient(f"127.0.0.1:{srv.port}") as client:
+            config = client.get_model_config(MODEL, as_json=True)["config"]
+        with urllib.request.urlopen(srv.http_url(f"/v2/models/{MODEL}/config"), timeout=30) as reply:
+            rest_config = json.loads(reply.read())
+        assert config.get("dynamic_batching") == expected
+        assert rest_config.get("dynamic_batching") == expected
 
 
 def post_generate(srv: InProcessServer, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:

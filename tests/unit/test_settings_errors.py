@@ -70,3 +70,23 @@ def test_config_errors_from_the_model_name_their_source() -> None:
     )
     plain = ValueError("something without a field")
     assert str(config_error(plain, set())) == "something without a field"
+
+
+def test_triton_priority_levels_are_checked_against_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's rule: the default level is one of the levels, [1, priority_levels]."""
+    assert (parse([]).triton_priority_levels, parse([]).triton_default_priority_level) == (3, 2)
+    with pytest.raises(SettingsError) as info:
+        parse(["--triton-priority-levels", "3", "--triton-default-priority-level", "5"])
+    assert str(info.value) == (
+        "--triton-default-priority-level: must be at most --triton-priority-levels (3), got 5"
+    )
+    monkeypatch.setenv("PAGEDSERVE_TRITON_PRIORITY_LEVELS", "1")
+    with pytest.raises(SettingsError) as info:
+        parse([])  # 1 level by the variable, the default level 2 left as it is
+    assert str(info.value) == (
+        "--triton-default-priority-level / PAGEDSERVE_TRITON_DEFAULT_PRIORITY_LEVEL: must be at most "
+        "--triton-priority-levels (1), got 2"
+    )
+    monkeypatch.delenv("PAGEDSERVE_TRITON_PRIORITY_LEVELS")
+    with pytest.raises(SettingsError, match=r"^--triton-priority-levels: .* 1 \(got 0\)$"):
+        parse(["--triton-priority-levels", "0"])

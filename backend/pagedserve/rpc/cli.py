@@ -59,6 +59,18 @@ class ServeSettings(EngineSettings):
         "every N tokens and whatever is left at its end; N > 1 sends fewer messages (less CPU per token "
         "in server and client) at a coarser stream",
     )
+    triton_priority_levels: int = Field(
+        3,
+        ge=1,
+        description="Triton's priority levels (ModelConfig dynamic_batching): under --scheduling-policy "
+        "priority a KServe v2 / Triton request's `priority` 1 runs first, then 2, ... up to this",
+    )
+    triton_default_priority_level: int = Field(
+        2,
+        ge=1,
+        description="the level of a Triton request without a priority (0) or with one above "
+        "--triton-priority-levels, as Triton's default_priority_level",
+    )
     otlp_traces_endpoint: str | None = Field(
         None, description="OTLP collector for request traces (e.g. http://otel:4317)"
     )
@@ -94,6 +106,15 @@ class ServeSettings(EngineSettings):
         """The files are read and matched now, before the model loads: not at the first handshake."""
         if self.tls_files.paths:
             server_context(self.tls_files)
+        return self
+
+    @model_validator(mode="after")
+    def _check_priority_levels(self) -> ServeSettings:
+        if self.triton_default_priority_level > self.triton_priority_levels:
+            raise ValueError(
+                f"triton_default_priority_level: must be at most --triton-priority-levels "
+                f"({self.triton_priority_levels}), got {self.triton_default_priority_level}"
+            )
         return self
 
     @property
@@ -225,7 +246,7 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
 
     from pagedserve_adapters.grpc_service import SERVICE as INFERENCE_SERVICE
     from pagedserve_adapters.grpc_service import add_to_server as add_inference_service
-    from pagedserve_adapters.llm_model import LLMModel
+    from pagedserve_adapters.llm_model import LLMModel, PriorityLevels
     from pagedserve_adapters.rest import routes as rest_routes
 
     from pagedserve.engine.async_engine import in_torch_thread
@@ -252,7 +273,8 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
     except ValueError as exc:  # what only the model can tell: its path, its context length
         raise config_error(exc, flags) from None
     server = Server(tracer, keepalive_options(settings.grpc_keepalive_time, settings.grpc_keepalive_timeout))
-    model = LLMModel(server)
+    levels = PriorityLevels(settings.triton_priority_levels, settings.triton_default_priority_level)
+    model = LLMModel(server, levels)
     add_inference_service(server.grpc, model)
     server.services.append(INFERENCE_SERVICE)
     http = HttpEndpoint(server, rest_routes(model))
