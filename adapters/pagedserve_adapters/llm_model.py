@@ -277,7 +277,7 @@ def _sampling_params(
 
 def _structured_outputs(value: Any, where: str) -> StructuredOutputsParams:
     """vLLM's StructuredOutputsParams as a JSON object (or its text, as a request parameter's string):
-    one of json (a schema, object or text), regex, choice, grammar, json_object."""
+    one of json (a schema, object or text), regex, choice, grammar, structural_tag, json_object."""
     doc = _json_object(value, where) if isinstance(value, str) else value
     if not isinstance(doc, dict):
         raise InvalidRequestError(where, 'must be a JSON object such as {"regex": "[0-9]+"}')

@@ -42,12 +42,17 @@ class GenerateSettings(EngineSettings):
     )
     regex: str | None = Field(None, description="a regular expression the output must match")
     choice: list[str] | None = Field(None, description="a string the output must be one of")
+    structural_tag: str | None = Field(
+        None,
+        description="a structural tag (vLLM's, JSON: free text until a trigger, then the structure it "
+        "opens, e.g. a tool call): its text, or @path to a file holding it",
+    )
 
-    @field_validator("json_schema")
+    @field_validator("json_schema", "structural_tag")
     @classmethod
-    def _read_json_schema(cls, value: str | None) -> str | None:
-        """`@path` becomes the file's text; either must be JSON (whether it is a schema the engine's
-        compiler accepts is known only once the model's tokenizer is loaded)."""
+    def _read_json(cls, value: str | None) -> str | None:
+        """`@path` becomes the file's text; either must be JSON (whether it is a schema or structural tag
+        the engine's compiler accepts is known only once the model's tokenizer is loaded)."""
         if value is None:
             return None
         if value.startswith("@"):
@@ -95,16 +100,19 @@ class GenerateSettings(EngineSettings):
             )
         if not given:
             return None
-        return StructuredOutputsParams(json=self.json_schema, regex=self.regex, choice=self.choice)
+        return StructuredOutputsParams(
+            json=self.json_schema, regex=self.regex, choice=self.choice, structural_tag=self.structural_tag
+        )
 
 
-_STRUCTURED_OUTPUTS_SETTINGS = ("json_schema", "regex", "choice")
+_STRUCTURED_OUTPUTS_SETTINGS = ("json_schema", "regex", "choice", "structural_tag")
 # Request fields that InvalidRequestError names, as the settings that set them.
 _SETTING_OF_REQUEST_FIELD = {
     "seed": "sampling_seed",
     "structured_outputs.json": "json_schema",
     "structured_outputs.regex": "regex",
     "structured_outputs.choice": "choice",
+    "structured_outputs.structural_tag": "structural_tag",
 }
 _LIST_SETTINGS = ("stop", "choice")
 

@@ -19,9 +19,9 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_INT64 = 2**63 - 1
-# A schema, regex, grammar or choice list compiles on one thread before its request is admitted, and
-# compile time grows faster than the spec: an enum of 20,000 values compiled in 2 s, of 100,000 in 38 s
-# (xgrammar 0.2.8, this machine); 64 KiB (an enum of ~7,000) compiles in a third of a second.
+# A schema, regex, grammar, structural tag or choice list compiles on one thread before its request is
+# admitted, and compile time grows faster than the spec: an enum of 20,000 values compiled in 2 s, of
+# 100,000 in 38 s (xgrammar 0.2.8, this machine); 64 KiB (an enum of ~7,000) compiles in a third of a second.
 MAX_STRUCTURED_OUTPUTS_CHARS = 64 * 1024
 # The logit controls cost each step of their request's row on the same thread: an index into the logits
 # per entry, and for bad words a match of the last tokens. Capped as vLLM's GPU sampler caps
@@ -90,7 +90,12 @@ def _as_logit_bias(value: Any) -> dict[int, float]:
 class StructuredOutputsParams:
     """Constrain every sampled token so the completion matches one of: a JSON schema (`json`, as text or
     a dict), a regular expression, one of the `choice` strings, an EBNF grammar (xgrammar's syntax, a
-    `root` rule), or any JSON object (`json_object=True`). Exactly one is set. Shaped like vLLM's.
+    `root` rule), a `structural_tag` (JSON text: free text until a trigger, then a forced structure
+    such as a tool call), or any JSON object (`json_object=True`). Exactly one is set. Shaped like vLLM's.
+    `structural_tag` takes what vLLM takes: the classic `{"type": "structural_tag", "structures":
+    [{"begin": ..., "schema": {...}, "end": ...}], "triggers": [...]}` (a section opens where the text
+    reaches a trigger, a prefix of its `begin`; between `begin` and `end` it matches the schema as
+    JSON) or xgrammar's `{"type": "structural_tag", "format": {...}}`.
     Once the grammar is complete only EOS may follow: the completion ends there (finish reason eos),
     also under `ignore_eos` or before `min_tokens` (as vLLM ends it). JSON allows any whitespace unless
     `disable_any_whitespace` (vLLM's option): then none but single spaces after `:` and `,`, so that a
@@ -105,23 +110,25 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False  # json and json_object only
+    structural_tag: str | None = None  # last, as in vLLM's (positional arguments keep their meaning)
 
     def __post_init__(self) -> None:
         if self.choice is not None:
             self.choice = _as_list(self.choice, "structured_outputs.choice")
         self._verify()
-        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        kinds = [name for name in _SPEC_KINDS if getattr(self, name) is not None]
         kinds += ["json_object"] if self.json_object else []
         if len(kinds) != 1:
             raise InvalidRequestError(
                 "structured_outputs",
-                f"set exactly one of json, regex, choice, grammar or json_object, got {kinds or 'none'}",
+                "set exactly one of json, regex, choice, grammar, structural_tag or json_object, "
+                f"got {kinds or 'none'}",
             )
 
     @property
     def kind(self) -> str:
-        """The one constraint set: json, regex, choice, grammar or json_object."""
-        for name in ("json", "regex", "choice", "grammar"):
+        """The one constraint set: json, regex, choice, grammar, structural_tag or json_object."""
+        for name in _SPEC_KINDS:
             if getattr(self, name) is not None:
                 return name
         return "json_object"
@@ -141,6 +148,11 @@ class StructuredOutputsParams:
         check(self.regex is None or isinstance(self.regex, str), "regex", "must be a string")
         check(self.grammar is None or isinstance(self.grammar, str), "grammar", "must be a string")
         check(
+            self.structural_tag is None or isinstance(self.structural_tag, str),
+            "structural_tag",
+            "must be a string (the structural tag as JSON text)",
+        )
+        check(
             self.choice is None or (bool(self.choice) and all(isinstance(c, str) and c for c in self.choice)),
             "choice",
             "must be a non-empty list of non-empty strings",
@@ -155,8 +167,12 @@ class StructuredOutputsParams:
             )
 
 
+_SPEC_KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
+
+
 def _spec_size(spec: str | dict[str, Any] | list[str]) -> int:
-    """Characters of a schema, regex, grammar or choice list (a dict schema as its JSON text)."""
+    """Characters of a spec: a schema, regex, grammar, structural tag or choice list (a dict schema as
+    its JSON text)."""
     if isinstance(spec, str):
         return len(spec)
     if isinstance(spec, list):

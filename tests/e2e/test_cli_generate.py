@@ -121,12 +121,27 @@ def test_generate_refuses_a_schema_the_compiler_rejects_naming_the_flag(tiny_lla
     assert "nope" in error
 
 
+def test_generate_refuses_a_malformed_structural_tag_naming_the_flag(tiny_llama_dir: str) -> None:
+    """JSON, so taken before the model loads; its shape is checked as the request is admitted."""
+    result = _generate(
+        "--model", tiny_llama_dir, "--enforce-eager", "--no-chat", "--prompt", "hi",
+        "--structural-tag", '{"triggers": ["<f"], "structures": [{"begin": "<f>", "schema": {}}]}',
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith('pagedserve generate: error: --structural-tag: structures[0]: needs "end"'), error
+
+
 @pytest.mark.parametrize(
     ("flags", "error"),
     [
         (["--json-schema", "{not json"], "--json-schema: not JSON: "),
         (["--json-schema", "@/nonexistent/schema.json"], "--json-schema: cannot read "),
         (["--regex", "a+", "--choice", "b"], "--choice: cannot be combined with --regex "),
+        (["--structural-tag", "{not json"], "--structural-tag: not JSON: "),
+        (["--structural-tag", "@/nonexistent/tag.json"], "--structural-tag: cannot read "),
+        (["--regex", "a+", "--structural-tag", "{}"], "--structural-tag: cannot be combined with --regex "),
         (["--min-tokens", "-1"], "--min-tokens: must be an integer in [0, max_tokens]"),
         (["--n", "0"], "--n: must be an integer >= 1"),
         (["--stop", ""], "--stop: must be non-empty strings"),

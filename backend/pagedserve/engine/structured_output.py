@@ -60,6 +60,8 @@ class StructuredOutputs:
         kind = params.kind
         try:
             return self._compile(params)
+        except InvalidRequestError:  # a malformed spec, said before the compiler sees it
+            raise
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar raises RuntimeError (and subclasses)
             message = _ERROR_PREFIX.sub("", str(exc)).strip()
             if len(message) > _MAX_ERROR_CHARS:
@@ -78,6 +80,8 @@ class StructuredOutputs:
             return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in params.choice))
         if params.grammar is not None:
             return compiler.compile_grammar(params.grammar)
+        if params.structural_tag is not None:
+            return compiler.compile_structural_tag(_structural_tag(params.structural_tag))
         if not any_whitespace:  # the built-in JSON grammar has no such option: any object, as a schema
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         return compiler.compile_builtin_json_grammar()
@@ -162,3 +166,57 @@ class StructuredOutputs:
             )
             return FinishReason.ERROR
         return FinishReason.EOS if matcher.is_terminated() else None
+
+
+# -- structural tags ---------------------------------------------------------------------------------
+
+
+def _structural_tag(text: str) -> str:
+    """A structural tag in xgrammar's current form, `{"type": "structural_tag", "format": {...}}`, from
+    either form vLLM takes: that one, passed as is, or the classic one (vLLM takes it wherever
+    "structures" is a key), turned into the `triggered_tags` format it stands for, as xgrammar's own
+    (deprecated) conversion turns it. That conversion answers a missing key with a pydantic trace, and
+    the compiler a JSON error with its source line: the shape is checked here, naming where it is wrong."""
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        raise _bad_tag("not JSON: nested too deeply") from None
+    except ValueError as exc:
+        raise _bad_tag(f"not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise _bad_tag(f'must be a JSON object {{"type": "structural_tag", ...}}, got {type(doc).__name__}')
+    if "structures" not in doc:
+        if "format" not in doc:
+            raise _bad_tag(
+                'needs "format" (xgrammar\'s form) or "structures" and "triggers" (the classic form)'
+            )
+        return text
+    return json.dumps({"type": "structural_tag", "format": _triggered_tags(doc)})
+
+
+def _triggered_tags(doc: dict[str, Any]) -> dict[str, Any]:
+    """The classic form's format: free text until one of the triggers, then the structure whose begin it
+    starts; after that structure's end, free text again."""
+    structures, triggers = doc["structures"], doc.get("triggers")
+    if not isinstance(structures, list) or not all(isinstance(s, dict) for s in structures):
+        raise _bad_tag('"structures" must be a list of {"begin": ..., "schema": ..., "end": ...} objects')
+    if not isinstance(triggers, list) or not all(isinstance(t, str) for t in triggers):
+        raise _bad_tag('"triggers" must be a list of strings, each the start of some structure\'s "begin"')
+    tags = [_tag(structure, f"structures[{i}]") for i, structure in enumerate(structures)]
+    return {"type": "triggered_tags", "triggers": triggers, "tags": tags}
+
+
+def _tag(structure: dict[str, Any], where: str) -> dict[str, Any]:
+    for key, kind in (("begin", str), ("schema", dict), ("end", str)):
+        if key not in structure:
+            raise _bad_tag(f'{where}: needs "{key}"')
+        if not isinstance(structure[key], kind):
+            raise _bad_tag(
+                f'{where}: "{key}" must be {"a JSON schema object" if kind is dict else "a string"}'
+            )
+    schema = {"type": "json_schema", "json_schema": structure["schema"]}
+    return {"type": "tag", "begin": structure["begin"], "content": schema, "end": structure["end"]}
+
+
+def _bad_tag(message: str) -> InvalidRequestError:
+    return InvalidRequestError("structured_outputs.structural_tag", message)

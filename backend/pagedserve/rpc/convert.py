@@ -138,7 +138,7 @@ def structured_outputs(message: pb.StructuredOutputs) -> StructuredOutputsParams
     kind = message.WhichOneof("kind")
     if kind is None:
         raise InvalidRequestError(
-            "structured_outputs", "set one of json, regex, choice, grammar or json_object"
+            "structured_outputs", "set one of json, regex, choice, grammar, structural_tag or json_object"
         )
     whitespace = message.disable_any_whitespace
     if kind == "choice":
