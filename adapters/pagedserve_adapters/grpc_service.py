@@ -8,7 +8,8 @@ out as `error_message` (with the failed request's `id` in an otherwise empty `in
 client with several requests on the stream knows which failed) and the stream stays open, unless the
 client sent the `triton_grpc_error: true` header, which ends the stream with a gRPC status instead.
 Every request gets its final response or its error. The stream closes once the client has
-half-closed and every request on it is final; cancelling the call aborts them all.
+half-closed and every request on it is final; cancelling the call aborts them all, and so does a
+client that stops reading, once a response has waited --stream-write-timeout to be sent.
 
 Unary `ModelInfer` returns the whole completion. Triton rejects unary calls to decoupled models; we
 answer them, which is what KServe v2 clients (which have no streaming RPC) need.
@@ -26,7 +27,13 @@ import grpc
 from pagedserve import __version__
 from pagedserve.errors import InvalidRequestError
 from pagedserve.rpc.convert import parse_message
-from pagedserve.rpc.server import cancel_cause
+from pagedserve.rpc.server import (
+    STALLED_CLIENT,
+    StalledClientError,
+    cancel_cause,
+    give_up_stalled_call,
+    send_within,
+)
 
 from pagedserve_adapters import tensors
 from pagedserve_adapters.llm_model import (
@@ -150,13 +157,15 @@ class InferenceServicer:
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    ) -> None:
+        """Writes its responses itself, each within --stream-write-timeout (see rpc/server.py
+        send_within): a client that stops reading has every request on the stream aborted."""
         grpc_errors = dict(context.invocation_metadata() or ()).get("triton_grpc_error") == "true"
         carrier = _carrier(context)
-        ended_by_error = False  # one request's error ended the stream (triton_grpc_error), not the client
+        ended_by = ""  # the server ended the stream: stream_error (triton_grpc_error) or stalled_client
 
         def cause() -> str:
-            return "stream_error" if ended_by_error else cancel_cause(context)
+            return ended_by or cancel_cause(context)
 
         responses: asyncio.Queue[Any] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
@@ -174,19 +183,26 @@ class InferenceServicer:
             if not task.cancelled() and task.exception() is not None:  # the call broke while reading
                 responses.put_nowait(_DONE)
 
+        async def write(response: pb.ModelStreamInferResponse) -> None:
+            await send_within(context.write(response), self.model.server.stream_write_timeout)
+
         reader = asyncio.create_task(read_requests())
         reader.add_done_callback(end_on_failure)
         try:
             while (item := await responses.get()) is not _DONE:
                 if isinstance(item, pb.ModelInferResponse):
-                    yield pb.ModelStreamInferResponse(infer_response=item)
+                    await write(pb.ModelStreamInferResponse(infer_response=item))
                     continue
                 request_id, error = item
                 if grpc_errors:
-                    ended_by_error = True
+                    ended_by = "stream_error"
                     await context.abort(_STATUS[error.kind], str(error))
                 failed = pb.ModelInferResponse(id=request_id)
-                yield pb.ModelStreamInferResponse(error_message=str(error), infer_response=failed)
+                await write(pb.ModelStreamInferResponse(error_message=str(error), infer_response=failed))
+        except StalledClientError as exc:
+            ended_by = STALLED_CLIENT
+            await _cancel_all(reader, running)  # aborted as stalled_client, before anything else can happen
+            give_up_stalled_call(context, "a ModelStreamInfer stream and its requests", exc)
         finally:  # the client cancelled or broke the call: abort every request on the stream
             reader.cancel()
             for task in list(running):
@@ -247,6 +263,15 @@ class InferenceServicer:
         if final is not None:
             response.parameters["triton_final_response"].bool_param = final
         return response
+
+
+async def _cancel_all(reader: asyncio.Task[None], running: set[asyncio.Task[None]]) -> None:
+    """Stop reading requests and cancel each one in flight, and wait for them: their engine
+    generators close, so the requests are aborted now."""
+    tasks = [reader, *running]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def decode_inputs(request: Any) -> list[Tensor]:

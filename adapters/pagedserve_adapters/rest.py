@@ -15,6 +15,9 @@ the engine's generator, whose `finally` aborts the request (rpc/http.py).
 from __future__ import annotations
 
 import json
+import logging
+import socket
+import struct
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -22,6 +25,7 @@ from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 from pagedserve import __version__
 from pagedserve.errors import InvalidRequestError
+from pagedserve.rpc.server import STALLED_CLIENT, StalledClientError, send_within
 from pagedserve.sampling_params import SamplingParams
 
 from pagedserve_adapters import tensors
@@ -36,6 +40,8 @@ from pagedserve_adapters.llm_model import (
     Tensor,
     parse_request,
 )
+
+logger = logging.getLogger(__name__)
 
 _HTTP_STATUS = {
     "invalid": 400,
@@ -187,18 +193,26 @@ class RestApi:
         return web.json_response(_generate_body(self.model, request_id, completion.final_outputs()))
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
-        """`/generate_stream`: server-sent events, one per step (or one in all when `stream` is false)."""
+        """`/generate_stream`: server-sent events, one per step (or one in all when `stream` is false).
+        An event that cannot be sent within --stream-write-timeout (the client stopped reading) aborts
+        the request and resets the connection."""
+        stalled = False
+
+        def cause() -> str:
+            return STALLED_CLIENT if stalled else "client_cancel"
+
         try:
             self._resolve(request)
             doc = _object(await _json_body(request), "request")
             request_id = _request_id(doc)
             parsed = _generate_request(doc, True, self.model.sampling_params)
             completion = Completion(parsed)
-            deltas = self.model.generate(parsed, dict(request.headers))
+            deltas = self.model.generate(parsed, dict(request.headers), cause)
             first = await anext(deltas)
         except (AdapterError, InvalidRequestError) as exc:
             return _error(exc)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        timeout = self.model.server.stream_write_timeout
         try:
             await response.prepare(request)
             try:
@@ -210,12 +224,19 @@ class RestApi:
                         body = _generate_body(self.model, request_id, completion.final_outputs())
                     else:
                         continue
-                    await response.write(f"data: {json.dumps(body)}\n\n".encode())
+                    await send_within(response.write(f"data: {json.dumps(body)}\n\n".encode()), timeout)
             except AdapterError as exc:
-                await response.write(f"data: {json.dumps({'error': str(exc)})}\n\n".encode())
-            await response.write_eof()
+                await send_within(
+                    response.write(f"data: {json.dumps({'error': str(exc)})}\n\n".encode()), timeout
+                )
+            await send_within(response.write_eof(), timeout)
         except ConnectionResetError:  # the client went away: an everyday event, not a server error to log
             pass
+        except StalledClientError as exc:
+            stalled = True
+            await deltas.aclose()  # aborted as stalled_client, before the connection goes
+            logger.warning("gave up a %s event stream: %s", request.path, exc)
+            _reset(request)
         finally:
             await deltas.aclose()  # a client that went away aborts the request here
         return response
@@ -231,6 +252,18 @@ class RestApi:
         finally:
             await deltas.aclose()  # aborts the request unless it finished
         return completion
+
+
+def _reset(request: web.Request) -> None:
+    """Close a stalled client's connection at once, with a reset: closed normally, its unsent bytes
+    would keep the socket (and the kernel's buffers) for as long as the client reads nothing."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:

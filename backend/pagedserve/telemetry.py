@@ -29,8 +29,9 @@ SUMMARY_INTERVAL_S = 10.0
 FINISH_REASONS = ("length", "stop", "error")  # of requests counted by vllm:request_success
 # vLLM's reasons: the end-of-sequence token is a "stop", as a stop token or string is.
 _VLLM_FINISH_REASONS = {"eos": "stop"}
-# stream_error: a Triton ModelStreamInfer stream that another request's error ended (triton_grpc_error)
-ABORT_CAUSES = ("client_cancel", "deadline", "abort_rpc", "drain", "stream_error")
+# stream_error: a Triton ModelStreamInfer stream that another request's error ended (triton_grpc_error);
+# stalled_client: a stream whose client stopped reading, given up by --stream-write-timeout
+ABORT_CAUSES = ("client_cancel", "deadline", "abort_rpc", "drain", "stream_error", "stalled_client")
 
 
 @dataclass

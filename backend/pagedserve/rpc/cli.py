@@ -59,6 +59,13 @@ class ServeSettings(EngineSettings):
         "every N tokens and whatever is left at its end; N > 1 sends fewer messages (less CPU per token "
         "in server and client) at a coarser stream",
     )
+    stream_write_timeout: float = Field(
+        60.0,
+        ge=0,
+        description="seconds one streamed response may wait to be sent (0 = no limit): a client that "
+        "keeps its stream open but stops reading has its requests aborted and its stream closed "
+        "(a slow client that keeps reading is never cut)",
+    )
     triton_priority_levels: int = Field(
         3,
         ge=1,
@@ -272,7 +279,11 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
         startup.llm = await in_torch_thread(LLMEngine.from_settings, settings) if under_launcher else None
     except ValueError as exc:  # what only the model can tell: its path, its context length
         raise config_error(exc, flags) from None
-    server = Server(tracer, keepalive_options(settings.grpc_keepalive_time, settings.grpc_keepalive_timeout))
+    server = Server(
+        tracer,
+        keepalive_options(settings.grpc_keepalive_time, settings.grpc_keepalive_timeout),
+        settings.stream_write_timeout,
+    )
     levels = PriorityLevels(settings.triton_priority_levels, settings.triton_default_priority_level)
     model = LLMModel(server, levels)
     add_inference_service(server.grpc, model)

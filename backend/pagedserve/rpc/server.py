@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "pagedserve.rpc.v1.Generation"
 READINESS_SERVICE = SERVICE_NAME
 _HEALTH_POLL_S = 1.0
+# The abort cause (pagedserve:request_aborts) of a stream given up by --stream-write-timeout.
+STALLED_CLIENT = "stalled_client"
 
 T = TypeVar("T")
 
@@ -56,6 +58,7 @@ class _Call:
     tokenized: tuple[float, float]  # time.monotonic() before and after tokenizing
     priority: int = 0
     last: RequestDelta | None = None
+    stalled: bool = False  # given up by --stream-write-timeout: the abort's cause
 
 
 @dataclass
@@ -70,9 +73,10 @@ class ServerState:
 class GenerationServicer:
     """Every RPC checks the server state first, so nothing touches the engine before it is bound."""
 
-    def __init__(self, state: ServerState, tracer: RequestTracer) -> None:
+    def __init__(self, state: ServerState, tracer: RequestTracer, stream_write_timeout: float) -> None:
         self.state = state
         self.tracer = tracer
+        self.stream_write_timeout = stream_write_timeout
 
     def bind(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -81,14 +85,19 @@ class GenerationServicer:
 
     # -- generation ----------------------------------------------------------------------------------
 
-    async def Generate(
-        self, request: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """Writes its responses itself (not an async generator, whose writes grpc awaits with no
+        time limit), so that a write a stalled client keeps from completing can be given up."""
         call = await self._admit(request, context)
         deltas = self._deltas(call, context)
         try:
             async for delta in deltas:
-                yield convert.response(delta, call.prompt)
+                response = convert.response(delta, call.prompt)
+                await send_within(context.write(response), self.stream_write_timeout)
+        except StalledClientError as exc:
+            call.stalled = True
+            await deltas.aclose()  # aborted as stalled_client, before anything else can happen
+            give_up_stalled_call(context, f"the stream of request {call.request_id}", exc)
         finally:  # a caller that went away aborts its request here (the engine counts it)
             await deltas.aclose()
             self._trace(call, context)
@@ -158,7 +167,10 @@ class GenerationServicer:
     ) -> AsyncGenerator[RequestDelta, None]:
         """The engine's deltas; closing this closes the engine's generator at once, which aborts a
         request its caller left (left to the garbage collector, the abort waited for it)."""
-        cause = partial(cancel_cause, context)
+
+        def cause() -> str:
+            return STALLED_CLIENT if call.stalled else cancel_cause(context)
+
         deltas = self.engine.generate(
             call.request_id, call.prompt, call.params, cause, priority=call.priority
         )
@@ -259,6 +271,40 @@ def cancel_cause(context: grpc.aio.ServicerContext) -> str:
     or the client went away (every gRPC front end counts the same way)."""
     remaining = context.time_remaining()
     return "deadline" if remaining is not None and remaining <= 0 else "client_cancel"
+
+
+class StalledClientError(Exception):
+    """A stream's response could not be sent within --stream-write-timeout: its client keeps the
+    connection open but stopped reading (a stuck consumer, a paused process)."""
+
+
+async def send_within(write: Awaitable[None], timeout: float) -> None:
+    """Await one write of a stream, at most `timeout` seconds (0: no limit), else raise
+    StalledClientError. Per write, not per stream: a client that reads slowly but keeps reading lets
+    each write complete and is never cut. Without a limit a stalled client's handler waited until
+    shutdown, while the engine generated its request to the end into an unbounded queue."""
+    if timeout == 0:
+        await write
+        return
+    try:
+        async with asyncio.timeout(timeout):
+            await write
+    except TimeoutError:
+        raise StalledClientError(
+            f"a response could not be sent for {timeout:g} s (--stream-write-timeout): "
+            "the client stopped reading"
+        ) from None
+
+
+def give_up_stalled_call(context: grpc.aio.ServicerContext, what: str, exc: StalledClientError) -> None:
+    """End a gRPC stream whose write timed out, its requests already aborted. grpc.aio cannot cancel
+    a call from the server side; the status goes out behind the responses still queued in the
+    transport (for a client that reads on: it learns why), and the call ends when its client reads
+    or goes away, or at shutdown. Meanwhile only the transport's bounded flow-control buffer is held:
+    no handler, no engine request, no KV blocks."""
+    logger.warning("gave up %s: %s", what, exc)
+    context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+    context.set_details(str(exc))
 
 
 def _merge(into: pb.GenerateResponse, delta: pb.GenerateResponse) -> None:
@@ -395,13 +441,21 @@ class Server:
     """Owns the grpc.aio server, the health servicer and the lifecycle around an AsyncEngine."""
 
     def __init__(
-        self, tracer: RequestTracer | None = None, options: list[tuple[str, int]] | None = None
+        self,
+        tracer: RequestTracer | None = None,
+        options: list[tuple[str, int]] | None = None,
+        stream_write_timeout: float = 60.0,
     ) -> None:
+        """`stream_write_timeout`: seconds a streamed response may wait to be sent before its stream is
+        given up (--stream-write-timeout; 0 = no limit). Every front end's streams honour it."""
         self.state = ServerState()
         self.health = health.aio.HealthServicer()
         _quiet_client_gone_writes()
         self.grpc = grpc.aio.server(options=options)
-        self.servicer = GenerationServicer(self.state, tracer or RequestTracer(None, ""))
+        self.stream_write_timeout = stream_write_timeout
+        self.servicer = GenerationServicer(
+            self.state, tracer or RequestTracer(None, ""), stream_write_timeout
+        )
         self.grpc.add_generic_rpc_handlers((_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         # Services described by reflection; whoever adds a service (the adapters) appends its descriptor.
