@@ -4,12 +4,34 @@ The only thing it writes on a sequence is its block table."""
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 from pagedserve.sequence import Sequence
+
+
+@dataclass
+class BlockStored:
+    """Blocks named in the prefix cache: consecutive blocks of one sequence, the first one's parent
+    being `parent_block_hash` (None: the first block of a prompt), with their tokens."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+
+
+@dataclass
+class BlockRemoved:
+    """Blocks evicted from the prefix cache: no request hits them any more."""
+
+    block_hashes: list[bytes]
+
+
+KvEvent = BlockStored | BlockRemoved
 
 
 def cdiv(a: int, b: int) -> int:
@@ -76,6 +98,9 @@ class BlockManager:
         self.blocks_to_copy: list[tuple[int, int]] = []  # copy-on-write work for the next step
         self.num_prefix_queries = 0  # tokens of admitted sequences looked up in the prefix cache
         self.num_prefix_hits = 0  # of which found
+        # the prefix cache's changes since last taken, recorded only while someone listens (a router
+        # tracking which replica holds which prefix): see record_kv_events
+        self.kv_events: list[KvEvent] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -187,11 +212,22 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self.seq_hashes.setdefault(seq.request_id, [])
+        stored: BlockStored | None = None  # this call's run of newly named blocks, for kv_events
         for block_id, block_hash in self._unnamed_full_blocks(seq, hashes, seq.num_computed_tokens):
+            parent = hashes[-1] if hashes else None
             hashes.append(block_hash)
-            if block_hash not in self.cached_block_ids and self.block_hashes[block_id] is None:
-                self.cached_block_ids[block_hash] = block_id
-                self.block_hashes[block_id] = block_hash
+            if block_hash in self.cached_block_ids or self.block_hashes[block_id] is not None:
+                stored = None  # named already (another request computed it too): a run ends here
+                continue
+            self.cached_block_ids[block_hash] = block_id
+            self.block_hashes[block_id] = block_hash
+            if self.kv_events is not None:
+                if stored is None:
+                    stored = BlockStored([], parent, [])
+                    self.kv_events.append(stored)
+                index = len(hashes) - 1
+                stored.block_hashes.append(block_hash)
+                stored.token_ids += seq.token_ids[index * self.block_size : (index + 1) * self.block_size]
 
     def note_filling(self, seq: Sequence, num_new_tokens: int) -> None:
         """Offer the full blocks `seq` is scheduled to fill this step to requests admitted after it."""
@@ -262,9 +298,32 @@ class BlockManager:
         if self.free_block_ids:
             return self.free_block_ids.popleft()
         block_id, _ = self.evictor.popitem(last=False)  # evict: forget its hash first
-        del self.cached_block_ids[self.block_hashes[block_id]]  # type: ignore[arg-type]
+        block_hash = self.block_hashes[block_id]
+        assert block_hash is not None  # only named blocks wait in the evictor
+        del self.cached_block_ids[block_hash]
         self.block_hashes[block_id] = None
+        if self.kv_events is not None:
+            last = self.kv_events[-1] if self.kv_events else None
+            if isinstance(last, BlockRemoved):
+                last.block_hashes.append(block_hash)
+            else:
+                self.kv_events.append(BlockRemoved([block_hash]))
         return block_id
+
+    # -- KV events -------------------------------------------------------------------------------------
+
+    def record_kv_events(self, on: bool) -> list[bytes]:
+        """Start (or stop) recording the prefix cache's changes; the hashes it holds now, the state the
+        recorded events apply to (nothing is recorded while nobody listens)."""
+        self.kv_events = [] if on else None
+        return list(self.cached_block_ids)
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The changes recorded since the last call (none when not recording), oldest first."""
+        if not self.kv_events:
+            return []
+        events, self.kv_events = self.kv_events, []
+        return events
 
     def _needs_copy_on_write(self, seq: Sequence) -> bool:
         index = seq.num_computed_tokens // self.block_size
@@ -294,10 +353,14 @@ class BlockManager:
         """Hashes of full blocks `start .. stop - 1`, `parent` being the hash of block `start - 1`.
 
         Each is the SHA-256 of its parent's 32-byte digest (nothing for block 0) followed by its
-        token ids as 8-byte integers: fixed widths, so distinct (parent, tokens) never encode alike.
-        The tokens are encoded once for the whole range; hashing costs ~1 us per block."""
+        token ids as 8-byte little-endian integers: fixed widths, so distinct (parent, tokens) never
+        encode alike; a router hashes a prompt the same way to follow the cache (KV events). The tokens
+        are encoded once for the whole range; hashing costs ~1 us per block."""
         width = 8 * self.block_size
-        data = array("q", token_ids[start * self.block_size : stop * self.block_size]).tobytes()
+        tokens = array("q", token_ids[start * self.block_size : stop * self.block_size])
+        if sys.byteorder == "big":
+            tokens.byteswap()
+        data = tokens.tobytes()
         block_hash = parent or b""
         for offset in range(0, len(data), width):
             block_hash = hashlib.sha256(block_hash + data[offset : offset + width]).digest()

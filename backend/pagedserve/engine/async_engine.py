@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from pagedserve.core.block_manager import KvEvent
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta, RequestMetrics
@@ -89,6 +90,49 @@ class _Abort:
     cause: str | None  # counted in pagedserve:request_aborts if it ends a request; None: not counted
 
 
+@dataclass
+class KvEventBatch:
+    """One step's changes to the prefix cache, numbered from 1 in the order they happened; or, as a
+    listener's first batch, a `snapshot`: every block hash the cache holds, to which the batches that
+    follow it apply (its `sequence` is the last batch's before it)."""
+
+    sequence: int
+    timestamp: float  # time.time()
+    events: list[KvEvent]
+    snapshot: list[bytes] | None = None
+
+
+class KvEventListener:
+    """A subscriber's batches. One that falls `max_pending` batches behind is cut off (its queue ends
+    with `KvEventsOverflow`): it must subscribe again and start from a new snapshot, rather than hold
+    the server's memory or miss changes silently."""
+
+    def __init__(self, max_pending: int) -> None:
+        self.max_pending = max_pending
+        self.queue: asyncio.Queue[KvEventBatch | BaseException] = asyncio.Queue()
+        self.closed = False  # unsubscribed, or cut off: the loop drops it between steps
+
+    def put(self, batch: KvEventBatch) -> None:
+        if self.closed:
+            return
+        if self.queue.qsize() >= self.max_pending:
+            self.end(KvEventsOverflow(f"fell {self.max_pending} batches behind; subscribe again"))
+        else:
+            self.queue.put_nowait(batch)
+
+    def end(self, exc: BaseException) -> None:
+        self.closed = True
+        self.queue.put_nowait(exc)
+
+
+class KvEventsEnded(RuntimeError):
+    """The server ended a KV event listener's feed (it is shutting down)."""
+
+
+class KvEventsOverflow(KvEventsEnded):
+    """A KV event listener read too slowly and was cut off."""
+
+
 # How many final deltas that callers went away without reading are kept (see unread_final_delta). A
 # front end takes its own as its call ends: only one that never asks leaves any behind.
 _MAX_NUM_UNREAD_FINALS = 256
@@ -108,6 +152,9 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.dead: BaseException | None = None
+        self._kv_listeners: list[KvEventListener] = []
+        self._new_kv_listeners: list[KvEventListener] = []  # their snapshot is taken between steps
+        self._kv_sequence = 0  # of the last KV event batch published
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -244,6 +291,55 @@ class AsyncEngine:
         self._wakeup.set()
         return True
 
+    # -- KV events ---------------------------------------------------------------------------------
+
+    def subscribe_kv_events(self, max_pending: int = 1024) -> KvEventListener:
+        """A listener to the prefix cache's changes (a KV-aware router's feed): its first batch is a
+        snapshot, taken between steps, then each step's changes. `unsubscribe_kv_events` when done.
+        The block manager records changes only while someone listens."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead}")
+        if not self.engine.config.cache.enable_prefix_caching:
+            raise InvalidRequestError("kv_events", "prefix caching is off (--no-enable-prefix-caching)")
+        listener = KvEventListener(max_pending)
+        self._new_kv_listeners.append(listener)
+        self._wakeup.set()
+        return listener
+
+    def unsubscribe_kv_events(self, listener: KvEventListener) -> None:
+        listener.closed = True  # dropped by the loop between steps, which alone may stop the recording
+        self._wakeup.set()
+
+    def end_kv_listeners(self, message: str) -> None:
+        """End every listener's feed (a drain: its router learns at once that this server goes away)."""
+        for listener in self._kv_listeners + self._new_kv_listeners:
+            if not listener.closed:
+                listener.end(KvEventsEnded(message))
+        self._wakeup.set()
+
+    def _update_kv_listeners(self) -> None:
+        """Between steps: drop closed listeners, start new ones from a snapshot, and record the cache's
+        changes exactly while anyone listens."""
+        listening = bool(self._kv_listeners)
+        self._kv_listeners = [listener for listener in self._kv_listeners if not listener.closed]
+        new = [listener for listener in self._new_kv_listeners if not listener.closed]
+        self._new_kv_listeners = []
+        if new:
+            snapshot = self.engine.record_kv_events(True)
+            for listener in new:
+                listener.put(KvEventBatch(self._kv_sequence, time.time(), [], snapshot))
+            self._kv_listeners += new
+        elif listening and not self._kv_listeners:
+            self.engine.record_kv_events(False)
+
+    def _publish_kv_events(self) -> None:
+        events = self.engine.take_kv_events()
+        if events:
+            self._kv_sequence += 1
+            batch = KvEventBatch(self._kv_sequence, time.time(), events)
+            for listener in self._kv_listeners:
+                listener.put(batch)
+
     def _admit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int
     ) -> None:
@@ -272,6 +368,7 @@ class AsyncEngine:
             except Exception as exc:  # the engine cannot go on: fail everyone, never leave them hanging
                 self._die(exc)
                 return
+            self._publish_kv_events()
             for delta in deltas:
                 stream = self._streams.get(delta.request_id)
                 if stream is not None:
@@ -292,9 +389,16 @@ class AsyncEngine:
             stream.queue.put_nowait(delta)
 
     def _has_work(self) -> bool:
-        return bool(self._pending_adds or self._pending_aborts or self.engine.has_work())
+        return bool(
+            self._pending_adds
+            or self._pending_aborts
+            or self._new_kv_listeners
+            or any(listener.closed for listener in self._kv_listeners)
+            or self.engine.has_work()
+        )
 
     def _apply_pending(self) -> None:
+        self._update_kv_listeners()
         aborts, self._pending_aborts = self._pending_aborts, {}
         adds, self._pending_adds = self._pending_adds, []
         self._abort(aborts, never_added={add[0] for add in adds})
@@ -351,3 +455,5 @@ class AsyncEngine:
             if request_id not in self._streams and abort.cause is not None:
                 self.engine.metrics.record_abort(abort.cause)
         self._pending_aborts.clear()  # nothing applies them now
+        for listener in self._kv_listeners + self._new_kv_listeners:
+            listener.end(error)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.block_manager import BlockManager
+from pagedserve.core.block_manager import BlockManager, KvEvent
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.scheduler_output import ModelRunnerOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
@@ -331,6 +331,14 @@ class LLMEngine:
             num_prefix_queries=bm.num_prefix_queries,
             num_prefix_hits=bm.num_prefix_hits,
         )
+
+    def record_kv_events(self, on: bool) -> list[bytes]:
+        """Follow the prefix cache's changes (or stop): the block hashes it holds now. Between steps."""
+        return self.scheduler.block_manager.record_kv_events(on)
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The prefix cache's changes since the last call, while followed. Between steps."""
+        return self.scheduler.block_manager.take_kv_events()
 
     # -- the step ------------------------------------------------------------------------------------
 

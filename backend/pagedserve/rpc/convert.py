@@ -5,6 +5,8 @@ from __future__ import annotations
 from google.protobuf.message import DecodeError, Message
 from jinja2 import TemplateError
 
+from pagedserve.core.block_manager import BlockStored
+from pagedserve.engine.async_engine import KvEventBatch
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import RequestDelta, TokenLogprobs
@@ -132,6 +134,24 @@ def embed_response(delta: RequestDelta) -> pb.EmbedResponse:
     if delta.metrics.time_in_queue is not None:
         out.time_in_queue_s = delta.metrics.time_in_queue
     return out
+
+
+def kv_event_batch(batch: KvEventBatch, block_size: int) -> pb.KvEventBatch:
+    message = pb.KvEventBatch(sequence=batch.sequence, timestamp=batch.timestamp, block_size=block_size)
+    if batch.snapshot is not None:
+        message.snapshot = True
+        message.cached_block_hashes.extend(batch.snapshot)
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            stored = pb.BlockStored(
+                block_hashes=event.block_hashes,
+                parent_block_hash=event.parent_block_hash or b"",
+                token_ids=event.token_ids,
+            )
+            message.events.append(pb.KvEvent(stored=stored))
+        else:
+            message.events.append(pb.KvEvent(removed=pb.BlockRemoved(block_hashes=event.block_hashes)))
+    return message
 
 
 def structured_outputs(message: pb.StructuredOutputs) -> StructuredOutputsParams:

@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from pagedserve import __version__
-from pagedserve.engine.async_engine import AsyncEngine, QueueFullError, in_tokenizer_thread
+from pagedserve.engine.async_engine import AsyncEngine, KvEventsOverflow, QueueFullError, in_tokenizer_thread
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta
@@ -211,6 +211,36 @@ class GenerationServicer:
         ]
         return pb.AbortResponse(aborted_request_ids=aborted)
 
+    async def KvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """The prefix cache's changes (see the proto); written under --stream-write-timeout, as
+        Generate's responses are: a router that stops reading is given up, not waited for."""
+        await self._require_engine(context)
+        if self.state.status == "draining":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining")
+        if isinstance(request, InvalidRequestError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
+        if not self.llm.config.cache.enable_prefix_caching:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "kv_events: prefix caching is off (--no-enable-prefix-caching)",
+            )
+        listener = self.engine.subscribe_kv_events()
+        block_size = self.llm.config.cache.block_size
+        try:
+            while True:
+                item = await listener.queue.get()
+                if isinstance(item, BaseException):  # fell behind, ended by a drain, or the engine died
+                    slow = isinstance(item, KvEventsOverflow)
+                    code = grpc.StatusCode.RESOURCE_EXHAUSTED if slow else grpc.StatusCode.UNAVAILABLE
+                    await context.abort(code, f"kv_events: {item}")
+                    raise AssertionError("context.abort raises")
+                batch = convert.kv_event_batch(item, block_size)
+                await send_within(context.write(batch), self.stream_write_timeout)
+        except StalledClientError as exc:
+            give_up_stalled_call(context, "a KvEvents subscriber", exc)
+        finally:
+            self.engine.unsubscribe_kv_events(listener)
+
     async def _require_engine(self, context: grpc.aio.ServicerContext) -> None:
         if self.state.status in ("starting", "dead"):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is {self.state.status}")
@@ -376,6 +406,7 @@ def _handlers(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
             "Detokenize": handler(unary, servicer.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse),
             "ModelInfo": handler(unary, servicer.ModelInfo, pb.ModelInfoRequest, pb.ModelInfoResponse),
             "Embed": handler(unary, servicer.Embed, pb.EmbedRequest, pb.EmbedResponse),
+            "KvEvents": handler(stream, servicer.KvEvents, pb.KvEventsRequest, pb.KvEventBatch),
         },
     )
 
@@ -519,6 +550,7 @@ class Server:
         if self.state.status == "serving":
             self.state.status = "draining"
         await self._set_health(liveness=True, ready=False)
+        self.engine.end_kv_listeners("server shutting down")  # routers stop sending here at once
         deadline = time.monotonic() + timeout
         while self.engine.num_live_requests and time.monotonic() < deadline:
             if cut_short is not None and cut_short.is_set():

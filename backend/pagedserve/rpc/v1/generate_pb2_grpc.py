@@ -74,6 +74,11 @@ class GenerationStub:
                 request_serializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.KvEvents = channel.unary_stream(
+                '/pagedserve.rpc.v1.Generation/KvEvents',
+                request_serializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -133,6 +138,18 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvEvents(self, request, context):
+        """The prefix cache's changes, for a KV-aware router: first a snapshot of every block hash the cache
+        holds, then each engine step's named and evicted blocks, as long as the call lasts. A full block's
+        hash is SHA-256 of its parent's 32-byte hash (nothing for a prompt's first block) followed by its
+        block_size token ids as little-endian int64: a router hashes a prompt the same way to know how
+        much of it this server holds. A subscriber too slow to keep up is cut off (RESOURCE_EXHAUSTED) and
+        subscribes again; FAILED_PRECONDITION when prefix caching is off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +192,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.EmbedRequest.FromString,
                     response_serializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.EmbedResponse.SerializeToString,
+            ),
+            'KvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KvEvents,
+                    request_deserializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.KvEventsRequest.FromString,
+                    response_serializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -393,6 +415,33 @@ class Generation:
             '/pagedserve.rpc.v1.Generation/Embed',
             pagedserve_dot_rpc_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
             pagedserve_dot_rpc_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagedserve.rpc.v1.Generation/KvEvents',
+            pagedserve_dot_rpc_dot_v1_dot_generate__pb2.KvEventsRequest.SerializeToString,
+            pagedserve_dot_rpc_dot_v1_dot_generate__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
