@@ -8,10 +8,12 @@ engine's own counters. Real sockets and real clients, nothing mocked.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -97,6 +99,41 @@ class InProcessServer:
     async def _stop(self) -> None:
         await self.http.stop()
         await self.server.stop(grace=0.5)
+
+
+def is_idle(srv: InProcessServer) -> bool:
+    """No request runs or waits, every KV block is free, and no stream is left to any handler."""
+    stats = srv.llm.stats()
+    return (
+        stats.num_unfinished == 0
+        and stats.num_free_blocks == stats.num_total_blocks
+        and srv.server.engine.num_live_requests == 0
+    )
+
+
+def abort_leftovers(srv: InProcessServer) -> None:
+    """Whatever a failed test left running, so that the next test starts on an idle engine."""
+
+    async def abort_all() -> None:
+        for request_id in srv.server.engine.live_request_ids():
+            srv.server.engine.abort(request_id)
+
+    srv.call(abort_all())
+    wait_for(lambda: is_idle(srv), what="an idle engine")
+
+
+def post_generate(srv: InProcessServer, model: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST `body` to KServe's /generate of `model`: the status and the JSON answer (errors too)."""
+    req = urllib.request.Request(
+        srv.http_url(f"/v2/models/{model}/generate"),
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
 def exporting_to(exporter: Any) -> Any:

@@ -39,7 +39,7 @@ from grpc_helpers import (
     metric_sample,
     wait_until,
 )
-from inprocess_server import InProcessServer, exporting_to, server_span, wait_for
+from inprocess_server import InProcessServer, abort_leftovers, exporting_to, is_idle, server_span, wait_for
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pagedserve.engine.async_engine import in_torch_thread
 from pagedserve.errors import EngineDeadError
@@ -95,26 +95,6 @@ def held_server(long_model: str) -> Iterator[InProcessServer]:
 
 def counter(srv: InProcessServer, name: str, **labels: str) -> float:
     return metric_sample(srv.http_port, name, model_name=MODEL, **labels)
-
-
-def is_idle(srv: InProcessServer) -> bool:
-    stats = srv.llm.stats()
-    return (
-        stats.num_unfinished == 0
-        and stats.num_free_blocks == stats.num_total_blocks
-        and srv.server.engine.num_live_requests == 0
-    )
-
-
-def abort_leftovers(srv: InProcessServer) -> None:
-    """Whatever a failed test left running, so that the next test starts on an idle engine."""
-
-    async def abort_all() -> None:
-        for request_id in srv.server.engine.live_request_ids():
-            srv.server.engine.abort(request_id)
-
-    srv.call(abort_all())
-    wait_for(lambda: is_idle(srv), what="an idle engine")
 
 
 def post_and_hang_up(srv: InProcessServer, path: str, body: dict[str, Any], stream: bool) -> None:

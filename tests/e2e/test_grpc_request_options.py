@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from inprocess_server import InProcessServer, scrape, wait_for
+from inprocess_server import InProcessServer, post_generate, scrape, wait_for
 from pagedserve.rpc.v1 import generate_pb2 as pb
 
 MODEL = "tiny"
@@ -258,22 +258,11 @@ def test_model_config_reports_the_priority_levels_under_the_priority_policy(
         assert rest_config.get("dynamic_batching") == expected
 
 
-def post_generate(srv: InProcessServer, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(
-        srv.http_url(f"/v2/models/{MODEL}/generate"),
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 @pytest.mark.parametrize("bad", ["high", -1, 1.5, True, 2**64])
 def test_a_bad_triton_priority_is_a_400_naming_it(priority_server: InProcessServer, bad: Any) -> None:
-    status, body = post_generate(priority_server, {"text_input": "Hi", "parameters": {"priority": bad}})
+    status, body = post_generate(
+        priority_server, MODEL, {"text_input": "Hi", "parameters": {"priority": bad}}
+    )
     assert status == 400
     assert body["error"].startswith("parameters.priority:")
 
@@ -375,7 +364,7 @@ def test_triton_clients_give_structured_outputs_as_a_sampling_parameter(
 def test_bad_structured_outputs_over_rest_are_a_400_naming_the_field(
     fcfs_server: InProcessServer, parameters: dict[str, Any], field: str
 ) -> None:
-    status, body = post_generate(fcfs_server, {"text_input": "Hi", "parameters": parameters})
+    status, body = post_generate(fcfs_server, MODEL, {"text_input": "Hi", "parameters": parameters})
     assert status == 400
     assert body["error"].startswith(field), body["error"]
 
@@ -383,7 +372,7 @@ def test_bad_structured_outputs_over_rest_are_a_400_naming_the_field(
 def test_structured_outputs_over_rest_generate(fcfs_server: InProcessServer) -> None:
     parameters = {"temperature": 0, "max_tokens": 8, "structured_outputs": {"choice": ["yes", "no"]}}
     status, body = post_generate(
-        fcfs_server, {"text_input": "Hi", "exclude_input_in_output": True, "parameters": parameters}
+        fcfs_server, MODEL, {"text_input": "Hi", "exclude_input_in_output": True, "parameters": parameters}
     )
     assert status == 200, body
     assert body["text_output"] in ("yes", "no")
@@ -457,14 +446,14 @@ def sampling_of(max_tokens: int) -> Any:
 
 def test_rest_generate_past_its_timeout_is_a_504(fcfs_server: InProcessServer) -> None:
     body = {"text_input": "Hi", "parameters": {"max_tokens": 900, "ignore_eos": True, "timeout": 30_000}}
-    status, reply = post_generate(fcfs_server, body)
+    status, reply = post_generate(fcfs_server, MODEL, body)
     assert status == 504
     assert reply["error"].startswith("Request timeout expired")
 
 
 @pytest.mark.parametrize("bad", ["soon", -1, 0.5, False])
 def test_a_bad_triton_timeout_is_a_400_naming_it(fcfs_server: InProcessServer, bad: Any) -> None:
-    status, body = post_generate(fcfs_server, {"text_input": "Hi", "parameters": {"timeout": bad}})
+    status, body = post_generate(fcfs_server, MODEL, {"text_input": "Hi", "parameters": {"timeout": bad}})
     assert status == 400
     assert body["error"].startswith("parameters.timeout:")
 
@@ -525,7 +514,9 @@ def test_triton_clients_give_logit_controls_as_sampling_parameters(fcfs_server: 
     ours = "".join(r.text for r in fcfs_server.stub.Generate(req, timeout=60))
     assert result.as_numpy("text_output")[0].decode() == ours
     status, body = post_generate(
-        fcfs_server, {"text_input": "Hi", "parameters": {"allowed_token_ids": "[1, 2]", "bad_words": 5}}
+        fcfs_server,
+        MODEL,
+        {"text_input": "Hi", "parameters": {"allowed_token_ids": "[1, 2]", "bad_words": 5}},
     )
     assert status == 400
     assert body["error"].startswith("sampling_parameters.bad_words:")
@@ -663,14 +654,14 @@ def test_triton_clients_give_truncate_prompt_tokens_as_a_sampling_parameter(
     )
     expected = "".join(r.text for r in fcfs_server.stub.Generate(ours, timeout=60))
     params = {"temperature": 0, "max_tokens": 6, "truncate_prompt_tokens": 4, "exclude_input_in_output": True}
-    status, body = post_generate(fcfs_server, {"text_input": text, "parameters": params})
+    status, body = post_generate(fcfs_server, MODEL, {"text_input": text, "parameters": params})
     assert status == 200, body
     assert body["text_output"] == expected
     untruncated = {k: v for k, v in params.items() if k != "truncate_prompt_tokens"}
-    status, whole = post_generate(fcfs_server, {"text_input": text, "parameters": untruncated})
+    status, whole = post_generate(fcfs_server, MODEL, {"text_input": text, "parameters": untruncated})
     assert status == 200 and whole["text_output"] != expected  # the tail alone continues differently
     status, body = post_generate(
-        fcfs_server, {"text_input": text, "parameters": {"truncate_prompt_tokens": 0}}
+        fcfs_server, MODEL, {"text_input": text, "parameters": {"truncate_prompt_tokens": 0}}
     )
     assert status == 400
     assert body["error"].startswith("sampling_parameters.truncate_prompt_tokens:")

@@ -5,14 +5,11 @@ tag describes; a malformed tag is INVALID_ARGUMENT (a 400) naming the field."""
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 import grpc
 import pytest
-from inprocess_server import InProcessServer
+from inprocess_server import InProcessServer, post_generate
 from pagedserve.rpc.v1 import generate_pb2 as pb
 
 MODEL = "tiny"
@@ -76,7 +73,7 @@ def test_a_structural_tag_forces_the_tool_call_over_grpc(server: InProcessServer
 def test_triton_clients_give_a_structural_tag_in_structured_outputs(server: InProcessServer) -> None:
     parameters = {"temperature": 0, "max_tokens": 64, "structured_outputs": {"structural_tag": CALL}}
     status, body = post_generate(
-        server, {"text_input": "What is the weather in Rome?", "parameters": parameters}
+        server, MODEL, {"text_input": "What is the weather in Rome?", "parameters": parameters}
     )
     assert status == 200, body
     assert_call(body["text_output"])
@@ -110,19 +107,6 @@ def test_a_malformed_structural_tag_is_invalid_argument_naming_it(
 
 def test_a_malformed_structural_tag_over_rest_is_a_400_naming_it(server: InProcessServer) -> None:
     parameters = {"structured_outputs": {"structural_tag": "[1]"}}
-    status, body = post_generate(server, {"text_input": "Hi", "parameters": parameters})
+    status, body = post_generate(server, MODEL, {"text_input": "Hi", "parameters": parameters})
     assert status == 400
     assert body["error"].startswith("structured_outputs.structural_tag: must be a JSON object"), body
-
-
-def post_generate(srv: InProcessServer, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(
-        srv.http_url(f"/v2/models/{MODEL}/generate"),
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())

@@ -35,7 +35,7 @@ from grpc_helpers import (
     request,
     wait_until,
 )
-from inprocess_server import InProcessServer, wait_for
+from inprocess_server import InProcessServer, abort_leftovers, is_idle, wait_for
 from pagedserve.rpc.cli import ServeSettings
 from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
 from pagedserve_adapters import tensors
@@ -79,27 +79,6 @@ def counts(srv: InProcessServer) -> dict[str, float]:
         "client_cancel": counter(srv, "pagedserve:request_aborts_total", cause="client_cancel"),
         "length": counter(srv, "vllm:request_success_total", finished_reason="length"),
     }
-
-
-def is_idle(srv: InProcessServer) -> bool:
-    """No request runs or waits, every KV block is free, and no stream is left to any handler."""
-    stats = srv.llm.stats()
-    return (
-        stats.num_unfinished == 0
-        and stats.num_free_blocks == stats.num_total_blocks
-        and srv.server.engine.num_live_requests == 0
-    )
-
-
-def abort_leftovers(srv: InProcessServer) -> None:
-    """Whatever a failed test left running, so that the next test starts on an idle engine."""
-
-    async def abort_all() -> None:
-        for request_id in srv.server.engine.live_request_ids():
-            srv.server.engine.abort(request_id)
-
-    srv.call(abort_all())
-    wait_for(lambda: is_idle(srv), what="an idle engine")
 
 
 def check_stalled_client_is_cut(srv: InProcessServer, before: dict[str, float]) -> None:
