@@ -32,7 +32,6 @@ from pagedserve.rpc.server import (
     StalledClientError,
     cancel_cause,
     give_up_stalled_call,
-    send_within,
 )
 
 from pagedserve_adapters import tensors
@@ -159,7 +158,7 @@ class InferenceServicer:
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> None:
         """Writes its responses itself, each within --stream-write-timeout (see rpc/server.py
-        send_within): a client that stops reading has every request on the stream aborted."""
+        WriteWatch): a client that stops reading has every request on the stream aborted."""
         grpc_errors = dict(context.invocation_metadata() or ()).get("triton_grpc_error") == "true"
         carrier = _carrier(context)
         ended_by = ""  # the server ended the stream: stream_error (triton_grpc_error) or stalled_client
@@ -184,7 +183,7 @@ class InferenceServicer:
                 responses.put_nowait(_DONE)
 
         async def write(response: pb.ModelStreamInferResponse) -> None:
-            await send_within(context.write(response), self.model.server.stream_write_timeout)
+            await self.model.server.write_watch.send(context.write(response))
 
         reader = asyncio.create_task(read_requests())
         reader.add_done_callback(end_on_failure)

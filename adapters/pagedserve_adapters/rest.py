@@ -25,7 +25,7 @@ from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 from pagedserve import __version__
 from pagedserve.errors import InvalidRequestError
-from pagedserve.rpc.server import STALLED_CLIENT, StalledClientError, send_within
+from pagedserve.rpc.server import STALLED_CLIENT, StalledClientError
 from pagedserve.sampling_params import SamplingParams
 
 from pagedserve_adapters import tensors
@@ -212,7 +212,7 @@ class RestApi:
         except (AdapterError, InvalidRequestError) as exc:
             return _error(exc)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        timeout = self.model.server.stream_write_timeout
+        send = self.model.server.write_watch.send
         try:
             await response.prepare(request)
             try:
@@ -224,12 +224,10 @@ class RestApi:
                         body = _generate_body(self.model, request_id, completion.final_outputs())
                     else:
                         continue
-                    await send_within(response.write(f"data: {json.dumps(body)}\n\n".encode()), timeout)
+                    await send(response.write(f"data: {json.dumps(body)}\n\n".encode()))
             except AdapterError as exc:
-                await send_within(
-                    response.write(f"data: {json.dumps({'error': str(exc)})}\n\n".encode()), timeout
-                )
-            await send_within(response.write_eof(), timeout)
+                await send(response.write(f"data: {json.dumps({'error': str(exc)})}\n\n".encode()))
+            await send(response.write_eof())
         except ConnectionResetError:  # the client went away: an everyday event, not a server error to log
             pass
         except StalledClientError as exc:
