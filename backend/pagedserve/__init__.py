@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.lora_request import LoRARequest
 from pagedserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -20,6 +21,7 @@ __all__ = [
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
+    "LoRARequest",
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",

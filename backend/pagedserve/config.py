@@ -241,6 +241,11 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "torch"  # resolved: torch (reference) or triton (kernels)
     compile: bool = False  # resolved: the forward pass runs through torch.compile (`resolve_compile`)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # LoRA adapters (name, PEFT directory), all loaded
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.lora_modules)
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -11,6 +11,7 @@ from typing import Any, TypeVar, cast
 
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import InvalidRequestError
+from pagedserve.lora_request import LoRARequest
 from pagedserve.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -26,6 +27,7 @@ from pagedserve.settings import EngineSettings
 Prompt = str | list[int] | Mapping[str, Any]
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 P = TypeVar("P", SamplingParams, PoolingParams)
+LoRARequests = LoRARequest | Seq[LoRARequest | None] | None  # one for all prompts, or one per prompt
 
 
 class LLM:
@@ -48,12 +50,15 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = False,
         priority: list[int] | None = None,
+        lora_request: LoRARequests = None,
     ) -> list[RequestOutput]:
         """Run all prompts in one continuous batch; outputs come back in input order. `use_tqdm` may
         be a tqdm-like class to make the progress bar with (as in vLLM). `priority`, one int per
-        prompt (lower runs earlier), needs `LLM(scheduling_policy="priority")`, as in vLLM."""
+        prompt (lower runs earlier), needs `LLM(scheduling_policy="priority")`, as in vLLM.
+        `lora_request` runs the prompts (all, or each its own: a list, None for the base model)
+        through a LoRA adapter of `LLM(lora_modules=...)`."""
         texts, token_ids = self._tokenized(prompts)
-        return self._run(texts, token_ids, sampling_params, use_tqdm, priority)
+        return self._run(texts, token_ids, sampling_params, use_tqdm, priority, lora_request)
 
     def embed(
         self,
@@ -61,6 +66,7 @@ class LLM:
         pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = False,
         priority: list[int] | None = None,
+        lora_request: LoRARequests = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (vLLM's `LLM.embed`), in input order: the model's final hidden
         state of the last prompt token, L2-normalized, unless `pooling_params` say otherwise. The
@@ -71,7 +77,13 @@ class LLM:
         pooling = _per_prompt(pooling_params, len(texts), PoolingParams, "pooling_params")
         embeddings: dict[str, list[float]] = {}
         outputs = self._run(
-            texts, token_ids, [p.as_sampling_params() for p in pooling], use_tqdm, priority, embeddings
+            texts,
+            token_ids,
+            [p.as_sampling_params() for p in pooling],
+            use_tqdm,
+            priority,
+            lora_request,
+            embeddings,
         )
         return [
             EmbeddingRequestOutput(
@@ -96,10 +108,11 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = False,
         priority: list[int] | None = None,
+        lora_request: LoRARequests = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate. Each
-        output's `prompt` is the templated text, special tokens included (as vLLM's). `priority`: one
-        int per conversation, as `generate`'s."""
+        output's `prompt` is the templated text, special tokens included (as vLLM's). `priority` and
+        `lora_request`: as `generate`'s, per conversation."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         if not isinstance(conversations, list):
             raise InvalidRequestError(
@@ -115,7 +128,7 @@ class LLM:
                 )
         token_ids = [self.engine.encode_chat(c) for c in cast(list[list[dict[str, str]]], conversations)]
         texts = [self.engine.decode(ids, skip_special_tokens=False) for ids in token_ids]
-        return self._run(list(texts), token_ids, sampling_params, use_tqdm, priority)
+        return self._run(list(texts), token_ids, sampling_params, use_tqdm, priority, lora_request)
 
     def _run(
         self,
@@ -124,6 +137,7 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None,
         use_tqdm: bool | Callable[..., Any],
         priority: list[int] | None,
+        lora_request: LoRARequests,
         embeddings: dict[str, list[float]] | None = None,
     ) -> list[RequestOutput]:
         """Run the requests to their end; `embeddings` receives each embedding request's vector."""
@@ -131,21 +145,22 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, len(token_ids), SamplingParams, "sampling_params")
         priorities = _priorities(priority, len(token_ids))
+        lora_names = _lora_names(lora_request, len(token_ids))
         # a bad prompt adds none of the batch
-        for index, (ids, p, prio) in enumerate(zip(token_ids, params, priorities)):
+        for index, (ids, p, prio, lora) in enumerate(zip(token_ids, params, priorities, lora_names)):
             try:
                 token_ids[index] = self.engine.truncate_prompt(ids, p)  # what the outputs report
-                self.engine.validate_request(token_ids[index], p, prio)
+                self.engine.validate_request(token_ids[index], p, prio, lora)
             except InvalidRequestError as exc:
                 raise InvalidRequestError(exc.field, f"{exc.message} (prompts[{index}])") from None
         outputs: dict[str, RequestOutput] = {}  # in input order
         progress = _progress_bar(use_tqdm, len(token_ids))
         try:
-            for text, ids, p, prio in zip(texts, token_ids, params, priorities):
+            for text, ids, p, prio, lora in zip(texts, token_ids, params, priorities, lora_names):
                 request_id = f"llm-{next(self._ids)}"
                 completions = [CompletionOutput(i, "", [], None) for i in range(p.n)]
                 outputs[request_id] = RequestOutput(request_id, text, ids, completions, False)
-                self.engine.add_request(request_id, ids, p, priority=prio)
+                self.engine.add_request(request_id, ids, p, priority=prio, lora_name=lora)
             error = self._step_until_finished(outputs, progress, embeddings)
         finally:
             # A failed request, an exception or a Ctrl-C (from tqdm, the model, anywhere in here) must
@@ -283,6 +298,21 @@ def _priorities(priority: Seq[int] | None, n: int) -> list[int]:
         return [operator.index(p) for p in priority]
     except TypeError:
         raise InvalidRequestError("priority", "must be integers") from None
+
+
+def _lora_names(lora_request: LoRARequests, n: int) -> list[str | None]:
+    """Each prompt's adapter name (None: the base model) from one LoRARequest or a list of them."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [None if lora_request is None else lora_request.lora_name] * n
+    if not isinstance(lora_request, (list, tuple)):
+        raise InvalidRequestError(
+            "lora_request", f"must be a LoRARequest or a list of them, got {type(lora_request).__name__}"
+        )
+    if len(lora_request) != n:
+        raise InvalidRequestError("lora_request", f"got {len(lora_request)} for {n} prompts")
+    if not all(r is None or isinstance(r, LoRARequest) for r in lora_request):
+        raise InvalidRequestError("lora_request", "must hold LoRARequest objects (or None)")
+    return [None if r is None else r.lora_name for r in lora_request]
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:

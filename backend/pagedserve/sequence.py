@@ -45,6 +45,7 @@ class Sequence:
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -54,6 +55,7 @@ class Sequence:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.arrival_order = next(_arrival_counter)  # a later arrival is preempted first
         self.priority = priority  # under --scheduling-policy priority: lower runs first, then arrival
+        self.lora_name = lora_name  # the LoRA adapter it runs through (None: the base model)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []  # written only by the block manager

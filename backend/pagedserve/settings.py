@@ -29,6 +29,7 @@ from pagedserve.config import (
     resolve_device,
     resolve_dtype,
 )
+from pagedserve.lora_config import parse_lora_modules
 
 _SIZE_UNITS = {
     "": 1,
@@ -131,6 +132,21 @@ class EngineSettings(BaseSettings):
         "steps slower; compile is used on CPU with the torch backend and one rank)",
     )
 
+    lora_modules: str | dict[str, str] | None = Field(
+        None,
+        description="LoRA adapters to serve beside the model, name=path items separated by commas (PEFT "
+        "directories: adapter_config.json and adapter_model.safetensors); a request names one as lora_name",
+    )
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _check_lora_modules(cls, value: str | dict[str, str] | None) -> str | dict[str, str] | None:
+        try:
+            parse_lora_modules(value)
+        except ValueError as exc:
+            raise ValueError(str(exc).removeprefix("lora_modules: ")) from None
+        return value
+
     @field_validator("kv_cache_memory")
     @classmethod
     def _check_size(cls, value: str | None) -> str | None:
@@ -202,6 +218,7 @@ class EngineSettings(BaseSettings):
             seed=self.seed,
             attention_backend=backend,
             compile=resolve_compile(self.enforce_eager, device, backend, self.tensor_parallel_size),
+            lora_modules=parse_lora_modules(self.lora_modules),
         )
 
 

@@ -24,9 +24,10 @@ def compute(bm: BlockManager, s: Sequence, num_tokens: int) -> None:
     bm.cache_full_blocks(s)
 
 
-def chain(tokens: list[int], block_size: int) -> list[bytes]:
-    """The documented hash: SHA-256 of the parent's digest and the block's tokens as int64."""
-    hashes, parent = [], b""
+def chain(tokens: list[int], block_size: int, root: bytes = b"") -> list[bytes]:
+    """The documented hash: SHA-256 of the parent's digest and the block's tokens as int64 (the first
+    block's parent: nothing, or for a LoRA adapter's requests `root`)."""
+    hashes, parent = [], root
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = hashlib.sha256(parent + array("q", tokens[start : start + block_size]).tobytes()).digest()
         hashes.append(parent)
@@ -90,3 +91,23 @@ def test_evictions_are_reported_once_in_a_run() -> None:
     bm.record_kv_events(False)
     bm.free(c)
     assert bm.kv_events is None and bm.take_kv_events() == []
+
+
+def test_a_lora_adapters_blocks_hash_from_its_root_and_name_it() -> None:
+    """The same tokens through an adapter hold other KV: the first block's parent is SHA-256 of
+    b"lora:" and the adapter's name, so they hash apart (no hits across adapters), and the stored
+    event names the adapter for a router to do the same."""
+    bm = BlockManager(num_blocks=8, block_size=4, watermark=0.0, enable_prefix_caching=True)
+    bm.record_kv_events(True)
+    tokens = list(range(100, 109))
+    compute(bm, seq("base", tokens), 9)
+    lora = Sequence("lora", tokens, SamplingParams(max_tokens=8), lora_name="sql")
+    assert bm.match_prefix(lora) == []  # the base model's blocks are no hits for it
+    compute(bm, lora, 9)
+    root = hashlib.sha256(b"lora:sql").digest()
+    assert bm.take_kv_events() == [
+        BlockStored(chain(tokens, 4), None, tokens[:8]),
+        BlockStored(chain(tokens, 4, root), None, tokens[:8], "sql"),
+    ]
+    again = Sequence("again", tokens, SamplingParams(max_tokens=8), lora_name="sql")
+    assert len(bm.match_prefix(again)) == 2  # its own adapter's blocks are

@@ -17,11 +17,13 @@ from pagedserve.sequence import Sequence
 @dataclass
 class BlockStored:
     """Blocks named in the prefix cache: consecutive blocks of one sequence, the first one's parent
-    being `parent_block_hash` (None: the first block of a prompt), with their tokens."""
+    being `parent_block_hash` (None: the first block of a prompt), with their tokens, computed through
+    the LoRA adapter `lora_name` (None: the base model; see `lora_root_hash`)."""
 
     block_hashes: list[bytes]
     parent_block_hash: bytes | None
     token_ids: list[int]
+    lora_name: str | None = None
 
 
 @dataclass
@@ -142,7 +144,7 @@ class BlockManager:
             return []
         hits: list[int] = []
         num_blocks = (seq.num_tokens - 1) // self.block_size
-        for block_hash in self._block_hashes(None, seq.token_ids, 0, num_blocks):  # stops at the first miss
+        for block_hash in self._block_hashes(lora_root_hash(seq.lora_name), seq.token_ids, 0, num_blocks):
             block_id = self.cached_block_ids.get(block_hash, self.filling_block_ids.get(block_hash))
             if block_id is None:
                 break
@@ -176,7 +178,7 @@ class BlockManager:
         self._take(seq, cdiv(num_tokens, self.block_size) - len(seq.block_table))
         if cached_block_ids:  # the hits may still be filling, unnamed: hash the tokens again
             self.seq_hashes[seq.request_id] = list(
-                self._block_hashes(None, seq.token_ids, 0, len(cached_block_ids))
+                self._block_hashes(lora_root_hash(seq.lora_name), seq.token_ids, 0, len(cached_block_ids))
             )
         if self.enable_prefix_caching:
             self.num_prefix_queries += seq.num_tokens
@@ -223,7 +225,7 @@ class BlockManager:
             self.block_hashes[block_id] = block_hash
             if self.kv_events is not None:
                 if stored is None:
-                    stored = BlockStored([], parent, [])
+                    stored = BlockStored([], parent, [], seq.lora_name)
                     self.kv_events.append(stored)
                 index = len(hashes) - 1
                 stored.block_hashes.append(block_hash)
@@ -343,7 +345,7 @@ class BlockManager:
     ) -> list[tuple[int, bytes]]:
         """(block id, hash) of `seq`'s blocks full within its first `num_tokens` tokens, after the
         leading blocks `hashes` already names."""
-        start, parent = len(hashes), hashes[-1] if hashes else None
+        start, parent = len(hashes), hashes[-1] if hashes else lora_root_hash(seq.lora_name)
         block_hashes = self._block_hashes(parent, seq.token_ids, start, num_tokens // self.block_size)
         return [(seq.block_table[index], h) for index, h in enumerate(block_hashes, start=start)]
 
@@ -352,7 +354,7 @@ class BlockManager:
     ) -> Iterator[bytes]:
         """Hashes of full blocks `start .. stop - 1`, `parent` being the hash of block `start - 1`.
 
-        Each is the SHA-256 of its parent's 32-byte digest (nothing for block 0) followed by its
+        Each is the SHA-256 of its parent's 32-byte digest (for block 0: `lora_root_hash`) followed by its
         token ids as 8-byte little-endian integers: fixed widths, so distinct (parent, tokens) never
         encode alike; a router hashes a prompt the same way to follow the cache (KV events). The tokens
         are encoded once for the whole range; hashing costs ~1 us per block."""
@@ -365,6 +367,15 @@ class BlockManager:
         for offset in range(0, len(data), width):
             block_hash = hashlib.sha256(block_hash + data[offset : offset + width]).digest()
             yield block_hash
+
+
+def lora_root_hash(lora_name: str | None) -> bytes | None:
+    """What a prompt's first block hashes as its parent: nothing for the base model; for a LoRA
+    adapter's requests, SHA-256 of b"lora:" and the adapter's name in UTF-8, so the same tokens run
+    through different adapters (different KV) never share blocks."""
+    if lora_name is None:
+        return None
+    return hashlib.sha256(b"lora:" + lora_name.encode()).digest()
 
 
 def _runs_every_prompt_position(seq: Sequence) -> bool:

@@ -334,6 +334,7 @@ class Scheduler:
             sampling_params=seq.sampling_params if is_new else None,
             computed_token_ids=seq.token_ids[:start] if is_new else [],
             prompt_token_ids=seq.prompt_token_ids if is_new and _owes_prompt_logprobs(seq) else None,
+            lora_name=seq.lora_name if is_new else None,
         )
 
     def _fork(self, parent: Sequence) -> None:

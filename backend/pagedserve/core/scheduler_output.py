@@ -34,6 +34,7 @@ class ScheduledRequest:
     # when is_new and the request still owes prompt logprobs: its whole prompt (a chunk's last position
     # scores the first token of the next chunk, which the workers have not seen yet)
     prompt_token_ids: list[int] | None = None
+    lora_name: str | None = None  # set when is_new: the LoRA adapter the request runs through
 
 
 @dataclass

@@ -146,7 +146,7 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.stream_interval = stream_interval
         self._streams: dict[str, _Stream] = {}
-        self._pending_adds: list[tuple[str, list[int], SamplingParams, float, int]] = []
+        self._pending_adds: list[tuple[str, list[int], SamplingParams, float, int, str | None]] = []
         self._pending_aborts: dict[str, _Abort] = {}  # by request id
         self._unread_finals: dict[str, RequestDelta] = {}  # by request id, oldest first
         self._wakeup = asyncio.Event()
@@ -186,13 +186,23 @@ class AsyncEngine:
         return list(self._streams)
 
     def check(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         """Raise what generate() would raise before its first delta, without starting anything."""
-        self._admit(request_id, prompt_token_ids, params, priority)
+        self._admit(request_id, prompt_token_ids, params, priority, lora_name)
 
     async def prepare(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        lora_name: str | None = None,
     ) -> list[int]:
         """What every front end does between tokenizing a request and generate(): truncate the prompt
         as the engine runs it (returned: what the front end reports), compile a new constraint on
@@ -204,7 +214,7 @@ class AsyncEngine:
             await in_grammar_thread(llm.structured_outputs.compile, params.structured_outputs)
         if params.bad_words:
             await in_tokenizer_thread(llm.tokenize_bad_words, params)
-        self.check(request_id, prompt, params, priority)
+        self.check(request_id, prompt, params, priority, lora_name)
         return prompt
 
     def kill(self, exc: BaseException) -> None:
@@ -223,6 +233,7 @@ class AsyncEngine:
         params: SamplingParams,
         cancel_cause: Callable[[], str] | None = None,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> AsyncGenerator[RequestDelta, None]:
         """Deltas of one request until all its completions finish. Raises InvalidRequestError before
         the first delta for a request the engine would reject, QueueFullError when over the bound,
@@ -242,11 +253,14 @@ class AsyncEngine:
 
         `priority` (an int64, 0 by default) orders the request under --scheduling-policy priority:
         lower runs earlier and may preempt running requests of a higher value; any other value than 0
-        is refused (InvalidRequestError naming `priority`) under the default fcfs policy."""
-        self._admit(request_id, prompt_token_ids, params, priority)
+        is refused (InvalidRequestError naming `priority`) under the default fcfs policy. `lora_name`
+        runs it through that LoRA adapter (--lora-modules; None or "" for the base model)."""
+        self._admit(request_id, prompt_token_ids, params, priority, lora_name)
         self._unread_finals.pop(request_id, None)  # an earlier request's under the same id
         stream = self._streams[request_id] = _Stream(time.monotonic(), len(prompt_token_ids))
-        self._pending_adds.append((request_id, prompt_token_ids, params, stream.arrival_time, priority))
+        self._pending_adds.append(
+            (request_id, prompt_token_ids, params, stream.arrival_time, priority, lora_name)
+        )
         self._wakeup.set()
         try:
             while True:
@@ -341,7 +355,12 @@ class AsyncEngine:
                 listener.put(batch)
 
     def _admit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        lora_name: str | None,
     ) -> None:
         if self.dead is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead}")
@@ -349,7 +368,7 @@ class AsyncEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         if request_id in self._pending_aborts:  # a step under way may still hold the old request's tokens
             raise InvalidRequestError("request_id", f"{request_id!r} is still being cancelled; retry shortly")
-        self.engine.validate_request(prompt_token_ids, params, priority)
+        self.engine.validate_request(prompt_token_ids, params, priority, lora_name)
         if self.engine.stats().num_waiting + len(self._pending_adds) >= self.max_queued_requests:
             raise QueueFullError(f"{self.max_queued_requests} requests are already queued; retry later")
 
@@ -402,11 +421,13 @@ class AsyncEngine:
         aborts, self._pending_aborts = self._pending_aborts, {}
         adds, self._pending_adds = self._pending_adds, []
         self._abort(aborts, never_added={add[0] for add in adds})
-        for request_id, prompt_token_ids, params, arrival_time, priority in adds:
+        for request_id, prompt_token_ids, params, arrival_time, priority, lora_name in adds:
             if request_id in aborts or request_id not in self._streams:
                 continue  # gone before it started
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params, arrival_time, priority)
+                self.engine.add_request(
+                    request_id, prompt_token_ids, params, arrival_time, priority, lora_name
+                )
             except InvalidRequestError as exc:
                 self._streams[request_id].queue.put_nowait(exc)
 

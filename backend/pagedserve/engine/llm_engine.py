@@ -141,11 +141,13 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         """Queue a request. With `n > 1` it runs as n sequences that share the prompt's blocks (and
-        its `priority`: under --scheduling-policy priority a lower value runs earlier)."""
+        its `priority`: under --scheduling-policy priority a lower value runs earlier). `lora_name`
+        runs it through that LoRA adapter of --lora-modules (None or "": the base model)."""
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)  # the front end's, unchanged
-        self._validate(prompt_token_ids, params, priority)
+        self._validate(prompt_token_ids, params, priority, lora_name)
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         grammar = self.structured_outputs.compile(params.structured_outputs)  # cached after validate_request
@@ -157,6 +159,7 @@ class LLMEngine:
                 self.eos_token_ids,
                 arrival_time,
                 priority,
+                lora_name or None,
             )
             for i in range(params.n)
         ]
@@ -191,19 +194,31 @@ class LLMEngine:
         return [self._seq_id(request_id, i, n) for i in range(n)]
 
     def validate_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         """Everything add_request() would reject, checked without touching engine state (any thread)."""
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
-        self._validate(prompt_token_ids, params, priority)
+        self._validate(prompt_token_ids, params, priority, lora_name)
         self.scheduler.check_can_ever_fit(len(prompt_token_ids), params.max_tokens)
         self.structured_outputs.compile(params.structured_outputs)  # last: the costliest check
 
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
-        """What `SamplingParams` cannot check alone: the prompt, the priority and the limits of this model
-        and engine. Cheap checks first: a prompt of a million ids is refused for its length before its
-        ids are read. Tokenizes the bad words into `params` (they go to the workers with them)."""
+    def _validate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        lora_name: str | None = None,
+    ) -> None:
+        """What `SamplingParams` cannot check alone: the prompt, the priority, the LoRA adapter and the
+        limits of this model and engine. Cheap checks first: a prompt of a million ids is refused for
+        its length before its ids are read. Tokenizes the bad words into `params` (they go to the
+        workers with them)."""
         self._validate_priority(priority)
+        self._validate_lora_name(lora_name)
         max_len = self.config.model.max_model_len
         vocab_size = self.config.model.vocab_size
         max_num_seqs = self.config.scheduler.max_num_seqs
@@ -271,6 +286,24 @@ class LLMEngine:
             self._bad_words_ids[key] = params._bad_words_token_ids
             while len(self._bad_words_ids) > _BAD_WORDS_CACHE_SIZE:
                 self._bad_words_ids.popitem(last=False)
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters requests may name (--lora-modules), in the order given."""
+        return self.config.lora_names
+
+    def _validate_lora_name(self, lora_name: str | None) -> None:
+        if lora_name is None:
+            return
+        if not isinstance(lora_name, str):
+            raise InvalidRequestError("lora_name", f"must be a string, got {type(lora_name).__name__}")
+        if lora_name and lora_name not in self.lora_names:
+            served = (
+                f"this server has: {', '.join(self.lora_names)}"
+                if self.lora_names
+                else "this server serves no LoRA adapters (--lora-modules)"
+            )
+            raise InvalidRequestError("lora_name", f"unknown adapter {lora_name[:256]!r} ({served})")
 
     def _validate_priority(self, priority: int) -> None:
         """An int64 (the gRPC field's range), and 0 unless the engine schedules by priority: vLLM also

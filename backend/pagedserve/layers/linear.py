@@ -16,6 +16,7 @@ gives that row alone.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ from pagedserve_kernels import cpu as cpu_kernels
 from torch import nn
 
 from pagedserve.distributed import all_reduce, get_tp_rank, get_tp_size
+
+if TYPE_CHECKING:
+    from pagedserve.lora import LoRALinear
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -84,6 +88,7 @@ class LinearBase(nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
     packed_weight: torch.Tensor | None = None
+    lora: LoRALinear | None = None  # LoRA adapters' updates (`pagedserve.lora`), when any are loaded
 
     def pack_weights(self, batch_size_hint: int) -> None:
         self.packed_weight = pack_weight(self.weight, batch_size_hint)
@@ -121,7 +126,8 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(_shard(loaded, 0, self.tp_size, self.tp_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        out = self.matmul(x, self.bias)
+        return out if self.lora is None else self.lora.add_to(x, out)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -187,5 +193,8 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(self.matmul(x))
+        out = self.matmul(x)
+        if self.lora is not None:  # this rank's share of the update, summed with the product's
+            out = self.lora.add_to(x, out)
+        out = all_reduce(out)
         return out if self.bias is None else out + self.bias

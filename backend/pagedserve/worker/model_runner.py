@@ -29,6 +29,7 @@ from pagedserve.layers.attention import (
 )
 from pagedserve.layers.linear import amx_linear_available, can_pack_weights
 from pagedserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors, apply_token_bitmask
+from pagedserve.lora import LoRAModels
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import iter_safetensors
 from pagedserve.models.registry import get_model_class
@@ -58,6 +59,7 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)  # kept only when penalties or bad words need it
     bad_words: BadWords | None = None  # built on the request's first sample, where it has bad words
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (token ids, biases), on the device
+    lora_index: int = -1  # its LoRA adapter's index in `ModelRunner.lora` (-1: the base model)
 
     @property
     def num_output_tokens(self) -> int:
@@ -128,6 +130,7 @@ class ModelRunner:
         self.eos_token_ids = sorted(eos_token_ids)
         self.vocab_size = config.model.vocab_size
         self.backend = backend or make_attention_backend(config.attention_backend, self.device)
+        self.lora: LoRAModels | None = None  # the adapters of --lora-modules, set by _load_model
         self.model = self._load_model()
         self.forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor] = self.model
         self.fused_decode: FusedDecode | None = None  # set beside the compiled pass (`bind_kv_cache`)
@@ -152,6 +155,8 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype):
             model = get_model_class(cfg.architecture)(cfg.hf_config, cfg.max_model_len, self.backend)
         model.load_weights(iter_safetensors(cfg.path))
+        if self.config.lora_modules:  # before packing: the adapters are sliced beside the plain weights
+            self.lora = LoRAModels(self.config.lora_modules, model, self.dtype)
         # A compiled forward pass leaves its oneDNN weights to inductor (freezing packs them) until it
         # is compiled (`bind_kv_cache`); AMX weights are packed here either way, and the LM head runs
         # outside the compiled pass.
@@ -242,7 +247,13 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         order = sorted(output.scheduled, key=lambda r: len(r.token_ids) > 1)  # decodes first, stable
         input_ids, positions, metadata, sample_indices = self._prepare_inputs(order)
-        if self.fused_decode is not None and metadata.num_prefills == 0:
+        token_adapters = self._token_adapters(order) if self.lora is not None else None
+        if token_adapters is not None:  # LoRA rows: the eager pass (the fast ones have base weights alone)
+            assert self.lora is not None
+            self.backend.prepare(metadata, self.dtype, self.block_size)
+            with step_metadata(metadata), self.lora.running(token_adapters):
+                hidden = self.model(input_ids, positions, metadata)
+        elif self.fused_decode is not None and metadata.num_prefills == 0:
             hidden = self.fused_decode(input_ids, positions, metadata)
         else:
             self.backend.prepare(metadata, self.dtype, self.block_size)
@@ -272,6 +283,14 @@ class ModelRunner:
         bitmask = torch.from_numpy(output.grammar_bitmask).to(self.device, non_blocking=True)
         apply_token_bitmask(logits, bitmask, rows)
         return dict(zip(output.structured_output_request_ids, output.grammar_bitmask, strict=True))
+
+    def _token_adapters(self, order: list[ScheduledRequest]) -> torch.Tensor | None:
+        """Each token's LoRA adapter index this step (-1: none), or None when no request has one."""
+        indices = [self.requests[r.request_id].lora_index for r in order]
+        if max(indices) < 0:
+            return None
+        counts = torch.tensor([len(r.token_ids) for r in order])
+        return torch.repeat_interleave(torch.tensor(indices), counts).to(self.device)
 
     # -- per-request state ------------------------------------------------------------------------
 
@@ -323,6 +342,9 @@ class ModelRunner:
             self.prompt_token_ids[req.request_id] = req.prompt_token_ids
         if req.sampling_params.pooling is not None:
             self.pooling_request_ids.add(req.request_id)
+        if req.lora_name is not None:
+            assert self.lora is not None, f"{req.request_id!r} names LoRA {req.lora_name!r}: none loaded"
+            state.lora_index = self.lora.index_of(req.lora_name)
         self.requests[req.request_id] = state
 
     def _free_state(self, request_id: str) -> None:

@@ -1,0 +1,208 @@
+"""LoRA adapters (PEFT's format) served beside the base model, as vLLM's multi-LoRA serving.
+
+Every adapter given at start-up (`--lora-modules name=path,...`) stays loaded; a request names one
+(`lora_name`) or none, and one batch mixes them freely. A targeted linear layer adds, for the rows of
+each adapter in the step, `scale * (x @ A^T) @ B^T` to the base product (PEFT's forward, with
+`scale = lora_alpha / r`, or `lora_alpha / sqrt(r)` under rsLoRA). The merged layers (q/k/v, gate/up)
+take their parts' A stacked and B block-diagonal, so each adapter costs one pair of thin products a
+layer. With tensor parallelism each rank keeps the slices its base weights have: B split as a
+column-parallel layer's outputs, A as a row-parallel layer's inputs (its update is added before the
+all-reduce).
+
+A step with LoRA rows runs the eager forward pass: the compiled one and `decode_layers` are built
+for the base weights alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pagedserve.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from pagedserve.lora_config import ADAPTER_WEIGHTS, TARGETS, WEIGHT_NAME, AdapterConfig, read_adapter_config
+
+
+@dataclass
+class LoRAStep:
+    """The step under way: (adapter index, its rows of the batch, None for all of them) per adapter."""
+
+    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+
+
+class LoRALinear:
+    """The adapters' updates of one linear layer: adapter index -> (A^T [in, R], B^T [R, out]) on this
+    rank, the scale folded into B."""
+
+    def __init__(self, step: LoRAStep) -> None:
+        self.step = step
+        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` (the base product of `x`) plus each adapter's update of its rows."""
+        for index, rows in self.step.groups:
+            weights = self.weights.get(index)
+            if weights is None:  # the adapter leaves this layer alone
+                continue
+            a, b = weights
+            if rows is None:
+                out = out.addmm(x @ a, b)
+            else:
+                out = out.index_add(0, rows, (x.index_select(0, rows) @ a) @ b)
+        return out
+
+
+class LoRAModels:
+    """Every adapter of `--lora-modules`, loaded into the model's linear layers (`layer.lora`)."""
+
+    def __init__(
+        self, adapters: tuple[tuple[str, str], ...], model: torch.nn.Module, dtype: torch.dtype
+    ) -> None:
+        self.names = [name for name, _ in adapters]
+        self.step = LoRAStep()
+        self.layers = _target_layers(model)
+        for layer in self.layers.values():
+            layer.lora = LoRALinear(self.step)
+        for index, (name, path) in enumerate(adapters):
+            self._load(index, read_adapter_config(name, path), dtype)
+
+    def index_of(self, name: str | None) -> int:
+        """The adapter's index, -1 for the base model."""
+        return -1 if name is None else self.names.index(name)
+
+    @contextlib.contextmanager
+    def running(self, token_adapters: torch.Tensor) -> Iterator[None]:
+        """Apply the adapters in the forward pass run inside: `token_adapters` [tokens] holds each
+        token's adapter index (-1: none)."""
+        groups: list[tuple[int, torch.Tensor | None]] = []
+        for index in torch.unique(token_adapters).tolist():
+            if index >= 0:
+                rows = (token_adapters == index).nonzero().squeeze(1)
+                groups.append((index, None if len(rows) == len(token_adapters) else rows))
+        self.step.groups = groups
+        try:
+            yield
+        finally:
+            self.step.groups = []
+
+    def _load(self, index: int, config: AdapterConfig, dtype: torch.dtype) -> None:
+        """Read the adapter's A and B of every targeted module and hand each layer its slices."""
+
+        def fail(why: str) -> ValueError:
+            return ValueError(f"lora_modules: adapter {config.name!r} ({config.path}): {why}")
+
+        parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        with safe_open(str(Path(config.path) / ADAPTER_WEIGHTS), framework="pt") as weights:
+            for key in weights.keys():  # noqa: SIM118 (safe_open is no dict)
+                match = WEIGHT_NAME.fullmatch(key)
+                if match is None or match.group(2) not in TARGETS:
+                    raise fail(
+                        f"weight {key!r} is not a LoRA of a decoder layer's projection ({', '.join(TARGETS)})"
+                    )
+                layer, module, which = int(match.group(1)), match.group(2), match.group(3)
+                parts.setdefault((layer, module), {})[which] = weights.get_tensor(key).float()
+        by_layer: dict[tuple[int, str], list[tuple[str | int | None, torch.Tensor, torch.Tensor]]] = {}
+        for (layer, module), pair in sorted(parts.items()):
+            if set(pair) != {"A", "B"}:
+                raise fail(f"layer {layer} {module} has lora_{''.join(pair)} alone")
+            a, b = pair["A"], pair["B"]
+            if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+                raise fail(
+                    f"layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not chain"
+                )
+            our_layer, shard = TARGETS[module]
+            if (layer, our_layer) not in self.layers:
+                raise fail(f"layer {layer} {module}: the model has {_num_layers(self.layers)} layers")
+            by_layer.setdefault((layer, our_layer), []).append(
+                (shard, a, b * config.scale(module, a.shape[0]))
+            )
+        for key, pieces in by_layer.items():
+            try:
+                self.layers[key].lora.weights[index] = _slices(self.layers[key], pieces, dtype)  # type: ignore[union-attr]
+            except ValueError as exc:  # a shape that is not the base weight's
+                raise fail(f"layer {key[0]} {key[1]} does not fit the model: {exc}") from None
+
+
+Linear = ColumnParallelLinear | RowParallelLinear
+
+
+def _target_layers(model: torch.nn.Module) -> dict[tuple[int, str], Linear]:
+    """(layer number, our layer name) -> the linear layer, for every layer a LoRA can target."""
+    found: dict[tuple[int, str], Linear] = {}
+    for number, layer in enumerate(model.layers):  # type: ignore[arg-type]
+        for name, module in (*layer.self_attn.named_children(), *layer.mlp.named_children()):
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                found[number, name] = module
+    return found
+
+
+def _num_layers(layers: dict[tuple[int, str], Linear]) -> int:
+    return 1 + max(number for number, _ in layers)
+
+
+def _slices(
+    layer: Linear,
+    pieces: list[tuple[str | int | None, torch.Tensor, torch.Tensor]],
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A^T, B^T) of one layer on this rank: the parts' A stacked [R, in], B placed block-diagonally
+    [out, R], then sharded by the layer's own weight loaders as its base weight is. Raises ValueError
+    where a part's shape is not its base weight's (the loaders would slice a larger one silently)."""
+    total_rank = sum(a.shape[0] for _, a, _ in pieces)
+    a_full = torch.cat([a for _, a, _ in pieces])
+    weight = layer.weight  # not packed yet: `LoRAModels` loads before
+    tp_size = layer.tp_size
+    in_features = weight.shape[1] * (tp_size if isinstance(layer, RowParallelLinear) else 1)
+    if a_full.shape[1] != in_features:
+        raise ValueError(f"lora_A has {a_full.shape[1]} input features, the layer {in_features}")
+    for shard, _, b in pieces:
+        out_features = _out_features(layer, shard)
+        if b.shape[0] != out_features:
+            part = "" if shard is None else f" ({shard})"
+            raise ValueError(f"lora_B{part} has {b.shape[0]} output features, the layer {out_features}")
+    to = lambda t: t.detach().t().contiguous().to(device=weight.device, dtype=dtype)  # noqa: E731
+    if isinstance(layer, RowParallelLinear):  # one part: A split by input, B whole
+        a_local = _zeros(total_rank, weight.shape[1])
+        layer.weight_loader(a_local, a_full)
+        return to(a_local), to(pieces[0][2])
+    b_local = _zeros(weight.shape[0], total_rank)  # A whole, B split by output
+    offset = 0
+    for shard, a, b in pieces:
+        padded = torch.zeros(b.shape[0], total_rank)
+        padded[:, offset : offset + a.shape[0]] = b
+        offset += a.shape[0]
+        if isinstance(layer, QKVParallelLinear):
+            layer.weight_loader(b_local, padded, str(shard))
+        elif isinstance(layer, MergedColumnParallelLinear):
+            assert isinstance(shard, int)
+            layer.weight_loader(b_local, padded, shard)
+        else:
+            layer.weight_loader(b_local, padded)
+    return to(a_full), to(b_local)
+
+
+def _zeros(*shape: int) -> torch.nn.Parameter:
+    """What the layers' weight loaders write into (they take a parameter, as a checkpoint's)."""
+    return torch.nn.Parameter(torch.zeros(*shape), requires_grad=False)
+
+
+def _out_features(layer: Linear, shard: str | int | None) -> int:
+    """The whole model's output features of `layer`'s part `shard` (every rank's)."""
+    if isinstance(layer, QKVParallelLinear):
+        heads = layer.num_heads * layer.tp_size
+        if shard != "q":
+            heads = layer.num_kv_heads * layer.tp_size // layer.num_kv_head_replicas
+        return heads * layer.head_dim
+    if isinstance(layer, MergedColumnParallelLinear):
+        assert isinstance(shard, int)
+        return layer.output_sizes[shard]
+    return int(layer.weight.shape[0] * (1 if isinstance(layer, RowParallelLinear) else layer.tp_size))

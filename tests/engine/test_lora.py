@@ -1,0 +1,253 @@
+"""Multi-LoRA serving against PEFT itself: adapters made and run by PEFT (`tests/lora_adapters.py`) give
+the same greedy tokens through `LLM(lora_modules=...)`, alone, mixed with other adapters and the base
+model in one batch, after preemption, with tensor parallelism and beside the compiled pass; the
+same tokens under different adapters never share prefix-cache blocks; a bad adapter or name is
+refused naming it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from lora_adapters import build_lora_adapter, peft_greedy_tokens
+from pagedserve import LLM, LoRARequest, PoolingParams, SamplingParams
+from pagedserve.errors import InvalidRequestError
+
+MAX_TOKENS = 12
+# 24 prompt tokens: three full blocks of 8, so a repeated prompt hits the prefix cache
+PROMPT = [1, *range(300, 323)]
+OTHER_PROMPT = [1, *range(700, 711)]
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """`all`: rank 8 on every projection; `qv`: rank 4 on q and v alone, rsLoRA (another scale)."""
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        "all": build_lora_adapter(root / "all", tiny_llama_dir, rank=8, seed=1),
+        "qv": build_lora_adapter(
+            root / "qv",
+            tiny_llama_dir,
+            rank=4,
+            alpha=8,
+            targets=("q_proj", "v_proj"),
+            seed=2,
+            use_rslora=True,
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def peft_tokens(tiny_llama_dir: str, adapters: dict[str, str]) -> dict[tuple[str | None, int], list[int]]:
+    """PEFT's greedy tokens for (adapter or None, prompt number)."""
+    return {
+        (name, i): peft_greedy_tokens(tiny_llama_dir, adapters.get(name or ""), prompt, MAX_TOKENS)
+        for name in (None, "all", "qv")
+        for i, prompt in enumerate((PROMPT, OTHER_PROMPT))
+    }
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: str, adapters: dict[str, str]) -> LLM:
+    return LLM(model=tiny_llama_dir, dtype="float32", block_size=8, lora_modules=adapters)
+
+
+def test_adapters_differ_from_the_base_model(peft_tokens: dict) -> None:
+    """Guards the tests below: an adapter that changed nothing would pass them unapplied."""
+    for i in (0, 1):
+        assert peft_tokens["all", i] != peft_tokens[None, i]
+        assert peft_tokens["qv", i] != peft_tokens[None, i]
+
+
+@pytest.mark.parametrize("name", ["all", "qv"])
+def test_one_adapter_matches_peft(llm: LLM, peft_tokens: dict, name: str) -> None:
+    out = llm.generate([PROMPT], greedy(), lora_request=LoRARequest(name))
+    assert out[0].outputs[0].token_ids == peft_tokens[name, 0]
+
+
+def test_a_batch_mixes_adapters_and_the_base_model(llm: LLM, peft_tokens: dict) -> None:
+    """The same prompt under every adapter and none, in one batch: each row gets its own update (and
+    none shares another's cached blocks)."""
+    cases = [(name, i) for i in (0, 1) for name in ("all", None, "qv")]
+    prompts = [(PROMPT, OTHER_PROMPT)[i] for _, i in cases]
+    requests = [None if name is None else LoRARequest(name) for name, _ in cases]
+    outs = llm.generate(prompts, greedy(), lora_request=requests)
+    assert [o.outputs[0].token_ids for o in outs] == [peft_tokens[case] for case in cases]
+
+
+def test_the_prefix_cache_keeps_adapters_apart(llm: LLM, peft_tokens: dict) -> None:
+    """A prompt cached under one adapter is a miss under another and under the base model, a hit
+    under the same one."""
+    for name in ("all", None, "qv", "all"):
+        request = None if name is None else LoRARequest(name)
+        out = llm.generate([PROMPT], greedy(), lora_request=request)[0]
+        assert out.outputs[0].token_ids == peft_tokens[name, 0], name
+    assert (
+        out.num_cached_tokens == 16
+    )  # the last run: "all"'s blocks from the first (all but the last token's)
+
+
+def test_preempted_lora_requests_resume_through_their_adapter(
+    tiny_llama_dir: str, adapters: dict[str, str], peft_tokens: dict
+) -> None:
+    """Too few blocks for all at once: requests are preempted (recompute and swap) and re-announced to
+    the worker, which must find their adapter again."""
+    for mode in ("recompute", "swap"):
+        llm = LLM(
+            model=tiny_llama_dir,
+            dtype="float32",
+            block_size=8,
+            num_kv_blocks=12,
+            preemption_mode=mode,
+            enable_prefix_caching=False,
+            lora_modules=adapters,
+        )
+        names = ["all", "qv", None, "all", "qv", None]
+        outs = llm.generate(
+            [PROMPT] * len(names),
+            greedy(),
+            lora_request=[None if n is None else LoRARequest(n) for n in names],
+        )
+        assert llm.engine.stats().num_preemptions > 0, mode
+        assert [o.outputs[0].token_ids for o in outs] == [peft_tokens[n, 0] for n in names], mode
+
+
+def test_embeddings_run_through_the_adapter(llm: LLM) -> None:
+    base = llm.embed([PROMPT], PoolingParams())[0].outputs.embedding
+    adapted = llm.embed([PROMPT], PoolingParams(), lora_request=LoRARequest("all"))[0].outputs.embedding
+    again = llm.embed([PROMPT], PoolingParams(), lora_request=LoRARequest("all"))[0].outputs.embedding
+    assert adapted == pytest.approx(again, abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(base, adapted, strict=True)) > 1e-2
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_slice_the_adapters(
+    tiny_llama_dir: str, adapters: dict[str, str], peft_tokens: dict
+) -> None:
+    """Two gloo ranks: B split with a column-parallel layer's outputs, A with a row-parallel layer's
+    inputs (its update summed by the all-reduce)."""
+    llm = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=64,
+        tensor_parallel_size=2,
+        lora_modules=adapters,
+    )
+    try:
+        cases = [("all", 0), (None, 0), ("qv", 1), ("all", 1)]
+        outs = llm.generate(
+            [(PROMPT, OTHER_PROMPT)[i] for _, i in cases],
+            greedy(),
+            lora_request=[None if n is None else LoRARequest(n) for n, _ in cases],
+        )
+        assert [o.outputs[0].token_ids for o in outs] == [peft_tokens[c] for c in cases]
+    finally:
+        llm.engine.executor.shutdown()
+
+
+@pytest.mark.slow
+def test_lora_steps_leave_the_compiled_pass_and_decode_layers(
+    tiny_llama_dir: str, adapters: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bfloat16 with torch.compile (and decode_layers where the CPU has it): a LoRA request's steps
+    run eagerly with its update, the tokens an eager engine gives; base requests keep the fast paths."""
+    monkeypatch.setenv("PAGEDSERVE_ENFORCE_EAGER", "0")
+    settings = {"model": tiny_llama_dir, "dtype": "bfloat16", "block_size": 8, "lora_modules": adapters}
+    compiled = LLM(**settings)
+    assert compiled.engine.config.compile
+    eager = LLM(**settings, enforce_eager=True)
+    for name in ("all", "qv"):
+        want = eager.generate([PROMPT], greedy(), lora_request=LoRARequest(name))[0].outputs[0].token_ids
+        got = compiled.generate([PROMPT], greedy(), lora_request=LoRARequest(name))[0].outputs[0].token_ids
+        assert got == want, name
+    base = compiled.generate([PROMPT], greedy())[0].outputs[0].token_ids
+    assert base != want
+
+
+def test_unknown_adapter_names_are_refused(llm: LLM, tiny_llama_dir: str) -> None:
+    with pytest.raises(
+        InvalidRequestError, match=r"^lora_name: unknown adapter 'nope' \(this server has: all, qv\)"
+    ):
+        llm.generate([PROMPT, PROMPT], greedy(), lora_request=[None, LoRARequest("nope")])
+    with pytest.raises(InvalidRequestError, match="^lora_request: got 1 for 2 prompts"):
+        llm.generate([PROMPT, PROMPT], greedy(), lora_request=[LoRARequest("all")])
+    with pytest.raises(InvalidRequestError, match="^lora_request: must be a LoRARequest"):
+        llm.generate([PROMPT], greedy(), lora_request="all")  # type: ignore[arg-type]
+    assert llm.generate([PROMPT], greedy(), lora_request=LoRARequest("all"))[0].outputs[0].token_ids
+    plain = LLM(model=tiny_llama_dir, dtype="float32")
+    with pytest.raises(InvalidRequestError, match=r"serves no LoRA adapters \(--lora-modules\)"):
+        plain.generate([PROMPT], greedy(), lora_request=LoRARequest("all", 1, "/some/path"))
+
+
+def _copy_adapter(source: str, dest: Path) -> Path:
+    dest.mkdir()
+    for f in Path(source).iterdir():
+        (dest / f.name).write_bytes(f.read_bytes())
+    return dest
+
+
+def test_adapters_that_do_not_fit_the_model_are_refused(
+    tiny_llama_dir: str, default_model_dir: str, adapters: dict[str, str], tmp_path: Path
+) -> None:
+    """Checked where the adapter loads, naming `lora_modules`, the adapter and what is wrong."""
+    from tiny_models import build_tiny_llama
+
+    deeper = build_lora_adapter(tmp_path / "smollm", default_model_dir, rank=2, targets=("o_proj",))
+    with pytest.raises(
+        ValueError, match=r"^lora_modules: adapter 'deep' \(.*\): layer 2 o_proj: the model has 2 layers"
+    ):
+        LLM(model=tiny_llama_dir, dtype="float32", lora_modules={"deep": deeper})
+    narrow_model = build_tiny_llama(tmp_path / "narrow-model", default_model_dir, head_dim=8)
+    narrow = build_lora_adapter(tmp_path / "narrow", narrow_model, rank=2, targets=("o_proj",))
+    with pytest.raises(
+        ValueError, match=r"^lora_modules: adapter 'narrow' \(.*\): layer 0 o_proj does not fit"
+    ):
+        LLM(model=tiny_llama_dir, dtype="float32", lora_modules={"narrow": narrow})
+
+    from safetensors.torch import load_file, save_file
+
+    extra = _copy_adapter(adapters["qv"], tmp_path / "extra")
+    tensors = load_file(str(extra / "adapter_model.safetensors"))
+    tensors["base_model.model.lm_head.lora_A.weight"] = next(iter(tensors.values())).clone()
+    save_file(tensors, str(extra / "adapter_model.safetensors"))
+    with pytest.raises(
+        ValueError, match="lm_head.lora_A.weight' is not a LoRA of a decoder layer's projection"
+    ):
+        LLM(model=tiny_llama_dir, dtype="float32", lora_modules={"extra": str(extra)})
+
+    one_sided = _copy_adapter(adapters["qv"], tmp_path / "one-sided")
+    tensors = load_file(str(one_sided / "adapter_model.safetensors"))
+    save_file(
+        {k: v for k, v in tensors.items() if "lora_B" not in k}, str(one_sided / "adapter_model.safetensors")
+    )
+    with pytest.raises(ValueError, match="layer 0 q_proj has lora_A alone"):
+        LLM(model=tiny_llama_dir, dtype="float32", lora_modules={"one": str(one_sided)})
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"use_dora": True}, "DoRA is not supported"),
+        ({"modules_to_save": ["lm_head"]}, r"modules_to_save \(fully trained modules\) is not supported"),
+        ({"bias": "all"}, "bias 'all' is not supported"),
+        ({"peft_type": "IA3"}, r"peft_type 'IA3' \(LORA is served\)"),
+        ({"alpha_pattern": {"layers.0.q_proj": 4}}, "alpha_pattern keys must be module names"),
+    ],
+)
+def test_adapter_configs_peft_would_apply_otherwise_are_refused(
+    adapters: dict[str, str], tmp_path: Path, change: dict, message: str
+) -> None:
+    from pagedserve.settings import EngineSettings
+    from pydantic import ValidationError
+
+    adapter = _copy_adapter(adapters["qv"], tmp_path / "a")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValidationError, match=message):
+        EngineSettings(lora_modules=f"bad={adapter}")

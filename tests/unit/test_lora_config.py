@@ -1,0 +1,90 @@
+"""`--lora-modules`: `name=path` items, each a PEFT adapter directory, checked before any model loads and
+reported in the operator's terms (the flag or variable, the adapter, what is wrong)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from pagedserve.lora_config import parse_lora_modules
+from pagedserve.rpc.cli import ServeSettings
+from pagedserve.settings import SettingsError, add_settings_arguments, settings_from_args
+
+
+def adapter_dir(path: Path, **config: object) -> str:
+    """An adapter directory as far as the start-up checks read it (the config; the weights' presence)."""
+    path.mkdir()
+    (path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16, **config})
+    )
+    (path / "adapter_model.safetensors").write_bytes(b"")
+    return str(path)
+
+
+def parse(argv: list[str]) -> ServeSettings:
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, ServeSettings)
+    return settings_from_args(ServeSettings, parser.parse_args(argv))
+
+
+@pytest.fixture(autouse=True)
+def no_pagedserve_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in [n for n in os.environ if n.startswith("PAGEDSERVE_")]:
+        monkeypatch.delenv(name)
+
+
+def test_names_and_paths_in_order(tmp_path: Path) -> None:
+    sql, chat = adapter_dir(tmp_path / "sql"), adapter_dir(tmp_path / "chat")
+    assert parse_lora_modules(f" sql={sql} , chat={chat},") == (("sql", sql), ("chat", chat))
+    assert parse_lora_modules({"chat": chat}) == (("chat", chat),)
+    assert parse_lora_modules(None) == () and parse_lora_modules("") == ()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("sql", r"^lora_modules: 'sql' is not name=path$"),
+        ("=/x", r"^lora_modules: '=/x' is not name=path$"),
+        ("sql=", r"^lora_modules: 'sql=' is not name=path$"),
+        ("a=/x,a=/y", r"^lora_modules: adapter names given twice: a$"),
+        ("a=/nowhere", r"^lora_modules: adapter 'a' \(/nowhere\): no adapter_config.json there"),
+    ],
+)
+def test_malformed_values_are_refused(value: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_lora_modules(value)
+
+
+def test_weights_saved_as_bin_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bin"
+    path.mkdir()
+    (path / "adapter_config.json").write_text("{}")
+    (path / "adapter_model.bin").write_bytes(b"")
+    with pytest.raises(
+        ValueError, match=r"no adapter_model.safetensors there \(adapters saved as .bin are not read\)"
+    ):
+        parse_lora_modules(f"a={path}")
+
+
+def test_an_unreadable_config_is_refused(tmp_path: Path) -> None:
+    path = Path(adapter_dir(tmp_path / "a"))
+    (path / "adapter_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="adapter_config.json does not parse"):
+        parse_lora_modules(f"a={path}")
+
+
+def test_the_flag_and_the_variable_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dora = adapter_dir(tmp_path / "dora", use_dora=True)
+    with pytest.raises(
+        SettingsError, match=rf"^--lora-modules: adapter 'd' \({dora}\): DoRA is not supported"
+    ):
+        parse(["--lora-modules", f"d={dora}"])
+    monkeypatch.setenv("PAGEDSERVE_LORA_MODULES", "nothing-here")
+    with pytest.raises(SettingsError, match=r"^PAGEDSERVE_LORA_MODULES: 'nothing-here' is not name=path"):
+        parse([])
+    good = adapter_dir(tmp_path / "good")
+    assert parse(["--lora-modules", f"good={good}"]).lora_modules == f"good={good}"
