@@ -157,6 +157,7 @@ class EngineMetrics:
         self._export_every_series()
         self._last = _Snapshot()
         self._streams = _StreamTimes()
+        self.lora_info: Gauge | None = None  # `enable_lora_info`
         self._window_start = time.monotonic()
         self._window_tokens = [0, 0]  # prompt, generation
         self._is_idle = True  # nothing was left to do after the last step
@@ -214,6 +215,31 @@ class EngineMetrics:
             registry=self.registry,
         )
         gauge.labels(**info).set(1)
+
+    def enable_lora_info(self, num_adapters: int) -> None:
+        """vLLM's `vllm:lora_requests_info`, for engines serving LoRA adapters: one series whose labels
+        name the adapters of the running and of the waiting requests (comma separated) and `max_lora`
+        (here every adapter: all are loaded), its value the time they last changed. vLLM adds a series
+        for every combination it meets; this one keeps only the current one."""
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry,
+        )
+        self._lora_labels = (str(num_adapters), "", "")
+        self.lora_info.labels(*self._lora_labels).set_to_current_time()
+
+    def _set_lora_info(self, gauge: Gauge, stats: Any) -> None:
+        labels = (
+            self._lora_labels[0],
+            ",".join(stats.waiting_lora_adapters),
+            ",".join(stats.running_lora_adapters),
+        )
+        if labels != self._lora_labels:
+            gauge.remove(*self._lora_labels)
+            self._lora_labels = labels
+            gauge.labels(*labels).set_to_current_time()
 
     def _export_every_series(self) -> None:
         """Every series at 0 from the start, so dashboards and rate() see it before its first event."""
@@ -303,6 +329,8 @@ class EngineMetrics:
         self.waiting.labels(m).set(stats.num_waiting)
         self.swapped.labels(m).set(stats.num_swapped)
         self.kv_usage.labels(m).set(1.0 - stats.num_free_blocks / max(1, stats.num_total_blocks))
+        if self.lora_info is not None:
+            self._set_lora_info(self.lora_info, stats)
 
     def _add_cumulative(self, stats: Any) -> None:
         m, last = self.model_name, self._last

@@ -251,3 +251,29 @@ def test_adapter_configs_peft_would_apply_otherwise_are_refused(
     (adapter / "adapter_config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ValidationError, match=message):
         EngineSettings(lora_modules=f"bad={adapter}")
+
+
+def test_lora_requests_info_names_the_running_and_waiting_adapters(
+    tiny_llama_dir: str, adapters: dict[str, str]
+) -> None:
+    """vLLM's `vllm:lora_requests_info`: one series, relabelled as the adapters in use change."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    llm = LLM(model=tiny_llama_dir, dtype="float32", block_size=8, max_num_seqs=1, lora_modules=adapters)
+    engine = llm.engine
+
+    def info() -> list[dict[str, str]]:
+        families = text_string_to_metric_families(engine.metrics.render().decode())
+        family = next(f for f in families if f.name == "vllm:lora_requests_info")
+        return [sample.labels for sample in family.samples]
+
+    idle = {"max_lora": "2", "waiting_lora_adapters": "", "running_lora_adapters": ""}
+    assert info() == [idle]
+    engine.add_request("a", PROMPT, greedy(), lora_name="qv")
+    engine.add_request("b", PROMPT, greedy(), lora_name="all")
+    engine.add_request("c", PROMPT, greedy())
+    engine.step()  # one sequence a batch: "a" runs, the others wait
+    assert info() == [{"max_lora": "2", "waiting_lora_adapters": "all", "running_lora_adapters": "qv"}]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert info() == [idle]

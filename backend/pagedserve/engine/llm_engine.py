@@ -9,6 +9,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from itertools import chain
 from typing import Any
 
 from pagedserve.config import EngineConfig
@@ -47,6 +48,9 @@ class EngineStats:
     num_swapped_in_blocks: int
     num_prefix_queries: int  # tokens looked up in the prefix cache
     num_prefix_hits: int  # tokens found there
+    # the LoRA adapters of the running and of the waiting (or swapped) requests, sorted; () without --lora-modules
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 class LLMEngine:
@@ -76,6 +80,8 @@ class LLMEngine:
                 config.cache, config.model.dtype, self.num_kv_blocks, self.executor.num_cpu_blocks
             )
         )
+        if config.lora_modules:
+            self.metrics.enable_lora_info(len(config.lora_modules))
         self._requests: dict[str, _Request] = {}  # by client request id
         self._completions: dict[str, _Completion] = {}  # by sequence id
         self.structured_outputs = StructuredOutputs(
@@ -363,6 +369,10 @@ class LLMEngine:
             num_swapped_in_blocks=s.num_swapped_in_blocks,
             num_prefix_queries=bm.num_prefix_queries,
             num_prefix_hits=bm.num_prefix_hits,
+            running_lora_adapters=_lora_names(s.running) if self.config.lora_modules else (),
+            waiting_lora_adapters=_lora_names(chain(s.waiting, s.swapped))
+            if self.config.lora_modules
+            else (),
         )
 
     def record_kv_events(self, on: bool) -> list[bytes]:
@@ -605,6 +615,10 @@ def _note_swap_in(seq: Sequence, now: float) -> None:
     """A resumed sequence whose last event was a swap-out was just swapped back in (for its span)."""
     if seq.preemption_events and seq.preemption_events[-1][1] == "swap":
         seq.preemption_events.append((now, "swap_in"))
+
+
+def _lora_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    return tuple(sorted({seq.lora_name for seq in seqs if seq.lora_name is not None}))
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
