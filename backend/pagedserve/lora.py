@@ -70,8 +70,9 @@ class LoRAModels:
         self.names = [name for name, _ in adapters]
         self.step = LoRAStep()
         self.layers = _target_layers(model)
-        for layer in self.layers.values():
-            layer.lora = LoRALinear(self.step)
+        self.updates = {key: LoRALinear(self.step) for key in self.layers}
+        for key, layer in self.layers.items():
+            layer.lora = self.updates[key]
         for index, (name, path) in enumerate(adapters):
             self._load(index, read_adapter_config(name, path), dtype)
 
@@ -80,14 +81,15 @@ class LoRAModels:
         return -1 if name is None else self.names.index(name)
 
     @contextlib.contextmanager
-    def running(self, token_adapters: torch.Tensor) -> Iterator[None]:
-        """Apply the adapters in the forward pass run inside: `token_adapters` [tokens] holds each
-        token's adapter index (-1: none)."""
+    def running(self, token_adapters: torch.Tensor, device: torch.device) -> Iterator[None]:
+        """Apply the adapters in the forward pass run inside: `token_adapters` [tokens] (on the CPU:
+        no device sync) holds each token's adapter index (-1: none)."""
         groups: list[tuple[int, torch.Tensor | None]] = []
         for index in torch.unique(token_adapters).tolist():
             if index >= 0:
                 rows = (token_adapters == index).nonzero().squeeze(1)
-                groups.append((index, None if len(rows) == len(token_adapters) else rows))
+                whole = len(rows) == len(token_adapters)
+                groups.append((index, None if whole else rows.to(device, non_blocking=True)))
         self.step.groups = groups
         try:
             yield
@@ -127,7 +129,7 @@ class LoRAModels:
             )
         for key, pieces in by_layer.items():
             try:
-                self.layers[key].lora.weights[index] = _slices(self.layers[key], pieces, dtype)  # type: ignore[union-attr]
+                self.updates[key].weights[index] = _slices(self.layers[key], pieces, dtype)
             except ValueError as exc:  # a shape that is not the base weight's
                 raise fail(f"layer {key[0]} {key[1]} does not fit the model: {exc}") from None
 

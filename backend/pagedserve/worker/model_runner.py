@@ -251,7 +251,7 @@ class ModelRunner:
         if token_adapters is not None:  # LoRA rows: the eager pass (the fast ones have base weights alone)
             assert self.lora is not None
             self.backend.prepare(metadata, self.dtype, self.block_size)
-            with step_metadata(metadata), self.lora.running(token_adapters):
+            with step_metadata(metadata), self.lora.running(token_adapters, self.device):
                 hidden = self.model(input_ids, positions, metadata)
         elif self.fused_decode is not None and metadata.num_prefills == 0:
             hidden = self.fused_decode(input_ids, positions, metadata)
@@ -285,12 +285,11 @@ class ModelRunner:
         return dict(zip(output.structured_output_request_ids, output.grammar_bitmask, strict=True))
 
     def _token_adapters(self, order: list[ScheduledRequest]) -> torch.Tensor | None:
-        """Each token's LoRA adapter index this step (-1: none), or None when no request has one."""
+        """Each token's LoRA adapter index this step (-1: none), on the CPU; None when no request has one."""
         indices = [self.requests[r.request_id].lora_index for r in order]
         if max(indices) < 0:
             return None
-        counts = torch.tensor([len(r.token_ids) for r in order])
-        return torch.repeat_interleave(torch.tensor(indices), counts).to(self.device)
+        return torch.repeat_interleave(torch.tensor(indices), torch.tensor([len(r.token_ids) for r in order]))
 
     # -- per-request state ------------------------------------------------------------------------
 
