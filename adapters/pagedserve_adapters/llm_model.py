@@ -5,9 +5,10 @@ decode their wire formats into `Tensor`s, call `parse_request` and `LLMModel.gen
 
 Semantics follow the vLLM backend: `text_input` (one string) is the prompt; `sampling_parameters` is
 a JSON object of sampling parameters whose values may be strings (`{"max_tokens": "32"}`), or, when that
-tensor is absent, the request's parameters are; `stream` makes a stream send the new text of each step
-(otherwise one response carries the whole completion); the prompt is prepended to the output unless
-streaming or `exclude_input_in_output` is true; the `return_*` switches add outputs.
+tensor is absent, the request's parameters are, and its extra key `lora_name` picks one of the server's
+LoRA adapters (`--lora-modules`); `stream` makes a stream send the new text of each step (otherwise one
+response carries the whole completion); the prompt is prepended to the output unless streaming or
+`exclude_input_in_output` is true; the `return_*` switches add outputs.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ class LLMRequest:
     empty_final: bool = False  # streams: end with a data-less response flagged final
     priority: int = 0  # Triton's request priority: 0 the default level, 1 the most urgent
     timeout_us: int = 0  # Triton's request timeout in microseconds (0: none): aborted when it passes
+    lora_name: str | None = None  # the LoRA adapter to run through (None: the base model)
 
 
 def parse_request(
@@ -184,6 +186,7 @@ def parse_request(
     else:
         exclude_input = bool(switches["exclude_input_in_output"])
 
+    lora_name = _lora_name(sampling.pop("lora_name", None), "sampling_parameters.lora_name")
     params = _sampling_params(sampling, "sampling_parameters", make_params)
     priority = _unsigned(parameters.get("priority", 0), "parameters.priority")
     timeout_us = _unsigned(parameters.get("timeout", 0), "parameters.timeout")
@@ -198,6 +201,7 @@ def parse_request(
         empty_final=empty_final,
         priority=priority,
         timeout_us=timeout_us,
+        lora_name=lora_name,
     )
 
 
@@ -205,6 +209,17 @@ def _unsigned(value: Any, where: str) -> int:
     """Triton's schedule-policy parameters (`priority`, `timeout`): a non-negative int64."""
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
         raise InvalidRequestError(where, f"must be an unsigned integer, got {value!r}")
+    return value
+
+
+def _lora_name(value: Any, where: str) -> str | None:
+    """The vLLM backend's extra sampling parameter: an adapter's name; absent, null or "" is the base
+    model. Whether the server has that adapter is the engine's check (an immediate error too)."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise InvalidRequestError(where, f"must be a string (a LoRA adapter's name), got {value!r}")
+    tensors.utf8(where, value)
     return value
 
 
@@ -496,7 +511,7 @@ class LLMModel:
         priority = self.priority_levels.engine_priority(request.priority) if self.schedules_by_priority else 0
         try:
             prompt = await in_tokenizer_thread(llm.encode_prompt, request.prompt)
-            prompt = await engine.prepare(rid, prompt, request.params, priority)
+            prompt = await engine.prepare(rid, prompt, request.params, priority, lora_name=request.lora_name)
         except Exception as exc:
             raise _adapter_error(exc) from exc
         tokenized = (started, time.monotonic())
@@ -506,7 +521,9 @@ class LLMModel:
         def cause() -> str:  # asked as the engine's generator closes early
             return "deadline" if deadline is not None and time.monotonic() >= deadline else cancel_cause()
 
-        deltas = engine.generate(rid, prompt, request.params, cause, priority=priority)
+        deltas = engine.generate(
+            rid, prompt, request.params, cause, priority=priority, lora_name=request.lora_name
+        )
         try:
             while True:
                 try:  # waiting for the next delta, not while the caller handles one

@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 
 from pagedserve.errors import InvalidRequestError
+from pagedserve.lora_config import parse_lora_modules
 from pagedserve.rpc.cli import add_health_parser, add_serve_parser, run_health, run_serve
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.settings import (
@@ -47,6 +48,10 @@ class GenerateSettings(EngineSettings):
         description="a structural tag (vLLM's, JSON: free text until a trigger, then the structure it "
         "opens, e.g. a tool call): its text, or @path to a file holding it",
     )
+    lora_name: str | None = Field(
+        None,
+        description="generate through this LoRA adapter, one of --lora-modules (default: the base model)",
+    )
 
     @field_validator("json_schema", "structural_tag")
     @classmethod
@@ -72,6 +77,15 @@ class GenerateSettings(EngineSettings):
     def _check_sampling(self) -> GenerateSettings:
         """A bad value stops the command before the model loads, naming its flag or variable."""
         self.sampling_params()
+        return self
+
+    @model_validator(mode="after")
+    def _check_lora_name(self) -> GenerateSettings:
+        """An adapter not among --lora-modules stops the command before the model loads."""
+        names = [name for name, _ in parse_lora_modules(self.lora_modules)]
+        if self.lora_name and self.lora_name not in names:
+            have = f"--lora-modules has: {', '.join(names)}" if names else "no --lora-modules given"
+            raise ValueError(f"lora_name: unknown adapter {self.lora_name!r} ({have})")
         return self
 
     def sampling_params(self) -> SamplingParams:
@@ -141,6 +155,7 @@ def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from pagedserve import LoRARequest
     from pagedserve.llm import LLM
 
     settings = settings_from_args(GenerateSettings, args)
@@ -148,13 +163,17 @@ def _run_generate(args: argparse.Namespace) -> int:
     llm = LLM(**settings.model_dump(include=set(EngineSettings.model_fields)))
     use_chat = settings.chat and bool(llm.engine.tokenizer.chat_template)
     batch = len(args.prompt) > 1
+    lora = LoRARequest(settings.lora_name) if settings.lora_name else None
     try:
         if use_chat:
             outputs = llm.chat(
-                [[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=batch
+                [[{"role": "user", "content": p}] for p in args.prompt],
+                params,
+                use_tqdm=batch,
+                lora_request=lora,
             )
         else:
-            outputs = llm.generate(args.prompt, params, use_tqdm=batch)
+            outputs = llm.generate(args.prompt, params, use_tqdm=batch, lora_request=lora)
     except InvalidRequestError as exc:  # a prompt too long for the context, a schema that does not compile
         raise _request_error(exc, flags_given(GenerateSettings, args)) from None
     except RuntimeError as exc:  # a request that failed (a model fault), a dead engine: said in one line

@@ -147,6 +147,7 @@ def kv_event_batch(batch: KvEventBatch, block_size: int) -> pb.KvEventBatch:
                 block_hashes=event.block_hashes,
                 parent_block_hash=event.parent_block_hash or b"",
                 token_ids=event.token_ids,
+                lora_name=event.lora_name or "",
             )
             message.events.append(pb.KvEvent(stored=stored))
         else:

@@ -57,6 +57,7 @@ class _Call:
     params: SamplingParams
     tokenized: tuple[float, float]  # time.monotonic() before and after tokenizing
     priority: int = 0
+    lora_name: str | None = None  # the LoRA adapter it runs through (None: the base model)
     last: RequestDelta | None = None
     stalled: bool = False  # given up by --stream-write-timeout: the abort's cause
 
@@ -153,14 +154,15 @@ class GenerationServicer:
             else:
                 params = params_of(request)
             prompt = await in_tokenizer_thread(convert.prompt_token_ids, request, self.llm)
-            prompt = await self.engine.prepare(rid, prompt, params, request.priority)
+            lora_name = request.lora_name or None
+            prompt = await self.engine.prepare(rid, prompt, params, request.priority, lora_name=lora_name)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return _Call(rid, prompt, params, (started, time.monotonic()), request.priority)
+        return _Call(rid, prompt, params, (started, time.monotonic()), request.priority, lora_name)
 
     async def _deltas(
         self, call: _Call, context: grpc.aio.ServicerContext
@@ -172,7 +174,7 @@ class GenerationServicer:
             return STALLED_CLIENT if call.stalled else cancel_cause(context)
 
         deltas = self.engine.generate(
-            call.request_id, call.prompt, call.params, cause, priority=call.priority
+            call.request_id, call.prompt, call.params, cause, priority=call.priority, lora_name=call.lora_name
         )
         try:
             async for delta in deltas:
@@ -293,6 +295,7 @@ class GenerationServicer:
             version=__version__,
             max_num_seqs=config.scheduler.max_num_seqs,
             scheduling_policy=config.scheduler.scheduling_policy,
+            lora_adapters=self.llm.lora_names,
         )
 
 

@@ -141,10 +141,11 @@ class GenerationServicer:
     def KvEvents(self, request, context):
         """The prefix cache's changes, for a KV-aware router: first a snapshot of every block hash the cache
         holds, then each engine step's named and evicted blocks, as long as the call lasts. A full block's
-        hash is SHA-256 of its parent's 32-byte hash (nothing for a prompt's first block) followed by its
-        block_size token ids as little-endian int64: a router hashes a prompt the same way to know how
-        much of it this server holds. A subscriber too slow to keep up is cut off (RESOURCE_EXHAUSTED) and
-        subscribes again; FAILED_PRECONDITION when prefix caching is off.
+        hash is SHA-256 of its parent's 32-byte hash (nothing for a prompt's first block; for a LoRA
+        request's, SHA-256(b"lora:" + the adapter name's UTF-8)) followed by its block_size token ids as
+        little-endian int64: a router hashes a prompt the same way to know how much of it this server
+        holds. A subscriber too slow to keep up is cut off (RESOURCE_EXHAUSTED) and subscribes again;
+        FAILED_PRECONDITION when prefix caching is off.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
