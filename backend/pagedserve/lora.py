@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,33 +31,66 @@ from pagedserve.layers.linear import (
 from pagedserve.lora_config import ADAPTER_WEIGHTS, TARGETS, WEIGHT_NAME, AdapterConfig, read_adapter_config
 
 
-@dataclass
 class LoRAStep:
-    """The step under way: (adapter index, its rows of the batch, None for all of them) per adapter."""
+    """The step under way: each token's adapter index (-1: none), or `single`, the one adapter every
+    token of the step runs through; and the masks the layers share (`mask`)."""
 
-    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    def __init__(self) -> None:
+        self.token_adapters: torch.Tensor | None = None  # None: no LoRA in this step
+        self.single: int | None = None
+        self._masks: dict[int, torch.Tensor] = {}
+
+    def mask(self, column_adapters: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[tokens, columns]: 1 where the column belongs to the token's adapter, else 0. Made once a step
+        per column layout (layers with the same targets and ranks share theirs)."""
+        assert self.token_adapters is not None
+        mask = self._masks.get(id(column_adapters))
+        if mask is None:
+            mask = (self.token_adapters[:, None] == column_adapters[None, :]).to(dtype)
+            self._masks[id(column_adapters)] = mask
+        return mask
+
+    def start(self, token_adapters: torch.Tensor, single: int | None) -> None:
+        self.token_adapters, self.single, self._masks = token_adapters, single, {}
+
+    def end(self) -> None:
+        self.token_adapters, self.single, self._masks = None, None, {}
 
 
 class LoRALinear:
-    """The adapters' updates of one linear layer: adapter index -> (A^T [in, R], B^T [R, out]) on this
-    rank, the scale folded into B."""
+    """The adapters' updates of one linear layer on this rank, the scale folded into B: per adapter
+    (A^T [in, r], B^T [r, out]), and all of them side by side (A^T [in, R], B^T [R, out], R the sum
+    of their ranks) with each column's adapter, for steps that mix adapters."""
 
     def __init__(self, step: LoRAStep) -> None:
         self.step = step
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # `stack`
+
+    def stack(self, layouts: dict[tuple[int, ...], torch.Tensor]) -> None:
+        """Lay the adapters side by side, once all are loaded; `layouts` shares equal column layouts."""
+        if not self.weights:
+            return
+        indices = sorted(self.weights)
+        a = torch.cat([self.weights[i][0] for i in indices], dim=1)
+        b = torch.cat([self.weights[i][1] for i in indices], dim=0)
+        layout = tuple(i for i in indices for _ in range(self.weights[i][0].shape[1]))
+        if layout not in layouts:
+            layouts[layout] = torch.tensor(layout, device=a.device)
+        self.stacked = (a, b, layouts[layout])
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`out` (the base product of `x`) plus each adapter's update of its rows."""
-        for index, rows in self.step.groups:
-            weights = self.weights.get(index)
-            if weights is None:  # the adapter leaves this layer alone
-                continue
-            a, b = weights
-            if rows is None:
-                out = out.addmm(x @ a, b)
-            else:
-                out = out.index_add(0, rows, (x.index_select(0, rows) @ a) @ b)
-        return out
+        """`out` (the base product of `x`) plus each token's adapter's update: one pair of products
+        whatever the mix (a step of one adapter multiplies by its own A and B alone; in a mixed one,
+        the columns of the other adapters are masked to 0 for each token)."""
+        step = self.step
+        if step.token_adapters is None or self.stacked is None:
+            return out
+        if step.single is not None:
+            weights = self.weights.get(step.single)
+            return out if weights is None else out.addmm(x @ weights[0], weights[1])
+        a, b, column_adapters = self.stacked
+        return out.addmm((x @ a) * step.mask(column_adapters, x.dtype), b)
 
 
 class LoRAModels:
@@ -75,6 +107,9 @@ class LoRAModels:
             layer.lora = self.updates[key]
         for index, (name, path) in enumerate(adapters):
             self._load(index, read_adapter_config(name, path), dtype)
+        layouts: dict[tuple[int, ...], torch.Tensor] = {}
+        for update in self.updates.values():
+            update.stack(layouts)
 
     def index_of(self, name: str | None) -> int:
         """The adapter's index, -1 for the base model."""
@@ -84,17 +119,13 @@ class LoRAModels:
     def running(self, token_adapters: torch.Tensor, device: torch.device) -> Iterator[None]:
         """Apply the adapters in the forward pass run inside: `token_adapters` [tokens] (on the CPU:
         no device sync) holds each token's adapter index (-1: none)."""
-        groups: list[tuple[int, torch.Tensor | None]] = []
-        for index in torch.unique(token_adapters).tolist():
-            if index >= 0:
-                rows = (token_adapters == index).nonzero().squeeze(1)
-                whole = len(rows) == len(token_adapters)
-                groups.append((index, None if whole else rows.to(device, non_blocking=True)))
-        self.step.groups = groups
+        first = int(token_adapters[0])
+        single = first if first >= 0 and bool((token_adapters == first).all()) else None
+        self.step.start(token_adapters.to(device, non_blocking=True), single)
         try:
             yield
         finally:
-            self.step.groups = []
+            self.step.end()
 
     def _load(self, index: int, config: AdapterConfig, dtype: torch.dtype) -> None:
         """Read the adapter's A and B of every targeted module and hand each layer its slices."""
