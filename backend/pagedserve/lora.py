@@ -4,8 +4,9 @@ Every adapter given at start-up (`--lora-modules name=path,...`) stays loaded; a
 (`lora_name`) or none, and one batch mixes them freely. A targeted linear layer adds, for the rows of
 each adapter in the step, `scale * (x @ A^T) @ B^T` to the base product (PEFT's forward, with
 `scale = lora_alpha / r`, or `lora_alpha / sqrt(r)` under rsLoRA). The merged layers (q/k/v, gate/up)
-take their parts' A stacked and B block-diagonal, so each adapter costs one pair of thin products a
-layer. With tensor parallelism each rank keeps the slices its base weights have: B split as a
+take their parts' A stacked and B block-diagonal, and a step mixing adapters multiplies by all of
+them side by side, masking other adapters' columns per token: one pair of thin products a layer
+whatever the mix. With tensor parallelism each rank keeps the slices its base weights have: B split as a
 column-parallel layer's outputs, A as a row-parallel layer's inputs (its update is added before the
 all-reduce).
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -134,6 +136,36 @@ def post_generate(srv: InProcessServer, model: str, body: dict[str, Any]) -> tup
             return reply.status, json.loads(reply.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def subscribe(srv: InProcessServer) -> tuple[Any, queue.Queue[Any]]:
+    """The KvEvents call and a queue its messages (then its RpcError, or None at its end) arrive on."""
+    call = srv.stub.KvEvents(pb.KvEventsRequest(), timeout=120)
+    received: queue.Queue[Any] = queue.Queue()
+
+    def read() -> None:
+        try:
+            for message in call:
+                received.put(message)
+            received.put(None)
+        except grpc.RpcError as exc:
+            received.put(exc)
+
+    threading.Thread(target=read, daemon=True).start()
+    return call, received
+
+
+def stored_until(received: queue.Queue[Any], wanted: list[bytes]) -> list[pb.BlockStored]:
+    """The BlockStored events received until every hash in `wanted` has come."""
+    events, seen = [], set()
+    while not set(wanted) <= seen:
+        message = received.get(timeout=30)
+        assert isinstance(message, pb.KvEventBatch), message
+        for event in message.events:
+            if event.HasField("stored"):
+                events.append(event.stored)
+                seen.update(event.stored.block_hashes)
+    return events
 
 
 def exporting_to(exporter: Any) -> Any:

@@ -6,15 +6,13 @@ UNAVAILABLE; with prefix caching off the call is FAILED_PRECONDITION."""
 from __future__ import annotations
 
 import hashlib
-import queue
-import threading
 from array import array
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
-from inprocess_server import InProcessServer, wait_for
+from inprocess_server import InProcessServer, stored_until, subscribe, wait_for
 from pagedserve.rpc.v1 import generate_pb2 as pb
 
 BLOCK = 8
@@ -47,36 +45,6 @@ def generate(srv: InProcessServer, request_id: str, prompt: list[int]) -> list[i
     params = pb.SamplingParameters(temperature=0, max_tokens=2, ignore_eos=True)
     request = pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt), sampling=params)
     return [t for r in srv.stub.Generate(request, timeout=60) for t in r.token_ids]
-
-
-def subscribe(srv: InProcessServer) -> tuple[Any, queue.Queue[Any]]:
-    """The KvEvents call and a queue its messages (then its RpcError, or None at its end) arrive on."""
-    call = srv.stub.KvEvents(pb.KvEventsRequest(), timeout=120)
-    received: queue.Queue[Any] = queue.Queue()
-
-    def read() -> None:
-        try:
-            for message in call:
-                received.put(message)
-            received.put(None)
-        except grpc.RpcError as exc:
-            received.put(exc)
-
-    threading.Thread(target=read, daemon=True).start()
-    return call, received
-
-
-def stored_until(received: queue.Queue[Any], wanted: list[bytes]) -> list[pb.BlockStored]:
-    """The BlockStored events received until every hash in `wanted` has come."""
-    events, seen = [], set()
-    while not set(wanted) <= seen:
-        message = received.get(timeout=30)
-        assert isinstance(message, pb.KvEventBatch), message
-        for event in message.events:
-            if event.HasField("stored"):
-                events.append(event.stored)
-                seen.update(event.stored.block_hashes)
-    return events
 
 
 def test_the_feed_opens_with_a_snapshot_then_follows_what_a_router_can_hash(srv: InProcessServer) -> None:

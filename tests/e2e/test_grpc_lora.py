@@ -7,7 +7,6 @@ adapter's KV each stored block holds."""
 from __future__ import annotations
 
 import hashlib
-import queue
 import threading
 from array import array
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
-from inprocess_server import InProcessServer, is_idle, wait_for
+from inprocess_server import InProcessServer, is_idle, stored_until, subscribe, wait_for
 from lora_serving import ADAPTERS, BLOCK, build_adapters, offline, start_server
 from pagedserve.rpc.v1 import generate_pb2 as pb
 
@@ -169,39 +168,15 @@ def router_hashes(tokens: list[int], lora_name: str = "") -> list[bytes]:
     return hashes
 
 
-def stored_events(received: queue.Queue[Any], wanted: list[bytes]) -> list[pb.BlockStored]:
-    """The BlockStored events that arrive until every hash in `wanted` has come."""
-    events: list[pb.BlockStored] = []
-    seen: set[bytes] = set()
-    while not set(wanted) <= seen:
-        message = received.get(timeout=30)
-        assert isinstance(message, pb.KvEventBatch), message
-        for event in message.events:
-            if event.HasField("stored"):
-                events.append(event.stored)
-                seen.update(event.stored.block_hashes)
-    return events
-
-
 def test_kv_events_name_the_adapter_whose_kv_a_block_holds(srv: InProcessServer) -> None:
     prompt = [1, *range(700, 723)]  # 24 tokens: 3 full blocks
-    call = srv.stub.KvEvents(pb.KvEventsRequest(), timeout=120)
-    received: queue.Queue[Any] = queue.Queue()
-
-    def read() -> None:
-        try:
-            for message in call:
-                received.put(message)
-        except grpc.RpcError as exc:
-            received.put(exc)
-
-    threading.Thread(target=read, daemon=True).start()
+    call, received = subscribe(srv)
     try:
         assert received.get(timeout=30).snapshot
         for lora_name in ("sql", ""):  # the same tokens, through the adapter and then the base model
             streamed_tokens(srv, request(f"kv-{lora_name}", lora_name, max_tokens=2, prompt=prompt))
             wanted = router_hashes(prompt, lora_name)
-            run = next(e for e in stored_events(received, wanted) if e.block_hashes[:1] == wanted[:1])
+            run = next(e for e in stored_until(received, wanted) if e.block_hashes[:1] == wanted[:1])
             assert list(run.block_hashes) == wanted
             assert run.lora_name == lora_name and run.parent_block_hash == b""  # a prompt's first block
     finally:

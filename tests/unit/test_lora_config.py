@@ -3,14 +3,11 @@ reported in the operator's terms (the flag or variable, the adapter, what is wro
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 from pagedserve.lora_config import parse_lora_modules
-from pagedserve.rpc.cli import ServeSettings
-from pagedserve.settings import SettingsError, add_settings_arguments, settings_from_args
 
 
 def adapter_dir(path: Path, **config: object) -> str:
@@ -21,20 +18,6 @@ def adapter_dir(path: Path, **config: object) -> str:
     )
     (path / "adapter_model.safetensors").write_bytes(b"")
     return str(path)
-
-
-def parse(argv: list[str]) -> ServeSettings:
-    parser = argparse.ArgumentParser()
-    add_settings_arguments(parser, ServeSettings)
-    return settings_from_args(ServeSettings, parser.parse_args(argv))
-
-
-@pytest.fixture(autouse=True)
-def no_pagedserve_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    for name in [n for n in os.environ if n.startswith("PAGEDSERVE_")]:
-        monkeypatch.delenv(name)
 
 
 def test_names_and_paths_in_order(tmp_path: Path) -> None:
@@ -75,16 +58,3 @@ def test_an_unreadable_config_is_refused(tmp_path: Path) -> None:
     (path / "adapter_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="adapter_config.json does not parse"):
         parse_lora_modules(f"a={path}")
-
-
-def test_the_flag_and_the_variable_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    dora = adapter_dir(tmp_path / "dora", use_dora=True)
-    with pytest.raises(
-        SettingsError, match=rf"^--lora-modules: adapter 'd' \({dora}\): DoRA is not supported"
-    ):
-        parse(["--lora-modules", f"d={dora}"])
-    monkeypatch.setenv("PAGEDSERVE_LORA_MODULES", "nothing-here")
-    with pytest.raises(SettingsError, match=r"^PAGEDSERVE_LORA_MODULES: 'nothing-here' is not name=path"):
-        parse([])
-    good = adapter_dir(tmp_path / "good")
-    assert parse(["--lora-modules", f"good={good}"]).lora_modules == f"good={good}"

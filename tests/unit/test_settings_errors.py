@@ -4,6 +4,8 @@ what is wrong and the value given, before `serve` binds a port or loads a model.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 from pagedserve.rpc.cli import ServeSettings
@@ -22,6 +24,14 @@ def no_pagedserve_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for name in [n for n in os.environ if n.startswith("PAGEDSERVE_")]:
         monkeypatch.delenv(name)
+
+
+def lora_adapter_dir(path: Path, **config: object) -> str:
+    """A LoRA adapter directory as far as `--lora-modules`' start-up checks read it."""
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, **config}))
+    (path / "adapter_model.safetensors").write_bytes(b"")
+    return str(path)
 
 
 def test_a_bad_flag_names_the_flag_and_the_value() -> None:
@@ -90,3 +100,16 @@ def test_triton_priority_levels_are_checked_against_each_other(monkeypatch: pyte
     monkeypatch.delenv("PAGEDSERVE_TRITON_PRIORITY_LEVELS")
     with pytest.raises(SettingsError, match=r"^--triton-priority-levels: .* 1 \(got 0\)$"):
         parse(["--triton-priority-levels", "0"])
+
+
+def test_a_bad_lora_adapter_names_the_flag_or_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dora = lora_adapter_dir(tmp_path / "dora", use_dora=True)
+    with pytest.raises(
+        SettingsError, match=rf"^--lora-modules: adapter 'd' \({dora}\): DoRA is not supported"
+    ):
+        parse(["--lora-modules", f"d={dora}"])
+    monkeypatch.setenv("PAGEDSERVE_LORA_MODULES", "nothing-here")
+    with pytest.raises(SettingsError, match=r"^PAGEDSERVE_LORA_MODULES: 'nothing-here' is not name=path"):
+        parse([])
+    good = lora_adapter_dir(tmp_path / "good")
+    assert parse(["--lora-modules", f"good={good}"]).lora_modules == f"good={good}"
