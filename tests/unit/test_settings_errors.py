@@ -102,7 +102,9 @@ def test_triton_priority_levels_are_checked_against_each_other(monkeypatch: pyte
         parse(["--triton-priority-levels", "0"])
 
 
-def test_a_bad_lora_adapter_names_the_flag_or_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bad_lora_adapter_names_the_flag_or_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dora = lora_adapter_dir(tmp_path / "dora", use_dora=True)
     with pytest.raises(
         SettingsError, match=rf"^--lora-modules: adapter 'd' \({dora}\): DoRA is not supported"
