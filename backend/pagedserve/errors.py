@@ -10,5 +10,9 @@ class InvalidRequestError(ValueError):
         self.message = message
 
 
+class AdapterInUseError(InvalidRequestError):
+    """A LoRA adapter cannot be unloaded while requests run (or wait) through it."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine can no longer run steps (a model fault or a dead worker); requests fail with this."""

@@ -146,6 +146,7 @@ class LLM:
         params = _per_prompt(sampling_params, len(token_ids), SamplingParams, "sampling_params")
         priorities = _priorities(priority, len(token_ids))
         lora_names = _lora_names(lora_request, len(token_ids))
+        self._load_new_adapters(lora_request)
         # a bad prompt adds none of the batch
         for index, (ids, p, prio, lora) in enumerate(zip(token_ids, params, priorities, lora_names)):
             try:
@@ -172,6 +173,14 @@ class LLM:
         if error is not None:
             raise RuntimeError(error)
         return list(outputs.values())
+
+    def _load_new_adapters(self, lora_request: LoRARequests) -> None:
+        """As vLLM's offline API: a LoRARequest with a path loads its adapter on first use (where none
+        of its name is loaded)."""
+        requests = [lora_request] if isinstance(lora_request, LoRARequest) else list(lora_request or ())
+        for request in requests:
+            if request is not None and request.lora_path and request.lora_name not in self.engine.lora_names:
+                self.engine.load_lora_adapter(request.lora_name, request.lora_path)
 
     def _step_until_finished(
         self, outputs: dict[str, RequestOutput], progress: Any, embeddings: dict[str, list[float]] | None

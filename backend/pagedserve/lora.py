@@ -1,7 +1,8 @@
 """LoRA adapters (PEFT's format) served beside the base model, as vLLM's multi-LoRA serving.
 
-Every adapter given at start-up (`--lora-modules name=path,...`) stays loaded; a request names one
-(`lora_name`) or none, and one batch mixes them freely. A targeted linear layer adds, for the rows of
+The adapters given at start-up (`--lora-modules name=path,...`) and those loaded since (`add`, between
+steps) stay loaded until removed; a request names one (`lora_name`) or none, and one batch mixes them
+freely. A targeted linear layer adds, for the rows of
 each adapter in the step, `scale * (x @ A^T) @ B^T` to the base product (PEFT's forward, with
 `scale = lora_alpha / r`, or `lora_alpha / sqrt(r)` under rsLoRA). The merged layers (q/k/v, gate/up)
 take their parts' A stacked and B block-diagonal, and a step mixing adapters multiplies by all of
@@ -69,8 +70,10 @@ class LoRALinear:
         self.stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # `stack`
 
     def stack(self, layouts: dict[tuple[int, ...], torch.Tensor]) -> None:
-        """Lay the adapters side by side, once all are loaded; `layouts` shares equal column layouts."""
+        """Lay the adapters side by side (again, after one is added or removed); `layouts` shares equal
+        column layouts."""
         if not self.weights:
+            self.stacked = None
             return
         indices = sorted(self.weights)
         a = torch.cat([self.weights[i][0] for i in indices], dim=1)
@@ -95,26 +98,55 @@ class LoRALinear:
 
 
 class LoRAModels:
-    """Every adapter of `--lora-modules`, loaded into the model's linear layers (`layer.lora`)."""
+    """The loaded adapters (`--lora-modules`, then `add` and `remove` at run time), in the model's
+    linear layers (`layer.lora`). An adapter keeps its index while loaded; a removed one's is reused."""
 
     def __init__(
         self, adapters: tuple[tuple[str, str], ...], model: torch.nn.Module, dtype: torch.dtype
     ) -> None:
-        self.names = [name for name, _ in adapters]
+        self.dtype = dtype
+        self.names: list[str | None] = []  # by index; None: a free index
         self.step = LoRAStep()
         self.layers = _target_layers(model)
         self.updates = {key: LoRALinear(self.step) for key in self.layers}
         for key, layer in self.layers.items():
             layer.lora = self.updates[key]
-        for index, (name, path) in enumerate(adapters):
-            self._load(index, read_adapter_config(name, path), dtype)
-        layouts: dict[tuple[int, ...], torch.Tensor] = {}
-        for update in self.updates.values():
-            update.stack(layouts)
+        for name, path in adapters:
+            self.add(name, path, stack=False)
+        self._stack()
 
     def index_of(self, name: str | None) -> int:
         """The adapter's index, -1 for the base model."""
         return -1 if name is None else self.names.index(name)
+
+    def add(self, name: str, path: str, stack: bool = True) -> None:
+        """Load an adapter; on a ValueError (naming `lora_modules`) nothing of it stays loaded."""
+        index = self.names.index(None) if None in self.names else len(self.names)
+        try:
+            self._load(index, read_adapter_config(name, path), self.dtype)
+        except ValueError:
+            self._drop(index)
+            raise
+        if index == len(self.names):
+            self.names.append(name)
+        self.names[index] = name
+        if stack:
+            self._stack()
+
+    def remove(self, name: str) -> None:
+        index = self.names.index(name)
+        self.names[index] = None
+        self._drop(index)
+        self._stack()
+
+    def _drop(self, index: int) -> None:
+        for update in self.updates.values():
+            update.weights.pop(index, None)
+
+    def _stack(self) -> None:
+        layouts: dict[tuple[int, ...], torch.Tensor] = {}
+        for update in self.updates.values():
+            update.stack(layouts)
 
     @contextlib.contextmanager
     def running(self, token_adapters: torch.Tensor, device: torch.device) -> Iterator[None]:
@@ -193,9 +225,9 @@ def _slices(
     where a part's shape is not its base weight's (the loaders would slice a larger one silently)."""
     total_rank = sum(a.shape[0] for _, a, _ in pieces)
     a_full = torch.cat([a for _, a, _ in pieces])
-    weight = layer.weight  # not packed yet: `LoRAModels` loads before
-    tp_size = layer.tp_size
-    in_features = weight.shape[1] * (tp_size if isinstance(layer, RowParallelLinear) else 1)
+    shape, tp_size = layer.weight_shape, layer.tp_size
+    device = (layer.packed_weight if layer.packed_weight is not None else layer.weight).device
+    in_features = shape[1] * (tp_size if isinstance(layer, RowParallelLinear) else 1)
     if a_full.shape[1] != in_features:
         raise ValueError(f"lora_A has {a_full.shape[1]} input features, the layer {in_features}")
     for shard, _, b in pieces:
@@ -203,12 +235,12 @@ def _slices(
         if b.shape[0] != out_features:
             part = "" if shard is None else f" ({shard})"
             raise ValueError(f"lora_B{part} has {b.shape[0]} output features, the layer {out_features}")
-    to = lambda t: t.detach().t().contiguous().to(device=weight.device, dtype=dtype)  # noqa: E731
+    to = lambda t: t.detach().t().contiguous().to(device=device, dtype=dtype)  # noqa: E731
     if isinstance(layer, RowParallelLinear):  # one part: A split by input, B whole
-        a_local = _zeros(total_rank, weight.shape[1])
+        a_local = _zeros(total_rank, shape[1])
         layer.weight_loader(a_local, a_full)
         return to(a_local), to(pieces[0][2])
-    b_local = _zeros(weight.shape[0], total_rank)  # A whole, B split by output
+    b_local = _zeros(shape[0], total_rank)  # A whole, B split by output
     offset = 0
     for shard, a, b in pieces:
         padded = torch.zeros(b.shape[0], total_rank)
@@ -239,4 +271,4 @@ def _out_features(layer: Linear, shard: str | int | None) -> int:
     if isinstance(layer, MergedColumnParallelLinear):
         assert isinstance(shard, int)
         return layer.output_sizes[shard]
-    return int(layer.weight.shape[0] * (1 if isinstance(layer, RowParallelLinear) else layer.tp_size))
+    return int(layer.weight_shape[0] * (1 if isinstance(layer, RowParallelLinear) else layer.tp_size))

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """Names one of the adapters the `LLM` was built with (`LLM(lora_modules={name: path})`). vLLM's
-    `lora_int_id` and `lora_path` are accepted and not needed: every adapter is loaded at start-up,
-    by name, so a name the `LLM` was not given is refused, whatever its path."""
+    """Names a LoRA adapter of the `LLM`: one it was built with (`LLM(lora_modules={name: path})`) or
+    loaded since, or, given `lora_path`, one to load on first use (as vLLM's). vLLM's `lora_int_id` is
+    accepted and not needed: adapters go by name.
+    """
 
     lora_name: str
     lora_int_id: int = 0

@@ -157,7 +157,8 @@ class EngineMetrics:
         self._export_every_series()
         self._last = _Snapshot()
         self._streams = _StreamTimes()
-        self.lora_info: Gauge | None = None  # `enable_lora_info`
+        self.lora_info: Gauge | None = None  # `set_num_lora_adapters`
+        self._lora_labels = ("0", "", "")
         self._window_start = time.monotonic()
         self._window_tokens = [0, 0]  # prompt, generation
         self._is_idle = True  # nothing was left to do after the last step
@@ -216,18 +217,21 @@ class EngineMetrics:
         )
         gauge.labels(**info).set(1)
 
-    def enable_lora_info(self, num_adapters: int) -> None:
-        """vLLM's `vllm:lora_requests_info`, for engines serving LoRA adapters: one series whose labels
-        name the adapters of the running and of the waiting requests (comma separated) and `max_lora`
-        (here every adapter: all are loaded), its value the time they last changed. vLLM adds a series
-        for every combination it meets; this one keeps only the current one."""
-        self.lora_info = Gauge(
-            "vllm:lora_requests_info",
-            "Running stats on lora requests.",
-            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
-            registry=self.registry,
-        )
-        self._lora_labels = (str(num_adapters), "", "")
+    def set_num_lora_adapters(self, num_adapters: int) -> None:
+        """vLLM's `vllm:lora_requests_info`, once the engine serves LoRA adapters: one series whose
+        labels name the adapters of the running and of the waiting requests (comma separated) and
+        `max_lora` (here the adapters loaded: all are), its value the time they last changed. vLLM adds
+        a series for every combination it meets; this one keeps only the current one."""
+        if self.lora_info is None:
+            self.lora_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=self.registry,
+            )
+        else:
+            self.lora_info.remove(*self._lora_labels)
+        self._lora_labels = (str(num_adapters), *self._lora_labels[1:])
         self.lora_info.labels(*self._lora_labels).set_to_current_time()
 
     def _set_lora_info(self, gauge: Gauge, stats: Any) -> None:

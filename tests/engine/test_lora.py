@@ -182,7 +182,13 @@ def test_unknown_adapter_names_are_refused(llm: LLM, tiny_llama_dir: str) -> Non
     assert llm.generate([PROMPT], greedy(), lora_request=LoRARequest("all"))[0].outputs[0].token_ids
     plain = LLM(model=tiny_llama_dir, dtype="float32")
     with pytest.raises(InvalidRequestError, match=r"serves no LoRA adapters \(--lora-modules\)"):
-        plain.generate([PROMPT], greedy(), lora_request=LoRARequest("all", 1, "/some/path"))
+        plain.generate([PROMPT], greedy(), lora_request=LoRARequest("all"))
+    with pytest.raises(
+        InvalidRequestError, match=r"^lora_path: adapter 'all' \(/some/path\): no adapter_config"
+    ):
+        plain.generate(
+            [PROMPT], greedy(), lora_request=LoRARequest("all", 1, "/some/path")
+        )  # loads on first use
 
 
 def _copy_adapter(source: str, dest: Path) -> Path:

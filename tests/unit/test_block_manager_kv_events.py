@@ -111,3 +111,25 @@ def test_a_lora_adapters_blocks_hash_from_its_root_and_name_it() -> None:
     ]
     again = Sequence("again", tokens, SamplingParams(max_tokens=8), lora_name="sql")
     assert len(bm.match_prefix(again)) == 2  # its own adapter's blocks are
+
+
+def test_forgetting_an_adapter_evicts_its_blocks_alone() -> None:
+    """Before an adapter is unloaded its cached blocks go (a router hears `removed`), the base model's
+    and other adapters' stay, and the freed blocks are free again."""
+    bm = BlockManager(num_blocks=8, block_size=4, watermark=0.0, enable_prefix_caching=True)
+    tokens = list(range(100, 109))
+    runs = {}
+    for name in (None, "sql", "chat"):
+        s = Sequence(f"r-{name}", tokens, SamplingParams(max_tokens=8), lora_name=name)
+        compute(bm, s, 9)
+        bm.free(s)
+        runs[name] = chain(tokens, 4, hashlib.sha256(f"lora:{name}".encode()).digest() if name else b"")
+    bm.record_kv_events(True)
+    free_before = len(bm.free_block_ids)
+    bm.forget_lora("sql")
+    assert bm.take_kv_events() == [BlockRemoved(runs["sql"])]
+    assert len(bm.free_block_ids) == free_before + 2
+    for name in (None, "chat"):
+        again = Sequence(f"again-{name}", tokens, SamplingParams(max_tokens=8), lora_name=name)
+        assert len(bm.match_prefix(again)) == 2, name
+    assert bm.match_prefix(Sequence("again-sql", tokens, SamplingParams(max_tokens=8), lora_name="sql")) == []

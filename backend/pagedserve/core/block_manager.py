@@ -103,6 +103,7 @@ class BlockManager:
         # the prefix cache's changes since last taken, recorded only while someone listens (a router
         # tracking which replica holds which prefix): see record_kv_events
         self.kv_events: list[KvEvent] | None = None
+        self.lora_block_names: dict[bytes, str] = {}  # cached LoRA blocks' hashes -> their adapter
 
     @property
     def num_free_blocks(self) -> int:
@@ -223,6 +224,8 @@ class BlockManager:
                 continue
             self.cached_block_ids[block_hash] = block_id
             self.block_hashes[block_id] = block_hash
+            if seq.lora_name is not None:
+                self.lora_block_names[block_hash] = seq.lora_name
             if self.kv_events is not None:
                 if stored is None:
                     stored = BlockStored([], parent, [], seq.lora_name)
@@ -300,17 +303,33 @@ class BlockManager:
         if self.free_block_ids:
             return self.free_block_ids.popleft()
         block_id, _ = self.evictor.popitem(last=False)  # evict: forget its hash first
+        self._forget_hash(block_id)
+        return block_id
+
+    def _forget_hash(self, block_id: int) -> None:
+        """Unname a cached block (no request holds it): no request hits it any more."""
         block_hash = self.block_hashes[block_id]
         assert block_hash is not None  # only named blocks wait in the evictor
         del self.cached_block_ids[block_hash]
         self.block_hashes[block_id] = None
+        self.lora_block_names.pop(block_hash, None)
         if self.kv_events is not None:
             last = self.kv_events[-1] if self.kv_events else None
             if isinstance(last, BlockRemoved):
                 last.block_hashes.append(block_hash)
             else:
                 self.kv_events.append(BlockRemoved([block_hash]))
-        return block_id
+
+    def forget_lora(self, lora_name: str) -> None:
+        """Evict every cached block an adapter computed, before it is unloaded: an adapter loaded later
+        under its name hashes the same tokens alike, and must not read this one's KV. No request may
+        hold such a block (none runs through the adapter)."""
+        for block_hash in [h for h, name in self.lora_block_names.items() if name == lora_name]:
+            block_id = self.cached_block_ids[block_hash]
+            assert self.ref_counts[block_id] == 0, f"block {block_id} of LoRA {lora_name!r} is in use"
+            del self.evictor[block_id]
+            self._forget_hash(block_id)
+            self.free_block_ids.append(block_id)
 
     # -- KV events -------------------------------------------------------------------------------------
 

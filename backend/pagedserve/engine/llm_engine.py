@@ -18,7 +18,8 @@ from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.scheduler_output import ModelRunnerOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.structured_output import StructuredOutputs
-from pagedserve.errors import EngineDeadError, InvalidRequestError
+from pagedserve.errors import AdapterInUseError, EngineDeadError, InvalidRequestError
+from pagedserve.lora_config import read_adapter_config
 from pagedserve.outputs import PromptLogprobs, RequestDelta, RequestMetrics, TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import FinishReason, Sequence
@@ -80,8 +81,10 @@ class LLMEngine:
                 config.cache, config.model.dtype, self.num_kv_blocks, self.executor.num_cpu_blocks
             )
         )
-        if config.lora_modules:
-            self.metrics.enable_lora_info(len(config.lora_modules))
+        self._lora_names = list(config.lora_names)  # loaded now: --lora-modules, then load/unload
+        self._serves_lora = bool(self._lora_names)  # stats and metrics follow the adapters once any is loaded
+        if self._serves_lora:
+            self.metrics.set_num_lora_adapters(len(self._lora_names))
         self._requests: dict[str, _Request] = {}  # by client request id
         self._completions: dict[str, _Completion] = {}  # by sequence id
         self.structured_outputs = StructuredOutputs(
@@ -295,8 +298,51 @@ class LLMEngine:
 
     @property
     def lora_names(self) -> tuple[str, ...]:
-        """The LoRA adapters requests may name (--lora-modules), in the order given."""
-        return self.config.lora_names
+        """The LoRA adapters requests may name: --lora-modules in the order given, then those loaded
+        since, less those unloaded."""
+        return tuple(self._lora_names)
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter between steps (vLLM's runtime LoRA updating), on every rank; then
+        requests may name it. A name loaded already, or an adapter that does not fit the model, is an
+        InvalidRequestError naming `lora_name` or `lora_path`, and nothing of it stays loaded."""
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError("lora_name", "must not be empty")
+        if name in self._lora_names:
+            raise InvalidRequestError(
+                "lora_name", f"an adapter named {name[:256]!r} is loaded already (unload it first)"
+            )
+        try:
+            read_adapter_config(name, path)  # the cheap checks, before any rank reads a tensor
+            self.executor.load_lora(name, path)
+        except ValueError as exc:
+            raise InvalidRequestError("lora_path", str(exc).removeprefix("lora_modules: ")) from None
+        self._lora_names.append(name)
+        self._serves_lora = True
+        self.metrics.set_num_lora_adapters(len(self._lora_names))
+        logger.info("loaded LoRA adapter %r from %s", name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Drop a LoRA adapter between steps, with the prefix-cache blocks it computed. Refused
+        (AdapterInUseError) while requests run or wait through it."""
+        if name not in self._lora_names:
+            raise InvalidRequestError("lora_name", f"no adapter named {str(name)[:256]!r} is loaded")
+        s = self.scheduler
+        users = {
+            self._completions[seq.request_id].request_id
+            for seq in chain(s.running, s.waiting, s.swapped)
+            if seq.lora_name == name
+        }
+        if users:
+            raise AdapterInUseError(
+                "lora_name",
+                f"{name!r} is in use by {len(users)} request(s): unload it once they finish (or abort them)",
+            )
+        self._lora_names.remove(name)
+        s.block_manager.forget_lora(name)
+        self.executor.unload_lora(name)
+        self.metrics.set_num_lora_adapters(len(self._lora_names))
+        logger.info("unloaded LoRA adapter %r", name)
 
     def _validate_lora_name(self, lora_name: str | None) -> None:
         if lora_name is None:
@@ -369,10 +415,8 @@ class LLMEngine:
             num_swapped_in_blocks=s.num_swapped_in_blocks,
             num_prefix_queries=bm.num_prefix_queries,
             num_prefix_hits=bm.num_prefix_hits,
-            running_lora_adapters=_lora_names(s.running) if self.config.lora_modules else (),
-            waiting_lora_adapters=_lora_names(chain(s.waiting, s.swapped))
-            if self.config.lora_modules
-            else (),
+            running_lora_adapters=_lora_names(s.running) if self._serves_lora else (),
+            waiting_lora_adapters=_lora_names(chain(s.waiting, s.swapped)) if self._serves_lora else (),
         )
 
     def record_kv_events(self, on: bool) -> list[bytes]:

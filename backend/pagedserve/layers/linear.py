@@ -88,11 +88,18 @@ class LinearBase(nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
     packed_weight: torch.Tensor | None = None
+    unpacked_shape: torch.Size  # set by pack_weights
     lora: LoRALinear | None = None  # LoRA adapters' updates (`pagedserve.lora`), when any are loaded
 
     def pack_weights(self, batch_size_hint: int) -> None:
+        self.unpacked_shape = self.weight.shape
         self.packed_weight = pack_weight(self.weight, batch_size_hint)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+    @property
+    def weight_shape(self) -> torch.Size:
+        """This rank's [out, in], also once the plain weight is released."""
+        return self.unpacked_shape if self.packed_weight is not None else self.weight.shape
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, self.weight, self.packed_weight, bias)

@@ -32,6 +32,15 @@ class Executor(abc.ABC):
         """Run one step on every rank. Raises `EngineDeadError` when a rank is gone."""
 
     @abc.abstractmethod
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a LoRA adapter on every rank, between steps. ValueError (naming `lora_modules`) where it
+        does not fit the model: then no rank holds any of it."""
+
+    @abc.abstractmethod
+    def unload_lora(self, name: str) -> None:
+        """Drop a LoRA adapter on every rank, between steps; no request may run through it."""
+
+    @abc.abstractmethod
     def check_health(self) -> None:
         """Raise `EngineDeadError` if a rank has died (also between steps)."""
 
@@ -49,6 +58,12 @@ class InProcessExecutor(Executor):
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute(output)
+
+    def load_lora(self, name: str, path: str) -> None:
+        self.worker.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.worker.unload_lora(name)
 
     def check_health(self) -> None:
         """One process: if it runs, it is healthy."""

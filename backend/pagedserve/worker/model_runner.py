@@ -284,6 +284,18 @@ class ModelRunner:
         apply_token_bitmask(logits, bitmask, rows)
         return dict(zip(output.structured_output_request_ids, output.grammar_bitmask, strict=True))
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a LoRA adapter between steps (ValueError naming `lora_modules` if it does not fit)."""
+        if self.lora is None:  # the first one: the layers' LoRA hooks are added now
+            self.lora = LoRAModels((), self.model, self.dtype)
+        self.lora.add(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Drop a LoRA adapter between steps. No request runs through it any more (the state of one
+        that just ended may wait here for the next step to free it: it is never run again)."""
+        assert self.lora is not None and name in self.lora.names, f"LoRA {name!r} is not loaded"
+        self.lora.remove(name)
+
     def _token_adapters(self, order: list[ScheduledRequest]) -> torch.Tensor | None:
         """Each token's LoRA adapter index this step (-1: none), on the CPU; None when no request has one."""
         indices = [self.requests[r.request_id].lora_index for r in order]

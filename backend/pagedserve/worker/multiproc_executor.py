@@ -75,7 +75,7 @@ _STOP_GRACE_S = 10.0
 # fail it too do so at the same point of the same plan, within milliseconds of each other.
 _FAULT_WAIT_S = 5.0
 
-_STEP, _PING, _STOP = "step", "ping", "stop"
+_STEP, _PING, _STOP, _LORA = "step", "ping", "stop", "lora"
 
 T = TypeVar("T")
 
@@ -172,6 +172,26 @@ class MultiprocExecutor(Executor):
                 raise
             self._last_sent = time.monotonic()
             return result
+
+    def load_lora(self, name: str, path: str) -> None:
+        self._change_lora(("load", name, path))
+
+    def unload_lora(self, name: str) -> None:
+        self._change_lora(("unload", name))
+
+    def _change_lora(self, change: tuple[str, ...]) -> None:
+        """Every rank applies `change` (`_apply_lora`) from the same files; rank 0's error is raised (a
+        rank that fails where rank 0 did not would fail the first step through the adapter)."""
+        with self._lock:
+            self._raise_if_dead()
+            try:
+                distributed.broadcast_object((_LORA, change))
+            except EngineDeadError as exc:
+                self._mark_dead(self._reason(exc))
+                self._release()
+                raise EngineDeadError(self._dead_reason) from exc
+            self._last_sent = time.monotonic()
+            _apply_lora(self.worker, change)
 
     def check_health(self) -> None:
         if self._dead_reason is None and (exited := _exited_ranks(self._procs)):
@@ -356,6 +376,19 @@ def _serve_plans(worker: Worker) -> None:
         if kind == _STEP:
             num_steps += 1
             _execute(worker, plan, num_steps)
+        if kind == _LORA:
+            try:
+                _apply_lora(worker, plan)
+            except ValueError as exc:  # rank 0 has the same files, and reports the same error
+                logger.warning("LoRA change %s failed: %s", plan[:2], exc)
+
+
+def _apply_lora(worker: Worker, change: tuple[str, ...]) -> None:
+    """("load", name, path) or ("unload", name)."""
+    if change[0] == "load":
+        worker.load_lora(change[1], change[2])
+    else:
+        worker.unload_lora(change[1])
 
 
 def _execute(worker: Worker, plan: SchedulerOutput, step: int) -> None:

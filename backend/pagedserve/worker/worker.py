@@ -89,3 +89,9 @@ class Worker:
         if output.blocks_to_copy:
             cache.copy_blocks(output.blocks_to_copy)
         return self.model_runner.execute(output)
+
+    def load_lora(self, name: str, path: str) -> None:
+        self.model_runner.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.model_runner.unload_lora(name)
