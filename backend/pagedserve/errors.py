@@ -14,5 +14,13 @@ class AdapterInUseError(InvalidRequestError):
     """A LoRA adapter cannot be unloaded while requests run (or wait) through it."""
 
 
+class AdapterLoadedError(InvalidRequestError):
+    """A LoRA adapter of that name is loaded already."""
+
+
+class AdapterNotLoadedError(InvalidRequestError):
+    """No LoRA adapter of that name is loaded (to unload)."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine can no longer run steps (a model fault or a dead worker); requests fail with this."""

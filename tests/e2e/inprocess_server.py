@@ -85,7 +85,10 @@ class InProcessServer:
             provider = configure_tracing(s.otlp_traces_endpoint, s.traces_exporter)
         tracer = RequestTracer(provider, s.served_model_name or "")
         self.server = server = Server(
-            tracer, keepalive_options(s.grpc_keepalive_time, s.grpc_keepalive_timeout), s.stream_write_timeout
+            tracer,
+            keepalive_options(s.grpc_keepalive_time, s.grpc_keepalive_timeout),
+            s.stream_write_timeout,
+            s.allow_runtime_lora_updating,
         )
         model = LLMModel(server, PriorityLevels(s.triton_priority_levels, s.triton_default_priority_level))
         add_inference_service(server.grpc, model)

@@ -147,6 +147,10 @@ class AsyncEngine:
         self.stream_interval = stream_interval
         self._streams: dict[str, _Stream] = {}
         self._pending_adds: list[tuple[str, list[int], SamplingParams, float, int, str | None]] = []
+        # LoRA adapter changes asked for (LLMEngine's method, its arguments, the caller's future)
+        self._pending_lora_changes: list[
+            tuple[Callable[..., None], tuple[str, ...], asyncio.Future[None]]
+        ] = []
         self._pending_aborts: dict[str, _Abort] = {}  # by request id
         self._unread_finals: dict[str, RequestDelta] = {}  # by request id, oldest first
         self._wakeup = asyncio.Event()
@@ -165,6 +169,7 @@ class AsyncEngine:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        self._fail_lora_changes(EngineDeadError("the engine has stopped"))
         await in_torch_thread(lambda: None)  # a step under way ends before the model goes
         self.engine.executor.shutdown()
 
@@ -216,6 +221,43 @@ class AsyncEngine:
             await in_tokenizer_thread(llm.tokenize_bad_words, params)
         self.check(request_id, prompt, params, priority, lora_name)
         return prompt
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """`LLMEngine.load_lora_adapter`, run between steps by the engine loop."""
+        await self._change_lora(self.engine.load_lora_adapter, name, path)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """`LLMEngine.unload_lora_adapter`, run between steps by the engine loop."""
+        await self._change_lora(self.engine.unload_lora_adapter, name)
+
+    async def _change_lora(self, change: Callable[..., None], *args: str) -> None:
+        """The loop runs LoRA changes on the torch thread between steps, after the requests queued
+        before them are added (so an unload sees every request that could still use its adapter)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead}")
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending_lora_changes.append((change, args, done))
+        self._wakeup.set()
+        await done
+
+    async def _apply_lora_changes(self) -> None:
+        changes, self._pending_lora_changes = self._pending_lora_changes, []
+        for change, args, done in changes:
+            try:
+                await in_torch_thread(change, *args)
+            except Exception as exc:  # a bad adapter, one in use; a dead rank fails the next step too
+                if not done.done():
+                    done.set_exception(exc)
+            else:
+                if not done.done():
+                    done.set_result(None)
+
+    def _fail_lora_changes(self, error: BaseException) -> None:
+        """No loop runs the LoRA changes still asked for: their callers get `error`."""
+        changes, self._pending_lora_changes = self._pending_lora_changes, []
+        for _, _, done in changes:
+            if not done.done():
+                done.set_exception(error)
 
     def kill(self, exc: BaseException) -> None:
         """The engine cannot continue (e.g. a worker rank died between steps): fail every request."""
@@ -380,6 +422,8 @@ class AsyncEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
             self._apply_pending()
+            if self._pending_lora_changes:
+                await self._apply_lora_changes()
             if not self.engine.has_work():
                 continue
             try:
@@ -411,6 +455,7 @@ class AsyncEngine:
         return bool(
             self._pending_adds
             or self._pending_aborts
+            or self._pending_lora_changes
             or self._new_kv_listeners
             or any(listener.closed for listener in self._kv_listeners)
             or self.engine.has_work()
@@ -478,3 +523,4 @@ class AsyncEngine:
         self._pending_aborts.clear()  # nothing applies them now
         for listener in self._kv_listeners + self._new_kv_listeners:
             listener.end(error)
+        self._fail_lora_changes(error)

@@ -18,7 +18,13 @@ from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.scheduler_output import ModelRunnerOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.structured_output import StructuredOutputs
-from pagedserve.errors import AdapterInUseError, EngineDeadError, InvalidRequestError
+from pagedserve.errors import (
+    AdapterInUseError,
+    AdapterLoadedError,
+    AdapterNotLoadedError,
+    EngineDeadError,
+    InvalidRequestError,
+)
 from pagedserve.lora_config import read_adapter_config
 from pagedserve.outputs import PromptLogprobs, RequestDelta, RequestMetrics, TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
@@ -309,7 +315,7 @@ class LLMEngine:
         if not isinstance(name, str) or not name:
             raise InvalidRequestError("lora_name", "must not be empty")
         if name in self._lora_names:
-            raise InvalidRequestError(
+            raise AdapterLoadedError(
                 "lora_name", f"an adapter named {name[:256]!r} is loaded already (unload it first)"
             )
         try:
@@ -326,7 +332,7 @@ class LLMEngine:
         """Drop a LoRA adapter between steps, with the prefix-cache blocks it computed. Refused
         (AdapterInUseError) while requests run or wait through it."""
         if name not in self._lora_names:
-            raise InvalidRequestError("lora_name", f"no adapter named {str(name)[:256]!r} is loaded")
+            raise AdapterNotLoadedError("lora_name", f"no adapter named {str(name)[:256]!r} is loaded")
         s = self.scheduler
         users = {
             self._completions[seq.request_id].request_id

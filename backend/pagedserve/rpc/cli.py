@@ -66,6 +66,11 @@ class ServeSettings(EngineSettings):
         "keeps its stream open but stops reading has its requests aborted and its stream closed "
         "(a slow client that keeps reading is never cut)",
     )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="take LoadLoRAAdapter / UnloadLoRAAdapter calls (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): "
+        "LoRA adapters loaded from and dropped by any path the server can read, while it serves",
+    )
     triton_priority_levels: int = Field(
         3,
         ge=1,
@@ -283,6 +288,7 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
         tracer,
         keepalive_options(settings.grpc_keepalive_time, settings.grpc_keepalive_timeout),
         settings.stream_write_timeout,
+        settings.allow_runtime_lora_updating,
     )
     levels = PriorityLevels(settings.triton_priority_levels, settings.triton_default_priority_level)
     model = LLMModel(server, levels)

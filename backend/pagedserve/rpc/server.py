@@ -28,7 +28,13 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from pagedserve import __version__
 from pagedserve.engine.async_engine import AsyncEngine, KvEventsOverflow, QueueFullError, in_tokenizer_thread
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.errors import EngineDeadError, InvalidRequestError
+from pagedserve.errors import (
+    AdapterInUseError,
+    AdapterLoadedError,
+    AdapterNotLoadedError,
+    EngineDeadError,
+    InvalidRequestError,
+)
 from pagedserve.outputs import RequestDelta
 from pagedserve.rpc import convert
 from pagedserve.rpc.signals import catch_stop_signals
@@ -65,6 +71,7 @@ class _Call:
 @dataclass
 class ServerState:
     status: str = "starting"  # starting, serving, draining, dead
+    allow_runtime_lora_updating: bool = False  # LoadLoRAAdapter / UnloadLoRAAdapter (the flag)
 
     @property
     def ready(self) -> bool:
@@ -212,6 +219,51 @@ class GenerationServicer:
             if self.engine.abort(rid, "aborted by an Abort call", "abort_rpc")
         ]
         return pb.AbortResponse(aborted_request_ids=aborted)
+
+    async def LoadLoRAAdapter(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.LoRAAdaptersResponse:
+        await self._allow_lora_change(request, context)
+        path = request.lora_path
+        if not path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_path: must not be empty")
+        await self._change_lora(context, self.engine.load_lora_adapter, request.lora_name, path)
+        return pb.LoRAAdaptersResponse(lora_adapters=self.llm.lora_names)
+
+    async def UnloadLoRAAdapter(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.LoRAAdaptersResponse:
+        await self._allow_lora_change(request, context)
+        await self._change_lora(context, self.engine.unload_lora_adapter, request.lora_name)
+        return pb.LoRAAdaptersResponse(lora_adapters=self.llm.lora_names)
+
+    async def _allow_lora_change(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        await self._require_engine(context)
+        if not self.state.allow_runtime_lora_updating:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "LoRA adapters are not loaded or unloaded at run time here: start the server with "
+                "--allow-runtime-lora-updating (it reads any adapter path the server can)",
+            )
+        if self.state.status == "draining":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining")
+        if isinstance(request, InvalidRequestError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
+
+    async def _change_lora(self, context: grpc.aio.ServicerContext, change: Any, *args: str) -> None:
+        """Run a LoRA change, its refusals said with the status that fits them."""
+        try:
+            await change(*args)
+        except AdapterLoadedError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except AdapterNotLoadedError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except AdapterInUseError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     async def KvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         """The prefix cache's changes (see the proto); written under --stream-write-timeout, as
@@ -453,6 +505,12 @@ def _handlers(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
             "ModelInfo": handler(unary, servicer.ModelInfo, pb.ModelInfoRequest, pb.ModelInfoResponse),
             "Embed": handler(unary, servicer.Embed, pb.EmbedRequest, pb.EmbedResponse),
             "KvEvents": handler(stream, servicer.KvEvents, pb.KvEventsRequest, pb.KvEventBatch),
+            "LoadLoRAAdapter": handler(
+                unary, servicer.LoadLoRAAdapter, pb.LoadLoRAAdapterRequest, pb.LoRAAdaptersResponse
+            ),
+            "UnloadLoRAAdapter": handler(
+                unary, servicer.UnloadLoRAAdapter, pb.UnloadLoRAAdapterRequest, pb.LoRAAdaptersResponse
+            ),
         },
     )
 
@@ -522,10 +580,11 @@ class Server:
         tracer: RequestTracer | None = None,
         options: list[tuple[str, int]] | None = None,
         stream_write_timeout: float = 60.0,
+        allow_runtime_lora_updating: bool = False,
     ) -> None:
         """`stream_write_timeout`: seconds a streamed response may wait to be sent before its stream is
         given up (--stream-write-timeout; 0 = no limit). Every front end's streams honour it."""
-        self.state = ServerState()
+        self.state = ServerState(allow_runtime_lora_updating=allow_runtime_lora_updating)
         self.health = health.aio.HealthServicer()
         _quiet_client_gone_writes()
         self.grpc = grpc.aio.server(options=options)

@@ -372,3 +372,23 @@ class BlockRemoved(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoRAAdaptersResponse(_message.Message):
+    __slots__ = ("lora_adapters",)
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -79,6 +79,16 @@ class GenerationStub:
                 request_serializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.KvEventsRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.KvEventBatch.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/pagedserve.rpc.v1.Generation/LoadLoRAAdapter',
+                request_serializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.LoRAAdaptersResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/pagedserve.rpc.v1.Generation/UnloadLoRAAdapter',
+                request_serializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.LoRAAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -151,6 +161,24 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Load a LoRA adapter (a PEFT directory on the server's file system) while serving, as vLLM's
+        /v1/load_lora_adapter; then requests may name it. Needs --allow-runtime-lora-updating (else
+        PERMISSION_DENIED: it reads any path the server can). A name loaded already is ALREADY_EXISTS; an
+        adapter that does not fit the model INVALID_ARGUMENT naming lora_path, and nothing of it stays.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Unload one, with the prefix-cache blocks it computed (a KV-aware router hears them removed).
+        NOT_FOUND for a name not loaded; FAILED_PRECONDITION while requests run or wait through it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +226,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.KvEvents,
                     request_deserializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.KvEventsRequest.FromString,
                     response_serializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.KvEventBatch.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.LoRAAdaptersResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=pagedserve_dot_rpc_dot_v1_dot_generate__pb2.LoRAAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -443,6 +481,60 @@ class Generation:
             '/pagedserve.rpc.v1.Generation/KvEvents',
             pagedserve_dot_rpc_dot_v1_dot_generate__pb2.KvEventsRequest.SerializeToString,
             pagedserve_dot_rpc_dot_v1_dot_generate__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.rpc.v1.Generation/LoadLoRAAdapter',
+            pagedserve_dot_rpc_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            pagedserve_dot_rpc_dot_v1_dot_generate__pb2.LoRAAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.rpc.v1.Generation/UnloadLoRAAdapter',
+            pagedserve_dot_rpc_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            pagedserve_dot_rpc_dot_v1_dot_generate__pb2.LoRAAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
