@@ -123,6 +123,35 @@ def test_an_unknown_adapter_is_invalid_argument_and_a_good_request_beside_it_com
     wait_for(lambda: is_idle(srv), what="an idle engine")
 
 
+def test_a_model_that_names_an_adapter_runs_through_it(
+    srv: InProcessServer, expected: dict[str | None, list[int]]
+) -> None:
+    """vLLM's OpenAI server serves each adapter as a model of its name (how routers such as the Gateway
+    API inference extension pick one): `model` naming an adapter is `lora_name`."""
+    by_model = request("by-model", max_tokens=LONG)
+    by_model.model = "chat"
+    assert streamed_tokens(srv, by_model) == expected["chat"]
+    both = request("both", "chat", max_tokens=LONG)
+    both.model = "chat"
+    assert streamed_tokens(srv, both) == expected["chat"]
+    base = request("base", max_tokens=LONG)
+    base.model = srv.llm.config.model.served_model_name
+    assert streamed_tokens(srv, base) == expected[None]
+    for model, lora_name, message in (
+        ("chat", "sql", "lora_name: 'sql' is not the adapter model 'chat' names"),
+        (
+            "nope",
+            "",
+            "model: unknown model 'nope'; this server serves 'tiny' and the LoRA adapters sql, chat",
+        ),
+    ):
+        bad = request(f"bad-{model}", lora_name)
+        bad.model = model
+        with pytest.raises(grpc.RpcError) as refused:
+            streamed_tokens(srv, bad)
+        assert (refused.value.code(), refused.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
 def test_model_info_lists_the_adapters_in_the_order_given(srv: InProcessServer) -> None:
     info = srv.stub.ModelInfo(pb.ModelInfoRequest(), timeout=30)
     assert list(info.lora_adapters) == list(ADAPTERS)

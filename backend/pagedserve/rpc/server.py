@@ -151,17 +151,13 @@ class GenerationServicer:
         try:
             if isinstance(request, InvalidRequestError):
                 raise request
-            if request.model and request.model != self.model_name:
-                raise InvalidRequestError(
-                    "model", f"unknown model {request.model!r}; this server serves {self.model_name!r}"
-                )
+            lora_name = self._lora_name(request)
             rid = convert.request_id(request, self.engine.new_request_id())
             if params_of is None:
                 params = convert.sampling_params(request.sampling, self.llm)
             else:
                 params = params_of(request)
             prompt = await in_tokenizer_thread(convert.prompt_token_ids, request, self.llm)
-            lora_name = request.lora_name or None
             prompt = await self.engine.prepare(rid, prompt, params, request.priority, lora_name=lora_name)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -170,6 +166,25 @@ class GenerationServicer:
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return _Call(rid, prompt, params, (started, time.monotonic()), request.priority, lora_name)
+
+    def _lora_name(self, request: Any) -> str | None:
+        """The request's LoRA adapter: `lora_name`, or a `model` naming an adapter (as vLLM's OpenAI
+        server serves each adapter as a model of its name, which routers such as the Gateway API
+        inference extension pick adapters by). The served model's own name comes first."""
+        model, lora_name = request.model, request.lora_name or None
+        if not model or model == self.model_name:
+            return lora_name
+        adapters = self.llm.lora_names
+        if model not in adapters:
+            served = f" and the LoRA adapters {', '.join(adapters)}" if adapters else ""
+            raise InvalidRequestError(
+                "model", f"unknown model {model[:256]!r}; this server serves {self.model_name!r}{served}"
+            )
+        if lora_name is not None and lora_name != model:
+            raise InvalidRequestError(
+                "lora_name", f"{lora_name[:256]!r} is not the adapter model {model!r} names"
+            )
+        return model
 
     async def _deltas(
         self, call: _Call, context: grpc.aio.ServicerContext
