@@ -33,6 +33,7 @@ class RequestMetrics:
     # num_cached_tokens); None until then
     num_cached_tokens: int | None = None
     num_preemptions: int = 0
+    lora_name: str | None = None  # the LoRA adapter the request runs through (None: the base model)
     # (monotonic time, swap | recompute | swap_in): preempted by swapping out or by freeing the blocks,
     # and resumed from the CPU pool
     preemption_events: list[tuple[float, str]] = field(default_factory=list)

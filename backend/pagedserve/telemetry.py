@@ -617,6 +617,8 @@ class RequestTracer:
             for name in ("max_tokens", "temperature", "top_p", "n"):
                 del attrs[f"gen_ai.request.{name}"]
             attrs["gen_ai.operation.name"] = "embeddings"  # the semantic conventions' operation
+        if m.lora_name is not None:
+            attrs["gen_ai.pagedserve.lora_name"] = m.lora_name
         if m.time_in_queue is not None:
             attrs["gen_ai.latency.time_in_queue"] = m.time_in_queue
         if m.time_to_first_token is not None:

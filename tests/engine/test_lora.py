@@ -283,3 +283,28 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters(
     while engine.has_unfinished_requests():
         engine.step()
     assert info() == [idle]
+
+
+def test_a_requests_span_names_its_adapter(llm: LLM) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from pagedserve.telemetry import RequestTracer
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = RequestTracer(provider, "m")
+    engine = llm.engine
+    for request_id, lora_name in (("traced-qv", "qv"), ("traced-base", None)):
+        engine.add_request(request_id, PROMPT, greedy(), lora_name=lora_name)
+        deltas = []
+        while engine.has_unfinished_requests():
+            deltas.extend(engine.step())
+        last = deltas[-1]
+        tracer.finish_request({}, request_id, greedy(), last, (last.metrics.arrival_time,) * 2, len(PROMPT))
+    spans = {
+        s.attributes["gen_ai.request.id"]: s for s in exporter.get_finished_spans() if s.name == "llm_request"
+    }
+    assert spans["traced-qv"].attributes["gen_ai.pagedserve.lora_name"] == "qv"
+    assert "gen_ai.pagedserve.lora_name" not in spans["traced-base"].attributes

@@ -187,6 +187,7 @@ class LLMEngine:
             metrics = RequestMetrics(seqs[0].arrival_time, n=params.n, max_tokens=params.max_tokens)
         else:  # an embedding: no generation parameters for vLLM's request_params_* histograms
             metrics = RequestMetrics(seqs[0].arrival_time)
+        metrics.lora_name = seqs[0].lora_name
         self._requests[request_id] = _Request(metrics, len(seqs))
         for index, seq in enumerate(seqs):
             detokenizer = IncrementalDetokenizer(
