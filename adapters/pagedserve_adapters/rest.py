@@ -22,7 +22,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 from pagedserve import __version__
 from pagedserve.errors import InvalidRequestError
 from pagedserve.rpc.server import STALLED_CLIENT, StalledClientError
@@ -81,6 +83,46 @@ def _error(exc: AdapterError | InvalidRequestError) -> web.Response:
     return web.json_response({"error": str(exc)}, status=status)
 
 
+_INT64_TYPES = {
+    FieldDescriptor.TYPE_INT64,
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_FIXED64,
+    FieldDescriptor.TYPE_SFIXED64,
+}
+
+
+def triton_json(message: Message) -> dict[str, Any]:
+    """A message as Triton's HTTP endpoint writes it (model config, statistics): every field, those at
+    their default too (`max_batch_size: 0`), and 64-bit integers as JSON numbers, where protobuf's
+    JSON mapping writes strings (`"dims": ["-1"]`; Triton's ModelConfigToJson turns them back)."""
+    found = MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return _int64_as_numbers(message.DESCRIPTOR, found)
+
+
+def _int64_as_numbers(descriptor: Descriptor, found: dict[str, Any]) -> dict[str, Any]:
+    for field in descriptor.fields:
+        if field.name not in found:
+            continue
+        value = found[field.name]
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            value_field = field.message_type.fields_by_name["value"]  # JSON keys stay strings
+            found[field.name] = {key: _field_value(value_field, item) for key, item in value.items()}
+        elif isinstance(value, list):  # a repeated field
+            found[field.name] = [_field_value(field, item) for item in value]
+        else:
+            found[field.name] = _field_value(field, value)
+    return found
+
+
+def _field_value(field: FieldDescriptor, value: Any) -> Any:
+    if field.message_type is not None:
+        return _int64_as_numbers(field.message_type, value)
+    return int(value) if field.type in _INT64_TYPES else value
+
+
 class RestApi:
     def __init__(self, model: LLMModel) -> None:
         self.model = model
@@ -123,15 +165,14 @@ class RestApi:
             self._resolve(request)
         except AdapterError as exc:
             return _error(exc)
-        return web.json_response(MessageToDict(model_config(self.model), preserving_proto_field_name=True))
+        return web.json_response(triton_json(model_config(self.model)))
 
     async def model_stats(self, request: web.Request) -> web.Response:
         try:
             self._resolve(request)
         except AdapterError as exc:
             return _error(exc)
-        stats = MessageToDict(model_statistics(self.model), preserving_proto_field_name=True)
-        return web.json_response({"model_stats": [stats]})
+        return web.json_response({"model_stats": [triton_json(model_statistics(self.model))]})
 
     async def repository_index(self, request: web.Request) -> web.Response:
         if not self.model.bound:

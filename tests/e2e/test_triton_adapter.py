@@ -144,6 +144,22 @@ def test_health_metadata_and_config(client: tgrpc.InferenceServerClient) -> None
     assert info.value.status() == "StatusCode.NOT_FOUND" and "no-such-model" in info.value.message()
 
 
+def test_rest_config_and_statistics_are_json_as_triton_writes_them(server: ServerProcess) -> None:
+    """Triton's HTTP model config (ModelConfigToJson) prints every field, default-valued ones too, and
+    its 64-bit integers as numbers, as do its statistics: tritonclient.http users index them so
+    (`config["max_batch_size"]`, `dims` of ints). Protobuf's own JSON mapping would give neither."""
+    with thttp.InferenceServerClient(f"127.0.0.1:{server.http_port}") as http:
+        config = http.get_model_config(MODEL)
+        stats = http.get_inference_statistics(MODEL)["model_stats"][0]
+    assert config["max_batch_size"] == 0 and config["platform"] == ""
+    dims = {io["name"]: io["dims"] for io in config["input"] + config["output"]}
+    assert dims["text_input"] == [1] and dims["text_output"] == [-1]
+    assert config["input"][0]["optional"] is False  # text_input: required, said so
+    assert isinstance(stats["inference_count"], int)
+    assert isinstance(stats["inference_stats"]["success"]["count"], int)
+    assert isinstance(stats["inference_stats"]["success"]["ns"], int)
+
+
 # -- unary and streaming inference over gRPC -----------------------------------------------------
 
 
