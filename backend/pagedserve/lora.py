@@ -2,14 +2,13 @@
 
 The adapters given at start-up (`--lora-modules name=path,...`) and those loaded since (`add`, between
 steps) stay loaded until removed; a request names one (`lora_name`) or none, and one batch mixes them
-freely. A targeted linear layer adds, for the rows of
-each adapter in the step, `scale * (x @ A^T) @ B^T` to the base product (PEFT's forward, with
-`scale = lora_alpha / r`, or `lora_alpha / sqrt(r)` under rsLoRA). The merged layers (q/k/v, gate/up)
-take their parts' A stacked and B block-diagonal, and a step mixing adapters multiplies by all of
-them side by side, masking other adapters' columns per token: one pair of thin products a layer
-whatever the mix. With tensor parallelism each rank keeps the slices its base weights have: B split as a
-column-parallel layer's outputs, A as a row-parallel layer's inputs (its update is added before the
-all-reduce).
+freely. A targeted linear layer adds, for the rows of each adapter in the step,
+`scale * (x @ A^T) @ B^T` to the base product (PEFT's forward, with `scale = lora_alpha / r`, or
+`lora_alpha / sqrt(r)` under rsLoRA). The merged layers (q/k/v, gate/up) take their parts' A stacked
+and B block-diagonal, and a step mixing adapters multiplies by all of them side by side, masking
+other adapters' columns per token: one pair of thin products a layer whatever the mix. With tensor
+parallelism each rank keeps the slices its base weights have: B split as a column-parallel layer's
+outputs, A as a row-parallel layer's inputs (its update is added before the all-reduce).
 
 A step with LoRA rows runs the eager forward pass: the compiled one and `decode_layers` are built
 for the base weights alone.
@@ -166,16 +165,20 @@ class LoRAModels:
         def fail(why: str) -> ValueError:
             return ValueError(f"lora_modules: adapter {config.name!r} ({config.path}): {why}")
 
+        try:
+            with safe_open(str(Path(config.path) / ADAPTER_WEIGHTS), framework="pt") as weights:
+                tensors = {key: weights.get_tensor(key) for key in weights.keys()}  # noqa: SIM118
+        except Exception as exc:  # safetensors' own error (a truncated file, not safetensors at all)
+            raise fail(f"{ADAPTER_WEIGHTS} does not read: {exc}") from None
         parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-        with safe_open(str(Path(config.path) / ADAPTER_WEIGHTS), framework="pt") as weights:
-            for key in weights.keys():  # noqa: SIM118 (safe_open is no dict)
-                match = WEIGHT_NAME.fullmatch(key)
-                if match is None or match.group(2) not in TARGETS:
-                    raise fail(
-                        f"weight {key!r} is not a LoRA of a decoder layer's projection ({', '.join(TARGETS)})"
-                    )
-                layer, module, which = int(match.group(1)), match.group(2), match.group(3)
-                parts.setdefault((layer, module), {})[which] = weights.get_tensor(key).float()
+        for key, tensor in tensors.items():
+            match = WEIGHT_NAME.fullmatch(key)
+            if match is None or match.group(2) not in TARGETS:
+                raise fail(
+                    f"weight {key!r} is not a LoRA of a decoder layer's projection ({', '.join(TARGETS)})"
+                )
+            layer, module, which = int(match.group(1)), match.group(2), match.group(3)
+            parts.setdefault((layer, module), {})[which] = tensor.float()
         by_layer: dict[tuple[int, str], list[tuple[str | int | None, torch.Tensor, torch.Tensor]]] = {}
         for (layer, module), pair in sorted(parts.items()):
             if set(pair) != {"A", "B"}:

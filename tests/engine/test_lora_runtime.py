@@ -125,6 +125,13 @@ def test_bad_loads_and_unloads_are_refused_and_the_engine_serves_on(
     other_model = build_lora_adapter(tmp_path / "smollm", default_model_dir, rank=2, targets=("o_proj",))
     with pytest.raises(InvalidRequestError, match="^lora_path: adapter 'z' .*: the model has 2 layers"):
         engine.load_lora_adapter("z", other_model)
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        data = (Path(adapters["second"]) / name).read_bytes()
+        (truncated / name).write_bytes(data if name.endswith(".json") else data[: len(data) // 2])
+    with pytest.raises(InvalidRequestError, match="^lora_path: .*adapter_model.safetensors does not read"):
+        engine.load_lora_adapter("t", str(truncated))
     with pytest.raises(InvalidRequestError, match="^lora_name: no adapter named 'nope' is loaded"):
         engine.unload_lora_adapter("nope")
     assert engine.lora_names == ("first",)
