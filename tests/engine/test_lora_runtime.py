@@ -158,3 +158,22 @@ def test_tensor_parallel_ranks_load_and_unload_together(
         assert tokens(llm, None) == peft_tokens[None]
     finally:
         llm.engine.executor.shutdown()
+
+
+def test_lora_requests_info_follows_loads_and_unloads(tiny_llama_dir: str, adapters: dict[str, str]) -> None:
+    """Absent while the engine serves no adapter; its `max_lora` then counts the adapters loaded."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    llm = LLM(model=tiny_llama_dir, dtype="float32", block_size=8)
+
+    def info() -> list[dict[str, str]]:
+        families = text_string_to_metric_families(llm.engine.metrics.render().decode())
+        return [s.labels for f in families if f.name == "vllm:lora_requests_info" for s in f.samples]
+
+    assert info() == []
+    llm.engine.load_lora_adapter("first", adapters["first"])
+    llm.engine.load_lora_adapter("second", adapters["second"])
+    idle = {"waiting_lora_adapters": "", "running_lora_adapters": ""}
+    assert info() == [{"max_lora": "2", **idle}]
+    llm.engine.unload_lora_adapter("first")
+    assert info() == [{"max_lora": "1", **idle}]
