@@ -308,3 +308,20 @@ def test_a_requests_span_names_its_adapter(llm: LLM) -> None:
     }
     assert spans["traced-qv"].attributes["gen_ai.pagedserve.lora_name"] == "qv"
     assert "gen_ai.pagedserve.lora_name" not in spans["traced-base"].attributes
+
+
+def test_chunked_prefill_runs_every_chunk_through_the_adapter(
+    tiny_llama_dir: str, adapters: dict[str, str], peft_tokens: dict
+) -> None:
+    """A 24-token prompt in chunks of 16 budgeted tokens, beside a base request: each chunk's rows take
+    the adapter (a chunk that missed it would leave wrong KV behind)."""
+    llm = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        block_size=8,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        lora_modules=adapters,
+    )
+    outs = llm.generate([PROMPT, OTHER_PROMPT], greedy(), lora_request=[LoRARequest("all"), None])
+    assert [o.outputs[0].token_ids for o in outs] == [peft_tokens["all", 0], peft_tokens[None, 1]]
