@@ -7,6 +7,7 @@ import operator
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from itertools import count
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from pagedserve.engine.llm_engine import LLMEngine
@@ -179,8 +180,17 @@ class LLM:
         of its name is loaded)."""
         requests = [lora_request] if isinstance(lora_request, LoRARequest) else list(lora_request or ())
         for request in requests:
-            if request is not None and request.lora_path and request.lora_name not in self.engine.lora_names:
+            if request is None or not request.lora_path:
+                continue
+            loaded = self.engine.lora_path(request.lora_name)
+            if loaded is None:
                 self.engine.load_lora_adapter(request.lora_name, request.lora_path)
+            elif Path(loaded).resolve() != Path(request.lora_path).resolve():
+                raise InvalidRequestError(
+                    "lora_request",
+                    f"{request.lora_name!r} is loaded from {loaded}, not {request.lora_path}: unload it "
+                    "first (llm.engine.unload_lora_adapter) to load another adapter under its name",
+                )
 
     def _step_until_finished(
         self, outputs: dict[str, RequestOutput], progress: Any, embeddings: dict[str, list[float]] | None

@@ -73,6 +73,13 @@ def test_a_lora_request_with_a_path_loads_its_adapter_on_first_use(
     ]
     assert llm.engine.lora_names == ("second", "first")
     assert tokens(llm, LoRARequest("second", 2, adapters["second"])) == peft_tokens["second"]  # loaded once
+    with pytest.raises(
+        InvalidRequestError, match=r"^lora_request: 'second' is loaded from .*, not .*first: unload"
+    ):
+        tokens(llm, LoRARequest("second", 2, adapters["first"]))  # another adapter under a loaded name
+    assert (
+        tokens(llm, LoRARequest("second", 2, adapters["second"] + "/")) == peft_tokens["second"]
+    )  # same dir
 
 
 def test_an_adapter_reloaded_under_its_name_never_reads_the_old_kv(

@@ -87,10 +87,11 @@ class LLMEngine:
                 config.cache, config.model.dtype, self.num_kv_blocks, self.executor.num_cpu_blocks
             )
         )
-        self._lora_names = list(config.lora_names)  # loaded now: --lora-modules, then load/unload
-        self._serves_lora = bool(self._lora_names)  # stats and metrics follow the adapters once any is loaded
+        # the adapters loaded now, name -> path: --lora-modules, then loads and unloads
+        self._lora_paths = dict(config.lora_modules)
+        self._serves_lora = bool(self._lora_paths)  # stats and metrics follow the adapters once any is loaded
         if self._serves_lora:
-            self.metrics.set_num_lora_adapters(len(self._lora_names))
+            self.metrics.set_num_lora_adapters(len(self._lora_paths))
         self._requests: dict[str, _Request] = {}  # by client request id
         self._completions: dict[str, _Completion] = {}  # by sequence id
         self.structured_outputs = StructuredOutputs(
@@ -307,7 +308,11 @@ class LLMEngine:
     def lora_names(self) -> tuple[str, ...]:
         """The LoRA adapters requests may name: --lora-modules in the order given, then those loaded
         since, less those unloaded."""
-        return tuple(self._lora_names)
+        return tuple(self._lora_paths)
+
+    def lora_path(self, name: str) -> str | None:
+        """Where the loaded adapter `name` was read from (None: no such adapter is loaded)."""
+        return self._lora_paths.get(name)
 
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Load a LoRA adapter between steps (vLLM's runtime LoRA updating), on every rank; then
@@ -315,7 +320,7 @@ class LLMEngine:
         InvalidRequestError naming `lora_name` or `lora_path`, and nothing of it stays loaded."""
         if not isinstance(name, str) or not name:
             raise InvalidRequestError("lora_name", "must not be empty")
-        if name in self._lora_names:
+        if name in self._lora_paths:
             raise AdapterLoadedError(
                 "lora_name", f"an adapter named {name[:256]!r} is loaded already (unload it first)"
             )
@@ -324,15 +329,15 @@ class LLMEngine:
             self.executor.load_lora(name, path)
         except ValueError as exc:
             raise InvalidRequestError("lora_path", str(exc).removeprefix("lora_modules: ")) from None
-        self._lora_names.append(name)
+        self._lora_paths[name] = path
         self._serves_lora = True
-        self.metrics.set_num_lora_adapters(len(self._lora_names))
+        self.metrics.set_num_lora_adapters(len(self._lora_paths))
         logger.info("loaded LoRA adapter %r from %s", name, path)
 
     def unload_lora_adapter(self, name: str) -> None:
         """Drop a LoRA adapter between steps, with the prefix-cache blocks it computed. Refused
         (AdapterInUseError) while requests run or wait through it."""
-        if name not in self._lora_names:
+        if name not in self._lora_paths:
             raise AdapterNotLoadedError("lora_name", f"no adapter named {str(name)[:256]!r} is loaded")
         s = self.scheduler
         users = {
@@ -345,10 +350,10 @@ class LLMEngine:
                 "lora_name",
                 f"{name!r} is in use by {len(users)} request(s): unload it once they finish (or abort them)",
             )
-        self._lora_names.remove(name)
+        del self._lora_paths[name]
         s.block_manager.forget_lora(name)
         self.executor.unload_lora(name)
-        self.metrics.set_num_lora_adapters(len(self._lora_names))
+        self.metrics.set_num_lora_adapters(len(self._lora_paths))
         logger.info("unloaded LoRA adapter %r", name)
 
     def _validate_lora_name(self, lora_name: str | None) -> None:
