@@ -68,7 +68,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
-from workloads import BenchRequest, build_workload
+from workloads import BenchRequest, build_workload, through_adapters
 
 READINESS_SERVICE = "pagedserve.rpc.v1.Generation"
 SATURATION = "inf (all at once)"
@@ -117,8 +117,12 @@ def to_proto(request: BenchRequest) -> pb.GenerateRequest:
     sampling = pb.SamplingParameters(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
     if request.is_chat:
         messages = [pb.ChatMessage(role=role, content=content) for role, content in request.messages]
-        return pb.GenerateRequest(messages=pb.ChatMessages(messages=messages), sampling=sampling)
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=request.prompt_token_ids), sampling=sampling)
+        return pb.GenerateRequest(
+            messages=pb.ChatMessages(messages=messages), sampling=sampling, lora_name=request.lora_name
+        )
+    return pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=request.prompt_token_ids), sampling=sampling, lora_name=request.lora_name
+    )
 
 
 async def send(stub: pb_grpc.GenerationStub, request: BenchRequest, timeout: float) -> RequestRecord:
@@ -253,6 +257,8 @@ class SpawnedServer:
                 command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
         if args.model:
             command += ["--model", args.model]
+        if args.lora_modules:
+            command += ["--lora-modules", args.lora_modules]
         command += args.server_arg + (extra_args or [])
         self.log = Path(tempfile.mkstemp(prefix="pagedserve-serve-", suffix=".log")[1])
         print(f"spawning: {' '.join(command)} (log {self.log})", flush=True)
@@ -284,23 +290,27 @@ class OfflineEngine:
     server, one timed round at a time (model load and warm-up untimed)."""
 
     def __init__(self, args: argparse.Namespace, requests: list[BenchRequest]) -> None:
-        from pagedserve import LLM, SamplingParams
+        from pagedserve import LLM, LoRARequest, SamplingParams
 
         settings = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
-        self.llm = LLM(args.model, **settings)
+        self.llm = LLM(args.model, lora_modules=args.lora_modules, **settings)
         self.llm.chat([{"role": "user", "content": "Warm up."}], SamplingParams(temperature=0, max_tokens=8))
         self.requests = requests
         self.params = [
             SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests
         ]
+        self.lora = [LoRARequest(r.lora_name) if r.lora_name else None for r in requests]
         self.rates: list[float] = []  # output tok/s of each round so far
 
     def run_round(self) -> None:
         start = time.perf_counter()
         if self.requests[0].is_chat:
-            outputs = self.llm.chat([r.chat_messages() for r in self.requests], self.params)
+            outputs = self.llm.chat(
+                [r.chat_messages() for r in self.requests], self.params, lora_request=self.lora
+            )
         else:
-            outputs = self.llm.generate([list(r.prompt_token_ids) for r in self.requests], self.params)
+            prompts = [list(r.prompt_token_ids) for r in self.requests]
+            outputs = self.llm.generate(prompts, self.params, lora_request=self.lora)
         seconds = time.perf_counter() - start
         num_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
         self.rates.append(num_tokens / seconds)
@@ -512,8 +522,19 @@ def parse_args() -> argparse.Namespace:
         help="with --spawn: also start a twin server with this extra argument (repeatable) and alternate "
         "the rounds between the two",
     )
+    parser.add_argument(
+        "--lora-adapters",
+        type=int,
+        default=0,
+        help="with --spawn: serve this many random LoRA adapters (bench/lora.py writes them) and send "
+        "request i through adapter i %% (N + 1), the last slot the base model",
+    )
+    parser.add_argument("--lora-rank", type=int, default=16, help="rank of --lora-adapters' adapters")
     parser.add_argument("--json-out", help="also write the summary to this JSON file")
     args = parser.parse_args()
+    args.lora_modules = None  # set by main() once --lora-adapters are written
+    if args.lora_adapters and not args.spawn:
+        parser.error("--lora-adapters starts its own server: add --spawn")
     if args.compare_tracing and not args.spawn:
         parser.error("--compare-tracing starts its own servers: add --spawn")
     if args.compare_tracing and args.rounds > 1:
@@ -626,6 +647,20 @@ def print_twin_table(rows: list[dict[str, Any]]) -> None:
 def main() -> int:
     args = parse_args()
     requests = build_workload(args.workload, args.num_requests, args.seed)
+    if args.lora_adapters:
+        from lora import write_adapter
+        from pagedserve.default_model import resolve_model_path
+
+        model_dir, adapter_root = resolve_model_path(args.model), Path(tempfile.mkdtemp(prefix="lora-"))
+        names = [f"a{i}" for i in range(args.lora_adapters)]
+        args.lora_modules = ",".join(
+            f"{name}={write_adapter(adapter_root / name, model_dir, args.lora_rank, seed=i)}"
+            for i, name in enumerate(names)
+        )
+        requests = through_adapters(requests, names)
+        print(
+            f"{len(names)} LoRA adapters of rank {args.lora_rank}: request i through a(i % {len(names) + 1})"
+        )
     rate = SATURATION if math.isinf(args.request_rate) else f"{args.request_rate}/s Poisson"
     print(
         f"workload {args.workload}: {len(requests)} requests, {sum(r.max_tokens for r in requests)} output "

@@ -11,7 +11,7 @@ Every request runs greedy with `ignore_eos`, so each peer computes exactly the s
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 CHAT_OUTPUT_LENGTHS = (16, 32, 64, 128)
 
@@ -48,6 +48,7 @@ class BenchRequest:
     max_tokens: int
     messages: tuple[tuple[str, str], ...] = ()  # (role, content) pairs; empty for token-id prompts
     prompt_token_ids: tuple[int, ...] = ()
+    lora_name: str = ""  # the LoRA adapter it runs through ("" for the base model)
 
     @property
     def is_chat(self) -> bool:
@@ -82,6 +83,12 @@ def random_workload(
         prompt = tuple(rng.randrange(100, vocab_size) for _ in range(prompt_len))
         requests.append(BenchRequest(rng.randint(*output_lens), prompt_token_ids=prompt))
     return requests
+
+
+def through_adapters(requests: list[BenchRequest], names: list[str]) -> list[BenchRequest]:
+    """Request i through adapter i % (len(names) + 1), the last of those slots the base model."""
+    cycle = [*names, ""]
+    return [replace(r, lora_name=cycle[i % len(cycle)]) for i, r in enumerate(requests)]
 
 
 def build_workload(name: str, num_requests: int | None, seed: int = 0) -> list[BenchRequest]:

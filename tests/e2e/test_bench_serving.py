@@ -62,6 +62,21 @@ def test_twin_servers_differ_only_by_the_twin_argument(tiny_llama_dir: str, tmp_
     assert b["num_token_responses"] < a["num_token_responses"] / 3
 
 
+def test_lora_adapters_serve_the_workload_through_them(tiny_llama_dir: str, tmp_path: Path) -> None:
+    """--lora-adapters 2: the spawned server and the offline engine load two adapters, and three of
+    four requests name one (a0, a1, base, a0): a name either side lacked would fail its calls."""
+    done = run_bench(
+        *("--spawn", "--model", tiny_llama_dir, "--compare-offline", "--num-requests", "4"),
+        *("--lora-adapters", "2", "--lora-rank", "4", "--json-out", str(tmp_path / "out.json")),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 LoRA adapters of rank 4" in done.stdout
+    spawned = next(line for line in done.stdout.splitlines() if line.startswith("spawning: "))
+    assert "--lora-modules a0=" in spawned and ",a1=" in spawned
+    summary = json.loads((tmp_path / "out.json").read_text())["summary"]
+    assert summary["num_completed"] == 4 and summary["num_failed_all_rounds"] == 0
+
+
 def test_failed_calls_give_a_nonzero_exit_and_their_errors(tiny_llama_dir: str) -> None:
     done = run_bench(
         *("--spawn", "--model", tiny_llama_dir, "--num-requests", "4", "--num-warmup", "0"),
@@ -82,6 +97,7 @@ def test_failed_calls_give_a_nonzero_exit_and_their_errors(tiny_llama_dir: str) 
         ),
         (["--compare-tracing"], "--compare-tracing starts its own servers: add --spawn"),
         (["--rounds", "0"], "--rounds: must be at least 1, not 0"),
+        (["--lora-adapters", "2"], "--lora-adapters starts its own server: add --spawn"),
     ],
 )
 def test_contradictory_flags_are_refused_before_anything_starts(args: list[str], message: str) -> None:
