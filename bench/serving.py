@@ -49,11 +49,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import json
 import math
 import os
 import random
+import shutil
 import socket
 import statistics
 import subprocess
@@ -652,6 +654,7 @@ def main() -> int:
         from pagedserve.default_model import resolve_model_path
 
         model_dir, adapter_root = resolve_model_path(args.model), Path(tempfile.mkdtemp(prefix="lora-"))
+        atexit.register(shutil.rmtree, adapter_root, ignore_errors=True)
         names = [f"a{i}" for i in range(args.lora_adapters)]
         args.lora_modules = ",".join(
             f"{name}={write_adapter(adapter_root / name, model_dir, args.lora_rank, seed=i)}"
