@@ -55,7 +55,8 @@ class EngineStats:
     num_swapped_in_blocks: int
     num_prefix_queries: int  # tokens looked up in the prefix cache
     num_prefix_hits: int  # tokens found there
-    # the LoRA adapters of the running and of the waiting (or swapped) requests, sorted; () without --lora-modules
+    # the LoRA adapters of the running and of the waiting (or swapped) requests, sorted; () until an
+    # adapter is loaded
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
 
