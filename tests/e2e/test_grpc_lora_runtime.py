@@ -6,7 +6,11 @@ with streams beside the changes unharmed."""
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -121,12 +125,82 @@ def test_an_adapter_in_use_stays_until_its_requests_end(
     error = refused(lambda: unload(srv, "sql"))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert error.details().startswith("lora_name: 'sql' is in use by 1 request(s)")
+    code, text = post(srv, "/v1/unload_lora_adapter", {"lora_name": "sql"})
+    assert (code, json.loads(text)["type"]) == (409, "ConflictError"), text
     tokens = [t for r in stream for t in r.token_ids]
     assert len(tokens) == 199  # the refused unload cut nothing short
     wait_for(lambda: is_idle(srv), what="the server idle")
     assert unload(srv, "sql") == []
     assert load(srv, "sql", srv.settings.lora_modules.partition("=")[2]) == ["sql"]  # type: ignore[union-attr]
     assert generate(srv, "again", "sql") == expected["sql"]
+
+
+def post(srv: InProcessServer, route: str, body: Any) -> tuple[int, str]:
+    """POST `body` (JSON, or bytes as they are) to the HTTP port: (status, response text)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(
+        srv.http_url(route), data=data, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_vllms_http_routes_load_and_unload(
+    srv: InProcessServer, adapters: dict[str, str], expected: dict[str | None, list[int]]
+) -> None:
+    """`/v1/load_lora_adapter` and `/v1/unload_lora_adapter` as vLLM answers them, for tools that manage
+    vLLM's adapters; refusals are vLLM's error object."""
+    body = {"lora_name": "web", "lora_path": adapters["chat"]}
+    assert post(srv, "/v1/load_lora_adapter", body) == (
+        200,
+        "Success: LoRA adapter 'web' added successfully.",
+    )
+    assert generate(srv, "web", "web") == expected["chat"]
+    refusals = [
+        (
+            "/v1/load_lora_adapter",
+            body,
+            400,
+            "BadRequestError",
+            "lora_name: an adapter named 'web' is loaded",
+        ),
+        (
+            "/v1/load_lora_adapter",
+            {"lora_name": "x"},
+            400,
+            "InvalidUserInput",
+            "Both 'lora_name' and 'lora_path'",
+        ),
+        ("/v1/load_lora_adapter", b"{not json", 400, "InvalidUserInput", "the body must be a JSON object"),
+        (
+            "/v1/load_lora_adapter",
+            {"lora_name": "x", "lora_path": "/nowhere"},
+            400,
+            "BadRequestError",
+            "lora_path:",
+        ),
+        (
+            "/v1/unload_lora_adapter",
+            {"lora_name": "nope"},
+            404,
+            "NotFoundError",
+            "lora_name: no adapter named",
+        ),
+        ("/v1/unload_lora_adapter", {}, 400, "InvalidUserInput", "'lora_name' must be provided."),
+    ]
+    for route, request, status, kind, message in refusals:
+        code, text = post(srv, route, request)
+        error = json.loads(text)
+        assert (code, error["object"], error["type"], error["code"]) == (status, "error", kind, status), text
+        assert error["message"].startswith(message), text
+    assert post(srv, "/v1/unload_lora_adapter", {"lora_name": "web"}) == (
+        200,
+        "Success: LoRA adapter 'web' removed successfully.",
+    )
+    assert "web" not in srv.stub.ModelInfo(pb.ModelInfoRequest(), timeout=10).lora_adapters
 
 
 def test_runtime_changes_need_the_flag(tiny_llama_dir: str, adapters: dict[str, str]) -> None:
@@ -136,6 +210,10 @@ def test_runtime_changes_need_the_flag(tiny_llama_dir: str, adapters: dict[str, 
             error = refused(call)
             assert error.code() == grpc.StatusCode.PERMISSION_DENIED
             assert "--allow-runtime-lora-updating" in error.details()
+        code, text = post(
+            server, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": adapters["chat"]}
+        )
+        assert code == 404 and "--allow-runtime-lora-updating" in json.loads(text)["message"]
         assert list(server.stub.ModelInfo(pb.ModelInfoRequest(), timeout=10).lora_adapters) == ["sql"]
     finally:
         server.stop()

@@ -1,6 +1,7 @@
 """The HTTP port (--http-port; HTTPS with --ssl-certfile): Prometheus `/metrics`, health for HTTP
-probes (`/health/live`, `/health/ready`), and whatever routes the adapters add (KServe v2 REST). Built
-on aiohttp, so keep-alive clients, request bodies and server-sent events work as HTTP clients expect."""
+probes (`/health/live`, `/health/ready`), vLLM's runtime LoRA routes (`/v1/load_lora_adapter`,
+`/v1/unload_lora_adapter`), and whatever routes the adapters add (KServe v2 REST). Built on aiohttp,
+so keep-alive clients, request bodies and server-sent events work as HTTP clients expect."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from aiohttp import web
+
+from pagedserve.errors import AdapterInUseError, AdapterNotLoadedError, EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +28,8 @@ class HttpEndpoint:
                 web.get("/metrics", self.metrics),
                 web.get("/health/live", self.live),
                 web.get("/health/ready", self.ready),
+                web.post("/v1/load_lora_adapter", self.load_lora_adapter),
+                web.post("/v1/unload_lora_adapter", self.unload_lora_adapter),
             ]
         )
         self.app.add_routes(list(extra_routes))
@@ -57,6 +62,61 @@ class HttpEndpoint:
 
     async def ready(self, request: web.Request) -> web.Response:
         return probe(self.grpc_server.state.ready)
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's route (`{"lora_name", "lora_path"}`), so that tools managing vLLM's adapters (a LoRA
+        syncer beside the server, a controller) work unchanged; as the gRPC LoadLoRAAdapter."""
+        return await self._change_lora(request, load=True)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's route (`{"lora_name"}`); as the gRPC UnloadLoRAAdapter."""
+        return await self._change_lora(request, load=False)
+
+    async def _change_lora(self, request: web.Request, load: bool) -> web.Response:
+        """vLLM's answers: 200 with its success text, else its error object (400, 404 for an adapter
+        not loaded), and 404 while runtime updating is off (vLLM has no such routes then); here also
+        409 for an adapter requests still use and 503 for a server not serving."""
+        state = self.grpc_server.state
+        if not state.allow_runtime_lora_updating:
+            return _lora_error(
+                404,
+                "NotFoundError",
+                "LoRA adapters are not loaded or unloaded at run time here: start the server with "
+                "--allow-runtime-lora-updating",
+            )
+        if state.status != "serving":
+            return _lora_error(503, "ServiceUnavailableError", f"server is {state.status}")
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return _lora_error(400, "InvalidUserInput", "the body must be a JSON object")
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not (isinstance(name, str) and name) or (load and not (isinstance(path, str) and path)):
+            wanted = "Both 'lora_name' and 'lora_path' must" if load else "'lora_name' must"
+            return _lora_error(400, "InvalidUserInput", f"{wanted} be provided.")
+        engine = self.grpc_server.engine
+        try:
+            await (engine.load_lora_adapter(name, path) if load else engine.unload_lora_adapter(name))
+        except AdapterNotLoadedError as exc:
+            return _lora_error(404, "NotFoundError", str(exc))
+        except AdapterInUseError as exc:
+            return _lora_error(409, "ConflictError", str(exc))
+        except InvalidRequestError as exc:  # a name loaded already, an adapter that does not fit
+            return _lora_error(400, "BadRequestError", str(exc))
+        except EngineDeadError as exc:
+            return _lora_error(503, "ServiceUnavailableError", str(exc))
+        return web.Response(
+            text=f"Success: LoRA adapter '{name}' {'added' if load else 'removed'} successfully."
+        )
+
+
+def _lora_error(status: int, kind: str, message: str) -> web.Response:
+    """vLLM's ErrorResponse."""
+    return web.json_response(
+        {"object": "error", "message": message, "type": kind, "code": status}, status=status
+    )
 
 
 def probe(ok: bool) -> web.Response:
