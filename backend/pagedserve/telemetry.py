@@ -158,7 +158,7 @@ class EngineMetrics:
         self._last = _Snapshot()
         self._streams = _StreamTimes()
         self.lora_info: Gauge | None = None  # `set_num_lora_adapters`
-        self._lora_labels = ("0", "", "")
+        self._lora_labels: tuple[str, ...] = ("0", "", "")
         self._window_start = time.monotonic()
         self._window_tokens = [0, 0]  # prompt, generation
         self._is_idle = True  # nothing was left to do after the last step
@@ -219,9 +219,10 @@ class EngineMetrics:
 
     def set_num_lora_adapters(self, num_adapters: int) -> None:
         """vLLM's `vllm:lora_requests_info`, once the engine serves LoRA adapters: one series whose
-        labels name the adapters of the running and of the waiting requests (comma separated) and
-        `max_lora` (here the adapters loaded: all are), its value the time they last changed. vLLM adds
-        a series for every combination it meets; this one keeps only the current one."""
+        labels name the adapters of the running and of the waiting requests (comma separated,
+        `set_lora_in_use`) and `max_lora` (here the adapters loaded: all are), its value the time they
+        last changed. vLLM adds a series for every combination it meets; this one keeps only the
+        current one."""
         if self.lora_info is None:
             self.lora_info = Gauge(
                 "vllm:lora_requests_info",
@@ -229,21 +230,19 @@ class EngineMetrics:
                 ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
                 registry=self.registry,
             )
-        else:
-            self.lora_info.remove(*self._lora_labels)
-        self._lora_labels = (str(num_adapters), *self._lora_labels[1:])
-        self.lora_info.labels(*self._lora_labels).set_to_current_time()
+            self.lora_info.labels(*self._lora_labels).set_to_current_time()
+        self._relabel_lora(str(num_adapters), *self._lora_labels[1:])
 
-    def _set_lora_info(self, gauge: Gauge, stats: Any) -> None:
-        labels = (
-            self._lora_labels[0],
-            ",".join(stats.waiting_lora_adapters),
-            ",".join(stats.running_lora_adapters),
-        )
+    def set_lora_in_use(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
+        if self.lora_info is not None:
+            self._relabel_lora(self._lora_labels[0], ",".join(waiting), ",".join(running))
+
+    def _relabel_lora(self, *labels: str) -> None:
+        assert self.lora_info is not None
         if labels != self._lora_labels:
-            gauge.remove(*self._lora_labels)
+            self.lora_info.remove(*self._lora_labels)
             self._lora_labels = labels
-            gauge.labels(*labels).set_to_current_time()
+            self.lora_info.labels(*labels).set_to_current_time()
 
     def _export_every_series(self) -> None:
         """Every series at 0 from the start, so dashboards and rate() see it before its first event."""
@@ -333,8 +332,6 @@ class EngineMetrics:
         self.waiting.labels(m).set(stats.num_waiting)
         self.swapped.labels(m).set(stats.num_swapped)
         self.kv_usage.labels(m).set(1.0 - stats.num_free_blocks / max(1, stats.num_total_blocks))
-        if self.lora_info is not None:
-            self._set_lora_info(self.lora_info, stats)
 
     def _add_cumulative(self, stats: Any) -> None:
         m, last = self.model_name, self._last

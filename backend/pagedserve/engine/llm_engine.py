@@ -55,10 +55,6 @@ class EngineStats:
     num_swapped_in_blocks: int
     num_prefix_queries: int  # tokens looked up in the prefix cache
     num_prefix_hits: int  # tokens found there
-    # the LoRA adapters of the running and of the waiting (or swapped) requests, sorted; () until an
-    # adapter is loaded
-    running_lora_adapters: tuple[str, ...] = ()
-    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 class LLMEngine:
@@ -399,7 +395,15 @@ class LLMEngine:
                 self._drop(request_id)  # (Ctrl-C) before its output was processed: no delta came
         if deltas:  # no step may follow: the gauges must not keep showing the aborted requests
             self.metrics.record_aborted(self.stats(), deltas, now)
+            self._record_lora_in_use()
         return deltas
+
+    def _record_lora_in_use(self) -> None:
+        """`vllm:lora_requests_info`'s adapters of the running and of the waiting (or swapped)
+        requests: a pass over them, made only once an adapter is loaded."""
+        if self._serves_lora:
+            s = self.scheduler
+            self.metrics.set_lora_in_use(_lora_names(s.running), _lora_names(chain(s.waiting, s.swapped)))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -428,8 +432,6 @@ class LLMEngine:
             num_swapped_in_blocks=s.num_swapped_in_blocks,
             num_prefix_queries=bm.num_prefix_queries,
             num_prefix_hits=bm.num_prefix_hits,
-            running_lora_adapters=_lora_names(s.running) if self._serves_lora else (),
-            waiting_lora_adapters=_lora_names(chain(s.waiting, s.swapped)) if self._serves_lora else (),
         )
 
     def record_kv_events(self, on: bool) -> list[bytes]:
@@ -473,6 +475,7 @@ class LLMEngine:
             updated = self.scheduler.update(scheduler_output, runner_output)
             deltas = self._process_outputs(updated, runner_output)
         self.metrics.record_step(self.stats(), deltas)
+        self._record_lora_in_use()
         return deltas
 
     def _process_outputs(
