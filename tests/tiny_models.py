@@ -55,8 +55,9 @@ def build_tiny_llama(
 def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int = 0) -> str:
     """A random-weight checkpoint of any transformers causal-LM `config` (its class picks the
     architecture), saved as a Hugging Face directory with the default model's tokenizer. Biases are
-    random too (transformers initializes them to zero, which would hide a bias never applied), and a
-    tied LM head is left out of the weights, as transformers saves it."""
+    random too (transformers initializes them to zero, which would hide a bias never applied), so are
+    Qwen3's query and key norms (ones would hide a weight never applied), and a tied LM head is left
+    out of the weights, as transformers saves it."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -67,6 +68,8 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.2)
+            elif name.endswith((".q_norm.weight", ".k_norm.weight")):
+                param.normal_(1.0, 0.5)
     weights = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         del weights["lm_head.weight"]

@@ -146,15 +146,16 @@ def _max_model_len(hf: dict[str, Any], architecture: str, requested: int | None)
 
 def _sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
     """The attention window some layer of this model slides, or None. `use_sliding_window: false`
-    turns it off (Qwen2 configs carry a window they do not use; vLLM reads it so for every model).
-    Qwen2's default is off, and when on, transformers slides only the layers `layer_types` names,
-    by default those from `max_window_layers` on: with none of them, no window applies."""
+    turns it off (Qwen2 and Qwen3 configs carry a window they do not use; vLLM reads it so for every
+    model). Qwen2's and Qwen3's default is off, and when on, transformers slides only the layers
+    `layer_types` names, by default those from `max_window_layers` on: with none of them, no window
+    applies."""
     window = hf.get("sliding_window")
-    is_qwen2 = architecture == "Qwen2ForCausalLM"
-    if not (isinstance(window, int) and window > 0) or not hf.get("use_sliding_window", not is_qwen2):
+    is_qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    if not (isinstance(window, int) and window > 0) or not hf.get("use_sliding_window", not is_qwen):
         return None
-    if is_qwen2:
-        first_sliding = hf.get("max_window_layers", 28)  # transformers' Qwen2Config default
+    if is_qwen:
+        first_sliding = hf.get("max_window_layers", 28)  # transformers' Qwen2Config and Qwen3Config default
         layer_types = hf.get("layer_types") or [
             "sliding_attention" if i >= first_sliding else "full_attention"
             for i in range(hf["num_hidden_layers"])

@@ -135,6 +135,7 @@ def decode_layers(
     norms: list[torch.Tensor],
     qkv: list[torch.Tensor],
     qkv_bias: list[torch.Tensor],
+    qk_norms: list[torch.Tensor],
     o_proj: list[torch.Tensor],
     gate_up: list[torch.Tensor],
     down: list[torch.Tensor],
@@ -151,8 +152,9 @@ def decode_layers(
 ) -> torch.Tensor:
     """Every decoder layer of a Llama-family model for a decode-only step, bfloat16 on packed weights
     (`csrc/decode_layers.cpp`): each one in AMX tiles (`pack_linear_weight`, needs
-    `linear_amx_supported()`) or in oneDNN's layout (`torch.ops.mkldnn._reorder_linear_weight`). The
-    final-normed hidden states [tokens, hidden] (needs `decode_layers_supported()`). Block tables are
+    `linear_amx_supported()`) or in oneDNN's layout (`torch.ops.mkldnn._reorder_linear_weight`);
+    `qkv_bias` one a layer or none, `qk_norms` (Qwen3's query and key head norms) two a layer or none.
+    The final-normed hidden states [tokens, hidden] (needs `decode_layers_supported()`). Block tables are
     checked as `paged_attention_decode` checks them, before any layer runs."""
     return torch.ops.pagedserve_cpu.decode_layers(
         input_ids,
@@ -162,6 +164,7 @@ def decode_layers(
         norms,
         qkv,
         qkv_bias,
+        qk_norms,
         o_proj,
         gate_up,
         down,

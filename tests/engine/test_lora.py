@@ -325,3 +325,31 @@ def test_chunked_prefill_runs_every_chunk_through_the_adapter(
     )
     outs = llm.generate([PROMPT, OTHER_PROMPT], greedy(), lora_request=[LoRARequest("all"), None])
     assert [o.outputs[0].token_ids for o in outs] == [peft_tokens["all", 0], peft_tokens[None, 1]]
+
+
+def test_a_qwen3_adapter_updates_q_and_k_before_their_head_norms(
+    tmp_path: Path, default_model_dir: str
+) -> None:
+    """Qwen3 norms each query and key head after the projection: PEFT's update of q_proj and k_proj
+    enters before the norm, as ours (added to the qkv product) does."""
+    from tiny_models import save_tiny_model
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+    )
+    model_dir = save_tiny_model(tmp_path / "qwen3", default_model_dir, config)
+    adapter = build_lora_adapter(tmp_path / "qk", model_dir, rank=8, targets=("q_proj", "k_proj"), seed=3)
+    theirs = peft_greedy_tokens(model_dir, adapter, PROMPT, MAX_TOKENS)
+    assert theirs != peft_greedy_tokens(model_dir, None, PROMPT, MAX_TOKENS)
+    llm = LLM(model=model_dir, dtype="float32", block_size=8, lora_modules={"qk": adapter})
+    [out] = llm.generate([PROMPT], greedy(), lora_request=LoRARequest("qk"))
+    assert out.outputs[0].token_ids == theirs

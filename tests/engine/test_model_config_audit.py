@@ -1,4 +1,5 @@
-"""The config.json options of the Llama family that change outputs (Qwen2's biases, linear and llama3
+"""The config.json options of the Llama family that change outputs (Qwen2's biases, Qwen3's query and
+key norms, linear and llama3
 rope scaling in the 4.x and 5.x formats, an explicit head_dim, attention and MLP biases, tied
 embeddings, sliding windows), each held to transformers on a tiny random-weight checkpoint; and the
 options pagedserve does not implement, refused at load naming the option.
@@ -24,7 +25,7 @@ from pagedserve.errors import InvalidRequestError
 from pagedserve.layers.rotary import RotaryEmbedding
 from test_hf_parity import assert_greedy_equal, hf_greedy
 from tiny_models import save_tiny_model
-from transformers import MistralConfig, Qwen2Config
+from transformers import MistralConfig, Qwen2Config, Qwen3Config
 
 TINY = {
     "vocab_size": 49152,
@@ -102,6 +103,12 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         None,
     ),
     "mistral-head-dim-32": (lambda: MistralConfig(**TINY, head_dim=32, sliding_window=None), None),
+    "qwen3": (lambda: Qwen3Config(**TINY, head_dim=16), with_unused_window),
+    # Qwen3 checkpoints name a head_dim wider than hidden / heads (Qwen3-0.6B: 128 against 64)
+    "qwen3-tied-head-dim-32-attention-bias": (
+        lambda: Qwen3Config(**TINY, tie_word_embeddings=True, head_dim=32, attention_bias=True),
+        None,
+    ),
 }
 
 
@@ -175,10 +182,15 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2", "llama-llama3-rope-4.x-config", "llama-attention-and-mlp-bias"])
+@pytest.mark.parametrize(
+    "name", ["qwen2", "qwen3", "llama-llama3-rope-4.x-config", "llama-attention-and-mlp-bias"]
+)
 def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str], name: str) -> None:
-    """The CPU default: the torch.compile'd forward pass (and, on AMX, decode steps in one C++ call,
-    which takes a qkv bias and refuses other biases). ~30 s a compile."""
+    """The CPU default: the torch.compile'd forward pass (and, for bfloat16 on CPUs with AVX512-BF16,
+    decode steps in one C++ call, which takes a qkv bias and Qwen3's head norms and refuses other
+    biases). ~30 s a compile."""
+    from pagedserve_kernels import cpu
+
     model_dir, prompts = variant_dir(name), long_prompts()
     model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
     for dtype in ("float32", "bfloat16"):
@@ -189,6 +201,9 @@ def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str]
             assert_greedy_equal(model, prompts, ours, theirs)
         else:
             assert worst_gap(model, prompts, ours) < BF16_GAP
+            fused = llm.engine.executor.worker.model_runner.fused_decode
+            decode_layers_here = cpu.load() and cpu.decode_layers_supported()
+            assert (fused is not None) == (decode_layers_here and name != "llama-attention-and-mlp-bias")
 
 
 def test_dropping_the_rope_scaling_changes_transformers_outputs(
@@ -277,6 +292,13 @@ def drop(*keys: str) -> ConfigPatch:
             32,
         ),
         (Qwen2Config(**TINY), with_unused_window, 1024),
+        # Qwen3 reads its window as Qwen2 does
+        (Qwen3Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=1), None, 32),
+        (
+            Qwen3Config(**TINY, use_sliding_window=True, sliding_window=32),
+            drop("use_sliding_window", "layer_types"),
+            1024,
+        ),
         (MistralConfig(**TINY, sliding_window=None), None, 1024),
     ],
     ids=[
@@ -286,6 +308,8 @@ def drop(*keys: str) -> ConfigPatch:
         "qwen2-28-window-layers-default",
         "qwen2-every-layer-slides",
         "qwen2-use-false",
+        "qwen3-layer-1-slides",
+        "qwen3-use-unset",
         "mistral-no-window",
     ],
 )

@@ -45,6 +45,7 @@ class Model:
     norms: list[torch.Tensor]
     qkv: list[torch.Tensor]
     qkv_bias: list[torch.Tensor]
+    qk_norms: list[torch.Tensor]  # Qwen3's query and key head norms, two a layer, or none
     o_proj: list[torch.Tensor]
     gate_up: list[torch.Tensor]
     down: list[torch.Tensor]
@@ -56,7 +57,7 @@ def bf16(*shape: int, scale: float = 0.1) -> torch.Tensor:
     return (torch.randn(*shape) * scale).to(torch.bfloat16)
 
 
-def make_model(qkv_bias: bool, head_dim: int = HEAD_DIM) -> Model:
+def make_model(qkv_bias: bool, head_dim: int = HEAD_DIM, qk_norms: bool = False) -> Model:
     torch.manual_seed(0)
     qkv_size = (HEADS + 2 * KV_HEADS) * head_dim
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
@@ -66,6 +67,7 @@ def make_model(qkv_bias: bool, head_dim: int = HEAD_DIM) -> Model:
         norms=[1 + bf16(HIDDEN) for _ in range(2 * LAYERS)],
         qkv=[bf16(qkv_size, HIDDEN) for _ in range(LAYERS)],
         qkv_bias=[bf16(qkv_size) for _ in range(LAYERS)] if qkv_bias else [],
+        qk_norms=[1 + bf16(head_dim, scale=0.5) for _ in range(2 * LAYERS)] if qk_norms else [],
         o_proj=[bf16(HIDDEN, HEADS * head_dim) for _ in range(LAYERS)],
         gate_up=[bf16(2 * INTER, HIDDEN) for _ in range(LAYERS)],
         down=[bf16(HIDDEN, INTER) for _ in range(LAYERS)],
@@ -115,6 +117,7 @@ def run_kernel(
         model.norms,
         [pack(w, packing) for w in model.qkv],
         model.qkv_bias,
+        model.qk_norms,
         [pack(w, packing) for w in model.o_proj],
         [pack(w, packing) for w in model.gate_up],
         [pack(w, packing) for w in model.down],
@@ -146,6 +149,10 @@ def run_reference(model: Model, step: dict, head_dim: int = HEAD_DIM) -> torch.T
         bias = model.qkv_bias[layer] if model.qkv_bias else None
         qkv = F.linear(hidden, model.qkv[layer], bias)
         qk = qkv[:, : q_size + kv_size].view(-1, HEADS + KV_HEADS, head_dim)
+        if model.qk_norms:
+            q, k = qk.split([HEADS, KV_HEADS], dim=1)
+            q_norm, k_norm = model.qk_norms[2 * layer], model.qk_norms[2 * layer + 1]
+            qk = torch.cat((reference.rms_norm(q, q_norm, EPS), reference.rms_norm(k, k_norm, EPS)), dim=1)
         q, k = reference.apply_rotary(qk, cos, sin).split([HEADS, KV_HEADS], dim=1)
         v = qkv[:, q_size + kv_size :].view(-1, KV_HEADS, head_dim)
         k_cache, v_cache = step["k_caches"][layer], step["v_caches"][layer]
@@ -202,6 +209,21 @@ def test_a_head_wider_than_a_vector() -> None:
     )
 
 
+@pytest.mark.parametrize("head_dim", [16, 24, 128])
+def test_query_and_key_head_norms(head_dim: int) -> None:
+    """Qwen3's RMSNorm of each query and key head before the rotation, over heads of one vector, of a
+    vector and a half (the masked tail) and of eight; the norms change the result."""
+    step = make_step(5, head_dim=head_dim)
+    model = make_model(True, head_dim=head_dim, qk_norms=True)
+    out = run_kernel(model, clone_step(step), head_dim=head_dim)
+    torch.testing.assert_close(
+        out.float(), run_reference(model, clone_step(step), head_dim=head_dim).float(), atol=0.05, rtol=0.03
+    )
+    model.qk_norms = []
+    without = run_kernel(model, clone_step(step), head_dim=head_dim)
+    assert not torch.allclose(out.float(), without.float(), atol=0.05, rtol=0.03)
+
+
 def test_rows_do_not_depend_on_the_batch() -> None:
     """Each sequence's hidden state is the same alone as among 16 (the multiplies and attention are
     per row; the elementwise loops too)."""
@@ -225,6 +247,13 @@ def test_refuses_bad_inputs_with_a_message() -> None:
     bad_pos["positions"][0] = 10_000
     with pytest.raises(RuntimeError, match="position 10000 is out of the rotary table"):
         run_kernel(model, bad_pos)
+    with_head_norms = make_model(False, qk_norms=True)
+    with_head_norms.qk_norms = with_head_norms.qk_norms[:-1]
+    with pytest.raises(RuntimeError, match="two head norms, if any"):
+        run_kernel(with_head_norms, clone_step(step))
+    with_head_norms.qk_norms = [bf16(HEAD_DIM + 1) for _ in range(2 * LAYERS)]
+    with pytest.raises(RuntimeError, match=r"head norm weights must be bfloat16 \[head_dim\]"):
+        run_kernel(with_head_norms, clone_step(step))
     model.norms = model.norms[:-1]
     with pytest.raises(RuntimeError, match="two norms a layer"):
         run_kernel(model, clone_step(step))

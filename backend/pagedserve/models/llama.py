@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2 layouts): GQA, RoPE, RMSNorm, SwiGLU, tied or untied
-embeddings. Mirrors Hugging Face's LlamaForCausalLM; the difference is paged attention and
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3 layouts): GQA, RoPE, RMSNorm, SwiGLU, tied or
+untied embeddings, and Qwen3's RMSNorm of each query and key head. Mirrors Hugging Face's LlamaForCausalLM; the difference is paged attention and
 tensor-parallel layers. Input is one packed batch of tokens, [num_tokens]."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def rms_norm_eps(cfg: dict[str, Any]) -> float:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], backend: AttentionBackend, biases: Biases) -> None:
+    def __init__(self, cfg: dict[str, Any], backend: AttentionBackend, biases: Biases, qk_norm: bool) -> None:
         super().__init__()
         hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
@@ -43,12 +43,25 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.head_dim = head_dim
+        # Qwen3: every query head and every key head RMS-normed over its head_dim before the rotation,
+        # with one weight for all query heads and one for all key heads (whole on every rank)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps(cfg)) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps(cfg)) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, backend)
 
     def forward(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # each row: [ q heads | k heads | v heads ]
         # q and k sit side by side in every row, so one rotation covers both
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat(
+                (
+                    ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps),
+                    ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps),
+                ),
+                dim=1,
+            )
         q, k = ops.apply_rotary(qk, *rotary).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :]
         return self.o_proj(self.attn(q, k, v, metadata))
@@ -71,9 +84,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], backend: AttentionBackend, biases: Biases) -> None:
+    def __init__(self, cfg: dict[str, Any], backend: AttentionBackend, biases: Biases, qk_norm: bool) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, biases)
+        self.self_attn = LlamaAttention(cfg, backend, biases, qk_norm)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
@@ -103,6 +116,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    qk_norm = False  # Qwen3's RMSNorm of each query and key head
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
         super().__init__()
@@ -111,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), max_position, cfg)
         biases = self.attention_biases(cfg)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, biases) for _ in range(cfg["num_hidden_layers"])
+            LlamaDecoderLayer(cfg, backend, biases, self.qk_norm) for _ in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
@@ -184,6 +198,13 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     def attention_biases(cfg: dict[str, Any]) -> Biases:
         """Qwen2 always biases q, k and v and never o; transformers reads no `attention_bias` for it."""
         return True, False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Llama's layout (`attention_bias` covers q, k, v and o, as in transformers' Qwen3) with each
+    query and key head RMS-normed before the rotation (`q_norm`, `k_norm`)."""
+
+    qk_norm = True
 
 
 def _check_full_rotary(cfg: dict[str, Any]) -> None:

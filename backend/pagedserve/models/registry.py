@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from pagedserve.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from pagedserve.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 # every architecture served is Llama-family: the model runner and `fused_decode` use its typed attributes
 MODELS: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
 

@@ -9,7 +9,7 @@ torch's SDPA).
 
 Used where the compiled pass is (CPU, one rank, torch attention with its C++ kernels) on CPUs with
 AVX512-BF16, for bfloat16 models whose linear layers are all packed (`LinearBase.packed_weight`) and
-carry no bias but an optional qkv bias.
+carry no bias but an optional qkv bias, with or without Qwen3's query and key head norms.
 """
 
 from __future__ import annotations
@@ -43,6 +43,12 @@ class FusedDecode:
         self.qkv = [_packed(layer.self_attn.qkv_proj) for layer in layers]
         biases = [layer.self_attn.qkv_proj.bias for layer in layers]
         self.qkv_bias: list[torch.Tensor] = [b for b in biases if b is not None]
+        self.qk_norms: list[torch.Tensor] = [
+            norm.weight
+            for layer in layers
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm)
+            if norm is not None
+        ]
         self.o_proj = [_packed(layer.self_attn.o_proj) for layer in layers]
         self.gate_up = [_packed(layer.mlp.gate_up_proj) for layer in layers]
         self.down = [_packed(layer.mlp.down_proj) for layer in layers]
@@ -74,6 +80,7 @@ class FusedDecode:
             self.norms,
             self.qkv,
             self.qkv_bias,
+            self.qk_norms,
             self.o_proj,
             self.gate_up,
             self.down,
@@ -123,4 +130,7 @@ def _unsupported(model: torch.nn.Module, backend: object, dtype: torch.dtype) ->
     qkv_biases = [layer.self_attn.qkv_proj.bias is not None for layer in layers]
     if any(qkv_biases) and not all(qkv_biases):
         return "qkv bias on some layers only"
+    qk_norms = [layer.self_attn.q_norm is not None for layer in layers]
+    if any(qk_norms) and not all(qk_norms):
+        return "query and key head norms on some layers only"
     return ""

@@ -4,7 +4,8 @@
 // A decode step of a small model on a CPU spends as much time between its kernels as in its small ones:
 // the compiled forward pass calls ~8 ops a layer from Python (inductor's wrapper), each a few
 // microseconds of dispatch, and its fused elementwise kernels are tiny at decode batch sizes. Here a
-// layer is: residual add + RMSNorm, the qkv multiply, rotary on q and k, the KV write and
+// layer is: residual add + RMSNorm, the qkv multiply, (Qwen3: RMSNorm of each q and k head,) rotary on
+// q and k, the KV write and
 // decode attention (cpu_kernels.cpp), the o multiply, residual add + RMSNorm, the gate_up multiply,
 // SiLU(gate) * up, the down multiply. The multiplies and attention are the same ops the compiled pass
 // calls (through the dispatcher); the elementwise parts are written here in float32, rounded to
@@ -13,8 +14,8 @@
 // part from the compiled pass's where two logits are within rounding of each other.
 //
 // bfloat16 only, on CPUs with AVX512-BF16, with the linear weights packed (for AMX tiles where the CPU
-// has them, else for oneDNN), full rotary (NeoX layout), no biases but an optional qkv bias: the model
-// runner checks that before using it.
+// has them, else for oneDNN), full rotary (NeoX layout), no biases but an optional qkv bias, optional
+// query and key head norms: the model runner checks that before using it.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -85,10 +86,30 @@ void add_rms_norm(const BF16* x, BF16* residual, const BF16* weight, BF16* out, 
   });
 }
 
+__mmask16 lanes(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)) over one head of `dim` values, rounded to bfloat16 once.
+void rms_norm_head(const BF16* x, const BF16* weight, BF16* out, int64_t dim, float eps) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < dim; i += 16) {
+    const __m512 a = load_bf16(x + i, lanes(dim - i));
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(a, a));
+  }
+  const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / dim + eps));
+  for (int64_t i = 0; i < dim; i += 16) {
+    const __mmask16 m = lanes(dim - i);
+    store_bf16(out + i, _mm512_mul_ps(load_bf16(weight + i, m), _mm512_mul_ps(load_bf16(x + i, m), scale)), m);
+  }
+}
+
 // q and k heads of each qkv row (the first heads_qk * dim values) rotated into `out` [rows, heads_qk,
-// dim], NeoX layout: the two halves of a head pair up with cos and sin of the token's position.
+// dim], NeoX layout: the two halves of a head pair up with cos and sin of the token's position. With
+// `q_norm` and `k_norm` (Qwen3), each query head is first RMS-normed with `q_norm` and each key head
+// (those from `num_heads` on) with `k_norm`, into `out`, and rotated there (each lane is read before
+// it is written).
 void rotary(const BF16* qkv, int64_t ld_qkv, const int64_t* positions, const float* cos_sin, BF16* out,
-            int64_t rows, int64_t heads_qk, int64_t dim) {
+            int64_t rows, int64_t num_heads, int64_t heads_qk, int64_t dim, const BF16* q_norm, const BF16* k_norm,
+            float eps) {
   const int64_t half = dim / 2;
   for_rows(rows, [&](int64_t r) {
     const float* cos = cos_sin + positions[r] * dim;
@@ -96,8 +117,12 @@ void rotary(const BF16* qkv, int64_t ld_qkv, const int64_t* positions, const flo
     for (int64_t h = 0; h < heads_qk; ++h) {
       const BF16* x = qkv + r * ld_qkv + h * dim;
       BF16* y = out + (r * heads_qk + h) * dim;
+      if (q_norm != nullptr) {
+        rms_norm_head(x, h < num_heads ? q_norm : k_norm, y, dim, eps);
+        x = y;
+      }
       for (int64_t i = 0; i < half; i += 16) {
-        const __mmask16 m = half - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (half - i)) - 1);
+        const __mmask16 m = lanes(half - i);
         const __m512 x1 = load_bf16(x + i, m), x2 = load_bf16(x + half + i, m);
         const __m512 c = _mm512_maskz_loadu_ps(m, cos + i), s = _mm512_maskz_loadu_ps(m, sin + i);
         store_bf16(y + i, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)), m);
@@ -163,11 +188,12 @@ bool is_bf16_cpu(const at::Tensor& t) { return t.device().is_cpu() && t.scalar_t
 
 // input_ids, positions [T] int64; embedding [vocab, hidden]; cos_sin_cache [positions, head_dim] float32
 // ([cos | sin] halves); per layer L: norms[2L] (input, post-attention), qkv[L], qkv_bias[L] or empty,
-// o_proj[L], gate_up[L], down[L] (packed); final_norm [hidden]; the layers' caches; the step's slot
+// qk_norms[2L] (query, key head norms [head_dim]) or empty, o_proj[L], gate_up[L], down[L] (packed); final_norm [hidden]; the layers' caches; the step's slot
 // mapping, decode block tables and context lengths. Returns the final-normed hidden states [T, hidden].
 at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& embedding,
                          const at::Tensor& cos_sin_cache, at::TensorList norms, at::TensorList qkv,
-                         at::TensorList qkv_bias, at::TensorList o_proj, at::TensorList gate_up,
+                         at::TensorList qkv_bias, at::TensorList qk_norms, at::TensorList o_proj,
+                         at::TensorList gate_up,
                          at::TensorList down, const at::Tensor& final_norm, at::TensorList k_caches,
                          at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
@@ -175,9 +201,10 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
   const int64_t layers = static_cast<int64_t>(qkv.size());
   TORCH_CHECK(layers > 0 && norms.size() == 2 * qkv.size() && o_proj.size() == qkv.size() &&
                   gate_up.size() == qkv.size() && down.size() == qkv.size() && k_caches.size() == qkv.size() &&
-                  v_caches.size() == qkv.size() && (qkv_bias.empty() || qkv_bias.size() == qkv.size()),
-              "decode_layers: one qkv, o_proj, gate_up, down, k and v cache (and qkv bias, if any) and two norms a "
-              "layer");
+                  v_caches.size() == qkv.size() && (qkv_bias.empty() || qkv_bias.size() == qkv.size()) &&
+                  (qk_norms.empty() || qk_norms.size() == 2 * qkv.size()),
+              "decode_layers: one qkv, o_proj, gate_up, down, k and v cache and two norms a layer (and one qkv bias "
+              "and two head norms, if any)");
   TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && positions.sizes() == input_ids.sizes() &&
                   positions.scalar_type() == at::kLong && input_ids.is_contiguous() && positions.is_contiguous(),
               "decode_layers: input_ids and positions must be contiguous int64 [tokens]");
@@ -198,6 +225,9 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
                 " is out of the rotary table");
   }
   for (const at::Tensor& w : norms) TORCH_CHECK(is_bf16_cpu(w) && w.numel() == hidden && w.is_contiguous(), "decode_layers: norm weights must be bfloat16 [hidden]");
+  for (const at::Tensor& w : qk_norms)
+    TORCH_CHECK(is_bf16_cpu(w) && w.numel() == head_dim && w.is_contiguous(),
+                "decode_layers: query and key head norm weights must be bfloat16 [head_dim]");
   // The block tables once, before layer 0 writes a KV row or starts a thread, against the cache shape
   // every layer shares (each layer's attention call checks them again: a pass over a few ids).
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.size(0) == tokens &&
@@ -224,7 +254,9 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
     TORCH_CHECK(qkv_out.size(1) == (heads_qk + num_kv_heads) * head_dim,
                 "decode_layers: layer ", l, "'s qkv weight does not match the heads");
     rotary(qkv_out.data_ptr<BF16>(), qkv_out.size(1), positions.data_ptr<int64_t>(), cos_sin_cache.data_ptr<float>(),
-           qk.data_ptr<BF16>(), tokens, heads_qk, head_dim);
+           qk.data_ptr<BF16>(), tokens, num_heads, heads_qk, head_dim,
+           qk_norms.empty() ? nullptr : qk_norms[2 * l].data_ptr<BF16>(),
+           qk_norms.empty() ? nullptr : qk_norms[2 * l + 1].data_ptr<BF16>(), static_cast<float>(eps));
     const at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, num_kv_heads);
     const at::Tensor v = qkv_out.narrow(1, heads_qk * head_dim, num_kv_heads * head_dim).view({tokens, num_kv_heads, head_dim});
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
@@ -262,7 +294,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("decode_layers_supported() -> bool", &decode_layers_supported);
   m.def(
       "decode_layers(Tensor input_ids, Tensor positions, Tensor embedding, Tensor cos_sin_cache, Tensor[] norms, "
-      "Tensor[] qkv, Tensor[] qkv_bias, Tensor[] o_proj, Tensor[] gate_up, Tensor[] down, Tensor final_norm, "
+      "Tensor[] qkv, Tensor[] qkv_bias, Tensor[] qk_norms, Tensor[] o_proj, Tensor[] gate_up, Tensor[] down, Tensor final_norm, "
       "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
       "int num_heads, int num_kv_heads, float eps, float scale) -> Tensor");
 }
