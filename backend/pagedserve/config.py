@@ -243,6 +243,9 @@ class EngineConfig:
     attention_backend: str = "torch"  # resolved: torch (reference) or triton (kernels)
     compile: bool = False  # resolved: the forward pass runs through torch.compile (`resolve_compile`)
     lora_modules: tuple[tuple[str, str], ...] = ()  # LoRA adapters (name, PEFT directory), all loaded
+    chat_template: str | None = None  # replaces the model's (--chat-template, resolved to its text)
+    # template variables every chat request gets unless it sets them (--default-chat-template-kwargs)
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def lora_names(self) -> tuple[str, ...]:

@@ -110,10 +110,20 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = False,
         priority: list[int] | None = None,
         lora_request: LoRARequests = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate. Each
-        output's `prompt` is the templated text, special tokens included (as vLLM's). `priority` and
-        `lora_request`: as `generate`'s, per conversation."""
+        """Apply the chat template to one conversation or a list of them, then generate. Each output's
+        `prompt` is the templated text, special tokens included (as vLLM's). `priority` and
+        `lora_request`: as `generate`'s, per conversation. As vLLM's: `chat_template` (its text)
+        replaces the model's (or --chat-template's) for this call, `add_generation_prompt` opens the
+        assistant's turn, `continue_final_message` leaves the last message open instead, `tools`
+        reach the template as `tools`, and `chat_template_kwargs` are further template variables
+        (e.g. {"enable_thinking": False} for Qwen3) over the engine's defaults."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         if not isinstance(conversations, list):
             raise InvalidRequestError(
@@ -127,7 +137,18 @@ class LLM:
                     "messages",
                     f"conversation {index}: expected a list of {{'role': ..., 'content': ...}} dicts",
                 )
-        token_ids = [self.engine.encode_chat(c) for c in cast(list[list[dict[str, str]]], conversations)]
+        if tools is not None:
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
+        token_ids = [
+            self.engine.encode_chat(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+                chat_template=chat_template,
+            )
+            for conversation in cast(list[list[dict[str, str]]], conversations)
+        ]
         texts = [self.engine.decode(ids, skip_special_tokens=False) for ids in token_ids]
         return self._run(list(texts), token_ids, sampling_params, use_tqdm, priority, lora_request)
 

@@ -16,6 +16,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pagedserve.chat_template import parse_chat_template_kwargs, resolve_chat_template
 from pagedserve.config import (
     CacheConfig,
     EngineConfig,
@@ -138,6 +139,34 @@ class EngineSettings(BaseSettings):
         "directories: adapter_config.json and adapter_model.safetensors); a request names one as lora_name",
     )
 
+    chat_template: str | None = Field(
+        None,
+        description="a Jinja chat template replacing the model's, or the path of a file holding one",
+    )
+    default_chat_template_kwargs: str | dict[str, Any] | None = Field(
+        None,
+        description="chat template variables every chat request gets unless it sets them: a JSON object, "
+        "e.g. '{\"enable_thinking\": false}' for Qwen3",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _check_chat_template(cls, value: str | None) -> str | None:
+        try:
+            resolve_chat_template(value)
+        except ValueError as exc:
+            raise ValueError(str(exc).removeprefix("chat_template: ")) from None
+        return value
+
+    @field_validator("default_chat_template_kwargs")
+    @classmethod
+    def _check_chat_template_kwargs(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        try:
+            parse_chat_template_kwargs(value, "default_chat_template_kwargs")
+        except ValueError as exc:
+            raise ValueError(str(exc).removeprefix("default_chat_template_kwargs: ")) from None
+        return value
+
     @field_validator("lora_modules")
     @classmethod
     def _check_lora_modules(cls, value: str | dict[str, str] | None) -> str | dict[str, str] | None:
@@ -219,6 +248,10 @@ class EngineSettings(BaseSettings):
             attention_backend=backend,
             compile=resolve_compile(self.enforce_eager, device, backend, self.tensor_parallel_size),
             lora_modules=parse_lora_modules(self.lora_modules),
+            chat_template=resolve_chat_template(self.chat_template),
+            default_chat_template_kwargs=parse_chat_template_kwargs(
+                self.default_chat_template_kwargs, "default_chat_template_kwargs"
+            ),
         )
 
 

@@ -115,3 +115,44 @@ def test_a_bad_lora_adapter_names_the_flag_or_the_variable(
         parse([])
     good = lora_adapter_dir(tmp_path / "good")
     assert parse(["--lora-modules", f"good={good}"]).lora_modules == f"good={good}"
+
+
+def test_a_bad_chat_template_names_the_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(
+        SettingsError, match=r"^--chat-template: no file 'templates/chat\.jinja' \(nor a Jinja"
+    ):
+        parse(["--chat-template", "templates/chat.jinja"])
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }}")
+    with pytest.raises(SettingsError, match=r"^--chat-template: not a Jinja template: .*endfor.* \(line 1\)"):
+        parse(["--chat-template", str(broken)])
+    monkeypatch.setenv("PAGEDSERVE_CHAT_TEMPLATE", "{{ messages[0].content ")
+    with pytest.raises(SettingsError, match=r"^PAGEDSERVE_CHAT_TEMPLATE: not a Jinja template"):
+        parse([])
+    monkeypatch.delenv("PAGEDSERVE_CHAT_TEMPLATE")
+    good = tmp_path / "good.jinja"
+    good.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert parse(["--chat-template", str(good)]).chat_template == str(good)
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("enable_thinking=false", r"not JSON: "),
+        ("[1, 2]", r"must be a JSON object of template variables, got list"),
+        ('{"messages": []}', r"'messages' is set by the chat request itself, not a template variable"),
+        ('{"not a name": 1}', r"'not a name' is not a template variable name"),
+    ],
+)
+def test_bad_default_chat_template_kwargs_name_the_flag(value: str, error: str) -> None:
+    with pytest.raises(SettingsError, match=error) as info:
+        parse(["--default-chat-template-kwargs", value])
+    assert str(info.value).startswith("--default-chat-template-kwargs"), str(info.value)
+
+
+def test_default_chat_template_kwargs_from_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedserve.chat_template import parse_chat_template_kwargs
+
+    monkeypatch.setenv("PAGEDSERVE_DEFAULT_CHAT_TEMPLATE_KWARGS", '{"enable_thinking": false}')
+    value = parse([]).default_chat_template_kwargs
+    assert parse_chat_template_kwargs(value, "default_chat_template_kwargs") == {"enable_thinking": False}

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Any
 
+from pagedserve.chat_template import parse_chat_template_kwargs
 from pagedserve.config import EngineConfig
 from pagedserve.core.block_manager import BlockManager, KvEvent
 from pagedserve.core.scheduler import Scheduler
@@ -63,6 +64,8 @@ class LLMEngine:
 
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = config.chat_template
         self.eos_token_ids = _eos_token_ids(config.model.path, self.tokenizer)
         self.executor = create_executor(config, self.eos_token_ids)
         self.num_kv_blocks = self.executor.num_kv_blocks
@@ -118,10 +121,51 @@ class LLMEngine:
     def encode_prompt(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        if not self.tokenizer.chat_template:
-            raise InvalidRequestError("messages", "this model has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def encode_chat(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+    ) -> list[int]:
+        """The conversation's prompt through the chat template (`chat_template`, else --chat-template's,
+        else the model's), with the template variables `chat_template_kwargs` over the server's
+        defaults, as vLLM applies it: `add_generation_prompt` opens the assistant's turn,
+        `continue_final_message` leaves the last message open for the model to go on with."""
+        from jinja2 import TemplateError, TemplateSyntaxError
+
+        if chat_template is None and not self.tokenizer.chat_template:
+            raise InvalidRequestError(
+                "messages", "this model has no chat template (--chat-template sets one)"
+            )
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError(
+                "continue_final_message", "cannot be true while add_generation_prompt is (set it false)"
+            )
+        try:
+            given = parse_chat_template_kwargs(chat_template_kwargs, "chat_template_kwargs")
+        except ValueError as exc:
+            field, _, message = str(exc).partition(": ")
+            raise InvalidRequestError(field, message) from None
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=True,
+                **{**self.config.default_chat_template_kwargs, **given},
+            )
+        except TemplateSyntaxError as exc:
+            raise InvalidRequestError("chat_template", f"not a Jinja template: {exc}") from None
+        except TemplateError as exc:  # the template's raise_exception(), e.g. roles that must alternate
+            raise InvalidRequestError("messages", f"refused by the chat template: {exc}") from None
+        except ValueError as exc:  # transformers': the final message to continue is not in the prompt
+            if not continue_final_message:
+                raise
+            raise InvalidRequestError("continue_final_message", str(exc)) from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers returns a BatchEncoding
             ids = ids["input_ids"]  # type: ignore[call-overload,index]
         return list(ids)

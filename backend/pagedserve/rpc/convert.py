@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
-from jinja2 import TemplateError
 
+from pagedserve.chat_template import whole_numbers_as_ints
 from pagedserve.core.block_manager import BlockStored
 from pagedserve.engine.async_engine import KvEventBatch
 from pagedserve.engine.llm_engine import LLMEngine
@@ -195,10 +196,17 @@ def chat_token_ids(messages: pb.ChatMessages, engine: LLMEngine) -> list[int]:
     for i, message in enumerate(messages.messages):
         if message.role not in ("system", "user", "assistant"):
             raise InvalidRequestError(f"messages[{i}].role", "must be system, user or assistant")
-    try:
-        return engine.encode_chat([{"role": m.role, "content": m.content} for m in messages.messages])
-    except TemplateError as exc:  # the template's raise_exception(), e.g. roles that must alternate
-        raise InvalidRequestError("messages", f"refused by the model's chat template: {exc}") from None
+    kwargs = None
+    if messages.HasField("chat_template_kwargs"):
+        kwargs = whole_numbers_as_ints(json_format.MessageToDict(messages.chat_template_kwargs))
+    return engine.encode_chat(
+        [{"role": m.role, "content": m.content} for m in messages.messages],
+        add_generation_prompt=(
+            messages.add_generation_prompt if messages.HasField("add_generation_prompt") else True
+        ),
+        continue_final_message=messages.continue_final_message,
+        chat_template_kwargs=kwargs,
+    )
 
 
 def tokenize(request: pb.TokenizeRequest, engine: LLMEngine) -> pb.TokenizeResponse:

@@ -1,0 +1,118 @@
+"""Chat template options over gRPC (`ChatMessages`): `chat_template_kwargs` over the server's
+`--default-chat-template-kwargs`, `add_generation_prompt`, `continue_final_message`, on Generate,
+Complete and Tokenize alike; each misuse INVALID_ARGUMENT naming the field, the server serving on.
+
+One in-process server (the CLI's assembly, real sockets, a real grpc client) on the tiny model with
+`--chat-template` set to a template that reads Qwen3's `enable_thinking` and prints a number."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from google.protobuf import struct_pb2
+from inprocess_server import InProcessServer
+from pagedserve.rpc.v1 import generate_pb2 as pb
+
+TEMPLATE = (
+    "{% if max_chars is defined %}<|im_start|>system\nAt most {{ max_chars }} characters.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+QUESTION = pb.ChatMessage(role="user", content="What is the capital of France?")
+REPLY_BEGUN = pb.ChatMessage(role="assistant", content="The capital of France is")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir: str) -> InProcessServer:
+    srv = InProcessServer(
+        tiny_llama_dir,
+        provider=None,
+        dtype="float32",
+        num_kv_blocks=64,
+        chat_template=TEMPLATE,
+        default_chat_template_kwargs='{"enable_thinking": false}',
+    ).start()
+    yield srv
+    srv.stop()
+
+
+def kwargs(**values: object) -> struct_pb2.Struct:
+    struct = struct_pb2.Struct()
+    struct.update(values)
+    return struct
+
+
+def templated(server: InProcessServer, chat: pb.ChatMessages) -> str:
+    ids = server.stub.Tokenize(pb.TokenizeRequest(messages=chat), timeout=30).token_ids
+    return server.stub.Detokenize(pb.DetokenizeRequest(token_ids=ids), timeout=30).text
+
+
+def test_the_servers_defaults_apply_unless_the_request_sets_them(server: InProcessServer) -> None:
+    assert templated(server, pb.ChatMessages(messages=[QUESTION])).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    thinking = templated(
+        server, pb.ChatMessages(messages=[QUESTION], chat_template_kwargs=kwargs(enable_thinking=True))
+    )
+    assert thinking.endswith("<|im_start|>assistant\n") and "<think>" not in thinking
+
+
+def test_whole_numbers_reach_the_template_as_ints(server: InProcessServer) -> None:
+    """Struct carries 300 as 300.0; the template prints what the client meant."""
+    chat = pb.ChatMessages(messages=[QUESTION], chat_template_kwargs=kwargs(max_chars=300))
+    assert templated(server, chat).startswith("<|im_start|>system\nAt most 300 characters.<|im_end|>")
+
+
+def test_generate_continues_a_reply_begun_for_the_model(server: InProcessServer) -> None:
+    chat = pb.ChatMessages(
+        messages=[QUESTION, REPLY_BEGUN], add_generation_prompt=False, continue_final_message=True
+    )
+    assert templated(server, chat).endswith("<|im_start|>assistant\nThe capital of France is")
+    closed = pb.ChatMessages(messages=[QUESTION, REPLY_BEGUN], add_generation_prompt=False)
+    assert templated(server, closed).endswith("The capital of France is<|im_end|>\n")
+    params = pb.SamplingParameters(max_tokens=4, temperature=0.0, ignore_eos=True)
+    responses = list(server.stub.Generate(pb.GenerateRequest(messages=chat, sampling=params), timeout=60))
+    assert sum(len(r.token_ids) for r in responses) == 4
+    [completion] = server.stub.Complete(
+        pb.GenerateRequest(messages=chat, sampling=params), timeout=60
+    ).completions
+    assert list(completion.token_ids) == [t for r in responses for t in r.token_ids]
+
+
+@pytest.mark.parametrize(
+    ("chat", "field", "words"),
+    [
+        (
+            pb.ChatMessages(messages=[QUESTION, REPLY_BEGUN], continue_final_message=True),
+            "continue_final_message",
+            "cannot be true while add_generation_prompt is",
+        ),
+        (
+            pb.ChatMessages(messages=[QUESTION], chat_template_kwargs=kwargs(messages=[])),
+            "chat_template_kwargs",
+            "'messages' is set by the chat request itself",
+        ),
+        (
+            pb.ChatMessages(messages=[QUESTION], chat_template_kwargs=kwargs(**{"two words": 1})),
+            "chat_template_kwargs",
+            "'two words' is not a template variable name",
+        ),
+    ],
+    ids=["continue-with-generation-prompt", "reserved-name", "not-a-name"],
+)
+def test_misuse_is_invalid_argument_naming_the_field(
+    server: InProcessServer, chat: pb.ChatMessages, field: str, words: str
+) -> None:
+    generate = pb.GenerateRequest(messages=chat, sampling=pb.SamplingParameters(max_tokens=2))
+    for call, arg in (
+        (lambda r, timeout: list(server.stub.Generate(r, timeout=timeout)), generate),
+        (server.stub.Complete, generate),
+        (server.stub.Tokenize, pb.TokenizeRequest(messages=chat)),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            call(arg, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith(f"{field}: ") and words in info.value.details()
+    assert templated(server, pb.ChatMessages(messages=[QUESTION]))  # serving on
