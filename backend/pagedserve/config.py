@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedserve.spec_decode import SpeculativeConfig
+
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -208,6 +210,9 @@ class SchedulerConfig:
     # fcfs: queues in arrival order; priority: by each request's priority (lower first), then arrival,
     # and a waiting request preempts less urgent running ones when it cannot be admitted (as vLLM's)
     scheduling_policy: str = "fcfs"
+    speculative: SpeculativeConfig | None = (
+        None  # n-gram drafts for decoding sequences (--speculative-config)
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

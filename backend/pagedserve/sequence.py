@@ -58,6 +58,7 @@ class Sequence:
         self.lora_name = lora_name  # the LoRA adapter it runs through (None: the base model)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_new_tokens = 0  # appended by the last step: 1, or more with speculative decoding
         self.block_table: list[int] = []  # written only by the block manager
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0

@@ -31,6 +31,7 @@ from pagedserve.config import (
     resolve_dtype,
 )
 from pagedserve.lora_config import parse_lora_modules
+from pagedserve.spec_decode import SpeculativeConfig
 
 _SIZE_UNITS = {
     "": 1,
@@ -149,6 +150,22 @@ class EngineSettings(BaseSettings):
         "e.g. '{\"enable_thinking\": false}' for Qwen3",
     )
 
+    speculative_config: str | dict[str, Any] | None = Field(
+        None,
+        description='speculative decoding, a JSON object as vLLM\'s: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}: drafts from the '
+        "sequence's own earlier tokens, verified in one step",
+    )
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _check_speculative_config(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        try:
+            SpeculativeConfig.parse(value)
+        except ValueError as exc:
+            raise ValueError(str(exc).removeprefix("speculative_config: ")) from None
+        return value
+
     @field_validator("chat_template")
     @classmethod
     def _check_chat_template(cls, value: str | None) -> str | None:
@@ -223,6 +240,7 @@ class EngineSettings(BaseSettings):
             max_model_len=max_model_len,
             preemption_mode=self.preemption_mode,
             scheduling_policy=self.scheduling_policy,
+            speculative=SpeculativeConfig.parse(self.speculative_config),
         )
 
     def to_engine_config(self) -> EngineConfig:

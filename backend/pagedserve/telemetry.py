@@ -43,6 +43,9 @@ class _Snapshot:
     prefix_hits: int = 0
     swapped_out: int = 0
     swapped_in: int = 0
+    spec_drafts: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass
@@ -76,6 +79,21 @@ class EngineMetrics:
         self.swapped = Gauge("vllm:num_requests_swapped", "Requests swapped out to CPU", labels, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full)", labels, registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Preemptions", labels, registry=r)
+        self.spec_drafts = Counter(
+            "vllm:spec_decode_num_drafts",
+            "Speculative decoding: drafts run (one a sequence and step)",
+            labels,
+            registry=r,
+        )
+        self.draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens run", labels, registry=r
+        )
+        self.accepted_draft_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted",
+            labels,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prompt tokens of started requests", labels, registry=r
         )
@@ -336,6 +354,9 @@ class EngineMetrics:
     def _add_cumulative(self, stats: Any) -> None:
         m, last = self.model_name, self._last
         self.preemptions.labels(m).inc(stats.num_preemptions - last.preemptions)
+        self.spec_drafts.labels(m).inc(stats.num_spec_drafts - last.spec_drafts)
+        self.draft_tokens.labels(m).inc(stats.num_draft_tokens - last.draft_tokens)
+        self.accepted_draft_tokens.labels(m).inc(stats.num_accepted_draft_tokens - last.accepted_draft_tokens)
         self.prefix_queries.labels(m).inc(stats.num_prefix_queries - last.prefix_queries)
         self.prefix_hits.labels(m).inc(stats.num_prefix_hits - last.prefix_hits)
         for direction, now_count, before in (
@@ -350,6 +371,9 @@ class EngineMetrics:
             stats.num_prefix_hits,
             stats.num_swapped_out_blocks,
             stats.num_swapped_in_blocks,
+            stats.num_spec_drafts,
+            stats.num_draft_tokens,
+            stats.num_accepted_draft_tokens,
         )
 
     def _record_delta(self, delta: RequestDelta, now: float) -> int:

@@ -187,6 +187,24 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         assert_matches_reference(greedy_reference(llm, prompts), reference)
 
 
+@pytest.mark.slow
+def test_default_model_tp3_with_speculative_decoding_matches_single_rank(default_model_dir: str) -> None:
+    """Every rank verifies the same drafts and keeps the same tokens (each takes the scheduler's count
+    of them at the next step), as one rank does."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    texts = [
+        "Copy this list exactly: apple, banana, cherry, date, elderberry, fig. Copy: apple, banana,",
+        "Repeat after me. One two three four five six. One two three four five six. One",
+    ]
+    single_rank = LLM(model=default_model_dir, dtype="float32", num_kv_blocks=64, speculative_config=ngram)
+    prompts = [single_rank.engine.encode_prompt(text) for text in texts]
+    reference = greedy_reference(single_rank, prompts)
+    with tensor_parallel_llm(default_model_dir, 3, num_kv_blocks=64, speculative_config=ngram) as llm:
+        assert_matches_reference(greedy_reference(llm, prompts), reference)
+        stats = llm.engine.stats()
+        assert stats.num_draft_tokens > stats.num_accepted_draft_tokens > 0
+
+
 def _subset(reference: Reference, rows: slice) -> Reference:
     return Reference(reference.token_ids[rows], reference.logprobs[rows])
 

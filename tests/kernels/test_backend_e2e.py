@@ -15,6 +15,7 @@ import random
 import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers.attention import TorchAttentionBackend, TritonAttentionBackend
+from spec_drafts import oracle_proposer
 
 PROMPT_LENS = [1, 15, 16, 17, 45, 70]
 PREFIX_LEN = 32  # two whole blocks of 16: shared through the prefix cache
@@ -60,3 +61,29 @@ def test_triton_backend_greedy_equals_torch_backend(tiny_llama_dir: str) -> None
     assert num_prefix_hits >= 2 * PREFIX_LEN  # the second batch started past cached prefixes
     assert all(len(ids) == MAX_TOKENS for ids in actual)
     assert actual == expected
+
+
+@pytest.mark.timeout(600)
+def test_triton_backend_verifies_drafts_as_decode_rows(
+    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Speculative decoding: a step's drafts are decode rows of their own, each attending to the
+    context up to its position, in the Triton paged decode kernel as in the torch one."""
+    from pagedserve.spec_decode import SpeculativeConfig
+
+    prompts, _ = random_prompts(seed=2)
+    plain = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64, block_size=16)
+    expected = greedy_token_ids(plain, prompts)
+    monkeypatch.setattr(SpeculativeConfig, "propose", oracle_proposer(list(zip(prompts, expected))))
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            model=tiny_llama_dir,
+            dtype="float32",
+            attention_backend=backend,
+            num_kv_blocks=64,
+            block_size=16,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        )
+        assert greedy_token_ids(llm, prompts) == expected, backend
+        stats = llm.engine.stats()
+        assert stats.num_draft_tokens > stats.num_accepted_draft_tokens > 0, backend

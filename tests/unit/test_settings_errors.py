@@ -156,3 +156,40 @@ def test_default_chat_template_kwargs_from_the_variable(monkeypatch: pytest.Monk
     monkeypatch.setenv("PAGEDSERVE_DEFAULT_CHAT_TEMPLATE_KWARGS", '{"enable_thinking": false}')
     value = parse([]).default_chat_template_kwargs
     assert parse_chat_template_kwargs(value, "default_chat_template_kwargs") == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ('{"method": "eagle", "num_speculative_tokens": 2}', r"method 'eagle' is not supported \(ngram is"),
+        ('{"method": "ngram"}', r"num_speculative_tokens is required"),
+        ('{"num_speculative_tokens": 0}', r"num_speculative_tokens must be an integer in \[1, 16\], got 0"),
+        (
+            '{"num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 5}',
+            r"prompt_lookup_min 5 exceeds prompt_lookup_max 3",
+        ),
+        (
+            '{"num_speculative_tokens": 2, "disable_by_batch_size": 0}',
+            r"disable_by_batch_size must be an integer",
+        ),
+        ('{"num_speculative_tokens": 2, "draft_model": "x"}', r"unknown key 'draft_model'"),
+        ("ngram", r"not JSON"),
+    ],
+)
+def test_a_bad_speculative_config_names_the_flag(value: str, error: str) -> None:
+    with pytest.raises(SettingsError, match=error) as info:
+        parse(["--speculative-config", value])
+    assert str(info.value).startswith("--speculative-config: "), str(info.value)
+
+
+def test_a_speculative_config_reaches_the_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedserve.spec_decode import SpeculativeConfig
+
+    monkeypatch.setenv("PAGEDSERVE_SPECULATIVE_CONFIG", '{"method": "ngram", "num_speculative_tokens": 3}')
+    settings = parse([])
+    assert settings._scheduler_config(64).speculative == SpeculativeConfig(
+        3, prompt_lookup_max=4, prompt_lookup_min=1
+    )
+    assert parse(["--speculative-config", '{"num_speculative_tokens": 2}'])._scheduler_config(
+        64
+    ).speculative == (SpeculativeConfig(2))

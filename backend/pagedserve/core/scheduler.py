@@ -59,6 +59,10 @@ class Scheduler:
         self.num_swap_preemptions = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+        # speculative decoding: steps a sequence ran drafts in, drafts run, drafts accepted
+        self.num_spec_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
         self._freed_request_ids: list[str] = []
         self._swap_out: list[tuple[int, int]] = []
         self._forked_ids: set[str] = set()
@@ -145,13 +149,14 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._make_room(seq, num_new):
                 continue
-            new_block_ids = self.block_manager.append_slot(seq, num_new)
+            drafts = self._drafts(seq, num_new, budget)
+            new_block_ids = self.block_manager.append_slot(seq, num_new + len(drafts))
             is_new = seq.request_id in self._forked_ids  # a forked sibling the workers do not know yet
             if is_new:
                 self._forked_ids.discard(seq.request_id)
                 new_block_ids = list(seq.block_table)
-            scheduled.append(self._scheduled(seq, num_new, new_block_ids, is_new))
-            budget -= num_new
+            scheduled.append(self._scheduled(seq, num_new, new_block_ids, is_new, drafts))
+            budget -= num_new + len(drafts)
         # Resume swapped requests, then admit new ones, only when nothing running had to make room:
         # so one step never both swaps out and swaps in, which keeps the workers' order (out, in,
         # copy) safe. Priority preemption came first, so its swap-outs are known here: after one,
@@ -185,8 +190,11 @@ class Scheduler:
         for req in output.scheduled:
             seq = self.requests.get(req.request_id)
             if seq is not None:
-                seq.num_computed_tokens += len(req.token_ids)
+                seq.num_computed_tokens += len(req.token_ids) - req.num_spec_tokens  # drafts: below
                 self.block_manager.cache_full_blocks(seq)
+                if req.num_spec_tokens:
+                    self.num_spec_drafts += 1
+                    self.num_draft_tokens += req.num_spec_tokens
                 if seq.sampling_params.pooling is not None and seq.num_computed_tokens == seq.num_tokens:
                     self.finish(seq, FinishReason.STOP)
                     updated.append(seq)
@@ -196,14 +204,49 @@ class Scheduler:
                 continue
             if seq.pending_forks:
                 self._fork(seq)
-            seq.append_token(token_id)
-            reason = seq.check_stop_token(self.config.max_model_len)
-            if reason is not None:
-                self.finish(seq, reason)
+            accepted = runner_output.accepted_drafts.get(request_id, [])
+            self.num_accepted_draft_tokens += len(accepted)
+            seq.num_new_tokens = 0
+            for token in [*accepted, token_id]:  # stops at the first that ends the sequence
+                seq.append_token(token)
+                seq.num_new_tokens += 1
+                if seq.num_new_tokens <= len(accepted):  # an accepted draft: its KV was written this step
+                    seq.num_computed_tokens += 1
+                reason = seq.check_stop_token(self.config.max_model_len)
+                if reason is not None:
+                    self.finish(seq, reason)
+                    break
+            if accepted and not seq.is_finished:
+                self.block_manager.cache_full_blocks(seq)
             updated.append(seq)
         return updated
 
     # -- helpers -------------------------------------------------------------------------------------
+
+    def _drafts(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
+        """Speculative decoding: the drafts a decoding sequence runs this step beside its last token,
+        within the token budget, its max_tokens and the context (the step emits one token more than
+        it accepts), and the free blocks above the watermark (a draft never preempts). None for requests whose
+        next token depends on more than the sampler's inputs (a grammar) and embeddings, nor while
+        more requests than `disable_by_batch_size` are in the engine."""
+        spec = self.config.speculative
+        if spec is None or num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1:
+            return []
+        if spec.disable_by_batch_size is not None and len(self.requests) > spec.disable_by_batch_size:
+            return []
+        params = seq.sampling_params
+        if params.structured_outputs is not None or params.pooling is not None:
+            return []
+        room = min(
+            budget - 1,
+            params.max_tokens - seq.num_output_tokens - 1,
+            self.config.max_model_len - seq.num_tokens - 1,
+        )
+        drafts = spec.propose(seq.token_ids, room)
+        bm = self.block_manager  # drafts take no block of the watermark kept for running requests to grow
+        if drafts and bm.num_required_blocks(seq, 1 + len(drafts)) > bm.num_free_blocks - bm.watermark_blocks:
+            return []
+        return drafts
 
     def _make_room(self, seq: Sequence, num_new: int) -> bool:
         """Preempt the last running sequences (the youngest; under priority the least urgent) until
@@ -318,14 +361,19 @@ class Scheduler:
         bisect.insort(self.running, seq, key=self._key)
 
     def _scheduled(
-        self, seq: Sequence, num_new: int, new_block_ids: list[int], is_new: bool
+        self,
+        seq: Sequence,
+        num_new: int,
+        new_block_ids: list[int],
+        is_new: bool,
+        drafts: list[int] | None = None,
     ) -> ScheduledRequest:
         if self.waiting:  # a request admitted later this step may share what this one computes
             self.block_manager.note_filling(seq, num_new)
         start = seq.num_computed_tokens
         return ScheduledRequest(
             request_id=seq.request_id,
-            token_ids=seq.token_ids[start : start + num_new],
+            token_ids=seq.token_ids[start : start + num_new] + (drafts or []),
             num_computed_tokens=start,
             new_block_ids=new_block_ids,
             do_sample=start + num_new == seq.num_tokens and seq.sampling_params.pooling is None,
@@ -335,6 +383,7 @@ class Scheduler:
             computed_token_ids=seq.token_ids[:start] if is_new else [],
             prompt_token_ids=seq.prompt_token_ids if is_new and _owes_prompt_logprobs(seq) else None,
             lora_name=seq.lora_name if is_new else None,
+            num_spec_tokens=len(drafts or []),
         )
 
     def _fork(self, parent: Sequence) -> None:

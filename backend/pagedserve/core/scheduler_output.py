@@ -35,6 +35,9 @@ class ScheduledRequest:
     # scores the first token of the next chunk, which the workers have not seen yet)
     prompt_token_ids: list[int] | None = None
     lora_name: str | None = None  # set when is_new: the LoRA adapter the request runs through
+    # speculative decoding: the last `num_spec_tokens` of `token_ids` are drafts, each to be verified
+    # by the token sampled at the position before it (do_sample is set)
+    num_spec_tokens: int = 0
 
 
 @dataclass
@@ -67,6 +70,10 @@ class ModelRunnerOutput:
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # parallel to request_ids; {} where not asked
+    # Speculative decoding: request id -> the drafts the step accepted (each equal to the token
+    # sampled at its position), which come before its sampled token; and their logprobs when asked.
+    accepted_drafts: dict[str, list[int]] = field(default_factory=dict)
+    draft_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Prompt logprobs of the prompt positions run this step (sampled or not), for requests that ask:
     # request id -> (p, entries), entries[i] scoring prompt token p + i (p >= 1: token 0 has none).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

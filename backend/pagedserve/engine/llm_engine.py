@@ -56,6 +56,9 @@ class EngineStats:
     num_swapped_in_blocks: int
     num_prefix_queries: int  # tokens looked up in the prefix cache
     num_prefix_hits: int  # tokens found there
+    num_spec_drafts: int  # speculative decoding: drafts run (one a sequence and step)
+    num_draft_tokens: int  # their tokens
+    num_accepted_draft_tokens: int  # those accepted
 
 
 class LLMEngine:
@@ -476,6 +479,9 @@ class LLMEngine:
             num_swapped_in_blocks=s.num_swapped_in_blocks,
             num_prefix_queries=bm.num_prefix_queries,
             num_prefix_hits=bm.num_prefix_hits,
+            num_spec_drafts=s.num_spec_drafts,
+            num_draft_tokens=s.num_draft_tokens,
+            num_accepted_draft_tokens=s.num_accepted_draft_tokens,
         )
 
     def record_kv_events(self, on: bool) -> list[bytes]:
@@ -537,23 +543,41 @@ class LLMEngine:
             grammar_end = self.structured_outputs.advance(seq)
             if grammar_end is not None:
                 self.scheduler.finish(seq, grammar_end)
-            detokenizer = self._completions[seq.request_id].detokenizer
-            stop_terminated = seq.finish_reason in (FinishReason.EOS, FinishReason.STOP)
-            stop = detokenizer.update(seq.token_ids[-1:], stop_terminated)
-            if stop is None and seq.is_finished:
-                stop = detokenizer.flush()
-            if stop is not None:
-                if seq.is_finished:  # the text was cut at a stop string on the same token
-                    seq.finish_reason = FinishReason.STOP
-                self.scheduler.finish(seq, FinishReason.STOP)
-            new_logprobs = self._decode_logprobs(logprobs_by_id.get(seq.request_id), seq)
+            new_token_ids = self._detokenize(seq)
+            entries = [
+                *runner_output.draft_logprobs.get(seq.request_id, []),
+                logprobs_by_id.get(seq.request_id),
+            ]
+            new_logprobs = self._decode_logprobs(entries[: len(new_token_ids)], seq)
             prompt_logprobs = self._first_prompt_logprobs(seq)  # before _delta, which may forget the request
-            text = detokenizer.take_delta(seq.is_finished)
-            deltas.append(self._delta(seq, [seq.token_ids[-1]], text, new_logprobs, now))
+            text = self._completions[seq.request_id].detokenizer.take_delta(seq.is_finished)
+            deltas.append(self._delta(seq, new_token_ids, text, new_logprobs, now))
             deltas[-1].prompt_logprobs = prompt_logprobs
             if grammar_end is FinishReason.ERROR:
                 deltas[-1].error = "structured outputs: the grammar rejected the sampled token"
         return deltas
+
+    def _detokenize(self, seq: Sequence) -> list[int]:
+        """Feed the step's new tokens to the detokenizer one at a time (several with speculative
+        decoding), ending the sequence at a stop string: the tokens after the one that completes it
+        are dropped. Returns the tokens the sequence keeps."""
+        detokenizer = self._completions[seq.request_id].detokenizer
+        new_token_ids = seq.token_ids[seq.num_tokens - seq.num_new_tokens :]
+        stop_terminated = seq.finish_reason in (FinishReason.EOS, FinishReason.STOP)
+        stop = None
+        for i, token_id in enumerate(new_token_ids):
+            stop = detokenizer.update([token_id], stop_terminated and i == len(new_token_ids) - 1)
+            if stop is not None:
+                del seq.token_ids[seq.num_tokens - (len(new_token_ids) - 1 - i) :]
+                new_token_ids = new_token_ids[: i + 1]
+                break
+        if stop is None and seq.is_finished:
+            stop = detokenizer.flush()
+        if stop is not None:
+            if seq.is_finished:  # the text was cut at a stop string on the same token
+                seq.finish_reason = FinishReason.STOP
+            self.scheduler.finish(seq, FinishReason.STOP)
+        return new_token_ids
 
     def _delta(
         self, seq: Sequence, token_ids: list[int], text: str, logprobs: list[TokenLogprobs] | None, now: float
@@ -595,12 +619,16 @@ class LLMEngine:
         detokenizer.flush()
         return detokenizer.take_delta(finished=True)
 
-    def _decode_logprobs(self, entry: TokenLogprobs | None, seq: Sequence) -> list[TokenLogprobs] | None:
-        if seq.sampling_params.logprobs is None or entry is None:
+    def _decode_logprobs(
+        self, entries: list[TokenLogprobs | None], seq: Sequence
+    ) -> list[TokenLogprobs] | None:
+        known = [entry for entry in entries if entry is not None]
+        if seq.sampling_params.logprobs is None or len(known) < len(entries):
             return None
-        for token_id, logprob in entry.items():
-            logprob.decoded_token = str(self.tokenizer.decode([token_id]))
-        return [entry]
+        for entry in known:
+            for token_id, logprob in entry.items():
+                logprob.decoded_token = str(self.tokenizer.decode([token_id]))
+        return known
 
     def _take_prompt_logprobs(self, chunks: dict[str, tuple[int, list[TokenLogprobs]]]) -> None:
         """Keep each request's prompt logprobs as its chunks come in, in prompt order (such a request

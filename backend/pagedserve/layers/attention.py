@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
-    num_decodes: int  # decode sequences come first, one token each
+    # decode rows come first, one token each: a decoding sequence's, and (speculative decoding) each of
+    # its drafts, a row of its own with the sequence's block table and the context up to its position
+    num_decodes: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
     decode_context_lens: torch.Tensor  # [num_decodes] int32
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32

@@ -71,6 +71,27 @@ class RequestState:
 
 
 @dataclass
+class SampleRow:
+    """A position a token is sampled at: a request's last, and with speculative decoding each of its
+    drafts' (row i samples the token draft i is checked against, as if drafts 0 .. i - 1 were its
+    tokens already). Every control that reads the request's tokens so far (penalties, bad words,
+    min_tokens, the seed's output index) reads the row's."""
+
+    request_id: str
+    state: RequestState
+    num_tokens: int  # the request's tokens this row's position closes
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.state.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Kept only where penalties or bad words need them (`RequestState.keeps_token_ids`)."""
+        return self.state.token_ids[self.state.num_prompt_tokens : self.num_tokens]
+
+
+@dataclass
 class BadWords:
     """A request's bad words as each step bans them: the one-token words always; the last token of a
     longer one where the output ends with the rest of it, looked up by the output's last token (a step
@@ -245,7 +266,7 @@ class ModelRunner:
         self._update_states(output)
         if output.is_empty:
             return ModelRunnerOutput([], [])
-        order = sorted(output.scheduled, key=lambda r: len(r.token_ids) > 1)  # decodes first, stable
+        order = sorted(output.scheduled, key=_is_prefill)  # decodes (with their drafts) first, stable
         input_ids, positions, metadata, sample_indices = self._prepare_inputs(order)
         token_adapters = self._token_adapters(order) if self.lora is not None else None
         if token_adapters is not None:  # LoRA rows: the eager pass (the fast ones have base weights alone)
@@ -264,21 +285,31 @@ class ModelRunner:
         sampled = [r for r in order if r.do_sample]
         if not sampled:  # chunks of prompts: nothing to sample, maybe prompt logprobs or embeddings
             return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs, pooled=pooled)
+        rows = self._sample_rows(sampled)
         logits = self.model.compute_logits(hidden[sample_indices])
-        grammar_masks = self._apply_grammar_bitmask(logits, sampled, output)
-        result = self.sampler(logits, self._sampling_tensors(sampled, grammar_masks))
+        grammar_masks = self._apply_grammar_bitmask(logits, rows, output)
+        result = self.sampler(logits, self._sampling_tensors(rows, grammar_masks))
         runner_output = self._to_output(sampled, result, prompt_logprobs)
         runner_output.pooled = pooled
         return runner_output
 
+    def _sample_rows(self, sampled: list[ScheduledRequest]) -> list[SampleRow]:
+        rows = []
+        for req in sampled:
+            state = self.requests[req.request_id]
+            first = state.num_tokens - req.num_spec_tokens
+            rows += [SampleRow(req.request_id, state, first + i) for i in range(1 + req.num_spec_tokens)]
+        return rows
+
     def _apply_grammar_bitmask(
-        self, logits: torch.Tensor, sampled: list[ScheduledRequest], output: SchedulerOutput
+        self, logits: torch.Tensor, sample_rows: list[SampleRow], output: SchedulerOutput
     ) -> dict[str, np.ndarray]:
         """Structured outputs: mask the logits of the rows whose request has a grammar (before the
-        sampler, so every fast path samples from masked logits). Returns each such request's bitmask row."""
+        sampler, so every fast path samples from masked logits; such a request runs no drafts: one
+        row). Returns each such request's bitmask row."""
         if output.grammar_bitmask is None:
             return {}
-        row_of = {r.request_id: row for row, r in enumerate(sampled)}
+        row_of = {r.request_id: row for row, r in enumerate(sample_rows)}
         rows = [row_of[request_id] for request_id in output.structured_output_request_ids]
         bitmask = torch.from_numpy(output.grammar_bitmask).to(self.device, non_blocking=True)
         apply_token_bitmask(logits, bitmask, rows)
@@ -318,8 +349,10 @@ class ModelRunner:
                     req.new_block_ids, dtype=torch.int32
                 )
                 state.num_blocks = end
-            state.num_tokens += len(req.token_ids)
+            # From the scheduler's count: drafts the last step ran and did not accept are dropped here.
+            state.num_tokens = req.num_computed_tokens + len(req.token_ids)
             if state.keeps_token_ids:
+                del state.token_ids[req.num_computed_tokens :]
                 state.token_ids.extend(req.token_ids)
 
     def _add_state(self, req: ScheduledRequest) -> None:
@@ -370,7 +403,7 @@ class ModelRunner:
     def _prepare_inputs(
         self, order: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        num_decodes = sum(1 for r in order if len(r.token_ids) == 1)
+        num_decode_requests = sum(1 for r in order if not _is_prefill(r))
         q_lens = torch.tensor([len(r.token_ids) for r in order])
         starts = torch.tensor([r.num_computed_tokens for r in order])
         rows = torch.tensor([self.requests[r.request_id].row for r in order])
@@ -387,29 +420,43 @@ class ModelRunner:
             tables[token_seq, positions // self.block_size].long() * self.block_size
             + positions % self.block_size
         )
+        # Every token of a decoding request is a decode row of its own: its drafts too, each attending
+        # to the context up to its own position (the step writes all their K/V before any attends), so
+        # a step verifying drafts stays a decode step (decode attention, `decode_layers`).
+        num_decodes = int(query_start_loc[num_decode_requests])
+        decode_context_lens = positions[:num_decodes] + 1
         do_sample = torch.tensor([r.do_sample for r in order])
         sample_indices = (query_start_loc[1:] - 1)[do_sample]
+        if any(r.num_spec_tokens for r in order):  # a row at the last token and at every draft
+            counts = torch.tensor([1 + r.num_spec_tokens for r in order])[do_sample]
+            firsts = query_start_loc[1:][do_sample] - counts
+            offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(
+                torch.cumsum(counts, 0) - counts, counts
+            )
+            sample_indices = torch.repeat_interleave(firsts, counts) + offsets
 
         to_device = lambda t, dtype=None: t.to(self.device, dtype=dtype, non_blocking=True)  # noqa: E731
-        prefill_starts = query_start_loc[num_decodes:] - query_start_loc[num_decodes]
+        prefill_starts = query_start_loc[num_decode_requests:] - query_start_loc[num_decode_requests]
         metadata = AttentionMetadata(
             slot_mapping=to_device(slot_mapping),
             num_decodes=num_decodes,
-            decode_block_tables=to_device(tables[:num_decodes]),
-            decode_context_lens=to_device(context_lens[:num_decodes], torch.int32),
-            prefill_block_tables=to_device(tables[num_decodes:]),
+            decode_block_tables=to_device(tables[token_seq[:num_decodes]]),
+            decode_context_lens=to_device(decode_context_lens, torch.int32),
+            prefill_block_tables=to_device(tables[num_decode_requests:]),
             prefill_query_start_loc=to_device(prefill_starts, torch.int32),
-            prefill_context_lens=to_device(context_lens[num_decodes:], torch.int32),
-            max_decode_context_len=int(context_lens[:num_decodes].max()) if num_decodes else 0,
-            max_prefill_query_len=int(q_lens[num_decodes:].max()) if len(order) > num_decodes else 0,
+            prefill_context_lens=to_device(context_lens[num_decode_requests:], torch.int32),
+            max_decode_context_len=int(decode_context_lens.max()) if num_decodes else 0,
+            max_prefill_query_len=int(q_lens[num_decode_requests:].max())
+            if len(order) > num_decode_requests
+            else 0,
         )
         input_ids = torch.tensor(list(chain.from_iterable(r.token_ids for r in order)))
         return to_device(input_ids), to_device(positions), metadata, to_device(sample_indices)
 
     def _sampling_tensors(
-        self, sampled: list[ScheduledRequest], grammar_masks: dict[str, np.ndarray]
+        self, rows: list[SampleRow], grammar_masks: dict[str, np.ndarray]
     ) -> SamplingTensors:
-        states = [self.requests[r.request_id] for r in sampled]
+        states = [row.state for row in rows]
         params = [s.params for s in states]
         device = self.device
         as_tensor = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
@@ -418,7 +465,7 @@ class ModelRunner:
         use_min_p = any(p.min_p > 0.0 for p in params)
         use_penalties = any(p.has_penalties for p in params)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        controls = self._token_controls(sampled, states, grammar_masks)
+        controls = self._token_controls(rows, grammar_masks)
         return SamplingTensors(
             temperatures=as_tensor([p.temperature for p in params]),
             top_ks=as_tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], torch.int64)
@@ -432,52 +479,48 @@ class ModelRunner:
             prompt_token_ids=self._padded([s.token_ids[: s.num_prompt_tokens] for s in states])
             if use_penalties
             else None,
-            output_token_ids=self._padded([s.token_ids[s.num_prompt_tokens :] for s in states])
-            if use_penalties
-            else None,
+            output_token_ids=self._padded([row.output_token_ids for row in rows]) if use_penalties else None,
             banned_tokens=[(row, banned) for row, (banned, _) in controls.items() if banned],
             seeded_rows=[
-                (row, s.params.seed, s.num_output_tokens)
-                for row, s in enumerate(states)
-                if s.params.seed is not None and not s.params.is_greedy
+                (i, row.state.params.seed, row.num_output_tokens)
+                for i, row in enumerate(rows)
+                if row.state.params.seed is not None and not row.state.params.is_greedy
             ],
             max_num_logprobs=max(logprobs) if logprobs else None,
             allowed_tokens=[(row, allowed) for row, (_, allowed) in controls.items() if allowed],
-            logit_biases=[(row, *s.logit_bias) for row, s in enumerate(states) if s.logit_bias is not None],
+            logit_biases=[(i, *s.logit_bias) for i, s in enumerate(states) if s.logit_bias is not None],
         )
 
     def _token_controls(
-        self,
-        sampled: list[ScheduledRequest],
-        states: list[RequestState],
-        grammar_masks: dict[str, np.ndarray],
+        self, rows: list[SampleRow], grammar_masks: dict[str, np.ndarray]
     ) -> dict[int, tuple[list[int], list[int] | None]]:
         """(banned, allowed) token ids by row, for the rows that ban or allow any this step."""
         controls: dict[int, tuple[list[int], list[int] | None]] = {}
-        for row, (r, s) in enumerate(zip(sampled, states, strict=True)):
-            p = s.params
-            if p.allowed_token_ids or p.bad_words_token_ids or s.num_output_tokens < p.min_tokens:
-                controls[row] = self._banned_and_allowed(s, grammar_masks.get(r.request_id))
+        for i, row in enumerate(rows):
+            p = row.state.params
+            if p.allowed_token_ids or p.bad_words_token_ids or row.num_output_tokens < p.min_tokens:
+                controls[i] = self._banned_and_allowed(row, grammar_masks.get(row.request_id))
         return controls
 
     def _banned_and_allowed(
-        self, state: RequestState, grammar_mask: np.ndarray | None
+        self, row: SampleRow, grammar_mask: np.ndarray | None
     ) -> tuple[list[int], list[int] | None]:
         """The tokens this row may not sample this step (min_tokens' EOS and stop ids, bad words), and
         those alone it may (allowed_token_ids, None for all). Each yields where it would leave the row
         no token, in this order: allowed_token_ids to the grammar (none of them is in it), then the bans
         to allowed_token_ids or to the grammar (they ban all those allow; a complete grammar allows only
         EOS, which min_tokens bans)."""
+        state = row.state
         params, allowed = state.params, state.params.allowed_token_ids
         if allowed is not None and grammar_mask is not None:
             allowed = _allowed_by(grammar_mask, allowed) or None
         banned: list[int] = []
-        if state.num_output_tokens < params.min_tokens:
+        if row.num_output_tokens < params.min_tokens:
             banned += [*([] if params.ignore_eos else self.eos_token_ids), *params.stop_token_ids]
         if params.bad_words_token_ids:
             if state.bad_words is None:
                 state.bad_words = BadWords.build(params.bad_words_token_ids)
-            banned += state.bad_words.banned(state.token_ids[state.num_prompt_tokens :])
+            banned += state.bad_words.banned(row.output_token_ids)
         if not banned:
             return banned, allowed
         if allowed is not None:
@@ -497,21 +540,42 @@ class ModelRunner:
         result: SamplerOutput,
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]],
     ) -> ModelRunnerOutput:
+        """One token per request, or with drafts: the drafts accepted (each equal to the token sampled at
+        its position), then the token sampled at the first position that differs (or after the last)."""
         token_ids = result.token_ids.tolist()  # the one host sync of the step (without prompt logprobs)
         request_ids = [r.request_id for r in sampled]
-        if result.logprobs is None:
-            return ModelRunnerOutput(request_ids, token_ids, prompt_logprobs=prompt_logprobs)
-        assert result.logprob_token_ids is not None and result.sampled_ranks is not None
-        values, ids, ranks = (
-            result.logprobs.tolist(),
-            result.logprob_token_ids.tolist(),
-            result.sampled_ranks.tolist(),
-        )
-        logprobs: list[TokenLogprobs] = []
-        for row, req in enumerate(sampled):
-            k = self.requests[req.request_id].params.logprobs
-            logprobs.append({} if k is None else _logprob_entry(ids[row], values[row], ranks[row], k))
-        return ModelRunnerOutput(request_ids, token_ids, logprobs, prompt_logprobs)
+        output = ModelRunnerOutput(request_ids, [], prompt_logprobs=prompt_logprobs)
+        row_logprobs: list[TokenLogprobs] = []
+        if result.logprobs is not None:
+            assert result.logprob_token_ids is not None and result.sampled_ranks is not None
+            values, ids, ranks = (
+                result.logprobs.tolist(),
+                result.logprob_token_ids.tolist(),
+                result.sampled_ranks.tolist(),
+            )
+            for row, request_id in enumerate(self._row_request_ids(sampled)):
+                k = self.requests[request_id].params.logprobs
+                row_logprobs.append({} if k is None else _logprob_entry(ids[row], values[row], ranks[row], k))
+            output.logprobs = []
+        row = 0
+        for req in sampled:
+            drafts = req.token_ids[len(req.token_ids) - req.num_spec_tokens :] if req.num_spec_tokens else []
+            n = 0
+            while n < len(drafts) and token_ids[row + n] == drafts[n]:
+                n += 1
+            output.sampled_token_ids.append(token_ids[row + n])
+            if n:
+                output.accepted_drafts[req.request_id] = drafts[:n]
+            if output.logprobs is not None:
+                output.logprobs.append(row_logprobs[row + n])
+                if n:
+                    output.draft_logprobs[req.request_id] = row_logprobs[row : row + n]
+            row += 1 + len(drafts)
+        return output
+
+    @staticmethod
+    def _row_request_ids(sampled: list[ScheduledRequest]) -> list[str]:
+        return [r.request_id for r in sampled for _ in range(1 + r.num_spec_tokens)]
 
     def _prompt_logprobs(
         self, order: list[ScheduledRequest], hidden: torch.Tensor
@@ -579,6 +643,11 @@ class ModelRunner:
             torch.cat(ids).tolist(), torch.cat(values).tolist(), torch.cat(ranks).tolist(), strict=True
         )
         return [_logprob_entry(i, v, rank, k) for i, v, rank in rows]
+
+
+def _is_prefill(req: ScheduledRequest) -> bool:
+    """A request running prompt tokens (or recomputing); the others decode one token (and its drafts)."""
+    return len(req.token_ids) - req.num_spec_tokens > 1
 
 
 def _allowed_by(bitmask_row: np.ndarray, token_ids: list[int]) -> list[int]:

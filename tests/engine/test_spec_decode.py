@@ -1,0 +1,250 @@
+"""Speculative decoding by n-gram lookup (`speculative_config={"method": "ngram", ...}`) changes no
+output: on the default model, prompts that repeat themselves (so drafts are proposed and accepted),
+the tokens and logprobs of greedy and seeded requests equal an engine's without drafts, whatever
+controls a request sets (penalties, bad words, min_tokens, logit bias, stop strings and token ids,
+max_tokens), across preemption by swap and by recompute, and with the prefix cache reading blocks a
+drafting request wrote; requests with a grammar run no drafts. The proposer and the settings check on
+their own.
+
+Float32 on both sides, but a step that verifies drafts attends as a prefill chunk does, not as one
+decode token does, so logits move by rounding: a greedy difference passes only where the engine
+without drafts had its top two tokens within NEAR_TIE (as tests/engine/test_tensor_parallel.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from pagedserve import LLM, SamplingParams, StructuredOutputsParams
+from pagedserve.spec_decode import SpeculativeConfig
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+NEAR_TIE = 1e-3
+LOGPROB_ATOL = 1e-3
+PROMPTS = [
+    "Copy this list exactly: apple, banana, cherry, date, elderberry, fig, grape. Copy: apple, banana, cherry,",
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+    "Repeat after me three times. One two three four five six. One two three four five six. One",
+    "The capital of France is",  # nothing to look up at first: drafts come later or never
+]
+
+
+def engine(**settings: object) -> LLM:
+    return LLM(dtype="float32", num_kv_blocks=256, block_size=8, enable_prefix_caching=False, **settings)
+
+
+@pytest.fixture(scope="module")
+def plain() -> LLM:
+    return engine()
+
+
+@pytest.fixture(scope="module")
+def drafting() -> LLM:
+    return engine(speculative_config=NGRAM)
+
+
+def assert_same_outputs(ours: list, theirs: list) -> None:
+    """Equal tokens (a near-tie of the engine without drafts excepted), logprobs within rounding."""
+    for mine, reference in zip(ours, theirs, strict=True):
+        a, b = mine.outputs[0], reference.outputs[0]
+        if a.token_ids != b.token_ids:
+            pos = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
+            assert b.logprobs, f"outputs part at token {pos} and no logprobs to tell a near-tie"
+            top = sorted((lp.logprob for lp in b.logprobs[pos].values()), reverse=True)
+            assert top[0] - top[1] < NEAR_TIE, f"outputs part at token {pos}, not a near-tie: {top[:2]}"
+            continue
+        assert a.text == b.text and a.finish_reason == b.finish_reason
+        for mine_lp, their_lp in zip(a.logprobs or [], b.logprobs or [], strict=True):
+            assert mine_lp.keys() == their_lp.keys()
+            for token_id, logprob in mine_lp.items():
+                assert math.isclose(logprob.logprob, their_lp[token_id].logprob, abs_tol=LOGPROB_ATOL)
+
+
+def accepted(llm: LLM) -> int:
+    return llm.engine.stats().num_accepted_draft_tokens
+
+
+PARAMS = {
+    "greedy": SamplingParams(temperature=0.0, max_tokens=40, logprobs=2),
+    "seeded": SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=40, logprobs=2),
+    "penalties-min-tokens": SamplingParams(
+        temperature=0.0,
+        max_tokens=40,
+        logprobs=2,
+        repetition_penalty=1.3,
+        frequency_penalty=0.2,
+        presence_penalty=0.1,
+        min_tokens=25,
+    ),
+    "bad-words-logit-bias": SamplingParams(
+        temperature=0.0, max_tokens=40, logprobs=2, bad_words=[" banana", " five six"], logit_bias={28: 2.0}
+    ),
+    "stops": SamplingParams(temperature=0.0, max_tokens=40, logprobs=2, stop=["grape.", "return a *"]),
+    "stop-token-odd-max": SamplingParams(temperature=0.0, max_tokens=7, logprobs=2, stop_token_ids=[2335]),
+}
+
+
+@pytest.mark.parametrize("name", list(PARAMS))
+def test_outputs_equal_decoding_without_drafts(plain: LLM, drafting: LLM, name: str) -> None:
+    before = drafting.engine.stats()
+    theirs = plain.generate(PROMPTS, PARAMS[name])
+    ours = drafting.generate(PROMPTS, PARAMS[name])
+    assert_same_outputs(ours, theirs)
+    after = drafting.engine.stats()
+    assert after.num_draft_tokens > before.num_draft_tokens, "no drafts: the test did not exercise them"
+    if name not in ("penalties-min-tokens", "stop-token-odd-max"):  # repeats penalized; a few tokens
+        assert after.num_accepted_draft_tokens > before.num_accepted_draft_tokens, "no draft accepted"
+
+
+def test_steps_verify_up_to_num_speculative_tokens_and_count_them(drafting: LLM) -> None:
+    """vLLM's counters, from which dashboards plot the acceptance rate (accepted / draft tokens)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    drafting.generate(PROMPTS[:1], PARAMS["greedy"])
+    stats = drafting.engine.stats()
+    assert stats.num_spec_drafts > 0
+    assert stats.num_draft_tokens <= 4 * stats.num_spec_drafts
+    assert 0 < stats.num_accepted_draft_tokens <= stats.num_draft_tokens
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(drafting.engine.metrics.render().decode())
+        for sample in family.samples
+    }
+    assert samples["vllm:spec_decode_num_drafts_total"] == stats.num_spec_drafts
+    assert samples["vllm:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
+    assert samples["vllm:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_draft_tokens
+
+
+def test_preemption_by_swap_and_recompute_changes_nothing(plain: LLM) -> None:
+    """Four requests of 100+ tokens in 32 blocks of 8 (256 tokens) preempt each other."""
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True, logprobs=2)
+    theirs = plain.generate(PROMPTS, params)
+    for mode in ("swap", "recompute"):
+        small = LLM(
+            dtype="float32",
+            num_kv_blocks=32,
+            block_size=8,
+            max_num_seqs=4,
+            preemption_mode=mode,
+            speculative_config=NGRAM,
+        )
+        ours = small.generate(PROMPTS, params)
+        assert small.engine.stats().num_preemptions > 0, mode
+        assert accepted(small) > 0
+        assert_same_outputs(ours, theirs)
+
+
+def test_the_prefix_cache_holds_only_accepted_tokens() -> None:
+    """A request that repeats a drafting request's prompt and output hits the blocks it filled: those
+    hold the KV of the tokens it kept, never of drafts it ran and rejected."""
+    cached = LLM(dtype="float32", num_kv_blocks=256, block_size=8, speculative_config=NGRAM)
+    reference = engine()
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
+    first = cached.generate(PROMPTS[:3], params)
+    assert cached.engine.stats().num_draft_tokens > cached.engine.stats().num_accepted_draft_tokens > 0
+    again = [list(out.prompt_token_ids) + list(out.outputs[0].token_ids[:40]) for out in first]
+    ours = cached.generate(again, params)
+    assert all(out.num_cached_tokens >= 40 for out in ours)
+    assert_same_outputs(ours, reference.generate(again, params))
+
+
+def test_requests_with_a_grammar_run_no_drafts(drafting: LLM) -> None:
+    choice = SamplingParams(
+        temperature=0.0,
+        max_tokens=8,
+        structured_outputs=StructuredOutputsParams(choice=["apple, banana, cherry", "fig"]),
+    )
+    scheduled = []
+    step = drafting.engine.scheduler.schedule
+
+    def recording() -> object:
+        out = step()
+        scheduled.extend((r.request_id, r.num_spec_tokens) for r in out.scheduled)
+        return out
+
+    drafting.engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    try:
+        outs = drafting.generate([PROMPTS[0], PROMPTS[0]], [choice, PARAMS["greedy"]])
+    finally:
+        del drafting.engine.scheduler.schedule
+    assert outs[0].outputs[0].text in ("apple, banana, cherry", "fig")
+    grammar_id, other_id = outs[0].request_id, outs[1].request_id
+    assert all(n == 0 for rid, n in scheduled if rid.startswith(grammar_id))
+    assert any(n > 0 for rid, n in scheduled if rid.startswith(other_id))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "max_drafts", "expected"),
+    [
+        ([1, 2, 3, 9, 1, 2, 3], 4, [9, 1, 2, 3]),  # the 3-gram [1, 2, 3] occurred at 0
+        ([1, 2, 3, 9, 1, 2, 3], 2, [9, 1]),
+        ([5, 1, 2, 7, 7, 1, 2, 8, 1, 2], 3, [8, 1, 2]),  # the latest earlier occurrence of [1, 2]
+        ([4, 5, 6, 7], 4, []),  # nothing repeats
+        ([7, 7], 4, [7]),
+        ([2, 3, 4, 9, 7, 4, 8, 2, 3, 4], 4, [9, 7, 4, 8]),  # the longest suffix first: [2, 3, 4], not [4]
+    ],
+)
+def test_the_proposer_continues_the_latest_longest_match(
+    tokens: list[int], max_drafts: int, expected: list[int]
+) -> None:
+    config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+    assert config.propose(tokens, max_drafts) == expected
+
+
+def test_the_proposer_needs_prompt_lookup_min_tokens_of_match() -> None:
+    config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=2)
+    assert config.propose([1, 2, 9, 3, 2], 4) == []  # only [2] repeats
+    assert config.propose([1, 2, 9, 3, 1, 2], 4) == [9, 3, 1, 2]
+
+
+@pytest.mark.parametrize("name", ["seeded", "penalties-min-tokens", "bad-words-logit-bias"])
+def test_drafts_accepted_and_rejected_leave_sampled_outputs_unchanged(
+    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Drafts from an oracle (the run without drafts, every third one wrong): the rows after an
+    accepted draft sample with the draft counted as an output token (penalties, bad words, the seed's
+    output index), and the rows after a rejected one are dropped."""
+    from spec_drafts import oracle_proposer
+
+    prompts = [[1, *range(300 + 40 * i, 320 + 40 * i)] for i in range(3)]
+    plain_llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64)
+    theirs = plain_llm.generate(prompts, PARAMS[name])
+    reference = [(p, list(out.outputs[0].token_ids)) for p, out in zip(prompts, theirs, strict=True)]
+    monkeypatch.setattr(SpeculativeConfig, "propose", oracle_proposer(reference))
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64, speculative_config=NGRAM)
+    assert_same_outputs(llm.generate(prompts, PARAMS[name]), theirs)
+    stats = llm.engine.stats()
+    assert stats.num_draft_tokens > stats.num_accepted_draft_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("given", "lookup"),
+    [({}, (4, 1)), ({"prompt_lookup_max": 3}, (3, 3)), ({"prompt_lookup_min": 2}, (2, 2))],
+)
+def test_one_lookup_size_given_alone_sets_both(given: dict, lookup: tuple[int, int]) -> None:
+    """As vLLM reads them: `{"prompt_lookup_max": 4}` (its documentation's example) means 4-grams."""
+    config = SpeculativeConfig.parse({"num_speculative_tokens": 2, **given})
+    assert config is not None and (config.prompt_lookup_max, config.prompt_lookup_min) == lookup
+
+
+def test_no_drafts_while_more_requests_than_disable_by_batch_size(plain: LLM) -> None:
+    """Under load drafts stop (rejected ones would cost the busy steps throughput), and come back as
+    the engine drains: 4 requests with a limit of 2 draft only once two have finished."""
+    limited = engine(speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (8, 12, 40, 40)]
+    scheduled: list[tuple[int, int]] = []
+    schedule = limited.engine.scheduler.schedule
+
+    def recording() -> object:
+        num_requests = len(limited.engine.scheduler.requests)
+        out = schedule()
+        scheduled.extend((num_requests, r.num_spec_tokens) for r in out.scheduled)
+        return out
+
+    limited.engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    ours = limited.generate(PROMPTS, params)
+    assert all(n == 0 for num_requests, n in scheduled if num_requests > 2)
+    assert any(n > 0 for num_requests, n in scheduled if num_requests <= 2)
+    assert [o.outputs[0].token_ids for o in ours] == [
+        o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)
+    ]
