@@ -353,3 +353,26 @@ def test_a_qwen3_adapter_updates_q_and_k_before_their_head_norms(
     llm = LLM(model=model_dir, dtype="float32", block_size=8, lora_modules={"qk": adapter})
     [out] = llm.generate([PROMPT], greedy(), lora_request=LoRARequest("qk"))
     assert out.outputs[0].token_ids == theirs
+
+
+def test_speculative_decoding_verifies_drafts_through_the_adapter(
+    tiny_llama_dir: str, adapters: dict[str, str], peft_tokens: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drafts (an oracle's: PEFT's next tokens, every third one wrong) run through the request's adapter
+    as its other tokens do: the tokens are PEFT's."""
+    from pagedserve.spec_decode import SpeculativeConfig
+    from spec_drafts import oracle_proposer
+
+    reference = [(PROMPT, peft_tokens["all", 0]), (OTHER_PROMPT, peft_tokens[None, 1])]
+    monkeypatch.setattr(SpeculativeConfig, "propose", oracle_proposer(reference))
+    llm = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        block_size=8,
+        lora_modules=adapters,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    outs = llm.generate([PROMPT, OTHER_PROMPT], greedy(), lora_request=[LoRARequest("all"), None])
+    assert [o.outputs[0].token_ids for o in outs] == [peft_tokens["all", 0], peft_tokens[None, 1]]
+    stats = llm.engine.stats()
+    assert stats.num_draft_tokens > stats.num_accepted_draft_tokens > 0

@@ -44,9 +44,14 @@ def drafting() -> LLM:
 
 
 def assert_same_outputs(ours: list, theirs: list) -> None:
-    """Equal tokens (a near-tie of the engine without drafts excepted), logprobs within rounding."""
-    for mine, reference in zip(ours, theirs, strict=True):
-        a, b = mine.outputs[0], reference.outputs[0]
+    """Equal tokens (a near-tie of the engine without drafts excepted), logprobs within rounding, for
+    every completion of every request."""
+    completions = [
+        (a, b)
+        for mine, reference in zip(ours, theirs, strict=True)
+        for a, b in zip(mine.outputs, reference.outputs, strict=True)
+    ]
+    for a, b in completions:
         if a.token_ids != b.token_ids:
             pos = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
             assert b.logprobs, f"outputs part at token {pos} and no logprobs to tell a near-tie"
@@ -67,6 +72,7 @@ def accepted(llm: LLM) -> int:
 PARAMS = {
     "greedy": SamplingParams(temperature=0.0, max_tokens=40, logprobs=2),
     "seeded": SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=40, logprobs=2),
+    "seeded-n-2": SamplingParams(n=2, temperature=0.7, top_k=20, seed=5, max_tokens=40, logprobs=2),
     "penalties-min-tokens": SamplingParams(
         temperature=0.0,
         max_tokens=40,
