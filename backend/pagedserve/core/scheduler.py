@@ -227,15 +227,16 @@ class Scheduler:
         """Speculative decoding: the drafts a decoding sequence runs this step beside its last token,
         within the token budget, its max_tokens and the context (the step emits one token more than
         it accepts), and the free blocks above the watermark (a draft never preempts). None for requests whose
-        next token depends on more than the sampler's inputs (a grammar) and embeddings, nor while
-        more requests than `disable_by_batch_size` are in the engine."""
+        next token is no token (embeddings), nor while more requests than `disable_by_batch_size` are
+        in the engine. A grammar's request drafts too: the engine masks each draft's row with the
+        grammar's state after the drafts before it."""
         spec = self.config.speculative
         if spec is None or num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1:
             return []
         if spec.disable_by_batch_size is not None and len(self.requests) > spec.disable_by_batch_size:
             return []
         params = seq.sampling_params
-        if params.structured_outputs is not None or params.pooling is not None:
+        if params.pooling is not None:
             return []
         room = min(
             budget - 1,

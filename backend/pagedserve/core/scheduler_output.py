@@ -53,8 +53,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Structured outputs (set by the engine, None when no request sampled this step has a grammar):
-    # row i of the int32 bitmask [rows, ceil(vocab / 32)] constrains the token sampled for
-    # structured_output_request_ids[i]; bit t % 32 of word t // 32 set = token t allowed.
+    # the int32 bitmask [rows, ceil(vocab / 32)] holds 1 + num_spec_tokens rows for each of
+    # structured_output_request_ids in turn, constraining the token sampled at its last token and at
+    # each of its drafts; bit t % 32 of word t // 32 set = token t allowed.
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
 

@@ -138,34 +138,62 @@ class StructuredOutputs:
         return seq_id in self._matchers
 
     def fill_bitmask(self, output: SchedulerOutput) -> None:
-        """Set the step's bitmask: a row per scheduled request that samples this step and has a grammar."""
+        """Set the step's bitmask: for each scheduled request that samples this step and has a grammar,
+        a row for its last token, and with speculative decoding one for each draft: the grammar's
+        state after the drafts before it (the matcher accepts them, then rolls them back). Past a
+        draft the grammar rejects (or one that ends it), rows repeat the last: the token sampled
+        before that draft cannot equal it, so verification never reaches them."""
         if not self._matchers:
             return
-        request_ids = [
-            r.request_id for r in output.scheduled if r.do_sample and r.request_id in self._matchers
-        ]
-        if not request_ids:
+        grammar_requests = [r for r in output.scheduled if r.do_sample and r.request_id in self._matchers]
+        if not grammar_requests:
             return
-        bitmask = np.zeros((len(request_ids), -(-self._vocab_size // 32)), dtype=np.int32)
-        for row, request_id in enumerate(request_ids):
-            self._matchers[request_id].fill_next_token_bitmask(bitmask, row)
-        output.structured_output_request_ids = request_ids
+        num_rows = sum(1 + r.num_spec_tokens for r in grammar_requests)
+        bitmask = np.zeros((num_rows, -(-self._vocab_size // 32)), dtype=np.int32)
+        row = 0
+        for req in grammar_requests:
+            matcher = self._matchers[req.request_id]
+            matcher.fill_next_token_bitmask(bitmask, row)
+            drafts = req.token_ids[len(req.token_ids) - req.num_spec_tokens :]
+            num_accepted = 0
+            for i, draft in enumerate(drafts, start=1):
+                accepted = matcher.accept_token(draft)
+                num_accepted += accepted
+                if not accepted or matcher.is_terminated():
+                    bitmask[row + i : row + len(drafts) + 1] = bitmask[row + i - 1]
+                    break
+                matcher.fill_next_token_bitmask(bitmask, row + i)
+            if num_accepted:
+                matcher.rollback(num_accepted)
+            row += 1 + len(drafts)
+        output.structured_output_request_ids = [r.request_id for r in grammar_requests]
         output.grammar_bitmask = bitmask
 
     def advance(self, seq: Sequence) -> FinishReason | None:
-        """Feed a running sequence's last sampled token to its matcher. Returns how the grammar ends the
-        sequence: EOS once the matcher terminated (it accepted EOS and `ignore_eos` or min_tokens kept
-        the sequence going), ERROR if it rejected the token (the mask allowed it: never expected)."""
+        """Feed a running sequence's tokens of this step (one, or with speculative decoding its
+        accepted drafts and one) to its matcher. Returns how the grammar ends the sequence: EOS once the
+        matcher terminated (it accepted EOS and `ignore_eos` or min_tokens kept the sequence going;
+        tokens after that one are dropped), ERROR if it rejected a token (the mask allowed it: never
+        expected)."""
         matcher = self._matchers.get(seq.request_id)
         if matcher is None or seq.is_finished:
             return None
-        token_id = seq.token_ids[-1]
-        if not matcher.accept_token(token_id):
-            logger.error(
-                "structured outputs: %s sampled token %d, which its grammar rejects", seq.request_id, token_id
-            )
-            return FinishReason.ERROR
-        return FinishReason.EOS if matcher.is_terminated() else None
+        new_token_ids = seq.token_ids[seq.num_tokens - seq.num_new_tokens :]
+        for i, token_id in enumerate(new_token_ids):
+            if not matcher.accept_token(token_id):
+                logger.error(
+                    "structured outputs: %s sampled token %d, which its grammar rejects",
+                    seq.request_id,
+                    token_id,
+                )
+                return FinishReason.ERROR
+            if matcher.is_terminated():
+                num_after = len(new_token_ids) - 1 - i
+                if num_after:
+                    del seq.token_ids[-num_after:]
+                    seq.num_new_tokens -= num_after
+                return FinishReason.EOS
+        return None
 
 
 # -- structural tags ---------------------------------------------------------------------------------

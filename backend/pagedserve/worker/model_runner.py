@@ -303,17 +303,25 @@ class ModelRunner:
 
     def _apply_grammar_bitmask(
         self, logits: torch.Tensor, sample_rows: list[SampleRow], output: SchedulerOutput
-    ) -> dict[str, np.ndarray]:
+    ) -> dict[int, np.ndarray]:
         """Structured outputs: mask the logits of the rows whose request has a grammar (before the
-        sampler, so every fast path samples from masked logits; such a request runs no drafts: one
-        row). Returns each such request's bitmask row."""
+        sampler, so every fast path samples from masked logits), each of a request's rows (its last
+        token, its drafts) with its own bitmask row. Returns the bitmask row of each such sample row."""
         if output.grammar_bitmask is None:
             return {}
-        row_of = {r.request_id: row for row, r in enumerate(sample_rows)}
-        rows = [row_of[request_id] for request_id in output.structured_output_request_ids]
+        first_row: dict[str, int] = {}
+        num_rows: dict[str, int] = {}
+        for i, row in enumerate(sample_rows):
+            first_row.setdefault(row.request_id, i)
+            num_rows[row.request_id] = num_rows.get(row.request_id, 0) + 1
+        rows = [
+            first_row[request_id] + j
+            for request_id in output.structured_output_request_ids
+            for j in range(num_rows[request_id])
+        ]
         bitmask = torch.from_numpy(output.grammar_bitmask).to(self.device, non_blocking=True)
         apply_token_bitmask(logits, bitmask, rows)
-        return dict(zip(output.structured_output_request_ids, output.grammar_bitmask, strict=True))
+        return dict(zip(rows, output.grammar_bitmask, strict=True))
 
     def load_lora(self, name: str, path: str) -> None:
         """Load a LoRA adapter between steps (ValueError naming `lora_modules` if it does not fit)."""
@@ -454,7 +462,7 @@ class ModelRunner:
         return to_device(input_ids), to_device(positions), metadata, to_device(sample_indices)
 
     def _sampling_tensors(
-        self, rows: list[SampleRow], grammar_masks: dict[str, np.ndarray]
+        self, rows: list[SampleRow], grammar_masks: dict[int, np.ndarray]
     ) -> SamplingTensors:
         states = [row.state for row in rows]
         params = [s.params for s in states]
@@ -492,14 +500,14 @@ class ModelRunner:
         )
 
     def _token_controls(
-        self, rows: list[SampleRow], grammar_masks: dict[str, np.ndarray]
+        self, rows: list[SampleRow], grammar_masks: dict[int, np.ndarray]
     ) -> dict[int, tuple[list[int], list[int] | None]]:
         """(banned, allowed) token ids by row, for the rows that ban or allow any this step."""
         controls: dict[int, tuple[list[int], list[int] | None]] = {}
         for i, row in enumerate(rows):
             p = row.state.params
             if p.allowed_token_ids or p.bad_words_token_ids or row.num_output_tokens < p.min_tokens:
-                controls[i] = self._banned_and_allowed(row, grammar_masks.get(row.request_id))
+                controls[i] = self._banned_and_allowed(row, grammar_masks.get(i))
         return controls
 
     def _banned_and_allowed(
