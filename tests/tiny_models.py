@@ -27,13 +27,15 @@ def build_tiny_llama(
     head_dim: int = 16,
     num_layers: int = 2,
     seed: int = 0,
+    config_class: str = "LlamaConfig",
     **overrides: object,
 ) -> str:
-    """A random-weight Llama with the default model's tokenizer (vocab 49152). A large init range
-    makes its next-token distributions peaked, so greedy decoding has few near-ties."""
-    from transformers import LlamaConfig
+    """A random-weight Llama (or another Llama-family model: `config_class="Qwen3Config"`) with the
+    default model's tokenizer (vocab 49152). A large init range makes its next-token distributions
+    peaked, so greedy decoding has few near-ties."""
+    import transformers
 
-    config = LlamaConfig(
+    config = getattr(transformers, config_class)(
         vocab_size=49152,
         hidden_size=num_heads * head_dim,
         intermediate_size=96,

@@ -332,21 +332,9 @@ def test_a_qwen3_adapter_updates_q_and_k_before_their_head_norms(
 ) -> None:
     """Qwen3 norms each query and key head after the projection: PEFT's update of q_proj and k_proj
     enters before the norm, as ours (added to the qkv product) does."""
-    from tiny_models import save_tiny_model
-    from transformers import Qwen3Config
+    from tiny_models import build_tiny_llama
 
-    config = Qwen3Config(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        initializer_range=0.2,
-    )
-    model_dir = save_tiny_model(tmp_path / "qwen3", default_model_dir, config)
+    model_dir = build_tiny_llama(tmp_path / "qwen3", default_model_dir, config_class="Qwen3Config")
     adapter = build_lora_adapter(tmp_path / "qk", model_dir, rank=8, targets=("q_proj", "k_proj"), seed=3)
     theirs = peft_greedy_tokens(model_dir, adapter, PROMPT, MAX_TOKENS)
     assert theirs != peft_greedy_tokens(model_dir, None, PROMPT, MAX_TOKENS)

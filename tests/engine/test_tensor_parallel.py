@@ -165,22 +165,11 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
 ) -> None:
     """Qwen3: each rank norms its own query and key heads with the whole (replicated) head norms, and
     biases its slice of q, k and v (`attention_bias`)."""
-    from tiny_models import save_tiny_model
-    from transformers import Qwen3Config
+    from tiny_models import build_tiny_llama
 
-    config = Qwen3Config(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        initializer_range=0.2,
-        attention_bias=True,
+    model_dir = build_tiny_llama(
+        tmp_path / "qwen3", default_model_dir, config_class="Qwen3Config", attention_bias=True
     )
-    model_dir = save_tiny_model(tmp_path / "qwen3", default_model_dir, config)
     reference = single_rank_reference(model_dir, prompts, num_kv_blocks=256, block_size=8)
     with tensor_parallel_llm(model_dir, 2, num_kv_blocks=256, block_size=8) as llm:
         assert llm.engine.executor.worker.num_kv_heads == 1  # type: ignore[attr-defined]
