@@ -10,10 +10,11 @@ import math
 import os
 import re
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pagedserve.chat_template import parse_chat_template_kwargs, resolve_chat_template
@@ -66,6 +67,17 @@ def parse_size(value: str | int | None) -> int | None:
     if not math.isfinite(size):  # '1e999': int() of it would raise OverflowError, not a ValueError
         raise ValueError(f"not a memory size: {value!r} is too large")
     return int(size)
+
+
+# field -> the parser that checks it as the engine will read it (ValueError naming the field)
+_PARSED_FIELDS: dict[str, Callable[[Any], object]] = {
+    "lora_modules": parse_lora_modules,
+    "chat_template": resolve_chat_template,
+    "default_chat_template_kwargs": lambda value: parse_chat_template_kwargs(
+        value, "default_chat_template_kwargs"
+    ),
+    "speculative_config": SpeculativeConfig.parse,
+}
 
 
 class EngineSettings(BaseSettings):
@@ -157,40 +169,16 @@ class EngineSettings(BaseSettings):
         "sequence's own earlier tokens, verified in one step",
     )
 
-    @field_validator("speculative_config")
+    @field_validator(*_PARSED_FIELDS)
     @classmethod
-    def _check_speculative_config(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    def _check_parsed(cls, value: Any, info: ValidationInfo) -> Any:
+        """The fields their own parser checks, whose errors name the field first (pydantic's error
+        names the flag or variable instead)."""
+        field = str(info.field_name)
         try:
-            SpeculativeConfig.parse(value)
+            _PARSED_FIELDS[field](value)
         except ValueError as exc:
-            raise ValueError(str(exc).removeprefix("speculative_config: ")) from None
-        return value
-
-    @field_validator("chat_template")
-    @classmethod
-    def _check_chat_template(cls, value: str | None) -> str | None:
-        try:
-            resolve_chat_template(value)
-        except ValueError as exc:
-            raise ValueError(str(exc).removeprefix("chat_template: ")) from None
-        return value
-
-    @field_validator("default_chat_template_kwargs")
-    @classmethod
-    def _check_chat_template_kwargs(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        try:
-            parse_chat_template_kwargs(value, "default_chat_template_kwargs")
-        except ValueError as exc:
-            raise ValueError(str(exc).removeprefix("default_chat_template_kwargs: ")) from None
-        return value
-
-    @field_validator("lora_modules")
-    @classmethod
-    def _check_lora_modules(cls, value: str | dict[str, str] | None) -> str | dict[str, str] | None:
-        try:
-            parse_lora_modules(value)
-        except ValueError as exc:
-            raise ValueError(str(exc).removeprefix("lora_modules: ")) from None
+            raise ValueError(str(exc).removeprefix(f"{field}: ")) from None
         return value
 
     @field_validator("kv_cache_memory")
