@@ -102,3 +102,32 @@ def test_every_serve_flag_has_a_row_in_the_readme_settings_table() -> None:
     documented = {flag for row in rows for flag in re.findall(r"`(--[a-z0-9-]+)", row.split(" | ")[0])}
     flags = {"--" + name.replace("_", "-") for name in ServeSettings.model_fields}
     assert sorted(flags - documented) == []
+
+
+def documented_values_with_extra_args() -> list[dict[str, Any]]:
+    """The chart values in docs/deploy.md's ```yaml blocks that pass server flags (`server.extraArgs`),
+    but those naming files on the pod's volume (`/mnt/models/...`: not on this machine)."""
+    import yaml
+
+    blocks = re.findall(r"```yaml\n(.*?)```", DEPLOY_DOC.read_text(), flags=re.DOTALL)
+    values = [yaml.safe_load(block) for block in blocks]
+    return [
+        v
+        for v in values
+        if isinstance(v, dict)
+        and "extraArgs" in v.get("server", {})
+        and not any("/mnt/" in arg for arg in v["server"]["extraArgs"])
+    ]
+
+
+@pytest.mark.parametrize(
+    "values", documented_values_with_extra_args(), ids=lambda v: " ".join(v["server"]["extraArgs"])[:40]
+)
+def test_documented_extra_args_are_flags_the_server_takes(values: dict[str, Any]) -> None:
+    """Each documented `server.extraArgs` renders into the server's arguments, and `pagedserve serve`
+    parses them: the flags exist and their values pass the settings' checks (a speculative config's
+    JSON, a LoRA list's name=path items)."""
+    containers = render(values)["Deployment"]["spec"]["template"]["spec"]["containers"]
+    args = by_name(containers)["pagedserve"]["args"]
+    assert all(arg in args for arg in values["server"]["extraArgs"])
+    parse_serve_args(args)
