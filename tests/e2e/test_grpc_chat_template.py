@@ -14,6 +14,8 @@ from inprocess_server import InProcessServer
 from pagedserve.rpc.v1 import generate_pb2 as pb
 
 TEMPLATE = (
+    "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t.name }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
     "{% if max_chars is defined %}<|im_start|>system\nAt most {{ max_chars }} characters.<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
@@ -116,3 +118,24 @@ def test_misuse_is_invalid_argument_naming_the_field(
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.details().startswith(f"{field}: ") and words in info.value.details()
     assert templated(server, pb.ChatMessages(messages=[QUESTION]))  # serving on
+
+
+def test_a_tool_result_and_the_tools_reach_the_template(server: InProcessServer) -> None:
+    """A tool-calling turn: the tools through chat_template_kwargs, the assistant's call as the model
+    wrote it, the tool's result as role tool. Other roles stay refused, naming the message."""
+    chat = pb.ChatMessages(
+        messages=[
+            pb.ChatMessage(role="user", content="Weather in Paris?"),
+            pb.ChatMessage(role="assistant", content='<tool_call>{"name": "get_weather"}</tool_call>'),
+            pb.ChatMessage(role="tool", content="22 C, sunny"),
+        ],
+        chat_template_kwargs=kwargs(tools=[{"name": "get_weather"}, {"name": "get_time"}]),
+    )
+    text = templated(server, chat)
+    assert text.startswith("<|im_start|>system\ntools: get_weather get_time<|im_end|>\n"), text
+    assert "<|im_start|>tool\n22 C, sunny<|im_end|>\n<|im_start|>assistant\n" in text
+    robot = pb.ChatMessages(messages=[QUESTION, pb.ChatMessage(role="robot", content="beep")])
+    with pytest.raises(grpc.RpcError) as info:
+        server.stub.Tokenize(pb.TokenizeRequest(messages=robot), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "messages[1].role: must be system, user, assistant or tool"

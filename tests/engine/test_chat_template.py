@@ -124,4 +124,9 @@ def test_misuse_is_refused_naming_the_field(llm: LLM) -> None:
         )
     with pytest.raises(InvalidRequestError, match=r"^chat_template: not a Jinja template"):
         encode(QUESTION, chat_template="{% for m in messages %}")
+    # a template whose code fails on this request (transformers passes tools=None when none are given)
+    with pytest.raises(
+        InvalidRequestError, match=r"^messages: the chat template failed on them: TypeError: 'NoneType'"
+    ):
+        encode(QUESTION, chat_template="{% for t in tools %}{{ t.name }}{% endfor %}")
     assert prompt_of(llm, QUESTION)  # still serving

@@ -167,8 +167,10 @@ class LLMEngine:
             raise InvalidRequestError("messages", f"refused by the chat template: {exc}") from None
         except ValueError as exc:  # transformers': the final message to continue is not in the prompt
             if not continue_final_message:
-                raise
+                raise _template_failed(exc) from None
             raise InvalidRequestError("continue_final_message", str(exc)) from None
+        except Exception as exc:  # the template's own code failed on this conversation or its variables
+            raise _template_failed(exc) from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers returns a BatchEncoding
             ids = ids["input_ids"]  # type: ignore[call-overload,index]
         return list(ids)
@@ -761,6 +763,13 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     seed = None if params.seed is None else params.seed + index
     prompt_logprobs = params.prompt_logprobs if index == 0 else None
     return replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+
+
+def _template_failed(exc: Exception) -> InvalidRequestError:
+    """A chat template that raised while rendering (e.g. it iterates a variable the request did not
+    give, as `{% for t in tools %}` with no tools): the request's fault or the template's, not the
+    server's, and the server goes on serving."""
+    return InvalidRequestError("messages", f"the chat template failed on them: {type(exc).__name__}: {exc}")
 
 
 def _eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:

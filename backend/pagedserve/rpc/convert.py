@@ -15,6 +15,9 @@ from pagedserve.pooling_params import PoolingParams
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
+# tool: a tool's result, after the assistant message that called it (whose content holds the call as
+# the model wrote it, e.g. Qwen's <tool_call> block), as chat templates with tools render it
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 _OPTIONAL_PARAMS = (
     "temperature",
     "top_p",
@@ -194,8 +197,8 @@ def chat_token_ids(messages: pb.ChatMessages, engine: LLMEngine) -> list[int]:
     if not messages.messages:
         raise InvalidRequestError("messages", "must not be empty")
     for i, message in enumerate(messages.messages):
-        if message.role not in ("system", "user", "assistant"):
-            raise InvalidRequestError(f"messages[{i}].role", "must be system, user or assistant")
+        if message.role not in CHAT_ROLES:
+            raise InvalidRequestError(f"messages[{i}].role", "must be system, user, assistant or tool")
     kwargs = None
     if messages.HasField("chat_template_kwargs"):
         kwargs = whole_numbers_as_ints(json_format.MessageToDict(messages.chat_template_kwargs))
