@@ -210,9 +210,8 @@ class SchedulerConfig:
     # fcfs: queues in arrival order; priority: by each request's priority (lower first), then arrival,
     # and a waiting request preempts less urgent running ones when it cannot be admitted (as vLLM's)
     scheduling_policy: str = "fcfs"
-    speculative: SpeculativeConfig | None = (
-        None  # n-gram drafts for decoding sequences (--speculative-config)
-    )
+    # n-gram drafts for decoding sequences (--speculative-config); None: none
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

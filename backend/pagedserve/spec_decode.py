@@ -89,14 +89,24 @@ class SpeculativeConfig:
         if max_drafts <= 0 or len(token_ids) <= self.prompt_lookup_min:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.prompt_lookup_max, len(tokens) - 1), self.prompt_lookup_min - 1, -1):
-            # windows starting at 0 .. len - n - 1: every occurrence that ends before the suffix does
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            found = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if found.size:
-                start = int(found[-1]) + n
-                return token_ids[start : start + max_drafts]
-        return []
+        # Every earlier occurrence of a suffix ends where the last token occurred before (one pass over
+        # the tokens); each such end then extends its match backwards, all of them a token at a time.
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        if not ends.size:
+            return []
+        lengths = np.ones(ends.size, dtype=np.int64)  # the suffix length matched at each end
+        matching = np.ones(ends.size, dtype=bool)
+        for k in range(1, min(self.prompt_lookup_max, len(tokens) - 1)):
+            before = ends - k
+            matching &= (before >= 0) & (tokens[np.maximum(before, 0)] == tokens[-1 - k])
+            if not matching.any():
+                break
+            lengths += matching
+        longest = int(lengths.max())
+        if longest < self.prompt_lookup_min:
+            return []
+        start = int(ends[np.flatnonzero(lengths == longest)[-1]]) + 1  # the latest of the longest
+        return token_ids[start : start + max_drafts]
 
 
 def _int(value: dict[str, Any], key: str, low: int, high: int, default: int | None = None) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 
 import pytest
@@ -280,3 +281,30 @@ def test_no_drafts_while_more_requests_than_disable_by_batch_size(plain: LLM) ->
     assert [o.outputs[0].token_ids for o in ours] == [
         o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)
     ]
+
+
+def naive_proposal(config: SpeculativeConfig, tokens: list[int], max_drafts: int) -> list[int]:
+    """The proposer's definition, spelled out: for n from prompt_lookup_max down to prompt_lookup_min,
+    the latest earlier occurrence of the last n tokens (ending before the last token), and what
+    followed it."""
+    for n in range(min(config.prompt_lookup_max, len(tokens) - 1), config.prompt_lookup_min - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + min(max_drafts, config.num_speculative_tokens)]
+    return []
+
+
+def test_the_proposer_matches_its_definition_on_random_tokens() -> None:
+    rng = random.Random(0)
+    for case in range(400):
+        config = SpeculativeConfig(
+            num_speculative_tokens=rng.randint(1, 5), prompt_lookup_max=rng.randint(2, 5), prompt_lookup_min=1
+        )
+        if case % 2:
+            config = SpeculativeConfig(config.num_speculative_tokens, config.prompt_lookup_max, 2)
+        tokens = [rng.randrange(4 if case % 3 else 12) for _ in range(rng.randint(1, 40))]
+        max_drafts = rng.randint(0, 6)
+        assert config.propose(tokens, max_drafts) == naive_proposal(config, tokens, max_drafts), (
+            config,
+            tokens,
+        )
