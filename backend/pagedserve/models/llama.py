@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3 layouts): GQA, RoPE, RMSNorm, SwiGLU, tied or
-untied embeddings, and Qwen3's RMSNorm of each query and key head. Mirrors Hugging Face's LlamaForCausalLM; the difference is paged attention and
-tensor-parallel layers. Input is one packed batch of tokens, [num_tokens]."""
+untied embeddings, and Qwen3's RMSNorm of each query and key head. Mirrors Hugging Face's
+LlamaForCausalLM; the difference is paged attention and tensor-parallel layers. Input is one packed
+batch of tokens, [num_tokens]."""
 
 from __future__ import annotations
 

@@ -289,7 +289,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_indices])
         grammar_masks = self._apply_grammar_bitmask(logits, rows, output)
         result = self.sampler(logits, self._sampling_tensors(rows, grammar_masks))
-        runner_output = self._to_output(sampled, result, prompt_logprobs)
+        runner_output = self._to_output(sampled, rows, result, prompt_logprobs)
         runner_output.pooled = pooled
         return runner_output
 
@@ -309,16 +309,10 @@ class ModelRunner:
         token, its drafts) with its own bitmask row. Returns the bitmask row of each such sample row."""
         if output.grammar_bitmask is None:
             return {}
-        first_row: dict[str, int] = {}
-        num_rows: dict[str, int] = {}
+        rows_of: dict[str, list[int]] = {}
         for i, row in enumerate(sample_rows):
-            first_row.setdefault(row.request_id, i)
-            num_rows[row.request_id] = num_rows.get(row.request_id, 0) + 1
-        rows = [
-            first_row[request_id] + j
-            for request_id in output.structured_output_request_ids
-            for j in range(num_rows[request_id])
-        ]
+            rows_of.setdefault(row.request_id, []).append(i)
+        rows = [i for request_id in output.structured_output_request_ids for i in rows_of[request_id]]
         bitmask = torch.from_numpy(output.grammar_bitmask).to(self.device, non_blocking=True)
         apply_token_bitmask(logits, bitmask, rows)
         return dict(zip(rows, output.grammar_bitmask, strict=True))
@@ -545,15 +539,15 @@ class ModelRunner:
     def _to_output(
         self,
         sampled: list[ScheduledRequest],
+        rows: list[SampleRow],
         result: SamplerOutput,
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]],
     ) -> ModelRunnerOutput:
         """One token per request, or with drafts: the drafts accepted (each equal to the token sampled at
-        its position), then the token sampled at the first position that differs (or after the last)."""
+        its position), then the token sampled at the first position that differs (or after the last).
+        Logprobs of the rows whose token is kept."""
         token_ids = result.token_ids.tolist()  # the one host sync of the step (without prompt logprobs)
-        request_ids = [r.request_id for r in sampled]
-        output = ModelRunnerOutput(request_ids, [], prompt_logprobs=prompt_logprobs)
-        row_logprobs: list[TokenLogprobs] = []
+        output = ModelRunnerOutput([r.request_id for r in sampled], [], prompt_logprobs=prompt_logprobs)
         if result.logprobs is not None:
             assert result.logprob_token_ids is not None and result.sampled_ranks is not None
             values, ids, ranks = (
@@ -561,29 +555,27 @@ class ModelRunner:
                 result.logprob_token_ids.tolist(),
                 result.sampled_ranks.tolist(),
             )
-            for row, request_id in enumerate(self._row_request_ids(sampled)):
-                k = self.requests[request_id].params.logprobs
-                row_logprobs.append({} if k is None else _logprob_entry(ids[row], values[row], ranks[row], k))
             output.logprobs = []
-        row = 0
+
+        def entry(row: int) -> TokenLogprobs:
+            k = rows[row].state.params.logprobs
+            return {} if k is None else _logprob_entry(ids[row], values[row], ranks[row], k)
+
+        first = 0  # the request's first row
         for req in sampled:
             drafts = req.token_ids[len(req.token_ids) - req.num_spec_tokens :] if req.num_spec_tokens else []
             n = 0
-            while n < len(drafts) and token_ids[row + n] == drafts[n]:
+            while n < len(drafts) and token_ids[first + n] == drafts[n]:
                 n += 1
-            output.sampled_token_ids.append(token_ids[row + n])
+            output.sampled_token_ids.append(token_ids[first + n])
             if n:
                 output.accepted_drafts[req.request_id] = drafts[:n]
             if output.logprobs is not None:
-                output.logprobs.append(row_logprobs[row + n])
+                output.logprobs.append(entry(first + n))
                 if n:
-                    output.draft_logprobs[req.request_id] = row_logprobs[row : row + n]
-            row += 1 + len(drafts)
+                    output.draft_logprobs[req.request_id] = [entry(first + i) for i in range(n)]
+            first += 1 + len(drafts)
         return output
-
-    @staticmethod
-    def _row_request_ids(sampled: list[ScheduledRequest]) -> list[str]:
-        return [r.request_id for r in sampled for _ in range(1 + r.num_spec_tokens)]
 
     def _prompt_logprobs(
         self, order: list[ScheduledRequest], hidden: torch.Tensor
