@@ -225,10 +225,10 @@ class Scheduler:
 
     def _drafts(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
         """Speculative decoding: the drafts a decoding sequence runs this step beside its last token,
-        within the token budget, its max_tokens and the context (the step emits one token more than
-        it accepts), and the free blocks above the watermark (a draft never preempts). None for requests whose
-        next token is no token (embeddings), nor while more requests than `disable_by_batch_size` are
-        in the engine. A grammar's request drafts too: the engine masks each draft's row with the
+        within the token budget, its max_tokens and the context (the step emits one token more than it
+        accepts), and the free blocks above the watermark (a draft never preempts). None for an
+        embedding (it samples nothing), nor while more requests than `disable_by_batch_size` are in
+        the engine. A grammar's request drafts too: the engine masks each draft's row with the
         grammar's state after the drafts before it."""
         spec = self.config.speculative
         if spec is None or num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1:

@@ -5,9 +5,8 @@
 // the compiled forward pass calls ~8 ops a layer from Python (inductor's wrapper), each a few
 // microseconds of dispatch, and its fused elementwise kernels are tiny at decode batch sizes. Here a
 // layer is: residual add + RMSNorm, the qkv multiply, (Qwen3: RMSNorm of each q and k head,) rotary on
-// q and k, the KV write and
-// decode attention (cpu_kernels.cpp), the o multiply, residual add + RMSNorm, the gate_up multiply,
-// SiLU(gate) * up, the down multiply. The multiplies and attention are the same ops the compiled pass
+// q and k, the KV write and decode attention (cpu_kernels.cpp), the o multiply, residual add +
+// RMSNorm, the gate_up multiply, SiLU(gate) * up, the down multiply. The multiplies and attention are the same ops the compiled pass
 // calls (through the dispatcher); the elementwise parts are written here in float32, rounded to
 // bfloat16 once per output as inductor's fused kernels do, but with each residual add rounded as the
 // eager model rounds it (inductor sums several adds in float32 first), so greedy bfloat16 tokens can
