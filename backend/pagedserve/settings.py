@@ -283,8 +283,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings_cls: type[B
             parser.add_argument(
                 flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
             )
-        elif get_origin(info.annotation) is Literal:
-            choices = get_args(info.annotation)
+        elif get_origin(_unset_removed(info.annotation)) is Literal:
+            choices = get_args(_unset_removed(info.annotation))
             parser.add_argument(flag, dest=name, choices=choices, default=None, help=help_text)
         else:
             parser.add_argument(flag, dest=name, type=base, default=None, help=help_text)
@@ -341,7 +341,13 @@ def setting_source(name: str, given: dict[str, Any] | set[str]) -> str:
     return f"{flag} / {variable}"
 
 
-def _base_type(annotation: Any) -> type:
+def _unset_removed(annotation: Any) -> Any:
+    """`X | None` -> X."""
     if get_origin(annotation) in (Union, types.UnionType):
-        annotation = next(arg for arg in get_args(annotation) if arg is not type(None))
+        return next(arg for arg in get_args(annotation) if arg is not type(None))
+    return annotation
+
+
+def _base_type(annotation: Any) -> type:
+    annotation = _unset_removed(annotation)
     return annotation if isinstance(annotation, type) else str

@@ -14,7 +14,7 @@ from inprocess_server import InProcessServer
 from pagedserve.rpc.v1 import generate_pb2 as pb
 
 TEMPLATE = (
-    "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t.name }}{% endfor %}"
+    "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t.name or t.function.name }}{% endfor %}"
     "<|im_end|>\n{% endif %}"
     "{% if max_chars is defined %}<|im_start|>system\nAt most {{ max_chars }} characters.<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -139,3 +139,23 @@ def test_a_tool_result_and_the_tools_reach_the_template(server: InProcessServer)
         server.stub.Tokenize(pb.TokenizeRequest(messages=robot), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details() == "messages[1].role: must be system, user, assistant or tool"
+
+
+def test_tools_without_auto_tool_choice_refuse_auto_and_take_none(server: InProcessServer) -> None:
+    """This server has no --enable-auto-tool-choice: tool_choice auto (the default with tools) is refused
+    as vLLM refuses it, naming the way out; none renders the tools and leaves the output text."""
+    tools = [pb.Tool(name="get_weather"), pb.Tool(name="get_time")]
+    assert server.stub.ModelInfo(pb.ModelInfoRequest(), timeout=30).tool_call_parser == ""
+    for choice in ("", "auto"):
+        chat = pb.ChatMessages(messages=[QUESTION], tools=tools, tool_choice=choice)
+        with pytest.raises(grpc.RpcError) as info:
+            list(server.stub.Generate(pb.GenerateRequest(messages=chat), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("tool_choice: auto (the default with tools) needs a server")
+    chat = pb.ChatMessages(messages=[QUESTION], tools=tools, tool_choice="none")
+    params = pb.SamplingParameters(max_tokens=3, temperature=0.0, ignore_eos=True)
+    [completion] = server.stub.Complete(
+        pb.GenerateRequest(messages=chat, sampling=params), timeout=60
+    ).completions
+    assert completion.finish_reason == pb.LENGTH and not completion.tool_calls and completion.text
+    assert templated(server, chat).startswith("<|im_start|>system\ntools: get_weather get_time<|im_end|>")

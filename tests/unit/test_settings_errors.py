@@ -193,3 +193,23 @@ def test_a_speculative_config_reaches_the_scheduler(monkeypatch: pytest.MonkeyPa
     assert parse(["--speculative-config", '{"num_speculative_tokens": 2}'])._scheduler_config(
         64
     ).speculative == (SpeculativeConfig(2))
+
+
+def test_auto_tool_choice_needs_a_parser_and_a_parser_is_one_we_have(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SettingsError) as info:
+        parse(["--enable-auto-tool-choice"])
+    assert (
+        str(info.value)
+        == "--enable-auto-tool-choice: needs --tool-call-parser (the format of the model's calls)"
+    )
+    assert parse(["--tool-call-parser", "hermes"]).auto_tool_call_parser is None  # not enabled: auto refused
+    settings = parse(["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"])
+    assert settings.auto_tool_call_parser == "pythonic"
+    monkeypatch.setenv("PAGEDSERVE_TOOL_CALL_PARSER", "mistral")
+    with pytest.raises(SettingsError) as info:
+        parse([])
+    assert str(info.value).startswith("PAGEDSERVE_TOOL_CALL_PARSER: ") and "'hermes'" in str(info.value)
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, ServeSettings)
+    with pytest.raises(SystemExit):  # argparse's choices: exit 2 with the choices listed
+        parser.parse_args(["--tool-call-parser", "mistral"])

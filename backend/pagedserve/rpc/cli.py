@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Literal, NoReturn
 
 from pydantic import Field, model_validator
 
@@ -70,6 +70,16 @@ class ServeSettings(EngineSettings):
         False,
         description="take LoadLoRAAdapter / UnloadLoRAAdapter calls (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): "
         "LoRA adapters loaded from and dropped by any path the server can read, while it serves",
+    )
+    enable_auto_tool_choice: bool = Field(
+        False,
+        description="take tool_choice auto (the default of a chat request with tools): the model decides "
+        "whether to call tools, and --tool-call-parser finds its calls in its output (as vLLM's flag)",
+    )
+    tool_call_parser: Literal["hermes", "llama3_json", "pythonic"] | None = Field(
+        None,
+        description="the model family's tool-call format: hermes (Qwen2.5, Qwen3, Hermes: <tool_call> "
+        "JSON </tool_call>), llama3_json (Llama 3.1/3.2 JSON calls), pythonic ([f(x=1), g()])",
     )
     triton_priority_levels: int = Field(
         3,
@@ -128,6 +138,19 @@ class ServeSettings(EngineSettings):
                 f"({self.triton_priority_levels}), got {self.triton_default_priority_level}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_tool_choice(self) -> ServeSettings:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(
+                "enable_auto_tool_choice: needs --tool-call-parser (the format of the model's calls)"
+            )
+        return self
+
+    @property
+    def auto_tool_call_parser(self) -> str | None:
+        """tool_choice auto's parser: --tool-call-parser's, with --enable-auto-tool-choice."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     @property
     def tls_files(self) -> TlsFiles:
@@ -289,6 +312,7 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
         keepalive_options(settings.grpc_keepalive_time, settings.grpc_keepalive_timeout),
         settings.stream_write_timeout,
         settings.allow_runtime_lora_updating,
+        settings.auto_tool_call_parser,
     )
     levels = PriorityLevels(settings.triton_priority_levels, settings.triton_default_priority_level)
     model = LLMModel(server, levels)

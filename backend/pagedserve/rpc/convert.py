@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
@@ -14,9 +17,17 @@ from pagedserve.outputs import RequestDelta, TokenLogprobs
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.tool_calls import (
+    Tool,
+    ToolCallParser,
+    ToolChoice,
+    call_arguments,
+    check_unique,
+    parse_tool,
+    tool_choice,
+)
 
-# tool: a tool's result, after the assistant message that called it (whose content holds the call as
-# the model wrote it, e.g. Qwen's <tool_call> block), as chat templates with tools render it
+# tool: a tool's result, after the assistant message that called it (its tool_calls)
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 _OPTIONAL_PARAMS = (
     "temperature",
@@ -94,8 +105,11 @@ def _find_bad_string(descriptor: object, data: bytes, prefix: str = "") -> str:
     return prefix + "request"
 
 
-def sampling_params(message: pb.SamplingParameters, engine: LLMEngine) -> SamplingParams:
-    """The fields the message sets; the engine's defaults (the model's, then ours) for the rest."""
+def sampling_params(
+    message: pb.SamplingParameters, engine: LLMEngine, tools: ToolChoice | None = None
+) -> SamplingParams:
+    """The fields the message sets; the engine's defaults (the model's, then ours) for the rest. A tool
+    choice of required or a named function constrains the output to its schema."""
     kwargs: dict[str, object] = {
         name: getattr(message, name) for name in _OPTIONAL_PARAMS if message.HasField(name)
     }
@@ -113,6 +127,17 @@ def sampling_params(message: pb.SamplingParameters, engine: LLMEngine) -> Sampli
         kwargs["bad_words"] = list(message.bad_words)
     if message.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_outputs(message.structured_outputs)
+    if tools is not None and tools.schema is not None:
+        if "structured_outputs" in kwargs:
+            raise InvalidRequestError(
+                "sampling.structured_outputs",
+                "cannot be set with tool_choice required or tool_choice_function, which constrain the "
+                "output to the tools' calls",
+            )
+        # compact JSON: with whitespace allowed, a small model may spend its tokens on blank lines
+        kwargs["structured_outputs"] = StructuredOutputsParams(
+            json=json.dumps(tools.schema), disable_any_whitespace=True
+        )
     return engine.sampling_params(**kwargs)
 
 
@@ -196,20 +221,87 @@ def prompt_token_ids(request: pb.GenerateRequest | pb.EmbedRequest, engine: LLME
 def chat_token_ids(messages: pb.ChatMessages, engine: LLMEngine) -> list[int]:
     if not messages.messages:
         raise InvalidRequestError("messages", "must not be empty")
-    for i, message in enumerate(messages.messages):
-        if message.role not in CHAT_ROLES:
-            raise InvalidRequestError(f"messages[{i}].role", "must be system, user, assistant or tool")
-    kwargs = None
+    kwargs: dict[str, Any] = {}
     if messages.HasField("chat_template_kwargs"):
         kwargs = whole_numbers_as_ints(json_format.MessageToDict(messages.chat_template_kwargs))
+    if messages.tools:
+        if "tools" in kwargs:
+            raise InvalidRequestError("chat_template_kwargs", "'tools' is given by tools, not here")
+        kwargs["tools"] = [tool.template_entry() for tool in tools(messages)]
     return engine.encode_chat(
-        [{"role": m.role, "content": m.content} for m in messages.messages],
+        [_chat_message(i, m) for i, m in enumerate(messages.messages)],
         add_generation_prompt=(
             messages.add_generation_prompt if messages.HasField("add_generation_prompt") else True
         ),
         continue_final_message=messages.continue_final_message,
-        chat_template_kwargs=kwargs,
+        chat_template_kwargs=kwargs or None,
     )
+
+
+def _chat_message(i: int, message: pb.ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: OpenAI's shape, a call's arguments parsed (as vLLM gives
+    them: templates print them with tojson)."""
+    if message.role not in CHAT_ROLES:
+        raise InvalidRequestError(f"messages[{i}].role", "must be system, user, assistant or tool")
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise InvalidRequestError(f"messages[{i}].tool_calls", "only an assistant message calls tools")
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.name,
+                    "arguments": call_arguments(call.arguments, f"messages[{i}].tool_calls[{j}].arguments"),
+                },
+            }
+            for j, call in enumerate(message.tool_calls)
+        ]
+    if message.tool_call_id:
+        if message.role != "tool":
+            raise InvalidRequestError(f"messages[{i}].tool_call_id", "only a tool message answers a call")
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def tools(messages: pb.ChatMessages) -> list[Tool]:
+    parsed = [parse_tool(i, t.name, t.description, t.parameters) for i, t in enumerate(messages.tools)]
+    check_unique(parsed)
+    return parsed
+
+
+def request_tool_choice(request: pb.GenerateRequest, auto_parser: str | None) -> ToolChoice | None:
+    """A chat request's tool choice (None: its output is text); InvalidRequestError naming the field."""
+    if request.WhichOneof("input") != "messages":
+        return None
+    messages = request.messages
+    return tool_choice(tools(messages), messages.tool_choice, messages.tool_choice_function, auto_parser)
+
+
+class ToolCalls:
+    """A request's tool choice at work on its responses: each completion's text through its own parser,
+    the calls it finds sent as tool_calls, and a completion that called tools finishing TOOL_CALLS."""
+
+    def __init__(self, choice: ToolChoice) -> None:
+        self.choice = choice
+        self._parsers: dict[int, ToolCallParser] = {}
+        self._called: set[int] = set()
+
+    def apply(self, out: pb.GenerateResponse, finished: bool) -> None:
+        parser = self._parsers.get(out.index)
+        if parser is None:
+            parser = self._parsers[out.index] = self.choice.new_parser()
+        content, calls = parser.feed(out.text)
+        if finished:
+            rest, more = parser.finish()
+            content, calls = content + rest, calls + more
+        out.text = content
+        out.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
+        if calls:
+            self._called.add(out.index)
+        if finished and out.index in self._called and out.finish_reason in (pb.STOP, pb.EOS):
+            out.finish_reason = pb.TOOL_CALLS
 
 
 def tokenize(request: pb.TokenizeRequest, engine: LLMEngine) -> pb.TokenizeResponse:

@@ -41,6 +41,7 @@ from pagedserve.rpc.signals import catch_stop_signals
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.telemetry import RequestTracer
+from pagedserve.tool_calls import ToolChoice
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +65,22 @@ class _Call:
     tokenized: tuple[float, float]  # time.monotonic() before and after tokenizing
     priority: int = 0
     lora_name: str | None = None  # the LoRA adapter it runs through (None: the base model)
+    tool_calls: convert.ToolCalls | None = None  # its tool choice, which parses calls out of its text
     last: RequestDelta | None = None
     stalled: bool = False  # given up by --stream-write-timeout: the abort's cause
+
+    def response(self, delta: RequestDelta) -> pb.GenerateResponse:
+        out = convert.response(delta, self.prompt)
+        if self.tool_calls is not None:
+            self.tool_calls.apply(out, delta.finished)
+        return out
 
 
 @dataclass
 class ServerState:
     status: str = "starting"  # starting, serving, draining, dead
     allow_runtime_lora_updating: bool = False  # LoadLoRAAdapter / UnloadLoRAAdapter (the flag)
+    tool_call_parser: str | None = None  # tool_choice auto's (--enable-auto-tool-choice on), else None
 
     @property
     def ready(self) -> bool:
@@ -100,7 +109,7 @@ class GenerationServicer:
         deltas = self._deltas(call, context)
         try:
             async for delta in deltas:
-                response = convert.response(delta, call.prompt)
+                response = call.response(delta)
                 await self.write_watch.send(context.write(response))
         except StalledClientError as exc:
             call.stalled = True
@@ -116,7 +125,7 @@ class GenerationServicer:
         deltas = self._deltas(call, context)
         try:
             async for delta in deltas:
-                _merge(completions[delta.index], convert.response(delta, call.prompt))
+                _merge(completions[delta.index], call.response(delta))
         finally:
             await deltas.aclose()
             self._trace(call, context)
@@ -146,6 +155,7 @@ class GenerationServicer:
         """Check and tokenize a call's request; `params_of` makes its parameters (default: the
         Generate request's sampling)."""
         started = time.monotonic()
+        tools: ToolChoice | None = None
         if self.state.status != "serving":
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is {self.state.status}")
         try:
@@ -154,18 +164,27 @@ class GenerationServicer:
             lora_name = self._lora_name(request)
             rid = convert.request_id(request, self.engine.new_request_id())
             if params_of is None:
-                params = convert.sampling_params(request.sampling, self.llm)
+                tools = convert.request_tool_choice(request, self.state.tool_call_parser)
+                params = convert.sampling_params(request.sampling, self.llm, tools)
             else:
                 params = params_of(request)
             prompt = await in_tokenizer_thread(convert.prompt_token_ids, request, self.llm)
-            prompt = await self.engine.prepare(rid, prompt, params, request.priority, lora_name=lora_name)
+            try:
+                prompt = await self.engine.prepare(rid, prompt, params, request.priority, lora_name=lora_name)
+            except InvalidRequestError as exc:  # the tools' schema, which the request did not write as one
+                if tools is None or tools.schema is None or not exc.field.startswith("structured_outputs"):
+                    raise
+                raise InvalidRequestError(tools.schema_field, exc.message) from None
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return _Call(rid, prompt, params, (started, time.monotonic()), request.priority, lora_name)
+        tool_calls = convert.ToolCalls(tools) if tools is not None else None
+        return _Call(
+            rid, prompt, params, (started, time.monotonic()), request.priority, lora_name, tool_calls
+        )
 
     def _lora_name(self, request: Any) -> str | None:
         """The request's LoRA adapter: `lora_name`, or a `model` naming an adapter (as vLLM's OpenAI
@@ -363,6 +382,7 @@ class GenerationServicer:
             max_num_seqs=config.scheduler.max_num_seqs,
             scheduling_policy=config.scheduler.scheduling_policy,
             lora_adapters=self.llm.lora_names,
+            tool_call_parser=self.state.tool_call_parser or "",
         )
 
 
@@ -452,6 +472,7 @@ def give_up_stalled_call(context: grpc.aio.ServicerContext, what: str, exc: Stal
 
 def _merge(into: pb.GenerateResponse, delta: pb.GenerateResponse) -> None:
     into.text += delta.text
+    into.tool_calls.extend(delta.tool_calls)
     into.token_ids.extend(delta.token_ids)
     into.logprobs.extend(delta.logprobs)
     into.prompt_logprobs.extend(delta.prompt_logprobs)
@@ -596,10 +617,13 @@ class Server:
         options: list[tuple[str, int]] | None = None,
         stream_write_timeout: float = 60.0,
         allow_runtime_lora_updating: bool = False,
+        tool_call_parser: str | None = None,
     ) -> None:
         """`stream_write_timeout`: seconds a streamed response may wait to be sent before its stream is
         given up (--stream-write-timeout; 0 = no limit). Every front end's streams honour it."""
-        self.state = ServerState(allow_runtime_lora_updating=allow_runtime_lora_updating)
+        self.state = ServerState(
+            allow_runtime_lora_updating=allow_runtime_lora_updating, tool_call_parser=tool_call_parser
+        )
         self.health = health.aio.HealthServicer()
         _quiet_client_gone_writes()
         self.grpc = grpc.aio.server(options=options)

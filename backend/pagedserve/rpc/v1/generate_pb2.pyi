@@ -16,32 +16,64 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EOS: _ClassVar[FinishReason]
     ABORTED: _ClassVar[FinishReason]
     ERROR: _ClassVar[FinishReason]
+    TOOL_CALLS: _ClassVar[FinishReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 LENGTH: FinishReason
 STOP: FinishReason
 EOS: FinishReason
 ABORTED: FinishReason
 ERROR: FinishReason
+TOOL_CALLS: FinishReason
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
-    __slots__ = ("messages", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+    __slots__ = ("messages", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "tools", "tool_choice", "tool_choice_function")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FUNCTION_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     chat_template_kwargs: _struct_pb2.Struct
     add_generation_prompt: bool
     continue_final_message: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: str
+    tool_choice_function: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., tool_choice_function: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -171,7 +203,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, sampled: _Optional[_Union[TokenLogprob, _Mapping]] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "index", "text", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "time_in_queue_s", "time_to_first_token_s", "error", "cached_tokens", "prompt_logprobs")
+    __slots__ = ("request_id", "index", "text", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "time_in_queue_s", "time_to_first_token_s", "error", "cached_tokens", "prompt_logprobs", "tool_calls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +217,7 @@ class GenerateResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     text: str
@@ -198,7 +231,8 @@ class GenerateResponse(_message.Message):
     error: str
     cached_tokens: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_in_queue_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., error: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_in_queue_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., error: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
     __slots__ = ("completions",)
@@ -273,7 +307,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_context_length", "num_kv_blocks", "block_size", "kv_capacity_tokens", "tensor_parallel_size", "dtype", "version", "max_num_seqs", "scheduling_policy", "lora_adapters")
+    __slots__ = ("model_name", "max_context_length", "num_kv_blocks", "block_size", "kv_capacity_tokens", "tensor_parallel_size", "dtype", "version", "max_num_seqs", "scheduling_policy", "lora_adapters", "tool_call_parser")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +319,7 @@ class ModelInfoResponse(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULING_POLICY_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_PARSER_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_context_length: int
     num_kv_blocks: int
@@ -296,7 +331,8 @@ class ModelInfoResponse(_message.Message):
     max_num_seqs: int
     scheduling_policy: str
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_name: _Optional[str] = ..., max_context_length: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., scheduling_policy: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    tool_call_parser: str
+    def __init__(self, model_name: _Optional[str] = ..., max_context_length: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., scheduling_policy: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., tool_call_parser: _Optional[str] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "model", "pooling", "normalize", "truncate_prompt_tokens", "priority", "lora_name")

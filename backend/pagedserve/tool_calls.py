@@ -1,0 +1,391 @@
+"""Tool calling as vLLM's chat completions do it. A chat request offers tools, which reach the chat
+template as `tools`; its tool choice decides what the output is:
+
+- none: text, as without tools;
+- auto: text, and the calls the model chose to write, found by the parser of its family's format
+  (`--tool-call-parser`: hermes for Qwen2.5/Qwen3/Hermes, llama3_json for Llama 3.1/3.2, pythonic for
+  Llama 3.2/4's pythonic template);
+- required, or one named function: calls only, the output constrained by structured outputs to their
+  JSON (a list of {"name", "parameters"}, or the named function's arguments).
+
+Parsers read a completion's text as it streams: the text of a call is held back until the call is
+whole, then leaves as a ToolCall instead of text. Torch-free."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.errors import InvalidRequestError
+
+TOOL_PARSERS = ("hermes", "llama3_json", "pythonic")
+TOOL_CHOICES = ("none", "auto", "required")
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as JSON text
+    id: str = field(default_factory=new_call_id)
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # a JSON schema
+
+    def template_entry(self) -> dict[str, Any]:
+        """The tool as chat templates read it (OpenAI's shape)."""
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": function}
+
+
+def parse_tool(index: int, name: str, description: str, parameters: str) -> Tool:
+    """A request's `tools[index]`; InvalidRequestError naming the field."""
+    if not _TOOL_NAME.fullmatch(name):
+        raise InvalidRequestError(
+            f"tools[{index}].name", f"must be 1 to 64 letters, digits, _ or -, got {name[:80]!r}"
+        )
+    schema: Any = {"type": "object", "properties": {}}
+    if parameters:
+        try:
+            schema = json.loads(parameters)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"tools[{index}].parameters", f"not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(f"tools[{index}].parameters", "must be a JSON schema (an object)")
+    return Tool(name, description, schema)
+
+
+def check_unique(tools: list[Tool]) -> None:
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(tools):
+        if tool.name in seen:
+            raise InvalidRequestError(
+                f"tools[{i}].name", f"{tool.name!r} is tools[{seen[tool.name]}]'s name too"
+            )
+        seen[tool.name] = i
+
+
+def call_arguments(arguments: str, field_name: str) -> dict[str, Any]:
+    """A call's arguments in the history, parsed for the template (which prints them as an object)."""
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(field_name, f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(field_name, "must be a JSON object")
+    return value
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """What a request's tool choice makes of its output: a JSON schema constraining it (required, or a
+    named function), and a parser per completion."""
+
+    schema: dict[str, Any] | None
+    new_parser: Callable[[], ToolCallParser]
+    schema_field: str = "tools"  # what a schema that does not compile is said of
+
+
+def tool_choice(tools: list[Tool], choice: str, function: str, auto_parser: str | None) -> ToolChoice | None:
+    """`choice` (none, auto, required; empty: auto with tools) or `function` (a tool's name) over the
+    request's tools; `auto_parser`: the server's --tool-call-parser when --enable-auto-tool-choice is
+    on. None: the output is text. InvalidRequestError naming the field for a choice that cannot be
+    made."""
+    if function:
+        index = {tool.name: i for i, tool in enumerate(tools)}
+        if function not in index:
+            names = ", ".join(index) or "none"
+            raise InvalidRequestError("tool_choice_function", f"no tool {function[:80]!r} (tools: {names})")
+        i = index[function]
+        return ToolChoice(tools[i].parameters, lambda: NamedCallParser(function), f"tools[{i}].parameters")
+    if choice and choice not in TOOL_CHOICES:
+        raise InvalidRequestError("tool_choice", f"must be none, auto or required, got {choice[:80]!r}")
+    if not tools:
+        if choice in ("auto", "required"):
+            raise InvalidRequestError("tool_choice", f"{choice} needs tools")
+        return None
+    choice = choice or "auto"
+    if choice == "none":
+        return None
+    if choice == "required":
+        return ToolChoice(required_schema(tools), RequiredCallsParser)
+    if auto_parser is None:
+        raise InvalidRequestError(
+            "tool_choice",
+            "auto (the default with tools) needs a server started with --enable-auto-tool-choice and "
+            "--tool-call-parser; set none, required or tool_choice_function instead",
+        )
+    return ToolChoice(None, PARSERS[auto_parser])
+
+
+def required_schema(tools: list[Tool]) -> dict[str, Any]:
+    """One or more calls, each of one of the tools with arguments its schema takes."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [tool.name]}, "parameters": tool.parameters},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+
+
+# -- parsers ----------------------------------------------------------------------------------------
+
+
+class ToolCallParser:
+    """One completion's text in, as it streams; what of it is text (content) and which calls, out."""
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """At the completion's end: what was held back."""
+        raise NotImplementedError
+
+
+def _call_of(value: Any, arguments_keys: tuple[str, ...]) -> ToolCall | None:
+    """{"name": ..., "<an arguments key>": {...}} as a call; None for anything else."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments: Any = next((value[key] for key in arguments_keys if key in value), {})
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _json_call(text: str) -> ToolCall | None:
+    try:
+        return _call_of(json.loads(text), ("arguments",))
+    except json.JSONDecodeError:
+        return None
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (held back: the tag may follow)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class HermesParser(ToolCallParser):
+    """Calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` between text (Qwen2.5, Qwen3,
+    Hermes); the last call may lack its closing tag. Once a call is seen, whitespace between calls is
+    dropped; a call that does not parse stays text."""
+
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self._pending = ""
+        self._in_call = False
+        self._called = False
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._pending += text
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        while True:
+            if self._in_call:
+                end = self._pending.find(self.END)
+                if end < 0:
+                    break
+                body, self._pending = self._pending[:end], self._pending[end + len(self.END) :]
+                self._in_call = False
+                self._take_call(body, self.START + body + self.END, content, calls)
+                continue
+            start = self._pending.find(self.START)
+            if start < 0:
+                keep = _partial_suffix(self._pending, self.START)
+                self._add_text(self._pending[: len(self._pending) - keep], content)
+                self._pending = self._pending[len(self._pending) - keep :]
+                break
+            self._add_text(self._pending[:start], content)
+            self._pending = self._pending[start + len(self.START) :]
+            self._in_call = True
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        if self._in_call:
+            self._take_call(self._pending, self.START + self._pending, content, calls)
+        else:
+            self._add_text(self._pending, content)
+        self._pending = ""
+        return "".join(content), calls
+
+    def _take_call(self, body: str, raw: str, content: list[str], calls: list[ToolCall]) -> None:
+        call = _json_call(body)
+        if call is None:
+            content.append(raw)
+        else:
+            calls.append(call)
+            self._called = True
+
+    def _add_text(self, text: str, content: list[str]) -> None:
+        if text and not (self._called and text.isspace()):
+            content.append(text)
+
+
+class _WholeOutputParser(ToolCallParser):
+    """Calls that take the whole output, told apart from text by how it begins: held back to the end,
+    then parsed; text that does not parse as calls is text after all."""
+
+    BEGINS: tuple[str, ...] = ()  # what an output of calls begins with (after whitespace)
+
+    def __init__(self) -> None:
+        self._pending = ""
+        self._calls_begun = False
+        self._text = False
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self._text:
+            return text, []
+        self._pending += text
+        head = self._pending.lstrip()
+        if not head or self._calls_begun:
+            return "", []
+        if any(head.startswith(begin) for begin in self.BEGINS):
+            self._calls_begun = True
+            return "", []
+        if any(begin.startswith(head) for begin in self.BEGINS):  # it may yet begin so
+            return "", []
+        self._text = True
+        text, self._pending = self._pending, ""
+        return text, []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        text, self._pending = self._pending, ""
+        calls = self._parse(text) if self._calls_begun else None
+        return ("", calls) if calls else (text, [])
+
+    def _parse(self, text: str) -> list[ToolCall] | None:
+        raise NotImplementedError
+
+
+class Llama3JsonParser(_WholeOutputParser):
+    """Llama 3.1/3.2's JSON calls: `{"name": ..., "parameters": {...}}` (or "arguments"), several
+    separated by `;`, after an optional <|python_tag|>."""
+
+    TAG = "<|python_tag|>"
+    BEGINS = ("{", TAG)
+
+    def _parse(self, text: str) -> list[ToolCall] | None:
+        text = text.strip().removeprefix(self.TAG)
+        decoder = json.JSONDecoder()
+        calls: list[ToolCall] = []
+        pos = 0
+        while True:
+            while pos < len(text) and (text[pos].isspace() or text[pos] == ";"):
+                pos += 1
+            if pos == len(text):
+                return calls or None
+            try:
+                value, pos = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError:
+                return None
+            call = _call_of(value, ("parameters", "arguments"))
+            if call is None:
+                return None
+            calls.append(call)
+
+
+class PythonicParser(_WholeOutputParser):
+    """Calls as a Python list: `[get_weather(city="Paris"), get_time()]` (Llama 3.2/4's pythonic
+    templates, optionally between <|python_start|> and <|python_end|>); keyword arguments of literal
+    values only."""
+
+    BEGINS = ("[", "<|python_start|>")
+
+    def _parse(self, text: str) -> list[ToolCall] | None:
+        text = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+        try:
+            tree = ast.parse(text, mode="eval").body
+        except SyntaxError:
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls: list[ToolCall] = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
+                return None
+            try:
+                arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+                text_arguments = json.dumps(arguments, ensure_ascii=False)
+            except (ValueError, TypeError, SyntaxError, RecursionError):  # not a literal, or not JSON's
+                return None
+            if len(arguments) != len(node.keywords):  # a **kwargs
+                return None
+            calls.append(ToolCall(node.func.id, text_arguments))
+        return calls
+
+
+class RequiredCallsParser(_WholeOutputParser):
+    """tool_choice required: the output is a JSON list of {"name", "parameters"} (its schema holds it)."""
+
+    BEGINS = ("[",)
+
+    def _parse(self, text: str) -> list[ToolCall] | None:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(value, list):
+            return None
+        calls = [_call_of(item, ("parameters",)) for item in value]
+        if not calls or any(call is None for call in calls):
+            return None
+        return [call for call in calls if call is not None]
+
+
+class NamedCallParser(_WholeOutputParser):
+    """A named function: the output is that function's arguments, a JSON object."""
+
+    BEGINS = ("{",)
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def _parse(self, text: str) -> list[ToolCall] | None:
+        try:
+            arguments = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(arguments, dict):
+            return None
+        return [ToolCall(self.name, json.dumps(arguments, ensure_ascii=False))]
+
+
+PARSERS: dict[str, Callable[[], ToolCallParser]] = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "pythonic": PythonicParser,
+}
+assert tuple(PARSERS) == TOOL_PARSERS
+
+
+def parse_tool_calls(text: str, parser: str) -> tuple[str, list[ToolCall]]:
+    """A whole output's content and calls, by the named parser (for offline use: `LLM.chat` output)."""
+    if parser not in PARSERS:
+        raise ValueError(f"tool_call_parser: must be one of {', '.join(TOOL_PARSERS)}, got {parser!r}")
+    each = PARSERS[parser]()
+    content, calls = each.feed(text)
+    rest, more = each.finish()
+    return content + rest, calls + more

@@ -1,0 +1,216 @@
+"""Tool-call parsing (pagedserve.tool_calls): each family's format found in a completion's text however
+the text is cut into streamed pieces, what is not a call left as text (nothing lost), and the request
+checks that name their field. The gRPC end of it, on a real model: tests/e2e/test_grpc_tool_calls.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import typing
+
+import jsonschema
+import pytest
+from pagedserve.errors import InvalidRequestError
+from pagedserve.tool_calls import (
+    TOOL_PARSERS,
+    HermesParser,
+    NamedCallParser,
+    RequiredCallsParser,
+    Tool,
+    ToolCallParser,
+    check_unique,
+    new_call_id,
+    parse_tool,
+    parse_tool_calls,
+    required_schema,
+    tool_choice,
+)
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}'
+HERMES = f"Let me check.<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n" + (
+    '{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+EXPECTED_CALLS = [("get_weather", '{"city": "Paris", "unit": "°C"}'), ("get_time", "{}")]
+
+
+def run(parser: ToolCallParser, pieces: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """Each piece's content (then the finish's), and every call as (name, arguments)."""
+    contents, calls = [], []
+    for piece in pieces:
+        content, found = parser.feed(piece)
+        contents.append(content)
+        calls += found
+    content, found = parser.finish()
+    contents.append(content)
+    calls += found
+    return contents, [(c.name, c.arguments) for c in calls]
+
+
+def test_hermes_finds_the_calls_wherever_the_stream_is_cut() -> None:
+    for cut in range(len(HERMES) + 1):
+        for cut2 in (cut, min(cut + 5, len(HERMES))):
+            contents, calls = run(HermesParser(), [HERMES[:cut], HERMES[cut:cut2], HERMES[cut2:]])
+            assert "".join(contents) == "Let me check." and calls == EXPECTED_CALLS, (cut, cut2)
+    contents, calls = run(HermesParser(), list(HERMES))  # a token a character
+    assert "".join(contents) == "Let me check." and calls == EXPECTED_CALLS
+
+
+def test_hermes_streams_text_at_once_and_holds_back_only_what_may_begin_a_call() -> None:
+    parser = HermesParser()
+    assert parser.feed("Hello") == ("Hello", [])
+    assert parser.feed(" <tool") == (" ", [])  # "<tool" may begin <tool_call>
+    assert parser.feed("s are") == ("<tools are", [])  # it did not
+    assert parser.feed(" here <") == (" here ", [])
+    assert parser.finish() == ("<", [])  # the end: nothing held back is lost
+
+
+def test_hermes_leaves_a_call_that_does_not_parse_as_text() -> None:
+    for body in ("{not json}", '{"arguments": {}}', '{"name": "f", "arguments": [1]}', '"f"'):
+        text = f"A<tool_call>{body}</tool_call>B"
+        contents, calls = run(HermesParser(), [text])
+        assert ("".join(contents), calls) == (text, []), body
+
+
+def test_hermes_takes_a_last_call_left_open_and_drops_whitespace_between_calls() -> None:
+    """Models often end at EOS instead of </tool_call>, as vLLM's parser allows."""
+    contents, calls = run(HermesParser(), [f"<tool_call>{WEATHER}"])
+    assert ("".join(contents), calls) == ("", EXPECTED_CALLS[:1])
+    cut_short = '<tool_call>{"name": "get_weather", "argu'  # max_tokens reached inside the call
+    assert run(HermesParser(), [cut_short]) == (["", cut_short], [])
+    spaced = f"<tool_call>{WEATHER}</tool_call>\n\n<tool_call>{WEATHER}</tool_call>\nDone."
+    contents, calls = run(HermesParser(), [spaced])
+    assert "".join(contents) == "\nDone." and len(calls) == 2
+
+
+def test_llama3_json_calls_after_the_python_tag_separated_by_semicolons() -> None:
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}}; ' + (
+        '{"name": "get_time", "arguments": {}}'
+    )
+    for cut in range(len(text) + 1):
+        contents, calls = run(parse_tool_calls_parser("llama3_json"), [text[:cut], text[cut:]])
+        assert ("".join(contents), calls) == ("", EXPECTED_CALLS), cut
+    assert parse_tool_calls(' {"name": "f", "parameters": {"x": [1, 2]}}', "llama3_json")[1][0].arguments == (
+        '{"x": [1, 2]}'
+    )
+
+
+def test_llama3_json_streams_text_at_once_and_gives_back_json_that_is_no_call() -> None:
+    parser = parse_tool_calls_parser("llama3_json")
+    assert parser.feed("  <|py") == ("", [])  # may be the tag
+    assert parser.feed("thon is a language") == ("  <|python is a language", [])
+    assert parser.feed(" {") == (" {", [])  # text already: no call follows
+    for text in ('{"x": 1}', '{"name": "f", "parameters": {}} trailing', "{unclosed"):
+        assert parse_tool_calls(text, "llama3_json") == (text, []), text
+
+
+def test_pythonic_calls_take_literal_keyword_arguments() -> None:
+    text = '[get_weather(city="Paris", unit="°C"), get_time()]'
+    for cut in range(len(text) + 1):
+        contents, calls = run(parse_tool_calls_parser("pythonic"), [text[:cut], text[cut:]])
+        assert ("".join(contents), calls) == ("", EXPECTED_CALLS), cut
+    nested = parse_tool_calls("<|python_start|>[f(a={'b': [1, None, True]})]<|python_end|>", "pythonic")
+    assert [json.loads(c.arguments) for c in nested[1]] == [{"a": {"b": [1, None, True]}}]
+    for text in ("[f(x)]", "[f(x=y)]", "[f(**k)]", "[obj.f()]", "[1, 2] are numbers", "[]", "[f(x=1)"):
+        assert parse_tool_calls(text, "pythonic") == (text, []), text
+
+
+def test_required_and_named_outputs_become_calls() -> None:
+    output = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}}, ' + (
+        '{"name": "get_time", "parameters": {}}]'
+    )
+    assert run(RequiredCallsParser(), [output[:7], output[7:]])[1] == EXPECTED_CALLS
+    no_call = '[{"name": "f", "parameters": 3}]'
+    assert run(RequiredCallsParser(), [no_call]) == (["", no_call], [])
+    assert run(NamedCallParser("get_time"), ["{ }"]) == (["", ""], [("get_time", "{}")])
+    assert run(NamedCallParser("f"), ['{"a": ']) == (["", '{"a": '], [])  # cut short: text
+
+
+def test_required_schema_takes_calls_of_the_tools_alone() -> None:
+    tools = [
+        parse_tool(
+            0,
+            "get_weather",
+            "",
+            '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}',
+        ),
+        parse_tool(1, "get_time", "", ""),
+    ]
+    schema = required_schema(tools)
+    jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Paris"}}], schema)
+    jsonschema.validate(
+        [{"name": "get_time", "parameters": {}}, {"name": "get_time", "parameters": {}}], schema
+    )
+    for wrong in (
+        [],
+        [{"name": "get_weather", "parameters": {}}],
+        [{"name": "send_mail", "parameters": {}}],
+        [{"name": "get_time"}],
+        {"name": "get_time", "parameters": {}},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+
+
+def test_tool_definitions_are_checked_naming_the_field() -> None:
+    assert parse_tool(0, "a-b_9", "d", "").parameters == {"type": "object", "properties": {}}
+    cases = [
+        ((1, "", "", ""), "tools[1].name"),
+        ((0, "get weather", "", ""), "tools[0].name"),
+        ((0, "x" * 65, "", ""), "tools[0].name"),
+        ((2, "f", "", "{"), "tools[2].parameters"),
+        ((0, "f", "", "[1]"), "tools[0].parameters"),
+    ]
+    for args, field in cases:
+        with pytest.raises(InvalidRequestError) as info:
+            parse_tool(*args)
+        assert info.value.field == field, args
+    with pytest.raises(InvalidRequestError, match=r"^tools\[2\]\.name: 'f' is tools\[0\]'s name too$"):
+        check_unique([Tool("f", "", {}), Tool("g", "", {}), Tool("f", "", {})])
+
+
+def test_tool_choice_as_vllm_takes_it() -> None:
+    tools = [Tool("f", "", {"type": "object"}), Tool("g", "", {"type": "object", "properties": {}})]
+    assert tool_choice([], "", "", None) is None and tool_choice([], "none", "", "hermes") is None
+    assert tool_choice(tools, "none", "", "hermes") is None
+    auto = tool_choice(tools, "", "", "hermes")
+    assert auto is not None and auto.schema is None and isinstance(auto.new_parser(), HermesParser)
+    required = tool_choice(tools, "required", "", None)
+    assert required is not None and required.schema == required_schema(tools)
+    named = tool_choice(tools, "", "g", None)
+    assert named is not None and named.schema == tools[1].parameters
+    assert named.schema_field == "tools[1].parameters"
+    errors = [
+        (([], "auto", "", "hermes"), "tool_choice: auto needs tools"),
+        (([], "required", "", None), "tool_choice: required needs tools"),
+        ((tools, "any", "", None), "tool_choice: must be none, auto or required, got 'any'"),
+        ((tools, "", "h", None), "tool_choice_function: no tool 'h' (tools: f, g)"),
+        (([], "", "h", None), "tool_choice_function: no tool 'h' (tools: none)"),
+    ]
+    for args, message in errors:
+        with pytest.raises(InvalidRequestError) as info:
+            tool_choice(*args)
+        assert str(info.value) == message
+    for choice in ("", "auto"):  # no --enable-auto-tool-choice
+        with pytest.raises(InvalidRequestError, match=r"^tool_choice: auto .*--enable-auto-tool-choice"):
+            tool_choice(tools, choice, "", None)
+
+
+def test_call_ids_are_unguessable_and_unique() -> None:
+    ids = {new_call_id() for _ in range(1000)}
+    assert len(ids) == 1000 and all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids)
+
+
+def test_the_flag_offers_every_parser() -> None:
+    from pagedserve.rpc.cli import ServeSettings
+
+    annotation = ServeSettings.model_fields["tool_call_parser"].annotation
+    literal = next(arg for arg in typing.get_args(annotation) if arg is not type(None))
+    assert typing.get_args(literal) == TOOL_PARSERS
+    with pytest.raises(ValueError, match="tool_call_parser: must be one of hermes, llama3_json, pythonic"):
+        parse_tool_calls("", "mistral")
+
+
+def parse_tool_calls_parser(name: str) -> ToolCallParser:
+    from pagedserve.tool_calls import PARSERS
+
+    return PARSERS[name]()
