@@ -53,11 +53,13 @@ class ModelConfig:
         max_model_len: int | None = None,
         served_model_name: str | None = None,
         generation_config: str = "auto",
+        hf_overrides: dict[str, Any] | None = None,
     ) -> ModelConfig:
+        """`hf_overrides`: config.json keys replaced (vLLM's --hf-overrides), e.g. a YaRN rope_scaling."""
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise ValueError(f"model: {path!r} is not a Hugging Face model directory (no config.json)")
-        hf = json.loads(config_file.read_text())
+        hf = apply_hf_overrides(json.loads(config_file.read_text()), hf_overrides or {})
         if hf.get("quantization_config"):  # its weights would load as garbage or not at all
             method = hf["quantization_config"].get("quant_method", "?")
             raise ValueError(f"model: config.json's quantization_config ({method}) is not supported")
@@ -79,6 +81,41 @@ class ModelConfig:
             hf_config=hf,
             sampling_defaults=sampling_defaults(path, generation_config),
         )
+
+
+def parse_hf_overrides(value: str | dict[str, Any] | None) -> dict[str, Any]:
+    """`--hf-overrides`: a JSON object of config.json keys (its text, or a dict already parsed).
+    ValueError naming `hf_overrides` for anything else."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"hf_overrides: not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"hf_overrides: must be a JSON object of config.json keys, got {type(value).__name__}"
+        )
+    return dict(value)
+
+
+_ROPE_KEYS = ("rope_scaling", "rope_parameters")
+
+
+def apply_hf_overrides(hf: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """config.json with `overrides`' keys replaced. The rope is one setting held under either of two
+    keys (transformers 4's rope_scaling, 5's rope_parameters): overriding one drops the other, so the
+    checkpoint's own cannot contradict the override (its rope_theta stays, top level)."""
+    merged = {**hf, **overrides}
+    if any(key in overrides for key in _ROPE_KEYS):
+        theta = (hf.get("rope_parameters") or {}).get("rope_theta")
+        for key in _ROPE_KEYS:
+            if key not in overrides:
+                merged.pop(key, None)
+        if theta is not None:
+            merged.setdefault("rope_theta", theta)
+    return merged
 
 
 GENERATION_CONFIG_MODES = ("auto", "vllm")
@@ -125,7 +162,7 @@ def _max_model_len(hf: dict[str, Any], architecture: str, requested: int | None)
     """The requested context length, else the model's. We have no sliding-window attention, so a
     model with a window is exact only up to it (a window of W tokens covers the whole of a W-token
     context): its length is capped there, as vLLM did where its backend lacked the window."""
-    positions = int(hf.get("max_position_embeddings", 2048))
+    positions = rope_context_length(hf)
     window = _sliding_window(hf, architecture)
     limit = min(positions, window or positions)
     if requested is not None and not 1 <= requested <= limit:
@@ -144,6 +181,19 @@ def _max_model_len(hf: dict[str, Any], architecture: str, requested: int | None)
             positions,
         )
     return requested or limit
+
+
+def rope_context_length(hf: dict[str, Any]) -> int:
+    """The context the model's positions reach, as vLLM derives it: `max_position_embeddings`, times
+    `factor` under linear rope scaling; under yarn, the pretraining length times `factor` (Qwen's
+    128K from 32K with factor 4). llama3's tables already reach max_position_embeddings."""
+    positions = int(hf.get("max_position_embeddings", 2048))
+    rope = rope_parameters(hf)
+    if rope["rope_type"] == "linear":
+        return int(positions * rope["factor"])
+    if rope["rope_type"] == "yarn":
+        return int(rope["original_max_position_embeddings"] * rope["factor"])
+    return positions
 
 
 def _sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
@@ -165,6 +215,43 @@ def _sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
         if "sliding_attention" not in layer_types:
             return None
     return window
+
+
+def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters transformers 5 reads from a 4.x (`rope_theta` + `rope_scaling`) or 5.x
+    (`rope_parameters`) config: `rope_scaling` wins where both are set, so a config both carry is
+    refused when they differ (transformers would also drop the other's `rope_theta`)."""
+    scaling, params = hf_config.get("rope_scaling"), hf_config.get("rope_parameters")
+    chosen = _standardized(scaling or params or {}, hf_config)
+    if scaling and params and _standardized(params, hf_config) != chosen:
+        raise ValueError(
+            f"model: config.json sets both rope_scaling {scaling} and rope_parameters {params}, which "
+            "differ; keep the one the model was trained with"
+        )
+    return chosen
+
+
+def _standardized(raw: dict[str, Any], hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Top-level `rope_theta` and `partial_rotary_factor` fill in what the dict lacks, as in
+    transformers' `standardize_rope_params`; so does llama3's pretraining length (a top-level
+    `original_max_position_embeddings` first, else the dict's, else `max_position_embeddings`) and
+    yarn's."""
+    params = {k: v for k, v in raw.items() if k != "type"}
+    params["rope_type"] = raw.get("rope_type") or raw.get("type") or "default"
+    params.setdefault("rope_theta", hf_config.get("rope_theta") or 10000.0)
+    if hf_config.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", hf_config["partial_rotary_factor"])
+    if params["rope_type"] in ("llama3", "yarn"):
+        params["original_max_position_embeddings"] = (
+            hf_config.get("original_max_position_embeddings")
+            or params.get("original_max_position_embeddings")
+            or hf_config.get("max_position_embeddings", 2048)
+        )
+    if params["rope_type"] == "yarn" and params.get("factor") is None:  # DeepSeek-V3's way to say it
+        params["factor"] = (
+            hf_config.get("max_position_embeddings", 2048) / params["original_max_position_embeddings"]
+        )
+    return params
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from pagedserve.config import (
     ParallelConfig,
     SchedulerConfig,
     checkpoint_dtype,
+    parse_hf_overrides,
     resolve_attention_backend,
     resolve_block_size,
     resolve_compile,
@@ -77,6 +78,7 @@ _PARSED_FIELDS: dict[str, Callable[[Any], object]] = {
         value, "default_chat_template_kwargs"
     ),
     "speculative_config": SpeculativeConfig.parse,
+    "hf_overrides": parse_hf_overrides,
 }
 
 
@@ -98,6 +100,12 @@ class EngineSettings(BaseSettings):
         description="auto: sampling parameters a request leaves unset take the model's generation_config.json "
         "values (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as in vLLM; "
         "vllm: the built-in defaults",
+    )
+    hf_overrides: str | dict[str, Any] | None = Field(
+        None,
+        description="config.json keys to replace, a JSON object as vLLM's: e.g. '{\"rope_scaling\": "
+        '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\' for '
+        "Qwen3's 128K context",
     )
     device: str = Field("auto", description="auto, cpu or cuda")
     max_model_len: int | None = Field(None, description="context length limit (default: the model's)")
@@ -243,6 +251,7 @@ class EngineSettings(BaseSettings):
             self.max_model_len,
             self.served_model_name,
             self.generation_config,
+            parse_hf_overrides(self.hf_overrides),
         )
         return EngineConfig(
             model=model,

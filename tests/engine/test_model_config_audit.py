@@ -1,6 +1,5 @@
 """The config.json options of the Llama family that change outputs (Qwen2's biases, Qwen3's query and
-key norms, linear and llama3
-rope scaling in the 4.x and 5.x formats, an explicit head_dim, attention and MLP biases, tied
+key norms, linear, llama3 and yarn rope scaling in the 4.x and 5.x formats, an explicit head_dim, attention and MLP biases, tied
 embeddings, sliding windows), each held to transformers on a tiny random-weight checkpoint; and the
 options pagedserve does not implement, refused at load naming the option.
 
@@ -49,6 +48,9 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+# Qwen's YaRN for 4x its pretraining length: prompts of 300+ tokens run past 256, and the attention
+# factor (0.1 ln 4 + 1) scales every cos and sin.
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
 MAX_TOKENS = 16
 # Measured on these checkpoints: transformers' own bfloat16 tokens sit at most 0.21 below its float32
 # best (ours at most 0.21 too); a model that drops its rope scaling or a bias sits ~10 below.
@@ -104,6 +106,10 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     ),
     "mistral-head-dim-32": (lambda: MistralConfig(**TINY, head_dim=32, sliding_window=None), None),
     "qwen3": (lambda: Qwen3Config(**TINY, head_dim=16), with_unused_window),
+    "qwen3-yarn-rope-4.x-config": (
+        lambda: Qwen3Config(**TINY, head_dim=16, rope_theta=1e6, rope_scaling=YARN_ROPE),
+        as_transformers_4,
+    ),
     # Qwen3 checkpoints name a head_dim wider than hidden / heads (Qwen3-0.6B: 128 against 64)
     "qwen3-tied-head-dim-32-attention-bias": (
         lambda: Qwen3Config(**TINY, tie_word_embeddings=True, head_dim=32, attention_bias=True),
@@ -174,7 +180,8 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
     model_dir, prompts = variant_dir(name), long_prompts()
     model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
     llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16)
-    assert llm.engine.config.model.max_model_len == 1024  # no window caps these
+    # no window caps these; linear scaling reaches its factor times the positions (vLLM's rule)
+    assert llm.engine.config.model.max_model_len == (4096 if name == "llama-linear-rope" else 1024)
     assert_greedy_equal(model, prompts, greedy(llm, prompts, MAX_TOKENS), theirs)
     bf16 = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=128, block_size=16)
     gap = worst_gap(model, prompts, greedy(bf16, prompts, MAX_TOKENS))
@@ -183,7 +190,14 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name", ["qwen2", "qwen3", "llama-llama3-rope-4.x-config", "llama-attention-and-mlp-bias"]
+    "name",
+    [
+        "qwen2",
+        "qwen3",
+        "llama-llama3-rope-4.x-config",
+        "llama-attention-and-mlp-bias",
+        "qwen3-yarn-rope-4.x-config",
+    ],
 )
 def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str], name: str) -> None:
     """The CPU default: the torch.compile'd forward pass (and, for bfloat16 on CPUs with AVX512-BF16,
@@ -218,6 +232,7 @@ def test_dropping_the_rope_scaling_changes_transformers_outputs(
             lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
         ),
         ("llama-llama3-rope-4.x-config", lambda c: c.pop("rope_scaling")),
+        ("qwen3-yarn-rope-4.x-config", lambda c: c.pop("rope_scaling")),
     ]:
         model_dir = variant_dir(name)
         plain = with_config(tmp_path / name, model_dir, without)
@@ -341,6 +356,10 @@ def llama3_with_top_level_pretraining_length(config: dict[str, Any]) -> None:
     config["original_max_position_embeddings"] = 128  # Phi-3's place, which transformers reads first
 
 
+def yarn_with_top_level_pretraining_length(config: dict[str, Any]) -> None:
+    config["original_max_position_embeddings"] = 128  # read before the dict's 256, as transformers does
+
+
 def rope_in_both_layouts(config: dict[str, Any]) -> None:
     config["rope_scaling"] = {"type": "linear", "factor": 4.0}  # the same rope, as a 4.x config adds it
     config["rope_parameters"] = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
@@ -357,6 +376,13 @@ def rope_in_both_layouts(config: dict[str, Any]) -> None:
         ({"rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE}, llama3_with_top_level_pretraining_length),
         ({}, rope_in_both_layouts),
         ({"head_dim": 32, "rope_scaling": LLAMA3_ROPE}, None),
+        ({"rope_theta": 1e6, "rope_scaling": YARN_ROPE}, None),
+        ({"rope_theta": 1e6, "rope_scaling": YARN_ROPE}, as_transformers_4),
+        ({"rope_scaling": {**YARN_ROPE, "beta_fast": 16, "beta_slow": 2, "truncate": False}}, None),
+        # DeepSeek's attention factor, a ratio of two; then one given outright
+        ({"rope_scaling": {**YARN_ROPE, "factor": 8.0, "mscale": 0.707, "mscale_all_dim": 1.0}}, None),
+        ({"rope_scaling": {**YARN_ROPE, "attention_factor": 1.25}}, None),
+        ({"rope_scaling": {**YARN_ROPE}}, yarn_with_top_level_pretraining_length),
     ],
     ids=[
         "default-theta-5e5",
@@ -367,6 +393,12 @@ def rope_in_both_layouts(config: dict[str, Any]) -> None:
         "llama3-top-level-pretraining-length",
         "both-layouts-agreeing",
         "llama3-head-dim-32",
+        "yarn",
+        "yarn-4.x-config",
+        "yarn-betas-untruncated",
+        "yarn-mscale-ratio",
+        "yarn-attention-factor",
+        "yarn-top-level-pretraining-length",
     ],
 )
 def test_rotary_tables_equal_transformers(
@@ -398,8 +430,8 @@ def test_rotary_tables_equal_transformers(
         (lambda c: c["rope_parameters"].update(partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
         (lambda c: c.update(rope_scaling={"type": "linear", "factor": 4.0}), "both rope_scaling .* differ"),
         (
-            lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
-            "rope_type 'yarn' .* is not supported",
+            lambda c: c.update(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}),
+            "rope_type 'dynamic' .* is not supported",
         ),
         (lambda c: c.update(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
         (
@@ -407,7 +439,7 @@ def test_rotary_tables_equal_transformers(
             r"quantization_config \(gptq\) is not supported",
         ),
     ],
-    ids=["partial-rotary", "partial-rotary-in-rope", "two-ropes", "yarn", "gelu", "quantized"],
+    ids=["partial-rotary", "partial-rotary-in-rope", "two-ropes", "dynamic-ntk", "gelu", "quantized"],
 )
 def test_an_unsupported_option_is_refused_naming_it(
     tmp_path: Path, tiny_llama_dir: str, patch: ConfigPatch, message: str
@@ -419,3 +451,81 @@ def test_an_unsupported_option_is_refused_naming_it(
         LLM(model=model_dir, dtype="float32", num_kv_blocks=8)
     # `serve` says it of --model, the setting that chose this config.json
     assert str(config_error(info.value, {"model"})).startswith("--model: config.json")
+
+
+# --- the context the rope reaches, and --hf-overrides ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rope", "length"),
+    [
+        (None, 1024),
+        ({"rope_type": "linear", "factor": 4.0}, 4096),
+        (LLAMA3_ROPE, 1024),  # llama3's max_position_embeddings is the extended length already
+        (YARN_ROPE, 1024),
+        ({**YARN_ROPE, "original_max_position_embeddings": 4096}, 16384),  # Qwen's 32K -> 128K, scaled down
+        ({"rope_type": "yarn", "factor": 2.0}, 2048),  # pretraining length: max_position_embeddings
+    ],
+    ids=["default", "linear", "llama3", "yarn", "yarn-past-max-positions", "yarn-no-pretraining-length"],
+)
+def test_the_context_reaches_as_far_as_vllm_derives_it(
+    tmp_path: Path, rope: dict[str, Any] | None, length: int
+) -> None:
+    from pagedserve.config import ModelConfig
+
+    config_dict = {**LlamaConfig(**TINY, rope_scaling=rope).to_dict(), "architectures": ["LlamaForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config_dict))
+    assert ModelConfig.from_path(str(tmp_path), "float32").max_model_len == length
+
+
+def in_transformers_5_layout_without_scaling(config: dict[str, Any]) -> None:
+    config.pop("rope_scaling")
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+
+
+def test_hf_overrides_turn_on_yarn_as_the_checkpoint_would(
+    variant_dir: Callable[[str], str], tmp_path: Path
+) -> None:
+    """vLLM's way to serve Qwen past its pretraining length: `--hf-overrides '{"rope_scaling": {yarn}}'`.
+    The same tokens as a config.json that says so, from a checkpoint in either layout (transformers
+    5's rope_parameters, whose rope_theta stays, gives way to the override)."""
+    yarn_dir, prompts = variant_dir("qwen3-yarn-rope-4.x-config"), long_prompts()
+    expected = greedy(LLM(model=yarn_dir, dtype="float32", num_kv_blocks=128, block_size=16), prompts, 8)
+    plain_4 = with_config(tmp_path / "plain-4.x", yarn_dir, lambda c: c.pop("rope_scaling"))
+    plain_5 = with_config(tmp_path / "plain-5.x", yarn_dir, in_transformers_5_layout_without_scaling)
+    unscaled = LLM(model=plain_4, dtype="float32", num_kv_blocks=128, block_size=16)
+    assert greedy(unscaled, prompts, 8) != expected  # the override has something to do
+    for plain in (plain_4, plain_5):
+        llm = LLM(
+            model=plain,
+            dtype="float32",
+            num_kv_blocks=128,
+            block_size=16,
+            hf_overrides={"rope_scaling": YARN_ROPE},
+        )
+        assert llm.engine.config.model.max_model_len == 1024
+        assert greedy(llm, prompts, 8) == expected, plain
+
+
+def test_an_override_replaces_keys_and_the_rope_in_either_layout() -> None:
+    from pagedserve.config import apply_hf_overrides
+
+    base = {"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    assert apply_hf_overrides(base, {}) == base
+    assert (
+        apply_hf_overrides(base, {"max_position_embeddings": 8192})["rope_parameters"]
+        == base["rope_parameters"]
+    )
+    scaled = apply_hf_overrides(base, {"rope_scaling": YARN_ROPE})
+    assert scaled == {"max_position_embeddings": 4096, "rope_scaling": YARN_ROPE, "rope_theta": 1e6}
+    old_layout = {"rope_theta": 5e5, "rope_scaling": LLAMA3_ROPE}
+    assert apply_hf_overrides(
+        old_layout, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    ) == {
+        "rope_theta": 5e5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    assert base == {
+        "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+    }

@@ -213,3 +213,22 @@ def test_auto_tool_choice_needs_a_parser_and_a_parser_is_one_we_have(monkeypatch
     add_settings_arguments(parser, ServeSettings)
     with pytest.raises(SystemExit):  # argparse's choices: exit 2 with the choices listed
         parser.parse_args(["--tool-call-parser", "mistral"])
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [("{rope", "not JSON"), ("[1]", "must be a JSON object of config.json keys, got list")],
+)
+def test_bad_hf_overrides_name_the_flag(value: str, error: str) -> None:
+    with pytest.raises(SettingsError, match=error) as info:
+        parse(["--hf-overrides", value])
+    assert str(info.value).startswith("--hf-overrides: "), str(info.value)
+
+
+def test_hf_overrides_from_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedserve.config import parse_hf_overrides
+
+    monkeypatch.setenv("PAGEDSERVE_HF_OVERRIDES", '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}')
+    assert parse_hf_overrides(parse([]).hf_overrides) == {
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0}
+    }

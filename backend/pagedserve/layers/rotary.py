@@ -1,5 +1,6 @@
 """Rotary position embedding with the scaling variants Llama-family checkpoints use (default, linear,
-llama3). The cos/sin table is computed once, in float32, exactly as Hugging Face computes it."""
+llama3, yarn). The cos/sin table is computed once, in float32, exactly as Hugging Face computes it
+(YaRN's attention factor included: it scales cos and sin alike)."""
 
 from __future__ import annotations
 
@@ -9,55 +10,63 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.config import rope_parameters
 from pagedserve.layers import ops
 
 
-def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """The RoPE parameters transformers 5 reads from a 4.x (`rope_theta` + `rope_scaling`) or 5.x
-    (`rope_parameters`) config: `rope_scaling` wins where both are set, so a config both carry is
-    refused when they differ (transformers would also drop the other's `rope_theta`)."""
-    scaling, params = hf_config.get("rope_scaling"), hf_config.get("rope_parameters")
-    chosen = _standardized(scaling or params or {}, hf_config)
-    if scaling and params and _standardized(params, hf_config) != chosen:
-        raise ValueError(
-            f"model: config.json sets both rope_scaling {scaling} and rope_parameters {params}, which "
-            "differ; keep the one the model was trained with"
-        )
-    return chosen
-
-
-def _standardized(raw: dict[str, Any], hf_config: dict[str, Any]) -> dict[str, Any]:
-    """Top-level `rope_theta` and `partial_rotary_factor` fill in what the dict lacks, as in
-    transformers' `standardize_rope_params`; so does llama3's pretraining length (a top-level
-    `original_max_position_embeddings` first, else the dict's, else `max_position_embeddings`)."""
-    params = {k: v for k, v in raw.items() if k != "type"}
-    params["rope_type"] = raw.get("rope_type") or raw.get("type") or "default"
-    params.setdefault("rope_theta", hf_config.get("rope_theta") or 10000.0)
-    if hf_config.get("partial_rotary_factor") is not None:
-        params.setdefault("partial_rotary_factor", hf_config["partial_rotary_factor"])
-    if params["rope_type"] == "llama3":
-        params["original_max_position_embeddings"] = (
-            hf_config.get("original_max_position_embeddings")
-            or params.get("original_max_position_embeddings")
-            or hf_config.get("max_position_embeddings", 2048)
-        )
-    return params
-
-
-def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
+def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies, and the factor cos and sin are scaled by (1 but for yarn)."""
     base = params["rope_theta"]
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     kind = params["rope_type"]
     if kind == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if kind == "linear":
-        return inv_freq / params["factor"]
+        return inv_freq / params["factor"], 1.0
     if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, params)
+        return _llama3_inv_freq(inv_freq, params), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(rotary_dim, params)
     raise ValueError(
         f"model: config.json's rope_type {kind!r} (rope_scaling / rope_parameters) is not supported "
-        "(default, linear, llama3 are)"
+        "(default, linear, llama3, yarn are)"
     )
+
+
+def _yarn_inv_freq(dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023) as transformers computes it: the low frequencies interpolated by
+    `factor`, the high ones kept, a linear ramp between the dimensions that turn `beta_slow` and
+    `beta_fast` times over the pretraining length; cos and sin scaled by the attention factor
+    (0.1 ln(factor) + 1 unless given, or DeepSeek's ratio of two such when mscale and mscale_all_dim
+    are set)."""
+    base, factor = params["rope_theta"], params["factor"]
+    old_len = params["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        if params.get("mscale") and params.get("mscale_all_dim"):
+            attention_factor = mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolated = 1 - ramp  # the share of each frequency kept as trained
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
+    return inv_freq, float(attention_factor)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -80,11 +89,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         params = rope_parameters(hf_config)
         self.rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-        freqs = (
-            torch.arange(max_position, dtype=torch.float32)[:, None]
-            * _inv_freq(self.rotary_dim, params)[None, :]
-        )
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        inv_freq, scale = _inv_freq(self.rotary_dim, params)
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        table = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return ops.rotary_cos_sin(positions, self.cos_sin_cache, dtype)

@@ -11,13 +11,14 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from pagedserve.config import rope_parameters
 from pagedserve.layers import ops
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedserve.layers.norm import RMSNorm
-from pagedserve.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedserve.layers.rotary import RotaryEmbedding
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # a step's cos and sin tables, shared by every layer
 Biases = tuple[bool, bool]  # whether the q/k/v projections and the o projection carry a bias
