@@ -176,7 +176,7 @@ def _json_call(text: str) -> ToolCall | None:
         return None
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag` (held back: the tag may follow)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
@@ -211,7 +211,7 @@ class HermesParser(ToolCallParser):
                 continue
             start = self._pending.find(self.START)
             if start < 0:
-                keep = _partial_suffix(self._pending, self.START)
+                keep = partial_suffix(self._pending, self.START)
                 self._add_text(self._pending[: len(self._pending) - keep], content)
                 self._pending = self._pending[len(self._pending) - keep :]
                 break

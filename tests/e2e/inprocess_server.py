@@ -90,6 +90,7 @@ class InProcessServer:
             s.stream_write_timeout,
             s.allow_runtime_lora_updating,
             s.auto_tool_call_parser,
+            s.reasoning_parser,
         )
         model = LLMModel(server, PriorityLevels(s.triton_priority_levels, s.triton_default_priority_level))
         add_inference_service(server.grpc, model)

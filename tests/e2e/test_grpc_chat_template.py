@@ -145,7 +145,8 @@ def test_tools_without_auto_tool_choice_refuse_auto_and_take_none(server: InProc
     """This server has no --enable-auto-tool-choice: tool_choice auto (the default with tools) is refused
     as vLLM refuses it, naming the way out; none renders the tools and leaves the output text."""
     tools = [pb.Tool(name="get_weather"), pb.Tool(name="get_time")]
-    assert server.stub.ModelInfo(pb.ModelInfoRequest(), timeout=30).tool_call_parser == ""
+    info = server.stub.ModelInfo(pb.ModelInfoRequest(), timeout=30)
+    assert (info.tool_call_parser, info.reasoning_parser) == ("", "")
     for choice in ("", "auto"):
         chat = pb.ChatMessages(messages=[QUESTION], tools=tools, tool_choice=choice)
         with pytest.raises(grpc.RpcError) as info:

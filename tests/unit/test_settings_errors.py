@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import typing
 from pathlib import Path
 
 import pytest
@@ -232,3 +233,18 @@ def test_hf_overrides_from_the_variable(monkeypatch: pytest.MonkeyPatch) -> None
     assert parse_hf_overrides(parse([]).hf_overrides) == {
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0}
     }
+
+
+def test_the_reasoning_parser_is_one_we_have(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedserve.reasoning import REASONING_PARSERS
+
+    assert parse(["--reasoning-parser", "deepseek_r1"]).reasoning_parser == "deepseek_r1"
+    assert parse([]).reasoning_parser is None
+    monkeypatch.setenv("PAGEDSERVE_REASONING_PARSER", "granite")
+    with pytest.raises(SettingsError, match=r"^PAGEDSERVE_REASONING_PARSER: .*'deepseek_r1' or 'qwen3'"):
+        parse([])
+    annotation = ServeSettings.model_fields["reasoning_parser"].annotation
+    assert (
+        typing.get_args(next(a for a in typing.get_args(annotation) if a is not type(None)))
+        == REASONING_PARSERS
+    )

@@ -81,6 +81,11 @@ class ServeSettings(EngineSettings):
         description="the model family's tool-call format: hermes (Qwen2.5, Qwen3, Hermes: <tool_call> "
         "JSON </tool_call>), llama3_json (Llama 3.1/3.2 JSON calls), pythonic ([f(x=1), g()])",
     )
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None,
+        description="send a chat completion's reasoning (between <think> and </think>) as reasoning_content, "
+        "apart from its text, as vLLM's flag: deepseek_r1 (DeepSeek-R1, QwQ) or qwen3 (the same tags)",
+    )
     triton_priority_levels: int = Field(
         3,
         ge=1,
@@ -313,6 +318,7 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
         settings.stream_write_timeout,
         settings.allow_runtime_lora_updating,
         settings.auto_tool_call_parser,
+        settings.reasoning_parser,
     )
     levels = PriorityLevels(settings.triton_priority_levels, settings.triton_default_priority_level)
     model = LLMModel(server, levels)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from google.protobuf import json_format
@@ -15,10 +16,12 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import RequestDelta, TokenLogprobs
 from pagedserve.pooling_params import PoolingParams
+from pagedserve.reasoning import ReasoningParser, prompt_opens_reasoning
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.tool_calls import (
     Tool,
+    ToolCall,
     ToolCallParser,
     ToolChoice,
     call_arguments,
@@ -279,29 +282,68 @@ def request_tool_choice(request: pb.GenerateRequest, auto_parser: str | None) ->
     return tool_choice(tools(messages), messages.tool_choice, messages.tool_choice_function, auto_parser)
 
 
-class ToolCalls:
-    """A request's tool choice at work on its responses: each completion's text through its own parser,
-    the calls it finds sent as tool_calls, and a completion that called tools finishing TOOL_CALLS."""
+class ChatOutputs:
+    """A chat request's completions' text split by the server's parsers, each completion on its own:
+    its reasoning first (`reasoning_content`, with --reasoning-parser), then the tool calls in the
+    rest (`tool_calls`, by its tool choice; a completion that called tools finishes TOOL_CALLS), and
+    what remains is `text`."""
 
-    def __init__(self, choice: ToolChoice) -> None:
-        self.choice = choice
-        self._parsers: dict[int, ToolCallParser] = {}
+    def __init__(
+        self, tools: ToolChoice | None, reasoning_open: bool | None, include_reasoning: bool = True
+    ) -> None:
+        """`reasoning_open`: whether a completion starts inside its reasoning (None: no reasoning
+        parser)."""
+        self.tools, self.reasoning_open, self.include_reasoning = tools, reasoning_open, include_reasoning
+        self._reasoning: dict[int, ReasoningParser] = {}
+        self._tool_parsers: dict[int, ToolCallParser] = {}
         self._called: set[int] = set()
 
     def apply(self, out: pb.GenerateResponse, finished: bool) -> None:
-        parser = self._parsers.get(out.index)
-        if parser is None:
-            parser = self._parsers[out.index] = self.choice.new_parser()
-        content, calls = parser.feed(out.text)
-        if finished:
-            rest, more = parser.finish()
-            content, calls = content + rest, calls + more
+        index, content, reasoning = out.index, out.text, ""
+        if self.reasoning_open is not None:
+            parser = self._reasoning.setdefault(index, ReasoningParser(self.reasoning_open))
+            reasoning, content = parser.feed(content)
+            if finished:
+                more, rest = parser.finish()
+                reasoning, content = reasoning + more, content + rest
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            tool_parser = self._tool_parsers.get(index)
+            if tool_parser is None:
+                tool_parser = self._tool_parsers[index] = self.tools.new_parser()
+            content, calls = tool_parser.feed(content)
+            if finished:
+                rest, more_calls = tool_parser.finish()
+                content, calls = content + rest, calls + more_calls
         out.text = content
+        if self.include_reasoning:
+            out.reasoning_content = reasoning
         out.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
         if calls:
-            self._called.add(out.index)
-        if finished and out.index in self._called and out.finish_reason in (pb.STOP, pb.EOS):
+            self._called.add(index)
+        if finished and index in self._called and out.finish_reason in (pb.STOP, pb.EOS):
             out.finish_reason = pb.TOOL_CALLS
+
+
+def chat_outputs(
+    request: pb.GenerateRequest,
+    tools: ToolChoice | None,
+    reasoning_parser: str | None,
+    constrained: bool,
+    prompt_tail: Callable[[], str],
+) -> ChatOutputs | None:
+    """How a request's output is split (None: it is all text): a chat request's, by its tool choice and
+    the server's reasoning parser. A constrained output starts outside reasoning (its grammar rules
+    from the first token); an unconstrained one inside it where `prompt_tail()`, the prompt's last
+    text, left a think block open."""
+    if request.WhichOneof("input") != "messages" or (tools is None and reasoning_parser is None):
+        return None
+    messages = request.messages
+    reasoning_open = None
+    if reasoning_parser is not None:
+        reasoning_open = not constrained and prompt_opens_reasoning(prompt_tail())
+    include = messages.include_reasoning if messages.HasField("include_reasoning") else True
+    return ChatOutputs(tools, reasoning_open, include)
 
 
 def tokenize(request: pb.TokenizeRequest, engine: LLMEngine) -> pb.TokenizeResponse:

@@ -65,14 +65,14 @@ class _Call:
     tokenized: tuple[float, float]  # time.monotonic() before and after tokenizing
     priority: int = 0
     lora_name: str | None = None  # the LoRA adapter it runs through (None: the base model)
-    tool_calls: convert.ToolCalls | None = None  # its tool choice, which parses calls out of its text
+    outputs: convert.ChatOutputs | None = None  # a chat's parsers: reasoning and tool calls out of its text
     last: RequestDelta | None = None
     stalled: bool = False  # given up by --stream-write-timeout: the abort's cause
 
     def response(self, delta: RequestDelta) -> pb.GenerateResponse:
         out = convert.response(delta, self.prompt)
-        if self.tool_calls is not None:
-            self.tool_calls.apply(out, delta.finished)
+        if self.outputs is not None:
+            self.outputs.apply(out, delta.finished)
         return out
 
 
@@ -81,6 +81,7 @@ class ServerState:
     status: str = "starting"  # starting, serving, draining, dead
     allow_runtime_lora_updating: bool = False  # LoadLoRAAdapter / UnloadLoRAAdapter (the flag)
     tool_call_parser: str | None = None  # tool_choice auto's (--enable-auto-tool-choice on), else None
+    reasoning_parser: str | None = None  # --reasoning-parser
 
     @property
     def ready(self) -> bool:
@@ -181,10 +182,16 @@ class GenerationServicer:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        tool_calls = convert.ToolCalls(tools) if tools is not None else None
-        return _Call(
-            rid, prompt, params, (started, time.monotonic()), request.priority, lora_name, tool_calls
-        )
+        outputs = None
+        if params_of is None:
+            outputs = convert.chat_outputs(
+                request,
+                tools,
+                self.state.reasoning_parser,
+                params.structured_outputs is not None,
+                lambda: str(self.llm.tokenizer.decode(prompt[-16:])),
+            )
+        return _Call(rid, prompt, params, (started, time.monotonic()), request.priority, lora_name, outputs)
 
     def _lora_name(self, request: Any) -> str | None:
         """The request's LoRA adapter: `lora_name`, or a `model` naming an adapter (as vLLM's OpenAI
@@ -383,6 +390,7 @@ class GenerationServicer:
             scheduling_policy=config.scheduler.scheduling_policy,
             lora_adapters=self.llm.lora_names,
             tool_call_parser=self.state.tool_call_parser or "",
+            reasoning_parser=self.state.reasoning_parser or "",
         )
 
 
@@ -473,6 +481,7 @@ def give_up_stalled_call(context: grpc.aio.ServicerContext, what: str, exc: Stal
 def _merge(into: pb.GenerateResponse, delta: pb.GenerateResponse) -> None:
     into.text += delta.text
     into.tool_calls.extend(delta.tool_calls)
+    into.reasoning_content += delta.reasoning_content
     into.token_ids.extend(delta.token_ids)
     into.logprobs.extend(delta.logprobs)
     into.prompt_logprobs.extend(delta.prompt_logprobs)
@@ -618,11 +627,14 @@ class Server:
         stream_write_timeout: float = 60.0,
         allow_runtime_lora_updating: bool = False,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         """`stream_write_timeout`: seconds a streamed response may wait to be sent before its stream is
         given up (--stream-write-timeout; 0 = no limit). Every front end's streams honour it."""
         self.state = ServerState(
-            allow_runtime_lora_updating=allow_runtime_lora_updating, tool_call_parser=tool_call_parser
+            allow_runtime_lora_updating=allow_runtime_lora_updating,
+            tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
         )
         self.health = health.aio.HealthServicer()
         _quiet_client_gone_writes()

@@ -1,0 +1,145 @@
+"""`--reasoning-parser` over gRPC, as vLLM's: a chat completion's reasoning (between <think> and
+</think>) leaves as `reasoning_content`, its answer as `text`, streamed as written; tool calls are found
+in the answer alone; `include_reasoning: false` drops the reasoning.
+
+One in-process server on the default model with a template whose generation prompt opens a think
+block when asked (as Qwen3-Thinking's and DeepSeek-R1's do), `--reasoning-parser qwen3` and hermes
+tool calls. The model does not think by itself: outputs that begin with <think> are forced with a
+`choice`, the model writing every token of them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from google.protobuf import struct_pb2
+from inprocess_server import InProcessServer
+from pagedserve.rpc.v1 import generate_pb2 as pb
+
+pytestmark = pytest.mark.slow
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if thinking %}<think>\n{% endif %}{% endif %}"
+)
+QUESTION = pb.ChatMessage(role="user", content="What is the weather like in Paris today?")
+THOUGHT = "<think>\nParis is in France.\n</think>\n\nIt is sunny in Paris."
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+WEATHER = pb.Tool(
+    name="get_weather",
+    parameters=json.dumps({"type": "object", "properties": {"city": {"type": "string"}}}),
+)
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir: str) -> Iterator[InProcessServer]:
+    srv = InProcessServer(
+        default_model_dir,
+        provider=None,
+        enforce_eager=True,
+        num_kv_blocks=256,
+        chat_template=TEMPLATE,
+        reasoning_parser="qwen3",
+        enable_auto_tool_choice=True,
+        tool_call_parser="hermes",
+    ).start()
+    yield srv
+    srv.stop()
+
+
+def thinking(on: bool) -> struct_pb2.Struct:
+    struct = struct_pb2.Struct()
+    struct.update({"thinking": on})
+    return struct
+
+
+def request(*, forced: str = "", thinks: bool = False, **fields: object) -> pb.GenerateRequest:
+    chat = pb.ChatMessages(messages=[QUESTION], chat_template_kwargs=thinking(thinks), **fields)  # type: ignore[arg-type]
+    sampling = pb.SamplingParameters(temperature=0.0, max_tokens=96)
+    if forced:
+        sampling.structured_outputs.choice.choices.append(forced)
+    return pb.GenerateRequest(messages=chat, sampling=sampling)
+
+
+def complete(server: InProcessServer, req: pb.GenerateRequest) -> pb.GenerateResponse:
+    [completion] = server.stub.Complete(req, timeout=120).completions
+    return completion
+
+
+def decoded(server: InProcessServer, ids: list[int]) -> str:
+    return server.stub.Detokenize(
+        pb.DetokenizeRequest(token_ids=ids, skip_special_tokens=True), timeout=30
+    ).text
+
+
+def test_a_think_block_leaves_as_reasoning_content_streamed_before_the_answer(
+    server: InProcessServer,
+) -> None:
+    responses = list(server.stub.Generate(request(forced=THOUGHT), timeout=120))
+    assert "".join(r.reasoning_content for r in responses) == "\nParis is in France.\n"
+    assert "".join(r.text for r in responses) == "\n\nIt is sunny in Paris."
+    reasoning_at = [i for i, r in enumerate(responses) if r.reasoning_content]
+    text_at = [i for i, r in enumerate(responses) if r.text]
+    assert len(reasoning_at) > 1 and max(reasoning_at) < min(text_at)  # streamed, in the order written
+    assert decoded(server, [t for r in responses for t in r.token_ids]) == THOUGHT  # the tokens are whole
+    completion = complete(server, request(forced=THOUGHT))
+    assert (completion.reasoning_content, completion.text) == (
+        "\nParis is in France.\n",
+        "\n\nIt is sunny in Paris.",
+    )
+    assert completion.finish_reason == pb.EOS
+
+
+def test_a_prompt_that_opened_the_block_makes_the_output_reasoning(server: InProcessServer) -> None:
+    """The model never closes the block here: all it wrote is reasoning. Without the open block the
+    same model's output is all text."""
+    opened = complete(server, request(thinks=True))
+    assert opened.text == "" and opened.reasoning_content == decoded(server, list(opened.token_ids))
+    assert opened.reasoning_content.strip()
+    closed = complete(server, request(thinks=False))
+    assert closed.reasoning_content == "" and closed.text == decoded(server, list(closed.token_ids))
+
+
+def test_a_constrained_output_is_reasoning_only_where_it_thinks_itself(server: InProcessServer) -> None:
+    """The grammar rules from the first token: an open block in the prompt does not make a JSON
+    answer reasoning."""
+    req = request(thinks=True)
+    req.sampling.structured_outputs.json_object = True
+    req.sampling.structured_outputs.disable_any_whitespace = True
+    completion = complete(server, req)
+    assert completion.reasoning_content == "" and isinstance(json.loads(completion.text), dict)
+
+
+def test_tool_calls_are_found_in_the_answer_after_the_reasoning(server: InProcessServer) -> None:
+    thought_then_call = "<think>\nI need the weather.\n</think>\n\n" + CALL
+    completion = complete(server, request(forced=thought_then_call, tools=[WEATHER]))
+    assert completion.reasoning_content == "\nI need the weather.\n" and completion.text == "\n\n"
+    assert [(c.name, json.loads(c.arguments)) for c in completion.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    assert completion.finish_reason == pb.TOOL_CALLS
+    # a call written inside the reasoning is thought, not made
+    thought_of = complete(server, request(forced=f"<think>{CALL}</think>Fine.", tools=[WEATHER]))
+    assert (thought_of.reasoning_content, thought_of.text, list(thought_of.tool_calls)) == (CALL, "Fine.", [])
+
+
+def test_include_reasoning_false_drops_it(server: InProcessServer) -> None:
+    completion = complete(server, request(forced=THOUGHT, include_reasoning=False))
+    assert (completion.reasoning_content, completion.text) == ("", "\n\nIt is sunny in Paris.")
+
+
+def test_text_and_token_prompts_are_not_parsed_and_model_info_names_the_parser(
+    server: InProcessServer,
+) -> None:
+    """As vLLM's completions: the reasoning parser is the chat's."""
+    sampling = pb.SamplingParameters(
+        temperature=0.0,
+        max_tokens=48,
+        structured_outputs=pb.StructuredOutputs(choice=pb.Choices(choices=[THOUGHT])),
+    )
+    [completion] = server.stub.Complete(
+        pb.GenerateRequest(text="Hello", sampling=sampling), timeout=120
+    ).completions
+    assert (completion.text, completion.reasoning_content) == (THOUGHT, "")
+    assert server.stub.ModelInfo(pb.ModelInfoRequest(), timeout=30).reasoning_parser == "qwen3"

@@ -1,0 +1,70 @@
+"""Reasoning split (pagedserve.reasoning): the text between <think> and </think> found however the stream
+is cut, the tags dropped, nothing else lost. The gRPC end of it: tests/e2e/test_grpc_reasoning.py."""
+
+from __future__ import annotations
+
+import pytest
+from pagedserve.reasoning import ReasoningParser, prompt_opens_reasoning, split_reasoning
+
+THOUGHT = "<think>\nThe user wants 2 + 2.\n</think>\n\nIt is 4."
+
+
+def run(parser: ReasoningParser, pieces: list[str]) -> list[tuple[str, str]]:
+    return [parser.feed(piece) for piece in pieces] + [parser.finish()]
+
+
+def joined(parts: list[tuple[str, str]]) -> tuple[str, str]:
+    return "".join(r for r, _ in parts), "".join(c for _, c in parts)
+
+
+def test_the_split_is_the_same_wherever_the_stream_is_cut() -> None:
+    expected = ("\nThe user wants 2 + 2.\n", "\n\nIt is 4.")
+    for cut in range(len(THOUGHT) + 1):
+        for cut2 in range(cut, min(cut + 4, len(THOUGHT)) + 1):
+            pieces = [THOUGHT[:cut], THOUGHT[cut:cut2], THOUGHT[cut2:]]
+            assert joined(run(ReasoningParser(False), pieces)) == expected, (cut, cut2)
+    assert joined(run(ReasoningParser(False), list(THOUGHT))) == expected
+
+
+def test_reasoning_streams_as_it_comes_holding_back_only_a_tag_begun() -> None:
+    parser = ReasoningParser(False)
+    assert parser.feed("  <thi") == ("", "")  # may be <think>
+    assert parser.feed("nk>Let me") == ("Let me", "")
+    assert parser.feed(" see.</th") == (" see.", "")
+    assert parser.feed("ink>Done") == ("", "Done")
+    assert parser.feed(" <think> is text now") == ("", " <think> is text now")
+    assert parser.finish() == ("", "")
+
+
+def test_a_prompt_that_opened_the_block_makes_the_output_reasoning_until_it_closes() -> None:
+    """Qwen3-Thinking and DeepSeek-R1 templates end the prompt with <think>: the model writes only the
+    closing tag. Cut short while thinking, a completion gave reasoning only."""
+    assert split_reasoning("Hmm, 4.</think>\n\nIt is 4.", open_at_start=True) == ("Hmm, 4.", "\n\nIt is 4.")
+    assert split_reasoning("Hmm, still thinking </thi", open_at_start=True) == (
+        "Hmm, still thinking </thi",
+        "",
+    )
+    assert split_reasoning("Hmm", open_at_start=False) == ("", "Hmm")
+
+
+@pytest.mark.parametrize(
+    ("output", "split"),
+    [
+        ("No tags at all.", ("", "No tags at all.")),
+        ("Text first <think>then this</think>", ("", "Text first <think>then this</think>")),
+        ("<think>unclosed", ("unclosed", "")),
+        ("<think></think>", ("", "")),
+        ("<thin", ("", "<thin")),
+        ("   ", ("", "   ")),
+        ("\n<think>a</think>b</think>", ("a", "b</think>")),
+    ],
+)
+def test_only_a_block_at_the_start_is_reasoning(output: str, split: tuple[str, str]) -> None:
+    assert split_reasoning(output) == split
+
+
+def test_the_prompts_last_block_decides_whether_it_is_open() -> None:
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking off
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n")
+    assert prompt_opens_reasoning("</think> earlier turn <think>")
