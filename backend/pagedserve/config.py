@@ -189,6 +189,10 @@ def rope_context_length(hf: dict[str, Any]) -> int:
     128K from 32K with factor 4). llama3's tables already reach max_position_embeddings."""
     positions = int(hf.get("max_position_embeddings", 2048))
     rope = rope_parameters(hf)
+    if rope["rope_type"] in ("linear", "yarn", "llama3") and not isinstance(rope.get("factor"), int | float):
+        raise ValueError(
+            f"model: config.json's rope scaling ({rope['rope_type']}) needs a numeric factor, got {rope.get('factor')!r}"
+        )
     if rope["rope_type"] == "linear":
         return int(positions * rope["factor"])
     if rope["rope_type"] == "yarn":

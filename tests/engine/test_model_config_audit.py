@@ -438,8 +438,25 @@ def test_rotary_tables_equal_transformers(
             lambda c: c.update(quantization_config={"quant_method": "gptq", "bits": 4}),
             r"quantization_config \(gptq\) is not supported",
         ),
+        (
+            lambda c: c.update(rope_parameters={"rope_type": "linear", "rope_theta": 1e4}),
+            r"rope scaling \(linear\) needs a numeric factor, got None",
+        ),
+        (
+            lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": "4", "rope_theta": 1e4}),
+            r"rope scaling \(yarn\) needs a numeric factor, got '4'",
+        ),
     ],
-    ids=["partial-rotary", "partial-rotary-in-rope", "two-ropes", "dynamic-ntk", "gelu", "quantized"],
+    ids=[
+        "partial-rotary",
+        "partial-rotary-in-rope",
+        "two-ropes",
+        "dynamic-ntk",
+        "gelu",
+        "quantized",
+        "linear-without-factor",
+        "yarn-factor-not-a-number",
+    ],
 )
 def test_an_unsupported_option_is_refused_naming_it(
     tmp_path: Path, tiny_llama_dir: str, patch: ConfigPatch, message: str
