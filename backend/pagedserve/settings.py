@@ -315,6 +315,10 @@ def flags_given(settings_cls: type[BaseSettings], args: argparse.Namespace) -> d
     }
 
 
+# settings whose values an error message never repeats (it may reach logs other people read)
+SECRET_SETTINGS = frozenset({"api_key"})
+
+
 def settings_from_args(settings_cls: type[BaseSettings], args: argparse.Namespace) -> Any:
     given = flags_given(settings_cls, args)
     try:
@@ -324,9 +328,9 @@ def settings_from_args(settings_cls: type[BaseSettings], args: argparse.Namespac
         for error in exc.errors():
             message = str(error["msg"]).removeprefix("Value error, ")
             if error["loc"]:
-                lines.append(
-                    f"{setting_source(str(error['loc'][0]), given)}: {message} (got {error['input']!r})"
-                )
+                name = str(error["loc"][0])
+                got = "" if name in SECRET_SETTINGS else f" (got {error['input']!r})"
+                lines.append(f"{setting_source(name, given)}: {message}{got}")
             else:  # a check across fields (config.py), its message starting with the field it is about
                 lines.append(str(config_error(ValueError(message), given)))
         raise SettingsError("\n".join(lines)) from None

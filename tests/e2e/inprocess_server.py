@@ -91,6 +91,7 @@ class InProcessServer:
             s.allow_runtime_lora_updating,
             s.auto_tool_call_parser,
             s.reasoning_parser,
+            s.api_key,
         )
         model = LLMModel(server, PriorityLevels(s.triton_priority_levels, s.triton_default_priority_level))
         add_inference_service(server.grpc, model)

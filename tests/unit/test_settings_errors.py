@@ -248,3 +248,16 @@ def test_the_reasoning_parser_is_one_we_have(monkeypatch: pytest.MonkeyPatch) ->
         typing.get_args(next(a for a in typing.get_args(annotation) if a is not type(None)))
         == REASONING_PARSERS
     )
+
+
+def test_a_bad_api_key_is_refused_without_repeating_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The message may reach logs other people read: it names the setting, never the value."""
+    with pytest.raises(SettingsError) as info:
+        parse(["--api-key", "my secret"])
+    assert str(info.value) == "--api-key: must be 1 or more visible ASCII characters, no spaces"
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "tab\tkey")
+    with pytest.raises(SettingsError) as info:
+        parse([])
+    assert str(info.value) == "PAGEDSERVE_API_KEY: must be 1 or more visible ASCII characters, no spaces"
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-a-secret")
+    assert parse([]).api_key == "from-a-secret"

@@ -15,8 +15,9 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, NoReturn
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from pagedserve.rpc.auth import check_api_key
 from pagedserve.rpc.tls import TlsFiles, check_client_files, server_context
 from pagedserve.settings import (
     EngineSettings,
@@ -117,6 +118,12 @@ class ServeSettings(EngineSettings):
     grpc_keepalive_timeout: float = Field(
         20.0, gt=0, description="seconds the server waits for a ping's answer before it closes the connection"
     )
+    api_key: str | None = Field(
+        None,
+        description="calls on both ports need the header authorization: Bearer <key> (as vLLM's flag); "
+        "gRPC health, reflection, /metrics and the health routes stay open for probes and scrapers. "
+        "Prefer the environment variable (from a Secret) to the flag, which other processes can read",
+    )
     ssl_certfile: str | None = Field(
         None,
         description="PEM certificate (chain, leaf first): TLS on the gRPC and the HTTP port, with "
@@ -143,6 +150,14 @@ class ServeSettings(EngineSettings):
                 f"({self.triton_priority_levels}), got {self.triton_default_priority_level}"
             )
         return self
+
+    @field_validator("api_key")
+    @classmethod
+    def _check_api_key(cls, value: str | None) -> str | None:
+        try:
+            return check_api_key(value)
+        except ValueError as exc:
+            raise ValueError(str(exc).removeprefix("api_key: ")) from None
 
     @model_validator(mode="after")
     def _check_tool_choice(self) -> ServeSettings:
@@ -319,6 +334,7 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
         settings.allow_runtime_lora_updating,
         settings.auto_tool_call_parser,
         settings.reasoning_parser,
+        settings.api_key,
     )
     levels = PriorityLevels(settings.triton_priority_levels, settings.triton_default_priority_level)
     model = LLMModel(server, levels)

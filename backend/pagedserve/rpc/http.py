@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from pagedserve.errors import AdapterInUseError, AdapterNotLoadedError, EngineDeadError, InvalidRequestError
+from pagedserve.rpc.auth import http_middleware
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +23,9 @@ _PROMETHEUS_TYPE = "text/plain; version=0.0.4"
 class HttpEndpoint:
     def __init__(self, server: Any, extra_routes: Iterable[web.AbstractRouteDef] = ()) -> None:
         self.grpc_server = server  # pagedserve.rpc.server.Server: its state and (once bound) engine
-        self.app = web.Application(client_max_size=64 * 1024 * 1024)
+        api_key = getattr(server, "api_key", None)  # --api-key, on this port too
+        middlewares = [http_middleware(api_key)] if api_key is not None else []
+        self.app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
         self.app.add_routes(
             [
                 web.get("/metrics", self.metrics),

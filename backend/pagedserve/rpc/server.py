@@ -37,6 +37,7 @@ from pagedserve.errors import (
 )
 from pagedserve.outputs import RequestDelta
 from pagedserve.rpc import convert
+from pagedserve.rpc.auth import ApiKey, ApiKeyInterceptor
 from pagedserve.rpc.signals import catch_stop_signals
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.sampling_params import SamplingParams
@@ -628,9 +629,11 @@ class Server:
         allow_runtime_lora_updating: bool = False,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         """`stream_write_timeout`: seconds a streamed response may wait to be sent before its stream is
-        given up (--stream-write-timeout; 0 = no limit). Every front end's streams honour it."""
+        given up (--stream-write-timeout; 0 = no limit). Every front end's streams honour it.
+        `api_key`: calls on both ports need it (--api-key; rpc/auth.py)."""
         self.state = ServerState(
             allow_runtime_lora_updating=allow_runtime_lora_updating,
             tool_call_parser=tool_call_parser,
@@ -638,7 +641,9 @@ class Server:
         )
         self.health = health.aio.HealthServicer()
         _quiet_client_gone_writes()
-        self.grpc = grpc.aio.server(options=options)
+        self.api_key = ApiKey(api_key) if api_key is not None else None
+        interceptors = [ApiKeyInterceptor(self.api_key)] if self.api_key is not None else None
+        self.grpc = grpc.aio.server(options=options, interceptors=interceptors)
         self.write_watch = WriteWatch(stream_write_timeout)  # every front end's streams write through it
         self.servicer = GenerationServicer(self.state, tracer or RequestTracer(None, ""), self.write_watch)
         self.grpc.add_generic_rpc_handlers((_handlers(self.servicer),))
