@@ -54,8 +54,11 @@ class ModelConfig:
         served_model_name: str | None = None,
         generation_config: str = "auto",
         hf_overrides: dict[str, Any] | None = None,
+        override_generation_config: dict[str, Any] | None = None,
     ) -> ModelConfig:
-        """`hf_overrides`: config.json keys replaced (vLLM's --hf-overrides), e.g. a YaRN rope_scaling."""
+        """`hf_overrides`: config.json keys replaced (vLLM's --hf-overrides), e.g. a YaRN rope_scaling;
+        `override_generation_config`: generation_config.json values over the file's (or alone, under
+        `generation_config` vllm), vLLM's --override-generation-config."""
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise ValueError(f"model: {path!r} is not a Hugging Face model directory (no config.json)")
@@ -79,25 +82,52 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             hf_config=hf,
-            sampling_defaults=sampling_defaults(path, generation_config),
+            sampling_defaults=sampling_defaults(path, generation_config, override_generation_config or {}),
         )
 
 
-def parse_hf_overrides(value: str | dict[str, Any] | None) -> dict[str, Any]:
-    """`--hf-overrides`: a JSON object of config.json keys (its text, or a dict already parsed).
-    ValueError naming `hf_overrides` for anything else."""
+def parse_json_object(value: str | dict[str, Any] | None, field: str, of: str) -> dict[str, Any]:
+    """A setting that is a JSON object (its text, or a dict already parsed): `--hf-overrides`,
+    `--override-generation-config`. ValueError naming `field` for anything else."""
     if value is None:
         return {}
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"hf_overrides: not JSON: {exc}") from None
+            raise ValueError(f"{field}: not JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise ValueError(
-            f"hf_overrides: must be a JSON object of config.json keys, got {type(value).__name__}"
-        )
+        raise ValueError(f"{field}: must be a JSON object of {of}, got {type(value).__name__}")
     return dict(value)
+
+
+def parse_hf_overrides(value: str | dict[str, Any] | None) -> dict[str, Any]:
+    return parse_json_object(value, "hf_overrides", "config.json keys")
+
+
+def parse_generation_overrides(value: str | dict[str, Any] | None) -> dict[str, Any]:
+    """`--override-generation-config`: generation_config.json keys over the model's."""
+    overrides = parse_json_object(value, "override_generation_config", "generation_config.json keys")
+    for key in overrides:
+        if key not in _GENERATION_DEFAULTS:
+            raise ValueError(
+                f"override_generation_config: {key!r} is not one of {', '.join(_GENERATION_DEFAULTS)}"
+            )
+    for key, value in overrides.items():
+        if value is not None:
+            _check_sampling_defaults({_GENERATION_DEFAULTS[key]: value}, f"override_generation_config: {key}")
+    return overrides
+
+
+def _check_sampling_defaults(defaults: dict[str, Any], field: str) -> None:
+    """ValueError naming `field` where SamplingParams refuses these defaults."""
+    from pagedserve.errors import InvalidRequestError
+    from pagedserve.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**defaults)
+    except InvalidRequestError as exc:
+        raise ValueError(f"{field}: {exc.message}") from None
 
 
 _ROPE_KEYS = ("rope_scaling", "rope_parameters")
@@ -130,24 +160,26 @@ _GENERATION_DEFAULTS = {
 }
 
 
-def sampling_defaults(model_path: str, mode: str) -> dict[str, Any]:
+def sampling_defaults(model_path: str, mode: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the model's generation_config.json recommends for the sampling parameters a request leaves
     unset, as vLLM's `--generation-config auto` reads it (`do_sample` is not read, as vLLM does not);
-    `vllm`: nothing, SamplingParams' own defaults. A value SamplingParams would refuse fails here,
-    naming the file, rather than failing every request that leaves it unset."""
+    `vllm`: nothing, SamplingParams' own defaults. `overrides` (--override-generation-config, the file's
+    keys) go over either. A value SamplingParams would refuse fails here, naming where it came from,
+    rather than failing every request that leaves it unset."""
     from pagedserve.errors import InvalidRequestError
     from pagedserve.sampling_params import SamplingParams
 
     if mode not in GENERATION_CONFIG_MODES:
         raise ValueError(f"generation_config: must be auto or vllm, got {mode!r}")
+    overrides = parse_generation_overrides(overrides)
     config_file = Path(model_path) / "generation_config.json"
-    if mode == "vllm" or not config_file.is_file():
-        return {}
-    generation = json.loads(config_file.read_text())
-    defaults = {
+    generation: dict[str, Any] = {}
+    if mode == "auto" and config_file.is_file():
+        generation = json.loads(config_file.read_text())
+    defaults = {  # the file's, but those overridden (a bad value the override replaces is no error)
         ours: generation[theirs]
         for theirs, ours in _GENERATION_DEFAULTS.items()
-        if generation.get(theirs) is not None
+        if generation.get(theirs) is not None and theirs not in overrides
     }
     try:
         SamplingParams(**defaults)
@@ -155,6 +187,9 @@ def sampling_defaults(model_path: str, mode: str) -> dict[str, Any]:
         raise ValueError(
             f"model: generation_config.json's {exc.field}: {exc.message} (--generation-config vllm ignores the file)"
         ) from None
+    defaults.update(
+        {_GENERATION_DEFAULTS[key]: value for key, value in overrides.items() if value is not None}
+    )
     return defaults
 
 

@@ -25,6 +25,7 @@ from pagedserve.config import (
     ParallelConfig,
     SchedulerConfig,
     checkpoint_dtype,
+    parse_generation_overrides,
     parse_hf_overrides,
     resolve_attention_backend,
     resolve_block_size,
@@ -79,6 +80,7 @@ _PARSED_FIELDS: dict[str, Callable[[Any], object]] = {
     ),
     "speculative_config": SpeculativeConfig.parse,
     "hf_overrides": parse_hf_overrides,
+    "override_generation_config": parse_generation_overrides,
 }
 
 
@@ -106,6 +108,12 @@ class EngineSettings(BaseSettings):
         description="config.json keys to replace, a JSON object as vLLM's: e.g. '{\"rope_scaling\": "
         '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\' for '
         "Qwen3's 128K context",
+    )
+    override_generation_config: str | dict[str, Any] | None = Field(
+        None,
+        description="sampling defaults over the model's generation_config.json (or alone, with "
+        "--generation-config vllm), a JSON object of its keys as vLLM's: e.g. '{\"temperature\": 0.6, "
+        '"max_new_tokens": 512}\'',
     )
     device: str = Field("auto", description="auto, cpu or cuda")
     max_model_len: int | None = Field(None, description="context length limit (default: the model's)")
@@ -252,6 +260,7 @@ class EngineSettings(BaseSettings):
             self.served_model_name,
             self.generation_config,
             parse_hf_overrides(self.hf_overrides),
+            parse_generation_overrides(self.override_generation_config),
         )
         return EngineConfig(
             model=model,

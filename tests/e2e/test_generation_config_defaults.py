@@ -5,6 +5,7 @@ keeps SamplingParams' own defaults."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import urllib.request
 from pathlib import Path
@@ -65,6 +66,52 @@ def test_a_value_sampling_params_refuses_stops_the_load_naming_the_file(
     bad = model_with_generation_config(tmp_path / "bad", tiny_llama_dir, {"temperature": -1.0})
     with pytest.raises(ValueError, match=r"^model: generation_config.json's temperature: must be >= 0"):
         LLM(model=bad, dtype="float32", num_kv_blocks=64)
+
+
+def test_override_generation_config_goes_over_the_file_or_alone(model_dir: str, tmp_path: Path) -> None:
+    """vLLM's --override-generation-config: its keys over the file's, the others kept; with
+    --generation-config vllm, its keys alone. A bad file value it replaces is no error."""
+    override = {"max_new_tokens": 5, "top_p": 0.9}
+    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=64, override_generation_config=override)
+    assert llm.get_default_sampling_params() == SamplingParams(
+        temperature=0.0, top_k=5, top_p=0.9, max_tokens=5
+    )
+    [out] = llm.generate(PROMPT)
+    assert len(out.outputs[0].token_ids) == 5
+    alone = LLM(
+        model=model_dir,
+        dtype="float32",
+        num_kv_blocks=64,
+        generation_config="vllm",
+        override_generation_config=json.dumps(override),
+    )
+    assert alone.get_default_sampling_params() == SamplingParams(top_p=0.9, max_tokens=5)
+    bad_file = model_with_generation_config(tmp_path / "m", model_dir, {"temperature": -1.0, "top_k": 5})
+    fixed = LLM(
+        model=bad_file, dtype="float32", num_kv_blocks=64, override_generation_config={"temperature": 0.5}
+    )
+    assert fixed.get_default_sampling_params() == SamplingParams(temperature=0.5, top_k=5)
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        (
+            '{"do_sample": false}',
+            "'do_sample' is not one of temperature, top_p, top_k, min_p, repetition_penalty",
+        ),
+        ('{"temperature": -1}', "temperature: must be >= 0"),
+        ('{"max_new_tokens": 0}', "max_new_tokens: must be an integer >= 1"),
+        ('"greedy"', "must be a JSON object of generation_config.json keys, got str"),
+    ],
+)
+def test_a_bad_override_stops_serve_naming_the_flag(value: str, error: str) -> None:
+    from pagedserve.rpc.cli import ServeSettings
+    from pagedserve.settings import SettingsError, settings_from_args
+
+    with pytest.raises(SettingsError) as info:
+        settings_from_args(ServeSettings, argparse.Namespace(override_generation_config=value))
+    assert str(info.value).startswith(f"--override-generation-config: {error}"), str(info.value)
 
 
 def test_every_front_end_takes_the_models_defaults(model_dir: str) -> None:
