@@ -5,9 +5,10 @@ model loads."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from pagedserve.json_setting import parse_json_object
 
 # apply_chat_template's own parameters and the variables it sets itself: a kwarg of one of these names
 # would collide with them (a TypeError inside transformers) or quietly replace the messages
@@ -72,21 +73,13 @@ def _check_syntax(text: str) -> None:
 def parse_chat_template_kwargs(value: str | dict[str, Any] | None, field: str) -> dict[str, Any]:
     """Template variables from a JSON object (its text, or a dict already parsed). ValueError naming
     `field` (and the key) for anything else or a reserved name."""
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{field}: not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{field}: must be a JSON object of template variables, got {type(value).__name__}")
+    value = parse_json_object(value, field, "template variables")
     for key in value:
         if not isinstance(key, str) or not key.isidentifier():
             raise ValueError(f"{field}: {key!r} is not a template variable name")
         if key in RESERVED_KWARGS:
             raise ValueError(f"{field}: {key!r} is set by the chat request itself, not a template variable")
-    return dict(value)
+    return value
 
 
 def whole_numbers_as_ints(value: Any) -> Any:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedserve.json_setting import parse_json_object
 from pagedserve.spec_decode import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -84,21 +85,6 @@ class ModelConfig:
             hf_config=hf,
             sampling_defaults=sampling_defaults(path, generation_config, override_generation_config or {}),
         )
-
-
-def parse_json_object(value: str | dict[str, Any] | None, field: str, of: str) -> dict[str, Any]:
-    """A setting that is a JSON object (its text, or a dict already parsed): `--hf-overrides`,
-    `--override-generation-config`. ValueError naming `field` for anything else."""
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{field}: not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{field}: must be a JSON object of {of}, got {type(value).__name__}")
-    return dict(value)
 
 
 def parse_hf_overrides(value: str | dict[str, Any] | None) -> dict[str, Any]:

@@ -11,11 +11,12 @@ code edits, extraction, lists). Torch-free: settings parse the config."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from pagedserve.json_setting import parse_json_object
 
 METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16
@@ -37,13 +38,7 @@ class SpeculativeConfig:
         `speculative_config` and the key."""
         if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config: not JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config: must be a JSON object, got {type(value).__name__}")
+        value = parse_json_object(value, "speculative_config", "speculative decoding settings")
         known = (
             "method",
             "num_speculative_tokens",

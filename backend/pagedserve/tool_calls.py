@@ -169,11 +169,16 @@ def _call_of(value: Any, arguments_keys: tuple[str, ...]) -> ToolCall | None:
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _json_call(text: str) -> ToolCall | None:
+def _json_or_none(text: str) -> Any:
+    """The JSON value `text` holds; None where it holds none."""
     try:
-        return _call_of(json.loads(text), ("arguments",))
+        return json.loads(text)
     except json.JSONDecodeError:
         return None
+
+
+def _json_call(text: str) -> ToolCall | None:
+    return _call_of(_json_or_none(text), ("arguments",))
 
 
 def partial_suffix(text: str, tag: str) -> int:
@@ -342,10 +347,7 @@ class RequiredCallsParser(_WholeOutputParser):
     BEGINS = ("[",)
 
     def _parse(self, text: str) -> list[ToolCall] | None:
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            return None
+        value = _json_or_none(text)
         if not isinstance(value, list):
             return None
         calls = [_call_of(item, ("parameters",)) for item in value]
@@ -364,10 +366,7 @@ class NamedCallParser(_WholeOutputParser):
         self.name = name
 
     def _parse(self, text: str) -> list[ToolCall] | None:
-        try:
-            arguments = json.loads(text)
-        except json.JSONDecodeError:
-            return None
+        arguments = _json_or_none(text)
         if not isinstance(arguments, dict):
             return None
         return [ToolCall(self.name, json.dumps(arguments, ensure_ascii=False))]
