@@ -261,3 +261,14 @@ def test_a_bad_api_key_is_refused_without_repeating_it(monkeypatch: pytest.Monke
     assert str(info.value) == "PAGEDSERVE_API_KEY: must be 1 or more visible ASCII characters, no spaces"
     monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-a-secret")
     assert parse([]).api_key == "from-a-secret"
+
+
+def test_the_cli_module_leaves_grpc_unimported() -> None:
+    """`serve` and `health` set GRPC_VERBOSITY before grpc's first import (gRPC core reads it once):
+    otherwise every refused TLS handshake prints a line of gRPC's own on stderr."""
+    import subprocess
+    import sys
+
+    code = "import sys, pagedserve.rpc.cli; assert 'grpc' not in sys.modules, 'grpc imported'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -24,15 +24,6 @@ OPEN_HTTP_PATHS = frozenset(
 REFUSAL = "missing or wrong API key: send the header authorization: Bearer <key> (--api-key)"
 
 
-def check_api_key(key: str | None) -> str | None:
-    """`--api-key`'s value: None, or visible ASCII (a header value) with no spaces. ValueError naming it."""
-    if key is None:
-        return None
-    if not key or not all("!" <= ch <= "~" for ch in key):
-        raise ValueError("api_key: must be 1 or more visible ASCII characters, no spaces")
-    return key
-
-
 class ApiKey:
     def __init__(self, key: str) -> None:
         self._expected = f"Bearer {key}".encode()

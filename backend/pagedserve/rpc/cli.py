@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Literal, NoReturn
 
 from pydantic import Field, field_validator, model_validator
 
-from pagedserve.rpc.auth import check_api_key
 from pagedserve.rpc.tls import TlsFiles, check_client_files, server_context
 from pagedserve.settings import (
     EngineSettings,
@@ -154,10 +153,11 @@ class ServeSettings(EngineSettings):
     @field_validator("api_key")
     @classmethod
     def _check_api_key(cls, value: str | None) -> str | None:
-        try:
-            return check_api_key(value)
-        except ValueError as exc:
-            raise ValueError(str(exc).removeprefix("api_key: ")) from None
+        """A header value: visible ASCII, no spaces. (rpc/auth.py, which checks it per call, imports grpc:
+        not imported here, before `run_serve` sets GRPC_VERBOSITY.)"""
+        if value is not None and not (value and all("!" <= ch <= "~" for ch in value)):
+            raise ValueError("must be 1 or more visible ASCII characters, no spaces")
+        return value
 
     @model_validator(mode="after")
     def _check_tool_choice(self) -> ServeSettings:
