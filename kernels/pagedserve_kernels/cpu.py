@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = (
     Path(__file__).parent / "csrc" / "cpu_kernels.cpp",
     Path(__file__).parent / "csrc" / "linear_amx.cpp",
+    Path(__file__).parent / "csrc" / "linear_avx512.cpp",
     Path(__file__).parent / "csrc" / "decode_layers.cpp",
 )
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
@@ -52,6 +53,7 @@ def load() -> bool:
         logger.warning("CPU kernels unavailable, using the pure-torch reference: %s", str(exc)[-500:])
         return False
     torch.library.register_fake("pagedserve_cpu::linear_amx")(_linear_amx_shape)
+    torch.library.register_fake("pagedserve_cpu::linear_avx512")(_linear_avx512_shape)
     return True
 
 
@@ -60,6 +62,13 @@ def _linear_amx_shape(
 ) -> torch.Tensor:
     """What `linear_amx` returns, for tracing (torch.compile)."""
     return x.new_empty((*x.shape[:-1], packed.shape[0] * 16))
+
+
+def _linear_avx512_shape(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What `linear_avx512` returns, for tracing (torch.compile)."""
+    return x.new_empty((*x.shape[:-1], packed.shape[0] * packed.shape[2]))
 
 
 def write_kv_cache(
@@ -127,6 +136,25 @@ def linear_amx(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     return torch.ops.pagedserve_cpu.linear_amx(x, packed, bias)
 
 
+@functools.cache
+def linear_avx512_supported() -> bool:
+    """Whether `linear_avx512` runs here: a build for a CPU with AVX512-BF16 (needs `load()`)."""
+    return bool(torch.ops.pagedserve_cpu.linear_avx512_supported())
+
+
+def pack_linear_weight_avx512(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight [N, K] (N a multiple of 32, K even) reordered once into the panels
+    `linear_avx512` reads: [N/32, K/2, 32, 2] (needs `load()`)."""
+    return torch.ops.pagedserve_cpu.pack_linear_weight_avx512(weight)
+
+
+def linear_avx512(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` in bfloat16 with AVX512-BF16 dot products from
+    `pack_linear_weight_avx512(weight)`: float32 sums over k in order, rounded once, so each row's result
+    is the same in any batch (needs `linear_avx512_supported()`)."""
+    return torch.ops.pagedserve_cpu.linear_avx512(x, packed, bias)
+
+
 def decode_layers(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
@@ -152,7 +180,8 @@ def decode_layers(
 ) -> torch.Tensor:
     """Every decoder layer of a Llama-family model for a decode-only step, bfloat16 on packed weights
     (`csrc/decode_layers.cpp`): each one in AMX tiles (`pack_linear_weight`, needs
-    `linear_amx_supported()`) or in oneDNN's layout (`torch.ops.mkldnn._reorder_linear_weight`);
+    `linear_amx_supported()`), in AVX512-BF16 panels (`pack_linear_weight_avx512`) or in oneDNN's layout
+    (`torch.ops.mkldnn._reorder_linear_weight`);
     `qkv_bias` one a layer or none, `qk_norms` (Qwen3's query and key head norms) two a layer or none.
     The final-normed hidden states [tokens, hidden] (needs `decode_layers_supported()`). Block tables are
     checked as `paged_attention_decode` checks them, before any layer runs."""

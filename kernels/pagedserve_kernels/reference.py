@@ -258,3 +258,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2 * d] -> [..., d]: silu(first half) * second half."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def linear_bf16_pairs(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """bfloat16 x [M, K] @ weight [N, K]^T summed as AVX512-BF16's dot product (vdpbf16ps) sums it, the
+    semantics of `cpu.linear_avx512`: a float32 accumulator per output takes, for each pair of k in
+    order, the odd k's product and then the even k's (each product exact in float32, each sum rounded),
+    the bias is added in float32, and the total is rounded to bfloat16 once. Slow (a step per k)."""
+    xs, ws = x.float(), weight.float()
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for pair in range(weight.shape[1] // 2):
+        for k in (2 * pair + 1, 2 * pair):
+            acc = acc + xs[:, k : k + 1] * ws[:, k]
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(torch.bfloat16)

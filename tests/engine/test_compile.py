@@ -169,34 +169,67 @@ def test_bf16_linear_layers_run_on_amx_tiles(tiny_llama_dir: str, enforce_eager:
     assert len(out[0].outputs[0].token_ids) == 3
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_bf16_linear_layers_run_on_avx512_panels_without_amx(
+    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch, enforce_eager: bool
+) -> None:
+    """Without AMX, on AVX512-BF16: eager, every multiply of every step reads the AVX512-BF16 panels;
+    compiled, the prefill step's layers are inductor's oneDNN matmuls and its LM head ours, and each
+    decode step's four multiplies a layer (in `decode_layers`) and LM head are ours."""
+    if not decode_layers_available():
+        pytest.skip("no AVX512-BF16 build of the C++ kernels here")
+    monkeypatch.setattr(pagedserve.worker.model_runner, "amx_linear_available", lambda: False)
+    monkeypatch.setattr(pagedserve.layers.linear, "amx_linear_available", lambda: False)
+    llm = LLM(model=tiny_llama_dir, dtype="bfloat16", num_kv_blocks=16, enforce_eager=enforce_eager)
+    model = llm.engine.executor.worker.model_runner.model
+    num_linears = 4 * llm.engine.config.model.num_layers
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = llm.generate([[1, 400, 401, 402]], params)
+    assert model.lm_head.packed_weight.dim() == 4
+    calls = {e.key: e.count for e in prof.key_averages()}
+    if enforce_eager:
+        assert calls.get("pagedserve_cpu::linear_avx512") == 3 * (num_linears + 1)  # three steps
+        assert "mkldnn::_linear_pointwise" not in calls
+    else:
+        assert calls.get("pagedserve_cpu::linear_avx512") == 2 * (num_linears + 1) + 1  # 2 decodes, 1 LM head
+        assert calls.get("mkldnn::_linear_pointwise") == num_linears  # the prefill, in the compiled pass
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
 def decode_layers_available() -> bool:
     from pagedserve_kernels import cpu
 
     return cpu.load() and cpu.decode_layers_supported()
 
 
-@pytest.mark.parametrize("without_amx", [False, True], ids=["this-cpu", "without-amx"])
+@pytest.mark.parametrize("packing", ["this-cpu", "without-amx", "onednn"])
 def test_decode_steps_run_every_layer_in_one_cpp_call(
-    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch, without_amx: bool
+    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch, packing: str
 ) -> None:
     """bf16 on a CPU with AVX512-BF16: a decode-only step is one `decode_layers` call (the compiled pass
     runs the prefill step) whose hidden states are the compiled pass's within bfloat16 rounding (the
     kernel against the reference layers: tests/kernels/test_cpu_decode_layers.py). Greedy tokens may
     part where two logits are that close; tests/engine/test_hf_parity.py holds the float32 path to
-    Hugging Face. Without AMX the linear weights it reads are packed for oneDNN once the pass is
-    compiled (inductor packs its own copies), their plain copies released."""
+    Hugging Face. Without AMX the linear weights it reads are packed once the pass is compiled
+    (inductor packs its own copies for oneDNN), their plain copies released: into AVX512-BF16 panels
+    (`linear_avx512`, 4-d), or for oneDNN (2-d) where those are not to be had."""
     if not decode_layers_available():
         pytest.skip("no AVX512-BF16 build of the C++ kernels here")
-    if without_amx:
+    if packing != "this-cpu":
         monkeypatch.setattr(pagedserve.worker.model_runner, "amx_linear_available", lambda: False)
         monkeypatch.setattr(pagedserve.layers.linear, "amx_linear_available", lambda: False)
+    if packing == "onednn":
+        monkeypatch.setattr(pagedserve.layers.linear, "avx512_linear_available", lambda: False)
     llm = LLM(model=tiny_llama_dir, dtype="bfloat16", num_kv_blocks=64, enforce_eager=False)
     runner = llm.engine.executor.worker.model_runner
     fused = runner.fused_decode
     assert fused is not None
-    if without_amx or not amx_linear_available():
+    if packing != "this-cpu" or not amx_linear_available():
         linears = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
-        assert all(m.packed_weight.dim() == 2 and m.weight.numel() == 0 for m in linears)
+        packed_dim = 2 if packing == "onednn" else 4  # the tiny model's shapes all fit the panels
+        assert all(m.packed_weight.dim() == packed_dim and m.weight.numel() == 0 for m in linears)
+        assert runner.model.lm_head.packed_weight.dim() == packed_dim
     steps: list[tuple[torch.Tensor, torch.Tensor, object, torch.Tensor]] = []
 
     def recording(input_ids: torch.Tensor, positions: torch.Tensor, metadata: object) -> torch.Tensor:

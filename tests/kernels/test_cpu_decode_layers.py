@@ -2,7 +2,7 @@
 the same layers composed from the torch references (`pagedserve_kernels.reference`) and F.linear:
 hidden states within bfloat16 rounding, the KV cache written at the step's slots, and the inputs it
 refuses. Runs where the build has it (CPUs with AVX512-BF16), on weights packed as the engine packs
-them there (AMX tiles where the CPU has them, else oneDNN's layout), and on both layouts where it can.
+them there (AMX tiles where the CPU has them, else AVX512-BF16 panels), and on every layout it can.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ PACKINGS = [
     pytest.param(
         "amx",
         marks=pytest.mark.skipif("not cpu.load() or not cpu.linear_amx_supported()", reason="no AMX bf16"),
+    ),
+    pytest.param(
+        "avx512",
+        marks=pytest.mark.skipif(
+            "not cpu.load() or not cpu.linear_avx512_supported()", reason="no AVX512-BF16"
+        ),
     ),
     pytest.param(
         "onednn",
@@ -97,12 +103,14 @@ def make_step(num_seqs: int, head_dim: int = HEAD_DIM) -> dict[str, torch.Tensor
 
 
 def pack(weight: torch.Tensor, packing: str | None) -> torch.Tensor:
-    """`weight` as `layers.linear.pack_weight` packs it: into AMX tiles or oneDNN's layout (by default
-    the one the engine picks on this CPU)."""
+    """`weight` as `layers.linear.pack_weight` packs it: into AMX tiles, AVX512-BF16 panels or oneDNN's
+    layout (by default the one the engine picks on this CPU)."""
     if packing is None:
-        packing = "amx" if cpu.linear_amx_supported() else "onednn"
+        packing = "amx" if cpu.linear_amx_supported() else "avx512"
     if packing == "amx":
         return cpu.pack_linear_weight(weight)
+    if packing == "avx512":
+        return cpu.pack_linear_weight_avx512(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
 
 

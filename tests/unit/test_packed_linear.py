@@ -2,7 +2,10 @@
 layer kind and the LM head, at decode and prefill batch sizes. Packed for oneDNN: F.linear's bits at
 every batch size. Packed for the AMX kernel (where the CPU has it): F.linear's bits for up to 32 rows,
 and beyond that each row the bits F.linear gives that row alone (oneDNN sums differently from 33 rows
-on), so a row's result no longer depends on the batch it is in."""
+on), so a row's result no longer depends on the batch it is in. Packed for the AVX512-BF16 kernel
+(where the CPU has it and not AMX): vdpbf16ps's sums in order (`reference.linear_bf16_pairs`), also
+the same in any batch; weights it does not fit (in_features past MAX_AVX512_IN_FEATURES, out_features
+not in multiples of 32) stay with oneDNN."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch.nn.functional as F
 from pagedserve.layers import linear
 from pagedserve.layers.embedding import ParallelLMHead
 from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear, can_pack_weights
+from pagedserve_kernels import reference as kernel_reference
 
 pytestmark = pytest.mark.skipif(
     not can_pack_weights(torch.device("cpu"), torch.bfloat16), reason="this CPU's oneDNN has no native bf16"
@@ -20,19 +24,28 @@ pytestmark = pytest.mark.skipif(
 BATCH_SIZES = [1, 7, 32, 64, 300]  # decode batches, and a prefill chunk beyond the packing hint
 
 
-@pytest.fixture(params=["onednn", "amx"])
+@pytest.fixture(params=["onednn", "amx", "avx512"])
 def packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "onednn":
+    if request.param != "amx":
         monkeypatch.setattr(linear, "amx_linear_available", lambda: False)
-    elif not linear.amx_linear_available():
+    if request.param == "onednn":
+        monkeypatch.setattr(linear, "avx512_linear_available", lambda: False)
+    elif request.param == "amx" and not linear.amx_linear_available():
         pytest.skip("no AMX bf16 tiles (or no C++ compiler) here")
+    elif request.param == "avx512" and not linear.avx512_linear_available():
+        pytest.skip("no AVX512-BF16 (or no C++ compiler) here")
     return str(request.param)
 
 
 def reference(packing: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if packing == "avx512":
+        return kernel_reference.linear_bf16_pairs(x, weight, bias)
     if packing == "amx" and x.shape[0] > 32:
         return torch.cat([F.linear(row, weight, bias) for row in x.split(1)])
     return F.linear(x, weight, bias)
+
+
+PACKED_DIMS = {"onednn": 2, "avx512": 4, "amx": 5}
 
 
 def filled(layer: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -56,7 +69,7 @@ def test_packed_linear_layers_equal_f_linear(packing: str, kind: str, batch_size
     expected = reference(packing, x, weight, bias)
     layer.pack_weights(batch_size_hint=64)
     assert layer.packed_weight is not None and layer.weight.numel() == 0  # the plain copy is released
-    assert layer.packed_weight.dim() == (5 if packing == "amx" else 2)
+    assert layer.packed_weight.dim() == PACKED_DIMS[packing]
     assert torch.equal(layer(x), expected)
 
 
@@ -68,9 +81,19 @@ def test_packed_lm_head_equals_f_linear_and_keeps_the_tied_weight(
     head = filled(ParallelLMHead(vocab_size, 576), seed=batch_size)
     weight = head.weight.detach().clone()
     hidden = torch.randn(batch_size, 576).to(torch.bfloat16)
-    on_amx = packing == "amx" and vocab_size % 32 == 0
-    expected = reference("amx" if on_amx else "onednn", hidden, weight, None)
+    packed_as = packing if vocab_size % 32 == 0 else "onednn"
+    expected = reference(packed_as, hidden, weight, None)
     head.pack_weights(batch_size_hint=64)
-    assert head.packed_weight is not None and head.packed_weight.dim() == (5 if on_amx else 2)
+    assert head.packed_weight is not None and head.packed_weight.dim() == PACKED_DIMS[packed_as]
     assert torch.equal(head.compute_logits(hidden), expected)
     assert torch.equal(head.weight, weight)  # a tied input embedding still reads it
+
+
+def test_avx512_panels_only_up_to_their_longest_in_features(monkeypatch: pytest.MonkeyPatch) -> None:
+    """in_features past MAX_AVX512_IN_FEATURES (where the kernel is slower than oneDNN) stay with oneDNN."""
+    if not linear.avx512_linear_available():
+        pytest.skip("no AVX512-BF16 (or no C++ compiler) here")
+    monkeypatch.setattr(linear, "amx_linear_available", lambda: False)
+    longest = linear.MAX_AVX512_IN_FEATURES
+    assert linear.pack_weight(torch.zeros(64, longest, dtype=torch.bfloat16), 64).dim() == 4
+    assert linear.pack_weight(torch.zeros(64, longest + 2, dtype=torch.bfloat16), 64).dim() == 2

@@ -6,11 +6,14 @@ features and all-reduces the partial sums.
 
 On CPUs, bfloat16 weights are packed once (`pack_weights`): an unpacked bf16 `F.linear` reorders its
 weight on every call, which costs about as much as the matmul itself at decode batch sizes. Where the
-CPU has AMX tiles and the C++ kernels build, the weight goes into the tiles of
-`pagedserve_kernels.cpu.linear_amx`, which reads it about 1.5x as fast as oneDNN at decode batch sizes
-(bench/README.md); else into oneDNN's blocked layout. Either product is bit-identical to `F.linear`'s
-for up to 32 rows; beyond that oneDNN changes how it sums, while the AMX kernel gives each row what it
-gives that row alone.
+C++ kernels build, the weight goes into the tiles of `pagedserve_kernels.cpu.linear_amx` on CPUs with
+AMX (about 1.5x as fast as oneDNN at decode batch sizes), else into the panels of
+`pagedserve_kernels.cpu.linear_avx512` on CPUs with AVX512-BF16 for in_features up to 2,048 (at decode
+batch sizes 15-40% faster than oneDNN on a Zen 4 EPYC; bench/README.md); else into oneDNN's blocked
+layout. A compiled pass leaves all but AMX weights to inductor, which packs them for oneDNN; the
+decode steps (`decode_layers`), the LM head and eager steps read ours. The AMX product is
+bit-identical to `F.linear`'s for up to 32 rows; beyond that oneDNN changes how it sums, while both of
+our kernels give each row what they give that row alone.
 """
 
 from __future__ import annotations
@@ -62,11 +65,40 @@ def packs_for_amx(weight: torch.Tensor) -> bool:
     return out_features % 32 == 0 and in_features % 32 == 0 and amx_linear_available()
 
 
+@functools.cache
+def avx512_linear_available() -> bool:
+    """The C++ kernels build here for a CPU with AVX512-BF16 (`pack_weight` prefers AMX tiles where
+    there are some)."""
+    return cpu_kernels.load() and cpu_kernels.linear_avx512_supported()
+
+
+# The longest in_features packed for linear_avx512: up to here a panel (in_features x 64 bytes) stays
+# in L1/L2 while the row tiles reuse it. On the Zen 4 machine the kernel beat oneDNN at every decode
+# batch size up to 1,536; from 2,048 to 4,096 it still wins at 1-16 rows but runs 5-20% behind at 64
+# (bench/README.md, "linear_avx512").
+MAX_AVX512_IN_FEATURES = 2048
+
+
+def packs_for_avx512(weight: torch.Tensor) -> bool:
+    """Whether `pack_weight` can put this (CPU bfloat16) weight into AVX512-BF16 panels: it needs out
+    features in multiples of 32 and even in features up to MAX_AVX512_IN_FEATURES."""
+    out_features, in_features = weight.shape
+    return (
+        out_features % 32 == 0
+        and in_features % 2 == 0
+        and in_features <= MAX_AVX512_IN_FEATURES
+        and avx512_linear_available()
+    )
+
+
 def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
     """`weight` [out, in] reordered once, for `linear`: into AMX tiles where `packs_for_amx` (a 5-d
-    tensor), else into oneDNN's blocked layout (2-d)."""
+    tensor), else into AVX512-BF16 panels where `packs_for_avx512` (4-d), else into oneDNN's blocked
+    layout (2-d)."""
     if packs_for_amx(weight):
         return cpu_kernels.pack_linear_weight(weight.detach())
+    if packs_for_avx512(weight):
+        return cpu_kernels.pack_linear_weight_avx512(weight.detach())
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
 
 
@@ -78,6 +110,8 @@ def linear(
         return F.linear(x, weight, bias)
     if packed.dim() == 5:
         return cpu_kernels.linear_amx(x, packed, bias)
+    if packed.dim() == 4:
+        return cpu_kernels.linear_avx512(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], None)
 
 

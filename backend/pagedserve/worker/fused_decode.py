@@ -3,7 +3,7 @@
 At decode batch sizes on a CPU the compiled forward pass spends ~2 ms a step between and in its small
 kernels (inductor's Python wrapper calls ~8 ops a layer); the weights and the KV cache are read at the
 machine's streaming rate already. `decode_layers` runs every layer of the step in C++: the same
-multiplies (AMX tiles, or oneDNN on CPUs without them), KV writes and decode attention, with its own
+multiplies (AMX tiles, else AVX512-BF16 panels or oneDNN), KV writes and decode attention, with its own
 norm, rotary and SiLU loops. Steps with prefill tokens keep the compiled pass (prefill attention is
 torch's SDPA).
 

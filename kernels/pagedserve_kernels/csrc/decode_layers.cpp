@@ -1,5 +1,5 @@
 // Every decoder layer of a Llama-family model for one decode step, in one call (pagedserve_kernels/cpu.py
-// builds and loads this with cpu_kernels.cpp and linear_amx.cpp).
+// builds and loads this with cpu_kernels.cpp, linear_amx.cpp and linear_avx512.cpp).
 //
 // A decode step of a small model on a CPU spends as much time between its kernels as in its small ones:
 // the compiled forward pass calls ~8 ops a layer from Python (inductor's wrapper), each a few
@@ -13,8 +13,8 @@
 // part from the compiled pass's where two logits are within rounding of each other.
 //
 // bfloat16 only, on CPUs with AVX512-BF16, with the linear weights packed (for AMX tiles where the CPU
-// has them, else for oneDNN), full rotary (NeoX layout), no biases but an optional qkv bias, optional
-// query and key head norms: the model runner checks that before using it.
+// has them, else in AVX512-BF16 panels, or for oneDNN), full rotary (NeoX layout), no biases but an
+// optional qkv bias, optional query and key head norms: the model runner checks that before using it.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -145,15 +145,21 @@ void silu_and_mul(const BF16* gate_up, BF16* out, int64_t rows, int64_t inter) {
   });
 }
 
-// A weight packed into AMX tiles (5-d, `pack_linear_weight`) multiplies on them; one packed by oneDNN
-// (`torch.ops.mkldnn._reorder_linear_weight`, on CPUs without AMX) through oneDNN, as torch.compile's
-// frozen graphs call it.
+// A weight packed into AMX tiles (5-d, `pack_linear_weight`) multiplies on them; one packed into
+// AVX512-BF16 panels (4-d, `pack_linear_weight_avx512`, on CPUs without AMX) with vdpbf16ps; one packed
+// by oneDNN (`torch.ops.mkldnn._reorder_linear_weight`) through oneDNN, as torch.compile's frozen graphs
+// call it.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
   if (packed.dim() == 5) {
-    static const auto amx = c10::Dispatcher::singleton()
-                                .findSchemaOrThrow("pagedserve_cpu::linear_amx", "")
-                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+    static const auto amx =
+        c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve_cpu::linear_amx", "").typed<Linear>();
     return amx.call(x, packed, bias);
+  }
+  if (packed.dim() == 4) {
+    static const auto avx512 =
+        c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve_cpu::linear_avx512", "").typed<Linear>();
+    return avx512.call(x, packed, bias);
   }
   static const auto onednn =
       c10::Dispatcher::singleton()

@@ -1,0 +1,182 @@
+// bfloat16 linear layers on AVX512-BF16 (vdpbf16ps), for CPUs without AMX tiles
+// (pagedserve_kernels/cpu.py builds and loads this with cpu_kernels.cpp).
+//
+// pack_linear_weight_avx512: a weight [N, K] (nn.Linear's layout) is reordered once into panels of 32
+// output columns: [N/32][K/2][32 n][2 k]. One k pair of a panel is 64 bfloat16 values, two zmm
+// registers of 16 columns x 2 k, which is what vdpbf16ps multiplies; a panel's k pairs follow each
+// other, so a panel is one contiguous stream of K x 64 bytes.
+//
+// linear_avx512: out [M, N] = x [M, K] @ weight^T (+ bias). Threads split the panels; each panel runs
+// down the rows in tiles of at most kMaxTileRows rows (2 x rows float32 accumulators): per k pair, two
+// weight loads feed two vdpbf16ps a row, each with that row's pair of x broadcast. The panel
+// (K x 64 bytes) stays in L1/L2 while the next row tiles reuse it, so the weight is streamed from
+// memory once a call. Every output sums its k pairs in order in float32 and is rounded to bfloat16
+// once (the bias added first), so a row's result does not depend on the batch it is in.
+//
+// Why not oneDNN: on a Zen 4 EPYC (2 cores, SmolLM2-135M's weights) oneDNN's packed bf16 matmul
+// streams the weight at 15 GB/s at one row; this loop at 26 GB/s (the machine reads ~28), 1.75x as
+// fast at one row and 1.13-1.32x at 16-128 rows. At 512-2,048 rows (prefill) it is 2-10% slower, and
+// the engine's compiled pass keeps oneDNN there (bench/README.md, "linear_avx512").
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "bf16_vec.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define PAGEDSERVE_AVX512_BF16 1
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 32;       // output columns of a panel: two zmm registers of 16
+constexpr int kMaxTileRows = 12;     // 24 accumulators + 2 weight registers + 1 broadcast fit in 32 zmm
+
+#ifdef PAGEDSERVE_AVX512_BF16
+
+struct LinearArgs {
+  const c10::BFloat16* x;
+  int64_t ld_x;  // elements between rows of x
+  const c10::BFloat16* weight;
+  const c10::BFloat16* bias;  // [N] or nullptr
+  c10::BFloat16* out;
+  int64_t num_rows, n, k_pairs;
+};
+
+// x's values k, k + 1 of a row as one 32-bit lane, broadcast to all 16 (rows need not be 4-byte aligned).
+inline __m512bh broadcast_pair(const c10::BFloat16* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(bits));
+}
+
+// Rows [row, row + ROWS) x the 32 columns of `panel`.
+template <int ROWS>
+void multiply_tile(const LinearArgs& a, int64_t row, int64_t panel) {
+  __m512 acc[ROWS][2];
+#pragma GCC unroll 12
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const c10::BFloat16* w = a.weight + panel * a.k_pairs * 2 * kPanel;
+  const c10::BFloat16* x = a.x + row * a.ld_x;
+  for (int64_t kp = 0; kp < a.k_pairs; ++kp) {
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + kp * 2 * kPanel));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + kp * 2 * kPanel + kPanel));
+#pragma GCC unroll 12
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh xr = broadcast_pair(x + r * a.ld_x + 2 * kp);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xr, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, w1);
+    }
+  }
+  const int64_t col = panel * kPanel;
+  const __m512 b0 = a.bias ? pagedserve::load_bf16(a.bias + col) : _mm512_setzero_ps();
+  const __m512 b1 = a.bias ? pagedserve::load_bf16(a.bias + col + 16) : _mm512_setzero_ps();
+  c10::BFloat16* out = a.out + row * a.n + col;
+#pragma GCC unroll 12
+  for (int r = 0; r < ROWS; ++r) {
+    pagedserve::store_bf16(out + r * a.n, _mm512_add_ps(acc[r][0], b0));
+    pagedserve::store_bf16(out + r * a.n + 16, _mm512_add_ps(acc[r][1], b1));
+  }
+}
+
+// multiply_tile for a run-time row count of 1..ROWS.
+template <int ROWS>
+void multiply_rows(const LinearArgs& a, int64_t row, int64_t panel, int rows) {
+  if constexpr (ROWS > 0) {
+    if (rows == ROWS) return multiply_tile<ROWS>(a, row, panel);
+    multiply_rows<ROWS - 1>(a, row, panel, rows);
+  }
+}
+
+// A panel down every row, in the fewest tiles of at most kMaxTileRows, their sizes within one of each
+// other (16 rows: 8 + 8, not 12 + 4).
+void multiply_panel(const LinearArgs& a, int64_t panel) {
+  const int64_t num_tiles = (a.num_rows + kMaxTileRows - 1) / kMaxTileRows;
+  int64_t row = 0;
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    const int64_t left = a.num_rows - row, tiles_left = num_tiles - t;
+    const int rows = static_cast<int>((left + tiles_left - 1) / tiles_left);
+    multiply_rows<kMaxTileRows>(a, row, panel, rows);
+    row += rows;
+  }
+}
+
+#endif  // PAGEDSERVE_AVX512_BF16
+
+bool linear_avx512_supported() {
+#ifdef PAGEDSERVE_AVX512_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack_linear_weight_avx512(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16,
+              "linear_avx512: the weight must be a bfloat16 CPU tensor, got ", weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 2, "linear_avx512: the weight must be [out_features, in_features], got ",
+              weight.sizes());
+  TORCH_CHECK(weight.size(0) % kPanel == 0 && weight.size(1) % 2 == 0,
+              "linear_avx512: out_features must be a multiple of 32 and in_features even, got ", weight.sizes());
+  const int64_t n = weight.size(0), k = weight.size(1);
+  return weight.contiguous().view({n / kPanel, kPanel, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(linear_avx512_supported(),
+              "linear_avx512: this build or CPU has no AVX512-BF16 (check linear_avx512_supported() first)");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
+                  packed.size(2) == kPanel && packed.size(3) == 2 && packed.is_contiguous(),
+              "linear_avx512: `packed` must come from pack_linear_weight_avx512, got ", packed.sizes());
+  const int64_t n = packed.size(0) * kPanel, k = packed.size(1) * 2;
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "linear_avx512: x must be a bfloat16 CPU tensor, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "linear_avx512: x's last dimension must be ", k, ", got ",
+              x.sizes());
+  at::Tensor bias_values;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kBFloat16,
+                "linear_avx512: bias must be bfloat16 [", n, "], got ", bias->scalar_type(), " ", bias->sizes());
+    bias_values = bias->contiguous();
+  }
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor rows = x.reshape({-1, k});
+  if (rows.stride(1) != 1 || (rows.size(0) > 1 && rows.stride(0) < k)) rows = rows.contiguous();
+  at::Tensor out = at::empty({rows.size(0), n}, x.options());
+#ifdef PAGEDSERVE_AVX512_BF16
+  if (rows.size(0) > 0) {
+    const LinearArgs args{rows.data_ptr<c10::BFloat16>(),
+                          rows.size(0) > 1 ? rows.stride(0) : k,
+                          packed.data_ptr<c10::BFloat16>(),
+                          bias_values.defined() ? bias_values.data_ptr<c10::BFloat16>() : nullptr,
+                          out.data_ptr<c10::BFloat16>(),
+                          rows.size(0),
+                          n,
+                          k / 2};
+    at::parallel_for(0, packed.size(0), 1, [&](int64_t panel0, int64_t panel1) {
+      for (int64_t panel = panel0; panel < panel1; ++panel) multiply_panel(args, panel);
+    });
+  }
+#endif
+  return out.view(out_shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("linear_avx512_supported() -> bool", &linear_avx512_supported);
+  m.def("pack_linear_weight_avx512(Tensor weight) -> Tensor", &pack_linear_weight_avx512);
+  m.def("linear_avx512(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("linear_avx512", &linear_avx512); }
