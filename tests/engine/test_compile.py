@@ -254,6 +254,19 @@ def test_decode_steps_run_every_layer_in_one_cpp_call(
     assert error < 0.03, f"fused decode differs from the compiled pass by {error:.3%} of the largest value"
 
 
+def test_every_engine_in_a_process_compiles(tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo compiles at most `recompile_limit` graphs for one function: each engine compiles its
+    model's forward as a function of its own, so engines past that limit (the ninth in a process by
+    default, the third here) still get a compiled pass instead of a warning and the eager one."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for _ in range(3):
+        llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=16, enforce_eager=False)
+        runner = llm.engine.executor.worker.model_runner
+        assert runner.forward is not runner.model  # _compile returns the model itself when it fails
+        assert len(llm.generate([[1, 400, 401]], params)[0].outputs[0].token_ids) == 2
+
+
 def test_decode_layers_only_where_it_applies(tiny_llama_dir: str) -> None:
     """Not for float32 (the kernel is bf16 only), nor with --enforce-eager (no compiled pass to stand
     beside): both keep the forward pass for every step."""

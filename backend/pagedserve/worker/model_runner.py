@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import types
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
@@ -140,6 +141,22 @@ def _guards_but_the_model_tree(entries: list[GuardFilterEntry]) -> list[bool]:
     return [not entry.name.startswith("self.") or entry.name.endswith(".layer_id") for entry in entries]
 
 
+def _forward_of_its_own(model: torch.nn.Module) -> None:
+    """Give `model` a forward method whose code object is its own. Dynamo keeps a function's compiled
+    graphs on its code object and compiles at most `torch._dynamo.config.recompile_limit` (8) of them:
+    every engine's model gets a graph of its own (frozen weights, its layer ids), so with the class's
+    one `forward` the ninth engine built in a process ran eagerly (and slowly) after a warning."""
+    function = type(model).forward
+    own = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    model.forward = types.MethodType(own, model)
+
+
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, eos_token_ids: frozenset[int], backend: AttentionBackend | None = None
@@ -212,6 +229,7 @@ class ModelRunner:
 
         The token count is unbacked: one graph serves every step size, 1 included, with no guard on
         it and no recompilation. Attention stays outside the graph (`layers.attention`)."""
+        _forward_of_its_own(self.model)
         compiled = torch.compile(
             self.model,
             fullgraph=True,
