@@ -8,8 +8,8 @@ On CPUs, bfloat16 weights are packed once (`pack_weights`): an unpacked bf16 `F.
 weight on every call, which costs about as much as the matmul itself at decode batch sizes. Where the
 C++ kernels build, the weight goes into the tiles of `pagedserve_kernels.cpu.linear_amx` on CPUs with
 AMX (about 1.5x as fast as oneDNN at decode batch sizes), else into the panels of
-`pagedserve_kernels.cpu.linear_avx512` on CPUs with AVX512-BF16 for in_features up to 2,048 (at decode
-batch sizes 15-40% faster than oneDNN on a Zen 4 EPYC; bench/README.md); else into oneDNN's blocked
+`pagedserve_kernels.cpu.linear_avx512` on CPUs with AVX512-BF16 for in_features up to 2,048 (1.13-1.75x
+as fast as oneDNN from 1 to 128 rows on a Zen 4 EPYC; bench/README.md); else into oneDNN's blocked
 layout. A compiled pass leaves all but AMX weights to inductor, which packs them for oneDNN; the
 decode steps (`decode_layers`), the LM head and eager steps read ours. The AMX product is
 bit-identical to `F.linear`'s for up to 32 rows; beyond that oneDNN changes how it sums, while both of
