@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include "bf16_vec.h"
+#include "linear_inputs.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -138,27 +139,15 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed, const st
                   packed.size(2) == kPanel && packed.size(3) == 2 && packed.is_contiguous(),
               "linear_avx512: `packed` must come from pack_linear_weight_avx512, got ", packed.sizes());
   const int64_t n = packed.size(0) * kPanel, k = packed.size(1) * 2;
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
-              "linear_avx512: x must be a bfloat16 CPU tensor, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "linear_avx512: x's last dimension must be ", k, ", got ",
-              x.sizes());
-  at::Tensor bias_values;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kBFloat16,
-                "linear_avx512: bias must be bfloat16 [", n, "], got ", bias->scalar_type(), " ", bias->sizes());
-    bias_values = bias->contiguous();
-  }
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor rows = x.reshape({-1, k});
-  if (rows.stride(1) != 1 || (rows.size(0) > 1 && rows.stride(0) < k)) rows = rows.contiguous();
+  const pagedserve::LinearInputs in = pagedserve::linear_inputs("linear_avx512", x, bias, n, k);
+  const at::Tensor& rows = in.rows;
   at::Tensor out = at::empty({rows.size(0), n}, x.options());
 #ifdef PAGEDSERVE_AVX512_BF16
   if (rows.size(0) > 0) {
     const LinearArgs args{rows.data_ptr<c10::BFloat16>(),
                           rows.size(0) > 1 ? rows.stride(0) : k,
                           packed.data_ptr<c10::BFloat16>(),
-                          bias_values.defined() ? bias_values.data_ptr<c10::BFloat16>() : nullptr,
+                          in.bias.defined() ? in.bias.data_ptr<c10::BFloat16>() : nullptr,
                           out.data_ptr<c10::BFloat16>(),
                           rows.size(0),
                           n,
@@ -168,7 +157,7 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed, const st
     });
   }
 #endif
-  return out.view(out_shape);
+  return out.view(in.out_shape);
 }
 
 }  // namespace
