@@ -1,14 +1,16 @@
 // C++ kernels for CPU runs (pagedserve_kernels/cpu.py builds and loads them); layouts as in
 // pagedserve_kernels/reference.py.
 //
-// paged_attention_decode: one query token per sequence, read straight from the paged KV cache (no
-// gathered copy of the context), with an online softmax in float32. Threads split the sequences; a
-// sequence's tokens go in chunks of 16. Two paths:
+// paged_attention_decode: one query token a row (a decoding sequence's, or one prompt token's with the
+// context up to it: reference.prefill_rows), read straight from the paged KV cache (no gathered copy
+// of the context), softmax in float32. Threads take runs of rows of about equal work (context
+// tokens). Two paths:
 // - bfloat16 with head size 64 or 128 where the compiler targets AVX512-BF16 (decode_kernel_avx512_bf16):
-//   K rows scored in bf16 by vdpbf16ps, 16 tokens' scores reduced into one vector, V accumulated in
-//   registers, the next chunk's slots prefetched;
-// - everything else (decode_kernel): the chunk's K slots (every KV head) are widened to float32 once
-//   and scored against every query head, then its V slots are widened and accumulated.
+//   tiles of up to 256 tokens, K rows scored in bf16 by vdpbf16ps, 16 tokens' scores reduced into one
+//   vector, softmax weights over the tile, V accumulated in registers;
+// - everything else (decode_kernel): an online softmax over chunks of 16 tokens; the chunk's K slots
+//   (every KV head) are widened to float32 once and scored against every query head, then its V
+//   slots are widened and accumulated.
 // Both trust the block ids they read: check_block_tables (paged_checks.h) has checked them first.
 //
 // write_kv_cache: this step's K/V rows copied into their slots, one call per layer.
@@ -165,6 +167,26 @@ struct DecodeArgs {
   }
 };
 
+// fn(begin, end) over runs of rows, one run a thread, of about equal work: a row costs its context
+// plus a few tokens' worth of its own. Equal counts of rows would leave one thread most of the work
+// when contexts differ: prefill rows (one a query token) grow with their position.
+template <typename scalar_t, typename F>
+void parallel_over_rows(const DecodeArgs<scalar_t>& a, const F& fn) {
+  constexpr int64_t kRowCost = 16;
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), a.num_seqs);
+  std::vector<int64_t> work(a.num_seqs + 1, 0);  // work[r]: rows before r
+  for (int64_t r = 0; r < a.num_seqs; ++r) work[r + 1] = work[r] + a.context_len(r) + kRowCost;
+  const auto first_row_at = [&](int64_t part) {  // the first row whose work starts at or past part's share
+    return std::lower_bound(work.begin(), work.end(), work.back() * part / parts) - work.begin();
+  };
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    for (int64_t part = part_begin; part < part_end; ++part) {
+      const int64_t begin = first_row_at(part), end = part + 1 == parts ? a.num_seqs : first_row_at(part + 1);
+      if (begin < end) fn(begin, end);
+    }
+  });
+}
+
 template <typename scalar_t, int64_t kDim>
 void decode_kernel(const DecodeArgs<scalar_t>& a) {
   const int64_t num_heads = a.num_heads, dim = a.dim, slot_size = a.slot_size;
@@ -172,7 +194,7 @@ void decode_kernel(const DecodeArgs<scalar_t>& a) {
 
   // One sequence at a time per thread, all its heads together: a slot's K (then V) row for every KV
   // head is one contiguous read, widened once.
-  at::parallel_for(0, a.num_seqs, 1, [&](int64_t begin, int64_t end) {
+  parallel_over_rows(a, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(num_heads * dim), acc(num_heads * dim), rows(kChunk * slot_size);
     std::vector<float> scores(num_heads * kChunk), maxes(num_heads), sums(num_heads);
     int64_t offsets[kChunk];
@@ -219,11 +241,15 @@ void decode_kernel(const DecodeArgs<scalar_t>& a) {
 
 
 #ifdef PAGEDSERVE_AVX512_BF16
-// bfloat16 on CPUs with AVX512-BF16, head sizes 64 and 128. Per chunk of 16 tokens and per query head,
-// each K row is scored in its bf16 form (vdpbf16ps: bf16 products, exact in float32, summed in
-// float32) and the 16 tokens' partial-sum vectors are reduced together into one vector of scores;
-// the softmax weights stay in that vector. V rows are widened once per group of query heads sharing
-// them, and the heads' accumulators stay in registers for the chunk.
+// bfloat16 on CPUs with AVX512-BF16, head sizes 64 and 128. A sequence's context goes in tiles of up
+// to 256 tokens, each in three passes with no chain from one 16-token chunk to the next (an online
+// softmax per chunk made every chunk wait on the last one's max): every query head's scores for the
+// whole tile (K rows scored in their bf16 form by vdpbf16ps, bf16 products exact in float32, 16 tokens'
+// partial-sum vectors reduced into one vector of scores), then each head's softmax weights over the
+// tile (its running max, sum and accumulator rescaled once a tile), then V: each row widened once per
+// group of query heads sharing it, the heads' accumulators held in registers over the tile. (Software
+// prefetches of the next tile's or sequence's slots changed nothing measurable: a cold cache reads at
+// ~8-10 GB/s here with or without them, bench/README.md.)
 
 // r[t] = the sum of v[t]'s 16 lanes: a tree of adds over 256-bit, 128-bit, then 64- and 32-bit lanes.
 inline __m512 reduce16(const __m512* v) {
@@ -260,7 +286,22 @@ inline __m512 exp_nonpositive16(__m512 x) {
   return _mm512_scalef_ps(p, n);  // times 2^n
 }
 
-// The online-softmax state of one query head over its sequence so far.
+constexpr int64_t kTile = 256;  // tokens a tile, a multiple of kChunk
+
+// scale * (q . keys[t]) for 16 K rows (past a tile's end, repeats of its last row).
+template <int64_t kDim>
+inline __m512 score16(const __m512bh* q, const c10::BFloat16* const* keys, __m512 scale) {
+  constexpr int kPairs = kDim / 32;  // 32 bf16 per vdpbf16ps operand
+  __m512 dots[kChunk];
+  for (int64_t t = 0; t < kChunk; ++t) {
+    dots[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(keys[t]));
+    for (int i = 1; i < kPairs; ++i)
+      dots[t] = _mm512_dpbf16_ps(dots[t], q[i], (__m512bh)_mm512_loadu_si512(keys[t] + 32 * i));
+  }
+  return _mm512_mul_ps(reduce16(dots), scale);
+}
+
+// The online-softmax state of one query head: max and sum of its weights so far, its accumulator.
 template <int64_t kDim>
 struct HeadState {
   float max = -std::numeric_limits<float>::infinity();
@@ -268,36 +309,34 @@ struct HeadState {
   alignas(64) float acc[kDim] = {};
 };
 
-// Scores one query head against a chunk's K rows (`keys[t]`, 16 of them, those past `valid` repeat a
-// valid row) and folds the chunk into the head's max and sum: returns the weights exp(s - max), zero
-// past the chunk's end, and sets `correction`, the factor for the head's accumulator.
+// A tile's n scores (s: rounded up to a multiple of 16, the lanes past n repeating its last score, so
+// they leave the max alone) become the weights exp(s - max), 0 past n, with the head's new max; returns
+// the factor for the head's accumulator (0 on its first tile).
 template <int64_t kDim>
-inline __m512 score_chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* const* keys, __mmask16 valid,
-                               __m512 scale, HeadState<kDim>& state, float& correction) {
-  constexpr int kPairs = kDim / 32;  // 32 bf16 per vdpbf16ps operand
-  __m512bh qv[kPairs];
-  for (int i = 0; i < kPairs; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
-  __m512 dots[kChunk];
-  for (int64_t t = 0; t < kChunk; ++t) {
-    dots[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(keys[t]));
-    for (int i = 1; i < kPairs; ++i)
-      dots[t] = _mm512_dpbf16_ps(dots[t], qv[i], (__m512bh)_mm512_loadu_si512(keys[t] + 32 * i));
+inline float softmax_tile(float* s, int64_t n, HeadState<kDim>& state) {
+  __m512 m = _mm512_set1_ps(state.max);
+  for (int64_t c = 0; c < n; c += kChunk) m = _mm512_max_ps(m, _mm512_load_ps(s + c));
+  const float tile_max = _mm512_reduce_max_ps(m);
+  const __m512 vmax = _mm512_set1_ps(tile_max);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const __mmask16 valid = n - c >= kChunk ? 0xFFFF : static_cast<__mmask16>((1u << (n - c)) - 1);
+    const __m512 w = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(s + c), vmax)));
+    _mm512_store_ps(s + c, w);
+    sum = _mm512_add_ps(sum, w);
   }
-  const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
-                                      reduce16(dots), scale);
-  const float chunk_max = std::max(state.max, _mm512_reduce_max_ps(s));
-  // 0 on the first chunk; exp_nonpositive would give exp(-87) ~ 1e-38 for exp(-inf), so it is spelt out
-  correction = state.sum > 0.0f ? exp_nonpositive(state.max - chunk_max) : 0.0f;
-  const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(s, _mm512_set1_ps(chunk_max))));
-  state.sum = state.sum * correction + _mm512_reduce_add_ps(p);
-  state.max = chunk_max;
-  return p;
+  // exp_nonpositive would give exp(-87) ~ 1e-38 for exp(-inf), so the first tile's 0 is spelt out
+  const float correction = state.sum > 0.0f ? exp_nonpositive(state.max - tile_max) : 0.0f;
+  state.sum = state.sum * correction + _mm512_reduce_add_ps(sum);
+  state.max = tile_max;
+  return correction;
 }
 
-// acc_g = acc_g * correction_g + sum over t < n of p_g[t] * V[t] for kHeads query heads sharing V.
+// acc_g = acc_g * correction_g + sum over t < n of p_g[t] * V[t] for kHeads query heads sharing the
+// V rows at `values + offsets[t]` (p_g = probs + g * kTile).
 template <int64_t kDim, int kHeads>
-inline void accumulate_chunk_bf16(const c10::BFloat16* const* values, int64_t n, const float* probs,
-                                  const float* corrections, HeadState<kDim>* states) {
+inline void accumulate_tile(const c10::BFloat16* values, const int64_t* offsets, int64_t n, const float* probs,
+                            const float* corrections, HeadState<kDim>* states) {
   constexpr int kVecs = kDim / 16;  // 16 floats per register
   __m512 acc[kHeads][kVecs];
   for (int g = 0; g < kHeads; ++g) {
@@ -305,10 +344,11 @@ inline void accumulate_chunk_bf16(const c10::BFloat16* const* values, int64_t n,
     for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_mul_ps(_mm512_load_ps(states[g].acc + 16 * i), c);
   }
   for (int64_t t = 0; t < n; ++t) {
+    const c10::BFloat16* row = values + offsets[t];
     __m512 v[kVecs];
-    for (int i = 0; i < kVecs; ++i) v[i] = pagedserve::load_bf16(values[t] + 16 * i);
+    for (int i = 0; i < kVecs; ++i) v[i] = pagedserve::load_bf16(row + 16 * i);
     for (int g = 0; g < kHeads; ++g) {
-      const __m512 w = _mm512_set1_ps(probs[g * kChunk + t]);
+      const __m512 w = _mm512_set1_ps(probs[g * kTile + t]);
       for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_fmadd_ps(w, v[i], acc[g][i]);
     }
   }
@@ -319,56 +359,53 @@ inline void accumulate_chunk_bf16(const c10::BFloat16* const* values, int64_t n,
 template <int64_t kDim>
 void decode_kernel_avx512_bf16(const DecodeArgs<c10::BFloat16>& a) {
   using bf16 = c10::BFloat16;
+  constexpr int kPairs = kDim / 32;
   constexpr int kHeadsPerPass = 256 / kDim;  // accumulators of this many heads fit in 16 registers
   const int64_t group = a.group;
   const __m512 vscale = _mm512_set1_ps(a.scale);
 
-  at::parallel_for(0, a.num_seqs, 1, [=](int64_t begin, int64_t end) {
+  parallel_over_rows(a, [=](int64_t begin, int64_t end) {
     std::vector<HeadState<kDim>> states(a.num_heads);
-    alignas(64) float probs[kHeadsPerPass * kChunk];
+    std::vector<__m512> score_storage(group * kTile / 16);  // aligned: [group][kTile] floats
+    float* scores = reinterpret_cast<float*>(score_storage.data());
     float corrections[kHeadsPerPass];
+    int64_t offsets[kTile];
     const bf16* keys[kChunk];
-    const bf16* values[kChunk];
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t context_len = a.context_len(seq);
       std::fill(states.begin(), states.end(), HeadState<kDim>());
-      for (int64_t first = 0; first < context_len; first += kChunk) {
-        const int64_t n = std::min(kChunk, context_len - first);
-        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-        // start fetching the next chunk's K and V slots from memory while this chunk is computed
-        const int64_t prefetch_end = std::min(first + 2 * kChunk, context_len);
-        for (int64_t pos = first + kChunk; pos < prefetch_end; ++pos) {
-          const int64_t slot_offset = a.slot_offset(seq, pos);
-          for (int64_t i = 0; i < a.slot_size; i += 32) {  // 32 bf16 = one 64-byte line
-            _mm_prefetch(reinterpret_cast<const char*>(a.k_cache + slot_offset + i), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(a.v_cache + slot_offset + i), _MM_HINT_T0);
-          }
-        }
+      for (int64_t first = 0; first < context_len; first += kTile) {
+        const int64_t n = std::min(kTile, context_len - first);
+        const int64_t padded = (n + kChunk - 1) / kChunk * kChunk;  // past n: the last slot again
+        for (int64_t t = 0; t < padded; ++t) offsets[t] = a.slot_offset(seq, first + std::min(t, n - 1));
         for (int64_t kv = 0; kv < a.num_kv_heads; ++kv) {
-          for (int64_t t = 0; t < kChunk; ++t) {
-            // past the end: repeat the last row (scored, then masked out)
-            const int64_t slot_offset = a.slot_offset(seq, first + std::min(t, n - 1));
-            keys[t] = a.k_cache + slot_offset + kv * kDim;
-            values[t] = a.v_cache + slot_offset + kv * kDim;
+          HeadState<kDim>* group_states = states.data() + kv * group;
+          for (int64_t g = 0; g < group; ++g) {
+            __m512bh q[kPairs];
+            const bf16* qh = a.query_head(seq, kv * group + g);
+            for (int i = 0; i < kPairs; ++i) q[i] = (__m512bh)_mm512_loadu_si512(qh + 32 * i);
+            float* s = scores + g * kTile;
+            for (int64_t c = 0; c < n; c += kChunk) {
+              for (int64_t t = 0; t < kChunk; ++t) keys[t] = a.k_cache + offsets[c + t] + kv * kDim;
+              _mm512_store_ps(s + c, score16<kDim>(q, keys, vscale));
+            }
           }
           for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
             const int64_t count = std::min<int64_t>(kHeadsPerPass, group - g0);
-            HeadState<kDim>* head_states = states.data() + kv * group + g0;
-            for (int64_t g = 0; g < count; ++g) {
-              const bf16* qh = a.query_head(seq, kv * group + g0 + g);
-              const __m512 p = score_chunk_bf16<kDim>(qh, keys, valid, vscale, head_states[g], corrections[g]);
-              _mm512_store_ps(probs + g * kChunk, p);
-            }
+            for (int64_t g = 0; g < count; ++g)
+              corrections[g] = softmax_tile<kDim>(scores + (g0 + g) * kTile, n, group_states[g0 + g]);
+            const bf16* values = a.v_cache + kv * kDim;
+            const float* probs = scores + g0 * kTile;
             // count <= kHeadsPerPass: 4 for head size 64, 2 for 128
             if (count == 1) {
-              accumulate_chunk_bf16<kDim, 1>(values, n, probs, corrections, head_states);
+              accumulate_tile<kDim, 1>(values, offsets, n, probs, corrections, group_states + g0);
             } else if (count == 2) {
-              accumulate_chunk_bf16<kDim, 2>(values, n, probs, corrections, head_states);
+              accumulate_tile<kDim, 2>(values, offsets, n, probs, corrections, group_states + g0);
             } else if constexpr (kHeadsPerPass == 4) {
               if (count == 3) {
-                accumulate_chunk_bf16<kDim, 3>(values, n, probs, corrections, head_states);
+                accumulate_tile<kDim, 3>(values, offsets, n, probs, corrections, group_states + g0);
               } else {
-                accumulate_chunk_bf16<kDim, 4>(values, n, probs, corrections, head_states);
+                accumulate_tile<kDim, 4>(values, offsets, n, probs, corrections, group_states + g0);
               }
             }
           }
