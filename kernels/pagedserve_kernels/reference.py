@@ -140,6 +140,20 @@ def plan_prefill_batch(
     return PrefillBatch(rows, mask[:, None], max_q, num_blocks)
 
 
+def prefill_rows(
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each packed prefill token as a decode query of its own: its sequence's block-table row
+    ([num_tokens, max_blocks] int32) and the context it sees, itself included ([num_tokens] int32).
+    `paged_attention_decode` over these rows is `paged_attention_prefill`."""
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    seq_of_token = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=q_lens.device), q_lens)
+    first_pos = context_lens - q_lens  # the position of each sequence's first query token
+    position = torch.arange(seq_of_token.shape[0], device=q_lens.device) - query_start_loc[:-1][seq_of_token]
+    lens = (first_pos[seq_of_token] + position + 1).to(torch.int32)
+    return block_tables.index_select(0, seq_of_token), lens
+
+
 def paged_attention_prefill(
     query: torch.Tensor,
     k_cache: torch.Tensor,

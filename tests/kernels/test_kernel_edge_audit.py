@@ -262,9 +262,10 @@ def test_cpu_write_kv_cache_refuses_a_key_that_only_has_the_right_size() -> None
 def test_attention_layer_on_the_cpu_kernels_matches_the_reference_backend(
     dtype: torch.dtype, head_dim: int
 ) -> None:
-    """The layer's path on CPU (C++ KV write and decode, reference prefill), bfloat16 head size 128
-    on the AVX512-BF16 path where the CPU has it and 96 on the generic one, against the same layer
-    on the pure-torch reference, over a mixed step: three decodes, a prompt and a chunk."""
+    """The layer's path on CPU (C++ KV write and decode; prefill on the decode kernel in bfloat16 head
+    size 128 where the CPU has AVX512-BF16, else the reference's SDPA), bfloat16 head size 128 on the
+    AVX512-BF16 path where the CPU has it and 96 on the generic one, against the same layer on the
+    pure-torch reference, over a mixed step: three decodes, a prompt and a chunk."""
     from pagedserve.layers.attention import Attention, AttentionMetadata, TorchAttentionBackend
 
     fast, slow = TorchAttentionBackend(CPU), TorchAttentionBackend(None)

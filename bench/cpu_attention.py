@@ -1,0 +1,138 @@
+"""Paged attention on CPU, bfloat16: the C++ kernel (`pagedserve_kernels.cpu.paged_attention_decode`)
+against the pure-torch reference on scaled_dot_product_attention (what the engine runs where the
+kernels do not build), for decode steps and, one kernel row a prompt token (`reference.prefill_rows`,
+as the engine runs bf16 prefills), for prefills against the SDPA layout the engine used before (one
+padded call where `reference.plan_prefill_batch` plans one, else a call a sequence).
+
+    python bench/cpu_attention.py                    # SmolLM2-135M's heads: 9 query, 3 KV, head size 64
+    python bench/cpu_attention.py --repeats 15 --block-size 16
+
+Decode shapes read one cache a layer for 30 layers, so a pass reads from memory as a forward pass does
+(cold); prefill shapes one layer, many times (the cache warm, as after the step's K/V writes). Each
+figure is the median over --repeats passes, the arms taken in turn, as ms a layer; the ratio is
+reference time / ours (above 1: ours faster). Every shape is checked against the reference first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from pagedserve_kernels import cpu, reference
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
+SCALE = HEAD_DIM**-0.5
+
+
+def paged_cache(
+    context_lens: list[int], block_size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache, block_tables): random K/V, each sequence's blocks scattered over the pool."""
+    blocks = [-(-n // block_size) for n in context_lens]
+    shape = (sum(blocks) + 1, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    v = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    pool = torch.randperm(sum(blocks), generator=generator).add(1).tolist()
+    rows, start = [], 0
+    for n in blocks:
+        rows.append(pool[start : start + n] + [0] * (max(blocks) - n))
+        start += n
+    return k, v, torch.tensor(rows, dtype=torch.int32)
+
+
+def median_ms_each(arms: dict[str, Callable[[], object]], repeats: int, per: int = 1) -> dict[str, float]:
+    """Each arm's median ms (divided by `per`) over `repeats` passes, the arms taken in turn."""
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for fn in arms.values():
+        fn()  # warm-up
+    for _ in range(repeats):
+        for name, fn in arms.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 / per for name, t in times.items()}
+
+
+def decode_case(
+    context_lens: list[int], block_size: int, repeats: int, gen: torch.Generator
+) -> dict[str, float]:
+    layers = [paged_cache(context_lens, block_size, gen) for _ in range(LAYERS)]
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    query = torch.randn(len(context_lens), NUM_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    k, v, tables = layers[0]
+    ours = cpu.paged_attention_decode(query, k, v, tables, lens, SCALE)
+    exact = reference.paged_attention_decode(query.float(), k.float(), v.float(), tables, lens, SCALE)
+    assert (ours.float() - exact).abs().max() < 0.05, "the kernel disagrees with the reference"
+    arms = {
+        "ours": lambda: [cpu.paged_attention_decode(query, k, v, t, lens, SCALE) for k, v, t in layers],
+        "reference": lambda: [
+            reference.paged_attention_decode(query, k, v, t, lens, SCALE) for k, v, t in layers
+        ],
+    }
+    return median_ms_each(arms, repeats, per=LAYERS)
+
+
+def prefill_case(
+    lens: list[tuple[int, int]], block_size: int, repeats: int, gen: torch.Generator
+) -> dict[str, float]:
+    """(query_len, context_len) a sequence; context_len > query_len: earlier tokens already cached."""
+    k, v, tables = paged_cache([c for _, c in lens], block_size, gen)
+    starts = torch.tensor([0, *(q for q, _ in lens)]).cumsum(0).to(torch.int32)
+    context = torch.tensor([c for _, c in lens], dtype=torch.int32)
+    query = torch.randn(int(starts[-1]), NUM_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+
+    def ours() -> torch.Tensor:
+        rows = reference.prefill_rows(tables, starts, context)
+        return cpu.paged_attention_decode(query, k, v, *rows, SCALE)
+
+    def sdpa() -> torch.Tensor:
+        batch = reference.plan_prefill_batch(starts, context, block_size, torch.bfloat16)
+        return reference.paged_attention_prefill(query, k, v, tables, starts, context, SCALE, batch=batch)
+
+    exact = reference.paged_attention_prefill(
+        query.float(), k.float(), v.float(), tables, starts, context, SCALE
+    )
+    assert (ours().float() - exact).abs().max() < 0.05, "the kernel disagrees with the reference"
+    return median_ms_each({"ours": ours, "reference": sdpa}, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--block-size", type=int, default=8, help="the engine's default on CPU: 8")
+    args = parser.parse_args()
+    if not cpu.load():
+        raise SystemExit("the C++ kernels do not build here (no C++ compiler?): nothing to compare")
+    gen = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    print(f"decode attention ({cpu.decode_isa()}), bf16, {NUM_HEADS}/{NUM_KV_HEADS} heads of {HEAD_DIM}, "
+          f"block size {args.block_size}, {torch.get_num_threads()} threads; ms a layer")  # fmt: skip
+    print("\n| decode rows x context | ours ms | reference ms | reference / ours |\n|---|---:|---:|---:|")
+    for seqs, ctx in ((64, 45), (16, 140), (64, 300), (16, 1000), (1, 1000)):
+        t = decode_case([ctx] * seqs, args.block_size, args.repeats, gen)
+        print(
+            f"| {seqs} x {ctx} | {t['ours']:.3f} | {t['reference']:.3f} | {t['reference'] / t['ours']:.2f}x |"
+        )
+    chat = [rng.randint(12, 22) for _ in range(64)]
+    fresh = [rng.randint(36, 44) for _ in range(64)]
+    prefills = {
+        "64 chat prompts, 12-22 new tokens after 24 cached": [(q, q + 24) for q in chat],
+        "64 prompts of 36-44 tokens": [(q, q) for q in fresh],
+        "8 prompts of 100-1,000 tokens": [(n, n) for n in (100, 250, 400, 550, 700, 850, 1000, 300)],
+        "1 prompt of 2,048 tokens": [(2048, 2048)],
+        "a 512-token chunk after 1,488 cached": [(512, 2000)],
+    }
+    print("\n| prefill | ours ms | SDPA ms | SDPA / ours |\n|---|---:|---:|---:|")
+    for name, lens in prefills.items():
+        t = prefill_case(lens, args.block_size, args.repeats, gen)
+        print(f"| {name} | {t['ours']:.2f} | {t['reference']:.2f} | {t['reference'] / t['ours']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
