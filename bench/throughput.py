@@ -145,30 +145,43 @@ class KVProbe:
 # -- peers ---------------------------------------------------------------------------------------------
 
 
-def run_pagedserve(
-    args: argparse.Namespace, prompts: list[list[int]], lengths: list[int]
-) -> tuple[PeerResult, KVProbe]:
-    from pagedserve import LLM, SamplingParams
+class PagedserveRunner:
+    """One engine for every round, built and warmed up once; each round starts from an empty prefix
+    cache (`LLM.reset_prefix_cache`), so every round computes the same prompts."""
 
-    settings = {
-        name: getattr(args, name)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "block_size")
-        if getattr(args, name) is not None
-    }
-    llm = LLM(args.model, dtype=args.dtype, **settings)
-    llm.generate("Warm up the engine, please.", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    probe = KVProbe(llm.engine)
-    llm.engine.step = probe.wrap(llm.engine.step)  # type: ignore[method-assign]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start - probe.seconds
-    num_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
-    stats = llm.engine.stats()
-    note = f"{probe.num_steps} steps, {stats.num_preemptions} preemptions"
-    del llm
-    gc.collect()
-    return PeerResult("pagedserve", num_tokens, seconds, note), probe
+    def __init__(self, args: argparse.Namespace) -> None:
+        from pagedserve import LLM, SamplingParams
+
+        settings = {
+            name: getattr(args, name)
+            for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "block_size")
+            if getattr(args, name) is not None
+        }
+        self.llm = LLM(args.model, dtype=args.dtype, **settings)
+        self.llm.generate(
+            "Warm up the engine, please.", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        )
+        self.step = self.llm.engine.step
+
+    def run(self, prompts: list[list[int]], lengths: list[int]) -> tuple[PeerResult, KVProbe]:
+        from pagedserve import SamplingParams
+
+        engine = self.llm.engine
+        assert self.llm.reset_prefix_cache(), "no request runs between rounds"
+        probe = KVProbe(engine)
+        engine.step = probe.wrap(self.step)  # type: ignore[method-assign]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+        preemptions = engine.stats().num_preemptions
+        start = time.perf_counter()
+        outputs = self.llm.generate(prompts, params)
+        seconds = time.perf_counter() - start - probe.seconds
+        num_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+        note = f"{probe.num_steps} steps, {engine.stats().num_preemptions - preemptions} preemptions"
+        return PeerResult("pagedserve", num_tokens, seconds, note), probe
+
+    def close(self) -> None:
+        del self.llm
+        gc.collect()
 
 
 def load_hf_model(path: str, dtype: torch.dtype) -> tuple[Any, Any]:
@@ -301,10 +314,12 @@ def machine_line(dtype: str) -> str:
     )
 
 
-def print_table(results: list[PeerResult]) -> None:
+def print_table(results: list[PeerResult], num_rounds: int) -> None:
     ours = next((r for r in results if r.peer == "pagedserve" and r.available), None)
+    median = f" (each peer's median round of {num_rounds})" if num_rounds > 1 else ""
     print(
-        "\n| peer | output tokens | seconds | tok/s | pagedserve / peer | note |\n|---|---:|---:|---:|---:|---|"
+        f"\n| peer | output tokens | seconds | tok/s | pagedserve / peer{median} | note |"
+        "\n|---|---:|---:|---:|---:|---|"
     )
     for r in results:
         if not r.available:
@@ -314,6 +329,32 @@ def print_table(results: list[PeerResult]) -> None:
         print(
             f"| {r.peer} | {r.num_output_tokens} | {r.seconds:.1f} | {r.tokens_per_s:.1f} | {ratio} | {r.note} |"
         )
+
+
+def median_round(results: list[PeerResult]) -> PeerResult:
+    """The round of median throughput (of an even count, the slower middle one)."""
+    ranked = sorted(results, key=lambda r: r.tokens_per_s)
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def print_rounds(rounds: dict[str, list[PeerResult]]) -> None:
+    """Every round's tok/s and, against pagedserve's in the same round, ratio."""
+    peers = list(rounds)
+    others = [p for p in peers if p != "pagedserve"]
+    header = " | ".join(f"{p} tok/s" for p in peers)
+    ratios = " | ".join(f"pagedserve / {p}" for p in others) if "pagedserve" in rounds else ""
+    print(f"\nRounds (peers run in turn within each round):\n| round | {header} | {ratios} |")
+    print("|---:|" + "---:|" * (len(peers) + (len(others) if ratios else 0)))
+    for i in range(len(rounds[peers[0]])):
+        row = [rounds[p][i] for p in peers]
+        cells = [f"{r.tokens_per_s:.1f}" if r.available else "-" for r in row]
+        if ratios:
+            ours = rounds["pagedserve"][i].tokens_per_s
+            cells += [
+                f"{ours / rounds[p][i].tokens_per_s:.2f}x" if rounds[p][i].tokens_per_s else "-"
+                for p in others
+            ]
+        print(f"| {i + 1} | " + " | ".join(cells) + " |")
 
 
 def kv_shares(s: KVSnapshot) -> list[tuple[str, int, int]]:
@@ -385,11 +426,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-cache-memory", help="pagedserve engine setting, e.g. 1GiB")
     parser.add_argument("--block-size", type=int, help="pagedserve engine setting")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for every peer (default: torch's)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every peer this many times, in turn within each round; the table shows each peer's "
+        "median round, and every round's ratios follow (default 1)",
+    )
     parser.add_argument("--json-out", help="also write the results to this JSON file")
     args = parser.parse_args()
     unknown = set(args.peers.split(",")) - set(PEERS)
     if unknown:
         parser.error(f"unknown peers: {', '.join(sorted(unknown))}")
+    if args.rounds < 1:
+        parser.error(f"--rounds: at least 1, got {args.rounds}")
     return args
 
 
@@ -414,21 +464,32 @@ def main() -> None:
         f"tokens ({sum(prompt_lens)} total), {sum(lengths)} output tokens forced, greedy"
     )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    results: list[PeerResult] = []
+    rounds: dict[str, list[PeerResult]] = {peer: [] for peer in peers}
     probe = None
-    for peer in peers:
-        print(f"running {peer} ...", flush=True)
-        if peer == "pagedserve":
-            result, probe = run_pagedserve(args, prompts, lengths)
-        elif peer == "hf-sequential":
-            result = run_hf_sequential(model, pad_id, prompts, lengths, args.hf_sequential_limit)
-        elif peer == "hf-static":
-            result = run_hf_static(model, pad_id, prompts, lengths, args.hf_batch_size, args.hf_static_limit)
-        else:
-            result = run_hf_continuous(model, pad_id, prompts, lengths, args.hf_continuous_limit)
-        print(f"  {result.peer}: {result.num_output_tokens} tokens in {result.seconds:.1f} s", flush=True)
-        results.append(result)
-    print_table(results)
+    runner = PagedserveRunner(args) if "pagedserve" in peers else None
+    for round_index in range(args.rounds):
+        for peer in peers:
+            print(f"running {peer} (round {round_index + 1} of {args.rounds}) ...", flush=True)
+            if peer == "pagedserve":
+                assert runner is not None
+                result, round_probe = runner.run(prompts, lengths)
+                probe = probe or round_probe  # every round computes the same steps: the first one's
+            elif peer == "hf-sequential":
+                result = run_hf_sequential(model, pad_id, prompts, lengths, args.hf_sequential_limit)
+            elif peer == "hf-static":
+                result = run_hf_static(
+                    model, pad_id, prompts, lengths, args.hf_batch_size, args.hf_static_limit
+                )
+            else:
+                result = run_hf_continuous(model, pad_id, prompts, lengths, args.hf_continuous_limit)
+            print(f"  {result.peer}: {result.num_output_tokens} tokens in {result.seconds:.1f} s", flush=True)
+            rounds[peer].append(result)
+    if runner is not None:
+        runner.close()
+    results = [median_round(rounds[peer]) for peer in peers]
+    print_table(results, args.rounds)
+    if args.rounds > 1:
+        print_rounds(rounds)
     if probe is not None and probe.peak is not None:
         print_kv(probe.peak, probe.totals)
     if args.json_out:
@@ -438,6 +499,10 @@ def main() -> None:
                     "machine": machine_line(args.dtype),
                     "args": vars(args),
                     "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
+                    "rounds": {
+                        peer: [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rs]
+                        for peer, rs in rounds.items()
+                    },
                     "kv_peak": asdict(probe.peak) if probe and probe.peak else None,
                     "kv_run_totals": asdict(probe.totals) if probe else None,
                 },

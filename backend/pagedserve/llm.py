@@ -45,6 +45,11 @@ class LLM:
         values where it has them (as vLLM's), else SamplingParams' defaults."""
         return self.engine.sampling_params()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache, so the next prompts are computed in full (a benchmark repeating a
+        workload, say); False while requests are unfinished."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],

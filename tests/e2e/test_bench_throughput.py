@@ -47,3 +47,37 @@ def test_every_peer_generates_the_same_tokens_and_paging_holds_more_real_tokens(
         peak["num_sequence_tokens"] / peak["num_reserved_exact"]
     )
     assert peak["num_reserved_exact"] <= peak["num_reserved_batch_max"] <= peak["num_reserved_model_len"]
+
+
+def test_rounds_run_the_peers_in_turn_and_report_each_peer_s_median_round(
+    tiny_llama_dir: str, tmp_path: Path
+) -> None:
+    """--rounds 3: every peer three times, in turn, on one engine whose prefix cache each round
+    starts without; the main table shows each peer's median round, and every round's ratio follows."""
+    out = tmp_path / "out.json"
+    command = [sys.executable, str(BENCH), "--model", tiny_llama_dir, "--num-requests", "4"]
+    command += ["--peers", "pagedserve,hf-static", "--rounds", "3", "--json-out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rounds = report["rounds"]
+    assert [len(rounds[peer]) for peer in ("pagedserve", "hf-static")] == [3, 3]
+    order = [line.split(" (round")[0] for line in done.stdout.splitlines() if line.startswith("running ")]
+    assert order == ["running pagedserve", "running hf-static"] * 3
+    # the same steps every round: the prompts are computed afresh, not read from the prefix cache
+    assert len({r["note"] for r in rounds["pagedserve"]}) == 1
+    for peer, row in zip(("pagedserve", "hf-static"), report["results"], strict=True):
+        speeds = sorted(r["tokens_per_s"] for r in rounds[peer])
+        assert row["peer"] == peer and row["tokens_per_s"] == speeds[1]
+    ratio = report["results"][0]["tokens_per_s"] / report["results"][1]["tokens_per_s"]
+    assert f"| {ratio:.2f}x |" in done.stdout
+    for i, (ours, theirs) in enumerate(zip(rounds["pagedserve"], rounds["hf-static"], strict=True)):
+        row = f"| {i + 1} | {ours['tokens_per_s']:.1f} | {theirs['tokens_per_s']:.1f} | "
+        assert row + f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x |" in done.stdout
+
+
+def test_rounds_below_one_are_refused() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--rounds", "0"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2 and "--rounds: at least 1, got 0" in done.stderr

@@ -240,3 +240,21 @@ def test_sampling_params_take_vllm_s_none_and_refuse_a_top_k_past_int64() -> Non
             SamplingParams(**{field: value})
         assert info.value.field == field
     assert SamplingParams(top_k=2**63 - 1).top_k == 2**63 - 1
+
+
+def test_reset_prefix_cache_makes_the_next_prompt_computed_in_full(llm: LLM) -> None:
+    """vLLM's `LLM.reset_prefix_cache`: benchmarks repeating a workload reset between rounds. Refused
+    (False) while a request is unfinished."""
+    prompt = [1, *range(2000, 2040)]  # two full blocks of 16 and more
+    assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 0
+    first = llm.generate([prompt], GREEDY)
+    assert first[0].num_cached_tokens == 32
+    assert llm.reset_prefix_cache()
+    again = llm.generate([prompt], GREEDY)
+    assert again[0].num_cached_tokens == 0 and token_ids(again) == token_ids(first)
+    llm.engine.add_request("running", prompt, GREEDY)
+    assert not llm.reset_prefix_cache()
+    llm.engine.abort_request(["running"])
+    llm.engine.step()  # the workers drop the aborted request's state
+    assert_idle(llm)
+    assert llm.reset_prefix_cache()

@@ -101,6 +101,27 @@ def test_prefix_hashes_hit_equal_prefixes_and_miss_at_the_first_different_block(
     assert bm.num_prefix_queries == 13 and bm.num_prefix_hits == 0  # lookups count only when allocated
 
 
+def test_reset_prefix_cache_forgets_the_blocks_no_sequence_holds() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, watermark=0.0, enable_prefix_caching=True)
+    done, running = seq("done", list(range(100, 109))), seq("running", list(range(200, 208)))
+    for s in (done, running):
+        bm.allocate(s, len(s.token_ids))
+        s.num_computed_tokens = len(s.token_ids)
+        bm.cache_full_blocks(s)
+    bm.free(done)  # its two full blocks wait in the evictor, named; its partial block is free
+    assert bm.match_prefix(seq("again", list(range(100, 109)))) == [0, 1]
+    bm.record_kv_events(True)
+    assert bm.reset_prefix_cache() == 2
+    assert bm.match_prefix(seq("again", list(range(100, 109)))) == []
+    assert bm.match_prefix(seq("running too", list(range(200, 208)) + [1])) == [3, 4]  # still held
+    assert (
+        len(bm.evictor) == 0 and bm.num_free_blocks == 6 and sorted(bm.free_block_ids) == [0, 1, 2, 5, 6, 7]
+    )
+    removed = bm.take_kv_events()
+    assert [type(e).__name__ for e in removed] == ["BlockRemoved"] and len(removed[0].block_hashes) == 2  # type: ignore[attr-defined]
+    assert bm.reset_prefix_cache() == 0
+
+
 def test_prefix_hashes_are_sha256_of_the_parent_digest_and_the_tokens() -> None:
     bm = BlockManager(num_blocks=4, block_size=2, watermark=0.0, enable_prefix_caching=True)
     first = hashlib.sha256(array("q", [3, 4]).tobytes()).digest()

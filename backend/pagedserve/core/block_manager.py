@@ -331,6 +331,18 @@ class BlockManager:
             self._forget_hash(block_id)
             self.free_block_ids.append(block_id)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no sequence holds, as eviction would: later requests compute
+        those prefixes afresh (benchmarks repeating a workload; a changed model). Blocks running
+        sequences hold keep their names: the engine resets only when nothing runs. Returns how many
+        blocks were forgotten."""
+        forgotten = list(self.evictor)
+        self.evictor.clear()
+        for block_id in forgotten:
+            self._forget_hash(block_id)
+            self.free_block_ids.append(block_id)
+        return len(forgotten)
+
     # -- KV events -------------------------------------------------------------------------------------
 
     def record_kv_events(self, on: bool) -> list[bytes]:

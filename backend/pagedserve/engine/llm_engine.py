@@ -454,6 +454,16 @@ class LLMEngine:
             s = self.scheduler
             self.metrics.set_lora_in_use(_lora_names(s.running), _lora_names(chain(s.waiting, s.swapped)))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's `reset_prefix_cache`): the next requests compute their
+        prompts in full. False, and nothing forgotten, while requests are unfinished (their blocks
+        stay named while they run)."""
+        if self.has_unfinished_requests():
+            return False
+        forgotten = self.scheduler.block_manager.reset_prefix_cache()
+        logger.info("prefix cache reset: %d cached blocks forgotten", forgotten)
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
