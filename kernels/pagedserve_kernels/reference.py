@@ -149,8 +149,10 @@ def prefill_rows(
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     seq_of_token = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=q_lens.device), q_lens)
     first_pos = context_lens - q_lens  # the position of each sequence's first query token
-    position = torch.arange(seq_of_token.shape[0], device=q_lens.device) - query_start_loc[:-1][seq_of_token]
-    lens = (first_pos[seq_of_token] + position + 1).to(torch.int32)
+    row_in_seq = (
+        torch.arange(seq_of_token.shape[0], device=q_lens.device) - query_start_loc[:-1][seq_of_token]
+    )
+    lens = (first_pos[seq_of_token] + row_in_seq + 1).to(torch.int32)
     return block_tables.index_select(0, seq_of_token), lens
 
 

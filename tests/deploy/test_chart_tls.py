@@ -6,7 +6,6 @@ flags and probe commands against a real server with real certificates."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from typing import Any
 import helm_python as helm
 import pytest
 from deploy_helpers import CHART_DIR, LIVENESS_SERVICE, READINESS_SERVICE, by_name, render
+from ports import free_port
 from tls_certs import Ca
 
 TLS_DIR = "/etc/pagedserve/tls"
@@ -139,12 +139,6 @@ def test_tls_values_that_cannot_work_fail_the_install(values: dict[str, Any], me
 def test_a_misspelled_tls_value_fails_the_schema() -> None:
     with pytest.raises(helm.HelmValuesError, match="clientauth"):
         render({"tls": {"secretName": SECRET, "clientauth": True}})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def probe(command: list[str], secret: Path, port: int, drop: tuple[str, ...] = ()) -> int:

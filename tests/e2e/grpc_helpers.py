@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 READINESS = "pagedserve.rpc.v1.Generation"
@@ -30,12 +30,6 @@ LONG_NUM_KV_BLOCKS = 1280  # 20480 tokens of 16: room for one LONG_MAX_TOKENS re
 # An aborted request frees its blocks before the next engine step (milliseconds); this bound leaves
 # room for a busy machine and is still a small fraction of a LONG_MAX_TOKENS request's run time.
 IDLE_AFTER_ABORT_S = 3.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def long_context_copy(model_dir: str, dest: Path, max_position_embeddings: int = LONG_CONTEXT) -> str:

@@ -6,15 +6,17 @@ without one these tests are skipped, and tests/engine/test_compile.py checks the
 
 Grid: head_dim 64 and 128 (the unrolled paths, and in bf16 the AVX512-BF16 one where the CPU has
 it) and 80 (the generic one), GQA ratios 1/3/4/8 (the AVX512 path accumulates 4 heads at a time for
-head size 64, 2 for 128), block sizes 8 and 16, context lengths across block and 16-token chunk
-boundaries (1, 7, 8, 9, 16, 17, 33, 300), float32, bfloat16 and float16. Tolerances: float32 1e-5
-against the float32 reference; bf16 and fp16 against the reference run in float32 on the same
-inputs, no further off than the reference's own low-precision result.
+head size 64, 2 for 128), block sizes 8 and 16, context lengths across block, 16-token chunk and
+(bf16) 256-token tile boundaries (1, 7, 8, 9, 16, 17, 33, 300), float32, bfloat16 and float16.
+Tolerances: float32 1e-5 against the float32 reference; bf16 and fp16 against the reference run in
+float32 on the same inputs, no further off than the reference's own low-precision result. Also
+prefill attention as decode rows (`reference.prefill_rows`), and the CPU backend's use of it.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -54,14 +56,24 @@ def test_decode_matches_reference(
     tail = (cache.block_tables, cache.context_lens, head_dim**-0.5)
     out = cpu.paged_attention_decode(query, cache.k_cache, cache.v_cache, *tail)
     assert out.dtype == dtype and out.shape == query.shape
-    exact = reference.paged_attention_decode(
-        query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail
-    )
-    if dtype == torch.float32:
+    assert_as_near_as_the_reference(out, reference.paged_attention_decode, query, cache, tail)
+
+
+def assert_as_near_as_the_reference(
+    out: torch.Tensor,
+    reference_fn: Callable[..., torch.Tensor],
+    query: torch.Tensor,
+    cache: PagedCache,
+    tail: tuple[object, ...],
+) -> None:
+    """float32: within 1e-5 of the reference; bf16, fp16: no further off the reference run in float32
+    on the same inputs than the reference's own low-precision result (plus 1e-3)."""
+    exact = reference_fn(query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail)
+    if query.dtype == torch.float32:
         torch.testing.assert_close(out, exact, atol=1e-5, rtol=1e-5)
         return
     ours = (out.float() - exact).abs().max().item()
-    theirs = reference.paged_attention_decode(query, cache.k_cache, cache.v_cache, *tail).float() - exact
+    theirs = reference_fn(query, cache.k_cache, cache.v_cache, *tail).float() - exact
     assert ours <= theirs.abs().max().item() + 1e-3
 
 
@@ -185,15 +197,7 @@ def test_decode_over_prefill_rows_is_prefill_attention(
     rows = reference.prefill_rows(cache.block_tables, starts, cache.context_lens)
     out = cpu.paged_attention_decode(query, cache.k_cache, cache.v_cache, *rows, scale)
     tail = (cache.block_tables, starts, cache.context_lens, scale)
-    exact = reference.paged_attention_prefill(
-        query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail
-    )
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, exact, atol=1e-5, rtol=1e-5)
-        return
-    ours = (out.float() - exact).abs().max().item()
-    theirs = reference.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail).float() - exact
-    assert ours <= theirs.abs().max().item() + 1e-3
+    assert_as_near_as_the_reference(out, reference.paged_attention_prefill, query, cache, tail)
 
 
 def prefill_metadata(cache: PagedCache, starts: torch.Tensor) -> AttentionMetadata:

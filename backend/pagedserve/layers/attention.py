@@ -47,8 +47,8 @@ class AttentionMetadata:
     # derived once per step by the torch backend's `prepare`, shared by every layer
     decode_key_mask: torch.Tensor | None = None
     prefill_batch: reference.PrefillBatch | None = None
-    # the prefill tokens as decode rows (`reference.prefill_rows`), made by the step's first layer
-    # that attends them so (the C++ kernel's bfloat16 path)
+    # the prefill tokens as decode rows (`reference.prefill_rows`) for the C++ kernel's bfloat16 path:
+    # made by the step's first layer, reused by the others
     prefill_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
