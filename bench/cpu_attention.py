@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from cpu_linear import median_ms_each
 from pagedserve_kernels import cpu, reference
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
@@ -44,17 +43,12 @@ def paged_cache(
     return k, v, torch.tensor(rows, dtype=torch.int32)
 
 
-def median_ms_each(arms: dict[str, Callable[[], object]], repeats: int, per: int = 1) -> dict[str, float]:
-    """Each arm's median ms (divided by `per`) over `repeats` passes, the arms taken in turn."""
-    times: dict[str, list[float]] = {name: [] for name in arms}
+def timed(arms: dict[str, Callable[[], object]], repeats: int, per: int = 1) -> dict[str, float]:
+    """Each arm's median ms (divided by `per`) over `repeats` passes, the arms in turn, after one
+    untimed pass each."""
     for fn in arms.values():
-        fn()  # warm-up
-    for _ in range(repeats):
-        for name, fn in arms.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 / per for name, t in times.items()}
+        fn()
+    return {name: ms / per for name, ms in median_ms_each(arms, repeats).items()}
 
 
 def decode_case(
@@ -73,7 +67,7 @@ def decode_case(
             reference.paged_attention_decode(query, k, v, t, lens, SCALE) for k, v, t in layers
         ],
     }
-    return median_ms_each(arms, repeats, per=LAYERS)
+    return timed(arms, repeats, per=LAYERS)
 
 
 def prefill_case(
@@ -97,7 +91,7 @@ def prefill_case(
         query.float(), k.float(), v.float(), tables, starts, context, SCALE
     )
     assert (ours().float() - exact).abs().max() < 0.05, "the kernel disagrees with the reference"
-    return median_ms_each({"ours": ours, "reference": sdpa}, repeats)
+    return timed({"ours": ours, "reference": sdpa}, repeats)
 
 
 def main() -> None:
