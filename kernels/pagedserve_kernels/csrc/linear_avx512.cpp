@@ -13,6 +13,13 @@
 // memory once a call. Every output sums its k pairs in order in float32 and is rounded to bfloat16
 // once (the bias added first), so a row's result does not depend on the batch it is in.
 //
+// Left to the hardware, streaming and multiplying barely overlap from 8 rows on: a panel's first tile
+// waits on memory, its later tiles run from L2 while memory idles. So there the second tile (or the
+// only one) prefetches the thread's next panel into L2, a k pair's two cache lines per k pair, and the
+// first tile prefetches its own panel a few k pairs ahead into L1. On the Zen 4 machine that took
+// 0.85-0.87 of the time at 8-32 rows and 0.93 at 64 (SmolLM2-135M's 121 weights); below 8 rows the
+// stream is memory-bound alone and the prefetches only slowed it (bench/README.md, "prefetches").
+//
 // Why not oneDNN: on a Zen 4 EPYC (2 cores, SmolLM2-135M's weights) oneDNN's packed bf16 matmul
 // streams the weight at 15 GB/s at one row; this loop at 26 GB/s (the machine reads ~28), 1.75x as
 // fast at one row and 1.13-1.32x at 16-128 rows. At 512-2,048 rows (prefill) it is 2-10% slower, and
@@ -41,6 +48,8 @@ namespace {
 
 constexpr int64_t kPanel = 32;       // output columns of a panel: two zmm registers of 16
 constexpr int kMaxTileRows = 12;     // 24 accumulators + 2 weight registers + 1 broadcast fit in 32 zmm
+constexpr int64_t kPrefetchRows = 8;  // from here on the prefetches below pay
+constexpr int64_t kAheadPairs = 16;   // how far ahead a panel's first tile prefetches its own k pairs
 
 #ifdef PAGEDSERVE_AVX512_BF16
 
@@ -60,15 +69,32 @@ inline __m512bh broadcast_pair(const c10::BFloat16* p) {
   return reinterpret_cast<__m512bh>(_mm512_set1_epi32(bits));
 }
 
+// What a tile prefetches while it multiplies, both null for none: `ahead`, its own panel kAheadPairs k
+// pairs ahead (into L1); `next`, the start of the next panel, as far into it as this tile reads of its
+// own (into L2).
+struct Prefetch {
+  const c10::BFloat16* ahead = nullptr;
+  const c10::BFloat16* next = nullptr;
+};
+
+// The two cache lines of a panel's k pair at `p`.
+template <int HINT>
+inline void prefetch_pair(const c10::BFloat16* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), static_cast<_mm_hint>(HINT));
+  _mm_prefetch(reinterpret_cast<const char*>(p + kPanel), static_cast<_mm_hint>(HINT));
+}
+
 // Rows [row, row + ROWS) x the 32 columns of `panel`.
 template <int ROWS>
-void multiply_tile(const LinearArgs& a, int64_t row, int64_t panel) {
+void multiply_tile(const LinearArgs& a, int64_t row, int64_t panel, Prefetch prefetch) {
   __m512 acc[ROWS][2];
 #pragma GCC unroll 12
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const c10::BFloat16* w = a.weight + panel * a.k_pairs * 2 * kPanel;
   const c10::BFloat16* x = a.x + row * a.ld_x;
   for (int64_t kp = 0; kp < a.k_pairs; ++kp) {
+    if (prefetch.ahead != nullptr) prefetch_pair<_MM_HINT_T0>(prefetch.ahead + kp * 2 * kPanel);
+    if (prefetch.next != nullptr) prefetch_pair<_MM_HINT_T1>(prefetch.next + kp * 2 * kPanel);
     const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + kp * 2 * kPanel));
     const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + kp * 2 * kPanel + kPanel));
 #pragma GCC unroll 12
@@ -91,22 +117,29 @@ void multiply_tile(const LinearArgs& a, int64_t row, int64_t panel) {
 
 // multiply_tile for a run-time row count of 1..ROWS.
 template <int ROWS>
-void multiply_rows(const LinearArgs& a, int64_t row, int64_t panel, int rows) {
+void multiply_rows(const LinearArgs& a, int64_t row, int64_t panel, int rows, Prefetch prefetch) {
   if constexpr (ROWS > 0) {
-    if (rows == ROWS) return multiply_tile<ROWS>(a, row, panel);
-    multiply_rows<ROWS - 1>(a, row, panel, rows);
+    if (rows == ROWS) return multiply_tile<ROWS>(a, row, panel, prefetch);
+    multiply_rows<ROWS - 1>(a, row, panel, rows, prefetch);
   }
 }
 
 // A panel down every row, in the fewest tiles of at most kMaxTileRows, their sizes within one of each
-// other (16 rows: 8 + 8, not 12 + 4).
-void multiply_panel(const LinearArgs& a, int64_t panel) {
+// other (16 rows: 8 + 8, not 12 + 4). `last_panel`: the last one this thread multiplies, whose next
+// panel is another thread's (or none) and is not prefetched.
+void multiply_panel(const LinearArgs& a, int64_t panel, bool last_panel) {
   const int64_t num_tiles = (a.num_rows + kMaxTileRows - 1) / kMaxTileRows;
+  const bool prefetches = a.num_rows >= kPrefetchRows;
+  const c10::BFloat16* w = a.weight + panel * a.k_pairs * 2 * kPanel;
   int64_t row = 0;
   for (int64_t t = 0; t < num_tiles; ++t) {
     const int64_t left = a.num_rows - row, tiles_left = num_tiles - t;
     const int rows = static_cast<int>((left + tiles_left - 1) / tiles_left);
-    multiply_rows<kMaxTileRows>(a, row, panel, rows);
+    Prefetch prefetch;
+    if (prefetches && t == 0) prefetch.ahead = w + kAheadPairs * 2 * kPanel;
+    if (prefetches && !last_panel && t == std::min<int64_t>(1, num_tiles - 1))
+      prefetch.next = w + a.k_pairs * 2 * kPanel;
+    multiply_rows<kMaxTileRows>(a, row, panel, rows, prefetch);
     row += rows;
   }
 }
@@ -153,7 +186,7 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed, const st
                           n,
                           k / 2};
     at::parallel_for(0, packed.size(0), 1, [&](int64_t panel0, int64_t panel1) {
-      for (int64_t panel = panel0; panel < panel1; ++panel) multiply_panel(args, panel);
+      for (int64_t panel = panel0; panel < panel1; ++panel) multiply_panel(args, panel, panel + 1 == panel1);
     });
   }
 #endif
