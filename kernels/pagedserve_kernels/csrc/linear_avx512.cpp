@@ -70,8 +70,8 @@ inline __m512bh broadcast_pair(const c10::BFloat16* p) {
 }
 
 // What a tile prefetches while it multiplies, both null for none: `ahead`, its own panel kAheadPairs k
-// pairs ahead (into L1); `next`, the start of the next panel, as far into it as this tile reads of its
-// own (into L2).
+// pairs ahead (into L1; past the last panel's end too, which is harmless: a prefetch never faults);
+// `next`, the start of the next panel, as far into it as this tile reads of its own (into L2).
 struct Prefetch {
   const c10::BFloat16* ahead = nullptr;
   const c10::BFloat16* next = nullptr;
