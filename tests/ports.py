@@ -22,7 +22,7 @@ def free_port() -> int:
     theirs too: one could take it between this check and the server's bind, and the server exits with
     "address already in use" (two servers of a CI run did). Ports below the range are taken only by
     binding them explicitly; each is handed out once a process."""
-    low = min(_ephemeral_low(), 65536)
+    low = _ephemeral_low()
     for _ in range(1000):
         port = random.randint(10000, low - 1) if low > 10001 else random.randint(1024, 65535)
         if port in _handed_out:
