@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.worker import huge_pages
+
 
 class CacheEngine:
     def __init__(
@@ -29,8 +31,12 @@ class CacheEngine:
         self.num_cpu_blocks = num_cpu_blocks
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: a block's unwritten slots are read (then masked) by attention, and
-        # uninitialised memory could hold NaN, which a zero attention weight does not cancel.
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        # uninitialised memory could hold NaN, which a zero attention weight does not cancel. On the
+        # CPU in huge pages: a decode step reads blocks scattered over the whole cache.
+        if torch.device(device).type == "cpu":
+            self.kv_cache = huge_pages.zeros(shape, dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         # empty is safe here: a CPU block is read (swap in) only after a swap out wrote it
         pin = torch.device(device).type == "cuda"
         self.cpu_cache = torch.empty((*shape[:2], num_cpu_blocks, *shape[3:]), dtype=dtype, pin_memory=pin)
