@@ -55,7 +55,7 @@ def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """`torch.zeros(shape, dtype=dtype)` on the CPU, in huge pages where `available` (else exactly
     torch.zeros). Every page is touched here, as torch.zeros does, so that no step waits on a page
-    fault (a huge page's costs the kernel 2 MiB of zeroing, and may be a compaction)."""
+    fault (a huge page's fault costs the kernel 2 MiB of zeroing, and may compact memory)."""
     if not available():
         return torch.zeros(shape, dtype=dtype)
     count = math.prod(shape)
