@@ -28,7 +28,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
-_ALIGN = 4096  # each copied tensor starts on a page of its own: aligned for any vector load
+_ALIGN = 4096  # where each copied tensor starts: aligned for any vector load
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
