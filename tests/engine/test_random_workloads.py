@@ -138,7 +138,7 @@ def check_invariants(s: Scheduler) -> None:
     assert len(free) == len(set(free)) and not set(free) & set(evictor) and not set(free) & set(holders)
     assert not set(evictor) & set(holders)
     assert len(free) + len(evictor) + len(holders) == bm.num_blocks
-    # a block shared by several sequences sits at the same index and holds the same tokens for each
+    assert bm._free_map[1:-1].nonzero()[0].tolist() == sorted(free)  # the map placement reads    # a block shared by several sequences sits at the same index and holds the same tokens for each
     for block_id, seqs in holders.items():
         index = seqs[0].block_table.index(block_id)
         span = slice(index * bm.block_size, (index + 1) * bm.block_size)
@@ -355,7 +355,8 @@ def test_repro_a_sibling_preempted_before_its_first_step_is_announced_to_the_wor
     "num_prompt, shared, sibling_plan, copies",
     [
         (6, [0], ("b#1", 4, 2, True), []),  # last block partly filled: not shared, recomputed
-        (8, [0, 1], ("b#1", 7, 1, True), [(1, 3)]),  # full: shared, the sibling copies it on write
+        # full: shared, the sibling copies it on write, centred in the free run 3..7 for its 2 blocks
+        (8, [0, 1], ("b#1", 7, 1, True), [(1, 4)]),
     ],
 )
 def test_repro_a_parent_never_writes_into_a_block_its_siblings_share(

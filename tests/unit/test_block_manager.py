@@ -1,5 +1,6 @@
-"""Block manager basics with tiny pools and exact ids: free-list order, append_slot taking a block only
-when the last one is full, ref counts, the watermark at its exact boundary, and prefix-cache hashes."""
+"""Block manager basics with tiny pools and exact ids: where blocks are placed (ascending runs),
+append_slot taking a block only when the last one is full, ref counts, the watermark at its exact
+boundary, and prefix-cache hashes."""
 
 from __future__ import annotations
 
@@ -12,23 +13,61 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence
 
 
-def seq(request_id: str, tokens: list[int], computed: int = 0) -> Sequence:
-    s = Sequence(request_id, tokens, SamplingParams(max_tokens=8))
+def seq(request_id: str, tokens: list[int], computed: int = 0, max_tokens: int = 8) -> Sequence:
+    s = Sequence(request_id, tokens, SamplingParams(max_tokens=max_tokens))
     s.num_computed_tokens = computed
     return s
 
 
-def test_blocks_come_from_the_free_list_head_and_return_to_its_tail_last_block_first() -> None:
+def test_a_sequence_continues_at_the_block_after_its_last_and_frees_blocks_back_to_the_pool() -> None:
     bm = BlockManager(num_blocks=6, block_size=4, watermark=0.0)
     a, b = seq("a", list(range(10))), seq("b", list(range(3)))
-    assert bm.allocate(a, 10) == [0, 1, 2] and bm.allocate(b, 3) == [3]
-    assert list(bm.free_block_ids) == [4, 5] and bm.ref_counts == [1, 1, 1, 1, 0, 0]
+    assert bm.allocate(a, 10) == [0, 1, 2]  # an empty pool: from its start, ascending
+    assert bm.allocate(b, 3) == [3]  # the free run 3..5 holds the 3 blocks b may grow to: its start
+    assert sorted(bm.free_block_ids) == [4, 5] and bm.ref_counts == [1, 1, 1, 1, 0, 0]
     bm.free(a)
-    assert a.block_table == [] and list(bm.free_block_ids) == [4, 5, 2, 1, 0]
+    assert a.block_table == [] and sorted(bm.free_block_ids) == [0, 1, 2, 4, 5]
     assert bm.ref_counts == [0, 0, 0, 1, 0, 0] and (bm.num_free_blocks, bm.num_used_blocks) == (5, 1)
-    c = seq("c", list(range(12)))
-    assert bm.allocate(c, 12) == [4, 5, 2] and list(bm.free_block_ids) == [1, 0]
-    assert bm.ref_counts == [0, 0, 1, 1, 1, 1]
+    c = seq("c", list(range(12)))  # 3 blocks now, 5 at most: no run holds 5, the longest is 0..2
+    assert bm.allocate(c, 12) == [0, 1, 2] and sorted(bm.free_block_ids) == [4, 5]
+    b.num_computed_tokens = 3
+    assert bm.append_slot(b, 2) == [4]  # block 3's successor is free: b's run goes on
+    assert bm.ref_counts == [1, 1, 1, 1, 1, 0]
+
+
+def test_a_new_run_starts_in_the_shortest_free_run_that_holds_it_centred() -> None:
+    bm = BlockManager(num_blocks=20, block_size=4, watermark=0.0)
+    holders = [seq(f"h{i}", [i], max_tokens=1) for i in range(20)]
+    for h in holders:
+        bm.allocate(h, 1)
+    by_block = {h.block_table[0]: h for h in holders}
+    assert sorted(by_block) == list(range(20))
+    for block_id in [2, 3, 4, *range(8, 14)]:  # free runs 2..4 (3 blocks) and 8..13 (6 blocks)
+        bm.free(by_block[block_id])
+    # 2 blocks now, 3 at most (9 + 3 tokens; the last is never cached): 2..4 holds them exactly
+    assert bm.allocate(seq("a", list(range(8)), max_tokens=5), 8) == [2, 3]
+    # 4 at most: only 8..13 holds them; centred, 1 block is left on either side
+    d = seq("d", list(range(8)), max_tokens=9)
+    assert bm.allocate(d, 8) == [9, 10]
+    d.num_computed_tokens = 8
+    assert bm.append_slot(d, 1) == [11]  # and it grows into its own run
+    # 20 at most: nothing holds that, so the longest run left (12..13), from its start
+    assert bm.allocate(seq("e", list(range(4)), max_tokens=76), 4) == [12]
+
+
+def test_free_blocks_are_taken_before_any_cached_block_is_evicted() -> None:
+    bm = BlockManager(num_blocks=6, block_size=2, watermark=0.0, enable_prefix_caching=True)
+    a = seq("a", [1, 2, 3, 4])
+    bm.allocate(a, 4)  # [0, 1]
+    a.num_computed_tokens = 4
+    bm.cache_full_blocks(a)
+    b = seq("b", [9, 9], max_tokens=20)
+    assert bm.allocate(b, 2) == [2]  # the run 2..5 cannot hold b's 11 blocks: its start
+    bm.free(a)  # 0 and 1 idle and cached
+    c = seq("c", [5, 6, 7, 8, 9, 10, 11, 12])
+    # 3 .. 5 are free and taken first, in a run; then 1 is evicted (freed after 0, tail first)
+    assert bm.allocate(c, 8) == [3, 4, 5, 1] and list(bm.evictor) == [0]
+    assert bm.match_prefix(seq("again", [1, 2, 3, 4, 0])) == [0]  # a's first block still hits
 
 
 def test_append_slot_takes_a_new_block_only_when_the_last_one_is_full() -> None:
@@ -72,10 +111,10 @@ def test_swap_in_keeps_the_watermark_free_to_the_exact_block() -> None:
     other = seq("o", [1])
     bm.allocate(other, 1)  # 9 free: a would fit, but only by taking the watermark
     assert not bm.can_swap_in(a, 1) and bm.can_swap_in(a, 0)  # 8 blocks: 9 - 8 == 1
-    bm.free(other)  # free list: [9, 7, 6, 5, 4, 3, 2, 1, 0, 8]
+    bm.free(other)
     assert bm.can_swap_in(a, 1)  # 10 - 9 == 1
-    assert bm.swap_in(a) == list(zip(range(8), [9, 7, 6, 5, 4, 3, 2, 1]))
-    assert bm.append_slot(a, 1) == [0] and list(bm.free_block_ids) == [8]
+    assert bm.swap_in(a) == list(zip(range(8), range(8)))  # an empty pool: from its start
+    assert bm.append_slot(a, 1) == [8] and list(bm.free_block_ids) == [9]
 
 
 def test_can_ever_fit_is_the_pool_less_the_watermark_and_counts_no_slot_for_the_last_token() -> None:

@@ -1,5 +1,5 @@
 """Block manager memory mechanisms with tiny pools and exact ids: swap maps, copy-on-write after a
-fork, prefix hits with ref counts, and LRU eviction order."""
+fork, prefix hits with ref counts, and LRU eviction order (once no block is free)."""
 
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ def test_swap_out_and_in_map_blocks_exactly() -> None:
     assert a.block_table == [] and bm.num_free_blocks == 6 and bm.num_free_cpu_blocks == 1
     assert bm.cpu_block_tables == {"a": [0, 1, 2]}
     b = seq("b", list(range(8)))
-    bm.allocate(b, 8)  # takes device blocks 3 and 4: a comes back elsewhere
+    assert bm.allocate(b, 8) == [0, 1]  # the whole pool is free: b starts at its start
     a.num_computed_tokens = 10
     assert bm.can_swap_in(a, 1) and not bm.can_swap_in(a, 7)
-    # freed blocks rejoin the free list tail first: free list was [3, 4, 5, 2, 1, 0], b took 3 and 4
-    assert bm.swap_in(a) == [(0, 5), (1, 2), (2, 1)]
-    assert a.block_table == [5, 2, 1] and bm.num_free_cpu_blocks == 4 and bm.cpu_block_tables == {}
+    # a comes back elsewhere, in the run after b's (2..5: shorter than the 5 blocks a may grow to)
+    assert bm.swap_in(a) == [(0, 2), (1, 3), (2, 4)]
+    assert a.block_table == [2, 3, 4] and bm.num_free_cpu_blocks == 4 and bm.cpu_block_tables == {}
 
 
 def test_swap_out_needs_room_in_the_cpu_pool() -> None:
@@ -51,10 +51,11 @@ def test_fork_shares_blocks_and_copy_on_write_gives_private_copies() -> None:
     # the child rewrites position 5, inside shared block 1: a copy is needed first
     assert bm.num_required_blocks(child, 1) == 1
     assert bm.append_slot(child, 1) == []
-    assert child.block_table == [0, 2] and bm.blocks_to_copy == [(1, 2)]
-    assert bm.ref_counts[:3] == [2, 1, 1]
+    # the copy starts the child's own run (3 blocks at most from index 1) in the free 2..7, centred
+    assert child.block_table == [0, 3] and bm.blocks_to_copy == [(1, 3)]
+    assert bm.ref_counts[:4] == [2, 1, 0, 1]
     # the parent now owns block 1 alone and writes in place
-    assert bm.append_slot(parent, 1) == [] and parent.block_table == [0, 1] and bm.blocks_to_copy == [(1, 2)]
+    assert bm.append_slot(parent, 1) == [] and parent.block_table == [0, 1] and bm.blocks_to_copy == [(1, 3)]
     bm.free(child)
     bm.free(parent)
     assert bm.ref_counts == [0] * 8 and bm.num_free_blocks == 8
@@ -70,8 +71,10 @@ def test_prefix_hits_share_full_blocks_and_keep_one_token_to_compute() -> None:
     b = seq("b", list(range(8)) + [99, 98, 97])
     assert bm.match_prefix(b) == [0, 1]
     assert bm.can_allocate(b, 3, [0, 1])
-    assert bm.allocate(b, 3, [0, 1]) == [0, 1, 3]
-    assert bm.ref_counts[:4] == [2, 2, 1, 1]
+    # block 2, after the hits, is a's: b's own blocks start a run in the free 3..7, centred for the 3
+    # blocks b may grow to
+    assert bm.allocate(b, 3, [0, 1]) == [0, 1, 4]
+    assert bm.ref_counts[:5] == [2, 2, 1, 0, 1]
     c = seq("c", list(range(8)))  # 8 tokens = exactly 2 blocks: the last block is recomputed
     assert bm.match_prefix(c) == [0]
     # counted per admitted sequence (a: 10 tokens, b: 11), not per lookup (c is never allocated)
@@ -88,8 +91,8 @@ def test_freed_cached_blocks_are_evicted_least_recently_freed_first() -> None:
     assert list(bm.free_block_ids) == [3, 2] and list(bm.evictor) == [1, 0]
     b = seq("b", [7, 8, 9, 10, 11, 12])
     assert bm.match_prefix(b) == []
-    bm.allocate(b, 6)  # takes the uncached 3 and 2 first, then evicts 1 (freed before 0)
-    assert b.block_table == [3, 2, 1] and list(bm.evictor) == [0]
+    bm.allocate(b, 6)  # takes the uncached 2 and 3 first (a run), then evicts 1 (freed before 0)
+    assert b.block_table == [2, 3, 1] and list(bm.evictor) == [0]
     assert 1 not in bm.cached_block_ids.values() and bm.block_hashes[1] is None
     c = seq("c", [1, 2, 3, 4, 5])
     assert bm.match_prefix(c) == [0]  # block 0 is still cached; block 1's hash is gone
@@ -106,5 +109,5 @@ def test_a_hit_on_an_idle_cached_block_takes_it_out_of_the_evictor() -> None:
     b = seq("b", [1, 2, 5])
     hits = bm.match_prefix(b)
     assert hits == [0] and bm.num_required_blocks(b, 1, hits) == 2  # one new, one taken from the evictor
-    bm.allocate(b, 1, hits)
-    assert b.block_table == [0, 2] and bm.ref_counts == [1, 0, 1] and not bm.evictor
+    bm.allocate(b, 1, hits)  # after the hit, its free neighbour (a's partial block, never cached)
+    assert b.block_table == [0, 1] and bm.ref_counts == [1, 1, 0] and not bm.evictor

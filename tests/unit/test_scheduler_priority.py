@@ -83,7 +83,7 @@ def test_a_more_urgent_arrival_swaps_out_the_running_request_and_is_admitted_in_
     out = run(s)
     assert out.blocks_to_swap_out == [(0, 0), (1, 1), (2, 2)] and out.blocks_to_swap_in == []
     assert out.freed_request_ids == ["low"] and [r.request_id for r in out.scheduled] == ["high"]
-    assert high.block_table == [3, 2] and low.status is SequenceStatus.SWAPPED
+    assert high.block_table == [0, 1] and low.status is SequenceStatus.SWAPPED  # the pool is free again
     assert (s.num_preemptions, s.num_swap_preemptions, low.num_preemptions) == (1, 1, 1)
     assert low.priority == 1 and low.preemption_events[-1][1] == "swap"
     out = run(s)  # "high" finishes (max_tokens 2); "low" cannot come back yet
@@ -104,7 +104,7 @@ def test_a_more_urgent_arrival_recomputes_the_running_request() -> None:
     high = add(s, "high", 8, priority=0, max_tokens=2)
     out = run(s)
     assert out.blocks_to_swap_out == [] and out.freed_request_ids == ["low"]
-    assert [r.request_id for r in out.scheduled] == ["high"] and high.block_table == [3, 2]
+    assert [r.request_id for r in out.scheduled] == ["high"] and high.block_table == [0, 1]
     assert low.status is SequenceStatus.WAITING and low.block_table == [] and low.num_computed_tokens == 0
     assert ids(s.waiting) == ["low"] and s.num_recompute_preemptions == 1
     run(s)

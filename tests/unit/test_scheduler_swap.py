@@ -34,14 +34,14 @@ def test_youngest_request_is_swapped_out_and_resumes_first() -> None:
     assert a.block_table == [0, 1, 3] and s.num_swap_preemptions == 1
     c = add(s, "c", 2)  # arrives while b is swapped out: b must come back first
     s.finish(a, FinishReason.STOP)
-    out = run(s)  # free list is now [2, 3, 1, 0]: b's CPU block 0 returns to device block 2
-    assert out.blocks_to_swap_in == [(0, 2)]
+    out = run(s)  # the pool is free again: b's CPU block 0 returns to device block 0, its start
+    assert out.blocks_to_swap_in == [(0, 0)]
     first = out.scheduled[0]
     assert first.request_id == "b" and first.is_new and first.num_computed_tokens == 4
-    assert first.token_ids == [7] and first.new_block_ids == b.block_table == [2, 3]
+    assert first.token_ids == [7] and first.new_block_ids == b.block_table == [0, 1]
     assert first.computed_token_ids == [1, 2, 3, 4]
     assert [r.request_id for r in out.scheduled] == ["b", "c"]  # c admitted only after b resumed
-    assert c.block_table == [1]
+    assert c.block_table == [2]
     assert s.block_manager.num_free_cpu_blocks == 4
 
 

@@ -109,9 +109,9 @@ def test_swap_in_at_the_exact_boundary_once_the_pool_is_otherwise_empty() -> Non
     assert b.status is SequenceStatus.SWAPPED and s.block_manager.cpu_block_tables == {"b": list(range(8))}
     out = step(s)  # 8 free, b needs 9: it waits; a samples its last token and finishes
     assert [r.request_id for r in out.scheduled] == ["a"] and a.finish_reason is FinishReason.LENGTH
-    out = step(s)  # 10 free, b needs 9: 10 - 9 == the watermark; free list was [8, 7, .., 1, 9, 0]
-    assert out.blocks_to_swap_in == list(zip(range(8), [8, 7, 6, 5, 4, 3, 2, 1]))
-    assert b.block_table == [8, 7, 6, 5, 4, 3, 2, 1, 9] and s.block_manager.num_free_blocks == 1
+    out = step(s)  # 10 free, b needs 9: 10 - 9 == the watermark; the pool is free, b starts at 0
+    assert out.blocks_to_swap_in == list(zip(range(8), range(8)))
+    assert b.block_table == list(range(9)) and s.block_manager.num_free_blocks == 1
     run_to_completion(s, max_num_steps=4)
     assert b.output_token_ids == [7] * 5 and s.block_manager.num_free_blocks == 10
 

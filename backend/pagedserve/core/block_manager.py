@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import numpy as np
+
 from pagedserve.sequence import Sequence
 
 
@@ -67,6 +69,15 @@ class BlockManager:
     by `cache_full_blocks` once the step has run, so a failed step leaves no name on a block it never
     wrote.
 
+    Placement: a sequence's next block is the one after its last where that is free, so its blocks
+    lie in ascending runs, which CPU decode attention reads as one stream (~30% faster than scattered
+    blocks: the hardware prefetchers follow a run, bench/README.md). A sequence that cannot continue
+    (a new one, or one whose next block is taken) starts a new run in the shortest run of free blocks
+    that holds what it may grow to (`_room_for`). Free blocks are used before any cached block is
+    evicted, and eviction keeps its LRU order: placement never costs the prefix cache a hit. So with
+    the prefix cache full of idle blocks (every block named, as on a long busy run) the blocks come
+    in eviction order and runs are short.
+
     Sharing a partly filled block (after a fork) is copy-on-write: the first sequence to write into
     it gets a copy, recorded in `blocks_to_copy` for the cache engine to perform before the step.
     Workers learn a running sequence's table only by additions, so only a sequence announced anew
@@ -84,7 +95,11 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.watermark_blocks = int(watermark * num_blocks)
-        self.free_block_ids: deque[int] = deque(range(num_blocks))  # free and not cached
+        self.free_block_ids: dict[int, None] = dict.fromkeys(range(num_blocks))  # free and not cached
+        # 1 where a block is in free_block_ids, at index block id + 1, between two 0s: its runs of 1s are
+        # the runs of free blocks (see _room_for)
+        self._free_map = np.zeros(num_blocks + 2, dtype=np.int8)
+        self._free_map[1:-1] = 1
         self.ref_counts = [0] * num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.evictor: OrderedDict[int, None] = (
@@ -254,7 +269,7 @@ class BlockManager:
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 if self.block_hashes[block_id] is None:
-                    self.free_block_ids.append(block_id)
+                    self._add_free(block_id)
                 else:
                     self.evictor[block_id] = None
         seq.block_table = []
@@ -293,18 +308,49 @@ class BlockManager:
             raise RuntimeError(
                 f"out of KV blocks: {seq.request_id} needs {num_blocks}, {self.num_free_blocks} free"
             )
-        new_block_ids = [self._pop_free_block() for _ in range(num_blocks)]
-        for block_id in new_block_ids:
+        # the table's length at most: now, or when the sequence runs to max_tokens
+        final_length = max(len(seq.block_table) + num_blocks, self.num_blocks_to_hold(seq.max_num_tokens))
+        for _ in range(num_blocks):
+            last = seq.block_table[-1] if seq.block_table else None
+            block_id = self._pop_free_block(last, final_length - len(seq.block_table))
             self.ref_counts[block_id] = 1
-        seq.block_table.extend(new_block_ids)
-        return new_block_ids
+            seq.block_table.append(block_id)
+        return seq.block_table[len(seq.block_table) - num_blocks :]
 
-    def _pop_free_block(self) -> int:
-        if self.free_block_ids:
-            return self.free_block_ids.popleft()
-        block_id, _ = self.evictor.popitem(last=False)  # evict: forget its hash first
-        self._forget_hash(block_id)
+    def _pop_free_block(self, after: int | None, num_expected: int = 1) -> int:
+        """A block to follow block `after` in a table, for a sequence expected to need `num_expected`
+        more blocks (this one included). A free block if there is one: block `after` + 1 where that is
+        free, so that a sequence's blocks lie in ascending runs (decode attention reads a run of
+        blocks as one stream, ~30% faster than scattered blocks on CPUs), else where `_room_for`
+        places a new run. Only when no block is free is a cached one evicted: the least recently
+        freed, as before, so placing blocks never costs the prefix cache a hit."""
+        if not self.free_block_ids:
+            block_id, _ = self.evictor.popitem(last=False)  # evict: forget its hash first
+            self._forget_hash(block_id)
+            return block_id
+        block_id = -1 if after is None else after + 1
+        if not (0 <= block_id < self.num_blocks and self._free_map[block_id + 1]):
+            block_id = self._room_for(num_expected)
+        del self.free_block_ids[block_id]
+        self._free_map[block_id + 1] = 0
         return block_id
+
+    def _room_for(self, num_expected: int) -> int:
+        """The free block where a new run of blocks starts, for a sequence expected to need
+        `num_expected` of them: in the shortest run of free blocks that holds them all (else in the
+        longest), centred, so that a sequence ending just before the run can grow into it as well;
+        at the run's start where it begins the pool or is too short (nothing else grows into it)."""
+        edges = np.diff(self._free_map)
+        starts = np.flatnonzero(edges == 1)  # the runs' first blocks
+        lengths = np.flatnonzero(edges == -1) - starts
+        fits = np.flatnonzero(lengths >= num_expected)
+        chosen = int(fits[np.argmin(lengths[fits])]) if len(fits) else int(np.argmax(lengths))
+        start, length = int(starts[chosen]), int(lengths[chosen])
+        return start if start == 0 else start + max(0, length - num_expected) // 2
+
+    def _add_free(self, block_id: int) -> None:
+        self.free_block_ids[block_id] = None
+        self._free_map[block_id + 1] = 1
 
     def _forget_hash(self, block_id: int) -> None:
         """Unname a cached block (no request holds it): no request hits it any more."""
@@ -329,7 +375,7 @@ class BlockManager:
             assert self.ref_counts[block_id] == 0, f"block {block_id} of LoRA {lora_name!r} is in use"
             del self.evictor[block_id]
             self._forget_hash(block_id)
-            self.free_block_ids.append(block_id)
+            self._add_free(block_id)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no sequence holds, as eviction would: later requests compute
@@ -340,7 +386,7 @@ class BlockManager:
         self.evictor.clear()
         for block_id in forgotten:
             self._forget_hash(block_id)
-            self.free_block_ids.append(block_id)
+            self._add_free(block_id)
         return len(forgotten)
 
     # -- KV events -------------------------------------------------------------------------------------
@@ -365,7 +411,8 @@ class BlockManager:
     def _copy_on_write(self, seq: Sequence) -> None:
         index = seq.num_computed_tokens // self.block_size
         shared = seq.block_table[index]
-        private = self._pop_free_block()
+        num_expected = max(1, self.num_blocks_to_hold(seq.max_num_tokens) - index)  # this one and after
+        private = self._pop_free_block(seq.block_table[index - 1] if index else None, num_expected)
         self.ref_counts[shared] -= 1
         self.ref_counts[private] = 1
         seq.block_table[index] = private
