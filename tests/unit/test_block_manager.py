@@ -55,6 +55,19 @@ def test_a_new_run_starts_in_the_shortest_free_run_that_holds_it_centred() -> No
     assert bm.allocate(seq("e", list(range(4)), max_tokens=76), 4) == [12]
 
 
+def test_without_find_room_a_new_run_starts_at_the_block_freed_first() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, watermark=0.0, find_room=False)
+    a, b = seq("a", list(range(8))), seq("b", list(range(8)))
+    assert bm.allocate(a, 8) == [0, 1] and bm.allocate(b, 8) == [2, 3]  # no room left for a to grow
+    bm.free(a)  # free, in the order freed: 4 .. 7, then 1, 0 (the tail first)
+    c = seq("c", list(range(4)), max_tokens=4)  # 2 blocks at most: 0..1 would hold them exactly
+    assert bm.allocate(c, 4) == [4]  # but it takes the oldest free block
+    c.num_computed_tokens = 4
+    assert bm.append_slot(c, 1) == [5]  # runs still go on where the next block is free
+    b.num_computed_tokens = 8
+    assert bm.append_slot(b, 1) == [6]  # b's next block (4) is c's: the oldest free one
+
+
 def test_free_blocks_are_taken_before_any_cached_block_is_evicted() -> None:
     bm = BlockManager(num_blocks=6, block_size=2, watermark=0.0, enable_prefix_caching=True)
     a = seq("a", [1, 2, 3, 4])

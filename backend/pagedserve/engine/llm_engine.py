@@ -78,6 +78,7 @@ class LLMEngine:
             config.cache.watermark,
             num_cpu_blocks=self.executor.num_cpu_blocks,
             enable_prefix_caching=config.cache.enable_prefix_caching,
+            find_room=config.device == "cpu",  # where decode attention reads runs of blocks faster
         )
         self.scheduler = Scheduler(config.scheduler, block_manager)
         self.metrics = EngineMetrics(
