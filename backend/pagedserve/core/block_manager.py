@@ -73,12 +73,12 @@ class BlockManager:
     lie in ascending runs, which CPU decode attention reads as one stream (~30% faster than scattered
     blocks: the hardware prefetchers follow a run, bench/README.md). A sequence that cannot continue
     (a new one, or one whose next block is taken) starts a new run in the shortest run of free blocks
-    that holds what it may grow to (`_room_for`; with `find_room` off, at the free block freed first:
-    the search reads the whole pool, 13-19 us for 6,000 blocks but up to ~0.3 ms for 170,000, and it
-    is measured to pay only where attention reads the cache from host memory). Free blocks are used before any cached block is
-    evicted, and eviction keeps its LRU order: placement never costs the prefix cache a hit. So with
-    the prefix cache full of idle blocks (every block named, as on a long busy run) the blocks come
-    in eviction order and runs are short.
+    that holds what it may grow to (`_room_for`). That search reads the whole pool (13-19 us for
+    6,000 blocks, up to ~0.3 ms for 170,000) and is measured to pay only on CPUs, so with `find_room`
+    off a new run starts at the free block freed first. Free blocks are used before any cached block
+    is evicted, and eviction keeps its LRU order: placement never costs the prefix cache a hit. So
+    with the prefix cache full of idle blocks (every block named, as on a long busy run) the blocks
+    come in eviction order and runs are short.
 
     Sharing a partly filled block (after a fork) is copy-on-write: the first sequence to write into
     it gets a copy, recorded in `blocks_to_copy` for the cache engine to perform before the step.
@@ -324,10 +324,8 @@ class BlockManager:
     def _pop_free_block(self, after: int | None, num_expected: int = 1) -> int:
         """A block to follow block `after` in a table, for a sequence expected to need `num_expected`
         more blocks (this one included). A free block if there is one: block `after` + 1 where that is
-        free, so that a sequence's blocks lie in ascending runs (decode attention reads a run of
-        blocks as one stream, ~30% faster than scattered blocks on CPUs), else where `_room_for`
-        places a new run. Only when no block is free is a cached one evicted: the least recently
-        freed, as before, so placing blocks never costs the prefix cache a hit."""
+        free, else the start of a new run. Only when no block is free is a cached one evicted, the
+        least recently freed."""
         if not self.free_block_ids:
             block_id, _ = self.evictor.popitem(last=False)  # evict: forget its hash first
             self._forget_hash(block_id)
