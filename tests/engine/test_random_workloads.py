@@ -138,9 +138,8 @@ def check_invariants(s: Scheduler) -> None:
     assert len(free) == len(set(free)) and not set(free) & set(evictor) and not set(free) & set(holders)
     assert not set(evictor) & set(holders)
     assert len(free) + len(evictor) + len(holders) == bm.num_blocks
-    assert (
-        bm._free_map[1:-1].nonzero()[0].tolist() == sorted(free)
-    )  # the map placement reads    # a block shared by several sequences sits at the same index and holds the same tokens for each
+    assert bm._free_map[1:-1].nonzero()[0].tolist() == sorted(free)  # the map placement reads
+    # a block shared by several sequences sits at the same index and holds the same tokens for each
     for block_id, seqs in holders.items():
         index = seqs[0].block_table.index(block_id)
         span = slice(index * bm.block_size, (index + 1) * bm.block_size)

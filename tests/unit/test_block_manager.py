@@ -44,7 +44,7 @@ def test_a_new_run_starts_in_the_shortest_free_run_that_holds_it_centred() -> No
     assert sorted(by_block) == list(range(20))
     for block_id in [2, 3, 4, *range(8, 14)]:  # free runs 2..4 (3 blocks) and 8..13 (6 blocks)
         bm.free(by_block[block_id])
-    # 2 blocks now, 3 at most (9 + 3 tokens; the last is never cached): 2..4 holds them exactly
+    # 2 blocks now, 3 at most (8 + 5 tokens, the last never run): 2..4 holds them exactly
     assert bm.allocate(seq("a", list(range(8)), max_tokens=5), 8) == [2, 3]
     # 4 at most: only 8..13 holds them; centred, 1 block is left on either side
     d = seq("d", list(range(8)), max_tokens=9)
