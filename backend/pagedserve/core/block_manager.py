@@ -308,6 +308,8 @@ class BlockManager:
     # -- helpers -------------------------------------------------------------------------------------
 
     def _take(self, seq: Sequence, num_blocks: int) -> list[int]:
+        if not num_blocks:  # most decode steps of most sequences
+            return []
         if num_blocks > self.num_free_blocks:
             raise RuntimeError(
                 f"out of KV blocks: {seq.request_id} needs {num_blocks}, {self.num_free_blocks} free"
@@ -321,7 +323,7 @@ class BlockManager:
             seq.block_table.append(block_id)
         return seq.block_table[len(seq.block_table) - num_blocks :]
 
-    def _pop_free_block(self, after: int | None, num_expected: int = 1) -> int:
+    def _pop_free_block(self, after: int | None, num_expected: int) -> int:
         """A block to follow block `after` in a table, for a sequence expected to need `num_expected`
         more blocks (this one included). A free block if there is one: block `after` + 1 where that is
         free, else the start of a new run. Only when no block is free is a cached one evicted, the
