@@ -175,7 +175,8 @@ def test_bf16_linear_layers_run_on_avx512_panels_without_amx(
 ) -> None:
     """Without AMX, on AVX512-BF16: eager, every multiply of every step reads the AVX512-BF16 panels;
     compiled, the prefill step's layers are inductor's oneDNN matmuls and its LM head ours, and each
-    decode step's four multiplies a layer (in `decode_layers`) and LM head are ours."""
+    decode step is one `decode_layers` call, which multiplies the panels itself (no op dispatched per
+    multiply), and the LM head ours."""
     if not decode_layers_available():
         pytest.skip("no AVX512-BF16 build of the C++ kernels here")
     monkeypatch.setattr(pagedserve.worker.model_runner, "amx_linear_available", lambda: False)
@@ -192,7 +193,10 @@ def test_bf16_linear_layers_run_on_avx512_panels_without_amx(
         assert calls.get("pagedserve_cpu::linear_avx512") == 3 * (num_linears + 1)  # three steps
         assert "mkldnn::_linear_pointwise" not in calls
     else:
-        assert calls.get("pagedserve_cpu::linear_avx512") == 2 * (num_linears + 1) + 1  # 2 decodes, 1 LM head
+        linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+        assert len(linears) == num_linears and all(m.packed_weight.dim() == 4 for m in linears)
+        assert calls.get("pagedserve_cpu::decode_layers") == 2  # the two decode steps
+        assert calls.get("pagedserve_cpu::linear_avx512") == 3  # each step's LM head
         assert calls.get("mkldnn::_linear_pointwise") == num_linears  # the prefill, in the compiled pass
     assert len(out[0].outputs[0].token_ids) == 3
 

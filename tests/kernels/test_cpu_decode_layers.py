@@ -245,6 +245,66 @@ def test_rows_do_not_depend_on_the_batch() -> None:
         assert torch.equal(run_kernel(model, alone)[0], together[i])
 
 
+def draft_step(head_dim: int = HEAD_DIM) -> dict[str, torch.Tensor]:
+    """A verifying step of speculative decoding: six rows, rows 2-4 one sequence's last token and two
+    drafts (positions 20-22, each attending to the rows before it), across the middle where two
+    threads split the rows; the others one sequence each."""
+    step = make_step(4, head_dim=head_dim)
+    rows = torch.tensor([0, 1, 1, 1, 2, 3])
+    positions = step["positions"][rows].clone()
+    positions[1:4] = torch.tensor([20, 21, 22])
+    tables = step["block_tables"][rows].contiguous()
+    slots = tables[torch.arange(6), positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
+    return {
+        **step,
+        "input_ids": step["input_ids"][rows].clone(),
+        "positions": positions,
+        "slot_mapping": slots,
+        "block_tables": tables,
+        "context_lens": (positions + 1).to(torch.int32),
+    }
+
+
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
+def test_draft_rows_read_the_rows_before_them(head_dim: int) -> None:
+    """Rows of one sequence in one step: each row's attention reads the K/V the rows before it wrote
+    this step, whichever thread wrote them (head_dim 64 takes the AVX512-BF16 attention rows)."""
+    model, step = make_model(False, head_dim=head_dim), draft_step(head_dim)
+    ours, ref_step = clone_step(step), clone_step(step)
+    torch.testing.assert_close(
+        run_kernel(model, ours, head_dim=head_dim).float(),
+        run_reference(model, ref_step, head_dim=head_dim).float(),
+        atol=0.05,
+        rtol=0.03,
+    )
+    for name in ("k_caches", "v_caches"):
+        for layer in range(LAYERS):
+            torch.testing.assert_close(
+                ours[name][layer].float(), ref_step[name][layer].float(), atol=0.05, rtol=0.03
+            )
+
+
+@pytest.mark.parametrize("num_seqs", [1, 7, 40])
+def test_the_same_bits_on_any_number_of_threads(num_seqs: int) -> None:
+    """The step's threads split rows, panels and attention rows among themselves and meet at barriers:
+    one thread, two, and more threads than this machine has cores (waits that yield) give the same
+    hidden states and caches to the bit."""
+    model, step = make_model(True, head_dim=64), make_step(num_seqs, head_dim=64)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 5):
+            torch.set_num_threads(n)
+            ours = clone_step(step)
+            results.append((run_kernel(model, ours, head_dim=64), ours["k_caches"], ours["v_caches"]))
+    finally:
+        torch.set_num_threads(threads)
+    first = results[0]
+    for out, k_caches, v_caches in results[1:]:
+        assert torch.equal(out, first[0])
+        assert all(torch.equal(a, b) for a, b in zip(k_caches + v_caches, first[1] + first[2], strict=True))
+
+
 def test_refuses_bad_inputs_with_a_message() -> None:
     model, step = make_model(False), make_step(4)
     bad_id = clone_step(step)
@@ -265,3 +325,25 @@ def test_refuses_bad_inputs_with_a_message() -> None:
     model.norms = model.norms[:-1]
     with pytest.raises(RuntimeError, match="two norms a layer"):
         run_kernel(model, clone_step(step))
+
+
+@pytest.mark.skipif("not cpu.load() or not cpu.linear_avx512_supported()", reason="no AVX512-BF16")
+def test_refuses_what_its_threads_would_misread() -> None:
+    """On AVX512-BF16 panels the step runs in one parallel region, where nothing may throw: a slot past
+    the cache, a weight packed for other sizes and a cache of other heads are refused before it."""
+    model, step = make_model(False), make_step(4)
+    bad_slot = clone_step(step)
+    bad_slot["slot_mapping"][1] = NUM_BLOCKS * BLOCK_SIZE
+    with pytest.raises(RuntimeError, match=f"slot {NUM_BLOCKS * BLOCK_SIZE} is past the cache's"):
+        run_kernel(model, bad_slot, packing="avx512")
+    wide = make_model(False)
+    wide.down = [bf16(HIDDEN, INTER + 32) for _ in range(LAYERS)]
+    with pytest.raises(RuntimeError, match="a down weight packed for 64 x 96 does not match"):
+        run_kernel(wide, clone_step(step), packing="avx512")
+    other_heads = clone_step(step)
+    for name in ("k_caches", "v_caches"):
+        other_heads[name] = [c.view(NUM_BLOCKS, BLOCK_SIZE, 1, 2 * HEAD_DIM) for c in other_heads[name]]
+    with pytest.raises(
+        RuntimeError, match=r"KV caches must be contiguous bfloat16 \[blocks, block_size, 2, 16\]"
+    ):
+        run_kernel(model, other_heads, packing="avx512")

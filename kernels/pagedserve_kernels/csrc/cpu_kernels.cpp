@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include "bf16_vec.h"
+#include "decode_parts.h"
 #include "paged_checks.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -122,7 +123,7 @@ inline float exp_nonpositive(float x) {
 // paged_attention_decode), and the slot arithmetic of the paged layout.
 template <typename scalar_t>
 struct DecodeArgs {
-  DecodeArgs(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+  DecodeArgs(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
              const at::Tensor& block_tables, const at::Tensor& context_lens, double scale)
       : num_seqs(query.size(0)),
         num_heads(query.size(1)),
@@ -172,71 +173,66 @@ struct DecodeArgs {
 // when contexts differ: prefill rows (one a query token) grow with their position.
 template <typename scalar_t, typename F>
 void parallel_over_rows(const DecodeArgs<scalar_t>& a, const F& fn) {
-  constexpr int64_t kRowCost = 16;
   const int64_t parts = std::min<int64_t>(at::get_num_threads(), a.num_seqs);
-  std::vector<int64_t> work(a.num_seqs + 1, 0);  // work[r]: rows before r
-  for (int64_t r = 0; r < a.num_seqs; ++r) work[r + 1] = work[r] + a.context_len(r) + kRowCost;
-  const auto first_row_at = [&](int64_t part) {  // the first row whose work starts at or past part's share
-    return std::lower_bound(work.begin(), work.end(), work.back() * part / parts) - work.begin();
-  };
+  const std::vector<int64_t> bounds = pagedserve::decode_row_split(a.lens, a.num_seqs, parts);
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    for (int64_t part = part_begin; part < part_end; ++part) {
-      const int64_t begin = first_row_at(part), end = part + 1 == parts ? a.num_seqs : first_row_at(part + 1);
-      if (begin < end) fn(begin, end);
-    }
+    for (int64_t part = part_begin; part < part_end; ++part)
+      if (bounds[part] < bounds[part + 1]) fn(bounds[part], bounds[part + 1]);
   });
+}
+
+// Rows [begin, end), on the calling thread: one sequence at a time, all its heads together (a slot's K,
+// then V, row for every KV head is one contiguous read, widened once).
+template <typename scalar_t, int64_t kDim>
+void decode_rows(const DecodeArgs<scalar_t>& a, int64_t begin, int64_t end) {
+  const int64_t num_heads = a.num_heads, dim = a.dim, slot_size = a.slot_size;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<float> qf(num_heads * dim), acc(num_heads * dim), rows(kChunk * slot_size);
+  std::vector<float> scores(num_heads * kChunk), maxes(num_heads), sums(num_heads);
+  int64_t offsets[kChunk];
+  for (int64_t seq = begin; seq < end; ++seq) {
+    const int64_t context_len = a.context_len(seq);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      widen(a.query_head(seq, h), qf.data() + h * dim, dim);
+      scale_by<kDim>(a.scale, qf.data() + h * dim, dim);
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(maxes.begin(), maxes.end(), neg_inf);
+    std::fill(sums.begin(), sums.end(), 0.0f);
+    for (int64_t first = 0; first < context_len; first += kChunk) {
+      const int64_t n = std::min(kChunk, context_len - first);
+      for (int64_t t = 0; t < n; ++t) offsets[t] = a.slot_offset(seq, first + t);
+      for (int64_t t = 0; t < n; ++t) widen(a.k_cache + offsets[t], rows.data() + t * slot_size, slot_size);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float* key = rows.data() + (h / a.group) * dim;
+        float* s = scores.data() + h * kChunk;
+        score_chunk<kDim>(qf.data() + h * dim, key, slot_size, n, s, dim);
+        float chunk_max = maxes[h];
+        for (int64_t t = 0; t < n; ++t) chunk_max = std::max(chunk_max, s[t]);
+        const float correction = std::exp(maxes[h] - chunk_max);  // 0 on the first chunk (exp(-inf))
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; ++t) {
+          s[t] = exp_nonpositive(s[t] - chunk_max);
+          sum += s[t];
+        }
+        sums[h] = sums[h] * correction + sum;
+        maxes[h] = chunk_max;
+        scale_by<kDim>(correction, acc.data() + h * dim, dim);
+      }
+      for (int64_t t = 0; t < n; ++t) widen(a.v_cache + offsets[t], rows.data() + t * slot_size, slot_size);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float* value = rows.data() + (h / a.group) * dim;
+        accumulate_chunk<kDim>(scores.data() + h * kChunk, value, slot_size, n, acc.data() + h * dim, dim);
+      }
+    }
+    for (int64_t h = 0; h < num_heads; ++h) a.store(seq, h, acc.data() + h * dim, sums[h]);
+  }
 }
 
 template <typename scalar_t, int64_t kDim>
 void decode_kernel(const DecodeArgs<scalar_t>& a) {
-  const int64_t num_heads = a.num_heads, dim = a.dim, slot_size = a.slot_size;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-
-  // One sequence at a time per thread, all its heads together: a slot's K (then V) row for every KV
-  // head is one contiguous read, widened once.
-  parallel_over_rows(a, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(num_heads * dim), acc(num_heads * dim), rows(kChunk * slot_size);
-    std::vector<float> scores(num_heads * kChunk), maxes(num_heads), sums(num_heads);
-    int64_t offsets[kChunk];
-    for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t context_len = a.context_len(seq);
-      for (int64_t h = 0; h < num_heads; ++h) {
-        widen(a.query_head(seq, h), qf.data() + h * dim, dim);
-        scale_by<kDim>(a.scale, qf.data() + h * dim, dim);
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(maxes.begin(), maxes.end(), neg_inf);
-      std::fill(sums.begin(), sums.end(), 0.0f);
-      for (int64_t first = 0; first < context_len; first += kChunk) {
-        const int64_t n = std::min(kChunk, context_len - first);
-        for (int64_t t = 0; t < n; ++t) offsets[t] = a.slot_offset(seq, first + t);
-        for (int64_t t = 0; t < n; ++t) widen(a.k_cache + offsets[t], rows.data() + t * slot_size, slot_size);
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const float* key = rows.data() + (h / a.group) * dim;
-          float* s = scores.data() + h * kChunk;
-          score_chunk<kDim>(qf.data() + h * dim, key, slot_size, n, s, dim);
-          float chunk_max = maxes[h];
-          for (int64_t t = 0; t < n; ++t) chunk_max = std::max(chunk_max, s[t]);
-          const float correction = std::exp(maxes[h] - chunk_max);  // 0 on the first chunk (exp(-inf))
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; ++t) {
-            s[t] = exp_nonpositive(s[t] - chunk_max);
-            sum += s[t];
-          }
-          sums[h] = sums[h] * correction + sum;
-          maxes[h] = chunk_max;
-          scale_by<kDim>(correction, acc.data() + h * dim, dim);
-        }
-        for (int64_t t = 0; t < n; ++t) widen(a.v_cache + offsets[t], rows.data() + t * slot_size, slot_size);
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const float* value = rows.data() + (h / a.group) * dim;
-          accumulate_chunk<kDim>(scores.data() + h * kChunk, value, slot_size, n, acc.data() + h * dim, dim);
-        }
-      }
-      for (int64_t h = 0; h < num_heads; ++h) a.store(seq, h, acc.data() + h * dim, sums[h]);
-    }
-  });
+  parallel_over_rows(a, [&](int64_t begin, int64_t end) { decode_rows<scalar_t, kDim>(a, begin, end); });
 }
 
 
@@ -356,64 +352,67 @@ inline void accumulate_tile(const c10::BFloat16* values, const int64_t* offsets,
     for (int i = 0; i < kVecs; ++i) _mm512_store_ps(states[g].acc + 16 * i, acc[g][i]);
 }
 
+// Rows [begin, end), on the calling thread.
 template <int64_t kDim>
-void decode_kernel_avx512_bf16(const DecodeArgs<c10::BFloat16>& a) {
+void decode_rows_avx512_bf16(const DecodeArgs<c10::BFloat16>& a, int64_t begin, int64_t end) {
   using bf16 = c10::BFloat16;
   constexpr int kPairs = kDim / 32;
   constexpr int kHeadsPerPass = 256 / kDim;  // accumulators of this many heads fit in 16 registers
   const int64_t group = a.group;
   const __m512 vscale = _mm512_set1_ps(a.scale);
-
-  parallel_over_rows(a, [=](int64_t begin, int64_t end) {
-    std::vector<HeadState<kDim>> states(a.num_heads);
-    std::vector<__m512> score_storage(group * kTile / 16);  // aligned: [group][kTile] floats
-    float* scores = reinterpret_cast<float*>(score_storage.data());
-    float corrections[kHeadsPerPass];
-    int64_t offsets[kTile];
-    const bf16* keys[kChunk];
-    for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t context_len = a.context_len(seq);
-      std::fill(states.begin(), states.end(), HeadState<kDim>());
-      for (int64_t first = 0; first < context_len; first += kTile) {
-        const int64_t n = std::min(kTile, context_len - first);
-        const int64_t padded = (n + kChunk - 1) / kChunk * kChunk;  // past n: the last slot again
-        for (int64_t t = 0; t < padded; ++t) offsets[t] = a.slot_offset(seq, first + std::min(t, n - 1));
-        for (int64_t kv = 0; kv < a.num_kv_heads; ++kv) {
-          HeadState<kDim>* group_states = states.data() + kv * group;
-          for (int64_t g = 0; g < group; ++g) {
-            __m512bh q[kPairs];
-            const bf16* qh = a.query_head(seq, kv * group + g);
-            for (int i = 0; i < kPairs; ++i) q[i] = (__m512bh)_mm512_loadu_si512(qh + 32 * i);
-            float* s = scores + g * kTile;
-            for (int64_t c = 0; c < n; c += kChunk) {
-              for (int64_t t = 0; t < kChunk; ++t) keys[t] = a.k_cache + offsets[c + t] + kv * kDim;
-              _mm512_store_ps(s + c, score16<kDim>(q, keys, vscale));
-            }
+  std::vector<HeadState<kDim>> states(a.num_heads);
+  std::vector<__m512> score_storage(group * kTile / 16);  // aligned: [group][kTile] floats
+  float* scores = reinterpret_cast<float*>(score_storage.data());
+  float corrections[kHeadsPerPass];
+  int64_t offsets[kTile];
+  const bf16* keys[kChunk];
+  for (int64_t seq = begin; seq < end; ++seq) {
+    const int64_t context_len = a.context_len(seq);
+    std::fill(states.begin(), states.end(), HeadState<kDim>());
+    for (int64_t first = 0; first < context_len; first += kTile) {
+      const int64_t n = std::min(kTile, context_len - first);
+      const int64_t padded = (n + kChunk - 1) / kChunk * kChunk;  // past n: the last slot again
+      for (int64_t t = 0; t < padded; ++t) offsets[t] = a.slot_offset(seq, first + std::min(t, n - 1));
+      for (int64_t kv = 0; kv < a.num_kv_heads; ++kv) {
+        HeadState<kDim>* group_states = states.data() + kv * group;
+        for (int64_t g = 0; g < group; ++g) {
+          __m512bh q[kPairs];
+          const bf16* qh = a.query_head(seq, kv * group + g);
+          for (int i = 0; i < kPairs; ++i) q[i] = (__m512bh)_mm512_loadu_si512(qh + 32 * i);
+          float* s = scores + g * kTile;
+          for (int64_t c = 0; c < n; c += kChunk) {
+            for (int64_t t = 0; t < kChunk; ++t) keys[t] = a.k_cache + offsets[c + t] + kv * kDim;
+            _mm512_store_ps(s + c, score16<kDim>(q, keys, vscale));
           }
-          for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
-            const int64_t count = std::min<int64_t>(kHeadsPerPass, group - g0);
-            for (int64_t g = 0; g < count; ++g)
-              corrections[g] = softmax_tile<kDim>(scores + (g0 + g) * kTile, n, group_states[g0 + g]);
-            const bf16* values = a.v_cache + kv * kDim;
-            const float* probs = scores + g0 * kTile;
-            // count <= kHeadsPerPass: 4 for head size 64, 2 for 128
-            if (count == 1) {
-              accumulate_tile<kDim, 1>(values, offsets, n, probs, corrections, group_states + g0);
-            } else if (count == 2) {
-              accumulate_tile<kDim, 2>(values, offsets, n, probs, corrections, group_states + g0);
-            } else if constexpr (kHeadsPerPass == 4) {
-              if (count == 3) {
-                accumulate_tile<kDim, 3>(values, offsets, n, probs, corrections, group_states + g0);
-              } else {
-                accumulate_tile<kDim, 4>(values, offsets, n, probs, corrections, group_states + g0);
-              }
+        }
+        for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
+          const int64_t count = std::min<int64_t>(kHeadsPerPass, group - g0);
+          for (int64_t g = 0; g < count; ++g)
+            corrections[g] = softmax_tile<kDim>(scores + (g0 + g) * kTile, n, group_states[g0 + g]);
+          const bf16* values = a.v_cache + kv * kDim;
+          const float* probs = scores + g0 * kTile;
+          // count <= kHeadsPerPass: 4 for head size 64, 2 for 128
+          if (count == 1) {
+            accumulate_tile<kDim, 1>(values, offsets, n, probs, corrections, group_states + g0);
+          } else if (count == 2) {
+            accumulate_tile<kDim, 2>(values, offsets, n, probs, corrections, group_states + g0);
+          } else if constexpr (kHeadsPerPass == 4) {
+            if (count == 3) {
+              accumulate_tile<kDim, 3>(values, offsets, n, probs, corrections, group_states + g0);
+            } else {
+              accumulate_tile<kDim, 4>(values, offsets, n, probs, corrections, group_states + g0);
             }
           }
         }
       }
-      for (int64_t h = 0; h < a.num_heads; ++h) a.store(seq, h, states[h].acc, states[h].sum);
     }
-  });
+    for (int64_t h = 0; h < a.num_heads; ++h) a.store(seq, h, states[h].acc, states[h].sum);
+  }
+}
+
+template <int64_t kDim>
+void decode_kernel_avx512_bf16(const DecodeArgs<c10::BFloat16>& a) {
+  parallel_over_rows(a, [&](int64_t begin, int64_t end) { decode_rows_avx512_bf16<kDim>(a, begin, end); });
 }
 #endif  // PAGEDSERVE_AVX512_BF16
 
@@ -595,6 +594,33 @@ std::string decode_isa() {
 }
 
 }  // namespace
+
+std::vector<int64_t> pagedserve::decode_row_split(const int32_t* context_lens, int64_t num_rows, int64_t parts) {
+  constexpr int64_t kRowCost = 16;
+  std::vector<int64_t> work(num_rows + 1, 0);  // work[r]: rows before r
+  for (int64_t r = 0; r < num_rows; ++r) work[r + 1] = work[r] + context_lens[r] + kRowCost;
+  std::vector<int64_t> bounds(parts + 1, num_rows);
+  for (int64_t part = 0; part < parts; ++part)  // the first row whose work starts at or past part's share
+    bounds[part] = std::lower_bound(work.begin(), work.end(), work.back() * part / parts) - work.begin();
+  return bounds;
+}
+
+void pagedserve::decode_attention_rows_bf16(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                            const at::Tensor& context_lens, double scale, int64_t begin,
+                                            int64_t end) {
+  const DecodeArgs<c10::BFloat16> args(out, query, k_cache, v_cache, block_tables, context_lens, scale);
+  switch (args.dim) {  // the paths dispatch_dim takes
+#ifdef PAGEDSERVE_AVX512_BF16
+    case 64: return decode_rows_avx512_bf16<64>(args, begin, end);
+    case 128: return decode_rows_avx512_bf16<128>(args, begin, end);
+#else
+    case 64: return decode_rows<c10::BFloat16, 64>(args, begin, end);
+    case 128: return decode_rows<c10::BFloat16, 128>(args, begin, end);
+#endif
+    default: return decode_rows<c10::BFloat16, 0>(args, begin, end);
+  }
+}
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("decode_isa() -> str", &decode_isa);

@@ -6,11 +6,18 @@
 // microseconds of dispatch, and its fused elementwise kernels are tiny at decode batch sizes. Here a
 // layer is: residual add + RMSNorm, the qkv multiply, (Qwen3: RMSNorm of each q and k head,) rotary on
 // q and k, the KV write and decode attention (cpu_kernels.cpp), the o multiply, residual add +
-// RMSNorm, the gate_up multiply, SiLU(gate) * up, the down multiply. The multiplies and attention are the same ops the compiled pass
-// calls (through the dispatcher); the elementwise parts are written here in float32, rounded to
-// bfloat16 once per output as inductor's fused kernels do, but with each residual add rounded as the
+// RMSNorm, the gate_up multiply, SiLU(gate) * up, the down multiply. The multiplies and attention are
+// the same kernels the compiled pass calls; the elementwise parts are written here in float32, rounded
+// to bfloat16 once per output as inductor's fused kernels do, but with each residual add rounded as the
 // eager model rounds it (inductor sums several adds in float32 first), so greedy bfloat16 tokens can
 // part from the compiled pass's where two logits are within rounding of each other.
+//
+// With the weights in AVX512-BF16 panels (CPUs without AMX) the whole step is one parallel region
+// (decode_layers_team): its threads run each part on their share (rows, or panels of output columns)
+// and meet at a spin barrier where the next part reads another thread's output. Opening an ATen
+// region for each part and dispatching each op had cost the 2-core Zen 4 machine 31% of a 16-sequence
+// step (20.1 against 13.7 ms) and 12% of a 64-sequence one (bench/README.md, "one parallel region").
+// Other packings (AMX tiles, oneDNN) call the ops, each with its own region.
 //
 // bfloat16 only, on CPUs with AVX512-BF16, with the linear weights packed (for AMX tiles where the CPU
 // has them, else in AVX512-BF16 panels, or for oneDNN), full rotary (NeoX layout), no biases but an
@@ -23,11 +30,18 @@
 #include <torch/library.h>
 
 #include "bf16_vec.h"
+#include "decode_parts.h"
 #include "paged_checks.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #define PAGEDSERVE_DECODE_LAYERS 1
@@ -36,6 +50,7 @@
 #endif
 #include <ATen/cpu/vec/vec.h>
 #include <immintrin.h>
+#include <omp.h>
 // Products and sums rounded one at a time, as inductor compiles its kernels (-ffp-contract=off).
 #pragma GCC optimize("fp-contract=off")
 #endif
@@ -58,31 +73,34 @@ void for_rows(int64_t rows, const F& fn) {
   });
 }
 
-// residual = x + residual (skipped when `x` is null: the first layer), then
+// Row r: residual = x + residual (skipped when `x` is null: the first layer), then
 // out = weight * (residual * rsqrt(mean(residual^2) + eps)), each rounded to bfloat16 once.
+void add_rms_norm_row(const BF16* x, BF16* residual, const BF16* weight, BF16* out, int64_t r, int64_t dim,
+                      float eps) {
+  BF16* res = residual + r * dim;
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (int64_t j = 0; j < dim; j += 32) {
+    __m512 a = load_bf16(res + j), b = load_bf16(res + j + 16);
+    if (x != nullptr) {
+      a = _mm512_add_ps(load_bf16(x + r * dim + j), a);
+      b = _mm512_add_ps(load_bf16(x + r * dim + j + 16), b);
+      store_bf16(res + j, a);
+      store_bf16(res + j + 16, b);
+      a = load_bf16(res + j);  // the norm reads the rounded residual, as the next layer will
+      b = load_bf16(res + j + 16);
+    }
+    acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(a, a));
+    acc1 = _mm512_add_ps(acc1, _mm512_mul_ps(b, b));
+  }
+  const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) / dim + eps);
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int64_t j = 0; j < dim; j += 16)
+    store_bf16(out + r * dim + j, _mm512_mul_ps(load_bf16(weight + j), _mm512_mul_ps(load_bf16(res + j), scale)));
+}
+
 void add_rms_norm(const BF16* x, BF16* residual, const BF16* weight, BF16* out, int64_t rows, int64_t dim,
                   float eps) {
-  for_rows(rows, [&](int64_t r) {
-    BF16* res = residual + r * dim;
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    for (int64_t j = 0; j < dim; j += 32) {
-      __m512 a = load_bf16(res + j), b = load_bf16(res + j + 16);
-      if (x != nullptr) {
-        a = _mm512_add_ps(load_bf16(x + r * dim + j), a);
-        b = _mm512_add_ps(load_bf16(x + r * dim + j + 16), b);
-        store_bf16(res + j, a);
-        store_bf16(res + j + 16, b);
-        a = load_bf16(res + j);  // the norm reads the rounded residual, as the next layer will
-        b = load_bf16(res + j + 16);
-      }
-      acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(a, a));
-      acc1 = _mm512_add_ps(acc1, _mm512_mul_ps(b, b));
-    }
-    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) / dim + eps);
-    const __m512 scale = _mm512_set1_ps(inv);
-    for (int64_t j = 0; j < dim; j += 16)
-      store_bf16(out + r * dim + j, _mm512_mul_ps(load_bf16(weight + j), _mm512_mul_ps(load_bf16(res + j), scale)));
-  });
+  for_rows(rows, [&](int64_t r) { add_rms_norm_row(x, residual, weight, out, r, dim, eps); });
 }
 
 __mmask16 lanes(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
@@ -101,48 +119,56 @@ void rms_norm_head(const BF16* x, const BF16* weight, BF16* out, int64_t dim, fl
   }
 }
 
-// q and k heads of each qkv row (the first heads_qk * dim values) rotated into `out` [rows, heads_qk,
-// dim], NeoX layout: the two halves of a head pair up with cos and sin of the token's position. With
+// q and k heads of qkv row r (its first heads_qk * dim values) rotated into row r of `out` [rows,
+// heads_qk, dim], NeoX layout: the two halves of a head pair up with cos and sin of the token's position. With
 // `q_norm` and `k_norm` (Qwen3), each query head is first RMS-normed with `q_norm` and each key head
 // (those from `num_heads` on) with `k_norm`, into `out`, and rotated there (each lane is read before
 // it is written).
+void rotary_row(const BF16* qkv, int64_t ld_qkv, const int64_t* positions, const float* cos_sin, BF16* out,
+                int64_t r, int64_t num_heads, int64_t heads_qk, int64_t dim, const BF16* q_norm, const BF16* k_norm,
+                float eps) {
+  const int64_t half = dim / 2;
+  const float* cos = cos_sin + positions[r] * dim;
+  const float* sin = cos + half;
+  for (int64_t h = 0; h < heads_qk; ++h) {
+    const BF16* x = qkv + r * ld_qkv + h * dim;
+    BF16* y = out + (r * heads_qk + h) * dim;
+    if (q_norm != nullptr) {
+      rms_norm_head(x, h < num_heads ? q_norm : k_norm, y, dim, eps);
+      x = y;
+    }
+    for (int64_t i = 0; i < half; i += 16) {
+      const __mmask16 m = lanes(half - i);
+      const __m512 x1 = load_bf16(x + i, m), x2 = load_bf16(x + half + i, m);
+      const __m512 c = _mm512_maskz_loadu_ps(m, cos + i), s = _mm512_maskz_loadu_ps(m, sin + i);
+      store_bf16(y + i, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)), m);
+      store_bf16(y + half + i, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)), m);
+    }
+  }
+}
+
 void rotary(const BF16* qkv, int64_t ld_qkv, const int64_t* positions, const float* cos_sin, BF16* out,
             int64_t rows, int64_t num_heads, int64_t heads_qk, int64_t dim, const BF16* q_norm, const BF16* k_norm,
             float eps) {
-  const int64_t half = dim / 2;
   for_rows(rows, [&](int64_t r) {
-    const float* cos = cos_sin + positions[r] * dim;
-    const float* sin = cos + half;
-    for (int64_t h = 0; h < heads_qk; ++h) {
-      const BF16* x = qkv + r * ld_qkv + h * dim;
-      BF16* y = out + (r * heads_qk + h) * dim;
-      if (q_norm != nullptr) {
-        rms_norm_head(x, h < num_heads ? q_norm : k_norm, y, dim, eps);
-        x = y;
-      }
-      for (int64_t i = 0; i < half; i += 16) {
-        const __mmask16 m = lanes(half - i);
-        const __m512 x1 = load_bf16(x + i, m), x2 = load_bf16(x + half + i, m);
-        const __m512 c = _mm512_maskz_loadu_ps(m, cos + i), s = _mm512_maskz_loadu_ps(m, sin + i);
-        store_bf16(y + i, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)), m);
-        store_bf16(y + half + i, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)), m);
-      }
-    }
+    rotary_row(qkv, ld_qkv, positions, cos_sin, out, r, num_heads, heads_qk, dim, q_norm, k_norm, eps);
   });
 }
 
-// out [rows, inter] = silu(gate) * up, from gate_up rows [gate | up].
-void silu_and_mul(const BF16* gate_up, BF16* out, int64_t rows, int64_t inter) {
+// out row r [inter] = silu(gate) * up, from gate_up row r [gate | up].
+void silu_and_mul_row(const BF16* gate_up, BF16* out, int64_t r, int64_t inter) {
   using Vec = at::vec::Vectorized<float>;
-  for_rows(rows, [&](int64_t r) {
-    const BF16* g = gate_up + r * 2 * inter;
-    for (int64_t i = 0; i < inter; i += 16) {
-      const __m512 gate = load_bf16(g + i);
-      const __m512 e = static_cast<__m512>(Vec(_mm512_sub_ps(_mm512_setzero_ps(), gate)).exp());
-      const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-      store_bf16(out + r * inter + i, _mm512_mul_ps(silu, load_bf16(g + inter + i)));
-    }
-  });
+  const BF16* g = gate_up + r * 2 * inter;
+  for (int64_t i = 0; i < inter; i += 16) {
+    const __m512 gate = load_bf16(g + i);
+    const __m512 e = static_cast<__m512>(Vec(_mm512_sub_ps(_mm512_setzero_ps(), gate)).exp());
+    const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    store_bf16(out + r * inter + i, _mm512_mul_ps(silu, load_bf16(g + inter + i)));
+  }
+}
+
+void silu_and_mul(const BF16* gate_up, BF16* out, int64_t rows, int64_t inter) {
+  for_rows(rows, [&](int64_t r) { silu_and_mul_row(gate_up, out, r, inter); });
 }
 
 // A weight packed into AMX tiles (5-d, `pack_linear_weight`) multiplies on them; one packed into
@@ -185,6 +211,143 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, double)>();
   return op.call(q, k_cache, v_cache, block_tables, context_lens, scale);
+}
+
+// A barrier for the threads of one parallel region. Two threads meet here in a few hundred
+// nanoseconds by spinning; a parallel region of ATen's costs microseconds to open and close, and a
+// decode step of the default model has ~300 of them. After a long wait (threads outnumbering the
+// cores) it yields the core instead.
+class SpinBarrier {
+ public:
+  void set_threads(int threads) { threads_ = threads; }
+
+  void wait() {
+    const int generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == threads_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(generation + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+      if (spins < kSpins) {
+        _mm_pause();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  static constexpr int kSpins = 1 << 14;
+  int threads_ = 1;
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<int> generation_{0};
+};
+
+// [begin, end) of part `part` of `parts` of [0, n), as at::parallel_for splits a range.
+std::pair<int64_t, int64_t> share(int64_t n, int64_t part, int64_t parts) {
+  const int64_t chunk = (n + parts - 1) / parts;
+  return {std::min(n, part * chunk), std::min(n, (part + 1) * chunk)};
+}
+
+// What decode_layers_team reads: the step's arguments, checked, and its buffers.
+struct TeamStep {
+  int64_t tokens, hidden, head_dim, num_heads, num_kv_heads, heads_qk, n_qkv, inter, layers;
+  float eps;
+  double scale;
+  const int64_t* positions;
+  const int64_t* slots;
+  const float* cos_sin;
+  at::TensorList norms, qkv, qkv_bias, qk_norms, o_proj, gate_up, down, k_caches, v_caches;
+  const BF16* final_norm;
+  at::Tensor tables, lens;                              // contiguous
+  at::Tensor residual, normed, qkv_out, qk, q, attn, out, gu, act;  // q: the query heads of qk
+};
+
+BF16* bf16(const at::Tensor& t) { return t.data_ptr<BF16>(); }
+
+// One thread's part of the step, `thread` of `threads`, meeting the others at `barrier` wherever the
+// next part reads what another thread wrote: norms, SiLU, rotary and the KV writes by rows, the
+// multiplies by panels of output columns, attention by rows of about equal work (`bounds`).
+void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<int64_t>& bounds, int64_t thread,
+                     int64_t threads) {
+  const auto [row0, row1] = share(s.tokens, thread, threads);
+  const auto multiply = [&](const at::Tensor& x, int64_t k, const at::Tensor& packed, const BF16* bias,
+                            const at::Tensor& out, int64_t n) {
+    const auto [panel0, panel1] = share(n / 32, thread, threads);
+    pagedserve::linear_avx512_panels(bf16(x), k, bf16(packed), bias, bf16(out), s.tokens, n, k, panel0, panel1);
+  };
+  const int64_t slot_size = s.num_kv_heads * s.head_dim;
+  BF16* residual = bf16(s.residual);
+  BF16* normed = bf16(s.normed);
+  for (int64_t l = 0; l < s.layers; ++l) {
+    const BF16* added = l == 0 ? nullptr : bf16(s.out);  // the last layer's down multiply
+    for (int64_t r = row0; r < row1; ++r)
+      add_rms_norm_row(added, residual, bf16(s.norms[2 * l]), normed, r, s.hidden, s.eps);
+    barrier.wait();
+    multiply(s.normed, s.hidden, s.qkv[l], s.qkv_bias.empty() ? nullptr : bf16(s.qkv_bias[l]), s.qkv_out, s.n_qkv);
+    barrier.wait();
+    BF16* k_cache = bf16(s.k_caches[l]);
+    BF16* v_cache = bf16(s.v_caches[l]);
+    for (int64_t r = row0; r < row1; ++r) {
+      rotary_row(bf16(s.qkv_out), s.n_qkv, s.positions, s.cos_sin, bf16(s.qk), r, s.num_heads, s.heads_qk, s.head_dim,
+                 s.qk_norms.empty() ? nullptr : bf16(s.qk_norms[2 * l]),
+                 s.qk_norms.empty() ? nullptr : bf16(s.qk_norms[2 * l + 1]), s.eps);
+      if (s.slots[r] < 0) continue;  // a padding row: no cache slot
+      const BF16* k = bf16(s.qk) + (r * s.heads_qk + s.num_heads) * s.head_dim;
+      const BF16* v = bf16(s.qkv_out) + r * s.n_qkv + s.heads_qk * s.head_dim;
+      std::memcpy(k_cache + s.slots[r] * slot_size, k, slot_size * sizeof(BF16));
+      std::memcpy(v_cache + s.slots[r] * slot_size, v, slot_size * sizeof(BF16));
+    }
+    barrier.wait();  // a draft row attends to the rows before it, which another thread may have written
+    pagedserve::decode_attention_rows_bf16(s.attn, s.q, s.k_caches[l], s.v_caches[l], s.tables, s.lens, s.scale,
+                                           bounds[thread], bounds[thread + 1]);
+    barrier.wait();
+    multiply(s.attn, s.num_heads * s.head_dim, s.o_proj[l], nullptr, s.out, s.hidden);
+    barrier.wait();
+    for (int64_t r = row0; r < row1; ++r)
+      add_rms_norm_row(bf16(s.out), residual, bf16(s.norms[2 * l + 1]), normed, r, s.hidden, s.eps);
+    barrier.wait();
+    multiply(s.normed, s.hidden, s.gate_up[l], nullptr, s.gu, 2 * s.inter);
+    barrier.wait();
+    for (int64_t r = row0; r < row1; ++r) silu_and_mul_row(bf16(s.gu), bf16(s.act), r, s.inter);
+    barrier.wait();
+    multiply(s.act, s.inter, s.down[l], nullptr, s.out, s.hidden);
+    barrier.wait();
+  }
+  for (int64_t r = row0; r < row1; ++r)
+    add_rms_norm_row(bf16(s.out), residual, s.final_norm, normed, r, s.hidden, s.eps);
+}
+
+// decode_layers with weights packed in AVX512-BF16 panels: the whole step in one parallel region, its
+// threads meeting at a spin barrier between the parts (norms, multiplies, attention) instead of
+// opening a region of ATen's for each, and with no tensor made or op dispatched inside it (the
+// buffers are made first). Each part computes what the per-op path computes, in the same order: the
+// same bits.
+void decode_layers_team(const TeamStep& s) {
+  SpinBarrier barrier;
+  std::vector<int64_t> bounds;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+#pragma omp single
+    {  // the team OpenMP gives, which may be smaller than asked for
+      barrier.set_threads(omp_get_num_threads());
+      bounds = pagedserve::decode_row_split(s.lens.data_ptr<int32_t>(), s.tokens, omp_get_num_threads());
+    }  // (every thread waits here, then sees both)
+    run_team_thread(s, barrier, bounds, omp_get_thread_num(), omp_get_num_threads());
+  }
+}
+
+// Whether every weight of `weights` is packed in AVX512-BF16 panels (pack_linear_weight_avx512).
+bool in_panels(at::TensorList weights) {
+  return std::all_of(weights.begin(), weights.end(), [](const at::Tensor& w) { return w.dim() == 4; });
+}
+
+// Checks a panel-packed weight: bfloat16 [n / 32, k / 2, 32, 2], contiguous.
+void check_panels(const at::Tensor& w, int64_t n, int64_t k, const char* name) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 4 && w.size(0) * 32 == n &&
+                  w.size(1) * 2 == k && w.size(2) == 32 && w.size(3) == 2,
+              "decode_layers: a ", name, " weight packed for ", n, " x ", k, " does not match ", w.sizes());
 }
 
 #endif  // PAGEDSERVE_DECODE_LAYERS
@@ -247,6 +410,48 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
                                  k_caches[0].size(0));
 #ifdef PAGEDSERVE_DECODE_LAYERS
   const auto options = embedding.options();
+  if (in_panels(qkv) && in_panels(o_proj) && in_panels(gate_up) && in_panels(down) && !at::in_parallel_region()) {
+    // Everything the team reads is checked here: nothing may throw inside its parallel region.
+    const int64_t n_qkv = (heads_qk + num_kv_heads) * head_dim, inter = gate_up[0].size(0) * 16;
+    TORCH_CHECK(num_heads % num_kv_heads == 0 && inter % 16 == 0,
+                "decode_layers: query heads a multiple of the KV heads, intermediate size a multiple of 16");
+    for (int64_t l = 0; l < layers; ++l) {
+      check_panels(qkv[l], n_qkv, hidden, "qkv");
+      check_panels(o_proj[l], hidden, num_heads * head_dim, "o_proj");
+      check_panels(gate_up[l], 2 * inter, hidden, "gate_up");
+      check_panels(down[l], hidden, inter, "down");
+      if (!qkv_bias.empty())
+        TORCH_CHECK(is_bf16_cpu(qkv_bias[l]) && qkv_bias[l].numel() == n_qkv && qkv_bias[l].is_contiguous(),
+                    "decode_layers: a qkv bias must be contiguous bfloat16 [", n_qkv, "]");
+      for (const at::Tensor& cache : {k_caches[l], v_caches[l]})
+        TORCH_CHECK(is_bf16_cpu(cache) && cache.is_contiguous() && cache.size(2) == num_kv_heads &&
+                        cache.size(3) == head_dim,
+                    "decode_layers: the KV caches must be contiguous bfloat16 [blocks, block_size, ", num_kv_heads,
+                    ", ", head_dim, "]");
+    }
+    const int64_t num_slots = k_caches[0].size(0) * k_caches[0].size(1);
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                    slot_mapping.size(0) == tokens && slot_mapping.is_contiguous(),
+                "decode_layers: slot_mapping must be contiguous int64 [tokens]");
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    for (int64_t t = 0; t < tokens; ++t)
+      TORCH_CHECK(slots[t] < num_slots, "slot_mapping: slot ", slots[t], " is past the cache's ", num_slots);
+    TeamStep step{tokens, hidden, head_dim, num_heads, num_kv_heads, heads_qk, n_qkv, inter, layers,
+                  static_cast<float>(eps), scale, pos, slots, cos_sin_cache.data_ptr<float>(), norms, qkv, qkv_bias,
+                  qk_norms, o_proj, gate_up, down, k_caches, v_caches, final_norm.data_ptr<BF16>(),
+                  block_tables.contiguous(), context_lens.contiguous()};
+    step.residual = embedding.index_select(0, input_ids);  // the first layer's residual is its input
+    step.normed = at::empty({tokens, hidden}, options);
+    step.qkv_out = at::empty({tokens, n_qkv}, options);
+    step.qk = at::empty({tokens, heads_qk, head_dim}, options);
+    step.q = step.qk.narrow(1, 0, num_heads);
+    step.attn = at::empty({tokens, num_heads, head_dim}, options);
+    step.out = at::empty({tokens, hidden}, options);
+    step.gu = at::empty({tokens, 2 * inter}, options);
+    step.act = at::empty({tokens, inter}, options);
+    decode_layers_team(step);
+    return step.normed;
+  }
   at::Tensor residual = embedding.index_select(0, input_ids);  // the first layer's residual is its input
   at::Tensor normed = at::empty({tokens, hidden}, options);
   at::Tensor qk = at::empty({tokens, heads_qk, head_dim}, options);

@@ -31,6 +31,7 @@
 #include <torch/library.h>
 
 #include "bf16_vec.h"
+#include "decode_parts.h"
 #include "linear_inputs.h"
 
 #include <algorithm>
@@ -144,6 +145,11 @@ void multiply_panel(const LinearArgs& a, int64_t panel, bool last_panel) {
   }
 }
 
+// Panels [panel0, panel1), in order (each prefetches the next).
+void multiply_panels(const LinearArgs& a, int64_t panel0, int64_t panel1) {
+  for (int64_t panel = panel0; panel < panel1; ++panel) multiply_panel(a, panel, panel + 1 == panel1);
+}
+
 #endif  // PAGEDSERVE_AVX512_BF16
 
 bool linear_avx512_supported() {
@@ -185,15 +191,22 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed, const st
                           rows.size(0),
                           n,
                           k / 2};
-    at::parallel_for(0, packed.size(0), 1, [&](int64_t panel0, int64_t panel1) {
-      for (int64_t panel = panel0; panel < panel1; ++panel) multiply_panel(args, panel, panel + 1 == panel1);
-    });
+    at::parallel_for(0, packed.size(0), 1,
+                     [&](int64_t panel0, int64_t panel1) { multiply_panels(args, panel0, panel1); });
   }
 #endif
   return out.view(in.out_shape);
 }
 
 }  // namespace
+
+#ifdef PAGEDSERVE_AVX512_BF16
+void pagedserve::linear_avx512_panels(const c10::BFloat16* x, int64_t ld_x, const c10::BFloat16* packed,
+                                      const c10::BFloat16* bias, c10::BFloat16* out, int64_t rows, int64_t n,
+                                      int64_t k, int64_t panel_begin, int64_t panel_end) {
+  if (rows > 0) multiply_panels(LinearArgs{x, ld_x, packed, bias, out, rows, n, k / 2}, panel_begin, panel_end);
+}
+#endif
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("linear_avx512_supported() -> bool", &linear_avx512_supported);

@@ -1,0 +1,33 @@
+// The parts of the C++ decode kernels that decode_layers.cpp runs on its own threads: a linear
+// layer's panels (linear_avx512.cpp) and decode attention's rows (cpu_kernels.cpp), each over a
+// range the caller picks, with no parallel region of their own. The ops built on them
+// (linear_avx512, paged_attention_decode) split the same ranges over at::parallel_for.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace pagedserve {
+
+// out [rows, n] (row stride n) = x [rows, k] (row stride ld_x) @ W^T (+ bias), for the output panels
+// [panel_begin, panel_end) of W packed by pack_linear_weight_avx512 (32 columns a panel). Needs a
+// build with AVX512-BF16; the caller has checked the shapes.
+void linear_avx512_panels(const c10::BFloat16* x, int64_t ld_x, const c10::BFloat16* packed,
+                          const c10::BFloat16* bias, c10::BFloat16* out, int64_t rows, int64_t n, int64_t k,
+                          int64_t panel_begin, int64_t panel_end);
+
+// The first row of each of `parts` runs of rows of about equal work (a row costs its context plus a
+// few tokens' worth of its own), then `num_rows`: parts + 1 bounds. As paged_attention_decode splits
+// its rows over threads.
+std::vector<int64_t> decode_row_split(const int32_t* context_lens, int64_t num_rows, int64_t parts);
+
+// Decode attention (paged_attention_decode) of rows [begin, end) into `out` [rows, heads, head_dim]:
+// bfloat16, head size 64 or 128, a build with AVX512-BF16, every argument checked by the caller as
+// paged_attention_decode checks it (the block tables and context lengths contiguous).
+void decode_attention_rows_bf16(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                const at::Tensor& context_lens, double scale, int64_t begin, int64_t end);
+
+}  // namespace pagedserve
