@@ -272,30 +272,31 @@ BF16* bf16(const at::Tensor& t) { return t.data_ptr<BF16>(); }
 void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<int64_t>& bounds, int64_t thread,
                      int64_t threads) {
   const auto [row0, row1] = share(s.tokens, thread, threads);
-  const auto multiply = [&](const at::Tensor& x, int64_t k, const at::Tensor& packed, const BF16* bias,
-                            const at::Tensor& out, int64_t n) {
+  const auto multiply = [&](const BF16* x, int64_t k, const at::Tensor& packed, const BF16* bias, BF16* out,
+                            int64_t n) {
     const auto [panel0, panel1] = share(n / 32, thread, threads);
-    pagedserve::linear_avx512_panels(bf16(x), k, bf16(packed), bias, bf16(out), s.tokens, n, k, panel0, panel1);
+    pagedserve::linear_avx512_panels(x, k, bf16(packed), bias, out, s.tokens, n, k, panel0, panel1);
   };
   const int64_t slot_size = s.num_kv_heads * s.head_dim;
-  BF16* residual = bf16(s.residual);
-  BF16* normed = bf16(s.normed);
+  BF16 *residual = bf16(s.residual), *normed = bf16(s.normed), *qkv_out = bf16(s.qkv_out), *qk = bf16(s.qk);
+  BF16 *attn = bf16(s.attn), *out = bf16(s.out), *gu = bf16(s.gu), *act = bf16(s.act);
   for (int64_t l = 0; l < s.layers; ++l) {
-    const BF16* added = l == 0 ? nullptr : bf16(s.out);  // the last layer's down multiply
-    for (int64_t r = row0; r < row1; ++r)
-      add_rms_norm_row(added, residual, bf16(s.norms[2 * l]), normed, r, s.hidden, s.eps);
+    const BF16* added = l == 0 ? nullptr : out;  // the last layer's down multiply
+    const BF16* input_norm = bf16(s.norms[2 * l]);
+    for (int64_t r = row0; r < row1; ++r) add_rms_norm_row(added, residual, input_norm, normed, r, s.hidden, s.eps);
     barrier.wait();
-    multiply(s.normed, s.hidden, s.qkv[l], s.qkv_bias.empty() ? nullptr : bf16(s.qkv_bias[l]), s.qkv_out, s.n_qkv);
+    multiply(normed, s.hidden, s.qkv[l], s.qkv_bias.empty() ? nullptr : bf16(s.qkv_bias[l]), qkv_out, s.n_qkv);
     barrier.wait();
     BF16* k_cache = bf16(s.k_caches[l]);
     BF16* v_cache = bf16(s.v_caches[l]);
+    const BF16* q_norm = s.qk_norms.empty() ? nullptr : bf16(s.qk_norms[2 * l]);
+    const BF16* k_norm = s.qk_norms.empty() ? nullptr : bf16(s.qk_norms[2 * l + 1]);
     for (int64_t r = row0; r < row1; ++r) {
-      rotary_row(bf16(s.qkv_out), s.n_qkv, s.positions, s.cos_sin, bf16(s.qk), r, s.num_heads, s.heads_qk, s.head_dim,
-                 s.qk_norms.empty() ? nullptr : bf16(s.qk_norms[2 * l]),
-                 s.qk_norms.empty() ? nullptr : bf16(s.qk_norms[2 * l + 1]), s.eps);
+      rotary_row(qkv_out, s.n_qkv, s.positions, s.cos_sin, qk, r, s.num_heads, s.heads_qk, s.head_dim, q_norm, k_norm,
+                 s.eps);
       if (s.slots[r] < 0) continue;  // a padding row: no cache slot
-      const BF16* k = bf16(s.qk) + (r * s.heads_qk + s.num_heads) * s.head_dim;
-      const BF16* v = bf16(s.qkv_out) + r * s.n_qkv + s.heads_qk * s.head_dim;
+      const BF16* k = qk + (r * s.heads_qk + s.num_heads) * s.head_dim;
+      const BF16* v = qkv_out + r * s.n_qkv + s.heads_qk * s.head_dim;
       std::memcpy(k_cache + s.slots[r] * slot_size, k, slot_size * sizeof(BF16));
       std::memcpy(v_cache + s.slots[r] * slot_size, v, slot_size * sizeof(BF16));
     }
@@ -303,20 +304,19 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
     pagedserve::decode_attention_rows_bf16(s.attn, s.q, s.k_caches[l], s.v_caches[l], s.tables, s.lens, s.scale,
                                            bounds[thread], bounds[thread + 1]);
     barrier.wait();
-    multiply(s.attn, s.num_heads * s.head_dim, s.o_proj[l], nullptr, s.out, s.hidden);
+    multiply(attn, s.num_heads * s.head_dim, s.o_proj[l], nullptr, out, s.hidden);
     barrier.wait();
-    for (int64_t r = row0; r < row1; ++r)
-      add_rms_norm_row(bf16(s.out), residual, bf16(s.norms[2 * l + 1]), normed, r, s.hidden, s.eps);
+    const BF16* post_norm = bf16(s.norms[2 * l + 1]);
+    for (int64_t r = row0; r < row1; ++r) add_rms_norm_row(out, residual, post_norm, normed, r, s.hidden, s.eps);
     barrier.wait();
-    multiply(s.normed, s.hidden, s.gate_up[l], nullptr, s.gu, 2 * s.inter);
+    multiply(normed, s.hidden, s.gate_up[l], nullptr, gu, 2 * s.inter);
     barrier.wait();
-    for (int64_t r = row0; r < row1; ++r) silu_and_mul_row(bf16(s.gu), bf16(s.act), r, s.inter);
+    for (int64_t r = row0; r < row1; ++r) silu_and_mul_row(gu, act, r, s.inter);
     barrier.wait();
-    multiply(s.act, s.inter, s.down[l], nullptr, s.out, s.hidden);
+    multiply(act, s.inter, s.down[l], nullptr, out, s.hidden);
     barrier.wait();
   }
-  for (int64_t r = row0; r < row1; ++r)
-    add_rms_norm_row(bf16(s.out), residual, s.final_norm, normed, r, s.hidden, s.eps);
+  for (int64_t r = row0; r < row1; ++r) add_rms_norm_row(out, residual, s.final_norm, normed, r, s.hidden, s.eps);
 }
 
 // decode_layers with weights packed in AVX512-BF16 panels: the whole step in one parallel region, its
