@@ -115,7 +115,11 @@ def pack(weight: torch.Tensor, packing: str | None) -> torch.Tensor:
 
 
 def run_kernel(
-    model: Model, step: dict, head_dim: int = HEAD_DIM, packing: str | None = None
+    model: Model,
+    step: dict,
+    head_dim: int = HEAD_DIM,
+    packing: str | None = None,
+    num_kv_heads: int = KV_HEADS,
 ) -> torch.Tensor:
     return cpu.decode_layers(
         step["input_ids"],
@@ -136,7 +140,7 @@ def run_kernel(
         step["block_tables"],
         step["context_lens"],
         HEADS,
-        KV_HEADS,
+        num_kv_heads,
         EPS,
         head_dim**-0.5,
     )
@@ -330,7 +334,8 @@ def test_refuses_bad_inputs_with_a_message() -> None:
 @pytest.mark.skipif("not cpu.load() or not cpu.linear_avx512_supported()", reason="no AVX512-BF16")
 def test_refuses_what_its_threads_would_misread() -> None:
     """On AVX512-BF16 panels the step runs in one parallel region, where nothing may throw: a slot past
-    the cache, a weight packed for other sizes and a cache of other heads are refused before it."""
+    the cache, a weight packed for other sizes, a cache of other heads and no KV heads at all are
+    refused before it."""
     model, step = make_model(False), make_step(4)
     bad_slot = clone_step(step)
     bad_slot["slot_mapping"][1] = NUM_BLOCKS * BLOCK_SIZE
@@ -347,3 +352,5 @@ def test_refuses_what_its_threads_would_misread() -> None:
         RuntimeError, match=r"KV caches must be contiguous bfloat16 \[blocks, block_size, 2, 16\]"
     ):
         run_kernel(model, other_heads, packing="avx512")
+    with pytest.raises(RuntimeError, match="query heads must be a multiple of the KV heads, got 4 and 0"):
+        run_kernel(model, clone_step(step), packing="avx512", num_kv_heads=0)

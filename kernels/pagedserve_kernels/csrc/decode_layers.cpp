@@ -15,9 +15,9 @@
 // With the weights in AVX512-BF16 panels (CPUs without AMX) the whole step is one parallel region
 // (decode_layers_team): its threads run each part on their share (rows, or panels of output columns)
 // and meet at a spin barrier where the next part reads another thread's output. Opening an ATen
-// region for each part and dispatching each op had cost the 2-core Zen 4 machine 31% of a 16-sequence
-// step (20.1 against 13.7 ms) and 12% of a 64-sequence one (bench/README.md, "one parallel region").
-// Other packings (AMX tiles, oneDNN) call the ops, each with its own region.
+// region for each part and dispatching each op, on the 2-core Zen 4 machine, made a 16-sequence step
+// take 1.14x as long and a 64-sequence one 1.08x, and a chat round 1.10x (bench/README.md, "one
+// parallel region"). Other packings (AMX tiles, oneDNN) call the ops, each with its own region.
 //
 // bfloat16 only, on CPUs with AVX512-BF16, with the linear weights packed (for AMX tiles where the CPU
 // has them, else in AVX512-BF16 panels, or for oneDNN), full rotary (NeoX layout), no biases but an
@@ -412,9 +412,11 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
   const auto options = embedding.options();
   if (in_panels(qkv) && in_panels(o_proj) && in_panels(gate_up) && in_panels(down) && !at::in_parallel_region()) {
     // Everything the team reads is checked here: nothing may throw inside its parallel region.
-    const int64_t n_qkv = (heads_qk + num_kv_heads) * head_dim, inter = gate_up[0].size(0) * 16;
-    TORCH_CHECK(num_heads % num_kv_heads == 0 && inter % 16 == 0,
-                "decode_layers: query heads a multiple of the KV heads, intermediate size a multiple of 16");
+    const int64_t n_qkv = (heads_qk + num_kv_heads) * head_dim;
+    const int64_t inter = gate_up[0].size(0) * 16;  // half of its 32-column panels: a multiple of 16
+    TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+                "decode_layers: the query heads must be a multiple of the KV heads, got ", num_heads, " and ",
+                num_kv_heads);
     for (int64_t l = 0; l < layers; ++l) {
       check_panels(qkv[l], n_qkv, hidden, "qkv");
       check_panels(o_proj[l], hidden, num_heads * head_dim, "o_proj");
