@@ -23,8 +23,9 @@ void linear_avx512_panels(const c10::BFloat16* x, int64_t ld_x, const c10::BFloa
 // its rows over threads.
 std::vector<int64_t> decode_row_split(const int32_t* context_lens, int64_t num_rows, int64_t parts);
 
-// Decode attention (paged_attention_decode) of rows [begin, end) into `out` [rows, heads, head_dim]:
-// bfloat16, head size 64 or 128, a build with AVX512-BF16, every argument checked by the caller as
+// Decode attention (paged_attention_decode) of rows [begin, end) into `out` [rows, heads, head_dim],
+// bfloat16, on the path paged_attention_decode would take (head sizes 64 and 128 on AVX512-BF16
+// where the build has it, the generic loops otherwise), every argument checked by the caller as
 // paged_attention_decode checks it (the block tables and context lengths contiguous).
 void decode_attention_rows_bf16(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
