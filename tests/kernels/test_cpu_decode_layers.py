@@ -334,8 +334,7 @@ def test_refuses_bad_inputs_with_a_message() -> None:
 @pytest.mark.skipif("not cpu.load() or not cpu.linear_avx512_supported()", reason="no AVX512-BF16")
 def test_refuses_what_its_threads_would_misread() -> None:
     """On AVX512-BF16 panels the step runs in one parallel region, where nothing may throw: a slot past
-    the cache, a weight packed for other sizes, a cache of other heads and no KV heads at all are
-    refused before it."""
+    the cache, a weight packed for other sizes and a cache of other heads are refused before it."""
     model, step = make_model(False), make_step(4)
     bad_slot = clone_step(step)
     bad_slot["slot_mapping"][1] = NUM_BLOCKS * BLOCK_SIZE
@@ -352,5 +351,15 @@ def test_refuses_what_its_threads_would_misread() -> None:
         RuntimeError, match=r"KV caches must be contiguous bfloat16 \[blocks, block_size, 2, 16\]"
     ):
         run_kernel(model, other_heads, packing="avx512")
-    with pytest.raises(RuntimeError, match="query heads must be a multiple of the KV heads, got 4 and 0"):
-        run_kernel(model, clone_step(step), packing="avx512", num_kv_heads=0)
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+@pytest.mark.parametrize("num_kv_heads", [0, 3])
+def test_refuses_query_heads_the_kv_heads_do_not_divide(packing: str, num_kv_heads: int) -> None:
+    """Checked with the other arguments, whichever path the packing takes: 0 KV heads would divide by
+    zero (inside the parallel region on AVX512-BF16 panels), 3 do not divide 4 query heads."""
+    model, step = make_model(False), make_step(4)
+    with pytest.raises(
+        RuntimeError, match=f"query heads must be a multiple of the KV heads, got 4 and {num_kv_heads}"
+    ):
+        run_kernel(model, clone_step(step), packing=packing, num_kv_heads=num_kv_heads)

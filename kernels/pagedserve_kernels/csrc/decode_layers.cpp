@@ -385,6 +385,9 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
               "decode_layers: cos_sin_cache must be contiguous float32 [positions, head_dim], head_dim even");
   TORCH_CHECK(hidden % 32 == 0 && final_norm.numel() == hidden && is_bf16_cpu(final_norm) && final_norm.is_contiguous(),
               "decode_layers: hidden size a multiple of 32, final_norm contiguous bfloat16 [hidden]");
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+              "decode_layers: the query heads must be a multiple of the KV heads, got ", num_heads, " and ",
+              num_kv_heads);
   const int64_t* ids = input_ids.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
@@ -414,9 +417,6 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
     // Everything the team reads is checked here: nothing may throw inside its parallel region.
     const int64_t n_qkv = (heads_qk + num_kv_heads) * head_dim;
     const int64_t inter = gate_up[0].size(0) * 16;  // half of its 32-column panels: a multiple of 16
-    TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
-                "decode_layers: the query heads must be a multiple of the KV heads, got ", num_heads, " and ",
-                num_kv_heads);
     for (int64_t l = 0; l < layers; ++l) {
       check_panels(qkv[l], n_qkv, hidden, "qkv");
       check_panels(o_proj[l], hidden, num_heads * head_dim, "o_proj");
