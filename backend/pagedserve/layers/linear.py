@@ -14,6 +14,13 @@ layout. A compiled pass leaves all but AMX weights to inductor, which packs them
 decode steps (`decode_layers`), the LM head and eager steps read ours. The AMX product is
 bit-identical to `F.linear`'s for up to 32 rows; beyond that oneDNN changes how it sums, while both of
 our kernels give each row what they give that row alone.
+
+float32 weights are packed into oneDNN's layout on CPUs that are not Intel's. There `F.linear` runs
+MKL's sgemm, which copies the whole weight into a layout of its own on every call (on a Zen 4 EPYC,
+`mkl_blas_def_sgemm_scopy_right16_bdz` is 41% of a 4-row LM head's samples): oneDNN's packed product
+is 2.4-4.2x as fast at 1-16 rows there (bench/README.md, "float32 weights packed"). It sums in another
+order, so its float32 products differ from `F.linear`'s by rounding. On Intel's CPUs, where MKL is
+tuned, packing float32 measured slower and stays off.
 """
 
 from __future__ import annotations
@@ -42,14 +49,28 @@ def _shard(tensor: torch.Tensor, dim: int, num_shards: int, index: int) -> torch
 
 
 def can_pack_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Packing pays (and is exact) for bfloat16 on CPUs whose oneDNN has native bf16 (AVX-512 / AMX);
-    in float32 it is neither faster nor bit-identical to `F.linear`."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    """Packing pays (and is exact) for bfloat16 on CPUs whose oneDNN has native bf16 (AVX-512 / AMX),
+    and for float32 on CPUs other than Intel's (above)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 and cpu_vendor() not in ("GenuineIntel", "")
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD", ...) from /proc/cpuinfo; "" where that
+    does not say."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
 
 
 @functools.cache
@@ -59,10 +80,15 @@ def amx_linear_available() -> bool:
 
 
 def packs_for_amx(weight: torch.Tensor) -> bool:
-    """Whether `pack_weight` puts this (CPU bfloat16) weight into AMX tiles: it needs both sizes in
+    """Whether `pack_weight` puts this CPU weight into AMX tiles: it needs bfloat16 and both sizes in
     multiples of 32."""
     out_features, in_features = weight.shape
-    return out_features % 32 == 0 and in_features % 32 == 0 and amx_linear_available()
+    return (
+        weight.dtype == torch.bfloat16
+        and out_features % 32 == 0
+        and in_features % 32 == 0
+        and amx_linear_available()
+    )
 
 
 @functools.cache
@@ -80,11 +106,12 @@ MAX_AVX512_IN_FEATURES = 2048
 
 
 def packs_for_avx512(weight: torch.Tensor) -> bool:
-    """Whether `pack_weight` can put this (CPU bfloat16) weight into AVX512-BF16 panels: it needs out
+    """Whether `pack_weight` can put this CPU weight into AVX512-BF16 panels: it needs bfloat16, out
     features in multiples of 32 and even in features up to MAX_AVX512_IN_FEATURES."""
     out_features, in_features = weight.shape
     return (
-        out_features % 32 == 0
+        weight.dtype == torch.bfloat16
+        and out_features % 32 == 0
         and in_features % 2 == 0
         and in_features <= MAX_AVX512_IN_FEATURES
         and avx512_linear_available()
@@ -93,8 +120,8 @@ def packs_for_avx512(weight: torch.Tensor) -> bool:
 
 def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
     """`weight` [out, in] reordered once, for `linear`: into AMX tiles where `packs_for_amx` (a 5-d
-    tensor), else into AVX512-BF16 panels where `packs_for_avx512` (4-d), else into oneDNN's blocked
-    layout (2-d)."""
+    tensor), else into AVX512-BF16 panels where `packs_for_avx512` (4-d), else (float32 too) into
+    oneDNN's blocked layout (2-d)."""
     if packs_for_amx(weight):
         return cpu_kernels.pack_linear_weight(weight.detach())
     if packs_for_avx512(weight):

@@ -199,7 +199,11 @@ class ModelRunner:
         # A compiled forward pass leaves its oneDNN weights to inductor (freezing packs them) until it
         # is compiled (`bind_kv_cache`); AMX weights are packed here either way, and the LM head runs
         # outside the compiled pass.
-        on_amx = can_pack_weights(self.device, self.dtype) and amx_linear_available()  # no CPU build on a GPU
+        on_amx = (  # no CPU build on a GPU; AMX tiles hold bfloat16 alone
+            self.dtype == torch.bfloat16
+            and can_pack_weights(self.device, self.dtype)
+            and amx_linear_available()
+        )
         self._pack_weights([model.lm_head] if self.config.compile and not on_amx else model.modules())
         return model.eval()
 
