@@ -18,7 +18,7 @@ our kernels give each row what they give that row alone.
 float32 weights are packed into oneDNN's layout on CPUs that are not Intel's. There `F.linear` runs
 MKL's sgemm, which copies the whole weight into a layout of its own on every call (on a Zen 4 EPYC,
 `mkl_blas_def_sgemm_scopy_right16_bdz` is 41% of a 4-row LM head's samples): oneDNN's packed product
-is 2.4-4.2x as fast at 1-16 rows there (bench/README.md, "float32 weights packed"). It sums in another
+is 1.3-3.9x as fast at 1-64 rows there (bench/README.md, "float32 weights packed"). It sums in another
 order, so its float32 products differ from `F.linear`'s by rounding. On Intel's CPUs, where MKL is
 tuned, packing float32 measured slower and stays off.
 """
