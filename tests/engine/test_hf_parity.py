@@ -116,28 +116,29 @@ def assert_each_token_is_hf_greedy(
     return ties
 
 
-def generate_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list, list[list[int]]]:
+def generate_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Our greedy tokens, `max_tokens` of them a prompt, each completion's text their decoding."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     results = llm.generate(prompts, params)
     ours = [r.outputs[0].token_ids for r in results]
     assert all(len(o) == max_tokens for o in ours)
     for r, ids in zip(results, ours):
         assert r.outputs[0].text == llm.engine.decode(ids)
-    return results, ours
+    return ours
 
 
 def run_parity(
     llm: LLM, reference: tuple[object, list[list[int]]], prompts: list[list[int]], max_tokens: int
 ) -> None:
     """Our greedy outputs against HF `generate`'s (`reference`: the model and its outputs)."""
-    _, ours = generate_greedy(llm, prompts, max_tokens)
+    ours = generate_greedy(llm, prompts, max_tokens)
     model, theirs = reference
     assert_greedy_equal(model, prompts, ours, theirs)
 
 
 def run_default_parity(llm: LLM, model: object, prompts: list[list[int]]) -> None:
     """Our greedy outputs, each token against HF's greedy choice after the tokens before it."""
-    _, ours = generate_greedy(llm, prompts, DEFAULT_MAX_TOKENS)
+    ours = generate_greedy(llm, prompts, DEFAULT_MAX_TOKENS)
     assert_each_token_is_hf_greedy(model, prompts, ours)
 
 

@@ -49,8 +49,8 @@ def _shard(tensor: torch.Tensor, dim: int, num_shards: int, index: int) -> torch
 
 
 def can_pack_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Packing pays (and is exact) for bfloat16 on CPUs whose oneDNN has native bf16 (AVX-512 / AMX),
-    and for float32 on CPUs other than Intel's (above)."""
+    """Packing pays for bfloat16 on CPUs whose oneDNN has native bf16 (AVX-512 / AMX), where it is
+    exact, and for float32 on CPUs other than Intel's, where it rounds differently (above)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16:
