@@ -435,11 +435,22 @@ def checkpoint_dtype(model_path: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _cpu_has_bf16() -> bool:
+def cpuinfo(key: str) -> str:
+    """The value of `key` ("flags", "vendor_id", ...) on /proc/cpuinfo's first line naming it; "" where
+    no such line can be read."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        with open("/proc/cpuinfo") as lines:
+            for line in lines:
+                name, _, value = line.partition(":")
+                if name.strip() == key:
+                    return value.strip()
     except OSError:
-        return False
+        pass
+    return ""
+
+
+def _cpu_has_bf16() -> bool:
+    flags = cpuinfo("flags").split()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from pagedserve_kernels import cpu as cpu_kernels
 from torch import nn
 
+from pagedserve.config import cpuinfo
 from pagedserve.distributed import all_reduce, get_tp_rank, get_tp_size
 
 if TYPE_CHECKING:
@@ -60,17 +61,8 @@ def can_pack_weights(device: torch.device, dtype: torch.dtype) -> bool:
 
 @functools.cache
 def cpu_vendor() -> str:
-    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD", ...) from /proc/cpuinfo; "" where that
-    does not say."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                if key.strip() == "vendor_id":
-                    return value.strip()
-    except OSError:
-        pass
-    return ""
+    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD", ...); "" where /proc/cpuinfo does not say."""
+    return cpuinfo("vendor_id")
 
 
 @functools.cache
