@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from pagedserve.config import cpuinfo
 from workloads import build_workload, prompt_token_ids
 
 PEERS = ("pagedserve", "hf-sequential", "hf-static", "hf-continuous")
@@ -302,12 +303,7 @@ def run_hf_continuous(
 def machine_line(dtype: str) -> str:
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpuinfo("model name") or platform.processor() or platform.machine()
     return (
         f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
         f"transformers {transformers.__version__}, {dtype}"
