@@ -250,10 +250,15 @@ def run_hf_static(
 
 @torch.no_grad()  # not inference_mode: the manager updates its static tensors in place outside it
 def run_hf_continuous(
-    model: Any, pad_id: int, prompts: list[list[int]], lengths: list[int], limit: int | None
+    model: Any,
+    pad_id: int,
+    prompts: list[list[int]],
+    lengths: list[int],
+    limit: int | None,
+    num_blocks: int | None = None,
 ) -> PeerResult:
     import transformers
-    from transformers import GenerationConfig
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     if not hasattr(model, "continuous_batching_context_manager"):
         return PeerResult(
@@ -270,9 +275,14 @@ def run_hf_continuous(
     hints = WorkloadHints(max(len(p) for p in prompts), max(lengths), len(prompts))
     setup = time.perf_counter()
     with model.continuous_batching_context_manager(
-        generation_config=config, block=True, timeout=10, workload_hints=hints
+        generation_config=config,
+        block=True,
+        timeout=10,
+        workload_hints=hints,
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=num_blocks),
     ) as manager:
         setup = time.perf_counter() - setup
+        cb_config = manager.continuous_batching_config
         start = time.perf_counter()
         request_ids = [
             manager.add_request(ids, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
@@ -288,7 +298,10 @@ def run_hf_continuous(
         seconds = time.perf_counter() - start
     succeeded = [r for r in results.values() if r.error is None]
     num_tokens = sum(len(r.generated_tokens) for r in succeeded)
-    note = f"manager setup {setup:.1f} s not timed; attention {model.config._attn_implementation}"
+    note = (
+        f"manager setup {setup:.1f} s not timed; {cb_config.num_blocks} KV blocks of {cb_config.page_size}; "
+        f"attention {model.config._attn_implementation}"
+    )
     if len(prompts) < total:
         note += f"; timed {len(prompts)} of {total} requests"
     if len(succeeded) < len(request_ids):
@@ -416,6 +429,12 @@ def parse_args() -> argparse.Namespace:
         type=int,
         help="give transformers' continuous batching only the first N requests",
     )
+    parser.add_argument(
+        "--hf-continuous-num-blocks",
+        type=int,
+        help="KV blocks of transformers' continuous batching (its ContinuousBatchingConfig.num_blocks; "
+        "default: its own sizing, from the memory free)",
+    )
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, help="pagedserve engine setting (default: the engine's)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="pagedserve engine setting")
@@ -477,7 +496,9 @@ def main() -> None:
                     model, pad_id, prompts, lengths, args.hf_batch_size, args.hf_static_limit
                 )
             else:
-                result = run_hf_continuous(model, pad_id, prompts, lengths, args.hf_continuous_limit)
+                result = run_hf_continuous(
+                    model, pad_id, prompts, lengths, args.hf_continuous_limit, args.hf_continuous_num_blocks
+                )
             print(f"  {result.peer}: {result.num_output_tokens} tokens in {result.seconds:.1f} s", flush=True)
             rounds[peer].append(result)
     if runner is not None:
