@@ -180,6 +180,10 @@ def test_the_charts_probes_pass_against_the_charts_server(
     try:
         readiness = container["readinessProbe"]["exec"]["command"]
         deadline = time.monotonic() + 180
+        while "pagedserve ready" not in log.read_text():  # each probe is a process start: not while loading
+            assert server.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
         while probe(readiness, secret, port) != 0:
             assert server.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, log.read_text()[-3000:]
