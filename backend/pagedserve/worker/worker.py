@@ -15,6 +15,11 @@ logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_BYTES = 1024**3  # zero-filling CPU memory is slow: raise with --kv-cache-memory
 _CPU_DEFAULT_KV_SHARE = 0.25  # of available memory, when that is less than the default
+# ... and at most this many times what max_num_seqs sequences of max_model_len tokens hold: every live
+# sequence at full length, and as much again for cached prefixes. Only small models reach it (the tiny
+# test models need a few MiB, where filling 1 GiB took 2-3.5 s of a start here); SmolLM2-135M would
+# need 2 x 128 x 2,048 tokens x 23 KB = 11 GiB.
+_CPU_DEFAULT_KV_LIVE_FACTOR = 2
 
 
 class Worker:
@@ -56,7 +61,10 @@ class Worker:
             return int(free - (1.0 - utilization) * total)
         import psutil
 
-        return int(min(_CPU_DEFAULT_KV_BYTES, _CPU_DEFAULT_KV_SHARE * psutil.virtual_memory().available))
+        blocks_per_seq = -(-self.config.model.max_model_len // self.config.cache.block_size)
+        live = self.config.scheduler.max_num_seqs * blocks_per_seq * self.bytes_per_block()
+        share = _CPU_DEFAULT_KV_SHARE * psutil.virtual_memory().available
+        return int(min(_CPU_DEFAULT_KV_BYTES, share, _CPU_DEFAULT_KV_LIVE_FACTOR * live))
 
     def determine_num_cpu_blocks(self) -> int:
         cache = self.config.cache
