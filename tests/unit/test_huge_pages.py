@@ -4,6 +4,7 @@ the engine's packed weights and KV cache among them."""
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,6 +61,25 @@ def test_copies_hold_the_same_values_page_aligned_and_outlive_the_originals() ->
     assert huge_kib(copies[0]) >= 2048
 
 
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        ("always [madvise] never\n", True),
+        ("[always] madvise never\n", True),
+        ("always madvise [never]\n", False),
+        (None, False),  # no such file: not Linux, or a kernel without THP
+    ],
+)
+def test_available_reads_the_kernels_thp_setting(
+    setting: str | None, expected: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "enabled"
+    if setting is not None:
+        path.write_text(setting)
+    monkeypatch.setattr(huge_pages, "_THP_SETTING", path)
+    assert huge_pages.available() is expected
+
+
 def test_without_huge_pages_nothing_moves(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(huge_pages, "available", lambda: False)
     tensors = [torch.ones(4, 4), torch.zeros(3)]
@@ -88,3 +108,27 @@ def test_the_engine_reads_its_packed_weights_and_kv_cache_from_huge_pages(tiny_l
     assert huge_kib(kv_cache) >= 2048
     out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@needs_thp
+def test_an_engine_without_huge_pages_gives_the_same_tokens(
+    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the kernel has THP off (`never`), the weights and the KV cache stay in torch's memory, 4 KiB
+    pages, and nothing else changes."""
+    prompts = [[1, 2, 3, 4], [1, 500, 600, 700, 800, 900]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def run() -> tuple[list[list[int]], int]:
+        llm = LLM(tiny_llama_dir, dtype="bfloat16", num_kv_blocks=1024, block_size=8, enforce_eager=True)
+        runner = llm.engine.executor.worker.model_runner  # type: ignore[attr-defined]
+        kv_kib = huge_kib(runner.model.attention_layers[0].kv_cache[0])
+        return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)], kv_kib
+
+    with_thp, with_kib = run()
+    monkeypatch.setattr(huge_pages, "available", lambda: False)
+    without_thp, without_kib = run()
+    assert with_kib >= 2048
+    if "[madvise]" in huge_pages._THP_SETTING.read_text():  # under `always` torch's memory may be huge too
+        assert without_kib == 0
+    assert without_thp == with_thp
