@@ -1,5 +1,5 @@
 """The default CPU KV-cache budget: 1 GiB, at most a quarter of the free memory, and at most twice what
-max_num_seqs sequences of max_model_len tokens hold (a tiny model then fills a few MiB at start-up, not
+max_num_seqs sequences of max_model_len tokens hold (a tiny model then fills MiB at start-up, not
 1 GiB); an explicit --kv-cache-memory is taken as given."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_a_small_models_default_cache_holds_its_live_sequences_twice(tiny_llama_
 def test_the_1_gib_default_still_caps_a_larger_need(
     tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The cap below the live bound wins (as 1 GiB does for SmolLM2-135M, whose bound is ~90 GiB)."""
+    """The cap below the live bound wins (as 1 GiB does for SmolLM2-135M, whose bound is 45 GiB)."""
     probe = build(tiny_llama_dir, num_kv_blocks=1)
     cap = LIVE_BLOCKS // 2 * bytes_per_block(probe)
     monkeypatch.setattr(worker, "_CPU_DEFAULT_KV_BYTES", cap)

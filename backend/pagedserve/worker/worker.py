@@ -16,9 +16,9 @@ logger = logging.getLogger(__name__)
 _CPU_DEFAULT_KV_BYTES = 1024**3  # zero-filling CPU memory is slow: raise with --kv-cache-memory
 _CPU_DEFAULT_KV_SHARE = 0.25  # of available memory, when that is less than the default
 # ... and at most this many times what max_num_seqs sequences of max_model_len tokens hold: every live
-# sequence at full length, and as much again for cached prefixes. Only small models reach it (the tiny
-# test models need a few MiB, where filling 1 GiB took 2-3.5 s of a start here); SmolLM2-135M would
-# need 2 x 128 x 2,048 tokens x 23 KB = 11 GiB.
+# sequence at full length, and as much again for cached prefixes. Only small models reach it (the tests'
+# tiny model needs 64 MiB, where filling 1 GiB took 2-3.5 s of a start here); SmolLM2-135M would
+# need 2 x 128 x 8,192 tokens x 23 KB = 45 GiB.
 _CPU_DEFAULT_KV_LIVE_FACTOR = 2
 
 
