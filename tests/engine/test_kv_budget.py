@@ -1,6 +1,7 @@
-"""The default CPU KV-cache budget: 1 GiB, at most a quarter of the free memory, and at most twice what
-max_num_seqs sequences of max_model_len tokens hold (a tiny model then fills MiB at start-up, not
-1 GiB); an explicit --kv-cache-memory is taken as given."""
+"""The default KV-cache budget on the CPU: 1 GiB, at most a quarter of the free memory, and (on every
+device) at most twice what max_num_seqs sequences of max_model_len tokens hold, so that a tiny model
+fills MiB at start-up, not 1 GiB (vllm#33263 asked for such a cap); an explicit --kv-cache-memory is
+taken as given."""
 
 from __future__ import annotations
 

@@ -15,11 +15,12 @@ logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_BYTES = 1024**3  # zero-filling CPU memory is slow: raise with --kv-cache-memory
 _CPU_DEFAULT_KV_SHARE = 0.25  # of available memory, when that is less than the default
-# ... and at most this many times what max_num_seqs sequences of max_model_len tokens hold: every live
-# sequence at full length, and as much again for cached prefixes. Only small models reach it (the tests'
-# tiny model needs 64 MiB, where filling 1 GiB took 2-3.5 s of a start here); SmolLM2-135M would
-# need 2 x 128 x 8,192 tokens x 23 KB = 45 GiB.
-_CPU_DEFAULT_KV_LIVE_FACTOR = 2
+# On every device the default is at most this many times what max_num_seqs sequences of max_model_len
+# tokens hold: every live sequence at full length, and as much again for cached prefixes (vLLM's users
+# asked for such a cap, vllm#33263: 18.78 GiB taken for max_num_seqs 1 and a 1,024-token context).
+# Only small models or small settings reach it: the tests' tiny model takes 64 MiB, where filling 1 GiB
+# took 2-3.5 s of a start here; SmolLM2-135M's defaults would need 2 x 128 x 8,192 tokens x 23 KB = 45 GiB.
+_DEFAULT_KV_LIVE_FACTOR = 2
 
 
 class Worker:
@@ -55,16 +56,20 @@ class Worker:
         return num_blocks
 
     def _default_kv_budget(self) -> int:
-        utilization = self.config.cache.memory_utilization
+        blocks_per_seq = -(-self.config.model.max_model_len // self.config.cache.block_size)
+        most = (
+            _DEFAULT_KV_LIVE_FACTOR
+            * self.config.scheduler.max_num_seqs
+            * blocks_per_seq
+            * self.bytes_per_block()
+        )
         if self.model_runner.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.model_runner.device)
-            return int(free - (1.0 - utilization) * total)
+            return int(min(free - (1.0 - self.config.cache.memory_utilization) * total, most))
         import psutil
 
-        blocks_per_seq = -(-self.config.model.max_model_len // self.config.cache.block_size)
-        live = self.config.scheduler.max_num_seqs * blocks_per_seq * self.bytes_per_block()
         share = _CPU_DEFAULT_KV_SHARE * psutil.virtual_memory().available
-        return int(min(_CPU_DEFAULT_KV_BYTES, share, _CPU_DEFAULT_KV_LIVE_FACTOR * live))
+        return int(min(_CPU_DEFAULT_KV_BYTES, share, most))
 
     def determine_num_cpu_blocks(self) -> int:
         cache = self.config.cache
