@@ -65,11 +65,20 @@ class Worker:
         )
         if self.model_runner.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.model_runner.device)
-            return int(min(free - (1.0 - self.config.cache.memory_utilization) * total, most))
-        import psutil
+            budget = free - (1.0 - self.config.cache.memory_utilization) * total
+        else:
+            import psutil
 
-        share = _CPU_DEFAULT_KV_SHARE * psutil.virtual_memory().available
-        return int(min(_CPU_DEFAULT_KV_BYTES, share, most))
+            budget = min(_CPU_DEFAULT_KV_BYTES, _CPU_DEFAULT_KV_SHARE * psutil.virtual_memory().available)
+        if most < budget:
+            logger.info(
+                "KV cache budget: %.2f GiB, twice what max_num_seqs (%d) sequences of max_model_len (%d) "
+                "tokens hold (--kv-cache-memory sets it)",
+                most / 1024**3,
+                self.config.scheduler.max_num_seqs,
+                self.config.model.max_model_len,
+            )
+        return int(min(budget, most))
 
     def determine_num_cpu_blocks(self) -> int:
         cache = self.config.cache
