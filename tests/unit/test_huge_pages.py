@@ -114,8 +114,8 @@ def test_the_engine_reads_its_packed_weights_and_kv_cache_from_huge_pages(tiny_l
 def test_an_engine_without_huge_pages_gives_the_same_tokens(
     tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where the kernel has THP off (`never`), the weights and the KV cache stay in torch's memory, 4 KiB
-    pages, and nothing else changes."""
+    """Where the kernel has THP off (`never`), the KV cache stays in torch's memory, 4 KiB pages (under
+    `madvise`, where torch's allocator never asks for huge ones), and the tokens do not change."""
     prompts = [[1, 2, 3, 4], [1, 500, 600, 700, 800, 900]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
