@@ -5,6 +5,7 @@ place, and `pagedserve --help` answers, before torch is imported."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.lora_request import LoRARequest
@@ -14,6 +15,18 @@ from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pagedserve.llm import LLM
+
+# oneDNN, under torch's CPU linear layers, caches a primitive for each input shape it meets, and ideep
+# (between torch and oneDNN) a primitive descriptor: 1,024 of each by default. The engine's steps
+# run a new token count nearly every step, and an entry holds 0.1-1 MB (JIT kernels, brgemm
+# descriptors), so a server's memory grew with every new step size up to those caps (the tiny test
+# model: 45-65 MB per round of 48 requests; pytorch#27971). 128 of each keep the four to six linear
+# shapes of 20-30 recent step sizes; a size evicted and met again is re-created (~0.5 ms a shape).
+# Both are read once, at oneDNN's first use in the process, so they are set on import, before torch
+# runs anything. A value already in the environment wins.
+ONEDNN_CACHE_CAPACITY = 128
+for _variable in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+    os.environ.setdefault(_variable, str(ONEDNN_CACHE_CAPACITY))
 
 __version__ = "0.1.0"
 __all__ = [

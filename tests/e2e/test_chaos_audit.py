@@ -22,6 +22,7 @@ The focused tests below reproduce, one at a time, what the chaos found.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import json
 import logging
@@ -713,7 +714,12 @@ def quiet_run(server: InProcessServer, key: GreedyKey) -> tuple[list[int], str]:
 
 
 def rss_mb() -> float:
+    """Resident memory once glibc has returned the free pages it keeps (its heaps grow and shrink by
+    tens of MB between rounds as threads free what they took): what is still in use, not a leak."""
     gc.collect()
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
     return psutil.Process().memory_info().rss / 2**20
 
 
