@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 # (between torch and oneDNN) a primitive descriptor: 1,024 of each by default. The engine's steps
 # run a new token count nearly every step, and an entry holds 0.1-1 MB (JIT kernels, brgemm
 # descriptors), so a server's memory grew with every new step size up to those caps (the tiny test
-# model: 45-65 MB per round of 48 requests; pytorch#27971). 128 of each keep the four to six linear
+# model: 30-65 MB per round of 48 requests; pytorch#27971). 128 of each keep the four to six linear
 # shapes of 20-30 recent step sizes; a size evicted and met again is re-created (~0.5 ms a shape).
 # Both are read once, at oneDNN's first use in the process, so they are set on import, before torch
 # runs anything. A value already in the environment wins.

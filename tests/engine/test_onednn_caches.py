@@ -31,11 +31,8 @@ def test_import_sets_both_capacities_unless_the_environment_has() -> None:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks")
-        + ("fordblks", "keepcost")
-    ]
+    _FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+    _fields_ = [(name, ctypes.c_size_t) for name in _FIELDS.split()]
 
 
 def heap_in_use_mb() -> float:
