@@ -14,11 +14,15 @@
 // once (the bias added first), so a row's result does not depend on the batch it is in.
 //
 // Left to the hardware, streaming and multiplying barely overlap from 8 rows on: a panel's first tile
-// waits on memory, its later tiles run from L2 while memory idles. So there the second tile (or the
-// only one) prefetches the thread's next panel into L2, a k pair's two cache lines per k pair, and the
-// first tile prefetches its own panel a few k pairs ahead into L1. On the Zen 4 machine that took
-// 0.85-0.87 of the time at 8-32 rows and 0.93 at 64 (SmolLM2-135M's 121 weights); below 8 rows the
-// stream is memory-bound alone and the prefetches only slowed it (bench/README.md, "prefetches").
+// waits on memory, its later tiles run from L2 while memory idles. So there every tile of a panel
+// prefetches its share of the thread's next panel into L2 (tile t of T the k pairs kp with kp % T == t,
+// a k pair's two cache lines each), so that the stream runs through the whole panel's multiply, and
+// the first tile prefetches its own panel a few k pairs ahead into L1. On the Zen 4 machine the second
+// tile alone prefetching the next panel took 0.85-0.87 of the time at 8-32 rows and 0.93 at 64
+// (SmolLM2-135M's 121 weights); on Zen 5, whose multiplies run twice as fast, sharing it among the
+// tiles took 0.87-0.97 of that at 16 rows (two tiles) and 0.93-0.98 at 32-64, the least where the
+// machine's memory read slowest (bench/README.md, "prefetches"). Below 8 rows the stream is
+// memory-bound alone and the prefetches only slowed it.
 //
 // Why not oneDNN: on a Zen 4 EPYC (2 cores, SmolLM2-135M's weights) oneDNN's packed bf16 matmul
 // streams the weight at 15 GB/s at one row; this loop at 26 GB/s (the machine reads ~28), 1.75x as
@@ -72,10 +76,12 @@ inline __m512bh broadcast_pair(const c10::BFloat16* p) {
 
 // What a tile prefetches while it multiplies, both null for none: `ahead`, its own panel kAheadPairs k
 // pairs ahead (into L1; past the last panel's end too, which is harmless: a prefetch never faults);
-// `next`, the start of the next panel, as far into it as this tile reads of its own (into L2).
+// `next`, the next panel's k pairs kp with kp % shares == share (into L2).
 struct Prefetch {
   const c10::BFloat16* ahead = nullptr;
   const c10::BFloat16* next = nullptr;
+  int share = 0;
+  int shares = 1;
 };
 
 // The two cache lines of a panel's k pair at `p`.
@@ -93,9 +99,13 @@ void multiply_tile(const LinearArgs& a, int64_t row, int64_t panel, Prefetch pre
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const c10::BFloat16* w = a.weight + panel * a.k_pairs * 2 * kPanel;
   const c10::BFloat16* x = a.x + row * a.ld_x;
+  int wait = prefetch.share;  // k pairs until this tile's next share of the next panel
   for (int64_t kp = 0; kp < a.k_pairs; ++kp) {
     if (prefetch.ahead != nullptr) prefetch_pair<_MM_HINT_T0>(prefetch.ahead + kp * 2 * kPanel);
-    if (prefetch.next != nullptr) prefetch_pair<_MM_HINT_T1>(prefetch.next + kp * 2 * kPanel);
+    if (prefetch.next != nullptr && wait-- == 0) {
+      prefetch_pair<_MM_HINT_T1>(prefetch.next + kp * 2 * kPanel);
+      wait = prefetch.shares - 1;
+    }
     const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + kp * 2 * kPanel));
     const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + kp * 2 * kPanel + kPanel));
 #pragma GCC unroll 12
@@ -138,8 +148,8 @@ void multiply_panel(const LinearArgs& a, int64_t panel, bool last_panel) {
     const int rows = static_cast<int>((left + tiles_left - 1) / tiles_left);
     Prefetch prefetch;
     if (prefetches && t == 0) prefetch.ahead = w + kAheadPairs * 2 * kPanel;
-    if (prefetches && !last_panel && t == std::min<int64_t>(1, num_tiles - 1))
-      prefetch.next = w + a.k_pairs * 2 * kPanel;
+    if (prefetches && !last_panel)
+      prefetch = {prefetch.ahead, w + a.k_pairs * 2 * kPanel, static_cast<int>(t), static_cast<int>(num_tiles)};
     multiply_rows<kMaxTileRows>(a, row, panel, rows, prefetch);
     row += rows;
   }
