@@ -77,3 +77,29 @@ def test_stop_string_prefix_is_held_back_until_resolved(tokenizer: object) -> No
     # the last len(stop) - 1 characters could have begun the stop string: they come only at the end
     assert len(deltas[-1]) >= len("sat on the rug") - 1
     assert "".join(deltas) == "The cat sat on the mat."
+
+
+def test_a_tokenizer_that_cleans_up_spaces_is_decoded_through_transformers() -> None:
+    """The default tokenizer is decoded by the `tokenizers` library directly (the tests above check its
+    text against transformers' decode); one whose transformers wrapper cleans up spaces after the
+    library's decode keeps that clean-up: "hello, world." and not the library's "hello , world ."."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "hello": 1, ".": 2, "world": 3, ",": 4}
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece(cleanup=False)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=backend, clean_up_tokenization_spaces=True, unk_token="[UNK]"
+    )
+    ids = wrapped.encode("hello, world.")
+    assert backend.decode(ids) == "hello , world ."
+    deltas, hit = stream(wrapped, [], ids)
+    assert hit is None
+    assert "".join(deltas) == wrapped.decode(ids) == "hello, world."
+
+
+def test_the_default_tokenizer_is_decoded_by_the_tokenizers_library(tokenizer: object) -> None:
+    detok = IncrementalDetokenizer(tokenizer, [], [], False, True)
+    assert detok._rust_decode is not None

@@ -9,7 +9,11 @@ characters are held back until they cannot be the start of a stop string that wo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import tokenizers
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 _PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first output, for correct leading spaces
 _REPLACEMENT_CHAR = "\ufffd"  # what decode() makes of an incomplete UTF-8 sequence
@@ -27,6 +31,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._rust_decode = _rust_decode(tokenizer)
         self.token_ids = self._prompt_context(prompt_token_ids)
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
@@ -106,4 +111,20 @@ class IncrementalDetokenizer:
         return full[len(prefix) :]
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._rust_decode is not None:
+            return self._rust_decode(token_ids, skip_special_tokens=self.skip_special_tokens)
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens))
+
+
+def _rust_decode(tokenizer: Any) -> Callable[..., str] | None:
+    """The `tokenizers` library's decode under a transformers tokenizer, where transformers adds nothing
+    to it (its own decode, not a subclass's, and no clean-up of spaces): two calls a token, each ~1.8 us
+    through transformers and ~0.5 us direct. None for any other tokenizer."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    plain = (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and type(tokenizer).decode is PreTrainedTokenizerBase.decode
+        and type(tokenizer)._decode is PreTrainedTokenizerFast._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    )
+    return backend.decode if plain and isinstance(backend, tokenizers.Tokenizer) else None
