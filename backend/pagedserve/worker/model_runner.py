@@ -62,6 +62,20 @@ class RequestState:
     bad_words: BadWords | None = None  # built on the request's first sample, where it has bad words
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (token ids, biases), on the device
     lora_index: int = -1  # its LoRA adapter's index in `ModelRunner.lora` (-1: the base model)
+    # greedy, reading nothing from the logits but their argmax and changing nothing in them (once
+    # past min_tokens, whose bans `SampleRow.argmax_only` checks): the sampler's `only_argmax`
+    argmax_only: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.argmax_only = (
+            p.is_greedy
+            and p.logprobs is None
+            and not p.has_penalties
+            and not p.allowed_token_ids
+            and not p.bad_words_token_ids
+            and not p.logit_bias
+        )
 
     @property
     def num_output_tokens(self) -> int:
@@ -86,6 +100,10 @@ class SampleRow:
     @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.state.num_prompt_tokens
+
+    @property
+    def argmax_only(self) -> bool:
+        return self.state.argmax_only and self.num_output_tokens >= self.state.params.min_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -318,7 +336,10 @@ class ModelRunner:
         rows = self._sample_rows(sampled)
         logits = self.model.compute_logits(hidden[sample_indices])
         grammar_masks = self._apply_grammar_bitmask(logits, rows, output)
-        result = self.sampler(logits, self._sampling_tensors(rows, grammar_masks))
+        if self.sampler.argmax_rows is not None and all(row.argmax_only for row in rows):
+            result = SamplerOutput(self.sampler.argmax_rows(logits))  # no SamplingTensors to build
+        else:
+            result = self.sampler(logits, self._sampling_tensors(rows, grammar_masks))
         runner_output = self._to_output(sampled, rows, result, prompt_logprobs)
         runner_output.pooled = pooled
         return runner_output
