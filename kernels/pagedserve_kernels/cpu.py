@@ -155,6 +155,15 @@ def linear_avx512(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.pagedserve_cpu.linear_avx512(x, packed, bias)
 
 
+def linear_argmax_avx512(
+    x: torch.Tensor, packed: torch.Tensor, num_columns: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each row's argmax over the first `num_columns` outputs of `linear_avx512(x, packed, bias)`, as
+    `argmax_rows` reads them from its bfloat16 output (the first maximum, NaN first), without writing the
+    outputs: greedy sampling from an LM head (needs `linear_avx512_supported()`)."""
+    return torch.ops.pagedserve_cpu.linear_argmax_avx512(x, packed, bias, num_columns)
+
+
 def decode_layers(
     input_ids: torch.Tensor,
     positions: torch.Tensor,

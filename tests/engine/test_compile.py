@@ -176,7 +176,8 @@ def test_bf16_linear_layers_run_on_avx512_panels_without_amx(
     """Without AMX, on AVX512-BF16: eager, every multiply of every step reads the AVX512-BF16 panels;
     compiled, the prefill step's layers are inductor's oneDNN matmuls and its LM head ours, and each
     decode step is one `decode_layers` call, which multiplies the panels itself (no op dispatched per
-    multiply), and the LM head ours."""
+    multiply), and the LM head ours. Greedy, the LM head takes each row's argmax itself
+    (`linear_argmax_avx512`, no logits)."""
     if not decode_layers_available():
         pytest.skip("no AVX512-BF16 build of the C++ kernels here")
     monkeypatch.setattr(pagedserve.worker.model_runner, "amx_linear_available", lambda: False)
@@ -189,14 +190,15 @@ def test_bf16_linear_layers_run_on_avx512_panels_without_amx(
         out = llm.generate([[1, 400, 401, 402]], params)
     assert model.lm_head.packed_weight.dim() == 4
     calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("pagedserve_cpu::linear_argmax_avx512") == 3  # each step's LM head
     if enforce_eager:
-        assert calls.get("pagedserve_cpu::linear_avx512") == 3 * (num_linears + 1)  # three steps
+        assert calls.get("pagedserve_cpu::linear_avx512") == 3 * num_linears  # three steps
         assert "mkldnn::_linear_pointwise" not in calls
     else:
         linears = [m for m in model.modules() if isinstance(m, LinearBase)]
         assert len(linears) == num_linears and all(m.packed_weight.dim() == 4 for m in linears)
         assert calls.get("pagedserve_cpu::decode_layers") == 2  # the two decode steps
-        assert calls.get("pagedserve_cpu::linear_avx512") == 3  # each step's LM head
+        assert "pagedserve_cpu::linear_avx512" not in calls
         assert calls.get("mkldnn::_linear_pointwise") == num_linears  # the prefill, in the compiled pass
     assert len(out[0].outputs[0].token_ids) == 3
 

@@ -89,6 +89,25 @@ def test_packed_lm_head_equals_f_linear_and_keeps_the_tied_weight(
     assert torch.equal(head.weight, weight)  # a tied input embedding still reads it
 
 
+@pytest.mark.parametrize("batch_size", [1, 7, 64])
+@pytest.mark.parametrize("vocab_size", [1024, 1000])
+def test_lm_head_greedy_token_ids_are_the_argmax_of_its_logits(
+    packing: str, vocab_size: int, batch_size: int
+) -> None:
+    """In AVX512-BF16 panels the kernel takes each row's argmax without the logits; the same tokens as
+    argmax over compute_logits. Any other packing: None (the engine computes the logits)."""
+    head = filled(ParallelLMHead(vocab_size, 576), seed=batch_size)
+    hidden = torch.randn(batch_size, 576).to(torch.bfloat16)
+    head.pack_weights(batch_size_hint=64)
+    assert head.packed_weight is not None
+    token_ids = head.greedy_token_ids(hidden)
+    if head.packed_weight.dim() != 4:
+        assert token_ids is None
+        return
+    assert token_ids is not None
+    assert torch.equal(token_ids, head.compute_logits(hidden).max(dim=-1).indices)
+
+
 def test_avx512_panels_only_up_to_their_longest_in_features(monkeypatch: pytest.MonkeyPatch) -> None:
     """in_features past MAX_AVX512_IN_FEATURES (where the kernel is slower than oneDNN) stay with oneDNN."""
     if not linear.avx512_linear_available():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from pagedserve_kernels import cpu as cpu_kernels
 from torch import nn
 
 from pagedserve.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
@@ -46,3 +47,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         local = linear(hidden, self.weight, self.packed_weight)
         return all_gather_last_dim(local)[..., : self.vocab_size]
+
+    def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of `compute_logits(hidden)` (the first maximum, NaN first), taken by the
+        AVX512-BF16 kernel as it computes them, without the logits: on one rank, where the weight is in
+        its panels. None elsewhere."""
+        if self.tp_size != 1 or self.packed_weight is None or self.packed_weight.dim() != 4:
+            return None
+        return cpu_kernels.linear_argmax_avx512(hidden, self.packed_weight, self.vocab_size)

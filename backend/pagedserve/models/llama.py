@@ -164,6 +164,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
+    def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """`compute_logits(hidden)`'s argmax a row, without the logits where the LM head's kernel takes
+        it (`ParallelLMHead.greedy_token_ids`); None elsewhere."""
+        return self.lm_head.greedy_token_ids(hidden)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()

@@ -334,15 +334,26 @@ class ModelRunner:
         if not sampled:  # chunks of prompts: nothing to sample, maybe prompt logprobs or embeddings
             return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs, pooled=pooled)
         rows = self._sample_rows(sampled)
-        logits = self.model.compute_logits(hidden[sample_indices])
-        grammar_masks = self._apply_grammar_bitmask(logits, rows, output)
-        if self.sampler.argmax_rows is not None and all(row.argmax_only for row in rows):
-            result = SamplerOutput(self.sampler.argmax_rows(logits))  # no SamplingTensors to build
-        else:
-            result = self.sampler(logits, self._sampling_tensors(rows, grammar_masks))
+        result = self._sample(hidden[sample_indices], rows, output)
         runner_output = self._to_output(sampled, rows, result, prompt_logprobs)
         runner_output.pooled = pooled
         return runner_output
+
+    def _sample(self, hidden: torch.Tensor, rows: list[SampleRow], output: SchedulerOutput) -> SamplerOutput:
+        """The LM head and the sampler. Rows that all take the argmax alone build no SamplingTensors;
+        without a grammar's mask to apply first, the LM head's kernel takes the argmax itself where it
+        can (no logits written and read back)."""
+        argmax_only = self.sampler.argmax_rows is not None and all(row.argmax_only for row in rows)
+        if argmax_only and output.grammar_bitmask is None:
+            token_ids = self.model.greedy_token_ids(hidden)
+            if token_ids is not None:
+                return SamplerOutput(token_ids)
+        logits = self.model.compute_logits(hidden)
+        grammar_masks = self._apply_grammar_bitmask(logits, rows, output)
+        if argmax_only:
+            assert self.sampler.argmax_rows is not None
+            return SamplerOutput(self.sampler.argmax_rows(logits))
+        return self.sampler(logits, self._sampling_tensors(rows, grammar_masks))
 
     def _sample_rows(self, sampled: list[ScheduledRequest]) -> list[SampleRow]:
         rows = []

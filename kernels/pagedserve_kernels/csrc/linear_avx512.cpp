@@ -32,6 +32,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "bf16_vec.h"
@@ -39,8 +40,11 @@
 #include "linear_inputs.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -65,7 +69,45 @@ struct LinearArgs {
   const c10::BFloat16* bias;  // [N] or nullptr
   c10::BFloat16* out;
   int64_t num_rows, n, k_pairs;
+  // linear_argmax_avx512: each row's best column so far (value, index) instead of `out`; columns from
+  // `num_columns` on are left out
+  float* best_value = nullptr;
+  int64_t* best_index = nullptr;
+  int64_t num_columns = 0;
 };
+
+// v rounded to bfloat16 as store_bf16 rounds it, back in float32.
+inline __m512 round_to_bf16(__m512 v) {
+  const __m256bh b = _mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(b)), 16));
+}
+
+// The lanes below `count` (none if count <= 0, all if count >= 16).
+inline __mmask16 lanes_below(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : count <= 0 ? 0 : static_cast<__mmask16>((1u << count) - 1);
+}
+
+// A row's 32 outputs of the panel at column `col` (lo, hi: 16 each) against its best column so far, as
+// argmax_rows reads a row: the first maximum, a NaN above everything (the first NaN wins).
+inline void update_best(__m512 lo, __m512 hi, int64_t col, int64_t num_columns, float& best, int64_t& index) {
+  if (std::isnan(best)) return;
+  const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  lo = _mm512_mask_mov_ps(none, lanes_below(num_columns - col), round_to_bf16(lo));
+  hi = _mm512_mask_mov_ps(none, lanes_below(num_columns - col - 16), round_to_bf16(hi));
+  const __mmask16 nan_lo = _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q);
+  const __mmask16 nan_hi = _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q);
+  if (nan_lo | nan_hi) {
+    index = nan_lo ? col + __builtin_ctz(nan_lo) : col + 16 + __builtin_ctz(nan_hi);
+    best = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const float top = _mm512_reduce_max_ps(_mm512_max_ps(lo, hi));
+  if (!(top > best)) return;  // a tie keeps the earlier column
+  const __m512 vtop = _mm512_set1_ps(top);
+  const __mmask16 at_lo = _mm512_cmp_ps_mask(lo, vtop, _CMP_EQ_OQ);
+  index = at_lo ? col + __builtin_ctz(at_lo) : col + 16 + __builtin_ctz(_mm512_cmp_ps_mask(hi, vtop, _CMP_EQ_OQ));
+  best = top;
+}
 
 // x's values k, k + 1 of a row as one 32-bit lane, broadcast to all 16 (rows need not be 4-byte aligned).
 inline __m512bh broadcast_pair(const c10::BFloat16* p) {
@@ -118,6 +160,13 @@ void multiply_tile(const LinearArgs& a, int64_t row, int64_t panel, Prefetch pre
   const int64_t col = panel * kPanel;
   const __m512 b0 = a.bias ? pagedserve::load_bf16(a.bias + col) : _mm512_setzero_ps();
   const __m512 b1 = a.bias ? pagedserve::load_bf16(a.bias + col + 16) : _mm512_setzero_ps();
+  if (a.best_value != nullptr) {
+#pragma GCC unroll 12
+    for (int r = 0; r < ROWS; ++r)
+      update_best(_mm512_add_ps(acc[r][0], b0), _mm512_add_ps(acc[r][1], b1), col, a.num_columns,
+                  a.best_value[row + r], a.best_index[row + r]);
+    return;
+  }
   c10::BFloat16* out = a.out + row * a.n + col;
 #pragma GCC unroll 12
   for (int r = 0; r < ROWS; ++r) {
@@ -208,6 +257,68 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed, const st
   return out.view(in.out_shape);
 }
 
+// Greedy sampling from the LM head: each row's argmax over the first `num_columns` outputs of
+// linear_avx512(x, packed, bias), as argmax_rows reads them from its output (bfloat16, the first
+// maximum, NaN first), without writing the [rows, n] logits and reading them back. Each thread keeps
+// its panels' best column a row; the threads' bests are then taken in column order.
+at::Tensor linear_argmax_avx512(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                                int64_t num_columns) {
+  TORCH_CHECK(linear_avx512_supported(),
+              "linear_argmax_avx512: this build or CPU has no AVX512-BF16 (check linear_avx512_supported() first)");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
+                  packed.size(2) == kPanel && packed.size(3) == 2 && packed.is_contiguous(),
+              "linear_argmax_avx512: `packed` must come from pack_linear_weight_avx512, got ", packed.sizes());
+  const int64_t n = packed.size(0) * kPanel, k = packed.size(1) * 2;
+  TORCH_CHECK(num_columns > 0 && num_columns <= n, "linear_argmax_avx512: num_columns must be in 1..", n, ", got ",
+              num_columns);
+  const pagedserve::LinearInputs in = pagedserve::linear_inputs("linear_argmax_avx512", x, bias, n, k);
+  const at::Tensor& rows = in.rows;
+  std::vector<int64_t> out_shape(in.out_shape.begin(), in.out_shape.end() - 1);
+  at::Tensor out = at::zeros({rows.size(0)}, x.options().dtype(at::kLong));
+#ifdef PAGEDSERVE_AVX512_BF16
+  const int64_t num_rows = rows.size(0);
+  if (num_rows > 0) {
+    const LinearArgs args{rows.data_ptr<c10::BFloat16>(),
+                          num_rows > 1 ? rows.stride(0) : k,
+                          packed.data_ptr<c10::BFloat16>(),
+                          in.bias.defined() ? in.bias.data_ptr<c10::BFloat16>() : nullptr,
+                          nullptr,
+                          num_rows,
+                          n,
+                          k / 2};
+    struct Best {  // one thread's panels from `first_panel` on: each row's best value and column
+      int64_t first_panel;
+      std::vector<float> value;
+      std::vector<int64_t> index;
+    };
+    std::vector<Best> bests;
+    std::mutex mutex;
+    const int64_t num_panels = (num_columns + kPanel - 1) / kPanel;  // panels wholly past them: skipped
+    at::parallel_for(0, num_panels, 1, [&](int64_t panel0, int64_t panel1) {
+      Best best{panel0, std::vector<float>(num_rows, -std::numeric_limits<float>::infinity()),
+                std::vector<int64_t>(num_rows, panel0 * kPanel)};
+      LinearArgs own = args;
+      own.best_value = best.value.data();
+      own.best_index = best.index.data();
+      own.num_columns = num_columns;
+      multiply_panels(own, panel0, panel1);
+      const std::lock_guard<std::mutex> lock(mutex);
+      bests.push_back(std::move(best));
+    });
+    std::sort(bests.begin(), bests.end(), [](const Best& a, const Best& b) { return a.first_panel < b.first_panel; });
+    int64_t* index = out.data_ptr<int64_t>();
+    for (int64_t r = 0; r < num_rows; ++r) {
+      float value = -std::numeric_limits<float>::infinity();
+      for (const Best& best : bests) {
+        if (std::isnan(value)) break;
+        if (std::isnan(best.value[r]) || best.value[r] > value) value = best.value[r], index[r] = best.index[r];
+      }
+    }
+  }
+#endif
+  return out.view(out_shape);
+}
+
 }  // namespace
 
 #ifdef PAGEDSERVE_AVX512_BF16
@@ -222,6 +333,10 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("linear_avx512_supported() -> bool", &linear_avx512_supported);
   m.def("pack_linear_weight_avx512(Tensor weight) -> Tensor", &pack_linear_weight_avx512);
   m.def("linear_avx512(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
+  m.def("linear_argmax_avx512(Tensor x, Tensor packed, Tensor? bias, int num_columns) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("linear_avx512", &linear_avx512); }
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("linear_avx512", &linear_avx512);
+  m.impl("linear_argmax_avx512", &linear_argmax_avx512);
+}
