@@ -249,7 +249,7 @@ void decode_kernel(const DecodeArgs<scalar_t>& a) {
 // block every block_size steps, between other requests' blocks), too short for the hardware's
 // prefetchers to follow: each block's first lines wait on memory. So while a row is scored, its thread
 // prefetches the next row's blocks into L1, a few lines after each 16-token chunk, spread so that they
-// end with the row. On the Zen 5 machine that took 0.62-0.83 of the time of 30 layers' attention from
+// end with the row. On the Zen 5 machine that took 0.55-0.83 of the time of 30 layers' attention from
 // a cold cache (rows x context 64 x 50 to 16 x 170, blocks laid out as the engine lays them out);
 // prefetching into L2 instead, or all of it in the first half of the row, gained less.
 
