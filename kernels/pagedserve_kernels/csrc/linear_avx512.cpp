@@ -230,26 +230,38 @@ at::Tensor pack_linear_weight_avx512(const at::Tensor& weight) {
   return weight.contiguous().view({n / kPanel, kPanel, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(linear_avx512_supported(),
-              "linear_avx512: this build or CPU has no AVX512-BF16 (check linear_avx512_supported() first)");
+// What both multiplies refuse: a build or CPU without AVX512-BF16, a `packed` not in its panels.
+void check_avx512_panels(const char* kernel, const at::Tensor& packed) {
+  TORCH_CHECK(linear_avx512_supported(), kernel,
+              ": this build or CPU has no AVX512-BF16 (check linear_avx512_supported() first)");
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
                   packed.size(2) == kPanel && packed.size(3) == 2 && packed.is_contiguous(),
-              "linear_avx512: `packed` must come from pack_linear_weight_avx512, got ", packed.sizes());
+              kernel, ": `packed` must come from pack_linear_weight_avx512, got ", packed.sizes());
+}
+
+#ifdef PAGEDSERVE_AVX512_BF16
+// The rows of `in` (at least one) times `packed`, into `out` (nullptr for linear_argmax_avx512).
+LinearArgs linear_args(const pagedserve::LinearInputs& in, const at::Tensor& packed, c10::BFloat16* out) {
+  const int64_t k = packed.size(1) * 2;
+  return LinearArgs{in.rows.data_ptr<c10::BFloat16>(),
+                    in.rows.size(0) > 1 ? in.rows.stride(0) : k,
+                    packed.data_ptr<c10::BFloat16>(),
+                    in.bias.defined() ? in.bias.data_ptr<c10::BFloat16>() : nullptr,
+                    out,
+                    in.rows.size(0),
+                    packed.size(0) * kPanel,
+                    k / 2};
+}
+#endif
+
+at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  check_avx512_panels("linear_avx512", packed);
   const int64_t n = packed.size(0) * kPanel, k = packed.size(1) * 2;
   const pagedserve::LinearInputs in = pagedserve::linear_inputs("linear_avx512", x, bias, n, k);
-  const at::Tensor& rows = in.rows;
-  at::Tensor out = at::empty({rows.size(0), n}, x.options());
+  at::Tensor out = at::empty({in.rows.size(0), n}, x.options());
 #ifdef PAGEDSERVE_AVX512_BF16
-  if (rows.size(0) > 0) {
-    const LinearArgs args{rows.data_ptr<c10::BFloat16>(),
-                          rows.size(0) > 1 ? rows.stride(0) : k,
-                          packed.data_ptr<c10::BFloat16>(),
-                          in.bias.defined() ? in.bias.data_ptr<c10::BFloat16>() : nullptr,
-                          out.data_ptr<c10::BFloat16>(),
-                          rows.size(0),
-                          n,
-                          k / 2};
+  if (in.rows.size(0) > 0) {
+    const LinearArgs args = linear_args(in, packed, out.data_ptr<c10::BFloat16>());
     at::parallel_for(0, packed.size(0), 1,
                      [&](int64_t panel0, int64_t panel1) { multiply_panels(args, panel0, panel1); });
   }
@@ -263,29 +275,17 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed, const st
 // its panels' best column a row; the threads' bests are then taken in column order.
 at::Tensor linear_argmax_avx512(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                                 int64_t num_columns) {
-  TORCH_CHECK(linear_avx512_supported(),
-              "linear_argmax_avx512: this build or CPU has no AVX512-BF16 (check linear_avx512_supported() first)");
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
-                  packed.size(2) == kPanel && packed.size(3) == 2 && packed.is_contiguous(),
-              "linear_argmax_avx512: `packed` must come from pack_linear_weight_avx512, got ", packed.sizes());
+  check_avx512_panels("linear_argmax_avx512", packed);
   const int64_t n = packed.size(0) * kPanel, k = packed.size(1) * 2;
   TORCH_CHECK(num_columns > 0 && num_columns <= n, "linear_argmax_avx512: num_columns must be in 1..", n, ", got ",
               num_columns);
   const pagedserve::LinearInputs in = pagedserve::linear_inputs("linear_argmax_avx512", x, bias, n, k);
-  const at::Tensor& rows = in.rows;
   std::vector<int64_t> out_shape(in.out_shape.begin(), in.out_shape.end() - 1);
-  at::Tensor out = at::zeros({rows.size(0)}, x.options().dtype(at::kLong));
+  at::Tensor out = at::zeros({in.rows.size(0)}, x.options().dtype(at::kLong));
 #ifdef PAGEDSERVE_AVX512_BF16
-  const int64_t num_rows = rows.size(0);
+  const int64_t num_rows = in.rows.size(0);
   if (num_rows > 0) {
-    const LinearArgs args{rows.data_ptr<c10::BFloat16>(),
-                          num_rows > 1 ? rows.stride(0) : k,
-                          packed.data_ptr<c10::BFloat16>(),
-                          in.bias.defined() ? in.bias.data_ptr<c10::BFloat16>() : nullptr,
-                          nullptr,
-                          num_rows,
-                          n,
-                          k / 2};
+    const LinearArgs args = linear_args(in, packed, nullptr);
     struct Best {  // one thread's panels from `first_panel` on: each row's best value and column
       int64_t first_panel;
       std::vector<float> value;
