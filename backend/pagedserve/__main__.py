@@ -156,10 +156,18 @@ def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from pagedserve import LoRARequest
+    from pagedserve.engine.llm_engine import check_structured_outputs
     from pagedserve.llm import LLM
 
     settings = settings_from_args(GenerateSettings, args)
     params = settings.sampling_params()
+    if (
+        params.structured_outputs is not None
+    ):  # the tokenizer alone compiles it: refused before the model loads
+        try:
+            check_structured_outputs(settings.to_engine_config(), params.structured_outputs)
+        except InvalidRequestError as exc:
+            raise _request_error(exc, flags_given(GenerateSettings, args)) from None
     llm = LLM(**settings.model_dump(include=set(EngineSettings.model_fields)))
     use_chat = settings.chat and bool(llm.engine.tokenizer.chat_template)
     batch = len(args.prompt) > 1

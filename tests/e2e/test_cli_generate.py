@@ -110,6 +110,7 @@ def test_generate_prints_n_labelled_choices_cut_at_a_stop_string(tiny_llama_dir:
 
 
 def test_generate_refuses_a_schema_the_compiler_rejects_naming_the_flag(tiny_llama_dir: str) -> None:
+    """Before the model loads (the tokenizer alone compiles it): no KV cache is sized."""
     result = _generate(
         "--model", tiny_llama_dir, "--enforce-eager", "--no-chat", "--prompt", "hi",
         "--json-schema", '{"type": "nope"}',
@@ -119,6 +120,7 @@ def test_generate_refuses_a_schema_the_compiler_rejects_naming_the_flag(tiny_lla
     error = result.stderr.strip().splitlines()[-1]
     assert error.startswith("pagedserve generate: error: --json-schema: does not compile: "), error
     assert "nope" in error
+    assert "KV cache:" not in result.stderr, result.stderr
 
 
 def test_generate_refuses_a_malformed_structural_tag_naming_the_flag(tiny_llama_dir: str) -> None:

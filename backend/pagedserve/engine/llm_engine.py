@@ -28,7 +28,7 @@ from pagedserve.errors import (
 )
 from pagedserve.lora_config import read_adapter_config
 from pagedserve.outputs import PromptLogprobs, RequestDelta, RequestMetrics, TokenLogprobs
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.sequence import FinishReason, Sequence
 from pagedserve.settings import EngineSettings
 from pagedserve.telemetry import EngineMetrics, cache_config_labels
@@ -781,6 +781,17 @@ def _template_failed(exc: Exception) -> InvalidRequestError:
     give, as `{% for t in tools %}` with no tools): the request's fault or the template's, not the
     server's, and the server goes on serving."""
     return InvalidRequestError("messages", f"the chat template failed on them: {type(exc).__name__}: {exc}")
+
+
+def check_structured_outputs(config: EngineConfig, params: StructuredOutputsParams) -> None:
+    """Compile a request's grammar with the model's tokenizer alone, no model loaded: what the engine
+    would refuse as the request arrives (InvalidRequestError naming the field), said before a start that
+    takes tens of seconds (`pagedserve generate`)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    eos_token_ids = _eos_token_ids(config.model.path, tokenizer)
+    StructuredOutputs(tokenizer, config.model.vocab_size, eos_token_ids).compile(params)
 
 
 def _eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
