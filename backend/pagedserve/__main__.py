@@ -161,9 +161,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(GenerateSettings, args)
     params = settings.sampling_params()
-    if (
-        params.structured_outputs is not None
-    ):  # the tokenizer alone compiles it: refused before the model loads
+    # a grammar the compiler refuses is refused before the model loads: the tokenizer alone compiles it
+    if params.structured_outputs is not None:
         try:
             check_structured_outputs(settings.to_engine_config(), params.structured_outputs)
         except InvalidRequestError as exc:

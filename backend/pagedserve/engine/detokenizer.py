@@ -12,9 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import tokenizers
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
-
 _PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first output, for correct leading spaces
 _REPLACEMENT_CHAR = "\ufffd"  # what decode() makes of an incomplete UTF-8 sequence
 
@@ -120,6 +117,9 @@ def _rust_decode(tokenizer: Any) -> Callable[..., str] | None:
     """The `tokenizers` library's decode under a transformers tokenizer, where transformers adds nothing
     to it (its own decode, not a subclass's, and no clean-up of spaces): two calls a token, each ~1.8 us
     through transformers and ~0.5 us direct. None for any other tokenizer."""
+    import tokenizers  # here, not at import: importing the engine does not import transformers
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
     backend = getattr(tokenizer, "_tokenizer", None)
     plain = (
         isinstance(tokenizer, PreTrainedTokenizerFast)

@@ -1,8 +1,8 @@
 """Turns a `SchedulerOutput` into one batched forward pass and a sample per finishing request.
 
 Keeps per-request state across steps (block-table row, sampling params, token counts), so the
-scheduler sends only what changed. Input metadata is built with tensor ops over the whole batch:
-no Python loop runs over tokens or blocks.
+scheduler sends only what changed. Input metadata is built with numpy array operations over the whole
+batch: no Python loop runs over tokens or blocks.
 """
 
 from __future__ import annotations
