@@ -277,6 +277,20 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def only_argmax(self) -> bool:
+        """Greedy, with nothing read from the logits but their argmax and nothing changed in them: no
+        logprobs, penalties or logit controls (min_tokens aside: its bans hold only before its count,
+        which the model runner checks a row at a time). A new logit control belongs here too."""
+        return (
+            self.is_greedy
+            and self.logprobs is None
+            and not self.has_penalties
+            and not self.allowed_token_ids
+            and not self.bad_words_token_ids
+            and not self.logit_bias
+        )
+
+    @property
     def bad_words_token_ids(self) -> list[list[int]]:
         """Each bad word's token ids, as given and after a space (empty until the engine admits it)."""
         return self._bad_words_token_ids or []

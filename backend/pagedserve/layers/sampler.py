@@ -59,7 +59,8 @@ class SamplingTensors:
 
     @property
     def only_argmax(self) -> bool:
-        """Every row greedy, and nothing to change in the logits or read from them but the argmax."""
+        """Every row greedy, and nothing to change in the logits or read from them but the argmax (the
+        tensors' side of `SamplingParams.only_argmax`, which the model runner reads before building them)."""
         return (
             self.max_num_logprobs is None
             and self.repetition_penalties is None

@@ -62,20 +62,10 @@ class RequestState:
     bad_words: BadWords | None = None  # built on the request's first sample, where it has bad words
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (token ids, biases), on the device
     lora_index: int = -1  # its LoRA adapter's index in `ModelRunner.lora` (-1: the base model)
-    # greedy, reading nothing from the logits but their argmax and changing nothing in them (once
-    # past min_tokens, whose bans `SampleRow.argmax_only` checks): the sampler's `only_argmax`
-    argmax_only: bool = field(init=False)
+    argmax_only: bool = field(init=False)  # `params.only_argmax`, read for every row of every step
 
     def __post_init__(self) -> None:
-        p = self.params
-        self.argmax_only = (
-            p.is_greedy
-            and p.logprobs is None
-            and not p.has_penalties
-            and not p.allowed_token_ids
-            and not p.bad_words_token_ids
-            and not p.logit_bias
-        )
+        self.argmax_only = self.params.only_argmax
 
     @property
     def num_output_tokens(self) -> int:
@@ -103,6 +93,7 @@ class SampleRow:
 
     @property
     def argmax_only(self) -> bool:
+        """`SamplingParams.only_argmax`, and past min_tokens (before it, EOS and stop ids are banned)."""
         return self.state.argmax_only and self.num_output_tokens >= self.state.params.min_tokens
 
     @property
