@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import threading
 import time
 from pathlib import Path
@@ -49,6 +50,17 @@ def server(long_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Ser
     proc = long_server(long_llama_dir, log, "--max-num-seqs", "64", "--served-model-name", SERVED_NAME)
     yield proc
     proc.stop()
+
+
+def test_the_start_up_heap_is_frozen_before_the_server_is_ready(server: ServerProcess) -> None:
+    """What start-up built is out of the garbage collector's scans (a full collection of it holds the
+    GIL, every stream and the engine stopped, ~0.3-0.5 s on the default model), frozen before the
+    server says it is ready."""
+    log = server.log.read_text()
+    frozen = re.search(r"start-up heap frozen: (\d+) objects", log)
+    assert frozen is not None, log[-3000:]
+    assert int(frozen.group(1)) > 100_000, frozen.group(0)  # torch's, transformers' and the model's
+    assert frozen.start() < log.index("pagedserve ready")
 
 
 def stream_text(stub: pb_grpc.GenerationStub, req: pb.GenerateRequest) -> tuple[str, list[int], int]:

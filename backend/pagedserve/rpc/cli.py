@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import math
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, NoReturn
 
@@ -431,6 +433,7 @@ async def _start(server: Server, startup: _Startup, settings: ServeSettings, fla
         except ValueError as exc:
             raise config_error(exc, flags) from None
     llm = startup.llm
+    freeze_startup_heap()
     server.servicer.tracer.model_name = llm.config.model.served_model_name
     try:
         await server.start(
@@ -442,3 +445,20 @@ async def _start(server: Server, startup: _Startup, settings: ServeSettings, fla
         )
         raise SettingsError(f"{names}: too small for any request (the warm-up's {exc})") from None
     return llm
+
+
+def freeze_startup_heap() -> None:
+    """Take what start-up built (the model's modules, compiled code, the tokenizer: ~600,000-800,000
+    objects for the default model) out of the garbage collector's scans. Otherwise a full collection
+    walks all of it, ~0.3-0.5 s holding the GIL with every stream and the engine stopped, whenever
+    enough objects have survived into the oldest generation: in a server, every some thousand
+    requests. Frozen objects are still freed when their last reference goes; cycles among them would
+    stay, and a `serve` process builds one engine. After the model loads and before the warm-up."""
+    started = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    logger.info(
+        "start-up heap frozen: %d objects out of the garbage collector's scans (a full collection took %.0f ms)",
+        gc.get_freeze_count(),
+        (time.perf_counter() - started) * 1e3,
+    )
