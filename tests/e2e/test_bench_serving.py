@@ -5,6 +5,7 @@ status a failed call gives. On the tiny model, so that a run takes seconds."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ def test_compare_offline_reports_the_share_of_interleaved_rounds(tiny_llama_dir:
         tmp_path / "out.json",
         *("--spawn", "--model", tiny_llama_dir, "--compare-offline", "--num-requests", "4", "--rounds", "2"),
     )
+    assert out["args"]["client_loop"] == "uvloop"  # installed with the project's bench extra
     summary = out["summary"]
     assert summary["num_completed"] == 4 and summary["num_failed_all_rounds"] == 0
     assert summary["num_output_tokens"] == 16 + 32 + 64 + 128  # the chat workload's forced lengths
@@ -49,8 +51,9 @@ def test_twin_servers_differ_only_by_the_twin_argument(tiny_llama_dir: str, tmp_
     out = run_ok(
         tmp_path / "out.json",
         *("--spawn", "--model", tiny_llama_dir, "--num-requests", "4", "--rounds", "2"),
-        "--twin-server-arg=--stream-interval=4",
+        *("--twin-server-arg=--stream-interval=4", "--client-loop", "asyncio"),
     )
+    assert out["args"]["client_loop"] == "asyncio"
     a, b = out["servers"]
     assert (a["server"], a["server_args"]) == ("A", [])
     assert (b["server"], b["server_args"]) == ("B", ["--stream-interval=4"])
@@ -104,3 +107,19 @@ def test_contradictory_flags_are_refused_before_anything_starts(args: list[str],
     done = run_bench(*args, timeout=60)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+@pytest.mark.parametrize("caller", [None, "", "-event_engine_listener"])
+def test_the_clients_grpc_setting_stays_out_of_the_spawned_servers(caller: str | None) -> None:
+    """The load generator sets grpc's client-side experiment for itself, before grpc loads, unless
+    its caller set GRPC_EXPERIMENTS (even empty); the servers it spawns get the caller's environment."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    if caller is not None:
+        env["GRPC_EXPERIMENTS"] = caller
+    probe = "import os, serving; print(repr(os.environ['GRPC_EXPERIMENTS']), repr(serving.SERVER_ENV.get('GRPC_EXPERIMENTS')))"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=BENCH.parent, env=env, capture_output=True, text=True, check=True
+    )
+    own, servers = done.stdout.split()
+    assert own == repr("-event_engine_client" if caller is None else caller)
+    assert servers == repr(caller)
