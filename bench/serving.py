@@ -591,9 +591,8 @@ def compare_tracing(args: argparse.Namespace, requests: list[BenchRequest]) -> l
     for label, extra in TRACING_RUNS:
         server = SpawnedServer(args, extra)
         try:
-            (one_round,) = run_client(
-                args, benchmark(args, [server.target], requests)
-            )  # one target, one round
+            # one target, one round
+            (one_round,) = run_client(args, benchmark(args, [server.target], requests))
             records, client_cpu_s = one_round[0]
         except Exception:
             print(server.tail(), file=sys.stderr)

@@ -451,8 +451,8 @@ def freeze_startup_heap() -> None:
     """Take what start-up built (the model's modules, compiled code, the tokenizer: ~600,000-800,000
     objects for the default model) out of the garbage collector's scans. Otherwise a full collection
     walks all of it, ~0.3-0.5 s holding the GIL with every stream and the engine stopped, whenever
-    enough objects have survived into the oldest generation: in a server, every some thousand
-    requests. Frozen objects are still freed when their last reference goes; cycles among them would
+    objects surviving into the oldest generation since the last one number a quarter of it (CPython's
+    rule). Frozen objects are still freed when their last reference goes; cycles among them would
     stay, and a `serve` process builds one engine. After the model loads and before the warm-up."""
     started = time.perf_counter()
     gc.collect()
