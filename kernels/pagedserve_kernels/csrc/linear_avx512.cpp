@@ -15,14 +15,18 @@
 //
 // Left to the hardware, streaming and multiplying barely overlap from 8 rows on: a panel's first tile
 // waits on memory, its later tiles run from L2 while memory idles. So there every tile of a panel
-// prefetches its share of the thread's next panel into L2 (tile t of T the k pairs kp with kp % T == t,
+// prefetches its share of the thread's next panel (tile t of T the k pairs kp with kp % T == t,
 // a k pair's two cache lines each), so that the stream runs through the whole panel's multiply, and
 // the first tile prefetches its own panel a few k pairs ahead into L1. On the Zen 4 machine the second
 // tile alone prefetching the next panel took 0.85-0.87 of the time at 8-32 rows and 0.93 at 64
 // (SmolLM2-135M's 121 weights); on Zen 5, whose multiplies run twice as fast, sharing it among the
 // tiles took 0.87-0.97 of that at 16 rows (two tiles) and 0.93-0.98 at 32-64, the least where the
 // machine's memory read slowest (bench/README.md, "prefetches"). Below 8 rows the stream is
-// memory-bound alone and the prefetches only slowed it.
+// memory-bound alone and the prefetches only slowed it. The next panel's prefetch is non-temporal
+// (PREFETCHNTA): the weights are read once a pass, and on Zen 5 that hint instead of L2's took 0.95-0.96
+// of a decode step's time at 16-32 rows and 0.98-0.99 at 48-64 (whole engine steps, the arms swapped
+// step by step; bench/README.md, "non-temporal"). What the hint does is the CPU's choice; the
+// x86 manuals promise only less cache pollution, which the rest of a step (attention, Python) reads.
 //
 // Why not oneDNN: on a Zen 4 EPYC (2 cores, SmolLM2-135M's weights) oneDNN's packed bf16 matmul
 // streams the weight at 15 GB/s at one row; this loop at 26 GB/s (the machine reads ~28), 1.75x as
@@ -118,7 +122,7 @@ inline __m512bh broadcast_pair(const c10::BFloat16* p) {
 
 // What a tile prefetches while it multiplies, both null for none: `ahead`, its own panel kAheadPairs k
 // pairs ahead (into L1; past the last panel's end too, which is harmless: a prefetch never faults);
-// `next`, the next panel's k pairs kp with kp % shares == share (into L2).
+// `next`, the next panel's k pairs kp with kp % shares == share (non-temporal).
 struct Prefetch {
   const c10::BFloat16* ahead = nullptr;
   const c10::BFloat16* next = nullptr;
@@ -145,7 +149,7 @@ void multiply_tile(const LinearArgs& a, int64_t row, int64_t panel, Prefetch pre
   for (int64_t kp = 0; kp < a.k_pairs; ++kp) {
     if (prefetch.ahead != nullptr) prefetch_pair<_MM_HINT_T0>(prefetch.ahead + kp * 2 * kPanel);
     if (prefetch.next != nullptr && wait-- == 0) {
-      prefetch_pair<_MM_HINT_T1>(prefetch.next + kp * 2 * kPanel);
+      prefetch_pair<_MM_HINT_NTA>(prefetch.next + kp * 2 * kPanel);
       wait = prefetch.shares - 1;
     }
     const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + kp * 2 * kPanel));
