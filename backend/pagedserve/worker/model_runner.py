@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 import types
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
@@ -167,6 +168,28 @@ def _forward_of_its_own(model: torch.nn.Module) -> None:
     model.forward = types.MethodType(own, model)
 
 
+def _release_compiled(code: types.CodeType, modules: list[types.ModuleType]) -> None:
+    """Free what a compiled forward pass holds once its model is gone: dynamo's graphs on the model's
+    own code object, and the modules inductor generated for it with the frozen weights as attributes,
+    which `sys.modules` and inductor's module cache keep for the life of the process (~600 MB for the
+    default model, every compiled engine built and dropped in a process). Modules inductor caches
+    by their source alone (no weights) may serve another engine: they stay."""
+    import sys
+
+    from torch._dynamo.eval_frame import reset_code
+    from torch._inductor.codecache import PyCodeCache
+
+    reset_code(code)
+    shared = {id(module) for module in PyCodeCache.modules_no_attr.values()}
+    for module in modules:
+        if id(module) in shared:
+            continue
+        if sys.modules.get(module.__name__) is module:
+            del sys.modules[module.__name__]
+        with contextlib.suppress(ValueError):
+            PyCodeCache.modules.remove(module)
+
+
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, eos_token_ids: frozenset[int], backend: AttentionBackend | None = None
@@ -274,8 +297,14 @@ class ModelRunner:
             # and compiles): dynamo reads it while tracing to make the parameters graph constants,
             # which inductor then packs. torch.compile's `options` reach inductor alone and would
             # leave every weight a graph input and every linear layer an unpacked bf16 matmul.
+            from torch._inductor.codecache import PyCodeCache
+
+            known = {id(module) for module in PyCodeCache.modules}
             with step_metadata(metadata), torch._inductor.config.patch(freezing=True):
                 forward(ids, torch.arange(2, device=self.device), metadata)
+            generated = [module for module in PyCodeCache.modules if id(module) not in known]
+            release = weakref.finalize(self.model, _release_compiled, self.model.forward.__code__, generated)
+            release.atexit = False  # the process frees everything then
         except Exception as exc:  # e.g. no C++ compiler for inductor: slower, but serving
             logger.warning("torch.compile failed, running the forward pass eagerly: %s", exc)
             self._pack_weights(self.model.modules())
