@@ -4,6 +4,7 @@
     python bench/throughput.py --workload random --hf-sequential-limit 8 --hf-static-limit 64 \
         --hf-continuous-limit 64
     python bench/throughput.py --num-requests 8                  # a quick check
+    python bench/throughput.py --device cuda --model DIR         # on a GPU: every peer there
 
 Peers (same model, dtype, prompt token ids and forced output lengths, greedy):
 
@@ -158,7 +159,7 @@ class PagedserveRunner:
             for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "block_size")
             if getattr(args, name) is not None
         }
-        self.llm = LLM(args.model, dtype=args.dtype, **settings)
+        self.llm = LLM(args.model, dtype=args.dtype, device=args.device, **settings)
         self.llm.generate(
             "Warm up the engine, please.", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         )
@@ -185,11 +186,11 @@ class PagedserveRunner:
         gc.collect()
 
 
-def load_hf_model(path: str, dtype: torch.dtype) -> tuple[Any, Any]:
+def load_hf_model(path: str, dtype: torch.dtype, device: str = "cpu") -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     return model, tokenizer
 
 
@@ -197,8 +198,8 @@ def load_hf_model(path: str, dtype: torch.dtype) -> tuple[Any, Any]:
 def hf_generate(model: Any, batch: list[list[int]], num_new_tokens: int, pad_id: int) -> torch.Tensor:
     """Left-padded greedy generate of exactly `num_new_tokens` tokens per row."""
     width = max(len(ids) for ids in batch)
-    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch])
-    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=model.device)
     out = model.generate(
         input_ids=input_ids,
         attention_mask=mask,
@@ -207,6 +208,8 @@ def hf_generate(model: Any, batch: list[list[int]], num_new_tokens: int, pad_id:
         do_sample=False,
         pad_token_id=pad_id,
     )
+    if out.device.type == "cuda":
+        torch.cuda.synchronize(out.device)  # the caller's clock stops with the tokens made
     return out[:, width:]
 
 
@@ -313,12 +316,13 @@ def run_hf_continuous(
 # -- report --------------------------------------------------------------------------------------------
 
 
-def machine_line(dtype: str) -> str:
+def machine_line(dtype: str, device: str = "cpu") -> str:
     import transformers
 
     cpu = cpuinfo("model name") or platform.processor() or platform.machine()
+    gpu = f"{torch.cuda.get_device_name(device)} (every peer), " if device.startswith("cuda") else ""
     return (
-        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"{gpu}{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
         f"transformers {transformers.__version__}, {dtype}"
     )
 
@@ -420,6 +424,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     parser.add_argument(
+        "--device",
+        help="cpu, cuda or cuda:N, for every peer (default: cuda where a GPU is visible, else cpu)",
+    )
+    parser.add_argument(
         "--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}"
     )
     parser.add_argument("--hf-sequential-limit", type=int, help="time only the first N requests one by one")
@@ -455,6 +463,10 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"unknown peers: {', '.join(sorted(unknown))}")
     if args.rounds < 1:
         parser.error(f"--rounds: at least 1, got {args.rounds}")
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device.split(":")[0] not in ("cpu", "cuda"):
+        parser.error(f"--device: cpu, cuda or cuda:N, got {args.device!r}")
     return args
 
 
@@ -468,12 +480,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     peers = args.peers.split(",")
     path = resolve_model_path(args.model)
-    model, tokenizer = load_hf_model(path, getattr(torch, args.dtype))
+    model, tokenizer = load_hf_model(path, getattr(torch, args.dtype), args.device)
     requests = build_workload(args.workload, args.num_requests, args.seed)
     prompts = prompt_token_ids(tokenizer, requests)
     lengths = [r.max_tokens for r in requests]
     prompt_lens = [len(p) for p in prompts]
-    print(f"machine: {machine_line(args.dtype)}")
+    print(f"machine: {machine_line(args.dtype, args.device)}")
     print(
         f"workload {args.workload}: {len(prompts)} requests, prompts {min(prompt_lens)}-{max(prompt_lens)} "
         f"tokens ({sum(prompt_lens)} total), {sum(lengths)} output tokens forced, greedy"
@@ -513,7 +525,7 @@ def main() -> None:
         with open(args.json_out, "w") as f:
             json.dump(
                 {
-                    "machine": machine_line(args.dtype),
+                    "machine": machine_line(args.dtype, args.device),
                     "args": vars(args),
                     "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
                     "rounds": {

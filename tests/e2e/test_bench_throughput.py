@@ -33,6 +33,7 @@ def test_every_peer_generates_the_same_tokens_and_paging_holds_more_real_tokens(
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert report["args"]["device"] == "cpu"  # no GPU here: every peer on the CPU
     peers = {row["peer"]: row for row in report["results"]}
     assert set(peers) == {"pagedserve", "hf-sequential", "hf-static", "hf-continuous"}
     for row in peers.values():
@@ -86,3 +87,14 @@ def test_rounds_below_one_are_refused() -> None:
         [sys.executable, str(BENCH), "--rounds", "0"], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 2 and "--rounds: at least 1, got 0" in done.stderr
+
+
+def test_a_device_other_than_cpu_or_cuda_is_refused() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--device", "tpu"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and "--device: cpu, cuda or cuda:N, got 'tpu'" in done.stderr
