@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -50,30 +51,9 @@ def test_the_weights_a_step_reads_are_every_tensor_of_the_checkpoint(
 @pytest.mark.slow
 def test_a_cpu_run_times_whole_batch_decode_steps_against_the_given_peak(tmp_path: Path) -> None:
     out = tmp_path / "roofline.json"
-    command = [
-        sys.executable,
-        str(BENCH),
-        "--device",
-        "cpu",
-        "--preset",
-        "tiny",
-        "--cache-dir",
-        str(tmp_path),
-    ]
-    command += [
-        "--batch-sizes",
-        "1",
-        "4",
-        "--context",
-        "40",
-        "--warmup",
-        "1",
-        "--steps",
-        "3",
-        "--max-tokens",
-        "16",
-    ]
-    command += ["--peak-gbps", "10", "--enforce-eager", "--json-out", str(out)]
+    flags = "--device cpu --preset tiny --batch-sizes 1 4 --context 40 --warmup 1 --steps 3 --max-tokens 16"
+    flags += f" --peak-gbps 10 --enforce-eager --cache-dir {shlex.quote(str(tmp_path))} --json-out {shlex.quote(str(out))}"
+    command = [sys.executable, str(BENCH), *shlex.split(flags)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())

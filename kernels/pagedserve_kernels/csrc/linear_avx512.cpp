@@ -24,9 +24,9 @@
 // machine's memory read slowest (bench/README.md, "prefetches"). Below 8 rows the stream is
 // memory-bound alone and the prefetches only slowed it. The next panel's prefetch is non-temporal
 // (PREFETCHNTA): the weights are read once a pass, and on Zen 5 that hint instead of L2's took 0.95-0.96
-// of a decode step's time at 16-32 rows and 0.98-0.99 at 48-64 (whole engine steps, the arms swapped
-// step by step; bench/README.md, "non-temporal"). What the hint does is the CPU's choice; the
-// x86 manuals promise only less cache pollution, which the rest of a step (attention, Python) reads.
+// of a decode step's time at 16-32 rows and 0.98-1.00 at 48-64 (whole engine steps, the arms swapped
+// step by step; bench/README.md, "non-temporal"). What the hint does is the CPU's choice (the x86
+// manuals promise only less cache pollution); here it made the multiplies themselves faster.
 //
 // Why not oneDNN: on a Zen 4 EPYC (2 cores, SmolLM2-135M's weights) oneDNN's packed bf16 matmul
 // streams the weight at 15 GB/s at one row; this loop at 26 GB/s (the machine reads ~28), 1.75x as
