@@ -23,6 +23,20 @@ _CPU_DEFAULT_KV_SHARE = 0.25  # of available memory, when that is less than the 
 _DEFAULT_KV_LIVE_FACTOR = 2
 
 
+def gpu_kv_budget(free: int, total: int, memory_utilization: float) -> int:
+    """The bytes a GPU leaves the KV cache when no budget is given: its memory up to
+    `memory_utilization` of the total, less what is in use (this process's weights and buffers, and
+    whatever else runs on the device). ValueError naming memory_utilization when nothing is left."""
+    budget = int(free - (1.0 - memory_utilization) * total)
+    if budget <= 0:
+        raise ValueError(
+            f"memory_utilization: {memory_utilization:g} of the GPU's {total / 1024**3:.1f} GiB leaves nothing "
+            f"for the KV cache, {(total - free) / 1024**3:.1f} GiB being in use already; raise it, free the "
+            "GPU, or set kv_cache_memory"
+        )
+    return budget
+
+
 class Worker:
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
         self.config = config
@@ -65,7 +79,7 @@ class Worker:
         )
         if self.model_runner.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.model_runner.device)
-            budget = free - (1.0 - self.config.cache.memory_utilization) * total
+            budget = gpu_kv_budget(free, total, self.config.cache.memory_utilization)
         else:
             import psutil
 
