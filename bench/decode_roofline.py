@@ -66,7 +66,6 @@ class Shape:
     heads: int
     kv_heads: int
     head_dim: int
-    tied: bool
 
     @classmethod
     def of(cls, config: dict) -> Shape:
@@ -79,7 +78,6 @@ class Shape:
             heads=heads,
             kv_heads=config.get("num_key_value_heads", heads),
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            tied=config.get("tie_word_embeddings", False),
         )
 
     def weight_elements(self) -> int:
@@ -163,19 +161,22 @@ def build_preset(name: str, cache_dir: Path, tokenizer_dir: str) -> str:
 
 
 def device_peak_gbps(args: argparse.Namespace, device: torch.device) -> tuple[float | None, str]:
-    """The peak to compare with, and where it came from."""
+    """The peak to compare with, and where it came from: the command line's, the read bandwidth
+    measured here (CPU), or bench/kernels.py's `device_peak` (a GPU's datasheet figure)."""
     if args.peak_gbps is not None:
         return args.peak_gbps, "command line"
-    if device.type == "cuda":
-        sys.path.insert(0, str(Path(__file__).parent))
-        from kernels import PEAKS  # bench/kernels.py's datasheet table
+    if device.type == "cpu":
+        if args.measure_peak:
+            return (
+                measured_read_gbps(),
+                f"measured: a 1 GiB bfloat16 sum on {torch.get_num_threads()} threads",
+            )
+        return None, "CPU: pass --peak-gbps or --measure-peak"
+    sys.path.insert(0, str(Path(__file__).parent))  # also where this file is loaded as a module
+    from kernels import device_peak
 
-        name = torch.cuda.get_device_name(device)
-        gbps = next((gbps for key, gbps, _ in PEAKS if key in name), None)
-        return gbps, f"{name}, datasheet table" if gbps else f"{name}: not in the table, pass --peak-gbps"
-    if args.measure_peak:
-        return measured_read_gbps(), f"measured: a 1 GiB bfloat16 sum on {torch.get_num_threads()} threads"
-    return None, "CPU: pass --peak-gbps or --measure-peak"
+    peak = device_peak(argparse.Namespace(peak_gbps=None, peak_tflops=None), device)
+    return peak.gbps, peak.source
 
 
 def measured_read_gbps() -> float:
