@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import time
+from collections import defaultdict
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -206,8 +207,8 @@ def parse_request(
 
 
 def _unsigned(value: Any, where: str) -> int:
-    """Triton's schedule-policy parameters (`priority`, `timeout`): a non-negative int64."""
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+    """Triton's schedule-policy parameters (`priority`, `timeout`): a uint64, as Triton takes them."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
         raise InvalidRequestError(where, f"must be an unsigned integer, got {value!r}")
     return value
 
@@ -276,6 +277,7 @@ def _sampling_params(
             )
         if value is None:
             continue
+        _check_utf8(value, f"{where}.{name}")
         if kind == "structured":  # structured outputs, under either name
             if "structured_outputs" in kwargs:
                 raise InvalidRequestError(
@@ -290,12 +292,30 @@ def _sampling_params(
         raise InvalidRequestError(f"{where}.{exc.field}", exc.message) from None
 
 
+def _check_utf8(value: Any, where: str) -> None:
+    """Every string in a parameter's JSON value encodes as UTF-8: JSON's "\\ud800" escapes spell lone
+    surrogates, which the tokenizer and the grammar compiler would otherwise meet. Iterative: a value
+    nested as deep as the JSON parser allows is no recursion error here."""
+    pending = [(value, where)]
+    while pending:
+        item, at = pending.pop()
+        if isinstance(item, str):
+            tensors.utf8(at, item)
+        elif isinstance(item, list):
+            pending.extend((x, f"{at}[{i}]") for i, x in enumerate(item))
+        elif isinstance(item, dict):
+            for key, x in item.items():
+                tensors.utf8(f"{at} (a key)", key)
+                pending.append((x, f"{at}.{key}"))
+
+
 def _structured_outputs(value: Any, where: str) -> StructuredOutputsParams:
     """vLLM's StructuredOutputsParams as a JSON object (or its text, as a request parameter's string):
     one of json (a schema, object or text), regex, choice, grammar, structural_tag, json_object."""
     doc = _json_object(value, where) if isinstance(value, str) else value
     if not isinstance(doc, dict):
         raise InvalidRequestError(where, 'must be a JSON object such as {"regex": "[0-9]+"}')
+    _check_utf8(doc, where)  # its text's own escapes
     known = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
     for key in doc:
         if key not in known:
@@ -343,16 +363,17 @@ def _cast(value: Any, kind: str, where: str) -> Any:
 
 
 class Completion:
-    """Accumulates one request's deltas (one per completion index) and builds its output tensors."""
+    """Accumulates one request's deltas (one per completion index) and builds its output tensors.
+    Nothing is sized by the request's `n` before the engine has taken the request (which refuses an
+    `n` above --max-num-seqs): a huge one would otherwise be allocated first, on the event loop."""
 
     def __init__(self, request: LLMRequest) -> None:
-        n = request.params.n
         self.request = request
-        self.texts = [""] * n
-        self.num_tokens = [0] * n
-        self.cumulative_logprob = [0.0] * n
-        self.logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
-        self.finish_reasons: list[str | None] = [None] * n
+        self.texts: defaultdict[int, str] = defaultdict(str)  # by completion index
+        self.num_tokens: defaultdict[int, int] = defaultdict(int)
+        self.cumulative_logprob: defaultdict[int, float] = defaultdict(float)
+        self.logprobs: defaultdict[int, list[dict[str, Any]]] = defaultdict(list)
+        self.finish_reasons: dict[int, str | None] = {}
         self.num_prompt_tokens = 0
 
     def add(self, delta: RequestDelta) -> None:
@@ -368,7 +389,7 @@ class Completion:
 
     def step_outputs(self, delta: RequestDelta) -> list[Tensor]:
         """A streamed response: the new text and tokens of `delta`'s completion, nothing for the others."""
-        n, i = len(self.texts), delta.index
+        n, i = self.request.params.n, delta.index
         texts, counts = [""] * n, [0] * n
         logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         texts[i], counts[i], logprobs[i] = delta.new_text, len(delta.new_token_ids), _logprob_entries(delta)
@@ -377,7 +398,12 @@ class Completion:
     def final_outputs(self) -> list[Tensor]:
         """The one response of a non-streamed request: whole completions."""
         prefix = "" if self.request.exclude_input else self.request.prompt
-        return self._tensors([prefix + t for t in self.texts], self.num_tokens, self.logprobs)
+        indices = range(self.request.params.n)
+        return self._tensors(
+            [prefix + self.texts[i] for i in indices],
+            [self.num_tokens[i] for i in indices],
+            [self.logprobs[i] for i in indices],
+        )
 
     def _tensors(
         self, texts: list[str], counts: list[int], logprobs: list[list[dict[str, Any]]]
@@ -386,8 +412,8 @@ class Completion:
         with_logprobs = self.request.params.logprobs is not None
         values: dict[str, list[Any]] = {
             "text_output": [t.encode() for t in texts],
-            "finish_reason": [str(r).encode() for r in self.finish_reasons],
-            "cumulative_logprob": list(self.cumulative_logprob),
+            "finish_reason": [str(self.finish_reasons.get(i)).encode() for i in range(n)],
+            "cumulative_logprob": [self.cumulative_logprob[i] for i in range(n)],
             "logprobs": [json.dumps(lp if with_logprobs else None).encode() for lp in logprobs],
             "num_input_tokens": [self.num_prompt_tokens],
             "num_output_tokens": counts,
@@ -516,19 +542,26 @@ class LLMModel:
             raise _adapter_error(exc) from exc
         tokenized = (started, time.monotonic())
         last: RequestDelta | None = None
-        deadline = started + request.timeout_us / 1e6 if request.timeout_us else None
+        loop = asyncio.get_running_loop()
+        deadline = None  # on the loop's clock, which asyncio.timeout_at reads; counted from `started`
+        if request.timeout_us:
+            deadline = loop.time() + request.timeout_us / 1e6 - (time.monotonic() - started)
 
         def cause() -> str:  # asked as the engine's generator closes early
-            return "deadline" if deadline is not None and time.monotonic() >= deadline else cancel_cause()
+            return "deadline" if deadline is not None and loop.time() >= deadline else cancel_cause()
 
         deltas = engine.generate(
             rid, prompt, request.params, cause, priority=priority, lora_name=request.lora_name
         )
         try:
             while True:
-                try:  # waiting for the next delta, not while the caller handles one
-                    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    delta = await asyncio.wait_for(anext(deltas), remaining)
+                # Waiting for the next delta, not while the caller handles one. In this task, not in one
+                # of wait_for's: a deadline already past still starts the request in the engine's
+                # generator, which the expiry then aborts (counted as a deadline abort), where
+                # wait_for(..., 0) cancelled the generator before it ran and nothing counted it.
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        delta = await anext(deltas)
                 except StopAsyncIteration:
                     break
                 except TimeoutError:  # the cancelled wait aborted the request (cause: deadline)

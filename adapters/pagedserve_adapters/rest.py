@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http import HttpProcessingError
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
@@ -312,19 +313,34 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 
 async def _json_body(request: web.Request) -> Any:
-    return _json_document(await request.read())
+    return _json_document(await _read(request))
 
 
 async def _infer_body(request: web.Request) -> tuple[dict[str, Any], bytes]:
-    body = await request.read()
+    body = await _read(request)
     header_length = request.headers.get(_HEADER_LENGTH)
     if header_length is None:
         header, binary = body, b""
     else:
-        if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(body):
+        # digits only, and no more than the body's length has: int() refuses over 4,300 digits
+        if not (
+            header_length.isascii()
+            and header_length.isdigit()
+            and len(header_length) <= len(str(len(body)))
+            and int(header_length) <= len(body)
+        ):
             raise InvalidRequestError(_HEADER_LENGTH, f"{header_length!r} is not a length within the body")
         header, binary = body[: int(header_length)], body[int(header_length) :]
     return _object(_json_document(header), "request"), binary
+
+
+async def _read(request: web.Request) -> bytes:
+    """The request's body; one that cannot be read as sent (a Content-Encoding it does not hold, a
+    broken chunk) is the request's fault."""
+    try:
+        return await request.read()
+    except (web.RequestPayloadError, HttpProcessingError) as exc:
+        raise InvalidRequestError("request", f"the body cannot be read: {exc}") from None
 
 
 def _json_document(body: bytes) -> Any:

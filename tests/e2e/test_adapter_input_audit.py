@@ -102,6 +102,21 @@ def test_every_bad_request_on_a_stream_gets_an_error_with_its_id_and_the_good_on
     assert server.engine_idle()
 
 
+def test_an_n_past_what_a_list_can_hold_is_invalid_argument_naming_n(server: ServerProcess) -> None:
+    """The engine refuses an n above --max-num-seqs; nothing is sized by n before it has (a MemoryError,
+    an UNKNOWN, and for an n that fits, seconds of the event loop allocating it)."""
+    with tgrpc.InferenceServerClient(f"127.0.0.1:{server.port}") as client:
+        for inputs, parameters in (
+            (triton_inputs(b'{"n": 4611686018427387904, "max_tokens": 2}'), None),
+            (triton_inputs(b'{"max_tokens": 2}')[:1], {"n": 2**62}),  # a request parameter
+        ):
+            with pytest.raises(InferenceServerException) as info:
+                client.infer(MODEL, inputs, parameters=parameters)
+            assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+            assert info.value.message().startswith("n: must be at most 128"), info.value
+    assert server.engine_idle()
+
+
 def post(server: ServerProcess, path: str, body: bytes, headers: dict[str, str] | None = None) -> Any:
     url = f"http://127.0.0.1:{server.http_port}/v2/models/{MODEL}/{path}"
     req = urllib.request.Request(url, data=body, headers=headers or {})
@@ -147,6 +162,42 @@ BAD_HTTP_REQUESTS = {
         BINARY_HEADER,
         {"Inference-Header-Content-Length": "²".encode().decode("latin-1")},  # UTF-8 on the wire
         "Inference-Header-Content-Length",
+    ),
+    "header length past 4300 digits": (  # int() refuses such a string: no 500
+        "infer",
+        BINARY_HEADER,
+        {"Inference-Header-Content-Length": "9" * 5000},
+        "Inference-Header-Content-Length",
+    ),
+    "a body its Content-Encoding does not decode": (
+        "infer",
+        BINARY_HEADER,
+        {"Content-Encoding": "gzip"},
+        "request: the body cannot be read",
+    ),
+    "lone surrogate in bad_words": (
+        "generate",
+        b'{"text_input": "Hello", "parameters": {"bad_words": ["ok", "a\\udfff b"]}}',
+        {},
+        "sampling_parameters.bad_words[1]: is not valid UTF-8",
+    ),
+    "lone surrogate in a choice": (
+        "generate",
+        b'{"text_input": "Hello", "parameters": {"structured_outputs": {"choice": ["\\ud800"]}}}',
+        {},
+        "sampling_parameters.structured_outputs.choice[0]: is not valid UTF-8",
+    ),
+    "lone surrogate in a choice, the structured outputs as text": (
+        "generate",
+        b'{"text_input": "Hello", "parameters": {"structured_outputs": "{\\"choice\\": [\\"\\\\ud800\\"]}"}}',
+        {},
+        "sampling_parameters.structured_outputs.choice[0]: is not valid UTF-8",
+    ),
+    "n past what a list can hold": (
+        "generate",
+        {"text_input": "Hello", "parameters": {"n": 2**62, "max_tokens": 2}},
+        {},
+        "n: must be at most 128",
     ),
     "binary_data_size a string": (
         "infer",

@@ -177,6 +177,7 @@ def triton_stream(srv: InProcessServer, priority: int, params: dict[str, Any]) -
         ("priority", 1, -1),
         ("priority", 3, 1),
         ("priority", 9, 0),
+        ("priority", 2**64 - 1, 0),  # the largest uint64: a level above the last
     ],
 )
 def test_triton_priority_is_a_level_or_ignored_as_the_policy_says(
@@ -454,6 +455,20 @@ def test_rest_generate_past_its_timeout_is_a_504(fcfs_server: InProcessServer) -
     status, reply = post_generate(fcfs_server, MODEL, body)
     assert status == 504
     assert reply["error"].startswith("Request timeout expired")
+
+
+def test_a_timeout_past_before_the_engine_takes_the_request_counts_as_a_deadline_abort(
+    fcfs_server: InProcessServer,
+) -> None:
+    """1 us has passed before the engine sees the request: it is still aborted by its deadline, a 504,
+    and counted as one, so that every request ends in exactly one counter."""
+    before = aborts_by_deadline(fcfs_server)
+    body = {"text_input": "Hi", "parameters": {"max_tokens": 4, "timeout": 1}}
+    status, reply = post_generate(fcfs_server, MODEL, body)
+    assert status == 504
+    assert reply["error"].startswith("Request timeout expired (1 us)")
+    assert wait_for(lambda: aborts_by_deadline(fcfs_server) == before + 1, what="the deadline abort counted")
+    assert wait_for(lambda: fcfs_server.server.engine.num_live_requests == 0, what="no request left")
 
 
 @pytest.mark.parametrize("bad", ["soon", -1, 0.5, False])
