@@ -63,6 +63,8 @@ def parse_tool(index: int, name: str, description: str, parameters: str) -> Tool
             schema = json.loads(parameters)
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"tools[{index}].parameters", f"not JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidRequestError(f"tools[{index}].parameters", "not JSON: nested too deeply") from None
         if not isinstance(schema, dict):
             raise InvalidRequestError(f"tools[{index}].parameters", "must be a JSON schema (an object)")
     return Tool(name, description, schema)
@@ -84,6 +86,8 @@ def call_arguments(arguments: str, field_name: str) -> dict[str, Any]:
         value = json.loads(arguments) if arguments else {}
     except json.JSONDecodeError as exc:
         raise InvalidRequestError(field_name, f"not JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequestError(field_name, "not JSON: nested too deeply") from None
     if not isinstance(value, dict):
         raise InvalidRequestError(field_name, "must be a JSON object")
     return value
@@ -173,7 +177,7 @@ def _json_or_none(text: str) -> Any:
     """The JSON value `text` holds; None where it holds none."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # a model's output nested past the parser's depth too
         return None
 
 

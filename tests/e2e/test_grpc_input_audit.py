@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import struct_pb2
 from grpc_helpers import LONG_MAX_TOKENS, long_context_copy, request, wait_until
 from inprocess_server import InProcessServer
 from pagedserve.rpc.v1 import generate_pb2 as pb
@@ -146,6 +147,34 @@ def _sp(**kwargs: object) -> pb.SamplingParameters:
     return pb.SamplingParameters(**kwargs)
 
 
+DEEP_JSON = "[" * 5000 + "]" * 5000
+
+
+def _user() -> pb.ChatMessage:
+    return pb.ChatMessage(role="user", content="hi")
+
+
+def _call_with_arguments(arguments: str) -> pb.ChatMessage:
+    return pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(id="c", name="f", arguments=arguments)])
+
+
+def _chat(*messages: pb.ChatMessage, **fields: object) -> pb.GenerateRequest:
+    chat = pb.ChatMessages(messages=messages, **fields)  # type: ignore[arg-type]
+    return pb.GenerateRequest(messages=chat, sampling=_sp(max_tokens=2))
+
+
+def _struct(**values: object) -> struct_pb2.Struct:
+    struct = struct_pb2.Struct()
+    struct.update(values)
+    return struct
+
+
+def _constrained(**kind: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        text="hi", sampling=_sp(max_tokens=4, structured_outputs=pb.StructuredOutputs(**kind))
+    )
+
+
 # Requests test_grpc_server.py does not already try: each must be refused naming its field.
 INVALID = [
     ("n", pb.GenerateRequest(text="hi", sampling=_sp(n=0))),
@@ -171,6 +200,15 @@ INVALID = [
     # every stop string is searched after every token on the thread that steps everyone
     ("stop", pb.GenerateRequest(text="hi", sampling=_sp(stop=[f"s{i}" for i in range(65)]))),
     ("stop", pb.GenerateRequest(text="hi", sampling=_sp(stop=["s" * 1025]))),
+    # JSON nested past the parser's depth, and numbers JSON lacks: a RecursionError or ValueError, UNKNOWN
+    ("messages[1].tool_calls[0].arguments", _chat(_user(), _call_with_arguments(DEEP_JSON))),
+    ("tools[0].parameters", _chat(_user(), tools=[pb.Tool(name="f", parameters=DEEP_JSON)])),
+    ("chat_template_kwargs", _chat(_user(), chat_template_kwargs=_struct(x=float("nan")))),
+    ("chat_template_kwargs", _chat(_user(), chat_template_kwargs=_struct(x=float("inf")))),
+    # constraints that match no text compiled, then failed the request at its first token (INTERNAL)
+    ("structured_outputs.grammar", _constrained(grammar="root ::= root")),
+    ("structured_outputs.grammar", _constrained(grammar='root ::= a\na ::= a "b"')),
+    ("structured_outputs.regex", _constrained(regex="[^\\x00-\\U0010FFFF]")),
 ]
 
 

@@ -90,6 +90,14 @@ def test_regex_choice_and_grammar_hold_greedy_and_sampled(llm: LLM) -> None:
             assert out.outputs[0].finish_reason == "eos"
 
 
+def test_a_choice_past_the_basic_multilingual_plane_comes_out_as_written(llm: LLM) -> None:
+    """json.dumps spelled U+1F600 as a surrogate pair, which xgrammar took for two characters: the
+    completion's bytes were their CESU-8, six replacement characters."""
+    choices = ["smile \U0001f600", "\U0001d11e clef"]
+    for out in llm.generate(PROMPTS[:2], greedy(so(choice=choices))):
+        assert out.outputs[0].text in choices and out.outputs[0].finish_reason == "eos"
+
+
 def test_unconstrained_output_breaks_the_constraints(llm: LLM) -> None:
     """The constrained tests above could not pass by luck: unconstrained, the same model matches none."""
     for out in llm.generate(PROMPTS, greedy()):
@@ -179,6 +187,9 @@ INVALID = [
     ("structured_outputs.json", {"json": {"type": "no-such-type"}}),
     ("structured_outputs.regex", {"regex": "a(b"}),
     ("structured_outputs.grammar", {"grammar": "root ::= undefined_rule"}),
+    # they compile, but match no text: refused here, not failed at the first sampled token
+    ("structured_outputs.grammar", {"grammar": "root ::= root"}),
+    ("structured_outputs.regex", {"regex": r"[^\x00-\U0010FFFF]"}),
 ]
 
 

@@ -59,7 +59,7 @@ class StructuredOutputs:
             return None
         kind = params.kind
         try:
-            return self._compile(params)
+            grammar = self._compile(params)
         except InvalidRequestError:  # a malformed spec, said before the compiler sees it
             raise
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar raises RuntimeError (and subclasses)
@@ -67,6 +67,19 @@ class StructuredOutputs:
             if len(message) > _MAX_ERROR_CHARS:
                 message = message[:_MAX_ERROR_CHARS] + "..."
             raise InvalidRequestError(f"structured_outputs.{kind}", f"does not compile: {message}") from None
+        if not self._allows_a_first_token(grammar):
+            raise InvalidRequestError(f"structured_outputs.{kind}", "matches no text: no token can begin it")
+        return grammar
+
+    def _allows_a_first_token(self, grammar: xgrammar.CompiledGrammar) -> bool:
+        """Some token is allowed at the start (EOS where the empty text matches). A grammar whose
+        language is empty (`root ::= root`, a regex of an empty class) compiles, and would fail its
+        request at the first sampled token instead, as the grammar rejecting it."""
+        import xgrammar
+
+        bitmask = np.zeros((1, -(-self._vocab_size // 32)), dtype=np.int32)
+        xgrammar.GrammarMatcher(grammar).fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any())
 
     def _compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         compiler = self._get_compiler()
@@ -76,8 +89,10 @@ class StructuredOutputs:
             return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
         if params.regex is not None:
             return compiler.compile_regex(params.regex)
-        if params.choice is not None:  # JSON's string escapes are EBNF's
-            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in params.choice))
+        if params.choice is not None:  # JSON's string escapes are EBNF's; other characters as they are
+            # (ensure_ascii would spell one past U+FFFF as a surrogate pair, two characters to xgrammar)
+            choices = (json.dumps(c, ensure_ascii=False) for c in params.choice)
+            return compiler.compile_grammar("root ::= " + " | ".join(choices))
         if params.grammar is not None:
             return compiler.compile_grammar(params.grammar)
         if params.structural_tag is not None:

@@ -226,7 +226,10 @@ def chat_token_ids(messages: pb.ChatMessages, engine: LLMEngine) -> list[int]:
         raise InvalidRequestError("messages", "must not be empty")
     kwargs: dict[str, Any] = {}
     if messages.HasField("chat_template_kwargs"):
-        kwargs = whole_numbers_as_ints(json_format.MessageToDict(messages.chat_template_kwargs))
+        try:
+            kwargs = whole_numbers_as_ints(json_format.MessageToDict(messages.chat_template_kwargs))
+        except ValueError as exc:  # NaN or an infinity, which JSON (and protobuf's mapping) lacks
+            raise InvalidRequestError("chat_template_kwargs", f"not JSON: {exc}") from None
     if messages.tools:
         if "tools" in kwargs:
             raise InvalidRequestError("chat_template_kwargs", "'tools' is given by tools, not here")
