@@ -400,7 +400,7 @@ class SamplingParams:
         if self.bad_words is not None:
             self._check(
                 len(self.bad_words) <= MAX_BAD_WORDS
-                and all(isinstance(w, str) and 0 < len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words),
+                and all(isinstance(w, str) and len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words),
                 "bad_words",
                 f"at most {MAX_BAD_WORDS} strings of at most {MAX_BAD_WORD_CHARS} characters each",
             )

@@ -277,6 +277,29 @@ def test_out_of_vocab_token_ids_are_refused_at_admission(
     assert token_ids(llm, [PROMPTS[0]], greedy(logit_bias={VOCAB - 1: 100.0}))[0] == [VOCAB - 1] * 12
 
 
+def test_an_empty_bad_word_is_refused_as_empty_not_as_too_long() -> None:
+    with pytest.raises(InvalidRequestError) as exc:
+        SamplingParams(bad_words=["ok", ""])
+    assert str(exc.value) == "bad_words: must not be empty or only spaces"
+
+
+def test_bad_words_index_the_requests_own_token_lists() -> None:
+    """Each sequence of a request builds its own index, on the thread that steps everyone: copies of
+    1,024 long words (2,048 lists) took 43 ms a sequence, 5.5 s for n = 128. It holds the lists
+    themselves and bans a word's last token exactly where the output ends with the rest of it."""
+    from pagedserve.worker.model_runner import BadWords
+
+    ids = [[5], [7, 8, 9], [3, 8, 4], [6, 1]]
+    words = BadWords.build(ids)
+    held = [word for by_token in words.by_last_token.values() for word in by_token]
+    assert len(held) == 3 and all(any(word is own for own in ids) for word in held)
+    assert words.banned([]) == [5]
+    assert words.banned([8]) == [5]  # both two-token prefixes ending in 8 are longer than the output
+    assert sorted(words.banned([1, 7, 8])) == [5, 9]
+    assert sorted(words.banned([3, 8])) == [4, 5]
+    assert sorted(words.banned([2, 6])) == [1, 5]
+
+
 def test_bad_words_beyond_the_model_vocabulary_are_refused(tmp_path: Path, default_model_dir: str) -> None:
     """A model whose vocabulary is smaller than its tokenizer's: a word whose tokens lie past it."""
     from transformers import LlamaConfig

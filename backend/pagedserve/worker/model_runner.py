@@ -110,26 +110,28 @@ class BadWords:
     reads only the words that token could continue, not all of them, as vLLM does)."""
 
     always: list[int]
-    by_last_token: dict[int, list[tuple[list[int], int]]]  # prefix's last token -> (prefix, banned token)
+    by_last_token: dict[int, list[list[int]]]  # prefix's last token -> the words (their whole ids)
 
     @classmethod
     def build(cls, bad_words_token_ids: list[list[int]]) -> BadWords:
+        """Indexes the request's own lists, copying none: each sequence of a request builds its own
+        (n siblings, n builds), and copies of 2,048 long words took 43 ms a sequence, on the thread
+        that steps everyone (n = 128: 5.5 s)."""
         words = cls([], {})
         for ids in bad_words_token_ids:
             if len(ids) == 1:
                 words.always.append(ids[0])
             else:
-                words.by_last_token.setdefault(ids[-2], []).append((ids[:-1], ids[-1]))
+                words.by_last_token.setdefault(ids[-2], []).append(ids)
         return words
 
     def banned(self, output_token_ids: list[int]) -> list[int]:
         if not output_token_ids:
             return self.always
         words = self.by_last_token.get(output_token_ids[-1], ())
+        n = len(output_token_ids)
         return self.always + [
-            token_id
-            for prefix, token_id in words
-            if len(prefix) <= len(output_token_ids) and output_token_ids[-len(prefix) :] == prefix
+            ids[-1] for ids in words if len(ids) - 1 <= n and output_token_ids[n - len(ids) + 1 :] == ids[:-1]
         ]
 
 
