@@ -192,6 +192,7 @@ def user(**fields: object) -> pb.ChatMessage:
 
 
 BAD_SCHEMA = json.dumps({"type": "object", "properties": {"city": {"type": "colour"}}})
+DEEP_SCHEMA = '{"type": "object", "properties": {"a": ' * 40 + '{"type": "integer"}' + "}}" * 40
 BAD_REQUESTS = [
     (chat(tool_choice="sometimes"), "tool_choice", "must be none, auto or required"),
     (chat(tool_choice_function="get_mail"), "tool_choice_function", "no tool 'get_mail'"),
@@ -237,6 +238,13 @@ BAD_REQUESTS = [
         ),
         "tools[1].parameters",
         "does not compile",
+    ),
+    (  # the limit on a schema's nesting, said of the tools the request wrote (not structured_outputs.json)
+        pb.ChatMessages(
+            messages=[QUESTION], tools=[pb.Tool(name="f", parameters=DEEP_SCHEMA)], tool_choice="required"
+        ),
+        "tools",
+        "nested at most 64 levels deep",
     ),
 ]
 

@@ -364,3 +364,35 @@ def test_a_spec_over_64_kib_is_refused_before_it_compiles() -> None:
         so(json=schema)
     assert caught.value.field == "structured_outputs.json" and "at most 65536 characters" in str(caught.value)
     assert so(json={"enum": [f"value-{i}" for i in range(100)]}).kind == "json"
+
+
+def _nested_arrays(depth: int) -> str:
+    return '{"type": "array", "items": ' * depth + '{"type": "string"}' + "}" * depth
+
+
+NESTED_PAST_THE_LIMIT = [  # each compiled for seconds to minutes on the one compile thread
+    ("json", _nested_arrays(600)),
+    ("json", json.loads(_nested_arrays(100))),  # a dict schema
+    ("structural_tag", json.dumps({"type": "structural_tag", "format": json.loads(_nested_arrays(70))})),
+    ("grammar", "root ::= " + "(" * 5000 + '"a"' + ")" * 5000),
+    ("regex", "(" * 5000 + "a" + ")" * 5000),
+]
+
+
+@pytest.mark.parametrize(("kind", "spec"), NESTED_PAST_THE_LIMIT, ids=[k for k, _ in NESTED_PAST_THE_LIMIT])
+def test_a_spec_nested_past_64_levels_is_refused_before_it_compiles(kind: str, spec: object) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        so(**{kind: spec})
+    assert caught.value.field == f"structured_outputs.{kind}"
+    assert "nested at most 64 levels deep" in caught.value.message
+
+
+def test_a_spec_nested_64_levels_compiles(llm: LLM) -> None:
+    """Brackets and parentheses in quoted text and character classes do not count."""
+    quoted = '"((((((((((" [((((((((((] '
+    for kind, spec in (
+        ("json", _nested_arrays(63)),  # the schema's own object is the 64th level
+        ("grammar", "root ::= " + quoted + "(" * 64 + '"a"' + ")" * 64),
+        ("regex", r"\(\(\([((((]" + "(" * 64 + "a" + ")" * 64),
+    ):
+        llm.engine.validate_request(PROMPTS[0], greedy(so(**{kind: spec})))

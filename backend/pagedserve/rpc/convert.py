@@ -138,9 +138,14 @@ def sampling_params(
                 "output to the tools' calls",
             )
         # compact JSON: with whitespace allowed, a small model may spend its tokens on blank lines
-        kwargs["structured_outputs"] = StructuredOutputsParams(
-            json=json.dumps(tools.schema), disable_any_whitespace=True
-        )
+        try:
+            kwargs["structured_outputs"] = StructuredOutputsParams(
+                json=json.dumps(tools.schema), disable_any_whitespace=True
+            )
+        except (
+            InvalidRequestError
+        ) as exc:  # too large or too deep: said of the tools, which the request wrote
+            raise InvalidRequestError(tools.schema_field, exc.message) from None
     return engine.sampling_params(**kwargs)
 
 
