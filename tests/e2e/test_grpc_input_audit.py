@@ -7,6 +7,7 @@ when roles do not alternate)."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
@@ -110,6 +111,76 @@ def test_another_client_cannot_abort_a_request_by_guessing_its_assigned_id(serve
         assert list(call)[-1].finish_reason == pb.ABORTED
     finally:
         call.cancel()
+
+
+class HeldAdmission:
+    """The server's `AsyncEngine.prepare` held at a gate until `release()`: a request stays in its
+    admission (where tokenizing or compiling a grammar takes up to seconds) as long as a test needs."""
+
+    def __init__(self, server: InProcessServer) -> None:
+        self.server, self.engine = server, server.server.engine
+        self.gate = server.call(_new_event())
+        self.entered = threading.Event()  # a request reached the gate
+        original = self.engine.prepare
+
+        async def held(*args: object, **kwargs: object) -> object:
+            self.entered.set()
+            await self.gate.wait()
+            return await original(*args, **kwargs)
+
+        self.engine.prepare = held
+
+    def release(self) -> None:
+        self.server.loop.call_soon_threadsafe(self.gate.set)
+
+    def restore(self) -> None:
+        self.release()
+        del self.engine.prepare
+
+
+async def _new_event() -> asyncio.Event:
+    return asyncio.Event()
+
+
+def test_a_request_id_is_held_and_abortable_while_its_request_is_admitted(server: InProcessServer) -> None:
+    """While a request was being admitted its id was neither held nor abortable: an Abort call found
+    nothing (and the request ran to its end), and a second request under the id was admitted beside
+    it. Now the second is refused and the Abort ends the first before its first token."""
+    held = HeldAdmission(server)
+    first: list[object] = []
+    try:
+        thread = threading.Thread(
+            target=lambda: first.extend(
+                server.stub.Generate(request(request_id="held", max_tokens=8), timeout=60)
+            )
+        )
+        thread.start()
+        assert held.entered.wait(timeout=30)
+        assert invalid_argument(server.stub.Generate, request(request_id="held", max_tokens=2)) == (
+            "request_id: 'held' is already running"
+        )
+        aborted = server.stub.Abort(pb.AbortRequest(request_ids=["held"]), timeout=10)
+        assert list(aborted.aborted_request_ids) == ["held"]
+        held.release()
+        thread.join(timeout=60)
+    finally:
+        held.restore()
+    assert [r.finish_reason for r in first] == [pb.ABORTED]
+    assert not any(r.token_ids for r in first) and first[0].error == "aborted by an Abort call"
+    assert not server.server.engine._reserved
+    assert_serves_on(server)
+    list(server.stub.Generate(request(request_id="held", max_tokens=2), timeout=30))  # the id is free again
+
+
+def test_a_request_refused_in_its_admission_frees_its_id(server: InProcessServer) -> None:
+    bad = pb.GenerateRequest(request_id="refused", text="hi", sampling=_sp(top_k=-2))
+    assert invalid_argument(server.stub.Generate, bad).startswith("top_k:")
+    # grpc.aio sends the status first, then raises in the handler, which releases the id
+    assert wait_until(lambda: not server.server.engine._reserved, timeout=10)
+    assert (
+        list(server.stub.Generate(request(request_id="refused", max_tokens=2), timeout=30))[-1].finish_reason
+        == pb.LENGTH
+    )
 
 
 def test_a_huge_prompt_does_not_stall_the_other_streams(server: InProcessServer) -> None:

@@ -152,6 +152,8 @@ class AsyncEngine:
             tuple[Callable[..., None], tuple[str, ...], asyncio.Future[None]]
         ] = []
         self._pending_aborts: dict[str, _Abort] = {}  # by request id
+        # ids held by front ends admitting their requests (see reserve): an Abort call's _Abort, or None
+        self._reserved: dict[str, _Abort | None] = {}
         self._unread_finals: dict[str, RequestDelta] = {}  # by request id, oldest first
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -189,6 +191,19 @@ class AsyncEngine:
 
     def live_request_ids(self) -> list[str]:
         return list(self._streams)
+
+    def reserve(self, request_id: str) -> None:
+        """Hold `request_id` while a front end admits its request (tokenizing it, compiling its grammar:
+        up to seconds), until `generate` starts it or `release`: a second request under the id is
+        refused meanwhile (InvalidRequestError naming request_id), and `abort` of it ends the request
+        as soon as generate starts it, before any token."""
+        if request_id in self._streams or request_id in self._reserved:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        self._reserved[request_id] = None
+
+    def release(self, request_id: str) -> None:
+        """A reserved request that will not start (its admission failed, its caller left)."""
+        self._reserved.pop(request_id, None)
 
     def check(
         self,
@@ -297,12 +312,15 @@ class AsyncEngine:
         lower runs earlier and may preempt running requests of a higher value; any other value than 0
         is refused (InvalidRequestError naming `priority`) under the default fcfs policy. `lora_name`
         runs it through that LoRA adapter (--lora-modules; None or "" for the base model)."""
+        aborted_while_admitted = self._reserved.pop(request_id, None)  # held until now, if reserved
         self._admit(request_id, prompt_token_ids, params, priority, lora_name)
         self._unread_finals.pop(request_id, None)  # an earlier request's under the same id
         stream = self._streams[request_id] = _Stream(time.monotonic(), len(prompt_token_ids))
         self._pending_adds.append(
             (request_id, prompt_token_ids, params, stream.arrival_time, priority, lora_name)
         )
+        if aborted_while_admitted is not None:  # the loop ends it before it runs, as any queued abort
+            self._pending_aborts[request_id] = aborted_while_admitted
         self._wakeup.set()
         try:
             while True:
@@ -340,6 +358,9 @@ class AsyncEngine:
         """Abort a live request; its stream ends with a final delta whose finish reason is aborted.
         False for an unknown request, or one the engine has already finished (its final delta not
         read yet): that one ends as it finished. `cause` is counted as generate()'s `cancel_cause` is."""
+        if request_id in self._reserved:  # being admitted: ended once generate starts it
+            self._reserved[request_id] = _Abort(message, cause)
+            return True
         stream = self._streams.get(request_id)
         if stream is None or stream.is_done_in_engine:
             return False

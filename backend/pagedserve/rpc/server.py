@@ -155,16 +155,35 @@ class GenerationServicer:
         params_of: Callable[[Any], SamplingParams] | None = None,
     ) -> _Call:
         """Check and tokenize a call's request; `params_of` makes its parameters (default: the
-        Generate request's sampling)."""
-        started = time.monotonic()
-        tools: ToolChoice | None = None
+        Generate request's sampling). Its id is held from here until the engine starts the request
+        (`AsyncEngine.reserve`): tokenizing and compiling a grammar take up to seconds, in which a
+        second request under the id is refused and an Abort call ends this one."""
         if self.state.status != "serving":
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is {self.state.status}")
+        held: list[str] = []
+        try:
+            return await self._admit_held(request, context, params_of, held)
+        except BaseException:
+            for rid in held:  # refused or cancelled here: the engine never starts it
+                self.engine.release(rid)
+            raise
+
+    async def _admit_held(
+        self,
+        request: Any,
+        context: grpc.aio.ServicerContext,
+        params_of: Callable[[Any], SamplingParams] | None,
+        held: list[str],
+    ) -> _Call:
+        started = time.monotonic()
+        tools: ToolChoice | None = None
         try:
             if isinstance(request, InvalidRequestError):
                 raise request
             lora_name = self._lora_name(request)
             rid = convert.request_id(request, self.engine.new_request_id())
+            self.engine.reserve(rid)
+            held.append(rid)
             if params_of is None:
                 tools = convert.request_tool_choice(request, self.state.tool_call_parser)
                 params = convert.sampling_params(request.sampling, self.llm, tools)
