@@ -184,6 +184,13 @@ def test_a_bad_embed_request_is_invalid_argument_naming_the_field(
     assert caught.value.details().startswith(f"{field}:"), caught.value.details()
 
 
+def test_an_embed_request_without_input_is_told_the_inputs_it_has(server: InProcessServer) -> None:
+    """EmbedRequest has no messages: the error no longer names them as Generate's does."""
+    with pytest.raises(grpc.RpcError) as caught:
+        server.stub.Embed(pb.EmbedRequest(), timeout=30)
+    assert caught.value.details() == "input: set one of text or token_ids"
+
+
 def test_a_prompt_may_fill_the_context(server: InProcessServer) -> None:
     """A prompt as long as the context: an embedding generates nothing, so it fits."""
     full = server.stub.Embed(

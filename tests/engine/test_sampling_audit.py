@@ -205,6 +205,22 @@ def test_tiny_temperatures_pick_the_maximum_without_overflow(temperature: float)
     assert sample(logits, rows).token_ids.tolist() == expected
 
 
+@pytest.mark.parametrize("penalty", [1e-300, 5e-324, 1e300])
+def test_an_extreme_repetition_penalty_keeps_the_row_finite(penalty: float) -> None:
+    """A penalty near 0 (0 in float32) divided a seen token's positive logit to inf, a huge one (inf)
+    multiplied a logit of 0 to NaN: the row's softmax was NaN and every draw token 0. Now the seen
+    tokens with positive logits win outright under a tiny penalty, and a banned one stays banned."""
+    logits = torch.tensor([[1.0, 2.0, -1.0, 0.5, 3.0, -2.0, 0.0]] * 64)
+    row = Row(temperature=1.0, seed=3, repetition_penalty=penalty, prompt_ids=(1, 2, 3, 6), banned=(4,))
+    token_ids = sample(logits, [replace(row, index=i) for i in range(64)]).token_ids.tolist()
+    if penalty < 1:  # seen 1 (2.0) and 3 (0.5) grow a millionfold, seen 2 (-1.0) shrinks to ~0
+        assert set(token_ids) <= {1, 3}
+    else:  # seen 1 and 3 shrink to ~0, seen 2 grows to -1e6, seen 6 stays 0 (not NaN)
+        assert set(token_ids) <= {0, 1, 3, 5, 6} and 0 in token_ids
+    greedy = sample(logits[:1], [replace(row, temperature=0.0)]).token_ids.tolist()
+    assert greedy == ([1] if penalty < 1 else [0])
+
+
 # -- greedy rows, and rows in a batch ----------------------------------------------------------------
 
 

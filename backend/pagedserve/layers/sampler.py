@@ -25,6 +25,11 @@ _GREEDY_EPS = 1e-5
 # SamplingParams takes any finite temperature; past float32's range it would be inf here, and a banned
 # token's -inf logit divided by inf is NaN, which poisons the whole row's softmax.
 _MAX_TEMPERATURE = torch.finfo(torch.float32).max
+# SamplingParams takes any repetition penalty above 0. One near 0 (0 in float32) or past float32's range
+# sent a seen token's logit to +-inf, or a logit of 0 to NaN (0 * inf), and the row's softmax to NaN:
+# every draw was token 0. Within these bounds every penalized logit is finite, and the extremes act as
+# they mean to (a seen token's positive logit a million times larger, or its negative one).
+_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = 1e-6, 1e6
 _SEED_STRIDE = 1_000_003  # mixes the output index into a request's seed
 _SEED_MODULUS = 2**64  # torch takes 64-bit seeds: any integer seed folds into them
 
@@ -173,7 +178,8 @@ def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     seen.scatter_(1, t.prompt_token_ids, True)
     seen = seen[:, :vocab] | (output_counts > 0)
     # repetition (prompt + output): shrink positive logits, grow negative ones
-    penalty = torch.where(seen, t.repetition_penalties.unsqueeze(1), 1.0)
+    repetition = t.repetition_penalties.clamp(_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY)
+    penalty = torch.where(seen, repetition.unsqueeze(1), 1.0)
     logits = torch.where(logits > 0, logits / penalty, logits * penalty)
     # presence and frequency (output only), as OpenAI defines them
     logits = logits - t.frequency_penalties.unsqueeze(1) * output_counts

@@ -223,7 +223,8 @@ def prompt_token_ids(request: pb.GenerateRequest | pb.EmbedRequest, engine: LLME
         return list(request.token_ids.ids)
     if kind == "messages":
         return chat_token_ids(request.messages, engine)
-    raise InvalidRequestError("input", "set one of text, token_ids or messages")
+    inputs = [field.name for field in request.DESCRIPTOR.oneofs_by_name["input"].fields]
+    raise InvalidRequestError("input", f"set one of {', '.join(inputs[:-1])} or {inputs[-1]}")
 
 
 def chat_token_ids(messages: pb.ChatMessages, engine: LLMEngine) -> list[int]:
