@@ -225,11 +225,13 @@ def _lora_name(value: Any, where: str) -> str | None:
 
 
 def _selected_outputs(switches: Mapping[str, bool | None], requested: Sequence[str]) -> tuple[str, ...]:
-    for name in requested:
+    for i, name in enumerate(requested):
         if name not in _OUTPUT_NAMES:
             raise InvalidRequestError(
                 f"outputs.{name}", f"unknown output; the model has {', '.join(_OUTPUT_NAMES)}"
             )
+        if name in requested[:i]:  # as Triton refuses it (gRPC returned it twice, REST once)
+            raise InvalidRequestError(f"outputs.{name}", "requested twice")
     if requested:
         return tuple(requested)
     return tuple(name for name in _OUTPUT_NAMES if name == "text_output" or switches.get(f"return_{name}"))

@@ -203,7 +203,7 @@ class RestApi:
             parsed = parse_request(
                 _json_inputs(doc.get("inputs"), binary),
                 parameters,
-                list(output_parameters),
+                [str(o.get("name")) for o in outputs_wanted],  # as asked: a name twice is refused
                 make_params=self.model.sampling_params,
             )
             completion = await self._complete(parsed, request)

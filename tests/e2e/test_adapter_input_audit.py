@@ -117,6 +117,39 @@ def test_an_n_past_what_a_list_can_hold_is_invalid_argument_naming_n(server: Ser
     assert server.engine_idle()
 
 
+def test_an_output_requested_twice_is_invalid_argument(server: ServerProcess) -> None:
+    """As Triton refuses it; it came back twice over gRPC (and once over REST)."""
+    twice = [tgrpc.InferRequestedOutput("text_output"), tgrpc.InferRequestedOutput("text_output")]
+    with (
+        tgrpc.InferenceServerClient(f"127.0.0.1:{server.port}") as client,
+        pytest.raises(InferenceServerException) as info,
+    ):
+        client.infer(MODEL, triton_inputs(b'{"max_tokens": 2}'), outputs=twice)
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert info.value.message() == "outputs.text_output: requested twice"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/v2/models/", 404),
+        ("POST", f"/v2/models/{MODEL}/versions//generate", 404),
+        ("GET", f"/v2/models/{MODEL}/infer", 405),
+    ],
+)
+def test_a_path_or_method_without_a_route_gets_a_json_error(
+    server: ServerProcess, method: str, path: str, status: int
+) -> None:
+    """aiohttp answered these in text, which tritonclient.http fails to parse as the error it expects."""
+    req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}{path}", method=method, data=None)
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=10)
+    assert info.value.code == status
+    assert json.loads(info.value.read())["error"].endswith(f"{method} {path}")
+    if status == 405:
+        assert info.value.headers["Allow"] == "POST"
+
+
 def post(server: ServerProcess, path: str, body: bytes, headers: dict[str, str] | None = None) -> Any:
     url = f"http://127.0.0.1:{server.http_port}/v2/models/{MODEL}/{path}"
     req = urllib.request.Request(url, data=body, headers=headers or {})
@@ -198,6 +231,12 @@ BAD_HTTP_REQUESTS = {
         {"text_input": "Hello", "parameters": {"n": 2**62, "max_tokens": 2}},
         {},
         "n: must be at most 128",
+    ),
+    "an output requested twice": (
+        "infer",
+        {**infer_body(), "outputs": [{"name": "text_output"}, {"name": "text_output"}]},
+        {},
+        "outputs.text_output: requested twice",
     ),
     "binary_data_size a string": (
         "infer",

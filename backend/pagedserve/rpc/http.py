@@ -20,11 +20,26 @@ logger = logging.getLogger(__name__)
 _PROMETHEUS_TYPE = "text/plain; version=0.0.4"
 
 
+@web.middleware
+async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own errors (no such route, a method the route lacks, a body past the size limit) as the
+    KServe v2 routes answer theirs, a JSON object with an `error`: tritonclient.http parses every error
+    body as JSON, and choked on aiohttp's text ("Parse error at offset 3")."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = f"{exc.reason}: {request.method} {request.path}" if exc.status in (404, 405) else exc.text
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return web.json_response({"error": message}, status=exc.status, headers=headers)
+
+
 class HttpEndpoint:
     def __init__(self, server: Any, extra_routes: Iterable[web.AbstractRouteDef] = ()) -> None:
         self.grpc_server = server  # pagedserve.rpc.server.Server: its state and (once bound) engine
         api_key = getattr(server, "api_key", None)  # --api-key, on this port too
-        middlewares = [http_middleware(api_key)] if api_key is not None else []
+        middlewares = [json_errors] + ([http_middleware(api_key)] if api_key is not None else [])
         self.app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
         self.app.add_routes(
             [
