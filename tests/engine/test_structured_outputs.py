@@ -374,6 +374,7 @@ NESTED_PAST_THE_LIMIT = [  # each compiled for seconds to minutes on the one com
     ("json", _nested_arrays(600)),
     ("json", json.loads(_nested_arrays(100))),  # a dict schema
     ("structural_tag", json.dumps({"type": "structural_tag", "format": json.loads(_nested_arrays(70))})),
+    ("structural_tag", '{"format": ' * 3000 + "1" + "}" * 3000),  # past the JSON parser's depth too
     ("grammar", "root ::= " + "(" * 5000 + '"a"' + ")" * 5000),
     ("regex", "(" * 5000 + "a" + ")" * 5000),
 ]

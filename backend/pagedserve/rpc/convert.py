@@ -142,9 +142,8 @@ def sampling_params(
             kwargs["structured_outputs"] = StructuredOutputsParams(
                 json=json.dumps(tools.schema), disable_any_whitespace=True
             )
-        except (
-            InvalidRequestError
-        ) as exc:  # too large or too deep: said of the tools, which the request wrote
+        except InvalidRequestError as exc:
+            # too large or too deep: said of the tools, which the request wrote
             raise InvalidRequestError(tools.schema_field, exc.message) from None
     return engine.sampling_params(**kwargs)
 
