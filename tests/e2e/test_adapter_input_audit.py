@@ -150,6 +150,12 @@ def test_a_path_or_method_without_a_route_gets_a_json_error(
         assert info.value.headers["Allow"] == "POST"
 
 
+def test_a_body_past_the_size_limit_gets_a_json_413(server: ServerProcess) -> None:
+    status, reply = post(server, "infer", b" " * (64 * 1024 * 1024 + 1))
+    assert status == 413
+    assert "Maximum request body size 67108864 exceeded" in json.loads(reply)["error"]
+
+
 def post(server: ServerProcess, path: str, body: bytes, headers: dict[str, str] | None = None) -> Any:
     url = f"http://127.0.0.1:{server.http_port}/v2/models/{MODEL}/{path}"
     req = urllib.request.Request(url, data=body, headers=headers or {})
