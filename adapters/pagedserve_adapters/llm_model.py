@@ -317,7 +317,8 @@ def _structured_outputs(value: Any, where: str) -> StructuredOutputsParams:
     doc = _json_object(value, where) if isinstance(value, str) else value
     if not isinstance(doc, dict):
         raise InvalidRequestError(where, 'must be a JSON object such as {"regex": "[0-9]+"}')
-    _check_utf8(doc, where)  # its text's own escapes
+    if isinstance(value, str):  # its text's own escapes (a JSON value was checked as a parameter)
+        _check_utf8(doc, where)
     known = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
     for key in doc:
         if key not in known:
