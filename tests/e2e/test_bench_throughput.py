@@ -5,6 +5,7 @@ and the KV figures are the paged layout's against the contiguous ones at the sam
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,75 @@ def test_a_device_other_than_cpu_or_cuda_is_refused() -> None:
         check=False,
     )
     assert done.returncode == 2 and "--device: cpu, cuda or cuda:N, got 'tpu'" in done.stderr
+
+
+def test_the_vllm_peer_is_refused_without_its_python() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--peers", "pagedserve,vllm"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and "the vllm peer needs --vllm-python" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--vllm-python", "/nonexistent/python"], "--vllm-python: no executable at '/nonexistent/python'"),
+        (["--vllm-arg", "max_num_seqs"], "--vllm-arg: KEY=VALUE, got 'max_num_seqs'"),
+        (["--vllm-arg", "max_num_seqs=lots"], "--vllm-arg: the value of 'max_num_seqs=lots' is not JSON"),
+        (
+            ["--vllm-env", "VLLM_CPU_OMP_THREADS_BIND"],
+            "--vllm-env: KEY=VALUE, got 'VLLM_CPU_OMP_THREADS_BIND'",
+        ),
+    ],
+)
+def test_bad_vllm_options_are_refused(extra: list[str], message: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--peers", "pagedserve,vllm", "--vllm-python", sys.executable, *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_a_python_without_vllm_ends_the_run_with_that_reason(tiny_llama_dir: str) -> None:
+    """This environment has no vLLM: the peer's child says so and the run stops, with no table."""
+    command = [sys.executable, str(BENCH), "--model", tiny_llama_dir, "--num-requests", "2"]
+    command += ["--peers", "pagedserve,vllm", "--vllm-python", sys.executable]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"vLLM is not importable in {sys.executable}: No module named 'vllm'" in done.stderr
+    assert "the vLLM peer exited with status 1" in done.stderr
+    assert "| peer |" not in done.stdout
+
+
+VLLM_PYTHON = os.environ.get("PAGEDSERVE_BENCH_VLLM_PYTHON")
+
+
+@pytest.mark.skipif(
+    not VLLM_PYTHON,
+    reason="PAGEDSERVE_BENCH_VLLM_PYTHON names no Python with vLLM (bench/README.md: the vllm peer)",
+)
+def test_the_vllm_peer_generates_the_same_tokens_in_its_own_environment(
+    default_model_dir: str, tmp_path: Path
+) -> None:
+    """vLLM runs in its own Python, rounds in turn with pagedserve's; its idle CPU between rounds is
+    reported, and its greedy tokens are counted like every peer's. On the default model: vLLM's CPU
+    attention has no kernel for the tiny model's head size of 16."""
+    out = tmp_path / "out.json"
+    command = [sys.executable, str(BENCH), "--model", default_model_dir, "--num-requests", "4"]
+    command += ["--peers", "pagedserve,vllm", "--rounds", "2", "--vllm-python", str(VLLM_PYTHON)]
+    command += ["--vllm-arg", "max_num_seqs=4", "--json-out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for row in report["rounds"]["vllm"]:
+        assert row["num_output_tokens"] == 16 + 32 + 64 + 128
+        assert row["note"].startswith("vllm ") and " CPU-s while idle before this round" in row["note"]
+    order = [line.split(" (round")[0] for line in done.stdout.splitlines() if line.startswith("running ")]
+    assert order == ["running pagedserve", "running vllm"] * 2
