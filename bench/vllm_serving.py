@@ -42,7 +42,7 @@ from serving import (
     print_summary,
     write_json,
 )
-from throughput import VllmRunner
+from throughput import VllmRunner, add_vllm_arguments, check_vllm_arguments
 from workloads import build_workload, prompt_token_ids
 
 
@@ -180,7 +180,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--vllm-python", required=True, help="the Python of a virtual environment with vLLM")
+    add_vllm_arguments(parser, required=True)
     parser.add_argument("--workload", choices=("chat", "random"), default="chat")
     parser.add_argument("--num-requests", type=int, help="default: 64 (chat) or 256 (random)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random workload")
@@ -191,41 +191,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where vLLM runs")
     parser.add_argument("--rounds", type=int, default=1, help="server and offline rounds, ABBA (default 1)")
     parser.add_argument(
-        "--vllm-env",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an environment variable of vLLM's server and offline engine (repeatable)",
-    )
-    parser.add_argument(
-        "--vllm-arg",
-        action="append",
-        default=[],
-        metavar="KEY=JSON",
-        help="an argument of the offline vllm.LLM (repeatable); give the server the same with --vllm-server-arg",
-    )
-    parser.add_argument(
         "--vllm-server-arg",
         action="append",
         default=[],
-        help="an extra argument of vLLM's server (repeatable), e.g. --vllm-server-arg=--max-num-seqs=128",
+        help="an extra argument of vLLM's server (repeatable), e.g. --vllm-server-arg=--max-num-seqs=128; "
+        "--vllm-arg gives the offline engine the same",
     )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--json-out", help="also write the summary to this JSON file")
     args = parser.parse_args()
-    if not os.access(args.vllm_python, os.X_OK):
-        parser.error(f"--vllm-python: no executable at {args.vllm_python!r}")
+    check_vllm_arguments(parser, args)
     if args.rounds < 1:
         parser.error(f"--rounds: at least 1, got {args.rounds}")
-    for option, items in (("--vllm-arg", args.vllm_arg), ("--vllm-env", args.vllm_env)):
-        for item in items:
-            if "=" not in item:
-                parser.error(f"{option}: KEY=VALUE, got {item!r}")
-    for item in args.vllm_arg:
-        try:
-            json.loads(item.partition("=")[2])
-        except json.JSONDecodeError:
-            parser.error(f"--vllm-arg: the value of {item!r} is not JSON")
     return args
 
 
