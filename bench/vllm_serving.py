@@ -164,7 +164,10 @@ async def benchmark(
     def offline_round() -> None:  # blocks the loop, which has no call in flight then
         result = offline.run(prompts, lengths)
         offline_rates.append(result.tokens_per_s)
-        print(f"offline engine, round {len(offline_rates)}: {result.tokens_per_s:.1f} tok/s", flush=True)
+        print(
+            f"offline engine, round {len(offline_rates)}: {result.tokens_per_s:.1f} tok/s ({result.note})",
+            flush=True,
+        )
 
     for round_ in range(1, args.rounds + 1):
         if round_ % 2 == 0:

@@ -70,3 +70,5 @@ def test_vllm_s_server_streams_every_forced_token_and_is_compared_with_its_offli
     share = summary["output_tokens_per_s"] / summary["offline_tokens_per_s"]
     assert summary["share_of_offline"] == pytest.approx(share)
     assert f"= {100 * share:.1f}%" in done.stdout
+    # the offline engine's CPU while the server's rounds ran, so a reader sees what it took from them
+    assert done.stdout.count(" CPU-s while idle before this round)") == 2
