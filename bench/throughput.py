@@ -212,8 +212,7 @@ class VllmRunner:
         self.process = subprocess.Popen(
             [args.vllm_python, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
         )
-        self.settings = {"model": model_path, "dtype": args.dtype, "llm_kwargs": llm_kwargs}
-        ready = self._ask(self.settings)
+        ready = self._ask({"model": model_path, "dtype": args.dtype, "llm_kwargs": llm_kwargs})
         self.version = ready["version"]
         self.extra_env = " ".join(args.vllm_env)
         self.idle_cpu_seconds = self._cpu_seconds()

@@ -45,7 +45,8 @@ def main() -> None:
         job = json.loads(line)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in job["lengths"]]
-        llm.reset_prefix_cache()
+        if not llm.reset_prefix_cache():  # as pagedserve's runner: every round computes every prompt
+            raise SystemExit("vLLM did not reset its prefix cache")
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
