@@ -1,16 +1,17 @@
-"""Paged attention on CPU, bfloat16: the C++ kernel (`pagedserve_kernels.cpu.paged_attention_decode`)
-against the pure-torch reference on scaled_dot_product_attention (what the engine runs where the
-kernels do not build), for decode steps and, one kernel row a prompt token (`reference.prefill_rows`,
-as the engine runs bf16 prefills), for prefills against the SDPA layout the engine used before (one
-padded call where `reference.plan_prefill_batch` plans one, else a call a sequence).
+"""Paged attention on CPU, bfloat16: the C++ kernels (`pagedserve_kernels.cpu`) against the pure-torch
+reference on scaled_dot_product_attention (what the engine runs where the kernels do not build). Decode
+steps: `paged_attention_decode`. Prefills: `paged_attention_prefill` (tiles of 16 query-token/head
+lanes, what the engine runs for bf16 prefills), the decode kernel over one row a prompt token
+(`reference.prefill_rows`, what it ran before), and the SDPA layout (one padded call where
+`reference.plan_prefill_batch` plans one, else a call a sequence).
 
     python bench/cpu_attention.py                    # SmolLM2-135M's heads: 9 query, 3 KV, head size 64
     python bench/cpu_attention.py --repeats 15 --block-size 16
 
 Decode shapes read one cache a layer for 30 layers, so a pass reads from memory as a forward pass does
 (cold); prefill shapes one layer, many times (the cache warm, as after the step's K/V writes). Each
-figure is the median over --repeats passes, the arms taken in turn, as ms a layer; the ratio is
-reference time / ours (above 1: ours faster). Every shape is checked against the reference first.
+figure is the median over --repeats passes, the arms taken in turn, as ms a layer; a ratio is the
+other arm's time / ours (above 1: ours faster). Every shape is checked against the reference first.
 """
 
 from __future__ import annotations
@@ -80,8 +81,12 @@ def prefill_case(
     query = torch.randn(int(starts[-1]), NUM_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
 
     def ours() -> torch.Tensor:
-        rows = reference.prefill_rows(tables, starts, context)
-        return cpu.paged_attention_decode(query, k, v, *rows, SCALE)
+        return cpu.paged_attention_prefill(query, k, v, tables, starts, context, SCALE)
+
+    def rows() -> torch.Tensor:
+        return cpu.paged_attention_decode(
+            query, k, v, *reference.prefill_rows(tables, starts, context), SCALE
+        )
 
     def sdpa() -> torch.Tensor:
         batch = reference.plan_prefill_batch(starts, context, block_size, torch.bfloat16)
@@ -90,8 +95,9 @@ def prefill_case(
     exact = reference.paged_attention_prefill(
         query.float(), k.float(), v.float(), tables, starts, context, SCALE
     )
-    assert (ours().float() - exact).abs().max() < 0.05, "the kernel disagrees with the reference"
-    return timed({"ours": ours, "reference": sdpa}, repeats)
+    for arm in (ours, rows):
+        assert (arm().float() - exact).abs().max() < 0.05, f"{arm.__name__} disagrees with the reference"
+    return timed({"ours": ours, "rows": rows, "reference": sdpa}, repeats)
 
 
 def main() -> None:
@@ -122,10 +128,15 @@ def main() -> None:
         "1 prompt of 2,048 tokens": [(2048, 2048)],
         "a 512-token chunk after 1,488 cached": [(512, 2000)],
     }
-    print("\n| prefill | ours ms | SDPA ms | SDPA / ours |\n|---|---:|---:|---:|")
+    print(
+        "\n| prefill | ours ms | rows ms | SDPA ms | rows / ours | SDPA / ours |\n|---|---:|---:|---:|---:|---:|"
+    )
     for name, lens in prefills.items():
         t = prefill_case(lens, args.block_size, args.repeats, gen)
-        print(f"| {name} | {t['ours']:.2f} | {t['reference']:.2f} | {t['reference'] / t['ours']:.2f}x |")
+        print(
+            f"| {name} | {t['ours']:.2f} | {t['rows']:.2f} | {t['reference']:.2f} | "
+            f"{t['rows'] / t['ours']:.2f}x | {t['reference'] / t['ours']:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -98,6 +98,24 @@ def paged_attention_decode(
     )
 
 
+def paged_attention_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`reference.paged_attention_prefill` for bfloat16 and head sizes 64 and 128 on a build whose
+    `decode_isa()` is "avx512_bf16" (a RuntimeError elsewhere): tiles of 16 (query token, query head)
+    lanes sharing a KV head, scores and P V both by vdpbf16ps, the softmax weights rounded to bfloat16
+    for P V as flash attention rounds them. Needs `load()`; block ids are checked as for decode."""
+    return torch.ops.pagedserve_cpu.paged_attention_prefill(
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+    )
+
+
 def decode_isa() -> str:
     """The instructions bfloat16 decode attention runs on in this build: "avx512_bf16" where the
     compiler targets AVX512-BF16 (vdpbf16ps scoring), else "generic" (needs `load()`)."""

@@ -10,7 +10,8 @@ head size 64, 2 for 128), block sizes 8 and 16, context lengths across block, 16
 (bf16) 256-token tile boundaries (1, 7, 8, 9, 16, 17, 33, 300), float32, bfloat16 and float16.
 Tolerances: float32 1e-5 against the float32 reference; bf16 and fp16 against the reference run in
 float32 on the same inputs, no further off than the reference's own low-precision result. Also
-prefill attention as decode rows (`reference.prefill_rows`), and the CPU backend's use of it.
+prefill attention: as decode rows (`reference.prefill_rows`), in the bf16 prefill kernel
+(`paged_attention_prefill`, AVX512-BF16 builds), and the CPU backend's use of the latter.
 """
 
 from __future__ import annotations
@@ -218,24 +219,141 @@ def prefill_and_its_calls(
     return out, {event.key: event.count for event in prof.key_averages()}
 
 
-def test_the_backend_runs_bf16_prefill_in_the_decode_kernel() -> None:
-    """bfloat16 head size 64 or 128: prefill attention is one decode-kernel call over rows made once a
-    step (1.2-4x faster than SDPA here); any other head size or dtype stays with SDPA."""
+def needs_the_prefill_kernel() -> None:
+    if cpu.decode_isa() != "avx512_bf16":
+        pytest.skip("no AVX512-BF16 here: the bf16 prefill kernel is not built")
+
+
+# (query_len, context_len) a sequence beyond PREFILL_LENS: a tile's rows past a 16-key chunk, one
+# token after a long cached context, and prompts whose last tile is partial
+LONG_PREFILL_LENS = [*PREFILL_LENS, (16, 16), (33, 33), (1, 1000), (77, 250)]
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(9, 3, 64), (8, 8, 64), (8, 2, 128), (16, 2, 64), (20, 1, 64), (6, 2, 128)],
+    ids=["gqa3-d64", "mha-d64", "gqa4-d128", "gqa8-d64", "gqa20-d64", "gqa3-d128"],
+)
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+def test_prefill_kernel_matches_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """Every (query token, query head) lane arrangement: 16 rows of one head (no grouping), 5 rows of
+    3 heads, 2 of 8, and 20 heads of one KV head (two lane groups of 16 and 4), over chunks that
+    span blocks of 1 to 32 slots; as near the float32 reference as its own bf16 run."""
+    needs_the_prefill_kernel()
+    lens = LONG_PREFILL_LENS
+    cache = make_paged_cache(
+        [c for _, c in lens], num_kv_heads, head_dim, block_size, torch.bfloat16, torch.device("cpu")
+    )
+    starts = torch.tensor([0, *(q for q, _ in lens)]).cumsum(0).to(torch.int32)
+    query = torch.randn(int(starts[-1]), num_heads, head_dim, dtype=torch.bfloat16)
+    tail = (cache.block_tables, starts, cache.context_lens, head_dim**-0.5)
+    out = cpu.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail)
+    assert out.dtype == torch.bfloat16 and out.shape == query.shape
+    assert_as_near_as_flash_attention(out, query, cache, tail)
+
+
+def assert_as_near_as_flash_attention(
+    out: torch.Tensor, query: torch.Tensor, cache: PagedCache, tail: tuple[object, ...]
+) -> None:
+    """The prefill kernel rounds the softmax weights to bf16 for P V (as flash attention does): each
+    weight within 2^-9 of its value, so the output within 2^-9 max|V| of the exact one beyond the
+    reference's own bf16 error; and on average no more than 1.5x as far off as the reference's."""
+    exact = reference.paged_attention_prefill(
+        query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail
+    )
+    theirs = (
+        reference.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail).float() - exact
+    ).abs()
+    ours = (out.float() - exact).abs()
+    weights_rounding = 2**-9 * cache.v_cache.float().abs().max().item()
+    assert ours.max().item() <= theirs.max().item() + weights_rounding + 1e-3
+    assert ours.mean().item() <= 1.5 * theirs.mean().item()
+
+
+def test_prefill_kernel_reads_a_strided_query_and_never_the_unused_slots() -> None:
+    """The query is a view into the fused qkv projection (rows wider than heads * head_dim, an odd
+    number of elements apart), and slots past each context hold NaN."""
+    needs_the_prefill_kernel()
+    lens = [(20, 20), (3, 40), (50, 57)]
+    cache = make_paged_cache([c for _, c in lens], 2, 64, 8, torch.bfloat16, torch.device("cpu"))
+    k_cache, v_cache = poison_unused_slots(cache)
+    starts = torch.tensor([0, *(q for q, _ in lens)]).cumsum(0).to(torch.int32)
+    qkv = torch.randn(int(starts[-1]), (6 + 2 + 2) * 64 + 1).to(torch.bfloat16)
+    query = qkv[:, 1 : 1 + 6 * 64].view(-1, 6, 64)
+    assert not query.is_contiguous()
+    tail = (cache.block_tables, starts, cache.context_lens, 0.125)
+    out = cpu.paged_attention_prefill(query, k_cache, v_cache, *tail)
+    assert torch.isfinite(out).all()
+    expected = reference.paged_attention_prefill(
+        query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail
+    )
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_kernel_softmax_is_stable_for_huge_logits() -> None:
+    needs_the_prefill_kernel()
+    cache, starts, _ = prefill_case(9, 3, 64, torch.bfloat16)
+    query = (500 * torch.randn(int(starts[-1]), 9, 64)).to(torch.bfloat16)
+    tail = (cache.block_tables, starts, cache.context_lens, 0.125)
+    out = cpu.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail)
+    assert torch.isfinite(out).all()
+    expected = reference.paged_attention_prefill(
+        query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail
+    )
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_kernel_refuses_bad_arguments_with_the_reason() -> None:
+    needs_the_prefill_kernel()
+    cache, starts, query = prefill_case(9, 3, 64, torch.bfloat16)
+    caches, tables, lens = (cache.k_cache, cache.v_cache), cache.block_tables, cache.context_lens
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu.paged_attention_prefill(
+            query.float(), caches[0].float(), caches[1].float(), tables, starts, lens, 0.1
+        )
+    with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
+        other = make_paged_cache([c for _, c in PREFILL_LENS], 3, 80, 8, torch.bfloat16, torch.device("cpu"))
+        cpu.paged_attention_prefill(
+            torch.randn(query.shape[0], 9, 80).to(torch.bfloat16),
+            other.k_cache,
+            other.v_cache,
+            tables,
+            starts,
+            lens,
+            0.1,
+        )
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu.paged_attention_prefill(query, *caches, tables, starts.long(), lens, 0.1)
+    with pytest.raises(RuntimeError, match="one more query start"):
+        cpu.paged_attention_prefill(query, *caches, tables, starts[:-1], lens, 0.1)
+    with pytest.raises(RuntimeError, match="query_start_loc: from 0"):
+        cpu.paged_attention_prefill(query[:-1], *caches, tables, starts, lens, 0.1)
+    shorter = lens.clone()
+    shorter[1] = 3  # 17 query tokens, a context of 3
+    with pytest.raises(RuntimeError, match="sequence 1 has 17 query tokens and a context of 3"):
+        cpu.paged_attention_prefill(query, *caches, tables, starts, shorter, 0.1)
+    outside = tables.clone()
+    outside[4, 0] = cache.k_cache.shape[0]
+    with pytest.raises(RuntimeError, match=r"block_tables\[4, 0\].*not a block of the KV cache"):
+        cpu.paged_attention_prefill(query, *caches, outside, starts, lens, 0.1)
+
+
+def test_the_backend_runs_bf16_prefill_in_the_prefill_kernel() -> None:
+    """bfloat16 head size 64 or 128: prefill attention is one prefill-kernel call a layer (3-5x faster
+    than SDPA here); any other head size or dtype stays with SDPA."""
     backend = TorchAttentionBackend(torch.device("cpu"))
     if cpu.decode_isa() != "avx512_bf16":
-        assert not backend.bf16_prefill_rows
+        assert not backend.bf16_prefill
         pytest.skip("no AVX512-BF16 here: every prefill stays with SDPA")
     cache, starts, query = prefill_case(9, 3, 64, torch.bfloat16)
     metadata = prefill_metadata(cache, starts)
     backend.prepare(metadata, torch.bfloat16, 8)
     assert metadata.prefill_batch is None  # nothing planned for SDPA
     out, calls = prefill_and_its_calls(backend, cache, query, metadata)
-    assert calls.get("pagedserve_cpu::paged_attention_decode") == 1
-    assert not any("scaled_dot_product" in name for name in calls)
-    rows = metadata.prefill_rows
-    assert rows is not None
-    prefill_and_its_calls(backend, cache, query, metadata)  # the step's next layer reuses the rows
-    assert metadata.prefill_rows is rows
+    assert calls.get("pagedserve_cpu::paged_attention_prefill") == 1
+    assert not any("scaled_dot_product" in name or "paged_attention_decode" in name for name in calls)
     tail = (cache.block_tables, starts, cache.context_lens, 0.125)
     expected = reference.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail)
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
@@ -245,7 +363,7 @@ def test_the_backend_runs_bf16_prefill_in_the_decode_kernel() -> None:
         metadata = prefill_metadata(cache, starts)
         backend.prepare(metadata, dtype, 8)
         _, calls = prefill_and_its_calls(backend, cache, query, metadata)
-        assert "pagedserve_cpu::paged_attention_decode" not in calls and metadata.prefill_rows is None
+        assert "pagedserve_cpu::paged_attention_prefill" not in calls
         assert any("scaled_dot_product" in name for name in calls)
 
 

@@ -47,9 +47,6 @@ class AttentionMetadata:
     # derived once per step by the torch backend's `prepare`, shared by every layer
     decode_key_mask: torch.Tensor | None = None
     prefill_batch: reference.PrefillBatch | None = None
-    # the prefill tokens as decode rows (`reference.prefill_rows`) for the C++ kernel's bfloat16 path:
-    # made by the step's first layer, reused by the others
-    prefill_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_prefills(self) -> int:
@@ -103,21 +100,21 @@ class TorchAttentionBackend(AttentionBackend):
     are built once per step, not once per layer.
 
     Prefill attention in bfloat16, head size 64 or 128, on a build with AVX512-BF16 runs in the C++
-    decode kernel too, one row a prompt token with the context up to it (`reference.prefill_rows`):
-    faster than scaled_dot_product_attention on every shape measured, from 3-4x on 64 short chat
-    prompts (1.4-2.6 against 4.7-11 ms a layer) to 1.2x on one 2,048-token prompt
-    (bench/cpu_attention.py)."""
+    prefill kernel (`cpu.paged_attention_prefill`: tiles of query tokens and heads sharing a KV head,
+    flash-attention style), read straight from the paged cache: 3.4-4.9x faster than
+    scaled_dot_product_attention and 1.8-2.4x faster than the decode kernel run one row a prompt
+    token on prompts of 100 tokens and more (bench/cpu_attention.py)."""
 
     name = "torch"
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.cpu_kernels = device is not None and device.type == "cpu" and cpu_kernels.load()
-        self.bf16_prefill_rows = self.cpu_kernels and cpu_kernels.decode_isa() == "avx512_bf16"
+        self.bf16_prefill = self.cpu_kernels and cpu_kernels.decode_isa() == "avx512_bf16"
         if self.cpu_kernels:
             logger.info("KV writes and decode attention: the C++ CPU kernels (%s)", cpu_kernels.decode_isa())
 
-    def _prefill_as_rows(self, dtype: torch.dtype, head_dim: int) -> bool:
-        return self.bf16_prefill_rows and dtype == torch.bfloat16 and head_dim in (64, 128)
+    def _prefill_in_kernel(self, dtype: torch.dtype, head_dim: int) -> bool:
+        return self.bf16_prefill and dtype == torch.bfloat16 and head_dim in (64, 128)
 
     def prepare(self, metadata: AttentionMetadata, dtype: torch.dtype, block_size: int) -> None:
         if metadata.num_decodes and not self.cpu_kernels:
@@ -125,8 +122,8 @@ class TorchAttentionBackend(AttentionBackend):
             metadata.decode_key_mask = reference.decode_key_mask(
                 metadata.decode_context_lens, num_blocks * block_size, dtype
             )
-        # bfloat16 prefills on the C++ kernel take rows, made by `prefill` (which knows the head size)
-        if metadata.num_prefills and not (self.bf16_prefill_rows and dtype == torch.bfloat16):
+        # bfloat16 prefills on the C++ kernel need no plan (`prefill` knows the head size)
+        if metadata.num_prefills and not (self.bf16_prefill and dtype == torch.bfloat16):
             metadata.prefill_batch = reference.plan_prefill_batch(
                 metadata.prefill_query_start_loc, metadata.prefill_context_lens, block_size, dtype
             )
@@ -175,14 +172,16 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if self._prefill_as_rows(query.dtype, query.shape[-1]):
-            if metadata.prefill_rows is None:  # the step's first layer
-                metadata.prefill_rows = reference.prefill_rows(
-                    metadata.prefill_block_tables,
-                    metadata.prefill_query_start_loc,
-                    metadata.prefill_context_lens,
-                )
-            return cpu_kernels.paged_attention_decode(query, k_cache, v_cache, *metadata.prefill_rows, scale)
+        if self._prefill_in_kernel(query.dtype, query.shape[-1]):
+            return cpu_kernels.paged_attention_prefill(
+                query,
+                k_cache,
+                v_cache,
+                metadata.prefill_block_tables,
+                metadata.prefill_query_start_loc,
+                metadata.prefill_context_lens,
+                scale,
+            )
         return reference.paged_attention_prefill(
             query,
             k_cache,

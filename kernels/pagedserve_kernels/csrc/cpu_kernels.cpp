@@ -13,6 +13,11 @@
 //   slots are widened and accumulated.
 // Both trust the block ids they read: check_block_tables (paged_checks.h) has checked them first.
 //
+// paged_attention_prefill: causal attention of packed prompt chunks (bfloat16, head size 64 or 128,
+// AVX512-BF16 builds only), the engine's bf16 prefill path: tiles of query tokens times the heads of
+// a KV head's group, 16 lanes, scores and P V both by vdpbf16ps (prefill_kernel_avx512_bf16). Each K/V
+// row is read once a tile, not once a query token as the decode kernel over prefill rows reads it.
+//
 // write_kv_cache: this step's K/V rows copied into their slots, one call per layer.
 //
 // argmax_rows: greedy sampling's argmax over each row of the logits, as torch's max(dim).indices
@@ -41,6 +46,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -455,6 +461,284 @@ template <int64_t kDim>
 void decode_kernel_avx512_bf16(const DecodeArgs<c10::BFloat16>& a) {
   parallel_over_rows(a, [&](int64_t begin, int64_t end) { decode_rows_avx512_bf16<kDim>(a, begin, end); });
 }
+
+// The lane indices of transpose16's stages (b = 8, 4, 2, 1), for vpermt2d / vpermt2ps of rows i and i + b:
+// lo, row i's: its own lanes where bit b is clear, row i + b's before them; hi, row i + b's: row i's
+// lanes past them, then its own.
+struct TransposeLanes {
+  alignas(64) int32_t lo[4][16];
+  alignas(64) int32_t hi[4][16];
+  constexpr TransposeLanes() : lo(), hi() {
+    for (int s = 0, b = 8; s < 4; ++s, b /= 2)
+      for (int c = 0; c < 16; ++c) {
+        lo[s][c] = c & b ? 16 + c - b : c;
+        hi[s][c] = c & b ? 16 + c : c + b;
+      }
+  }
+};
+constexpr TransposeLanes kTransposeLanes;
+
+// r[i][c] <- r[c][i] for 16 vectors of 16 32-bit lanes: four stages, each swapping the off-diagonal
+// b x b blocks of every 2b x 2b block, a permute a row each.
+template <typename V, typename Permute>
+inline void transpose16(V* r, Permute permute) {
+  for (int s = 0, b = 8; s < 4; ++s, b /= 2) {
+    const __m512i lo = _mm512_load_si512(kTransposeLanes.lo[s]), hi = _mm512_load_si512(kTransposeLanes.hi[s]);
+    for (int i = 0; i < 16; ++i) {
+      if (i & b) continue;
+      const V x = r[i], y = r[i + b];
+      r[i] = permute(x, lo, y);
+      r[i + b] = permute(x, hi, y);
+    }
+  }
+}
+
+inline void transpose16(__m512i* r) {
+  transpose16(r, [](__m512i x, __m512i i, __m512i y) { return _mm512_permutex2var_epi32(x, i, y); });
+}
+
+inline void transpose16(__m512* r) {
+  transpose16(r, [](__m512 x, __m512i i, __m512 y) { return _mm512_permutex2var_ps(x, i, y); });
+}
+
+// paged_attention_prefill on AVX512-BF16 (bfloat16, head sizes 64 and 128): causal attention of packed
+// prompt chunks, flash-attention style. The 16 lanes of a vector hold 16 (query token, query head)
+// pairs that read the same KV head: `rows_per_tile` consecutive tokens of one sequence times
+// `heads_per_tile` heads of a KV head's group (5 x 3 for SmolLM2's 9 heads on 3 KV heads, 16 x 1 with
+// no grouping). A tile walks its context in chunks of 16 keys, and for each chunk and lane group:
+// - scores: 16 vectors (one a key) of vdpbf16ps over the head size, each step a pair of the query's
+//   dimensions (packed once a tile) against the key's same pair broadcast: no horizontal sums, where
+//   a decode row reduces 16 partial-sum vectors to one per 16 keys;
+// - an online softmax per lane (running max and sum as vectors), keys past a lane's position masked;
+// - P V by vdpbf16ps too, two keys a step: the weights rounded to bfloat16 (as flash attention's
+//   P V product takes them), the V rows of the two keys interleaved once a chunk, accumulators float32.
+// Every K and V row is read once a tile instead of once a query token.
+struct PrefillArgs {
+  PrefillArgs(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+              double scale)
+      : num_seqs(block_tables.size(0)),
+        num_heads(query.size(1)),
+        dim(query.size(2)),
+        block_size(k_cache.size(1)),
+        num_kv_heads(k_cache.size(2)),
+        group(num_heads / num_kv_heads),
+        max_blocks(block_tables.size(1)),
+        slot_size(num_kv_heads * dim),
+        heads_per_tile(std::min<int64_t>(group, 16)),
+        rows_per_tile(16 / heads_per_tile),
+        head_groups((group + heads_per_tile - 1) / heads_per_tile),
+        q_token_stride(query.stride(0)),
+        q_head_stride(query.stride(1)),
+        o_token_stride(out.stride(0)),
+        o_head_stride(out.stride(1)),
+        scale(static_cast<float>(scale)),
+        q(query.data_ptr<c10::BFloat16>()),
+        k_cache(k_cache.data_ptr<c10::BFloat16>()),
+        v_cache(v_cache.data_ptr<c10::BFloat16>()),
+        tables(block_tables.data_ptr<int32_t>()),
+        starts(query_start_loc.data_ptr<int32_t>()),
+        lens(context_lens.data_ptr<int32_t>()),
+        out(out.data_ptr<c10::BFloat16>()) {}
+
+  int64_t num_seqs, num_heads, dim, block_size, num_kv_heads, group, max_blocks, slot_size;
+  int64_t heads_per_tile, rows_per_tile, head_groups;
+  int64_t q_token_stride, q_head_stride, o_token_stride, o_head_stride;
+  float scale;
+  const c10::BFloat16 *q, *k_cache, *v_cache;
+  const int32_t *tables, *starts, *lens;
+  c10::BFloat16* out;
+
+  int64_t slot_offset(int64_t seq, int64_t pos) const {
+    const int32_t block = tables[seq * max_blocks + pos / block_size];
+    return (block * block_size + pos % block_size) * slot_size;
+  }
+};
+
+// One work item: rows [first_row, first_row + num_rows) of the packed query, consecutive tokens of
+// sequence `seq` at positions first_pos.. (each sees the keys up to its own position).
+struct PrefillTile {
+  int64_t seq, first_row, num_rows, first_pos;
+  int32_t num_keys() const { return static_cast<int32_t>(first_pos + num_rows); }
+};
+
+// The running state of one lane group (a tile's rows times up to 16 heads of one KV head).
+template <int64_t kDim>
+struct LaneGroup {
+  __m512i q[kDim / 2];  // lane l's query, dimensions 2i and 2i + 1 in dword i
+  __m512 acc[kDim];     // acc[d], lane l: the weighted sum of V's dimension d
+  __m512 max, sum;
+};
+
+template <int64_t kDim>
+class PrefillTileRunner {
+ public:
+  explicit PrefillTileRunner(const PrefillArgs& a) : a_(a), groups_(a.num_kv_heads * a.head_groups) {}
+
+  void run(const PrefillTile& tile) {
+    const int64_t ht = a_.heads_per_tile;
+    alignas(64) int32_t lane_pos[16];
+    for (int l = 0; l < 16; ++l)  // dead lanes take the last row's position (finite scores, never stored)
+      lane_pos[l] = static_cast<int32_t>(tile.first_pos + std::min<int64_t>(l / ht, tile.num_rows - 1));
+    const __m512i positions = _mm512_load_si512(lane_pos);
+    for (int64_t kv = 0; kv < a_.num_kv_heads; ++kv)
+      for (int64_t hg = 0; hg < a_.head_groups; ++hg) start_group(tile, kv, hg, groups_[kv * a_.head_groups + hg]);
+    const int64_t num_keys = tile.num_keys();
+    for (int64_t k0 = 0; k0 < num_keys; k0 += 16) {
+      const int64_t n = std::min<int64_t>(16, num_keys - k0);
+      __mmask16 valid[16];
+      const bool masked = k0 + 15 > tile.first_pos;  // some key here is past some lane's position
+      if (masked)
+        for (int j = 0; j < 16; ++j)
+          valid[j] = j < n ? _mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32(static_cast<int32_t>(k0 + j))) : 0;
+      for (int j = 0; j < 16; ++j) slots_[j] = a_.slot_offset(tile.seq, k0 + std::min<int64_t>(j, n - 1));
+      for (int64_t kv = 0; kv < a_.num_kv_heads; ++kv) {
+        pack_chunk(kv);
+        for (int64_t hg = 0; hg < a_.head_groups; ++hg)
+          attend_chunk(groups_[kv * a_.head_groups + hg], masked ? valid : nullptr);
+      }
+    }
+    for (int64_t kv = 0; kv < a_.num_kv_heads; ++kv)
+      for (int64_t hg = 0; hg < a_.head_groups; ++hg) finish_group(tile, kv, hg, groups_[kv * a_.head_groups + hg]);
+  }
+
+ private:
+  // lane l of head group hg of KV head kv: row l / heads_per_tile, query head kv * group + hg *
+  // heads_per_tile + l % heads_per_tile; false for a dead lane (past the tile's rows or the group's heads)
+  bool lane(const PrefillTile& tile, int64_t kv, int64_t hg, int l, int64_t& row, int64_t& head) const {
+    const int64_t ht = a_.heads_per_tile, in_group = hg * ht + l % ht;
+    row = tile.first_row + l / ht;
+    head = kv * a_.group + in_group;
+    return l / ht < tile.num_rows && in_group < a_.group;
+  }
+
+  void start_group(const PrefillTile& tile, int64_t kv, int64_t hg, LaneGroup<kDim>& g) const {
+    // lane l's query as dwords, 16 at a time, then transposed: dword i of every lane in g.q[i]
+    for (int64_t i0 = 0; i0 < kDim / 2; i0 += 16) {
+      __m512i rows[16];
+      for (int l = 0; l < 16; ++l) {
+        int64_t row, head;
+        rows[l] = lane(tile, kv, hg, l, row, head)
+                      ? _mm512_loadu_si512(a_.q + row * a_.q_token_stride + head * a_.q_head_stride + 2 * i0)
+                      : _mm512_setzero_si512();
+      }
+      transpose16(rows);
+      for (int i = 0; i < 16; ++i) g.q[i0 + i] = rows[i];
+    }
+    for (int64_t d = 0; d < kDim; ++d) g.acc[d] = _mm512_setzero_ps();
+    g.max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    g.sum = _mm512_setzero_ps();
+  }
+
+  // The chunk's 16 K rows of KV head kv, contiguous (keys_), and its V rows in pairs: values_[p][d]
+  // holds dimension d of keys 2p (low half) and 2p + 1 (high half).
+  void pack_chunk(int64_t kv) {
+    const c10::BFloat16* k = a_.k_cache + kv * kDim;
+    const c10::BFloat16* v = a_.v_cache + kv * kDim;
+    for (int j = 0; j < 16; ++j)
+      std::memcpy(keys_ + j * kDim, k + slots_[j], kDim * sizeof(c10::BFloat16));
+    // words 2i, 2i + 1 of the result: word i of x, word i of y (lo: i < 16, hi: 16 <= i < 32)
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                        6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int p = 0; p < 8; ++p) {
+      const c10::BFloat16* x = v + slots_[2 * p];
+      const c10::BFloat16* y = v + slots_[2 * p + 1];
+      for (int64_t h = 0; h < kDim / 32; ++h) {
+        const __m512i xs = _mm512_loadu_si512(x + 32 * h), ys = _mm512_loadu_si512(y + 32 * h);
+        _mm512_store_si512(values_ + 2 * (p * kDim + 32 * h), _mm512_permutex2var_epi16(xs, lo, ys));
+        _mm512_store_si512(values_ + 2 * (p * kDim + 32 * h + 16), _mm512_permutex2var_epi16(xs, hi, ys));
+      }
+    }
+  }
+
+  void attend_chunk(LaneGroup<kDim>& g, const __mmask16* valid) const {
+    const int32_t* keys = reinterpret_cast<const int32_t*>(keys_);
+    __m512 s[16];
+    for (int j = 0; j < 16; ++j) s[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kDim / 2; ++i) {
+      const __m512bh q = (__m512bh)g.q[i];
+      for (int j = 0; j < 16; ++j)
+        s[j] = _mm512_dpbf16_ps(s[j], q, (__m512bh)_mm512_set1_epi32(keys[j * kDim / 2 + i]));
+    }
+    const __m512 vscale = _mm512_set1_ps(a_.scale);
+    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512 chunk_max = g.max;
+    for (int j = 0; j < 16; ++j) {
+      s[j] = _mm512_mul_ps(s[j], vscale);
+      if (valid != nullptr) s[j] = _mm512_mask_mov_ps(neg_inf, valid[j], s[j]);
+      chunk_max = _mm512_max_ps(chunk_max, s[j]);
+    }
+    // the first chunk: max was -inf, exp_nonpositive16 gives ~1e-38 for it, times acc and sum of 0
+    const __m512 correction = exp_nonpositive16(_mm512_sub_ps(g.max, chunk_max));
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < 16; ++j) {
+      s[j] = exp_nonpositive16(_mm512_sub_ps(s[j], chunk_max));
+      if (valid != nullptr) s[j] = _mm512_maskz_mov_ps(valid[j], s[j]);
+      sum = _mm512_add_ps(sum, s[j]);
+    }
+    g.sum = _mm512_fmadd_ps(g.sum, correction, sum);
+    g.max = chunk_max;
+    // lane l's weights of keys 2p and 2p + 1 as the bf16 pair of dword l
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512bh weights[8];
+    for (int p = 0; p < 8; ++p)
+      weights[p] = (__m512bh)_mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(s[2 * p + 1], s[2 * p]));
+    const int32_t* values = reinterpret_cast<const int32_t*>(values_);
+    for (int64_t d0 = 0; d0 < kDim; d0 += 16) {
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_mul_ps(g.acc[d0 + i], correction);
+      for (int p = 0; p < 8; ++p)
+        for (int i = 0; i < 16; ++i)
+          acc[i] = _mm512_dpbf16_ps(acc[i], weights[p], (__m512bh)_mm512_set1_epi32(values[p * kDim + d0 + i]));
+      for (int i = 0; i < 16; ++i) g.acc[d0 + i] = acc[i];
+    }
+  }
+
+  void finish_group(const PrefillTile& tile, int64_t kv, int64_t hg, const LaneGroup<kDim>& g) const {
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), g.sum);  // every lane saw key 0: sum > 0
+    for (int64_t d0 = 0; d0 < kDim; d0 += 16) {  // 16 dimensions of every lane, transposed to a lane each
+      __m512 dims[16];
+      for (int i = 0; i < 16; ++i) dims[i] = _mm512_mul_ps(g.acc[d0 + i], inv);
+      transpose16(dims);
+      for (int l = 0; l < 16; ++l) {
+        int64_t row, head;
+        if (lane(tile, kv, hg, l, row, head))
+          pagedserve::store_bf16(a_.out + row * a_.o_token_stride + head * a_.o_head_stride + d0, dims[l]);
+      }
+    }
+  }
+
+  const PrefillArgs& a_;
+  std::vector<LaneGroup<kDim>> groups_;
+  int64_t slots_[16];
+  alignas(64) c10::BFloat16 keys_[16 * kDim];
+  alignas(64) c10::BFloat16 values_[16 * kDim];
+};
+
+template <int64_t kDim>
+void prefill_kernel_avx512_bf16(const PrefillArgs& a) {
+  std::vector<PrefillTile> tiles;
+  std::vector<int32_t> costs;  // keys a tile reads, as decode_row_split weighs a row's context
+  for (int64_t seq = 0; seq < a.num_seqs; ++seq) {
+    const int64_t q_len = a.starts[seq + 1] - a.starts[seq], first_pos = a.lens[seq] - q_len;
+    for (int64_t r = 0; r < q_len; r += a.rows_per_tile) {
+      tiles.push_back({seq, a.starts[seq] + r, std::min(a.rows_per_tile, q_len - r), first_pos + r});
+      costs.push_back(tiles.back().num_keys());
+    }
+  }
+  if (tiles.empty()) return;
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), tiles.size());
+  const std::vector<int64_t> bounds = pagedserve::decode_row_split(costs.data(), tiles.size(), parts);
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    for (int64_t part = part_begin; part < part_end; ++part) {
+      if (bounds[part] == bounds[part + 1]) continue;
+      auto runner = std::make_unique<PrefillTileRunner<kDim>>(a);  // ~50 KB of state: on the heap
+      for (int64_t t = bounds[part]; t < bounds[part + 1]; ++t) runner->run(tiles[t]);
+    }
+  });
+}
 #endif  // PAGEDSERVE_AVX512_BF16
 
 template <typename scalar_t>
@@ -505,6 +789,58 @@ at::Tensor paged_attention_decode(
     case at::kHalf: dispatch_dim(DecodeArgs<c10::Half>(out, query, k_cache, v_cache, tables, lens, scale)); break;
     default: TORCH_CHECK(false, "paged_attention_decode: float32, bfloat16 or float16, not ", query.scalar_type());
   }
+  return out;
+}
+
+// Causal prefill attention of packed prompt chunks read from the paged cache (their own K/V written
+// there first): query [tokens, heads, head_dim], sequence s's rows query_start_loc[s] ..
+// query_start_loc[s + 1], at the last positions of its context_lens[s] tokens. bfloat16, head sizes
+// 64 and 128, on AVX512-BF16 builds (decode_isa() == "avx512_bf16"); elsewhere the caller keeps SDPA.
+at::Tensor paged_attention_prefill(
+    const at::Tensor& query,
+    const at::Tensor& k_cache,
+    const at::Tensor& v_cache,
+    const at::Tensor& block_tables,
+    const at::Tensor& query_start_loc,
+    const at::Tensor& context_lens,
+    double scale) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "query [tokens, heads, head_dim]; k_cache, v_cache [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0,
+              "query heads: a multiple of the KV heads, of the same head_dim");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16,
+              "paged_attention_prefill: bfloat16 query and caches");
+  TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128, "paged_attention_prefill: head_dim 64 or 128, not ",
+              query.size(2));
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+                  context_lens.scalar_type() == at::kInt,
+              "block_tables, query_start_loc and context_lens must be int32");
+  TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1 && query_start_loc.dim() == 1 &&
+                  block_tables.size(0) == context_lens.size(0) &&
+                  query_start_loc.size(0) == context_lens.size(0) + 1,
+              "one block table row and context length per sequence, and one more query start");
+  const auto tables = block_tables.contiguous();
+  const auto starts = query_start_loc.contiguous();
+  const auto lens = context_lens.contiguous();
+  const int32_t* start = starts.data_ptr<int32_t>();
+  const int32_t* len = lens.data_ptr<int32_t>();
+  TORCH_CHECK(start[0] == 0 && start[lens.size(0)] == query.size(0),
+              "query_start_loc: from 0 to the query's ", query.size(0), " tokens");
+  for (int64_t seq = 0; seq < lens.size(0); ++seq)
+    TORCH_CHECK(start[seq + 1] >= start[seq] && start[seq + 1] - start[seq] <= len[seq], "sequence ", seq, " has ",
+                start[seq + 1] - start[seq], " query tokens and a context of ", len[seq]);
+  pagedserve::check_block_tables(tables, lens, k_cache.size(1), k_cache.size(0));
+  const auto q = query.stride(2) == 1 ? query : query.contiguous();  // a head's dimensions in one run
+  auto out = at::empty(query.sizes(), query.options());
+#ifdef PAGEDSERVE_AVX512_BF16
+  const PrefillArgs args(out, q, k_cache, v_cache, tables, starts, lens, scale);
+  if (args.dim == 64) prefill_kernel_avx512_bf16<64>(args);
+  else prefill_kernel_avx512_bf16<128>(args);
+#else
+  TORCH_CHECK(false, "paged_attention_prefill: this build has no AVX512-BF16 (decode_isa() is generic)");
+#endif
   return out;
 }
 
@@ -669,10 +1005,13 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
+  m.def("paged_attention_prefill(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor context_lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("paged_attention_decode", &paged_attention_decode);
+  m.impl("paged_attention_prefill", &paged_attention_prefill);
   m.impl("write_kv_cache", &write_kv_cache);
   m.impl("argmax_rows", &argmax_rows);
 }
