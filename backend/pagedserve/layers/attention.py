@@ -111,7 +111,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.cpu_kernels = device is not None and device.type == "cpu" and cpu_kernels.load()
         self.bf16_prefill = self.cpu_kernels and cpu_kernels.decode_isa() == "avx512_bf16"
         if self.cpu_kernels:
-            logger.info("KV writes and decode attention: the C++ CPU kernels (%s)", cpu_kernels.decode_isa())
+            logger.info("KV writes and attention: the C++ CPU kernels (%s)", cpu_kernels.decode_isa())
 
     def _prefill_in_kernel(self, dtype: torch.dtype, head_dim: int) -> bool:
         return self.bf16_prefill and dtype == torch.bfloat16 and head_dim in (64, 128)

@@ -5,7 +5,7 @@ kernels (inductor's Python wrapper calls ~8 ops a layer); the weights and the KV
 machine's streaming rate already. `decode_layers` runs every layer of the step in C++: the same
 multiplies (AMX tiles, else AVX512-BF16 panels or oneDNN), KV writes and decode attention, with its own
 norm, rotary and SiLU loops. Steps with prefill tokens keep the compiled pass (its attention an op
-outside the graph: in bfloat16 the C++ decode kernel over one row a prompt token, `layers.attention`).
+outside the graph: in bfloat16 the C++ prefill kernel, `layers.attention`).
 
 Used where the compiled pass is (CPU, one rank, torch attention with its C++ kernels) on CPUs with
 AVX512-BF16, for bfloat16 models whose linear layers are all packed (`LinearBase.packed_weight`) and
