@@ -191,6 +191,42 @@ def test_seeded_draws_follow_the_distribution() -> None:
     assert_distribution(out.token_ids, expected_probs(LOGITS, row))
 
 
+def test_draws_over_a_vocabulary_of_several_blocks_land_on_the_right_token() -> None:
+    """Random rows draw in two levels (blocks of 256 tokens, then a token within one): the tokens
+    allowed sit on both sides of block boundaries (255 | 256, 511 | 512) and at the end of a vocabulary
+    of 700 (not a whole number of blocks), every other token banned; the draws follow the distribution
+    and never land on a banned token, the first of a block or one past the vocabulary."""
+    vocab = 700
+    allowed = {3: 0.5, 255: 1.0, 256: 2.0, 511: 0.25, 512: 1.5, 699: 0.75}
+    logits = [allowed.get(i, -math.inf) for i in range(vocab)]
+    out = sample([logits] * NUM_DRAWS, [Row(temperature=1.0)] * NUM_DRAWS)
+    expected = np.zeros(vocab)
+    for token, logit in allowed.items():
+        expected[token] = math.exp(logit)
+    assert_distribution(out.token_ids, expected / expected.sum())
+
+
+def test_each_draw_is_the_token_a_float64_inversion_picks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inversion picks the first token whose cumulative probability reaches u * total. Half the mass on
+    token 0, then 2,046 tokens of 3e-8 each, the rest on the last: a float32 running sum moves one step
+    (6e-8 at 0.5) every other tail token, so it would hand some tail tokens twice their share and
+    others none. With uniforms aimed at the middle of tail tokens' intervals (computed here in float64
+    from the sampler's own float32 probabilities), every row must land on its token."""
+    vocab, tiny = 2048, 3e-8
+    probs = torch.full((vocab,), tiny, dtype=torch.float64)
+    probs[0] = 0.5
+    probs[-1] = 0.5 - tiny * (vocab - 2)
+    logits = probs.log().float()
+    cdf = torch.softmax(logits, dim=-1).double().cumsum(dim=-1)  # the probabilities the sampler draws from
+    targets = list(range(1, vocab - 1, 7))
+    uniforms = torch.tensor(
+        [1.0 - float((cdf[j - 1] + cdf[j]) / 2 / cdf[-1]) for j in targets], dtype=torch.float64
+    )
+    monkeypatch.setattr(Sampler, "_uniforms", lambda self, rows, t, device: uniforms)
+    out = sample(logits.expand(len(targets), vocab), [Row(temperature=1.0)] * len(targets))
+    assert out.token_ids.tolist() == targets
+
+
 @pytest.mark.parametrize("temperature", [1e-5, 2e-5, 5e-5])
 def test_tiny_temperatures_pick_the_maximum_without_overflow(temperature: float) -> None:
     """Logits 1e-3 apart are 20 to 100 apart at these temperatures: the maximum always wins (but for

@@ -5,9 +5,13 @@ of min_tokens, then logit_bias), then penalties, then temperature, then top-k, t
 tempered distribution; greedy rows take the argmax of the penalized logits. Logprobs are those of the
 raw logits (vLLM's default), whatever changed the distribution sampled from.
 
-Random rows draw with the exponential trick (argmax(probs / q), q ~ Exp(1)), which samples from
-probs exactly. A seeded request's noise comes from its own generator seeded by (seed, output
-index), so its tokens do not depend on what else is in the batch, nor on preemption.
+Random rows draw by inversion: one uniform a row, placed in the row's cumulative distribution (block
+sums, then the tokens of one block, both in float64, so that a small token keeps its share beside a
+sum near 1), which samples from probs exactly. The exponential trick (argmax(probs / q), q ~ Exp(1) a
+token) samples the same distribution but draws a vocabulary of noise a row: ~0.7 ms a row of 49,152
+tokens on CPU, 45 ms for 64 rows, longer than the decode step itself, against ~0.6 ms for the 64 rows
+by inversion. A seeded request's uniform comes from its own generator seeded by (seed, output index),
+so its tokens do not depend on what else is in the batch, nor on preemption.
 
 Structured outputs: the model runner applies a grammar's token bitmask (`apply_token_bitmask`) to the
 logits before the sampler, so greedy and random rows, penalties and logprobs all see masked logits
@@ -32,6 +36,7 @@ _MAX_TEMPERATURE = torch.finfo(torch.float32).max
 _MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = 1e-6, 1e6
 _SEED_STRIDE = 1_000_003  # mixes the output index into a request's seed
 _SEED_MODULUS = 2**64  # torch takes 64-bit seeds: any integer seed folds into them
+_INVERSION_BLOCK = 256  # tokens a block of a random row's two-level inversion (`Sampler._draw`)
 
 
 @dataclass
@@ -123,13 +128,38 @@ class Sampler:
         if t.min_ps is not None:
             threshold = t.min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        return self._draw(probs, t)
+
+    def _draw(self, probs: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """A token a row from `probs` (rows summing to 1 or less, as min-p leaves them) by inversion:
+        the first token whose cumulative probability reaches u * total, u uniform in (0, 1]. In two
+        levels, both summed in float64: the block of _INVERSION_BLOCK tokens the target falls in,
+        then the token within the block, so that a token far smaller than the running sum keeps its
+        share (0.6 ms for 64 rows of 49,152 tokens, where one float64 cumulative sum over the
+        vocabulary takes 5.9). Never a token of probability 0: its cumulative sum equals the one before it,
+        which is below the target."""
+        rows, vocab = probs.shape
+        pad = -vocab % _INVERSION_BLOCK
+        blocks = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
+        blocks = blocks.view(rows, -1, _INVERSION_BLOCK)
+        block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # float32 sums lose 3e-8 at 0.5
+        targets = (1.0 - self._uniforms(rows, t, probs.device)) * block_cdf[:, -1]  # in (0, total]
+        block = torch.searchsorted(block_cdf, targets.unsqueeze(1)).squeeze(1)
+        before = block_cdf.gather(1, (block - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        before = torch.where(block > 0, before, 0.0)  # below the target: searchsorted finds the first >=
+        inner_cdf = blocks[torch.arange(rows, device=probs.device), block].double().cumsum(dim=-1)
+        residual = torch.minimum(targets - before, inner_cdf[:, -1])  # the two sums' orders differ
+        return block * _INVERSION_BLOCK + torch.searchsorted(inner_cdf, residual.unsqueeze(1)).squeeze(1)
+
+    def _uniforms(self, rows: int, t: SamplingTensors, device: torch.device) -> torch.Tensor:
+        """One float64 in [0, 1) a row: a seeded row's from its own generator at its output index."""
+        uniforms = torch.rand(rows, dtype=torch.float64, generator=self.generator, device=device)
         for row, seed, index in t.seeded_rows:
-            row_generator = torch.Generator(device=probs.device).manual_seed(
+            row_generator = torch.Generator(device=device).manual_seed(
                 (seed * _SEED_STRIDE + index) % _SEED_MODULUS
             )
-            noise[row].exponential_(generator=row_generator)
-        return _argmax(probs / noise)
+            uniforms[row] = torch.rand((), dtype=torch.float64, generator=row_generator, device=device)
+        return uniforms
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
