@@ -7,7 +7,7 @@
     python bench/throughput.py --device cuda --model DIR         # on a GPU: every peer there
     python bench/throughput.py --peers pagedserve,vllm --vllm-python VENV/bin/python --rounds 3
 
-Peers (same model, dtype, prompt token ids and forced output lengths, greedy):
+Peers (same model, dtype, prompt token ids and forced output lengths; greedy, or sampled at --temperature):
 
 - pagedserve      `LLM.generate` over all requests at once (continuous batching, paged KV cache)
 - hf-sequential   transformers `generate`, one request at a time
@@ -169,6 +169,7 @@ class PagedserveRunner:
             "Warm up the engine, please.", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         )
         self.step = self.llm.engine.step
+        self.temperature = args.temperature
 
     def run(self, prompts: list[list[int]], lengths: list[int]) -> tuple[PeerResult, KVProbe]:
         from pagedserve import SamplingParams
@@ -177,7 +178,9 @@ class PagedserveRunner:
         assert self.llm.reset_prefix_cache(), "no request runs between rounds"
         probe = KVProbe(engine)
         engine.step = probe.wrap(self.step)  # type: ignore[method-assign]
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+        params = [
+            SamplingParams(temperature=self.temperature, max_tokens=n, ignore_eos=True) for n in lengths
+        ]
         preemptions = engine.stats().num_preemptions
         start = time.perf_counter()
         outputs = self.llm.generate(prompts, params)
@@ -216,6 +219,7 @@ class VllmRunner:
         self.version = ready["version"]
         self.extra_env = " ".join(args.vllm_env)
         self.idle_cpu_seconds = self._cpu_seconds()
+        self.temperature = args.temperature
 
     def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
         assert self.process.stdin is not None and self.process.stdout is not None
@@ -247,7 +251,7 @@ class VllmRunner:
 
     def run(self, prompts: list[list[int]], lengths: list[int]) -> PeerResult:
         idle = self._cpu_seconds() - self.idle_cpu_seconds
-        answer = self._ask({"prompts": prompts, "lengths": lengths})
+        answer = self._ask({"prompts": prompts, "lengths": lengths, "temperature": self.temperature})
         self.idle_cpu_seconds = self._cpu_seconds()
         note = f"vllm {self.version}" + (f", {self.extra_env}" if self.extra_env else "")
         note += f"; {idle:.2f} CPU-s while idle before this round"
@@ -267,9 +271,19 @@ def load_hf_model(path: str, dtype: torch.dtype, device: str = "cpu") -> tuple[A
     return model, tokenizer
 
 
+def hf_sampling(temperature: float) -> dict[str, Any]:
+    """`generate` arguments for greedy decoding (0) or plain sampling at `temperature`: top-k and top-p
+    off, as pagedserve and vLLM leave them (the model's generation config may set them)."""
+    if temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+
+
 @torch.inference_mode()
-def hf_generate(model: Any, batch: list[list[int]], num_new_tokens: int, pad_id: int) -> torch.Tensor:
-    """Left-padded greedy generate of exactly `num_new_tokens` tokens per row."""
+def hf_generate(
+    model: Any, batch: list[list[int]], num_new_tokens: int, pad_id: int, sampling: dict[str, Any]
+) -> torch.Tensor:
+    """Left-padded generate of exactly `num_new_tokens` tokens per row (`sampling`: `hf_sampling`'s)."""
     width = max(len(ids) for ids in batch)
     input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch], device=model.device)
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=model.device)
@@ -278,8 +292,8 @@ def hf_generate(model: Any, batch: list[list[int]], num_new_tokens: int, pad_id:
         attention_mask=mask,
         max_new_tokens=num_new_tokens,
         min_new_tokens=num_new_tokens,
-        do_sample=False,
         pad_token_id=pad_id,
+        **sampling,
     )
     if out.device.type == "cuda":
         torch.cuda.synchronize(out.device)  # the caller's clock stops with the tokens made
@@ -287,14 +301,20 @@ def hf_generate(model: Any, batch: list[list[int]], num_new_tokens: int, pad_id:
 
 
 def run_hf_sequential(
-    model: Any, pad_id: int, prompts: list[list[int]], lengths: list[int], limit: int | None
+    model: Any,
+    pad_id: int,
+    prompts: list[list[int]],
+    lengths: list[int],
+    limit: int | None,
+    temperature: float,
 ) -> PeerResult:
+    sampling = hf_sampling(temperature)
     count = len(prompts) if not limit else min(limit, len(prompts))
-    hf_generate(model, [prompts[0]], 4, pad_id)  # warm-up
+    hf_generate(model, [prompts[0]], 4, pad_id, sampling)  # warm-up
     num_tokens = 0
     start = time.perf_counter()
     for ids, n in zip(prompts[:count], lengths[:count]):
-        num_tokens += hf_generate(model, [ids], n, pad_id).shape[1]
+        num_tokens += hf_generate(model, [ids], n, pad_id, sampling).shape[1]
     seconds = time.perf_counter() - start
     note = "" if count == len(prompts) else f"timed {count} of {len(prompts)} requests"
     return PeerResult("hf-sequential", num_tokens, seconds, note)
@@ -307,14 +327,16 @@ def run_hf_static(
     lengths: list[int],
     batch_size: int,
     limit: int | None,
+    temperature: float,
 ) -> PeerResult:
+    sampling = hf_sampling(temperature)
     count = len(prompts) if not limit else min(len(prompts), -(-limit // batch_size) * batch_size)
-    hf_generate(model, prompts[:2], 4, pad_id)  # warm-up
+    hf_generate(model, prompts[:2], 4, pad_id, sampling)  # warm-up
     num_tokens = num_computed = 0
     start = time.perf_counter()
     for first in range(0, count, batch_size):
         batch_lengths = lengths[first : first + batch_size]
-        out = hf_generate(model, prompts[first : first + batch_size], max(batch_lengths), pad_id)
+        out = hf_generate(model, prompts[first : first + batch_size], max(batch_lengths), pad_id, sampling)
         num_computed += out.numel()
         num_tokens += sum(batch_lengths)  # what the requests asked for; the rest is padding work
     seconds = time.perf_counter() - start
@@ -332,6 +354,7 @@ def run_hf_continuous(
     lengths: list[int],
     limit: int | None,
     num_blocks: int | None = None,
+    temperature: float = 0.0,
 ) -> PeerResult:
     import transformers
     from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -346,7 +369,7 @@ def run_hf_continuous(
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     config = GenerationConfig(
-        do_sample=False, max_new_tokens=max(lengths), eos_token_id=-1, pad_token_id=pad_id
+        max_new_tokens=max(lengths), eos_token_id=-1, pad_token_id=pad_id, **hf_sampling(temperature)
     )
     hints = WorkloadHints(max(len(p) for p in prompts), max(lengths), len(prompts))
     setup = time.perf_counter()
@@ -536,6 +559,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy (default); above 0, every peer samples at it with top-k and top-p off",
+    )
+    parser.add_argument(
         "--device",
         help="cpu, cuda or cuda:N, for every peer (default: cuda where a GPU is visible, else cpu)",
     )
@@ -581,6 +610,8 @@ def parse_args() -> argparse.Namespace:
     check_vllm_arguments(parser, args)
     if args.rounds < 1:
         parser.error(f"--rounds: at least 1, got {args.rounds}")
+    if not 0 <= args.temperature < float("inf"):
+        parser.error(f"--temperature: 0 (greedy) or a finite positive number, got {args.temperature}")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     elif args.device.split(":")[0] not in ("cpu", "cuda"):
@@ -606,7 +637,8 @@ def main() -> None:
     print(f"machine: {machine_line(args.dtype, args.device)}")
     print(
         f"workload {args.workload}: {len(prompts)} requests, prompts {min(prompt_lens)}-{max(prompt_lens)} "
-        f"tokens ({sum(prompt_lens)} total), {sum(lengths)} output tokens forced, greedy"
+        f"tokens ({sum(prompt_lens)} total), {sum(lengths)} output tokens forced, "
+        + ("greedy" if args.temperature == 0 else f"sampled at temperature {args.temperature:g}")
     )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rounds: dict[str, list[PeerResult]] = {peer: [] for peer in peers}
@@ -624,14 +656,28 @@ def main() -> None:
                 assert vllm is not None
                 result = vllm.run(prompts, lengths)
             elif peer == "hf-sequential":
-                result = run_hf_sequential(model, pad_id, prompts, lengths, args.hf_sequential_limit)
+                result = run_hf_sequential(
+                    model, pad_id, prompts, lengths, args.hf_sequential_limit, args.temperature
+                )
             elif peer == "hf-static":
                 result = run_hf_static(
-                    model, pad_id, prompts, lengths, args.hf_batch_size, args.hf_static_limit
+                    model,
+                    pad_id,
+                    prompts,
+                    lengths,
+                    args.hf_batch_size,
+                    args.hf_static_limit,
+                    args.temperature,
                 )
             else:
                 result = run_hf_continuous(
-                    model, pad_id, prompts, lengths, args.hf_continuous_limit, args.hf_continuous_num_blocks
+                    model,
+                    pad_id,
+                    prompts,
+                    lengths,
+                    args.hf_continuous_limit,
+                    args.hf_continuous_num_blocks,
+                    args.temperature,
                 )
             print(f"  {result.peer}: {result.num_output_tokens} tokens in {result.seconds:.1f} s", flush=True)
             rounds[peer].append(result)

@@ -83,6 +83,46 @@ def test_rounds_run_the_peers_in_turn_and_report_each_peer_s_median_round(
         assert row + f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x |" in done.stdout
 
 
+def test_every_peer_samples_at_a_temperature_and_makes_its_forced_tokens(
+    tiny_llama_dir: str, tmp_path: Path
+) -> None:
+    """--temperature 0.8: every peer samples (top-k and top-p off) instead of decoding greedily, and
+    still makes exactly the forced number of tokens; the header says how the tokens were chosen."""
+    out = tmp_path / "out.json"
+    command = [
+        sys.executable,
+        str(BENCH),
+        "--model",
+        tiny_llama_dir,
+        "--num-requests",
+        "4",
+        "--temperature",
+        "0.8",
+    ]
+    command += ["--peers", "pagedserve,hf-static,hf-continuous", "--hf-continuous-num-blocks", "8"]
+    done = subprocess.run(
+        [*command, "--json-out", str(out)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "240 output tokens forced, sampled at temperature 0.8" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["args"]["temperature"] == 0.8
+    for row in report["results"]:
+        assert row["available"] and row["num_output_tokens"] == 240, row
+
+
+@pytest.mark.parametrize("value", ["-0.5", "inf", "nan"])
+def test_a_negative_or_infinite_temperature_is_refused(value: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--temperature", value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and "--temperature: 0 (greedy) or a finite positive number" in done.stderr
+
+
 def test_rounds_below_one_are_refused() -> None:
     done = subprocess.run(
         [sys.executable, str(BENCH), "--rounds", "0"], capture_output=True, text=True, timeout=60, check=False
