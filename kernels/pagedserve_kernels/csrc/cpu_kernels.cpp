@@ -759,6 +759,16 @@ void dispatch_dim(const DecodeArgs<scalar_t>& args) {
   }
 }
 
+// query [rows, heads, head_dim] against caches [blocks, block_size, kv_heads, head_dim], as both
+// attention ops take them (`rows`: what a query row is, in the message).
+void check_attention_shapes(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const char* rows) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "query [", rows,
+              ", heads, head_dim]; k_cache, v_cache [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0,
+              "query heads: a multiple of the KV heads, of the same head_dim");
+}
+
 at::Tensor paged_attention_decode(
     const at::Tensor& query,
     const at::Tensor& k_cache,
@@ -766,10 +776,7 @@ at::Tensor paged_attention_decode(
     const at::Tensor& block_tables,
     const at::Tensor& context_lens,
     double scale) {
-  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "query [seqs, heads, head_dim]; k_cache, v_cache [blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0,
-              "query heads: a multiple of the KV heads, of the same head_dim");
+  check_attention_shapes(query, k_cache, v_cache, "seqs");
   TORCH_CHECK(query.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "query rows and the caches must be contiguous");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -804,10 +811,7 @@ at::Tensor paged_attention_prefill(
     const at::Tensor& query_start_loc,
     const at::Tensor& context_lens,
     double scale) {
-  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "query [tokens, heads, head_dim]; k_cache, v_cache [blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0,
-              "query heads: a multiple of the KV heads, of the same head_dim");
+  check_attention_shapes(query, k_cache, v_cache, "tokens");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16,
               "paged_attention_prefill: bfloat16 query and caches");
