@@ -206,6 +206,20 @@ def test_draws_over_a_vocabulary_of_several_blocks_land_on_the_right_token() -> 
     assert_distribution(out.token_ids, expected / expected.sum())
 
 
+def test_a_row_of_nan_draws_a_token_of_the_vocabulary_and_the_others_draw_as_alone() -> None:
+    """A model that overflows gives a row of NaN logits: its draw is some token of the vocabulary (an
+    index past it failed the whole step, every request in the batch), and the seeded rows beside it
+    draw what they draw without it."""
+    vocab = 700
+    rows = [Row(temperature=0.9, seed=11), Row(temperature=0.9), Row(temperature=0.9, seed=12)]
+    logits = torch.randn(3, vocab)
+    logits[1] = math.nan
+    out = sample(logits, rows)
+    assert 0 <= int(out.token_ids[1]) < vocab
+    alone = sample(logits[[0, 2]], [rows[0], rows[2]])
+    assert out.token_ids[[0, 2]].tolist() == alone.token_ids.tolist()
+
+
 def test_each_draw_is_the_token_a_float64_inversion_picks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inversion picks the first token whose cumulative probability reaches u * total. Half the mass on
     token 0, then 2,046 tokens of 3e-8 each, the rest on the last: a float32 running sum moves one step

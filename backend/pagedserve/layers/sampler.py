@@ -136,20 +136,22 @@ class Sampler:
         levels, both summed in float64: the block of _INVERSION_BLOCK tokens the target falls in,
         then the token within the block, so that a token far smaller than the running sum keeps its
         share (0.6 ms for 64 rows of 49,152 tokens, where one float64 cumulative sum over the
-        vocabulary takes 5.9). Never a token of probability 0: its cumulative sum equals the one before it,
-        which is below the target."""
+        vocabulary takes 5.9). Never a token of probability 0: its cumulative sum equals the one
+        before it, which is below the target. A row of NaN (a model's overflow) gets some token of
+        the vocabulary rather than an index past it: the step goes on for the other rows."""
         rows, vocab = probs.shape
         pad = -vocab % _INVERSION_BLOCK
         blocks = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
         blocks = blocks.view(rows, -1, _INVERSION_BLOCK)
         block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # float32 sums lose 3e-8 at 0.5
         targets = (1.0 - self._uniforms(rows, t, probs.device)) * block_cdf[:, -1]  # in (0, total]
-        block = torch.searchsorted(block_cdf, targets.unsqueeze(1)).squeeze(1)
+        block = torch.searchsorted(block_cdf, targets.unsqueeze(1)).squeeze(1).clamp_(max=blocks.shape[1] - 1)
         before = block_cdf.gather(1, (block - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
         before = torch.where(block > 0, before, 0.0)  # below the target: searchsorted finds the first >=
         inner_cdf = blocks[torch.arange(rows, device=probs.device), block].double().cumsum(dim=-1)
         residual = torch.minimum(targets - before, inner_cdf[:, -1])  # the two sums' orders differ
-        return block * _INVERSION_BLOCK + torch.searchsorted(inner_cdf, residual.unsqueeze(1)).squeeze(1)
+        token_ids = block * _INVERSION_BLOCK + torch.searchsorted(inner_cdf, residual.unsqueeze(1)).squeeze(1)
+        return token_ids.clamp_(max=vocab - 1)
 
     def _uniforms(self, rows: int, t: SamplingTensors, device: torch.device) -> torch.Tensor:
         """One float64 in [0, 1) a row: a seeded row's from its own generator at its output index."""
