@@ -110,18 +110,23 @@ class Sampler:
         _apply_logit_controls(logits, t)
         if t.repetition_penalties is not None:
             logits = _apply_penalties(logits, t)
-        greedy = _argmax(logits)
-        if t.all_greedy:
-            token_ids = greedy
-        else:
-            token_ids = torch.where(t.temperatures < _GREEDY_EPS, greedy, self._sample(logits, t))
+        greedy_rows = t.temperatures < _GREEDY_EPS
+        if bool(greedy_rows.all()):
+            token_ids = _argmax(logits)
+        elif bool(greedy_rows.any()):
+            greedy = _argmax(logits)  # before _sample tempers the logits in place
+            token_ids = torch.where(greedy_rows, greedy, self._sample(logits, t))
+        else:  # no greedy row: no argmax over the vocabulary (0.8 ms for 64 rows)
+            token_ids = self._sample(logits, t)
         if raw_logprobs is None:
             return SamplerOutput(token_ids)
         return _gather_logprobs(raw_logprobs, token_ids, t.max_num_logprobs or 0)
 
     def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """Random rows' draws; tempers `logits` in place (the sampler's own: a float32 copy of the
+        model's, or the model's float32 tensor, which the logit controls change in place already)."""
         temperatures = torch.where(t.temperatures < _GREEDY_EPS, 1.0, t.temperatures)
-        logits = logits / temperatures.clamp(max=_MAX_TEMPERATURE).unsqueeze(1)
+        logits = logits.div_(temperatures.clamp(max=_MAX_TEMPERATURE).unsqueeze(1))
         if t.top_ks is not None or t.top_ps is not None:
             logits = _top_k_top_p(logits, t.top_ks, t.top_ps)
         probs = torch.softmax(logits, dim=-1)
