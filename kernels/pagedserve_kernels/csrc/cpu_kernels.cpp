@@ -630,13 +630,13 @@ class PrefillTileRunner {
     g.sum = _mm512_setzero_ps();
   }
 
-  // The chunk's 16 K rows of KV head kv, contiguous (keys_), and its V rows in pairs: values_[p][d]
-  // holds dimension d of keys 2p (low half) and 2p + 1 (high half).
+  // The chunk's 16 K rows of KV head kv, contiguous (keys_, a row's dimension pair a dword), and its V
+  // rows in pairs: dword values_[p * kDim + d] holds dimension d of keys 2p (low half) and 2p + 1.
   void pack_chunk(int64_t kv) {
     const c10::BFloat16* k = a_.k_cache + kv * kDim;
     const c10::BFloat16* v = a_.v_cache + kv * kDim;
     for (int j = 0; j < 16; ++j)
-      std::memcpy(keys_ + j * kDim, k + slots_[j], kDim * sizeof(c10::BFloat16));
+      std::memcpy(keys_ + j * kDim / 2, k + slots_[j], kDim * sizeof(c10::BFloat16));
     // words 2i, 2i + 1 of the result: word i of x, word i of y (lo: i < 16, hi: 16 <= i < 32)
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
                                         6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -646,20 +646,19 @@ class PrefillTileRunner {
       const c10::BFloat16* y = v + slots_[2 * p + 1];
       for (int64_t h = 0; h < kDim / 32; ++h) {
         const __m512i xs = _mm512_loadu_si512(x + 32 * h), ys = _mm512_loadu_si512(y + 32 * h);
-        _mm512_store_si512(values_ + 2 * (p * kDim + 32 * h), _mm512_permutex2var_epi16(xs, lo, ys));
-        _mm512_store_si512(values_ + 2 * (p * kDim + 32 * h + 16), _mm512_permutex2var_epi16(xs, hi, ys));
+        _mm512_store_si512(values_ + p * kDim + 32 * h, _mm512_permutex2var_epi16(xs, lo, ys));
+        _mm512_store_si512(values_ + p * kDim + 32 * h + 16, _mm512_permutex2var_epi16(xs, hi, ys));
       }
     }
   }
 
   void attend_chunk(LaneGroup<kDim>& g, const __mmask16* valid) const {
-    const int32_t* keys = reinterpret_cast<const int32_t*>(keys_);
     __m512 s[16];
     for (int j = 0; j < 16; ++j) s[j] = _mm512_setzero_ps();
     for (int64_t i = 0; i < kDim / 2; ++i) {
       const __m512bh q = (__m512bh)g.q[i];
       for (int j = 0; j < 16; ++j)
-        s[j] = _mm512_dpbf16_ps(s[j], q, (__m512bh)_mm512_set1_epi32(keys[j * kDim / 2 + i]));
+        s[j] = _mm512_dpbf16_ps(s[j], q, (__m512bh)_mm512_set1_epi32(keys_[j * kDim / 2 + i]));
     }
     const __m512 vscale = _mm512_set1_ps(a_.scale);
     const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -685,13 +684,12 @@ class PrefillTileRunner {
     __m512bh weights[8];
     for (int p = 0; p < 8; ++p)
       weights[p] = (__m512bh)_mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(s[2 * p + 1], s[2 * p]));
-    const int32_t* values = reinterpret_cast<const int32_t*>(values_);
     for (int64_t d0 = 0; d0 < kDim; d0 += 16) {
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_mul_ps(g.acc[d0 + i], correction);
       for (int p = 0; p < 8; ++p)
         for (int i = 0; i < 16; ++i)
-          acc[i] = _mm512_dpbf16_ps(acc[i], weights[p], (__m512bh)_mm512_set1_epi32(values[p * kDim + d0 + i]));
+          acc[i] = _mm512_dpbf16_ps(acc[i], weights[p], (__m512bh)_mm512_set1_epi32(values_[p * kDim + d0 + i]));
       for (int i = 0; i < 16; ++i) g.acc[d0 + i] = acc[i];
     }
   }
@@ -713,8 +711,8 @@ class PrefillTileRunner {
   const PrefillArgs& a_;
   std::vector<LaneGroup<kDim>> groups_;
   int64_t slots_[16];
-  alignas(64) c10::BFloat16 keys_[16 * kDim];
-  alignas(64) c10::BFloat16 values_[16 * kDim];
+  alignas(64) int32_t keys_[8 * kDim];    // bf16 pairs: 16 keys of kDim / 2 dwords
+  alignas(64) int32_t values_[8 * kDim];  // bf16 pairs: 8 key pairs of kDim dwords
 };
 
 template <int64_t kDim>
