@@ -169,18 +169,17 @@ class PagedserveRunner:
             "Warm up the engine, please.", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         )
         self.step = self.llm.engine.step
-        self.temperature = args.temperature
 
-    def run(self, prompts: list[list[int]], lengths: list[int]) -> tuple[PeerResult, KVProbe]:
+    def run(
+        self, prompts: list[list[int]], lengths: list[int], temperature: float
+    ) -> tuple[PeerResult, KVProbe]:
         from pagedserve import SamplingParams
 
         engine = self.llm.engine
         assert self.llm.reset_prefix_cache(), "no request runs between rounds"
         probe = KVProbe(engine)
         engine.step = probe.wrap(self.step)  # type: ignore[method-assign]
-        params = [
-            SamplingParams(temperature=self.temperature, max_tokens=n, ignore_eos=True) for n in lengths
-        ]
+        params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in lengths]
         preemptions = engine.stats().num_preemptions
         start = time.perf_counter()
         outputs = self.llm.generate(prompts, params)
@@ -219,7 +218,6 @@ class VllmRunner:
         self.version = ready["version"]
         self.extra_env = " ".join(args.vllm_env)
         self.idle_cpu_seconds = self._cpu_seconds()
-        self.temperature = args.temperature
 
     def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
         assert self.process.stdin is not None and self.process.stdout is not None
@@ -249,9 +247,9 @@ class VllmRunner:
             grew = bool(below)
         return sum(stats[pid][1] for pid in tree if pid in stats) / os.sysconf("SC_CLK_TCK")
 
-    def run(self, prompts: list[list[int]], lengths: list[int]) -> PeerResult:
+    def run(self, prompts: list[list[int]], lengths: list[int], temperature: float) -> PeerResult:
         idle = self._cpu_seconds() - self.idle_cpu_seconds
-        answer = self._ask({"prompts": prompts, "lengths": lengths, "temperature": self.temperature})
+        answer = self._ask({"prompts": prompts, "lengths": lengths, "temperature": temperature})
         self.idle_cpu_seconds = self._cpu_seconds()
         note = f"vllm {self.version}" + (f", {self.extra_env}" if self.extra_env else "")
         note += f"; {idle:.2f} CPU-s while idle before this round"
@@ -650,11 +648,11 @@ def main() -> None:
             print(f"running {peer} (round {round_index + 1} of {args.rounds}) ...", flush=True)
             if peer == "pagedserve":
                 assert runner is not None
-                result, round_probe = runner.run(prompts, lengths)
+                result, round_probe = runner.run(prompts, lengths, args.temperature)
                 probe = probe or round_probe  # every round computes the same steps: the first one's
             elif peer == "vllm":
                 assert vllm is not None
-                result = vllm.run(prompts, lengths)
+                result = vllm.run(prompts, lengths, args.temperature)
             elif peer == "hf-sequential":
                 result = run_hf_sequential(
                     model, pad_id, prompts, lengths, args.hf_sequential_limit, args.temperature

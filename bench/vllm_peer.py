@@ -8,8 +8,9 @@ Protocol, one JSON object a line: the first line on stdin is the engine's settin
 (`{"model": ..., "dtype": ..., "llm_kwargs": {...}}`); the script builds `vllm.LLM`, warms it up and
 answers `{"ready": true, "version": ...}`. Each later line is a round (`{"prompts": [[ids]],
 "lengths": [n], "temperature": t}`): the prefix cache is reset, every prompt runs with `ignore_eos`
-and exactly its forced length, greedy (t 0, the default) or sampled at t, and the answer is `{"num_output_tokens": ..., "seconds": ...}`. vLLM logs to
-stdout, so the answers go to a private copy of it and everything else to stderr.
+and exactly its forced length, greedy (t 0, the default) or sampled at t, and the answer is
+`{"num_output_tokens": ..., "seconds": ...}`. vLLM logs to stdout, so the answers go to a private copy
+of it and everything else to stderr.
 """
 
 from __future__ import annotations
