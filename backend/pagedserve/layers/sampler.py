@@ -111,9 +111,10 @@ class Sampler:
         if t.repetition_penalties is not None:
             logits = _apply_penalties(logits, t)
         greedy_rows = t.temperatures < _GREEDY_EPS
-        if bool(greedy_rows.all()):
+        num_greedy = int(greedy_rows.sum())  # one read back from the device
+        if num_greedy == len(greedy_rows):
             token_ids = _argmax(logits)
-        elif bool(greedy_rows.any()):
+        elif num_greedy:
             greedy = _argmax(logits)  # before _sample tempers the logits in place
             token_ids = torch.where(greedy_rows, greedy, self._sample(logits, t))
         else:  # no greedy row: no argmax over the vocabulary (0.8 ms for 64 rows)
