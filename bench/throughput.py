@@ -7,7 +7,8 @@
     python bench/throughput.py --device cuda --model DIR         # on a GPU: every peer there
     python bench/throughput.py --peers pagedserve,vllm --vllm-python VENV/bin/python --rounds 3
 
-Peers (same model, dtype, prompt token ids and forced output lengths; greedy, or sampled at --temperature):
+Peers (same model, dtype, prompt token ids and forced output lengths; greedy, or sampled at --temperature
+with --top-k and --top-p):
 
 - pagedserve      `LLM.generate` over all requests at once (continuous batching, paged KV cache)
 - hf-sequential   transformers `generate`, one request at a time
@@ -47,6 +48,38 @@ from workloads import build_workload, prompt_token_ids
 
 PEERS = ("pagedserve", "hf-sequential", "hf-static", "hf-continuous")
 OPTIONAL_PEERS = ("vllm",)  # run only when asked for
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How every peer picks its tokens: greedy at temperature 0, else sampled at `temperature`, cut by
+    top-k (0: off) and top-p (1: off), as each engine defines them."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __str__(self) -> str:
+        if self.temperature == 0:
+            return "greedy"
+        cuts = ([f"top-k {self.top_k}"] if self.top_k else []) + (
+            [f"top-p {self.top_p:g}"] if self.top_p < 1 else []
+        )
+        return f"sampled at temperature {self.temperature:g}" + "".join(f", {cut}" for cut in cuts)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """pagedserve's and vLLM's SamplingParams arguments (top_k 0 is off in both)."""
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+
+    def hf(self) -> dict[str, Any]:
+        """`generate` and GenerationConfig arguments: every cut set, so that none comes from the model's
+        generation config."""
+        if self.temperature == 0:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+
+
+GREEDY = Sampling()
 
 
 @dataclass
@@ -171,7 +204,7 @@ class PagedserveRunner:
         self.step = self.llm.engine.step
 
     def run(
-        self, prompts: list[list[int]], lengths: list[int], temperature: float
+        self, prompts: list[list[int]], lengths: list[int], sampling: Sampling
     ) -> tuple[PeerResult, KVProbe]:
         from pagedserve import SamplingParams
 
@@ -179,7 +212,7 @@ class PagedserveRunner:
         assert self.llm.reset_prefix_cache(), "no request runs between rounds"
         probe = KVProbe(engine)
         engine.step = probe.wrap(self.step)  # type: ignore[method-assign]
-        params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in lengths]
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, **sampling.engine_kwargs()) for n in lengths]
         preemptions = engine.stats().num_preemptions
         start = time.perf_counter()
         outputs = self.llm.generate(prompts, params)
@@ -247,9 +280,9 @@ class VllmRunner:
             grew = bool(below)
         return sum(stats[pid][1] for pid in tree if pid in stats) / os.sysconf("SC_CLK_TCK")
 
-    def run(self, prompts: list[list[int]], lengths: list[int], temperature: float) -> PeerResult:
+    def run(self, prompts: list[list[int]], lengths: list[int], sampling: Sampling) -> PeerResult:
         idle = self._cpu_seconds() - self.idle_cpu_seconds
-        answer = self._ask({"prompts": prompts, "lengths": lengths, "temperature": temperature})
+        answer = self._ask({"prompts": prompts, "lengths": lengths, "sampling": sampling.engine_kwargs()})
         self.idle_cpu_seconds = self._cpu_seconds()
         note = f"vllm {self.version}" + (f", {self.extra_env}" if self.extra_env else "")
         note += f"; {idle:.2f} CPU-s while idle before this round"
@@ -269,19 +302,11 @@ def load_hf_model(path: str, dtype: torch.dtype, device: str = "cpu") -> tuple[A
     return model, tokenizer
 
 
-def hf_sampling(temperature: float) -> dict[str, Any]:
-    """`generate` arguments for greedy decoding (0) or plain sampling at `temperature`: top-k and top-p
-    off, as pagedserve and vLLM leave them (the model's generation config may set them)."""
-    if temperature == 0:
-        return {"do_sample": False}
-    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-
-
 @torch.inference_mode()
 def hf_generate(
-    model: Any, batch: list[list[int]], num_new_tokens: int, pad_id: int, sampling: dict[str, Any]
+    model: Any, batch: list[list[int]], num_new_tokens: int, pad_id: int, generate_args: dict[str, Any]
 ) -> torch.Tensor:
-    """Left-padded generate of exactly `num_new_tokens` tokens per row (`sampling`: `hf_sampling`'s)."""
+    """Left-padded generate of exactly `num_new_tokens` tokens per row (`generate_args`: `Sampling.hf()`)."""
     width = max(len(ids) for ids in batch)
     input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch], device=model.device)
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=model.device)
@@ -291,7 +316,7 @@ def hf_generate(
         max_new_tokens=num_new_tokens,
         min_new_tokens=num_new_tokens,
         pad_token_id=pad_id,
-        **sampling,
+        **generate_args,
     )
     if out.device.type == "cuda":
         torch.cuda.synchronize(out.device)  # the caller's clock stops with the tokens made
@@ -304,15 +329,15 @@ def run_hf_sequential(
     prompts: list[list[int]],
     lengths: list[int],
     limit: int | None,
-    temperature: float,
+    sampling: Sampling,
 ) -> PeerResult:
-    sampling = hf_sampling(temperature)
+    generate_args = sampling.hf()
     count = len(prompts) if not limit else min(limit, len(prompts))
-    hf_generate(model, [prompts[0]], 4, pad_id, sampling)  # warm-up
+    hf_generate(model, [prompts[0]], 4, pad_id, generate_args)  # warm-up
     num_tokens = 0
     start = time.perf_counter()
     for ids, n in zip(prompts[:count], lengths[:count]):
-        num_tokens += hf_generate(model, [ids], n, pad_id, sampling).shape[1]
+        num_tokens += hf_generate(model, [ids], n, pad_id, generate_args).shape[1]
     seconds = time.perf_counter() - start
     note = "" if count == len(prompts) else f"timed {count} of {len(prompts)} requests"
     return PeerResult("hf-sequential", num_tokens, seconds, note)
@@ -325,16 +350,18 @@ def run_hf_static(
     lengths: list[int],
     batch_size: int,
     limit: int | None,
-    temperature: float,
+    sampling: Sampling,
 ) -> PeerResult:
-    sampling = hf_sampling(temperature)
+    generate_args = sampling.hf()
     count = len(prompts) if not limit else min(len(prompts), -(-limit // batch_size) * batch_size)
-    hf_generate(model, prompts[:2], 4, pad_id, sampling)  # warm-up
+    hf_generate(model, prompts[:2], 4, pad_id, generate_args)  # warm-up
     num_tokens = num_computed = 0
     start = time.perf_counter()
     for first in range(0, count, batch_size):
         batch_lengths = lengths[first : first + batch_size]
-        out = hf_generate(model, prompts[first : first + batch_size], max(batch_lengths), pad_id, sampling)
+        out = hf_generate(
+            model, prompts[first : first + batch_size], max(batch_lengths), pad_id, generate_args
+        )
         num_computed += out.numel()
         num_tokens += sum(batch_lengths)  # what the requests asked for; the rest is padding work
     seconds = time.perf_counter() - start
@@ -352,7 +379,7 @@ def run_hf_continuous(
     lengths: list[int],
     limit: int | None,
     num_blocks: int | None = None,
-    temperature: float = 0.0,
+    sampling: Sampling = GREEDY,
 ) -> PeerResult:
     import transformers
     from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -367,7 +394,7 @@ def run_hf_continuous(
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     config = GenerationConfig(
-        max_new_tokens=max(lengths), eos_token_id=-1, pad_token_id=pad_id, **hf_sampling(temperature)
+        max_new_tokens=max(lengths), eos_token_id=-1, pad_token_id=pad_id, **sampling.hf()
     )
     hints = WorkloadHints(max(len(p) for p in prompts), max(lengths), len(prompts))
     setup = time.perf_counter()
@@ -560,7 +587,13 @@ def parse_args() -> argparse.Namespace:
         "--temperature",
         type=float,
         default=0.0,
-        help="0: greedy (default); above 0, every peer samples at it with top-k and top-p off",
+        help="0: greedy (default); above 0, every peer samples at it (top-k and top-p off unless set)",
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=0, help="top-k of every sampling peer (0: off, the default)"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="top-p of every sampling peer (1: off, the default)"
     )
     parser.add_argument(
         "--device",
@@ -610,6 +643,12 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--rounds: at least 1, got {args.rounds}")
     if not 0 <= args.temperature < float("inf"):
         parser.error(f"--temperature: 0 (greedy) or a finite positive number, got {args.temperature}")
+    if args.top_k < 0:
+        parser.error(f"--top-k: 0 (off) or a positive number of tokens, got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p: above 0 and at most 1 (off), got {args.top_p}")
+    if args.temperature == 0 and (args.top_k or args.top_p < 1):
+        parser.error("--top-k and --top-p cut a sampled distribution: give --temperature above 0 too")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     elif args.device.split(":")[0] not in ("cpu", "cuda"):
@@ -626,6 +665,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     peers = args.peers.split(",")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
     path = resolve_model_path(args.model)
     model, tokenizer = load_hf_model(path, getattr(torch, args.dtype), args.device)
     requests = build_workload(args.workload, args.num_requests, args.seed)
@@ -635,8 +675,7 @@ def main() -> None:
     print(f"machine: {machine_line(args.dtype, args.device)}")
     print(
         f"workload {args.workload}: {len(prompts)} requests, prompts {min(prompt_lens)}-{max(prompt_lens)} "
-        f"tokens ({sum(prompt_lens)} total), {sum(lengths)} output tokens forced, "
-        + ("greedy" if args.temperature == 0 else f"sampled at temperature {args.temperature:g}")
+        f"tokens ({sum(prompt_lens)} total), {sum(lengths)} output tokens forced, " + str(sampling)
     )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rounds: dict[str, list[PeerResult]] = {peer: [] for peer in peers}
@@ -648,14 +687,14 @@ def main() -> None:
             print(f"running {peer} (round {round_index + 1} of {args.rounds}) ...", flush=True)
             if peer == "pagedserve":
                 assert runner is not None
-                result, round_probe = runner.run(prompts, lengths, args.temperature)
+                result, round_probe = runner.run(prompts, lengths, sampling)
                 probe = probe or round_probe  # every round computes the same steps: the first one's
             elif peer == "vllm":
                 assert vllm is not None
-                result = vllm.run(prompts, lengths, args.temperature)
+                result = vllm.run(prompts, lengths, sampling)
             elif peer == "hf-sequential":
                 result = run_hf_sequential(
-                    model, pad_id, prompts, lengths, args.hf_sequential_limit, args.temperature
+                    model, pad_id, prompts, lengths, args.hf_sequential_limit, sampling
                 )
             elif peer == "hf-static":
                 result = run_hf_static(
@@ -665,7 +704,7 @@ def main() -> None:
                     lengths,
                     args.hf_batch_size,
                     args.hf_static_limit,
-                    args.temperature,
+                    sampling,
                 )
             else:
                 result = run_hf_continuous(
@@ -675,7 +714,7 @@ def main() -> None:
                     lengths,
                     args.hf_continuous_limit,
                     args.hf_continuous_num_blocks,
-                    args.temperature,
+                    sampling,
                 )
             print(f"  {result.peer}: {result.num_output_tokens} tokens in {result.seconds:.1f} s", flush=True)
             rounds[peer].append(result)

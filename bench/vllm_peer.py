@@ -7,8 +7,9 @@ imports vLLM and the standard library only.
 Protocol, one JSON object a line: the first line on stdin is the engine's settings
 (`{"model": ..., "dtype": ..., "llm_kwargs": {...}}`); the script builds `vllm.LLM`, warms it up and
 answers `{"ready": true, "version": ...}`. Each later line is a round (`{"prompts": [[ids]],
-"lengths": [n], "temperature": t}`): the prefix cache is reset, every prompt runs with `ignore_eos`
-and exactly its forced length, greedy (t 0, the default) or sampled at t, and the answer is
+"lengths": [n], "sampling": {"temperature": t, "top_k": k, "top_p": p}}`): the prefix cache is reset,
+every prompt runs with `ignore_eos` and exactly its forced length, greedy (t 0, the default) or
+sampled at t with vLLM's top-k and top-p (0 and 1: off), and the answer is
 `{"num_output_tokens": ..., "seconds": ...}`. vLLM logs to stdout, so the answers go to a private copy
 of it and everything else to stderr.
 """
@@ -45,10 +46,8 @@ def main() -> None:
     for line in sys.stdin:
         job = json.loads(line)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
-        temperature = job.get("temperature", 0.0)  # 0: greedy; top-k and top-p stay off, vLLM's defaults
-        params = [
-            SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in job["lengths"]
-        ]
+        sampling = job.get("sampling", {"temperature": 0.0})  # temperature 0: greedy (top_k, top_p unused)
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, **sampling) for n in job["lengths"]]
         if not llm.reset_prefix_cache():  # as pagedserve's runner: every round computes every prompt
             raise SystemExit("vLLM did not reset its prefix cache")
         start = time.perf_counter()

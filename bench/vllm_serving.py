@@ -42,7 +42,7 @@ from serving import (
     print_summary,
     write_json,
 )
-from throughput import VllmRunner, add_vllm_arguments, check_vllm_arguments
+from throughput import GREEDY, VllmRunner, add_vllm_arguments, check_vllm_arguments
 from workloads import build_workload, prompt_token_ids
 
 
@@ -162,7 +162,7 @@ async def benchmark(
     offline_rates: list[float] = []
 
     def offline_round() -> None:  # blocks the loop, which has no call in flight then
-        result = offline.run(prompts, lengths, 0.0)  # greedy, as the server's requests are
+        result = offline.run(prompts, lengths, GREEDY)  # as the server's requests are
         offline_rates.append(result.tokens_per_s)
         print(
             f"offline engine, round {len(offline_rates)}: {result.tokens_per_s:.1f} tok/s ({result.note})",

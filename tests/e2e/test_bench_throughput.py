@@ -83,11 +83,19 @@ def test_rounds_run_the_peers_in_turn_and_report_each_peer_s_median_round(
         assert row + f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x |" in done.stdout
 
 
+@pytest.mark.parametrize(
+    ("cuts", "header"),
+    [
+        ([], "sampled at temperature 0.8\n"),
+        (["--top-k", "20", "--top-p", "0.9"], "sampled at temperature 0.8, top-k 20, top-p 0.9\n"),
+    ],
+)
 def test_every_peer_samples_at_a_temperature_and_makes_its_forced_tokens(
-    tiny_llama_dir: str, tmp_path: Path
+    tiny_llama_dir: str, tmp_path: Path, cuts: list[str], header: str
 ) -> None:
-    """--temperature 0.8: every peer samples (top-k and top-p off) instead of decoding greedily, and
-    still makes exactly the forced number of tokens; the header says how the tokens were chosen."""
+    """--temperature 0.8: every peer samples instead of decoding greedily, with top-k and top-p off or
+    as given, and still makes exactly the forced number of tokens; the header says how the tokens
+    were chosen."""
     out = tmp_path / "out.json"
     command = [
         sys.executable,
@@ -98,29 +106,42 @@ def test_every_peer_samples_at_a_temperature_and_makes_its_forced_tokens(
         "4",
         "--temperature",
         "0.8",
+        *cuts,
     ]
     command += ["--peers", "pagedserve,hf-static,hf-continuous", "--hf-continuous-num-blocks", "8"]
     done = subprocess.run(
         [*command, "--json-out", str(out)], capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "240 output tokens forced, sampled at temperature 0.8" in done.stdout
+    assert "240 output tokens forced, " + header in done.stdout
     report = json.loads(out.read_text())
     assert report["args"]["temperature"] == 0.8
     for row in report["results"]:
         assert row["available"] and row["num_output_tokens"] == 240, row
 
 
-@pytest.mark.parametrize("value", ["-0.5", "inf", "nan"])
-def test_a_negative_or_infinite_temperature_is_refused(value: str) -> None:
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--temperature", "-0.5"], "--temperature: 0 (greedy) or a finite positive number"),
+        (["--temperature", "inf"], "--temperature: 0 (greedy) or a finite positive number"),
+        (["--temperature", "nan"], "--temperature: 0 (greedy) or a finite positive number"),
+        (["--temperature", "1", "--top-k", "-1"], "--top-k: 0 (off) or a positive number of tokens"),
+        (["--temperature", "1", "--top-p", "0"], "--top-p: above 0 and at most 1 (off)"),
+        (["--temperature", "1", "--top-p", "1.5"], "--top-p: above 0 and at most 1 (off)"),
+        (["--temperature", "1", "--top-p", "nan"], "--top-p: above 0 and at most 1 (off)"),
+        (["--top-p", "0.9"], "--top-k and --top-p cut a sampled distribution: give --temperature above 0"),
+    ],
+)
+def test_a_bad_sampling_setting_is_refused(arguments: list[str], message: str) -> None:
     done = subprocess.run(
-        [sys.executable, str(BENCH), "--temperature", value],
+        [sys.executable, str(BENCH), *arguments],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
-    assert done.returncode == 2 and "--temperature: 0 (greedy) or a finite positive number" in done.stderr
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
 
 
 def test_rounds_below_one_are_refused() -> None:
@@ -186,14 +207,15 @@ VLLM_PYTHON = os.environ.get("PAGEDSERVE_BENCH_VLLM_PYTHON")
     not VLLM_PYTHON,
     reason="PAGEDSERVE_BENCH_VLLM_PYTHON names no Python with vLLM (bench/README.md: the vllm peer)",
 )
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.8", "--top-k", "20", "--top-p", "0.9"]])
 def test_the_vllm_peer_generates_the_same_tokens_in_its_own_environment(
-    default_model_dir: str, tmp_path: Path
+    default_model_dir: str, tmp_path: Path, sampling: list[str]
 ) -> None:
     """vLLM runs in its own Python, rounds in turn with pagedserve's; its idle CPU between rounds is
-    reported, and its greedy tokens are counted like every peer's. On the default model: vLLM's CPU
-    attention has no kernel for the tiny model's head size of 16."""
+    reported, and its tokens, greedy or sampled with top-k and top-p, are counted like every peer's.
+    On the default model: vLLM's CPU attention has no kernel for the tiny model's head size of 16."""
     out = tmp_path / "out.json"
-    command = [sys.executable, str(BENCH), "--model", default_model_dir, "--num-requests", "4"]
+    command = [sys.executable, str(BENCH), "--model", default_model_dir, "--num-requests", "4", *sampling]
     command += ["--peers", "pagedserve,vllm", "--rounds", "2", "--vllm-python", str(VLLM_PYTHON)]
     command += ["--vllm-arg", "max_num_seqs=4", "--json-out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
