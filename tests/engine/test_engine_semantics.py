@@ -156,6 +156,40 @@ def test_repetition_penalty_matches_hugging_face(llm: LLM, tiny_llama_dir: str) 
     assert ours[0].outputs[0].token_ids != plain[0].outputs[0].token_ids
 
 
+def test_repetition_penalty_over_a_prompt_prefilled_in_chunks_matches_hugging_face(
+    tiny_llama_dir: str,
+) -> None:
+    """The penalty reads the whole prompt, also when it ran in chunks of 8 over several steps (the
+    model runner reads each request's prompt once, at its first sampled token, and keeps it): here
+    the unpenalized greedy output starts with a token only the first chunk holds."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    prompt = [1, 33488, 37514, 35677, 33400, 18070, 31646, 43419]  # the first chunk
+    prompt += [23, 88, 94, 28, 123, 11, 42, 135, 163, 76, 12, 3, 99, 89, 43, 143, 181, 40, 44, 47]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        max_new_tokens=16, do_sample=False, repetition_penalty=1.8, pad_token_id=0
+    )
+    with torch.inference_mode():
+        theirs = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long)
+        )
+    chunked = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        num_kv_blocks=64,
+        block_size=16,
+        max_num_batched_tokens=8,
+        max_num_seqs=8,
+    )
+    plain = chunked.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert plain[0].outputs[0].token_ids[0] == 33488  # what the penalty must weigh
+    ours = chunked.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.8, ignore_eos=True)
+    )
+    assert ours[0].outputs[0].token_ids == theirs[0, len(prompt) :].tolist()
+
+
 def test_abort_frees_blocks_and_id_is_reusable(engine: LLMEngine) -> None:
     free = engine.stats().num_free_blocks
     engine.add_request("abort-me", PROMPTS[3], SamplingParams(temperature=0, max_tokens=50))

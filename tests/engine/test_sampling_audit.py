@@ -321,6 +321,35 @@ def test_tiny_temperatures_pick_the_maximum_without_overflow(temperature: float)
     assert sample(logits, rows).token_ids.tolist() == expected
 
 
+def test_penalties_change_the_seen_tokens_alone_whatever_the_padding() -> None:
+    """The penalties touch only the tokens a row has seen, through ids padded with the vocabulary size:
+    every logit as the definition gives it, in rows with a prompt and no output, with an output and no
+    prompt, with nothing seen, with ids repeated within and across prompt and output, and with the
+    first and last tokens of the vocabulary seen; every other logit unchanged, bit for bit."""
+    vocab = 50
+    rows = [
+        Row(
+            repetition_penalty=1.5,
+            presence_penalty=0.5,
+            frequency_penalty=0.25,
+            prompt_ids=(0, 3, 3),
+            output_ids=(49, 3, 7, 7, 7),
+        ),
+        Row(repetition_penalty=0.8, frequency_penalty=-1.0, prompt_ids=(5,)),
+        Row(repetition_penalty=1.7, frequency_penalty=0.5),
+        Row(repetition_penalty=1.2, presence_penalty=-0.5, output_ids=(49, 0, 49)),
+        Row(repetition_penalty=2.0, prompt_ids=tuple(range(20)), output_ids=(19, 20)),
+    ]
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(5)) * 3
+    changed = logits.clone()
+    sampler_module._apply_penalties(changed, build(rows, vocab))
+    for i, row in enumerate(rows):
+        expected = penalized(logits[i].double().numpy(), row)
+        np.testing.assert_allclose(changed[i].numpy(), expected, rtol=1e-6, err_msg=f"row {i}")
+        unseen = sorted(set(range(vocab)) - set(row.prompt_ids) - set(row.output_ids))
+        assert torch.equal(changed[i, unseen], logits[i, unseen]), f"row {i}"
+
+
 @pytest.mark.parametrize("penalty", [1e-300, 5e-324, 1e300])
 def test_an_extreme_repetition_penalty_keeps_the_row_finite(penalty: float) -> None:
     """A penalty near 0 (0 in float32) divided a seen token's positive logit to inf, a huge one (inf)

@@ -114,7 +114,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_num_logprobs is not None else None
         _apply_logit_controls(logits, t)
         if t.repetition_penalties is not None:
-            logits = _apply_penalties(logits, t)
+            _apply_penalties(logits, t)
         greedy_rows = t.temperatures < _GREEDY_EPS
         num_greedy = int(greedy_rows.sum())  # one read back from the device
         if num_greedy == len(greedy_rows):
@@ -216,26 +216,38 @@ def _apply_logit_controls(logits: torch.Tensor, t: SamplingTensors) -> None:
         logits[row, bias_ids] += biases
 
 
-def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:
+    """vLLM's penalties, in place, on the tokens each row has seen alone (a dense pass over the
+    vocabulary for each, as the definitions are written, took ~6.5 ms a step for 64 rows of 49,152
+    tokens). Repetition (prompt and output): a seen token's positive logit divided by the penalty, its
+    negative one multiplied; then frequency and presence (output only), as OpenAI defines them. The
+    padding of the id tensors (the vocabulary size) becomes a seen token of its row, written the same
+    value as that token's other places, or, in a row with none, the last token rewritten unchanged."""
     assert t.prompt_token_ids is not None and t.output_token_ids is not None
     assert t.presence_penalties is not None and t.frequency_penalties is not None
     assert t.repetition_penalties is not None
-    batch, vocab = logits.shape
-    output_counts = torch.zeros(batch, vocab + 1, device=logits.device)
-    output_counts.scatter_add_(
-        1, t.output_token_ids, torch.ones_like(t.output_token_ids, dtype=torch.float32)
-    )
-    output_counts = output_counts[:, :vocab]
-    seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=logits.device)
-    seen.scatter_(1, t.prompt_token_ids, True)
-    seen = seen[:, :vocab] | (output_counts > 0)
-    # repetition (prompt + output): shrink positive logits, grow negative ones
-    repetition = t.repetition_penalties.clamp(_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY)
-    penalty = torch.where(seen, repetition.unsqueeze(1), 1.0)
-    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    # presence and frequency (output only), as OpenAI defines them
-    logits = logits - t.frequency_penalties.unsqueeze(1) * output_counts
-    return logits - t.presence_penalties.unsqueeze(1) * (output_counts > 0)
+    vocab = logits.shape[1]
+    seen = torch.cat((t.prompt_token_ids, t.output_token_ids), dim=1)
+    is_seen = seen < vocab
+    some = is_seen.any(dim=1, keepdim=True)
+    first = seen.gather(1, is_seen.int().argmax(dim=1, keepdim=True))  # a seen token, if the row has one
+    seen = torch.where(is_seen, seen, first.clamp(max=vocab - 1))
+    repetition = t.repetition_penalties.clamp(_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY).unsqueeze(1)
+    penalty = torch.where(some, repetition, 1.0)
+    values = logits.gather(1, seen)
+    logits.scatter_(1, seen, torch.where(values > 0, values / penalty, values * penalty))
+    # frequency and presence: each output token's count, from the row's ids sorted (runs of one id)
+    ids = t.output_token_ids.sort(dim=1).values  # the padding last
+    is_output = ids < vocab
+    starts = is_output.clone()
+    starts[:, 1:] &= ids[:, 1:] != ids[:, :-1]
+    run = (starts.cumsum(dim=1) - 1).clamp(min=0)  # the padding: the last run
+    counts = torch.zeros(ids.shape, device=ids.device).scatter_add_(1, run, is_output.float()).gather(1, run)
+    last = ids.gather(1, (is_output.sum(dim=1, keepdim=True) - 1).clamp(min=0))
+    ids = torch.where(is_output, ids, last).clamp(max=vocab - 1)
+    values = logits.gather(1, ids)
+    values = values - t.frequency_penalties.unsqueeze(1) * counts
+    logits.scatter_(1, ids, values - t.presence_penalties.unsqueeze(1) * (counts > 0))
 
 
 def _min_p(probs: torch.Tensor, min_ps: torch.Tensor | None) -> torch.Tensor:

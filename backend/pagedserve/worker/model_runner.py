@@ -60,6 +60,9 @@ class RequestState:
     num_tokens: int = 0  # tokens fed to the model so far
     num_blocks: int = 0
     token_ids: list[int] = field(default_factory=list)  # kept only when penalties or bad words need it
+    prompt_ids: torch.Tensor | None = (
+        None  # token_ids' prompt on the device, made when penalties first read it
+    )
     bad_words: BadWords | None = None  # built on the request's first sample, where it has bad words
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (token ids, biases), on the device
     lora_index: int = -1  # its LoRA adapter's index in `ModelRunner.lora` (-1: the base model)
@@ -564,9 +567,7 @@ class ModelRunner:
             repetition_penalties=as_tensor([p.repetition_penalty for p in params]) if use_penalties else None,
             presence_penalties=as_tensor([p.presence_penalty for p in params]) if use_penalties else None,
             frequency_penalties=as_tensor([p.frequency_penalty for p in params]) if use_penalties else None,
-            prompt_token_ids=self._padded([s.token_ids[: s.num_prompt_tokens] for s in states])
-            if use_penalties
-            else None,
+            prompt_token_ids=self._padded_prompts(states) if use_penalties else None,
             output_token_ids=self._padded([row.output_token_ids for row in rows]) if use_penalties else None,
             banned_tokens=[(row, banned) for row, (banned, _) in controls.items() if banned],
             seeded_rows=[
@@ -616,6 +617,22 @@ class ModelRunner:
         else:
             leaves_none = grammar_mask is not None and _allows_only(grammar_mask, banned)
         return ([] if leaves_none else banned), allowed
+
+    def _padded_prompts(self, states: list[RequestState]) -> torch.Tensor:
+        """The rows' prompts padded as `_padded`, from each request's own tensor of them: padding lists of
+        ~1,000-token prompts into a tensor took ~3 ms a step for 64 rows."""
+        prompts = []
+        for state in states:
+            prompt = state.prompt_ids
+            if prompt is None:
+                ids = state.token_ids[: state.num_prompt_tokens]
+                prompt = torch.tensor(ids, dtype=torch.int64, device=self.device)
+                if len(ids) == state.num_prompt_tokens:  # the whole prompt (a row samples after it)
+                    state.prompt_ids = prompt
+            prompts.append(prompt)
+        if max(len(prompt) for prompt in prompts) == 0:
+            return self._padded([[] for _ in states])
+        return torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True, padding_value=self.vocab_size)
 
     def _padded(self, rows: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(r) for r in rows))
