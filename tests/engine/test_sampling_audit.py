@@ -251,13 +251,13 @@ def test_cut_rows_of_a_real_vocabulary_sort_only_a_cut_beyond_their_widest_look(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Sorting a row of 49,152 tokens takes 1.5-3 ms (64 rows cut by top-p made a 100 ms step): a row
-    cut by top-k or top-p looks among its most likely tokens instead, and only a row whose cut lies
-    beyond the widest look (here a flat row, its top 0.95 spanning ~45,000 tokens) sorts. Each row
-    draws a token its cut keeps."""
+    cut by top-k, top-p or min-p looks among its most likely tokens instead, and only a row whose cut
+    lies beyond the widest look (here a flat row, its top 0.95 spanning ~45,000 tokens) sorts. Each
+    row draws a token its cut keeps."""
     vocab = 49_152
     generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, vocab, generator=generator)
-    logits[0, :10] = 12.0  # ten tokens hold nearly all the mass
+    logits = torch.randn(7, vocab, generator=generator)
+    logits[[0, 6], :10] = 12.0  # ten tokens hold nearly all the mass
     logits[2] = -math.inf  # a grammar's row: three tokens allowed, fewer than top-k's 50
     logits[2, [5, 700, 40_000]] = torch.tensor([1.0, 0.5, 0.0])
     logits[3, 1000:1500] = 8.0  # 500 tied tokens hold 0.95: top-p keeps all of them
@@ -269,6 +269,7 @@ def test_cut_rows_of_a_real_vocabulary_sort_only_a_cut_beyond_their_widest_look(
         Row(top_p=0.9),
         Row(top_p=0.95),
         Row(top_k=3000),
+        Row(min_p=0.1),
     ]
     sorted_rows = []
     sort = torch.Tensor.sort

@@ -131,23 +131,24 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         """Random rows' draws; tempers `logits` in place (the sampler's own: a float32 copy of the
         model's, or the model's float32 tensor, which the logit controls change in place already).
-        Rows that cut their distribution (top-k, top-p) draw from their most likely tokens; the
-        others by inversion over the whole vocabulary."""
+        Rows that cut their distribution (top-k, top-p, min-p) draw from their most likely tokens;
+        the others by inversion over the whole vocabulary."""
         rows, vocab = logits.shape
         temperatures = torch.where(t.temperatures < _GREEDY_EPS, 1.0, t.temperatures)
         logits = logits.div_(temperatures.clamp(max=_MAX_TEMPERATURE).unsqueeze(1))
         probs = torch.softmax(logits, dim=-1)
         uniforms = self._uniforms(rows, t, probs.device)
-        if t.top_ks is None and t.top_ps is None:
-            return _draw(_min_p(probs, t.min_ps), uniforms)
+        if t.top_ks is None and t.top_ps is None and t.min_ps is None:
+            return _draw(probs, uniforms)
         no_cut = torch.full((rows,), vocab, dtype=torch.int64, device=probs.device)
         top_ks = t.top_ks.clamp(1, vocab) if t.top_ks is not None else no_cut
         top_ps = t.top_ps if t.top_ps is not None else torch.ones(rows, device=probs.device)
-        cut = (top_ks < vocab) | (top_ps < 1.0)
-        token_ids = _draw_from_top(probs, top_ks, top_ps, t.min_ps, uniforms, cut)
+        min_ps = t.min_ps if t.min_ps is not None else torch.zeros(rows, device=probs.device)
+        cut = (top_ks < vocab) | (top_ps < 1.0) | (min_ps > 0.0)
+        token_ids = _draw_from_top(probs, top_ks, top_ps, min_ps, uniforms, cut)
         if bool(cut.all()):  # one read back from the device
             return token_ids
-        return torch.where(cut, token_ids, _draw(_min_p(probs, t.min_ps), uniforms))
+        return torch.where(cut, token_ids, _draw(probs, uniforms))
 
     def _uniforms(self, rows: int, t: SamplingTensors, device: torch.device) -> torch.Tensor:
         """One float64 in [0, 1) a row: a seeded row's from its own generator at its output index."""
@@ -161,8 +162,8 @@ class Sampler:
 
 
 def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """A token a row from `probs` (rows summing to 1 or less, as min-p leaves them) by inversion: the
-    first token whose cumulative probability reaches u * total, 1 - u the row's uniform. In two
+    """A token a row from `probs` (rows summing to 1 or less) by inversion: the first token whose
+    cumulative probability reaches u * total, 1 - u the row's uniform. In two
     levels, both summed in float64: the block of _INVERSION_BLOCK tokens the target falls in,
     then the token within the block, so that a token far smaller than the running sum keeps its
     share (0.6 ms for 64 rows of 49,152 tokens, where one float64 cumulative sum over the
@@ -250,19 +251,11 @@ def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:
     logits.scatter_(1, ids, values - t.presence_penalties.unsqueeze(1) * (counts > 0))
 
 
-def _min_p(probs: torch.Tensor, min_ps: torch.Tensor | None) -> torch.Tensor:
-    """Drops the tokens less likely than min_p times the row's most likely one (on any scale)."""
-    if min_ps is None:
-        return probs
-    threshold = min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-    return probs.masked_fill(probs < threshold, 0.0)
-
-
 def _draw_from_top(
     probs: torch.Tensor,
     top_ks: torch.Tensor,
     top_ps: torch.Tensor,
-    min_ps: torch.Tensor | None,
+    min_ps: torch.Tensor,
     uniforms: torch.Tensor,
     rows: torch.Tensor,
 ) -> torch.Tensor:
@@ -280,8 +273,7 @@ def _draw_from_top(
             values, ids = part.topk(width, dim=-1)
         else:
             values, ids = part.sort(dim=-1, descending=True, stable=True)
-        kept, inside = _top_cut(values, top_ks[pending], top_ps[pending], vocab)
-        kept = _min_p(kept, min_ps[pending] if min_ps is not None else None)
+        kept, inside = _top_cut(values, top_ks[pending], top_ps[pending], min_ps[pending], vocab)
         cdf = kept.double().cumsum(dim=-1)
         targets = (1.0 - uniforms[pending]) * cdf[:, -1]  # in (0, total]
         ranks = torch.searchsorted(cdf, targets.unsqueeze(1)).clamp_(max=width - 1)
@@ -294,15 +286,16 @@ def _draw_from_top(
 
 
 def _top_cut(
-    values: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, vocab: int
+    values: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, vocab: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows' largest probabilities (`values`, each row's in descending order, all of them when there
-    are `vocab`) with those top-k and top-p drop set to 0, and whether all that each row keeps is among
-    them. vLLM's and transformers' definitions, ties kept: top-k keeps every token at least as likely
-    as the k-th (1 <= k <= vocab; vocab: no cut); top-p (1: no cut), on what top-k keeps, keeps every
-    token whose more likely tokens hold less than p of its mass, which is the smallest most likely set
-    holding at least p with the ties of its least likely token (a cut by rank would keep whichever tie
-    the sort put first)."""
+    are `vocab`) with those top-k, top-p and min-p drop set to 0, and whether all that each row keeps
+    is among them. vLLM's and transformers' definitions, ties kept: top-k keeps every token at least as
+    likely as the k-th (1 <= k <= vocab; vocab: no cut); top-p (1: no cut), on what top-k keeps, keeps
+    every token whose more likely tokens hold less than p of its mass, which is the smallest most
+    likely set holding at least p with the ties of its least likely token (a cut by rank would keep
+    whichever tie the sort put first); min-p (0: no cut) then keeps those at least min_p times as
+    likely as the most likely token."""
     width = values.shape[1]
     last = values[:, -1]
     kth = values.gather(1, (top_ks.clamp(max=width) - 1).unsqueeze(1)).squeeze(1)
@@ -318,6 +311,9 @@ def _top_cut(
     uses_p = top_ps < 1.0
     kept = kept.masked_fill(uses_p.unsqueeze(1) & (values < least.unsqueeze(1)), 0.0)
     inside &= ~uses_p | (least > last) | (last == 0)
+    floor = min_ps * values[:, 0]  # the most likely token always stays
+    kept = kept.masked_fill(kept < floor.unsqueeze(1), 0.0)
+    inside &= has_k | uses_p | (floor > last) | (last == 0)  # min-p's set is exact alone
     if width == vocab:
         inside = torch.ones_like(inside)
     return kept, inside
