@@ -467,6 +467,27 @@ def test_logprobs_are_of_the_raw_logits_and_report_the_sampled_token_outside_the
         assert int(out.sampled_ranks[row]) == token + 1  # logits fall with the token id
 
 
+def test_the_sampled_token_s_rank_counts_every_more_likely_token_wherever_it_lies() -> None:
+    """A rank is 1 + the number of tokens more likely than the sampled one (its ties not counted):
+    for a token among the few most likely and for one far down the vocabulary alike."""
+    vocab = 40
+    logits = -0.1 * torch.arange(vocab, dtype=torch.float32)
+    logits[11] = logits[10]  # tied: token 11's rank counts tokens 0-9 alone
+    rows = [
+        Row(temperature=0.5, banned=tuple(range(25)), seed=1, logprobs=2),  # down the vocabulary
+        Row(temperature=0.5, banned=(0, 1), seed=2, logprobs=0),
+        Row(temperature=0.0, banned=tuple(range(11)), logprobs=1),  # greedy: token 11
+        Row(temperature=1.0, seed=3, logprobs=3),
+    ]
+    out = sample(logits.expand(len(rows), vocab), rows)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out.sampled_ranks is not None and int(out.token_ids[2]) == 11
+    assert int(out.token_ids[0]) >= 25
+    for row in range(len(rows)):
+        token = int(out.token_ids[row])
+        assert int(out.sampled_ranks[row]) == 1 + int((raw > raw[token]).sum()), f"row {row}, token {token}"
+
+
 # -- the engine --------------------------------------------------------------------------------------
 
 PROMPTS = [[1, 300, 301, 302], [1, 500, 600, 700, 800, 900], [1, 42], [1, *range(1000, 1030)]]

@@ -43,6 +43,7 @@ _SEED_MODULUS = 2**64  # torch takes 64-bit seeds: any integer seed folds into t
 _INVERSION_BLOCK = 256  # tokens a block of a random row's two-level inversion (`_draw`)
 # How many of a row's most likely tokens `_draw_from_top` looks among for its top-k/top-p cut, before all
 _TOP_WIDTHS = (64, 1024, 8192)
+_RANK_WIDTH = 8  # the most likely tokens a sampled token's rank is first counted among (`_gather_logprobs`)
 
 
 @dataclass
@@ -333,12 +334,21 @@ def _top_cut(
 
 
 def _gather_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> SamplerOutput:
+    """The sampled token's raw logprob and rank (1 + how many tokens are more likely) and the raw top k.
+    The rank counts among the _RANK_WIDTH most likely tokens where the sampled one is among them (all
+    those more likely are then), and over the vocabulary only in the other rows: a count over every
+    row's vocabulary took 1.5 ms a step for 64 rows of 49,152 tokens."""
+    vocab = raw_logprobs.shape[1]
     sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1))
-    top_values, top_ids = raw_logprobs.topk(k, dim=-1)
-    ranks = (raw_logprobs > sampled).sum(dim=-1) + 1
+    top_values, top_ids = raw_logprobs.topk(min(vocab, max(k, _RANK_WIDTH)), dim=-1)
+    ranks = (top_values > sampled).sum(dim=-1) + 1
+    beyond = sampled.squeeze(1) < top_values[:, -1]
+    if bool(beyond.any()):  # one read back from the device
+        rows = beyond.nonzero().squeeze(1)
+        ranks[rows] = (raw_logprobs[rows] > sampled[rows]).sum(dim=-1) + 1
     return SamplerOutput(
         token_ids,
-        torch.cat((sampled, top_values), dim=1),
-        torch.cat((token_ids.unsqueeze(1), top_ids), dim=1),
+        torch.cat((sampled, top_values[:, :k]), dim=1),
+        torch.cat((token_ids.unsqueeze(1), top_ids[:, :k]), dim=1),
         ranks,
     )
