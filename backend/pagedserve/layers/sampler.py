@@ -164,14 +164,14 @@ class Sampler:
 
 
 def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """A token a row from `probs` (rows summing to 1 or less) by inversion: the first token whose
-    cumulative probability reaches u * total, 1 - u the row's uniform. In two
-    levels, both summed in float64: the block of _INVERSION_BLOCK tokens the target falls in,
-    then the token within the block, so that a token far smaller than the running sum keeps its
-    share (0.6 ms for 64 rows of 49,152 tokens, where one float64 cumulative sum over the
-    vocabulary takes 5.9). Never a token of probability 0: its cumulative sum equals the one
-    before it, which is below the target. A row of NaN (a model's overflow) gets some token of
-    the vocabulary rather than an index past it: the step goes on for the other rows."""
+    """A token a row from `probs` by inversion: the first token whose cumulative probability reaches
+    u * total, 1 - u the row's uniform. In two levels, both summed in float64: the block of
+    _INVERSION_BLOCK tokens the target falls in, then the token within the block, so that a token far
+    smaller than the running sum keeps its share (0.6 ms for 64 rows of 49,152 tokens, where one
+    float64 cumulative sum over the vocabulary takes 5.9). Never a token of probability 0: its
+    cumulative sum equals the one before it, which is below the target. A row of NaN (a model's
+    overflow) gets some token of the vocabulary rather than an index past it: the step goes on for
+    the other rows."""
     rows, vocab = probs.shape
     pad = -vocab % _INVERSION_BLOCK
     blocks = torch.nn.functional.pad(probs, (0, pad)) if pad else probs

@@ -60,9 +60,7 @@ class RequestState:
     num_tokens: int = 0  # tokens fed to the model so far
     num_blocks: int = 0
     token_ids: list[int] = field(default_factory=list)  # kept only when penalties or bad words need it
-    prompt_ids: torch.Tensor | None = (
-        None  # token_ids' prompt on the device, made when penalties first read it
-    )
+    prompt_ids: torch.Tensor | None = None  # the prompt on the device, once penalties have read it
     bad_words: BadWords | None = None  # built on the request's first sample, where it has bad words
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (token ids, biases), on the device
     lora_index: int = -1  # its LoRA adapter's index in `ModelRunner.lora` (-1: the base model)
