@@ -136,23 +136,31 @@ def test_logprobs_match_hugging_face(llm: LLM, tiny_llama_dir: str) -> None:
             assert logprob.decoded_token is not None
 
 
-def test_repetition_penalty_matches_hugging_face(llm: LLM, tiny_llama_dir: str) -> None:
+def hf_greedy_with_repetition_penalty(
+    model_dir: str, prompt: list[int], num_tokens: int, penalty: float
+) -> list[int]:
+    """Hugging Face `generate`'s greedy tokens under a repetition penalty (float32)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.generation_config = GenerationConfig(
-        max_new_tokens=20, do_sample=False, repetition_penalty=1.5, pad_token_id=0
+        max_new_tokens=num_tokens, do_sample=False, repetition_penalty=penalty, pad_token_id=0
     )
-    prompt = [1, 5, 5, 5, 5, 5, 5]  # without a penalty, greedy output repeats a token by the 14th
     with torch.inference_mode():
-        theirs = model.generate(
+        out = model.generate(
             torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long)
         )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_repetition_penalty_matches_hugging_face(llm: LLM, tiny_llama_dir: str) -> None:
+    prompt = [1, 5, 5, 5, 5, 5, 5]  # without a penalty, greedy output repeats a token by the 14th
+    theirs = hf_greedy_with_repetition_penalty(tiny_llama_dir, prompt, 20, 1.5)
     ours = llm.generate(
         [prompt], SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.5, ignore_eos=True)
     )
     plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    assert ours[0].outputs[0].token_ids == theirs[0, len(prompt) :].tolist()
+    assert ours[0].outputs[0].token_ids == theirs
     assert ours[0].outputs[0].token_ids != plain[0].outputs[0].token_ids
 
 
@@ -162,18 +170,8 @@ def test_repetition_penalty_over_a_prompt_prefilled_in_chunks_matches_hugging_fa
     """The penalty reads the whole prompt, also when it ran in chunks of 8 over several steps (the
     model runner reads each request's prompt once, at its first sampled token, and keeps it): here
     the unpenalized greedy output starts with a token only the first chunk holds."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     prompt = [1, 33488, 37514, 35677, 33400, 18070, 31646, 43419]  # the first chunk
     prompt += [23, 88, 94, 28, 123, 11, 42, 135, 163, 76, 12, 3, 99, 89, 43, 143, 181, 40, 44, 47]
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    model.generation_config = GenerationConfig(
-        max_new_tokens=16, do_sample=False, repetition_penalty=1.8, pad_token_id=0
-    )
-    with torch.inference_mode():
-        theirs = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long)
-        )
     chunked = LLM(
         model=tiny_llama_dir,
         dtype="float32",
@@ -187,7 +185,7 @@ def test_repetition_penalty_over_a_prompt_prefilled_in_chunks_matches_hugging_fa
     ours = chunked.generate(
         [prompt], SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.8, ignore_eos=True)
     )
-    assert ours[0].outputs[0].token_ids == theirs[0, len(prompt) :].tolist()
+    assert ours[0].outputs[0].token_ids == hf_greedy_with_repetition_penalty(tiny_llama_dir, prompt, 16, 1.8)
 
 
 def test_abort_frees_blocks_and_id_is_reusable(engine: LLMEngine) -> None:
