@@ -185,7 +185,7 @@ CASES = {
 }
 
 
-# A row cut by top-k or top-p looks among its most likely tokens, a few, then more, then all
+# A row cut by top-k, top-p or min-p looks among its most likely tokens, a few, then more, then all
 # (`_TOP_WIDTHS`): the default widths exceed these vocabularies, so the tests run narrower ones too,
 # where every cut lies beyond the first, or beyond all but the whole vocabulary.
 TOP_WIDTHS = [sampler_module._TOP_WIDTHS, (1, 2), (3,)]
@@ -236,7 +236,7 @@ def test_a_row_of_nan_draws_a_token_of_the_vocabulary_and_the_others_draw_as_alo
 ) -> None:
     """A model that overflows gives a row of NaN logits: its draw is some token of the vocabulary (an
     index past it failed the whole step, every request in the batch), and the seeded rows beside it
-    draw what they draw without it; also when the rows cut by top-p or top-k."""
+    draw what they draw without it; also when the rows are cut by top-p or top-k."""
     vocab = 700
     rows = [replace(cut, seed=11), cut, replace(cut, seed=12)]
     logits = torch.randn(3, vocab)
