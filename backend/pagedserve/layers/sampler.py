@@ -65,8 +65,8 @@ class SamplingTensors:
     # (row, seed, output index) for seeded random rows
     seeded_rows: list[tuple[int, int, int]]
     max_num_logprobs: int | None  # None when no row asks for logprobs
-    # (row, token ids): only these may be sampled (allowed_token_ids); empty where no row has them
-    allowed_tokens: list[tuple[int, list[int]]] = field(default_factory=list)
+    # (row, int64 token ids on the device): only these may be sampled (allowed_token_ids); empty where none
+    allowed_tokens: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     # (row, token ids, float32 biases): added to the logits (logit_bias); empty where no row has them
     logit_biases: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 

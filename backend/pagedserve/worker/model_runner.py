@@ -61,6 +61,7 @@ class RequestState:
     num_blocks: int = 0
     token_ids: list[int] = field(default_factory=list)  # kept only when penalties or bad words need it
     prompt_ids: torch.Tensor | None = None  # the prompt on the device, once penalties have read it
+    allowed_ids: torch.Tensor | None = None  # params.allowed_token_ids on the device, made once
     bad_words: BadWords | None = None  # built on the request's first sample, where it has bad words
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (token ids, biases), on the device
     lora_index: int = -1  # its LoRA adapter's index in `ModelRunner.lora` (-1: the base model)
@@ -574,7 +575,11 @@ class ModelRunner:
                 if row.state.params.seed is not None and not row.state.params.is_greedy
             ],
             max_num_logprobs=max(logprobs) if logprobs else None,
-            allowed_tokens=[(row, allowed) for row, (_, allowed) in controls.items() if allowed],
+            allowed_tokens=[
+                (row, self._allowed_ids(rows[row].state, allowed))
+                for row, (_, allowed) in controls.items()
+                if allowed
+            ],
             logit_biases=[(i, *s.logit_bias) for i, s in enumerate(states) if s.logit_bias is not None],
         )
 
@@ -615,6 +620,15 @@ class ModelRunner:
         else:
             leaves_none = grammar_mask is not None and _allows_only(grammar_mask, banned)
         return ([] if leaves_none else banned), allowed
+
+    def _allowed_ids(self, state: RequestState, allowed: list[int]) -> torch.Tensor:
+        """`allowed` on the device: the request's allowed_token_ids made once, a grammar's share of them
+        each step (indexing the logits with a list of 1,000 ids took ~0.2 ms a row, with a tensor 14 us)."""
+        if allowed is not state.params.allowed_token_ids:
+            return torch.tensor(allowed, dtype=torch.int64, device=self.device)
+        if state.allowed_ids is None:
+            state.allowed_ids = torch.tensor(allowed, dtype=torch.int64, device=self.device)
+        return state.allowed_ids
 
     def _padded_prompts(self, states: list[RequestState]) -> torch.Tensor:
         """The rows' prompts padded as `_padded`, from each request's own tensor of them: padding lists of
