@@ -10,11 +10,11 @@ sums, then the tokens of one block, both in float64, so that a small token keeps
 sum near 1), which samples from probs exactly. The exponential trick (argmax(probs / q), q ~ Exp(1) a
 token) samples the same distribution but draws a vocabulary of noise a row: ~0.7 ms a row of 49,152
 tokens on CPU, 45 ms for 64 rows, longer than the decode step itself, against ~0.6 ms for the 64 rows
-by inversion. A row cut by top-k or top-p draws from its most likely tokens alone, in their order,
-found by `topk`: sorting each row's vocabulary, as vLLM's and transformers' definitions are written,
-took 100 ms for 64 rows of 49,152 tokens, three times the decode step. A seeded request's uniform
-comes from its own generator seeded by (seed, output index), so its tokens do not depend on what else
-is in the batch, nor on preemption.
+by inversion. A row cut by top-k, top-p or min-p draws from its most likely tokens alone, in their
+order, found by `topk`: sorting each row's vocabulary, as vLLM's and transformers' definitions are
+written, took 100 ms for 64 rows of 49,152 tokens, three times the decode step. A seeded request's
+uniform comes from its own generator seeded by (seed, output index), so its tokens do not depend on
+what else is in the batch, nor on preemption.
 
 Structured outputs: the model runner applies a grammar's token bitmask (`apply_token_bitmask`) to the
 logits before the sampler, so greedy and random rows, penalties and logprobs all see masked logits
@@ -41,7 +41,7 @@ _MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = 1e-6, 1e6
 _SEED_STRIDE = 1_000_003  # mixes the output index into a request's seed
 _SEED_MODULUS = 2**64  # torch takes 64-bit seeds: any integer seed folds into them
 _INVERSION_BLOCK = 256  # tokens a block of a random row's two-level inversion (`_draw`)
-# How many of a row's most likely tokens `_draw_from_top` looks among for its top-k/top-p cut, before all
+# How many of a row's most likely tokens `_draw_from_top` looks among for its cut, before all of them
 _TOP_WIDTHS = (64, 1024, 8192)
 _RANK_WIDTH = 8  # the most likely tokens a sampled token's rank is first counted among (`_gather_logprobs`)
 
