@@ -34,10 +34,12 @@
 #include "paged_checks.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <thread>
 #include <utility>
@@ -266,16 +268,89 @@ struct TeamStep {
 
 BF16* bf16(const at::Tensor& t) { return t.data_ptr<BF16>(); }
 
+// The output panels of one multiply that one thread has yet to take, [front, back) in one word. The
+// thread takes them from the front, in order (prefetching the next as it goes); a thread done with
+// its own takes another's from the back. A thread that the OS takes off its core in the middle of a
+// multiply (the server's event loop, the load generator, any other process on a busy machine) then
+// holds up the others by the panel it is in, not by the rest of its share: with a process taking a
+// sixth of a core in 50 us bursts, a chat round ran 1.05x as fast as with fixed halves; without, as
+// fast (bench/README.md, "Offline throughput").
+struct alignas(64) PanelRange {
+  std::atomic<uint64_t> bounds{0};
+};
+
+uint64_t panel_range(uint64_t front, uint64_t back) { return front | (back << 32); }
+
+// The front panel of `range` into `panel` (false: none left); `more`: panels are left behind it.
+bool take_front(PanelRange& range, int64_t& panel, bool& more) {
+  uint64_t bounds = range.bounds.load(std::memory_order_relaxed);
+  for (;;) {
+    const uint64_t front = bounds & 0xffffffffu, back = bounds >> 32;
+    if (front >= back) return false;
+    if (range.bounds.compare_exchange_weak(bounds, panel_range(front + 1, back), std::memory_order_relaxed)) {
+      panel = static_cast<int64_t>(front);
+      more = front + 1 < back;
+      return true;
+    }
+  }
+}
+
+// The back panel of `range` into `panel` (false: none left).
+bool take_back(PanelRange& range, int64_t& panel) {
+  uint64_t bounds = range.bounds.load(std::memory_order_relaxed);
+  for (;;) {
+    const uint64_t front = bounds & 0xffffffffu, back = bounds >> 32;
+    if (front >= back) return false;
+    if (range.bounds.compare_exchange_weak(bounds, panel_range(front, back - 1), std::memory_order_relaxed)) {
+      panel = static_cast<int64_t>(back - 1);
+      return true;
+    }
+  }
+}
+
+// A layer's multiplies, in the order run_team_thread makes them: their output widths.
+constexpr int64_t kMultipliesPerLayer = 4;
+std::array<int64_t, kMultipliesPerLayer> multiply_widths(const TeamStep& s) {
+  return {s.n_qkv, s.hidden, 2 * s.inter, s.hidden};  // qkv, o, gate_up, down
+}
+
+// Every thread's share of every multiply of the step: `threads` ranges a multiply, each thread's
+// panels as at::parallel_for would split them.
+std::unique_ptr<PanelRange[]> panel_ranges(const TeamStep& s, int64_t threads) {
+  std::unique_ptr<PanelRange[]> ranges(new PanelRange[s.layers * kMultipliesPerLayer * threads]);
+  const auto widths = multiply_widths(s);
+  for (int64_t m = 0; m < s.layers * kMultipliesPerLayer; ++m) {
+    for (int64_t t = 0; t < threads; ++t) {
+      const auto [panel0, panel1] = share(widths[m % kMultipliesPerLayer] / 32, t, threads);
+      ranges[m * threads + t].bounds.store(panel_range(panel0, panel1), std::memory_order_relaxed);
+    }
+  }
+  return ranges;
+}
+
 // One thread's part of the step, `thread` of `threads`, meeting the others at `barrier` wherever the
-// next part reads what another thread wrote: norms, SiLU, rotary and the KV writes by rows, the
-// multiplies by panels of output columns, attention by rows of about equal work (`bounds`).
-void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<int64_t>& bounds, int64_t thread,
-                     int64_t threads) {
+// next part reads what another thread wrote: norms, SiLU, rotary and the KV writes by rows, attention
+// by rows of about equal work (`bounds`), the multiplies by panels of output columns from `ranges`
+// (panel_ranges), its own first and then any another thread has not taken yet.
+void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<int64_t>& bounds,
+                     PanelRange* ranges, int64_t thread, int64_t threads) {
   const auto [row0, row1] = share(s.tokens, thread, threads);
+  PanelRange* next_ranges = ranges;  // the next multiply's
   const auto multiply = [&](const BF16* x, int64_t k, const at::Tensor& packed, const BF16* bias, BF16* out,
                             int64_t n) {
-    const auto [panel0, panel1] = share(n / 32, thread, threads);
-    pagedserve::linear_avx512_panels(x, k, bf16(packed), bias, out, s.tokens, n, k, panel0, panel1);
+    PanelRange* shares = next_ranges;
+    TORCH_INTERNAL_ASSERT_DEBUG_ONLY(n == multiply_widths(s)[(shares - ranges) / threads % kMultipliesPerLayer]);
+    next_ranges += threads;
+    int64_t panel;
+    bool more;
+    while (take_front(shares[thread], panel, more)) {
+      pagedserve::linear_avx512_panel(x, k, bf16(packed), bias, out, s.tokens, n, k, panel, more);
+    }
+    for (int64_t other = 1; other < threads; ++other) {
+      while (take_back(shares[(thread + other) % threads], panel)) {
+        pagedserve::linear_avx512_panel(x, k, bf16(packed), bias, out, s.tokens, n, k, panel, false);
+      }
+    }
   };
   const int64_t slot_size = s.num_kv_heads * s.head_dim;
   BF16 *residual = bf16(s.residual), *normed = bf16(s.normed), *qkv_out = bf16(s.qkv_out), *qk = bf16(s.qk);
@@ -327,14 +402,17 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
 void decode_layers_team(const TeamStep& s) {
   SpinBarrier barrier;
   std::vector<int64_t> bounds;
+  std::unique_ptr<PanelRange[]> ranges;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
 #pragma omp single
     {  // the team OpenMP gives, which may be smaller than asked for
-      barrier.set_threads(omp_get_num_threads());
-      bounds = pagedserve::decode_row_split(s.lens.data_ptr<int32_t>(), s.tokens, omp_get_num_threads());
-    }  // (every thread waits here, then sees both)
-    run_team_thread(s, barrier, bounds, omp_get_thread_num(), omp_get_num_threads());
+      const int threads = omp_get_num_threads();
+      barrier.set_threads(threads);
+      bounds = pagedserve::decode_row_split(s.lens.data_ptr<int32_t>(), s.tokens, threads);
+      ranges = panel_ranges(s, threads);
+    }  // (every thread waits here, then sees them)
+    run_team_thread(s, barrier, bounds, ranges.get(), omp_get_thread_num(), omp_get_num_threads());
   }
 }
 

@@ -1,7 +1,7 @@
 // The parts of the C++ decode kernels that decode_layers.cpp runs on its own threads: a linear
-// layer's panels (linear_avx512.cpp) and decode attention's rows (cpu_kernels.cpp), each over a
-// range the caller picks, with no parallel region of their own. The ops built on them
-// (linear_avx512, paged_attention_decode) split the same ranges over at::parallel_for.
+// layer's panels, one at a time (linear_avx512.cpp), and decode attention's rows over a range the
+// caller picks (cpu_kernels.cpp), with no parallel region of their own. The ops built on them
+// (linear_avx512, paged_attention_decode) split the same work over at::parallel_for.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -11,12 +11,13 @@
 
 namespace pagedserve {
 
-// out [rows, n] (row stride n) = x [rows, k] (row stride ld_x) @ W^T (+ bias), for the output panels
-// [panel_begin, panel_end) of W packed by pack_linear_weight_avx512 (32 columns a panel). Needs a
-// build with AVX512-BF16; the caller has checked the shapes.
-void linear_avx512_panels(const c10::BFloat16* x, int64_t ld_x, const c10::BFloat16* packed,
-                          const c10::BFloat16* bias, c10::BFloat16* out, int64_t rows, int64_t n, int64_t k,
-                          int64_t panel_begin, int64_t panel_end);
+// out [rows, n] (row stride n) = x [rows, k] (row stride ld_x) @ W^T (+ bias), for the output panel
+// `panel` of W packed by pack_linear_weight_avx512 (32 columns a panel); `prefetch_next`: the next
+// panel's weights are fetched meanwhile (the caller multiplies it next). Needs a build with
+// AVX512-BF16; the caller has checked the shapes.
+void linear_avx512_panel(const c10::BFloat16* x, int64_t ld_x, const c10::BFloat16* packed,
+                         const c10::BFloat16* bias, c10::BFloat16* out, int64_t rows, int64_t n, int64_t k,
+                         int64_t panel, bool prefetch_next);
 
 // The first row of each of `parts` runs of rows of about equal work (a row costs its context plus a
 // few tokens' worth of its own), then `num_rows`: parts + 1 bounds. As paged_attention_decode splits

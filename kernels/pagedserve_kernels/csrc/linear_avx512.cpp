@@ -326,10 +326,10 @@ at::Tensor linear_argmax_avx512(const at::Tensor& x, const at::Tensor& packed, c
 }  // namespace
 
 #ifdef PAGEDSERVE_AVX512_BF16
-void pagedserve::linear_avx512_panels(const c10::BFloat16* x, int64_t ld_x, const c10::BFloat16* packed,
-                                      const c10::BFloat16* bias, c10::BFloat16* out, int64_t rows, int64_t n,
-                                      int64_t k, int64_t panel_begin, int64_t panel_end) {
-  if (rows > 0) multiply_panels(LinearArgs{x, ld_x, packed, bias, out, rows, n, k / 2}, panel_begin, panel_end);
+void pagedserve::linear_avx512_panel(const c10::BFloat16* x, int64_t ld_x, const c10::BFloat16* packed,
+                                     const c10::BFloat16* bias, c10::BFloat16* out, int64_t rows, int64_t n,
+                                     int64_t k, int64_t panel, bool prefetch_next) {
+  if (rows > 0) multiply_panel(LinearArgs{x, ld_x, packed, bias, out, rows, n, k / 2}, panel, !prefetch_next);
 }
 #endif
 
