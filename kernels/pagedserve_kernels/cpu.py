@@ -128,6 +128,13 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return torch.ops.pagedserve_cpu.argmax_rows(logits)
 
 
+def invert_rows(probs: torch.Tensor, uniforms: torch.Tensor, block: int) -> torch.Tensor:
+    """Each row of `probs` (float32 [rows, n]) drawn by inversion at its uniform (float64 [rows]): the
+    first token whose cumulative probability reaches (1 - u) * total, summed in float64 in blocks of
+    `block` tokens, as the sampler's `_draw` draws (needs `load()`)."""
+    return torch.ops.pagedserve_cpu.invert_rows(probs, uniforms, block)
+
+
 @functools.cache
 def decode_layers_supported() -> bool:
     """Whether `decode_layers` runs here: a build for a CPU with AVX512-BF16 (needs `load()`)."""

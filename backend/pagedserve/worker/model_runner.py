@@ -217,13 +217,15 @@ class ModelRunner:
         # requests owing prompt logprobs -> their prompts; empty (no per-step work) when none asks
         self.prompt_token_ids: dict[str, list[int]] = {}
         self.pooling_request_ids: set[str] = set()  # embedding requests: empty (no work) when none
-        self.sampler = Sampler(config.seed, self.device, self._argmax_kernel())
-
-    def _argmax_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """Greedy sampling's argmax in the C++ CPU kernels, where they build (else torch's)."""
-        if self.device.type == "cpu" and cpu_kernels.load():
-            return cpu_kernels.argmax_rows
-        return None
+        on_cpu_kernels = self.device.type == "cpu" and cpu_kernels.load()
+        self.sampler = Sampler(
+            config.seed,
+            self.device,
+            # greedy sampling's argmax and random rows' inversion in the C++ CPU kernels, where they
+            # build (else torch's)
+            cpu_kernels.argmax_rows if on_cpu_kernels else None,
+            cpu_kernels.invert_rows if on_cpu_kernels else None,
+        )
 
     def _load_model(self) -> LlamaForCausalLM:
         cfg = self.config.model
