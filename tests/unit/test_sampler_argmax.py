@@ -11,6 +11,7 @@ import pytest
 import torch
 from pagedserve.layers.sampler import Sampler, SamplingTensors
 from pagedserve_kernels import cpu
+from sampling_tensors import sampling_tensors
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler to build the kernels"
@@ -36,22 +37,7 @@ class CountingArgmax:
 
 
 def tensors(**changes: object) -> SamplingTensors:
-    fields: dict[str, object] = dict(
-        temperatures=torch.zeros(ROWS),
-        top_ks=None,
-        top_ps=None,
-        min_ps=None,
-        repetition_penalties=None,
-        presence_penalties=None,
-        frequency_penalties=None,
-        prompt_token_ids=None,
-        output_token_ids=None,
-        banned_tokens=[],
-        seeded_rows=[],
-        max_num_logprobs=None,
-    )
-    fields.update(changes)
-    return SamplingTensors(**fields)  # type: ignore[arg-type]
+    return sampling_tensors(ROWS, 0.0, **changes)
 
 
 def penalties() -> SamplingTensors:

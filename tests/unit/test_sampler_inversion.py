@@ -10,8 +10,9 @@ import shutil
 import pytest
 import torch
 from pagedserve.layers import sampler as sampler_module
-from pagedserve.layers.sampler import Sampler, SamplingTensors
+from pagedserve.layers.sampler import Sampler
 from pagedserve_kernels import cpu
+from sampling_tensors import sampling_tensors
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler to build the kernels"
@@ -126,25 +127,6 @@ class CountingInversion:
         return cpu.invert_rows(probs, uniforms, block)
 
 
-def tensors(rows: int, **changes: object) -> SamplingTensors:
-    fields: dict[str, object] = dict(
-        temperatures=torch.full((rows,), 0.8),
-        top_ks=None,
-        top_ps=None,
-        min_ps=None,
-        repetition_penalties=None,
-        presence_penalties=None,
-        frequency_penalties=None,
-        prompt_token_ids=None,
-        output_token_ids=None,
-        banned_tokens=[],
-        seeded_rows=[],
-        max_num_logprobs=None,
-    )
-    fields.update(changes)
-    return SamplingTensors(**fields)  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize(
     "changes",
     [
@@ -160,7 +142,9 @@ def test_the_sampler_draws_the_same_tokens_through_the_kernel(changes: dict[str,
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3)) * 4
     inversion = CountingInversion()
     for seed in range(5):
-        with_kernel = Sampler(seed, invert_rows=inversion)(logits.clone(), tensors(rows, **changes))
-        without = Sampler(seed)(logits.clone(), tensors(rows, **changes))
+        with_kernel = Sampler(seed, invert_rows=inversion)(
+            logits.clone(), sampling_tensors(rows, 0.8, **changes)
+        )
+        without = Sampler(seed)(logits.clone(), sampling_tensors(rows, 0.8, **changes))
         assert torch.equal(with_kernel.token_ids, without.token_ids)
     assert inversion.calls == 5

@@ -146,7 +146,7 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         uniforms = self._uniforms(rows, t, probs.device)
         if t.top_ks is None and t.top_ps is None and t.min_ps is None:
-            return self._draw(probs, uniforms)
+            return self._draw_rows(probs, uniforms)
         no_cut = torch.full((rows,), vocab, dtype=torch.int64, device=probs.device)
         top_ks = t.top_ks.clamp(1, vocab) if t.top_ks is not None else no_cut
         top_ps = t.top_ps if t.top_ps is not None else torch.ones(rows, device=probs.device)
@@ -155,9 +155,10 @@ class Sampler:
         token_ids = _draw_from_top(probs, top_ks, top_ps, min_ps, uniforms, cut)
         if bool(cut.all()):  # one read back from the device
             return token_ids
-        return torch.where(cut, token_ids, self._draw(probs, uniforms))
+        return torch.where(cut, token_ids, self._draw_rows(probs, uniforms))
 
-    def _draw(self, probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    def _draw_rows(self, probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        """`_draw`, in the kernel where the sampler has one."""
         if self.invert_rows is not None:
             return self.invert_rows(probs, uniforms, _INVERSION_BLOCK)
         return _draw(probs, uniforms)
