@@ -281,28 +281,17 @@ struct alignas(64) PanelRange {
 
 uint64_t panel_range(uint64_t front, uint64_t back) { return front | (back << 32); }
 
-// The front panel of `range` into `panel` (false: none left); `more`: panels are left behind it.
-bool take_front(PanelRange& range, int64_t& panel, bool& more) {
+// Take the front panel of `range` into `panel`, or (`from_back`) its back one: false when none is
+// left. `more`: panels are left beside the one taken.
+bool take_panel(PanelRange& range, bool from_back, int64_t& panel, bool& more) {
   uint64_t bounds = range.bounds.load(std::memory_order_relaxed);
   for (;;) {
     const uint64_t front = bounds & 0xffffffffu, back = bounds >> 32;
     if (front >= back) return false;
-    if (range.bounds.compare_exchange_weak(bounds, panel_range(front + 1, back), std::memory_order_relaxed)) {
-      panel = static_cast<int64_t>(front);
+    const uint64_t left = from_back ? panel_range(front, back - 1) : panel_range(front + 1, back);
+    if (range.bounds.compare_exchange_weak(bounds, left, std::memory_order_relaxed)) {
+      panel = static_cast<int64_t>(from_back ? back - 1 : front);
       more = front + 1 < back;
-      return true;
-    }
-  }
-}
-
-// The back panel of `range` into `panel` (false: none left).
-bool take_back(PanelRange& range, int64_t& panel) {
-  uint64_t bounds = range.bounds.load(std::memory_order_relaxed);
-  for (;;) {
-    const uint64_t front = bounds & 0xffffffffu, back = bounds >> 32;
-    if (front >= back) return false;
-    if (range.bounds.compare_exchange_weak(bounds, panel_range(front, back - 1), std::memory_order_relaxed)) {
-      panel = static_cast<int64_t>(back - 1);
       return true;
     }
   }
@@ -343,11 +332,11 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
     next_ranges += threads;
     int64_t panel;
     bool more;
-    while (take_front(shares[thread], panel, more)) {
+    while (take_panel(shares[thread], false, panel, more)) {
       pagedserve::linear_avx512_panel(x, k, bf16(packed), bias, out, s.tokens, n, k, panel, more);
     }
     for (int64_t other = 1; other < threads; ++other) {
-      while (take_back(shares[(thread + other) % threads], panel)) {
+      while (take_panel(shares[(thread + other) % threads], true, panel, more)) {
         pagedserve::linear_avx512_panel(x, k, bf16(packed), bias, out, s.tokens, n, k, panel, false);
       }
     }
