@@ -135,6 +135,17 @@ def invert_rows(probs: torch.Tensor, uniforms: torch.Tensor, block: int) -> torc
     return torch.ops.pagedserve_cpu.invert_rows(probs, uniforms, block)
 
 
+def sample_rows(
+    logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor, block: int
+) -> torch.Tensor:
+    """Each row of `logits` ([rows, n], float32, bfloat16 or float16) sampled at its temperature
+    (float32 [rows]; 0 or below: the argmax, as `argmax_rows`) and uniform (float64 [rows]): the token
+    `invert_rows` draws from softmax(logits / temperature), up to float32 rounding, the weights
+    exp((x - max) / T) made and summed in one pass (in float64, in blocks of `block`), never written
+    (needs `load()`)."""
+    return torch.ops.pagedserve_cpu.sample_rows(logits, temperatures, uniforms, block)
+
+
 @functools.cache
 def decode_layers_supported() -> bool:
     """Whether `decode_layers` runs here: a build for a CPU with AVX512-BF16 (needs `load()`)."""

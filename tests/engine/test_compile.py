@@ -301,15 +301,20 @@ def test_decode_layers_only_where_it_applies(tiny_llama_dir: str) -> None:
         assert llm.engine.executor.worker.model_runner.fused_decode is None
 
 
-def test_greedy_sampling_takes_the_cpp_argmax_on_cpu(tiny_llama_dir: str) -> None:
+def test_sampling_takes_the_cpp_kernels_on_cpu(tiny_llama_dir: str) -> None:
     """Where the C++ CPU kernels build, the engine's sampler reads the argmax of all-greedy batches
-    from them (tests/kernels/test_cpu_argmax.py: the same index as torch's max); greedy parity with
+    from them (tests/kernels/test_cpu_argmax.py: the same index as torch's max), draws the random rows
+    of batches that only draw straight from the logits (tests/unit/test_sampler_draw_kernel.py) and
+    the others' by the kernel's inversion (tests/unit/test_sampler_inversion.py); greedy parity with
     Hugging Face through this path is in test_hf_parity.py."""
     from pagedserve_kernels import cpu
 
     llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=16, enforce_eager=True)
     assert cpu.load()
-    assert llm.engine.executor.worker.model_runner.sampler.argmax_rows is cpu.argmax_rows
+    sampler = llm.engine.executor.worker.model_runner.sampler
+    assert sampler.argmax_rows is cpu.argmax_rows
+    assert sampler.invert_rows is cpu.invert_rows
+    assert sampler.sample_rows is cpu.sample_rows
 
 
 def test_without_a_cpp_compiler_the_engine_runs_eagerly(tiny_llama_dir: str, tmp_path: Path) -> None:

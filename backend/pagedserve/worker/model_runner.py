@@ -221,10 +221,11 @@ class ModelRunner:
         self.sampler = Sampler(
             config.seed,
             self.device,
-            # greedy sampling's argmax and random rows' inversion in the C++ CPU kernels, where they
-            # build (else torch's)
+            # greedy sampling's argmax, random rows' inversion and draws straight from the logits in
+            # the C++ CPU kernels, where they build (else torch's)
             cpu_kernels.argmax_rows if on_cpu_kernels else None,
             cpu_kernels.invert_rows if on_cpu_kernels else None,
+            cpu_kernels.sample_rows if on_cpu_kernels else None,
         )
 
     def _load_model(self) -> LlamaForCausalLM:

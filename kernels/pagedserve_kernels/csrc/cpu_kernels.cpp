@@ -105,7 +105,7 @@ inline void scale_by(float alpha, float* y, int64_t dim) {
 
 // exp(x) for x <= 0 (scores minus their running max), written so that a loop of it vectorizes:
 // 2^n * p(r) with n = round(x / ln 2) and r = x - n ln 2 in [-ln2/2, ln2/2], p a degree-6 Taylor
-// polynomial (relative error below 2e-7, about one float32 ulp). Below -87 it returns 0.
+// polynomial (relative error below 2e-7, about one float32 ulp). Below -87 it returns exp(-87), ~1.6e-38.
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);
   const float n = std::nearbyint(x * 1.44269504088896341f);
@@ -124,6 +124,25 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&out, &bits, sizeof out);
   return out;
 }
+
+#ifdef PAGEDSERVE_AVX512
+// exp_nonpositive on 16 lanes
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);  // times 2^n
+}
+#endif
 
 // What both decode kernels read: sizes, data pointers and strides of one call's tensors (checked by
 // paged_attention_decode), and the slot arithmetic of the paged layout.
@@ -275,23 +294,6 @@ inline __m512 reduce16(const __m512* v) {
   const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));
   const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
   return _mm512_permutexvar_ps(order, f);
-}
-
-// exp_nonpositive on 16 lanes
-inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);  // times 2^n
 }
 
 constexpr int64_t kTile = 256;  // tokens a tile, a multiple of kChunk
@@ -1019,6 +1021,143 @@ at::Tensor invert_rows(const at::Tensor& probs, const at::Tensor& uniforms, int6
   return out;
 }
 
+// sample_rows: random rows drawn straight from the logits, as the sampler's torch path draws them
+// (temperature, softmax, `_draw`) up to rounding: a row's weights are exp((x - max) / T) in float32,
+// never normalized (inversion places (1 - u) * total among them, whatever their scale), summed in
+// float64 in blocks, and the first token whose cumulative weight reaches the target is drawn. One pass
+// finds the row's maximum, one sums the blocks' weights, and the block the target falls in is weighed
+// again: no float32 copy of the logits, no tempered copy, no probabilities written. The weights are
+// exp_nonpositive's, which stops at exp(-87) (~1.6e-38): below that, -inf among them (a grammar's
+// mask), a weight is 0, never drawn.
+
+constexpr float kLeastExponent = -87.0f;
+
+#ifdef PAGEDSERVE_AVX512
+// The weights of the `left` values from x on, at most 16 (the lanes past them read nothing and weigh 0).
+template <typename scalar_t>
+inline __m512 weights16(const scalar_t* x, int64_t left, __m512 max, __m512 inv_t) {
+  const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+  const __m512 z = _mm512_mul_ps(_mm512_sub_ps(load16(x, m), max), inv_t);
+  const __mmask16 above = _mm512_cmp_ps_mask(z, _mm512_set1_ps(kLeastExponent), _CMP_GE_OQ);
+  return _mm512_maskz_mov_ps(m & above, exp_nonpositive16(z));
+}
+
+// Adds w's 16 lanes, widened to float64, to two accumulators of 8.
+inline void add_as_doubles(__m512 w, __m512d& lo, __m512d& hi) {
+  lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(w)));
+  hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1))));
+}
+#endif
+
+// One row's weights [begin, end) written to `w` (float32), as the vector pass computes them.
+template <typename scalar_t>
+void row_weights(const scalar_t* x, int64_t begin, int64_t end, float max, float inv_t, float* w) {
+#ifdef PAGEDSERVE_AVX512
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+    const __m512 vmax = _mm512_set1_ps(max), vinv = _mm512_set1_ps(inv_t);
+    for (int64_t i = begin; i < end; i += 16) {
+      const int64_t left = end - i;
+      const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+      _mm512_mask_storeu_ps(w + (i - begin), m, weights16(x + i, left, vmax, vinv));
+    }
+    return;
+  }
+#endif
+  for (int64_t i = begin; i < end; ++i) {
+    const float z = (static_cast<float>(x[i]) - max) * inv_t;
+    w[i - begin] = z < kLeastExponent ? 0.0f : exp_nonpositive(z);
+  }
+}
+
+// The float64 sum of the row's weights [begin, end).
+template <typename scalar_t>
+double weight_sum(const scalar_t* x, int64_t begin, int64_t end, float max, float inv_t, float* scratch) {
+#ifdef PAGEDSERVE_AVX512
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+    const __m512 vmax = _mm512_set1_ps(max), vinv = _mm512_set1_ps(inv_t);
+    __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+    for (int64_t i = begin; i < end; i += 16) add_as_doubles(weights16(x + i, end - i, vmax, vinv), lo, hi);
+    return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+  }
+#endif
+  row_weights(x, begin, end, max, inv_t, scratch);
+  double sum = 0.0;
+  for (int64_t i = 0; i < end - begin; ++i) sum += static_cast<double>(scratch[i]);
+  return sum;
+}
+
+// One row's token: its argmax at temperature <= 0 (or one so small that 1 / T is inf), else its draw
+// at uniform u (see above). A row with a NaN or +inf logit draws its last token (the torch path's
+// softmax of it is a row of NaN, whose draw is some token too). `cdf`: room for the row's block sums;
+// `scratch`: for one block's weights.
+template <typename scalar_t>
+int64_t sample_row(const scalar_t* x, int64_t n, float temperature, int64_t block, double u, double* cdf,
+                   float* scratch) {
+  const float inv_t = 1.0f / temperature;
+  if (!(temperature > 0.0f) || std::isinf(inv_t)) return argmax_row(x, n);  // T -> 0: the argmax
+  const float max = static_cast<float>(x[argmax_row(x, n)]);
+  if (!std::isfinite(max)) return n - 1;
+  const int64_t blocks = (n + block - 1) / block;
+  double running = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    running += weight_sum(x, b * block, std::min(n, (b + 1) * block), max, inv_t, scratch);
+    cdf[b] = running;
+  }
+  const double target = (1.0 - u) * cdf[blocks - 1];  // in (0, total]: the maximum's weight is 1
+  int64_t b = 0;  // the first block whose cumulative sum reaches the target
+  while (b < blocks - 1 && !(cdf[b] >= target)) ++b;
+  const double before = b > 0 ? cdf[b - 1] : 0.0;  // below the target
+  const int64_t begin = b * block, len = std::min(block, n - begin);
+  row_weights(x, begin, begin + len, max, inv_t, scratch);
+  double inner_total = 0.0;
+  for (int64_t i = 0; i < len; ++i) inner_total += static_cast<double>(scratch[i]);
+  const double residual = std::min(target - before, inner_total);  // the two sums' orders differ
+  double running_inner = 0.0;
+  for (int64_t i = 0; i < len; ++i) {
+    running_inner += static_cast<double>(scratch[i]);
+    if (running_inner >= residual) return begin + i;
+  }
+  return begin + len - 1;  // unreachable: the last token's running sum is the inner total
+}
+
+// [rows, n] logits (float32, bfloat16 or float16), float32 temperatures [rows] (<= 0: greedy) and
+// float64 uniforms [rows] in [0, 1) -> int64 tokens [rows]; `block`: tokens a block of the inversion.
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures, const at::Tensor& uniforms,
+                       int64_t block) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "sample_rows: logits [rows, n] with n > 0, got ",
+              logits.sizes());
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(temperatures.dim() == 1 && temperatures.size(0) == rows && temperatures.scalar_type() == at::kFloat,
+              "sample_rows: temperatures must be float32 [rows], got ", temperatures.scalar_type(), " ",
+              temperatures.sizes());
+  TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) == rows && uniforms.scalar_type() == at::kDouble,
+              "sample_rows: uniforms must be float64 [rows], got ", uniforms.scalar_type(), " ", uniforms.sizes());
+  TORCH_CHECK(block > 0, "sample_rows: block must be positive, got ", block);
+  const auto x = logits.stride(1) == 1 ? logits : logits.contiguous();
+  const auto temps = temperatures.contiguous();
+  const auto u = uniforms.contiguous();
+  const int64_t stride = x.stride(0);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* ts = temps.data_ptr<float>();
+  const double* us = u.data_ptr<double>();
+  int64_t* index = out.data_ptr<int64_t>();
+  const auto run = [&](auto* base) {
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<double> cdf((n + block - 1) / block);
+      std::vector<float> scratch(std::min(block, n));
+      for (int64_t r = begin; r < end; ++r)
+        index[r] = sample_row(base + r * stride, n, ts[r], block, us[r], cdf.data(), scratch.data());
+    });
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run(x.data_ptr<float>()); break;
+    case at::kBFloat16: run(x.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: run(x.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "sample_rows: float32, bfloat16 or float16 logits, not ", x.scalar_type());
+  }
+  return out;
+}
+
 // Which decode path bfloat16 takes on this build: the AVX512-BF16 one or the generic loops.
 std::string decode_isa() {
 #ifdef PAGEDSERVE_AVX512_BF16
@@ -1061,6 +1200,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("decode_isa() -> str", &decode_isa);
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("invert_rows(Tensor probs, Tensor uniforms, int block) -> Tensor");
+  m.def("sample_rows(Tensor logits, Tensor temperatures, Tensor uniforms, int block) -> Tensor");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
@@ -1074,4 +1214,5 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("write_kv_cache", &write_kv_cache);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("invert_rows", &invert_rows);
+  m.impl("sample_rows", &sample_rows);
 }
