@@ -75,34 +75,29 @@ class SamplingTensors:
         return bool((self.temperatures < _GREEDY_EPS).all())
 
     @property
-    def only_argmax(self) -> bool:
-        """Every row greedy, and nothing to change in the logits or read from them but the argmax (the
-        tensors' side of `SamplingParams.only_argmax`, which the model runner reads before building them)."""
+    def logits_as_given(self) -> bool:
+        """No row changes its logits (penalties, bans, allowed tokens, biases; a grammar's mask comes
+        before the sampler) or asks for logprobs."""
         return (
             self.max_num_logprobs is None
             and self.repetition_penalties is None
             and not self.banned_tokens
             and not self.allowed_tokens
             and not self.logit_biases
-            and self.all_greedy
         )
 
     @property
+    def only_argmax(self) -> bool:
+        """Every row greedy, and nothing to change in the logits or read from them but the argmax (the
+        tensors' side of `SamplingParams.only_argmax`, which the model runner reads before building them)."""
+        return self.logits_as_given and self.all_greedy
+
+    @property
     def only_draws(self) -> bool:
-        """Some row random, and none that cuts its distribution (top-k, top-p, min-p), changes its
-        logits (penalties, bans, allowed tokens, biases; a grammar's mask comes before the sampler) or
-        asks for logprobs: each row takes its argmax or a draw from softmax(logits / temperature)."""
-        return (
-            self.max_num_logprobs is None
-            and self.repetition_penalties is None
-            and not self.banned_tokens
-            and not self.allowed_tokens
-            and not self.logit_biases
-            and self.top_ks is None
-            and self.top_ps is None
-            and self.min_ps is None
-            and not self.all_greedy
-        )
+        """Some row random, none cut (top-k, top-p, min-p), and the logits as given: each row takes its
+        argmax or a draw from softmax(logits / temperature)."""
+        no_cut = self.top_ks is None and self.top_ps is None and self.min_ps is None
+        return self.logits_as_given and no_cut and not self.all_greedy
 
 
 @dataclass

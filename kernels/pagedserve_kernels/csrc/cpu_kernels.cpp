@@ -944,6 +944,18 @@ int64_t argmax_row(const scalar_t* x, int64_t n) {
   return argmax_scalar(x, n);
 }
 
+// run(base) with the data of `logits` in its own type: float32, bfloat16 or float16 (`kernel` names
+// the op that refuses any other).
+template <typename Run>
+void with_logits(const at::Tensor& logits, const char* kernel, const Run& run) {
+  switch (logits.scalar_type()) {
+    case at::kFloat: return run(logits.data_ptr<float>());
+    case at::kBFloat16: return run(logits.data_ptr<c10::BFloat16>());
+    case at::kHalf: return run(logits.data_ptr<c10::Half>());
+    default: TORCH_CHECK(false, kernel, ": float32, bfloat16 or float16 logits, not ", logits.scalar_type());
+  }
+}
+
 // [rows, n] -> [rows] int64: each row's first maximum, as max(dim=-1).indices.
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax_rows: logits [rows, n] with n > 0");
@@ -951,18 +963,37 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
   auto out = at::empty({rows}, x.options().dtype(at::kLong));
   int64_t* index = out.data_ptr<int64_t>();
-  const auto run = [&](auto* base) {
+  with_logits(x, "argmax_rows", [&](auto* base) {
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) index[r] = argmax_row(base + r * stride, n);
     });
-  };
-  switch (x.scalar_type()) {
-    case at::kFloat: run(x.data_ptr<float>()); break;
-    case at::kBFloat16: run(x.data_ptr<c10::BFloat16>()); break;
-    case at::kHalf: run(x.data_ptr<c10::Half>()); break;
-    default: TORCH_CHECK(false, "argmax_rows: float32, bfloat16 or float16 logits, not ", x.scalar_type());
-  }
+  });
   return out;
+}
+
+// Inversion's first level: the first of `blocks` blocks whose cumulative sum (`cdf`, float64) reaches
+// the target (1 - u) * total, and in `left` how much of the target lies in it.
+int64_t target_block(const double* cdf, int64_t blocks, double u, double& left) {
+  const double target = (1.0 - u) * cdf[blocks - 1];  // in (0, total]
+  int64_t b = 0;
+  while (b < blocks - 1 && !(cdf[b] >= target)) ++b;
+  left = target - (b > 0 ? cdf[b - 1] : 0.0);  // cdf[b - 1] is below the target
+  return b;
+}
+
+// Inversion's second level: the first of a block's `len` weights whose running sum in float64 reaches
+// `left` (capped at the block's own sum: the block sums' order differs from this one). Its last weight
+// where none does (a row of NaN: some token of the vocabulary).
+int64_t token_within(const float* q, int64_t len, double left) {
+  double total = 0.0;
+  for (int64_t i = 0; i < len; ++i) total += static_cast<double>(q[i]);
+  const double residual = std::min(left, total);
+  double running = 0.0;
+  for (int64_t i = 0; i < len; ++i) {
+    running += static_cast<double>(q[i]);
+    if (running >= residual) return i;
+  }
+  return len - 1;
 }
 
 // One row's draw by inversion, as the sampler's `_draw` makes it: the first token whose cumulative
@@ -980,21 +1011,9 @@ int64_t invert_row(const float* p, int64_t n, int64_t block, double u, double* c
     running += sum;
     cdf[b] = running;
   }
-  const double target = (1.0 - u) * cdf[blocks - 1];  // in (0, total]
-  int64_t b = 0;  // the first block whose cumulative sum reaches the target
-  while (b < blocks - 1 && !(cdf[b] >= target)) ++b;
-  const double before = b > 0 ? cdf[b - 1] : 0.0;  // below the target
-  const float* q = p + b * block;
-  const int64_t len = std::min(block, n - b * block);
-  double inner_total = 0.0;
-  for (int64_t i = 0; i < len; ++i) inner_total += static_cast<double>(q[i]);
-  const double residual = std::min(target - before, inner_total);  // the two sums' orders differ
-  double running_inner = 0.0;
-  for (int64_t i = 0; i < len; ++i) {
-    running_inner += static_cast<double>(q[i]);
-    if (running_inner >= residual) return b * block + i;
-  }
-  return std::min(b * block + len, n) - 1;  // a row of NaN: some token of the vocabulary
+  double left;
+  const int64_t b = target_block(cdf, blocks, u, left);
+  return b * block + token_within(p + b * block, std::min(block, n - b * block), left);
 }
 
 // Each row of `probs` (float32 [rows, n], rows of non-negative weights) drawn by inversion at its
@@ -1103,21 +1122,10 @@ int64_t sample_row(const scalar_t* x, int64_t n, float temperature, int64_t bloc
     running += weight_sum(x, b * block, std::min(n, (b + 1) * block), max, inv_t, scratch);
     cdf[b] = running;
   }
-  const double target = (1.0 - u) * cdf[blocks - 1];  // in (0, total]: the maximum's weight is 1
-  int64_t b = 0;  // the first block whose cumulative sum reaches the target
-  while (b < blocks - 1 && !(cdf[b] >= target)) ++b;
-  const double before = b > 0 ? cdf[b - 1] : 0.0;  // below the target
-  const int64_t begin = b * block, len = std::min(block, n - begin);
-  row_weights(x, begin, begin + len, max, inv_t, scratch);
-  double inner_total = 0.0;
-  for (int64_t i = 0; i < len; ++i) inner_total += static_cast<double>(scratch[i]);
-  const double residual = std::min(target - before, inner_total);  // the two sums' orders differ
-  double running_inner = 0.0;
-  for (int64_t i = 0; i < len; ++i) {
-    running_inner += static_cast<double>(scratch[i]);
-    if (running_inner >= residual) return begin + i;
-  }
-  return begin + len - 1;  // unreachable: the last token's running sum is the inner total
+  double left;
+  const int64_t begin = target_block(cdf, blocks, u, left) * block, len = std::min(block, n - begin);
+  row_weights(x, begin, begin + len, max, inv_t, scratch);  // the same weights as summed above
+  return begin + token_within(scratch, len, left);
 }
 
 // [rows, n] logits (float32, bfloat16 or float16), float32 temperatures [rows] (<= 0: greedy) and
@@ -1141,20 +1149,14 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures,
   const float* ts = temps.data_ptr<float>();
   const double* us = u.data_ptr<double>();
   int64_t* index = out.data_ptr<int64_t>();
-  const auto run = [&](auto* base) {
+  with_logits(x, "sample_rows", [&](auto* base) {
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       std::vector<double> cdf((n + block - 1) / block);
       std::vector<float> scratch(std::min(block, n));
       for (int64_t r = begin; r < end; ++r)
         index[r] = sample_row(base + r * stride, n, ts[r], block, us[r], cdf.data(), scratch.data());
     });
-  };
-  switch (x.scalar_type()) {
-    case at::kFloat: run(x.data_ptr<float>()); break;
-    case at::kBFloat16: run(x.data_ptr<c10::BFloat16>()); break;
-    case at::kHalf: run(x.data_ptr<c10::Half>()); break;
-    default: TORCH_CHECK(false, "sample_rows: float32, bfloat16 or float16 logits, not ", x.scalar_type());
-  }
+  });
   return out;
 }
 
