@@ -140,8 +140,8 @@ def sample_rows(
 ) -> torch.Tensor:
     """Each row of `logits` ([rows, n], float32, bfloat16 or float16) sampled at its temperature
     (float32 [rows]; 0 or below: the argmax, as `argmax_rows`) and uniform (float64 [rows]): the token
-    `invert_rows` draws from softmax(logits / temperature), up to float32 rounding, the weights
-    exp((x - max) / T) made and summed in one pass (in float64, in blocks of `block`), never written
+    `invert_rows` draws from softmax(logits / temperature), up to float32 rounding: the weights
+    exp((x - max) / T) are made as they are summed (in float64, in blocks of `block`), never written
     (needs `load()`)."""
     return torch.ops.pagedserve_cpu.sample_rows(logits, temperatures, uniforms, block)
 

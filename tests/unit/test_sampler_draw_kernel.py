@@ -32,19 +32,22 @@ def _built() -> None:
     assert cpu.load(), "the CPU kernels failed to build: see the warning logged above"
 
 
-def intervals(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """Each row's cumulative distribution in float64, softmax(logits / T) of the logits as given."""
-    x = logits.double() / temperatures.double().unsqueeze(1)
-    return torch.softmax(x, dim=-1).cumsum(dim=-1)
+def edges(
+    tokens: torch.Tensor, logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's target (1 - u) * total and its drawn token's interval [lower, upper] in the float64
+    cumulative distribution softmax(logits / T) of the logits as given."""
+    cdf = torch.softmax(logits.double() / temperatures.double().unsqueeze(1), dim=-1).cumsum(dim=-1)
+    targets = (1.0 - uniforms) * cdf[:, -1]
+    upper = cdf.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    lower = torch.where(tokens > 0, cdf.gather(1, (tokens - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+    return targets, lower, upper
 
 
 def assert_in_intervals(
     tokens: torch.Tensor, logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
 ) -> None:
-    cdf = intervals(logits, temperatures)
-    targets = (1.0 - uniforms) * cdf[:, -1]
-    upper = cdf.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    lower = torch.where(tokens > 0, cdf.gather(1, (tokens - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+    targets, lower, upper = edges(tokens, logits, temperatures, uniforms)
     outside = (targets > upper + EDGE) | (targets < lower - EDGE)
     assert not bool(outside.any()), f"rows {outside.nonzero().flatten().tolist()} drew outside their interval"
 
@@ -52,10 +55,7 @@ def assert_in_intervals(
 def near_an_edge(
     tokens: torch.Tensor, logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
 ) -> torch.Tensor:
-    cdf = intervals(logits, temperatures)
-    targets = (1.0 - uniforms) * cdf[:, -1]
-    upper = cdf.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    lower = torch.where(tokens > 0, cdf.gather(1, (tokens - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+    targets, lower, upper = edges(tokens, logits, temperatures, uniforms)
     return ((targets - upper).abs() < EDGE) | ((targets - lower).abs() < EDGE)
 
 
