@@ -1,14 +1,22 @@
-// bfloat16 <-> float32 for 16 lanes of AVX-512, shared by the CPU kernels (cpu_kernels.cpp,
-// linear_amx.cpp, decode_layers.cpp). Widening is exact (the bf16 bits become a float's top half);
-// narrowing rounds to nearest even (AVX512-BF16's vcvtneps2bf16).
+// bfloat16 <-> float32 for 16 lanes of AVX-512, and the mask of a partial 16, shared by the CPU
+// kernels (cpu_kernels.cpp, linear_amx.cpp, linear_avx512.cpp, decode_layers.cpp). Widening is exact
+// (the bf16 bits become a float's top half); narrowing rounds to nearest even (AVX512-BF16's
+// vcvtneps2bf16).
 #pragma once
 
 #include <c10/util/BFloat16.h>
+
+#include <cstdint>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
 namespace pagedserve {
+
+// The lanes below `count` (none if count <= 0, all if count >= 16): a loop's last, partial 16.
+inline __mmask16 lanes_below(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : count <= 0 ? 0 : static_cast<__mmask16>((1u << count) - 1);
+}
 
 inline __m512 widen_bf16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
 

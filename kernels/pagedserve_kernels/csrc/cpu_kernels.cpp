@@ -330,7 +330,7 @@ inline float softmax_tile(float* s, int64_t n, HeadState<kDim>& state) {
   const __m512 vmax = _mm512_set1_ps(tile_max);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t c = 0; c < n; c += kChunk) {
-    const __mmask16 valid = n - c >= kChunk ? 0xFFFF : static_cast<__mmask16>((1u << (n - c)) - 1);
+    const __mmask16 valid = pagedserve::lanes_below(n - c);
     const __m512 w = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(s + c), vmax)));
     _mm512_store_ps(s + c, w);
     sum = _mm512_add_ps(sum, w);
@@ -918,7 +918,7 @@ int64_t argmax_avx512(const scalar_t* x, int64_t n) {
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __mmask16 nan = 0;
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __mmask16 m = pagedserve::lanes_below(n - i);
     const __m512 v = _mm512_mask_mov_ps(best, m, load16(x + i, m));  // lanes past the end keep best
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     best = _mm512_max_ps(best, v);
@@ -926,7 +926,7 @@ int64_t argmax_avx512(const scalar_t* x, int64_t n) {
   if (nan) return argmax_scalar(x, n);  // the first NaN: rare enough for the scalar walk
   const __m512 target = _mm512_set1_ps(_mm512_reduce_max_ps(best));
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __mmask16 m = pagedserve::lanes_below(n - i);
     const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, load16(x + i, m), target, _CMP_EQ_OQ);
     if (hit) return i + __builtin_ctz(hit);
   }
@@ -1052,10 +1052,9 @@ at::Tensor invert_rows(const at::Tensor& probs, const at::Tensor& uniforms, int6
 constexpr float kLeastExponent = -87.0f;
 
 #ifdef PAGEDSERVE_AVX512
-// The weights of the `left` values from x on, at most 16 (the lanes past them read nothing and weigh 0).
+// The weights of x's lanes in `m` (the others read nothing and weigh 0).
 template <typename scalar_t>
-inline __m512 weights16(const scalar_t* x, int64_t left, __m512 max, __m512 inv_t) {
-  const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+inline __m512 weights16(const scalar_t* x, __mmask16 m, __m512 max, __m512 inv_t) {
   const __m512 z = _mm512_mul_ps(_mm512_sub_ps(load16(x, m), max), inv_t);
   const __mmask16 above = _mm512_cmp_ps_mask(z, _mm512_set1_ps(kLeastExponent), _CMP_GE_OQ);
   return _mm512_maskz_mov_ps(m & above, exp_nonpositive16(z));
@@ -1075,9 +1074,8 @@ void row_weights(const scalar_t* x, int64_t begin, int64_t end, float max, float
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     const __m512 vmax = _mm512_set1_ps(max), vinv = _mm512_set1_ps(inv_t);
     for (int64_t i = begin; i < end; i += 16) {
-      const int64_t left = end - i;
-      const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-      _mm512_mask_storeu_ps(w + (i - begin), m, weights16(x + i, left, vmax, vinv));
+      const __mmask16 m = pagedserve::lanes_below(end - i);
+      _mm512_mask_storeu_ps(w + (i - begin), m, weights16(x + i, m, vmax, vinv));
     }
     return;
   }
@@ -1095,7 +1093,7 @@ double weight_sum(const scalar_t* x, int64_t begin, int64_t end, float max, floa
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     const __m512 vmax = _mm512_set1_ps(max), vinv = _mm512_set1_ps(inv_t);
     __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
-    for (int64_t i = begin; i < end; i += 16) add_as_doubles(weights16(x + i, end - i, vmax, vinv), lo, hi);
+    for (int64_t i = begin; i < end; i += 16) add_as_doubles(weights16(x + i, pagedserve::lanes_below(end - i), vmax, vinv), lo, hi);
     return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
   }
 #endif

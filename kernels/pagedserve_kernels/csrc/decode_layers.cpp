@@ -63,6 +63,7 @@ namespace {
 
 using BF16 = c10::BFloat16;
 
+using pagedserve::lanes_below;
 using pagedserve::load_bf16;
 using pagedserve::store_bf16;
 
@@ -105,18 +106,16 @@ void add_rms_norm(const BF16* x, BF16* residual, const BF16* weight, BF16* out, 
   for_rows(rows, [&](int64_t r) { add_rms_norm_row(x, residual, weight, out, r, dim, eps); });
 }
 
-__mmask16 lanes(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
-
 // out = weight * (x * rsqrt(mean(x^2) + eps)) over one head of `dim` values, rounded to bfloat16 once.
 void rms_norm_head(const BF16* x, const BF16* weight, BF16* out, int64_t dim, float eps) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < dim; i += 16) {
-    const __m512 a = load_bf16(x + i, lanes(dim - i));
+    const __m512 a = load_bf16(x + i, lanes_below(dim - i));
     acc = _mm512_add_ps(acc, _mm512_mul_ps(a, a));
   }
   const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / dim + eps));
   for (int64_t i = 0; i < dim; i += 16) {
-    const __mmask16 m = lanes(dim - i);
+    const __mmask16 m = lanes_below(dim - i);
     store_bf16(out + i, _mm512_mul_ps(load_bf16(weight + i, m), _mm512_mul_ps(load_bf16(x + i, m), scale)), m);
   }
 }
@@ -140,7 +139,7 @@ void rotary_row(const BF16* qkv, int64_t ld_qkv, const int64_t* positions, const
       x = y;
     }
     for (int64_t i = 0; i < half; i += 16) {
-      const __mmask16 m = lanes(half - i);
+      const __mmask16 m = lanes_below(half - i);
       const __m512 x1 = load_bf16(x + i, m), x2 = load_bf16(x + half + i, m);
       const __m512 c = _mm512_maskz_loadu_ps(m, cos + i), s = _mm512_maskz_loadu_ps(m, sin + i);
       store_bf16(y + i, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)), m);

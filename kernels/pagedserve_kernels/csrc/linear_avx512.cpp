@@ -86,18 +86,13 @@ inline __m512 round_to_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(b)), 16));
 }
 
-// The lanes below `count` (none if count <= 0, all if count >= 16).
-inline __mmask16 lanes_below(int64_t count) {
-  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : count <= 0 ? 0 : static_cast<__mmask16>((1u << count) - 1);
-}
-
 // A row's 32 outputs of the panel at column `col` (lo, hi: 16 each) against its best column so far, as
 // argmax_rows reads a row: the first maximum, a NaN above everything (the first NaN wins).
 inline void update_best(__m512 lo, __m512 hi, int64_t col, int64_t num_columns, float& best, int64_t& index) {
   if (std::isnan(best)) return;
   const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  lo = _mm512_mask_mov_ps(none, lanes_below(num_columns - col), round_to_bf16(lo));
-  hi = _mm512_mask_mov_ps(none, lanes_below(num_columns - col - 16), round_to_bf16(hi));
+  lo = _mm512_mask_mov_ps(none, pagedserve::lanes_below(num_columns - col), round_to_bf16(lo));
+  hi = _mm512_mask_mov_ps(none, pagedserve::lanes_below(num_columns - col - 16), round_to_bf16(hi));
   const __mmask16 nan_lo = _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q);
   const __mmask16 nan_hi = _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q);
   if (nan_lo | nan_hi) {
