@@ -136,14 +136,24 @@ def invert_rows(probs: torch.Tensor, uniforms: torch.Tensor, block: int) -> torc
 
 
 def sample_rows(
-    logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor, block: int
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    uniforms: torch.Tensor,
+    block: int,
+    top_ks: torch.Tensor | None = None,
+    top_ps: torch.Tensor | None = None,
+    min_ps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each row of `logits` ([rows, n], float32, bfloat16 or float16) sampled at its temperature
     (float32 [rows]; 0 or below: the argmax, as `argmax_rows`) and uniform (float64 [rows]): the token
     `invert_rows` draws from softmax(logits / temperature), up to float32 rounding: the weights
-    exp((x - max) / T) are made as they are summed (in float64, in blocks of `block`), never written
-    (needs `load()`)."""
-    return torch.ops.pagedserve_cpu.sample_rows(logits, temperatures, uniforms, block)
+    exp((x - max) / T) are made as they are summed (in float64, in blocks of `block`), never written.
+    A row cut by top-k (`top_ks`, int64 [rows], n: none), top-p (`top_ps`, float32 [rows], 1: none) or
+    min-p (`min_ps`, float32 [rows], 0: none) draws from what the sampler's `_top_cut` keeps of those
+    weights, most likely first, ties in id order: its likeliest tokens are gathered above a weight
+    that is lowered only where the cut reaches below it, the cut's least weight is found among them
+    by selection, and only the tokens kept are put in order (needs `load()`)."""
+    return torch.ops.pagedserve_cpu.sample_rows(logits, temperatures, uniforms, block, top_ks, top_ps, min_ps)
 
 
 @functools.cache

@@ -19,6 +19,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers import sampler as sampler_module
 from pagedserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors
+from pagedserve_kernels import cpu
 
 NUM_DRAWS = 4000
 
@@ -204,6 +205,18 @@ def test_draws_follow_the_defined_distribution(case: str, top_widths: tuple[int,
     assert_distribution(out.token_ids, expected_probs(logits, row))
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_cpp_kernel_s_draws_follow_the_defined_distribution(case: str) -> None:
+    """The CPU engine's sampler draws the batches that change no logit in its C++ kernel
+    (`cpu.sample_rows`), cut rows among them: the same definitions hold there."""
+    if not cpu.load():
+        pytest.skip("no C++ compiler to build the CPU kernels")
+    logits, row = CASES[case]
+    batch = torch.tensor([logits] * NUM_DRAWS, dtype=torch.float32)
+    out = Sampler(0, sample_rows=cpu.sample_rows)(batch, build([row] * NUM_DRAWS, batch.shape[-1]))
+    assert_distribution(out.token_ids, expected_probs(logits, row))
+
+
 def test_seeded_draws_follow_the_distribution() -> None:
     """A seeded request draws from its own generator at each output index: across indices, the draws
     follow the distribution too."""
@@ -275,7 +288,8 @@ def test_cut_rows_of_a_real_vocabulary_sort_only_a_cut_beyond_their_widest_look(
     sort = torch.Tensor.sort
 
     def counted_sort(self: torch.Tensor, *args: object, **kwargs: object) -> object:
-        sorted_rows.append(self.shape[0] if self.dim() > 1 else 1)
+        if self.shape[-1] == vocab:  # a whole vocabulary (a look's ties are put in id order too)
+            sorted_rows.append(self.shape[0] if self.dim() > 1 else 1)
         return sort(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "sort", counted_sort)

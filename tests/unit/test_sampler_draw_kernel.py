@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+from draw_reference import Cut, check_draws
 from pagedserve.layers import sampler as sampler_module
 from pagedserve.layers.sampler import Sampler
 from pagedserve_kernels import cpu
@@ -22,9 +23,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 BLOCK = sampler_module._INVERSION_BLOCK
-# How far from an interval's edge a target may be and still draw the neighbour: float32 weights (each
-# within a few ulp, 2.4e-7 relative) against the float64 distribution, relative to the row's total.
-EDGE = 2e-6
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,31 +30,12 @@ def _built() -> None:
     assert cpu.load(), "the CPU kernels failed to build: see the warning logged above"
 
 
-def edges(
-    tokens: torch.Tensor, logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's target (1 - u) * total and its drawn token's interval [lower, upper] in the float64
-    cumulative distribution softmax(logits / T) of the logits as given."""
-    cdf = torch.softmax(logits.double() / temperatures.double().unsqueeze(1), dim=-1).cumsum(dim=-1)
-    targets = (1.0 - uniforms) * cdf[:, -1]
-    upper = cdf.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    lower = torch.where(tokens > 0, cdf.gather(1, (tokens - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
-    return targets, lower, upper
-
-
-def assert_in_intervals(
-    tokens: torch.Tensor, logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
-) -> None:
-    targets, lower, upper = edges(tokens, logits, temperatures, uniforms)
-    outside = (targets > upper + EDGE) | (targets < lower - EDGE)
-    assert not bool(outside.any()), f"rows {outside.nonzero().flatten().tolist()} drew outside their interval"
-
-
-def near_an_edge(
+def check_uncut_draws(
     tokens: torch.Tensor, logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
 ) -> torch.Tensor:
-    targets, lower, upper = edges(tokens, logits, temperatures, uniforms)
-    return ((targets - upper).abs() < EDGE) | ((targets - lower).abs() < EDGE)
+    """Asserts each row's token holds the row's target in its interval (draw_reference.check_draws, no
+    row cut); returns whether the target lies within float32 rounding of that interval's edge."""
+    return torch.tensor(check_draws(tokens, logits, temperatures, uniforms, [None] * len(tokens)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
@@ -73,11 +52,11 @@ def test_each_draw_lands_in_its_interval_and_on_the_torch_path_s_token(
     uniforms[0], uniforms[1] = 0.0, 1.0 - 2**-53  # the target at the total, and just above 0
     ours = cpu.sample_rows(logits, temperatures, uniforms, BLOCK)
     assert ours.dtype == torch.int64 and ours.shape == (rows,)
-    assert_in_intervals(ours, logits, temperatures, uniforms)
+    near = check_uncut_draws(ours, logits, temperatures, uniforms)
     probs = torch.softmax(logits.float() / temperatures.unsqueeze(1), dim=-1)
     torch_path = sampler_module._draw(probs, uniforms)
     differ = ours != torch_path
-    assert not bool((differ & ~near_an_edge(ours, logits, temperatures, uniforms)).any())
+    assert not bool((differ & ~near).any())
 
 
 def test_tokens_of_weight_zero_are_never_drawn_at_any_uniform() -> None:
@@ -94,7 +73,7 @@ def test_tokens_of_weight_zero_are_never_drawn_at_any_uniform() -> None:
     ours = cpu.sample_rows(rows, temperatures, uniforms, BLOCK)
     assert set(ours.tolist()) == set(allowed)
     assert int(ours[0]) == allowed[-1]
-    assert_in_intervals(ours, rows, temperatures, uniforms)
+    check_uncut_draws(ours, rows, temperatures, uniforms)
 
 
 def test_a_tiny_token_keeps_its_share_after_a_large_one() -> None:
@@ -204,11 +183,9 @@ class CountingDraws:
     def __init__(self) -> None:
         self.calls = 0
 
-    def __call__(
-        self, logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor, block: int
-    ) -> torch.Tensor:
+    def __call__(self, *args: torch.Tensor | int | None) -> torch.Tensor:
         self.calls += 1
-        return cpu.sample_rows(logits, temperatures, uniforms, block)
+        return cpu.sample_rows(*args)  # type: ignore[arg-type]
 
 
 ROWS, VOCAB = 6, 3000
@@ -221,9 +198,9 @@ ROWS, VOCAB = 6, 3000
         ({"seeded_rows": [(1, 7, 0), (4, 7, 3)]}, True),
         ({"temperatures": torch.tensor([0.0, 0.8, 0.0, 1.3, 0.5, 0.0])}, True),  # greedy rows beside random
         ({"temperatures": torch.zeros(ROWS)}, False),  # all greedy
-        ({"top_ps": torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0, 1.0])}, False),  # a cut
-        ({"top_ks": torch.full((ROWS,), 40)}, False),
-        ({"min_ps": torch.full((ROWS,), 0.1)}, False),
+        ({"top_ps": torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0, 1.0])}, True),  # cuts, on some rows
+        ({"top_ks": torch.tensor([40, 2**62, 40, 3000, 1, 40])}, True),  # past the vocabulary: none
+        ({"min_ps": torch.full((ROWS,), 0.1)}, True),
         ({"max_num_logprobs": 2}, False),
         ({"banned_tokens": [(2, [5, 6])]}, False),
         ({"allowed_tokens": [(3, torch.tensor([1, 2, 3]))]}, False),
@@ -246,8 +223,8 @@ ROWS, VOCAB = 6, 3000
 def test_the_sampler_draws_from_the_logits_only_where_nothing_else_is_asked(
     changes: dict[str, object], through_the_kernel: bool
 ) -> None:
-    """Batches that only draw take the kernel, with the uniforms the torch path would take (the same
-    tokens but near an interval's edge); any cut, logit change or logprobs keeps the torch path."""
+    """Batches that only draw, cut or not, take the kernel, with the uniforms and cuts the torch path
+    would take (the same tokens but near an edge); any logit change or logprobs keeps the torch path."""
     logits = (torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
     draws = CountingDraws()
     for seed in range(5):
@@ -257,10 +234,22 @@ def test_the_sampler_draws_from_the_logits_only_where_nothing_else_is_asked(
         if not through_the_kernel:
             assert torch.equal(with_kernel.token_ids, without.token_ids)
             continue
-        temperatures = torch.where(tensors.temperatures < 1e-5, 1.0, tensors.temperatures)
         uniforms = Sampler(seed)._uniforms(ROWS, tensors, torch.device("cpu"))
         differ = with_kernel.token_ids != without.token_ids
-        assert not bool((differ & ~near_an_edge(with_kernel.token_ids, logits, temperatures, uniforms)).any())
+        random = (tensors.temperatures >= 1e-5).nonzero().flatten().tolist()  # the others take the argmax
+        ks = tensors.top_ks.tolist() if tensors.top_ks is not None else [VOCAB] * ROWS
+        ps = tensors.top_ps.tolist() if tensors.top_ps is not None else [1.0] * ROWS
+        min_ps = tensors.min_ps.tolist() if tensors.min_ps is not None else [0.0] * ROWS
+        cuts: list[Cut | None] = [Cut(ks[r], ps[r], min_ps[r]) for r in random]
+        near = check_draws(
+            with_kernel.token_ids[random],
+            logits[random],
+            tensors.temperatures[random],
+            uniforms[random],
+            cuts,
+        )
+        assert not bool((differ[random] & ~torch.tensor(near)).any())
+        assert not bool(differ[tensors.temperatures < 1e-5].any())
     assert draws.calls == (5 if through_the_kernel else 0)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -94,10 +95,26 @@ class SamplingTensors:
 
     @property
     def only_draws(self) -> bool:
-        """Some row random, none cut (top-k, top-p, min-p), and the logits as given: each row takes its
-        argmax or a draw from softmax(logits / temperature)."""
-        no_cut = self.top_ks is None and self.top_ps is None and self.min_ps is None
-        return self.logits_as_given and no_cut and not self.all_greedy
+        """Some row random and the logits as given: each row takes its argmax or a draw from
+        softmax(logits / temperature), cut by its top-k, top-p and min-p where it has them."""
+        return self.logits_as_given and not self.all_greedy
+
+
+class SampleRows(Protocol):
+    """`Sampler`'s `sample_rows`: tokens [rows] from logits, temperatures, uniforms, the inversion's
+    block and each cut's per-row values (None where no row has it)."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        temperatures: torch.Tensor,
+        uniforms: torch.Tensor,
+        block: int,
+        top_ks: torch.Tensor | None,
+        top_ps: torch.Tensor | None,
+        min_ps: torch.Tensor | None,
+        /,
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -115,9 +132,12 @@ class Sampler:
     the C++ CPU kernel sums in float64 without a float64 copy of the probabilities (~0.3 against
     ~2 ms for 64 rows of 49,152 tokens). `sample_rows`, where given, samples batches that only draw
     (`SamplingTensors.only_draws`) straight from the logits (logits, temperatures with 0 for greedy
-    rows, uniforms, _INVERSION_BLOCK): the C++ CPU kernel weighs exp((x - max) / T) as it sums, so
-    no float32 copy, tempered copy or softmax is made (~0.9 against ~3 ms for 64 bfloat16 rows of
-    49,152 tokens); its draws are the torch path's up to float32 rounding."""
+    rows, uniforms, _INVERSION_BLOCK, then top_ks clamped to [1, vocab], top_ps and min_ps, each None
+    where no row has it): the C++ CPU kernel weighs exp((x - max) / T) as it sums, so no float32
+    copy, tempered copy or softmax is made (~0.9 against ~3 ms for 64 bfloat16 rows of 49,152
+    tokens), and finds a cut row's set among its likeliest tokens without `topk` (~1.1-1.4 against
+    5-16 ms for 64 rows of a chat model's logits at top-p 0.9 or top-k 50); its draws are the torch
+    path's up to float32 rounding, so a seeded row draws the same token whichever path its batch takes."""
 
     def __init__(
         self,
@@ -125,7 +145,7 @@ class Sampler:
         device: torch.device | str = "cpu",
         argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
         invert_rows: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
-        sample_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
+        sample_rows: SampleRows | None = None,
     ) -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)  # on the logits' device
         self.argmax_rows = argmax_rows
@@ -139,7 +159,10 @@ class Sampler:
             greedy_rows = t.temperatures < _GREEDY_EPS
             temperatures = torch.where(greedy_rows, 0.0, t.temperatures.clamp(max=_MAX_TEMPERATURE))
             uniforms = self._uniforms(len(temperatures), t, logits.device)
-            return SamplerOutput(self.sample_rows(logits, temperatures, uniforms, _INVERSION_BLOCK))
+            top_ks = t.top_ks.clamp(1, logits.shape[1]) if t.top_ks is not None else None
+            return SamplerOutput(
+                self.sample_rows(logits, temperatures, uniforms, _INVERSION_BLOCK, top_ks, t.top_ps, t.min_ps)
+            )
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_num_logprobs is not None else None
         _apply_logit_controls(logits, t)
@@ -311,7 +334,8 @@ def _draw_from_top(
     min-p (`_top_cut`), by inversion in their order, most likely first; the other rows get token 0.
     A row looks among its _TOP_WIDTHS[0] most likely tokens, then among more, and sorts its whole
     vocabulary only when its cut lies further (a flat distribution, a large top-k): `topk` finds 64 of
-    49,152 in ~2.2 ms for 64 rows, where sorting them takes ~100 ms."""
+    49,152 in ~2.2 ms for 64 rows, where sorting them takes ~100 ms. Tokens equally likely are drawn
+    in id order (the C++ kernel's order; `topk` has its own)."""
     num_rows, vocab = probs.shape
     token_ids = torch.zeros(num_rows, dtype=torch.int64, device=probs.device)
     pending = rows.nonzero().squeeze(1)  # one read back from the device a width
@@ -319,6 +343,10 @@ def _draw_from_top(
         part = probs if len(pending) == num_rows else probs[pending]
         if width < vocab:
             values, ids = part.topk(width, dim=-1)
+            # ties in id order, as the whole sort below and the C++ kernel put them (topk's is its own)
+            ids, by_id = ids.sort(dim=-1)
+            values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+            ids = ids.gather(1, by_value)
         else:
             values, ids = part.sort(dim=-1, descending=True, stable=True)
         kept, inside = _top_cut(values, top_ks[pending], top_ps[pending], min_ps[pending], vocab)

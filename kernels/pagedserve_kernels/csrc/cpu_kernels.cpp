@@ -45,8 +45,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -1126,19 +1128,229 @@ int64_t sample_row(const scalar_t* x, int64_t n, float temperature, int64_t bloc
   return begin + token_within(scratch, len, left);
 }
 
+// Rows cut by top-k, top-p or min-p: what the sampler's `_top_cut` keeps of sample_row's weights,
+// drawn by inversion most likely first, ties in id order, as `_draw_from_top` draws them (the same
+// token but within rounding of an interval's edge). Each cut keeps every token of weight at least some
+// least weight (ties kept), so a row needs that weight before any order: only the tokens kept are put
+// in order, to be drawn. Its likeliest tokens are gathered above a floor in one
+// pass that also sums every weight (collect_candidates; the floor is lowered only where the cut may
+// reach below it, kCutFloors; top-k's floor rises as the pass goes, raise_floor); top-k's least weight
+// is their k-th (nth_element), top-p's is found by partitioning them around pivots by their masses
+// (top_p_least), min-p's is min_p itself, the likeliest token weighing 1. `_draw_from_top` runs `topk`
+// over the float32 probabilities instead.
+
+// Where a top-p row's candidates start: 2^-13 holds chat rows' sets but for a long tail, 2^-20 and
+// 2^-30 nearly every set; 0: every token of positive weight.
+constexpr float kCutFloors[] = {0x1p-13f, 0x1p-20f, 0x1p-30f, 0.0f};
+
+// A cut row's candidates: weights and token ids in id order, `count` of them (room for n + 16 each).
+struct Candidates {
+  float* w;
+  int32_t* id;
+  int64_t count;
+};
+
+// A token kept, and the order the kept ones are drawn in: the likeliest first, ties by id.
+struct Kept {
+  float w;
+  int32_t id;
+};
+
+inline bool likelier(const Kept& a, const Kept& b) { return a.w > b.w || (a.w == b.w && a.id < b.id); }
+
+// Top-k's collection: whenever `cap` candidates are held, the floor rises to the k-th largest weight
+// among them and those below it go (the rest keep their order): none of them is among the row's k
+// largest. `selection`: room for the candidates' weights.
+void raise_floor(Candidates& c, int64_t k, float* selection, float& floor, int64_t& cap) {
+  std::copy(c.w, c.w + c.count, selection);
+  std::nth_element(selection, selection + k - 1, selection + c.count, std::greater<float>());
+  floor = selection[k - 1];
+  int64_t kept = 0;
+  for (int64_t j = 0; j < c.count; ++j) {
+    if (c.w[j] >= floor) {
+      c.w[kept] = c.w[j];
+      c.id[kept++] = c.id[j];
+    }
+  }
+  c.count = kept;
+  cap = std::max(cap, 2 * kept);  // ties of the k-th may keep many more than k
+}
+
+// Gathers the row's tokens of weight >= floor (> 0 where floor is 0) into `c`, and with k > 0 none
+// below the k-th largest weight it has met (raise_floor). `total`: every weight's sum in float64;
+// returns the largest weight left out below the floor it started from (0: none of positive weight).
+template <typename scalar_t>
+float collect_candidates(const scalar_t* x, int64_t n, float max, float inv_t, float floor, int64_t k, Candidates& c,
+                         double& total, float* selection, float* scratch, int64_t block) {
+  floor = std::max(floor, std::numeric_limits<float>::min());  // below every positive weight (>= e^-87)
+  const float start = floor;
+  int64_t cap = k > 0 ? std::max<int64_t>(4 * k, 256) : n;  // with room for n + 16
+  c.count = 0;
+#ifdef PAGEDSERVE_AVX512
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+    (void)scratch, (void)block;
+    const __m512 vmax = _mm512_set1_ps(max), vinv = _mm512_set1_ps(inv_t);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+    __m512 beyond = _mm512_setzero_ps();
+    const __m512 vstart = _mm512_set1_ps(start);
+    __m512 vfloor = vstart;
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = pagedserve::lanes_below(n - i);
+      const __m512 w = weights16(x + i, m, vmax, vinv);
+      add_as_doubles(w, lo, hi);
+      const __mmask16 keep = _mm512_mask_cmp_ps_mask(m, w, vfloor, _CMP_GE_OQ);
+      beyond = _mm512_mask_max_ps(beyond, m & ~_mm512_cmp_ps_mask(w, vstart, _CMP_GE_OQ), beyond, w);
+      if (keep) {  // compressed in registers (to memory it is slow on some CPUs), stored whole
+        const __m512i id = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(i)));
+        _mm512_storeu_ps(c.w + c.count, _mm512_maskz_compress_ps(keep, w));
+        _mm512_storeu_si512(c.id + c.count, _mm512_maskz_compress_epi32(keep, id));
+        c.count += __builtin_popcount(keep);
+        if (c.count >= cap) {
+          raise_floor(c, k, selection, floor, cap);
+          vfloor = _mm512_set1_ps(floor);
+        }
+      }
+    }
+    total = _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+    return _mm512_reduce_max_ps(beyond);
+  }
+#endif
+  total = 0.0;
+  float beyond = 0.0f;
+  for (int64_t begin = 0; begin < n; begin += block) {
+    const int64_t end = std::min(n, begin + block);
+    row_weights(x, begin, end, max, inv_t, scratch);
+    for (int64_t i = begin; i < end; ++i) {
+      const float w = scratch[i - begin];
+      total += static_cast<double>(w);
+      if (w < start) beyond = std::max(beyond, w);
+      if (w >= floor) {
+        c.w[c.count] = w;
+        c.id[c.count++] = static_cast<int32_t>(i);
+        if (c.count >= cap) raise_floor(c, k, selection, floor, cap);
+      }
+    }
+  }
+  return beyond;
+}
+
+// The float64 sum of the weights in [begin, end) of at least `least`.
+double mass(const float* begin, const float* end, float least = 0.0f) {
+  double sum = 0.0;
+  for (const float* w = begin; w < end; ++w) sum += *w >= least ? static_cast<double>(*w) : 0.0;
+  return sum;
+}
+
+// Top-p's least kept weight among w[0, count) (in any order; reordered; count >= 1): the weight v of
+// the token at which, the weights taken largest first, the mass before a token first reaches `target`
+// (> 0), so that the weights above v hold less than `target` and those from v up at least (all of them
+// where none do). Each round partitions the weights still in question around one of them and keeps the
+// side v is on.
+float top_p_least(float* w, int64_t count, double target) {
+  double above = 0.0;  // the mass of the weights larger than any still in question: below the target
+  float* lo = w;
+  float* hi = w + count;
+  while (true) {
+    const float pivot = lo[(hi - lo) / 2];
+    float* equal = std::partition(lo, hi, [pivot](float a) { return a > pivot; });
+    float* less = std::partition(equal, hi, [pivot](float a) { return a == pivot; });
+    const double larger = mass(lo, equal), tied = mass(equal, less);
+    if (above + larger >= target) {
+      hi = equal;  // not empty: its mass reaches past `above`
+    } else if (above + larger + tied >= target || less == hi) {
+      return pivot;
+    } else {
+      above += larger + tied;
+      lo = less;
+    }
+  }
+}
+
+// One cut row's token: its argmax at temperature <= 0 (or 1 / T inf); else what `_top_cut` keeps of
+// its weights (top-k with k in [1, n), then top-p with p < 1 on what top-k keeps, then min-p), drawn
+// at u in the `likelier` order. A row with a NaN or +inf logit draws its last token, as sample_row
+// does. `c`: room for n + 16 candidates; `selection` and `kept`: for n; `scratch`: for `block`.
+template <typename scalar_t>
+int64_t sample_cut_row(const scalar_t* x, int64_t n, float temperature, int64_t k, float p, float min_p, double u,
+                       Candidates c, float* selection, Kept* kept, float* scratch, int64_t block) {
+  const float inv_t = 1.0f / temperature;
+  if (!(temperature > 0.0f) || std::isinf(inv_t)) return argmax_row(x, n);
+  const float max = static_cast<float>(x[argmax_row(x, n)]);
+  if (!std::isfinite(max)) return n - 1;
+  const bool has_k = k < n, uses_p = p < 1.0f;
+  min_p = std::min(min_p, 1.0f);  // the likeliest token (weight 1) always stays
+  double total = 0.0;             // every weight's: top-p's mass without top-k
+  if (has_k || !uses_p) {  // top-k's set in one pass; min-p alone keeps exactly the weights >= min_p
+    collect_candidates(x, n, max, inv_t, has_k ? 0.0f : min_p, has_k ? k : 0, c, total, selection, scratch, block);
+  } else {
+    for (const float floor : kCutFloors) {  // until the candidates hold top-p's mass
+      const float beyond = collect_candidates(x, n, max, inv_t, floor, 0, c, total, selection, scratch, block);
+      if (beyond == 0.0f || mass(c.w, c.w + c.count) >= static_cast<double>(p) * total) break;
+    }
+  }
+  float least = 0.0f;  // the least weight kept
+  float* const w = selection;
+  if (has_k && k < c.count) {  // the k-th largest weight (all of them where fewer weigh anything)
+    std::copy(c.w, c.w + c.count, w);
+    std::nth_element(w, w + k - 1, w + c.count, std::greater<float>());
+    least = w[k - 1];
+  }
+  if (uses_p) {  // on what top-k keeps, and of its mass
+    int64_t kept = 0;
+    for (int64_t j = 0; j < c.count; ++j)
+      if (c.w[j] >= least) w[kept++] = c.w[j];
+    const double target = static_cast<double>(p) * (has_k ? mass(w, w + kept) : total);
+    least = std::max(least, target > 0.0 ? top_p_least(w, kept, target) : 1.0f);  // p <= 0: the likeliest
+  }
+  least = std::max(least, min_p);
+  int64_t m = 0;
+  for (int64_t j = 0; j < c.count; ++j)
+    if (c.w[j] >= least) kept[m++] = Kept{c.w[j], c.id[j]};
+  std::sort(kept, kept + m, likelier);
+  double sum = 0.0;
+  for (int64_t j = 0; j < m; ++j) sum += static_cast<double>(kept[j].w);
+  const double target = (1.0 - u) * sum;  // in (0, the kept mass]
+  double running = 0.0;
+  for (int64_t j = 0; j < m; ++j) {
+    running += static_cast<double>(kept[j].w);
+    if (running >= target) return kept[j].id;
+  }
+  return kept[m - 1].id;
+}
+
+// A cut's per-row values, or nullptr where no row of the batch has that cut (`name` in the refusal).
+template <typename T>
+const T* cut_values(const std::optional<at::Tensor>& values, int64_t rows, at::ScalarType dtype, const char* name,
+                    at::Tensor& held) {
+  if (!values.has_value()) return nullptr;
+  TORCH_CHECK(values->dim() == 1 && values->size(0) == rows && values->scalar_type() == dtype, "sample_rows: ", name,
+              " must be ", dtype, " [rows], got ", values->scalar_type(), " ", values->sizes());
+  held = values->contiguous();
+  return held.data_ptr<T>();
+}
+
 // [rows, n] logits (float32, bfloat16 or float16), float32 temperatures [rows] (<= 0: greedy) and
 // float64 uniforms [rows] in [0, 1) -> int64 tokens [rows]; `block`: tokens a block of the inversion.
+// The cuts, each optional: top_ks (int64 [rows], n or more: none; below 1 taken as 1), top_ps (float32
+// [rows], 1: none) and min_ps (float32 [rows], 0: none); a row with none draws as sample_row.
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures, const at::Tensor& uniforms,
-                       int64_t block) {
+                       int64_t block, const std::optional<at::Tensor>& top_ks, const std::optional<at::Tensor>& top_ps,
+                       const std::optional<at::Tensor>& min_ps) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "sample_rows: logits [rows, n] with n > 0, got ",
               logits.sizes());
   const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(n <= std::numeric_limits<int32_t>::max(), "sample_rows: at most 2^31 - 1 tokens a row, got ", n);
   TORCH_CHECK(temperatures.dim() == 1 && temperatures.size(0) == rows && temperatures.scalar_type() == at::kFloat,
               "sample_rows: temperatures must be float32 [rows], got ", temperatures.scalar_type(), " ",
               temperatures.sizes());
   TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) == rows && uniforms.scalar_type() == at::kDouble,
               "sample_rows: uniforms must be float64 [rows], got ", uniforms.scalar_type(), " ", uniforms.sizes());
   TORCH_CHECK(block > 0, "sample_rows: block must be positive, got ", block);
+  at::Tensor held_ks, held_ps, held_min_ps;
+  const int64_t* ks = cut_values<int64_t>(top_ks, rows, at::kLong, "top_ks", held_ks);
+  const float* ps = cut_values<float>(top_ps, rows, at::kFloat, "top_ps", held_ps);
+  const float* mps = cut_values<float>(min_ps, rows, at::kFloat, "min_ps", held_min_ps);
   const auto x = logits.stride(1) == 1 ? logits : logits.contiguous();
   const auto temps = temperatures.contiguous();
   const auto u = uniforms.contiguous();
@@ -1151,8 +1363,27 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures,
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       std::vector<double> cdf((n + block - 1) / block);
       std::vector<float> scratch(std::min(block, n));
-      for (int64_t r = begin; r < end; ++r)
-        index[r] = sample_row(base + r * stride, n, ts[r], block, us[r], cdf.data(), scratch.data());
+      // a cut row's candidates and selection: kept across calls, so that they are not faulted in anew
+      thread_local std::vector<float> cut_weights, cut_selection;
+      thread_local std::vector<int32_t> cut_ids;
+      thread_local std::vector<Kept> cut_kept;
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t k = ks ? std::clamp<int64_t>(ks[r], 1, n) : n;
+        const float p = ps ? ps[r] : 1.0f, min_p = mps ? mps[r] : 0.0f;
+        if (k < n || p < 1.0f || min_p > 0.0f) {
+          if (cut_ids.size() < static_cast<size_t>(n + 16)) {
+            cut_weights.resize(n + 16);
+            cut_ids.resize(n + 16);
+            cut_selection.resize(n);
+            cut_kept.resize(n);
+          }
+          const Candidates c{cut_weights.data(), cut_ids.data(), 0};
+          index[r] = sample_cut_row(base + r * stride, n, ts[r], k, p, min_p, us[r], c, cut_selection.data(),
+                                    cut_kept.data(), scratch.data(), block);
+        } else {
+          index[r] = sample_row(base + r * stride, n, ts[r], block, us[r], cdf.data(), scratch.data());
+        }
+      }
     });
   });
   return out;
@@ -1200,7 +1431,9 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("decode_isa() -> str", &decode_isa);
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("invert_rows(Tensor probs, Tensor uniforms, int block) -> Tensor");
-  m.def("sample_rows(Tensor logits, Tensor temperatures, Tensor uniforms, int block) -> Tensor");
+  m.def(
+      "sample_rows(Tensor logits, Tensor temperatures, Tensor uniforms, int block, Tensor? top_ks=None, "
+      "Tensor? top_ps=None, Tensor? min_ps=None) -> Tensor");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
