@@ -152,7 +152,7 @@ def sample_rows(
     min-p (`min_ps`, float32 [rows], 0: none) draws from what the sampler's `_top_cut` keeps of those
     weights, most likely first, ties in id order: its likeliest tokens are gathered above a weight
     that is lowered only where the cut reaches below it, the cut's least weight is found among them
-    by selection, and only the tokens kept are put in order (needs `load()`)."""
+    by selection, and so is the token drawn among those kept (needs `load()`)."""
     return torch.ops.pagedserve_cpu.sample_rows(logits, temperatures, uniforms, block, top_ks, top_ps, min_ps)
 
 

@@ -156,14 +156,19 @@ def test_a_flat_row_keeps_all_its_ties_under_any_cut(vocab: int) -> None:
 
 @pytest.mark.parametrize(
     ("exponent", "tail", "top_p", "floor"),
-    [(16, 20_000, 0.9, 2**-13), (25, 20_000, 0.9999, 2**-20), (32, 40_000, 1.0 - 2**-20, 2**-30)],
+    [
+        (14, 20_000, 0.9, 2**-13),
+        (18, 20_000, 0.99, 2**-16),
+        (25, 20_000, 0.9999, 2**-20),
+        (32, 40_000, 1.0 - 2**-20, 2**-30),
+    ],
 )
 def test_top_p_reaching_below_the_floors_gathers_the_tokens_it_needs(
     exponent: int, tail: int, top_p: float, floor: float
 ) -> None:
     """One token of weight 1 and a long tail of distinct weights near 2^-exponent: top-p's set ends
-    inside the tail, below the first floor (2^-13), the second (2^-20) or the third (2^-30), so the
-    row is gathered again lower down. A tail token's share is then below float32's rounding of the
+    inside the tail, below the first floor (2^-13), the second (2^-16), the third (2^-20) or the fourth
+    (2^-30), so the row is gathered again lower down. A tail token's share is then below float32's rounding of the
     cut (EDGE), so the set's end is checked to within EDGE of its mass: the last token kept (u = 0)
     is where the mass before it stays under p and reaches p with it, and every draw lands in its
     interval of the kept mass."""

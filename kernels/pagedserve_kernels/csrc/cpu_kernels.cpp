@@ -1131,17 +1131,17 @@ int64_t sample_row(const scalar_t* x, int64_t n, float temperature, int64_t bloc
 // Rows cut by top-k, top-p or min-p: what the sampler's `_top_cut` keeps of sample_row's weights,
 // drawn by inversion most likely first, ties in id order, as `_draw_from_top` draws them (the same
 // token but within rounding of an interval's edge). Each cut keeps every token of weight at least some
-// least weight (ties kept), so a row needs that weight before any order: only the tokens kept are put
-// in order, to be drawn. Its likeliest tokens are gathered above a floor in one
-// pass that also sums every weight (collect_candidates; the floor is lowered only where the cut may
-// reach below it, kCutFloors; top-k's floor rises as the pass goes, raise_floor); top-k's least weight
-// is their k-th (nth_element), top-p's is found by partitioning them around pivots by their masses
-// (top_p_least), min-p's is min_p itself, the likeliest token weighing 1. `_draw_from_top` runs `topk`
-// over the float32 probabilities instead.
+// least weight (ties kept), so a row needs that weight, not its tokens in order. Its likeliest tokens
+// are gathered above a floor in one pass that also sums every weight (collect_candidates; the floor is
+// lowered only where the cut may reach below it, kCutFloors; top-k's floor rises as the pass goes,
+// raise_floor); top-k's least weight is their k-th (nth_element), top-p's is found by partitioning
+// them around pivots by their masses (top_p_least), min-p's is min_p itself, the likeliest token
+// weighing 1. The token drawn is found among the kept ones the same way (token_reaching), not by
+// sorting them. `_draw_from_top` runs `topk` over the float32 probabilities instead.
 
-// Where a top-p row's candidates start: 2^-13 holds chat rows' sets but for a long tail, 2^-20 and
-// 2^-30 nearly every set; 0: every token of positive weight.
-constexpr float kCutFloors[] = {0x1p-13f, 0x1p-20f, 0x1p-30f, 0.0f};
+// Where a top-p row's candidates start: 2^-13 holds most chat rows' sets, 2^-16 those of a longer tail
+// (at temperature 1, p = 0.99), 2^-20 and 2^-30 nearly every set; 0: every token of positive weight.
+constexpr float kCutFloors[] = {0x1p-13f, 0x1p-16f, 0x1p-20f, 0x1p-30f, 0.0f};
 
 // A cut row's candidates: weights and token ids in id order, `count` of them (room for n + 16 each).
 struct Candidates {
@@ -1267,6 +1267,38 @@ float top_p_least(float* w, int64_t count, double target) {
   }
 }
 
+// The token at which the running mass of kept[0, m) (m >= 1, in any order; reordered), taken in the
+// `likelier` order, first reaches `target` (the last token where it never does): a selection, as
+// top_p_least's, that partitions the tokens around one of them a round; the last few are sorted.
+int32_t token_reaching(Kept* kept, int64_t m, double target) {
+  double above = 0.0;  // the mass of the tokens likelier than any still in question: below the target
+  Kept* lo = kept;
+  Kept* hi = kept + m;
+  int32_t last = kept[0].id;
+  while (hi - lo > 32) {
+    const Kept pivot = lo[(hi - lo) / 2];
+    Kept* rest = std::partition(lo, hi, [&pivot](const Kept& a) { return likelier(a, pivot); });
+    double likelier_mass = 0.0;
+    for (const Kept* k = lo; k < rest; ++k) likelier_mass += static_cast<double>(k->w);
+    if (above + likelier_mass >= target) {
+      hi = rest;  // not empty: its mass reaches past `above`
+      continue;
+    }
+    above += likelier_mass + static_cast<double>(pivot.w);  // the pivot is the likeliest of the rest
+    last = pivot.id;
+    if (above >= target) return pivot.id;
+    std::swap(*rest, *std::find_if(rest, hi, [&pivot](const Kept& a) { return a.id == pivot.id; }));
+    lo = rest + 1;
+  }
+  std::sort(lo, hi, likelier);
+  for (const Kept* k = lo; k < hi; ++k) {
+    above += static_cast<double>(k->w);
+    last = k->id;
+    if (above >= target) return last;
+  }
+  return last;
+}
+
 // One cut row's token: its argmax at temperature <= 0 (or 1 / T inf); else what `_top_cut` keeps of
 // its weights (top-k with k in [1, n), then top-p with p < 1 on what top-k keeps, then min-p), drawn
 // at u in the `likelier` order. A row with a NaN or +inf logit draws its last token, as sample_row
@@ -1305,18 +1337,14 @@ int64_t sample_cut_row(const scalar_t* x, int64_t n, float temperature, int64_t 
   }
   least = std::max(least, min_p);
   int64_t m = 0;
-  for (int64_t j = 0; j < c.count; ++j)
-    if (c.w[j] >= least) kept[m++] = Kept{c.w[j], c.id[j]};
-  std::sort(kept, kept + m, likelier);
   double sum = 0.0;
-  for (int64_t j = 0; j < m; ++j) sum += static_cast<double>(kept[j].w);
-  const double target = (1.0 - u) * sum;  // in (0, the kept mass]
-  double running = 0.0;
-  for (int64_t j = 0; j < m; ++j) {
-    running += static_cast<double>(kept[j].w);
-    if (running >= target) return kept[j].id;
+  for (int64_t j = 0; j < c.count; ++j) {
+    if (c.w[j] >= least) {
+      kept[m++] = Kept{c.w[j], c.id[j]};
+      sum += static_cast<double>(c.w[j]);
+    }
   }
-  return kept[m - 1].id;
+  return token_reaching(kept, m, (1.0 - u) * sum);  // the target in (0, the kept mass]
 }
 
 // A cut's per-row values, or nullptr where no row of the batch has that cut (`name` in the refusal).
