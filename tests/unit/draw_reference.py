@@ -5,6 +5,7 @@ The weights are exp((x - max) / T) of the logits as given, 0 below e^-87 as the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -90,3 +91,14 @@ def check_draws(
         assert lower - EDGE * total <= target <= upper + EDGE * total, f"row {r} drew outside its interval"
         near.append(min(abs(target - lower), abs(target - upper)) < EDGE * total)
     return near
+
+
+def masked_rows(block: int, count: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """`count` bfloat16 rows of 3 * block tokens, -inf (a grammar's mask) but for three before, between
+    and after block edges (returned), and `count` uniforms over [0, 1), 0 first (the target at the
+    total: the last token that can be drawn, not the -inf ones after it)."""
+    logits = torch.full((3 * block,), -math.inf)
+    allowed = [block - 1, block, 2 * block + 5]
+    logits[allowed] = torch.tensor([0.2, 1.3, -0.5])
+    uniforms = torch.linspace(0.0, 1.0 - 1e-12, count, dtype=torch.float64)
+    return logits.expand(count, 3 * block).contiguous().bfloat16(), allowed, uniforms

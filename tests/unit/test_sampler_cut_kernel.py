@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from draw_reference import EDGE, Cut, check_draws, row_draws
+from draw_reference import EDGE, Cut, check_draws, masked_rows, row_draws
 from pagedserve.layers import sampler as sampler_module
 from pagedserve.layers.sampler import Sampler
 from pagedserve_kernels import cpu
@@ -194,12 +194,7 @@ def test_top_p_reaching_below_the_floors_gathers_the_tokens_it_needs(
 def test_tokens_of_weight_zero_are_never_drawn_whatever_the_cut() -> None:
     """A grammar's -inf on all but three tokens, across block edges: a top-k, a top-p or a min-p that
     would keep more keeps those three, and uniforms over [0, 1) draw each of them and nothing else."""
-    vocab = 3 * BLOCK
-    logits = torch.full((vocab,), -math.inf)
-    allowed = [BLOCK - 1, BLOCK, 2 * BLOCK + 5]
-    logits[allowed] = torch.tensor([0.2, 1.3, -0.5])
-    uniforms = torch.linspace(0.0, 1.0 - 1e-12, 301, dtype=torch.float64)
-    rows = logits.expand(len(uniforms), vocab).contiguous().bfloat16()
+    rows, allowed, uniforms = masked_rows(BLOCK, 301)
     for cut in (Cut(100), Cut(NONE, 0.9999), Cut(NONE, 1.0, 1e-30), Cut(500, 0.999, 1e-9)):
         ours = draw(rows, torch.full((len(uniforms),), 0.7), uniforms, [cut] * len(uniforms))
         assert set(ours.tolist()) == set(allowed), cut

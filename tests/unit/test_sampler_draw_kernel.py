@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from draw_reference import Cut, check_draws
+from draw_reference import Cut, check_draws, masked_rows
 from pagedserve.layers import sampler as sampler_module
 from pagedserve.layers.sampler import Sampler
 from pagedserve_kernels import cpu
@@ -63,12 +63,7 @@ def test_tokens_of_weight_zero_are_never_drawn_at_any_uniform() -> None:
     """-inf logits (a grammar's mask) before, between and after the tokens that can be drawn, across
     block edges; uniforms spread over [0, 1), 0 among them (the target at the total: the last token
     that can be drawn, not the -inf ones after it)."""
-    vocab = 3 * BLOCK
-    logits = torch.full((vocab,), -math.inf)
-    allowed = [BLOCK - 1, BLOCK, 2 * BLOCK + 5]
-    logits[allowed] = torch.tensor([0.2, 1.3, -0.5])
-    uniforms = torch.linspace(0.0, 1.0 - 1e-12, 1001, dtype=torch.float64)
-    rows = logits.expand(len(uniforms), vocab).contiguous().bfloat16()
+    rows, allowed, uniforms = masked_rows(BLOCK, 1001)
     temperatures = torch.full((len(uniforms),), 0.7)
     ours = cpu.sample_rows(rows, temperatures, uniforms, BLOCK)
     assert set(ours.tolist()) == set(allowed)
