@@ -167,11 +167,11 @@ def test_top_p_reaching_below_the_floors_gathers_the_tokens_it_needs(
     exponent: int, tail: int, top_p: float, floor: float
 ) -> None:
     """One token of weight 1 and a long tail of distinct weights near 2^-exponent: top-p's set ends
-    inside the tail, below the first floor (2^-13), the second (2^-16), the third (2^-20) or the fourth
-    (2^-30), so the row is gathered again lower down. A tail token's share is then below float32's rounding of the
-    cut (EDGE), so the set's end is checked to within EDGE of its mass: the last token kept (u = 0)
-    is where the mass before it stays under p and reaches p with it, and every draw lands in its
-    interval of the kept mass."""
+    inside the tail, below the first floor (2^-13), the second (2^-16), the third (2^-20) or the
+    fourth (2^-30), so the row is gathered again lower down. A tail token's share is then below
+    float32's rounding of the cut (EDGE), so the set's end is checked to within EDGE of its mass: the
+    last token kept (u = 0) is where the mass before it stays under p and reaches p with it, and
+    every draw lands in its interval of the kept mass."""
     logits = torch.empty(tail + 1)
     logits[0] = 0.0
     logits[1:] = -exponent * math.log(2.0) - torch.arange(tail) * 1e-5  # distinct, slowly falling
