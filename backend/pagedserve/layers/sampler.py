@@ -132,8 +132,8 @@ class Sampler:
     the C++ CPU kernel sums in float64 without a float64 copy of the probabilities (~0.3 against
     ~2 ms for 64 rows of 49,152 tokens). `sample_rows`, where given, samples batches that only draw
     (`SamplingTensors.only_draws`) straight from the logits (logits, temperatures with 0 for greedy
-    rows, uniforms, _INVERSION_BLOCK, then top_ks clamped to [1, vocab], top_ps and min_ps, each None
-    where no row has it): the C++ CPU kernel weighs exp((x - max) / T) as it sums, so no float32
+    rows, uniforms, _INVERSION_BLOCK, then top_ks (the kernel clamps them to [1, vocab]), top_ps and
+    min_ps, each None where no row has it): the C++ CPU kernel weighs exp((x - max) / T) as it sums, so no float32
     copy, tempered copy or softmax is made (~0.9 against ~3 ms for 64 bfloat16 rows of 49,152
     tokens), and finds a cut row's set among its likeliest tokens without `topk` (~1.1-1.4 against
     5-16 ms for 64 rows of a chat model's logits at top-p 0.9 or top-k 50); its draws are the torch
@@ -159,9 +159,10 @@ class Sampler:
             greedy_rows = t.temperatures < _GREEDY_EPS
             temperatures = torch.where(greedy_rows, 0.0, t.temperatures.clamp(max=_MAX_TEMPERATURE))
             uniforms = self._uniforms(len(temperatures), t, logits.device)
-            top_ks = t.top_ks.clamp(1, logits.shape[1]) if t.top_ks is not None else None
             return SamplerOutput(
-                self.sample_rows(logits, temperatures, uniforms, _INVERSION_BLOCK, top_ks, t.top_ps, t.min_ps)
+                self.sample_rows(
+                    logits, temperatures, uniforms, _INVERSION_BLOCK, t.top_ks, t.top_ps, t.min_ps
+                )
             )
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_num_logprobs is not None else None

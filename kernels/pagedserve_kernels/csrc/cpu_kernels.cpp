@@ -51,6 +51,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -1134,10 +1135,10 @@ int64_t sample_row(const scalar_t* x, int64_t n, float temperature, int64_t bloc
 // least weight (ties kept), so a row needs that weight, not its tokens in order. Its likeliest tokens
 // are gathered above a floor in one pass that also sums every weight (collect_candidates; the floor is
 // lowered only where the cut may reach below it, kCutFloors; top-k's floor rises as the pass goes,
-// raise_floor); top-k's least weight is their k-th (nth_element), top-p's is found by partitioning
-// them around pivots by their masses (top_p_least), min-p's is min_p itself, the likeliest token
-// weighing 1. The token drawn is found among the kept ones the same way (token_reaching), not by
-// sorting them. `_draw_from_top` runs `topk` over the float32 probabilities instead.
+// raise_floor); top-k's least weight is their k-th (nth_element), top-p's the weight of the token at
+// which their mass, likeliest first, reaches p (token_reaching: a selection, not a sort), min-p's is
+// min_p itself, the likeliest token weighing 1. The token drawn is found among the kept ones by the
+// same selection. `_draw_from_top` runs `topk` over the float32 probabilities instead.
 
 // Where a top-p row's candidates start: 2^-13 holds most chat rows' sets, 2^-16 those of a longer tail
 // (at temperature 1, p = 0.99), 2^-20 and 2^-30 nearly every set; 0: every token of positive weight.
@@ -1235,46 +1236,22 @@ float collect_candidates(const scalar_t* x, int64_t n, float max, float inv_t, f
   return beyond;
 }
 
-// The float64 sum of the weights in [begin, end) of at least `least`.
-double mass(const float* begin, const float* end, float least = 0.0f) {
+// The float64 sum of the weights in [begin, end).
+double mass(const float* begin, const float* end) {
   double sum = 0.0;
-  for (const float* w = begin; w < end; ++w) sum += *w >= least ? static_cast<double>(*w) : 0.0;
+  for (const float* w = begin; w < end; ++w) sum += static_cast<double>(*w);
   return sum;
 }
 
-// Top-p's least kept weight among w[0, count) (in any order; reordered; count >= 1): the weight v of
-// the token at which, the weights taken largest first, the mass before a token first reaches `target`
-// (> 0), so that the weights above v hold less than `target` and those from v up at least (all of them
-// where none do). Each round partitions the weights still in question around one of them and keeps the
-// side v is on.
-float top_p_least(float* w, int64_t count, double target) {
-  double above = 0.0;  // the mass of the weights larger than any still in question: below the target
-  float* lo = w;
-  float* hi = w + count;
-  while (true) {
-    const float pivot = lo[(hi - lo) / 2];
-    float* equal = std::partition(lo, hi, [pivot](float a) { return a > pivot; });
-    float* less = std::partition(equal, hi, [pivot](float a) { return a == pivot; });
-    const double larger = mass(lo, equal), tied = mass(equal, less);
-    if (above + larger >= target) {
-      hi = equal;  // not empty: its mass reaches past `above`
-    } else if (above + larger + tied >= target || less == hi) {
-      return pivot;
-    } else {
-      above += larger + tied;
-      lo = less;
-    }
-  }
-}
-
 // The token at which the running mass of kept[0, m) (m >= 1, in any order; reordered), taken in the
-// `likelier` order, first reaches `target` (the last token where it never does): a selection, as
-// top_p_least's, that partitions the tokens around one of them a round; the last few are sorted.
-int32_t token_reaching(Kept* kept, int64_t m, double target) {
+// `likelier` order, first reaches `target` (> 0; the last token where it never does): top-p's least
+// kept weight is its weight, and the token drawn is it. A selection: each round partitions the tokens
+// still in question around one of them and keeps the side the token is on; the last few are sorted.
+Kept token_reaching(Kept* kept, int64_t m, double target) {
   double above = 0.0;  // the mass of the tokens likelier than any still in question: below the target
   Kept* lo = kept;
   Kept* hi = kept + m;
-  int32_t last = kept[0].id;
+  Kept last = kept[0];
   while (hi - lo > 32) {
     const Kept pivot = lo[(hi - lo) / 2];
     Kept* rest = std::partition(lo, hi, [&pivot](const Kept& a) { return likelier(a, pivot); });
@@ -1285,15 +1262,15 @@ int32_t token_reaching(Kept* kept, int64_t m, double target) {
       continue;
     }
     above += likelier_mass + static_cast<double>(pivot.w);  // the pivot is the likeliest of the rest
-    last = pivot.id;
-    if (above >= target) return pivot.id;
+    last = pivot;
+    if (above >= target) return pivot;
     std::swap(*rest, *std::find_if(rest, hi, [&pivot](const Kept& a) { return a.id == pivot.id; }));
     lo = rest + 1;
   }
   std::sort(lo, hi, likelier);
   for (const Kept* k = lo; k < hi; ++k) {
     above += static_cast<double>(k->w);
-    last = k->id;
+    last = *k;
     if (above >= target) return last;
   }
   return last;
@@ -1328,23 +1305,24 @@ int64_t sample_cut_row(const scalar_t* x, int64_t n, float temperature, int64_t 
     std::nth_element(w, w + k - 1, w + c.count, std::greater<float>());
     least = w[k - 1];
   }
-  if (uses_p) {  // on what top-k keeps, and of its mass
-    int64_t kept = 0;
-    for (int64_t j = 0; j < c.count; ++j)
-      if (c.w[j] >= least) w[kept++] = c.w[j];
-    const double target = static_cast<double>(p) * (has_k ? mass(w, w + kept) : total);
-    least = std::max(least, target > 0.0 ? top_p_least(w, kept, target) : 1.0f);  // p <= 0: the likeliest
-  }
-  least = std::max(least, min_p);
-  int64_t m = 0;
-  double sum = 0.0;
-  for (int64_t j = 0; j < c.count; ++j) {
-    if (c.w[j] >= least) {
-      kept[m++] = Kept{c.w[j], c.id[j]};
-      sum += static_cast<double>(c.w[j]);
+  // the candidates of at least `least`, and their mass
+  const auto keep = [&c, kept](float at_least) {
+    std::pair<int64_t, double> held{0, 0.0};
+    for (int64_t j = 0; j < c.count; ++j) {
+      if (c.w[j] >= at_least) {
+        kept[held.first++] = Kept{c.w[j], c.id[j]};
+        held.second += static_cast<double>(c.w[j]);
+      }
     }
+    return held;
+  };
+  if (uses_p) {  // on what top-k keeps, and of its mass
+    const auto [m, k_mass] = keep(least);
+    const double target = static_cast<double>(p) * (has_k ? k_mass : total);
+    least = std::max(least, target > 0.0 ? token_reaching(kept, m, target).w : 1.0f);  // p <= 0: the likeliest
   }
-  return token_reaching(kept, m, (1.0 - u) * sum);  // the target in (0, the kept mass]
+  const auto [m, kept_mass] = keep(std::max(least, min_p));
+  return token_reaching(kept, m, (1.0 - u) * kept_mass).id;  // the target in (0, the kept mass]
 }
 
 // A cut's per-row values, or nullptr where no row of the batch has that cut (`name` in the refusal).
