@@ -133,11 +133,12 @@ class Sampler:
     ~2 ms for 64 rows of 49,152 tokens). `sample_rows`, where given, samples batches that only draw
     (`SamplingTensors.only_draws`) straight from the logits (logits, temperatures with 0 for greedy
     rows, uniforms, _INVERSION_BLOCK, then top_ks (the kernel clamps them to [1, vocab]), top_ps and
-    min_ps, each None where no row has it): the C++ CPU kernel weighs exp((x - max) / T) as it sums, so no float32
-    copy, tempered copy or softmax is made (~0.9 against ~3 ms for 64 bfloat16 rows of 49,152
-    tokens), and finds a cut row's set among its likeliest tokens without `topk` (~1.1-1.4 against
-    5-16 ms for 64 rows of a chat model's logits at top-p 0.9 or top-k 50); its draws are the torch
-    path's up to float32 rounding, so a seeded row draws the same token whichever path its batch takes."""
+    min_ps, each None where no row has it): the C++ CPU kernel weighs exp((x - max) / T) as it sums,
+    so no float32 copy, tempered copy or softmax is made (~0.9 against ~3 ms for 64 bfloat16 rows of
+    49,152 tokens), and finds a cut row's set among its likeliest tokens without `topk` (~1.1-1.4
+    against 5-16 ms for 64 rows of a chat model's logits at top-p 0.9 or top-k 50); its draws are the
+    torch path's up to float32 rounding, so a seeded row draws the same token whichever path its
+    batch takes."""
 
     def __init__(
         self,
