@@ -156,6 +156,19 @@ def sample_rows(
     return torch.ops.pagedserve_cpu.sample_rows(logits, temperatures, uniforms, block, top_ks, top_ps, min_ps)
 
 
+def logprob_rows(
+    logits: torch.Tensor, tokens: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the sampler reports of raw logits ([rows, n], float32, bfloat16 or float16) for each row's
+    token (int64 [rows], in [0, n)): float32 logprobs and int64 ids [rows, 1 + min(k, n)], the token's
+    then its row's min(k, n) likeliest, most likely first, ties in id order; and int64 ranks [rows], 1 +
+    how many tokens of the row have a greater logprob. The logprobs are `log_softmax(logits.float())`'s
+    up to rounding ((x - max) - log of the float64 sum of exp(x - max), in float32), computed as they
+    are read, never written. A row with a NaN or +inf logit: every logprob NaN, rank 1, its first ids
+    as the top (needs `load()`)."""
+    return torch.ops.pagedserve_cpu.logprob_rows(logits, tokens, k)
+
+
 @functools.cache
 def decode_layers_supported() -> bool:
     """Whether `decode_layers` runs here: a build for a CPU with AVX512-BF16 (needs `load()`)."""

@@ -68,15 +68,29 @@ def test_all_greedy_batch_takes_the_kernel_with_torchs_tokens(logits: torch.Tens
     assert fast.logprobs is None
 
 
+def test_a_greedy_batch_asking_for_logprobs_takes_the_kernel_for_its_tokens(logits: torch.Tensor) -> None:
+    """Logprobs read the logits and change nothing in them: the tokens are still the argmax kernel's,
+    the logprobs those of torch's path (this sampler has no logprob kernel)."""
+    argmax = CountingArgmax()
+    fast = Sampler(seed=0, argmax_rows=argmax)(logits, tensors(max_num_logprobs=2))
+    slow = Sampler(seed=0)(logits, tensors(max_num_logprobs=2))
+    assert argmax.calls == 1
+    assert torch.equal(fast.token_ids, slow.token_ids)
+    assert (
+        fast.logprobs is not None and slow.logprobs is not None and torch.equal(fast.logprobs, slow.logprobs)
+    )
+    assert fast.logprob_token_ids is not None and slow.logprob_token_ids is not None
+    assert torch.equal(fast.logprob_token_ids, slow.logprob_token_ids)
+
+
 @pytest.mark.parametrize(
     "make",
     [
         lambda: tensors(banned_tokens=[(0, [5, 6])]),
-        lambda: tensors(max_num_logprobs=2),
         penalties,
         lambda: tensors(temperatures=torch.tensor([0.0, 0.8, 0.0, 0.0, 0.0, 0.0])),
     ],
-    ids=["banned-token", "logprobs", "penalties", "one-random-row"],
+    ids=["banned-token", "penalties", "one-random-row"],
 )
 def test_other_batches_keep_torchs_path(logits: torch.Tensor, make: Callable[[], SamplingTensors]) -> None:
     """The kernel is not called, and the sampled tokens (and logprobs) are those of a sampler without

@@ -196,7 +196,7 @@ ROWS, VOCAB = 6, 3000
         ({"top_ps": torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0, 1.0])}, True),  # cuts, on some rows
         ({"top_ks": torch.tensor([40, 2**62, 40, 3000, 1, 40])}, True),  # past the vocabulary: none
         ({"min_ps": torch.full((ROWS,), 0.1)}, True),
-        ({"max_num_logprobs": 2}, False),
+        ({"max_num_logprobs": 2}, True),  # read from the logits, which it leaves as they are
         ({"banned_tokens": [(2, [5, 6])]}, False),
         ({"allowed_tokens": [(3, torch.tensor([1, 2, 3]))]}, False),
         ({"logit_biases": [(1, torch.tensor([4]), torch.tensor([2.0]))]}, False),
@@ -215,11 +215,12 @@ ROWS, VOCAB = 6, 3000
         "bias",
     ],
 )
-def test_the_sampler_draws_from_the_logits_only_where_nothing_else_is_asked(
+def test_the_sampler_draws_from_the_logits_wherever_it_leaves_them_unchanged(
     changes: dict[str, object], through_the_kernel: bool
 ) -> None:
-    """Batches that only draw, cut or not, take the kernel, with the uniforms and cuts the torch path
-    would take (the same tokens but near an edge); any logit change or logprobs keeps the torch path."""
+    """Batches that draw from their logits unchanged, cut or not, logprobs or not, take the kernel, with
+    the uniforms and cuts the torch path would take (the same tokens but near an edge); any logit
+    change keeps the torch path."""
     logits = (torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
     draws = CountingDraws()
     for seed in range(5):

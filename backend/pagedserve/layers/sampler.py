@@ -72,32 +72,16 @@ class SamplingTensors:
     logit_biases: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperatures < _GREEDY_EPS).all())
-
-    @property
-    def logits_as_given(self) -> bool:
+    def logits_unchanged(self) -> bool:
         """No row changes its logits (penalties, bans, allowed tokens, biases; a grammar's mask comes
-        before the sampler) or asks for logprobs."""
+        before the sampler): each row takes its argmax or draws from softmax(logits / temperature),
+        cut by its top-k, top-p and min-p where it has them."""
         return (
-            self.max_num_logprobs is None
-            and self.repetition_penalties is None
+            self.repetition_penalties is None
             and not self.banned_tokens
             and not self.allowed_tokens
             and not self.logit_biases
         )
-
-    @property
-    def only_argmax(self) -> bool:
-        """Every row greedy, and nothing to change in the logits or read from them but the argmax (the
-        tensors' side of `SamplingParams.only_argmax`, which the model runner reads before building them)."""
-        return self.logits_as_given and self.all_greedy
-
-    @property
-    def only_draws(self) -> bool:
-        """Some row random and the logits as given: each row takes its argmax or a draw from
-        softmax(logits / temperature), cut by its top-k, top-p and min-p where it has them."""
-        return self.logits_as_given and not self.all_greedy
 
 
 class SampleRows(Protocol):
@@ -117,6 +101,11 @@ class SampleRows(Protocol):
     ) -> torch.Tensor: ...
 
 
+# `Sampler`'s `logprob_rows`: (logits, token ids [rows], k) -> the raw logprobs and ids [rows, 1 + k] (each
+# row's token, then its top k) and the tokens' ranks [rows], as `_gather_logprobs` makes them
+LogprobRows = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [B]
@@ -130,15 +119,19 @@ class Sampler:
     batches (the C++ CPU kernel reads bf16 logits in place: ~0.3 against ~1.1 ms for 64 rows).
     `invert_rows`, where given, draws as `_draw` does (probabilities, uniforms, _INVERSION_BLOCK):
     the C++ CPU kernel sums in float64 without a float64 copy of the probabilities (~0.3 against
-    ~2 ms for 64 rows of 49,152 tokens). `sample_rows`, where given, samples batches that only draw
-    (`SamplingTensors.only_draws`) straight from the logits (logits, temperatures with 0 for greedy
-    rows, uniforms, _INVERSION_BLOCK, then top_ks (the kernel clamps them to [1, vocab]), top_ps and
-    min_ps, each None where no row has it): the C++ CPU kernel weighs exp((x - max) / T) as it sums,
-    so no float32 copy, tempered copy or softmax is made (~0.9 against ~3 ms for 64 bfloat16 rows of
-    49,152 tokens), and finds a cut row's set among its likeliest tokens without `topk` (~1.1-1.4
-    against 5-16 ms for 64 rows of a chat model's logits at top-p 0.9 or top-k 50); its draws are the
-    torch path's up to float32 rounding, so a seeded row draws the same token whichever path its
-    batch takes."""
+    ~2 ms for 64 rows of 49,152 tokens). `sample_rows`, where given, samples batches that draw with
+    their logits unchanged (`SamplingTensors.logits_unchanged`, some row random) straight from the
+    logits (logits, temperatures with 0 for greedy rows, uniforms, _INVERSION_BLOCK, then top_ks (the
+    kernel clamps them to [1, vocab]), top_ps and min_ps, each None where no row has it): the C++ CPU
+    kernel weighs exp((x - max) / T) as it sums, so no float32 copy, tempered copy or softmax is made
+    (~0.9 against ~3 ms for 64 bfloat16 rows of 49,152 tokens), and finds a cut row's set among its
+    likeliest tokens without `topk` (~1.1-1.4 against 5-16 ms for 64 rows of a chat model's logits at
+    top-p 0.9 or top-k 50); its draws are the torch path's up to float32 rounding, so a seeded row
+    draws the same token whichever path its batch takes. `logprob_rows`, where given, makes every
+    batch's logprobs from the raw logits once its tokens are chosen, as `_gather_logprobs` makes them
+    from a float32 log_softmax: the C++ CPU kernel computes each logprob as it reads it (~2 against
+    ~15 ms for 64 bfloat16 rows of 49,152 tokens), and the tokens then take the kernels' paths above
+    too instead of the torch path's."""
 
     def __init__(
         self,
@@ -147,41 +140,57 @@ class Sampler:
         argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
         invert_rows: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
         sample_rows: SampleRows | None = None,
+        logprob_rows: LogprobRows | None = None,
     ) -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)  # on the logits' device
         self.argmax_rows = argmax_rows
         self.invert_rows = invert_rows
         self.sample_rows = sample_rows
+        self.logprob_rows = logprob_rows
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
-        if self.argmax_rows is not None and t.only_argmax:
-            return SamplerOutput(self.argmax_rows(logits))
-        if self.sample_rows is not None and t.only_draws:
-            greedy_rows = t.temperatures < _GREEDY_EPS
+        if t.max_num_logprobs is None:
+            return SamplerOutput(self._token_ids(logits, t))
+        if self.logprob_rows is not None:  # of the logits as given: the tokens' paths leave them so
+            token_ids = self._token_ids(logits, t, keep_logits=True)
+            return SamplerOutput(token_ids, *self.logprob_rows(logits, token_ids, t.max_num_logprobs))
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)  # before the torch path changes `logits`
+        token_ids = self._token_ids(logits, t)
+        return SamplerOutput(token_ids, *_gather_logprobs(raw_logprobs, token_ids, t.max_num_logprobs))
+
+    def logprobs(
+        self, logits: torch.Tensor, token_ids: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The raw logprobs of `token_ids` (one a row of `logits`), then each row's top k, with their
+        ids ([rows, 1 + k] each), and the tokens' ranks [rows]: SamplerOutput's, for any tokens."""
+        if self.logprob_rows is not None:
+            return self.logprob_rows(logits, token_ids, k)
+        return _gather_logprobs(torch.log_softmax(logits.float(), dim=-1), token_ids, k)
+
+    def _token_ids(self, logits: torch.Tensor, t: SamplingTensors, keep_logits: bool = False) -> torch.Tensor:
+        """Each row's token. The torch path changes a float32 `logits` in place, unless `keep_logits`
+        (a copy then)."""
+        greedy_rows = t.temperatures < _GREEDY_EPS
+        num_greedy = int(greedy_rows.sum())  # one read back from the device
+        if t.logits_unchanged and self.argmax_rows is not None and num_greedy == len(greedy_rows):
+            return self.argmax_rows(logits)
+        if t.logits_unchanged and self.sample_rows is not None and num_greedy < len(greedy_rows):
             temperatures = torch.where(greedy_rows, 0.0, t.temperatures.clamp(max=_MAX_TEMPERATURE))
             uniforms = self._uniforms(len(temperatures), t, logits.device)
-            return SamplerOutput(
-                self.sample_rows(
-                    logits, temperatures, uniforms, _INVERSION_BLOCK, t.top_ks, t.top_ps, t.min_ps
-                )
+            return self.sample_rows(
+                logits, temperatures, uniforms, _INVERSION_BLOCK, t.top_ks, t.top_ps, t.min_ps
             )
-        logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_num_logprobs is not None else None
+        logits = logits.clone() if keep_logits and logits.dtype == torch.float32 else logits.float()
         _apply_logit_controls(logits, t)
         if t.repetition_penalties is not None:
             _apply_penalties(logits, t)
-        greedy_rows = t.temperatures < _GREEDY_EPS
-        num_greedy = int(greedy_rows.sum())  # one read back from the device
         if num_greedy == len(greedy_rows):
-            token_ids = _argmax(logits)
-        elif num_greedy:
+            return _argmax(logits)
+        if num_greedy:
             greedy = _argmax(logits)  # before _sample tempers the logits in place
-            token_ids = torch.where(greedy_rows, greedy, self._sample(logits, t))
-        else:  # no greedy row: no argmax over the vocabulary (0.8 ms for 64 rows)
-            token_ids = self._sample(logits, t)
-        if raw_logprobs is None:
-            return SamplerOutput(token_ids)
-        return _gather_logprobs(raw_logprobs, token_ids, t.max_num_logprobs or 0)
+            return torch.where(greedy_rows, greedy, self._sample(logits, t))
+        return self._sample(logits, t)  # no greedy row: no argmax over the vocabulary (0.8 ms for 64 rows)
 
     def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         """Random rows' draws; tempers `logits` in place (the sampler's own: a float32 copy of the
@@ -397,7 +406,9 @@ def _top_cut(
     return kept, inside
 
 
-def _gather_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> SamplerOutput:
+def _gather_logprobs(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sampled token's raw logprob and rank (1 + how many tokens are more likely) and the raw top k.
     The rank counts among the _RANK_WIDTH most likely tokens where the sampled one is among them (all
     those more likely are then), and over the vocabulary only in the other rows: a count over every
@@ -410,8 +421,7 @@ def _gather_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
     if bool(beyond.any()):  # one read back from the device
         rows = beyond.nonzero().squeeze(1)
         ranks[rows] = (raw_logprobs[rows] > sampled[rows]).sum(dim=-1) + 1
-    return SamplerOutput(
-        token_ids,
+    return (
         torch.cat((sampled, top_values[:, :k]), dim=1),
         torch.cat((token_ids.unsqueeze(1), top_ids[:, :k]), dim=1),
         ranks,

@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 # Prompt logprobs run the LM head over every prompt position of a chunk (2,048 by default): a slice
 # of at most this many logits at a time (2**23 float32 values, 32 MiB; 170 rows of a 49,152-token
 # vocabulary) bounds the memory to about three such tensors (the logits, their float32 copy, the
-# log_softmax), whatever the chunk's length.
+# log_softmax; the CPU kernel writes only the logits), whatever the chunk's length.
 PROMPT_LOGPROBS_SLICE_ELEMENTS = 2**23
 
 
@@ -226,6 +226,7 @@ class ModelRunner:
             cpu_kernels.argmax_rows if on_cpu_kernels else None,
             cpu_kernels.invert_rows if on_cpu_kernels else None,
             cpu_kernels.sample_rows if on_cpu_kernels else None,
+            cpu_kernels.logprob_rows if on_cpu_kernels else None,  # and logprobs, computed as read
         )
 
     def _load_model(self) -> LlamaForCausalLM:
@@ -745,18 +746,17 @@ class ModelRunner:
     def _score(self, hidden: torch.Tensor, target_ids: list[int], k: int) -> list[TokenLogprobs]:
         """Each row's log-probability of its target token, with its rank, and the top k: from the raw
         logits in float32, a slice of rows at a time (`PROMPT_LOGPROBS_SLICE_ELEMENTS`)."""
-        targets = torch.tensor(target_ids, device=self.device).unsqueeze(1)
+        targets = torch.tensor(target_ids, device=self.device)
         num_rows = max(1, PROMPT_LOGPROBS_SLICE_ELEMENTS // self.vocab_size)
         values, ids, ranks = [], [], []
         for begin in range(0, len(target_ids), num_rows):
             logits = self.model.compute_logits(hidden[begin : begin + num_rows])
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            target = targets[begin : begin + num_rows]
-            chosen = logprobs.gather(1, target)
-            top_values, top_ids = logprobs.topk(k, dim=-1)
-            values.append(torch.cat((chosen, top_values), dim=1))
-            ids.append(torch.cat((target, top_ids), dim=1))
-            ranks.append((logprobs > chosen).sum(dim=-1) + 1)
+            slice_values, slice_ids, slice_ranks = self.sampler.logprobs(
+                logits, targets[begin : begin + num_rows], k
+            )
+            values.append(slice_values)
+            ids.append(slice_ids)
+            ranks.append(slice_ranks)
         rows = zip(
             torch.cat(ids).tolist(), torch.cat(values).tolist(), torch.cat(ranks).tolist(), strict=True
         )
