@@ -1,6 +1,6 @@
-"""Greedy sampling through the C++ argmax (`Sampler(argmax_rows=...)`): taken only for batches where
-every row is greedy and nothing else touches the logits, and then the same tokens as torch's path;
-every other batch (a banned token, logprobs, penalties, a random row) keeps torch's path."""
+"""Greedy sampling through the C++ argmax (`Sampler(argmax_rows=...)`): taken for batches where every row
+is greedy, on the raw logits or on the float32 copy that bans and penalties change (logprobs change
+nothing), and then the same tokens as torch's path; a batch with a random row does not take it."""
 
 from __future__ import annotations
 
@@ -41,21 +41,27 @@ def tensors(**changes: object) -> SamplingTensors:
 
 
 def penalties() -> SamplingTensors:
+    """Each row's two likeliest tokens seen (the logits fixture's), the first in the output too, their
+    positive logits divided by a million: every row's argmax moves to its third likeliest."""
+    top = logits_of_seed().topk(2, dim=-1).indices
     return tensors(
-        repetition_penalties=torch.full((ROWS,), 1.3),
-        presence_penalties=torch.zeros(ROWS),
-        frequency_penalties=torch.zeros(ROWS),
-        prompt_token_ids=torch.randint(0, VOCAB, (ROWS, 5)),
-        output_token_ids=torch.randint(0, VOCAB, (ROWS, 3)),
+        repetition_penalties=torch.full((ROWS,), 1e6),
+        presence_penalties=torch.full((ROWS,), 0.5),
+        frequency_penalties=torch.full((ROWS,), 0.5),
+        prompt_token_ids=top,
+        output_token_ids=top[:, :1],
     )
+
+
+def logits_of_seed() -> torch.Tensor:
+    out = torch.randn(ROWS, VOCAB, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)) * 5
+    out[1, [10, 2000]] = 40.0  # a tie: the first wins either way
+    return out
 
 
 @pytest.fixture
 def logits() -> torch.Tensor:
-    torch.manual_seed(0)
-    out = torch.randn(ROWS, VOCAB, dtype=torch.bfloat16) * 5
-    out[1, [10, 2000]] = 40.0  # a tie: the first wins either way
-    return out
+    return logits_of_seed()
 
 
 def test_all_greedy_batch_takes_the_kernel_with_torchs_tokens(logits: torch.Tensor) -> None:
@@ -84,29 +90,43 @@ def test_a_greedy_batch_asking_for_logprobs_takes_the_kernel_for_its_tokens(logi
 
 
 @pytest.mark.parametrize(
-    "make",
-    [
-        lambda: tensors(banned_tokens=[(0, [5, 6])]),
-        penalties,
-        lambda: tensors(temperatures=torch.tensor([0.0, 0.8, 0.0, 0.0, 0.0, 0.0])),
-    ],
-    ids=["banned-token", "penalties", "one-random-row"],
+    "make", [lambda: tensors(banned_tokens=[(0, [5, 6])]), penalties], ids=["banned-token", "penalties"]
 )
-def test_other_batches_keep_torchs_path(logits: torch.Tensor, make: Callable[[], SamplingTensors]) -> None:
-    """The kernel is not called, and the sampled tokens (and logprobs) are those of a sampler without
-    it, the same seed drawing the random row."""
+def test_greedy_batches_with_changed_logits_take_the_kernel_on_the_changed_copy(
+    logits: torch.Tensor, make: Callable[[], SamplingTensors]
+) -> None:
+    """The kernel reads the float32 copy that bans and penalties change: torch's tokens, and the logits
+    passed in (bfloat16) untouched."""
+    before = logits.clone()
+    argmax = CountingArgmax()
+    with_kernel = Sampler(seed=0, argmax_rows=argmax)(logits, make())
+    without = Sampler(seed=0)(logits, make())
+    assert argmax.calls == 1
+    assert torch.equal(with_kernel.token_ids, without.token_ids)
+    assert torch.equal(logits, before)
+
+
+def test_penalties_move_every_row_s_argmax_through_the_kernel(logits: torch.Tensor) -> None:
+    """Not a batch the raw argmax would answer: each row's token is its third likeliest."""
+    out = Sampler(seed=0, argmax_rows=cpu.argmax_rows)(logits, penalties())
+    third = logits.float().topk(3, dim=-1)
+    assert bool((third.values[:, 2] > 0.5).all())  # above what is left of the two penalized
+    assert out.token_ids.tolist() == third.indices[:, 2].tolist()
+
+
+def test_a_batch_with_a_random_row_keeps_torch_s_path(logits: torch.Tensor) -> None:
+    """No argmax kernel for its greedy rows (a sampler without a draw kernel): the same tokens as a
+    sampler without it, the same seed drawing the random row."""
+    make = lambda: tensors(temperatures=torch.tensor([0.0, 0.8, 0.0, 0.0, 0.0, 0.0]))  # noqa: E731
     argmax = CountingArgmax()
     with_kernel = Sampler(seed=0, argmax_rows=argmax)(logits, make())
     without = Sampler(seed=0)(logits, make())
     assert argmax.calls == 0
     assert torch.equal(with_kernel.token_ids, without.token_ids)
-    if without.logprobs is not None:
-        assert with_kernel.logprobs is not None
-        assert torch.equal(with_kernel.logprobs, without.logprobs)
 
 
 def test_banned_token_still_banned_in_a_greedy_batch(logits: torch.Tensor) -> None:
-    """Row 1's maximum (token 10) is banned: torch's path picks its tie at 2000."""
+    """Row 1's maximum (token 10) is banned: the kernel, on the changed copy, picks its tie at 2000."""
     argmax = CountingArgmax()
     out = Sampler(seed=0, argmax_rows=argmax)(logits, tensors(banned_tokens=[(1, [10])]))
-    assert out.token_ids.tolist()[1] == 2000 and argmax.calls == 0
+    assert out.token_ids.tolist()[1] == 2000 and argmax.calls == 1

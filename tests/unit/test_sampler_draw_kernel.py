@@ -184,6 +184,13 @@ class CountingDraws:
 
 
 ROWS, VOCAB = 6, 3000
+PENALTIES = {
+    "repetition_penalties": torch.full((ROWS,), 1.5),
+    "presence_penalties": torch.full((ROWS,), 0.3),
+    "frequency_penalties": torch.full((ROWS,), 0.2),
+    "prompt_token_ids": torch.arange(ROWS * 40).view(ROWS, 40) * 7 % VOCAB,
+    "output_token_ids": torch.arange(ROWS * 10).view(ROWS, 10) * 11 % VOCAB,
+}
 
 
 @pytest.mark.parametrize(
@@ -197,9 +204,10 @@ ROWS, VOCAB = 6, 3000
         ({"top_ks": torch.tensor([40, 2**62, 40, 3000, 1, 40])}, True),  # past the vocabulary: none
         ({"min_ps": torch.full((ROWS,), 0.1)}, True),
         ({"max_num_logprobs": 2}, True),  # read from the logits, which it leaves as they are
-        ({"banned_tokens": [(2, [5, 6])]}, False),
-        ({"allowed_tokens": [(3, torch.tensor([1, 2, 3]))]}, False),
-        ({"logit_biases": [(1, torch.tensor([4]), torch.tensor([2.0]))]}, False),
+        ({"banned_tokens": [(2, [5, 6])]}, True),  # these change a float32 copy, which the kernel reads
+        ({"allowed_tokens": [(3, torch.tensor([1, 2, 3]))]}, True),
+        ({"logit_biases": [(1, torch.tensor([4]), torch.tensor([2.0]))]}, True),
+        (PENALTIES, True),
     ],
     ids=[
         "temperature",
@@ -213,14 +221,15 @@ ROWS, VOCAB = 6, 3000
         "bans",
         "allowed",
         "bias",
+        "penalties",
     ],
 )
-def test_the_sampler_draws_from_the_logits_wherever_it_leaves_them_unchanged(
+def test_the_sampler_draws_through_the_kernel_whenever_a_row_is_random(
     changes: dict[str, object], through_the_kernel: bool
 ) -> None:
-    """Batches that draw from their logits unchanged, cut or not, logprobs or not, take the kernel, with
-    the uniforms and cuts the torch path would take (the same tokens but near an edge); any logit
-    change keeps the torch path."""
+    """Batches with a random row take the kernel, cut or not, logprobs or not, on the logits as the
+    rows' controls and penalties change them (a float32 copy), with the uniforms and cuts the torch
+    path would take: the same tokens but near an edge. All-greedy batches do not."""
     logits = (torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
     draws = CountingDraws()
     for seed in range(5):
@@ -230,6 +239,10 @@ def test_the_sampler_draws_from_the_logits_wherever_it_leaves_them_unchanged(
         if not through_the_kernel:
             assert torch.equal(with_kernel.token_ids, without.token_ids)
             continue
+        drawn_from = logits.float()  # what the rows draw from: the logits as their changes leave them
+        sampler_module._apply_logit_controls(drawn_from, tensors)
+        if tensors.repetition_penalties is not None:
+            sampler_module._apply_penalties(drawn_from, tensors)
         uniforms = Sampler(seed)._uniforms(ROWS, tensors, torch.device("cpu"))
         differ = with_kernel.token_ids != without.token_ids
         random = (tensors.temperatures >= 1e-5).nonzero().flatten().tolist()  # the others take the argmax
@@ -239,7 +252,7 @@ def test_the_sampler_draws_from_the_logits_wherever_it_leaves_them_unchanged(
         cuts: list[Cut | None] = [Cut(ks[r], ps[r], min_ps[r]) for r in random]
         near = check_draws(
             with_kernel.token_ids[random],
-            logits[random],
+            drawn_from[random],
             tensors.temperatures[random],
             uniforms[random],
             cuts,

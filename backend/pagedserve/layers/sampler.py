@@ -115,23 +115,22 @@ class SamplerOutput:
 
 
 class Sampler:
-    """`argmax_rows`, where given, replaces `max(dim=-1).indices` on the raw logits of all-greedy
-    batches (the C++ CPU kernel reads bf16 logits in place: ~0.3 against ~1.1 ms for 64 rows).
-    `invert_rows`, where given, draws as `_draw` does (probabilities, uniforms, _INVERSION_BLOCK):
-    the C++ CPU kernel sums in float64 without a float64 copy of the probabilities (~0.3 against
-    ~2 ms for 64 rows of 49,152 tokens). `sample_rows`, where given, samples batches that draw with
-    their logits unchanged (`SamplingTensors.logits_unchanged`, some row random) straight from the
-    logits (logits, temperatures with 0 for greedy rows, uniforms, _INVERSION_BLOCK, then top_ks (the
-    kernel clamps them to [1, vocab]), top_ps and min_ps, each None where no row has it): the C++ CPU
-    kernel weighs exp((x - max) / T) as it sums, so no float32 copy, tempered copy or softmax is made
-    (~0.9 against ~3 ms for 64 bfloat16 rows of 49,152 tokens), and finds a cut row's set among its
-    likeliest tokens without `topk` (~1.1-1.4 against 5-16 ms for 64 rows of a chat model's logits at
-    top-p 0.9 or top-k 50); its draws are the torch path's up to float32 rounding, so a seeded row
-    draws the same token whichever path its batch takes. `logprob_rows`, where given, makes every
-    batch's logprobs from the raw logits once its tokens are chosen, as `_gather_logprobs` makes them
-    from a float32 log_softmax: the C++ CPU kernel computes each logprob as it reads it (~2 against
-    ~15 ms for 64 bfloat16 rows of 49,152 tokens), and the tokens then take the kernels' paths above
-    too instead of the torch path's."""
+    """Each batch's tokens come from its logits as the rows' logit controls and penalties change them
+    (a float32 copy, where some row has them), through the kernels where given. `argmax_rows` replaces
+    `max(dim=-1).indices` for all-greedy batches (the C++ CPU kernel reads bf16 logits in place: ~0.3
+    against ~1.1 ms for 64 rows). `invert_rows` draws as `_draw` does (probabilities, uniforms,
+    _INVERSION_BLOCK): the C++ CPU kernel sums in float64 without a float64 copy of the probabilities
+    (~0.3 against ~2 ms for 64 rows of 49,152 tokens). `sample_rows` samples batches with a random
+    row straight from the logits (logits, temperatures with 0 for greedy rows, uniforms,
+    _INVERSION_BLOCK, then top_ks (the kernel clamps them to [1, vocab]), top_ps and min_ps, each None
+    where no row has it): the C++ CPU kernel weighs exp((x - max) / T) as it sums, so no float32 copy,
+    tempered copy or softmax is made (~0.9 against ~3 ms for 64 bfloat16 rows of 49,152 tokens), and
+    finds a cut row's set among its likeliest tokens without `topk` (~1.1-1.4 against 5-16 ms for 64
+    rows of a chat model's logits at top-p 0.9 or top-k 50); its draws are the torch path's up to
+    float32 rounding, so a seeded row draws the same token whichever path its batch takes.
+    `logprob_rows` makes every batch's logprobs from the raw logits once its tokens are chosen, as
+    `_gather_logprobs` makes them from a float32 log_softmax: the C++ CPU kernel computes each logprob
+    as it reads it (~2 against ~15 ms for 64 bfloat16 rows of 49,152 tokens)."""
 
     def __init__(
         self,
@@ -169,26 +168,29 @@ class Sampler:
         return _gather_logprobs(torch.log_softmax(logits.float(), dim=-1), token_ids, k)
 
     def _token_ids(self, logits: torch.Tensor, t: SamplingTensors, keep_logits: bool = False) -> torch.Tensor:
-        """Each row's token. The torch path changes a float32 `logits` in place, unless `keep_logits`
-        (a copy then)."""
+        """Each row's token: greedy rows' argmax, the others' draws, from the logits as the rows' logit
+        controls and penalties change them, in a float32 copy (in `logits` itself where it is float32,
+        unless `keep_logits`). The kernels, where given, take the changed logits as they take raw ones."""
+        changed = not t.logits_unchanged
+        if changed:
+            logits = _writable(logits, keep_logits)
+            _apply_logit_controls(logits, t)
+            if t.repetition_penalties is not None:
+                _apply_penalties(logits, t)
         greedy_rows = t.temperatures < _GREEDY_EPS
         num_greedy = int(greedy_rows.sum())  # one read back from the device
-        if t.logits_unchanged and self.argmax_rows is not None and num_greedy == len(greedy_rows):
-            return self.argmax_rows(logits)
-        if t.logits_unchanged and self.sample_rows is not None and num_greedy < len(greedy_rows):
+        if num_greedy == len(greedy_rows):
+            return self.argmax_rows(logits) if self.argmax_rows is not None else _argmax(logits)
+        if self.sample_rows is not None:
             temperatures = torch.where(greedy_rows, 0.0, t.temperatures.clamp(max=_MAX_TEMPERATURE))
             uniforms = self._uniforms(len(temperatures), t, logits.device)
             return self.sample_rows(
                 logits, temperatures, uniforms, _INVERSION_BLOCK, t.top_ks, t.top_ps, t.min_ps
             )
-        logits = logits.clone() if keep_logits and logits.dtype == torch.float32 else logits.float()
-        _apply_logit_controls(logits, t)
-        if t.repetition_penalties is not None:
-            _apply_penalties(logits, t)
-        if num_greedy == len(greedy_rows):
-            return _argmax(logits)
+        if not changed:  # _sample tempers its logits in place
+            logits = _writable(logits, keep_logits)
         if num_greedy:
-            greedy = _argmax(logits)  # before _sample tempers the logits in place
+            greedy = _argmax(logits)  # before _sample tempers the logits
             return torch.where(greedy_rows, greedy, self._sample(logits, t))
         return self._sample(logits, t)  # no greedy row: no argmax over the vocabulary (0.8 ms for 64 rows)
 
@@ -253,6 +255,12 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     residual = torch.minimum(targets - before, inner_cdf[:, -1])  # the two sums' orders differ
     token_ids = block * _INVERSION_BLOCK + torch.searchsorted(inner_cdf, residual.unsqueeze(1)).squeeze(1)
     return token_ids.clamp_(max=vocab - 1)
+
+
+def _writable(logits: torch.Tensor, keep: bool) -> torch.Tensor:
+    """The logits as float32 that the sampler may change in place: a copy, but a float32 `logits`
+    itself unless `keep`."""
+    return logits.clone() if keep and logits.dtype == torch.float32 else logits.float()
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
