@@ -8,7 +8,7 @@
     python bench/throughput.py --peers pagedserve,vllm --vllm-python VENV/bin/python --rounds 3
 
 Peers (same model, dtype, prompt token ids and forced output lengths; greedy, or sampled at --temperature
-with --top-k and --top-p):
+with --top-k and --top-p; --repetition-penalty for either):
 
 - pagedserve      `LLM.generate` over all requests at once (continuous batching, paged KV cache)
 - hf-sequential   transformers `generate`, one request at a time
@@ -35,8 +35,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import platform
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -53,30 +55,45 @@ OPTIONAL_PEERS = ("vllm",)  # run only when asked for
 @dataclass(frozen=True)
 class Sampling:
     """How every peer picks its tokens: greedy at temperature 0, else sampled at `temperature`, cut by
-    top-k (0: off) and top-p (1: off), as each engine defines them."""
+    top-k (0: off) and top-p (1: off), after a repetition penalty (1: off) on every token of the prompt
+    and output, as each engine defines them (vLLM's, transformers' and pagedserve's definitions agree:
+    a seen token's positive logit divided by it, a negative one multiplied)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    repetition_penalty: float = 1.0
 
     def __str__(self) -> str:
+        penalty = f", repetition penalty {self.repetition_penalty:g}" if self.repetition_penalty != 1 else ""
         if self.temperature == 0:
-            return "greedy"
+            return "greedy" + penalty
         cuts = ([f"top-k {self.top_k}"] if self.top_k else []) + (
             [f"top-p {self.top_p:g}"] if self.top_p < 1 else []
         )
-        return f"sampled at temperature {self.temperature:g}" + "".join(f", {cut}" for cut in cuts)
+        return f"sampled at temperature {self.temperature:g}" + "".join(f", {cut}" for cut in cuts) + penalty
 
     def engine_kwargs(self) -> dict[str, Any]:
         """pagedserve's and vLLM's SamplingParams arguments (top_k 0 is off in both)."""
-        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+        return {
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
 
     def hf(self) -> dict[str, Any]:
-        """`generate` and GenerationConfig arguments: every cut set, so that none comes from the model's
-        generation config."""
+        """`generate` and GenerationConfig arguments: every cut and the penalty set, so that none comes
+        from the model's generation config."""
         if self.temperature == 0:
-            return {"do_sample": False}
-        return {"do_sample": True, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+            return {"do_sample": False, "repetition_penalty": self.repetition_penalty}
+        return {
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
 
 
 GREEDY = Sampling()
@@ -372,6 +389,20 @@ def run_hf_static(
 
 
 @torch.no_grad()  # not inference_mode: the manager updates its static tensors in place outside it
+class DroppedProcessors(logging.Handler):
+    """The logits processors transformers' continuous batching drops as unsupported (it logs each on its
+    "ContinuousBatchingLogger"; the repetition penalty's among them in transformers 5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = re.match(r"Processor (\w+) isn't supported by CB\. Dropping it", record.getMessage())
+        if found:
+            self.names.append(found[1])
+
+
 def run_hf_continuous(
     model: Any,
     pad_id: int,
@@ -397,6 +428,9 @@ def run_hf_continuous(
         max_new_tokens=max(lengths), eos_token_id=-1, pad_token_id=pad_id, **sampling.hf()
     )
     hints = WorkloadHints(max(len(p) for p in prompts), max(lengths), len(prompts))
+    dropped = DroppedProcessors()
+    cb_logger = logging.getLogger("ContinuousBatchingLogger")
+    cb_logger.addHandler(dropped)
     setup = time.perf_counter()
     with model.continuous_batching_context_manager(
         generation_config=config,
@@ -422,10 +456,13 @@ def run_hf_continuous(
         seconds = time.perf_counter() - start
     succeeded = [r for r in results.values() if r.error is None]
     num_tokens = sum(len(r.generated_tokens) for r in succeeded)
+    cb_logger.removeHandler(dropped)
     note = (
         f"manager setup {setup:.1f} s not timed; {cb_config.num_blocks} KV blocks of {cb_config.page_size}; "
         f"attention {model.config._attn_implementation}"
     )
+    if dropped.names:  # e.g. the repetition penalty's: these tokens were chosen without it
+        note += f"; not applied: {', '.join(sorted(set(dropped.names)))} (dropped by transformers' continuous batching)"
     if len(prompts) < total:
         note += f"; timed {len(prompts)} of {total} requests"
     if len(succeeded) < len(request_ids):
@@ -596,6 +633,12 @@ def parse_args() -> argparse.Namespace:
         "--top-p", type=float, default=1.0, help="top-p of every sampling peer (1: off, the default)"
     )
     parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="every peer's repetition penalty over prompt and output tokens, greedy or sampled (1: off)",
+    )
+    parser.add_argument(
         "--device",
         help="cpu, cuda or cuda:N, for every peer (default: cuda where a GPU is visible, else cpu)",
     )
@@ -647,6 +690,8 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--top-k: 0 (off) or a positive number of tokens, got {args.top_k}")
     if not 0 < args.top_p <= 1:
         parser.error(f"--top-p: above 0 and at most 1 (off), got {args.top_p}")
+    if not 0 < args.repetition_penalty < float("inf"):
+        parser.error(f"--repetition-penalty: a finite number above 0 (1: off), got {args.repetition_penalty}")
     if args.temperature == 0 and (args.top_k or args.top_p < 1):
         parser.error("--top-k and --top-p cut a sampled distribution: give --temperature above 0 too")
     if args.device is None:
@@ -665,7 +710,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     peers = args.peers.split(",")
-    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     path = resolve_model_path(args.model)
     model, tokenizer = load_hf_model(path, getattr(torch, args.dtype), args.device)
     requests = build_workload(args.workload, args.num_requests, args.seed)

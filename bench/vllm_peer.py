@@ -7,9 +7,10 @@ imports vLLM and the standard library only.
 Protocol, one JSON object a line: the first line on stdin is the engine's settings
 (`{"model": ..., "dtype": ..., "llm_kwargs": {...}}`); the script builds `vllm.LLM`, warms it up and
 answers `{"ready": true, "version": ...}`. Each later line is a round (`{"prompts": [[ids]],
-"lengths": [n], "sampling": {"temperature": t, "top_k": k, "top_p": p}}`): the prefix cache is reset,
-every prompt runs with `ignore_eos` and exactly its forced length, greedy (t 0, the default) or
-sampled at t with vLLM's top-k and top-p (0 and 1: off), and the answer is
+"lengths": [n], "sampling": {"temperature": t, "top_k": k, "top_p": p, "repetition_penalty": r}}`): the
+prefix cache is reset, every prompt runs with `ignore_eos` and exactly its forced length, greedy (t 0,
+the default) or sampled at t with vLLM's top-k and top-p (0 and 1: off), after its repetition penalty
+r (1: off), and the answer is
 `{"num_output_tokens": ..., "seconds": ...}`. vLLM logs to stdout, so the answers go to a private copy
 of it and everything else to stderr.
 """
