@@ -37,20 +37,7 @@ def sampler_call_ms(
 
     rows = 64
     logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
-    tensors = SamplingTensors(
-        temperatures=torch.full((rows,), temperature),
-        top_ks=None,
-        top_ps=None,
-        min_ps=None,
-        repetition_penalties=None,
-        presence_penalties=None,
-        frequency_penalties=None,
-        prompt_token_ids=None,
-        output_token_ids=None,
-        banned_tokens=[],
-        seeded_rows=[],
-        max_num_logprobs=logprobs,
-    )
+    tensors = SamplingTensors(temperatures=torch.full((rows,), temperature), max_num_logprobs=logprobs)
     times = []
     for _ in range(repeats + 3):
         start = time.perf_counter()

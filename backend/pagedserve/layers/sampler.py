@@ -49,23 +49,24 @@ _RANK_WIDTH = 8  # the most likely tokens a sampled token's rank is first counte
 
 @dataclass
 class SamplingTensors:
-    """Per-row parameters of one step's batch of rows to sample (built by the model runner)."""
+    """Per-row parameters of one step's batch of rows to sample (built by the model runner, which gives
+    every field); what is not given is asked for by no row."""
 
     temperatures: torch.Tensor  # [B] float32; 0 = greedy
-    top_ks: torch.Tensor | None  # [B] int64, vocab size where disabled; None if no row uses top-k
-    top_ps: torch.Tensor | None  # [B] float32
-    min_ps: torch.Tensor | None  # [B] float32
+    top_ks: torch.Tensor | None = None  # [B] int64, vocab size where disabled; None if no row uses top-k
+    top_ps: torch.Tensor | None = None  # [B] float32
+    min_ps: torch.Tensor | None = None  # [B] float32
     # penalties, None if no row uses them
-    repetition_penalties: torch.Tensor | None  # [B]
-    presence_penalties: torch.Tensor | None  # [B]
-    frequency_penalties: torch.Tensor | None  # [B]
-    prompt_token_ids: torch.Tensor | None  # [B, P] padded with vocab_size
-    output_token_ids: torch.Tensor | None  # [B, O] padded with vocab_size
+    repetition_penalties: torch.Tensor | None = None  # [B]
+    presence_penalties: torch.Tensor | None = None  # [B]
+    frequency_penalties: torch.Tensor | None = None  # [B]
+    prompt_token_ids: torch.Tensor | None = None  # [B, P] padded with vocab_size
+    output_token_ids: torch.Tensor | None = None  # [B, O] padded with vocab_size
     # (row, token ids) that may not be sampled this step: EOS and stop ids before min_tokens, bad words
-    banned_tokens: list[tuple[int, list[int]]]
+    banned_tokens: list[tuple[int, list[int]]] = field(default_factory=list)
     # (row, seed, output index) for seeded random rows
-    seeded_rows: list[tuple[int, int, int]]
-    max_num_logprobs: int | None  # None when no row asks for logprobs
+    seeded_rows: list[tuple[int, int, int]] = field(default_factory=list)
+    max_num_logprobs: int | None = None  # None when no row asks for logprobs
     # (row, int64 token ids on the device): only these may be sampled (allowed_token_ids); empty where none
     allowed_tokens: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     # (row, token ids, float32 biases): added to the logits (logit_bias); empty where no row has them

@@ -1160,6 +1160,30 @@ struct Kept {
 
 inline bool likelier(const Kept& a, const Kept& b) { return a.w > b.w || (a.w == b.w && a.id < b.id); }
 
+// A thread's room for one row's candidates (n + 16), their selection (n) and the kept ones (n): one a
+// thread, kept across calls (sample_rows' cut rows, logprob_rows), so that it is not faulted in anew.
+struct CandidateRoom {
+  std::vector<float> weights, selection;
+  std::vector<int32_t> ids;
+  std::vector<Kept> kept;
+
+  // Empty candidates with room for a row of n tokens.
+  Candidates fit(int64_t n) {
+    if (ids.size() < static_cast<size_t>(n + 16)) {
+      weights.resize(n + 16);
+      ids.resize(n + 16);
+      selection.resize(n);
+      kept.resize(n);
+    }
+    return Candidates{weights.data(), ids.data(), 0};
+  }
+};
+
+CandidateRoom& thread_room() {
+  thread_local CandidateRoom room;
+  return room;
+}
+
 // Top-k's collection: whenever `cap` candidates are held, the floor rises to the k-th largest weight
 // among them and those below it go (the rest keep their order): none of them is among the row's k
 // largest. `selection`: room for the candidates' weights.
@@ -1178,6 +1202,23 @@ void raise_floor(Candidates& c, int64_t k, float* selection, float& floor, int64
   cap = std::max(cap, 2 * kept);  // ties of the k-th may keep many more than k
 }
 
+#ifdef PAGEDSERVE_AVX512
+// Appends the lanes of `v` in `keep` (tokens i to i + 15) to `c`, compressed in registers (to memory it
+// is slow on some CPUs) and stored whole; once `cap` are held, raise_floor, and `vfloor` with it.
+inline void add_candidates(Candidates& c, __mmask16 keep, __m512 v, int64_t i, int64_t k, float* selection,
+                           float& floor, int64_t& cap, __m512& vfloor) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i id = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(i)));
+  _mm512_storeu_ps(c.w + c.count, _mm512_maskz_compress_ps(keep, v));
+  _mm512_storeu_si512(c.id + c.count, _mm512_maskz_compress_epi32(keep, id));
+  c.count += __builtin_popcount(keep);
+  if (c.count >= cap) {
+    raise_floor(c, k, selection, floor, cap);
+    vfloor = _mm512_set1_ps(floor);
+  }
+}
+#endif
+
 // Gathers the row's tokens of weight >= floor (> 0 where floor is 0) into `c`, and with k > 0 none
 // below the k-th largest weight it has met (raise_floor). `total`: every weight's sum in float64;
 // returns the largest weight left out below the floor it started from (0: none of positive weight).
@@ -1192,7 +1233,6 @@ float collect_candidates(const scalar_t* x, int64_t n, float max, float inv_t, f
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     (void)scratch, (void)block;
     const __m512 vmax = _mm512_set1_ps(max), vinv = _mm512_set1_ps(inv_t);
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
     __m512 beyond = _mm512_setzero_ps();
     const __m512 vstart = _mm512_set1_ps(start);
@@ -1203,16 +1243,7 @@ float collect_candidates(const scalar_t* x, int64_t n, float max, float inv_t, f
       add_as_doubles(w, lo, hi);
       const __mmask16 keep = _mm512_mask_cmp_ps_mask(m, w, vfloor, _CMP_GE_OQ);
       beyond = _mm512_mask_max_ps(beyond, m & ~_mm512_cmp_ps_mask(w, vstart, _CMP_GE_OQ), beyond, w);
-      if (keep) {  // compressed in registers (to memory it is slow on some CPUs), stored whole
-        const __m512i id = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(i)));
-        _mm512_storeu_ps(c.w + c.count, _mm512_maskz_compress_ps(keep, w));
-        _mm512_storeu_si512(c.id + c.count, _mm512_maskz_compress_epi32(keep, id));
-        c.count += __builtin_popcount(keep);
-        if (c.count >= cap) {
-          raise_floor(c, k, selection, floor, cap);
-          vfloor = _mm512_set1_ps(floor);
-        }
-      }
+      if (keep) add_candidates(c, keep, w, i, k, selection, floor, cap, vfloor);
     }
     total = _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
     return _mm512_reduce_max_ps(beyond);
@@ -1370,23 +1401,14 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures,
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       std::vector<double> cdf((n + block - 1) / block);
       std::vector<float> scratch(std::min(block, n));
-      // a cut row's candidates and selection: kept across calls, so that they are not faulted in anew
-      thread_local std::vector<float> cut_weights, cut_selection;
-      thread_local std::vector<int32_t> cut_ids;
-      thread_local std::vector<Kept> cut_kept;
       for (int64_t r = begin; r < end; ++r) {
         const int64_t k = ks ? std::clamp<int64_t>(ks[r], 1, n) : n;
         const float p = ps ? ps[r] : 1.0f, min_p = mps ? mps[r] : 0.0f;
         if (k < n || p < 1.0f || min_p > 0.0f) {
-          if (cut_ids.size() < static_cast<size_t>(n + 16)) {
-            cut_weights.resize(n + 16);
-            cut_ids.resize(n + 16);
-            cut_selection.resize(n);
-            cut_kept.resize(n);
-          }
-          const Candidates c{cut_weights.data(), cut_ids.data(), 0};
-          index[r] = sample_cut_row(base + r * stride, n, ts[r], k, p, min_p, us[r], c, cut_selection.data(),
-                                    cut_kept.data(), scratch.data(), block);
+          CandidateRoom& room = thread_room();
+          const Candidates c = room.fit(n);
+          index[r] = sample_cut_row(base + r * stride, n, ts[r], k, p, min_p, us[r], c, room.selection.data(),
+                                    room.kept.data(), scratch.data(), block);
         } else {
           index[r] = sample_row(base + r * stride, n, ts[r], block, us[r], cdf.data(), scratch.data());
         }
@@ -1428,28 +1450,20 @@ void logprob_row(const scalar_t* x, int64_t n, int64_t token, int64_t k, Candida
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     const __m512 vmax = _mm512_set1_ps(max), one = _mm512_set1_ps(1.0f);
     __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
-    for (int64_t i = 0; i < n; i += 16) add_as_doubles(weights16(x + i, pagedserve::lanes_below(n - i), vmax, one), lo, hi);
+    for (int64_t i = 0; i < n; i += 16) {
+      add_as_doubles(weights16(x + i, pagedserve::lanes_below(n - i), vmax, one), lo, hi);
+    }
     total = _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
     const float log_total = static_cast<float>(std::log(total));
     const float own = (static_cast<float>(x[token]) - max) - log_total;
     const __m512 vlog = _mm512_set1_ps(log_total), vown = _mm512_set1_ps(own);
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 vfloor = _mm512_set1_ps(floor);
     for (int64_t i = 0; i < n; i += 16) {
       const __mmask16 m = pagedserve::lanes_below(n - i);
       const __m512 lp = _mm512_sub_ps(_mm512_sub_ps(load16(x + i, m), vmax), vlog);
       above += __builtin_popcount(_mm512_mask_cmp_ps_mask(m, lp, vown, _CMP_GT_OQ));
       const __mmask16 keep = k > 0 ? _mm512_mask_cmp_ps_mask(m, lp, vfloor, _CMP_GE_OQ) : 0;
-      if (keep) {
-        const __m512i id = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(i)));
-        _mm512_storeu_ps(c.w + c.count, _mm512_maskz_compress_ps(keep, lp));
-        _mm512_storeu_si512(c.id + c.count, _mm512_maskz_compress_epi32(keep, id));
-        c.count += __builtin_popcount(keep);
-        if (c.count >= cap) {
-          raise_floor(c, k, selection, floor, cap);
-          vfloor = _mm512_set1_ps(floor);
-        }
-      }
+      if (keep) add_candidates(c, keep, lp, i, k, selection, floor, cap, vfloor);
     }
     values[0] = own;
   } else
@@ -1506,19 +1520,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprob_rows(const at::Tensor& lo
   int64_t* rank = ranks.data_ptr<int64_t>();
   with_logits(x, "logprob_rows", [&](auto* base) {
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      // kept across calls, as sample_rows' cut buffers are, so that they are not faulted in anew
-      thread_local std::vector<float> top_weights, top_selection;
-      thread_local std::vector<int32_t> top_ids;
-      thread_local std::vector<Kept> top_kept;
-      if (top_ids.size() < static_cast<size_t>(n + 16)) {
-        top_weights.resize(n + 16);
-        top_ids.resize(n + 16);
-        top_selection.resize(n);
-        top_kept.resize(n);
-      }
-      const Candidates c{top_weights.data(), top_ids.data(), 0};
+      CandidateRoom& room = thread_room();
+      const Candidates c = room.fit(n);
       for (int64_t r = begin; r < end; ++r) {
-        logprob_row(base + r * stride, n, token[r], k, c, top_selection.data(), top_kept.data(), value + r * (1 + k),
+        logprob_row(base + r * stride, n, token[r], k, c, room.selection.data(), room.kept.data(), value + r * (1 + k),
                     id + r * (1 + k), rank[r]);
       }
     });
