@@ -1424,7 +1424,7 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures,
 // row: its maximum, the sum, then each token's logprob, to count those above the given token's (its
 // rank) and to gather the likeliest above a floor that rises as the pass goes (raise_floor); the k
 // likeliest are then sorted among those, ties in id order. torch's log_softmax, `topk` and a count over
-// a float32 copy took ~15 ms a step for 64 rows of 49,152 tokens.
+// a float32 copy took ~7-15 ms a step for 64 rows of 49,152 tokens, this ~1-2 (bench/logprobs.py).
 
 // A row with a NaN or +inf logit (or only -inf ones), whose log_softmax is NaN throughout: every
 // logprob NaN, rank 1, its first k tokens as the top k.
@@ -1489,7 +1489,7 @@ void logprob_row(const scalar_t* x, int64_t n, int64_t token, int64_t k, Candida
   ids[0] = token;
   rank = 1 + above;
   for (int64_t j = 0; j < c.count; ++j) kept[j] = Kept{c.w[j], c.id[j]};
-  std::partial_sort(kept, kept + k, kept + c.count, likelier);  // k <= n <= count: floor only rises to the k-th
+  std::partial_sort(kept, kept + k, kept + c.count, likelier);  // count >= k: the floor rises to the k-th at most
   for (int64_t i = 0; i < k; ++i) values[1 + i] = kept[i].w, ids[1 + i] = kept[i].id;
 }
 
