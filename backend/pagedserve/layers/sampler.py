@@ -151,13 +151,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         if t.max_num_logprobs is None:
             return SamplerOutput(self._token_ids(logits, t))
-        if self.logprob_rows is not None:  # of the logits as given: the tokens' paths leave them so
-            token_ids = self._token_ids(logits, t, keep_logits=True)
-            return SamplerOutput(token_ids, *self.logprob_rows(logits, token_ids, t.max_num_logprobs))
-        logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)  # before the torch path changes `logits`
-        token_ids = self._token_ids(logits, t)
-        return SamplerOutput(token_ids, *_gather_logprobs(raw_logprobs, token_ids, t.max_num_logprobs))
+        token_ids = self._token_ids(logits, t, keep_logits=True)  # the logprobs are of the logits as given
+        return SamplerOutput(token_ids, *self.logprobs(logits, token_ids, t.max_num_logprobs))
 
     def logprobs(
         self, logits: torch.Tensor, token_ids: torch.Tensor, k: int
