@@ -388,7 +388,6 @@ def run_hf_static(
     return PeerResult("hf-static", num_tokens, seconds, note)
 
 
-@torch.no_grad()  # not inference_mode: the manager updates its static tensors in place outside it
 class DroppedProcessors(logging.Handler):
     """The logits processors transformers' continuous batching drops as unsupported (it logs each on its
     "ContinuousBatchingLogger"; the repetition penalty's among them in transformers 5)."""
@@ -403,6 +402,7 @@ class DroppedProcessors(logging.Handler):
             self.names.append(found[1])
 
 
+@torch.no_grad()  # not inference_mode: the manager updates its static tensors in place outside it
 def run_hf_continuous(
     model: Any,
     pad_id: int,

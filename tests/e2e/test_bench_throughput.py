@@ -239,3 +239,28 @@ def test_the_vllm_peer_generates_the_same_tokens_in_its_own_environment(
         assert row["note"].startswith("vllm ") and " CPU-s while idle before this round" in row["note"]
     order = [line.split(" (round")[0] for line in done.stdout.splitlines() if line.startswith("running ")]
     assert order == ["running pagedserve", "running vllm"] * 2
+
+
+def test_the_hf_continuous_peer_runs_without_autograd_and_collects_dropped_processors() -> None:
+    """run_hf_continuous keeps its no_grad decorator (once moved onto the class written above it, the
+    class was decorated, with torch's FutureWarning, and the peer ran with autograd on), and
+    DroppedProcessors collects the processors transformers' log names."""
+    check = (
+        "import inspect, logging, throughput as t\n"
+        "assert inspect.isclass(t.DroppedProcessors)\n"
+        "assert inspect.unwrap(t.run_hf_continuous) is not t.run_hf_continuous\n"
+        "handler = t.DroppedProcessors()\n"
+        "log = logging.getLogger('ContinuousBatchingLogger')\n"
+        "log.addHandler(handler)\n"
+        'log.warning("Processor RepetitionPenaltyLogitsProcessor isn\'t supported by CB. Dropping it.")\n'
+        "log.warning('something else')\n"
+        "assert handler.names == ['RepetitionPenaltyLogitsProcessor'], handler.names\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error::FutureWarning", "-c", check],
+        cwd=BENCH.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
