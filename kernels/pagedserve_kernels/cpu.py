@@ -157,10 +157,10 @@ def sample_rows(
 
 
 def logprob_rows(
-    logits: torch.Tensor, tokens: torch.Tensor, k: int
+    logits: torch.Tensor, tokens: torch.Tensor | None, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the sampler reports of raw logits ([rows, n], float32, bfloat16 or float16) for each row's
-    token (int64 [rows], in [0, n)): float32 logprobs and int64 ids [rows, 1 + min(k, n)], the token's
+    token (int64 [rows], in [0, n); None: each row's argmax, as `argmax_rows` finds it): float32 logprobs and int64 ids [rows, 1 + min(k, n)], the token's
     then its row's min(k, n) likeliest, most likely first, ties in id order; and int64 ranks [rows], 1 +
     how many tokens of the row have a greater logprob. The logprobs are `log_softmax(logits.float())`'s
     up to rounding ((x - max) - log of the float64 sum of exp(x - max), in float32), computed as they

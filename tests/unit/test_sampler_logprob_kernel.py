@@ -112,6 +112,28 @@ def test_a_row_of_nan_or_inf_is_nan_and_stays_in_its_row(bad: float) -> None:
     check_against_torch(logits[keep], tokens[keep], 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_without_tokens_each_row_reports_its_argmax(dtype: torch.dtype) -> None:
+    """No tokens: each row's token is its argmax as `argmax_rows` finds it (the first maximum, NaN
+    first), with the same logprobs, top and rank 1 as that token given."""
+    generator = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 3000, generator=generator) * 4).to(dtype)
+    logits[1, [40, 7, 2999]] = 30.0  # tied maxima: the first
+    logits[2, 1500] = float("nan")
+    logits[3, :] = float("-inf")
+    logits[3, 2000] = 0.0  # all masked but one
+    tokens = cpu.argmax_rows(logits)
+    assert tokens[1] == 7 and tokens[2] == 1500 and tokens[3] == 2000
+    values, ids, ranks = cpu.logprob_rows(logits, None, 5)
+    given = cpu.logprob_rows(logits, tokens, 5)
+    assert torch.equal(ids, given[1]) and torch.equal(ranks, given[2])
+    torch.testing.assert_close(values, given[0], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(ids[:, 0], tokens)
+    keep = torch.tensor([0, 1, 3, 4, 5])
+    check_against_torch(logits[keep], tokens[keep], 5)
+    assert ranks[keep].tolist() == [1] * 5
+
+
 def test_strided_and_row_sliced_logits_read_as_their_contiguous_copy() -> None:
     base = torch.randn(8, 2 * 999, generator=torch.Generator().manual_seed(2))
     for logits in (base[:, ::2], base[2:6, 10:1009]):
@@ -180,9 +202,10 @@ def test_the_sampler_reports_the_raw_logits_logprobs_and_leaves_them_as_they_wer
 
 
 def test_a_batch_asking_for_logprobs_takes_every_kernel() -> None:
-    """Logprobs change nothing in the logits: greedy batches take the argmax kernel, random ones the
-    draw kernel, each with the logprob kernel after it, and their tokens are those of the same batch
-    without logprobs."""
+    """Logprobs change nothing in the logits: random batches take the draw kernel with the logprob
+    kernel after it; greedy ones the logprob kernel alone, which finds each row's argmax as it reads
+    the logits (with a penalty, which changes what the argmax is taken of, the argmax kernel and the
+    logprob kernel after it); their tokens are those of the same batch without logprobs."""
     calls: list[str] = []
 
     def counted(name: str, kernel: object) -> object:
@@ -199,13 +222,28 @@ def test_a_batch_asking_for_logprobs_takes_every_kernel() -> None:
         logprob_rows=counted("logprobs", cpu.logprob_rows),  # type: ignore[arg-type]
     )
     logits = (torch.randn(6, 4000, generator=torch.Generator().manual_seed(4)) * 3).bfloat16()
-    for temperature, kernel in ((0.0, "argmax"), (0.9, "draw")):
+    seeded = [(r, 40 + r, 0) for r in range(6)]
+    penalty = {
+        "repetition_penalties": torch.full((6,), 3.0),
+        "presence_penalties": torch.zeros(6),
+        "frequency_penalties": torch.zeros(6),
+        "prompt_token_ids": logits.float().topk(2, dim=-1).indices,  # each row's likeliest two, penalized
+        "output_token_ids": torch.full((6, 1), 4000),  # none yet (padding)
+    }
+    for temperature, changes, asking, kernel in (
+        (0.0, {}, ["logprobs"], "argmax"),
+        (0.0, penalty, ["argmax", "logprobs"], "argmax"),
+        (0.9, {}, ["draw", "logprobs"], "draw"),
+    ):
         calls.clear()
-        seeded = [(r, 40 + r, 0) for r in range(6)]
-        asked = sampler(logits, sampling_tensors(6, temperature, seeded_rows=seeded, max_num_logprobs=1))
-        plain = sampler(logits, sampling_tensors(6, temperature, seeded_rows=seeded))
-        assert calls == [kernel, "logprobs", kernel]
+        asked = sampler(
+            logits, sampling_tensors(6, temperature, seeded_rows=seeded, max_num_logprobs=1, **changes)
+        )
+        plain = sampler(logits, sampling_tensors(6, temperature, seeded_rows=seeded, **changes))
+        assert calls == [*asking, kernel]
         assert torch.equal(asked.token_ids, plain.token_ids)
+        if changes:  # the penalty moved some row's token off its raw argmax
+            assert not torch.equal(asked.token_ids, cpu.argmax_rows(logits))
         assert asked.logprob_token_ids is not None and torch.equal(
             asked.logprob_token_ids[:, 0], asked.token_ids
         )

@@ -1435,12 +1435,15 @@ void nan_logprob_row(int64_t token, int64_t k, float* values, int64_t* ids, int6
   rank = 1;
 }
 
-// One row: `values` and `ids` [1 + k] (the token, then the k likeliest), its token's rank. `c`: room for
-// n + 16 candidates; `selection`: for n weights; `kept`: for n.
+// One row: `values` and `ids` [1 + k] (the token, then the k likeliest), its token's rank. A negative
+// `token`: the row's argmax, as argmax_row finds it (greedy rows' logprobs in one read of the logits).
+// `c`: room for n + 16 candidates; `selection`: for n weights; `kept`: for n.
 template <typename scalar_t>
 void logprob_row(const scalar_t* x, int64_t n, int64_t token, int64_t k, Candidates c, float* selection, Kept* kept,
                  float* values, int64_t* ids, int64_t& rank) {
-  const float max = static_cast<float>(x[argmax_row(x, n)]);
+  const int64_t top = argmax_row(x, n);
+  if (token < 0) token = top;
+  const float max = static_cast<float>(x[top]);
   if (!std::isfinite(max)) return nan_logprob_row(token, k, values, ids, rank);
   double total = 0.0;
   float floor = -std::numeric_limits<float>::infinity();
@@ -1493,22 +1496,27 @@ void logprob_row(const scalar_t* x, int64_t n, int64_t token, int64_t k, Candida
   for (int64_t i = 0; i < k; ++i) values[1 + i] = kept[i].w, ids[1 + i] = kept[i].id;
 }
 
-// [rows, n] logits (float32, bfloat16 or float16) and int64 tokens [rows] -> float32 logprobs and int64
-// ids [rows, 1 + min(k, n)] (each row's token, then its likeliest min(k, n)) and int64 ranks [rows].
-std::tuple<at::Tensor, at::Tensor, at::Tensor> logprob_rows(const at::Tensor& logits, const at::Tensor& tokens,
-                                                             int64_t k) {
+// [rows, n] logits (float32, bfloat16 or float16) and int64 tokens [rows] (none: each row's argmax) ->
+// float32 logprobs and int64 ids [rows, 1 + min(k, n)] (each row's token, then its likeliest min(k, n))
+// and int64 ranks [rows].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> logprob_rows(const at::Tensor& logits,
+                                                             const std::optional<at::Tensor>& tokens, int64_t k) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logprob_rows: logits [rows, n] with n > 0, got ",
               logits.sizes());
   const int64_t rows = logits.size(0), n = logits.size(1);
   TORCH_CHECK(n <= std::numeric_limits<int32_t>::max(), "logprob_rows: at most 2^31 - 1 tokens a row, got ", n);
-  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == rows && tokens.scalar_type() == at::kLong,
-              "logprob_rows: tokens must be int64 [rows], got ", tokens.scalar_type(), " ", tokens.sizes());
   TORCH_CHECK(k >= 0, "logprob_rows: k must be at least 0, got ", k);
-  const auto t = tokens.contiguous();
-  const int64_t* token = t.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r)
-    TORCH_CHECK(0 <= token[r] && token[r] < n, "logprob_rows: token ", token[r], " of row ", r, " is not in [0, ", n,
-                ")");
+  at::Tensor t;  // undefined: every row takes its argmax
+  if (tokens.has_value()) {
+    TORCH_CHECK(tokens->dim() == 1 && tokens->size(0) == rows && tokens->scalar_type() == at::kLong,
+                "logprob_rows: tokens must be int64 [rows], got ", tokens->scalar_type(), " ", tokens->sizes());
+    t = tokens->contiguous();
+    const int64_t* token = t.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r)
+      TORCH_CHECK(0 <= token[r] && token[r] < n, "logprob_rows: token ", token[r], " of row ", r, " is not in [0, ",
+                  n, ")");
+  }
+  const int64_t* token = t.defined() ? t.data_ptr<int64_t>() : nullptr;
   k = std::min(k, n);
   const auto x = logits.stride(1) == 1 ? logits : logits.contiguous();
   const int64_t stride = x.stride(0);
@@ -1523,8 +1531,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprob_rows(const at::Tensor& lo
       CandidateRoom& room = thread_room();
       const Candidates c = room.fit(n);
       for (int64_t r = begin; r < end; ++r) {
-        logprob_row(base + r * stride, n, token[r], k, c, room.selection.data(), room.kept.data(), value + r * (1 + k),
-                    id + r * (1 + k), rank[r]);
+        logprob_row(base + r * stride, n, token != nullptr ? token[r] : -1, k, c, room.selection.data(),
+                    room.kept.data(), value + r * (1 + k), id + r * (1 + k), rank[r]);
       }
     });
   });
@@ -1576,7 +1584,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def(
       "sample_rows(Tensor logits, Tensor temperatures, Tensor uniforms, int block, Tensor? top_ks=None, "
       "Tensor? top_ps=None, Tensor? min_ps=None) -> Tensor");
-  m.def("logprob_rows(Tensor logits, Tensor tokens, int k) -> (Tensor, Tensor, Tensor)");
+  m.def("logprob_rows(Tensor logits, Tensor? tokens, int k) -> (Tensor, Tensor, Tensor)");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
