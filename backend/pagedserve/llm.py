@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import gc
 import operator
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
@@ -33,13 +34,41 @@ P = TypeVar("P", SamplingParams, PoolingParams)
 LoRARequests = LoRARequest | Seq[LoRARequest | None] | None  # one for all prompts, or one per prompt
 
 
+class _HeapFreeze:
+    """The heap freezes of the live `LLM`s: the heap thaws when the last of them goes, not the first
+    (which would thaw the others' too). Not taken where the caller froze the heap themselves."""
+
+    def __init__(self) -> None:
+        self.holders = 0  # live LLMs that froze the heap
+        self.lock = threading.Lock()  # a finalizer runs in whichever thread drops the last reference
+
+    def freeze(self) -> bool:
+        """Freeze the heap for a new LLM; False where the caller's freeze holds it already."""
+        with self.lock:
+            if self.holders == 0 and gc.get_freeze_count() > 0:
+                return False
+            gc.freeze()
+            self.holders += 1
+            return True
+
+    def thaw(self) -> None:
+        with self.lock:
+            self.holders -= 1
+            if self.holders == 0:
+                gc.unfreeze()
+
+
+_HEAP = _HeapFreeze()
+
+
 class LLM:
     """`model=None` is the embedded default (SmolLM2-135M-Instruct). Keyword arguments are the
     engine settings (`dtype`, `kv_cache_memory`, `max_num_seqs`, `num_kv_blocks`, ...).
 
     Building one freezes the process's heap (`gc.freeze`: the collector's scans skip every object
-    alive then), and freeing it thaws the heap (`gc.unfreeze`, a heap the caller froze too), so that
-    the collector frees the engine's reference cycles then."""
+    alive then), and freeing the last one alive thaws it (`gc.unfreeze`), so that the collector frees
+    the engines' reference cycles then. A heap the caller froze before the first LLM is theirs: it is
+    left as it is, neither frozen further nor thawed."""
 
     def __init__(self, model: str | None = None, **settings: Any) -> None:
         _check_setting_names(settings)
@@ -52,8 +81,8 @@ class LLM:
         # bring one every 3-4 chat rounds (5 a token), 838 ms each, against 6-7 ms frozen. Frozen
         # without a collection first (~0.4-0.8 s): the start-up's cyclic garbage (~200,000 small
         # objects) waits for the thaw.
-        gc.freeze()
-        weakref.finalize(self, gc.unfreeze)
+        if _HEAP.freeze():
+            weakref.finalize(self, _HEAP.thaw)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without `sampling_params`: the model's generation_config.json
