@@ -51,7 +51,8 @@ def build(rows: list[Row], vocab: int) -> SamplingTensors:
     """The sampler's tensors for `rows`, by the conventions of `SamplingTensors` (what the model runner
     builds): an optional tensor only when some row uses it, neutral values in the other rows."""
     floats = lambda values: torch.tensor(values, dtype=torch.float32)  # noqa: E731
-    penalties = any(r.has_penalties for r in rows)
+    repetition = any(r.repetition_penalty != 1.0 for r in rows)
+    counts = any(r.presence_penalty != 0.0 or r.frequency_penalty != 0.0 for r in rows)
 
     def padded(lists: list[tuple[int, ...]]) -> torch.Tensor:
         width = max(1, *(len(ids) for ids in lists))
@@ -65,11 +66,11 @@ def build(rows: list[Row], vocab: int) -> SamplingTensors:
         else None,
         top_ps=floats([r.top_p for r in rows]) if any(r.top_p < 1.0 for r in rows) else None,
         min_ps=floats([r.min_p for r in rows]) if any(r.min_p > 0.0 for r in rows) else None,
-        repetition_penalties=floats([r.repetition_penalty for r in rows]) if penalties else None,
-        presence_penalties=floats([r.presence_penalty for r in rows]) if penalties else None,
-        frequency_penalties=floats([r.frequency_penalty for r in rows]) if penalties else None,
-        prompt_token_ids=padded([r.prompt_ids for r in rows]) if penalties else None,
-        output_token_ids=padded([r.output_ids for r in rows]) if penalties else None,
+        repetition_penalties=floats([r.repetition_penalty for r in rows]) if repetition else None,
+        presence_penalties=floats([r.presence_penalty for r in rows]) if counts else None,
+        frequency_penalties=floats([r.frequency_penalty for r in rows]) if counts else None,
+        prompt_token_ids=padded([r.prompt_ids for r in rows]) if repetition else None,
+        output_token_ids=padded([r.output_ids for r in rows]) if repetition or counts else None,
         banned_tokens=[(i, list(r.banned)) for i, r in enumerate(rows) if r.banned],
         seeded_rows=[
             (i, r.seed, r.index) for i, r in enumerate(rows) if r.seed is not None and r.temperature > 0
@@ -363,6 +364,52 @@ def test_penalties_change_the_seen_tokens_alone_whatever_the_padding() -> None:
         np.testing.assert_allclose(changed[i].numpy(), expected, rtol=1e-6, err_msg=f"row {i}")
         unseen = sorted(set(range(vocab)) - set(row.prompt_ids) - set(row.output_ids))
         assert torch.equal(changed[i, unseen], logits[i, unseen]), f"row {i}"
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [Row(repetition_penalty=1.5, prompt_ids=(0, 3), output_ids=(3, 7, 7)), Row(prompt_ids=(9,))],
+        [Row(presence_penalty=0.5, prompt_ids=(0, 3), output_ids=(3, 7, 7)), Row(frequency_penalty=-1.0)],
+        [Row(frequency_penalty=0.25, output_ids=(49, 49, 2)), Row(repetition_penalty=0.8, output_ids=(5,))],
+    ],
+    ids=["repetition-alone", "presence-and-frequency-alone", "each-in-its-own-row"],
+)
+def test_a_batch_with_one_kind_of_penalty_gets_that_kind_alone(rows: list[Row]) -> None:
+    """The runner gives the repetition penalties (and the prompts' ids) only where some row has one,
+    the presence and frequency penalties only where some row has either: each kind's pass runs alone,
+    and every logit is still the definition's."""
+    vocab = 50
+    tensors = build(rows, vocab)
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(6)) * 3
+    changed = logits.clone()
+    sampler_module._apply_penalties(changed, tensors)
+    for i, row in enumerate(rows):
+        expected = penalized(logits[i].double().numpy(), row)
+        np.testing.assert_allclose(changed[i].numpy(), expected, rtol=1e-6, err_msg=f"row {i}")
+
+
+def test_the_runner_builds_only_the_penalties_some_row_has(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch with repetition penalties alone has no presence or frequency tensors and one with
+    presence alone no repetition tensor and no prompts' ids: the sampler skips what no row asks for."""
+    runner = llm.engine.executor.worker.model_runner  # type: ignore[attr-defined]
+    built: list[SamplingTensors] = []
+    original = runner._sampling_tensors
+
+    def kept(*args: object) -> SamplingTensors:
+        built.append(original(*args))
+        return built[-1]
+
+    monkeypatch.setattr(runner, "_sampling_tensors", kept)
+    llm.generate([[1, 306, 4658]], SamplingParams(temperature=0, max_tokens=2, repetition_penalty=1.3))
+    llm.generate([[1, 306, 4658]], SamplingParams(temperature=0, max_tokens=2, presence_penalty=0.4))
+    assert len(built) == 4  # two steps each
+    repetition, presence = built[0], built[-1]
+    assert repetition.repetition_penalties is not None and repetition.prompt_token_ids is not None
+    assert repetition.presence_penalties is None and repetition.frequency_penalties is None
+    assert presence.presence_penalties is not None and presence.frequency_penalties is not None
+    assert presence.repetition_penalties is None and presence.prompt_token_ids is None
+    assert presence.output_token_ids is not None and presence.penalized and not presence.logits_unchanged
 
 
 @pytest.mark.parametrize("penalty", [1e-300, 5e-324, 1e300])

@@ -56,7 +56,8 @@ class SamplingTensors:
     top_ks: torch.Tensor | None = None  # [B] int64, vocab size where disabled; None if no row uses top-k
     top_ps: torch.Tensor | None = None  # [B] float32
     min_ps: torch.Tensor | None = None  # [B] float32
-    # penalties, None if no row uses them
+    # penalties: repetition None if no row has one; presence and frequency None (both) if no row has
+    # either; the prompts' ids where some row has a repetition penalty, the outputs' where any penalty
     repetition_penalties: torch.Tensor | None = None  # [B]
     presence_penalties: torch.Tensor | None = None  # [B]
     frequency_penalties: torch.Tensor | None = None  # [B]
@@ -73,12 +74,17 @@ class SamplingTensors:
     logit_biases: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property
+    def penalized(self) -> bool:
+        """Some row has a repetition, presence or frequency penalty."""
+        return self.repetition_penalties is not None or self.presence_penalties is not None
+
+    @property
     def logits_unchanged(self) -> bool:
         """No row changes its logits (penalties, bans, allowed tokens, biases; a grammar's mask comes
         before the sampler): each row takes its argmax or draws from softmax(logits / temperature),
         cut by its top-k, top-p and min-p where it has them."""
         return (
-            self.repetition_penalties is None
+            not self.penalized
             and not self.banned_tokens
             and not self.allowed_tokens
             and not self.logit_biases
@@ -183,7 +189,7 @@ class Sampler:
         if changed:
             logits = _writable(logits, keep_logits)
             _apply_logit_controls(logits, t)
-            if t.repetition_penalties is not None:
+            if t.penalized:
                 _apply_penalties(logits, t)
         greedy_rows = t.temperatures < _GREEDY_EPS
         num_greedy = int(greedy_rows.sum())  # one read back from the device
@@ -321,22 +327,41 @@ def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:
     tokens). Repetition (prompt and output): a seen token's positive logit divided by the penalty, its
     negative one multiplied; then frequency and presence (output only), as OpenAI defines them. The
     padding of the id tensors (the vocabulary size) becomes a seen token of its row, written the same
-    value as that token's other places, or, in a row with none, the last token rewritten unchanged."""
-    assert t.prompt_token_ids is not None and t.output_token_ids is not None
-    assert t.presence_penalties is not None and t.frequency_penalties is not None
-    assert t.repetition_penalties is not None
+    value as that token's other places, or, in a row with none, the last token rewritten unchanged.
+    Each kind where some row has it (the other's pass is skipped: ~half the time each)."""
+    assert t.output_token_ids is not None
+    if t.repetition_penalties is not None:
+        assert t.prompt_token_ids is not None
+        _apply_repetition_penalties(logits, t.repetition_penalties, t.prompt_token_ids, t.output_token_ids)
+    if t.presence_penalties is not None:
+        assert t.frequency_penalties is not None
+        _apply_count_penalties(logits, t.presence_penalties, t.frequency_penalties, t.output_token_ids)
+
+
+def _apply_repetition_penalties(
+    logits: torch.Tensor,
+    penalties: torch.Tensor,
+    prompt_token_ids: torch.Tensor,
+    output_token_ids: torch.Tensor,
+) -> None:
     vocab = logits.shape[1]
-    seen = torch.cat((t.prompt_token_ids, t.output_token_ids), dim=1)
+    seen = torch.cat((prompt_token_ids, output_token_ids), dim=1)
     is_seen = seen < vocab
     some = is_seen.any(dim=1, keepdim=True)
     first = seen.gather(1, is_seen.int().argmax(dim=1, keepdim=True))  # a seen token, if the row has one
     seen = torch.where(is_seen, seen, first.clamp(max=vocab - 1))
-    repetition = t.repetition_penalties.clamp(_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY).unsqueeze(1)
+    repetition = penalties.clamp(_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY).unsqueeze(1)
     penalty = torch.where(some, repetition, 1.0)
     values = logits.gather(1, seen)
     logits.scatter_(1, seen, torch.where(values > 0, values / penalty, values * penalty))
-    # frequency and presence: each output token's count, from the row's ids sorted (runs of one id)
-    ids = t.output_token_ids.sort(dim=1).values  # the padding last
+
+
+def _apply_count_penalties(
+    logits: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor, output_token_ids: torch.Tensor
+) -> None:
+    """Frequency and presence: each output token's count, from the row's ids sorted (runs of one id)."""
+    vocab = logits.shape[1]
+    ids = output_token_ids.sort(dim=1).values  # the padding last
     is_output = ids < vocab
     starts = is_output.clone()
     starts[:, 1:] &= ids[:, 1:] != ids[:, :-1]
@@ -345,8 +370,8 @@ def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:
     last = ids.gather(1, (is_output.sum(dim=1, keepdim=True) - 1).clamp(min=0))
     ids = torch.where(is_output, ids, last).clamp(max=vocab - 1)
     values = logits.gather(1, ids)
-    values = values - t.frequency_penalties.unsqueeze(1) * counts
-    logits.scatter_(1, ids, values - t.presence_penalties.unsqueeze(1) * (counts > 0))
+    values = values - frequency.unsqueeze(1) * counts
+    logits.scatter_(1, ids, values - presence.unsqueeze(1) * (counts > 0))
 
 
 def _draw_from_top(

@@ -557,7 +557,8 @@ class ModelRunner:
         use_top_k = any(p.top_k > 0 for p in params)
         use_top_p = any(p.top_p < 1.0 for p in params)
         use_min_p = any(p.min_p > 0.0 for p in params)
-        use_penalties = any(p.has_penalties for p in params)
+        use_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        use_counts = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         controls = self._token_controls(rows, grammar_masks)
         return SamplingTensors(
@@ -567,11 +568,15 @@ class ModelRunner:
             else None,
             top_ps=as_tensor([p.top_p for p in params]) if use_top_p else None,
             min_ps=as_tensor([p.min_p for p in params]) if use_min_p else None,
-            repetition_penalties=as_tensor([p.repetition_penalty for p in params]) if use_penalties else None,
-            presence_penalties=as_tensor([p.presence_penalty for p in params]) if use_penalties else None,
-            frequency_penalties=as_tensor([p.frequency_penalty for p in params]) if use_penalties else None,
-            prompt_token_ids=self._padded_prompts(states) if use_penalties else None,
-            output_token_ids=self._padded([row.output_token_ids for row in rows]) if use_penalties else None,
+            repetition_penalties=as_tensor([p.repetition_penalty for p in params])
+            if use_repetition
+            else None,
+            presence_penalties=as_tensor([p.presence_penalty for p in params]) if use_counts else None,
+            frequency_penalties=as_tensor([p.frequency_penalty for p in params]) if use_counts else None,
+            prompt_token_ids=self._padded_prompts(states) if use_repetition else None,
+            output_token_ids=self._padded([row.output_token_ids for row in rows])
+            if use_repetition or use_counts
+            else None,
             banned_tokens=[(row, banned) for row, (banned, _) in controls.items() if banned],
             seeded_rows=[
                 (i, row.state.params.seed, row.num_output_tokens)
