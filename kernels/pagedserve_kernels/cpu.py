@@ -160,12 +160,12 @@ def logprob_rows(
     logits: torch.Tensor, tokens: torch.Tensor | None, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the sampler reports of raw logits ([rows, n], float32, bfloat16 or float16) for each row's
-    token (int64 [rows], in [0, n); None: each row's argmax, as `argmax_rows` finds it): float32 logprobs and int64 ids [rows, 1 + min(k, n)], the token's
-    then its row's min(k, n) likeliest, most likely first, ties in id order; and int64 ranks [rows], 1 +
-    how many tokens of the row have a greater logprob. The logprobs are `log_softmax(logits.float())`'s
-    up to rounding ((x - max) - log of the float64 sum of exp(x - max), in float32), computed as they
-    are read, never written. A row with a NaN or +inf logit: every logprob NaN, rank 1, its first ids
-    as the top (needs `load()`)."""
+    token (int64 [rows], in [0, n); None: each row's argmax, as `argmax_rows` finds it): float32
+    logprobs and int64 ids [rows, 1 + min(k, n)], the token's then its row's min(k, n) likeliest, most
+    likely first, ties in id order; and int64 ranks [rows], 1 + how many tokens of the row have a
+    greater logprob. The logprobs are `log_softmax(logits.float())`'s up to rounding ((x - max) - log
+    of the float64 sum of exp(x - max), in float32), computed as they are read, never written. A row
+    with a NaN or +inf logit: every logprob NaN, rank 1, its first ids as the top (needs `load()`)."""
     return torch.ops.pagedserve_cpu.logprob_rows(logits, tokens, k)
 
 

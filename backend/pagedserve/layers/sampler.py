@@ -328,7 +328,7 @@ def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:
     negative one multiplied; then frequency and presence (output only), as OpenAI defines them. The
     padding of the id tensors (the vocabulary size) becomes a seen token of its row, written the same
     value as that token's other places, or, in a row with none, the last token rewritten unchanged.
-    Each kind where some row has it (the other's pass is skipped: ~half the time each)."""
+    Each kind's pass runs only where some row has that kind."""
     assert t.output_token_ids is not None
     if t.repetition_penalties is not None:
         assert t.prompt_token_ids is not None
