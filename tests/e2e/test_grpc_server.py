@@ -167,9 +167,9 @@ def test_expired_deadline_returns_deadline_exceeded_and_frees_blocks(server: Ser
         for _ in server.stub.Generate(request(max_tokens=LONG_MAX_TOKENS, request_id="late"), timeout=0.5):
             pass
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    # Either cause: the client's own deadline timer may cancel the call a moment before the server's
-    # expires, and rpc/server.py then counts it as a client cancel (2 deadlines in 30 here; reported).
-    assert_aborted_early(counters, "deadline", "client_cancel")
+    # A deadline, also when the client's own deadline timer cancels the call a moment before the
+    # server's copy expires (rpc/server.py DEADLINE_SLACK_S).
+    assert_aborted_early(counters, "deadline")
     assert len(stream_text(server.stub, request(max_tokens=3, request_id="late"))[1]) == 3
 
 
