@@ -412,6 +412,43 @@ def test_the_runner_builds_only_the_penalties_some_row_has(llm: LLM, monkeypatch
     assert presence.output_token_ids is not None and presence.penalized and not presence.logits_unchanged
 
 
+def test_the_runner_pads_the_penalized_rows_and_keeps_the_prompts_while_the_batch_holds(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step's prompt and output ids are the rows' own, padded with vocab_size to the longest;
+    the prompts' tensor is the last step's exactly when the rows are the same requests."""
+    runner = llm.engine.executor.worker.model_runner  # type: ignore[attr-defined]
+    steps: list[tuple[list[list[int]], list[list[int]], SamplingTensors]] = []
+    original = runner._sampling_tensors
+
+    def kept(rows: list, masks: dict) -> SamplingTensors:  # type: ignore[type-arg]
+        prompts = [list(row.state.token_ids[: row.state.num_prompt_tokens]) for row in rows]
+        steps.append((prompts, [list(row.output_token_ids) for row in rows], original(rows, masks)))
+        return steps[-1][2]
+
+    monkeypatch.setattr(runner, "_sampling_tensors", kept)
+    prompts = [[1, 306, 4658], [1, 22, 33, 44, 55, 66], [1, 9]]
+    llm.generate(
+        prompts,
+        [
+            SamplingParams(temperature=0, max_tokens=n, repetition_penalty=1.3, ignore_eos=True)
+            for n in (2, 5, 5)
+        ],
+    )
+
+    def padded(rows: list[list[int]]) -> list[list[int]]:
+        width = max(1, *map(len, rows))
+        return [row + [runner.vocab_size] * (width - len(row)) for row in rows]
+
+    assert len(steps) == 5 and [len(step[0]) for step in steps] == [3, 3, 2, 2, 2]
+    for prompt_ids, output_ids, tensors in steps:
+        assert tensors.prompt_token_ids is not None and tensors.output_token_ids is not None
+        assert tensors.prompt_token_ids.tolist() == padded(prompt_ids)
+        assert tensors.output_token_ids.tolist() == padded(output_ids)
+    kept_prompts = [a[2].prompt_token_ids is b[2].prompt_token_ids for a, b in zip(steps, steps[1:])]
+    assert kept_prompts == [True, False, True, True]
+
+
 @pytest.mark.parametrize("penalty", [1e-300, 5e-324, 1e300])
 def test_an_extreme_repetition_penalty_keeps_the_row_finite(penalty: float) -> None:
     """A penalty near 0 (0 in float32) divided a seen token's positive logit to inf, a huge one (inf)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import time
 import types
 import weakref
@@ -217,6 +218,9 @@ class ModelRunner:
         # requests owing prompt logprobs -> their prompts; empty (no per-step work) when none asks
         self.prompt_token_ids: dict[str, list[int]] = {}
         self.pooling_request_ids: set[str] = set()  # embedding requests: empty (no work) when none
+        # The last step's padded prompts (for repetition penalties) and the prompt tensors they pad:
+        # the batch's rows stay the same for most steps.
+        self._last_prompts: tuple[list[torch.Tensor], torch.Tensor] | None = None
         on_cpu_kernels = self.device.type == "cpu" and cpu_kernels.load()
         self.sampler = Sampler(
             config.seed,
@@ -641,7 +645,8 @@ class ModelRunner:
 
     def _padded_prompts(self, states: list[RequestState]) -> torch.Tensor:
         """The rows' prompts padded as `_padded`, from each request's own tensor of them: padding lists of
-        ~1,000-token prompts into a tensor took ~3 ms a step for 64 rows."""
+        ~1,000-token prompts into a tensor took ~3 ms a step for 64 rows. The last step's, where its rows
+        had the same prompts (padding the tensors took ~0.6 ms for 64 prompts of 100-1,000 tokens)."""
         prompts = []
         for state in states:
             prompt = state.prompt_ids
@@ -651,14 +656,26 @@ class ModelRunner:
                 if len(ids) == state.num_prompt_tokens:  # the whole prompt (a row samples after it)
                     state.prompt_ids = prompt
             prompts.append(prompt)
+        last = self._last_prompts
+        if last is not None and len(last[0]) == len(prompts) and all(map(operator.is_, last[0], prompts)):
+            return last[1]
         if max(len(prompt) for prompt in prompts) == 0:
-            return self._padded([[] for _ in states])
-        return torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True, padding_value=self.vocab_size)
+            padded = self._padded([[] for _ in states])
+        else:
+            padded = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True, padding_value=self.vocab_size)
+        self._last_prompts = (prompts, padded)
+        return padded
 
     def _padded(self, rows: list[list[int]]) -> torch.Tensor:
-        width = max(1, max(len(r) for r in rows))
-        padded = [r + [self.vocab_size] * (width - len(r)) for r in rows]
-        return torch.tensor(padded, dtype=torch.int64, device=self.device)
+        """`rows` as one tensor, each padded with vocab_size (an id no token has) to the longest, at
+        least 1 wide. Through numpy: torch.tensor of the padded lists took ~1.4 ms for 64 rows of up to
+        128 ids, this ~0.2 ms."""
+        lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+        padded = np.full((len(rows), max(1, int(lengths.max()))), self.vocab_size, np.int64)
+        padded[np.arange(padded.shape[1]) < lengths[:, None]] = np.fromiter(
+            chain.from_iterable(rows), np.int64, int(lengths.sum())
+        )
+        return torch.from_numpy(padded).to(self.device)
 
     def _to_output(
         self,
