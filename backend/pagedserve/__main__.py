@@ -156,11 +156,13 @@ def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from pagedserve import LoRARequest
-    from pagedserve.engine.llm_engine import check_structured_outputs
-    from pagedserve.llm import LLM
 
     settings = settings_from_args(GenerateSettings, args)
     params = settings.sampling_params()
+    # the engine's modules import torch (~3 s): a bad flag is refused before them
+    from pagedserve.engine.llm_engine import check_structured_outputs
+    from pagedserve.llm import LLM
+
     # a grammar the compiler refuses is refused before the model loads: the tokenizer alone compiles it
     if params.structured_outputs is not None:
         try:

@@ -219,16 +219,17 @@ class EngineSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_limits(self) -> EngineSettings:
-        """The checks that need no model, at once: a bad value stops `serve` before it binds a port."""
-        self._cache_config()
+        """The checks that need no model, at once: a bad value stops `serve` before it binds a port.
+        Without importing torch to resolve the device (~3 s): an unset block size's default for it (8 or
+        16) is valid either way, so any stands in for it here."""
+        self._cache_config(self.block_size or 16)
         self._scheduler_config(self.max_model_len or 1)
         ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
         return self
 
-    def _cache_config(self) -> CacheConfig:
-        backend = resolve_attention_backend(self.attention_backend, resolve_device(self.device))
+    def _cache_config(self, block_size: int) -> CacheConfig:
         return CacheConfig(
-            block_size=resolve_block_size(self.block_size, backend),
+            block_size=block_size,
             kv_cache_memory=parse_size(self.kv_cache_memory),
             memory_utilization=self.memory_utilization,
             num_blocks=self.num_kv_blocks,
@@ -264,7 +265,7 @@ class EngineSettings(BaseSettings):
         )
         return EngineConfig(
             model=model,
-            cache=self._cache_config(),
+            cache=self._cache_config(resolve_block_size(self.block_size, backend)),
             scheduler=self._scheduler_config(model.max_model_len),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device=device,

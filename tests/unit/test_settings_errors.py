@@ -272,3 +272,28 @@ def test_the_cli_module_leaves_grpc_unimported() -> None:
     code = "import sys, pagedserve.rpc.cli; assert 'grpc' not in sys.modules, 'grpc imported'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--max-num-seqs", "-3"], "--max-num-seqs: must be >= 1"),
+        (["generate", "--prompt", "hi", "--max-num-seqs", "-3"], "--max-num-seqs: must be >= 1"),
+        (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature: must be >= 0"),
+    ],
+)
+def test_a_bad_flag_is_refused_before_torch_is_imported(argv: list[str], message: str) -> None:
+    """The operator hears of a bad flag at once, not after torch's ~3 s import (settings validation
+    resolved the device through torch, and `generate` imported the engine first)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from pagedserve.__main__ import main\n"
+        f"code = main({argv!r})\n"
+        "print('torch imported' if 'torch' in sys.modules else 'no torch', code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert message in done.stderr, done.stderr[-2000:]
+    assert done.stdout.split() == ["no", "torch", "2"], done.stdout
