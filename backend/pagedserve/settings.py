@@ -222,7 +222,7 @@ class EngineSettings(BaseSettings):
         """The checks that need no model, at once: a bad value stops `serve` before it binds a port.
         Without importing torch to resolve the device (~3 s): an unset block size's default for it (8 or
         16) is valid either way, so any stands in for it here."""
-        self._cache_config(self.block_size or 16)
+        self._cache_config(16 if self.block_size is None else self.block_size)
         self._scheduler_config(self.max_model_len or 1)
         ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
         return self

@@ -35,10 +35,11 @@ def lora_adapter_dir(path: Path, **config: object) -> str:
     return str(path)
 
 
-def test_a_bad_flag_names_the_flag_and_the_value() -> None:
+@pytest.mark.parametrize("value", ["24", "0", "512"])
+def test_a_bad_flag_names_the_flag_and_the_value(value: str) -> None:
     with pytest.raises(SettingsError) as info:
-        parse(["--block-size", "24"])
-    assert str(info.value) == "--block-size: must be a power of two in [1, 256], got 24"
+        parse(["--block-size", value])
+    assert str(info.value) == f"--block-size: must be a power of two in [1, 256], got {value}"
 
 
 def test_a_bad_variable_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
