@@ -33,6 +33,7 @@ blocks, against what contiguous per-request reservations would need for the same
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -42,11 +43,15 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 from pagedserve.config import cpuinfo
 from workloads import build_workload, prompt_token_ids
+
+if TYPE_CHECKING:  # imported where a run needs it (~3 s): a bad argument is refused before
+    import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 PEERS = ("pagedserve", "hf-sequential", "hf-static", "hf-continuous")
 OPTIONAL_PEERS = ("vllm",)  # run only when asked for
@@ -311,6 +316,22 @@ class VllmRunner:
         self.process.wait(timeout=120)
 
 
+def under_torch(mode: str) -> Callable[[F], F]:
+    """Runs the function under `torch.<mode>()` (no_grad, inference_mode), importing torch then."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            import torch
+
+            with getattr(torch, mode)():
+                return fn(*args, **kwargs)
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
 def load_hf_model(path: str, dtype: torch.dtype, device: str = "cpu") -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -319,11 +340,13 @@ def load_hf_model(path: str, dtype: torch.dtype, device: str = "cpu") -> tuple[A
     return model, tokenizer
 
 
-@torch.inference_mode()
+@under_torch("inference_mode")
 def hf_generate(
     model: Any, batch: list[list[int]], num_new_tokens: int, pad_id: int, generate_args: dict[str, Any]
 ) -> torch.Tensor:
     """Left-padded generate of exactly `num_new_tokens` tokens per row (`generate_args`: `Sampling.hf()`)."""
+    import torch
+
     width = max(len(ids) for ids in batch)
     input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch], device=model.device)
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=model.device)
@@ -402,7 +425,7 @@ class DroppedProcessors(logging.Handler):
             self.names.append(found[1])
 
 
-@torch.no_grad()  # not inference_mode: the manager updates its static tensors in place outside it
+@under_torch("no_grad")  # not inference_mode: the manager updates its static tensors in place outside it
 def run_hf_continuous(
     model: Any,
     pad_id: int,
@@ -475,6 +498,7 @@ def run_hf_continuous(
 
 
 def machine_line(dtype: str, device: str = "cpu") -> str:
+    import torch
     import transformers
 
     cpu = cpuinfo("model name") or platform.processor() or platform.machine()
@@ -695,6 +719,8 @@ def parse_args() -> argparse.Namespace:
     if args.temperature == 0 and (args.top_k or args.top_p < 1):
         parser.error("--top-k and --top-p cut a sampled distribution: give --temperature above 0 too")
     if args.device is None:
+        import torch
+
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     elif args.device.split(":")[0] not in ("cpu", "cuda"):
         parser.error(f"--device: cpu, cuda or cuda:N, got {args.device!r}")
@@ -703,6 +729,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    import torch
     from pagedserve.default_model import resolve_model_path
     from transformers import logging as hf_logging
 

@@ -164,6 +164,27 @@ def test_rounds_below_one_are_refused() -> None:
     assert done.returncode == 2 and "--rounds: at least 1, got 0" in done.stderr
 
 
+@pytest.mark.parametrize(
+    "arguments", [["--rounds", "0"], ["--top-p", "0.9"], ["--device", "tpu"], ["--peers", "pagedserve,vllm"]]
+)
+def test_a_bad_argument_is_refused_before_torch_is_imported(arguments: list[str]) -> None:
+    """At once, not after torch's ~3 s import (the module imported it first)."""
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(BENCH.parent)!r})\n"
+        f"sys.argv = ['throughput.py', *{arguments!r}]\n"
+        "import throughput\n"
+        "try:\n"
+        "    throughput.parse_args()\n"
+        "except SystemExit as exc:\n"
+        "    print('torch imported' if 'torch' in sys.modules else 'no torch', exc.code)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.stdout.split() == ["no", "torch", "2"], done.stdout + done.stderr[-2000:]
+
+
 def test_a_device_other_than_cpu_or_cuda_is_refused() -> None:
     done = subprocess.run(
         [sys.executable, str(BENCH), "--device", "tpu"],
