@@ -316,8 +316,17 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def has_repetition_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    @property
+    def has_count_penalties(self) -> bool:
+        """A presence or frequency penalty (both count the output's tokens)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return self.has_repetition_penalty or self.has_count_penalties
 
     @property
     def only_argmax(self) -> bool:

@@ -65,3 +65,22 @@ def test_valid_values_are_kept() -> None:
 def test_top_k_zero_or_minus_one_disables_it_as_in_vllm(top_k: int) -> None:
     # vLLM's default is 0 since 0.8: code written for it passes top_k=0 and means "all tokens"
     assert SamplingParams(top_k=top_k).top_k == -1
+
+
+@pytest.mark.parametrize(
+    ("fields", "repetition", "counts"),
+    [
+        ({}, False, False),
+        ({"repetition_penalty": 1.1}, True, False),
+        ({"presence_penalty": 0.5}, False, True),
+        ({"frequency_penalty": -0.5}, False, True),
+        ({"repetition_penalty": 0.9, "frequency_penalty": 0.1}, True, True),
+    ],
+)
+def test_each_kind_of_penalty_is_named_apart(
+    fields: dict[str, float], repetition: bool, counts: bool
+) -> None:
+    """What the model runner reads to build only the penalty tensors some row needs."""
+    params = SamplingParams(**fields)  # type: ignore[arg-type]
+    assert (params.has_repetition_penalty, params.has_count_penalties) == (repetition, counts)
+    assert params.has_penalties == (repetition or counts)

@@ -561,8 +561,8 @@ class ModelRunner:
         use_top_k = any(p.top_k > 0 for p in params)
         use_top_p = any(p.top_p < 1.0 for p in params)
         use_min_p = any(p.min_p > 0.0 for p in params)
-        use_repetition = any(p.repetition_penalty != 1.0 for p in params)
-        use_counts = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        use_repetition = any(p.has_repetition_penalty for p in params)
+        use_counts = any(p.has_count_penalties for p in params)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         controls = self._token_controls(rows, grammar_masks)
         return SamplingTensors(
