@@ -6,8 +6,8 @@ max_tokens) or grammar, across preemption by swap and by recompute, and with the
 reading blocks a drafting request wrote. The proposer on its own.
 
 Float32 on both sides, but a step that verifies drafts runs more decode rows than one without, so
-logits may move by rounding: a greedy difference passes only where the engine without drafts had its
-top two tokens within NEAR_TIE (as tests/engine/test_tensor_parallel.py)."""
+logits may move by rounding: a difference passes only where rounding can flip a draw
+(tests/rounding_flips.py), and the rest of that completion is not compared."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import re
 import pytest
 from pagedserve import LLM, SamplingParams, StructuredOutputsParams
 from pagedserve.spec_decode import SpeculativeConfig
+from rounding_flips import first_difference, is_rounding_flip
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-NEAR_TIE = 1e-3
 LOGPROB_ATOL = 1e-3
 PROMPTS = [
     "Copy this list exactly: apple, banana, cherry, date, elderberry, fig, grape. Copy: apple, banana, cherry,",
@@ -45,23 +45,32 @@ def drafting() -> LLM:
     return engine(speculative_config=NGRAM)
 
 
-def assert_same_outputs(ours: list, theirs: list) -> None:
-    """Equal tokens (a near-tie of the engine without drafts excepted), logprobs within rounding, for
-    every completion of every request."""
+def assert_same_outputs(ours: list, theirs: list, *, greedy: bool = True) -> None:
+    """Equal tokens up to a draw that rounding can flip (the rest of that completion not compared),
+    logprobs within rounding, for every completion of every request."""
     completions = [
         (a, b)
         for mine, reference in zip(ours, theirs, strict=True)
         for a, b in zip(mine.outputs, reference.outputs, strict=True)
     ]
     for a, b in completions:
-        if a.token_ids != b.token_ids:
-            pos = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
-            assert b.logprobs, f"outputs part at token {pos} and no logprobs to tell a near-tie"
-            top = sorted((lp.logprob for lp in b.logprobs[pos].values()), reverse=True)
-            assert top[0] - top[1] < NEAR_TIE, f"outputs part at token {pos}, not a near-tie: {top[:2]}"
-            continue
-        assert a.text == b.text and a.finish_reason == b.finish_reason
-        for mine_lp, their_lp in zip(a.logprobs or [], b.logprobs or [], strict=True):
+        pos = first_difference(a.token_ids, b.token_ids)
+        if pos is not None:
+            assert a.logprobs and b.logprobs, f"outputs part at token {pos} and no logprobs to tell a tie"
+            mine_lp, their_lp = a.logprobs[pos][a.token_ids[pos]], b.logprobs[pos][b.token_ids[pos]]
+            assert is_rounding_flip(
+                a.token_ids[pos],
+                b.token_ids[pos],
+                greedy=greedy,
+                our_logprob=mine_lp.logprob,
+                reference_logprob=their_lp.logprob,
+            ), f"outputs part at token {pos}, not by rounding: {a.logprobs[pos]} against {b.logprobs[pos]}"
+            a_lps, b_lps = a.logprobs[:pos], b.logprobs[:pos]
+        else:
+            assert a.token_ids == b.token_ids
+            assert a.text == b.text and a.finish_reason == b.finish_reason
+            a_lps, b_lps = a.logprobs or [], b.logprobs or []
+        for mine_lp, their_lp in zip(a_lps, b_lps, strict=True):
             assert mine_lp.keys() == their_lp.keys()
             for token_id, logprob in mine_lp.items():
                 assert math.isclose(logprob.logprob, their_lp[token_id].logprob, abs_tol=LOGPROB_ATOL)
@@ -97,7 +106,7 @@ def test_outputs_equal_decoding_without_drafts(plain: LLM, drafting: LLM, name: 
     before = drafting.engine.stats()
     theirs = plain.generate(PROMPTS, PARAMS[name])
     ours = drafting.generate(PROMPTS, PARAMS[name])
-    assert_same_outputs(ours, theirs)
+    assert_same_outputs(ours, theirs, greedy=PARAMS[name].temperature == 0.0)
     after = drafting.engine.stats()
     assert after.num_draft_tokens > before.num_draft_tokens, "no drafts: the test did not exercise them"
     if name not in ("penalties-min-tokens", "stop-token-odd-max"):  # repeats penalized; a few tokens
@@ -245,7 +254,7 @@ def test_drafts_accepted_and_rejected_leave_sampled_outputs_unchanged(
     reference = [(p, list(out.outputs[0].token_ids)) for p, out in zip(prompts, theirs, strict=True)]
     monkeypatch.setattr(SpeculativeConfig, "propose", oracle_proposer(reference))
     llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64, speculative_config=NGRAM)
-    assert_same_outputs(llm.generate(prompts, PARAMS[name]), theirs)
+    assert_same_outputs(llm.generate(prompts, PARAMS[name]), theirs, greedy=PARAMS[name].temperature == 0.0)
     stats = llm.engine.stats()
     assert stats.num_draft_tokens > stats.num_accepted_draft_tokens > 0
 

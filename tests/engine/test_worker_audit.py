@@ -15,6 +15,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.worker.model_runner import ModelRunner
+from rounding_flips import first_difference, is_rounding_flip
 
 pytestmark = pytest.mark.slow
 
@@ -193,8 +194,28 @@ def test_tp2_equals_one_rank_on_a_mixed_workload_under_memory_pressure(tiny_llam
     finally:
         tp.engine.executor.shutdown()
     assert ours.keys() == reference.keys()
+    params = {
+        f"{a.request_id}/{i}": a.params
+        for arrivals, _, _ in waves
+        for a in arrivals
+        for i in range(a.params.n)
+    }
     for key, (ids, logprobs, reason) in reference.items():
-        assert ours[key][0] == ids and ours[key][2] == reason, key
-        for got, expected in zip(ours[key][1], logprobs, strict=True):
+        got_ids, got_logprobs, got_reason = ours[key]
+        # two ranks sum o_proj's and down_proj's partial products in another order than one: a draw on
+        # a boundary may flip (tests/rounding_flips.py), and the rest of its completion then differs
+        pos = first_difference(got_ids, ids)
+        if pos is not None:
+            assert is_rounding_flip(
+                got_ids[pos],
+                ids[pos],
+                greedy=params[key].is_greedy,
+                our_logprob=got_logprobs[pos][got_ids[pos]] if got_logprobs else None,
+                reference_logprob=logprobs[pos][ids[pos]] if logprobs else None,
+            ), (key, pos, got_ids[pos], ids[pos])
+            got_logprobs, logprobs = got_logprobs[:pos], logprobs[:pos]
+        else:
+            assert got_ids == ids and got_reason == reason, key
+        for got, expected in zip(got_logprobs, logprobs, strict=True):
             assert got.keys() == expected.keys(), key
             assert all(abs(got[t] - expected[t]) < LOGPROB_ATOL for t in got), key
