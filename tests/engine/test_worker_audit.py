@@ -2,7 +2,8 @@
 announcements, and tensor parallelism on a mixed workload (parallel sampling with seeds, penalties,
 min_tokens, logprobs, prefix-cache hits, chunked prefill, long prompts, aborts mid-prefill and
 mid-decode, preemption by swap and by recompute in a tiny KV cache) token for token equal to one
-rank, itself equal to a run with ample memory, with no worker row or state left behind."""
+rank up to a draw that rounding flips (tests/rounding_flips.py), the one rank token for token equal to
+a run with ample memory, with no worker row or state left behind."""
 
 from __future__ import annotations
 
