@@ -151,8 +151,10 @@ def test_compiled_bf16_linear_layers_read_packed_frozen_weights(
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
 def test_bf16_linear_layers_run_on_amx_tiles(tiny_llama_dir: str, enforce_eager: bool) -> None:
     """With AMX, every linear layer and the LM head hold their weight in the AMX kernel's tiles (the
-    plain copy released, the LM head's kept for the embedding) and the forward pass, compiled or not,
-    runs them there: four multiplies a decoder layer and the LM head, each step."""
+    plain copy released, the LM head's kept for the embedding) and every step multiplies on them:
+    eager, four `linear_amx` calls a decoder layer and one for the LM head, each step; compiled, the
+    same for the prefill step, then each decode step is one `decode_layers` call, which multiplies the
+    tiles itself (no op dispatched per multiply), and the LM head's `linear_amx`."""
     if not amx_linear_available():
         pytest.skip("no AMX bf16 tiles (or no C++ compiler) here")
     llm = LLM(model=tiny_llama_dir, dtype="bfloat16", num_kv_blocks=16, enforce_eager=enforce_eager)
@@ -164,9 +166,14 @@ def test_bf16_linear_layers_run_on_amx_tiles(tiny_llama_dir: str, enforce_eager:
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = llm.generate([[1, 400, 401, 402]], params)
-    calls = sum(e.count for e in prof.key_averages() if e.key == "pagedserve_cpu::linear_amx")
-    assert calls == 3 * (len(linears) + 1)  # three steps
-    assert not any(e.key == "mkldnn::_linear_pointwise" for e in prof.key_averages())
+    calls = {e.key: e.count for e in prof.key_averages()}
+    if enforce_eager:
+        assert calls.get("pagedserve_cpu::linear_amx") == 3 * (len(linears) + 1)  # three steps
+        assert "pagedserve_cpu::decode_layers" not in calls
+    else:
+        assert calls.get("pagedserve_cpu::decode_layers") == 2  # the two decode steps
+        assert calls.get("pagedserve_cpu::linear_amx") == len(linears) + 3  # the prefill; 3 LM heads
+    assert "mkldnn::_linear_pointwise" not in calls
     assert len(out[0].outputs[0].token_ids) == 3
 
 

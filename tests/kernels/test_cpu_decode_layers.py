@@ -334,26 +334,41 @@ def test_refuses_bad_inputs_with_a_message() -> None:
         run_kernel(model, clone_step(step))
 
 
-@pytest.mark.skipif("not cpu.load() or not cpu.linear_avx512_supported()", reason="no AVX512-BF16")
-def test_refuses_what_its_threads_would_misread() -> None:
-    """On AVX512-BF16 panels the step runs in one parallel region, where nothing may throw: a slot past
-    the cache, a weight packed for other sizes and a cache of other heads are refused before it."""
+@pytest.mark.parametrize("packing", PACKINGS[:2])  # AMX tiles, AVX512-BF16 panels
+def test_refuses_what_its_threads_would_misread(packing: str) -> None:
+    """On AMX tiles and AVX512-BF16 panels the step runs in one parallel region, where nothing may
+    throw: a slot past the cache, a weight packed for other sizes and a cache of other heads are
+    refused before it."""
     model, step = make_model(False), make_step(4)
     bad_slot = clone_step(step)
     bad_slot["slot_mapping"][1] = NUM_BLOCKS * BLOCK_SIZE
     with pytest.raises(RuntimeError, match=f"slot {NUM_BLOCKS * BLOCK_SIZE} is past the cache's"):
-        run_kernel(model, bad_slot, packing="avx512")
+        run_kernel(model, bad_slot, packing=packing)
     wide = make_model(False)
     wide.down = [bf16(HIDDEN, INTER + 32) for _ in range(LAYERS)]
     with pytest.raises(RuntimeError, match="a down weight packed for 64 x 96 does not match"):
-        run_kernel(wide, clone_step(step), packing="avx512")
+        run_kernel(wide, clone_step(step), packing=packing)
     other_heads = clone_step(step)
     for name in ("k_caches", "v_caches"):
         other_heads[name] = [c.view(NUM_BLOCKS, BLOCK_SIZE, 1, 2 * HEAD_DIM) for c in other_heads[name]]
     with pytest.raises(
         RuntimeError, match=r"KV caches must be contiguous bfloat16 \[blocks, block_size, 2, 16\]"
     ):
-        run_kernel(model, other_heads, packing="avx512")
+        run_kernel(model, other_heads, packing=packing)
+
+
+@pytest.mark.skipif("not cpu.load() or not cpu.linear_amx_supported()", reason="no AMX bf16")
+@pytest.mark.parametrize("num_seqs", [1, 7, 17, 32])
+def test_amx_tiles_in_one_region_give_the_bits_of_onednn_s_ops(num_seqs: int) -> None:
+    """With the weights in AMX tiles the step's threads multiply panels of 32 columns inside the one
+    region, each row as linear_amx multiplies it, whose product equals oneDNN's up to 32 rows: the
+    step equals, to the bit, the one whose weights are in oneDNN's layout (an op per part)."""
+    model, step = make_model(True, head_dim=64), make_step(num_seqs, head_dim=64)
+    tiles, onednn = clone_step(step), clone_step(step)
+    out = run_kernel(model, tiles, head_dim=64, packing="amx")
+    assert torch.equal(out, run_kernel(model, onednn, head_dim=64, packing="onednn"))
+    for name in ("k_caches", "v_caches"):
+        assert all(torch.equal(a, b) for a, b in zip(tiles[name], onednn[name], strict=True))
 
 
 @pytest.mark.parametrize("packing", PACKINGS)

@@ -12,12 +12,12 @@
 // eager model rounds it (inductor sums several adds in float32 first), so greedy bfloat16 tokens can
 // part from the compiled pass's where two logits are within rounding of each other.
 //
-// With the weights in AVX512-BF16 panels (CPUs without AMX) the whole step is one parallel region
+// With the weights in AMX tiles or AVX512-BF16 panels the whole step is one parallel region
 // (decode_layers_team): its threads run each part on their share (rows, or panels of output columns)
 // and meet at a spin barrier where the next part reads another thread's output. Opening an ATen
 // region for each part and dispatching each op, on the 2-core Zen 4 machine, made a 16-sequence step
 // take 1.14x as long and a 64-sequence one 1.08x, and a chat round 1.10x (bench/README.md, "one
-// parallel region"). Other packings (AMX tiles, oneDNN) call the ops, each with its own region.
+// parallel region"). Weights in oneDNN's layout call the ops, each with its own region.
 //
 // bfloat16 only, on CPUs with AVX512-BF16, with the linear weights packed (for AMX tiles where the CPU
 // has them, else in AVX512-BF16 panels, or for oneDNN), full rotary (NeoX layout), no biases but an
@@ -263,6 +263,7 @@ struct TeamStep {
   const BF16* final_norm;
   at::Tensor tables, lens;                              // contiguous
   at::Tensor residual, normed, qkv_out, qk, q, attn, out, gu, act;  // q: the query heads of qk
+  bool tiles = false;  // the weights are in AMX tiles (else in AVX512-BF16 panels)
 };
 
 BF16* bf16(const at::Tensor& t) { return t.data_ptr<BF16>(); }
@@ -324,6 +325,15 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
                      PanelRange* ranges, int64_t thread, int64_t threads) {
   const auto [row0, row1] = share(s.tokens, thread, threads);
   PanelRange* next_ranges = ranges;  // the next multiply's
+  pagedserve::AmxTiles tiles;          // this thread's tile configuration, where the weights are in tiles
+  const auto multiply_panel = [&](const BF16* x, int64_t k, const BF16* packed, const BF16* bias, BF16* out,
+                                  int64_t n, int64_t panel, bool prefetch_next) {
+    if (s.tiles) {
+      pagedserve::linear_amx_panel(x, k, packed, bias, out, s.tokens, n, k, panel, tiles);
+    } else {
+      pagedserve::linear_avx512_panel(x, k, packed, bias, out, s.tokens, n, k, panel, prefetch_next);
+    }
+  };
   const auto multiply = [&](const BF16* x, int64_t k, const at::Tensor& packed, const BF16* bias, BF16* out,
                             int64_t n) {
     PanelRange* shares = next_ranges;
@@ -331,12 +341,10 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
     next_ranges += threads;
     int64_t panel;
     bool more;
-    while (take_panel(shares[thread], false, panel, more)) {
-      pagedserve::linear_avx512_panel(x, k, bf16(packed), bias, out, s.tokens, n, k, panel, more);
-    }
+    while (take_panel(shares[thread], false, panel, more)) multiply_panel(x, k, bf16(packed), bias, out, n, panel, more);
     for (int64_t other = 1; other < threads; ++other) {
       while (take_panel(shares[(thread + other) % threads], true, panel, more)) {
-        pagedserve::linear_avx512_panel(x, k, bf16(packed), bias, out, s.tokens, n, k, panel, false);
+        multiply_panel(x, k, bf16(packed), bias, out, n, panel, false);
       }
     }
   };
@@ -380,9 +388,10 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
     barrier.wait();
   }
   for (int64_t r = row0; r < row1; ++r) add_rms_norm_row(out, residual, s.final_norm, normed, r, s.hidden, s.eps);
+  pagedserve::release_amx_tiles(tiles);
 }
 
-// decode_layers with weights packed in AVX512-BF16 panels: the whole step in one parallel region, its
+// decode_layers with weights packed in AMX tiles or AVX512-BF16 panels: the whole step in one parallel region, its
 // threads meeting at a spin barrier between the parts (norms, multiplies, attention) instead of
 // opening a region of ATen's for each, and with no tensor made or op dispatched inside it (the
 // buffers are made first). Each part computes what the per-op path computes, in the same order: the
@@ -404,16 +413,21 @@ void decode_layers_team(const TeamStep& s) {
   }
 }
 
-// Whether every weight of `weights` is packed in AVX512-BF16 panels (pack_linear_weight_avx512).
-bool in_panels(at::TensorList weights) {
-  return std::all_of(weights.begin(), weights.end(), [](const at::Tensor& w) { return w.dim() == 4; });
+// Whether every weight of `weights` is packed with `dims` dimensions: 4 for AVX512-BF16 panels
+// (pack_linear_weight_avx512), 5 for AMX tiles (pack_linear_weight).
+bool all_packed(at::TensorList weights, int64_t dims) {
+  return std::all_of(weights.begin(), weights.end(), [dims](const at::Tensor& w) { return w.dim() == dims; });
 }
 
-// Checks a panel-packed weight: bfloat16 [n / 32, k / 2, 32, 2], contiguous.
-void check_panels(const at::Tensor& w, int64_t n, int64_t k, const char* name) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 4 && w.size(0) * 32 == n &&
-                  w.size(1) * 2 == k && w.size(2) == 32 && w.size(3) == 2,
-              "decode_layers: a ", name, " weight packed for ", n, " x ", k, " does not match ", w.sizes());
+// Checks a packed weight for n x k: contiguous bfloat16, in AMX tiles [n / 16 (even), k / 32, 16, 16, 2]
+// or in panels [n / 32, k / 2, 32, 2].
+void check_packed(const at::Tensor& w, bool tiles, int64_t n, int64_t k, const char* name) {
+  const bool fits = tiles ? w.dim() == 5 && w.size(0) * 16 == n && w.size(0) % 2 == 0 && w.size(1) * 32 == k &&
+                                w.size(2) == 16 && w.size(3) == 16 && w.size(4) == 2
+                          : w.dim() == 4 && w.size(0) * 32 == n && w.size(1) * 2 == k && w.size(2) == 32 &&
+                                w.size(3) == 2;
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && fits, "decode_layers: a ", name,
+              " weight packed for ", n, " x ", k, " does not match ", w.sizes());
 }
 
 #endif  // PAGEDSERVE_DECODE_LAYERS
@@ -479,15 +493,21 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
                                  k_caches[0].size(0));
 #ifdef PAGEDSERVE_DECODE_LAYERS
   const auto options = embedding.options();
-  if (in_panels(qkv) && in_panels(o_proj) && in_panels(gate_up) && in_panels(down) && !at::in_parallel_region()) {
+  const auto packed_as = [&](int64_t dims) {
+    return all_packed(qkv, dims) && all_packed(o_proj, dims) && all_packed(gate_up, dims) && all_packed(down, dims);
+  };
+  const bool tiles = packed_as(5) && pagedserve::amx_tiles_usable();
+  if ((tiles || packed_as(4)) && !at::in_parallel_region()) {
     // Everything the team reads is checked here: nothing may throw inside its parallel region.
     const int64_t n_qkv = (heads_qk + num_kv_heads) * head_dim;
-    const int64_t inter = gate_up[0].size(0) * 16;  // half of its 32-column panels: a multiple of 16
+    // half of gate_up's columns (its n-blocks of 16 in tiles, panels of 32): a multiple of 16 once
+    // check_packed has passed
+    const int64_t inter = gate_up[0].size(0) * (tiles ? 8 : 16);
     for (int64_t l = 0; l < layers; ++l) {
-      check_panels(qkv[l], n_qkv, hidden, "qkv");
-      check_panels(o_proj[l], hidden, num_heads * head_dim, "o_proj");
-      check_panels(gate_up[l], 2 * inter, hidden, "gate_up");
-      check_panels(down[l], hidden, inter, "down");
+      check_packed(qkv[l], tiles, n_qkv, hidden, "qkv");
+      check_packed(o_proj[l], tiles, hidden, num_heads * head_dim, "o_proj");
+      check_packed(gate_up[l], tiles, 2 * inter, hidden, "gate_up");
+      check_packed(down[l], tiles, hidden, inter, "down");
       if (!qkv_bias.empty())
         TORCH_CHECK(is_bf16_cpu(qkv_bias[l]) && qkv_bias[l].numel() == n_qkv && qkv_bias[l].is_contiguous(),
                     "decode_layers: a qkv bias must be contiguous bfloat16 [", n_qkv, "]");
@@ -517,6 +537,7 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
     step.out = at::empty({tokens, hidden}, options);
     step.gu = at::empty({tokens, 2 * inter}, options);
     step.act = at::empty({tokens, inter}, options);
+    step.tiles = tiles;
     decode_layers_team(step);
     return step.normed;
   }

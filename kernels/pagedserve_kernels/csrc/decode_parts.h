@@ -1,7 +1,7 @@
 // The parts of the C++ decode kernels that decode_layers.cpp runs on its own threads: a linear
-// layer's panels, one at a time (linear_avx512.cpp), and decode attention's rows over a range the
-// caller picks (cpu_kernels.cpp), with no parallel region of their own. The ops built on them
-// (linear_avx512, paged_attention_decode) split the same work over at::parallel_for.
+// layer's panels, one at a time (linear_avx512.cpp, linear_amx.cpp), and decode attention's rows over
+// a range the caller picks (cpu_kernels.cpp), with no parallel region of their own. The ops built on
+// them (linear_avx512, linear_amx, paged_attention_decode) split the same work over at::parallel_for.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -18,6 +18,27 @@ namespace pagedserve {
 void linear_avx512_panel(const c10::BFloat16* x, int64_t ld_x, const c10::BFloat16* packed,
                          const c10::BFloat16* bias, c10::BFloat16* out, int64_t rows, int64_t n, int64_t k,
                          int64_t panel, bool prefetch_next);
+
+// The AMX tile configuration a thread has loaded for linear_amx_panel (-1: none yet): its two row
+// blocks' heights.
+struct AmxTiles {
+  int rows_a = -1;
+  int rows_b = -1;
+};
+
+// Whether this build and CPU can multiply on AMX tiles (the process is granted their state).
+bool amx_tiles_usable();
+
+// As linear_avx512_panel, for W packed by pack_linear_weight (AMX tiles): `panel` is 32 output
+// columns (two n-blocks of 16), every row multiplied as linear_amx multiplies it, the same bits.
+// `tiles`: this thread's configuration, loaded here when the rows need another; the thread ends with
+// release_amx_tiles. Only where amx_tiles_usable(); the caller has checked the shapes.
+void linear_amx_panel(const c10::BFloat16* x, int64_t ld_x, const c10::BFloat16* packed,
+                      const c10::BFloat16* bias, c10::BFloat16* out, int64_t rows, int64_t n, int64_t k,
+                      int64_t panel, AmxTiles& tiles);
+
+// Gives the thread's tile state back (after its last linear_amx_panel), if it loaded any.
+void release_amx_tiles(AmxTiles& tiles);
 
 // The first row of each of `parts` runs of rows of about equal work (a row costs its context plus a
 // few tokens' worth of its own), then `num_rows`: parts + 1 bounds. As paged_attention_decode splits

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "bf16_vec.h"
+#include "decode_parts.h"
 #include "linear_inputs.h"
 
 #include <algorithm>
@@ -213,6 +214,29 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const std::
 }
 
 }  // namespace
+
+bool pagedserve::amx_tiles_usable() { return linear_amx_supported(); }
+
+#ifdef PAGEDSERVE_AMX
+void pagedserve::linear_amx_panel(const c10::BFloat16* x, int64_t ld_x, const c10::BFloat16* packed,
+                                  const c10::BFloat16* bias, c10::BFloat16* out, int64_t rows, int64_t n, int64_t k,
+                                  int64_t panel, AmxTiles& tiles) {
+  const LinearArgs args{x, ld_x, packed, bias, out, rows, n, k / kTileK};
+  for (int64_t row = 0; row < rows; row += 2 * kTileRows) multiply_block(args, row, panel, tiles.rows_a, tiles.rows_b);
+}
+
+void pagedserve::release_amx_tiles(AmxTiles& tiles) {
+  if (tiles.rows_a >= 0) _tile_release();
+  tiles = AmxTiles{};
+}
+#else
+void pagedserve::linear_amx_panel(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*,
+                                  c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, AmxTiles&) {
+  TORCH_INTERNAL_ASSERT(false, "linear_amx_panel: this build has no AMX (check amx_tiles_usable() first)");
+}
+
+void pagedserve::release_amx_tiles(AmxTiles&) {}
+#endif
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("linear_amx_supported() -> bool", &linear_amx_supported);
