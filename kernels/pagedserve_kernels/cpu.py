@@ -195,6 +195,15 @@ def linear_amx(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     return torch.ops.pagedserve_cpu.linear_amx(x, packed, bias)
 
 
+def linear_argmax_amx(
+    x: torch.Tensor, packed: torch.Tensor, num_columns: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each row's argmax over the first `num_columns` outputs of `linear_amx(x, packed, bias)`, as
+    `argmax_rows` reads them from its bfloat16 output (the first maximum, NaN first), without writing the
+    outputs: greedy sampling from an LM head (needs `linear_amx_supported()`)."""
+    return torch.ops.pagedserve_cpu.linear_argmax_amx(x, packed, bias, num_columns)
+
+
 @functools.cache
 def linear_avx512_supported() -> bool:
     """Whether `linear_avx512` runs here: a build for a CPU with AVX512-BF16 (needs `load()`)."""

@@ -152,9 +152,10 @@ def test_compiled_bf16_linear_layers_read_packed_frozen_weights(
 def test_bf16_linear_layers_run_on_amx_tiles(tiny_llama_dir: str, enforce_eager: bool) -> None:
     """With AMX, every linear layer and the LM head hold their weight in the AMX kernel's tiles (the
     plain copy released, the LM head's kept for the embedding) and every step multiplies on them:
-    eager, four `linear_amx` calls a decoder layer and one for the LM head, each step; compiled, the
-    same for the prefill step, then each decode step is one `decode_layers` call, which multiplies the
-    tiles itself (no op dispatched per multiply), and the LM head's `linear_amx`."""
+    eager, four `linear_amx` calls a decoder layer each step; compiled, the same for the prefill step,
+    then each decode step is one `decode_layers` call, which multiplies the tiles itself (no op
+    dispatched per multiply). Greedy, the LM head takes each row's argmax itself (`linear_argmax_amx`,
+    no logits), each step."""
     if not amx_linear_available():
         pytest.skip("no AMX bf16 tiles (or no C++ compiler) here")
     llm = LLM(model=tiny_llama_dir, dtype="bfloat16", num_kv_blocks=16, enforce_eager=enforce_eager)
@@ -167,12 +168,13 @@ def test_bf16_linear_layers_run_on_amx_tiles(tiny_llama_dir: str, enforce_eager:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = llm.generate([[1, 400, 401, 402]], params)
     calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("pagedserve_cpu::linear_argmax_amx") == 3  # each step's LM head
     if enforce_eager:
-        assert calls.get("pagedserve_cpu::linear_amx") == 3 * (len(linears) + 1)  # three steps
+        assert calls.get("pagedserve_cpu::linear_amx") == 3 * len(linears)  # three steps
         assert "pagedserve_cpu::decode_layers" not in calls
     else:
         assert calls.get("pagedserve_cpu::decode_layers") == 2  # the two decode steps
-        assert calls.get("pagedserve_cpu::linear_amx") == len(linears) + 3  # the prefill; 3 LM heads
+        assert calls.get("pagedserve_cpu::linear_amx") == len(linears)  # the prefill step's
     assert "mkldnn::_linear_pointwise" not in calls
     assert len(out[0].outputs[0].token_ids) == 3
 

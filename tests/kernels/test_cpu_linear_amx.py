@@ -106,8 +106,89 @@ def test_refuses_bad_inputs() -> None:
         cpu.linear_amx(bf16(4, 96), weight)
 
 
+def greedy(
+    x: torch.Tensor, packed: torch.Tensor, num_columns: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What the engine did before the fused kernel: the logits, then argmax_rows over the vocabulary's."""
+    return cpu.argmax_rows(cpu.linear_amx(x, packed, bias)[:, :num_columns])
+
+
+# rows: one row block, both blocks of a 32-row pass, two passes, four; columns: whole pairs of
+# n-blocks, a part of the last, one column
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 20, 40, 64])
+@pytest.mark.parametrize(("n", "k", "num_columns"), [(96, 64, 96), (96, 64, 70), (64, 96, 33), (32, 32, 1)])
+def test_argmax_equals_argmax_rows_of_the_logits(rows: int, n: int, k: int, num_columns: int) -> None:
+    torch.manual_seed(rows * n + num_columns)
+    weight, bias, x = bf16(n, k), bf16(n), bf16(rows, k)
+    packed = cpu.pack_linear_weight(weight)
+    assert torch.equal(cpu.linear_argmax_amx(x, packed, num_columns), greedy(x, packed, num_columns))
+    assert torch.equal(
+        cpu.linear_argmax_amx(x, packed, num_columns, bias), greedy(x, packed, num_columns, bias)
+    )
+
+
+@needs_amx
+def test_argmax_of_a_vocabulary_split_over_both_threads() -> None:
+    """SmolLM2-135M's LM head (49,152 columns, 1,536 pairs of n-blocks split over the threads), decode
+    batch sizes; each row also alone, as the argmax of a batch does not depend on it."""
+    torch.manual_seed(0)
+    weight = bf16(49152, 576)
+    packed = cpu.pack_linear_weight(weight)
+    for rows in (1, 16, 64):
+        x = bf16(rows, 576)
+        got = cpu.linear_argmax_amx(x, packed, 49152)
+        assert torch.equal(got, greedy(x, packed, 49152))
+        assert torch.equal(
+            got, torch.cat([cpu.linear_argmax_amx(x[i : i + 1], packed, 49152) for i in range(rows)])
+        )
+
+
+@needs_amx
+def test_argmax_ties_take_the_first_column_and_nan_beats_everything() -> None:
+    """Equal logits (duplicate weight rows, within a pair of n-blocks and in another thread's): the
+    first column; a NaN logit wins wherever it is (the first of several); -inf everywhere: column 0."""
+    torch.manual_seed(1)
+    weight = bf16(4096, 64)
+    weight[3000] = weight[2000] = weight[40] = weight[7]  # 7 is the largest in every row below
+    x = weight[7:8].repeat(40, 1) * 4  # each row's largest logit: weight row 7 against itself
+    packed = cpu.pack_linear_weight(weight)
+    assert cpu.linear_argmax_amx(x, packed, 4096).tolist() == greedy(x, packed, 4096).tolist() == [7] * 40
+    nan_weight = weight.clone()
+    nan_weight[[2500, 3100]] = float("nan")
+    packed = cpu.pack_linear_weight(nan_weight)
+    assert cpu.linear_argmax_amx(x, packed, 4096).tolist() == greedy(x, packed, 4096).tolist() == [2500] * 40
+    assert cpu.linear_argmax_amx(x, packed, 2500).tolist() == [7] * 40  # the NaNs are past num_columns
+    packed = cpu.pack_linear_weight(torch.full((96, 64), float("-inf"), dtype=torch.bfloat16))
+    positive = bf16(2, 64).abs() + 0.5
+    assert (
+        cpu.linear_argmax_amx(positive, packed, 96).tolist()
+        == greedy(positive, packed, 96).tolist()
+        == [0, 0]
+    )
+
+
+@needs_amx
+def test_argmax_shapes_and_refusals() -> None:
+    weight = bf16(64, 96)
+    packed = cpu.pack_linear_weight(weight)
+    x = bf16(2, 3, 96)
+    assert torch.equal(cpu.linear_argmax_amx(x, packed, 64), greedy(x.view(6, 96), packed, 64).view(2, 3))
+    assert cpu.linear_argmax_amx(bf16(0, 96), packed, 64).shape == (0,)
+    for num_columns in (0, 65):
+        with pytest.raises(RuntimeError, match=r"num_columns must be in 1\.\.64"):
+            cpu.linear_argmax_amx(bf16(2, 96), packed, num_columns)
+    with pytest.raises(RuntimeError, match="last dimension must be 96"):
+        cpu.linear_argmax_amx(bf16(4, 64), packed, 64)
+    with pytest.raises(RuntimeError, match="linear_argmax_amx: `packed` must come from pack_linear_weight"):
+        cpu.linear_argmax_amx(bf16(4, 96), weight, 64)
+
+
 @pytest.mark.skipif("cpu.load() and cpu.linear_amx_supported()", reason="this CPU has AMX")
 def test_without_amx_the_multiply_says_so() -> None:
     weight = bf16(64, 96)
+    packed = cpu.pack_linear_weight(weight)
     with pytest.raises(RuntimeError, match="no AMX"):
-        cpu.linear_amx(bf16(4, 96), cpu.pack_linear_weight(weight))
+        cpu.linear_amx(bf16(4, 96), packed)
+    with pytest.raises(RuntimeError, match="linear_argmax_amx: this build or CPU has no AMX"):
+        cpu.linear_argmax_amx(bf16(4, 96), packed, 64)

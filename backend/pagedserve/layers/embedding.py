@@ -50,8 +50,12 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Each row's argmax of `compute_logits(hidden)` (the first maximum, NaN first), taken by the
-        AVX512-BF16 kernel as it computes them, without the logits: on one rank, where the weight is in
-        its panels. None elsewhere."""
-        if self.tp_size != 1 or self.packed_weight is None or self.packed_weight.dim() != 4:
+        AMX or AVX512-BF16 kernel as it computes them, without the logits: on one rank, where the weight
+        is in their tiles or panels. None elsewhere."""
+        if self.tp_size != 1 or self.packed_weight is None:
             return None
-        return cpu_kernels.linear_argmax_avx512(hidden, self.packed_weight, self.vocab_size)
+        if self.packed_weight.dim() == 5:
+            return cpu_kernels.linear_argmax_amx(hidden, self.packed_weight, self.vocab_size)
+        if self.packed_weight.dim() == 4:
+            return cpu_kernels.linear_argmax_avx512(hidden, self.packed_weight, self.vocab_size)
+        return None

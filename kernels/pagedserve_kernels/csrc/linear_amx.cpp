@@ -12,6 +12,9 @@
 // the number of rows (k-blocks in order, one tile product each), so a row's result does not depend on
 // the batch it is in, and it equals oneDNN's (F.linear's) for batches of up to 32 rows.
 //
+// linear_argmax_amx: greedy sampling from an LM head, each row's argmax of linear_amx's outputs as
+// argmax_rows reads them, kept as the tiles are stored (argmax_best.h) instead of the logits.
+//
 // At decode batch sizes the multiply is bound by reading the weight; oneDNN's brgemm reads its own
 // packed weight at about two thirds of the rate this loop does (bench/cpu_linear.py). From ~128 rows
 // on it is no faster than oneDNN, and slower on 2,048-row prefill chunks (bench/README.md).
@@ -19,14 +22,17 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include "argmax_best.h"
 #include "bf16_vec.h"
 #include "decode_parts.h"
 #include "linear_inputs.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -86,6 +92,11 @@ struct LinearArgs {
   const c10::BFloat16* bias;  // [N] or nullptr
   c10::BFloat16* out;
   int64_t num_rows, n, k_blocks;
+  // linear_argmax_amx: each row's best column so far (value, index) instead of `out`; columns from
+  // `num_columns` on are left out
+  float* best_value = nullptr;
+  int64_t* best_index = nullptr;
+  int64_t num_columns = 0;
 };
 
 // Rows [row, row + 32) x n-blocks 2 * pair, 2 * pair + 1.
@@ -124,14 +135,27 @@ void multiply_block(const LinearArgs& a, int64_t row, int64_t pair, int& rows_a,
   const int64_t col = 2 * pair * 16;
   const c10::BFloat16* bias0 = a.bias ? a.bias + col : nullptr;
   const c10::BFloat16* bias1 = a.bias ? a.bias + col + 16 : nullptr;
-  c10::BFloat16* out = a.out + row * a.n + col;
   _tile_stored(0, acc[0], 64);
   _tile_stored(1, acc[1], 64);
-  store_rows(acc[0], bias0, out, a.n, ra);
-  store_rows(acc[1], bias1, out + 16, a.n, ra);
   if (rb) {
     _tile_stored(2, acc[2], 64);
     _tile_stored(3, acc[3], 64);
+  }
+  if (a.best_value != nullptr) {
+    const __m512 b0 = bias0 ? pagedserve::load_bf16(bias0) : _mm512_setzero_ps();
+    const __m512 b1 = bias1 ? pagedserve::load_bf16(bias1) : _mm512_setzero_ps();
+    for (int r = 0; r < ra + rb; ++r) {
+      const float* lo = r < ra ? acc[0] + r * 16 : acc[2] + (r - ra) * 16;
+      const float* hi = r < ra ? acc[1] + r * 16 : acc[3] + (r - ra) * 16;
+      pagedserve::update_best(_mm512_add_ps(_mm512_load_ps(lo), b0), _mm512_add_ps(_mm512_load_ps(hi), b1), col,
+                              a.num_columns, a.best_value[row + r], a.best_index[row + r]);
+    }
+    return;
+  }
+  c10::BFloat16* out = a.out + row * a.n + col;
+  store_rows(acc[0], bias0, out, a.n, ra);
+  store_rows(acc[1], bias1, out + 16, a.n, ra);
+  if (rb) {
     store_rows(acc[2], bias0, out + kTileRows * a.n, a.n, rb);
     store_rows(acc[3], bias1, out + kTileRows * a.n + 16, a.n, rb);
   }
@@ -145,11 +169,6 @@ bool linear_amx_supported() {
 #else
   return false;
 #endif
-}
-
-void check_supported() {
-  TORCH_CHECK(linear_amx_supported(),
-              "linear_amx: this build or CPU has no AMX bfloat16 (check linear_amx_supported() first)");
 }
 
 void check_weight(const at::Tensor& weight) {
@@ -181,12 +200,18 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return packed;
 }
 
-at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  check_supported();
+// What both multiplies refuse: a build or CPU without AMX, a `packed` not in its tiles.
+void check_tiles(const char* kernel, const at::Tensor& packed) {
+  TORCH_CHECK(linear_amx_supported(), kernel,
+              ": this build or CPU has no AMX bfloat16 (check linear_amx_supported() first)");
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 && packed.dim() == 5 &&
                   packed.size(0) % 2 == 0 && packed.size(2) == kTileRows && packed.size(3) == 16 &&
                   packed.size(4) == 2 && packed.is_contiguous(),
-              "linear_amx: `packed` must come from pack_linear_weight, got ", packed.sizes());
+              kernel, ": `packed` must come from pack_linear_weight, got ", packed.sizes());
+}
+
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  check_tiles("linear_amx", packed);
   const int64_t n = packed.size(0) * kTileRows, k = packed.size(1) * kTileK;
   const pagedserve::LinearInputs in = pagedserve::linear_inputs("linear_amx", x, bias, n, k);
   const at::Tensor& rows = in.rows;
@@ -211,6 +236,52 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const std::
   }
 #endif
   return out.view(in.out_shape);
+}
+
+// Greedy sampling from the LM head: each row's argmax over the first `num_columns` outputs of
+// linear_amx(x, packed, bias), as argmax_rows reads them from its output (bfloat16, the first maximum,
+// NaN first), without writing the [rows, n] logits and reading them back. Each thread keeps its pairs
+// of n-blocks' best column a row; the threads' bests are then taken in column order.
+at::Tensor linear_argmax_amx(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                             int64_t num_columns) {
+  check_tiles("linear_argmax_amx", packed);
+  const int64_t n = packed.size(0) * kTileRows, k = packed.size(1) * kTileK;
+  TORCH_CHECK(num_columns > 0 && num_columns <= n, "linear_argmax_amx: num_columns must be in 1..", n, ", got ",
+              num_columns);
+  const pagedserve::LinearInputs in = pagedserve::linear_inputs("linear_argmax_amx", x, bias, n, k);
+  std::vector<int64_t> out_shape(in.out_shape.begin(), in.out_shape.end() - 1);
+  const int64_t num_rows = in.rows.size(0);
+  at::Tensor out = at::zeros({num_rows}, x.options().dtype(at::kLong));
+#ifdef PAGEDSERVE_AMX
+  if (num_rows > 0) {
+    const LinearArgs args{in.rows.data_ptr<c10::BFloat16>(),
+                          num_rows > 1 ? in.rows.stride(0) : k,
+                          packed.data_ptr<c10::BFloat16>(),
+                          in.bias.defined() ? in.bias.data_ptr<c10::BFloat16>() : nullptr,
+                          nullptr,
+                          num_rows,
+                          n,
+                          k / kTileK};
+    std::vector<pagedserve::RowBests> bests;
+    std::mutex mutex;
+    const int64_t num_pairs = (num_columns + 2 * kTileRows - 1) / (2 * kTileRows);  // pairs wholly past: skipped
+    at::parallel_for(0, num_pairs, 1, [&](int64_t pair0, int64_t pair1) {
+      pagedserve::RowBests best(pair0 * 2 * kTileRows, num_rows);
+      LinearArgs own = args;
+      own.best_value = best.value.data();
+      own.best_index = best.index.data();
+      own.num_columns = num_columns;
+      int rows_a = -1, rows_b = -1;
+      for (int64_t pair = pair0; pair < pair1; ++pair)
+        for (int64_t row = 0; row < num_rows; row += 2 * kTileRows) multiply_block(own, row, pair, rows_a, rows_b);
+      if (rows_a >= 0) _tile_release();
+      const std::lock_guard<std::mutex> lock(mutex);
+      bests.push_back(std::move(best));
+    });
+    pagedserve::take_bests(bests, num_rows, out.data_ptr<int64_t>());
+  }
+#endif
+  return out.view(out_shape);
 }
 
 }  // namespace
@@ -242,6 +313,10 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("linear_amx_supported() -> bool", &linear_amx_supported);
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("linear_amx(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
+  m.def("linear_argmax_amx(Tensor x, Tensor packed, Tensor? bias, int num_columns) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("linear_amx", &linear_amx); }
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("linear_amx", &linear_amx);
+  m.impl("linear_argmax_amx", &linear_argmax_amx);
+}

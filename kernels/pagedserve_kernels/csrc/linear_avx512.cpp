@@ -39,6 +39,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include "argmax_best.h"
 #include "bf16_vec.h"
 #include "decode_parts.h"
 #include "linear_inputs.h"
@@ -79,34 +80,6 @@ struct LinearArgs {
   int64_t* best_index = nullptr;
   int64_t num_columns = 0;
 };
-
-// v rounded to bfloat16 as store_bf16 rounds it, back in float32.
-inline __m512 round_to_bf16(__m512 v) {
-  const __m256bh b = _mm512_cvtneps_pbh(v);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(b)), 16));
-}
-
-// A row's 32 outputs of the panel at column `col` (lo, hi: 16 each) against its best column so far, as
-// argmax_rows reads a row: the first maximum, a NaN above everything (the first NaN wins).
-inline void update_best(__m512 lo, __m512 hi, int64_t col, int64_t num_columns, float& best, int64_t& index) {
-  if (std::isnan(best)) return;
-  const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  lo = _mm512_mask_mov_ps(none, pagedserve::lanes_below(num_columns - col), round_to_bf16(lo));
-  hi = _mm512_mask_mov_ps(none, pagedserve::lanes_below(num_columns - col - 16), round_to_bf16(hi));
-  const __mmask16 nan_lo = _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q);
-  const __mmask16 nan_hi = _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q);
-  if (nan_lo | nan_hi) {
-    index = nan_lo ? col + __builtin_ctz(nan_lo) : col + 16 + __builtin_ctz(nan_hi);
-    best = std::numeric_limits<float>::quiet_NaN();
-    return;
-  }
-  const float top = _mm512_reduce_max_ps(_mm512_max_ps(lo, hi));
-  if (!(top > best)) return;  // a tie keeps the earlier column
-  const __m512 vtop = _mm512_set1_ps(top);
-  const __mmask16 at_lo = _mm512_cmp_ps_mask(lo, vtop, _CMP_EQ_OQ);
-  index = at_lo ? col + __builtin_ctz(at_lo) : col + 16 + __builtin_ctz(_mm512_cmp_ps_mask(hi, vtop, _CMP_EQ_OQ));
-  best = top;
-}
 
 // x's values k, k + 1 of a row as one 32-bit lane, broadcast to all 16 (rows need not be 4-byte aligned).
 inline __m512bh broadcast_pair(const c10::BFloat16* p) {
@@ -162,7 +135,7 @@ void multiply_tile(const LinearArgs& a, int64_t row, int64_t panel, Prefetch pre
   if (a.best_value != nullptr) {
 #pragma GCC unroll 12
     for (int r = 0; r < ROWS; ++r)
-      update_best(_mm512_add_ps(acc[r][0], b0), _mm512_add_ps(acc[r][1], b1), col, a.num_columns,
+      pagedserve::update_best(_mm512_add_ps(acc[r][0], b0), _mm512_add_ps(acc[r][1], b1), col, a.num_columns,
                   a.best_value[row + r], a.best_index[row + r]);
     return;
   }
@@ -285,17 +258,11 @@ at::Tensor linear_argmax_avx512(const at::Tensor& x, const at::Tensor& packed, c
   const int64_t num_rows = in.rows.size(0);
   if (num_rows > 0) {
     const LinearArgs args = linear_args(in, packed, nullptr);
-    struct Best {  // one thread's panels from `first_panel` on: each row's best value and column
-      int64_t first_panel;
-      std::vector<float> value;
-      std::vector<int64_t> index;
-    };
-    std::vector<Best> bests;
+    std::vector<pagedserve::RowBests> bests;
     std::mutex mutex;
     const int64_t num_panels = (num_columns + kPanel - 1) / kPanel;  // panels wholly past them: skipped
     at::parallel_for(0, num_panels, 1, [&](int64_t panel0, int64_t panel1) {
-      Best best{panel0, std::vector<float>(num_rows, -std::numeric_limits<float>::infinity()),
-                std::vector<int64_t>(num_rows, panel0 * kPanel)};
+      pagedserve::RowBests best(panel0 * kPanel, num_rows);
       LinearArgs own = args;
       own.best_value = best.value.data();
       own.best_index = best.index.data();
@@ -304,15 +271,7 @@ at::Tensor linear_argmax_avx512(const at::Tensor& x, const at::Tensor& packed, c
       const std::lock_guard<std::mutex> lock(mutex);
       bests.push_back(std::move(best));
     });
-    std::sort(bests.begin(), bests.end(), [](const Best& a, const Best& b) { return a.first_panel < b.first_panel; });
-    int64_t* index = out.data_ptr<int64_t>();
-    for (int64_t r = 0; r < num_rows; ++r) {
-      float value = -std::numeric_limits<float>::infinity();
-      for (const Best& best : bests) {
-        if (std::isnan(value)) break;
-        if (std::isnan(best.value[r]) || best.value[r] > value) value = best.value[r], index[r] = best.index[r];
-      }
-    }
+    pagedserve::take_bests(bests, num_rows, out.data_ptr<int64_t>());
   }
 #endif
   return out.view(out_shape);
