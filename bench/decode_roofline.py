@@ -204,6 +204,23 @@ class Row:
         return self.step_ms / self.limit_ms if self.limit_ms else None
 
 
+def check_fits(engine: LLMEngine, batch: int, args: argparse.Namespace) -> None:
+    """Refuses a batch the KV cache cannot hold to the last timed step: the engine would preempt some
+    of its sequences and the timed steps would not be whole-batch steps. A sequence holds its prompt,
+    a token for each prefill step (the first ones decode while the others prefill), the warm-up's and
+    the timed steps'."""
+    prefill_steps = math.ceil(batch * args.context / engine.config.scheduler.max_num_batched_tokens)
+    tokens = args.context + prefill_steps + args.warmup + args.steps
+    block_size = engine.config.cache.block_size
+    needed = batch * math.ceil(tokens / block_size)
+    blocks = engine.stats().num_total_blocks
+    if needed > blocks:
+        raise SystemExit(
+            f"batch {batch}: {batch} sequences of up to {tokens} tokens need {needed} KV blocks of "
+            f"{block_size}, the engine has {blocks}: give it more (--kv-cache-memory) or a shorter --context"
+        )
+
+
 def run_batch(
     engine: LLMEngine, batch: int, args: argparse.Namespace, shape: Shape, peak: float | None
 ) -> Row:
@@ -212,6 +229,7 @@ def run_batch(
     the prefill, during which the first ones started decode already)."""
     from pagedserve import SamplingParams
 
+    check_fits(engine, batch, args)
     rng = random.Random(args.seed + batch)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     generated = {f"roofline-{batch}-{i}": 0 for i in range(batch)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import shlex
 import subprocess
 import sys
@@ -70,6 +71,30 @@ def test_a_cpu_run_times_whole_batch_decode_steps_against_the_given_peak(tmp_pat
         assert row["limit_ms"] == pytest.approx(row["bytes_per_step"] / 10e9 * 1e3)
         assert row["achieved_gbps"] == pytest.approx(row["bytes_per_step"] / row["step_ms"] / 1e6)
         assert f"| {row['batch']} | 40 | {row['step_ms']:.3f} |" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_batch_the_kv_cache_cannot_hold_is_refused_before_it_runs(tmp_path: Path) -> None:
+    """Eight sequences of a 1,000-token prompt, a token for each of the 4 prefill steps, the warm-up's
+    and the 3 timed: 8 x 126 blocks of 8; a 1 MiB cache of the tiny preset (256 bytes a token) holds
+    512. Running it anyway preempted sequences, and the timed steps then served part of the batch
+    (with a message that asked for --max-tokens, which does not help)."""
+    flags = "--device cpu --preset tiny --batch-sizes 8 --context 1000 --warmup 1 --steps 3 --max-tokens 16"
+    flags += (
+        f" --peak-gbps 10 --enforce-eager --kv-cache-memory 1MiB --cache-dir {shlex.quote(str(tmp_path))}"
+    )
+    command = [sys.executable, str(BENCH), *shlex.split(flags)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    # blocks of 8 where the C++ CPU kernels build (the CPU default), of 16 where they do not
+    blocks = re.search(
+        r"batch 8: 8 sequences of up to 1008 tokens need (\d+) KV blocks of (\d+), the engine has (\d+)",
+        done.stderr,
+    )
+    assert blocks is not None, done.stderr
+    needed, block_size, available = map(int, blocks.groups())
+    assert needed == 8 * math.ceil(1008 / block_size) and available * block_size * 256 == 2**20
+    assert "--kv-cache-memory" in done.stderr and "| batch |" not in done.stdout
 
 
 def test_a_preset_without_tokenizer_files_is_refused(tmp_path: Path) -> None:
