@@ -229,7 +229,6 @@ def run_batch(
     the prefill, during which the first ones started decode already)."""
     from pagedserve import SamplingParams
 
-    check_fits(engine, batch, args)
     rng = random.Random(args.seed + batch)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     generated = {f"roofline-{batch}-{i}": 0 for i in range(batch)}
@@ -350,6 +349,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"device {device}, {args.dtype}, tensor parallel {args.tensor_parallel_size}; peak {f'{peak:.1f}' if peak else '?'} GB/s ({peak_source})"
     )
+    for batch in args.batch_sizes:  # all of them before the first runs
+        check_fits(engine, batch, args)
     rows = [run_batch(engine, batch, args, shape, peak) for batch in args.batch_sizes]
     print("\n| batch | context | step ms | MB a step | limit ms | step / limit | achieved GB/s (of peak) |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
