@@ -136,7 +136,7 @@ void multiply_tile(const LinearArgs& a, int64_t row, int64_t panel, Prefetch pre
 #pragma GCC unroll 12
     for (int r = 0; r < ROWS; ++r)
       pagedserve::update_best(_mm512_add_ps(acc[r][0], b0), _mm512_add_ps(acc[r][1], b1), col, a.num_columns,
-                  a.best_value[row + r], a.best_index[row + r]);
+                              a.best_value[row + r], a.best_index[row + r]);
     return;
   }
   c10::BFloat16* out = a.out + row * a.n + col;
