@@ -99,14 +99,15 @@ struct LinearArgs {
   int64_t num_columns = 0;
 };
 
-// Rows [row, row + 32) x n-blocks 2 * pair, 2 * pair + 1.
-void multiply_block(const LinearArgs& a, int64_t row, int64_t pair, int& rows_a, int& rows_b) {
+// Rows [row, row + 32) x n-blocks 2 * pair, 2 * pair + 1; `tiles`: the configuration this thread has
+// loaded, reloaded when these rows need another.
+void multiply_block(const LinearArgs& a, int64_t row, int64_t pair, pagedserve::AmxTiles& tiles) {
   const int ra = static_cast<int>(std::min(kTileRows, a.num_rows - row));
   const int rb = static_cast<int>(std::clamp(a.num_rows - row - kTileRows, int64_t{0}, kTileRows));
-  if (ra != rows_a || rb != rows_b) {
+  if (ra != tiles.rows_a || rb != tiles.rows_b) {
     configure_tiles(ra, rb);
-    rows_a = ra;
-    rows_b = rb;
+    tiles.rows_a = ra;
+    tiles.rows_b = rb;
   }
   const c10::BFloat16* w0 = a.weight + 2 * pair * a.k_blocks * kTileElems;
   const c10::BFloat16* w1 = w0 + a.k_blocks * kTileElems;
@@ -159,6 +160,24 @@ void multiply_block(const LinearArgs& a, int64_t row, int64_t pair, int& rows_a,
     store_rows(acc[2], bias0, out + kTileRows * a.n, a.n, rb);
     store_rows(acc[3], bias1, out + kTileRows * a.n + 16, a.n, rb);
   }
+}
+
+// Every row, 32 at a time, x n-blocks 2 * pair, 2 * pair + 1.
+void multiply_pair(const LinearArgs& a, int64_t pair, pagedserve::AmxTiles& tiles) {
+  for (int64_t row = 0; row < a.num_rows; row += 2 * kTileRows) multiply_block(a, row, pair, tiles);
+}
+
+// The rows of `in` (at least one) times `packed`, into `out` (nullptr for linear_argmax_amx).
+LinearArgs linear_args(const pagedserve::LinearInputs& in, const at::Tensor& packed, c10::BFloat16* out) {
+  const int64_t k_blocks = packed.size(1);
+  return LinearArgs{in.rows.data_ptr<c10::BFloat16>(),
+                    in.rows.size(0) > 1 ? in.rows.stride(0) : k_blocks * kTileK,
+                    packed.data_ptr<c10::BFloat16>(),
+                    in.bias.defined() ? in.bias.data_ptr<c10::BFloat16>() : nullptr,
+                    out,
+                    in.rows.size(0),
+                    packed.size(0) * kTileRows,
+                    k_blocks};
 }
 
 #endif  // PAGEDSERVE_AMX
@@ -214,24 +233,14 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const std::
   check_tiles("linear_amx", packed);
   const int64_t n = packed.size(0) * kTileRows, k = packed.size(1) * kTileK;
   const pagedserve::LinearInputs in = pagedserve::linear_inputs("linear_amx", x, bias, n, k);
-  const at::Tensor& rows = in.rows;
-  at::Tensor out = at::empty({rows.size(0), n}, x.options());
+  at::Tensor out = at::empty({in.rows.size(0), n}, x.options());
 #ifdef PAGEDSERVE_AMX
-  if (rows.size(0) > 0) {
-    const LinearArgs args{rows.data_ptr<c10::BFloat16>(),
-                          rows.size(0) > 1 ? rows.stride(0) : k,
-                          packed.data_ptr<c10::BFloat16>(),
-                          in.bias.defined() ? in.bias.data_ptr<c10::BFloat16>() : nullptr,
-                          out.data_ptr<c10::BFloat16>(),
-                          rows.size(0),
-                          n,
-                          k / kTileK};
+  if (in.rows.size(0) > 0) {
+    const LinearArgs args = linear_args(in, packed, out.data_ptr<c10::BFloat16>());
     at::parallel_for(0, packed.size(0) / 2, 1, [&](int64_t pair0, int64_t pair1) {
-      int rows_a = -1, rows_b = -1;  // the tile configuration loaded on this thread
-      for (int64_t pair = pair0; pair < pair1; ++pair)
-        for (int64_t row = 0; row < args.num_rows; row += 2 * kTileRows)
-          multiply_block(args, row, pair, rows_a, rows_b);
-      if (rows_a >= 0) _tile_release();
+      pagedserve::AmxTiles tiles;
+      for (int64_t pair = pair0; pair < pair1; ++pair) multiply_pair(args, pair, tiles);
+      pagedserve::release_amx_tiles(tiles);
     });
   }
 #endif
@@ -254,14 +263,7 @@ at::Tensor linear_argmax_amx(const at::Tensor& x, const at::Tensor& packed, cons
   at::Tensor out = at::zeros({num_rows}, x.options().dtype(at::kLong));
 #ifdef PAGEDSERVE_AMX
   if (num_rows > 0) {
-    const LinearArgs args{in.rows.data_ptr<c10::BFloat16>(),
-                          num_rows > 1 ? in.rows.stride(0) : k,
-                          packed.data_ptr<c10::BFloat16>(),
-                          in.bias.defined() ? in.bias.data_ptr<c10::BFloat16>() : nullptr,
-                          nullptr,
-                          num_rows,
-                          n,
-                          k / kTileK};
+    const LinearArgs args = linear_args(in, packed, nullptr);
     std::vector<pagedserve::RowBests> bests;
     std::mutex mutex;
     const int64_t num_pairs = (num_columns + 2 * kTileRows - 1) / (2 * kTileRows);  // pairs wholly past: skipped
@@ -271,10 +273,9 @@ at::Tensor linear_argmax_amx(const at::Tensor& x, const at::Tensor& packed, cons
       own.best_value = best.value.data();
       own.best_index = best.index.data();
       own.num_columns = num_columns;
-      int rows_a = -1, rows_b = -1;
-      for (int64_t pair = pair0; pair < pair1; ++pair)
-        for (int64_t row = 0; row < num_rows; row += 2 * kTileRows) multiply_block(own, row, pair, rows_a, rows_b);
-      if (rows_a >= 0) _tile_release();
+      pagedserve::AmxTiles tiles;
+      for (int64_t pair = pair0; pair < pair1; ++pair) multiply_pair(own, pair, tiles);
+      pagedserve::release_amx_tiles(tiles);
       const std::lock_guard<std::mutex> lock(mutex);
       bests.push_back(std::move(best));
     });
@@ -292,8 +293,7 @@ bool pagedserve::amx_tiles_usable() { return linear_amx_supported(); }
 void pagedserve::linear_amx_panel(const c10::BFloat16* x, int64_t ld_x, const c10::BFloat16* packed,
                                   const c10::BFloat16* bias, c10::BFloat16* out, int64_t rows, int64_t n, int64_t k,
                                   int64_t panel, AmxTiles& tiles) {
-  const LinearArgs args{x, ld_x, packed, bias, out, rows, n, k / kTileK};
-  for (int64_t row = 0; row < rows; row += 2 * kTileRows) multiply_block(args, row, panel, tiles.rows_a, tiles.rows_b);
+  multiply_pair(LinearArgs{x, ld_x, packed, bias, out, rows, n, k / kTileK}, panel, tiles);
 }
 
 void pagedserve::release_amx_tiles(AmxTiles& tiles) {
