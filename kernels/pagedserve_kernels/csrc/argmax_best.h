@@ -3,12 +3,15 @@
 // [rows, n] logits written and read back by argmax_rows; then the threads' bests taken in column order.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include "bf16_vec.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
@@ -69,6 +72,23 @@ inline void take_bests(std::vector<RowBests>& bests, int64_t rows, int64_t* inde
       if (std::isnan(best.value[r]) || best.value[r] > value) value = best.value[r], index[r] = best.index[r];
     }
   }
+}
+
+// Each row's argmax into `index` [rows] over `num_panels` panels of `panel_columns` columns, the panels
+// split over at::parallel_for's threads: run(panel0, panel1, best) multiplies panels [panel0, panel1)
+// keeping each row's best column in `best` (update_best); the threads' bests are then taken in column
+// order.
+template <typename Run>
+void argmax_over_panels(int64_t num_panels, int64_t panel_columns, int64_t rows, const Run& run, int64_t* index) {
+  std::vector<RowBests> bests;
+  std::mutex mutex;
+  at::parallel_for(0, num_panels, 1, [&](int64_t panel0, int64_t panel1) {
+    RowBests best(panel0 * panel_columns, rows);
+    run(panel0, panel1, best);
+    const std::lock_guard<std::mutex> lock(mutex);
+    bests.push_back(std::move(best));
+  });
+  take_bests(bests, rows, index);
 }
 
 }  // namespace pagedserve

@@ -32,7 +32,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -264,22 +263,19 @@ at::Tensor linear_argmax_amx(const at::Tensor& x, const at::Tensor& packed, cons
 #ifdef PAGEDSERVE_AMX
   if (num_rows > 0) {
     const LinearArgs args = linear_args(in, packed, nullptr);
-    std::vector<pagedserve::RowBests> bests;
-    std::mutex mutex;
     const int64_t num_pairs = (num_columns + 2 * kTileRows - 1) / (2 * kTileRows);  // pairs wholly past: skipped
-    at::parallel_for(0, num_pairs, 1, [&](int64_t pair0, int64_t pair1) {
-      pagedserve::RowBests best(pair0 * 2 * kTileRows, num_rows);
-      LinearArgs own = args;
-      own.best_value = best.value.data();
-      own.best_index = best.index.data();
-      own.num_columns = num_columns;
-      pagedserve::AmxTiles tiles;
-      for (int64_t pair = pair0; pair < pair1; ++pair) multiply_pair(own, pair, tiles);
-      pagedserve::release_amx_tiles(tiles);
-      const std::lock_guard<std::mutex> lock(mutex);
-      bests.push_back(std::move(best));
-    });
-    pagedserve::take_bests(bests, num_rows, out.data_ptr<int64_t>());
+    pagedserve::argmax_over_panels(
+        num_pairs, 2 * kTileRows, num_rows,
+        [&](int64_t pair0, int64_t pair1, pagedserve::RowBests& best) {
+          LinearArgs own = args;
+          own.best_value = best.value.data();
+          own.best_index = best.index.data();
+          own.num_columns = num_columns;
+          pagedserve::AmxTiles tiles;
+          for (int64_t pair = pair0; pair < pair1; ++pair) multiply_pair(own, pair, tiles);
+          pagedserve::release_amx_tiles(tiles);
+        },
+        out.data_ptr<int64_t>());
   }
 #endif
   return out.view(out_shape);

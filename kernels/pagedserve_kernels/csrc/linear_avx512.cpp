@@ -49,7 +49,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -258,20 +257,17 @@ at::Tensor linear_argmax_avx512(const at::Tensor& x, const at::Tensor& packed, c
   const int64_t num_rows = in.rows.size(0);
   if (num_rows > 0) {
     const LinearArgs args = linear_args(in, packed, nullptr);
-    std::vector<pagedserve::RowBests> bests;
-    std::mutex mutex;
     const int64_t num_panels = (num_columns + kPanel - 1) / kPanel;  // panels wholly past them: skipped
-    at::parallel_for(0, num_panels, 1, [&](int64_t panel0, int64_t panel1) {
-      pagedserve::RowBests best(panel0 * kPanel, num_rows);
-      LinearArgs own = args;
-      own.best_value = best.value.data();
-      own.best_index = best.index.data();
-      own.num_columns = num_columns;
-      multiply_panels(own, panel0, panel1);
-      const std::lock_guard<std::mutex> lock(mutex);
-      bests.push_back(std::move(best));
-    });
-    pagedserve::take_bests(bests, num_rows, out.data_ptr<int64_t>());
+    pagedserve::argmax_over_panels(
+        num_panels, kPanel, num_rows,
+        [&](int64_t panel0, int64_t panel1, pagedserve::RowBests& best) {
+          LinearArgs own = args;
+          own.best_value = best.value.data();
+          own.best_index = best.index.data();
+          own.num_columns = num_columns;
+          multiply_panels(own, panel0, panel1);
+        },
+        out.data_ptr<int64_t>());
   }
 #endif
   return out.view(out_shape);
