@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.errors import InvalidRequestError
@@ -293,11 +294,12 @@ def test_bad_words_index_the_requests_own_token_lists() -> None:
     words = BadWords.build(ids)
     held = [word for by_token in words.by_last_token.values() for word in by_token]
     assert len(held) == 3 and all(any(word is own for own in ids) for word in held)
-    assert words.banned([]) == [5]
-    assert words.banned([8]) == [5]  # both two-token prefixes ending in 8 are longer than the output
-    assert sorted(words.banned([1, 7, 8])) == [5, 9]
-    assert sorted(words.banned([3, 8])) == [4, 5]
-    assert sorted(words.banned([2, 6])) == [1, 5]
+    output = lambda *ids: np.array(ids, np.int64)  # noqa: E731  (as the runner keeps them)
+    assert words.banned(output()) == [5]
+    assert words.banned(output(8)) == [5]  # both two-token prefixes ending in 8 are longer than the output
+    assert sorted(words.banned(output(1, 7, 8))) == [5, 9]
+    assert sorted(words.banned(output(3, 8))) == [4, 5]
+    assert sorted(words.banned(output(2, 6))) == [1, 5]
 
 
 def test_bad_words_beyond_the_model_vocabulary_are_refused(tmp_path: Path, default_model_dir: str) -> None:

@@ -422,19 +422,20 @@ def test_the_runner_pads_the_penalized_rows_and_keeps_the_prompts_while_the_batc
     original = runner._sampling_tensors
 
     def kept(rows: list, masks: dict) -> SamplingTensors:  # type: ignore[type-arg]
-        prompts = [list(row.state.token_ids[: row.state.num_prompt_tokens]) for row in rows]
-        steps.append((prompts, [list(row.output_token_ids) for row in rows], original(rows, masks)))
+        prompts = [row.state.token_ids.span(0, row.state.num_prompt_tokens).tolist() for row in rows]
+        steps.append((prompts, [row.output_token_ids.tolist() for row in rows], original(rows, masks)))
         return steps[-1][2]
 
     monkeypatch.setattr(runner, "_sampling_tensors", kept)
     prompts = [[1, 306, 4658], [1, 22, 33, 44, 55, 66], [1, 9]]
-    llm.generate(
+    outputs = llm.generate(
         prompts,
         [
             SamplingParams(temperature=0, max_tokens=n, repetition_penalty=1.3, ignore_eos=True)
             for n in (2, 5, 5)
         ],
     )
+    completions = [list(out.outputs[0].token_ids) for out in outputs]
 
     def padded(rows: list[list[int]]) -> list[list[int]]:
         width = max(1, *map(len, rows))
@@ -442,6 +443,10 @@ def test_the_runner_pads_the_penalized_rows_and_keeps_the_prompts_while_the_batc
 
     assert len(steps) == 5 and [len(step[0]) for step in steps] == [3, 3, 2, 2, 2]
     for prompt_ids, output_ids, tensors in steps:
+        # The rows' own ids as the runner keeps them: the requests' prompts and their outputs so far.
+        for prompt, output in zip(prompt_ids, output_ids):
+            completion = completions[prompts.index(prompt)]
+            assert output == completion[: len(output)] and len(output) < len(completion)
         assert tensors.prompt_token_ids is not None and tensors.output_token_ids is not None
         assert tensors.prompt_token_ids.tolist() == padded(prompt_ids)
         assert tensors.output_token_ids.tolist() == padded(output_ids)

@@ -53,6 +53,31 @@ logger = logging.getLogger(__name__)
 PROMPT_LOGPROBS_SLICE_ELEMENTS = 2**23
 
 
+class TokenIds:
+    """A request's token ids so far in one numpy array that doubles as it fills: a step's penalties copy
+    each row's output ids as one slice, not as Python ints one by one (64 rows of 100-500 output ids
+    walked as lists took ~0.8 ms a step, the slices ~0.1 ms)."""
+
+    def __init__(self) -> None:
+        self._ids = np.empty(0, np.int64)
+        self._length = 0
+
+    def replace_from(self, start: int, ids: list[int]) -> None:
+        """Drops the ids from `start` on (drafts a step did not accept) and appends `ids` after the rest."""
+        start = min(start, self._length)
+        end = start + len(ids)
+        if end > len(self._ids):
+            grown = np.empty(max(end, 2 * len(self._ids), 64), np.int64)
+            grown[:start] = self._ids[:start]
+            self._ids = grown
+        self._ids[start:end] = ids
+        self._length = end
+
+    def span(self, start: int, end: int) -> np.ndarray:
+        """Ids start .. end - 1 (a view: valid until the next `replace_from`)."""
+        return self._ids[start : min(end, self._length)]
+
+
 @dataclass
 class RequestState:
     row: int  # row of the persistent block table
@@ -60,7 +85,7 @@ class RequestState:
     num_prompt_tokens: int
     num_tokens: int = 0  # tokens fed to the model so far
     num_blocks: int = 0
-    token_ids: list[int] = field(default_factory=list)  # kept only when penalties or bad words need it
+    token_ids: TokenIds = field(default_factory=TokenIds)  # kept only when penalties or bad words need it
     prompt_ids: torch.Tensor | None = None  # the prompt on the device, once penalties have read it
     allowed_ids: torch.Tensor | None = None  # params.allowed_token_ids on the device, made once
     bad_words: BadWords | None = None  # built on the request's first sample, where it has bad words
@@ -101,9 +126,9 @@ class SampleRow:
         return self.state.argmax_only and self.num_output_tokens >= self.state.params.min_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
+    def output_token_ids(self) -> np.ndarray:
         """Kept only where penalties or bad words need them (`RequestState.keeps_token_ids`)."""
-        return self.state.token_ids[self.state.num_prompt_tokens : self.num_tokens]
+        return self.state.token_ids.span(self.state.num_prompt_tokens, self.num_tokens)
 
 
 @dataclass
@@ -128,13 +153,15 @@ class BadWords:
                 words.by_last_token.setdefault(ids[-2], []).append(ids)
         return words
 
-    def banned(self, output_token_ids: list[int]) -> list[int]:
-        if not output_token_ids:
-            return self.always
-        words = self.by_last_token.get(output_token_ids[-1], ())
+    def banned(self, output_token_ids: np.ndarray) -> list[int]:
         n = len(output_token_ids)
+        if not n:
+            return self.always
+        words = self.by_last_token.get(int(output_token_ids[-1]), ())
         return self.always + [
-            ids[-1] for ids in words if len(ids) - 1 <= n and output_token_ids[n - len(ids) + 1 :] == ids[:-1]
+            ids[-1]
+            for ids in words
+            if len(ids) - 1 <= n and output_token_ids[n - len(ids) + 1 :].tolist() == ids[:-1]
         ]
 
 
@@ -448,8 +475,7 @@ class ModelRunner:
             # From the scheduler's count: drafts the last step ran and did not accept are dropped here.
             state.num_tokens = req.num_computed_tokens + len(req.token_ids)
             if state.keeps_token_ids:
-                del state.token_ids[req.num_computed_tokens :]
-                state.token_ids.extend(req.token_ids)
+                state.token_ids.replace_from(req.num_computed_tokens, req.token_ids)
 
     def _add_state(self, req: ScheduledRequest) -> None:
         """A request new to this worker (admitted, resumed or forked): tokens already in the cache count.
@@ -471,7 +497,7 @@ class ModelRunner:
             num_tokens=req.num_computed_tokens,
         )
         if state.keeps_token_ids:
-            state.token_ids.extend(req.computed_token_ids)
+            state.token_ids.replace_from(0, req.computed_token_ids)
         if req.sampling_params.logit_bias:  # once, not every step: up to 1,024 entries
             bias = req.sampling_params.logit_bias
             state.logit_bias = (
@@ -651,8 +677,8 @@ class ModelRunner:
         for state in states:
             prompt = state.prompt_ids
             if prompt is None:
-                ids = state.token_ids[: state.num_prompt_tokens]
-                prompt = torch.tensor(ids, dtype=torch.int64, device=self.device)
+                ids = state.token_ids.span(0, state.num_prompt_tokens)
+                prompt = torch.from_numpy(ids.copy()).to(self.device)
                 if len(ids) == state.num_prompt_tokens:  # the whole prompt (a row samples after it)
                     state.prompt_ids = prompt
             prompts.append(prompt)
@@ -660,21 +686,19 @@ class ModelRunner:
         if last is not None and len(last[0]) == len(prompts) and all(map(operator.is_, last[0], prompts)):
             return last[1]
         if max(len(prompt) for prompt in prompts) == 0:
-            padded = self._padded([[] for _ in states])
+            padded = self._padded([np.empty(0, np.int64) for _ in states])
         else:
             padded = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True, padding_value=self.vocab_size)
         self._last_prompts = (prompts, padded)
         return padded
 
-    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
+    def _padded(self, rows: list[np.ndarray]) -> torch.Tensor:
         """`rows` as one tensor, each padded with vocab_size (an id no token has) to the longest, at
-        least 1 wide. Through numpy: torch.tensor of the padded lists took ~1.4 ms for 64 rows of up to
-        128 ids, this ~0.2 ms."""
-        lengths = np.fromiter(map(len, rows), np.int64, len(rows))
-        padded = np.full((len(rows), max(1, int(lengths.max()))), self.vocab_size, np.int64)
-        padded[np.arange(padded.shape[1]) < lengths[:, None]] = np.fromiter(
-            chain.from_iterable(rows), np.int64, int(lengths.sum())
-        )
+        least 1 wide: one slice copied a row (torch.tensor of the padded lists took ~1.4 ms for 64
+        rows of up to 128 ids)."""
+        padded = np.full((len(rows), max(1, max(map(len, rows), default=0))), self.vocab_size, np.int64)
+        for row, ids in zip(padded, rows):
+            row[: len(ids)] = ids
         return torch.from_numpy(padded).to(self.device)
 
     def _to_output(
