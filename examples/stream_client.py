@@ -1,6 +1,6 @@
 """Stream a chat completion from a running `pagedserve serve` (default: localhost:8001).
 
-python examples/stream_client.py "What is the capital of France?" --max-tokens 64
+python examples/stream_client.py "What is the capital of Japan?" --max-tokens 64
 python examples/stream_client.py "Give a person as JSON." --json-schema '{"type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}'
 python examples/stream_client.py "Pick a number." --regex "[0-9]{1,3}"
