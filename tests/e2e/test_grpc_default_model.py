@@ -82,9 +82,8 @@ def test_readme_serve_command_and_example_client_work_as_written(tmp_path: Path)
     # The README's default ports, unless something else on this machine holds them: then free ones
     # through the documented PAGEDSERVE_* variables, and the client's --address.
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.pop(
-        "PAGEDSERVE_ENFORCE_EAGER", None
-    )  # as a user runs it: the compiled pass (tests/conftest.py sets it)
+    # As a user runs it: the compiled pass (tests/conftest.py sets PAGEDSERVE_ENFORCE_EAGER for the suite).
+    env.pop("PAGEDSERVE_ENFORCE_EAGER", None)
     ports = {name: port if is_port_free(port) else free_port() for name, port in DEFAULT_PORTS.items()}
     env.update({name: str(port) for name, port in ports.items() if port != DEFAULT_PORTS[name]})
     if ports["PAGEDSERVE_PORT"] != DEFAULT_PORTS["PAGEDSERVE_PORT"]:
