@@ -154,6 +154,43 @@ def assert_no_worker_state_left(llm: LLM, max_num_seqs: int) -> None:
     assert stats.num_free_cpu_blocks == stats.num_total_cpu_blocks
 
 
+def ours_equal_up_to_rounding(
+    ours: dict[str, Completion],
+    reference: dict[str, Completion],
+    params: dict[str, SamplingParams],
+    *,
+    same_schedule: bool,
+) -> int:
+    """Every completion of `ours` equals the reference's up to a draw that rounding flips
+    (tests/rounding_flips.py), after which the two part; its logprobs agree up to there. Where both
+    runs scheduled the same steps, an aborted completion is cut at the same token; otherwise only up
+    to the shorter of the two. Returns how many completions, neither aborted, were equal whole."""
+    assert ours.keys() == reference.keys()
+    num_whole = 0
+    for key, (ids, logprobs, reason) in reference.items():
+        got_ids, got_logprobs, got_reason = ours[key]
+        pos = first_difference(got_ids, ids)
+        if pos is not None:
+            assert is_rounding_flip(
+                got_ids[pos],
+                ids[pos],
+                greedy=params[key].is_greedy,
+                our_logprob=got_logprobs[pos][got_ids[pos]] if got_logprobs else None,
+                reference_logprob=logprobs[pos][ids[pos]] if logprobs else None,
+            ), (key, pos, got_ids[pos], ids[pos])
+            end = pos
+        elif same_schedule or (reason is not None and got_reason is not None):
+            assert got_ids == ids and got_reason == reason, key
+            num_whole += reason is not None
+            end = len(ids)
+        else:
+            end = min(len(ids), len(got_ids))
+        for got, expected in zip(got_logprobs[:end], logprobs[:end], strict=True):
+            assert got.keys() == expected.keys(), key
+            assert all(abs(got[t] - expected[t]) < LOGPROB_ATOL for t in got), key
+    return num_whole
+
+
 def test_tp2_equals_one_rank_on_a_mixed_workload_under_memory_pressure(tiny_llama_dir: str) -> None:
     waves = mixed_workload()
     tight = {
@@ -174,18 +211,17 @@ def test_tp2_equals_one_rank_on_a_mixed_workload_under_memory_pressure(tiny_llam
     assert stats.num_swap_preemptions > 0 and stats.num_recompute_preemptions > 0
     assert stats.num_prefix_hits > 0
     assert_no_worker_state_left(one_rank, 6)
+    params = {
+        f"{a.request_id}/{i}": a.params
+        for arrivals, _, _ in waves
+        for a in arrivals
+        for i in range(a.params.n)
+    }
     # preemption (swap and recompute) keeps seeded sampling and penalties' history: every completion
-    # equals the ample run's, up to where an abort (at a step count, so elsewhere) cut either
-    num_full = 0
-    for key, (ids, _, reason) in reference.items():
-        other_ids, _, other_reason = unconstrained[key]
-        if reason is not None and other_reason is not None:
-            assert ids == other_ids, key
-            num_full += 1
-        else:
-            common = min(len(ids), len(other_ids))
-            assert ids[:common] == other_ids[:common], key
-    assert num_full > 100
+    # equals the ample run's, up to where an abort (at a step count, so elsewhere) cut either. Other
+    # batches sum some rows in another order (MKL's sgemm at other row counts; the compiled pass's
+    # kernels), so a draw on a boundary may flip, as one did in the compiled pass (r67: 21136 / 21137).
+    assert ours_equal_up_to_rounding(reference, unconstrained, params, same_schedule=False) > 100
 
     tp = LLM(model=tiny_llama_dir, dtype="float32", tensor_parallel_size=2, **tight)
     try:
@@ -194,29 +230,5 @@ def test_tp2_equals_one_rank_on_a_mixed_workload_under_memory_pressure(tiny_llam
         assert_no_worker_state_left(tp, 6)  # rank 0's; the other rank would have failed a step
     finally:
         tp.engine.executor.shutdown()
-    assert ours.keys() == reference.keys()
-    params = {
-        f"{a.request_id}/{i}": a.params
-        for arrivals, _, _ in waves
-        for a in arrivals
-        for i in range(a.params.n)
-    }
-    for key, (ids, logprobs, reason) in reference.items():
-        got_ids, got_logprobs, got_reason = ours[key]
-        # two ranks sum o_proj's and down_proj's partial products in another order than one: a draw on
-        # a boundary may flip (tests/rounding_flips.py), and the rest of its completion then differs
-        pos = first_difference(got_ids, ids)
-        if pos is not None:
-            assert is_rounding_flip(
-                got_ids[pos],
-                ids[pos],
-                greedy=params[key].is_greedy,
-                our_logprob=got_logprobs[pos][got_ids[pos]] if got_logprobs else None,
-                reference_logprob=logprobs[pos][ids[pos]] if logprobs else None,
-            ), (key, pos, got_ids[pos], ids[pos])
-            got_logprobs, logprobs = got_logprobs[:pos], logprobs[:pos]
-        else:
-            assert got_ids == ids and got_reason == reason, key
-        for got, expected in zip(got_logprobs, logprobs, strict=True):
-            assert got.keys() == expected.keys(), key
-            assert all(abs(got[t] - expected[t]) < LOGPROB_ATOL for t in got), key
+    # two ranks sum o_proj's and down_proj's partial products in another order than one
+    ours_equal_up_to_rounding(ours, reference, params, same_schedule=True)
