@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import os
 
-import pytest
-from tiny_models import build_tiny_llama
+# Before anything imports torch, whose OpenMP runtime reads it once: threads waiting for work sleep
+# instead of spinning. The suite runs two workers on two cores, each with its own engines, servers and
+# clients, so the machine is oversubscribed by design, and a spinning thread takes its core from a
+# thread with work to do. On 2 cores (2026-12-03) tests/e2e/test_triton_adapter.py and
+# tests/engine/test_spec_decode.py on two workers took 404 s with spinning threads, 152 s with this.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+from tiny_models import build_tiny_llama  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
