@@ -3,7 +3,8 @@ output: on the default model, prompts that repeat themselves (so drafts are prop
 the tokens and logprobs of greedy and seeded requests equal an engine's without drafts, whatever
 controls a request sets (penalties, bad words, min_tokens, logit bias, stop strings and token ids,
 max_tokens) or grammar, across preemption by swap and by recompute, and with the prefix cache
-reading blocks a drafting request wrote. The proposer on its own.
+reading blocks a drafting request wrote. The proposer on its own. The tests on the default model
+are marked slow; those with an oracle's drafts on the tiny model are not.
 
 Float32 on both sides, but a step that verifies drafts runs more decode rows than one without, so
 logits may move by rounding: a difference passes only where rounding can flip a draw
@@ -101,6 +102,7 @@ PARAMS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(PARAMS))
 def test_outputs_equal_decoding_without_drafts(plain: LLM, drafting: LLM, name: str) -> None:
     before = drafting.engine.stats()
@@ -113,6 +115,7 @@ def test_outputs_equal_decoding_without_drafts(plain: LLM, drafting: LLM, name: 
         assert after.num_accepted_draft_tokens > before.num_accepted_draft_tokens, "no draft accepted"
 
 
+@pytest.mark.slow
 def test_steps_verify_up_to_num_speculative_tokens_and_count_them(drafting: LLM) -> None:
     """vLLM's counters, from which dashboards plot the acceptance rate (accepted / draft tokens)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -132,6 +135,7 @@ def test_steps_verify_up_to_num_speculative_tokens_and_count_them(drafting: LLM)
     assert samples["vllm:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_draft_tokens
 
 
+@pytest.mark.slow
 def test_preemption_by_swap_and_recompute_changes_nothing(plain: LLM) -> None:
     """Four requests of 100+ tokens in 32 blocks of 8 (256 tokens) preempt each other."""
     params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True, logprobs=2)
@@ -151,6 +155,7 @@ def test_preemption_by_swap_and_recompute_changes_nothing(plain: LLM) -> None:
         assert_same_outputs(ours, theirs)
 
 
+@pytest.mark.slow
 def test_the_prefix_cache_holds_only_accepted_tokens() -> None:
     """A request that repeats a drafting request's prompt and output hits the blocks it filled: those
     hold the KV of the tokens it kept, never of drafts it ran and rejected."""
@@ -176,6 +181,7 @@ JSON_ECHO = (
 )
 
 
+@pytest.mark.slow
 def test_requests_with_a_grammar_draft_under_it(plain: LLM, drafting: LLM) -> None:
     """Each draft's row is masked with the grammar's state after the drafts before it: a JSON answer
     that echoes its prompt accepts drafts and is the answer without them."""
@@ -269,6 +275,7 @@ def test_one_lookup_size_given_alone_sets_both(given: dict, lookup: tuple[int, i
     assert config is not None and (config.prompt_lookup_max, config.prompt_lookup_min) == lookup
 
 
+@pytest.mark.slow
 def test_no_drafts_while_more_requests_than_disable_by_batch_size(plain: LLM) -> None:
     """Under load drafts stop (rejected ones would cost the busy steps throughput), and come back as
     the engine drains: 4 requests with a limit of 2 draft only once two have finished."""
