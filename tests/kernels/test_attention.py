@@ -123,15 +123,34 @@ def test_decode_matches_reference(
 # and 417 tokens (the last split partly filled).
 SPLITS_BY_GQA_RATIO = {1: 19, 3: 7, 8: 3}
 SPLIT_BATCHES = {"b7": [1, 15, 16, 17, 33, 300, 2], "b1-ctx17": [17], "b1-ctx417": [417]}
-# (num_heads, num_kv_heads, head_dim, block_size, context_lens, num_splits)
+# Every GQA ratio (so split count) with every batch and block size, which set where the splits cut;
+# head size and dtype, which change only the width of each row's arithmetic, taken in turn so that
+# each pair of factors meets at least once (the full product, 76 cases, took 90 s of the suite's
+# time in the Triton interpreter; these 20 take about a quarter of it).
+HEAD_DIM_AND_DTYPE = [(64, torch.float32), (64, torch.bfloat16), (128, torch.bfloat16), (128, torch.float32)]
+DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+# (gqa ratio, batch, block_size, head_dim, dtype)
+SPLIT_FACTORS = [
+    (ratio, batch, block_size, *HEAD_DIM_AND_DTYPE[i % 4])
+    for i, (ratio, batch, block_size) in enumerate(itertools.product((1, 3, 8), SPLIT_BATCHES, (16, 32)))
+]
+# (num_heads, num_kv_heads, head_dim, block_size, context_lens, num_splits, dtype)
 SPLIT_CASES = [
     pytest.param(
-        2 * ratio, 2, head_dim, block_size, lens, SPLITS_BY_GQA_RATIO[ratio],
-        id=f"{batch}-gqa{ratio}-d{head_dim}-bs{block_size}-{SPLITS_BY_GQA_RATIO[ratio]}splits",
+        2 * ratio, 2, head_dim, block_size, SPLIT_BATCHES[batch], SPLITS_BY_GQA_RATIO[ratio], dtype,
+        id=f"{batch}-gqa{ratio}-d{head_dim}-bs{block_size}-{SPLITS_BY_GQA_RATIO[ratio]}splits-{DTYPE_IDS[dtype]}",
     )
-    for head_dim, block_size, ratio in itertools.product((64, 128), (16, 32), (1, 3, 8))
-    for batch, lens in SPLIT_BATCHES.items()
-] + [pytest.param(16, 2, 80, 16, [15, 250], 5, id="b2-gqa8-d80-bs16-5splits")]  # fmt: skip
+    for ratio, batch, block_size, head_dim, dtype in SPLIT_FACTORS
+] + [
+    pytest.param(16, 2, 80, 16, [15, 250], 5, dtype, id=f"b2-gqa8-d80-bs16-5splits-{DTYPE_IDS[dtype]}")
+    for dtype in DTYPE_IDS
+]  # fmt: skip
+
+
+def test_the_split_cases_meet_every_pair_of_factors() -> None:
+    for a, b in itertools.combinations(range(5), 2):
+        pairs = {(f[a], f[b]) for f in SPLIT_FACTORS}
+        assert len(pairs) == len({f[a] for f in SPLIT_FACTORS}) * len({f[b] for f in SPLIT_FACTORS}), (a, b)
 
 
 def spy_on_decode_splits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -150,9 +169,9 @@ def spy_on_decode_splits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return num_splits_launched
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "block_size", "context_lens", "num_splits"), SPLIT_CASES
+    ("num_heads", "num_kv_heads", "head_dim", "block_size", "context_lens", "num_splits", "dtype"),
+    SPLIT_CASES,
 )
 def test_split_k_decode_matches_reference(
     num_heads: int,
