@@ -405,9 +405,11 @@ def resolve_compile(
 ) -> bool:
     """torch.compile the forward pass where it is verified to pay: on CPU with the torch attention
     backend and one rank. Inductor fuses the norms, rotary, SiLU and residual adds that run as
-    separate bf16 ops in eager mode and packs the linear weights with their residual adds fused; on
-    the 64-request chat benchmark that lifts throughput by ~50% (510-523 -> 764-777 tok/s,
-    bench/README.md). GPUs and tensor-parallel runs stay eager until measured there."""
+    separate bf16 ops in eager mode and packs the linear weights with their residual adds fused. On
+    CPUs with AVX512-BF16 decode-only steps skip the forward pass either way (`fused_decode`), so it
+    buys the steps with prompts: on the 64-request chat benchmark 720.6 against 680.1 tok/s eager,
+    on 64 random requests 237.4 against 230.6, for ~55 s more at start (bench/README.md). GPUs and
+    tensor-parallel runs stay eager until measured there."""
     return (
         not enforce_eager and device == "cpu" and attention_backend == "torch" and tensor_parallel_size == 1
     )

@@ -152,10 +152,10 @@ def test_compiled_bf16_linear_layers_read_packed_frozen_weights(
 def test_bf16_linear_layers_run_on_amx_tiles(tiny_llama_dir: str, enforce_eager: bool) -> None:
     """With AMX, every linear layer and the LM head hold their weight in the AMX kernel's tiles (the
     plain copy released, the LM head's kept for the embedding) and every step multiplies on them:
-    eager, four `linear_amx` calls a decoder layer each step; compiled, the same for the prefill step,
-    then each decode step is one `decode_layers` call, which multiplies the tiles itself (no op
-    dispatched per multiply). Greedy, the LM head takes each row's argmax itself (`linear_argmax_amx`,
-    no logits), each step."""
+    eager or compiled, four `linear_amx` calls a decoder layer in the prefill step, then each decode
+    step is one `decode_layers` call, which multiplies the tiles itself (no op dispatched per
+    multiply). Greedy, the LM head takes each row's argmax itself (`linear_argmax_amx`, no logits),
+    each step."""
     if not amx_linear_available():
         pytest.skip("no AMX bf16 tiles (or no C++ compiler) here")
     llm = LLM(model=tiny_llama_dir, dtype="bfloat16", num_kv_blocks=16, enforce_eager=enforce_eager)
@@ -169,12 +169,8 @@ def test_bf16_linear_layers_run_on_amx_tiles(tiny_llama_dir: str, enforce_eager:
         out = llm.generate([[1, 400, 401, 402]], params)
     calls = {e.key: e.count for e in prof.key_averages()}
     assert calls.get("pagedserve_cpu::linear_argmax_amx") == 3  # each step's LM head
-    if enforce_eager:
-        assert calls.get("pagedserve_cpu::linear_amx") == 3 * len(linears)  # three steps
-        assert "pagedserve_cpu::decode_layers" not in calls
-    else:
-        assert calls.get("pagedserve_cpu::decode_layers") == 2  # the two decode steps
-        assert calls.get("pagedserve_cpu::linear_amx") == len(linears)  # the prefill step's
+    assert calls.get("pagedserve_cpu::decode_layers") == 2  # the two decode steps
+    assert calls.get("pagedserve_cpu::linear_amx") == len(linears)  # the prefill step's
     assert "mkldnn::_linear_pointwise" not in calls
     assert len(out[0].outputs[0].token_ids) == 3
 
@@ -183,11 +179,10 @@ def test_bf16_linear_layers_run_on_amx_tiles(tiny_llama_dir: str, enforce_eager:
 def test_bf16_linear_layers_run_on_avx512_panels_without_amx(
     tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch, enforce_eager: bool
 ) -> None:
-    """Without AMX, on AVX512-BF16: eager, every multiply of every step reads the AVX512-BF16 panels;
-    compiled, the prefill step's layers are inductor's oneDNN matmuls and its LM head ours, and each
-    decode step is one `decode_layers` call, which multiplies the panels itself (no op dispatched per
-    multiply), and the LM head ours. Greedy, the LM head takes each row's argmax itself
-    (`linear_argmax_avx512`, no logits)."""
+    """Without AMX, on AVX512-BF16: the prefill step's multiplies read the AVX512-BF16 panels eager,
+    and are inductor's oneDNN matmuls compiled; either way each decode step is one `decode_layers`
+    call, which multiplies the panels itself (no op dispatched per multiply), and the LM head is ours
+    each step. Greedy, it takes each row's argmax itself (`linear_argmax_avx512`, no logits)."""
     if not decode_layers_available():
         pytest.skip("no AVX512-BF16 build of the C++ kernels here")
     monkeypatch.setattr(pagedserve.worker.model_runner, "amx_linear_available", lambda: False)
@@ -201,13 +196,13 @@ def test_bf16_linear_layers_run_on_avx512_panels_without_amx(
     assert model.lm_head.packed_weight.dim() == 4
     calls = {e.key: e.count for e in prof.key_averages()}
     assert calls.get("pagedserve_cpu::linear_argmax_avx512") == 3  # each step's LM head
+    assert calls.get("pagedserve_cpu::decode_layers") == 2  # the two decode steps
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert len(linears) == num_linears and all(m.packed_weight.dim() == 4 for m in linears)
     if enforce_eager:
-        assert calls.get("pagedserve_cpu::linear_avx512") == 3 * num_linears  # three steps
+        assert calls.get("pagedserve_cpu::linear_avx512") == num_linears  # the prefill step's
         assert "mkldnn::_linear_pointwise" not in calls
     else:
-        linears = [m for m in model.modules() if isinstance(m, LinearBase)]
-        assert len(linears) == num_linears and all(m.packed_weight.dim() == 4 for m in linears)
-        assert calls.get("pagedserve_cpu::decode_layers") == 2  # the two decode steps
         assert "pagedserve_cpu::linear_avx512" not in calls
         assert calls.get("mkldnn::_linear_pointwise") == num_linears  # the prefill, in the compiled pass
     assert len(out[0].outputs[0].token_ids) == 3
@@ -219,17 +214,19 @@ def decode_layers_available() -> bool:
     return cpu.load() and cpu.decode_layers_supported()
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
 @pytest.mark.parametrize("packing", ["this-cpu", "without-amx", "onednn"])
 def test_decode_steps_run_every_layer_in_one_cpp_call(
-    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch, packing: str
+    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch, packing: str, enforce_eager: bool
 ) -> None:
-    """bf16 on a CPU with AVX512-BF16: a decode-only step is one `decode_layers` call (the compiled pass
-    runs the prefill step) whose hidden states are the compiled pass's within bfloat16 rounding (the
-    kernel against the reference layers: tests/kernels/test_cpu_decode_layers.py). Greedy tokens may
-    part where two logits are that close; tests/engine/test_hf_parity.py holds the float32 path to
-    Hugging Face. Without AMX the linear weights it reads are packed once the pass is compiled
-    (inductor packs its own copies for oneDNN), their plain copies released: into AVX512-BF16 panels
-    (`linear_avx512`, 4-d), or for oneDNN (2-d) where those are not to be had."""
+    """bf16 on a CPU with AVX512-BF16: a decode-only step is one `decode_layers` call (the forward pass,
+    compiled or eager, runs the prefill step) whose hidden states are the forward pass's within
+    bfloat16 rounding (the kernel against the reference layers: tests/kernels/test_cpu_decode_layers.py).
+    Greedy tokens may part where two logits are that close; tests/engine/test_hf_parity.py holds the
+    float32 path to Hugging Face. The linear weights it reads are packed, their plain copies
+    released: compiled without AMX, once the pass is compiled (inductor packs its own copies for
+    oneDNN); into AVX512-BF16 panels (`linear_avx512`, 4-d), or for oneDNN (2-d) where those are not
+    to be had."""
     if not decode_layers_available():
         pytest.skip("no AVX512-BF16 build of the C++ kernels here")
     if packing != "this-cpu":
@@ -237,8 +234,9 @@ def test_decode_steps_run_every_layer_in_one_cpp_call(
         monkeypatch.setattr(pagedserve.layers.linear, "amx_linear_available", lambda: False)
     if packing == "onednn":
         monkeypatch.setattr(pagedserve.layers.linear, "avx512_linear_available", lambda: False)
-    llm = LLM(model=tiny_llama_dir, dtype="bfloat16", num_kv_blocks=64, enforce_eager=False)
+    llm = LLM(model=tiny_llama_dir, dtype="bfloat16", num_kv_blocks=64, enforce_eager=enforce_eager)
     runner = llm.engine.executor.worker.model_runner
+    assert (runner.forward is runner.model) is enforce_eager
     fused = runner.fused_decode
     assert fused is not None
     if packing != "this-cpu" or not amx_linear_available():
@@ -261,13 +259,14 @@ def test_decode_steps_run_every_layer_in_one_cpp_call(
     assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
     calls = {e.key: e.count for e in prof.key_averages()}
     assert calls.get("pagedserve_cpu::decode_layers") == 7 == len(steps)  # one prefill step, 7 decodes
-    assert calls.get("pagedserve::attention") == llm.engine.config.model.num_layers  # the prefill's
+    if not enforce_eager:  # the compiled pass calls attention as an op outside its graph
+        assert calls.get("pagedserve::attention") == llm.engine.config.model.num_layers  # the prefill's
     input_ids, positions, metadata, hidden = steps[3]
     with torch.inference_mode(), step_metadata(metadata):  # type: ignore[arg-type]
-        compiled = runner.forward(input_ids, positions, metadata)  # rewrites the same K/V slots
-    assert hidden.shape == compiled.shape == (6, runner.model.embed_tokens.weight.shape[1])
-    error = (hidden.float() - compiled.float()).abs().max() / compiled.float().abs().max()
-    assert error < 0.03, f"fused decode differs from the compiled pass by {error:.3%} of the largest value"
+        forward = runner.forward(input_ids, positions, metadata)  # rewrites the same K/V slots
+    assert hidden.shape == forward.shape == (6, runner.model.embed_tokens.weight.shape[1])
+    error = (hidden.float() - forward.float()).abs().max() / forward.float().abs().max()
+    assert error < 0.03, f"fused decode differs from the forward pass by {error:.3%} of the largest value"
 
 
 def test_every_engine_in_a_process_compiles(tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -303,11 +302,22 @@ def test_a_dropped_compiled_engine_frees_its_weights(tiny_llama_dir: str) -> Non
 
 
 def test_decode_layers_only_where_it_applies(tiny_llama_dir: str) -> None:
-    """Not for float32 (the kernel is bf16 only), nor with --enforce-eager (no compiled pass to stand
-    beside): both keep the forward pass for every step."""
-    for dtype, eager in (("float32", False), ("bfloat16", True)):
-        llm = LLM(model=tiny_llama_dir, dtype=dtype, num_kv_blocks=16, enforce_eager=eager)
+    """Not for float32 (the kernel is bf16 only), compiled or eager, nor on tensor-parallel ranks (the
+    kernel has no all-reduce): they keep the forward pass for every step. --enforce-eager turns off
+    torch.compile, not the C++ kernels: a bf16 eager engine takes it where it builds."""
+    for eager in (False, True):
+        llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=16, enforce_eager=eager)
         assert llm.engine.executor.worker.model_runner.fused_decode is None
+    eager_bf16 = LLM(model=tiny_llama_dir, dtype="bfloat16", num_kv_blocks=16, enforce_eager=True)
+    runner = eager_bf16.engine.executor.worker.model_runner
+    assert (runner.fused_decode is not None) == decode_layers_available()
+    tp = LLM(model=tiny_llama_dir, dtype="bfloat16", num_kv_blocks=16, tensor_parallel_size=2)
+    try:
+        assert tp.engine.executor.worker.model_runner.fused_decode is None  # rank 0's, in this process
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        assert len(tp.generate([[1, 400, 401]], params)[0].outputs[0].token_ids) == 4
+    finally:
+        tp.engine.executor.shutdown()
 
 
 def test_sampling_takes_the_cpp_kernels_on_cpu(tiny_llama_dir: str) -> None:

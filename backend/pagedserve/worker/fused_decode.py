@@ -2,14 +2,18 @@
 
 At decode batch sizes on a CPU the compiled forward pass spends ~2 ms a step between and in its small
 kernels (inductor's Python wrapper calls ~8 ops a layer); the weights and the KV cache are read at the
-machine's streaming rate already. `decode_layers` runs every layer of the step in C++: the same
-multiplies (AMX tiles, else AVX512-BF16 panels or oneDNN), KV writes and decode attention, with its own
-norm, rotary and SiLU loops. Steps with prefill tokens keep the compiled pass (its attention an op
-outside the graph: in bfloat16 the C++ prefill kernel, `layers.attention`).
+machine's streaming rate already. The eager pass dispatches an op for every norm, rotary, SiLU and
+add on top (the 64-request chat benchmark, eager: 425.0 tok/s with its decode steps through it,
+680.1 through `decode_layers`; bench/README.md). `decode_layers` runs every layer of the step in C++:
+the same multiplies (AMX tiles, else AVX512-BF16 panels or oneDNN), KV writes and decode attention,
+with its own norm, rotary and SiLU loops. Steps with prefill tokens keep the forward pass, compiled
+or eager (its attention in bfloat16 the C++ prefill kernel, `layers.attention`).
 
-Used where the compiled pass is (CPU, one rank, torch attention with its C++ kernels) on CPUs with
-AVX512-BF16, for bfloat16 models whose linear layers are all packed (`LinearBase.packed_weight`) and
-carry no bias but an optional qkv bias, with or without Qwen3's query and key head norms.
+Used on CPUs with AVX512-BF16 with one rank (the kernel has no all-reduce) and the torch attention
+backend's C++ kernels, whether or not the forward pass is compiled (--enforce-eager turns off
+torch.compile, not the C++ kernels), for bfloat16 models whose linear layers are all packed
+(`LinearBase.packed_weight`) and carry no bias but an optional qkv bias, with or without Qwen3's query
+and key head norms.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import logging
 import torch
 from pagedserve_kernels import cpu as cpu_kernels
 
+from pagedserve.distributed import get_tp_size
 from pagedserve.layers.attention import AttentionMetadata, TorchAttentionBackend
 from pagedserve.layers.linear import LinearBase
 from pagedserve.models.llama import LlamaForCausalLM
@@ -60,7 +65,7 @@ class FusedDecode:
         """A FusedDecode for `model`, or None where `decode_layers` cannot run it (then say why)."""
         reason = _unsupported(model, backend, dtype)
         if reason:
-            logger.info("decode steps run the compiled forward pass: %s", reason)
+            logger.info("decode steps run the forward pass: %s", reason)
             return None
         assert isinstance(model, LlamaForCausalLM)
         logger.info("decode steps run every decoder layer in one C++ call (decode_layers)")
@@ -108,6 +113,8 @@ def _unsupported(model: torch.nn.Module, backend: object, dtype: torch.dtype) ->
         return f"{type(model).__name__} is not a Llama-family model"
     if dtype != torch.bfloat16:
         return f"dtype {dtype} (bfloat16 only)"
+    if get_tp_size() > 1:
+        return "tensor parallel (one rank only: the kernel has no all-reduce)"
     if not (isinstance(backend, TorchAttentionBackend) and backend.cpu_kernels):
         return "no C++ decode attention"
     if not cpu_kernels.decode_layers_supported():

@@ -236,7 +236,7 @@ class ModelRunner:
         self.lora: LoRAModels | None = None  # the adapters of --lora-modules, set by _load_model
         self.model = self._load_model()
         self.forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor] = self.model
-        self.fused_decode: FusedDecode | None = None  # set beside the compiled pass (`bind_kv_cache`)
+        self.fused_decode: FusedDecode | None = None  # set with the KV cache (`bind_kv_cache`)
         max_seqs = config.scheduler.max_num_seqs
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.block_tables = torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
@@ -298,12 +298,13 @@ class ModelRunner:
             attention.kv_cache = kv_cache
         if self.config.compile:
             self.forward = self._compile()
-            # Decode-only steps skip the compiled pass where one C++ call runs every layer
-            # (`fused_decode`), which reads packed weights. Without AMX the linear weights were left
-            # to inductor: its frozen graph holds packed copies of its own and no longer reads the
-            # plain ones, so they are packed (and released) now, for decode_layers.
+            # Without AMX the linear weights were left to inductor: its frozen graph holds packed
+            # copies of its own and no longer reads the plain ones, so they are packed (and
+            # released) now, for decode_layers.
             self._pack_weights(self.model.modules())
-            self.fused_decode = FusedDecode.build(self.model, self.backend, self.dtype)
+        # Decode-only steps skip the forward pass, compiled or eager, where one C++ call runs every
+        # layer (`fused_decode`), which reads the packed weights.
+        self.fused_decode = FusedDecode.build(self.model, self.backend, self.dtype)
 
     @torch.inference_mode()
     def _compile(self) -> Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]:
