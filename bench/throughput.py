@@ -219,6 +219,8 @@ class PagedserveRunner:
             for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "block_size")
             if getattr(args, name) is not None
         }
+        if args.enforce_eager:
+            settings["enforce_eager"] = True
         self.llm = LLM(args.model, dtype=args.dtype, device=args.device, **settings)
         self.llm.generate(
             "Warm up the engine, please.", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -241,6 +243,8 @@ class PagedserveRunner:
         seconds = time.perf_counter() - start - probe.seconds
         num_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
         note = f"{probe.num_steps} steps, {engine.stats().num_preemptions - preemptions} preemptions"
+        if not engine.config.compile:
+            note += ", eager"
         return PeerResult("pagedserve", num_tokens, seconds, note), probe
 
     def close(self) -> None:
@@ -690,6 +694,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, help="pagedserve engine setting")
     parser.add_argument("--kv-cache-memory", help="pagedserve engine setting, e.g. 1GiB")
     parser.add_argument("--block-size", type=int, help="pagedserve engine setting")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="pagedserve engine setting: no torch.compile (default: the engine's, PAGEDSERVE_ENFORCE_EAGER)",
+    )
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for every peer (default: torch's)")
     parser.add_argument(
         "--rounds",

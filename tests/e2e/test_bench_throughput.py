@@ -55,6 +55,18 @@ def test_every_peer_generates_the_same_tokens_and_paging_holds_more_real_tokens(
     assert peak["num_reserved_exact"] <= peak["num_reserved_batch_max"] <= peak["num_reserved_model_len"]
 
 
+def test_enforce_eager_builds_pagedserve_without_torch_compile(tiny_llama_dir: str, tmp_path: Path) -> None:
+    """--enforce-eager wins over an environment asking for the compiled pass, and the note says so."""
+    out = tmp_path / "out.json"
+    command = [sys.executable, str(BENCH), "--model", tiny_llama_dir, "--num-requests", "4"]
+    command += ["--peers", "pagedserve", "--enforce-eager", "--json-out", str(out)]
+    env = {**os.environ, "PAGEDSERVE_ENFORCE_EAGER": "0"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["num_output_tokens"] == 240 and row["note"].endswith(" preemptions, eager"), row
+
+
 def test_rounds_run_the_peers_in_turn_and_report_each_peer_s_median_round(
     tiny_llama_dir: str, tmp_path: Path
 ) -> None:
