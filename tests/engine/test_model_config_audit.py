@@ -186,6 +186,19 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
     bf16 = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=128, block_size=16)
     gap = worst_gap(model, prompts, greedy(bf16, prompts, MAX_TOKENS))
     assert gap < BF16_GAP, f"a bfloat16 token sits {gap:.2f} below transformers' float32 best"
+    # eager too, its decode steps in one C++ call where the CPU has it, but for biases beyond qkv
+    fused = bf16.engine.executor.worker.model_runner.fused_decode
+    assert (fused is not None) == (decode_layers_here() and name not in BIASES_BEYOND_QKV)
+
+
+# `decode_layers` takes a qkv bias alone (worker/fused_decode.py)
+BIASES_BEYOND_QKV = {"llama-attention-and-mlp-bias", "qwen3-tied-head-dim-32-attention-bias"}
+
+
+def decode_layers_here() -> bool:
+    from pagedserve_kernels import cpu
+
+    return cpu.load() and cpu.decode_layers_supported()
 
 
 @pytest.mark.slow
@@ -203,8 +216,6 @@ def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str]
     """The CPU default: the torch.compile'd forward pass (and, for bfloat16 on CPUs with AVX512-BF16,
     decode steps in one C++ call, which takes a qkv bias and Qwen3's head norms and refuses other
     biases). ~30 s a compile."""
-    from pagedserve_kernels import cpu
-
     model_dir, prompts = variant_dir(name), long_prompts()
     model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
     for dtype in ("float32", "bfloat16"):
@@ -216,8 +227,7 @@ def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str]
         else:
             assert worst_gap(model, prompts, ours) < BF16_GAP
             fused = llm.engine.executor.worker.model_runner.fused_decode
-            decode_layers_here = cpu.load() and cpu.decode_layers_supported()
-            assert (fused is not None) == (decode_layers_here and name != "llama-attention-and-mlp-bias")
+            assert (fused is not None) == (decode_layers_here() and name not in BIASES_BEYOND_QKV)
 
 
 def test_dropping_the_rope_scaling_changes_transformers_outputs(
