@@ -22,6 +22,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.errors import InvalidRequestError
 from pagedserve.layers.rotary import RotaryEmbedding
+from test_compile import decode_layers_available
 from test_hf_parity import assert_greedy_equal, hf_greedy
 from tiny_models import save_tiny_model
 from transformers import MistralConfig, Qwen2Config, Qwen3Config
@@ -188,17 +189,11 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
     assert gap < BF16_GAP, f"a bfloat16 token sits {gap:.2f} below transformers' float32 best"
     # eager too, its decode steps in one C++ call where the CPU has it, but for biases beyond qkv
     fused = bf16.engine.executor.worker.model_runner.fused_decode
-    assert (fused is not None) == (decode_layers_here() and name not in BIASES_BEYOND_QKV)
+    assert (fused is not None) == (decode_layers_available() and name not in BIASES_BEYOND_QKV)
 
 
 # `decode_layers` takes a qkv bias alone (worker/fused_decode.py)
 BIASES_BEYOND_QKV = {"llama-attention-and-mlp-bias", "qwen3-tied-head-dim-32-attention-bias"}
-
-
-def decode_layers_here() -> bool:
-    from pagedserve_kernels import cpu
-
-    return cpu.load() and cpu.decode_layers_supported()
 
 
 @pytest.mark.slow
@@ -227,7 +222,7 @@ def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str]
         else:
             assert worst_gap(model, prompts, ours) < BF16_GAP
             fused = llm.engine.executor.worker.model_runner.fused_decode
-            assert (fused is not None) == (decode_layers_here() and name not in BIASES_BEYOND_QKV)
+            assert (fused is not None) == (decode_layers_available() and name not in BIASES_BEYOND_QKV)
 
 
 def test_dropping_the_rope_scaling_changes_transformers_outputs(
