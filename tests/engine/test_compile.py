@@ -72,16 +72,19 @@ def test_one_graph_serves_every_step_and_outputs_equal_the_eager_pass(tiny_llama
     assert [r.outputs[0].token_ids for r in compiled] == [r.outputs[0].token_ids for r in eager]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_two_compiled_models_in_one_process_each_run_their_own_weights(
-    tiny_llama_dir: str, tmp_path: Path, default_model_dir: str
+    tiny_llama_dir: str, tmp_path: Path, default_model_dir: str, dtype: str
 ) -> None:
-    """The compiled pass keeps only the guards that tell models apart (the attention layers' ids),
-    not the ~4,700 on each model's module tree: a second model of the same shapes, compiled while
-    the first is alive in the same process, still gets a graph of its own, with its own weights."""
+    """The compiled pass keeps none of the ~4,700 guards on each model's module tree: a second model
+    of the same shapes, compiled while the first is alive in the same process, still gets a graph of
+    its own, with its own weights. In bfloat16 with AMX the weights are graph inputs and the second
+    graph comes from torch's cache (`test_an_amx_pass_is_not_frozen_and_comes_from_torchs_cache`):
+    still its own weights."""
     other_dir = build_tiny_llama(tmp_path / "other", default_model_dir, seed=1)
     prompts = [[1, 400, 401, 402], [1, *range(500, 520)]]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    settings = dict(dtype="float32", num_kv_blocks=16, block_size=8)
+    settings = dict(dtype=dtype, num_kv_blocks=16, block_size=8)
 
     def tokens(llm: LLM) -> list[list[int]]:
         return [list(r.outputs[0].token_ids) for r in llm.generate(prompts, params)]
@@ -122,6 +125,34 @@ def test_compiled_bf16_is_as_close_to_float32_as_the_eager_pass(tiny_llama_dir: 
         )
 
     assert worst_error("compiled") <= 2 * worst_error("eager") + 0.02
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_an_amx_pass_is_not_frozen_and_comes_from_torchs_cache(tiny_llama_dir: str, dtype: str) -> None:
+    """With every linear weight in AMX tiles before compiling, freezing would buy nothing, and torch
+    keeps frozen graphs out of its on-disk AOTAutograd cache: each start would trace and freeze the
+    graph again (the default model ready in ~40 s instead of ~19). So the weights stay graph inputs
+    and a second engine of the same shapes takes the compiled graph from the cache. float32 weights
+    are left to inductor, which packs them for MKL only when frozen: frozen, not cached."""
+    from torch._dynamo.utils import counters
+
+    if dtype == "bfloat16" and not amx_linear_available():
+        pytest.skip("no AMX bf16 tiles (or no C++ compiler) here")
+    settings = dict(model=tiny_llama_dir, dtype=dtype, num_kv_blocks=16, enforce_eager=False)
+    LLM(**settings)  # compiles, or takes the graph from an earlier run's cache
+    counters.clear()
+    llm = LLM(**settings)
+    runner = llm.engine.executor.worker.model_runner
+    assert runner.forward is not runner.model  # compiled
+    aot = counters["aot_autograd"]
+    if dtype == "bfloat16":
+        assert not runner._freezes_weights()
+        assert aot["autograd_cache_hit"] == 1 and aot["autograd_cache_bypass"] == 0, dict(aot)
+    else:
+        assert runner._freezes_weights()
+        assert aot["autograd_cache_hit"] == 0 and aot["autograd_cache_bypass"] == 1, dict(aot)
+    out = llm.generate([[1, 400, 401, 402]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 @pytest.mark.skipif(
@@ -262,7 +293,7 @@ def test_decode_steps_run_every_layer_in_one_cpp_call(
     if not enforce_eager:  # the compiled pass calls attention as an op outside its graph
         assert calls.get("pagedserve::attention") == llm.engine.config.model.num_layers  # the prefill's
     input_ids, positions, metadata, hidden = steps[3]
-    with torch.inference_mode(), step_metadata(metadata):  # type: ignore[arg-type]
+    with torch.inference_mode(), step_metadata(metadata, runner.attention_layers):  # type: ignore[arg-type]
         forward = runner.forward(input_ids, positions, metadata)  # rewrites the same K/V slots
     assert hidden.shape == forward.shape == (6, runner.model.embed_tokens.weight.shape[1])
     error = (hidden.float() - forward.float()).abs().max() / forward.float().abs().max()
@@ -282,13 +313,15 @@ def test_every_engine_in_a_process_compiles(tiny_llama_dir: str, monkeypatch: py
         assert len(llm.generate([[1, 400, 401]], params)[0].outputs[0].token_ids) == 2
 
 
-def test_a_dropped_compiled_engine_frees_its_weights(tiny_llama_dir: str) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_dropped_compiled_engine_frees_its_weights(tiny_llama_dir: str, dtype: str) -> None:
     """Inductor keeps the modules it generates (with the frozen weights on them) in `sys.modules` and
     its module cache for the life of the process: each compiled engine built and dropped left ~600
-    MB behind on the default model. Once the model is gone, its modules and graphs go too."""
+    MB behind on the default model. Once the model is gone, its modules and graphs go too (frozen
+    in float32; with AMX, bfloat16 weights are graph inputs, which nothing compiled may keep)."""
     import weakref
 
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=16, enforce_eager=False)
+    llm = LLM(model=tiny_llama_dir, dtype=dtype, num_kv_blocks=16, enforce_eager=False)
     runner = llm.engine.executor.worker.model_runner
     assert runner.forward is not runner.model  # compiled
     weights = [weakref.ref(p) for p in runner.model.parameters()]

@@ -288,7 +288,7 @@ def test_attention_layer_on_the_cpu_kernels_matches_the_reference_backend(
     k, v = (torch.randn(num_tokens, num_kv_heads * head_dim).to(dtype) for _ in range(2))
     outs, caches = [], []
     for backend in (fast, slow):
-        layer = Attention(num_heads, num_kv_heads, head_dim, backend)
+        layer = Attention(num_heads, num_kv_heads, head_dim, backend, layer_index=0)
         layer.kv_cache = (batch.k_cache.clone(), batch.v_cache.clone())
         backend.prepare(metadata, dtype, block_size)
         outs.append(layer(q, k, v, metadata))

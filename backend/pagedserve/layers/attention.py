@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import itertools
 import logging
 import sys
-import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -286,14 +284,15 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
 class Attention(nn.Module):
     """Attention of one layer over its slice of the KV cache (`kv_cache` is bound by the model runner)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend, layer_index: int
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.layer_id = next(_layer_ids)
-        _LAYERS[self.layer_id] = self
+        self.layer_index = layer_index  # its place among the model's layers, for the compiled pass's op
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
@@ -302,7 +301,7 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if torch.compiler.is_compiling():
-            return torch.ops.pagedserve.attention(q, k, v, self.layer_id)
+            return torch.ops.pagedserve.attention(q, k, v, self.layer_index)
         return self.attend(q, k, v, metadata)
 
     def attend(
@@ -331,41 +330,43 @@ class Attention(nn.Module):
 # A compiled forward pass (see `ModelRunner`) leaves attention out of the graph, as one opaque op per
 # layer: the step's metadata (block tables, Python ints that change every step) would otherwise be
 # traced, guarded on and recompiled for, and the cache writes would be functionalized into copies of
-# the whole cache. The op finds its layer by id and the step's metadata in `step_metadata`. It is
-# declared free of mutations because the caches it writes are not graph inputs: nothing in the graph
-# reads them, so no ordering is lost.
+# the whole cache. The op finds the step's metadata and the model's attention layers in
+# `step_metadata`, and its layer among them by its index in the model: two models of the same shapes
+# trace to the same graph, which torch's on-disk cache then serves to both, and to the next start of
+# a server. It is declared free of mutations because the caches it writes are not graph inputs:
+# nothing in the graph reads them, so no ordering is lost.
 
-_layer_ids = itertools.count()
-_LAYERS: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictionary()
-_step_metadata: AttentionMetadata | None = None
+_step: tuple[AttentionMetadata, Sequence[Attention]] | None = None
 
 
 @contextlib.contextmanager
-def step_metadata(metadata: AttentionMetadata) -> Iterator[None]:
-    """The metadata the compiled forward pass's attention ops read during one step."""
-    global _step_metadata
-    _step_metadata = metadata
+def step_metadata(metadata: AttentionMetadata, layers: Sequence[Attention]) -> Iterator[None]:
+    """The metadata, and the model's attention layers in order, that the compiled forward pass's
+    attention ops read during one step."""
+    global _step
+    _step = metadata, layers
     try:
         yield
     finally:
-        _step_metadata = None
+        _step = None
 
 
 # Defined through torch.library's low-level API rather than `torch.library.custom_op`, whose wrapper
 # (dynamo guard, aliasing checks) cost 8 us a call: 0.23 ms a 30-layer step (bench/README.md). The
 # schema has no alias annotations, so the op is functional to the compiler, as the comment above needs.
 _LIBRARY = torch.library.Library("pagedserve", "FRAGMENT")
-_LIBRARY.define("attention(Tensor q, Tensor k, Tensor v, int layer_id) -> Tensor")
+_LIBRARY.define("attention(Tensor q, Tensor k, Tensor v, int layer_index) -> Tensor")
 
 
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-    assert _step_metadata is not None, "a compiled forward pass runs inside step_metadata()"
-    return _LAYERS[layer_id].attend(q, k, v, _step_metadata)
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
+    assert _step is not None, "a compiled forward pass runs inside step_metadata()"
+    metadata, layers = _step
+    return layers[layer_index].attend(q, k, v, metadata)
 
 
 _LIBRARY.impl("attention", _attention_op, "CompositeExplicitAutograd")  # every device, not traced into
 
 
 @torch.library.register_fake("pagedserve::attention", lib=_LIBRARY)
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -34,7 +34,9 @@ def rms_norm_eps(cfg: dict[str, Any]) -> float:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], backend: AttentionBackend, biases: Biases, qk_norm: bool) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, biases: Biases, qk_norm: bool, layer_index: int
+    ) -> None:
         super().__init__()
         hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
@@ -49,7 +51,7 @@ class LlamaAttention(nn.Module):
         # with one weight for all query heads and one for all key heads (whole on every rank)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps(cfg)) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps(cfg)) if qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, backend)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, backend, layer_index)
 
     def forward(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # each row: [ q heads | k heads | v heads ]
@@ -86,9 +88,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], backend: AttentionBackend, biases: Biases, qk_norm: bool) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, biases: Biases, qk_norm: bool, layer_index: int
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, biases, qk_norm)
+        self.self_attn = LlamaAttention(cfg, backend, biases, qk_norm, layer_index)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
@@ -127,7 +131,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), max_position, cfg)
         biases = self.attention_biases(cfg)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, biases, self.qk_norm) for _ in range(cfg["num_hidden_layers"])
+            LlamaDecoderLayer(cfg, backend, biases, self.qk_norm, index)
+            for index in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))

@@ -30,7 +30,7 @@ from pagedserve.layers.attention import (
     make_attention_backend,
     step_metadata,
 )
-from pagedserve.layers.linear import amx_linear_available, can_pack_weights
+from pagedserve.layers.linear import LinearBase, amx_linear_available, can_pack_weights
 from pagedserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors, apply_token_bitmask
 from pagedserve.lora import LoRAModels
 from pagedserve.models.llama import LlamaForCausalLM
@@ -177,17 +177,17 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def _guards_but_the_model_tree(entries: list[GuardFilterEntry]) -> list[bool]:
     """Which of dynamo's guards the compiled forward pass keeps: all but those on the model's module
-    tree (types, hook dicts, attributes: ~4,700 of ~4,900, 0.5 of the 0.7 ms a step they took), save
-    the attention layers' ids. Nothing changes a model after it is compiled (its weights are frozen into
-    the graph anyway), so those guards could only fail for another model, and another model's layer
-    ids differ (a process-wide count): it still gets a graph of its own."""
-    return [not entry.name.startswith("self.") or entry.name.endswith(".layer_id") for entry in entries]
+    tree (types, hook dicts, attributes: ~4,700 of ~4,900, 0.5 of the 0.7 ms a step they took).
+    Nothing changes a model after it is compiled, so those guards could only fail for another model,
+    and another model never runs this one's graphs: each compiles a forward of its own
+    (`_forward_of_its_own`)."""
+    return [not entry.name.startswith("self.") for entry in entries]
 
 
 def _forward_of_its_own(model: torch.nn.Module) -> None:
     """Give `model` a forward method whose code object is its own. Dynamo keeps a function's compiled
     graphs on its code object and compiles at most `torch._dynamo.config.recompile_limit` (8) of them:
-    every engine's model gets a graph of its own (frozen weights, its layer ids), so with the class's
+    every engine's model gets a graph of its own (its own weights, frozen or as inputs), so with the class's
     one `forward` the ninth engine built in a process ran eagerly (and slowly) after a warning."""
     function = type(model).forward
     own = types.FunctionType(
@@ -235,6 +235,7 @@ class ModelRunner:
         self.backend = backend or make_attention_backend(config.attention_backend, self.device)
         self.lora: LoRAModels | None = None  # the adapters of --lora-modules, set by _load_model
         self.model = self._load_model()
+        self.attention_layers = self.model.attention_layers  # in order, for `step_metadata`
         self.forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor] = self.model
         self.fused_decode: FusedDecode | None = None  # set with the KV cache (`bind_kv_cache`)
         max_seqs = config.scheduler.max_num_seqs
@@ -306,10 +307,26 @@ class ModelRunner:
         # layer (`fused_decode`), which reads the packed weights.
         self.fused_decode = FusedDecode.build(self.model, self.backend, self.dtype)
 
+    def _freezes_weights(self) -> bool:
+        """Whether the compiled pass makes the weights graph constants ("freezing"), which inductor
+        then packs for oneDNN (bfloat16 without AMX) or MKL (float32: 13% faster on the chat workload
+        than unfrozen, bench/README.md). Freezing is needed where a linear layer's weight was left to
+        inductor or is in oneDNN's own layout, which a graph input cannot be. Where every one is in
+        our kernels' layouts (AMX tiles) it buys nothing: the same tokens at the same speed. It costs
+        every start there: torch keeps frozen graphs out of its on-disk AOTAutograd cache, so each
+        start traces and freezes the graph again (the default model ready in ~40 s against ~19 s with
+        the cache's copy)."""
+        return any(
+            module.packed_weight is None or module.packed_weight.is_mkldnn
+            for module in self.model.modules()
+            if isinstance(module, LinearBase)
+        )
+
     @torch.inference_mode()
     def _compile(self) -> Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]:
-        """The model's forward pass through torch.compile (inductor, weights frozen as constants),
-        compiled now with a dummy two-token step so that no request waits for it.
+        """The model's forward pass through torch.compile (inductor; the weights frozen as constants
+        where that pays, `_freezes_weights`), compiled now with a dummy two-token step so that no
+        request waits for it.
 
         The token count is unbacked: one graph serves every step size, 1 included, with no guard on
         it and no recompilation. Attention stays outside the graph (`layers.attention`)."""
@@ -340,7 +357,11 @@ class ModelRunner:
             from torch._inductor.codecache import PyCodeCache
 
             known = {id(module) for module in PyCodeCache.modules}
-            with step_metadata(metadata), torch._inductor.config.patch(freezing=True):
+            freezing = self._freezes_weights()
+            with (
+                step_metadata(metadata, self.attention_layers),
+                torch._inductor.config.patch(freezing=freezing),
+            ):
                 forward(ids, torch.arange(2, device=self.device), metadata)
             generated = [module for module in PyCodeCache.modules if id(module) not in known]
             release = weakref.finalize(self.model, _release_compiled, self.model.forward.__code__, generated)
@@ -349,7 +370,11 @@ class ModelRunner:
             logger.warning("torch.compile failed, running the forward pass eagerly: %s", exc)
             self._pack_weights(self.model.modules())
             return self.model
-        logger.info("forward pass compiled in %.1f s", time.perf_counter() - start)
+        logger.info(
+            "forward pass compiled in %.1f s (weights %s)",
+            time.perf_counter() - start,
+            "frozen into the graph" if freezing else "graph inputs, in our kernels' layouts",
+        )
         return forward
 
     def _dummy_metadata(self) -> AttentionMetadata:
@@ -380,13 +405,16 @@ class ModelRunner:
         if token_adapters is not None:  # LoRA rows: the eager pass (the fast ones have base weights alone)
             assert self.lora is not None
             self.backend.prepare(metadata, self.dtype, self.block_size)
-            with step_metadata(metadata), self.lora.running(token_adapters, self.device):
+            with (
+                step_metadata(metadata, self.attention_layers),
+                self.lora.running(token_adapters, self.device),
+            ):
                 hidden = self.model(input_ids, positions, metadata)
         elif self.fused_decode is not None and metadata.num_prefills == 0:
             hidden = self.fused_decode(input_ids, positions, metadata)
         else:
             self.backend.prepare(metadata, self.dtype, self.block_size)
-            with step_metadata(metadata):
+            with step_metadata(metadata, self.attention_layers):
                 hidden = self.forward(input_ids, positions, metadata)
         prompt_logprobs = self._prompt_logprobs(order, hidden) if self.prompt_token_ids else {}
         pooled = self._pool(order, hidden) if self.pooling_request_ids else {}
