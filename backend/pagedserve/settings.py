@@ -158,7 +158,8 @@ class EngineSettings(BaseSettings):
     )
     enforce_eager: bool = Field(
         False,
-        description="run the forward pass eagerly: no torch.compile (ready ~35 s sooner on CPU; "
+        description="run the forward pass eagerly: no torch.compile (ready 15 to 35 s sooner on CPU, "
+        "~60 s on a machine's first start, before torch's compile cache holds the graph; "
         "decode steps still run in the C++ kernels, steps with prompts run slower: 3 to 6 percent less "
         "throughput on the benchmarks; compile is used on CPU with the torch backend and one rank)",
     )
