@@ -7,6 +7,8 @@ import argparse
 import functools
 import os
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,52 @@ def assert_shared_memory(container: dict[str, Any], volumes: list[dict[str, Any]
     NCCL and the tensor-parallel worker processes)."""
     assert by_name(container["volumeMounts"])["dshm"]["mountPath"] == "/dev/shm"
     assert by_name(volumes)["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": size_limit}
+
+
+TRACING_ENV = {"PAGEDSERVE_OTLP_TRACES_ENDPOINT", "POD_NAME", "POD_NAMESPACE", "OTEL_RESOURCE_ATTRIBUTES"}
+CACHE_ENV = ("TORCH_EXTENSIONS_DIR", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def env_names(container: dict[str, Any]) -> set[str]:
+    return {item["name"] for item in container.get("env", [])}
+
+
+def assert_compile_cache(
+    container: dict[str, Any], volumes: list[dict[str, Any]], volume: dict[str, Any] | None, mount_path: str
+) -> None:
+    """The C++ kernels' and inductor's caches are in the compile-cache volume (`volume`, its source;
+    None: no such volume, and torch's defaults)."""
+    env = container_env(container)
+    if volume is None:
+        assert "compile-cache" not in by_name(volumes)
+        assert "compile-cache" not in by_name(container["volumeMounts"])
+        assert not set(CACHE_ENV) & env.keys()
+        return
+    assert by_name(volumes)["compile-cache"] == {"name": "compile-cache", **volume}
+    mount = by_name(container["volumeMounts"])["compile-cache"]
+    assert mount == {"name": "compile-cache", "mountPath": mount_path}
+    assert env["TORCH_EXTENSIONS_DIR"] == f"{mount_path}/torch_extensions"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == f"{mount_path}/inductor"
+
+
+def torch_build_dirs(container: dict[str, Any]) -> list[str]:
+    """Where torch, in a process with the container's env (and none of this one's cache settings),
+    builds a C++ extension (made on the way, as the server's build makes it) and keeps inductor's
+    cache."""
+    probe = (
+        "from torch.utils.cpp_extension import _get_build_directory\n"
+        "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+        "print(_get_build_directory('probe', verbose=False)); print(cache_dir())"
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
+    run = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**clean, **container_env(container)},
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    return run.stdout.split()
 
 
 def assert_tracing_reaches_server(

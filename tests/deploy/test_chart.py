@@ -3,6 +3,7 @@ cluster and what reaches the server's command line."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import helm_python as helm
@@ -11,11 +12,15 @@ from deploy_helpers import (
     CHART_DIR,
     LIVENESS_SERVICE,
     READINESS_SERVICE,
+    TRACING_ENV,
+    assert_compile_cache,
     assert_shared_memory,
     assert_tracing_reaches_server,
     by_name,
+    env_names,
     parse_serve_args,
     render,
+    torch_build_dirs,
 )
 
 OTLP_ENDPOINT = "http://otel-collector.observability:4317"
@@ -134,7 +139,36 @@ def test_service_monitor_scrapes_the_http_port() -> None:
 def test_otlp_endpoint_reaches_the_server_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     container = server_container(render({"tracing": {"otlpEndpoint": OTLP_ENDPOINT}}))
     assert_tracing_reaches_server(container, OTLP_ENDPOINT, monkeypatch)
-    assert "env" not in server_container(render()), "no tracing env unless asked for"
+    assert not TRACING_ENV & env_names(server_container(render())), "no tracing env unless asked for"
+
+
+@pytest.mark.parametrize(
+    ("cache", "volume"),
+    [
+        ({}, {"emptyDir": {"sizeLimit": "1Gi"}}),  # the default
+        ({"volume": "pvc", "claimName": "builds"}, {"persistentVolumeClaim": {"claimName": "builds"}}),
+        ({"volume": "none"}, None),
+    ],
+    ids=["emptyDir", "pvc", "none"],
+)
+def test_the_build_caches_live_in_a_volume_of_their_own(
+    cache: dict[str, Any], volume: dict[str, Any] | None, tmp_path: Path
+) -> None:
+    """The C++ kernels (~40 s to build) and the compiled forward pass (~60 s cold, ~22 s to SERVING
+    from the cache) outlive a restart of the container: emptyDir by default, a claim shared by pods.
+    torch takes both directories from the env the chart sets."""
+    mount_path = str(tmp_path / "cache")
+    objects = render({"compileCache": {**cache, "mountPath": mount_path}})
+    container = server_container(objects)
+    assert_compile_cache(container, pod_spec(objects)["volumes"], volume, mount_path)
+    extensions, inductor = torch_build_dirs(container)
+    if volume is None:
+        assert not extensions.startswith(mount_path) and not inductor.startswith(mount_path)
+    else:
+        assert (
+            Path(extensions).parent == tmp_path / "cache" / "torch_extensions" and Path(extensions).is_dir()
+        )
+        assert inductor == f"{mount_path}/inductor"
 
 
 def test_extra_args_and_served_model_name_reach_the_server() -> None:
@@ -203,6 +237,9 @@ def test_model_source_none_mounts_nothing() -> None:
         ({"mode": "serverless"}, "/mode"),
         ({"mode": "kserve"}, "/kserve/storageUri"),
         ({"model": {"source": "pvc"}}, "/model/pvc/claimName"),
+        ({"compileCache": {"volume": "pvc"}}, "/compileCache/claimName"),
+        ({"compileCache": {"volume": "hostPath"}}, "/compileCache/volume"),
+        ({"compileCache": {"mountPath": "cache"}}, "/compileCache/mountPath"),
         ({"replica": 2}, "replica"),  # a typo is an error, not a silently ignored key
     ],
 )

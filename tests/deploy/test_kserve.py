@@ -10,8 +10,11 @@ from deploy_helpers import (
     KSERVE_DIR,
     LIVENESS_SERVICE,
     READINESS_SERVICE,
+    TRACING_ENV,
+    assert_compile_cache,
     assert_shared_memory,
     assert_tracing_reaches_server,
+    env_names,
     load_manifests,
     parse_serve_args,
     prestop_sleep_seconds,
@@ -69,7 +72,11 @@ def test_runtime_probes_and_resources(kserve_objects: dict[str, dict[str, Any]])
     assert container["livenessProbe"]["grpc"] == {"port": settings.port, "service": LIVENESS_SERVICE}
     assert container["resources"]["limits"]["nvidia.com/gpu"] == settings.tensor_parallel_size == 1
     assert_shared_memory(container, kserve_objects["ServingRuntime"]["spec"]["volumes"], "8Gi")
-    assert "env" not in container, "no tracing env unless asked for"
+    assert not TRACING_ENV & env_names(container), "no tracing env unless asked for"
+    volume = {"emptyDir": {"sizeLimit": "1Gi"}}
+    assert_compile_cache(
+        container, kserve_objects["ServingRuntime"]["spec"]["volumes"], volume, "/var/cache/pagedserve"
+    )
 
 
 def test_inference_service_uses_the_runtime(kserve_objects: dict[str, dict[str, Any]]) -> None:

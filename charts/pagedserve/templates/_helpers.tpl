@@ -118,6 +118,12 @@ runtime port is named h2c (cleartext gRPC) and its ingress or mesh terminates TL
 {{- end -}}
 
 {{- define "pagedserve.env" -}}
+{{- if ne .Values.compileCache.volume "none" }}
+- name: TORCH_EXTENSIONS_DIR
+  value: {{ printf "%s/torch_extensions" .Values.compileCache.mountPath | quote }}
+- name: TORCHINDUCTOR_CACHE_DIR
+  value: {{ printf "%s/inductor" .Values.compileCache.mountPath | quote }}
+{{- end }}
 {{- if .Values.tracing.otlpEndpoint }}
 - name: PAGEDSERVE_OTLP_TRACES_ENDPOINT
   value: {{ .Values.tracing.otlpEndpoint | quote }}
@@ -208,9 +214,35 @@ securityContext:
 {{- end }}
 {{- end -}}
 
-{{- define "pagedserve.shmVolume" -}}
+{{- define "pagedserve.podVolumes" -}}
 - name: dshm
   emptyDir:
     medium: Memory
     sizeLimit: {{ .Values.sharedMemory.sizeLimit }}
+{{- include "pagedserve.compileCacheVolume" . }}
+{{- end -}}
+
+{{/* The build caches' volume (values.yaml: compileCache), listed after dshm; nothing for none. */}}
+{{- define "pagedserve.compileCacheVolume" -}}
+{{- with .Values.compileCache }}
+{{- if eq .volume "emptyDir" }}
+- name: compile-cache
+  emptyDir:
+    sizeLimit: {{ .sizeLimit }}
+{{- else if eq .volume "pvc" }}
+- name: compile-cache
+  persistentVolumeClaim:
+    claimName: {{ .claimName }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The container's mounts of dshm and the build caches' volume. */}}
+{{- define "pagedserve.commonMounts" -}}
+- name: dshm
+  mountPath: /dev/shm
+{{- if ne .Values.compileCache.volume "none" }}
+- name: compile-cache
+  mountPath: {{ .Values.compileCache.mountPath }}
+{{- end }}
 {{- end -}}
