@@ -56,6 +56,8 @@ MAX_TOKENS = 16
 # Measured on these checkpoints: transformers' own bfloat16 tokens sit at most 0.21 below its float32
 # best (ours at most 0.21 too); a model that drops its rope scaling or a bias sits ~10 below.
 BF16_GAP = 0.5
+# `decode_layers` takes a qkv bias alone (worker/fused_decode.py): variants with other biases run without
+BIASES_BEYOND_QKV = {"llama-attention-and-mlp-bias", "qwen3-tied-head-dim-32-attention-bias"}
 
 ConfigPatch = Callable[[dict[str, Any]], None]
 
@@ -190,10 +192,6 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
     # eager too, its decode steps in one C++ call where the CPU has it, but for biases beyond qkv
     fused = bf16.engine.executor.worker.model_runner.fused_decode
     assert (fused is not None) == (decode_layers_available() and name not in BIASES_BEYOND_QKV)
-
-
-# `decode_layers` takes a qkv bias alone (worker/fused_decode.py)
-BIASES_BEYOND_QKV = {"llama-attention-and-mlp-bias", "qwen3-tied-head-dim-32-attention-bias"}
 
 
 @pytest.mark.slow
