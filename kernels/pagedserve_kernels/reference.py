@@ -262,11 +262,12 @@ def rotary_cos_sin(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, heads, head_dim] rotated by `rotary_cos_sin`'s tables (a new tensor)."""
+    """x [num_tokens, heads, head_dim] rotated by `rotary_cos_sin`'s tables (a new tensor in x's dtype,
+    computed in the tables': float32 tables rotate a bf16 x with one rounding)."""
     rot_dim = cos.shape[-1]
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
     x1, x2 = x_rot.chunk(2, dim=-1)
-    rotated = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    rotated = (x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
     return torch.cat((rotated, x_pass), dim=-1) if x_pass.numel() else rotated
 
 

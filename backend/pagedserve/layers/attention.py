@@ -284,6 +284,8 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
 class Attention(nn.Module):
     """Attention of one layer over its slice of the KV cache (`kv_cache` is bound by the model runner)."""
 
+    layer_index: torch.Tensor  # a buffer (register_buffer): int64, 0-d
+
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend, layer_index: int
     ) -> None:
@@ -292,7 +294,11 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.layer_index = layer_index  # its place among the model's layers, for the compiled pass's op
+        # Its place among the model's layers, for the compiled pass's op. A tensor, not an int: dynamo
+        # would guard on an int attribute and compile one graph per layer where a layer compiled alone
+        # (`ModelRunner._compile`) serves all of them; a buffer is a graph input. On the CPU whatever
+        # the model's device, so that the op reads it without a device sync.
+        self.register_buffer("layer_index", torch.tensor(layer_index, device="cpu"), persistent=False)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
@@ -331,10 +337,11 @@ class Attention(nn.Module):
 # layer: the step's metadata (block tables, Python ints that change every step) would otherwise be
 # traced, guarded on and recompiled for, and the cache writes would be functionalized into copies of
 # the whole cache. The op finds the step's metadata and the model's attention layers in
-# `step_metadata`, and its layer among them by its index in the model: two models of the same shapes
-# trace to the same graph, which torch's on-disk cache then serves to both, and to the next start of
-# a server. It is declared free of mutations because the caches it writes are not graph inputs:
-# nothing in the graph reads them, so no ordering is lost.
+# `step_metadata`, and its layer among them by its index in the model (a graph input): two models of
+# the same shapes trace to the same graph, which torch's on-disk cache then serves to both, and to the
+# next start of a server; so do the layers of one model, compiled one at a time. It is declared free
+# of mutations because the caches it writes are not graph inputs: nothing in the graph reads them, so
+# no ordering is lost.
 
 _step: tuple[AttentionMetadata, Sequence[Attention]] | None = None
 
@@ -355,18 +362,20 @@ def step_metadata(metadata: AttentionMetadata, layers: Sequence[Attention]) -> I
 # (dynamo guard, aliasing checks) cost 8 us a call: 0.23 ms a 30-layer step (bench/README.md). The
 # schema has no alias annotations, so the op is functional to the compiler, as the comment above needs.
 _LIBRARY = torch.library.Library("pagedserve", "FRAGMENT")
-_LIBRARY.define("attention(Tensor q, Tensor k, Tensor v, int layer_index) -> Tensor")
+_LIBRARY.define("attention(Tensor q, Tensor k, Tensor v, Tensor layer_index) -> Tensor")
 
 
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
+def _attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: torch.Tensor
+) -> torch.Tensor:
     assert _step is not None, "a compiled forward pass runs inside step_metadata()"
     metadata, layers = _step
-    return layers[layer_index].attend(q, k, v, metadata)
+    return layers[int(layer_index)].attend(q, k, v, metadata)
 
 
 _LIBRARY.impl("attention", _attention_op, "CompositeExplicitAutograd")  # every device, not traced into
 
 
 @torch.library.register_fake("pagedserve::attention", lib=_LIBRARY)
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: torch.Tensor) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ from pagedserve.layers.attention import (
 from pagedserve.layers.linear import LinearBase, amx_linear_available, can_pack_weights
 from pagedserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors, apply_token_bitmask
 from pagedserve.lora import LoRAModels
+from pagedserve.models import llama
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import iter_safetensors
 from pagedserve.models.registry import get_model_class
@@ -45,6 +46,9 @@ if TYPE_CHECKING:  # torch._dynamo imports triton.language: not at import time (
     from torch._dynamo.types import GuardFilterEntry
 
 logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]  # a model's forward pass
 
 # Prompt logprobs run the LM head over every prompt position of a chunk (2,048 by default): a slice
 # of at most this many logits at a time (2**23 float32 values, 32 MiB; 170 rows of a 49,152-token
@@ -180,16 +184,16 @@ def _guards_but_the_model_tree(entries: list[GuardFilterEntry]) -> list[bool]:
     tree (types, hook dicts, attributes: ~4,700 of ~4,900, 0.5 of the 0.7 ms a step they took).
     Nothing changes a model after it is compiled, so those guards could only fail for another model,
     and another model never runs this one's graphs: each compiles a forward of its own
-    (`_forward_of_its_own`)."""
+    (`_of_its_own`)."""
     return [not entry.name.startswith("self.") for entry in entries]
 
 
-def _forward_of_its_own(model: torch.nn.Module) -> None:
-    """Give `model` a forward method whose code object is its own. Dynamo keeps a function's compiled
-    graphs on its code object and compiles at most `torch._dynamo.config.recompile_limit` (8) of them:
-    every engine's model gets a graph of its own (its own weights, frozen or as inputs), so with the class's
+def _of_its_own(function: F) -> F:
+    """A copy of `function` with a code object of its own. Dynamo keeps a function's compiled graphs on
+    its code object and compiles at most `torch._dynamo.config.recompile_limit` (8) of them: every
+    engine's model gets graphs of its own (its own weights, frozen or as inputs), so with the class's
     one `forward` the ninth engine built in a process ran eagerly (and slowly) after a warning."""
-    function = type(model).forward
+    assert isinstance(function, types.FunctionType)
     own = types.FunctionType(
         function.__code__.replace(),
         function.__globals__,
@@ -197,7 +201,7 @@ def _forward_of_its_own(model: torch.nn.Module) -> None:
         function.__defaults__,
         function.__closure__,
     )
-    model.forward = types.MethodType(own, model)
+    return cast(F, own)
 
 
 def _release_compiled(code: types.CodeType, modules: list[types.ModuleType]) -> None:
@@ -236,7 +240,7 @@ class ModelRunner:
         self.lora: LoRAModels | None = None  # the adapters of --lora-modules, set by _load_model
         self.model = self._load_model()
         self.attention_layers = self.model.attention_layers  # in order, for `step_metadata`
-        self.forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor] = self.model
+        self.forward: Forward = self.model
         self.fused_decode: FusedDecode | None = None  # set with the KV cache (`bind_kv_cache`)
         max_seqs = config.scheduler.max_num_seqs
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
@@ -314,8 +318,9 @@ class ModelRunner:
         inductor or is in oneDNN's own layout, which a graph input cannot be. Where every one is in
         our kernels' layouts (AMX tiles) it buys nothing: the same tokens at the same speed. It costs
         every start there: torch keeps frozen graphs out of its on-disk AOTAutograd cache, so each
-        start traces and freezes the graph again (the default model ready in ~40 s against ~19 s with
-        the cache's copy)."""
+        start traces and freezes the graph again. Unfrozen, the weights are graph inputs: one
+        compiled decoder layer serves every layer (`_compiled_layers`), and the next start takes it
+        from torch's cache."""
         return any(
             module.packed_weight is None or module.packed_weight.is_mkldnn
             for module in self.model.modules()
@@ -323,28 +328,16 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def _compile(self) -> Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]:
-        """The model's forward pass through torch.compile (inductor; the weights frozen as constants
-        where that pays, `_freezes_weights`), compiled now with a dummy two-token step so that no
-        request waits for it.
+    def _compile(self) -> Forward:
+        """The model's forward pass through torch.compile (inductor), compiled now with a dummy
+        two-token step so that no request waits for it. Where the weights are frozen as constants
+        (`_freezes_weights`), the whole model is one graph; elsewhere one decoder layer is compiled
+        and serves every layer, its weights graph inputs (`_compiled_layers`).
 
         The token count is unbacked: one graph serves every step size, 1 included, with no guard on
         it and no recompilation. Attention stays outside the graph (`layers.attention`)."""
-        _forward_of_its_own(self.model)
-        compiled = torch.compile(
-            self.model,
-            fullgraph=True,
-            dynamic=False,
-            options={"guard_filter_fn": _guards_but_the_model_tree},  # torch.compile takes it out of options
-        )
-
-        def forward(
-            input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-        ) -> torch.Tensor:
-            torch._dynamo.decorators.mark_unbacked(input_ids, 0)
-            torch._dynamo.decorators.mark_unbacked(positions, 0)
-            return compiled(input_ids, positions, metadata)
-
+        freezing = self._freezes_weights()
+        forward, code = self._compiled_model() if freezing else self._compiled_layers()
         logger.info("compiling the forward pass with torch.compile (--enforce-eager skips this)")
         start = time.perf_counter()
         ids = torch.zeros(2, dtype=torch.int64, device=self.device)
@@ -357,25 +350,79 @@ class ModelRunner:
             from torch._inductor.codecache import PyCodeCache
 
             known = {id(module) for module in PyCodeCache.modules}
-            freezing = self._freezes_weights()
             with (
                 step_metadata(metadata, self.attention_layers),
                 torch._inductor.config.patch(freezing=freezing),
             ):
                 forward(ids, torch.arange(2, device=self.device), metadata)
             generated = [module for module in PyCodeCache.modules if id(module) not in known]
-            release = weakref.finalize(self.model, _release_compiled, self.model.forward.__code__, generated)
+            release = weakref.finalize(self.model, _release_compiled, code, generated)
             release.atexit = False  # the process frees everything then
         except Exception as exc:  # e.g. no C++ compiler for inductor: slower, but serving
             logger.warning("torch.compile failed, running the forward pass eagerly: %s", exc)
             self._pack_weights(self.model.modules())
             return self.model
         logger.info(
-            "forward pass compiled in %.1f s (weights %s)",
+            "forward pass compiled in %.1f s (%s)",
             time.perf_counter() - start,
-            "frozen into the graph" if freezing else "graph inputs, in our kernels' layouts",
+            "one graph, the weights frozen into it"
+            if freezing
+            else "one decoder layer's graph for every layer, the weights graph inputs",
         )
         return forward
+
+    def _compiled_model(self) -> tuple[Forward, types.CodeType]:
+        """The whole model as one graph (for frozen weights, which a graph cannot share between
+        layers), and the code object dynamo keeps it on."""
+        model: torch.nn.Module = self.model
+        model.forward = types.MethodType(_of_its_own(type(model).forward), model)
+        compiled = torch.compile(
+            model,
+            fullgraph=True,
+            dynamic=False,
+            options={"guard_filter_fn": _guards_but_the_model_tree},  # torch.compile takes it out of options
+        )
+
+        def forward(
+            input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        ) -> torch.Tensor:
+            torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+            torch._dynamo.decorators.mark_unbacked(positions, 0)
+            return compiled(input_ids, positions, metadata)
+
+        return forward, model.forward.__code__
+
+    def _compiled_layers(self) -> tuple[Forward, types.CodeType]:
+        """The model's forward pass with its decoder layers run through one compiled function of the
+        layer (`models.llama.run_layer`), and the code object dynamo keeps its graphs on. The layer's
+        weights and its index are graph inputs, so dynamo traces one layer, not 30, and the graph
+        (two: the first layer has no residual yet) serves them all: a default-model server was ready
+        in ~20 s from a warm cache against ~28 s with the whole model traced, and in ~54 s against
+        ~103 s from an empty one (bench/README.md, "Start-up"). The embedding, the rotary tables and
+        the final norm stay eager: a few small ops a step."""
+        run_layer = _of_its_own(llama.run_layer)
+        compiled = torch.compile(run_layer, fullgraph=True, dynamic=False)
+        unbacked = torch._dynamo.decorators.mark_unbacked
+
+        def layer_step(
+            layer: torch.nn.Module,
+            rotary: llama.Rotary,
+            hidden: torch.Tensor,
+            residual: torch.Tensor | None,
+            metadata: AttentionMetadata,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            for tensor in (*rotary, hidden) if residual is None else (*rotary, hidden, residual):
+                unbacked(tensor, 0)
+            return compiled(layer, rotary, hidden, residual, metadata)
+
+        model = self.model
+
+        def forward(
+            input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        ) -> torch.Tensor:
+            return model(input_ids, positions, metadata, layer_step)
+
+        return forward, run_layer.__code__
 
     def _dummy_metadata(self) -> AttentionMetadata:
         """One two-token prefill that writes nothing (slots -1) and reads block 0 (what it holds)."""
