@@ -408,8 +408,8 @@ def resolve_compile(
     separate bf16 ops in eager mode and packs the linear weights with their residual adds fused. On
     CPUs with AVX512-BF16 decode-only steps skip the forward pass either way (`fused_decode`), so it
     buys the steps with prompts: on the 64-request chat benchmark 720.6 against 680.1 tok/s eager,
-    on 64 random requests 237.4 against 230.6, for 15-35 s more at start, ~60 s on a first start
-    (bench/README.md, "Start-up"). GPUs and tensor-parallel runs stay eager until measured there."""
+    on 64 random requests 237.4 against 230.6, for ~10 s more at start with AMX tiles (~40 s on a
+    first start) and 55-65 s where the weights are frozen (bench/README.md, "Start-up"). GPUs and tensor-parallel runs stay eager until measured there."""
     return (
         not enforce_eager and device == "cpu" and attention_backend == "torch" and tensor_parallel_size == 1
     )

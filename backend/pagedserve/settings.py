@@ -158,8 +158,9 @@ class EngineSettings(BaseSettings):
     )
     enforce_eager: bool = Field(
         False,
-        description="run the forward pass eagerly: no torch.compile (ready 15 to 35 s sooner on CPU, "
-        "~60 s on a machine's first start, before torch's compile cache holds the graph; "
+        description="run the forward pass eagerly: no torch.compile (ready ~10 s sooner on a CPU with "
+        "AMX once torch's compile cache holds the compiled layer, ~40 s on a machine's first start, "
+        "55 to 65 s where the weights are frozen into the graph: float32, or bfloat16 without AMX; "
         "decode steps still run in the C++ kernels, steps with prompts run slower: 3 to 6 percent less "
         "throughput on the benchmarks; compile is used on CPU with the torch backend and one rank)",
     )

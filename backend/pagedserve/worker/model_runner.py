@@ -397,9 +397,12 @@ class ModelRunner:
         layer (`models.llama.run_layer`), and the code object dynamo keeps its graphs on. The layer's
         weights and its index are graph inputs, so dynamo traces one layer, not 30, and the graph
         (two: the first layer has no residual yet) serves them all: a default-model server was ready
-        in ~20 s from a warm cache against ~28 s with the whole model traced, and in ~54 s against
-        ~103 s from an empty one (bench/README.md, "Start-up"). The embedding, the rotary tables and
-        the final norm stay eager: a few small ops a step."""
+        in 17.5 s from a warm cache against 27.1 s with the whole model traced, and in 45-48 s against
+        86-96 s from an empty one (bench/README.md, "Start-up"). The embedding, the rotary tables and
+        the final norm stay eager: a few small ops a step. What it gives up is the whole graph's edge
+        on small steps with prompts, where a layer's call (its guards, inductor's wrapper) costs
+        about what its fusions save: a 2-token step of the default model runs about as fast as the
+        eager pass; a prefill of the chat workload's 64 prompts as fast as the whole graph."""
         run_layer = _of_its_own(llama.run_layer)
         compiled = torch.compile(run_layer, fullgraph=True, dynamic=False)
         unbacked = torch._dynamo.decorators.mark_unbacked
