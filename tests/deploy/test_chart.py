@@ -154,7 +154,7 @@ def test_otlp_endpoint_reaches_the_server_settings(monkeypatch: pytest.MonkeyPat
 def test_the_build_caches_live_in_a_volume_of_their_own(
     cache: dict[str, Any], volume: dict[str, Any] | None, tmp_path: Path
 ) -> None:
-    """The C++ kernels (~40 s to build) and the compiled forward pass (~60 s cold, ~22 s to SERVING
+    """The C++ kernels (~40 s to build) and the compiled forward pass (~45-50 s to SERVING cold, ~18 s
     from the cache) outlive a restart of the container: emptyDir by default, a claim shared by pods.
     torch takes both directories from the env the chart sets."""
     mount_path = str(tmp_path / "cache")

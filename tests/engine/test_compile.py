@@ -7,6 +7,7 @@ import gc
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,19 @@ if TYPE_CHECKING:
 # Two greedy tokens whose logprobs are this close may swap places when bf16 sums round another way: a
 # logit of 8-16 is a multiple of 1/16 in bf16.
 BF16_TIE = 0.07
+
+Step = tuple[torch.Tensor, torch.Tensor, object, torch.Tensor]  # input ids, positions, metadata, hidden
+
+
+def recording(forward: Callable[..., torch.Tensor], steps: list[Step]) -> Callable[..., torch.Tensor]:
+    """`forward` (a runner's forward pass or its `fused_decode`), keeping each step's inputs and output."""
+
+    def record(input_ids: torch.Tensor, positions: torch.Tensor, metadata: object) -> torch.Tensor:
+        hidden = forward(input_ids, positions, metadata)
+        steps.append((input_ids.clone(), positions.clone(), metadata, hidden))
+        return hidden
+
+    return record
 
 
 def test_compile_is_used_on_cpu_with_the_torch_backend_and_one_rank() -> None:
@@ -159,15 +173,8 @@ def test_one_compiled_decoder_layer_serves_every_layer_with_its_own_weights(
     runner = llm.engine.executor.worker.model_runner
     assert not runner._freezes_weights()
     assert counters["stats"]["unique_graphs"] == 2  # compiled while the engine was built
-    compiled = runner.forward
-    steps: list[tuple[torch.Tensor, torch.Tensor, object, torch.Tensor]] = []
-
-    def recording(input_ids: torch.Tensor, positions: torch.Tensor, metadata: object) -> torch.Tensor:
-        hidden = compiled(input_ids, positions, metadata)  # type: ignore[arg-type]
-        steps.append((input_ids.clone(), positions.clone(), metadata, hidden))
-        return hidden
-
-    runner.forward = recording  # type: ignore[assignment]
+    steps: list[Step] = []
+    runner.forward = recording(runner.forward, steps)  # type: ignore[assignment]
     prompts = [[1, *range(300 + 13 * i, 305 + 22 * i)] for i in range(5)]  # 5 to 93 tokens: chunked
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     assert len(llm.generate([[1, 400, 401]], params)[0].outputs[0].token_ids) == 6  # a 3-token step
@@ -334,14 +341,8 @@ def test_decode_steps_run_every_layer_in_one_cpp_call(
         packed_dim = 2 if packing == "onednn" else 4  # the tiny model's shapes all fit the panels
         assert all(m.packed_weight.dim() == packed_dim and m.weight.numel() == 0 for m in linears)
         assert runner.model.lm_head.packed_weight.dim() == packed_dim
-    steps: list[tuple[torch.Tensor, torch.Tensor, object, torch.Tensor]] = []
-
-    def recording(input_ids: torch.Tensor, positions: torch.Tensor, metadata: object) -> torch.Tensor:
-        hidden = fused(input_ids, positions, metadata)  # type: ignore[arg-type]
-        steps.append((input_ids.clone(), positions.clone(), metadata, hidden))
-        return hidden
-
-    runner.fused_decode = recording  # type: ignore[assignment]
+    steps: list[Step] = []
+    runner.fused_decode = recording(fused, steps)  # type: ignore[assignment]
     prompts = [[1, 400 + i, 401, 402 + 3 * i] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -414,7 +414,8 @@ class ModelRunner:
             residual: torch.Tensor | None,
             metadata: AttentionMetadata,
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            for tensor in (*rotary, hidden) if residual is None else (*rotary, hidden, residual):
+            # the rotary tables are the step's, shared by every layer: marked with the first's inputs
+            for tensor in (*rotary, hidden) if residual is None else (hidden, residual):
                 unbacked(tensor, 0)
             return compiled(layer, rotary, hidden, residual, metadata)
 
