@@ -17,7 +17,7 @@ scheduling and sampling included). The prefix cache is off, so every sequence re
 Bytes a step (per rank under `--tensor-parallel-size`): the linear weights and the LM head, the
 norms and the batch's embedding rows, plus each sequence's K and V over its whole context (prompt
 and the tokens generated so far) in every layer, plus the new token's K and V written. The limit is
-those bytes over the peak: a GPU's from the datasheet table bench/kernels.py keeps (or
+those bytes over the peak: a GPU's from the datasheet table bench/kernel_speed.py keeps (or
 `--peak-gbps`); on CPU `--measure-peak` reads a 1 GiB tensor with every thread and takes the best
 of five, else `--peak-gbps`. Step / limit is how far from the bandwidth bound the engine runs (1.0:
 on it); achieved GB/s is bytes over the measured step.
@@ -162,7 +162,7 @@ def build_preset(name: str, cache_dir: Path, tokenizer_dir: str) -> str:
 
 def device_peak_gbps(args: argparse.Namespace, device: torch.device) -> tuple[float | None, str]:
     """The peak to compare with, and where it came from: the command line's, the read bandwidth
-    measured here (CPU), or bench/kernels.py's `device_peak` (a GPU's datasheet figure)."""
+    measured here (CPU), or bench/kernel_speed.py's `device_peak` (a GPU's datasheet figure)."""
     if args.peak_gbps is not None:
         return args.peak_gbps, "command line"
     if device.type == "cpu":
@@ -173,7 +173,7 @@ def device_peak_gbps(args: argparse.Namespace, device: torch.device) -> tuple[fl
             )
         return None, "CPU: pass --peak-gbps or --measure-peak"
     sys.path.insert(0, str(Path(__file__).parent))  # also where this file is loaded as a module
-    from kernels import device_peak
+    from kernel_speed import device_peak
 
     peak = device_peak(argparse.Namespace(peak_gbps=None, peak_tflops=None), device)
     return peak.gbps, peak.source

@@ -24,8 +24,8 @@ import time
 
 
 def main() -> None:
-    # bench/ is first on the path, and its kernels.py would stand in for the `kernels` package that
-    # transformers looks for
+    # bench/ is first on the path: none of its modules may stand in for a package of the same name
+    # that vLLM or transformers imports
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     answers = os.fdopen(os.dup(1), "w", buffering=1)

@@ -2,9 +2,9 @@
 device's peak, and time ratios against the pure-torch reference and, for attention, against
 `torch.nn.functional.scaled_dot_product_attention` on the same shapes.
 
-    python bench/kernels.py                                  # GPU: serving-sized shapes
-    python bench/kernels.py --peak-gbps 3350 --peak-tflops 989
-    python bench/kernels.py --interpret                      # CPU: Triton's interpreter, tiny shapes
+    python bench/kernel_speed.py                              # GPU: serving-sized shapes
+    python bench/kernel_speed.py --peak-gbps 3350 --peak-tflops 989
+    python bench/kernel_speed.py --interpret                  # CPU: Triton's interpreter, tiny shapes
 
 Ratios are reference time / Triton time, so above 1 means the kernel is faster. Bytes count each
 tensor the kernel must touch once (K/V of every context token, inputs read, outputs written);
