@@ -2,14 +2,17 @@
 `pagedserve serve` with exit code 2 and the flag named (no traceback, nothing left bound); a second
 SIGTERM ends the drain at once (an engine failure's spans: test_observability_audit.py); `/metrics`
 counts neither the warm-up nor deep health checks as requests, and counts every completion of an
-n > 1 request in `vllm:request_generation_tokens`."""
+n > 1 request in `vllm:request_generation_tokens`; a server stopped in a process that goes on frees its
+engine."""
 
 from __future__ import annotations
 
+import gc
 import signal
 import socket
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,7 @@ from grpc_helpers import (
     request,
     wait_until,
 )
-from inprocess_server import InProcessServer, scrape
+from inprocess_server import InProcessServer, post_generate, scrape
 from pagedserve.__main__ import build_parser
 from pagedserve.rpc.cli import ServeSettings
 from pagedserve.rpc.v1 import generate_pb2 as pb
@@ -172,3 +175,22 @@ def test_every_completion_of_an_n_2_request_is_in_request_generation_tokens(mete
     assert diff("vllm:request_generation_tokens_sum") == num_tokens  # one sample per completion
     assert diff("vllm:request_generation_tokens_count") == 2
     assert diff("vllm:request_success_total") == 1
+
+
+@pytest.mark.slow
+def test_a_stopped_server_frees_its_engine(tiny_llama_dir: str) -> None:
+    """A server stopped in a process that goes on (an embedder, the tests: dozens of servers in one
+    process) frees its model, also after requests on every route: aiohttp's cache of routes wrapped in
+    their middlewares kept each server that had answered on its HTTP port, and its whole engine."""
+    srv = InProcessServer(
+        tiny_llama_dir, None, dtype="float32", served_model_name=MODEL, num_kv_blocks=64
+    ).start()
+    model = weakref.ref(srv.llm.executor.worker.model_runner.model)
+    assert len(list(srv.stub.Generate(request(max_tokens=2), timeout=60))) >= 1
+    assert total(scrape(srv), "vllm:request_success_total") == 1
+    status, body = post_generate(srv, MODEL, {"text_input": "Hi", "parameters": {"max_tokens": 2}})
+    assert status == 200, body
+    srv.stop()
+    del srv
+    gc.collect()
+    assert model() is None

@@ -10,7 +10,7 @@ import ssl
 from collections.abc import Iterable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import web, web_app
 
 from pagedserve.errors import AdapterInUseError, AdapterNotLoadedError, EngineDeadError, InvalidRequestError
 from pagedserve.rpc.auth import http_middleware
@@ -68,6 +68,14 @@ class HttpEndpoint:
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+        # aiohttp keeps each route's handler wrapped in the middlewares, for the life of the process, in
+        # a cache keyed by the handler and its application: this endpoint's bound methods and the
+        # adapters' routes, which hold the server and its engine. A server stopped and dropped in a
+        # process that goes on (tests, embedders) kept its whole model alive. Live endpoints' entries
+        # go too: the cache builds them again on their next request.
+        cached = getattr(web_app, "_cached_build_middleware", None)  # aiohttp 3.9 and later
+        if cached is not None:
+            cached.cache_clear()
 
     async def metrics(self, request: web.Request) -> web.Response:
         if self.grpc_server.state.status == "starting":
