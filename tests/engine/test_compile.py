@@ -111,7 +111,9 @@ def test_two_compiled_models_in_one_process_each_run_their_own_weights(
     rounding, so a greedy step whose likeliest tokens tie within bf16's resolution may take another:
     the rest of that completion is not compared. float32 weights (and bfloat16 ones without AMX) are
     left to inductor, which packs them only when frozen: the whole model one graph, frozen, not
-    cached, and its tokens the eager pass's to the last."""
+    cached. Its float32 tokens are the eager pass's to the last; its bfloat16 ones to the first tie
+    within bf16's resolution, as above (inductor's fused code skips some of eager's bf16 roundings:
+    on an AVX2-only CPU the fourth token of a completion differed)."""
     from torch._dynamo.utils import counters
 
     other_dir = build_tiny_llama(tmp_path / "other", default_model_dir, seed=1)
@@ -137,7 +139,7 @@ def test_two_compiled_models_in_one_process_each_run_their_own_weights(
         eager = completions(LLM(model=eager_dir, **settings, enforce_eager=True))
         for ours, theirs in zip(compiled, eager, strict=True):
             pos = first_difference(list(ours.token_ids), list(theirs.token_ids))
-            if frozen or pos is None:
+            if dtype == "float32" or pos is None:
                 assert ours.token_ids == theirs.token_ids
                 continue
             assert ours.logprobs and theirs.logprobs
@@ -388,8 +390,11 @@ def test_a_dropped_compiled_engine_frees_its_weights(tiny_llama_dir: str, dtype:
     outputs = llm.generate([[1, 400, 401]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     assert len(outputs[0].outputs[0].token_ids) == 2
     del llm, runner
-    gc.collect()  # the model: its finalizer lets go of the generated modules
-    gc.collect()  # what they held in cycles
+    # the model, then (its finalizer run) the generated modules, then what they held in cycles: as
+    # many passes as that takes (three for bfloat16 left to inductor, on a CPU without AMX)
+    for _ in range(10):
+        if not gc.collect():
+            break
     alive = [ref() for ref in weights if ref() is not None]
     assert weights and not alive, [tuple(t.shape) for t in alive]
 
