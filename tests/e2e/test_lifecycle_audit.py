@@ -186,11 +186,13 @@ def test_a_stopped_server_frees_its_engine(tiny_llama_dir: str) -> None:
         tiny_llama_dir, None, dtype="float32", served_model_name=MODEL, num_kv_blocks=64
     ).start()
     model = weakref.ref(srv.llm.executor.worker.model_runner.model)
-    assert len(list(srv.stub.Generate(request(max_tokens=2), timeout=60))) >= 1
-    assert total(scrape(srv), "vllm:request_success_total") == 1
-    status, body = post_generate(srv, MODEL, {"text_input": "Hi", "parameters": {"max_tokens": 2}})
-    assert status == 200, body
-    srv.stop()
+    try:
+        assert len(list(srv.stub.Generate(request(max_tokens=2), timeout=60))) >= 1
+        assert total(scrape(srv), "vllm:request_success_total") == 1
+        status, body = post_generate(srv, MODEL, {"text_input": "Hi", "parameters": {"max_tokens": 2}})
+        assert status == 200, body
+    finally:
+        srv.stop()
     del srv
     gc.collect()
     assert model() is None
