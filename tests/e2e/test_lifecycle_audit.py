@@ -180,8 +180,9 @@ def test_every_completion_of_an_n_2_request_is_in_request_generation_tokens(mete
 @pytest.mark.slow
 def test_a_stopped_server_frees_its_engine(tiny_llama_dir: str) -> None:
     """A server stopped in a process that goes on (an embedder, the tests: dozens of servers in one
-    process) frees its model, also after requests on every route: aiohttp's cache of routes wrapped in
-    their middlewares kept each server that had answered on its HTTP port, and its whole engine."""
+    process) frees its model, also after requests on both ports (gRPC, /metrics, KServe v2 REST):
+    aiohttp's cache of routes wrapped in their middlewares kept each server that had answered on its
+    HTTP port, and its whole engine."""
     srv = InProcessServer(
         tiny_llama_dir, None, dtype="float32", served_model_name=MODEL, num_kv_blocks=64
     ).start()
