@@ -35,18 +35,25 @@ LoRARequests = LoRARequest | Seq[LoRARequest | None] | None  # one for all promp
 
 
 class _HeapFreeze:
-    """The heap freezes of the live `LLM`s: the heap thaws when the last of them goes, not the first
-    (which would thaw the others' too). Not taken where the caller froze the heap themselves."""
+    """The heap freezes of the live `LLM`s. Freeing one thaws the heap, so that the collector frees
+    its engine's reference cycles (a dropped compiled engine's are its generated code with the
+    weights frozen into it: ~600 MB for the default model); the others' freeze is taken again before
+    their next run, after a full collection (`refreeze`). Not taken where the caller froze the heap
+    themselves."""
 
     def __init__(self) -> None:
         self.holders = 0  # live LLMs that froze the heap
-        self.lock = threading.Lock()  # a finalizer runs in whichever thread drops the last reference
+        self.stale = False  # thawed for a freed LLM while others live: collect, then freeze again
+        # A finalizer runs in whichever thread drops the last reference, and in this one within
+        # `_collect_if_stale`'s collection: reentrant.
+        self.lock = threading.RLock()
 
     def freeze(self) -> bool:
         """Freeze the heap for a new LLM; False where the caller's freeze holds it already."""
         with self.lock:
             if self.holders == 0 and gc.get_freeze_count() > 0:
                 return False
+            self._collect_if_stale()
             gc.freeze()
             self.holders += 1
             return True
@@ -54,8 +61,22 @@ class _HeapFreeze:
     def thaw(self) -> None:
         with self.lock:
             self.holders -= 1
-            if self.holders == 0:
-                gc.unfreeze()
+            gc.unfreeze()
+            self.stale = self.holders > 0
+
+    def refreeze(self) -> None:
+        """Freeze the heap again for the live LLMs, where freeing another thawed it."""
+        with self.lock:
+            if self.stale:
+                self._collect_if_stale()
+                if self.holders:  # none where the collection freed the last
+                    gc.freeze()
+
+    def _collect_if_stale(self) -> None:
+        # a collection first, or the freed LLM's cycles would be frozen again with the live objects
+        if self.stale:
+            gc.collect()
+            self.stale = False
 
 
 _HEAP = _HeapFreeze()
@@ -66,9 +87,12 @@ class LLM:
     engine settings (`dtype`, `kv_cache_memory`, `max_num_seqs`, `num_kv_blocks`, ...).
 
     Building one freezes the process's heap (`gc.freeze`: the collector's scans skip every object
-    alive then), and freeing the last one alive thaws it (`gc.unfreeze`), so that the collector frees
-    the engines' reference cycles then. A heap the caller froze before the first LLM is theirs: it is
-    left as it is, neither frozen further nor thawed."""
+    alive then), and freeing one thaws it (`gc.unfreeze`), so that the collector frees its engine's
+    reference cycles; the LLMs still alive freeze it again at their next call, after a full
+    collection. An LLM that only a reference cycle holds (a method of its engine replaced by a
+    closure over it, say) is frozen with its cycle: it is freed when another LLM is, or never. A
+    heap the caller froze before the first LLM is theirs: it is left as it is, neither frozen
+    further nor thawed."""
 
     def __init__(self, model: str | None = None, **settings: Any) -> None:
         _check_setting_names(settings)
@@ -212,6 +236,7 @@ class LLM:
         embeddings: dict[str, list[float]] | None = None,
     ) -> list[RequestOutput]:
         """Run the requests to their end; `embeddings` receives each embedding request's vector."""
+        _HEAP.refreeze()
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, len(token_ids), SamplingParams, "sampling_params")
