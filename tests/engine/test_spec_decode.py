@@ -291,7 +291,10 @@ def test_no_drafts_while_more_requests_than_disable_by_batch_size(plain: LLM) ->
         return out
 
     limited.engine.scheduler.schedule = recording  # type: ignore[method-assign]
-    ours = limited.generate(PROMPTS, params)
+    try:
+        ours = limited.generate(PROMPTS, params)
+    finally:  # the closure over `limited` is a cycle, which the LLM's frozen heap would keep
+        del limited.engine.scheduler.schedule
     assert all(n == 0 for num_requests, n in scheduled if num_requests > 2)
     assert any(n > 0 for num_requests, n in scheduled if num_requests <= 2)
     assert [o.outputs[0].token_ids for o in ours] == [
