@@ -67,16 +67,17 @@ class _HeapFreeze:
     def refreeze(self) -> None:
         """Freeze the heap again for the live LLMs, where freeing another thawed it."""
         with self.lock:
-            if self.stale:
-                self._collect_if_stale()
-                if self.holders:  # none where the collection freed the last
-                    gc.freeze()
+            if self._collect_if_stale() and self.holders:  # none where the collection freed the last
+                gc.freeze()
 
-    def _collect_if_stale(self) -> None:
-        # a collection first, or the freed LLM's cycles would be frozen again with the live objects
-        if self.stale:
-            gc.collect()
-            self.stale = False
+    def _collect_if_stale(self) -> bool:
+        """Collect a heap thawed for a freed LLM, before it is frozen again (or the freed LLM's cycles
+        would be frozen again with the live objects); whether it was."""
+        if not self.stale:
+            return False
+        gc.collect()
+        self.stale = False
+        return True
 
 
 _HEAP = _HeapFreeze()
