@@ -299,7 +299,7 @@ def test_sizes_that_cannot_split_the_heads_fail_before_any_rank_starts(
 
 
 @pytest.mark.slow
-def test_torchrun_launch_matches_single_rank(tiny_llama_dir: str) -> None:
+def test_torchrun_launch_matches_single_rank(tiny_llama_dir: str, tmp_path: Path) -> None:
     """Every rank runs the same command; rank 1 turns into a worker and exits when rank 0 is done."""
     prompt, max_tokens = "The quick brown fox", 16
     expected = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64).generate(
@@ -307,6 +307,7 @@ def test_torchrun_launch_matches_single_rank(tiny_llama_dir: str) -> None:
     )[0]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--log-dir", str(tmp_path / "torchrun"),  # torchrun's default is a new dir under /tmp, never removed
         "-m", "pagedserve", "generate", "--model", tiny_llama_dir, "--dtype", "float32",
         "--num-kv-blocks", "64", "--tensor-parallel-size", "2", "--no-chat", "--prompt", prompt,
         "--max-tokens", str(max_tokens), "--temperature", "0",

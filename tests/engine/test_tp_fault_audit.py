@@ -199,6 +199,7 @@ def test_torchrun_a_fault_on_one_rank_fails_within_seconds(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, *(p for p in sys.path if p)])}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--log-dir", str(tmp_path / "torchrun"),
         "-m", "pagedserve", "generate", "--model", tiny_llama_dir, "--dtype", "float32",
         "--num-kv-blocks", "64", "--tensor-parallel-size", "2", "--no-chat", "--prompt", prompt,
         "--max-tokens", "16", "--temperature", "0",
