@@ -409,7 +409,9 @@ def resolve_compile(
     CPUs with AVX512-BF16 decode-only steps skip the forward pass either way (`fused_decode`), so it
     buys the steps with prompts: on the 64-request chat benchmark 720.6 against 680.1 tok/s eager,
     on 64 random requests 237.4 against 230.6, for ~10 s more at start with AMX tiles (~40 s on a
-    first start) and 55-65 s where the weights are frozen (bench/README.md, "Start-up"). GPUs and tensor-parallel runs stay eager until measured there."""
+    first start), ~12 s for float32 in oneDNN's layout (~55 s on a first start) and 55-65 s at every
+    start where the weights are frozen (bench/README.md, "Start-up"). GPUs and tensor-parallel runs
+    stay eager until measured there."""
     return (
         not enforce_eager and device == "cpu" and attention_backend == "torch" and tensor_parallel_size == 1
     )

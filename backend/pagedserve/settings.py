@@ -160,7 +160,9 @@ class EngineSettings(BaseSettings):
         False,
         description="run the forward pass eagerly: no torch.compile (ready ~10 s sooner on a CPU with "
         "AMX once torch's compile cache holds the compiled layer, ~40 s on a machine's first start, "
-        "55 to 65 s where the weights are frozen into the graph: float32, or bfloat16 without AMX; "
+        "~12 s with float32 weights in oneDNN's layout (CPUs other than Intel's), ~55 s on a first start, "
+        "55 to 65 s at every start where the weights are frozen into the graph: float32 on Intel's CPUs, "
+        "or bfloat16 without AMX; "
         "decode steps still run in the C++ kernels, steps with prompts run slower: 3 to 6 percent less "
         "throughput on the benchmarks; compile is used on CPU with the torch backend and one rank)",
     )

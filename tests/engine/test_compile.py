@@ -18,7 +18,12 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import resolve_compile
 from pagedserve.layers.attention import step_metadata
-from pagedserve.layers.linear import LinearBase, amx_linear_available
+from pagedserve.layers.linear import (
+    LinearBase,
+    amx_linear_available,
+    avx512_linear_available,
+    packed_before_compiling,
+)
 from pagedserve.settings import EngineSettings
 from rounding_flips import first_difference
 from tiny_models import build_tiny_llama
@@ -103,17 +108,16 @@ def test_two_compiled_models_in_one_process_each_run_their_own_weights(
     of the same shapes, compiled while the first is alive in the same process, still gets graphs of
     its own, with its own weights: its greedy tokens are its eager pass's, not the first model's.
 
-    With every linear weight in AMX tiles before compiling (bfloat16), freezing would buy nothing,
-    and torch keeps frozen graphs out of its on-disk AOTAutograd cache: each start would trace and
-    freeze the graph again. So the weights stay graph inputs, one decoder layer is compiled for all
-    (two graphs: the first layer's, which has no residual yet, and the others'), and the second model
-    takes the first one's graphs from the cache. Its bf16 sums then differ from the eager pass's by
-    rounding, so a greedy step whose likeliest tokens tie within bf16's resolution may take another:
-    the rest of that completion is not compared. float32 weights (and bfloat16 ones without AMX) are
-    left to inductor, which packs them only when frozen: the whole model one graph, frozen, not
-    cached. Its float32 tokens are the eager pass's to the last; its bfloat16 ones to the first tie
-    within bf16's resolution, as above (inductor's fused code skips some of eager's bf16 roundings:
-    on an AVX2-only CPU the fourth token of a completion differed)."""
+    Where every linear weight is packed before compiling (AMX tiles; oneDNN's layout, as float32's on
+    CPUs other than Intel's), the weights stay graph inputs, and the second model takes the first
+    one's graphs from torch's on-disk cache: one decoder layer's for all with AMX (two graphs: the
+    first layer's, which has no residual yet, and the others'), the whole model's with oneDNN. Elsewhere (float32 on Intel's CPUs,
+    bfloat16 without AMX) they are left to inductor, which packs them only when frozen: the whole
+    model one graph, frozen, not cached. float32 tokens are the eager pass's to the last. bf16 sums
+    differ from the eager pass's by rounding (inductor's fused code skips some of eager's roundings:
+    on an AVX2-only CPU the fourth token of a completion differed), so a greedy step whose likeliest
+    tokens tie within bf16's resolution may take another: the rest of that completion is not
+    compared."""
     from torch._dynamo.utils import counters
 
     other_dir = build_tiny_llama(tmp_path / "other", default_model_dir, seed=1)
@@ -129,10 +133,14 @@ def test_two_compiled_models_in_one_process_each_run_their_own_weights(
     other = LLM(model=other_dir, **settings, enforce_eager=False)
     runner = other.engine.executor.worker.model_runner
     assert runner.forward is not runner.model  # compiled
-    frozen = dtype == "float32" or not amx_linear_available()
+    frozen = not packed_before_compiling(torch.device("cpu"), getattr(torch, dtype))
     assert runner._freezes_weights() == frozen
     aot = counters["aot_autograd"]
-    assert (aot["autograd_cache_hit"], aot["autograd_cache_bypass"]) == ((0, 1) if frozen else (2, 0)), aot
+    # unfrozen: the whole model where it reads oneDNN's weights, else one graph for the first layer and
+    # one for the others
+    onednn = any(m.onednn_index is not None for m in runner.model.modules() if isinstance(m, LinearBase))
+    hits = 0 if frozen else 1 if onednn else 2
+    assert (aot["autograd_cache_hit"], aot["autograd_cache_bypass"]) == (hits, int(frozen)), aot
 
     other_compiled, first_compiled = completions(other), completions(first)
     for compiled, eager_dir in ((first_compiled, tiny_llama_dir), (other_compiled, other_dir)):
@@ -149,6 +157,53 @@ def test_two_compiled_models_in_one_process_each_run_their_own_weights(
                 f"token {pos}: {ours.token_ids[pos]} against {theirs.logprobs[pos]}, not a bf16 tie"
             )
     assert [c.token_ids for c in first_compiled] != [c.token_ids for c in other_compiled]
+
+
+def test_weights_packed_for_onednn_are_graph_inputs_and_the_next_engine_takes_the_cache(
+    tiny_llama_dir: str, tmp_path: Path, default_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float32 weights are packed for oneDNN on CPUs other than Intel's (here on any CPU: the vendor is
+    patched). A tensor in oneDNN's layout cannot be a graph input, so the compiled pass reads each one
+    through `onednn_linear` by its index, a graph input: nothing is frozen, and a second engine of the
+    same shapes takes the model's graph from torch's on-disk cache instead of tracing, freezing and
+    lowering it again (~60 s on the default model, bench/README.md, "Start-up"). Its tokens are its
+    eager pass's, which reads the same packed weights through the same op; dropping the engine frees
+    its packed weights."""
+    import weakref
+
+    from pagedserve.layers.linear import _ONEDNN_WEIGHTS
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(pagedserve.layers.linear, "cpu_vendor", lambda: "AuthenticAMD")
+    other_dir = build_tiny_llama(tmp_path / "other", default_model_dir, seed=1)
+    settings = dict(dtype="float32", num_kv_blocks=16, block_size=8)
+    first = LLM(model=tiny_llama_dir, **settings, enforce_eager=False)
+    counters.clear()
+    other = LLM(model=other_dir, **settings, enforce_eager=False)
+    runner = other.engine.executor.worker.model_runner
+    assert runner.forward is not runner.model and not runner._freezes_weights()
+    aot = counters["aot_autograd"]
+    assert (aot["autograd_cache_hit"], aot["autograd_cache_bypass"]) == (1, 0), aot  # the whole model
+    linears = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.packed_weight.is_mkldnn and m.weight.numel() == 0 for m in linears)
+    assert all(_ONEDNN_WEIGHTS[int(m.onednn_index)] is m.packed_weight for m in linears)
+
+    prompts = [[1, 400, 401, 402], [1, *range(500, 520)]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compiled = [r.outputs[0].token_ids for r in other.generate(prompts, params)]
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("pagedserve::onednn_linear") == 6 * len(linears)  # 6 steps, each linear once
+    eager = LLM(model=other_dir, **settings, enforce_eager=True)
+    assert compiled == [r.outputs[0].token_ids for r in eager.generate(prompts, params)]
+    assert compiled != [r.outputs[0].token_ids for r in first.generate(prompts, params)]
+
+    packed = [weakref.ref(m.packed_weight) for m in linears]
+    del other, runner, linears, eager
+    for _ in range(10):
+        if not gc.collect():
+            break
+    assert not [ref for ref in packed if ref() is not None]
 
 
 @pytest.mark.skipif(not amx_linear_available(), reason="weights are graph inputs with AMX (frozen elsewhere)")
@@ -224,19 +279,21 @@ def test_compiled_bf16_is_as_close_to_float32_as_the_eager_pass(tiny_llama_dir: 
 
 
 @pytest.mark.skipif(
-    not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-    reason="inductor packs bf16 linear weights only for oneDNN's native bf16",
+    not torch.backends.mkldnn.is_available()
+    or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    or not avx512_linear_available(),
+    reason="bf16 weights are left to inductor where AVX512-BF16 panels would take them",
 )
 def test_compiled_bf16_linear_layers_read_packed_frozen_weights(
     tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without AMX: every linear layer of every decoder layer (qkv, o, gate_up, down) becomes a oneDNN
-    matmul on a weight packed once at compile time. Without freezing at trace time the weights stay
-    graph inputs and each step runs plain bf16 matmuls that reorder them (1.4x the linear layers' time
-    on the chat benchmark)."""
+    """Without AMX, on AVX512-BF16 (whose panels are for decode steps, `packed_before_compiling`): every
+    linear layer of every decoder layer (qkv, o, gate_up, down) becomes a oneDNN matmul on a weight
+    inductor packs once at compile time. Without freezing at trace time the weights would stay graph
+    inputs and each step run plain bf16 matmuls that reorder them (1.4x the linear layers' time on the
+    chat benchmark)."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(pagedserve.worker.model_runner, "amx_linear_available", lambda: False)
     monkeypatch.setattr(pagedserve.layers.linear, "amx_linear_available", lambda: False)
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # count the passes' matches
     counters.clear()
@@ -284,7 +341,6 @@ def test_bf16_linear_layers_run_on_avx512_panels_without_amx(
     each step. Greedy, it takes each row's argmax itself (`linear_argmax_avx512`, no logits)."""
     if not decode_layers_available():
         pytest.skip("no AVX512-BF16 build of the C++ kernels here")
-    monkeypatch.setattr(pagedserve.worker.model_runner, "amx_linear_available", lambda: False)
     monkeypatch.setattr(pagedserve.layers.linear, "amx_linear_available", lambda: False)
     llm = LLM(model=tiny_llama_dir, dtype="bfloat16", num_kv_blocks=16, enforce_eager=enforce_eager)
     model = llm.engine.executor.worker.model_runner.model
@@ -329,7 +385,6 @@ def test_decode_steps_run_every_layer_in_one_cpp_call(
     if not decode_layers_available():
         pytest.skip("no AVX512-BF16 build of the C++ kernels here")
     if packing != "this-cpu":
-        monkeypatch.setattr(pagedserve.worker.model_runner, "amx_linear_available", lambda: False)
         monkeypatch.setattr(pagedserve.layers.linear, "amx_linear_available", lambda: False)
     if packing == "onednn":
         monkeypatch.setattr(pagedserve.layers.linear, "avx512_linear_available", lambda: False)

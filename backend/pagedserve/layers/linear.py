@@ -10,8 +10,9 @@ C++ kernels build, the weight goes into the tiles of `pagedserve_kernels.cpu.lin
 AMX (about 1.5x as fast as oneDNN at decode batch sizes), else into the panels of
 `pagedserve_kernels.cpu.linear_avx512` on CPUs with AVX512-BF16 for in_features up to 2,048 (1.13-1.75x
 as fast as oneDNN from 1 to 128 rows on a Zen 4 EPYC; bench/README.md); else into oneDNN's blocked
-layout. A compiled pass leaves all but AMX weights to inductor, which packs them for oneDNN; the
-decode steps (`decode_layers`), the LM head and eager steps read ours. The AMX product is
+layout. A compiled pass reads AMX and oneDNN weights as graph inputs (`packed_before_compiling`); it
+leaves weights that would go into panels to inductor, which packs them for oneDNN, and the decode
+steps (`decode_layers`), the LM head and eager steps read ours. The AMX product is
 bit-identical to `F.linear`'s for up to 32 rows; beyond that oneDNN changes how it sums, while both of
 our kernels give each row what they give that row alone.
 
@@ -26,6 +27,8 @@ tuned, packing float32 measured slower and stays off.
 from __future__ import annotations
 
 import functools
+import itertools
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -110,6 +113,17 @@ def packs_for_avx512(weight: torch.Tensor) -> bool:
     )
 
 
+def packed_before_compiling(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the weights are packed before a compiled pass is traced, which then reads them as graph
+    inputs with the kernels inductor's frozen graph would use: AMX tiles, and oneDNN's layout (through
+    `onednn_linear`). Not where AVX512-BF16 panels would take some (made for decode rows, slower than
+    oneDNN on prefills): the compiled pass leaves those weights to inductor, which freezes them into
+    its graph and packs them for oneDNN; ours are packed after it is compiled, for decode_layers."""
+    if not can_pack_weights(device, dtype):
+        return False
+    return dtype != torch.bfloat16 or amx_linear_available() or not avx512_linear_available()
+
+
 def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
     """`weight` [out, in] reordered once, for `linear`: into AMX tiles where `packs_for_amx` (a 5-d
     tensor), else into AVX512-BF16 panels where `packs_for_avx512` (4-d), else (float32 too) into
@@ -134,6 +148,40 @@ def linear(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], None)
 
 
+# oneDNN's packed weights reached through an index. A tensor in oneDNN's own layout cannot be a graph
+# input (torch.compile makes a fake of every input), so without this a compiled pass had to leave those
+# weights to inductor and freeze them into its graph as constants, which torch's on-disk caches refuse:
+# every start traced, froze and lowered the whole model again (~60 s for the default model in float32 on
+# an AVX2 EPYC, bench/README.md, "Start-up"). Through this op the graph's input is the weight's index,
+# a 0-d tensor like the attention op's layer index (`layers.attention`), and the graph is the same for
+# every model of the same shapes and every start. The registry holds the packed weights weakly: the
+# layer that packed one owns it.
+_ONEDNN_WEIGHTS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_ONEDNN_INDICES = itertools.count()
+
+# torch.library's low-level API, as for the attention op: `torch.library.custom_op`'s wrapper costs
+# ~8 us a call. No alias annotations: the op is functional.
+_LIBRARY = torch.library.Library("pagedserve", "FRAGMENT")
+_LIBRARY.define("onednn_linear(Tensor x, Tensor weight_index, Tensor? bias, SymInt out_features) -> Tensor")
+
+
+def _onednn_linear(
+    x: torch.Tensor, weight_index: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    packed = _ONEDNN_WEIGHTS[int(weight_index)]
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], None)
+
+
+_LIBRARY.impl("onednn_linear", _onednn_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("pagedserve::onednn_linear", lib=_LIBRARY)
+def _(
+    x: torch.Tensor, weight_index: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 class LinearBase(nn.Module):
     """Holds `weight` [out, in] (this rank's shard); after `pack_weights` the matmul reads the packed copy
     and the plain weight is released."""
@@ -141,13 +189,24 @@ class LinearBase(nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
     packed_weight: torch.Tensor | None = None
+    # A weight packed into oneDNN's layout is read through `onednn_linear` by its index there: a
+    # buffer (int64, 0-d), so a graph input of a compiled pass.
+    onednn_index: torch.Tensor | None
     unpacked_shape: torch.Size  # set by pack_weights
     lora: LoRALinear | None = None  # LoRA adapters' updates (`pagedserve.lora`), when any are loaded
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("onednn_index", None, persistent=False)
 
     def pack_weights(self, batch_size_hint: int) -> None:
         self.unpacked_shape = self.weight.shape
         self.packed_weight = pack_weight(self.weight, batch_size_hint)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        if self.packed_weight.is_mkldnn:
+            index = next(_ONEDNN_INDICES)
+            _ONEDNN_WEIGHTS[index] = self.packed_weight
+            self.onednn_index = torch.tensor(index)
 
     @property
     def weight_shape(self) -> torch.Size:
@@ -155,6 +214,8 @@ class LinearBase(nn.Module):
         return self.unpacked_shape if self.packed_weight is not None else self.weight.shape
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.onednn_index is not None:
+            return torch.ops.pagedserve.onednn_linear(x, self.onednn_index, bias, self.unpacked_shape[0])
         return linear(x, self.weight, self.packed_weight, bias)
 
 

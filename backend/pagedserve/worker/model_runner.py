@@ -30,7 +30,7 @@ from pagedserve.layers.attention import (
     make_attention_backend,
     step_metadata,
 )
-from pagedserve.layers.linear import LinearBase, amx_linear_available, can_pack_weights
+from pagedserve.layers.linear import LinearBase, can_pack_weights, packed_before_compiling
 from pagedserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors, apply_token_bitmask
 from pagedserve.lora import LoRAModels
 from pagedserve.models import llama
@@ -272,15 +272,10 @@ class ModelRunner:
         model.load_weights(iter_safetensors(cfg.path))
         if self.config.lora_modules:  # before packing: the adapters are sliced beside the plain weights
             self.lora = LoRAModels(self.config.lora_modules, model, self.dtype)
-        # A compiled forward pass leaves its oneDNN weights to inductor (freezing packs them) until it
-        # is compiled (`bind_kv_cache`); AMX weights are packed here either way, and the LM head runs
-        # outside the compiled pass.
-        on_amx = (  # no CPU build on a GPU; AMX tiles hold bfloat16 alone
-            self.dtype == torch.bfloat16
-            and can_pack_weights(self.device, self.dtype)
-            and amx_linear_available()
-        )
-        self._pack_weights([model.lm_head] if self.config.compile and not on_amx else model.modules())
+        # A compiled pass reads the weights packed before it is traced, or leaves them to inductor
+        # until it is compiled (`bind_kv_cache`); the LM head runs outside it.
+        before = not self.config.compile or packed_before_compiling(self.device, self.dtype)
+        self._pack_weights(model.modules() if before else [model.lm_head])
         return model.eval()
 
     def _pack_weights(self, modules: Iterable[torch.nn.Module]) -> None:
@@ -303,41 +298,48 @@ class ModelRunner:
             attention.kv_cache = kv_cache
         if self.config.compile:
             self.forward = self._compile()
-            # Without AMX the linear weights were left to inductor: its frozen graph holds packed
-            # copies of its own and no longer reads the plain ones, so they are packed (and
-            # released) now, for decode_layers.
+            # Where the weights were left to inductor, its frozen graph holds packed copies of its
+            # own and no longer reads the plain ones: they are packed (and released) now, for
+            # decode_layers.
             self._pack_weights(self.model.modules())
         # Decode-only steps skip the forward pass, compiled or eager, where one C++ call runs every
         # layer (`fused_decode`), which reads the packed weights.
         self.fused_decode = FusedDecode.build(self.model, self.backend, self.dtype)
 
     def _freezes_weights(self) -> bool:
-        """Whether the compiled pass makes the weights graph constants ("freezing"), which inductor
-        then packs for oneDNN (bfloat16 without AMX) or MKL (float32: 13% faster on the chat workload
-        than unfrozen, bench/README.md). Freezing is needed where a linear layer's weight was left to
-        inductor or is in oneDNN's own layout, which a graph input cannot be. Where every one is in
-        our kernels' layouts (AMX tiles) it buys nothing: the same tokens at the same speed. It costs
-        every start there: torch keeps frozen graphs out of its on-disk AOTAutograd cache, so each
-        start traces and freezes the graph again. Unfrozen, the weights are graph inputs: one
-        compiled decoder layer serves every layer (`_compiled_layers`), and the next start takes it
-        from torch's cache."""
+        """Whether the compiled pass makes the weights graph constants ("freezing"): where a linear
+        layer's weight was left to inductor (`layers.linear.packed_before_compiling`), which then
+        packs it for oneDNN, as it does only for constants (float32 on Intel's CPUs, bfloat16 where
+        AVX512-BF16 panels or nothing of ours packs it). It costs every start: torch keeps frozen
+        graphs out of its on-disk AOTAutograd cache, and inductor's oneDNN constants out of its
+        graph cache, so each start traces, freezes and lowers the whole model again. Where every
+        weight is packed already (AMX tiles; oneDNN's layout, read through `onednn_linear`) the
+        weights are graph inputs: one compiled decoder layer serves every layer
+        (`_compiled_layers`), and the next start takes it from torch's cache."""
         return any(
-            module.packed_weight is None or module.packed_weight.is_mkldnn
-            for module in self.model.modules()
-            if isinstance(module, LinearBase)
+            module.packed_weight is None for module in self.model.modules() if isinstance(module, LinearBase)
         )
 
     @torch.inference_mode()
     def _compile(self) -> Forward:
         """The model's forward pass through torch.compile (inductor), compiled now with a dummy
         two-token step so that no request waits for it. Where the weights are frozen as constants
-        (`_freezes_weights`), the whole model is one graph; elsewhere one decoder layer is compiled
-        and serves every layer, its weights graph inputs (`_compiled_layers`).
+        (`_freezes_weights`), the whole model is one graph. So it is where they are read through
+        `onednn_linear` (float32 on CPUs other than Intel's): there every decode step runs the
+        compiled pass (`decode_layers` is bf16's), and a graph call for each of 30 layers cost the
+        float32 chat workload 9.5% of its throughput against 3.4% for one graph, unfrozen, against
+        the frozen one (bench/README.md, "Start-up"). Elsewhere (AMX tiles) one decoder layer is
+        compiled and serves every layer, its weights graph inputs (`_compiled_layers`).
 
         The token count is unbacked: one graph serves every step size, 1 included, with no guard on
         it and no recompilation. Attention stays outside the graph (`layers.attention`)."""
         freezing = self._freezes_weights()
-        forward, code = self._compiled_model() if freezing else self._compiled_layers()
+        one_graph = freezing or any(
+            module.onednn_index is not None
+            for module in self.model.modules()
+            if isinstance(module, LinearBase)
+        )
+        forward, code = self._compiled_model() if one_graph else self._compiled_layers()
         logger.info("compiling the forward pass with torch.compile (--enforce-eager skips this)")
         start = time.perf_counter()
         ids = torch.zeros(2, dtype=torch.int64, device=self.device)
@@ -367,13 +369,15 @@ class ModelRunner:
             time.perf_counter() - start,
             "one graph, the weights frozen into it"
             if freezing
+            else "one graph, the weights graph inputs"
+            if one_graph
             else "one decoder layer's graph for every layer, the weights graph inputs",
         )
         return forward
 
     def _compiled_model(self) -> tuple[Forward, types.CodeType]:
         """The whole model as one graph (for frozen weights, which a graph cannot share between
-        layers), and the code object dynamo keeps it on."""
+        layers, and where every step runs it), and the code object dynamo keeps it on."""
         model: torch.nn.Module = self.model
         model.forward = types.MethodType(_of_its_own(type(model).forward), model)
         compiled = torch.compile(
