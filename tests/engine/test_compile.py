@@ -134,7 +134,7 @@ def test_two_compiled_models_in_one_process_each_run_their_own_weights(
     runner = other.engine.executor.worker.model_runner
     assert runner.forward is not runner.model  # compiled
     frozen = not packed_before_compiling(torch.device("cpu"), getattr(torch, dtype))
-    assert runner._freezes_weights() == frozen
+    assert runner.frozen_weights == frozen
     aot = counters["aot_autograd"]
     # unfrozen: the whole model where it reads oneDNN's weights, else one graph for the first layer and
     # one for the others
@@ -181,7 +181,7 @@ def test_weights_packed_for_onednn_are_graph_inputs_and_the_next_engine_takes_th
     counters.clear()
     other = LLM(model=other_dir, **settings, enforce_eager=False)
     runner = other.engine.executor.worker.model_runner
-    assert runner.forward is not runner.model and not runner._freezes_weights()
+    assert runner.forward is not runner.model and not runner.frozen_weights
     aot = counters["aot_autograd"]
     assert (aot["autograd_cache_hit"], aot["autograd_cache_bypass"]) == (1, 0), aot  # the whole model
     linears = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
@@ -206,7 +206,7 @@ def test_weights_packed_for_onednn_are_graph_inputs_and_the_next_engine_takes_th
     assert not [ref for ref in packed if ref() is not None]
 
 
-@pytest.mark.skipif(not amx_linear_available(), reason="weights are graph inputs with AMX (frozen elsewhere)")
+@pytest.mark.skipif(not amx_linear_available(), reason="one decoder layer is compiled for all with AMX alone")
 def test_one_compiled_decoder_layer_serves_every_layer_with_its_own_weights(
     tmp_path: Path, default_model_dir: str
 ) -> None:
@@ -228,7 +228,7 @@ def test_one_compiled_decoder_layer_serves_every_layer_with_its_own_weights(
         enforce_eager=False,
     )
     runner = llm.engine.executor.worker.model_runner
-    assert not runner._freezes_weights()
+    assert not runner.frozen_weights
     assert counters["stats"]["unique_graphs"] == 2  # compiled while the engine was built
     steps: list[Step] = []
     runner.forward = recording(runner.forward, steps)  # type: ignore[assignment]
@@ -434,8 +434,9 @@ def test_every_engine_in_a_process_compiles(tiny_llama_dir: str, monkeypatch: py
 def test_a_dropped_compiled_engine_frees_its_weights(tiny_llama_dir: str, dtype: str) -> None:
     """Inductor keeps the modules it generates (with the frozen weights on them) in `sys.modules` and
     its module cache for the life of the process: each compiled engine built and dropped left ~600
-    MB behind on the default model. Once the model is gone, its modules and graphs go too (frozen
-    in float32; with AMX, bfloat16 weights are graph inputs, which nothing compiled may keep)."""
+    MB behind on the default model. Once the model is gone, its modules and graphs go too (where the
+    weights are frozen; where they are graph inputs, AMX tiles or oneDNN's layout, nothing compiled
+    may keep them)."""
     import weakref
 
     llm = LLM(model=tiny_llama_dir, dtype=dtype, num_kv_blocks=16, enforce_eager=False)

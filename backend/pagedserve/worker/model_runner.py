@@ -242,6 +242,9 @@ class ModelRunner:
         self.attention_layers = self.model.attention_layers  # in order, for `step_metadata`
         self.forward: Forward = self.model
         self.fused_decode: FusedDecode | None = None  # set with the KV cache (`bind_kv_cache`)
+        # whether the compiled pass froze the weights into its graph (`_compile`): `_freezes_weights`
+        # reads False once the weights left to inductor are packed after it
+        self.frozen_weights = False
         max_seqs = config.scheduler.max_num_seqs
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.block_tables = torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
@@ -358,6 +361,7 @@ class ModelRunner:
             ):
                 forward(ids, torch.arange(2, device=self.device), metadata)
             generated = [module for module in PyCodeCache.modules if id(module) not in known]
+            self.frozen_weights = freezing
             release = weakref.finalize(self.model, _release_compiled, code, generated)
             release.atexit = False  # the process frees everything then
         except Exception as exc:  # e.g. no C++ compiler for inductor: slower, but serving
