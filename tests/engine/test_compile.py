@@ -111,9 +111,9 @@ def test_two_compiled_models_in_one_process_each_run_their_own_weights(
     Where every linear weight is packed before compiling (AMX tiles; oneDNN's layout, as float32's on
     CPUs other than Intel's), the weights stay graph inputs, and the second model takes the first
     one's graphs from torch's on-disk cache: one decoder layer's for all with AMX (two graphs: the
-    first layer's, which has no residual yet, and the others'), the whole model's with oneDNN. Elsewhere (float32 on Intel's CPUs,
-    bfloat16 without AMX) they are left to inductor, which packs them only when frozen: the whole
-    model one graph, frozen, not cached. float32 tokens are the eager pass's to the last. bf16 sums
+    first layer's, which has no residual yet, and the others'), the whole model's with oneDNN.
+    Elsewhere (float32 on Intel's CPUs, bfloat16 without AMX) they are left to inductor, which packs
+    them only when frozen: the whole model one graph, frozen, not cached. float32 tokens are the eager pass's to the last. bf16 sums
     differ from the eager pass's by rounding (inductor's fused code skips some of eager's roundings:
     on an AVX2-only CPU the fourth token of a completion differed), so a greedy step whose likeliest
     tokens tie within bf16's resolution may take another: the rest of that completion is not
@@ -379,9 +379,9 @@ def test_decode_steps_run_every_layer_in_one_cpp_call(
     bfloat16 rounding (the kernel against the reference layers: tests/kernels/test_cpu_decode_layers.py).
     Greedy tokens may part where two logits are that close; tests/engine/test_hf_parity.py holds the
     float32 path to Hugging Face. The linear weights it reads are packed, their plain copies
-    released: compiled without AMX, once the pass is compiled (inductor packs its own copies for
-    oneDNN); into AVX512-BF16 panels (`linear_avx512`, 4-d), or for oneDNN (2-d) where those are not
-    to be had."""
+    released: into AVX512-BF16 panels (`linear_avx512`, 4-d), compiled without AMX once the pass is
+    compiled (inductor packs its own copies for oneDNN), or for oneDNN (2-d) where panels are not to
+    be had, before the pass is compiled, which reads them through `onednn_linear`."""
     if not decode_layers_available():
         pytest.skip("no AVX512-BF16 build of the C++ kernels here")
     if packing != "this-cpu":

@@ -317,8 +317,7 @@ class ModelRunner:
         graphs out of its on-disk AOTAutograd cache, and inductor's oneDNN constants out of its
         graph cache, so each start traces, freezes and lowers the whole model again. Where every
         weight is packed already (AMX tiles; oneDNN's layout, read through `onednn_linear`) the
-        weights are graph inputs: one compiled decoder layer serves every layer
-        (`_compiled_layers`), and the next start takes it from torch's cache."""
+        weights are graph inputs, and the next start takes the compiled graph from torch's cache."""
         return any(
             module.packed_weight is None for module in self.model.modules() if isinstance(module, LinearBase)
         )
@@ -328,11 +327,11 @@ class ModelRunner:
         """The model's forward pass through torch.compile (inductor), compiled now with a dummy
         two-token step so that no request waits for it. Where the weights are frozen as constants
         (`_freezes_weights`), the whole model is one graph. So it is where they are read through
-        `onednn_linear` (float32 on CPUs other than Intel's): there every decode step runs the
-        compiled pass (`decode_layers` is bf16's), and a graph call for each of 30 layers cost the
-        float32 chat workload 9.5% of its throughput against 3.4% for one graph, unfrozen, against
-        the frozen one (bench/README.md, "Start-up"). Elsewhere (AMX tiles) one decoder layer is
-        compiled and serves every layer, its weights graph inputs (`_compiled_layers`).
+        `onednn_linear` (float32 on CPUs other than Intel's), since every decode step runs the
+        compiled pass there (`decode_layers` is bf16's): the float32 chat workload ran 9.5% slower
+        than frozen with one layer compiled for all, 2.4-3.4% slower as one graph (bench/README.md,
+        "Start-up"). Elsewhere (AMX tiles) one decoder layer is compiled and serves every layer, its
+        weights graph inputs (`_compiled_layers`).
 
         The token count is unbacked: one graph serves every step size, 1 included, with no guard on
         it and no recompilation. Attention stays outside the graph (`layers.attention`)."""
