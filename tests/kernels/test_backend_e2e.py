@@ -1,5 +1,6 @@
 """End to end: greedy token ids with the Triton attention backend (KV write, paged decode and
-prefill kernels; under Triton's interpreter on CPU) equal those with the torch reference backend.
+prefill kernels; under Triton's interpreter on CPU, natively on a GPU) equal those with the torch
+reference backend on the same device.
 
 The workload makes every kernel path run inside the engine: a token budget of 32 chunks the long
 prompts (prefill over context already in the cache) and mixes decodes into the same steps, and a
@@ -13,6 +14,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers.attention import TorchAttentionBackend, TritonAttentionBackend
 from spec_drafts import oracle_proposer
@@ -35,11 +37,11 @@ def greedy_token_ids(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
 
 
-def run(model_dir: str, attention_backend: str) -> tuple[type, int, list[list[int]]]:
+def run(model_dir: str, attention_backend: str, device: torch.device) -> tuple[type, int, list[list[int]]]:
     llm = LLM(
         model=model_dir,
         dtype="float32",
-        device="cpu",
+        device=str(device),
         attention_backend=attention_backend,
         num_kv_blocks=64,
         block_size=16,
@@ -54,9 +56,9 @@ def run(model_dir: str, attention_backend: str) -> tuple[type, int, list[list[in
 
 
 @pytest.mark.timeout(600)
-def test_triton_backend_greedy_equals_torch_backend(tiny_llama_dir: str) -> None:
-    torch_backend, _, expected = run(tiny_llama_dir, "torch")
-    triton_backend, num_prefix_hits, actual = run(tiny_llama_dir, "triton")
+def test_triton_backend_greedy_equals_torch_backend(tiny_llama_dir: str, device: torch.device) -> None:
+    torch_backend, _, expected = run(tiny_llama_dir, "torch", device)
+    triton_backend, num_prefix_hits, actual = run(tiny_llama_dir, "triton", device)
     assert (torch_backend, triton_backend) == (TorchAttentionBackend, TritonAttentionBackend)
     assert num_prefix_hits >= 2 * PREFIX_LEN  # the second batch started past cached prefixes
     assert all(len(ids) == MAX_TOKENS for ids in actual)
