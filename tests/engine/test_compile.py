@@ -52,7 +52,7 @@ def recording(forward: Callable[..., torch.Tensor], steps: list[Step]) -> Callab
 def test_compile_is_used_on_cpu_with_the_torch_backend_and_one_rank() -> None:
     assert resolve_compile(False, "cpu", "torch", 1)
     assert not resolve_compile(True, "cpu", "torch", 1)  # --enforce-eager
-    assert not resolve_compile(False, "cuda", "triton", 1)  # not measured on GPUs yet
+    assert not resolve_compile(False, "cuda", "triton", 1)  # slower on an H200 (bench/README.md)
     assert not resolve_compile(False, "cpu", "triton", 1)  # Triton's interpreter: tests only
     assert not resolve_compile(False, "cpu", "torch", 2)  # collectives stay eager
 
