@@ -484,7 +484,8 @@ def run_hf_continuous(
     succeeded = [r for r in results.values() if r.error is None]
     num_tokens = sum(len(r.generated_tokens) for r in succeeded)
     cb_logger.removeHandler(dropped)
-    block_size = getattr(cb_config, "page_size", None) or getattr(cb_config, "block_size", "?")  # before 5.2x
+    # transformers 5.17's config has no page_size
+    block_size = getattr(cb_config, "page_size", None) or getattr(cb_config, "block_size", "?")
     note = (
         f"manager setup {setup:.1f} s not timed; {cb_config.num_blocks} KV blocks of {block_size}; "
         f"attention {model.config._attn_implementation}"
