@@ -115,10 +115,9 @@ def test_two_compiled_models_in_one_process_each_run_their_own_weights(
     Elsewhere (float32 on Intel's CPUs, bfloat16 without AMX) they are left to inductor, which packs
     them only when frozen: the whole model one graph, frozen, not cached. float32 tokens are the
     eager pass's to the last. bf16 sums differ from the eager pass's by rounding (inductor's fused
-    code skips some of eager's roundings:
-    on an AVX2-only CPU the fourth token of a completion differed), so a greedy step whose likeliest
-    tokens tie within bf16's resolution may take another: the rest of that completion is not
-    compared."""
+    code skips some of eager's roundings: on an AVX2-only CPU the fourth token of a completion
+    differed), so a greedy step whose likeliest tokens tie within bf16's resolution may take another:
+    the rest of that completion is not compared."""
     from torch._dynamo.utils import counters
 
     other_dir = build_tiny_llama(tmp_path / "other", default_model_dir, seed=1)
