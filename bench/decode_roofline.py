@@ -346,8 +346,11 @@ def main(argv: list[str] | None = None) -> None:
         f"model {path}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads / {shape.kv_heads} KV "
         f"x {shape.head_dim}, vocab {shape.vocab}; {shape.weight_elements() / 1e9:.2f}B weight elements read a step"
     )
+    config = engine.config
+    mode = "CUDA graphs" if config.cuda_graphs else "compiled" if config.compile else "eager"
     print(
-        f"device {device}, {args.dtype}, tensor parallel {args.tensor_parallel_size}; peak {f'{peak:.1f}' if peak else '?'} GB/s ({peak_source})"
+        f"device {device}, {args.dtype}, tensor parallel {args.tensor_parallel_size}, decode steps {mode}; "
+        f"peak {f'{peak:.1f}' if peak else '?'} GB/s ({peak_source})"
     )
     for batch in args.batch_sizes:  # all of them before the first runs
         check_fits(engine, batch, args)

@@ -243,7 +243,9 @@ class PagedserveRunner:
         seconds = time.perf_counter() - start - probe.seconds
         num_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
         note = f"{probe.num_steps} steps, {engine.stats().num_preemptions - preemptions} preemptions"
-        if not engine.config.compile:
+        if engine.config.cuda_graphs:
+            note += ", decode steps in CUDA graphs"
+        elif not engine.config.compile:
             note += ", eager"
         return PeerResult("pagedserve", num_tokens, seconds, note), probe
 
@@ -699,7 +701,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="pagedserve engine setting: no torch.compile (default: the engine's, PAGEDSERVE_ENFORCE_EAGER)",
+        help="pagedserve engine setting: no torch.compile on CPU, no CUDA graphs on GPU (default: the "
+        "engine's, PAGEDSERVE_ENFORCE_EAGER)",
     )
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for every peer (default: torch's)")
     parser.add_argument(

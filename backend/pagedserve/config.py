@@ -358,6 +358,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "torch"  # resolved: torch (reference) or triton (kernels)
     compile: bool = False  # resolved: the forward pass runs through torch.compile (`resolve_compile`)
+    cuda_graphs: bool = False  # resolved: decode steps replay CUDA graphs (`resolve_cuda_graphs`)
     lora_modules: tuple[tuple[str, str], ...] = ()  # LoRA adapters (name, PEFT directory), all loaded
     chat_template: str | None = None  # replaces the model's (--chat-template, resolved to its text)
     # template variables every chat request gets unless it sets them (--default-chat-template-kwargs)
@@ -410,12 +411,27 @@ def resolve_compile(
     buys the steps with prompts: on the 64-request chat benchmark 720.6 against 680.1 tok/s eager,
     on 64 random requests 237.4 against 230.6, for ~10 s more at start with AMX tiles (~40 s on a
     first start), ~12 s for float32 in oneDNN's layout (~55 s on a first start) and 55-65 s at every
-    start where the weights are frozen (bench/README.md, "Start-up"). GPUs stay eager: on an H200 the
-    compiled pass took a 64-sequence decode step of a 1B Llama in 10.9 ms against 8.5 eager, its graph
-    broken at every layer's attention, both bound by the host's launches ("Decode step"). Tensor-parallel
-    runs stay eager until measured."""
+    start where the weights are frozen (bench/README.md, "Start-up"). GPUs run the eager pass, its
+    decode steps replayed from CUDA graphs (`resolve_cuda_graphs`): on an H200 the compiled pass took a
+    64-sequence decode step of a 1B Llama in 10.9 ms against 8.5 eager, its graph broken at every
+    layer's attention, both bound by the host's launches ("Decode step"). Tensor-parallel runs stay
+    eager until measured."""
     return (
         not enforce_eager and device == "cpu" and attention_backend == "torch" and tensor_parallel_size == 1
+    )
+
+
+def resolve_cuda_graphs(
+    enforce_eager: bool, device: str, attention_backend: str, tensor_parallel_size: int
+) -> bool:
+    """Replay decode-only steps from CUDA graphs (`worker.cuda_graphs`) on GPUs with the Triton kernels
+    and one rank: eager, a decode step there is bound by the host's kernel launches. Tensor-parallel
+    runs stay eager until their all-reduce is verified inside a captured graph."""
+    return (
+        not enforce_eager
+        and device.startswith("cuda")
+        and attention_backend == "triton"
+        and tensor_parallel_size == 1
     )
 
 

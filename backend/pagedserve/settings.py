@@ -30,6 +30,7 @@ from pagedserve.config import (
     resolve_attention_backend,
     resolve_block_size,
     resolve_compile,
+    resolve_cuda_graphs,
     resolve_device,
     resolve_dtype,
 )
@@ -158,7 +159,8 @@ class EngineSettings(BaseSettings):
     )
     enforce_eager: bool = Field(
         False,
-        description="run the forward pass eagerly: no torch.compile (ready ~10 s sooner on a CPU with "
+        description="run the forward pass eagerly: no CUDA graphs for decode steps on a GPU, no "
+        "torch.compile on a CPU (ready ~10 s sooner on a CPU with "
         "AMX once torch's compile cache holds the compiled layer, ~40 s on a machine's first start, "
         "~12 s with float32 weights in oneDNN's layout (CPUs other than Intel's), ~55 s on a first start, "
         "55 to 65 s at every start where the weights are frozen into the graph: float32 on Intel's CPUs, "
@@ -277,6 +279,7 @@ class EngineSettings(BaseSettings):
             seed=self.seed,
             attention_backend=backend,
             compile=resolve_compile(self.enforce_eager, device, backend, self.tensor_parallel_size),
+            cuda_graphs=resolve_cuda_graphs(self.enforce_eager, device, backend, self.tensor_parallel_size),
             lora_modules=parse_lora_modules(self.lora_modules),
             chat_template=resolve_chat_template(self.chat_template),
             default_chat_template_kwargs=parse_chat_template_kwargs(

@@ -40,6 +40,7 @@ from pagedserve.models.registry import get_model_class
 from pagedserve.outputs import Logprob, TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker import huge_pages
+from pagedserve.worker.cuda_graphs import CudaGraphs
 from pagedserve.worker.fused_decode import FusedDecode
 
 if TYPE_CHECKING:  # torch._dynamo imports triton.language: not at import time (tests/kernels/conftest.py)
@@ -242,6 +243,7 @@ class ModelRunner:
         self.attention_layers = self.model.attention_layers  # in order, for `step_metadata`
         self.forward: Forward = self.model
         self.fused_decode: FusedDecode | None = None  # set with the KV cache (`bind_kv_cache`)
+        self.cuda_graphs: CudaGraphs | None = None  # likewise, where config.cuda_graphs
         # whether the compiled pass froze the weights into its graph (`_compile`): `_freezes_weights`
         # reads False once the weights left to inductor are packed after it
         self.frozen_weights = False
@@ -308,6 +310,17 @@ class ModelRunner:
         # Decode-only steps skip the forward pass, compiled or eager, where one C++ call runs every
         # layer (`fused_decode`), which reads the packed weights.
         self.fused_decode = FusedDecode.build(self.model, self.backend, self.dtype)
+        if self.config.cuda_graphs:
+            logger.info(
+                "decode steps replay CUDA graphs, each captured at its first step (batch size, context)"
+            )
+            self.cuda_graphs = CudaGraphs(
+                self.forward,
+                self.device,
+                self.config.scheduler.max_num_seqs,
+                self.max_blocks_per_seq,
+                self.block_size,
+            )
 
     def _freezes_weights(self) -> bool:
         """Whether the compiled pass makes the weights graph constants ("freezing"): where a linear
@@ -470,6 +483,8 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions, metadata)
         elif self.fused_decode is not None and metadata.num_prefills == 0:
             hidden = self.fused_decode(input_ids, positions, metadata)
+        elif self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
+            hidden = self.cuda_graphs(input_ids, positions, metadata)
         else:
             self.backend.prepare(metadata, self.dtype, self.block_size)
             with step_metadata(metadata, self.attention_layers):
