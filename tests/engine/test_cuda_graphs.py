@@ -104,6 +104,17 @@ def test_fill_pads_the_step_and_resets_stale_rows() -> None:
     assert (metadata.num_decodes, metadata.num_prefills, metadata.max_decode_context_len) == (4, 0, 256)
 
 
+def test_only_decode_steps_that_fit_replay() -> None:
+    """Steps with prompt tokens, or more decode rows than the buffers hold (speculative drafts), run
+    the forward pass."""
+    graphs = CudaGraphs(lambda *_: torch.empty(0), torch.device("cpu"), 4, 8, 16)
+    assert graphs.can_run(decode_metadata([5] * 4, [[0]] * 4, [0, 1, 2, 3]))
+    assert not graphs.can_run(decode_metadata([5] * 5, [[0]] * 5, [0, 1, 2, 3, 4]))
+    with_prompt = decode_metadata([5], [[0]], [0])
+    with_prompt.prefill_context_lens = torch.tensor([3], dtype=torch.int32)
+    assert not graphs.can_run(with_prompt)
+
+
 class EagerGraph:
     """What a captured graph does on replay, on a CPU: run the forward pass over the static buffers."""
 
@@ -162,6 +173,28 @@ def test_padded_replays_give_the_eager_tokens(tiny_llama_dir: str) -> None:
     # every batch size from 8 down, padded to 8, 4, 2, 1, in three context buckets
     assert {batch for batch, _ in replay.captured} == {8, 4, 2, 1}
     assert {context for _, context in replay.captured} == {256, 512, 1024}
+
+
+class FailingCapture(EagerReplay):
+    def _capture(self, batch: int, context: int) -> EagerGraph:  # type: ignore[override]
+        super()._capture(batch, context)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_falls_back_to_the_forward_pass(
+    tiny_llama_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    expected = greedy_token_ids(engine(tiny_llama_dir, "cpu", enforce_eager=True))
+    llm = engine(tiny_llama_dir, "cpu", enforce_eager=True)
+    runner = llm.engine.executor.worker.model_runner
+    runner.fused_decode = None
+    failing = FailingCapture(runner.forward, runner.device, MAX_NUM_SEQS, runner.max_blocks_per_seq, 16)
+    runner.cuda_graphs = failing
+
+    with caplog.at_level("WARNING", logger="pagedserve.worker.cuda_graphs"):
+        assert greedy_token_ids(llm) == expected
+    assert failing.failed and failing.captured == [(8, 1024)]  # one try, then the forward pass alone
+    assert "CUDA graph capture failed" in caplog.text and "stream is capturing" in caplog.text
 
 
 @pytest.mark.gpu

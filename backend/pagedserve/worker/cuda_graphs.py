@@ -87,9 +87,10 @@ class CudaGraphs:
         self.graphs: dict[tuple[int, int], _Graph] = {}  # (batch size, context bucket) -> its graph
         # the memory pool every graph shares, one running at a time (torch's opaque handle, a private type)
         self.pool: Any = None
+        self.failed = False  # a capture failed: every step runs the forward pass from then on
 
     def can_run(self, metadata: AttentionMetadata) -> bool:
-        return metadata.num_prefills == 0 and metadata.num_decodes <= self.batch_sizes[-1]
+        return not self.failed and metadata.num_prefills == 0 and metadata.num_decodes <= self.batch_sizes[-1]
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -102,7 +103,12 @@ class CudaGraphs:
         self.fill(input_ids, positions, metadata, batch)
         graph = self.graphs.get((batch, context))
         if graph is None:
-            graph = self.graphs[batch, context] = self._capture(batch, context)
+            try:
+                graph = self.graphs[batch, context] = self._capture(batch, context)
+            except Exception as exc:  # e.g. an op that cannot be captured: slower, but serving
+                logger.warning("CUDA graph capture failed, decode steps run eagerly from now on: %s", exc)
+                self.failed = True
+                return self.forward(input_ids, positions, metadata)
         graph.graph.replay()
         return graph.hidden[:num_decodes]
 
