@@ -18,6 +18,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.config import resolve_cuda_graphs
 from pagedserve.layers.attention import AttentionMetadata
 from pagedserve.settings import EngineSettings
+from pagedserve.spec_decode import SpeculativeConfig
 from pagedserve.worker.cuda_graphs import (
     CudaGraphs,
     capture_sizes,
@@ -143,7 +144,7 @@ def workload() -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def engine(model_dir: str, device: str, enforce_eager: bool) -> LLM:
+def engine(model_dir: str, device: str, enforce_eager: bool, **settings: object) -> LLM:
     return LLM(
         model=model_dir,
         dtype="float32",
@@ -153,6 +154,7 @@ def engine(model_dir: str, device: str, enforce_eager: bool) -> LLM:
         num_kv_blocks=128,
         max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=1024,
+        **settings,
     )
 
 
@@ -173,6 +175,33 @@ def test_padded_replays_give_the_eager_tokens(tiny_llama_dir: str) -> None:
     # every batch size from 8 down, padded to 8, 4, 2, 1, in three context buckets
     assert {batch for batch, _ in replay.captured} == {8, 4, 2, 1}
     assert {context for _, context in replay.captured} == {256, 512, 1024}
+
+
+def test_draft_rows_replay_with_the_tokens_drafts_leave_unchanged(
+    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Speculative decoding: a step verifying drafts is a decode step of a row per draft, which
+    replays while the rows fit (two sequences, up to three drafts each: up to 8 rows). Drafts from an
+    oracle (the eager run's tokens, every third one wrong), so some are accepted and some rejected."""
+    from spec_drafts import oracle_proposer
+
+    prompts, params = workload()
+    prompts, params = prompts[4:6], params[4:6]  # 200 and 250 prompt tokens, 20 and 14 new
+    plain = engine(tiny_llama_dir, "cpu", enforce_eager=True)
+    expected = [out.outputs[0].token_ids for out in plain.generate(prompts, params)]
+    reference = [(p, list(ids)) for p, ids in zip(prompts, expected, strict=True)]
+    monkeypatch.setattr(SpeculativeConfig, "propose", oracle_proposer(reference))
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = engine(tiny_llama_dir, "cpu", enforce_eager=True, speculative_config=ngram)
+    runner = llm.engine.executor.worker.model_runner
+    runner.fused_decode = None
+    replay = EagerReplay(runner.forward, runner.device, MAX_NUM_SEQS, runner.max_blocks_per_seq, 16)
+    runner.cuda_graphs = replay
+
+    assert [out.outputs[0].token_ids for out in llm.generate(prompts, params)] == expected
+    stats = llm.engine.stats()
+    assert stats.num_draft_tokens > stats.num_accepted_draft_tokens > 0
+    assert max(batch for batch, _ in replay.captured) > 2  # rows for drafts, not only a row a sequence
 
 
 class FailingCapture(EagerReplay):
