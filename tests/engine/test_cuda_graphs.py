@@ -1,5 +1,6 @@
 """Decode steps replayed from CUDA graphs (`worker.cuda_graphs`): the buckets, the padding of a step
-into the static buffers, and greedy tokens equal to the eager pass's.
+into the static buffers, which steps replay (speculative drafts' rows too), greedy tokens equal to
+the eager pass's, and the forward pass when a capture fails.
 
 A CUDA graph needs a GPU. On CPU the engine runs with `EagerReplay`, whose "graph" runs the forward
 pass again over the static buffers it was captured on, which is what a replay does: everything else
