@@ -37,7 +37,7 @@ from pagedserve.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]  # a model's forward pass
 
 # The shortest context bucket: one split of the decode kernel (its splits are at least 256 tokens).
 MIN_CONTEXT_BUCKET = 256
@@ -132,7 +132,6 @@ class CudaGraphs:
     def static_inputs(self, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The forward pass's inputs over the first `batch` rows of the static buffers, its attention
         sized for contexts of up to `context` tokens."""
-        empty = self.context_lens[:0]
         metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch],
             num_decodes=batch,
@@ -140,7 +139,7 @@ class CudaGraphs:
             decode_context_lens=self.context_lens[:batch],
             prefill_block_tables=self.block_tables[:0],
             prefill_query_start_loc=torch.zeros_like(self.context_lens[:1]),
-            prefill_context_lens=empty,
+            prefill_context_lens=self.context_lens[:0],
             max_decode_context_len=context,
         )
         return self.input_ids[:batch], self.positions[:batch], metadata

@@ -40,7 +40,7 @@ from pagedserve.models.registry import get_model_class
 from pagedserve.outputs import Logprob, TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker import huge_pages
-from pagedserve.worker.cuda_graphs import CudaGraphs
+from pagedserve.worker.cuda_graphs import CudaGraphs, Forward
 from pagedserve.worker.fused_decode import FusedDecode
 
 if TYPE_CHECKING:  # torch._dynamo imports triton.language: not at import time (tests/kernels/conftest.py)
@@ -49,7 +49,6 @@ if TYPE_CHECKING:  # torch._dynamo imports triton.language: not at import time (
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
-Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]  # a model's forward pass
 
 # Prompt logprobs run the LM head over every prompt position of a chunk (2,048 by default): a slice
 # of at most this many logits at a time (2**23 float32 values, 32 MiB; 170 rows of a 49,152-token
