@@ -643,7 +643,7 @@ def leftovers(server: InProcessServer) -> dict[str, int]:
     runner = llm.executor.worker.model_runner  # type: ignore[attr-defined]  # one rank, in process
     sizes = {
         "async_engine._streams": len(engine._streams),
-        "async_engine._pending_adds": len(engine._pending_adds),
+        "async_engine._num_pending_adds": engine._num_pending_adds,
         "async_engine._pending_aborts": len(engine._pending_aborts),
         "llm_engine._requests": len(llm._requests),
         "llm_engine._completions": len(llm._completions),

@@ -274,7 +274,9 @@ def test_a_generate_stream_sse_client_that_stops_reading_is_cut(server: InProces
 @pytest.mark.slow
 def test_a_client_that_reads_slowly_but_steadily_is_not_cut(server: InProcessServer) -> None:
     """It reads 16 KiB every 0.2 s, so its stream (hundreds of KB) lasts several times the write
-    timeout, while each of the server's writes completes at the client's next read or so."""
+    timeout, while each of the server's writes completes at the client's next read or so. The
+    engine runs ahead of so slow a reader: the tokens that queue meanwhile come merged, fewer events
+    carrying every token once."""
     wait_for(lambda: is_idle(server), what="an idle engine")
     before = counts(server)
     max_tokens = 600
@@ -290,7 +292,8 @@ def test_a_client_that_reads_slowly_but_steadily_is_not_cut(server: InProcessSer
     finally:
         sock.close()
     events = sse_events(received)
-    assert len(events) == max_tokens  # one event per token, the last one with the finish reason
+    assert 1 < len(events) <= max_tokens  # one event per token, or a few merged; the last one ends it
+    assert sum(len(json.loads(event["logprobs"])) for event in events) == max_tokens
     assert len(received) > 16384 * 5 * WRITE_TIMEOUT_S  # read over more than the write timeout
     assert wait_until(lambda: is_idle(server), IDLE_AFTER_ABORT_S), server.llm.stats()
     assert counts(server) == {**before, "length": before["length"] + 1}

@@ -462,8 +462,7 @@ def test_a_stream_interval_joins_deltas_into_the_same_text(llm: LLM, tokenizer: 
         engine = AsyncEngine(llm.engine, stream_interval=3)
         engine.start()
         deltas = [d async for d in engine.generate("interval", prompt, params)]
-        assert engine._task is not None
-        engine._task.cancel()  # not stop(): that shuts down the executor the module's LLM goes on using
+        await engine.halt()  # not stop(): that shuts down the executor the module's LLM goes on using
         return deltas
 
     deltas = asyncio.run(scenario())

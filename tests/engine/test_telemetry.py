@@ -243,7 +243,7 @@ def test_async_abort_final_deltas_carry_the_requests_timing_and_counts(fresh_llm
             received.append(delta)
             if len(received) == 3:
                 assert engine.abort("running", "stop it too")
-        engine._task.cancel()  # (stop() would shut the LLM's executor down)
+        await engine.halt()  # (stop() would shut the LLM's executor down)
         return never_deltas, received, started
 
     never_deltas, received, started = asyncio.run(scenario())

@@ -1,17 +1,24 @@
-"""The asyncio engine: one background loop steps the engine while there is work, each request reads
-its deltas from its own queue, and abort lives in the `finally` of the per-request generator, so a
-client cancel, a broken connection, an expired deadline or a drain all free the request's blocks
-before the next step.
+"""The asyncio engine: the engine core steps the engine on the torch thread for as long as there is
+work, each request reads its deltas from its own stream, and abort lives in the `finally` of the
+per-request generator, so a client cancel, a broken connection, an expired deadline or a drain all
+free the request's blocks before the next step.
 
-The synchronous engine is not thread-safe: adds and aborts are queued by callers and applied by the
-loop between steps, and `step()` itself runs in a worker thread so the event loop keeps serving:
-the torch thread (`in_torch_thread`), which also builds the engine.
+The synchronous engine is not thread-safe: it is only changed on the torch thread (`in_torch_thread`,
+which also builds the engine). Callers on the event loop put adds, aborts, LoRA changes and KV-event
+subscriptions in an inbox (`_Inbox`, under a lock); the core takes the inbox between steps, applies
+it, steps, and hands the loop what it applied and what the step made (`_Pass`), without waiting for
+the loop to get to it: the next step starts at once. The loop hands out the deltas; a stream whose
+reader (its gRPC writer) is behind gets the deltas that queue meanwhile merged into one, as vLLM's
+front end does. Waiting for the loop between steps had the engine idle for as long as the writers of
+the last step's tokens held the interpreter: with a step of a few milliseconds (a GPU, a small
+model) the front end's one message a token set the pace.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -70,7 +77,9 @@ class QueueFullError(RuntimeError):
 class _Stream:
     arrival_time: float  # time.monotonic() when generate() was called: queueing starts here
     num_prompt_tokens: int
-    queue: asyncio.Queue[RequestDelta | BaseException] = field(default_factory=asyncio.Queue)
+    # what the reader has not taken yet: deltas (merged while the reader is behind) or an error
+    items: list[RequestDelta | BaseException] = field(default_factory=list)
+    reader: asyncio.Future[None] | None = None  # the reader, waiting for an item
     finished: bool = False  # the caller has been handed the request's final delta
     held: dict[int, RequestDelta] = field(default_factory=dict)  # by completion index: not yet sent
     last: RequestDelta | None = None  # the engine's latest delta: a dead engine's final delta builds on it
@@ -81,6 +90,31 @@ class _Stream:
         left to abort."""
         return self.last is not None and self.last.request_finished
 
+    def put(self, item: RequestDelta | BaseException) -> None:
+        """Queue an item for the reader. A delta of the same completion as the unread one before it,
+        which did not end that completion, takes it in: a reader that is behind gets one message for
+        the tokens of several steps."""
+        previous = self.items[-1] if self.items else None
+        if (
+            isinstance(item, RequestDelta)
+            and isinstance(previous, RequestDelta)
+            and previous.index == item.index
+            and not previous.finished
+            and previous.error is None
+        ):
+            item.prepend(previous)
+            self.items[-1] = item
+        else:
+            self.items.append(item)
+        if self.reader is not None and not self.reader.done():
+            self.reader.set_result(None)
+
+    async def get(self) -> RequestDelta | BaseException:
+        while not self.items:
+            self.reader = asyncio.get_running_loop().create_future()
+            await self.reader
+        return self.items.pop(0)
+
 
 @dataclass
 class _Abort:
@@ -88,6 +122,53 @@ class _Abort:
 
     message: str | None  # for a stream still read (an Abort call, a drain); None: nobody reads it
     cause: str | None  # counted in pagedserve:request_aborts if it ends a request; None: not counted
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int
+    lora_name: str | None
+
+
+@dataclass
+class _Inbox:
+    """What the loop asks of the engine, applied by the core between steps in this order."""
+
+    aborts: dict[str, _Abort] = field(default_factory=dict)  # by request id
+    adds: list[_Add] = field(default_factory=list)
+    # LoRA adapter changes (LLMEngine's method, its arguments, the caller's future), after the adds
+    lora_changes: list[tuple[Callable[..., None], tuple[str, ...], asyncio.Future[None]]] = field(
+        default_factory=list
+    )
+    kv_snapshot: bool = False  # new KV event listeners wait for a snapshot (recording starts)
+    kv_stop: bool = False  # the last listener went away: recording stops (never both set)
+
+    def __bool__(self) -> bool:
+        return bool(self.aborts or self.adds or self.lora_changes or self.kv_snapshot or self.kv_stop)
+
+
+@dataclass
+class _Pass:
+    """One pass of the engine core: the inbox it applied, what applying it gave, and the step's
+    output. `fault` set: the pass stopped there (the engine cannot go on)."""
+
+    inbox: _Inbox
+    aborted: list[RequestDelta] = field(default_factory=list)  # LLMEngine.abort_request's
+    refused: dict[str, InvalidRequestError] = field(default_factory=dict)  # adds the engine refused
+    lora_errors: list[BaseException | None] = field(default_factory=list)  # one per LoRA change
+    kv_snapshot: list[bytes] | None = None
+    deltas: list[RequestDelta] = field(default_factory=list)
+    kv_events: list[KvEvent] = field(default_factory=list)
+    fault: BaseException | None = None
+
+
+# How many passes the core may run ahead of the loop handing out their deltas: it waits beyond that
+# (a loop too busy, or blocked, to take them), so that a stuck loop cannot have it pile up deltas.
+_MAX_PASSES_AHEAD = 16
 
 
 @dataclass
@@ -146,38 +227,46 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.stream_interval = stream_interval
         self._streams: dict[str, _Stream] = {}
-        self._pending_adds: list[tuple[str, list[int], SamplingParams, float, int, str | None]] = []
-        # LoRA adapter changes asked for (LLMEngine's method, its arguments, the caller's future)
-        self._pending_lora_changes: list[
-            tuple[Callable[..., None], tuple[str, ...], asyncio.Future[None]]
-        ] = []
-        self._pending_aborts: dict[str, _Abort] = {}  # by request id
+        # what the core applies next; the lock guards it and the core's state below
+        self._lock = threading.Lock()
+        self._inbox = _Inbox()
+        self._core: asyncio.Future[None] | None = None  # the core's job on the torch thread, while it runs
+        self._stopping = False  # the core returns at its next pass
+        self._passes_ahead = threading.Semaphore(_MAX_PASSES_AHEAD)
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
+        # aborts sent to the core, by request id, until the loop has handled the pass that applied them
+        self._pending_aborts: dict[str, _Abort] = {}
+        self._num_pending_adds = 0  # adds sent to the core whose pass the loop has not handled yet
         # ids held by front ends admitting their requests (see reserve): an Abort call's _Abort, or None
         self._reserved: dict[str, _Abort | None] = {}
         self._unread_finals: dict[str, RequestDelta] = {}  # by request id, oldest first
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self.dead: BaseException | None = None
         self._kv_listeners: list[KvEventListener] = []
         self._new_kv_listeners: list[KvEventListener] = []  # their snapshot is taken between steps
         self._kv_sequence = 0  # of the last KV event batch published
+        self._kv_recording = False  # asked of the core: the block manager records the cache's changes
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="pagedserve-engine-loop")
+        self._loop = asyncio.get_running_loop()
+        self._kick()
+
+    async def halt(self) -> None:
+        """Stop stepping (the pass under way ends first), the engine kept: its executor runs on."""
+        with self._lock:
+            self._stopping = True
+            lora_changes, self._inbox.lora_changes = self._inbox.lora_changes, []
+        self._fail_lora_changes(lora_changes, EngineDeadError("the engine has stopped"))
+        await in_torch_thread(lambda: None)  # queued behind the core's job: it has returned
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._fail_lora_changes(EngineDeadError("the engine has stopped"))
-        await in_torch_thread(lambda: None)  # a step under way ends before the model goes
+        await self.halt()
         self.engine.executor.shutdown()
 
     @property
     def is_running(self) -> bool:
-        return self._task is not None and not self._task.done() and self.dead is None
+        return self._loop is not None and not self._stopping and self.dead is None
 
     @property
     def num_live_requests(self) -> int:
@@ -246,30 +335,21 @@ class AsyncEngine:
         await self._change_lora(self.engine.unload_lora_adapter, name)
 
     async def _change_lora(self, change: Callable[..., None], *args: str) -> None:
-        """The loop runs LoRA changes on the torch thread between steps, after the requests queued
+        """The core runs LoRA changes on the torch thread between steps, after the requests queued
         before them are added (so an unload sees every request that could still use its adapter)."""
-        if self.dead is not None:
+        if self.dead is not None or self._stopping:
             raise EngineDeadError(f"the engine has stopped: {self.dead}")
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending_lora_changes.append((change, args, done))
-        self._wakeup.set()
+        with self._lock:
+            self._inbox.lora_changes.append((change, args, done))
+        self._kick()
         await done
 
-    async def _apply_lora_changes(self) -> None:
-        changes, self._pending_lora_changes = self._pending_lora_changes, []
-        for change, args, done in changes:
-            try:
-                await in_torch_thread(change, *args)
-            except Exception as exc:  # a bad adapter, one in use; a dead rank fails the next step too
-                if not done.done():
-                    done.set_exception(exc)
-            else:
-                if not done.done():
-                    done.set_result(None)
-
-    def _fail_lora_changes(self, error: BaseException) -> None:
-        """No loop runs the LoRA changes still asked for: their callers get `error`."""
-        changes, self._pending_lora_changes = self._pending_lora_changes, []
+    @staticmethod
+    def _fail_lora_changes(
+        changes: list[tuple[Callable[..., None], tuple[str, ...], asyncio.Future[None]]], error: BaseException
+    ) -> None:
+        """No core runs these LoRA changes: their callers get `error`."""
         for _, _, done in changes:
             if not done.done():
                 done.set_exception(error)
@@ -277,9 +357,9 @@ class AsyncEngine:
     def kill(self, exc: BaseException) -> None:
         """The engine cannot continue (e.g. a worker rank died between steps): fail every request."""
         if self.dead is None:
+            with self._lock:
+                self._stopping = True  # the core returns at its next pass; its output is dropped
             self._die(exc)
-            if self._task is not None:
-                self._task.cancel()
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -316,15 +396,16 @@ class AsyncEngine:
         self._admit(request_id, prompt_token_ids, params, priority, lora_name)
         self._unread_finals.pop(request_id, None)  # an earlier request's under the same id
         stream = self._streams[request_id] = _Stream(time.monotonic(), len(prompt_token_ids))
-        self._pending_adds.append(
-            (request_id, prompt_token_ids, params, stream.arrival_time, priority, lora_name)
-        )
-        if aborted_while_admitted is not None:  # the loop ends it before it runs, as any queued abort
-            self._pending_aborts[request_id] = aborted_while_admitted
-        self._wakeup.set()
+        add = _Add(request_id, prompt_token_ids, params, stream.arrival_time, priority, lora_name)
+        with self._lock:
+            self._inbox.adds.append(add)
+            self._num_pending_adds += 1
+        if aborted_while_admitted is not None:  # the core ends it before it runs, as any queued abort
+            self._send_abort(request_id, aborted_while_admitted)
+        self._kick()
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 stream.finished = item.request_finished
@@ -334,10 +415,9 @@ class AsyncEngine:
         finally:
             if not stream.finished and stream.is_done_in_engine:  # the caller left, its final delta unread
                 self._keep_unread_final(request_id, stream.last)
-            elif not stream.finished:  # the caller went away or we failed
+            elif not stream.finished and request_id not in self._pending_aborts:  # the caller went away
                 cause = cancel_cause() if cancel_cause is not None else None
-                self._pending_aborts.setdefault(request_id, _Abort(None, cause))
-                self._wakeup.set()
+                self._send_abort(request_id, _Abort(None, cause))
             self._streams.pop(request_id, None)
 
     def unread_final_delta(self, request_id: str) -> RequestDelta | None:
@@ -364,9 +444,15 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is None or stream.is_done_in_engine:
             return False
-        self._pending_aborts[request_id] = _Abort(message, cause)
-        self._wakeup.set()
+        self._send_abort(request_id, _Abort(message, cause))
         return True
+
+    def _send_abort(self, request_id: str, abort: _Abort) -> None:
+        """Have the core abort the request between steps (a later abort of it replaces this one)."""
+        self._pending_aborts[request_id] = abort
+        with self._lock:
+            self._inbox.aborts[request_id] = abort
+        self._kick()
 
     # -- KV events ---------------------------------------------------------------------------------
 
@@ -380,42 +466,49 @@ class AsyncEngine:
             raise InvalidRequestError("kv_events", "prefix caching is off (--no-enable-prefix-caching)")
         listener = KvEventListener(max_pending)
         self._new_kv_listeners.append(listener)
-        self._wakeup.set()
+        self._kv_recording = True
+        with self._lock:
+            self._inbox.kv_snapshot, self._inbox.kv_stop = True, False
+        self._kick()
         return listener
 
     def unsubscribe_kv_events(self, listener: KvEventListener) -> None:
-        listener.closed = True  # dropped by the loop between steps, which alone may stop the recording
-        self._wakeup.set()
+        listener.closed = True  # (also set by a listener cut off: dropped when the loop next looks)
+        self._update_kv_recording()
 
     def end_kv_listeners(self, message: str) -> None:
         """End every listener's feed (a drain: its router learns at once that this server goes away)."""
         for listener in self._kv_listeners + self._new_kv_listeners:
             if not listener.closed:
                 listener.end(KvEventsEnded(message))
-        self._wakeup.set()
+        self._update_kv_recording()
 
-    def _update_kv_listeners(self) -> None:
-        """Between steps: drop closed listeners, start new ones from a snapshot, and record the cache's
-        changes exactly while anyone listens."""
-        listening = bool(self._kv_listeners)
-        self._kv_listeners = [listener for listener in self._kv_listeners if not listener.closed]
-        new = [listener for listener in self._new_kv_listeners if not listener.closed]
-        self._new_kv_listeners = []
-        if new:
-            snapshot = self.engine.record_kv_events(True)
+    def _publish_kv_events(self, done: _Pass) -> None:
+        """A pass's snapshot to the listeners waiting for one, then its step's changes to every
+        listener; then the recording stops if nobody listens any more."""
+        if done.kv_snapshot is not None:
+            new = [listener for listener in self._new_kv_listeners if not listener.closed]
+            self._new_kv_listeners = []
             for listener in new:
-                listener.put(KvEventBatch(self._kv_sequence, time.time(), [], snapshot))
+                listener.put(KvEventBatch(self._kv_sequence, time.time(), [], done.kv_snapshot))
             self._kv_listeners += new
-        elif listening and not self._kv_listeners:
-            self.engine.record_kv_events(False)
-
-    def _publish_kv_events(self) -> None:
-        events = self.engine.take_kv_events()
-        if events:
+        if done.kv_events:
             self._kv_sequence += 1
-            batch = KvEventBatch(self._kv_sequence, time.time(), events)
+            batch = KvEventBatch(self._kv_sequence, time.time(), done.kv_events)
             for listener in self._kv_listeners:
                 listener.put(batch)
+        self._update_kv_recording()
+
+    def _update_kv_recording(self) -> None:
+        """Drop closed listeners; the last one gone, have the core stop recording the cache's changes
+        (and take no snapshot that nobody waits for any more)."""
+        self._kv_listeners = [listener for listener in self._kv_listeners if not listener.closed]
+        self._new_kv_listeners = [listener for listener in self._new_kv_listeners if not listener.closed]
+        if self._kv_recording and not self._kv_listeners and not self._new_kv_listeners:
+            self._kv_recording = False
+            with self._lock:
+                self._inbox.kv_snapshot, self._inbox.kv_stop = False, True
+            self._kick()
 
     def _admit(
         self,
@@ -432,31 +525,120 @@ class AsyncEngine:
         if request_id in self._pending_aborts:  # a step under way may still hold the old request's tokens
             raise InvalidRequestError("request_id", f"{request_id!r} is still being cancelled; retry shortly")
         self.engine.validate_request(prompt_token_ids, params, priority, lora_name)
-        if self.engine.stats().num_waiting + len(self._pending_adds) >= self.max_queued_requests:
+        if self.engine.stats().num_waiting + self._num_pending_adds >= self.max_queued_requests:
             raise QueueFullError(f"{self.max_queued_requests} requests are already queued; retry later")
 
-    # -- the loop ----------------------------------------------------------------------------------
+    # -- the core: the torch thread's side ------------------------------------------------------------
 
-    async def _run(self) -> None:
-        while True:
-            if not self._has_work():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-            self._apply_pending()
-            if self._pending_lora_changes:
-                await self._apply_lora_changes()
-            if not self.engine.has_work():
-                continue
-            try:
-                deltas = await in_torch_thread(self.engine.step)
-            except Exception as exc:  # the engine cannot go on: fail everyone, never leave them hanging
-                self._die(exc)
+    def _kick(self) -> None:
+        """Start the core on the torch thread unless it runs (it returns when it has nothing to do)."""
+        if self._loop is None:
+            return  # not started: start() kicks
+        with self._lock:
+            if self._core is not None or self._stopping or self.dead is not None:
                 return
-            self._publish_kv_events()
-            for delta in deltas:
-                stream = self._streams.get(delta.request_id)
-                if stream is not None:
-                    self._deliver(stream, delta)
+            self._core = self._loop.run_in_executor(_TORCH_THREAD, self._run_core)
+
+    def _run_core(self) -> None:
+        """Passes back to back while there is work: take the inbox, apply it, step, hand the pass to
+        the loop. Returns when there is nothing to do (the next kick starts it again), when stopped,
+        or after a fault."""
+        assert self._loop is not None
+        while True:
+            with self._lock:
+                inbox, self._inbox = self._inbox, _Inbox()
+                if self._stopping or not (inbox or self.engine.has_work()):
+                    self._inbox = inbox  # (kept when stopped: halt fails its LoRA changes, _die all)
+                    self._core = None
+                    return
+            done = self._pass(inbox)
+            while not self._passes_ahead.acquire(timeout=0.1):  # the loop is that far behind
+                if self._stopping:
+                    break
+            try:
+                self._loop.call_soon_threadsafe(self._on_pass, done)
+            except RuntimeError:  # the event loop is closed: nobody takes passes any more
+                done.fault = done.fault or EngineDeadError("the event loop has closed")
+            if done.fault is not None:
+                with self._lock:
+                    self._stopping = True
+                    self._core = None
+                return
+            if not done.deltas and not inbox:
+                time.sleep(0.0005)  # work the scheduler cannot run yet: do not spin on the interpreter
+
+    def _pass(self, inbox: _Inbox) -> _Pass:
+        """Apply the inbox (the KV snapshot first, then aborts, adds and LoRA changes), then step."""
+        done = _Pass(inbox)
+        llm = self.engine
+        try:
+            if inbox.kv_snapshot:
+                done.kv_snapshot = llm.record_kv_events(True)
+            elif inbox.kv_stop:
+                llm.record_kv_events(False)
+            done.aborted = llm.abort_request(list(inbox.aborts))
+            for add in inbox.adds:
+                if add.request_id in inbox.aborts:
+                    continue  # gone before it started
+                try:
+                    llm.add_request(
+                        add.request_id,
+                        add.prompt_token_ids,
+                        add.params,
+                        add.arrival_time,
+                        add.priority,
+                        add.lora_name,
+                    )
+                except InvalidRequestError as exc:
+                    done.refused[add.request_id] = exc
+            for change, args, _ in inbox.lora_changes:
+                try:
+                    change(*args)
+                except Exception as exc:  # a bad adapter, one in use; a dead rank fails the next step too
+                    done.lora_errors.append(exc)
+                else:
+                    done.lora_errors.append(None)
+            if llm.has_work():
+                done.deltas = llm.step()
+            done.kv_events = llm.take_kv_events()
+        except Exception as exc:  # the engine cannot go on: fail everyone, never leave them hanging
+            done.fault = exc
+        return done
+
+    # -- the core: the loop's side ------------------------------------------------------------------
+
+    def _on_pass(self, done: _Pass) -> None:
+        """On the loop: hand out what a pass applied and made, in the order it happened."""
+        self._passes_ahead.release()
+        inbox = done.inbox
+        self._num_pending_adds -= len(inbox.adds)
+        for request_id, abort in inbox.aborts.items():
+            if self._pending_aborts.get(request_id) is abort:  # not asked again since
+                del self._pending_aborts[request_id]
+        if self.dead is not None:  # killed meanwhile: everyone has been failed
+            self._fail_lora_changes(
+                inbox.lora_changes, EngineDeadError(f"the engine has stopped: {self.dead}")
+            )
+            return
+        self._end_aborted(inbox.aborts, {add.request_id for add in inbox.adds}, done.aborted)
+        for request_id, exc in done.refused.items():
+            if (stream := self._streams.get(request_id)) is not None:
+                stream.put(exc)
+        for (_, _, future), error in zip(inbox.lora_changes, done.lora_errors, strict=False):
+            if future.done():
+                continue
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+        if done.fault is not None:
+            self._die(done.fault)
+            return
+        self._publish_kv_events(done)
+        for delta in done.deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is not None:
+                self._deliver(stream, delta)
 
     def _deliver(self, stream: _Stream, delta: RequestDelta) -> None:
         """Hand a delta to its stream, or hold it back while its completion has fewer than
@@ -470,38 +652,15 @@ class AsyncEngine:
         if self.stream_interval > 1 and num_new < self.stream_interval and not delta.finished and not first:
             stream.held[delta.index] = delta
         else:
-            stream.queue.put_nowait(delta)
+            stream.put(delta)
 
-    def _has_work(self) -> bool:
-        return bool(
-            self._pending_adds
-            or self._pending_aborts
-            or self._pending_lora_changes
-            or self._new_kv_listeners
-            or any(listener.closed for listener in self._kv_listeners)
-            or self.engine.has_work()
-        )
-
-    def _apply_pending(self) -> None:
-        self._update_kv_listeners()
-        aborts, self._pending_aborts = self._pending_aborts, {}
-        adds, self._pending_adds = self._pending_adds, []
-        self._abort(aborts, never_added={add[0] for add in adds})
-        for request_id, prompt_token_ids, params, arrival_time, priority, lora_name in adds:
-            if request_id in aborts or request_id not in self._streams:
-                continue  # gone before it started
-            try:
-                self.engine.add_request(
-                    request_id, prompt_token_ids, params, arrival_time, priority, lora_name
-                )
-            except InvalidRequestError as exc:
-                self._streams[request_id].queue.put_nowait(exc)
-
-    def _abort(self, aborts: dict[str, _Abort], never_added: set[str]) -> None:
-        """Abort in the engine; a stream still read (an Abort call, a drain) gets the final deltas with
-        the abort's message, also when its request never reached the engine. Each request ended here
-        is counted under its abort's cause: here alone is it known that an abort ended a request."""
-        deltas = self.engine.abort_request(list(aborts))
+    def _end_aborted(
+        self, aborts: dict[str, _Abort], never_added: set[str], deltas: list[RequestDelta]
+    ) -> None:
+        """The core aborted these requests (`deltas`: the engine's final deltas of those it held); a
+        stream still read (an Abort call, a drain) gets the final deltas with the abort's message, also
+        when its request never reached the engine. Each request ended here is counted under its abort's
+        cause: here alone is it known that an abort ended a request."""
         for delta in deltas:
             stream, message = self._streams.get(delta.request_id), aborts[delta.request_id].message
             if message is not None and stream is not None:
@@ -517,7 +676,7 @@ class AsyncEngine:
             delta = RequestDelta.aborted_before_output(request_id, stream.num_prompt_tokens, metrics, message)
             self.engine.metrics.record_aborted(self.engine.stats(), [delta])  # its log line
             if message is not None:
-                stream.queue.put_nowait(delta)
+                stream.put(delta)
         for request_id in ended:
             if (cause := aborts[request_id].cause) is not None:
                 self.engine.metrics.record_abort(cause)
@@ -544,4 +703,6 @@ class AsyncEngine:
         self._pending_aborts.clear()  # nothing applies them now
         for listener in self._kv_listeners + self._new_kv_listeners:
             listener.end(error)
-        self._fail_lora_changes(error)
+        with self._lock:  # what the core will not apply now
+            inbox, self._inbox = self._inbox, _Inbox()
+        self._fail_lora_changes(inbox.lora_changes, error)

@@ -1,0 +1,118 @@
+"""The engine core steps the engine on the torch thread without waiting for the event loop between
+steps, and a stream whose reader is behind gets the deltas that queued meanwhile as one: the same
+tokens, text and logprobs, in fewer deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pagedserve.engine.async_engine import AsyncEngine, _Stream, in_torch_thread
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.outputs import RequestDelta, RequestMetrics
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.settings import EngineSettings
+
+PROMPT = [1, 5, 9, 14]
+
+
+def test_the_engine_steps_on_while_the_event_loop_is_blocked(tiny_llama_dir: str) -> None:
+    """The loop blocked after the first token (a long synchronous call on it): the engine generates
+    the rest meanwhile, and the reader then gets it in one delta. A loop that steps the engine itself
+    got one step done in that time, then one delta a step once it ran again."""
+    settings = EngineSettings(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+    async def scenario() -> tuple[list[RequestDelta], list[RequestDelta]]:
+        engine = AsyncEngine(await in_torch_thread(LLMEngine.from_settings, settings))
+        engine.start()
+        read_at_once = [delta async for delta in engine.generate("at-once", PROMPT, params)]
+        blocked = []
+        async for delta in engine.generate("blocked", PROMPT, params):
+            if not blocked:
+                time.sleep(2.0)  # blocks the event loop: no coroutine and no callback runs
+            blocked.append(delta)
+        await engine.stop()
+        return read_at_once, blocked
+
+    read_at_once, blocked = asyncio.run(scenario())
+    assert sum(len(d.new_token_ids) for d in read_at_once) == 12
+    assert [len(d.new_token_ids) for d in blocked] == [1, 11]
+    assert [d.num_output_tokens for d in blocked] == [1, 12]
+    assert [t for d in blocked for t in d.new_token_ids] == [t for d in read_at_once for t in d.new_token_ids]
+    assert "".join(d.new_text for d in blocked) == "".join(d.new_text for d in read_at_once)
+    merged = blocked[1].new_logprobs
+    assert (
+        merged is not None
+        and [max(e, key=lambda t: e[t].logprob) for e in merged] == blocked[1].new_token_ids
+    )
+    assert blocked[-1].finished and blocked[-1].finish_reason == "length"
+
+
+def _delta(index: int, tokens: list[int], finished: bool = False, error: str | None = None) -> RequestDelta:
+    return RequestDelta(
+        request_id="r",
+        new_token_ids=tokens,
+        new_text="".join(f"<{t}>" for t in tokens),
+        new_logprobs=None,
+        finished=finished,
+        finish_reason="length" if finished else None,
+        num_prompt_tokens=4,
+        num_output_tokens=0,
+        metrics=RequestMetrics(arrival_time=0.0),
+        index=index,
+        error=error,
+    )
+
+
+def test_an_unread_delta_takes_in_the_next_of_its_completion_only() -> None:
+    stream = _Stream(arrival_time=0.0, num_prompt_tokens=4)
+    stream.put(_delta(0, [1]))
+    stream.put(_delta(0, [2]))  # merged: the same completion, the one before it unfinished
+    stream.put(_delta(1, [7]))  # another completion: an item of its own
+    stream.put(_delta(0, [3]))  # not merged across completion 1's item: the order is kept
+    stream.put(_delta(0, [4], finished=True))  # merged: a final delta takes the one before it in
+    stream.put(_delta(1, [8]))
+    stream.put(_delta(1, [9], error="aborted"))  # merged: an abort's final delta takes it in too
+    stream.put(_delta(1, [10]))  # not merged into a delta with an error
+    error = ValueError("refused")
+    stream.put(error)
+    stream.put(_delta(1, [11]))  # not merged into an exception
+
+    def shown(item: RequestDelta | BaseException) -> tuple[object, ...]:
+        if isinstance(item, BaseException):
+            return (item,)
+        return (item.index, item.new_token_ids, item.new_text, item.finished, item.error)
+
+    assert [shown(item) for item in stream.items] == [
+        (0, [1, 2], "<1><2>", False, None),
+        (1, [7], "<7>", False, None),
+        (0, [3, 4], "<3><4>", True, None),
+        (1, [8, 9], "<8><9>", False, "aborted"),
+        (1, [10], "<10>", False, None),
+        (error,),
+        (1, [11], "<11>", False, None),
+    ]
+
+
+def test_a_finished_delta_takes_in_nothing_after_it() -> None:
+    stream = _Stream(arrival_time=0.0, num_prompt_tokens=4)
+    stream.put(_delta(0, [1], finished=True))
+    stream.put(_delta(0, [2]))  # cannot happen in the engine; kept apart all the same
+    assert [d.new_token_ids for d in stream.items if isinstance(d, RequestDelta)] == [[1], [2]]
+
+
+def test_the_reader_waits_for_an_item_and_takes_them_in_order() -> None:
+    async def scenario() -> list[RequestDelta | BaseException]:
+        stream = _Stream(arrival_time=0.0, num_prompt_tokens=4)
+        reader = asyncio.create_task(stream.get())
+        await asyncio.sleep(0)
+        assert not reader.done()  # nothing queued yet
+        stream.put(_delta(0, [1]))
+        first = await reader
+        stream.put(_delta(0, [2], finished=True))
+        return [first, await stream.get()]
+
+    first, second = asyncio.run(scenario())
+    assert isinstance(first, RequestDelta) and first.new_token_ids == [1]
+    assert isinstance(second, RequestDelta) and second.new_token_ids == [2] and second.finished
