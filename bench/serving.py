@@ -195,7 +195,8 @@ async def benchmark(
     offline: OfflineEngine | None = None,
 ) -> list[list[tuple[list[RequestRecord], float]]]:
     """Per target, per round, the records of every timed call and the CPU seconds this client process
-    spent on them. Each target gets one warm-up; the rounds run one after another. Two targets (twin
+    spent on them. Each target gets one warm-up, then `--warmup-rounds` untimed rounds of the workload
+    (as does the offline engine); the rounds run one after another. Two targets (twin
     servers) take turns in ABBA order (A then B in odd rounds, B then A in even ones). With `offline`
     (one target), one offline round runs next to each server round, after it in odd rounds and before
     it in even ones (this blocks the event loop, which has no call in flight then)."""
@@ -204,6 +205,18 @@ async def benchmark(
         for target in targets:
             channel = await stack.enter_async_context(grpc.aio.insecure_channel(target))
             stubs.append(await warm_up(args, channel))
+        for round_ in range(1, args.warmup_rounds + 1):
+            for i, stub in enumerate(stubs):
+                records = await run_load(
+                    stub, requests, args.request_rate, args.concurrency, args.seed, args.timeout
+                )
+                which = f"server {chr(ord('A') + i)}, " if len(targets) > 1 else ""
+                print(
+                    f"{which}untimed round {round_}: {output_tokens_per_s(records):.1f} output tok/s",
+                    flush=True,
+                )
+            if offline is not None:
+                offline.run_round(timed=False)
         results: list[list[tuple[list[RequestRecord], float]]] = [[] for _ in targets]
         for round_ in range(1, rounds + 1):
             if offline is not None and round_ % 2 == 0:
@@ -318,7 +331,8 @@ class OfflineEngine:
         self.lora = [LoRARequest(r.lora_name) if r.lora_name else None for r in requests]
         self.rates: list[float] = []  # output tok/s of each round so far
 
-    def run_round(self) -> None:
+    def run_round(self, timed: bool = True) -> None:
+        """One round; `timed` False: printed, not counted (a warm-up round)."""
         start = time.perf_counter()
         if self.requests[0].is_chat:
             outputs = self.llm.chat(
@@ -329,10 +343,12 @@ class OfflineEngine:
             outputs = self.llm.generate(prompts, self.params, lora_request=self.lora)
         seconds = time.perf_counter() - start
         num_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
-        self.rates.append(num_tokens / seconds)
+        if timed:
+            self.rates.append(num_tokens / seconds)
+        which = f"round {len(self.rates)}" if timed else "untimed round"
         print(
-            f"offline engine, round {len(self.rates)}: {num_tokens} output tokens in {seconds:.2f} s "
-            f"({self.rates[-1]:.1f} tok/s)",
+            f"offline engine, {which}: {num_tokens} output tokens in {seconds:.2f} s "
+            f"({num_tokens / seconds:.1f} tok/s)",
             flush=True,
         )
 
@@ -465,6 +481,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
+    return value
+
+
 def print_table(header: list[str], align: str, rows: list[list[str]]) -> None:
     """A markdown table after a blank line; `align` has a letter a column: l (text) or r (numbers)."""
     print("\n| " + " | ".join(header) + " |")
@@ -508,6 +531,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, help="most calls in flight (default: no limit)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrivals and the random workload")
     parser.add_argument("--num-warmup", type=int, default=2, help="short untimed requests first")
+    parser.add_argument(
+        "--warmup-rounds",
+        type=_non_negative_int,
+        default=0,
+        help="untimed rounds of the whole workload first, on every server and the offline engine "
+        "(a GPU captures a CUDA graph the first time a batch size and context length come up)",
+    )
     parser.add_argument("--timeout", type=float, default=3600.0, help="per-call deadline in seconds")
     parser.add_argument(
         "--rounds",

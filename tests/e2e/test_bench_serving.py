@@ -47,6 +47,26 @@ def test_compare_offline_reports_the_share_of_interleaved_rounds(tiny_llama_dir:
         assert 0 < summary[name]["p50"] <= summary[name]["p99"] <= summary[name]["max"]
 
 
+def test_warmup_rounds_run_untimed_on_both_sides(tiny_llama_dir: str, tmp_path: Path) -> None:
+    """A GPU captures a CUDA graph the first time a batch size and context length come up: untimed
+    rounds of the whole workload first leave that out of the rounds compared."""
+    json_out = tmp_path / "out.json"
+    done = run_bench(
+        *("--spawn", "--model", tiny_llama_dir, "--compare-offline", "--num-requests", "4"),
+        *("--rounds", "1", "--warmup-rounds", "2", "--json-out", str(json_out)),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [line.split(":")[0] for line in done.stdout.splitlines() if "untimed round" in line] == [
+        "untimed round 1",
+        "offline engine, untimed round",
+        "untimed round 2",
+        "offline engine, untimed round",
+    ]
+    summary = json.loads(json_out.read_text())["summary"]
+    assert len(summary["rounds_output_tokens_per_s"]) == 1
+    assert len(summary["offline_rounds_tokens_per_s"]) == 1
+
+
 def test_twin_servers_differ_only_by_the_twin_argument(tiny_llama_dir: str, tmp_path: Path) -> None:
     out = run_ok(
         tmp_path / "out.json",
@@ -100,6 +120,7 @@ def test_failed_calls_give_a_nonzero_exit_and_their_errors(tiny_llama_dir: str) 
         ),
         (["--compare-tracing"], "--compare-tracing starts its own servers: add --spawn"),
         (["--rounds", "0"], "--rounds: must be at least 1, not 0"),
+        (["--warmup-rounds", "-1"], "--warmup-rounds: must be at least 0, not -1"),
         (["--lora-adapters", "2"], "--lora-adapters starts its own server: add --spawn"),
     ],
 )
