@@ -4,7 +4,7 @@
 # and eager, offline throughput against the Hugging Face peers, serving share). Each phase runs under
 # its own time limit and writes its log to $OUT/<phase>.log; the last lines of each are printed.
 #
-#   bash bench/gpu_checks.sh                         # every phase, ~10 minutes on an H200
+#   bash bench/gpu_checks.sh                         # every phase, ~12 minutes on an H200
 #   PHASES="tests roofline" bash bench/gpu_checks.sh # some of them
 #   DEVICE=cpu PRESET=tiny bash bench/gpu_checks.sh  # a dry run of the commands on a CPU
 #
@@ -72,9 +72,12 @@ if wanted random; then
 fi
 if wanted serving; then
   # the server and the offline engine share the device: each gets a KV cache of its own size
-  run serving 180 python3 bench/serving.py --spawn --compare-offline --rounds 3 --model "$MODEL" \
-    --kv-cache-memory "${SERVING_KV:-16GiB}"
-  run serving-interval-4 180 python3 bench/serving.py --spawn --compare-offline --rounds 3 --model "$MODEL" \
-    --kv-cache-memory "${SERVING_KV:-16GiB}" --server-arg=--stream-interval=4
+  # an untimed round first on each side: graphs are captured as batch sizes and contexts come up
+  run serving 180 python3 bench/serving.py --spawn --compare-offline --rounds 3 --warmup-rounds 1 \
+    --model "$MODEL" --kv-cache-memory "${SERVING_KV:-16GiB}"
+  run serving-interval-4 180 python3 bench/serving.py --spawn --compare-offline --rounds 3 --warmup-rounds 1 \
+    --model "$MODEL" --kv-cache-memory "${SERVING_KV:-16GiB}" --server-arg=--stream-interval=4
+  run serving-random 300 python3 bench/serving.py --spawn --compare-offline --rounds 3 --warmup-rounds 1 \
+    --model "$MODEL" --kv-cache-memory "${SERVING_KV:-16GiB}" --workload random
 fi
 echo "=== done ($(date +%T)); logs in $OUT"
