@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pagedserve.engine.async_engine import AsyncEngine, _Stream, in_torch_thread
+import pytest
+from pagedserve.engine.async_engine import AsyncEngine, KvEventBatch, _Stream, in_torch_thread
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.errors import EngineDeadError
 from pagedserve.outputs import RequestDelta, RequestMetrics
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import EngineSettings
@@ -116,3 +118,83 @@ def test_the_reader_waits_for_an_item_and_takes_them_in_order() -> None:
     first, second = asyncio.run(scenario())
     assert isinstance(first, RequestDelta) and first.new_token_ids == [1]
     assert isinstance(second, RequestDelta) and second.new_token_ids == [2] and second.finished
+
+
+def test_the_engine_runs_at_most_16_passes_ahead_of_a_blocked_loop(tiny_llama_dir: str) -> None:
+    """Passes the loop has not taken are bounded: a stuck loop cannot have the core pile up deltas.
+    Blocked after the first token, the loop then finds 16 passes waiting (a 17th may be handed over
+    while it takes them): their tokens come in one delta, the rest as the engine makes them."""
+    settings = EngineSettings(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    async def scenario() -> list[RequestDelta]:
+        engine = AsyncEngine(await in_torch_thread(LLMEngine.from_settings, settings))
+        engine.start()
+        [_ async for _ in engine.generate("warm-up", PROMPT, params)]  # every shape compiled
+        deltas = []
+        async for delta in engine.generate("blocked", PROMPT, params):
+            if not deltas:
+                time.sleep(2.0)  # the tiny model makes the other 39 tokens in far less
+            deltas.append(delta)
+        await engine.stop()
+        return deltas
+
+    deltas = asyncio.run(scenario())
+    sizes = [len(d.new_token_ids) for d in deltas]
+    assert sizes[0] == 1 and 16 <= sizes[1] <= 18, sizes
+    assert sum(sizes) == 40 and deltas[-1].finished
+
+
+def test_a_kv_listener_gone_before_its_snapshot_leaves_the_recording_off(tiny_llama_dir: str) -> None:
+    """The block manager records the prefix cache's changes exactly while someone listens, also when
+    the only listener leaves before the core has taken its snapshot."""
+    settings = EngineSettings(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+
+    async def scenario() -> list[object]:
+        engine = AsyncEngine(await in_torch_thread(LLMEngine.from_settings, settings))
+        engine.start()
+        block_manager = engine.engine.scheduler.block_manager
+        seen = []
+        engine.unsubscribe_kv_events(engine.subscribe_kv_events())  # gone at once
+        [_ async for _ in engine.generate("first", PROMPT, params)]  # passes run after it
+        seen.append(block_manager.kv_events)
+        kept = engine.subscribe_kv_events()
+        snapshot = await asyncio.wait_for(kept.queue.get(), 30)
+        assert isinstance(snapshot, KvEventBatch) and snapshot.snapshot is not None
+        seen.append(block_manager.kv_events)
+        engine.unsubscribe_kv_events(kept)
+        [_ async for _ in engine.generate("second", PROMPT, params)]
+        seen.append(block_manager.kv_events)
+        await engine.stop()
+        return seen
+
+    assert asyncio.run(scenario()) == [None, [], None]
+
+
+def test_a_kill_while_the_core_steps_fails_the_requests_and_stops_it(tiny_llama_dir: str) -> None:
+    """kill() (a worker rank found dead between steps) while the core is stepping: every live request
+    ends with an error delta, the core returns at its next pass, and nothing starts afterwards."""
+    settings = EngineSettings(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+
+    async def scenario() -> tuple[list[RequestDelta], bool, object]:
+        engine = AsyncEngine(await in_torch_thread(LLMEngine.from_settings, settings))
+        engine.start()
+        deltas = []
+        async for delta in engine.generate("killed", PROMPT, params):
+            deltas.append(delta)
+            if len(deltas) == 2:
+                engine.kill(EngineDeadError("rank 1 died"))
+        await in_torch_thread(lambda: None)  # queued behind the core's job: it has returned
+        with pytest.raises(EngineDeadError):
+            [_ async for _ in engine.generate("later", PROMPT, params)]
+        running, core = engine.is_running, engine._core
+        engine.engine.executor.shutdown()
+        return deltas, running, core
+
+    deltas, running, core = asyncio.run(scenario())
+    last = deltas[-1]
+    assert last.finished and last.finish_reason == "error" and "rank 1 died" in (last.error or "")
+    assert sum(len(d.new_token_ids) for d in deltas) < 500
+    assert not running and core is None
