@@ -80,9 +80,11 @@ def test_twin_servers_differ_only_by_the_twin_argument(tiny_llama_dir: str, tmp_
     for side in (a, b):
         assert side["num_failed_all_rounds"] == 0 and len(side["rounds_output_tokens_per_s"]) == 2
         assert side["num_output_tokens"] == 16 + 32 + 64 + 128
-    # the argument reached B alone: one response a token from A, about four from B
-    assert a["num_token_responses"] == a["num_output_tokens"]
-    assert b["num_token_responses"] < a["num_token_responses"] / 3
+    # the argument reached B alone: one response a token from A (a few merged when its client read
+    # more slowly than the engine stepped), four tokens a response from B after each first token:
+    # 5 + 9 + 17 + 33 responses at most for the four completions of 16, 32, 64 and 128 tokens
+    assert 64 < a["num_token_responses"] <= a["num_output_tokens"]
+    assert b["num_token_responses"] <= 64
 
 
 def test_lora_adapters_serve_the_workload_through_them(tiny_llama_dir: str, tmp_path: Path) -> None:

@@ -236,7 +236,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         # aborts sent to the core, by request id, until the loop has handled the pass that applied them
         self._pending_aborts: dict[str, _Abort] = {}
-        self._num_pending_adds = 0  # adds sent to the core whose pass the loop has not handled yet
+        self._num_pending_adds = 0  # adds asked for that the engine does not hold yet (under the lock)
         # ids held by front ends admitting their requests (see reserve): an Abort call's _Abort, or None
         self._reserved: dict[str, _Abort | None] = {}
         self._unread_finals: dict[str, RequestDelta] = {}  # by request id, oldest first
@@ -564,8 +564,8 @@ class AsyncEngine:
                     self._stopping = True
                     self._core = None
                 return
-            if not done.deltas and not inbox:
-                time.sleep(0.0005)  # work the scheduler cannot run yet: do not spin on the interpreter
+            if not done.deltas:
+                time.sleep(0)  # a prompt chunk, or nothing the scheduler could run: let the loop in
 
     def _pass(self, inbox: _Inbox) -> _Pass:
         """Apply the inbox (the KV snapshot first, then aborts, adds and LoRA changes), then step."""
@@ -591,6 +591,8 @@ class AsyncEngine:
                     )
                 except InvalidRequestError as exc:
                     done.refused[add.request_id] = exc
+            with self._lock:  # in the engine's waiting queue now (or dropped): not counted twice
+                self._num_pending_adds -= len(inbox.adds)
             for change, args, _ in inbox.lora_changes:
                 try:
                     change(*args)
@@ -611,7 +613,6 @@ class AsyncEngine:
         """On the loop: hand out what a pass applied and made, in the order it happened."""
         self._passes_ahead.release()
         inbox = done.inbox
-        self._num_pending_adds -= len(inbox.adds)
         for request_id, abort in inbox.aborts.items():
             if self._pending_aborts.get(request_id) is abort:  # not asked again since
                 del self._pending_aborts[request_id]
