@@ -198,3 +198,34 @@ def test_a_kill_while_the_core_steps_fails_the_requests_and_stops_it(tiny_llama_
     assert last.finished and last.finish_reason == "error" and "rank 1 died" in (last.error or "")
     assert sum(len(d.new_token_ids) for d in deltas) < 500
     assert not running and core is None
+
+
+def test_a_fault_fails_the_lora_change_of_its_pass_and_every_request(tiny_llama_dir: str) -> None:
+    """A pass that faults (here adding a request raises: a bug, not a refusal) ends the engine: its
+    requests get an error delta, and a LoRA change the pass never reached fails rather than hangs."""
+    settings = EngineSettings(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+
+    async def scenario() -> tuple[list[RequestDelta], BaseException | None]:
+        llm = await in_torch_thread(LLMEngine.from_settings, settings)
+
+        def add_request(*args: object) -> None:
+            raise RuntimeError("a bug in add_request")
+
+        llm.add_request = add_request  # type: ignore[method-assign]
+        engine = AsyncEngine(llm)
+        deltas = engine.generate("faulty", PROMPT, params)
+        first = asyncio.ensure_future(anext(deltas))
+        lora = asyncio.ensure_future(engine.load_lora_adapter("a0", "/nowhere"))
+        await asyncio.sleep(0.1)  # both in the inbox: nothing takes it before start()
+        engine.start()  # one pass: the add raises before the LoRA change runs
+        received = [await asyncio.wait_for(first, 30)]
+        received += [d async for d in deltas]
+        error = await asyncio.wait_for(asyncio.gather(lora, return_exceptions=True), 30)
+        llm.executor.shutdown()
+        return received, error[0]
+
+    received, error = asyncio.run(scenario())
+    assert len(received) == 1 and received[0].finish_reason == "error"
+    assert "a bug in add_request" in (received[0].error or "")
+    assert isinstance(error, EngineDeadError)

@@ -118,7 +118,7 @@ class _Stream:
 
 @dataclass
 class _Abort:
-    """An abort the loop applies between steps."""
+    """An abort the core applies between steps."""
 
     message: str | None  # for a stream still read (an Abort call, a drain); None: nobody reads it
     cause: str | None  # counted in pagedserve:request_aborts if it ends a request; None: not counted
@@ -633,7 +633,10 @@ class AsyncEngine:
             else:
                 future.set_exception(error)
         if done.fault is not None:
-            self._die(done.fault)
+            self._die(done.fault)  # (and the LoRA changes the fault came before: failed with it)
+            self._fail_lora_changes(
+                inbox.lora_changes, EngineDeadError(f"the engine has stopped: {self.dead}")
+            )
             return
         self._publish_kv_events(done)
         for delta in done.deltas:
