@@ -136,7 +136,8 @@ class _Add:
 
 @dataclass
 class _Inbox:
-    """What the loop asks of the engine, applied by the core between steps in this order."""
+    """What the loop asks of the engine, applied by the core between steps (`_pass`): the KV snapshot
+    or stop first, then the aborts, the adds and the LoRA changes."""
 
     aborts: dict[str, _Abort] = field(default_factory=dict)  # by request id
     adds: list[_Add] = field(default_factory=list)
