@@ -1,5 +1,7 @@
 """Errors that cross component boundaries: a bad request names its field; an engine fault is internal."""
 
+from __future__ import annotations
+
 
 class InvalidRequestError(ValueError):
     """A request (or one of its parameters) is invalid. `field` names the offending field."""
@@ -8,6 +10,9 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+    def __reduce__(self) -> tuple[type[InvalidRequestError], tuple[str, str]]:
+        return type(self), (self.field, self.message)  # pickled: from an engine process
 
 
 class AdapterInUseError(InvalidRequestError):

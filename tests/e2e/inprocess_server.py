@@ -70,6 +70,7 @@ class InProcessServer:
 
     async def _start(self) -> None:
         from pagedserve.engine.async_engine import AsyncEngine, in_torch_thread
+        from pagedserve.engine.core_process import EngineFace
         from pagedserve.engine.llm_engine import LLMEngine
         from pagedserve.rpc.http import HttpEndpoint
         from pagedserve.rpc.server import Server, keepalive_options
@@ -100,7 +101,8 @@ class InProcessServer:
         self.http = HttpEndpoint(server, rest_routes(model))
         self.http_port = await self.http.start(s.host, s.http_port)
         await server.open()
-        llm = await in_torch_thread(LLMEngine.from_settings, s)
+        build = EngineFace.from_settings if s.engine_process else LLMEngine.from_settings
+        llm = await in_torch_thread(build, s)
         tracer.model_name = llm.config.model.served_model_name
         await server.start(AsyncEngine(llm, s.max_queued_requests, s.stream_interval), warmup=s.warmup)
 

@@ -24,9 +24,10 @@ def start(model_dir: str, **settings: Any) -> InProcessServer:
     ).start()
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_llama_dir: str) -> Iterator[InProcessServer]:
-    server = start(tiny_llama_dir)
+@pytest.fixture(scope="module", params=[False, True], ids=["engine-thread", "engine-process"])
+def srv(tiny_llama_dir: str, request: pytest.FixtureRequest) -> Iterator[InProcessServer]:
+    """The engine on the server's torch thread, then in a process of its own (--engine-process)."""
+    server = start(tiny_llama_dir, engine_process=request.param)
     yield server
     server.stop()
 
@@ -63,8 +64,11 @@ def test_the_feed_opens_with_a_snapshot_then_follows_what_a_router_can_hash(srv:
     assert list(run.block_hashes) == wanted and run.parent_block_hash == router_hashes(prompt)[0]
     assert list(run.token_ids) == prompt[BLOCK : 4 * BLOCK]
     call.cancel()
-    # the last subscriber gone, the engine stops following its cache
-    wait_for(lambda: srv.llm.scheduler.block_manager.kv_events is None, what="the recording to stop")
+    # the last subscriber gone, the engine stops following its cache (an engine process: is asked to)
+    if srv.settings.engine_process:
+        wait_for(lambda: not srv.server.engine._kv_recording, what="the recording to stop")
+    else:
+        wait_for(lambda: srv.llm.scheduler.block_manager.kv_events is None, what="the recording to stop")
 
 
 def test_a_drain_ends_the_feed_with_unavailable(tiny_llama_dir: str) -> None:

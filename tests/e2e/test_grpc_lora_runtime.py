@@ -34,9 +34,18 @@ def expected(tiny_llama_dir: str, adapters: dict[str, str]) -> dict[str | None, 
     return {name: list(out.token_ids) for name, out in zip(names, outputs)}
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_llama_dir: str, adapters: dict[str, str]) -> Iterator[InProcessServer]:
-    server = start_server(tiny_llama_dir, {"sql": adapters["sql"]}, allow_runtime_lora_updating=True)
+@pytest.fixture(scope="module", params=[False, True], ids=["engine-thread", "engine-process"])
+def srv(
+    tiny_llama_dir: str, adapters: dict[str, str], request: pytest.FixtureRequest
+) -> Iterator[InProcessServer]:
+    """The engine on the server's torch thread, then in a process of its own (--engine-process): the
+    changes run there, and the front end follows the adapters it holds."""
+    server = start_server(
+        tiny_llama_dir,
+        {"sql": adapters["sql"]},
+        allow_runtime_lora_updating=True,
+        engine_process=request.param,
+    )
     yield server
     server.stop()
 

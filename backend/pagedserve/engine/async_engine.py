@@ -5,13 +5,17 @@ free the request's blocks before the next step.
 
 The synchronous engine is not thread-safe: it is only changed on the torch thread (`in_torch_thread`,
 which also builds the engine). Callers on the event loop put adds, aborts, LoRA changes and KV-event
-subscriptions in an inbox (`_Inbox`, under a lock); the core takes the inbox between steps, applies
-it, steps, and hands the loop what it applied and what the step made (`_Pass`), without waiting for
+subscriptions in an inbox (`Inbox`, under a lock); the core takes the inbox between steps, applies
+it, steps, and hands the loop what it applied and what the step made (`Pass`), without waiting for
 the loop to get to it: the next step starts at once. The loop hands out the deltas; a stream whose
 reader (its gRPC writer) is behind gets the deltas that queue meanwhile merged into one, as vLLM's
 front end does. Waiting for the loop between steps had the engine idle for as long as the writers of
 the last step's tokens held the interpreter: with a step of a few milliseconds (a GPU, a small
 model) the front end's one message a token set the pace.
+
+With an `EngineFace` (`serve --engine-process`) the core runs in an engine process instead
+(engine/core_process.py): `_kick` sends it the inbox, and a reader thread hands the loop its passes,
+which the loop takes as it takes the torch thread's.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pagedserve.core.block_manager import KvEvent
+from pagedserve.engine.core import Abort, Add, Inbox, LoraChange, Pass, run_pass
+from pagedserve.engine.core_process import CorePass, EngineFace
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta, RequestMetrics
@@ -116,57 +122,6 @@ class _Stream:
         return self.items.pop(0)
 
 
-@dataclass
-class _Abort:
-    """An abort the core applies between steps."""
-
-    message: str | None  # for a stream still read (an Abort call, a drain); None: nobody reads it
-    cause: str | None  # counted in pagedserve:request_aborts if it ends a request; None: not counted
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    priority: int
-    lora_name: str | None
-
-
-@dataclass
-class _Inbox:
-    """What the loop asks of the engine, applied by the core between steps (`_pass`): the KV snapshot
-    or stop first, then the aborts, the adds and the LoRA changes."""
-
-    aborts: dict[str, _Abort] = field(default_factory=dict)  # by request id
-    adds: list[_Add] = field(default_factory=list)
-    # LoRA adapter changes (LLMEngine's method, its arguments, the caller's future), after the adds
-    lora_changes: list[tuple[Callable[..., None], tuple[str, ...], asyncio.Future[None]]] = field(
-        default_factory=list
-    )
-    kv_snapshot: bool = False  # new KV event listeners wait for a snapshot (recording starts)
-    kv_stop: bool = False  # the last listener went away: recording stops (never both set)
-
-    def __bool__(self) -> bool:
-        return bool(self.aborts or self.adds or self.lora_changes or self.kv_snapshot or self.kv_stop)
-
-
-@dataclass
-class _Pass:
-    """One pass of the engine core: the inbox it applied, what applying it gave, and the step's
-    output. `fault` set: the pass stopped there (the engine cannot go on)."""
-
-    inbox: _Inbox
-    aborted: list[RequestDelta] = field(default_factory=list)  # LLMEngine.abort_request's
-    refused: dict[str, InvalidRequestError] = field(default_factory=dict)  # adds the engine refused
-    lora_errors: list[BaseException | None] = field(default_factory=list)  # one per LoRA change
-    kv_snapshot: list[bytes] | None = None
-    deltas: list[RequestDelta] = field(default_factory=list)
-    kv_events: list[KvEvent] = field(default_factory=list)
-    fault: BaseException | None = None
-
-
 # How many passes the core may run ahead of the loop handing out their deltas: it waits beyond that
 # (a loop too busy, or blocked, to take them), so that a stuck loop cannot have it pile up deltas.
 _MAX_PASSES_AHEAD = 16
@@ -230,27 +185,33 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         # what the core applies next; the lock guards it and the core's state below
         self._lock = threading.Lock()
-        self._inbox = _Inbox()
+        self._inbox = Inbox()
         self._core: asyncio.Future[None] | None = None  # the core's job on the torch thread, while it runs
         self._stopping = False  # the core returns at its next pass
         self._passes_ahead = threading.Semaphore(_MAX_PASSES_AHEAD)
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         # aborts sent to the core, by request id, until the loop has handled the pass that applied them
-        self._pending_aborts: dict[str, _Abort] = {}
+        self._pending_aborts: dict[str, Abort] = {}
         self._num_pending_adds = 0  # adds asked for that the engine does not hold yet (under the lock)
-        # ids held by front ends admitting their requests (see reserve): an Abort call's _Abort, or None
-        self._reserved: dict[str, _Abort | None] = {}
+        # ids held by front ends admitting their requests (see reserve): an Abort call's Abort, or None
+        self._reserved: dict[str, Abort | None] = {}
         self._unread_finals: dict[str, RequestDelta] = {}  # by request id, oldest first
         self.dead: BaseException | None = None
         self._kv_listeners: list[KvEventListener] = []
         self._new_kv_listeners: list[KvEventListener] = []  # their snapshot is taken between steps
         self._kv_sequence = 0  # of the last KV event batch published
         self._kv_recording = False  # asked of the core: the block manager records the cache's changes
+        # the engine in a process of its own (engine/core_process.py): passes come from its reader thread
+        self._face = engine if isinstance(engine, EngineFace) else None
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if self._face is not None:
+            threading.Thread(
+                target=self._read_core_passes, name="pagedserve-core-reader", daemon=True
+            ).start()
         self._kick()
 
     async def halt(self) -> None:
@@ -259,7 +220,8 @@ class AsyncEngine:
             self._stopping = True
             lora_changes, self._inbox.lora_changes = self._inbox.lora_changes, []
         self._fail_lora_changes(lora_changes, EngineDeadError("the engine has stopped"))
-        await in_torch_thread(lambda: None)  # queued behind the core's job: it has returned
+        if self._face is None:
+            await in_torch_thread(lambda: None)  # queued behind the core's job: it has returned
 
     async def stop(self) -> None:
         await self.halt()
@@ -328,31 +290,29 @@ class AsyncEngine:
         return prompt
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
-        """`LLMEngine.load_lora_adapter`, run between steps by the engine loop."""
-        await self._change_lora(self.engine.load_lora_adapter, name, path)
+        """`LLMEngine.load_lora_adapter`, run between steps by the engine core."""
+        await self._change_lora("load_lora_adapter", name, path)
 
     async def unload_lora_adapter(self, name: str) -> None:
-        """`LLMEngine.unload_lora_adapter`, run between steps by the engine loop."""
-        await self._change_lora(self.engine.unload_lora_adapter, name)
+        """`LLMEngine.unload_lora_adapter`, run between steps by the engine core."""
+        await self._change_lora("unload_lora_adapter", name)
 
-    async def _change_lora(self, change: Callable[..., None], *args: str) -> None:
+    async def _change_lora(self, method: str, *args: str) -> None:
         """The core runs LoRA changes on the torch thread between steps, after the requests queued
         before them are added (so an unload sees every request that could still use its adapter)."""
         if self.dead is not None or self._stopping:
             raise EngineDeadError(f"the engine has stopped: {self.dead}")
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         with self._lock:
-            self._inbox.lora_changes.append((change, args, done))
+            self._inbox.lora_changes.append((method, args, done))
         self._kick()
         await done
 
     @staticmethod
-    def _fail_lora_changes(
-        changes: list[tuple[Callable[..., None], tuple[str, ...], asyncio.Future[None]]], error: BaseException
-    ) -> None:
+    def _fail_lora_changes(changes: list[LoraChange], error: BaseException) -> None:
         """No core runs these LoRA changes: their callers get `error`."""
         for _, _, done in changes:
-            if not done.done():
+            if done is not None and not done.done():
                 done.set_exception(error)
 
     def kill(self, exc: BaseException) -> None:
@@ -397,7 +357,7 @@ class AsyncEngine:
         self._admit(request_id, prompt_token_ids, params, priority, lora_name)
         self._unread_finals.pop(request_id, None)  # an earlier request's under the same id
         stream = self._streams[request_id] = _Stream(time.monotonic(), len(prompt_token_ids))
-        add = _Add(request_id, prompt_token_ids, params, stream.arrival_time, priority, lora_name)
+        add = Add(request_id, prompt_token_ids, params, stream.arrival_time, priority, lora_name)
         with self._lock:
             self._inbox.adds.append(add)
             self._num_pending_adds += 1
@@ -418,7 +378,7 @@ class AsyncEngine:
                 self._keep_unread_final(request_id, stream.last)
             elif not stream.finished and request_id not in self._pending_aborts:  # the caller went away
                 cause = cancel_cause() if cancel_cause is not None else None
-                self._send_abort(request_id, _Abort(None, cause))
+                self._send_abort(request_id, Abort(None, cause))
             self._streams.pop(request_id, None)
 
     def unread_final_delta(self, request_id: str) -> RequestDelta | None:
@@ -440,15 +400,15 @@ class AsyncEngine:
         False for an unknown request, or one the engine has already finished (its final delta not
         read yet): that one ends as it finished. `cause` is counted as generate()'s `cancel_cause` is."""
         if request_id in self._reserved:  # being admitted: ended once generate starts it
-            self._reserved[request_id] = _Abort(message, cause)
+            self._reserved[request_id] = Abort(message, cause)
             return True
         stream = self._streams.get(request_id)
         if stream is None or stream.is_done_in_engine:
             return False
-        self._send_abort(request_id, _Abort(message, cause))
+        self._send_abort(request_id, Abort(message, cause))
         return True
 
-    def _send_abort(self, request_id: str, abort: _Abort) -> None:
+    def _send_abort(self, request_id: str, abort: Abort) -> None:
         """Have the core abort the request between steps (a later abort of it replaces this one)."""
         self._pending_aborts[request_id] = abort
         with self._lock:
@@ -484,7 +444,7 @@ class AsyncEngine:
                 listener.end(KvEventsEnded(message))
         self._update_kv_recording()
 
-    def _publish_kv_events(self, done: _Pass) -> None:
+    def _publish_kv_events(self, done: Pass) -> None:
         """A pass's snapshot to the listeners waiting for one, then its step's changes to every
         listener; then the recording stops if nobody listens any more."""
         if done.kv_snapshot is not None:
@@ -532,13 +492,19 @@ class AsyncEngine:
     # -- the core: the torch thread's side ------------------------------------------------------------
 
     def _kick(self) -> None:
-        """Start the core on the torch thread unless it runs (it returns when it has nothing to do)."""
+        """Start the core on the torch thread unless it runs (it returns when it has nothing to do);
+        or send the inbox to the engine process."""
         if self._loop is None:
             return  # not started: start() kicks
         with self._lock:
             if self._core is not None or self._stopping or self.dead is not None:
                 return
-            self._core = self._loop.run_in_executor(_TORCH_THREAD, self._run_core)
+            if self._face is None:
+                self._core = self._loop.run_in_executor(_TORCH_THREAD, self._run_core)
+                return
+            inbox, self._inbox = self._inbox, Inbox()
+        if inbox:
+            self._face.executor.send(inbox)
 
     def _run_core(self) -> None:
         """Passes back to back while there is work: take the inbox, apply it, step, hand the pass to
@@ -547,12 +513,12 @@ class AsyncEngine:
         assert self._loop is not None
         while True:
             with self._lock:
-                inbox, self._inbox = self._inbox, _Inbox()
+                inbox, self._inbox = self._inbox, Inbox()
                 if self._stopping or not (inbox or self.engine.has_work()):
                     self._inbox = inbox  # (kept when stopped: halt fails its LoRA changes, _die all)
                     self._core = None
                     return
-            done = self._pass(inbox)
+            done = run_pass(self.engine, inbox, self._added)
             while not self._passes_ahead.acquire(timeout=0.1):  # the loop is that far behind
                 if self._stopping:
                     break
@@ -568,49 +534,48 @@ class AsyncEngine:
             if not done.deltas:
                 time.sleep(0)  # a prompt chunk, or nothing the scheduler could run: let the loop in
 
-    def _pass(self, inbox: _Inbox) -> _Pass:
-        """Apply the inbox (the KV snapshot first, then aborts, adds and LoRA changes), then step."""
-        done = _Pass(inbox)
-        llm = self.engine
-        try:
-            if inbox.kv_snapshot:
-                done.kv_snapshot = llm.record_kv_events(True)
-            elif inbox.kv_stop:
-                llm.record_kv_events(False)
-            done.aborted = llm.abort_request(list(inbox.aborts))
-            for add in inbox.adds:
-                if add.request_id in inbox.aborts:
-                    continue  # gone before it started
-                try:
-                    llm.add_request(
-                        add.request_id,
-                        add.prompt_token_ids,
-                        add.params,
-                        add.arrival_time,
-                        add.priority,
-                        add.lora_name,
-                    )
-                except InvalidRequestError as exc:
-                    done.refused[add.request_id] = exc
-            with self._lock:  # in the engine's waiting queue now (or dropped): not counted twice
-                self._num_pending_adds -= len(inbox.adds)
-            for change, args, _ in inbox.lora_changes:
-                try:
-                    change(*args)
-                except Exception as exc:  # a bad adapter, one in use; a dead rank fails the next step too
-                    done.lora_errors.append(exc)
-                else:
-                    done.lora_errors.append(None)
-            if llm.has_work():
-                done.deltas = llm.step()
-            done.kv_events = llm.take_kv_events()
-        except Exception as exc:  # the engine cannot go on: fail everyone, never leave them hanging
-            done.fault = exc
-        return done
+    def _added(self, num_adds: int) -> None:
+        """The core has put these adds in the engine's waiting queue (or dropped them): no longer pending."""
+        with self._lock:
+            self._num_pending_adds -= num_adds
+
+    def _read_core_passes(self) -> None:
+        """The engine process's passes, handed to the loop as the torch thread's core hands its own
+        (at most _MAX_PASSES_AHEAD ahead: then the engine process waits to send). Its end is a fault."""
+        assert self._face is not None and self._loop is not None
+        process = self._face.executor
+        while True:
+            try:
+                core_pass = process.receive()
+            except EngineDeadError as exc:
+                core_pass = CorePass([], Pass(Inbox(), fault=exc), None)
+            while not self._passes_ahead.acquire(timeout=0.1):
+                if self._stopping:
+                    break
+            if self._stopping:
+                return  # halted or killed: nobody takes passes any more
+            try:
+                self._loop.call_soon_threadsafe(self._on_core_pass, core_pass)
+            except RuntimeError:  # the event loop is closed
+                return
+            if core_pass.done.fault is not None:
+                return
+
+    def _on_core_pass(self, core_pass: CorePass) -> None:
+        """On the loop: a pass of the engine process, taken as `_on_pass` takes the torch thread's."""
+        assert self._face is not None
+        done = core_pass.done
+        # a fault: the engine process applies nothing more, so every inbox sent goes with it
+        done.inbox = self._face.executor.take_inboxes(core_pass.numbers if done.fault is None else None)
+        with self._lock:
+            self._num_pending_adds -= len(done.inbox.adds)
+        if self.dead is None:
+            self._face.follow(core_pass)
+        self._on_pass(done)
 
     # -- the core: the loop's side ------------------------------------------------------------------
 
-    def _on_pass(self, done: _Pass) -> None:
+    def _on_pass(self, done: Pass) -> None:
         """On the loop: hand out what a pass applied and made, in the order it happened."""
         self._passes_ahead.release()
         inbox = done.inbox
@@ -627,7 +592,7 @@ class AsyncEngine:
             if (stream := self._streams.get(request_id)) is not None:
                 stream.put(exc)
         for (_, _, future), error in zip(inbox.lora_changes, done.lora_errors, strict=False):
-            if future.done():
+            if future is None or future.done():
                 continue
             if error is None:
                 future.set_result(None)
@@ -660,7 +625,7 @@ class AsyncEngine:
             stream.put(delta)
 
     def _end_aborted(
-        self, aborts: dict[str, _Abort], never_added: set[str], deltas: list[RequestDelta]
+        self, aborts: dict[str, Abort], never_added: set[str], deltas: list[RequestDelta]
     ) -> None:
         """The core aborted these requests (`deltas`: the engine's final deltas of those it held); a
         stream still read (an Abort call, a drain) gets the final deltas with the abort's message, also
@@ -709,5 +674,5 @@ class AsyncEngine:
         for listener in self._kv_listeners + self._new_kv_listeners:
             listener.end(error)
         with self._lock:  # what the core will not apply now
-            inbox, self._inbox = self._inbox, _Inbox()
+            inbox, self._inbox = self._inbox, Inbox()
         self._fail_lora_changes(inbox.lora_changes, error)

@@ -32,7 +32,7 @@ from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.sequence import FinishReason, Sequence
 from pagedserve.settings import EngineSettings
 from pagedserve.telemetry import EngineMetrics, cache_config_labels
-from pagedserve.worker.executor import create_executor
+from pagedserve.worker.executor import Executor, create_executor
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,8 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        """`executor`: the one built for `config` unless given (an engine process's, EngineFace)."""
         from transformers import AutoTokenizer
 
         self.config = config
@@ -71,7 +72,7 @@ class LLMEngine:
             self.tokenizer.chat_template = config.chat_template
         self.eos_token_ids = _eos_token_ids(config.model.path, self.tokenizer)
         self._token_texts: dict[int, str] = {}  # token_text's: a token id's text, decoded once
-        self.executor = create_executor(config, self.eos_token_ids)
+        self.executor = executor or create_executor(config, self.eos_token_ids)
         self.num_kv_blocks = self.executor.num_kv_blocks
         block_manager = BlockManager(
             self.num_kv_blocks,
@@ -356,8 +357,16 @@ class LLMEngine:
             params._bad_words_token_ids = cached  # the engine's own: shared, never changed
             return
         params.update_from_tokenizer(self.tokenizer)
+        self.remember_bad_words(params)
+
+    def remember_bad_words(self, params: SamplingParams) -> None:
+        """Cache the token ids of `params`' bad words, tokenized by `tokenize_bad_words` (an engine
+        process takes its front end's: the same tokenizer, and tokenizing on its step thread would
+        stall every stream)."""
+        if not params.bad_words or params._bad_words_token_ids is None:
+            return
         with self._bad_words_lock:
-            self._bad_words_ids[key] = params._bad_words_token_ids
+            self._bad_words_ids[tuple(params.bad_words)] = params._bad_words_token_ids
             while len(self._bad_words_ids) > _BAD_WORDS_CACHE_SIZE:
                 self._bad_words_ids.popitem(last=False)
 

@@ -109,6 +109,13 @@ class ServeSettings(EngineSettings):
         "when an endpoint is set; OTLP over OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, grpc or http/protobuf)",
     )
     warmup: bool = Field(True, description="generate one token before reporting ready")
+    engine_process: bool = Field(
+        False,
+        description="step the engine in a process of its own, the front end (gRPC, HTTP, tokenizing, "
+        "metrics) in this one, as vLLM serves: the two no longer take turns on one interpreter, which "
+        "costs most where steps are short (a GPU); an engine process that dies turns the server "
+        "NOT_SERVING. Not under a launcher (torchrun)",
+    )
     grpc_keepalive_time: float = Field(
         30.0,
         ge=0,
@@ -277,11 +284,13 @@ def _exit_now(code: int) -> NoReturn:
     thread, for as long as loading takes (minutes for a large model, up to the start-up timeout for a
     tensor-parallel rendezvous), while an orchestrator waits and then kills. Nothing it built needs
     more than the process's end, except the ranks it started."""
+    from pagedserve.engine.core_process import stop_engine_processes
     from pagedserve.worker.multiproc_executor import stop_spawned_ranks
 
     for sig in (signal.SIGTERM, signal.SIGINT):  # already exiting: another signal must not cut this short
         signal.signal(sig, signal.SIG_IGN)
     stop_spawned_ranks()
+    stop_engine_processes()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -299,6 +308,11 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
         under_launcher = launch_env() is not None
     except ValueError as exc:  # the launcher's own variables, half set or not numbers
         raise SettingsError(str(exc)) from None
+    if under_launcher and settings.engine_process:
+        raise SettingsError(
+            f"{setting_source('engine_process', flags)}: not under a launcher (torchrun): its rank 0 "
+            "steps the engine in the process the launcher started"
+        )
     stop = None if under_launcher else catch_stop_signals()
 
     from pagedserve_adapters.grpc_service import SERVICE as INFERENCE_SERVICE
@@ -421,12 +435,14 @@ async def _run(
 async def _start(server: Server, startup: _Startup, settings: ServeSettings, flags: set[str]) -> LLMEngine:
     """Load the model (unless built already), bind it to the server and warm up: the engine, ready."""
     from pagedserve.engine.async_engine import AsyncEngine, in_torch_thread
+    from pagedserve.engine.core_process import EngineFace
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.errors import InvalidRequestError
 
     if startup.llm is None:
+        build = EngineFace.from_settings if settings.engine_process else LLMEngine.from_settings
         try:
-            startup.llm = await in_torch_thread(LLMEngine.from_settings, settings)
+            startup.llm = await in_torch_thread(build, settings)
         except asyncio.CancelledError:  # the load itself cannot be cancelled: it goes on in its thread
             startup.load_abandoned = True
             raise

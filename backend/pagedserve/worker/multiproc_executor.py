@@ -86,7 +86,8 @@ _spawning_stopped = False
 
 
 class StartupError(RuntimeError):
-    """Tensor-parallel start-up failed: a rank exited, or never started (its own error is in the log)."""
+    """Start-up failed: a tensor-parallel rank or the engine process exited, or a rank never started
+    (its own error is in the log)."""
 
 
 class OutOfStepError(EngineDeadError):

@@ -1,0 +1,376 @@
+"""The engine core in a process of its own (`serve --engine-process`), as vLLM serves: the front end
+(gRPC, HTTP, tokenizing, validation, metrics) stays in the server's process and the engine steps in
+another, so that neither waits for the other's interpreter. On one interpreter a GPU's short steps
+wait for the writers of the last step's tokens (bench/README.md, "Serving over gRPC").
+
+    front end (AsyncEngine, EngineFace)           engine process (`python -m` this module)
+    sender thread: (INBOX, n, inbox)  ──────────▶ takes every inbox waiting, applies them as one
+                                                  (run_pass), steps
+    reader thread: AsyncEngine._on_core_pass ◀─── CorePass: the inboxes it applied, the pass, the
+                                                  engine's stats, its metric calls
+    shutdown: (STOP,)                 ──────────▶ exits (stopping its tensor-parallel ranks)
+
+The front end keeps an LLMEngine without a model (`EngineFace`): the tokenizer, the config, the
+checks of a request (a scheduler of the same size that never runs), the Prometheus metrics (the
+engine process's calls to its own replayed on them) and the LoRA adapters' names; its stats are the
+engine's after its last pass. The engine process compiles grammars and tokenizes bad words again
+for itself (cached after the first request that uses them).
+
+Faults: a pass that faults goes out with its fault, and the engine process then only waits for STOP.
+The process exiting (killed, crashed) ends the reader's stream: the front end fails every request
+with EngineDeadError naming the exit, and `check_health` reports it (health turns NOT_SERVING).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import logging
+import os
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, cast
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.engine.core import Inbox, Pass, run_pass
+from pagedserve.engine.llm_engine import EngineStats, LLMEngine
+from pagedserve.errors import EngineDeadError
+from pagedserve.telemetry import EngineMetrics
+from pagedserve.worker.executor import Executor
+from pagedserve.worker.multiproc_executor import StartupError
+
+logger = logging.getLogger(__name__)
+
+_INBOX, _STOP = "inbox", "stop"
+_IDLE_POLL_S = 0.2  # an idle engine process checks its ranks' health this often
+_STOP_GRACE_S = 10.0  # for the engine process to stop its ranks and exit, before it is killed
+
+# Every engine process this process started, for stop_engine_processes() (an exit while one loads).
+_started: list[subprocess.Popen[bytes]] = []
+_started_lock = threading.Lock()
+
+
+@dataclass
+class _Ready:
+    """The engine process has built its engine."""
+
+    num_kv_blocks: int
+    num_cpu_blocks: int
+    stats: EngineStats
+
+
+@dataclass
+class _Failed:
+    """The engine process could not build its engine: what LLMEngine raised (ValueError: a setting)."""
+
+    error: BaseException
+
+
+@dataclass
+class CorePass:
+    """One pass of the engine process, for the front end."""
+
+    numbers: list[int]  # the inboxes it applied, in the order sent
+    done: Pass  # its inbox left empty: the front end holds the inboxes it sent
+    stats: EngineStats | None  # after the pass (None: the process is gone)
+    metric_calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
+    lora_paths: dict[str, str] | None = None  # the adapters loaded, after a pass that changed them
+
+
+class _MetricCalls:
+    """The engine process's EngineMetrics: the calls LLMEngine makes, kept to be replayed on the front
+    end's (the same objects: a pass's deltas and its record_step's are pickled together)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def take(self) -> list[tuple[str, tuple[Any, ...]]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+    def _call(self, name: str, *args: Any) -> None:
+        self.calls.append((name, args))
+
+    def set_cache_config_info(self, *args: Any) -> None:
+        self._call("set_cache_config_info", *args)
+
+    def set_num_lora_adapters(self, *args: Any) -> None:
+        self._call("set_num_lora_adapters", *args)
+
+    def set_lora_in_use(self, *args: Any) -> None:
+        self._call("set_lora_in_use", *args)
+
+    def record_step(self, *args: Any) -> None:
+        self._call("record_step", *args)
+
+    def record_aborted(self, *args: Any) -> None:
+        self._call("record_aborted", *args)
+
+
+# -- the front end's side ----------------------------------------------------------------------------
+
+
+class EngineProcess(Executor):
+    """The front end's handle on the engine process, and its EngineFace's executor (whose health and
+    shutdown are the process's). Starting it builds the engine there and waits until it is built."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.tensor_parallel_size = config.parallel.tensor_parallel_size
+        ours, theirs = socket.socketpair()
+        # the same import path as this process, as multiprocessing's spawn does
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        with _started_lock:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(theirs.fileno())],
+                stdin=subprocess.PIPE,
+                pass_fds=(theirs.fileno(),),
+                env=env,
+            )
+            _started.append(self._proc)
+        theirs.close()
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(pickle.dumps(config))
+        self._proc.stdin.close()
+        self._conn = Connection(ours.detach())
+        self._outbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._sent: dict[int, Inbox] = {}  # by number, until a pass applies it
+        self._next_number = 0
+        self._dead_reason: str | None = None
+        self._shut_down = False
+        try:
+            ready = self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.wait()
+            raise StartupError(f"the engine process {self._exit()} while starting") from None
+        if isinstance(ready, _Failed):
+            self._proc.wait()
+            raise ready.error
+        self.ready: _Ready = ready
+        self.num_kv_blocks, self.num_cpu_blocks = ready.num_kv_blocks, ready.num_cpu_blocks
+        # the loop never waits on the socket: an inbox sent while the engine process is itself
+        # waiting to send a pass (the reader held back, _MAX_PASSES_AHEAD) would deadlock them
+        threading.Thread(target=self._send_all, name="pagedserve-core-sender", daemon=True).start()
+        atexit.register(self.shutdown)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def send(self, inbox: Inbox) -> None:
+        """Queue an inbox for the engine process (kept here, with its callers' futures, until a pass
+        applies it)."""
+        number, self._next_number = self._next_number, self._next_number + 1
+        self._sent[number] = inbox
+        self._outbox.put((_INBOX, number, inbox.for_sending()))
+
+    def take_inboxes(self, numbers: list[int] | None) -> Inbox:
+        """The inboxes a pass applied, as one; None: every inbox sent and not applied (a fault: the
+        engine process applies no more)."""
+        merged = Inbox()
+        for number in list(self._sent) if numbers is None else numbers:
+            merged.take_in(self._sent.pop(number))
+        return merged
+
+    def receive(self) -> CorePass:
+        """The next pass (on the reader thread). Raises EngineDeadError once the process has gone."""
+        try:
+            return cast(CorePass, self._conn.recv())
+        except (EOFError, OSError):
+            pass
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(_STOP_GRACE_S)
+        self._dead_reason = self._dead_reason or f"the engine process {self._exit()}"
+        raise EngineDeadError(self._dead_reason)
+
+    def _send_all(self) -> None:
+        while True:
+            message = self._outbox.get()
+            try:
+                self._conn.send(message)
+            except OSError:  # the process has gone: the reader reports it
+                return
+            if message[0] == _STOP:
+                return
+
+    def _exit(self) -> str:
+        code = self._proc.poll()
+        if code is None:
+            return "closed its connection"
+        if code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+    # -- Executor: what the EngineFace asks of its executor ----------------------------------------
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        raise RuntimeError("the engine process runs the steps")
+
+    def load_lora(self, name: str, path: str) -> None:
+        raise RuntimeError("the engine process loads LoRA adapters (AsyncEngine.load_lora_adapter)")
+
+    def unload_lora(self, name: str) -> None:
+        raise RuntimeError("the engine process unloads LoRA adapters (AsyncEngine.unload_lora_adapter)")
+
+    def check_health(self) -> None:
+        if self._dead_reason is None and self._proc.poll() is not None:
+            self._dead_reason = f"the engine process {self._exit()}"
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+
+    def shutdown(self) -> None:
+        """Stop the engine process (it stops its ranks), killing it after a grace. Idempotent."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self._outbox.put((_STOP,))
+        try:
+            self._proc.wait(_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("the engine process did not stop within %.0f s: killed", _STOP_GRACE_S)
+            self._proc.kill()
+            self._proc.wait()
+        # (the connection is left to close with this object: the reader thread may still be in it)
+
+
+class EngineFace(LLMEngine):
+    """The front end's LLMEngine while the engine runs in a process of its own (see the module's
+    docstring): everything of an LLMEngine but the steps; `stats` are the engine process's."""
+
+    executor: EngineProcess
+
+    def __init__(self, config: EngineConfig) -> None:
+        process = EngineProcess(config)
+        try:
+            super().__init__(config, executor=process)
+        except BaseException:
+            process.shutdown()
+            raise
+        self._stats = process.ready.stats
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def follow(self, core_pass: CorePass) -> None:
+        """Take in a pass's stats, LoRA adapters and metrics (before its deltas are handed out)."""
+        if core_pass.stats is not None:
+            self._stats = core_pass.stats
+        if core_pass.lora_paths is not None:
+            self._lora_paths = core_pass.lora_paths
+            self._serves_lora = True
+        for name, args in core_pass.metric_calls:
+            getattr(self.metrics, name)(*args)
+
+    def step(self) -> list[Any]:
+        raise RuntimeError("the engine process runs the steps")
+
+
+def stop_engine_processes() -> None:
+    """Kill every engine process this process started (it exits at once, one may be loading)."""
+    with _started_lock:
+        for proc in _started:
+            if proc.poll() is None:
+                proc.kill()
+
+
+# -- the engine process's side -----------------------------------------------------------------------
+
+
+def serve(conn: Connection, config: EngineConfig) -> int:
+    """Build the engine, then run passes for the front end until it sends STOP or goes away."""
+    try:
+        llm = LLMEngine(config)
+    except Exception as exc:
+        conn.send(_Failed(_sendable(exc)))
+        return 1
+    recorder = _MetricCalls()
+    llm.metrics = cast(EngineMetrics, recorder)
+    try:
+        conn.send(_Ready(llm.num_kv_blocks, llm.executor.num_cpu_blocks, llm.stats()))
+        gc.collect()
+        gc.freeze()  # the model and the tokenizer out of the collector's scans (freeze_startup_heap)
+        _run_passes(conn, llm, recorder)
+    except (EOFError, OSError):  # the front end has gone
+        pass
+    finally:
+        llm.executor.shutdown()
+    return 0
+
+
+def _run_passes(conn: Connection, llm: LLMEngine, recorder: _MetricCalls) -> None:
+    numbers: list[int] = []
+    inbox, faulted = Inbox(), False
+    while True:
+        busy = not faulted and (numbers or llm.has_work())
+        timeout = 0.0 if busy else _IDLE_POLL_S
+        while conn.poll(timeout):
+            message = conn.recv()
+            if message[0] == _STOP:
+                return
+            _, number, sent = message
+            numbers.append(number)
+            inbox.take_in(sent)
+            timeout = 0.0
+        if faulted:
+            numbers, inbox = [], Inbox()  # nothing applies now; the front end fails them
+            continue
+        if not numbers and not llm.has_work():
+            try:
+                llm.executor.check_health()
+            except EngineDeadError as exc:
+                conn.send(CorePass([], Pass(Inbox(), fault=exc), llm.stats()))
+                faulted = True
+            continue
+        for add in inbox.adds:
+            llm.remember_bad_words(add.params)  # tokenized by the front end already
+        done = run_pass(llm, inbox, lambda num_adds: None)
+        changed_loras = bool(inbox.lora_changes)
+        done.inbox = Inbox()
+        done.lora_errors = [None if exc is None else _sendable(exc) for exc in done.lora_errors]
+        done.fault = None if done.fault is None else _sendable(done.fault)
+        lora_paths = {name: llm.lora_path(name) or "" for name in llm.lora_names} if changed_loras else None
+        conn.send(CorePass(numbers, done, llm.stats(), recorder.take(), lora_paths))
+        numbers, inbox = [], Inbox()
+        faulted = done.fault is not None
+
+
+def _sendable(exc: BaseException) -> BaseException:
+    """`exc` if it pickles, else a RuntimeError with its repr."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return RuntimeError(repr(exc))
+    return exc
+
+
+def _main() -> int:
+    # Ctrl-C in a terminal signals the whole foreground process group: the front end drains and then
+    # stops this process, which must not die of a KeyboardInterrupt first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config: EngineConfig = pickle.load(sys.stdin.buffer)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return serve(Connection(int(sys.argv[1])), config)
+
+
+if __name__ == "__main__":
+    # run the imported module's copy, the one that unpickling uses, not __main__'s
+    from pagedserve.engine.core_process import _main as main
+
+    code = main()
+    # nothing left to release (the ranks are stopped): the interpreter's teardown would only walk the
+    # frozen heap, and nanobind (triton) lists its objects still alive there as leaks
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)

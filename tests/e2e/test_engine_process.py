@@ -1,0 +1,231 @@
+"""`serve --engine-process`: the engine steps in a process of its own and the front end stays in the
+server's (engine/core_process.py). Over real gRPC, HTTP and processes: the greedy tokens are the
+offline engine's; the front end refuses bad requests itself; /metrics counts what the engine process
+did; a client's cancel frees its blocks there; the engine process killed fails every stream with
+INTERNAL naming it and turns health NOT_SERVING (exit 1 to be restarted); a signal while it loads
+leaves no engine process behind; and a launcher's rank refuses the flag. LoRA changes and the KV
+event feed through an engine process are in test_grpc_lora_runtime.py and test_grpc_kv_events.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_helpers import READINESS, ServerProcess, wait_until
+from inprocess_server import InProcessServer, is_idle, parse_metrics, wait_for
+from pagedserve.engine.async_engine import AsyncEngine, in_torch_thread
+from pagedserve.engine.core_process import EngineFace
+from pagedserve.rpc.server import Server, run_until_signalled
+from pagedserve.rpc.v1 import generate_pb2 as pb
+from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
+from pagedserve.settings import EngineSettings
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[1, *range(300 + 7 * i, 330 + 7 * i)] for i in range(4)]
+MAX_TOKENS = 16
+NO_HANG_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_llama_dir: str) -> Iterator[InProcessServer]:
+    server = InProcessServer(
+        tiny_llama_dir,
+        None,
+        dtype="float32",
+        served_model_name="tiny",
+        num_kv_blocks=128,
+        engine_process=True,
+    ).start()
+    yield server
+    server.stop()
+
+
+def request(request_id: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> pb.GenerateRequest:
+    params = pb.SamplingParameters(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt), sampling=params)
+
+
+def test_the_engine_process_streams_the_offline_engines_tokens(
+    srv: InProcessServer, tiny_llama_dir: str
+) -> None:
+    from pagedserve import LLM, SamplingParams
+
+    process = psutil.Process(srv.llm.executor.pid)
+    assert process.pid != os.getpid() and "pagedserve.engine.core_process" in process.cmdline()
+    calls = [srv.stub.Generate(request(f"same-{i}", p), timeout=60) for i, p in enumerate(PROMPTS)]
+    served = [[t for r in call for t in r.token_ids] for call in calls]  # all four ran at once
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128)
+    offline = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert served == [list(out.outputs[0].token_ids) for out in offline]
+    wait_for(lambda: is_idle(srv), what="the engine process idle")  # its stats, after its last pass
+
+
+def test_a_bad_request_is_refused_by_the_front_end_and_the_engine_serves_on(srv: InProcessServer) -> None:
+    max_len = srv.llm.config.model.max_model_len
+    with pytest.raises(grpc.RpcError) as info:
+        list(srv.stub.Generate(request("too-long", PROMPTS[0], max_tokens=max_len), timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("max_tokens: prompt (31 tokens) + max_tokens"), (
+        info.value.details()
+    )
+    assert (
+        len([t for r in srv.stub.Generate(request("after", PROMPTS[1]), timeout=60) for t in r.token_ids])
+        == 16
+    )
+
+
+def test_metrics_count_what_the_engine_process_did(srv: InProcessServer) -> None:
+    def samples() -> dict[str, float]:
+        scraped = parse_metrics(urlopen_text(srv.http_url("/metrics")))
+        labels = (("model_name", "tiny"),)
+        return {
+            name: scraped.get((name, labels), 0.0)
+            for name in (
+                "vllm:generation_tokens_total",
+                "vllm:prompt_tokens_total",
+                "vllm:num_requests_running",
+            )
+        }
+
+    before = samples()
+    assert (
+        len(
+            [t for r in srv.stub.Generate(request("counted", PROMPTS[2], 9), timeout=60) for t in r.token_ids]
+        )
+        == 9
+    )
+    after = samples()  # a pass's metric calls are replayed before its deltas are handed out
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 9
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == len(PROMPTS[2])
+    assert after["vllm:num_requests_running"] == 0
+
+
+def urlopen_text(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        return str(reply.read().decode())
+
+
+def test_a_client_cancel_frees_the_request_in_the_engine_process(srv: InProcessServer) -> None:
+    llm = srv.llm
+    labels = {"model_name": "tiny", "cause": "client_cancel"}
+    cancels = llm.metrics.registry.get_sample_value("pagedserve:request_aborts_total", labels) or 0.0
+    call = srv.stub.Generate(request("cancelled", PROMPTS[3], max_tokens=400), timeout=60)
+    assert len(next(call).token_ids) == 1
+    wait_for(lambda: llm.stats().num_running == 1, what="the request running in the engine process")
+    call.cancel()
+    wait_for(lambda: is_idle(srv), what="its blocks freed in the engine process")
+    assert llm.metrics.registry.get_sample_value("pagedserve:request_aborts_total", labels) == cancels + 1
+
+
+def test_a_killed_engine_process_fails_every_stream_and_turns_health_not_serving(tiny_llama_dir: str) -> None:
+    """As a worker rank's death: every call ends INTERNAL within seconds naming the engine process's
+    end, health goes NOT_SERVING, new calls are UNAVAILABLE, and serve exits 1 to be restarted."""
+
+    async def scenario() -> None:
+        settings = EngineSettings(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128, max_num_seqs=2)
+        face = await in_torch_thread(EngineFace.from_settings, settings)
+        server = Server()
+        port = server.add_port("127.0.0.1:0")
+        await server.open()
+        try:
+            await server.start(AsyncEngine(face))
+            watcher = asyncio.create_task(server.watch_engine())
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub, health = pb_grpc.GenerationStub(channel), health_pb2_grpc.HealthStub(channel)
+                running = [stub.Generate(request(f"r{i}", PROMPTS[i], max_tokens=900)) for i in range(2)]
+                for call in running:
+                    assert len((await call.read()).token_ids) == 1
+                queued = stub.Generate(request("queued", PROMPTS[2], max_tokens=900))
+                async with asyncio.timeout(NO_HANG_S):
+                    while face.stats().num_waiting != 1:  # as the engine process last reported
+                        await asyncio.sleep(0.02)
+                os.kill(face.executor.pid, signal.SIGKILL)
+                for call in [*running, queued]:
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        async with asyncio.timeout(NO_HANG_S):
+                            while await call.read() is not grpc.aio.EOF:
+                                pass
+                    assert info.value.code() == grpc.StatusCode.INTERNAL
+                    assert "the engine process was killed by SIGKILL" in (info.value.details() or "")
+                await asyncio.wait_for(watcher, NO_HANG_S)
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=READINESS), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Generate(request("late", PROMPTS[0], 2), timeout=NO_HANG_S).read()
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert await asyncio.wait_for(run_until_signalled(server, 5.0), NO_HANG_S) == 1
+        finally:
+            await server.stop(grace=0.5)
+
+    asyncio.run(scenario())
+
+
+def test_a_signal_while_the_engine_process_loads_leaves_no_engine_process_behind(
+    default_model_dir: str, tmp_path: Path
+) -> None:
+    proc = ServerProcess(
+        "--model", default_model_dir, "--dtype", "float32", "--engine-process", log=tmp_path / "server.log"
+    )
+    try:
+        assert wait_until(lambda: engine_process_of(proc) is not None or proc.proc.poll() is not None, 120)
+        engine = engine_process_of(proc)
+        assert engine is not None, proc.log.read_text()[-3000:]
+        assert proc.readiness() != health_pb2.HealthCheckResponse.SERVING
+        proc.proc.send_signal(signal.SIGTERM)
+        code = proc.proc.wait(timeout=60)
+        # killed on the way out: left alone it would go on loading for seconds before finding its
+        # front end gone
+        assert wait_until(lambda: not alive(engine), 2), f"engine process {engine.pid} still runs"
+    finally:
+        proc.stop()
+    log = proc.log.read_text()
+    assert code == 0, log[-3000:]
+    assert "signalled while starting (loading the model)" in log and "Traceback" not in log, log[-3000:]
+
+
+def engine_process_of(proc: ServerProcess) -> psutil.Process | None:
+    for child in psutil.Process(proc.proc.pid).children():
+        try:
+            if "pagedserve.engine.core_process" in child.cmdline():
+                return child
+        except psutil.NoSuchProcess:
+            pass
+    return None
+
+
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_launchers_rank_refuses_the_flag(tiny_llama_dir: str) -> None:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    }
+    command = [sys.executable, "-m", "pagedserve", "serve", "--model", tiny_llama_dir, "--port", "0"]
+    done = subprocess.run(
+        [*command, "--http-port", "-1", "--engine-process"],
+        env={**env, "WORLD_SIZE": "2", "RANK": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "pagedserve serve: error: --engine-process: not under a launcher (torchrun)" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
