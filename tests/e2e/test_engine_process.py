@@ -9,6 +9,7 @@ event feed through an engine process are in test_grpc_lora_runtime.py and test_g
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -68,6 +69,54 @@ def test_the_engine_process_streams_the_offline_engines_tokens(
     offline = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     assert served == [list(out.outputs[0].token_ids) for out in offline]
     wait_for(lambda: is_idle(srv), what="the engine process idle")  # its stats, after its last pass
+
+
+PAIR = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+    "required": ["a", "b"],
+}
+
+
+def test_grammars_and_bad_words_reach_the_engine_process_while_it_steps(
+    srv: InProcessServer, tiny_llama_dir: str
+) -> None:
+    """A JSON schema (compiled again on the engine process's grammar thread) and bad words (tokenized
+    by the front end) sent while another stream runs: the offline engine's tokens for each."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.sampling_params import StructuredOutputsParams
+
+    running = srv.stub.Generate(request("running", PROMPTS[0], max_tokens=200), timeout=60)
+    assert len(next(running).token_ids) == 1
+    json_params = pb.SamplingParameters(
+        temperature=0, max_tokens=40, structured_outputs=pb.StructuredOutputs(json=json.dumps(PAIR))
+    )
+    words_params = pb.SamplingParameters(
+        temperature=0, max_tokens=12, ignore_eos=True, bad_words=["the", " a"]
+    )
+    calls = [
+        srv.stub.Generate(
+            pb.GenerateRequest(request_id=f"r{i}", token_ids=pb.TokenIds(ids=PROMPTS[i]), sampling=p)
+        )
+        for i, p in ((1, json_params), (2, words_params))
+    ]
+    served = [[t for r in call for t in r.token_ids] for call in calls]
+    assert len([t for r in running for t in r.token_ids]) == 199
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128)
+    offline = [
+        llm.generate(
+            [PROMPTS[1]],
+            SamplingParams(
+                temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=PAIR)
+            ),
+        ),
+        llm.generate(
+            [PROMPTS[2]],
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=["the", " a"]),
+        ),
+    ]
+    assert served == [list(out[0].outputs[0].token_ids) for out in offline]
+    assert llm.engine.decode(served[0]).lstrip().startswith("{")  # (40 tokens of a random model's JSON)
 
 
 def test_a_bad_request_is_refused_by_the_front_end_and_the_engine_serves_on(srv: InProcessServer) -> None:
