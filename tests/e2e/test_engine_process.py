@@ -278,3 +278,86 @@ def test_a_launchers_rank_refuses_the_flag(tiny_llama_dir: str) -> None:
     assert done.returncode == 2, done.stderr[-3000:]
     assert "pagedserve serve: error: --engine-process: not under a launcher (torchrun)" in done.stderr
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def serve_with_engine_process(tiny_llama_dir: str, log: Path) -> ServerProcess:
+    flags = ["--model", tiny_llama_dir, "--dtype", "float32", "--num-kv-blocks", "128", "--engine-process"]
+    return ServerProcess(*flags, log=log).wait_ready()
+
+
+def test_sigterm_drains_the_streams_then_stops_the_engine_process(
+    tiny_llama_dir: str, tmp_path: Path
+) -> None:
+    """`pagedserve serve --engine-process` as an orchestrator stops it: the stream in flight ends whole,
+    serve exits 0, and its engine process is gone with it."""
+    proc = serve_with_engine_process(tiny_llama_dir, tmp_path / "server.log")
+    try:
+        engine = engine_process_of(proc)
+        assert engine is not None
+        call = proc.stub.Generate(request("drained", PROMPTS[0], max_tokens=300), timeout=60)
+        first = next(call)
+        proc.proc.terminate()
+        rest = list(call)
+        assert rest[-1].finish_reason == pb.LENGTH
+        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 300
+        assert proc.proc.wait(timeout=60) == 0
+        assert wait_until(lambda: not alive(engine), 10), f"engine process {engine.pid} still runs"
+    finally:
+        proc.stop()
+    assert "Traceback" not in proc.log.read_text()
+
+
+def test_an_engine_process_whose_server_was_killed_exits(tiny_llama_dir: str, tmp_path: Path) -> None:
+    """SIGKILL leaves the server no time to stop it: the engine process finds its connection closed
+    (idle, within its 0.2 s poll; stepping, at its next send) and exits rather than hold the memory."""
+    proc = serve_with_engine_process(tiny_llama_dir, tmp_path / "server.log")
+    try:
+        engine = engine_process_of(proc)
+        assert engine is not None
+        call = proc.stub.Generate(request("orphaned", PROMPTS[1], max_tokens=900), timeout=60)
+        next(call)  # stepping
+        proc.proc.kill()
+        assert wait_until(lambda: not alive(engine), 20), f"engine process {engine.pid} still runs"
+    finally:
+        proc.stop()
+
+
+def test_a_setting_only_the_engine_can_check_exits_2_naming_it(tiny_llama_dir: str) -> None:
+    """The engine process raises it while it builds the engine; the front end reports it as the engine
+    on the server's thread would have."""
+    command = [sys.executable, "-m", "pagedserve", "serve", "--model", tiny_llama_dir, "--port", "0"]
+    done = subprocess.run(
+        [*command, "--http-port", "-1", "--engine-process", "--kv-cache-memory", "1KiB"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "pagedserve serve: error: --kv-cache-memory: 1024 bytes is less than one KV block" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def test_tensor_parallel_ranks_under_the_engine_process(tiny_llama_dir: str, tmp_path: Path) -> None:
+    """--tensor-parallel-size 2: the engine process is rank 0 and starts rank 1 itself; the tokens are
+    the offline engine's (one rank), and SIGTERM leaves neither process behind."""
+    from pagedserve import LLM, SamplingParams
+
+    flags = ["--model", tiny_llama_dir, "--dtype", "float32", "--num-kv-blocks", "128", "--engine-process"]
+    proc = ServerProcess(*flags, "--tensor-parallel-size", "2", log=tmp_path / "server.log").wait_ready()
+    try:
+        engine = engine_process_of(proc)
+        assert engine is not None
+        ranks = [p for p in engine.children() if "pagedserve.worker.multiproc_executor" in p.cmdline()]
+        assert len(ranks) == 1
+        assert proc.stub.ModelInfo(pb.ModelInfoRequest(), timeout=10).tensor_parallel_size == 2
+        served = [t for r in proc.stub.Generate(request("tp", PROMPTS[0]), timeout=60) for t in r.token_ids]
+        proc.proc.terminate()
+        assert proc.proc.wait(timeout=60) == 0
+        assert wait_until(lambda: not alive(engine) and not alive(ranks[0]), 20)
+    finally:
+        proc.stop()
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128)
+    offline = llm.generate(
+        [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    )
+    assert served == list(offline[0].outputs[0].token_ids)

@@ -292,6 +292,8 @@ def serve(conn: Connection, config: EngineConfig) -> int:
     try:
         llm = LLMEngine(config)
     except Exception as exc:
+        if not isinstance(exc, ValueError):  # (a setting's error: the front end reports it, exit 2)
+            logger.exception("the engine could not be built")
         conn.send(_Failed(_sendable(exc)))
         return 1
     recorder = _MetricCalls()
