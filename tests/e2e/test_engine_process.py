@@ -267,17 +267,23 @@ def test_a_launchers_rank_refuses_the_flag(tiny_llama_dir: str) -> None:
         for k, v in os.environ.items()
         if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     }
+    stderr = refused_at_start(tiny_llama_dir, env={**env, "WORLD_SIZE": "2", "RANK": "0"})
+    assert "pagedserve serve: error: --engine-process: not under a launcher (torchrun)" in stderr
+
+
+def refused_at_start(tiny_llama_dir: str, *flags: str, env: dict[str, str] | None = None) -> str:
+    """`serve --engine-process` with `flags` exits 2 without a traceback: its stderr."""
     command = [sys.executable, "-m", "pagedserve", "serve", "--model", tiny_llama_dir, "--port", "0"]
     done = subprocess.run(
-        [*command, "--http-port", "-1", "--engine-process"],
-        env={**env, "WORLD_SIZE": "2", "RANK": "0"},
+        [*command, "--http-port", "-1", "--engine-process", *flags],
+        env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert done.returncode == 2, done.stderr[-3000:]
-    assert "pagedserve serve: error: --engine-process: not under a launcher (torchrun)" in done.stderr
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    return done.stderr
 
 
 def serve_with_engine_process(tiny_llama_dir: str, log: Path) -> ServerProcess:
@@ -325,16 +331,8 @@ def test_an_engine_process_whose_server_was_killed_exits(tiny_llama_dir: str, tm
 def test_a_setting_only_the_engine_can_check_exits_2_naming_it(tiny_llama_dir: str) -> None:
     """The engine process raises it while it builds the engine; the front end reports it as the engine
     on the server's thread would have."""
-    command = [sys.executable, "-m", "pagedserve", "serve", "--model", tiny_llama_dir, "--port", "0"]
-    done = subprocess.run(
-        [*command, "--http-port", "-1", "--engine-process", "--kv-cache-memory", "1KiB"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert "pagedserve serve: error: --kv-cache-memory: 1024 bytes is less than one KV block" in done.stderr
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    stderr = refused_at_start(tiny_llama_dir, "--kv-cache-memory", "1KiB")
+    assert "pagedserve serve: error: --kv-cache-memory: 1024 bytes is less than one KV block" in stderr
 
 
 def test_tensor_parallel_ranks_under_the_engine_process(tiny_llama_dir: str, tmp_path: Path) -> None:

@@ -283,7 +283,7 @@ def _exit_now(code: int) -> NoReturn:
     """Exit without the model load still running in the torch thread: interpreter exit would join that
     thread, for as long as loading takes (minutes for a large model, up to the start-up timeout for a
     tensor-parallel rendezvous), while an orchestrator waits and then kills. Nothing it built needs
-    more than the process's end, except the ranks it started."""
+    more than the process's end, except the ranks and the engine process it started."""
     from pagedserve.engine.core_process import stop_engine_processes
     from pagedserve.worker.multiproc_executor import stop_spawned_ranks
 
