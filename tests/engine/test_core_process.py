@@ -6,12 +6,15 @@ thread's core merges them (a later abort replaces an earlier one, the later KV s
 from __future__ import annotations
 
 import json
+import pickle
+import threading
 import time
 import uuid
 
 from pagedserve.engine.core import Abort, Add, Inbox
-from pagedserve.engine.core_process import _Admission
+from pagedserve.engine.core_process import _Admission, _sendable
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.errors import AdapterInUseError
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.settings import EngineSettings
 
@@ -60,3 +63,21 @@ def test_inboxes_merge_as_the_torch_threads_core_merges_them() -> None:
     sent = merged.for_sending()
     assert sent.lora_changes == [("unload_lora_adapter", ("x",), None)] and sent.adds == merged.adds
     assert sent.aborts is not merged.aborts  # a copy: the front end's inbox stays as it was
+
+
+class _Unpicklable(RuntimeError):
+    def __init__(self) -> None:
+        super().__init__("holds a lock")
+        self.lock = threading.Lock()
+
+
+def test_an_error_that_does_not_pickle_crosses_as_its_repr() -> None:
+    """A fault or a LoRA change's error goes to the front end pickled: one that cannot be still says
+    what it was, and one that can keeps its type and field (InvalidRequestError names the field)."""
+    crossed = pickle.loads(pickle.dumps(_sendable(_Unpicklable())))
+    assert type(crossed) is RuntimeError and str(crossed) == "_Unpicklable('holds a lock')"
+    refused = pickle.loads(pickle.dumps(_sendable(AdapterInUseError("lora_name", "'sql' is in use"))))
+    assert type(refused) is AdapterInUseError and (refused.field, refused.message) == (
+        "lora_name",
+        "'sql' is in use",
+    )

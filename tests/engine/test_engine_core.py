@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 from pagedserve.engine.async_engine import AsyncEngine, KvEventBatch, _Stream, in_torch_thread
+from pagedserve.engine.core_process import EngineFace
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import EngineDeadError
 from pagedserve.outputs import RequestDelta, RequestMetrics
@@ -18,15 +20,21 @@ from pagedserve.settings import EngineSettings
 PROMPT = [1, 5, 9, 14]
 
 
-def test_the_engine_steps_on_while_the_event_loop_is_blocked(tiny_llama_dir: str) -> None:
+@pytest.mark.parametrize(
+    "build", [LLMEngine.from_settings, EngineFace.from_settings], ids=["thread", "process"]
+)
+def test_the_engine_steps_on_while_the_event_loop_is_blocked(
+    tiny_llama_dir: str, build: Callable[[EngineSettings], LLMEngine]
+) -> None:
     """The loop blocked after the first token (a long synchronous call on it): the engine generates
-    the rest meanwhile, and the reader then gets it in one delta. A loop that steps the engine itself
-    got one step done in that time, then one delta a step once it ran again."""
+    the rest meanwhile, on the torch thread or in its own process, and the reader then gets it in one
+    delta. A loop that steps the engine itself got one step done in that time, then one delta a step
+    once it ran again."""
     settings = EngineSettings(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
 
     async def scenario() -> tuple[list[RequestDelta], list[RequestDelta]]:
-        engine = AsyncEngine(await in_torch_thread(LLMEngine.from_settings, settings))
+        engine = AsyncEngine(await in_torch_thread(build, settings))
         engine.start()
         read_at_once = [delta async for delta in engine.generate("at-once", PROMPT, params)]
         blocked = []
