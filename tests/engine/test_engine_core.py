@@ -5,8 +5,10 @@ tokens, text and logprobs, in fewer deltas."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 from pagedserve.engine.async_engine import AsyncEngine, KvEventBatch, _Stream, in_torch_thread
@@ -237,3 +239,61 @@ def test_a_fault_fails_the_lora_change_of_its_pass_and_every_request(tiny_llama_
     assert len(received) == 1 and received[0].finish_reason == "error"
     assert "a bug in add_request" in (received[0].error or "")
     assert isinstance(error, EngineDeadError)
+
+
+class _FailingSemaphore(threading.Semaphore):
+    """The passes-ahead bound raising: an exception outside the engine's own code, in the core's loop."""
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        raise RuntimeError("injected outside the pass")
+
+
+def test_an_exception_escaping_the_core_fails_the_engine_rather_than_hang(tiny_llama_dir: str) -> None:
+    """`run_pass` catches the engine's faults; one raised in the core's own loop used to end its job
+    with the core still marked running: never started again, every stream waiting forever."""
+    settings = EngineSettings(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def scenario() -> tuple[list[RequestDelta], BaseException | None]:
+        engine = AsyncEngine(await in_torch_thread(LLMEngine.from_settings, settings))
+        engine._passes_ahead = _FailingSemaphore(16)
+        engine.start()
+        deltas = await asyncio.wait_for(collect(engine.generate("stranded", PROMPT, params)), 30)
+        engine.engine.executor.shutdown()
+        return deltas, engine.dead
+
+    deltas, dead = asyncio.run(scenario())
+    assert deltas[-1].finish_reason == "error"
+    assert "the engine core failed: RuntimeError('injected outside the pass')" in (deltas[-1].error or "")
+    assert isinstance(dead, EngineDeadError)
+
+
+def test_a_pass_the_front_end_cannot_read_fails_the_engine_rather_than_hang(tiny_llama_dir: str) -> None:
+    """The engine process's reader thread: an error reading a pass (other than the process's end)
+    used to end the thread, and with it every stream's hope of another delta."""
+    settings = EngineSettings(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def scenario() -> list[RequestDelta]:
+        face = await in_torch_thread(EngineFace.from_settings, settings)
+        engine = AsyncEngine(face)
+        real_receive = face.executor.receive
+
+        def receive() -> Any:
+            real_receive()
+            raise ValueError("a pass that does not unpickle")
+
+        face.executor.receive = receive  # type: ignore[method-assign]
+        engine.start()
+        try:
+            return await asyncio.wait_for(collect(engine.generate("unread", PROMPT, params)), 30)
+        finally:
+            await engine.stop()
+
+    deltas = asyncio.run(scenario())
+    assert deltas[-1].finish_reason == "error"
+    assert "could not be read: ValueError('a pass that does not unpickle')" in (deltas[-1].error or "")
+
+
+async def collect(deltas: AsyncIterator[RequestDelta]) -> list[RequestDelta]:
+    return [delta async for delta in deltas]

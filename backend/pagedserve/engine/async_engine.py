@@ -501,10 +501,19 @@ class AsyncEngine:
                 return
             if self._face is None:
                 self._core = self._loop.run_in_executor(_TORCH_THREAD, self._run_core)
+                self._core.add_done_callback(self._core_returned)
                 return
             inbox, self._inbox = self._inbox, Inbox()
         if inbox:
             self._face.executor.send(inbox)
+
+    def _core_returned(self, job: asyncio.Future[None]) -> None:
+        """On the loop: the core's job has ended. An exception that escaped it (`run_pass` catches
+        the engine's own; none other is known) fails the engine, rather than leave the core marked
+        running, never to be started again, and every stream waiting."""
+        if job.cancelled() or (exc := job.exception()) is None:
+            return
+        self.kill(EngineDeadError(f"the engine core failed: {exc!r}"))
 
     def _run_core(self) -> None:
         """Passes back to back while there is work: take the inbox, apply it, step, hand the pass to
@@ -549,6 +558,9 @@ class AsyncEngine:
                 core_pass = process.receive()
             except EngineDeadError as exc:
                 core_pass = CorePass([], Pass(Inbox(), fault=exc), None)
+            except Exception as exc:  # a pass that cannot be read: nothing after it can be trusted
+                fault = EngineDeadError(f"a pass of the engine process could not be read: {exc!r}")
+                core_pass = CorePass([], Pass(Inbox(), fault=fault), None)
             while not self._passes_ahead.acquire(timeout=0.1):
                 if self._stopping:
                     break
