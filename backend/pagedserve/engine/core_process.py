@@ -19,7 +19,8 @@ and compiles a request's grammar again on a thread of its own before the request
 
 Faults: a pass that faults goes out with its fault, and the engine process then only waits for STOP.
 The process exiting (killed, crashed) ends the reader's stream: the front end fails every request
-with EngineDeadError naming the exit, and `check_health` reports it (health turns NOT_SERVING).
+with EngineDeadError naming the exit, and `check_health` reports it (health turns NOT_SERVING). A
+pass the reader cannot read fails the engine the same way.
 """
 
 from __future__ import annotations
