@@ -49,8 +49,11 @@ def test_the_engine_steps_on_while_the_event_loop_is_blocked(
 
     read_at_once, blocked = asyncio.run(scenario())
     assert sum(len(d.new_token_ids) for d in read_at_once) == 12
-    assert [len(d.new_token_ids) for d in blocked] == [1, 11]
-    assert [d.num_output_tokens for d in blocked] == [1, 12]
+    # the tokens made while the loop was blocked come in one delta (a loaded machine's loop may have
+    # taken the first two steps' tokens together before it blocked: [2, 10] in one CI run)
+    sizes = [len(d.new_token_ids) for d in blocked]
+    assert len(sizes) == 2 and sizes[0] <= 3 and sum(sizes) == 12, sizes
+    assert [d.num_output_tokens for d in blocked] == [sizes[0], 12]
     assert [t for d in blocked for t in d.new_token_ids] == [t for d in read_at_once for t in d.new_token_ids]
     assert "".join(d.new_text for d in blocked) == "".join(d.new_text for d in read_at_once)
     merged = blocked[1].new_logprobs
