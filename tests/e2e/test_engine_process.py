@@ -173,8 +173,10 @@ def test_a_client_cancel_frees_the_request_in_the_engine_process(srv: InProcessS
     call = srv.stub.Generate(request("cancelled", PROMPTS[3], max_tokens=400), timeout=60)
     assert len(next(call).token_ids) == 1
     wait_for(lambda: llm.stats().num_running == 1, what="the request running in the engine process")
+    assert llm.has_unfinished_requests()  # the engine process's answer, not the face's idle scheduler
     call.cancel()
     wait_for(lambda: is_idle(srv), what="its blocks freed in the engine process")
+    assert not llm.has_unfinished_requests()
     assert llm.metrics.registry.get_sample_value("pagedserve:request_aborts_total", labels) == cancels + 1
 
 

@@ -263,6 +263,12 @@ class EngineFace(LLMEngine):
     def stats(self) -> EngineStats:
         return self._stats
 
+    def has_unfinished_requests(self) -> bool:
+        return self._stats.num_unfinished > 0  # the engine process's, after its last pass
+
+    def has_work(self) -> bool:
+        return self.has_unfinished_requests()
+
     def follow(self, core_pass: CorePass) -> None:
         """Take in a pass's stats, LoRA adapters and metrics (before its deltas are handed out)."""
         if core_pass.stats is not None:
