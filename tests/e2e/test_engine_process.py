@@ -87,7 +87,8 @@ def test_grammars_and_bad_words_reach_the_engine_process_while_it_steps(
     from pagedserve.sampling_params import StructuredOutputsParams
 
     running = srv.stub.Generate(request("running", PROMPTS[0], max_tokens=200), timeout=60)
-    assert len(next(running).token_ids) == 1
+    first = list(next(running).token_ids)  # running (a writer behind the engine may merge its first tokens)
+    assert first
     json_params = pb.SamplingParameters(
         temperature=0, max_tokens=40, structured_outputs=pb.StructuredOutputs(json=json.dumps(PAIR))
     )
@@ -101,7 +102,7 @@ def test_grammars_and_bad_words_reach_the_engine_process_while_it_steps(
         for i, p in ((1, json_params), (2, words_params))
     ]
     served = [[t for r in call for t in r.token_ids] for call in calls]
-    assert len([t for r in running for t in r.token_ids]) == 199
+    assert len(first) + len([t for r in running for t in r.token_ids]) == 200
     llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128)
     offline = [
         llm.generate(
@@ -171,7 +172,7 @@ def test_a_client_cancel_frees_the_request_in_the_engine_process(srv: InProcessS
     labels = {"model_name": "tiny", "cause": "client_cancel"}
     cancels = llm.metrics.registry.get_sample_value("pagedserve:request_aborts_total", labels) or 0.0
     call = srv.stub.Generate(request("cancelled", PROMPTS[3], max_tokens=400), timeout=60)
-    assert len(next(call).token_ids) == 1
+    assert next(call).token_ids  # running (a writer behind the engine may merge its first tokens)
     wait_for(lambda: llm.stats().num_running == 1, what="the request running in the engine process")
     assert llm.has_unfinished_requests()  # the engine process's answer, not the face's idle scheduler
     call.cancel()
@@ -197,7 +198,7 @@ def test_a_killed_engine_process_fails_every_stream_and_turns_health_not_serving
                 stub, health = pb_grpc.GenerationStub(channel), health_pb2_grpc.HealthStub(channel)
                 running = [stub.Generate(request(f"r{i}", PROMPTS[i], max_tokens=900)) for i in range(2)]
                 for call in running:
-                    assert len((await call.read()).token_ids) == 1
+                    assert (await call.read()).token_ids  # running
                 queued = stub.Generate(request("queued", PROMPTS[2], max_tokens=900))
                 async with asyncio.timeout(NO_HANG_S):
                     while face.stats().num_waiting != 1:  # as the engine process last reported
