@@ -8,7 +8,6 @@ event feed through an engine process are in test_grpc_lora_runtime.py and test_g
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -20,15 +19,10 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_helpers import READINESS, ServerProcess, wait_until
+from grpc_health.v1 import health_pb2
+from grpc_helpers import ServerProcess, wait_until
 from inprocess_server import InProcessServer, is_idle, parse_metrics, wait_for
-from pagedserve.engine.async_engine import AsyncEngine, in_torch_thread
-from pagedserve.engine.core_process import EngineFace
-from pagedserve.rpc.server import Server, run_until_signalled
 from pagedserve.rpc.v1 import generate_pb2 as pb
-from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
-from pagedserve.settings import EngineSettings
 
 pytestmark = pytest.mark.slow
 
@@ -181,47 +175,36 @@ def test_a_client_cancel_frees_the_request_in_the_engine_process(srv: InProcessS
     assert llm.metrics.registry.get_sample_value("pagedserve:request_aborts_total", labels) == cancels + 1
 
 
-def test_a_killed_engine_process_fails_every_stream_and_turns_health_not_serving(tiny_llama_dir: str) -> None:
+def test_a_killed_engine_process_fails_every_stream_and_turns_health_not_serving(
+    tiny_llama_dir: str, tmp_path: Path
+) -> None:
     """As a worker rank's death: every call ends INTERNAL within seconds naming the engine process's
-    end, health goes NOT_SERVING, new calls are UNAVAILABLE, and serve exits 1 to be restarted."""
+    end, health leaves SERVING, and serve exits 1 to be restarted."""
 
-    async def scenario() -> None:
-        settings = EngineSettings(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128, max_num_seqs=2)
-        face = await in_torch_thread(EngineFace.from_settings, settings)
-        server = Server()
-        port = server.add_port("127.0.0.1:0")
-        await server.open()
-        try:
-            await server.start(AsyncEngine(face))
-            watcher = asyncio.create_task(server.watch_engine())
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub, health = pb_grpc.GenerationStub(channel), health_pb2_grpc.HealthStub(channel)
-                running = [stub.Generate(request(f"r{i}", PROMPTS[i], max_tokens=900)) for i in range(2)]
-                for call in running:
-                    assert (await call.read()).token_ids  # running
-                queued = stub.Generate(request("queued", PROMPTS[2], max_tokens=900))
-                async with asyncio.timeout(NO_HANG_S):
-                    while face.stats().num_waiting != 1:  # as the engine process last reported
-                        await asyncio.sleep(0.02)
-                os.kill(face.executor.pid, signal.SIGKILL)
-                for call in [*running, queued]:
-                    with pytest.raises(grpc.aio.AioRpcError) as info:
-                        async with asyncio.timeout(NO_HANG_S):
-                            while await call.read() is not grpc.aio.EOF:
-                                pass
-                    assert info.value.code() == grpc.StatusCode.INTERNAL
-                    assert "the engine process was killed by SIGKILL" in (info.value.details() or "")
-                await asyncio.wait_for(watcher, NO_HANG_S)
-                reply = await health.Check(health_pb2.HealthCheckRequest(service=READINESS), timeout=10)
-                assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await stub.Generate(request("late", PROMPTS[0], 2), timeout=NO_HANG_S).read()
-                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert await asyncio.wait_for(run_until_signalled(server, 5.0), NO_HANG_S) == 1
-        finally:
-            await server.stop(grace=0.5)
-
-    asyncio.run(scenario())
+    flags = ["--model", tiny_llama_dir, "--dtype", "float32", "--num-kv-blocks", "128", "--max-num-seqs", "2"]
+    proc = ServerProcess(*flags, "--engine-process", log=tmp_path / "server.log").wait_ready()
+    try:
+        engine = engine_process_of(proc)
+        assert engine is not None
+        running = [
+            proc.stub.Generate(request(f"r{i}", PROMPTS[i], max_tokens=900), timeout=60) for i in range(2)
+        ]
+        for call in running:
+            assert next(call).token_ids  # running
+        queued = proc.stub.Generate(request("queued", PROMPTS[2], max_tokens=900), timeout=60)
+        assert wait_until(
+            lambda: proc.stub.Health(pb.HealthRequest(), timeout=10).num_waiting == 1, NO_HANG_S
+        )
+        engine.kill()
+        for call in [*running, queued]:
+            with pytest.raises(grpc.RpcError) as info:
+                list(call)
+            assert info.value.code() == grpc.StatusCode.INTERNAL
+            assert "the engine process was killed by SIGKILL" in (info.value.details() or "")
+        assert wait_until(lambda: proc.readiness() != health_pb2.HealthCheckResponse.SERVING, NO_HANG_S)
+        assert proc.proc.wait(timeout=NO_HANG_S) == 1  # for the orchestrator to restart it
+    finally:
+        proc.stop()
 
 
 def test_a_signal_while_the_engine_process_loads_leaves_no_engine_process_behind(

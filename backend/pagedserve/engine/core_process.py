@@ -37,6 +37,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -49,7 +50,7 @@ from pagedserve.engine.llm_engine import EngineStats, LLMEngine
 from pagedserve.errors import EngineDeadError
 from pagedserve.telemetry import EngineMetrics
 from pagedserve.worker.executor import Executor
-from pagedserve.worker.multiproc_executor import StartupError
+from pagedserve.worker.multiproc_executor import StartupError, describe_exit, stop_processes
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,15 @@ class CorePass:
     lora_paths: dict[str, str] | None = None  # the adapters loaded, after a pass that changed them
 
 
+def _recorded(name: str) -> Callable[..., None]:
+    """A method of _MetricCalls: keeps the call `name(*args)`."""
+
+    def record(self: _MetricCalls, *args: Any) -> None:
+        self.calls.append((name, args))
+
+    return record
+
+
 class _MetricCalls:
     """The engine process's EngineMetrics: the calls LLMEngine makes, kept to be replayed on the front
     end's (the same objects: a pass's deltas and its record_step's are pickled together)."""
@@ -101,23 +111,11 @@ class _MetricCalls:
         calls, self.calls = self.calls, []
         return calls
 
-    def _call(self, name: str, *args: Any) -> None:
-        self.calls.append((name, args))
-
-    def set_cache_config_info(self, *args: Any) -> None:
-        self._call("set_cache_config_info", *args)
-
-    def set_num_lora_adapters(self, *args: Any) -> None:
-        self._call("set_num_lora_adapters", *args)
-
-    def set_lora_in_use(self, *args: Any) -> None:
-        self._call("set_lora_in_use", *args)
-
-    def record_step(self, *args: Any) -> None:
-        self._call("record_step", *args)
-
-    def record_aborted(self, *args: Any) -> None:
-        self._call("record_aborted", *args)
+    set_cache_config_info = _recorded("set_cache_config_info")
+    set_num_lora_adapters = _recorded("set_num_lora_adapters")
+    set_lora_in_use = _recorded("set_lora_in_use")
+    record_step = _recorded("record_step")
+    record_aborted = _recorded("record_aborted")
 
 
 # -- the front end's side ----------------------------------------------------------------------------
@@ -133,6 +131,7 @@ class EngineProcess(Executor):
         # the same import path as this process, as multiprocessing's spawn does
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         with _started_lock:
+            _started[:] = [proc for proc in _started if proc.poll() is None]
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", __name__, str(theirs.fileno())],
                 stdin=subprocess.PIPE,
@@ -207,11 +206,7 @@ class EngineProcess(Executor):
 
     def _exit(self) -> str:
         code = self._proc.poll()
-        if code is None:
-            return "closed its connection"
-        if code < 0:
-            return f"was killed by {signal.Signals(-code).name}"
-        return f"exited with code {code}"
+        return "closed its connection" if code is None else describe_exit(code)
 
     # -- Executor: what the EngineFace asks of its executor ----------------------------------------
 
@@ -236,12 +231,7 @@ class EngineProcess(Executor):
             return
         self._shut_down = True
         self._outbox.put((_STOP,))
-        try:
-            self._proc.wait(_STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            logger.warning("the engine process did not stop within %.0f s: killed", _STOP_GRACE_S)
-            self._proc.kill()
-            self._proc.wait()
+        stop_processes([self._proc], _STOP_GRACE_S)
         # (the connection is left to close with this object: the reader thread may still be in it)
 
 

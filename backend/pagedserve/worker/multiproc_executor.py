@@ -123,7 +123,7 @@ class MultiprocExecutor(Executor):
         except BaseException as exc:
             self._stopping.set()
             self._release()
-            _stop_processes(self._procs, 0.0)
+            stop_processes(self._procs, 0.0)
             if isinstance(exc, CollectiveError):
                 raise StartupError(f"tensor-parallel start-up failed: {self._reason(exc)}") from exc
             raise
@@ -212,7 +212,7 @@ class MultiprocExecutor(Executor):
                 with contextlib.suppress(EngineDeadError):
                     distributed.broadcast_object((_STOP, None))
             self._release()
-        _stop_processes(self._procs, _STOP_GRACE_S)
+        stop_processes(self._procs, _STOP_GRACE_S)
 
     # -- faults ---------------------------------------------------------------------------------------
 
@@ -231,7 +231,7 @@ class MultiprocExecutor(Executor):
             self._dead_reason = reason
         logger.error("tensor-parallel engine is dead: %s", reason)
         # the surviving ranks cannot go on without the dead one: stop them now
-        _stop_processes(self._procs, 0.0)
+        stop_processes(self._procs, 0.0)
 
     def _reason(self, exc: EngineDeadError) -> str:
         """Why the engine is dead: this rank's own step fault as it stands; after a failed collective,
@@ -500,7 +500,7 @@ def stop_spawned_ranks() -> None:
     with _spawn_lock:
         _spawning_stopped = True
         procs = list(_spawned)
-    _stop_processes(procs, 0.0)
+    stop_processes(procs, 0.0)
 
 
 def _check_local_devices(device: str, tp: int) -> None:
@@ -531,19 +531,19 @@ def _wait_started(store: TCPStore, procs: list[subprocess.Popen[bytes]]) -> None
 def _exited_ranks(procs: list[subprocess.Popen[bytes]]) -> str:
     """'' while every rank runs, else which ranks exited and how."""
     return "; ".join(
-        f"tensor-parallel rank {rank} (pid {proc.pid}) {_describe_exit(proc.returncode)}"
+        f"tensor-parallel rank {rank} (pid {proc.pid}) {describe_exit(proc.returncode)}"
         for rank, proc in enumerate(procs, start=1)
         if proc.poll() is not None
     )
 
 
-def _describe_exit(code: int) -> str:
+def describe_exit(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with code {code}"
 
 
-def _stop_processes(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+def stop_processes(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
     """Wait up to `grace_s` for the ranks to exit, then terminate, then kill."""
     deadline = time.monotonic() + grace_s
     for proc in procs:
