@@ -76,6 +76,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -474,18 +475,16 @@ def print_summary(summary: dict[str, Any], errors: list[str]) -> None:
             )
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of `minimum` or more."""
 
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        return value
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
-    return value
+    return parse
 
 
 def print_table(header: list[str], align: str, rows: list[list[str]]) -> None:
@@ -533,7 +532,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-warmup", type=int, default=2, help="short untimed requests first")
     parser.add_argument(
         "--warmup-rounds",
-        type=_non_negative_int,
+        type=_int_at_least(0),
         default=0,
         help="untimed rounds of the whole workload first, on every server and the offline engine "
         "(a GPU captures a CUDA graph the first time a batch size and context length come up)",
@@ -541,7 +540,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=3600.0, help="per-call deadline in seconds")
     parser.add_argument(
         "--rounds",
-        type=_positive_int,
+        type=_int_at_least(1),
         default=1,
         help="run the workload this many times on the server (and on the offline engine) and report "
         "the median round",
