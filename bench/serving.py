@@ -42,6 +42,12 @@ loop) takes cycles from the server, which this benchmark does not hide but keeps
 alternates the rounds between the two (A then B in odd rounds, B then A in even ones): the most
 sensitive way to see what a server setting costs or buys, both sides seeing the machine's drift.
 
+--engine-cores CPUS (with --spawn; Linux) lays a GPU host out on a CPU: the spawned servers' engine
+(the engine process with --server-arg=--engine-process, else the server's torch thread) runs on those
+CPUs with as many OpenMP threads, and the rest of the server and this client on the others, as a GPU
+host gives its engine's host work cores of its own; the offline engine's rounds run on those CPUs too
+(bench/placement.py).
+
 --compare-tracing runs the workload three times on fresh spawned servers, tracing off, on, off
 (ABA order, so the two "off" runs show the machine's noise): "on" is `--traces-exporter console`,
 every request's spans built, batched and written as JSON to the server's log file, and the spans
@@ -76,12 +82,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
+import placement
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
@@ -194,18 +201,22 @@ async def benchmark(
     requests: list[BenchRequest],
     rounds: int = 1,
     offline: OfflineEngine | None = None,
+    servers: Sequence[SpawnedServer] = (),
 ) -> list[list[tuple[list[RequestRecord], float]]]:
     """Per target, per round, the records of every timed call and the CPU seconds this client process
     spent on them. Each target gets one warm-up, then `--warmup-rounds` untimed rounds of the workload
     (as does the offline engine); the rounds run one after another. Two targets (twin
     servers) take turns in ABBA order (A then B in odd rounds, B then A in even ones). With `offline`
     (one target), one offline round runs next to each server round, after it in odd rounds and before
-    it in even ones (this blocks the event loop, which has no call in flight then)."""
+    it in even ones (this blocks the event loop, which has no call in flight then). `servers`, the
+    spawned ones, are placed on --engine-cores once warm."""
     async with contextlib.AsyncExitStack() as stack:
         stubs = []
         for target in targets:
             channel = await stack.enter_async_context(grpc.aio.insecure_channel(target))
             stubs.append(await warm_up(args, channel))
+        for server in servers:
+            server.place()
         for round_ in range(1, args.warmup_rounds + 1):
             for i, stub in enumerate(stubs):
                 records = await run_load(
@@ -292,8 +303,17 @@ class SpawnedServer:
         command += args.server_arg + (extra_args or [])
         self.log = Path(tempfile.mkstemp(prefix="pagedserve-serve-", suffix=".log")[1])
         print(f"spawning: {' '.join(command)} (log {self.log})", flush=True)
+        env = dict(SERVER_ENV)
+        self.engine_cpus: set[int] | None = args.engine_cores
+        if self.engine_cpus is not None:
+            env["OMP_NUM_THREADS"] = str(len(self.engine_cpus))
         with self.log.open("w") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=SERVER_ENV)
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def place(self) -> None:
+        """Pin the ready server on --engine-cores (nothing without it)."""
+        if self.engine_cpus is not None:
+            print(f"placed: {placement.place_server(self.proc.pid, self.engine_cpus)}", flush=True)
 
     @property
     def target(self) -> str:
@@ -322,6 +342,11 @@ class OfflineEngine:
     def __init__(self, args: argparse.Namespace, requests: list[BenchRequest]) -> None:
         from pagedserve import LLM, LoRARequest, SamplingParams
 
+        self.cpus = args.engine_cores  # its rounds run there (and this client elsewhere between them)
+        if self.cpus is not None:
+            import torch
+
+            torch.set_num_threads(len(self.cpus))
         settings = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
         self.llm = LLM(args.model, lora_modules=args.lora_modules, **settings)
         self.llm.chat([{"role": "user", "content": "Warm up."}], SamplingParams(temperature=0, max_tokens=8))
@@ -334,6 +359,15 @@ class OfflineEngine:
 
     def run_round(self, timed: bool = True) -> None:
         """One round; `timed` False: printed, not counted (a warm-up round)."""
+        if self.cpus is not None:
+            placement.pin_process(os.getpid(), self.cpus)
+        try:
+            self._run_round(timed)
+        finally:
+            if self.cpus is not None:
+                placement.pin_process(os.getpid(), placement.split(self.cpus)[1])
+
+    def _run_round(self, timed: bool) -> None:
         start = time.perf_counter()
         if self.requests[0].is_chat:
             outputs = self.llm.chat(
@@ -487,6 +521,13 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _cpus(text: str) -> set[int]:
+    try:
+        return placement.parse_cpus(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def print_table(header: list[str], align: str, rows: list[list[str]]) -> None:
     """A markdown table after a blank line; `align` has a letter a column: l (text) or r (numbers)."""
     print("\n| " + " | ".join(header) + " |")
@@ -499,7 +540,7 @@ def write_json(path: str | None, report: dict[str, Any]) -> None:
     """The report as JSON at `path` (--json-out), when given."""
     if path:
         with open(path, "w") as f:
-            json.dump(report, f)
+            json.dump(report, f, default=sorted)  # (--engine-cores: a set of CPUs)
 
 
 def _ms(seconds: float) -> str:
@@ -581,6 +622,12 @@ def parse_args() -> argparse.Namespace:
         help="this client's event loop (default: uvloop when installed; it takes less CPU a response)",
     )
     parser.add_argument("--lora-rank", type=int, default=16, help="rank of --lora-adapters' adapters")
+    parser.add_argument(
+        "--engine-cores",
+        type=_cpus,
+        help="with --spawn: CPUs (e.g. 1 or 2-3) for the servers' engine and the offline engine, the "
+        "others for the rest of the server and this client: a GPU host's layout (Linux)",
+    )
     parser.add_argument("--json-out", help="also write the summary to this JSON file")
     args = parser.parse_args()
     args.lora_modules = None  # set by main() once --lora-adapters are written
@@ -592,6 +639,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--compare-tracing runs one round a server: leave out --rounds")
     if args.twin_server_arg and not args.spawn:
         parser.error("--twin-server-arg starts its own servers: add --spawn")
+    if args.engine_cores is not None and not args.spawn:
+        parser.error("--engine-cores places the servers it starts: add --spawn")
     if args.twin_server_arg and (args.compare_offline or args.offline_tokens_per_s or args.compare_tracing):
         parser.error(
             "--twin-server-arg compares two servers: leave out --compare-offline, "
@@ -621,7 +670,7 @@ def compare_tracing(args: argparse.Namespace, requests: list[BenchRequest]) -> l
         server = SpawnedServer(args, extra)
         try:
             # one target, one round
-            (one_round,) = run_client(args, benchmark(args, [server.target], requests))
+            (one_round,) = run_client(args, benchmark(args, [server.target], requests, servers=[server]))
             records, client_cpu_s = one_round[0]
         except Exception:
             print(server.tail(), file=sys.stderr)
@@ -661,7 +710,8 @@ def compare_twins(args: argparse.Namespace, requests: list[BenchRequest]) -> lis
     servers = [SpawnedServer(args), SpawnedServer(args, args.twin_server_arg)]
     try:
         results = run_client(
-            args, benchmark(args, [server.target for server in servers], requests, args.rounds)
+            args,
+            benchmark(args, [server.target for server in servers], requests, args.rounds, servers=servers),
         )
     except Exception:
         for server in servers:
@@ -709,6 +759,8 @@ def print_twin_table(rows: list[dict[str, Any]]) -> None:
 
 def main() -> int:
     args = parse_args()
+    if args.engine_cores is not None:  # before any thread starts: they inherit it
+        placement.pin_process(os.getpid(), placement.split(args.engine_cores)[1])
     requests = build_workload(args.workload, args.num_requests, args.seed)
     if args.lora_adapters:
         from lora import write_adapter
@@ -748,7 +800,10 @@ def main() -> int:
     try:
         # loaded here while a spawned server loads
         offline_engine = OfflineEngine(args, requests) if args.compare_offline else None
-        (results,) = run_client(args, benchmark(args, [target], requests, args.rounds, offline_engine))
+        (results,) = run_client(
+            args,
+            benchmark(args, [target], requests, args.rounds, offline_engine, [server] if server else []),
+        )
     except Exception:
         if server is not None:
             print(server.tail(), file=sys.stderr)

@@ -112,6 +112,29 @@ def test_failed_calls_give_a_nonzero_exit_and_their_errors(tiny_llama_dir: str) 
     assert "server B error: DEADLINE_EXCEEDED" in done.stdout
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU for the engine, one for the rest")
+@pytest.mark.parametrize(
+    ("layout", "engine"),
+    [([], "the server's torch thread"), (["--server-arg=--engine-process"], "the engine process")],
+)
+def test_engine_cores_put_the_engine_on_cpus_of_its_own(
+    tiny_llama_dir: str, tmp_path: Path, layout: list[str], engine: str
+) -> None:
+    """--engine-cores: the engine (its threads found by name, or its process) on the CPU given, the
+    rest of the server on the others, each pinning read back from the kernel; the run completes."""
+    cpu = max(os.sched_getaffinity(0))
+    done = run_bench(
+        *("--spawn", "--model", tiny_llama_dir, "--compare-offline", "--num-requests", "4"),
+        *("--engine-cores", str(cpu), "--json-out", str(tmp_path / "out.json"), *layout),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    placed = next(line for line in done.stdout.splitlines() if line.startswith("placed: "))
+    assert f"engine ({engine}; " in placed and f") on CPUs {cpu}, the rest" in placed
+    assert int(placed.split(" threads) on CPUs")[0].rsplit(" ", 1)[1]) >= 1
+    summary = json.loads((tmp_path / "out.json").read_text())["summary"]
+    assert summary["num_completed"] == 4 and len(summary["offline_rounds_tokens_per_s"]) == 1
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -124,6 +147,9 @@ def test_failed_calls_give_a_nonzero_exit_and_their_errors(tiny_llama_dir: str) 
         (["--rounds", "0"], "--rounds: must be at least 1, not 0"),
         (["--warmup-rounds", "-1"], "--warmup-rounds: must be at least 0, not -1"),
         (["--lora-adapters", "2"], "--lora-adapters starts its own server: add --spawn"),
+        (["--engine-cores", "0"], "--engine-cores places the servers it starts: add --spawn"),
+        (["--spawn", "--engine-cores", "one"], "--engine-cores: 'one' is no CPU list"),
+        (["--spawn", "--engine-cores", "0-4095"], "'0-4095' must name some but not all of the CPUs"),
     ],
 )
 def test_contradictory_flags_are_refused_before_anything_starts(args: list[str], message: str) -> None:

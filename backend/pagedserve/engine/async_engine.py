@@ -37,6 +37,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta, RequestMetrics
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.threads import name_os_thread
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ T = TypeVar("T")
 # to 6x slower on 2 cores (an elementwise add 13 -> 71 us), and the server, stepping on asyncio's
 # default executor, reached 63-65% of the offline engine's output throughput (bench/serving.py; 92%
 # on this thread, which also builds the engine).
-_TORCH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-torch")
+_TORCH_THREAD = ThreadPoolExecutor(1, "pagedserve-torch", name_os_thread)
 
 
 async def in_torch_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -59,7 +60,7 @@ async def in_torch_thread(fn: Callable[..., T], *args: Any) -> T:
 # takes seconds to tokenize (or to find too long), and on the loop that stalls every stream. One
 # thread, as vLLM does: a fast tokenizer is not safe to share between threads once one of them
 # changes its settings.
-_TOKENIZER_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-tokenizer")
+_TOKENIZER_THREAD = ThreadPoolExecutor(1, "pagedserve-tokenizer", name_os_thread)
 
 
 async def in_tokenizer_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -68,7 +69,7 @@ async def in_tokenizer_thread(fn: Callable[..., T], *args: Any) -> T:
 
 # Structured outputs compile a request's schema, regex or grammar here (ms, up to a third of a second
 # for the largest allowed): not on the tokenizer's thread, where every other request would wait.
-_GRAMMAR_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-grammar")
+_GRAMMAR_THREAD = ThreadPoolExecutor(1, "pagedserve-grammar", name_os_thread)
 
 
 async def in_grammar_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -552,6 +553,7 @@ class AsyncEngine:
         """The engine process's passes, handed to the loop as the torch thread's core hands its own
         (at most _MAX_PASSES_AHEAD ahead: then the engine process waits to send). Its end is a fault."""
         assert self._face is not None and self._loop is not None
+        name_os_thread()
         process = self._face.executor
         while True:
             try:

@@ -49,6 +49,7 @@ from pagedserve.engine.core import Inbox, Pass, run_pass
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine
 from pagedserve.errors import EngineDeadError
 from pagedserve.telemetry import EngineMetrics
+from pagedserve.threads import name_os_thread
 from pagedserve.worker.executor import Executor
 from pagedserve.worker.multiproc_executor import StartupError, describe_exit, stop_processes
 
@@ -195,6 +196,7 @@ class EngineProcess(Executor):
         raise EngineDeadError(self._dead_reason)
 
     def _send_all(self) -> None:
+        name_os_thread()
         while True:
             message = self._outbox.get()
             try:
@@ -317,7 +319,7 @@ class _Admission:
     def __init__(self, llm: LLMEngine) -> None:
         self._llm = llm
         self._inboxes: list[tuple[int, Inbox, list[Future[Any]]]] = []
-        self._grammar_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-grammar")
+        self._grammar_thread = ThreadPoolExecutor(1, "pagedserve-grammar", name_os_thread)
 
     def receive(self, number: int, inbox: Inbox) -> None:
         compile_ = self._llm.structured_outputs.compile
