@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
@@ -51,6 +52,9 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
     return predicate()
 
 
+RANK_MODULE = "pagedserve.worker.multiproc_executor"  # what a tensor-parallel rank > 0 runs
+
+
 class ServerProcess:
     """`pagedserve serve` on free loopback ports. `address_from_env` passes host and ports as
     PAGEDSERVE_* variables instead of flags (as a Kubernetes pod spec would); `env` adds variables."""
@@ -74,6 +78,18 @@ class ServerProcess:
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def rank_processes(self) -> list[psutil.Process]:
+        """The tensor-parallel ranks it started (rank 1 on): children of its engine process (the
+        default) or of the server itself (--no-engine-process)."""
+        ranks = []
+        for process in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if RANK_MODULE in process.cmdline():
+                    ranks.append(process)
+            except psutil.NoSuchProcess:  # a short-lived helper process, already gone
+                pass
+        return ranks
 
     def readiness(self) -> int | None:
         """The readiness status, or None while the port does not answer yet."""

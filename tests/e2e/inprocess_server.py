@@ -34,6 +34,9 @@ class InProcessServer:
     def __init__(self, model_dir: str, provider: Any = FROM_SETTINGS, **settings: Any) -> None:
         from pagedserve.rpc.cli import ServeSettings
 
+        # the engine on the server's torch thread unless a test asks for engine_process=True: tests
+        # read (and fault) the engine's own objects through `llm`
+        settings.setdefault("engine_process", False)
         self.settings = ServeSettings(model=model_dir, host="127.0.0.1", port=0, http_port=0, **settings)
         self.provider = provider
         self.loop = asyncio.new_event_loop()

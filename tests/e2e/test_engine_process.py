@@ -277,17 +277,22 @@ def serve_with_engine_process(tiny_llama_dir: str, log: Path) -> ServerProcess:
     return ServerProcess(*flags, log=log).wait_ready()
 
 
+@pytest.mark.parametrize("group", [False, True], ids=["server", "group"])
 def test_sigterm_drains_the_streams_then_stops_the_engine_process(
-    tiny_llama_dir: str, tmp_path: Path
+    tiny_llama_dir: str, tmp_path: Path, group: bool
 ) -> None:
     """`pagedserve serve --engine-process` as an orchestrator stops it: the stream in flight ends whole,
-    serve exits 0, and its engine process is gone with it."""
+    serve exits 0, and its engine process is gone with it. Also when the engine process gets the
+    SIGTERM too (systemd's stop signals every process of the service): it used to die of it at once,
+    failing the stream the front end was draining."""
     proc = serve_with_engine_process(tiny_llama_dir, tmp_path / "server.log")
     try:
         engine = engine_process_of(proc)
         assert engine is not None
         call = proc.stub.Generate(request("drained", PROMPTS[0], max_tokens=300), timeout=60)
         first = next(call)
+        if group:
+            engine.terminate()
         proc.proc.terminate()
         rest = list(call)
         assert rest[-1].finish_reason == pb.LENGTH

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import grpc
-import psutil
 import pytest
 from grpc_health.v1 import health_pb2
 from grpc_helpers import ServerProcess, request
@@ -73,8 +72,8 @@ def test_killed_worker_fails_the_request_and_the_server_exits_non_zero(
 ) -> None:
     proc = start(tiny_llama_dir, tmp_path)
     try:
-        workers = psutil.Process(proc.proc.pid).children(recursive=True)
-        assert workers, "the rank-1 worker process should be a child of the server"
+        workers = proc.rank_processes()
+        assert workers, "the server should have started a rank-1 worker process"
         call = proc.stub.Generate(request(max_tokens=900), timeout=60)
         next(call)
         started = time.monotonic()

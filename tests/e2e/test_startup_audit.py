@@ -29,14 +29,17 @@ from pagedserve.rpc.v1 import generate_pb2 as pb
 pytestmark = pytest.mark.slow
 
 NOT_SERVING, SERVING = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
-RANK_MODULE = "pagedserve.worker.multiproc_executor"
 # Bounds on waits that end in milliseconds when all is well: far below the load of the default model
 # (about 10 s here) and the tensor-parallel start-up timeout (30 min), far above a busy machine's delays.
 EXIT_WITHIN_S = 60.0
 
 
-def tensor_parallel_server(tiny_llama_dir: str, tmp_path: Path) -> ServerProcess:
-    flags = ["--model", tiny_llama_dir, "--dtype", "float32", "--num-kv-blocks", "64"]
+# rank 0 in an engine process of its own (the default) or in the server's process
+LAYOUTS = pytest.mark.parametrize("layout", ["--engine-process", "--no-engine-process"])
+
+
+def tensor_parallel_server(tiny_llama_dir: str, tmp_path: Path, *layout: str) -> ServerProcess:
+    flags = ["--model", tiny_llama_dir, "--dtype", "float32", "--num-kv-blocks", "64", *layout]
     return ServerProcess(*flags, "--tensor-parallel-size", "2", log=tmp_path / "server.log")
 
 
@@ -50,13 +53,8 @@ def spawned_rank(proc: ServerProcess) -> psutil.Process:
     """Rank 1, as soon as the server has started it."""
 
     def find() -> psutil.Process | None:
-        for child in psutil.Process(proc.proc.pid).children():
-            try:
-                if RANK_MODULE in child.cmdline():
-                    return child
-            except psutil.NoSuchProcess:  # a short-lived helper process, already gone
-                pass
-        return None
+        ranks = proc.rank_processes()
+        return ranks[0] if ranks else None
 
     assert wait_until(lambda: find() is not None or proc.proc.poll() is not None, 120)
     rank = find()
@@ -116,12 +114,13 @@ def test_a_signal_while_the_model_loads_exits_0_at_once(
     assert_ports_released(proc)
 
 
+@LAYOUTS
 def test_a_signal_while_tensor_parallel_ranks_start_leaves_no_rank_behind(
-    tiny_llama_dir: str, tmp_path: Path
+    tiny_llama_dir: str, tmp_path: Path, layout: str
 ) -> None:
     """Rank 1 is still importing torch when rank 0 is told to stop; rank 0 stops it before exiting.
     It used to die of the signal and leave rank 1 running, an orphan waiting for its rendezvous."""
-    proc = tensor_parallel_server(tiny_llama_dir, tmp_path)
+    proc = tensor_parallel_server(tiny_llama_dir, tmp_path, layout)
     try:
         rank = spawned_rank(proc)
         proc.proc.send_signal(signal.SIGTERM)
@@ -135,8 +134,9 @@ def test_a_signal_while_tensor_parallel_ranks_start_leaves_no_rank_behind(
     assert_ports_released(proc)
 
 
+@LAYOUTS
 def test_a_rank_dead_after_reaching_the_rendezvous_fails_start_up_at_once(
-    tiny_llama_dir: str, tmp_path: Path
+    tiny_llama_dir: str, tmp_path: Path, layout: str
 ) -> None:
     """A rank that dies (an OOM kill, a crash) between setting its started key and joining the process
     groups: rank 0 went on into the rendezvous and waited there for it until the start-up timeout.
@@ -149,15 +149,16 @@ def test_a_rank_dead_after_reaching_the_rendezvous_fails_start_up_at_once(
     from pagedserve.worker.multiproc_executor import _started_key
     from torch.distributed import TCPStore
 
-    proc = tensor_parallel_server(tiny_llama_dir, tmp_path)
+    proc = tensor_parallel_server(tiny_llama_dir, tmp_path, layout)
     try:
         rank = spawned_rank(proc)
         rank.suspend()
-        (store_port,) = listening_ports(proc.proc.pid) - {proc.port, proc.http_port}
+        rank_0 = rank.ppid()  # the engine process (the server itself with --no-engine-process)
+        (store_port,) = listening_ports(rank_0) - {proc.port, proc.http_port}
         store = TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=30))
         store.set(_started_key(1), "1")
         known = {proc.port, proc.http_port, store_port}
-        assert wait_until(lambda: bool(listening_ports(proc.proc.pid) - known), EXIT_WITHIN_S)
+        assert wait_until(lambda: bool(listening_ports(rank_0) - known), EXIT_WITHIN_S)
         rank.kill()
         code = wait_exit(proc)
     finally:

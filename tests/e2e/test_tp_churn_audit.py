@@ -249,10 +249,6 @@ def single_rank_outputs(model_dir: str, prompts: list[list[int]]) -> list[list[i
     return [r.outputs[0].token_ids for r in llm.generate(prompts, greedy)]
 
 
-def rank_processes(proc: ServerProcess) -> list[psutil.Process]:
-    return psutil.Process(proc.proc.pid).children(recursive=True)
-
-
 def is_alive(process: psutil.Process) -> bool:
     try:
         return process.status() != psutil.STATUS_ZOMBIE
@@ -265,7 +261,7 @@ def test_client_churn_leaves_no_state_on_any_rank(tiny_llama_dir: str, tmp_path:
     proc = start(tiny_llama_dir, tmp_path)
     log = tmp_path / "server.log"
     try:
-        ranks = rank_processes(proc)
+        ranks = proc.rank_processes()
         assert len(ranks) == 1, ranks
         for round_index in range(NUM_ROUNDS):
             seen = churn(proc, round_index)

@@ -51,7 +51,12 @@ from pagedserve.errors import EngineDeadError
 from pagedserve.telemetry import EngineMetrics
 from pagedserve.threads import name_os_thread
 from pagedserve.worker.executor import Executor
-from pagedserve.worker.multiproc_executor import StartupError, describe_exit, stop_processes
+from pagedserve.worker.multiproc_executor import (
+    StartupError,
+    describe_exit,
+    stop_processes,
+    stop_spawned_ranks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -276,11 +281,11 @@ class EngineFace(LLMEngine):
 
 
 def stop_engine_processes() -> None:
-    """Kill every engine process this process started (it exits at once, one may be loading)."""
+    """Stop every engine process this process started, for a front end that exits while one may still
+    be loading: each stops the tensor-parallel ranks it started, then exits (killed after a grace)."""
     with _started_lock:
-        for proc in _started:
-            if proc.poll() is None:
-                proc.kill()
+        procs = list(_started)
+    stop_processes(procs, 0.0)
 
 
 # -- the engine process's side -----------------------------------------------------------------------
@@ -291,10 +296,16 @@ def serve(conn: Connection, config: EngineConfig) -> int:
     try:
         llm = LLMEngine(config)
     except Exception as exc:
-        if not isinstance(exc, ValueError):  # (a setting's error: the front end reports it, exit 2)
+        # a setting's error (exit 2) or a failed tensor-parallel start-up (exit 1): the front end
+        # reports it as it would its own; anything else is logged here with its traceback
+        if not isinstance(exc, (ValueError, StartupError)):
             logger.exception("the engine could not be built")
         conn.send(_Failed(_sendable(exc)))
         return 1
+    # built: from now on the front end stops this process (STOP, or its connection closing), also
+    # when a SIGTERM reaches every process of the group (systemd's stop, `kill -TERM -PGID`), which
+    # must not cut its drain short
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     recorder = _MetricCalls()
     llm.metrics = cast(EngineMetrics, recorder)
     try:
@@ -397,10 +408,19 @@ def _sendable(exc: BaseException) -> BaseException:
     return exc
 
 
+def _stop_while_starting(signum: int, frame: Any) -> None:
+    """SIGTERM while the engine is being built (the front end exiting, `stop_engine_processes`): stop
+    the ranks started so far, which would otherwise outlive this process, and exit at once."""
+    stop_spawned_ranks()
+    logging.shutdown()
+    os._exit(1)
+
+
 def _main() -> int:
     # Ctrl-C in a terminal signals the whole foreground process group: the front end drains and then
     # stops this process, which must not die of a KeyboardInterrupt first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _stop_while_starting)
     config: EngineConfig = pickle.load(sys.stdin.buffer)
     logging.basicConfig(
         level=logging.INFO,

@@ -109,12 +109,13 @@ class ServeSettings(EngineSettings):
         "when an endpoint is set; OTLP over OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, grpc or http/protobuf)",
     )
     warmup: bool = Field(True, description="generate one token before reporting ready")
-    engine_process: bool = Field(
-        False,
+    engine_process: bool | None = Field(
+        None,
         description="step the engine in a process of its own, the front end (gRPC, HTTP, tokenizing, "
-        "metrics) in this one, as vLLM serves: the two no longer take turns on one interpreter, which "
+        "metrics) in this one, as vLLM serves: the two do not take turns on one interpreter, which "
         "costs most where steps are short (a GPU); an engine process that dies turns the server "
-        "NOT_SERVING. Not under a launcher (torchrun)",
+        "NOT_SERVING. Default: on, except under a launcher (torchrun), whose rank 0 steps the engine "
+        "in the process the launcher started; --no-engine-process steps it on a thread of this one",
     )
     grpc_keepalive_time: float = Field(
         30.0,
@@ -313,6 +314,8 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
             f"{setting_source('engine_process', flags)}: not under a launcher (torchrun): its rank 0 "
             "steps the engine in the process the launcher started"
         )
+    if settings.engine_process is None:
+        settings.engine_process = not under_launcher
     stop = None if under_launcher else catch_stop_signals()
 
     from pagedserve_adapters.grpc_service import SERVICE as INFERENCE_SERVICE
