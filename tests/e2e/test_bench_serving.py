@@ -115,7 +115,7 @@ def test_failed_calls_give_a_nonzero_exit_and_their_errors(tiny_llama_dir: str) 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU for the engine, one for the rest")
 @pytest.mark.parametrize(
     ("layout", "engine"),
-    [([], "the server's torch thread"), (["--server-arg=--engine-process"], "the engine process")],
+    [(["--server-arg=--no-engine-process"], "the server's torch thread"), ([], "the engine process")],
 )
 def test_engine_cores_put_the_engine_on_cpus_of_its_own(
     tiny_llama_dir: str, tmp_path: Path, layout: list[str], engine: str
