@@ -20,7 +20,7 @@ _ALLOWED = frozenset(os.sched_getaffinity(0))
 
 
 def parse_cpus(text: str) -> set[int]:
-    """ "1", "2-3", "0,2-3": the CPUs named, each one this process may run on."""
+    """The CPUs a list names ("1", "2-3", "0,2-3"), each one this process may run on."""
     cpus: set[int] = set()
     try:
         for part in text.split(","):

@@ -43,8 +43,8 @@ alternates the rounds between the two (A then B in odd rounds, B then A in even 
 sensitive way to see what a server setting costs or buys, both sides seeing the machine's drift.
 
 --engine-cores CPUS (with --spawn; Linux) lays a GPU host out on a CPU: the spawned servers' engine
-(the engine process with --server-arg=--engine-process, else the server's torch thread) runs on those
-CPUs with as many OpenMP threads, and the rest of the server and this client on the others, as a GPU
+(the engine process, or with --server-arg=--no-engine-process the server's torch thread) runs on
+those CPUs with as many OpenMP threads, and the rest of the server and this client on the others, as a GPU
 host gives its engine's host work cores of its own; the offline engine's rounds run on those CPUs too
 (bench/placement.py).
 

@@ -81,7 +81,9 @@ T = TypeVar("T")
 
 # Every rank this process started, for stop_spawned_ranks(); once that has run, no more start.
 _spawned: list[subprocess.Popen[bytes]] = []
-_spawn_lock = threading.Lock()
+# (reentrant: an engine process stops its ranks from a SIGTERM handler, which may run on the thread
+# that holds it while it spawns them)
+_spawn_lock = threading.RLock()
 _spawning_stopped = False
 
 
