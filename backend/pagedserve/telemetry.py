@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from pagedserve.outputs import RequestDelta, RequestMetrics
 
@@ -67,6 +67,8 @@ class EngineMetrics:
         max_model_len: int = 10000,
     ) -> None:
         self.registry = registry or CollectorRegistry()
+        # this process's CPU time, memory and file descriptors (process_*, as vLLM's /metrics has them)
+        ProcessCollector(registry=self.registry)
         self.model_name = model_name
         self.bytes_per_block = bytes_per_block
         self.summary_interval_s = summary_interval_s
@@ -307,6 +309,12 @@ class EngineMetrics:
             self.swap_bytes.labels(m, direction)
         for cause in ABORT_CAUSES:
             self.aborts.labels(m, cause)
+
+    def watch_engine_process(self, pid: int) -> None:
+        """The engine process's CPU time, memory and file descriptors as well, under
+        pagedserve_engine_process_* (`serve` with its engine in a process of its own: process_* are
+        the front end's). A process that has exited reports none."""
+        ProcessCollector(namespace="pagedserve_engine", pid=lambda: pid, registry=self.registry)
 
     def record_step(self, stats: Any, deltas: list[RequestDelta], now: float | None = None) -> None:
         """`stats` is the engine's `EngineStats` after the step."""

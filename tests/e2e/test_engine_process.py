@@ -154,6 +154,18 @@ def test_metrics_count_what_the_engine_process_did(srv: InProcessServer) -> None
     assert after["vllm:num_requests_running"] == 0
 
 
+def test_metrics_report_both_processes(srv: InProcessServer) -> None:
+    """process_* are the front end's (here the test's own process), pagedserve_engine_process_* the
+    engine process's: each start time is its process's, read by psutil."""
+    scraped = parse_metrics(urlopen_text(srv.http_url("/metrics")))
+    engine = psutil.Process(srv.llm.executor.pid)
+    for prefix, process in (("process_", psutil.Process()), ("pagedserve_engine_process_", engine)):
+        assert scraped[(prefix + "start_time_seconds", ())] == pytest.approx(process.create_time(), abs=1)
+        assert scraped[(prefix + "resident_memory_bytes", ())] > 0
+        assert scraped[(prefix + "cpu_seconds_total", ())] > 0
+    assert engine.pid != os.getpid()
+
+
 def urlopen_text(url: str) -> str:
     import urllib.request
 

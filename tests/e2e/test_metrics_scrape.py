@@ -11,6 +11,7 @@ import urllib.request
 from typing import Any
 
 import grpc
+import psutil
 import pytest
 from inprocess_server import InProcessServer, Samples, parse_metrics, wait_for
 from pagedserve.rpc.v1 import generate_pb2 as pb
@@ -200,3 +201,11 @@ def test_aborts_by_cause_and_gauges_after_the_last_abort(server: InProcessServer
         assert value(after, f"vllm:num_requests_{gauge}") == 0
     assert value(after, "vllm:kv_cache_usage_perc") == 0.0
     assert diff(after, before, "vllm:request_success_total", finished_reason="aborted") == 0
+
+
+def test_one_process_reports_its_own_process_metrics(server: InProcessServer) -> None:
+    """The engine on the server's thread: process_* are the one process's, and no engine process's."""
+    samples = scrape(server)
+    assert samples[("process_start_time_seconds", ())] == pytest.approx(psutil.Process().create_time(), abs=1)
+    assert samples[("process_resident_memory_bytes", ())] > 0
+    assert not [name for name, _ in samples if name.startswith("pagedserve_engine_process_")]

@@ -256,6 +256,7 @@ class EngineFace(LLMEngine):
             process.shutdown()
             raise
         self._stats = process.ready.stats
+        self.metrics.watch_engine_process(process.pid)
 
     def stats(self) -> EngineStats:
         return self._stats
