@@ -52,7 +52,7 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
     return predicate()
 
 
-RANK_MODULE = "pagedserve.worker.multiproc_executor"  # what a tensor-parallel rank > 0 runs
+RANK_MODULE = "pagedserve.worker.spawned_rank"  # what a tensor-parallel rank > 0 runs
 
 
 class ServerProcess:

@@ -348,7 +348,7 @@ def test_tensor_parallel_ranks_under_the_engine_process(tiny_llama_dir: str, tmp
     try:
         engine = engine_process_of(proc)
         assert engine is not None
-        ranks = [p for p in engine.children() if "pagedserve.worker.multiproc_executor" in p.cmdline()]
+        ranks = [p for p in engine.children() if "pagedserve.worker.spawned_rank" in p.cmdline()]
         assert len(ranks) == 1
         assert proc.stub.ModelInfo(pb.ModelInfoRequest(), timeout=10).tensor_parallel_size == 2
         served = [t for r in proc.stub.Generate(request("tp", PROMPTS[0]), timeout=60) for t in r.token_ids]

@@ -135,6 +135,29 @@ def test_a_signal_while_tensor_parallel_ranks_start_leaves_no_rank_behind(
 
 
 @LAYOUTS
+def test_a_rank_whose_rank_0_is_killed_while_it_starts_exits(
+    tiny_llama_dir: str, tmp_path: Path, layout: str
+) -> None:
+    """Rank 0's process killed (an OOM kill) while rank 1 still imports torch: rank 1 used to wait out
+    the start-up timeout (30 minutes) for a rendezvous that could not come, holding its memory."""
+    proc = tensor_parallel_server(tiny_llama_dir, tmp_path, layout)
+    try:
+        rank = spawned_rank(proc)
+        os.kill(rank.ppid(), signal.SIGKILL)  # the engine process, or the server itself
+
+        def gone() -> bool:
+            try:
+                return rank.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        assert wait_until(gone, 10), f"rank 1 (pid {rank.pid}) still runs"
+    finally:
+        proc.stop()
+    assert "its rank 0" in proc.log.read_text() and "has gone; exiting" in proc.log.read_text()
+
+
+@LAYOUTS
 def test_a_rank_dead_after_reaching_the_rendezvous_fails_start_up_at_once(
     tiny_llama_dir: str, tmp_path: Path, layout: str
 ) -> None:

@@ -485,7 +485,11 @@ def _spawn_ranks(
         _spawned[:] = [proc for proc in _spawned if proc.poll() is None]
         for rank in range(1, tp):
             args = _SpawnArgs(config, eos_token_ids, _local_launch(rank, tp), store_port)
-            proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, env=env)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pagedserve.worker.spawned_rank", str(os.getpid())],
+                stdin=subprocess.PIPE,
+                env=env,
+            )
             _spawned.append(proc)
             assert proc.stdin is not None
             proc.stdin.write(pickle.dumps(args))
@@ -562,7 +566,8 @@ def stop_processes(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None
             proc.wait()
 
 
-def _spawned_rank_main() -> int:
+def spawned_rank_main() -> int:
+    """A rank started by `_spawn_ranks` (pagedserve/worker/spawned_rank.py runs it)."""
     # Ctrl-C in a terminal signals the whole foreground process group, this rank too: rank 0 drains
     # (or stops starting) and then stops this rank, which must not die of a KeyboardInterrupt first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -575,10 +580,3 @@ def _spawned_rank_main() -> int:
     store = distributed.connect_store("127.0.0.1", args.store_port, STARTUP_TIMEOUT_S)
     store.set(_started_key(args.launch.rank), "1")
     return run_worker(args.config, args.eos_token_ids, args.launch, store)
-
-
-if __name__ == "__main__":
-    # run the imported module's copy, the one that unpickling `_SpawnArgs` uses, not __main__'s
-    from pagedserve.worker.multiproc_executor import _spawned_rank_main as main
-
-    sys.exit(main())
