@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import psutil
+
 # The server's torch thread ("pagedserve-torch_0"; Linux keeps 15 characters of a thread's name) and
 # the OpenMP workers it starts, which inherit its name.
 _TORCH_THREAD = "pagedserve-torc"
@@ -50,9 +52,9 @@ def place_server(pid: int, engine_cpus: set[int]) -> str:
     """Put a running server's engine on `engine_cpus` and the rest of it on the other CPUs; says
     where each went."""
     engine, others = split(engine_cpus)
-    children = _descendants(pid)
-    runs_engine_process = any(_ENGINE_PROCESS in _cmdline(child) for child in children)
-    engine_threads = sum(pin_process(child, engine) for child in children)
+    children = psutil.Process(pid).children(recursive=True)
+    runs_engine_process = any(_ENGINE_PROCESS in " ".join(_cmdline(child)) for child in children)
+    engine_threads = sum(pin_process(child.pid, engine) for child in children)
     front_threads = 0
     for tid in _threads(pid):
         if not runs_engine_process and _thread_name(pid, tid).startswith(_TORCH_THREAD):
@@ -83,8 +85,8 @@ def _pin(tid: int, cpus: set[int]) -> int:
 
 def _threads(pid: int) -> list[int]:
     try:
-        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-    except FileNotFoundError:
+        return [thread.id for thread in psutil.Process(pid).threads()]
+    except psutil.NoSuchProcess:
         return []
 
 
@@ -95,30 +97,11 @@ def _thread_name(pid: int, tid: int) -> str:
         return ""
 
 
-def _cmdline(pid: int) -> str:
+def _cmdline(process: psutil.Process) -> list[str]:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except FileNotFoundError:
-        return ""
-
-
-def _descendants(pid: int) -> list[int]:
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        parent = int(stat[stat.rindex(")") + 2 :].split()[1])  # the field after the state
-        parents.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+        return process.cmdline()
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _cpu_list(cpus: set[int] | frozenset[int]) -> str:
