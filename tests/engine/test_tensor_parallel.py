@@ -281,6 +281,20 @@ def test_workers_exit_when_the_engine_process_dies(tiny_llama_dir: str) -> None:
     assert_all_exited(pids)
 
 
+def test_a_process_that_ignores_sigterm_is_killed_and_said_so(caplog: pytest.LogCaptureFixture) -> None:
+    """stop_processes (ranks, engine processes): SIGTERM, then after 5 s SIGKILL, with a warning
+    naming the process (an engine process that stopped answering used to be named so)."""
+    from pagedserve.worker.multiproc_executor import stop_processes
+
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", stubborn], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.readline()  # its handler is in place
+    stop_processes([proc], 0.0)
+    assert proc.returncode == -signal.SIGKILL
+    assert f"process {proc.pid} did not stop within 5 s of SIGTERM: killed" in caplog.text
+
+
 def test_sizes_that_cannot_split_the_heads_fail_before_any_rank_starts(
     tiny_llama_dir: str, default_model_dir: str, tmp_path: Path
 ) -> None:

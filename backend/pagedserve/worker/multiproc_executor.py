@@ -562,6 +562,7 @@ def stop_processes(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None
         try:
             proc.wait(5.0)
         except subprocess.TimeoutExpired:
+            logger.warning("process %d did not stop within 5 s of SIGTERM: killed", proc.pid)
             proc.kill()
             proc.wait()
 
