@@ -79,17 +79,21 @@ class ServerProcess:
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
+    def processes_running(self, module: str) -> list[psutil.Process]:
+        """Its descendant processes that run `module` (`python -m module ...`)."""
+        found = []
+        for process in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if module in process.cmdline():
+                    found.append(process)
+            except psutil.NoSuchProcess:  # a short-lived helper process, already gone
+                pass
+        return found
+
     def rank_processes(self) -> list[psutil.Process]:
         """The tensor-parallel ranks it started (rank 1 on): children of its engine process (the
         default) or of the server itself (--no-engine-process)."""
-        ranks = []
-        for process in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                if RANK_MODULE in process.cmdline():
-                    ranks.append(process)
-            except psutil.NoSuchProcess:  # a short-lived helper process, already gone
-                pass
-        return ranks
+        return self.processes_running(RANK_MODULE)
 
     def readiness(self) -> int | None:
         """The readiness status, or None while the port does not answer yet."""

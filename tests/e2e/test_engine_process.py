@@ -231,8 +231,8 @@ def test_a_signal_while_the_engine_process_loads_leaves_no_engine_process_behind
         assert proc.readiness() != health_pb2.HealthCheckResponse.SERVING
         proc.proc.send_signal(signal.SIGTERM)
         code = proc.proc.wait(timeout=60)
-        # killed on the way out: left alone it would go on loading for seconds before finding its
-        # front end gone
+        # stopped on the way out (it stops its ranks and exits): left alone it would go on loading
+        # for seconds before finding its front end gone
         assert wait_until(lambda: not alive(engine), 2), f"engine process {engine.pid} still runs"
     finally:
         proc.stop()
@@ -242,13 +242,7 @@ def test_a_signal_while_the_engine_process_loads_leaves_no_engine_process_behind
 
 
 def engine_process_of(proc: ServerProcess) -> psutil.Process | None:
-    for child in psutil.Process(proc.proc.pid).children():
-        try:
-            if "pagedserve.engine.core_process" in child.cmdline():
-                return child
-        except psutil.NoSuchProcess:
-            pass
-    return None
+    return next(iter(proc.processes_running("pagedserve.engine.core_process")), None)
 
 
 def alive(process: psutil.Process) -> bool:
@@ -347,8 +341,8 @@ def test_tensor_parallel_ranks_under_the_engine_process(tiny_llama_dir: str, tmp
     try:
         engine = engine_process_of(proc)
         assert engine is not None
-        ranks = [p for p in engine.children() if "pagedserve.worker.spawned_rank" in p.cmdline()]
-        assert len(ranks) == 1
+        ranks = proc.rank_processes()
+        assert len(ranks) == 1 and ranks[0].ppid() == engine.pid  # started by the engine process
         assert proc.stub.ModelInfo(pb.ModelInfoRequest(), timeout=10).tensor_parallel_size == 2
         served = [t for r in proc.stub.Generate(request("tp", PROMPTS[0]), timeout=60) for t in r.token_ids]
         proc.proc.terminate()
