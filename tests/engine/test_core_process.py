@@ -1,7 +1,7 @@
-"""The engine process's side of --engine-process, without a front end: an inbox whose request needs a
-grammar is held, with every inbox after it, while the grammar thread compiles it (the steps of the
-requests running go on), and then applied in the order received; the inboxes merge as the torch
-thread's core merges them (a later abort replaces an earlier one, the later KV setting wins)."""
+"""The engine process's side of --engine-process, without a front end: a request whose grammar is not
+compiled yet waits apart while the grammar thread compiles it, and the inboxes go on without it (the
+other requests' adds and aborts, the steps); an abort ends it where it waits. The inboxes merge as
+the torch thread's core merges them (a later abort replaces an earlier one, the later KV setting wins)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,27 @@ import pickle
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from multiprocessing import Pipe
+from typing import Any, cast
 
 from pagedserve.engine.core import Abort, Add, Inbox
-from pagedserve.engine.core_process import _Admission, _sendable
+from pagedserve.engine.core_process import (
+    _INBOX,
+    _STOP,
+    CorePass,
+    _Admission,
+    _MetricCalls,
+    _run_passes,
+    _sendable,
+)
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import AdapterInUseError
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.settings import EngineSettings
+from pagedserve.telemetry import EngineMetrics
+
+PAIR = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
 def big_schema() -> dict[str, object]:
@@ -32,22 +46,96 @@ def add(request_id: str, structured: StructuredOutputsParams | None = None) -> A
     return Add(request_id, [1, 5, 9], params, time.monotonic(), 0, None)
 
 
-def test_an_inbox_waits_for_its_grammar_and_the_inboxes_after_it_wait_behind(tiny_llama_dir: str) -> None:
-    llm = LLMEngine.from_settings(EngineSettings(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64))
-    admission = _Admission(llm)
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def tiny_engine(tiny_llama_dir: str) -> LLMEngine:
+    return LLMEngine.from_settings(EngineSettings(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64))
+
+
+def test_a_request_waits_apart_for_its_grammar_and_its_inbox_goes_on(tiny_llama_dir: str) -> None:
+    """Until the grammar compiles, the inboxes (another request's add, an abort) are applied without
+    the request that needs it; it comes in a later pass, first among that pass's adds."""
+    admission = _Admission(tiny_engine(tiny_llama_dir))
     schema = StructuredOutputsParams(json=json.dumps(big_schema()))
     admission.receive(0, Inbox(adds=[add("with-grammar", schema)]))
     admission.receive(1, Inbox(adds=[add("plain")], aborts={"gone": Abort("bye", None)}))
-    assert admission.take() == ([], Inbox())  # the grammar is compiling: nothing overtakes it
-    assert admission.waiting
-    deadline = time.monotonic() + 60
-    while not admission.ready and time.monotonic() < deadline:
-        time.sleep(0.005)
-    numbers, inbox = admission.take()
-    assert numbers == [0, 1] and not admission.waiting
-    assert [a.request_id for a in inbox.adds] == ["with-grammar", "plain"] and list(inbox.aborts) == ["gone"]
+    numbers, inbox, ended = admission.take()
+    assert numbers == [0, 1] and [a.request_id for a in inbox.adds] == ["plain"] and ended == []
+    assert list(inbox.aborts) == ["gone"] and admission.num_waiting == 1
+    wait_until(lambda: admission.ready, "the grammar to compile")
     admission.receive(2, Inbox(adds=[add("no-grammar")]))
-    assert admission.take()[0] == [2]  # nothing to compile: at once
+    numbers, inbox, ended = admission.take()
+    assert numbers == [2] and [a.request_id for a in inbox.adds] == ["with-grammar", "no-grammar"]
+    assert admission.num_waiting == 0 and not admission.ready
+
+
+def test_an_abort_ends_a_request_waiting_for_its_grammar(tiny_llama_dir: str) -> None:
+    admission = _Admission(tiny_engine(tiny_llama_dir))
+    admission.receive(
+        0, Inbox(adds=[add("with-grammar", StructuredOutputsParams(json=json.dumps(big_schema())))])
+    )
+    assert admission.take()[1].adds == [] and admission.num_waiting == 1
+    admission.receive(1, Inbox(aborts={"with-grammar": Abort("bye", "client_cancel")}))
+    numbers, inbox, ended = admission.take()
+    assert numbers == [1] and [a.request_id for a in ended] == ["with-grammar"] and inbox.adds == []
+    assert admission.num_waiting == 0  # (its compile goes on into the cache; the request is gone)
+
+
+def test_the_engine_process_serves_others_while_a_grammar_compiles(tiny_llama_dir: str) -> None:
+    """The engine process's loop (`_run_passes`, on a thread here, the front end's end of the pipe in
+    the test) with a compile held until the test lets it go: a plain request sent after the grammar's
+    runs to its end meanwhile, the waiting one counted among the waiting; an abort then ends the
+    waiting request with an aborted final delta (logged by the front end's replay of its metrics)."""
+    llm = tiny_engine(tiny_llama_dir)
+    recorder = _MetricCalls()
+    llm.metrics = cast(EngineMetrics, recorder)
+    release, compile_ = threading.Event(), llm.structured_outputs.compile
+
+    def held_compile(params: StructuredOutputsParams | None) -> Any:
+        if params is not None:  # (add_request asks for every request's: None without a grammar)
+            assert release.wait(60)
+        return compile_(params)
+
+    llm.structured_outputs.compile = held_compile  # type: ignore[method-assign]
+    front, engine_end = Pipe()
+    loop = threading.Thread(target=_run_passes, args=(engine_end, llm, recorder))
+    loop.start()
+    try:
+        front.send(
+            (_INBOX, 0, Inbox(adds=[add("with-grammar", StructuredOutputsParams(json=json.dumps(PAIR)))]))
+        )
+        front.send((_INBOX, 1, Inbox(adds=[add("plain")])))
+        passes: list[CorePass] = []
+        while not any(d.request_id == "plain" and d.request_finished for p in passes for d in p.done.deltas):
+            assert front.poll(60), "no pass came"
+            passes.append(front.recv())
+        assert not release.is_set()
+        assert all(d.request_id == "plain" for p in passes for d in p.done.deltas)
+        assert passes[-1].stats.num_waiting == 1 and passes[-1].stats.num_unfinished == 1
+        front.send((_INBOX, 2, Inbox(aborts={"with-grammar": Abort("bye", "client_cancel")})))
+        ending = next(
+            p for p in iter(lambda: front.recv() if front.poll(60) else None, None) if 2 in p.numbers
+        )
+        (aborted,) = ending.done.aborted
+        assert (aborted.request_id, aborted.finish_reason, aborted.request_finished) == (
+            "with-grammar",
+            "aborted",
+            True,
+        )
+        assert ("record_aborted", (ending.stats, [aborted], aborted.metrics.finished_time)) in [
+            (name, args) for name, args in ending.metric_calls
+        ]
+        assert ending.stats.num_waiting == 0 and ending.stats.num_unfinished == 0
+    finally:
+        release.set()
+        front.send((_STOP,))
+        loop.join(60)
+    assert not loop.is_alive()
 
 
 def test_inboxes_merge_as_the_torch_threads_core_merges_them() -> None:

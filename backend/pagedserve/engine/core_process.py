@@ -15,7 +15,8 @@ checks of a request (a scheduler of the same size that never runs), the Promethe
 engine process's calls to its own replayed on them) and the LoRA adapters' names; its stats are the
 engine's after its last pass. The engine process takes the bad words' token ids the front end made,
 and compiles a request's grammar again on a thread of its own before the request enters its engine
-(`_Admission`): a new grammar never stalls the steps of the requests running.
+(`_Admission`): a new grammar never stalls the steps of the requests running, nor the other requests'
+adds and aborts.
 
 Faults: a pass that faults goes out with its fault, and the engine process then only waits for STOP.
 The process exiting (killed, crashed) ends the reader's stream: the front end fails every request
@@ -37,17 +38,19 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedserve.engine.core import Inbox, Pass, run_pass
+from pagedserve.engine.core import Add, Inbox, Pass, run_pass
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine
 from pagedserve.errors import EngineDeadError
+from pagedserve.outputs import RequestDelta, RequestMetrics
 from pagedserve.telemetry import EngineMetrics
 from pagedserve.threads import name_os_thread
 from pagedserve.worker.executor import Executor
@@ -322,54 +325,102 @@ def serve(conn: Connection, config: EngineConfig) -> int:
 
 
 class _Admission:
-    """The inboxes received, in order, until a pass applies them. One with a request that needs a
-    grammar waits, and every inbox after it, while the grammar thread compiles it (into xgrammar's
-    cache, where add_request finds it): the compile, ~0.1 s for a schema of 20 fields on the 2-core
-    host (up to ~0.3 s for the largest allowed), releases the interpreter, so the steps of the
-    requests running go on meanwhile. The front end has checked that it compiles."""
+    """The inboxes received, until a pass applies them. A request whose grammar this process has not
+    compiled yet waits apart while the grammar thread compiles it (into xgrammar's cache, where
+    add_request finds it), and its inbox goes on without it: the compile takes milliseconds for most
+    schemas but grows with a schema's size (400 patterned fields: ~0.1 s on the 2-core host), and no
+    other request's add or abort, and no step, waits for it. The front end has checked that it
+    compiles. A waiting request enters the engine in a later pass, after the requests of the inboxes
+    applied meanwhile (as vLLM's requests waiting for their grammar are passed over); an abort ends it
+    where it waits."""
 
     def __init__(self, llm: LLMEngine) -> None:
         self._llm = llm
-        self._inboxes: list[tuple[int, Inbox, list[Future[Any]]]] = []
+        self._inboxes: list[tuple[int, Inbox]] = []
+        self._compiling: list[tuple[Add, Future[Any]]] = []  # in the order received
         self._grammar_thread = ThreadPoolExecutor(1, "pagedserve-grammar", name_os_thread)
 
     def receive(self, number: int, inbox: Inbox) -> None:
-        compile_ = self._llm.structured_outputs.compile
-        compiles = [
-            self._grammar_thread.submit(compile_, add.params.structured_outputs)
-            for add in inbox.adds
-            if add.params.structured_outputs is not None
-        ]
-        self._inboxes.append((number, inbox, compiles))
+        self._inboxes.append((number, inbox))
 
     @property
-    def waiting(self) -> bool:
-        """Inboxes are held for their grammars."""
-        return bool(self._inboxes)
+    def num_waiting(self) -> int:
+        """Requests waiting for their grammars."""
+        return len(self._compiling)
 
     @property
     def ready(self) -> bool:
-        """The first inbox held can be applied."""
-        return bool(self._inboxes) and all(future.done() for future in self._inboxes[0][2])
+        """Something to apply: an inbox, or a request whose grammar has compiled."""
+        return bool(self._inboxes) or any(future.done() for _, future in self._compiling)
 
-    def take(self) -> tuple[list[int], Inbox]:
-        """The inboxes that can be applied (their numbers), as one."""
+    def take(self) -> tuple[list[int], Inbox, list[Add]]:
+        """The inboxes received (their numbers) as one inbox, whose adds are first the waiting requests
+        whose grammars have compiled, then the inboxes' own but those whose grammar compiles now (they
+        wait); and the waiting requests the inboxes' aborts ended."""
         numbers, merged = [], Inbox()
-        while self.ready:
-            number, inbox, _ = self._inboxes.pop(0)
+        for number, inbox in self._inboxes:
             numbers.append(number)
             merged.take_in(inbox)
-        return numbers, merged
+        self._inboxes.clear()
+        ended, compiled, still = [], [], []
+        for add, future in self._compiling:  # (each future looked at once: it may finish meanwhile)
+            if add.request_id in merged.aborts:
+                ended.append(add)
+            elif future.done():
+                compiled.append(add)
+            else:
+                still.append((add, future))
+        self._compiling = still
+        adds = []
+        for add in merged.adds:
+            grammar = add.params.structured_outputs
+            if grammar is None or add.request_id in merged.aborts:  # (an abort skips it in run_pass)
+                adds.append(add)
+                continue
+            # (one compiled before waits too, a pass: xgrammar's cache answers in under a millisecond)
+            self._compiling.append(
+                (add, self._grammar_thread.submit(self._llm.structured_outputs.compile, grammar))
+            )
+        merged.adds = compiled + adds
+        return numbers, merged, ended
 
     def drop(self) -> None:
         self._inboxes.clear()
+        self._compiling.clear()
+
+
+def _ended_waiting(llm: LLMEngine, adds: list[Add]) -> list[RequestDelta]:
+    """The final deltas of requests an abort ended while they waited for their grammars, made and
+    logged as the front end makes those of requests aborted before they reached the engine."""
+    now = time.monotonic()
+    deltas = [
+        RequestDelta.aborted_before_output(
+            add.request_id, len(add.prompt_token_ids), RequestMetrics(add.arrival_time, finished_time=now)
+        )
+        for add in adds
+    ]
+    if deltas:
+        llm.metrics.record_aborted(llm.stats(), deltas, now)
+    return deltas
+
+
+def _stats(llm: LLMEngine, num_waiting_apart: int) -> EngineStats:
+    """The engine's stats, with the requests waiting for their grammars among the waiting."""
+    stats = llm.stats()
+    if not num_waiting_apart:
+        return stats
+    return replace(
+        stats,
+        num_waiting=stats.num_waiting + num_waiting_apart,
+        num_unfinished=stats.num_unfinished + num_waiting_apart,
+    )
 
 
 def _run_passes(conn: Connection, llm: LLMEngine, recorder: _MetricCalls) -> None:
     admission, faulted = _Admission(llm), False
     while True:
         busy = not faulted and (admission.ready or llm.has_work())
-        timeout = 0.0 if busy else _COMPILE_POLL_S if admission.waiting else _IDLE_POLL_S
+        timeout = 0.0 if busy else _COMPILE_POLL_S if admission.num_waiting else _IDLE_POLL_S
         while conn.poll(timeout):
             message = conn.recv()
             if message[0] == _STOP:
@@ -380,8 +431,8 @@ def _run_passes(conn: Connection, llm: LLMEngine, recorder: _MetricCalls) -> Non
         if faulted:
             admission.drop()  # nothing applies now; the front end fails them
             continue
-        numbers, inbox = admission.take()
-        if not numbers and not llm.has_work():
+        numbers, inbox, ended = admission.take()
+        if not numbers and not inbox and not llm.has_work():
             try:
                 llm.executor.check_health()
             except EngineDeadError as exc:
@@ -390,13 +441,16 @@ def _run_passes(conn: Connection, llm: LLMEngine, recorder: _MetricCalls) -> Non
             continue
         for add in inbox.adds:
             llm.remember_bad_words(add.params)  # tokenized by the front end already
+        ended_deltas = _ended_waiting(llm, ended)
         done = run_pass(llm, inbox, lambda num_adds: None)
+        done.aborted += ended_deltas
         changed_loras = bool(inbox.lora_changes)
         done.inbox = Inbox()
         done.lora_errors = [None if exc is None else _sendable(exc) for exc in done.lora_errors]
         done.fault = None if done.fault is None else _sendable(done.fault)
         lora_paths = {name: llm.lora_path(name) or "" for name in llm.lora_names} if changed_loras else None
-        conn.send(CorePass(numbers, done, llm.stats(), recorder.take(), lora_paths))
+        stats = _stats(llm, admission.num_waiting)
+        conn.send(CorePass(numbers, done, stats, recorder.take(), lora_paths))
         faulted = done.fault is not None
 
 
