@@ -313,7 +313,9 @@ def test_triton_stream_infer_yields_the_same_span(
 ) -> None:
     trace_id, metadata = new_trace()
     out = run_python(TRITON_CLIENT, str(server.port), MODEL, dict(metadata)["traceparent"])
-    assert json.loads(out.strip().splitlines()[-1])["num_responses"] == 7
+    # one response a token, unless the writer fell behind the engine and merged some (a loaded host:
+    # CI once read 6); the span's count below is the tokens'
+    assert 0 < json.loads(out.strip().splitlines()[-1])["num_responses"] <= 7
     prompt_tokens = len(server.llm.encode_prompt("The capital of France is"))
     span = check_span_shape(
         request_spans(exporter, trace_id),
