@@ -14,6 +14,8 @@ from collections.abc import Callable
 from multiprocessing import Pipe
 from typing import Any, cast
 
+import pytest
+from pagedserve.engine import core_process
 from pagedserve.engine.core import Abort, Add, Inbox
 from pagedserve.engine.core_process import (
     _INBOX,
@@ -74,6 +76,22 @@ def test_a_request_waits_apart_for_its_grammar_and_its_inbox_goes_on(tiny_llama_
     assert admission.num_waiting == 0 and not admission.ready
 
 
+def test_a_grammar_compiled_before_enters_with_its_inbox(
+    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """xgrammar's cache answers for a schema compiled before: the pass waits for it (a bound generous
+    here, so that a loaded host cannot make the test flaky) and the request does not wait apart."""
+    llm = tiny_engine(tiny_llama_dir)
+    schema = StructuredOutputsParams(json=json.dumps(PAIR))
+    llm.structured_outputs.compile(schema)  # (builds the compiler, then the grammar into the cache)
+    monkeypatch.setattr(core_process, "_CACHED_COMPILE_WAIT_S", 60.0)
+    admission = _Admission(llm)
+    admission.receive(0, Inbox(adds=[add("plain"), add("with-grammar", schema), add("after")]))
+    numbers, inbox, ended = admission.take()
+    assert [a.request_id for a in inbox.adds] == ["plain", "with-grammar", "after"]
+    assert numbers == [0] and ended == [] and admission.num_waiting == 0
+
+
 def test_an_abort_ends_a_request_waiting_for_its_grammar(tiny_llama_dir: str) -> None:
     admission = _Admission(tiny_engine(tiny_llama_dir))
     admission.receive(
@@ -116,6 +134,9 @@ def test_the_engine_process_serves_others_while_a_grammar_compiles(tiny_llama_di
             passes.append(front.recv())
         assert all(d.request_id == "plain" for p in passes for d in p.done.deltas)
         assert passes[-1].stats.num_waiting == 1 and passes[-1].stats.num_unfinished == 1
+        # the front end's gauges are set from the replayed record_step: the waiting one counts there too
+        steps = [args[0] for name, args in passes[-1].metric_calls if name == "record_step"]
+        assert steps and all((s.num_waiting, s.num_unfinished) == (1, 1) for s in steps)
         front.send((_INBOX, 2, Inbox(aborts={"with-grammar": Abort("bye", "client_cancel")})))
         ending = next(
             p for p in iter(lambda: front.recv() if front.poll(60) else None, None) if 2 in p.numbers

@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any, cast
@@ -66,6 +66,10 @@ logger = logging.getLogger(__name__)
 _INBOX, _STOP = "inbox", "stop"
 _IDLE_POLL_S = 0.2  # an idle engine process checks its ranks' health this often
 _COMPILE_POLL_S = 0.002  # an engine process with nothing to step but a grammar compiling looks this often
+# How long a pass waits for the grammars its own inboxes brought: one compiled before comes back from
+# xgrammar's cache in well under a millisecond and enters with its inbox, where it waited a whole pass
+# (a step); a new one costs its first pass this much, then waits apart.
+_CACHED_COMPILE_WAIT_S = 0.002
 _STOP_GRACE_S = 10.0  # for the engine process to stop its ranks and exit, before it is killed
 
 # Every engine process this process started, for stop_engine_processes() (an exit while one loads).
@@ -325,14 +329,15 @@ def serve(conn: Connection, config: EngineConfig) -> int:
 
 
 class _Admission:
-    """The inboxes received, until a pass applies them. A request whose grammar this process has not
-    compiled yet waits apart while the grammar thread compiles it (into xgrammar's cache, where
-    add_request finds it), and its inbox goes on without it: the compile takes milliseconds for most
-    schemas but grows with a schema's size (400 patterned fields: ~0.1 s on the 2-core host), and no
-    other request's add or abort, and no step, waits for it. The front end has checked that it
-    compiles. A waiting request enters the engine in a later pass, after the requests of the inboxes
-    applied meanwhile (as vLLM's requests waiting for their grammar are passed over); an abort ends it
-    where it waits."""
+    """The inboxes received, until a pass applies them. A request's grammar is compiled on the grammar
+    thread (into xgrammar's cache, where add_request finds it); one the cache holds comes back within
+    the pass's short wait (_CACHED_COMPILE_WAIT_S) and its request enters with its inbox. A request
+    whose grammar takes longer waits apart, and its inbox goes on without it: a compile takes
+    milliseconds for most schemas but grows with a schema's size (400 patterned fields: ~0.1 s on the
+    2-core host), and no other request's add or abort, and no step, waits for it. The front end has
+    checked that it compiles. A waiting request enters the engine in a later pass, after the requests
+    of the inboxes applied meanwhile (as vLLM's requests waiting for their grammar are passed over);
+    an abort ends it where it waits."""
 
     def __init__(self, llm: LLMEngine) -> None:
         self._llm = llm
@@ -355,8 +360,8 @@ class _Admission:
 
     def take(self) -> tuple[list[int], Inbox, list[Add]]:
         """The inboxes received (their numbers) as one inbox, whose adds are first the waiting requests
-        whose grammars have compiled, then the inboxes' own but those whose grammar compiles now (they
-        wait); and the waiting requests the inboxes' aborts ended."""
+        whose grammars have compiled, then the inboxes' own but those whose grammar is still compiling
+        after _CACHED_COMPILE_WAIT_S (they wait); and the waiting requests the inboxes' aborts ended."""
         numbers, merged = [], Inbox()
         for number, inbox in self._inboxes:
             numbers.append(number)
@@ -371,16 +376,24 @@ class _Admission:
             else:
                 still.append((add, future))
         self._compiling = still
-        adds = []
+        arriving: list[tuple[Add, Future[Any] | None]] = []
         for add in merged.adds:
             grammar = add.params.structured_outputs
             if grammar is None or add.request_id in merged.aborts:  # (an abort skips it in run_pass)
+                arriving.append((add, None))
+            else:
+                arriving.append(
+                    (add, self._grammar_thread.submit(self._llm.structured_outputs.compile, grammar))
+                )
+        compiles = [future for _, future in arriving if future is not None]
+        if compiles:
+            wait(compiles, timeout=_CACHED_COMPILE_WAIT_S)
+        adds = []
+        for add, pending in arriving:  # (each future looked at once, as above)
+            if pending is None or pending.done():
                 adds.append(add)
-                continue
-            # (one compiled before waits too, a pass: xgrammar's cache answers in under a millisecond)
-            self._compiling.append(
-                (add, self._grammar_thread.submit(self._llm.structured_outputs.compile, grammar))
-            )
+            else:
+                self._compiling.append((add, pending))
         merged.adds = compiled + adds
         return numbers, merged, ended
 
@@ -414,6 +427,18 @@ def _stats(llm: LLMEngine, num_waiting_apart: int) -> EngineStats:
         num_waiting=stats.num_waiting + num_waiting_apart,
         num_unfinished=stats.num_unfinished + num_waiting_apart,
     )
+
+
+def _with_stats(
+    calls: list[tuple[str, tuple[Any, ...]]], stats: EngineStats
+) -> list[tuple[str, tuple[Any, ...]]]:
+    """A pass's metric calls with `stats` (the requests waiting for their grammars counted) where the
+    engine gave its own: the front end's gauges (`num_requests_waiting`, which autoscalers read) count
+    those requests as its queue bound does."""
+    return [(name, (stats, *args[1:])) if name in _STATS_CALLS else (name, args) for name, args in calls]
+
+
+_STATS_CALLS = ("record_step", "record_aborted")  # _MetricCalls whose first argument is the engine's stats
 
 
 def _run_passes(conn: Connection, llm: LLMEngine, recorder: _MetricCalls) -> None:
@@ -450,7 +475,7 @@ def _run_passes(conn: Connection, llm: LLMEngine, recorder: _MetricCalls) -> Non
         done.fault = None if done.fault is None else _sendable(done.fault)
         lora_paths = {name: llm.lora_path(name) or "" for name in llm.lora_names} if changed_loras else None
         stats = _stats(llm, admission.num_waiting)
-        conn.send(CorePass(numbers, done, stats, recorder.take(), lora_paths))
+        conn.send(CorePass(numbers, done, stats, _with_stats(recorder.take(), stats), lora_paths))
         faulted = done.fault is not None
 
 
