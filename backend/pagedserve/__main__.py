@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
+from pagedserve import logs
 from pagedserve.errors import InvalidRequestError
 from pagedserve.lora_config import parse_lora_modules
 from pagedserve.rpc.cli import add_health_parser, add_serve_parser, run_health, run_serve
@@ -218,9 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    logs.configure_from_environment("")  # (serve sets its own once its settings are read)
     try:
         if args.command == "generate":
             return _run_generate(args)

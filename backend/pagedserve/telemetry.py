@@ -12,9 +12,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
+from pagedserve.logs import REQUESTS_LOGGER
 from pagedserve.outputs import RequestDelta, RequestMetrics
 
-logger = logging.getLogger("pagedserve.requests")
+logger = logging.getLogger(REQUESTS_LOGGER)
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
@@ -519,7 +520,10 @@ def cache_config_labels(
 
 def log_finished(delta: RequestDelta, e2e: float) -> None:
     """The one info line of a finished request (aborted ones included); the same values ride on the
-    record as `request_id`, `num_prompt_tokens`, ... for structured (JSON) log handlers."""
+    record as `request_id`, `num_prompt_tokens`, ... for structured (JSON) log handlers (--log-format
+    json). Nothing is built under --no-log-requests."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
     metrics = delta.metrics
     ends = delta.completion_ends()
     fields = {

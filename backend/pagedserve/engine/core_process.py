@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
+from pagedserve import logs
 from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.engine.core import Add, Inbox, Pass, run_pass
@@ -502,11 +503,7 @@ def _main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _stop_while_starting)
     config: EngineConfig = pickle.load(sys.stdin.buffer)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logs.configure_from_environment("engine")
     return serve(Connection(int(sys.argv[1])), config)
 
 

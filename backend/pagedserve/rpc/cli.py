@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Literal, NoReturn
 
 from pydantic import Field, field_validator, model_validator
 
+from pagedserve import logs
+from pagedserve.logs import LogFormat, LogLevel
 from pagedserve.rpc.tls import TlsFiles, check_client_files, server_context
 from pagedserve.settings import (
     EngineSettings,
@@ -133,6 +135,19 @@ class ServeSettings(EngineSettings):
         "gRPC health, reflection, /metrics and the health routes stay open for probes and scrapers. "
         "Prefer the environment variable (from a Secret) to the flag, which other processes can read",
     )
+    log_level: LogLevel = Field(
+        "info", description="the lowest level logged, by the server and the processes it starts"
+    )
+    log_format: LogFormat = Field(
+        "text",
+        description="text lines, or json: one JSON object a line (time, level, logger, process, message "
+        "and the record's fields, a finished request's id, token counts, TTFT, ...) for log pipelines",
+    )
+    log_requests: bool = Field(
+        True,
+        description="one info line per finished request (id, tokens, TTFT, end-to-end time, finish "
+        "reason); --no-log-requests drops them",
+    )
     ssl_certfile: str | None = Field(
         None,
         description="PEM certificate (chain, leaf first): TLS on the gRPC and the HTTP port, with "
@@ -159,6 +174,12 @@ class ServeSettings(EngineSettings):
                 f"({self.triton_priority_levels}), got {self.triton_default_priority_level}"
             )
         return self
+
+    @field_validator("log_level", "log_format", mode="before")
+    @classmethod
+    def _lower_case(cls, value: object) -> object:
+        """PAGEDSERVE_LOG_LEVEL=INFO reads as info."""
+        return value.lower() if isinstance(value, str) else value
 
     @field_validator("api_key")
     @classmethod
@@ -273,6 +294,9 @@ def run_serve(args: argparse.Namespace) -> int:
     # plaintext client, a port scanner, a load balancer's TCP check): its errors only, unless asked.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     settings = settings_from_args(ServeSettings, args)
+    logs.configure(settings.log_level, settings.log_format, settings.log_requests)
+    # and the same for the processes it starts (the engine process, tensor-parallel ranks)
+    logs.export(settings.log_level, settings.log_format, settings.log_requests)
     startup = _Startup()
     code = asyncio.run(_serve(settings, set(flags_given(ServeSettings, args)), startup))
     if startup.load_abandoned:
@@ -405,11 +429,10 @@ async def _run(
     https = "HTTPS" if tls and http_port is not None else "HTTP"
     security = f" ({tls.mode})" if tls else ""
     logger.info(
-        "gRPC on %s:%d, %s on %s%s: live; loading the model",
+        "gRPC on %s:%d, %s%s: live; loading the model",
         settings.host,
         port,
-        https,
-        f"{settings.host}:{http_port}" if http_port is not None else "off",
+        f"{https} on {settings.host}:{http_port}" if http_port is not None else "HTTP off",
         security,
     )
     starting = asyncio.create_task(_start(server, startup, settings, flags))

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import torch
 
-from pagedserve import distributed
+from pagedserve import distributed, logs
 from pagedserve.config import EngineConfig, default_num_threads
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed import CollectiveError, StepFault
@@ -573,11 +573,7 @@ def spawned_rank_main() -> int:
     # (or stops starting) and then stops this rank, which must not die of a KeyboardInterrupt first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     args: _SpawnArgs = pickle.load(sys.stdin.buffer)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s %(levelname)s [rank {args.launch.rank}] %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logs.configure_from_environment(f"rank {args.launch.rank}")
     store = distributed.connect_store("127.0.0.1", args.store_port, STARTUP_TIMEOUT_S)
     store.set(_started_key(args.launch.rank), "1")
     return run_worker(args.config, args.eos_token_ids, args.launch, store)

@@ -1,0 +1,110 @@
+"""How every pagedserve process logs: the level, the format (text lines, or JSON lines for a log
+pipeline that indexes fields) and whether each finished request gets its line. `serve` takes them
+as --log-level, --log-format and --log-requests (PAGEDSERVE_LOG_*), and hands them to the processes
+it starts (the engine process, tensor-parallel ranks) through the same variables.
+
+    text: 2026-12-05 01:10:38,398 INFO [engine] pagedserve.engine: ...
+    json: {"time": "2026-12-05T01:10:38.398+00:00", "level": "INFO", "logger": "pagedserve.engine",
+           "process": "engine", "message": "...", ...}
+
+A JSON line carries the record's extra fields as well: a finished request's line has `request_id`,
+`num_prompt_tokens`, `num_output_tokens`, `ttft_s`, `e2e_s`, ... (telemetry.log_finished)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from datetime import UTC, datetime
+from typing import Any, Literal, cast
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+LogFormat = Literal["text", "json"]
+LEVELS: tuple[LogLevel, ...] = ("debug", "info", "warning", "error", "critical")
+FORMATS: tuple[LogFormat, ...] = ("text", "json")
+REQUESTS_LOGGER = "pagedserve.requests"  # one info line per finished request
+_ENV = {
+    "level": "PAGEDSERVE_LOG_LEVEL",
+    "format": "PAGEDSERVE_LOG_FORMAT",
+    "requests": "PAGEDSERVE_LOG_REQUESTS",
+}
+
+# every attribute a LogRecord has of itself; any other was given as `extra`
+_RECORD_ATTRIBUTES = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
+    "message",
+    "asctime",
+    "taskName",
+}
+
+_handler: logging.Handler | None = None  # the one configure installed, replaced by the next call
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: time (ISO 8601, UTC, milliseconds), level, logger, the process when it
+    is not the server's own (engine, rank 1, ...), message, the record's extra fields, and the
+    exception's traceback as one string."""
+
+    def __init__(self, process: str = "") -> None:
+        super().__init__()
+        self.process = process
+
+    def format(self, record: logging.LogRecord) -> str:
+        time = datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
+        entry: dict[str, Any] = {"time": time, "level": record.levelname, "logger": record.name}
+        if self.process:
+            entry["process"] = self.process
+        entry["message"] = record.getMessage()
+        for key, value in record.__dict__.items():
+            if key not in _RECORD_ATTRIBUTES and key not in entry:
+                entry[key] = value
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+def configure(
+    level: LogLevel = "info", fmt: LogFormat = "text", log_requests: bool = True, process: str = ""
+) -> None:
+    """Set this process's logging. `process` names it in each line ("engine", "rank 1"; empty for the
+    server's own). A process whose logging someone else set up (a host application, pytest's capture)
+    keeps its handlers; the levels apply all the same."""
+    global _handler
+    root = logging.getLogger()
+    if _handler is not None:
+        root.removeHandler(_handler)
+        _handler = None
+    if not root.handlers:
+        _handler = logging.StreamHandler(sys.stderr)
+        if fmt == "json":
+            _handler.setFormatter(JsonFormatter(process))
+        else:
+            tag = f"[{process}] " if process else ""
+            _handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s"))
+        root.addHandler(_handler)
+    logging.captureWarnings(fmt == "json")  # a library's warnings as JSON lines too, not raw text
+    root.setLevel(level.upper())
+    logging.getLogger(REQUESTS_LOGGER).setLevel(logging.NOTSET if log_requests else logging.WARNING)
+
+
+def export(level: LogLevel, fmt: LogFormat, log_requests: bool) -> None:
+    """Hand the settings to the processes this one starts from now on (they inherit its environment)."""
+    os.environ[_ENV["level"]] = level
+    os.environ[_ENV["format"]] = fmt
+    os.environ[_ENV["requests"]] = "true" if log_requests else "false"
+
+
+def configure_from_environment(process: str) -> None:
+    """A started process's logging, as its server's (`export`). Values it does not know (the variables
+    set by hand, not through the server, which checked them) fall back to the defaults."""
+    level = os.environ.get(_ENV["level"], "info").lower()
+    fmt = os.environ.get(_ENV["format"], "text").lower()
+    requests = os.environ.get(_ENV["requests"], "true").lower() not in ("false", "0", "no", "off")
+    configure(
+        cast(LogLevel, level) if level in LEVELS else "info",
+        cast(LogFormat, fmt) if fmt in FORMATS else "text",
+        requests,
+        process,
+    )
