@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from pagedserve.logs import REQUESTS_LOGGER
 from pagedserve.outputs import RequestDelta, RequestMetrics
@@ -317,6 +318,12 @@ class EngineMetrics:
         the front end's). A process that has exited reports none."""
         ProcessCollector(namespace="pagedserve_engine", pid=lambda: pid, registry=self.registry)
 
+    def watch_ranks(self, pids: list[int]) -> None:
+        """The CPU time, memory and file descriptors of the tensor-parallel ranks this server started
+        (`pids`: ranks 1..N-1), as pagedserve_rank_process_* with a `rank` label."""
+        if pids:
+            self.registry.register(_RankProcesses(pids))
+
     def record_step(self, stats: Any, deltas: list[RequestDelta], now: float | None = None) -> None:
         """`stats` is the engine's `EngineStats` after the step."""
         now = time.monotonic() if now is None else now
@@ -484,6 +491,32 @@ class EngineMetrics:
             100.0 * (1.0 - stats.num_free_blocks / max(1, stats.num_total_blocks)),
         )
         self._window_start, self._window_tokens = now, [0, 0]
+
+
+class _RankProcesses:
+    """Prometheus' process metrics of each rank, one series per rank under one name: a rank that has
+    exited reports none (as ProcessCollector does for a pid it cannot read)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self._processes = [
+            (str(rank), ProcessCollector(namespace="pagedserve_rank", pid=_constant(pid), registry=None))
+            for rank, pid in enumerate(pids, start=1)
+        ]
+
+    def collect(self) -> list[Metric]:
+        families: dict[str, Metric] = {}
+        for rank, process in self._processes:
+            for family in process.collect():
+                merged = families.setdefault(
+                    family.name, Metric(family.name, family.documentation, family.type, family.unit)
+                )
+                for sample in family.samples:
+                    merged.add_sample(sample.name, {**sample.labels, "rank": rank}, sample.value)
+        return list(families.values())
+
+
+def _constant(value: int) -> Callable[[], int]:
+    return lambda: value
 
 
 def one_two_five_buckets(max_value: int) -> tuple[int, ...]:

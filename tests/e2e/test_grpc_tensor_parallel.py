@@ -1,7 +1,7 @@
 """The gRPC server with --tensor-parallel-size 2: streams correctly, reports the tensor-parallel size
-and per-rank KV capacity in ModelInfo and its startup log, and a killed worker rank turns health
-NOT_SERVING, fails the in-flight request with an error naming the rank and the cause, and ends the
-process non-zero."""
+and per-rank KV capacity in ModelInfo and its startup log and rank 1's process in /metrics, and a
+killed worker rank turns health NOT_SERVING, fails the in-flight request with an error naming the
+rank and the cause, and ends the process non-zero."""
 
 from __future__ import annotations
 
@@ -47,6 +47,11 @@ def test_tensor_parallel_server_streams_the_single_rank_output(tiny_llama_dir: s
         ]
         prompt = proc.stub.Tokenize(pb.TokenizeRequest(text="Once upon a time")).token_ids
         info = proc.stub.ModelInfo(pb.ModelInfoRequest())
+        # rank 1's own process in /metrics (a child of the engine process, not of the server)
+        (rank_1,) = proc.rank_processes()
+        started = proc.metric("pagedserve_rank_process_start_time_seconds", rank="1")
+        assert started == pytest.approx(rank_1.create_time(), abs=1)
+        assert proc.metric("pagedserve_rank_process_resident_memory_bytes", rank="1") > 0
     finally:
         proc.stop()
     single = LLM(model=tiny_llama_dir, dtype="float32", kv_cache_memory=KV_BUDGET)

@@ -403,3 +403,40 @@ def test_unknown_otlp_protocol_is_named(otel_env: pytest.MonkeyPatch) -> None:
     otel_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
     with pytest.raises(ValueError, match="http/json"):
         configure_tracing("http://127.0.0.1:1")
+
+
+def test_each_ranks_process_is_a_series_of_its_own() -> None:
+    """watch_ranks([pid of rank 1, pid of rank 2]): pagedserve_rank_process_* with a rank label, each
+    series read from its own process; a rank that has exited drops out instead of failing the scrape."""
+    import subprocess
+    import sys
+
+    import psutil
+    from pagedserve.telemetry import EngineMetrics
+
+    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        metrics = EngineMetrics("m")
+        metrics.watch_ranks([child.pid for child in children])
+        samples = {
+            (s.name, s.labels.get("rank")): s.value
+            for family in text_string_to_metric_families(metrics.render().decode())
+            for s in family.samples
+            if s.name.startswith("pagedserve_rank_process_")
+        }
+        for rank, child in enumerate(children, start=1):
+            started = psutil.Process(child.pid).create_time()
+            assert samples[("pagedserve_rank_process_start_time_seconds", str(rank))] == pytest.approx(
+                started, abs=1
+            )
+            assert samples[("pagedserve_rank_process_resident_memory_bytes", str(rank))] > 0
+            assert ("pagedserve_rank_process_cpu_seconds_total", str(rank)) in samples
+        assert {rank for _, rank in samples} == {"1", "2"}
+        children[1].kill()
+        children[1].wait()
+        after = metrics.render().decode()
+        assert 'rank="1"' in after and 'rank="2"' not in after
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()

@@ -85,6 +85,7 @@ class _Ready:
     num_kv_blocks: int
     num_cpu_blocks: int
     stats: EngineStats
+    worker_pids: list[int]  # the tensor-parallel ranks it started (1..N-1)
 
 
 @dataclass
@@ -181,6 +182,11 @@ class EngineProcess(Executor):
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The tensor-parallel ranks the engine process started."""
+        return self.ready.worker_pids
 
     def send(self, inbox: Inbox) -> None:
         """Queue an inbox for the engine process (kept here, with its callers' futures, until a pass
@@ -318,7 +324,9 @@ def serve(conn: Connection, config: EngineConfig) -> int:
     recorder = _MetricCalls()
     llm.metrics = cast(EngineMetrics, recorder)
     try:
-        conn.send(_Ready(llm.num_kv_blocks, llm.executor.num_cpu_blocks, llm.stats()))
+        conn.send(
+            _Ready(llm.num_kv_blocks, llm.executor.num_cpu_blocks, llm.stats(), llm.executor.worker_pids)
+        )
         gc.collect()
         gc.freeze()  # the model and the tokenizer out of the collector's scans (freeze_startup_heap)
         _run_passes(conn, llm, recorder)

@@ -88,6 +88,7 @@ class LLMEngine:
             config.model.kv_bytes_per_token * config.cache.block_size,
             max_model_len=config.model.max_model_len,
         )
+        self.metrics.watch_ranks(self.executor.worker_pids)
         self.metrics.set_cache_config_info(
             cache_config_labels(
                 config.cache, config.model.dtype, self.num_kv_blocks, self.executor.num_cpu_blocks

@@ -48,6 +48,11 @@ class Executor(abc.ABC):
     def shutdown(self) -> None:
         """Stop the ranks and release the process groups. Idempotent."""
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1 when this server started them, rank order (none in-process)."""
+        return []
+
 
 class InProcessExecutor(Executor):
     tensor_parallel_size = 1
