@@ -89,6 +89,7 @@ from typing import Any
 
 import grpc
 import placement
+import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
@@ -132,6 +133,38 @@ class RequestRecord:
     @property
     def itls(self) -> list[float]:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclass
+class ServerCpu:
+    """CPU seconds a spawned server spent over a round: its own process (the front end: gRPC, HTTP,
+    tokenizing, metrics; with --no-engine-process the engine's steps too) and its descendants (the
+    engine process and the tensor-parallel ranks). On a GPU host the front end near one core means it
+    bounds the server's throughput there (a core's worth of Python)."""
+
+    front_end_s: float
+    engine_s: float
+
+
+def server_cpu(pid: int) -> ServerCpu:
+    process = psutil.Process(pid)
+    engine_s = 0.0
+    for child in process.children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            engine_s += _cpu_seconds(child)
+    return ServerCpu(_cpu_seconds(process), engine_s)
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
+@dataclass
+class RoundResult:
+    records: list[RequestRecord]
+    client_cpu_s: float  # this load generator's own
+    server_cpu: ServerCpu | None  # a spawned server's (None for a --target server)
 
 
 # -- the load --------------------------------------------------------------------------------------------
@@ -202,9 +235,9 @@ async def benchmark(
     rounds: int = 1,
     offline: OfflineEngine | None = None,
     servers: Sequence[SpawnedServer] = (),
-) -> list[list[tuple[list[RequestRecord], float]]]:
+) -> list[list[RoundResult]]:
     """Per target, per round, the records of every timed call and the CPU seconds this client process
-    spent on them. Each target gets one warm-up, then `--warmup-rounds` untimed rounds of the workload
+    and a spawned server (`servers`, one per target) spent on them. Each target gets one warm-up, then `--warmup-rounds` untimed rounds of the workload
     (as does the offline engine); the rounds run one after another. Two targets (twin
     servers) take turns in ABBA order (A then B in odd rounds, B then A in even ones). With `offline`
     (one target), one offline round runs next to each server round, after it in odd rounds and before
@@ -229,18 +262,26 @@ async def benchmark(
                 )
             if offline is not None:
                 offline.run_round(timed=False)
-        results: list[list[tuple[list[RequestRecord], float]]] = [[] for _ in targets]
+        results: list[list[RoundResult]] = [[] for _ in targets]
         for round_ in range(1, rounds + 1):
             if offline is not None and round_ % 2 == 0:
                 offline.run_round()
             order = list(range(len(targets)))
             for i in order if round_ % 2 == 1 else order[::-1]:
-                start = os.times()
+                spawned = servers[i] if servers else None
+                start, server_start = os.times(), spawned.cpu() if spawned else None
                 records = await run_load(
                     stubs[i], requests, args.request_rate, args.concurrency, args.seed, args.timeout
                 )
-                end = os.times()
-                results[i].append((records, end.user - start.user + end.system - start.system))
+                end, server_end = os.times(), spawned.cpu() if spawned else None
+                client_cpu_s = end.user - start.user + end.system - start.system
+                spent = None
+                if server_start is not None and server_end is not None:
+                    spent = ServerCpu(
+                        server_end.front_end_s - server_start.front_end_s,
+                        server_end.engine_s - server_start.engine_s,
+                    )
+                results[i].append(RoundResult(records, client_cpu_s, spent))
                 which = f"server {chr(ord('A') + i)}, " if len(targets) > 1 else ""
                 print(f"{which}round {round_}: {output_tokens_per_s(records):.1f} output tok/s", flush=True)
             if offline is not None and round_ % 2 == 1:
@@ -309,6 +350,10 @@ class SpawnedServer:
             env["OMP_NUM_THREADS"] = str(len(self.engine_cpus))
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def cpu(self) -> ServerCpu:
+        """The CPU seconds its processes have spent so far."""
+        return server_cpu(self.proc.pid)
 
     def place(self) -> None:
         """Pin the ready server on --engine-cores (nothing without it)."""
@@ -448,18 +493,20 @@ def summarize(records: list[RequestRecord]) -> dict[str, Any]:
 
 
 def median_round(
-    results: list[tuple[list[RequestRecord], float]],
+    results: list[RoundResult],
 ) -> tuple[dict[str, Any], list[RequestRecord], list[RequestRecord]]:
     """The summary and records of the round with the median output throughput (the lower middle one
     for an even count), and the failed calls of every round, not only of that one."""
-    rates = [output_tokens_per_s(records) for records, _ in results]
-    records, client_cpu_s = results[rates.index(statistics.median_low(rates))]
-    summary = summarize(records)
-    summary["client_cpu_s"] = client_cpu_s
+    rates = [output_tokens_per_s(result.records) for result in results]
+    median = results[rates.index(statistics.median_low(rates))]
+    summary = summarize(median.records)
+    summary["client_cpu_s"] = median.client_cpu_s
+    if median.server_cpu is not None:
+        summary["server_cpu_s"] = asdict(median.server_cpu)
     summary["rounds_output_tokens_per_s"] = rates
-    failed = [r for round_records, _ in results for r in round_records if not r.ok]
+    failed = [r for result in results for r in result.records if not r.ok]
     summary["num_failed_all_rounds"] = len(failed)
-    return summary, records, failed
+    return summary, median.records, failed
 
 
 def print_summary(summary: dict[str, Any], errors: list[str]) -> None:
@@ -483,6 +530,14 @@ def print_summary(summary: dict[str, Any], errors: list[str]) -> None:
         f"client CPU time: {summary['client_cpu_s']:.1f} s, "
         f"{summary['client_cpu_s'] / summary['duration_s']:.2f} cores over the benchmark's duration"
     )
+    if "server_cpu_s" in summary:
+        front_end_s, engine_s = summary["server_cpu_s"]["front_end_s"], summary["server_cpu_s"]["engine_s"]
+        print(
+            f"server CPU time: its own process (the front end) {front_end_s:.1f} s, "
+            f"{front_end_s / summary['duration_s']:.2f} cores, "
+            f"{1e6 * front_end_s / max(1, summary['num_output_tokens']):.0f} us an output token; "
+            f"its engine process and ranks {engine_s:.1f} s, {engine_s / summary['duration_s']:.2f} cores"
+        )
     latencies = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
     print_table(
         ["latency (ms)", "mean", "p50", "p99", "max"],
@@ -671,7 +726,7 @@ def compare_tracing(args: argparse.Namespace, requests: list[BenchRequest]) -> l
         try:
             # one target, one round
             (one_round,) = run_client(args, benchmark(args, [server.target], requests, servers=[server]))
-            records, client_cpu_s = one_round[0]
+            records = one_round[0].records
         except Exception:
             print(server.tail(), file=sys.stderr)
             raise

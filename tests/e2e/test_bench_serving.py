@@ -25,9 +25,10 @@ def run_bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[s
 
 
 def run_ok(json_out: Path, *args: str) -> dict[str, Any]:
+    """The JSON report, with what the run printed as `stdout`."""
     done = run_bench(*args, "--json-out", str(json_out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(json_out.read_text())
+    return {**json.loads(json_out.read_text()), "stdout": done.stdout}
 
 
 def test_compare_offline_reports_the_share_of_interleaved_rounds(tiny_llama_dir: str, tmp_path: Path) -> None:
@@ -45,6 +46,9 @@ def test_compare_offline_reports_the_share_of_interleaved_rounds(tiny_llama_dir:
     assert summary["share_of_offline"] == pytest.approx(summary["output_tokens_per_s"] / offline)
     for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         assert 0 < summary[name]["p50"] <= summary[name]["p99"] <= summary[name]["max"]
+    # the spawned server's CPU over its median round: its own process's and its engine process's
+    assert summary["server_cpu_s"]["front_end_s"] > 0 and summary["server_cpu_s"]["engine_s"] > 0
+    assert "server CPU time: its own process (the front end) " in out["stdout"]
 
 
 def test_warmup_rounds_run_untimed_on_both_sides(tiny_llama_dir: str, tmp_path: Path) -> None:
