@@ -70,7 +70,7 @@ def configure(
 ) -> None:
     """Set this process's logging. `process` names it in each line ("engine", "rank 1"; empty for the
     server's own). A process whose logging someone else set up (a host application, pytest's capture)
-    keeps its handlers; the levels apply all the same."""
+    keeps it, as logging.basicConfig leaves it: only the request lines follow `log_requests`."""
     global _handler
     root = logging.getLogger()
     if _handler is not None:
@@ -84,8 +84,8 @@ def configure(
             tag = f"[{process}] " if process else ""
             _handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s"))
         root.addHandler(_handler)
-    logging.captureWarnings(fmt == "json")  # a library's warnings as JSON lines too, not raw text
-    root.setLevel(level.upper())
+        root.setLevel(level.upper())
+        logging.captureWarnings(fmt == "json")  # a library's warnings as JSON lines too, not raw text
     logging.getLogger(REQUESTS_LOGGER).setLevel(logging.NOTSET if log_requests else logging.WARNING)
 
 
