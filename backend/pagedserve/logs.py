@@ -16,7 +16,9 @@ import json
 import logging
 import os
 import sys
+import threading
 from datetime import UTC, datetime
+from types import TracebackType
 from typing import Any, Literal, cast
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -85,8 +87,28 @@ def configure(
             _handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s"))
         root.addHandler(_handler)
         root.setLevel(level.upper())
-        logging.captureWarnings(fmt == "json")  # a library's warnings as JSON lines too, not raw text
+        # a library's warnings and an uncaught exception's traceback as JSON lines too, not raw text
+        # (a traceback's many lines would each be a record of their own to a log pipeline)
+        logging.captureWarnings(fmt == "json")
+        sys.excepthook = _log_uncaught if fmt == "json" else sys.__excepthook__
+        threading.excepthook = _log_uncaught_in_thread if fmt == "json" else threading.__excepthook__
     logging.getLogger(REQUESTS_LOGGER).setLevel(logging.NOTSET if log_requests else logging.WARNING)
+
+
+def _log_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    if issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, exc, tb)
+        return
+    logging.getLogger("pagedserve").critical("uncaught exception", exc_info=(kind, exc, tb))
+
+
+def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_value is None or issubclass(args.exc_type, SystemExit):
+        return  # as threading's own hook: a thread that exits quietly
+    name = args.thread.name if args.thread is not None else "?"
+    logging.getLogger("pagedserve").critical(
+        "uncaught exception in thread %s", name, exc_info=(args.exc_type, args.exc_value, args.exc_traceback)
+    )
 
 
 def export(level: LogLevel, fmt: LogFormat, log_requests: bool) -> None:

@@ -22,7 +22,7 @@ log, requests = logging.getLogger("pagedserve.test"), logging.getLogger("pagedse
 """
 
 
-def run(script: str, **env: str) -> list[str]:
+def run(script: str, returncode: int = 0, **env: str) -> list[str]:
     """The lines a script (after SCRIPT_HEAD) writes to stderr."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_LOG_")}
     done = subprocess.run(
@@ -32,7 +32,7 @@ def run(script: str, **env: str) -> list[str]:
         timeout=60,
         env={**environment, **env},
     )
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == returncode, done.stderr
     return done.stderr.splitlines()
 
 
@@ -55,6 +55,26 @@ def test_json_lines_carry_the_records_fields_the_process_and_the_traceback() -> 
     assert failed["message"] == "failed: step" and failed["level"] == "ERROR"
     assert failed["exception"].startswith("Traceback") and "ZeroDivisionError" in failed["exception"]
     assert warned["logger"] == "py.warnings" and "old knob" in warned["message"]
+
+
+def test_uncaught_exceptions_are_one_json_line_each() -> None:
+    """A thread's and the main thread's: one record with the traceback, not its lines raw."""
+    lines = run(
+        """
+        import threading
+        logs.configure("info", "json")
+        worker = threading.Thread(target=lambda: 1 / 0, name="worker")
+        worker.start()
+        worker.join()
+        raise RuntimeError("boom")
+        """,
+        returncode=1,
+    )
+    in_thread, in_main = [json.loads(line) for line in lines]
+    assert in_thread["message"] == "uncaught exception in thread worker"
+    assert in_thread["exception"].endswith("ZeroDivisionError: division by zero")
+    assert (in_main["level"], in_main["message"]) == ("CRITICAL", "uncaught exception")
+    assert in_main["exception"].endswith("RuntimeError: boom")
 
 
 def test_the_level_and_the_request_lines() -> None:
