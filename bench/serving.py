@@ -237,12 +237,13 @@ async def benchmark(
     servers: Sequence[SpawnedServer] = (),
 ) -> list[list[RoundResult]]:
     """Per target, per round, the records of every timed call and the CPU seconds this client process
-    and a spawned server (`servers`, one per target) spent on them. Each target gets one warm-up, then `--warmup-rounds` untimed rounds of the workload
-    (as does the offline engine); the rounds run one after another. Two targets (twin
-    servers) take turns in ABBA order (A then B in odd rounds, B then A in even ones). With `offline`
-    (one target), one offline round runs next to each server round, after it in odd rounds and before
-    it in even ones (this blocks the event loop, which has no call in flight then). `servers`, the
-    spawned ones, are placed on --engine-cores once warm."""
+    and a spawned server (`servers`, one per target) spent on them. Each target gets one warm-up,
+    then `--warmup-rounds` untimed rounds of the workload (as does the offline engine); the rounds
+    run one after another. Two targets (twin servers) take turns in ABBA order (A then B in odd
+    rounds, B then A in even ones). With `offline` (one target), one offline round runs next to each
+    server round, after it in odd rounds and before it in even ones (this blocks the event loop,
+    which has no call in flight then). `servers`, the spawned ones, are placed on --engine-cores
+    once warm."""
     async with contextlib.AsyncExitStack() as stack:
         stubs = []
         for target in targets:
@@ -269,11 +270,13 @@ async def benchmark(
             order = list(range(len(targets)))
             for i in order if round_ % 2 == 1 else order[::-1]:
                 spawned = servers[i] if servers else None
-                start, server_start = os.times(), spawned.cpu() if spawned else None
+                server_start = spawned.cpu() if spawned else None  # (outside the client's own count)
+                start = os.times()
                 records = await run_load(
                     stubs[i], requests, args.request_rate, args.concurrency, args.seed, args.timeout
                 )
-                end, server_end = os.times(), spawned.cpu() if spawned else None
+                end = os.times()
+                server_end = spawned.cpu() if spawned else None
                 client_cpu_s = end.user - start.user + end.system - start.system
                 spent = None
                 if server_start is not None and server_end is not None:
