@@ -19,12 +19,12 @@ import sys
 import threading
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, get_args
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 LogFormat = Literal["text", "json"]
-LEVELS: tuple[LogLevel, ...] = ("debug", "info", "warning", "error", "critical")
-FORMATS: tuple[LogFormat, ...] = ("text", "json")
+LEVELS: tuple[LogLevel, ...] = get_args(LogLevel)
+FORMATS: tuple[LogFormat, ...] = get_args(LogFormat)
 REQUESTS_LOGGER = "pagedserve.requests"  # one info line per finished request
 _ENV = {
     "level": "PAGEDSERVE_LOG_LEVEL",

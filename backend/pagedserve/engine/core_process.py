@@ -122,15 +122,22 @@ class _MetricCalls:
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
 
-    def take(self) -> list[tuple[str, tuple[Any, ...]]]:
+    def take(self, stats: EngineStats) -> list[tuple[str, tuple[Any, ...]]]:
+        """The calls kept since the last take, record_step's and record_aborted's with `stats` (the
+        pass's, which count the requests waiting for their grammars) for the engine's own: the front
+        end's gauges (`num_requests_waiting`, which autoscalers read) count those requests as its
+        queue bound does."""
         calls, self.calls = self.calls, []
-        return calls
+        return [(name, (stats, *args[1:])) if name in _STATS_CALLS else (name, args) for name, args in calls]
 
     set_cache_config_info = _recorded("set_cache_config_info")
     set_num_lora_adapters = _recorded("set_num_lora_adapters")
     set_lora_in_use = _recorded("set_lora_in_use")
     record_step = _recorded("record_step")
     record_aborted = _recorded("record_aborted")
+
+
+_STATS_CALLS = ("record_step", "record_aborted")  # _MetricCalls whose first argument is the engine's stats
 
 
 # -- the front end's side ----------------------------------------------------------------------------
@@ -438,18 +445,6 @@ def _stats(llm: LLMEngine, num_waiting_apart: int) -> EngineStats:
     )
 
 
-def _with_stats(
-    calls: list[tuple[str, tuple[Any, ...]]], stats: EngineStats
-) -> list[tuple[str, tuple[Any, ...]]]:
-    """A pass's metric calls with `stats` (the requests waiting for their grammars counted) where the
-    engine gave its own: the front end's gauges (`num_requests_waiting`, which autoscalers read) count
-    those requests as its queue bound does."""
-    return [(name, (stats, *args[1:])) if name in _STATS_CALLS else (name, args) for name, args in calls]
-
-
-_STATS_CALLS = ("record_step", "record_aborted")  # _MetricCalls whose first argument is the engine's stats
-
-
 def _run_passes(conn: Connection, llm: LLMEngine, recorder: _MetricCalls) -> None:
     admission, faulted = _Admission(llm), False
     while True:
@@ -484,7 +479,7 @@ def _run_passes(conn: Connection, llm: LLMEngine, recorder: _MetricCalls) -> Non
         done.fault = None if done.fault is None else _sendable(done.fault)
         lora_paths = {name: llm.lora_path(name) or "" for name in llm.lora_names} if changed_loras else None
         stats = _stats(llm, admission.num_waiting)
-        conn.send(CorePass(numbers, done, stats, _with_stats(recorder.take(), stats), lora_paths))
+        conn.send(CorePass(numbers, done, stats, recorder.take(stats), lora_paths))
         faulted = done.fault is not None
 
 

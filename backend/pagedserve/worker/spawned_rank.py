@@ -6,6 +6,7 @@ and, on a GPU host, its device. Once the ranks have met, rank 0's sockets closin
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -21,7 +22,10 @@ def exit_with_parent(parent: int) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
-        os.write(2, f"tensor-parallel rank: its rank 0 (pid {parent}) has gone; exiting\n".encode())
+        # (through logging: a JSON line under --log-format json once the rank has configured it)
+        logging.getLogger(__name__).error(
+            "tensor-parallel rank: its rank 0 (pid %d) has gone; exiting", parent
+        )
         os._exit(1)
 
     threading.Thread(target=watch, name="pagedserve-rank-0-watch", daemon=True).start()
