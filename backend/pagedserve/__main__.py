@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -227,9 +228,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "health":
             return run_health(args)
     except SettingsError as exc:
-        print(f"pagedserve {args.command}: error: {exc}", file=sys.stderr)
+        _say_error(args, f"pagedserve {args.command}: error: {exc}")
         return 2
     return 2
+
+
+def _say_error(args: argparse.Namespace, line: str) -> None:
+    """A command's error (a bad setting): a plain line on stderr, or one JSON record where the run logs
+    JSON lines (--log-format json, PAGEDSERVE_LOG_FORMAT=json), so that a log pipeline reads it as it
+    reads every other line. The flag counts even when the settings failed before it was applied."""
+    if getattr(args, "log_format", None) == "json" and not logs.writes_json():
+        logs.configure(fmt="json")  # (a critical record passes whatever level was asked)
+    if logs.writes_json():
+        logging.getLogger("pagedserve").critical(line)
+    else:
+        print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

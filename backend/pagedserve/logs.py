@@ -95,6 +95,11 @@ def configure(
     logging.getLogger(REQUESTS_LOGGER).setLevel(logging.NOTSET if log_requests else logging.WARNING)
 
 
+def writes_json() -> bool:
+    """Whether this process's lines are JSON (configure's handler, in the json format)."""
+    return _handler is not None and isinstance(_handler.formatter, JsonFormatter)
+
+
 def _log_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     if issubclass(kind, KeyboardInterrupt):
         sys.__excepthook__(kind, exc, tb)

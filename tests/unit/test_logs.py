@@ -120,6 +120,24 @@ def test_a_started_process_logs_as_its_server_says() -> None:
     )
 
 
+def test_a_bad_setting_is_a_json_record_where_the_run_logs_json() -> None:
+    """`serve`'s own error line, before any model loads: JSON where the flag or the environment asks
+    for JSON lines (the flag counts though the settings failed before it was applied), plain else."""
+    script = """
+        import sys
+        from pagedserve.__main__ import main
+        sys.exit(main(["serve", "--max-num-seqs", "0"] + sys.argv[1:]))
+        """
+    for extra, env in ((" --log-format json", {}), ("", {"PAGEDSERVE_LOG_FORMAT": "json"})):
+        lines = run(script.replace("sys.argv[1:]", repr(extra.split())), returncode=2, **env)
+        (entry,) = [json.loads(line) for line in lines]
+        assert entry["level"] == "CRITICAL"
+        assert entry["message"] == "pagedserve serve: error: --max-num-seqs: must be >= 1"
+    assert run(script.replace("sys.argv[1:]", "[]"), returncode=2) == [
+        "pagedserve serve: error: --max-num-seqs: must be >= 1"
+    ]
+
+
 def test_export_sets_what_a_started_process_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedserve import logs
 
