@@ -12,7 +12,8 @@ half-closed and every request on it is final; cancelling the call aborts them al
 client that stops reading, once a response has waited --stream-write-timeout to be sent.
 
 Unary `ModelInfer` returns the whole completion. Triton rejects unary calls to decoupled models; we
-answer them, which is what KServe v2 clients (which have no streaming RPC) need.
+answer them, which is what KServe v2 clients (which have no streaming RPC) need. A whole completion the
+server cut short (a drain) is UNAVAILABLE, not a short text that reads as whole.
 """
 
 from __future__ import annotations
@@ -150,9 +151,10 @@ class InferenceServicer:
             completion = Completion(parsed)
             async for delta in self.model.generate(parsed, _carrier(context), partial(cancel_cause, context)):
                 completion.add(delta)
+            outputs = completion.final_outputs()
         except AdapterError as exc:
             await context.abort(_STATUS[exc.kind], str(exc))
-        return self._response(request.id, completion.final_outputs(), final=None)
+        return self._response(request.id, outputs, final=None)
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -340,6 +342,9 @@ def model_config(model: LLMModel) -> pb.ModelConfig:
 
 
 def model_statistics(model: LLMModel) -> pb.ModelStatistics:
+    """Triton's statistics of the model. Every duration is set, those we do not measure at zero (no
+    output tensor timing apart from the request's, no response cache), so that REST's JSON has every
+    field Triton's has: tritonclient.http users index `inference_stats.compute_infer.ns`."""
     stats = model.stats
     duration = pb.StatisticDuration
     return pb.ModelStatistics(
@@ -352,6 +357,11 @@ def model_statistics(model: LLMModel) -> pb.ModelStatistics:
             success=duration(count=stats.success_count, ns=stats.success_ns),
             fail=duration(count=stats.fail_count, ns=stats.fail_ns),
             queue=duration(count=stats.success_count, ns=stats.queue_ns),
+            compute_input=duration(count=stats.success_count, ns=stats.compute_input_ns),
+            compute_infer=duration(count=stats.success_count, ns=stats.compute_infer_ns),
+            compute_output=duration(),
+            cache_hit=duration(),
+            cache_miss=duration(),
         ),
     )
 

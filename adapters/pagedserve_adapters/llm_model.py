@@ -82,6 +82,9 @@ _SWITCHES = ("stream", "exclude_input_in_output") + tuple(
 _RESERVED_PARAMETERS = frozenset(
     {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers", "binary_data_output"}
 )
+# The `triton_` parameters a client sends (tritonclient's streams set this one); Triton refuses any other
+# name with the prefix, which it keeps for itself.
+_TRITON_PARAMETERS = frozenset({"triton_enable_empty_final_response"})
 # Sampling parameter -> the type a JSON value (or its string form) is cast to.
 _PARAMETER_TYPES: dict[str, str] = {
     "n": "int",
@@ -164,6 +167,7 @@ def parse_request(
     if not prompt:
         raise InvalidRequestError("inputs.text_input", "must not be empty")
 
+    _check_reserved(parameters)
     if "sampling_parameters" in values:
         raw = _text(values.pop("sampling_parameters"), "inputs.sampling_parameters")
         sampling = _json_object(raw, "sampling_parameters")
@@ -191,7 +195,11 @@ def parse_request(
     params = _sampling_params(sampling, "sampling_parameters", make_params)
     priority = _unsigned(parameters.get("priority", 0), "parameters.priority")
     timeout_us = _unsigned(parameters.get("timeout", 0), "parameters.timeout")
-    if (switches["return_logprobs"] or switches["return_cumulative_logprob"]) and params.logprobs is None:
+    # an output asked for by name is wanted as its switch would want it: real logprobs, not 0.0 and null
+    wants_logprobs = switches["return_logprobs"] or switches["return_cumulative_logprob"]
+    if (
+        wants_logprobs or {"logprobs", "cumulative_logprob"} & set(requested_outputs)
+    ) and params.logprobs is None:
         params = dataclasses.replace(params, logprobs=0)  # only the sampled tokens' logprobs
     return LLMRequest(
         prompt=prompt,
@@ -204,6 +212,26 @@ def parse_request(
         timeout_us=timeout_us,
         lora_name=lora_name,
     )
+
+
+def _check_reserved(parameters: Mapping[str, Any]) -> None:
+    """Triton's reserved request parameters of the wrong type, and `triton_` names it does not take, are
+    refused by name as Triton refuses them (a sequence model's parameters are accepted and ignored:
+    every request here stands alone)."""
+    for name, value in parameters.items():
+        where = f"parameters.{name}"
+        if name.startswith("triton_") and name not in _TRITON_PARAMETERS:
+            raise InvalidRequestError(
+                where, "parameter names starting with triton_ are reserved for the server"
+            )
+        if name in ("binary_data_output", "sequence_start", "sequence_end", *_TRITON_PARAMETERS):
+            if not isinstance(value, bool):
+                raise InvalidRequestError(where, f"must be a boolean, got {value!r}")
+        elif name == "sequence_id" and not (
+            isinstance(value, str)
+            or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64)
+        ):
+            raise InvalidRequestError(where, f"must be an unsigned integer or a string, got {value!r}")
 
 
 def _unsigned(value: Any, where: str) -> int:
@@ -378,6 +406,7 @@ class Completion:
         self.logprobs: defaultdict[int, list[dict[str, Any]]] = defaultdict(list)
         self.finish_reasons: dict[int, str | None] = {}
         self.num_prompt_tokens = 0
+        self.aborted: str | None = None  # why the server aborted the request before its end, if it did
 
     def add(self, delta: RequestDelta) -> None:
         i = delta.index
@@ -388,6 +417,8 @@ class Completion:
             self.cumulative_logprob[i] += entry[token_id].logprob
         if delta.finished:
             self.finish_reasons[i] = _FINISH_REASONS.get(delta.finish_reason or "", delta.finish_reason)
+        if delta.finished and delta.finish_reason == "aborted":
+            self.aborted = delta.error or "aborted"
         self.num_prompt_tokens = delta.num_prompt_tokens
 
     def step_outputs(self, delta: RequestDelta) -> list[Tensor]:
@@ -399,7 +430,15 @@ class Completion:
         return self._tensors(texts, counts, logprobs)
 
     def final_outputs(self) -> list[Tensor]:
-        """The one response of a non-streamed request: whole completions."""
+        """The one response of a non-streamed request: whole completions. A request the server aborted
+        (a drain past --shutdown-timeout, an Abort call) is an error here, UNAVAILABLE / 503 for a client
+        to retry elsewhere: its text cut short would read as a whole completion to a client that did not
+        ask for finish_reason. A stream's responses say `aborted` in their finish_reason instead."""
+        if self.aborted is not None:
+            tokens = sum(self.num_tokens.values())
+            raise AdapterError(
+                "unavailable", f"the request was aborted after {tokens} output tokens: {self.aborted}"
+            )
         prefix = "" if self.request.exclude_input else self.request.prompt
         indices = range(self.request.params.n)
         return self._tensors(
@@ -465,6 +504,10 @@ class ModelStats:
     fail_count: int = 0
     fail_ns: int = 0
     queue_ns: int = 0
+    # of the successful requests: tokenizing the prompt (Triton's compute_input) and the engine's
+    # time from first scheduling the request to finishing it (compute_infer)
+    compute_input_ns: int = 0
+    compute_infer_ns: int = 0
     last_inference_ms: int = 0
     executions: int = 0
     started: dict[str, int] = field(default_factory=dict)
@@ -583,10 +626,10 @@ class LLMModel:
             # counted as it ended, as the engine's metrics count it.
             await deltas.aclose()
             last = engine.unread_final_delta(rid) or last
-            self._count(started, last)
+            self._count(started, tokenized, last)
             tracer.finish_request(carrier, rid, request.params, last, tokenized, len(prompt))
 
-    def _count(self, started: float, last: RequestDelta | None) -> None:
+    def _count(self, started: float, tokenized: tuple[float, float], last: RequestDelta | None) -> None:
         elapsed_ns = int((time.monotonic() - started) * 1e9)
         stats = self.stats
         stats.executions += 1
@@ -594,6 +637,10 @@ class LLMModel:
         if last is not None and last.request_finished and last.finish_reason not in ("error", "aborted"):
             stats.success_count += 1
             stats.success_ns += elapsed_ns
+            stats.compute_input_ns += int((tokenized[1] - tokenized[0]) * 1e9)
+            scheduled, finished = last.metrics.first_scheduled_time, last.metrics.finished_time
+            if scheduled is not None and finished is not None:
+                stats.compute_infer_ns += int((finished - scheduled) * 1e9)
         else:
             stats.fail_count += 1
             stats.fail_ns += elapsed_ns

@@ -65,6 +65,7 @@ def routes(model: LLMModel) -> list[web.RouteDef]:
         web.get("/v2/health/live", api.live),
         web.get("/v2/health/ready", api.ready),
         web.post("/v2/repository/index", api.repository_index),
+        web.get("/v2/models/stats", api.all_model_stats),  # before /v2/models/{model} would take it
     ]
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
         defs += [
@@ -142,7 +143,14 @@ class RestApi:
         )
 
     async def model_ready(self, request: web.Request) -> web.Response:
+        """200 ready, 503 not ready (yet, or any more), 404 for a model or version not served: a client
+        that retries on 503 does not wait for one that will never be ready."""
         name, version = request.match_info["model"], request.match_info.get("version", "")
+        try:
+            self._resolve(request)
+        except AdapterError as exc:
+            if exc.kind == "not_found":
+                return _error(exc)
         ready = self.model.is_ready(name, version)
         return web.json_response({"name": name, "ready": ready}, status=200 if ready else 503)
 
@@ -175,8 +183,22 @@ class RestApi:
             return _error(exc)
         return web.json_response({"model_stats": [triton_json(model_statistics(self.model))]})
 
+    async def all_model_stats(self, request: web.Request) -> web.Response:
+        """Every model's statistics (Triton's `GET v2/models/stats`): the one served, once it is loaded."""
+        models = [triton_json(model_statistics(self.model))] if self.model.bound else []
+        return web.json_response({"model_stats": models})
+
     async def repository_index(self, request: web.Request) -> web.Response:
-        if not self.model.bound:
+        """`{"ready": true}` lists only the models ready for inference, as the gRPC RPC's `ready`."""
+        try:
+            body = await _read(request)
+            doc = _object(_json_document(body), "request") if body.strip() else {}
+            ready_only = doc.get("ready", False)
+            if not isinstance(ready_only, bool):
+                raise InvalidRequestError("ready", f"must be a boolean, got {ready_only!r}")
+        except InvalidRequestError as exc:
+            return _error(exc)
+        if not self.model.bound or (ready_only and not self.model.ready):
             return web.json_response([])
         state = "READY" if self.model.ready else "UNAVAILABLE"
         return web.json_response([{"name": self.model.name, "version": self.model.version, "state": state}])
@@ -195,9 +217,17 @@ class RestApi:
             if not isinstance(outputs_wanted, list) or not all(isinstance(o, dict) for o in outputs_wanted):
                 raise InvalidRequestError("outputs", "must be a list of objects with a name")
             output_parameters = {
-                str(o.get("name")): _object(o.get("parameters") or {}, f"outputs.{o.get('name')}.parameters")
+                str(o.get("name")): _object(
+                    _or_empty(o.get("parameters")), f"outputs.{o.get('name')}.parameters"
+                )
                 for o in outputs_wanted
             }
+            for name, given in output_parameters.items():
+                if not isinstance(given.get("binary_data", False), bool):
+                    raise InvalidRequestError(
+                        f"outputs.{name}.parameters.binary_data",
+                        f"must be a boolean, got {given['binary_data']!r}",
+                    )
             request_id = _request_id(doc)
             parameters = _object(doc.get("parameters", {}), "parameters")
             parsed = parse_request(
@@ -206,7 +236,7 @@ class RestApi:
                 [str(o.get("name")) for o in outputs_wanted],  # as asked: a name twice is refused
                 make_params=self.model.sampling_params,
             )
-            completion = await self._complete(parsed, request)
+            outputs = (await self._complete(parsed, request)).final_outputs()
         except (AdapterError, InvalidRequestError) as exc:
             return _error(exc)
         binary_default = parameters.get("binary_data_output") is True
@@ -214,9 +244,7 @@ class RestApi:
             name: given.get("binary_data", binary_default) is True
             for name, given in output_parameters.items()
         }
-        return _infer_response(
-            self.model, request_id, completion.final_outputs(), binary_outputs, binary_default
-        )
+        return _infer_response(self.model, request_id, outputs, binary_outputs, binary_default)
 
     async def generate(self, request: web.Request) -> web.Response:
         """`/generate`: one JSON object with the whole completion."""
@@ -229,10 +257,10 @@ class RestApi:
                 raise InvalidRequestError(
                     "parameters.stream", "/generate sends one response; use /generate_stream"
                 )
-            completion = await self._complete(parsed, request)
+            outputs = (await self._complete(parsed, request)).final_outputs()
         except (AdapterError, InvalidRequestError) as exc:
             return _error(exc)
-        return web.json_response(_generate_body(self.model, request_id, completion.final_outputs()))
+        return web.json_response(_generate_body(self.model, request_id, outputs))
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         """`/generate_stream`: server-sent events, one per step (or one in all when `stream` is false).
@@ -364,6 +392,11 @@ def _object(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
+def _or_empty(parameters: Any) -> Any:
+    """An absent or null `parameters` is none given; anything else must be an object (0 and "" too)."""
+    return {} if parameters is None else parameters
+
+
 def _json_inputs(inputs: Any, binary: bytes) -> list[Tensor]:
     """Input tensors from JSON `data`, or from the binary section (`parameters.binary_data_size`)."""
     if not isinstance(inputs, list) or not inputs:
@@ -380,7 +413,7 @@ def _json_inputs(inputs: Any, binary: bytes) -> list[Tensor]:
         ):
             raise InvalidRequestError(f"{where}.shape", "must be a list of integers")
         tensors.check_datatype(where, datatype)
-        size = _object(tensor.get("parameters") or {}, f"{where}.parameters").get("binary_data_size")
+        size = _object(_or_empty(tensor.get("parameters")), f"{where}.parameters").get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise InvalidRequestError(f"{where}.parameters.binary_data_size", "must be an integer >= 0")
@@ -395,6 +428,12 @@ def _json_inputs(inputs: Any, binary: bytes) -> list[Tensor]:
         else:
             raise InvalidRequestError(f"{where}.data", "is missing")
         decoded.append(Tensor(name, datatype, shape, values))
+    if offset != len(binary):  # as Triton refuses it: bytes no input claims are a malformed request
+        raise InvalidRequestError(
+            _HEADER_LENGTH,
+            f"{len(binary) - offset} bytes of binary data follow the JSON header beyond the inputs' "
+            f"binary_data_size ({offset} bytes in all)",
+        )
     return decoded
 
 
@@ -428,19 +467,24 @@ def _generate_request(
     doc: dict[str, Any], stream_default: bool, make_params: Callable[..., SamplingParams]
 ) -> LLMRequest:
     """Triton's generate extension: `text_input`, `parameters` (sampling parameters and switches), and
-    any other top-level property naming one of the model's inputs."""
+    any other top-level property: an input where it names one of the model's, else a parameter, as
+    Triton maps them (`{"text_input": "Hi", "max_tokens": 8}` is `"parameters": {"max_tokens": 8}`;
+    a name that is neither is refused as an unknown sampling parameter)."""
     if "text_input" not in doc:
         raise InvalidRequestError("text_input", "is required")
     inputs = [Tensor("text_input", "BYTES", [1], [doc["text_input"]])]
+    parameters = dict(_object(doc.get("parameters", {}), "parameters"))
     for key, value in doc.items():
         if key in ("text_input", "parameters", "id"):
             continue
         if key not in _SWITCH_INPUTS:
-            raise InvalidRequestError(key, "unknown field; give sampling parameters in `parameters`")
+            if key in parameters:
+                raise InvalidRequestError(key, "given both as a top-level property and in `parameters`")
+            parameters[key] = value
+            continue
         if key == "sampling_parameters" and isinstance(value, dict):
             value = json.dumps(value)
         inputs.append(Tensor(key, _SWITCH_INPUTS[key], [1], [value]))
-    parameters = dict(_object(doc.get("parameters", {}), "parameters"))
     if "stream" not in doc and "stream" not in parameters:
         parameters["stream"] = stream_default
     return parse_request(inputs, parameters, make_params=make_params)

@@ -172,6 +172,15 @@ def infer_body(data: Any = "Hello", **tensor: Any) -> dict[str, Any]:
 
 
 BINARY_HEADER = json.dumps(infer_body()).encode()
+# text_input "Hello" in the binary section: a 4-byte length, then the bytes (9 in all)
+BINARY_INFER_HEADER = json.dumps(
+    {
+        "inputs": [
+            {"name": "text_input", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": 9}}
+        ],
+        "parameters": {"max_tokens": 3},
+    }
+).encode()
 BAD_HTTP_REQUESTS = {
     "deep JSON": ("infer", b'{"inputs": ' + DEEP_ARRAY + b"}", {}, "request: body is not valid JSON"),
     "huge integer": (
@@ -250,6 +259,49 @@ BAD_HTTP_REQUESTS = {
         {},
         "inputs.text_input.parameters.binary_data_size: must be an integer",
     ),
+    "input parameters zero": ("infer", infer_body(parameters=0), {}, "inputs.text_input.parameters"),
+    "binary data past the inputs' sizes": (  # Triton: "unexpected additional input data"
+        "infer",
+        BINARY_INFER_HEADER + struct.pack("<I", 5) + b"Hello" + struct.pack("<I", 3) + b"Bye",
+        {"Inference-Header-Content-Length": str(len(BINARY_INFER_HEADER))},
+        "Inference-Header-Content-Length: 7 bytes of binary data follow",
+    ),
+    "binary_data_output not a boolean": (
+        "infer",
+        {**infer_body(), "parameters": {"max_tokens": 3, "binary_data_output": "yes"}},
+        {},
+        "parameters.binary_data_output: must be a boolean",
+    ),
+    "an output's binary_data not a boolean": (
+        "infer",
+        {**infer_body(), "outputs": [{"name": "text_output", "parameters": {"binary_data": "true"}}]},
+        {},
+        "outputs.text_output.parameters.binary_data: must be a boolean",
+    ),
+    "sequence_id a list": (
+        "infer",
+        {**infer_body(), "parameters": {"max_tokens": 3, "sequence_id": [1, 2]}},
+        {},
+        "parameters.sequence_id: must be an unsigned integer or a string",
+    ),
+    "a parameter under Triton's reserved prefix": (
+        "generate",
+        {"text_input": "Hello", "parameters": {"triton_foo": 1}},
+        {},
+        "parameters.triton_foo: parameter names starting with triton_ are reserved",
+    ),
+    "generate: a property at the top and in parameters": (
+        "generate",
+        {"text_input": "Hello", "max_tokens": 2, "parameters": {"max_tokens": 3}},
+        {},
+        "max_tokens: given both as a top-level property and in `parameters`",
+    ),
+    "generate: a top-level property that is no input and no parameter": (
+        "generate",
+        {"text_input": "Hello", "colour": "blue"},
+        {},
+        "sampling_parameters.colour: unknown sampling parameter",
+    ),
 }
 
 
@@ -262,6 +314,30 @@ def test_malformed_rest_requests_get_400_naming_the_field(server: ServerProcess,
     assert json.loads(reply)["error"].startswith(message), reply[:300]
     status, reply = post(server, "infer", json.dumps(infer_body()).encode())
     assert status == 200 and json.loads(reply)["outputs"][0]["data"][0].startswith("Hello")
+
+
+def test_requests_that_are_not_http_get_400_and_no_traceback_in_the_log(server: ServerProcess) -> None:
+    """aiohttp answers what it cannot parse as HTTP itself; it logged an ERROR with a traceback for each
+    (a port scanner or a broken client filled the log with them): now one info line each."""
+    malformed = [
+        b"GET /v2/models/" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",  # a request line past 8190 bytes
+        b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+        b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+    ]
+    logged_before = server.log.read_text()
+    for raw in malformed:
+        with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+            sock.settimeout(30)
+            sock.sendall(raw)
+            assert sock.recv(4096).startswith(b"HTTP/1.0 400 Bad Request"), raw[:40]
+    status, reply = post(server, "infer", json.dumps(infer_body()).encode())
+    assert status == 200
+
+    def logged() -> str:
+        return server.log.read_text()[len(logged_before) :]
+
+    assert wait_until(lambda: logged().count("answered a malformed HTTP request") == 3, timeout=10), logged()
+    assert "Traceback" not in logged() and "ERROR" not in logged(), logged()[-2000:]
 
 
 @pytest.mark.parametrize("path", ["infer", "generate"])

@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,17 @@ def test_health_metadata_and_config(client: tgrpc.InferenceServerClient) -> None
     assert info.value.status() == "StatusCode.NOT_FOUND" and "no-such-model" in info.value.message()
 
 
+def test_grpc_health_answers_for_the_inference_service(server: ServerProcess) -> None:
+    """A probe or a mesh that checks the KServe v2 service by name (grpc_health_probe -service=...)
+    gets its state, as for our own service; a name the server does not serve is NOT_FOUND."""
+    for name in ("", "pagedserve.rpc.v1.Generation", "inference.GRPCInferenceService"):
+        reply = server.health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+    with pytest.raises(grpc.RpcError) as info:
+        server.health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 def test_rest_config_and_statistics_are_json_as_triton_writes_them(server: ServerProcess) -> None:
     """Triton's HTTP model config (ModelConfigToJson) prints every field, default-valued ones too, and
     its 64-bit integers as numbers, as do its statistics: tritonclient.http users index them so
@@ -158,6 +170,34 @@ def test_rest_config_and_statistics_are_json_as_triton_writes_them(server: Serve
     assert isinstance(stats["inference_count"], int)
     assert isinstance(stats["inference_stats"]["success"]["count"], int)
     assert isinstance(stats["inference_stats"]["success"]["ns"], int)
+
+
+def test_rest_statistics_have_every_field_triton_writes(
+    server: ServerProcess, client: tgrpc.InferenceServerClient
+) -> None:
+    """tritonclient.http users (perf_analyzer's reports, dashboards) index every duration Triton writes,
+    `inference_stats.compute_infer.ns` among them; `GET v2/models/stats` answers for every model."""
+    client.infer(MODEL, grpc_inputs(max_tokens=4))
+    with thttp.InferenceServerClient(f"127.0.0.1:{server.http_port}") as http:
+        stats = http.get_inference_statistics(MODEL)["model_stats"][0]
+        every_model = http.get_inference_statistics()["model_stats"]
+    assert {"batch_stats", "memory_usage", "response_stats"} <= set(stats)
+    durations = stats["inference_stats"]
+    names = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+    assert set(durations) == {*names, "cache_hit", "cache_miss"}
+    assert all(
+        set(d) == {"count", "ns"} and all(isinstance(v, int) for v in d.values()) for d in durations.values()
+    )
+    successes = durations["success"]["count"]
+    assert (
+        successes >= 1
+        and durations["compute_infer"]["count"] == durations["compute_input"]["count"] == successes
+    )
+    # the engine's time and the tokenizing, each within the requests' whole time
+    assert 0 < durations["compute_infer"]["ns"] < durations["success"]["ns"]
+    assert 0 < durations["compute_input"]["ns"] < durations["success"]["ns"]
+    assert [m["name"] for m in every_model] == [MODEL]
+    assert every_model[0]["inference_count"] >= stats["inference_count"]
 
 
 # -- unary and streaming inference over gRPC -----------------------------------------------------
@@ -363,6 +403,15 @@ def test_logprobs_and_token_counts_match_our_generate(
         assert entry[str(token_id)]["rank"] == 1
     cumulative = result.as_numpy("cumulative_logprob").tolist()
     assert cumulative == pytest.approx([sum(e.sampled.logprob for e in ours.logprobs)], abs=1e-3)
+
+    # asked for by name, without the switches: the same values (not 0.0 and "null")
+    named = [tgrpc.InferRequestedOutput(name) for name in ("text_output", "cumulative_logprob", "logprobs")]
+    by_name = client.infer(MODEL, grpc_inputs(), outputs=named)
+    assert by_name.as_numpy("cumulative_logprob").tolist() == pytest.approx(cumulative, abs=1e-4)
+    named_entries = json.loads(by_name.as_numpy("logprobs")[0])
+    assert [list(entry) for entry in named_entries] == [[str(t)] for t in ours.token_ids]  # sampled only
+    for entry, top_two, token_id in zip(named_entries, entries, map(str, ours.token_ids), strict=True):
+        assert entry[token_id]["logprob"] == pytest.approx(top_two[token_id]["logprob"], abs=1e-4)
 
     # streamed with return_logprobs alone: each response carries its new tokens' sampled logprob only
     responses: queue.Queue[Any] = queue.Queue()
@@ -579,6 +628,9 @@ def test_http_clients_get_the_same_text(server: ServerProcess) -> None:
         {"text_input": PROMPT, "exclude_input_in_output": True, "parameters": params},
     )
     assert status == 200 and json.loads(body)["text_output"] == expected
+    # Triton's generate extension: a top-level property that names no input is a parameter
+    status, body = post(server, f"/v2/models/{MODEL}/generate", {"text_input": PROMPT, **params})
+    assert status == 200 and json.loads(body)["text_output"] == PROMPT + expected
 
     status, body = post(
         server, f"/v2/models/{MODEL}/generate_stream", {"text_input": PROMPT, "parameters": params}
@@ -596,6 +648,11 @@ def test_http_health_and_metadata(server: ServerProcess) -> None:
         f"http://127.0.0.1:{server.http_port}/v2/models/{MODEL}", timeout=10
     ) as reply:
         assert json.loads(reply.read())["name"] == MODEL
+    # a model or version not served is 404, as on every other model route: 503 would say "retry"
+    for path in ("/v2/models/no-such-model/ready", f"/v2/models/{MODEL}/versions/7/ready"):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}{path}", timeout=10)
+        assert info.value.code == 404 and "model_" in json.loads(info.value.read())["error"], path
 
 
 @pytest.mark.parametrize(
@@ -648,6 +705,15 @@ def test_example_triton_client_streams_the_greedy_text(server: ServerProcess) ->
 # -- lifecycle: drain on SIGTERM, --served-model-name ---------------------------------------------
 
 
+def unary_infer(server: ServerProcess, inputs: list[tgrpc.InferInput]) -> Any:
+    """A unary ModelInfer's result, or the InferenceServerException it raised."""
+    with tgrpc.InferenceServerClient(f"127.0.0.1:{server.port}") as client:
+        try:
+            return client.infer(MODEL, inputs, client_timeout=120)
+        except InferenceServerException as exc:
+            return exc
+
+
 def test_readiness_goes_false_on_sigterm_while_liveness_stays_true_until_exit(
     default_model_dir: str, tmp_path: Path
 ) -> None:
@@ -665,6 +731,14 @@ def test_readiness_goes_false_on_sigterm_while_liveness_stays_true_until_exit(
         result, error = responses.get(timeout=60)
         assert error is None and not is_final(result)
         assert client.is_server_ready() and http_status(proc, "/v2/health/ready") == 200
+        # and two whole-completion calls in flight, which the drain will cut short too
+        pool = ThreadPoolExecutor(2)
+        long_params = {"max_tokens": 2000, "ignore_eos": True}
+        unary = pool.submit(unary_infer, proc, grpc_inputs(**long_params))
+        generate = pool.submit(
+            post, proc, f"/v2/models/{MODEL}/generate", {"text_input": PROMPT, **long_params}
+        )
+        assert wait_until(lambda: proc.stub.Health(pb.HealthRequest()).num_running == 3, timeout=60)
 
         proc.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 5
@@ -676,7 +750,14 @@ def test_readiness_goes_false_on_sigterm_while_liveness_stays_true_until_exit(
         assert http_status(proc, "/v2/health/ready") == 503
         assert http_status(proc, f"/v2/models/{MODEL}/ready") == 503
         assert proc.readiness() == health_pb2.HealthCheckResponse.NOT_SERVING
+        inference_health = proc.health.Check(
+            health_pb2.HealthCheckRequest(service="inference.GRPCInferenceService")
+        )
+        assert inference_health.status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert [m.state for m in client.get_model_repository_index().models] == ["UNAVAILABLE"]
+        assert client.get_model_repository_index().models[0].name == MODEL
+        assert json.loads(post(proc, "/v2/repository/index", {"ready": True})[1]) == []  # as gRPC's `ready`
+        assert [m["state"] for m in json.loads(post(proc, "/v2/repository/index", b"")[1])] == ["UNAVAILABLE"]
         with pytest.raises(InferenceServerException) as info:
             client.infer(MODEL, grpc_inputs())
         assert info.value.status() == "StatusCode.UNAVAILABLE" and "draining" in info.value.message()
@@ -693,6 +774,15 @@ def test_readiness_goes_false_on_sigterm_while_liveness_stays_true_until_exit(
         assert proc.proc.returncode == 0
         finals = [r for r, e in list(responses.queue) if e is None and is_final(r)]
         assert [r.as_numpy("finish_reason")[0].decode() for r in finals] == ["aborted"]
+        # a whole completion cut short is an error to retry elsewhere, not a short text that looks whole
+        unary_error = unary.result(timeout=30)
+        assert isinstance(unary_error, InferenceServerException), unary_error
+        assert unary_error.status() == "StatusCode.UNAVAILABLE"
+        assert "the request was aborted after" in unary_error.message()
+        assert "server shutting down" in unary_error.message()
+        status, body = generate.result(timeout=30)
+        assert status == 503 and json.loads(body)["error"].startswith("the request was aborted after")
+        pool.shutdown()
     finally:
         with contextlib.suppress(InferenceServerException):
             client.stop_stream(cancel_requests=True)

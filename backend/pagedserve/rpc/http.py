@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from aiohttp import web, web_app
+from aiohttp.http_exceptions import HttpProcessingError
 
 from pagedserve.errors import AdapterInUseError, AdapterNotLoadedError, EngineDeadError, InvalidRequestError
 from pagedserve.rpc.auth import http_middleware
@@ -35,8 +36,31 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return web.json_response({"error": message}, status=exc.status, headers=headers)
 
 
+class _MalformedRequests(logging.Filter):
+    """aiohttp logs an ERROR with a traceback for every request it cannot parse as HTTP (a request line
+    or header past its limits, a Content-Length that is no number, bytes that are no HTTP at all: port
+    scanners, broken clients, a TLS client on a plaintext port), and answers it 400 itself. The
+    client's fault, no server error: one info line each, without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 0) < 500:
+            remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            message = " ".join(str(exc.message).split())  # aiohttp points at the fault over several lines
+            logger.info("answered a malformed HTTP request from %s with %d: %s", remote, exc.code, message)
+            return False
+        return True
+
+
+def _quiet_malformed_requests() -> None:
+    server_logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _MalformedRequests) for f in server_logger.filters):
+        server_logger.addFilter(_MalformedRequests())
+
+
 class HttpEndpoint:
     def __init__(self, server: Any, extra_routes: Iterable[web.AbstractRouteDef] = ()) -> None:
+        _quiet_malformed_requests()
         self.grpc_server = server  # pagedserve.rpc.server.Server: its state and (once bound) engine
         api_key = getattr(server, "api_key", None)  # --api-key, on this port too
         middlewares = [json_errors] + ([http_middleware(api_key)] if api_key is not None else [])

@@ -764,7 +764,18 @@ class Server:
             health_pb2.HealthCheckResponse.NOT_SERVING,
         )
         await self.health.set("", serving if liveness else not_serving)
-        await self.health.set(READINESS_SERVICE, serving if ready else not_serving)
+        for name in self._inference_services():  # (READINESS_SERVICE among them)
+            await self.health.set(name, serving if ready else not_serving)
+
+    def _inference_services(self) -> list[str]:
+        """The services that serve the model (ours, and each adapter's, such as KServe v2's
+        inference.GRPCInferenceService): each reports SERVING to a health check naming it while the
+        server is ready, as Triton's own health does."""
+        plumbing = {
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"].full_name,
+        }
+        return [service.full_name for service in self.services if service.full_name not in plumbing]
 
 
 async def run_until_signalled(
