@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.json_setting import parse_json_object
+from pagedserve.lora_config import check_adapter_name
 from pagedserve.spec_decode import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -373,6 +374,11 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        for name in self.lora_names:
+            try:
+                check_adapter_name(name, self.model.served_model_name)
+            except ValueError as exc:
+                raise ValueError(f"lora_modules: {exc}") from None
 
 
 def resolve_device(device: str) -> str:

@@ -25,6 +25,19 @@ WEIGHT_NAME = re.compile(
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
+def check_adapter_name(name: str, served_model_name: str) -> None:
+    """An adapter's name, refused (ValueError: `what it is wrong`) where requests could not name it
+    plainly: with characters that do not print (as request ids refuse them), or as the served model's
+    own name, which a request's `model` picks first (the adapter would never run by it)."""
+    if not name.isprintable():
+        raise ValueError(f"adapter name {name[:256]!r} has characters that do not print")
+    if name == served_model_name:
+        raise ValueError(
+            f"adapter name {name[:256]!r} is the served model's name: a request's `model` naming it runs "
+            "the base model (choose another name, or --served-model-name)"
+        )
+
+
 def parse_lora_modules(value: str | dict[str, str] | None) -> tuple[tuple[str, str], ...]:
     """`name=path` items separated by commas (or a dict name -> path) -> ((name, path), ...)."""
     if not value:

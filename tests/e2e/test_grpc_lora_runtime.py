@@ -93,6 +93,7 @@ def test_load_use_and_unload_while_serving(
 
 
 def test_each_refusal_has_its_status(srv: InProcessServer, adapters: dict[str, str]) -> None:
+    served = srv.stub.ModelInfo(pb.ModelInfoRequest(), timeout=10).model_name
     cases = [
         (
             lambda: load(srv, "sql", adapters["chat"]),
@@ -114,6 +115,16 @@ def test_each_refusal_has_its_status(srv: InProcessServer, adapters: dict[str, s
             lambda: unload(srv, "nope"),
             grpc.StatusCode.NOT_FOUND,
             "lora_name: no adapter named 'nope' is loaded",
+        ),
+        (  # a request's `model` picks the served model first: the adapter would never run by its name
+            lambda: load(srv, served, adapters["chat"]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"lora_name: adapter name {served!r} is the served model's name",
+        ),
+        (
+            lambda: load(srv, "a\tb", adapters["chat"]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "lora_name: adapter name 'a\\tb' has characters that do not print",
         ),
     ]
     for call, code, message in cases:

@@ -58,3 +58,32 @@ def test_an_unreadable_config_is_refused(tmp_path: Path) -> None:
     (path / "adapter_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="adapter_config.json does not parse"):
         parse_lora_modules(f"a={path}")
+
+
+@pytest.mark.parametrize(
+    ("name", "served", "message"),
+    [
+        (
+            "tiny",
+            "tiny",
+            r"^lora_modules: adapter name 'tiny' is the served model's name: a request's `model`",
+        ),
+        ("a\tb", "tiny", r"^lora_modules: adapter name 'a\\tb' has characters that do not print$"),
+    ],
+)
+def test_a_name_requests_could_not_pick_it_by_is_refused(
+    tmp_path: Path, tiny_llama_dir: str, name: str, served: str, message: str
+) -> None:
+    """A request's `model` picks the served model before any adapter of the same name, which would then
+    never run; a name with a tab or a newline cannot be written plainly (request ids refuse them)."""
+    from pagedserve.settings import EngineSettings
+
+    settings = EngineSettings(
+        model=tiny_llama_dir, served_model_name=served, lora_modules={name: adapter_dir(tmp_path / "a")}
+    )
+    with pytest.raises(ValueError, match=message):
+        settings.to_engine_config()
+    fine = EngineSettings(
+        model=tiny_llama_dir, served_model_name=served, lora_modules={"sql": str(tmp_path / "a")}
+    )
+    assert fine.to_engine_config().lora_names == ("sql",)

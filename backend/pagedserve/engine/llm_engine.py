@@ -26,7 +26,7 @@ from pagedserve.errors import (
     EngineDeadError,
     InvalidRequestError,
 )
-from pagedserve.lora_config import read_adapter_config
+from pagedserve.lora_config import check_adapter_name, read_adapter_config
 from pagedserve.outputs import PromptLogprobs, RequestDelta, RequestMetrics, TokenLogprobs
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.sequence import FinishReason, Sequence
@@ -387,6 +387,10 @@ class LLMEngine:
         InvalidRequestError naming `lora_name` or `lora_path`, and nothing of it stays loaded."""
         if not isinstance(name, str) or not name:
             raise InvalidRequestError("lora_name", "must not be empty")
+        try:
+            check_adapter_name(name, self.config.model.served_model_name)
+        except ValueError as exc:
+            raise InvalidRequestError("lora_name", str(exc)) from None
         if name in self._lora_paths:
             raise AdapterLoadedError(
                 "lora_name", f"an adapter named {name[:256]!r} is loaded already (unload it first)"
