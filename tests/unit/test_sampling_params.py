@@ -38,6 +38,7 @@ INVALID = [
     ("n", 0),
     ("stop", [f"s{i}" for i in range(65)]),
     ("stop", ["s" * 1025]),
+    ("stop_token_ids", [7] * 1025),  # each masked every step below min_tokens: no slowing the batch
 ]
 
 
@@ -59,6 +60,7 @@ def test_valid_values_are_kept() -> None:
     assert params.is_greedy and params.stop == ["###"] and params.top_k == 3 and params.logprobs == 2
     assert not params.has_penalties and SamplingParams(presence_penalty=0.5).has_penalties
     assert len(SamplingParams(stop=[f"{i:04}" + "s" * 1020 for i in range(64)]).stop) == 64  # the limits
+    assert len(SamplingParams(stop_token_ids=list(range(1024))).stop_token_ids) == 1024
 
 
 @pytest.mark.parametrize("top_k", [0, -1])
