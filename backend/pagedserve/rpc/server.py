@@ -623,6 +623,17 @@ def keepalive_options(time_s: float, timeout_s: float) -> list[tuple[str, int]]:
     ]
 
 
+# gRPC core's bounds on calls it has received but not yet handed to the server's code: past 1,000
+# (its default) it cancelled calls of a burst at random with CANCELLED, which clients read as their own
+# cancel and do not retry, before pagedserve saw them (no log line, no metric; health checks too): 3,000
+# calls at once lost 412 to 682 (the tiny model). Raised well past --max-queued-requests, so that
+# overload reaches the engine's own bound, RESOURCE_EXHAUSTED "... retry later", and the probes answer.
+PENDING_CALL_OPTIONS = [
+    ("grpc.server.max_pending_requests", 32768),
+    ("grpc.server.max_pending_requests_hard_limit", 65536),
+]
+
+
 class _ClientGoneWrites(logging.Filter):
     """grpc.aio logs an ERROR with a traceback when a streaming handler's response cannot be sent
     because the client has just gone (cancelled, hung up): grpc notices the write fail before it marks
@@ -669,7 +680,9 @@ class Server:
         _quiet_client_gone_writes()
         self.api_key = ApiKey(api_key) if api_key is not None else None
         interceptors = [ApiKeyInterceptor(self.api_key)] if self.api_key is not None else None
-        self.grpc = grpc.aio.server(options=options, interceptors=interceptors)
+        self.grpc = grpc.aio.server(
+            options=[*PENDING_CALL_OPTIONS, *(options or [])], interceptors=interceptors
+        )
         self.write_watch = WriteWatch(stream_write_timeout)  # every front end's streams write through it
         self.servicer = GenerationServicer(self.state, tracer or RequestTracer(None, ""), self.write_watch)
         self.grpc.add_generic_rpc_handlers((_handlers(self.servicer),))
