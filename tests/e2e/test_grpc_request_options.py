@@ -568,6 +568,32 @@ def test_prompt_logprobs_over_grpc_are_the_models(fcfs_server: InProcessServer, 
     assert [e.sampled.token_id for e in completed.completions[0].prompt_logprobs] == PROMPT[1:]
 
 
+def test_prompt_logprobs_past_a_message_go_over_the_first_responses(
+    fcfs_server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prompt's logprobs in one message passed the 4 MiB a default gRPC client reads (16,000
+    tokens at prompt_logprobs 20: 9 MB), so no default client could read its answer. Past the bound
+    (lowered here to a third of these) they go ahead in messages of their own, in order, then the
+    tokens as before; Complete's one message is unchanged."""
+    from pagedserve.rpc import server
+
+    whole = fcfs_server.stub.Complete(request("plp-whole", max_tokens=3, prompt_logprobs=3), timeout=60)
+    expected = list(whole.completions[0].prompt_logprobs)
+    assert len(expected) == len(PROMPT) - 1
+    bound = sum(entry.ByteSize() for entry in expected) // 3
+    monkeypatch.setattr(server, "MAX_PROMPT_LOGPROBS_BYTES", bound)
+    responses = list(
+        fcfs_server.stub.Generate(request("plp-split", max_tokens=3, prompt_logprobs=3), timeout=60)
+    )
+    ahead = [r for r in responses if not r.token_ids]
+    assert len(ahead) >= 2 and responses[: len(ahead)] == ahead  # the logprobs first, alone
+    assert all(r.ByteSize() <= bound + max(e.ByteSize() for e in expected) + 64 for r in ahead)
+    assert all(r.request_id == "plp-split" and r.prompt_tokens == len(PROMPT) for r in ahead)
+    assert [e for r in responses for e in r.prompt_logprobs] == expected
+    assert [t for r in responses for t in r.token_ids] == list(whole.completions[0].token_ids)
+    assert len(responses) - len(ahead) == 3
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_model_info_says_the_scheduling_policy(
     policy: str, fcfs_server: InProcessServer, priority_server: InProcessServer

@@ -111,8 +111,8 @@ class GenerationServicer:
         deltas = self._deltas(call, context)
         try:
             async for delta in deltas:
-                response = call.response(delta)
-                await self.write_watch.send(context.write(response))
+                for response in split_prompt_logprobs(call.response(delta)):
+                    await self.write_watch.send(context.write(response))
         except StalledClientError as exc:
             call.stalled = True
             await deltas.aclose()  # aborted as stalled_client, before anything else can happen
@@ -426,6 +426,38 @@ def cancel_cause(context: grpc.aio.ServicerContext) -> str:
     (to within DEADLINE_SLACK_S), or the client went away (every gRPC front end counts the same way)."""
     remaining = context.time_remaining()
     return "deadline" if remaining is not None and remaining <= DEADLINE_SLACK_S else "client_cancel"
+
+
+# A stream's response past this size has its prompt logprobs sent ahead in messages of their own: a
+# long prompt's (16,000 tokens at prompt_logprobs 20: 9 MB in one message) was past the 4 MiB a gRPC
+# client takes by default, so that no default client could ever read the request's answer.
+MAX_PROMPT_LOGPROBS_BYTES = 1 << 20
+
+
+def split_prompt_logprobs(response: pb.GenerateResponse) -> list[pb.GenerateResponse]:
+    """`response`, or where its prompt logprobs make it larger than MAX_PROMPT_LOGPROBS_BYTES: messages
+    of those logprobs alone, in order, each about that size at most, then `response` with the last of
+    them and all else it carries. A client concatenates `prompt_logprobs` over the responses, as it does
+    `text`. Nothing changes for the many responses that carry no prompt logprobs (one length read)."""
+    max_bytes = MAX_PROMPT_LOGPROBS_BYTES
+    if len(response.prompt_logprobs) < 2 or response.ByteSize() <= max_bytes:
+        return [response]
+    entries = list(response.prompt_logprobs)
+    per_entry = -(-sum(entry.ByteSize() + 4 for entry in entries) // len(entries))  # with its field tag
+    chunk = max(1, max_bytes // per_entry)
+    pieces = [entries[i : i + chunk] for i in range(0, len(entries), chunk)]
+    ahead = [
+        pb.GenerateResponse(
+            request_id=response.request_id,
+            index=response.index,
+            prompt_tokens=response.prompt_tokens,
+            prompt_logprobs=piece,
+        )
+        for piece in pieces[:-1]
+    ]
+    del response.prompt_logprobs[:]
+    response.prompt_logprobs.extend(pieces[-1])
+    return [*ahead, response]
 
 
 class StalledClientError(Exception):

@@ -104,6 +104,8 @@ class GenerationServicer:
 
     def Complete(self, request, context):
         """The whole completion in one response (n > 1: one response per completion index in `completions`).
+        One message: a long prompt's prompt_logprobs can pass a client's 4 MiB default receive limit
+        (raise grpc.max_receive_message_length, or use Generate, which spreads them over its responses).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
