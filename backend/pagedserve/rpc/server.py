@@ -815,7 +815,7 @@ class Server:
     def _inference_services(self) -> list[str]:
         """The services that serve the model (ours, and each adapter's, such as KServe v2's
         inference.GRPCInferenceService): each reports SERVING to a health check naming it while the
-        server is ready, as Triton's own health does."""
+        server is ready (a probe or a mesh checks the service it routes to by its name)."""
         plumbing = {
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"].full_name,
