@@ -26,7 +26,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def check_adapter_name(name: str, served_model_name: str) -> None:
-    """An adapter's name, refused (ValueError: `what it is wrong`) where requests could not name it
+    """An adapter's name, refused (a ValueError saying what is wrong) where requests could not name it
     plainly: with characters that do not print (as request ids refuse them), or as the served model's
     own name, which a request's `model` picks first (the adapter would never run by it)."""
     if not name.isprintable():
