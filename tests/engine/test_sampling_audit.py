@@ -695,11 +695,13 @@ def test_seeded_penalized_sampling_survives_preemption(
 
 
 def test_stop_token_ids_wait_for_min_tokens_then_stop(llm: LLM) -> None:
-    """Near-uniform draws over a vocabulary of which 40% are stop ids: without min_tokens a stop comes
-    within a few tokens; with min_tokens=8 none comes before the 8th, and one ends the output after."""
-    stop_ids = list(range(0, 49152, 5)) + list(range(1, 49152, 5))
+    """Near-uniform draws over 1,000 allowed tokens of which 40% are stop ids (as many as a request may
+    give): without min_tokens a stop comes within a few tokens; with min_tokens=8 none comes before the
+    8th, and one ends the output after."""
+    allowed = list(range(1000, 2000))
+    stop_ids = allowed[::5] + allowed[1::5]
     stops = set(stop_ids)
-    base = dict(temperature=1e4, max_tokens=40, stop_token_ids=stop_ids)
+    base = dict(temperature=1e4, max_tokens=40, stop_token_ids=stop_ids, allowed_token_ids=allowed)
     early = llm.generate([PROMPTS[0]] * 6, [SamplingParams(seed=s, **base) for s in range(6)])
     assert min(len(o.outputs[0].token_ids) for o in early) < 8
     held = llm.generate([PROMPTS[0]] * 6, [SamplingParams(seed=s, min_tokens=8, **base) for s in range(6)])
