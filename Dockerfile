@@ -43,9 +43,11 @@ RUN if [ "$VARIANT" = cpu ]; then \
     fi
 
 # The package itself, non-editable, from a read-write bind mount of the build context (build
-# leftovers stay out of the image). The OTLP exporter makes --otlp-traces-endpoint work.
+# leftovers stay out of the image). The OTLP exporters make --otlp-traces-endpoint work, over either
+# protocol OTEL_EXPORTER_OTLP_TRACES_PROTOCOL names (grpc, http/protobuf).
 RUN --mount=type=bind,target=/src,rw \
-    pip install --no-cache-dir /src opentelemetry-exporter-otlp-proto-grpc==1.45.2
+    pip install --no-cache-dir /src \
+      opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2
 
 # Non-root, group 0 with group-writable home, so arbitrary-uid platforms (OpenShift) work too.
 ENV HOME=/home/pagedserve \

@@ -779,11 +779,15 @@ def _span_exporter(name: str, endpoint: str | None, protocol: str) -> Any:
     return _otlp_exporter(endpoint, protocol)
 
 
+# OTLP protocol (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL) -> the exporter package it needs (the image has both)
+OTLP_EXPORTER_PACKAGES = {
+    "grpc": "opentelemetry-exporter-otlp-proto-grpc",
+    "http/protobuf": "opentelemetry-exporter-otlp-proto-http",
+}
+
+
 def _otlp_exporter(endpoint: str | None, protocol: str) -> Any:
-    packages = {
-        "grpc": "opentelemetry-exporter-otlp-proto-grpc",
-        "http/protobuf": "opentelemetry-exporter-otlp-proto-http",
-    }
+    packages = OTLP_EXPORTER_PACKAGES
     if protocol not in packages:
         raise ValueError(
             f"OTLP protocol {protocol!r} (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL): use grpc or http/protobuf"

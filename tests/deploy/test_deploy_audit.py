@@ -141,3 +141,61 @@ def test_ports_the_server_or_kserve_cannot_use_fail_the_install(values: dict[str
         render(values)
     # An HTTP port of 80 is fine where the chart makes the Service itself.
     assert render({"server": {"httpPort": 80}})["Service"]
+
+
+def restricted_violations(pod: dict[str, Any], containers: list[dict[str, Any]]) -> list[str]:
+    """What the Pod Security Standard "restricted" would refuse in a pod (the controls the chart sets:
+    non-root, no privilege escalation, all capabilities dropped, a RuntimeDefault or Localhost seccomp
+    profile on the pod or on every container)."""
+    found = []
+    pod_context = pod.get("securityContext", {})
+    pod_seccomp = pod_context.get("seccompProfile", {}).get("type")
+    for container in containers:
+        context, name = container.get("securityContext", {}), container["name"]
+        if not (context.get("runAsNonRoot") or pod_context.get("runAsNonRoot")):
+            found.append(f"{name}: runAsNonRoot")
+        if context.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name}: allowPrivilegeEscalation")
+        if context.get("capabilities", {}).get("drop") != ["ALL"]:
+            found.append(f"{name}: capabilities.drop")
+        if context.get("seccompProfile", {}).get("type", pod_seccomp) not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{name}: seccompProfile")
+    return found
+
+
+@pytest.mark.parametrize("source", ["initContainer", "pvc"])
+def test_pods_meet_the_restricted_pod_security_standard(source: str) -> None:
+    """A namespace labelled pod-security.kubernetes.io/enforce=restricted refused the pods: no seccomp
+    profile was set, though every other restricted control was."""
+    model: dict[str, Any] = {"source": source}
+    if source == "pvc":
+        model["pvc"] = {"claimName": "models"}
+    pod = render({"model": model})["Deployment"]["spec"]["template"]["spec"]
+    containers = pod["containers"] + pod.get("initContainers", [])
+    assert len(containers) == (2 if source == "initContainer" else 1)
+    assert restricted_violations(pod, containers) == []
+    # KServe mode: the predictor's pod context and the runtime's container
+    kserve = render({"mode": "kserve", "kserve": {"storageUri": STORAGE_URI}})
+    predictor = kserve["InferenceService"]["spec"]["predictor"]
+    assert restricted_violations(predictor, kserve["ServingRuntime"]["spec"]["containers"]) == []
+
+
+@pytest.mark.parametrize(
+    ("values", "arg"),
+    [
+        ({"model": {"servedModelName": "llama: 8b"}}, "--served-model-name=llama: 8b"),
+        ({"model": {"servedModelName": "team-a #prod"}}, "--served-model-name=team-a #prod"),
+        (
+            {"model": {"source": "pvc", "path": "/mnt/models #1", "pvc": {"claimName": "m"}}},
+            "--model=/mnt/models #1",
+        ),
+    ],
+)
+def test_values_that_read_as_yaml_reach_the_server_whole(values: dict[str, Any], arg: str) -> None:
+    """Unquoted, ": " made the argument a YAML mapping and " #" cut the rest off as a comment."""
+    container = render(values)["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert arg in container["args"]
+    if values["model"].get("path"):
+        assert {"name": "model", "mountPath": "/mnt/models #1"}.items() <= next(
+            m for m in container["volumeMounts"] if m["mountPath"].startswith("/mnt/models")
+        ).items()

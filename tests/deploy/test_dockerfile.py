@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sysconfig
@@ -78,6 +79,18 @@ def test_cpu_variant_installs_cpu_torch_first() -> None:
     assert torch_step < package_step
     assert "download.pytorch.org/whl/cpu" in runs[torch_step]
     assert "-e " not in runs[package_step]  # installed, not editable
+
+
+def test_the_image_has_an_otlp_exporter_for_every_protocol_the_server_takes() -> None:
+    """With only the gRPC exporter, OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf (which the CLI
+    offers) stopped the server at start: a pod in CrashLoopBackOff."""
+    from pagedserve.telemetry import OTLP_EXPORTER_PACKAGES
+
+    runs = [rest for kw, rest in dockerfile_instructions() if kw == "RUN"]
+    package_step = next(run for run in runs if "pip install --no-cache-dir /src" in run)
+    installed = dict(re.findall(r"(opentelemetry-exporter-[\w-]+)==([\w.]+)", package_step))
+    assert set(OTLP_EXPORTER_PACKAGES.values()) <= set(installed)
+    assert len(set(installed.values())) == 1, installed  # one release of the exporters
 
 
 def test_dockerignore_keeps_every_source_root() -> None:

@@ -60,8 +60,11 @@ def test_runtime_serves_grpc_v2_on_a_port_named_h2c(kserve_objects: dict[str, di
     first, second = container["ports"]
     assert (first["name"], first["containerPort"]) == ("h2c", settings.port)
     assert (second["name"], second["containerPort"]) == ("http", settings.http_port)
-    annotations = runtime["metadata"]["annotations"]
+    # on the spec, which KServe copies to the predictor's pods; the object's own metadata reaches none
+    annotations = runtime["spec"]["annotations"]
     assert annotations["prometheus.kserve.io/port"] == str(settings.http_port)
+    assert annotations["prometheus.kserve.io/path"] == "/metrics"
+    assert "prometheus.kserve.io/port" not in runtime["metadata"].get("annotations", {})
 
 
 def test_runtime_probes_and_resources(kserve_objects: dict[str, dict[str, Any]]) -> None:

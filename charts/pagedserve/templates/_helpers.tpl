@@ -98,18 +98,19 @@ runtime port is named h2c (cleartext gRPC) and its ingress or mesh terminates TL
 {{- include "pagedserve.checkExtraArgs" .root -}}
 {{- include "pagedserve.checkPorts" .root -}}
 {{- include "pagedserve.checkTls" .root -}}
-- --model={{ .model }}
-- --served-model-name={{ .name }}
-- --port={{ $v.server.grpcPort }}
-- --http-port={{ $v.server.httpPort }}
-- --tensor-parallel-size={{ $v.server.tensorParallelSize }}
-- --shutdown-timeout={{ $v.server.shutdownTimeout }}
+{{- /* every value quoted: a name with ": " or " #" would read as YAML, not as the argument */}}
+- {{ printf "--model=%s" .model | quote }}
+- {{ printf "--served-model-name=%s" .name | quote }}
+- {{ printf "--port=%v" $v.server.grpcPort | quote }}
+- {{ printf "--http-port=%v" $v.server.httpPort | quote }}
+- {{ printf "--tensor-parallel-size=%v" $v.server.tensorParallelSize | quote }}
+- {{ printf "--shutdown-timeout=%v" $v.server.shutdownTimeout | quote }}
 {{- if $v.tls.secretName }}
 {{- $dir := include "pagedserve.tlsDir" .root }}
-- --ssl-certfile={{ $dir }}/tls.crt
-- --ssl-keyfile={{ $dir }}/tls.key
+- {{ printf "--ssl-certfile=%s/tls.crt" $dir | quote }}
+- {{ printf "--ssl-keyfile=%s/tls.key" $dir | quote }}
 {{- if $v.tls.clientAuth }}
-- --ssl-ca-certs={{ $dir }}/ca.crt
+- {{ printf "--ssl-ca-certs=%s/ca.crt" $dir | quote }}
 {{- end }}
 {{- end }}
 {{- range $v.server.extraArgs }}
@@ -232,7 +233,7 @@ securityContext:
 {{- else if eq .volume "pvc" }}
 - name: compile-cache
   persistentVolumeClaim:
-    claimName: {{ .claimName }}
+    claimName: {{ .claimName | quote }}
 {{- end }}
 {{- end }}
 {{- end -}}
@@ -243,6 +244,6 @@ securityContext:
   mountPath: /dev/shm
 {{- if ne .Values.compileCache.volume "none" }}
 - name: compile-cache
-  mountPath: {{ .Values.compileCache.mountPath }}
+  mountPath: {{ .Values.compileCache.mountPath | quote }}
 {{- end }}
 {{- end -}}
