@@ -109,6 +109,10 @@ class LLM:
         if _HEAP.freeze():
             weakref.finalize(self, _HEAP.thaw)
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (a transformers tokenizer), as vLLM's `LLM.get_tokenizer()`."""
+        return self.engine.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without `sampling_params`: the model's generation_config.json
         values where it has them (as vLLM's), else SamplingParams' defaults."""
@@ -242,7 +246,8 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, len(token_ids), SamplingParams, "sampling_params")
         priorities = _priorities(priority, len(token_ids))
-        lora_names = _lora_names(lora_request, len(token_ids))
+        lora_requests = _lora_requests(lora_request, len(token_ids))
+        lora_names = [None if r is None else r.lora_name for r in lora_requests]
         self._load_new_adapters(lora_request)
         # a bad prompt adds none of the batch
         for index, (ids, p, prio, lora) in enumerate(zip(token_ids, params, priorities, lora_names)):
@@ -254,11 +259,14 @@ class LLM:
         outputs: dict[str, RequestOutput] = {}  # in input order
         progress = _progress_bar(use_tqdm, len(token_ids))
         try:
-            for text, ids, p, prio, lora in zip(texts, token_ids, params, priorities, lora_names):
+            for text, ids, p, prio, adapter in zip(texts, token_ids, params, priorities, lora_requests):
                 request_id = f"llm-{next(self._ids)}"
                 completions = [CompletionOutput(i, "", [], None) for i in range(p.n)]
-                outputs[request_id] = RequestOutput(request_id, text, ids, completions, False)
-                self.engine.add_request(request_id, ids, p, priority=prio, lora_name=lora)
+                outputs[request_id] = RequestOutput(
+                    request_id, text, ids, completions, False, lora_request=adapter
+                )
+                name = None if adapter is None else adapter.lora_name
+                self.engine.add_request(request_id, ids, p, priority=prio, lora_name=name)
             error = self._step_until_finished(outputs, progress, embeddings)
         finally:
             # A failed request, an exception or a Ctrl-C (from tqdm, the model, anywhere in here) must
@@ -382,8 +390,12 @@ def _accumulate(completion: CompletionOutput, delta: RequestDelta) -> None:
     completion.token_ids.extend(delta.new_token_ids)
     if delta.new_logprobs is not None:
         completion.logprobs = (completion.logprobs or []) + delta.new_logprobs
+        completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sum(
+            entry[token_id].logprob for token_id, entry in zip(delta.new_token_ids, delta.new_logprobs)
+        )
     if delta.finished:
         completion.finish_reason = delta.finish_reason
+        completion.stop_reason = delta.stop_reason
 
 
 def _per_prompt(params: P | Seq[P], n: int, kind: type[P], name: str) -> list[P]:
@@ -415,10 +427,10 @@ def _priorities(priority: Seq[int] | None, n: int) -> list[int]:
         raise InvalidRequestError("priority", "must be integers") from None
 
 
-def _lora_names(lora_request: LoRARequests, n: int) -> list[str | None]:
-    """Each prompt's adapter name (None: the base model) from one LoRARequest or a list of them."""
+def _lora_requests(lora_request: LoRARequests, n: int) -> list[LoRARequest | None]:
+    """Each prompt's LoRARequest (None: the base model) from one LoRARequest or a list of them."""
     if lora_request is None or isinstance(lora_request, LoRARequest):
-        return [None if lora_request is None else lora_request.lora_name] * n
+        return [lora_request] * n
     if not isinstance(lora_request, (list, tuple)):
         raise InvalidRequestError(
             "lora_request", f"must be a LoRARequest or a list of them, got {type(lora_request).__name__}"
@@ -427,7 +439,7 @@ def _lora_names(lora_request: LoRARequests, n: int) -> list[str | None]:
         raise InvalidRequestError("lora_request", f"got {len(lora_request)} for {n} prompts")
     if not all(r is None or isinstance(r, LoRARequest) for r in lora_request):
         raise InvalidRequestError("lora_request", "must hold LoRARequest objects (or None)")
-    return [None if r is None else r.lora_name for r in lora_request]
+    return list(lora_request)
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from pagedserve.lora_request import LoRARequest
+
 
 @dataclass
 class Logprob:
@@ -74,6 +76,9 @@ class RequestDelta:
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
     embedding: list[float] | None = None  # an embedding request's vector, on its one final delta
+    stop_reason: str | int | None = (
+        None  # on a completion's last delta: the stop string or token id that ended it
+    )
 
     def completion_ends(self) -> list[tuple[str, int]]:
         """(finish reason, output tokens) of each of the n completions of the request this final delta
@@ -141,11 +146,20 @@ class RequestDelta:
 
 @dataclass
 class CompletionOutput:
+    """One completion, shaped like vLLM's: `cumulative_logprob` is the sum of the sampled tokens'
+    logprobs where logprobs were asked for (else None); `stop_reason` the stop string or stop token id
+    that ended it (None for any other end: length, end of sequence)."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -159,6 +173,7 @@ class RequestOutput:
     finished: bool = True
     metrics: RequestMetrics | None = field(default=None, repr=False)
     prompt_logprobs: PromptLogprobs | None = None  # when asked: one entry per prompt token, None first
+    lora_request: LoRARequest | None = None  # the adapter it ran through (None: the base model)
 
     @property
     def num_cached_tokens(self) -> int | None:

@@ -61,6 +61,8 @@ class Sequence:
         self.num_new_tokens = 0  # appended by the last step: 1, or more with speculative decoding
         self.block_table: list[int] = []  # written only by the block manager
         self.finish_reason: FinishReason | None = None
+        # vLLM's stop_reason: the stop string or stop token id that ended it (None: any other end)
+        self.stop_reason: str | int | None = None
         self.num_preemptions = 0
         # (time.monotonic(), "swap" | "recompute" | "swap_in")
         self.preemption_events: list[tuple[float, str]] = []

@@ -78,6 +78,7 @@ def test_a_batch_mixes_adapters_and_the_base_model(llm: LLM, peft_tokens: dict) 
     requests = [None if name is None else LoRARequest(name) for name, _ in cases]
     outs = llm.generate(prompts, greedy(), lora_request=requests)
     assert [o.outputs[0].token_ids for o in outs] == [peft_tokens[case] for case in cases]
+    assert [o.lora_request for o in outs] == requests  # as vLLM's RequestOutput says it
 
 
 def test_the_prefix_cache_keeps_adapters_apart(llm: LLM, peft_tokens: dict) -> None:

@@ -6,6 +6,7 @@ after each."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -258,3 +259,28 @@ def test_reset_prefix_cache_makes_the_next_prompt_computed_in_full(llm: LLM) -> 
     llm.engine.step()  # the workers drop the aborted request's state
     assert_idle(llm)
     assert llm.reset_prefix_cache()
+
+
+def test_outputs_carry_vllm_s_fields(llm: LLM) -> None:
+    """Code written for vLLM reads `cumulative_logprob`, `stop_reason`, `finished()`, `lora_request`
+    and `llm.get_tokenizer()`: each was an AttributeError here."""
+    prompt = [1, *range(300, 320)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = llm.generate([prompt], greedy, use_tqdm=False)[0]
+    tokens, text = plain.outputs[0].token_ids, plain.outputs[0].text
+    assert plain.outputs[0].finished() and plain.outputs[0].finish_reason == "length"
+    assert plain.outputs[0].stop_reason is None and plain.outputs[0].cumulative_logprob is None
+    assert plain.lora_request is None
+    assert llm.get_tokenizer() is llm.engine.tokenizer and llm.get_tokenizer().decode(tokens) == text
+
+    with_logprobs = llm.generate([prompt], replace(greedy, logprobs=0), use_tqdm=False)[0].outputs[0]
+    sampled = [entry[t].logprob for t, entry in zip(with_logprobs.token_ids, with_logprobs.logprobs or [])]
+    assert len(sampled) == 6 and with_logprobs.cumulative_logprob == pytest.approx(sum(sampled))
+
+    by_token = llm.generate([prompt], replace(greedy, stop_token_ids=[tokens[2]]), use_tqdm=False)[0]
+    assert by_token.outputs[0].finish_reason == "stop" and by_token.outputs[0].stop_reason == tokens[2]
+    stop_text = llm.get_tokenizer().decode(tokens[3:5]).strip()
+    assert stop_text, text
+    by_string = llm.generate([prompt], replace(greedy, stop=[stop_text]), use_tqdm=False)[0].outputs[0]
+    assert by_string.finish_reason == "stop" and by_string.stop_reason == stop_text
+    assert stop_text not in by_string.text

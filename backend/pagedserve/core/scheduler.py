@@ -214,6 +214,8 @@ class Scheduler:
                     seq.num_computed_tokens += 1
                 reason = seq.check_stop_token(self.config.max_model_len)
                 if reason is not None:
+                    if reason is FinishReason.STOP:  # one of its stop_token_ids
+                        seq.stop_reason = token
                     self.finish(seq, reason)
                     break
             if accepted and not seq.is_finished:

@@ -613,6 +613,7 @@ class LLMEngine:
         if stop is not None:
             if seq.is_finished:  # the text was cut at a stop string on the same token
                 seq.finish_reason = FinishReason.STOP
+            seq.stop_reason = stop
             self.scheduler.finish(seq, FinishReason.STOP)
         return new_token_ids
 
@@ -647,6 +648,7 @@ class LLMEngine:
             metrics=metrics,
             index=completion.index,
             request_finished=request_finished,
+            stop_reason=seq.stop_reason if seq.is_finished else None,
         )
 
     def _rest_of_text(self, seq: Sequence) -> str:
