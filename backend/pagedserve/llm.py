@@ -219,13 +219,13 @@ class LLM:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         token_ids = [
             self.engine.encode_chat(
-                conversation,
+                [_text_content(message, index, at) for at, message in enumerate(conversation)],
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
                 chat_template=chat_template,
             )
-            for conversation in cast(list[list[dict[str, str]]], conversations)
+            for index, conversation in enumerate(cast(list[list[dict[str, Any]]], conversations))
         ]
         texts = [self.engine.decode(ids, skip_special_tokens=False) for ids in token_ids]
         return self._run(list(texts), token_ids, sampling_params, use_tqdm, priority, lora_request)
@@ -326,6 +326,29 @@ class LLM:
         no model, it only frees the last batch's rows and sampling state."""
         while not self.engine.has_unfinished_requests() and self.engine.has_work():
             self.engine.step()
+
+
+def _text_content(message: Mapping[str, Any], conversation: int, index: int) -> dict[str, Any]:
+    """`message` with OpenAI-style content parts (`[{"type": "text", "text": ...}, ...]`) joined into
+    one string by newlines, as vLLM gives them to a template that takes string content (most do, and
+    a template that takes parts takes a string as well); parts of any other type are refused (this
+    engine reads text only)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return dict(message)
+    texts = []
+    for part in content:
+        if not (
+            isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        ):
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise InvalidRequestError(
+                "messages",
+                f"conversation {conversation}, message {index}: a content part of type {kind!r}; "
+                'only text parts ({"type": "text", "text": ...}) are read',
+            )
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def _check_setting_names(settings: dict[str, Any]) -> None:

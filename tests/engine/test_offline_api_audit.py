@@ -224,6 +224,24 @@ def test_chat_prompt_is_the_templated_text_and_bad_messages_name_the_parameter(l
     assert_idle(llm)
 
 
+def test_chat_takes_openai_text_parts_as_vllm_does(llm: LLM) -> None:
+    """OpenAI-style content parts failed inside the template (a list where it concatenates strings);
+    vLLM joins text parts by newlines for such templates. Other parts are refused by name."""
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "Name"}, {"type": "text", "text": "a color."}]}
+    ]
+    joined = [{"role": "user", "content": "Name\na color."}]
+    (from_parts,) = llm.chat(parts, GREEDY)
+    (from_text,) = llm.chat(joined, GREEDY)
+    assert from_parts.prompt == from_text.prompt and "Name\na color." in from_parts.prompt
+    assert from_parts.outputs[0].token_ids == from_text.outputs[0].token_ids
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]
+    with pytest.raises(InvalidRequestError) as info:
+        llm.chat(image, GREEDY)
+    assert info.value.field == "messages" and "'image_url'" in info.value.message
+    assert_idle(llm)
+
+
 def test_an_unknown_engine_setting_is_refused_not_ignored(tiny_llama_dir: str) -> None:
     """vLLM's `gpu_memory_utilization` is `memory_utilization` here: it used to be silently ignored."""
     with pytest.raises(InvalidRequestError) as info:
