@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -97,6 +98,12 @@ def test_a_signal_while_the_model_loads_exits_0_at_once(
     proc = ServerProcess("--model", default_model_dir, "--dtype", "float32", log=tmp_path / "server.log")
     try:
         wait_live(proc)
+        # while it loads, /metrics answers 200 with the process's own series (a failed scrape reads as
+        # the target down): no engine series yet
+        with urllib.request.urlopen(f"http://127.0.0.1:{proc.http_port}/metrics", timeout=10) as reply:
+            assert reply.status == 200
+            scraped = reply.read().decode()
+        assert "\nprocess_resident_memory_bytes " in scraped and "vllm:" not in scraped, scraped[:500]
         proc.proc.send_signal(sig)
         statuses = set()
         deadline = time.monotonic() + EXIT_WITHIN_S

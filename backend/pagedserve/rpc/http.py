@@ -5,6 +5,7 @@ so keep-alive clients, request bodies and server-sent events work as HTTP client
 
 from __future__ import annotations
 
+import functools
 import logging
 import ssl
 from collections.abc import Iterable
@@ -12,6 +13,7 @@ from typing import Any
 
 from aiohttp import web, web_app
 from aiohttp.http_exceptions import HttpProcessingError
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
 from pagedserve.errors import AdapterInUseError, AdapterNotLoadedError, EngineDeadError, InvalidRequestError
 from pagedserve.rpc.auth import http_middleware
@@ -34,6 +36,15 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
         message = f"{exc.reason}: {request.method} {request.path}" if exc.status in (404, 405) else exc.text
         headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         return web.json_response({"error": message}, status=exc.status, headers=headers)
+
+
+@functools.cache
+def _starting_registry() -> CollectorRegistry:
+    """This process's CPU, memory and file descriptors, for /metrics before the engine (and its
+    registry, which has them too) exists."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    return registry
 
 
 class _MalformedRequests(logging.Filter):
@@ -102,9 +113,14 @@ class HttpEndpoint:
             cached.cache_clear()
 
     async def metrics(self, request: web.Request) -> web.Response:
+        """The engine's metrics; while the model loads, this process's own (`process_*`) alone, with
+        200: a scrape that fails reads as the target down (Prometheus' `up` 0, TargetDown alerts on
+        every rollout), and the memory a load takes is what one watches then. Readiness is the
+        probes' to say."""
         if self.grpc_server.state.status == "starting":
-            return web.Response(status=503, text="starting\n")
-        body = self.grpc_server.engine.engine.metrics.render()
+            body = generate_latest(_starting_registry())
+        else:
+            body = self.grpc_server.engine.engine.metrics.render()
         return web.Response(body=body, content_type=_PROMETHEUS_TYPE.split(";")[0], charset="utf-8")
 
     async def live(self, request: web.Request) -> web.Response:
