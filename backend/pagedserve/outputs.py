@@ -76,9 +76,8 @@ class RequestDelta:
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
     embedding: list[float] | None = None  # an embedding request's vector, on its one final delta
-    stop_reason: str | int | None = (
-        None  # on a completion's last delta: the stop string or token id that ended it
-    )
+    # on a completion's last delta: the stop string or stop token id that ended it (vLLM's stop_reason)
+    stop_reason: str | int | None = None
 
     def completion_ends(self) -> list[tuple[str, int]]:
         """(finish reason, output tokens) of each of the n completions of the request this final delta
