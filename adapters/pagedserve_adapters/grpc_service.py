@@ -67,6 +67,7 @@ _STATUS = {
     "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "internal": grpc.StatusCode.INTERNAL,
     "timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "aborted": grpc.StatusCode.UNAVAILABLE,  # for the client to retry elsewhere (a drain cut it short)
 }
 _CONFIG_TYPES = {
     "BYTES": pb.TYPE_STRING,
@@ -153,6 +154,7 @@ class InferenceServicer:
                 completion.add(delta)
             outputs = completion.final_outputs()
         except AdapterError as exc:
+            self.model.count_rejection(exc)
             await context.abort(_STATUS[exc.kind], str(exc))
         return self._response(request.id, outputs, final=None)
 
@@ -229,6 +231,7 @@ class InferenceServicer:
                     responses.put_nowait(self._response(request.id, completion.final_outputs(), False))
                 responses.put_nowait(self._response(request.id, [], True))
         except AdapterError as exc:
+            self.model.count_rejection(exc)
             responses.put_nowait((request_id, exc))
         except Exception as exc:  # a bug, or a request too big to hold: still an answer, never a hang
             logger.exception("stream request %r failed", request_id)

@@ -41,7 +41,7 @@ class AdapterError(Exception):
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
-        # invalid, not_found, unavailable, exhausted, internal, timeout
+        # invalid, not_found, unavailable, exhausted, internal, timeout, aborted (cut short by the server)
         self.kind = kind
 
 
@@ -110,6 +110,14 @@ _PARAMETER_TYPES: dict[str, str] = {
     "logit_bias": "object",
     "allowed_token_ids": "int_list",
     "bad_words": "str_list",
+}
+# An AdapterError's kind -> pagedserve:request_rejections' reason, for the kinds that refuse a request
+# before it runs (a timeout, a failure or an abort ends one that ran: counted as such elsewhere).
+_REJECTION_REASONS = {
+    "invalid": "invalid",
+    "exhausted": "queue_full",
+    "unavailable": "unavailable",
+    "not_found": "not_found",
 }
 # The vLLM backend reports vLLM's reasons: the end-of-sequence token is a "stop".
 _FINISH_REASONS = {"eos": "stop"}
@@ -437,7 +445,7 @@ class Completion:
         if self.aborted is not None:
             tokens = sum(self.num_tokens.values())
             raise AdapterError(
-                "unavailable", f"the request was aborted after {tokens} output tokens: {self.aborted}"
+                "aborted", f"the request was aborted after {tokens} output tokens: {self.aborted}"
             )
         prefix = "" if self.request.exclude_input else self.request.prompt
         indices = range(self.request.params.n)
@@ -548,6 +556,13 @@ class LLMModel:
         if not self.bound:  # no engine yet; requests are refused as unavailable anyway
             return SamplingParams(**given)
         return self.server.engine.engine.sampling_params(**given)
+
+    def count_rejection(self, exc: AdapterError | InvalidRequestError) -> None:
+        """A request refused before it ran (a bad field, an unknown model, the queue full, the server
+        not serving): counted in pagedserve:request_rejections by its reason, once the engine is bound."""
+        reason = _REJECTION_REASONS.get(exc.kind if isinstance(exc, AdapterError) else "invalid")
+        if reason is not None and self.bound:
+            self.server.engine.engine.metrics.record_rejection(reason)
 
     def is_ready(self, name: str, version: str) -> bool:
         return self.ready and name == self.name and version in ("", self.version)

@@ -53,6 +53,7 @@ _HTTP_STATUS = {
     "exhausted": 429,
     "internal": 500,
     "timeout": 504,
+    "aborted": 503,  # for the client to retry elsewhere (a drain cut it short)
 }
 _HEADER_LENGTH = "Inference-Header-Content-Length"
 _SWITCH_INPUTS = {spec.name: spec.datatype for spec in INPUTS if spec.name != "text_input"}
@@ -203,6 +204,11 @@ class RestApi:
         state = "READY" if self.model.ready else "UNAVAILABLE"
         return web.json_response([{"name": self.model.name, "version": self.model.version, "state": state}])
 
+    def _refused(self, exc: AdapterError | InvalidRequestError) -> web.Response:
+        """An inference call's error answer, its refusal counted (LLMModel.count_rejection)."""
+        self.model.count_rejection(exc)
+        return _error(exc)
+
     def _resolve(self, request: web.Request) -> None:
         self.model.resolve(request.match_info["model"], request.match_info.get("version", ""))
 
@@ -238,7 +244,7 @@ class RestApi:
             )
             outputs = (await self._complete(parsed, request)).final_outputs()
         except (AdapterError, InvalidRequestError) as exc:
-            return _error(exc)
+            return self._refused(exc)
         binary_default = parameters.get("binary_data_output") is True
         binary_outputs = {
             name: given.get("binary_data", binary_default) is True
@@ -259,7 +265,7 @@ class RestApi:
                 )
             outputs = (await self._complete(parsed, request)).final_outputs()
         except (AdapterError, InvalidRequestError) as exc:
-            return _error(exc)
+            return self._refused(exc)
         return web.json_response(_generate_body(self.model, request_id, outputs))
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
@@ -280,7 +286,7 @@ class RestApi:
             deltas = self.model.generate(parsed, dict(request.headers), cause)
             first = await anext(deltas)
         except (AdapterError, InvalidRequestError) as exc:
-            return _error(exc)
+            return self._refused(exc)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         send = self.model.server.write_watch.send
         try:

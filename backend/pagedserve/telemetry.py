@@ -34,6 +34,10 @@ _VLLM_FINISH_REASONS = {"eos": "stop"}
 # stream_error: a Triton ModelStreamInfer stream that another request's error ended (triton_grpc_error);
 # stalled_client: a stream whose client stopped reading, given up by --stream-write-timeout
 ABORT_CAUSES = ("client_cancel", "deadline", "abort_rpc", "drain", "stream_error", "stalled_client")
+# Why a request was refused before it ran (pagedserve:request_rejections): a bad field (INVALID_ARGUMENT,
+# HTTP 400), the queue full (RESOURCE_EXHAUSTED, 429), the server not serving (starting, draining, the
+# engine dead: UNAVAILABLE, 503), an unknown model or version (a KServe v2 / Triton call: NOT_FOUND, 404).
+REJECTION_REASONS = ("invalid", "queue_full", "unavailable", "not_found")
 
 
 @dataclass
@@ -176,6 +180,13 @@ class EngineMetrics:
         self.aborts = Counter(
             "pagedserve:request_aborts", "Aborted requests by cause", [*labels, "cause"], registry=r
         )
+        self.rejections = Counter(
+            "pagedserve:request_rejections",
+            "Requests refused before they ran, by reason (every front end's: our gRPC API, KServe v2 / "
+            "Triton gRPC and REST): the clients' error rate, which no request metric counts",
+            [*labels, "reason"],
+            registry=r,
+        )
         self._export_every_series()
         # The model's series of what every step or every delta feeds, looked up once: `labels()`
         # checks its arguments and takes a lock on each call (a round of the 64-request chat
@@ -311,6 +322,8 @@ class EngineMetrics:
             self.swap_bytes.labels(m, direction)
         for cause in ABORT_CAUSES:
             self.aborts.labels(m, cause)
+        for reason in REJECTION_REASONS:
+            self.rejections.labels(m, reason)
 
     def watch_engine_process(self, pid: int) -> None:
         """The engine process's CPU time, memory and file descriptors as well, under
@@ -365,6 +378,10 @@ class EngineMetrics:
     def record_abort(self, cause: str) -> None:
         """`cause` is one of ABORT_CAUSES."""
         self.aborts.labels(self.model_name, cause).inc()
+
+    def record_rejection(self, reason: str) -> None:
+        """`reason` is one of REJECTION_REASONS."""
+        self.rejections.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

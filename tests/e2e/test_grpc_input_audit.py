@@ -8,6 +8,7 @@ when roles do not alternate)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import threading
 import time
@@ -18,7 +19,7 @@ import grpc
 import pytest
 from google.protobuf import struct_pb2
 from grpc_helpers import LONG_MAX_TOKENS, long_context_copy, request, wait_until
-from inprocess_server import InProcessServer
+from inprocess_server import InProcessServer, scrape
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
 
@@ -343,3 +344,52 @@ def test_a_burst_past_grpcs_pending_call_bound_is_answered_not_cancelled(server:
             return Counter(await asyncio.gather(*(one() for _ in range(3000))))
 
     assert asyncio.run(burst()) == {"OK": 3000}
+
+
+def test_refused_requests_are_counted_by_reason_on_every_front_end(server: InProcessServer) -> None:
+    """Requests refused before they ran moved no metric (no span either): a client sending bad requests
+    was invisible to dashboards. pagedserve:request_rejections counts them on every front end; a
+    metadata call for an unknown model is no request and is not counted."""
+    import urllib.error
+    import urllib.request
+
+    import numpy as np
+    import tritonclient.grpc as tgrpc
+    from tritonclient.utils import InferenceServerException
+
+    def rejections() -> dict[str, float]:
+        samples = scrape(server)
+        return {
+            dict(labels)["reason"]: value
+            for (name, labels), value in samples.items()
+            if name == "pagedserve:request_rejections_total"
+        }
+
+    def post(path: str, body: dict[str, object]) -> int:
+        req = urllib.request.Request(server.http_url(path), data=json.dumps(body).encode())
+        try:
+            with urllib.request.urlopen(req, timeout=30) as reply:
+                return int(reply.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    model = server.llm.config.model.served_model_name
+    before = rejections()
+    assert set(before) == {"invalid", "queue_full", "unavailable", "not_found"}  # every series, from 0
+    assert invalid_argument(server.stub.Complete, request(temperature=-1.0))  # our gRPC API
+    assert post(f"/v2/models/{model}/generate", {"text_input": "x", "parameters": {"top_p": 2}}) == 400
+    assert post("/v2/models/nope/generate", {"text_input": "x"}) == 404
+    text = tgrpc.InferInput("text_input", [1], "INT32")  # Triton gRPC: the wrong datatype
+    text.set_data_from_numpy(np.array([1], dtype=np.int32))
+    with tgrpc.InferenceServerClient(f"127.0.0.1:{server.port}") as triton:
+        with pytest.raises(InferenceServerException):
+            triton.infer(model, [text])
+        with pytest.raises(InferenceServerException):
+            triton.get_model_metadata("nope")  # not a request
+    after = rejections()
+    assert {reason: after[reason] - before[reason] for reason in after} == {
+        "invalid": 3,
+        "queue_full": 0,
+        "unavailable": 0,
+        "not_found": 1,
+    }

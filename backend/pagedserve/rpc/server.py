@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.descriptor import FileDescriptor, ServiceDescriptor
@@ -47,6 +47,12 @@ from pagedserve.tool_calls import ToolChoice
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pagedserve.rpc.v1.Generation"
+_REFUSAL_STATUS = {  # telemetry.REJECTION_REASONS' statuses
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "queue_full": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+}
 READINESS_SERVICE = SERVICE_NAME
 _HEALTH_POLL_S = 1.0
 # The abort cause (pagedserve:request_aborts) of a stream given up by --stream-write-timeout.
@@ -159,7 +165,7 @@ class GenerationServicer:
         (`AsyncEngine.reserve`): tokenizing and compiling a grammar take up to seconds, in which a
         second request under the id is refused and an Abort call ends this one."""
         if self.state.status != "serving":
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is {self.state.status}")
+            await self._refuse(context, "unavailable", f"server is {self.state.status}")
         held: list[str] = []
         try:
             return await self._admit_held(request, context, params_of, held)
@@ -197,11 +203,11 @@ class GenerationServicer:
                     raise
                 raise InvalidRequestError(tools.schema_field, exc.message) from None
         except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._refuse(context, "invalid", str(exc))
         except QueueFullError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await self._refuse(context, "queue_full", str(exc))
         except EngineDeadError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await self._refuse(context, "unavailable", str(exc))
         outputs = None
         if params_of is None:
             outputs = convert.chat_outputs(
@@ -212,6 +218,14 @@ class GenerationServicer:
                 lambda: str(self.llm.tokenizer.decode(prompt[-16:])),
             )
         return _Call(rid, prompt, params, (started, time.monotonic()), request.priority, lora_name, outputs)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, reason: str, message: str) -> NoReturn:
+        """End a call whose request will not run, counted by `reason` (telemetry.REJECTION_REASONS) in
+        pagedserve:request_rejections once the engine is bound (while it loads there are no metrics)."""
+        if hasattr(self, "llm"):
+            self.llm.metrics.record_rejection(reason)
+        await context.abort(_REFUSAL_STATUS[reason], message)
+        raise AssertionError("context.abort raises")
 
     def _lora_name(self, request: Any) -> str | None:
         """The request's LoRA adapter: `lora_name`, or a `model` naming an adapter (as vLLM's OpenAI
@@ -251,11 +265,11 @@ class GenerationServicer:
                     await context.abort(grpc.StatusCode.INTERNAL, delta.error or "generation failed")
                 yield delta
         except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._refuse(context, "invalid", str(exc))
         except QueueFullError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await self._refuse(context, "queue_full", str(exc))
         except EngineDeadError as exc:  # stopped before this request started
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await self._refuse(context, "unavailable", str(exc))
         finally:
             await deltas.aclose()
 
