@@ -47,13 +47,13 @@ from pagedserve.tool_calls import ToolChoice
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pagedserve.rpc.v1.Generation"
+READINESS_SERVICE = SERVICE_NAME
 _REFUSAL_STATUS = {  # telemetry.REJECTION_REASONS' statuses
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     "queue_full": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "not_found": grpc.StatusCode.NOT_FOUND,
 }
-READINESS_SERVICE = SERVICE_NAME
 _HEALTH_POLL_S = 1.0
 # The abort cause (pagedserve:request_aborts) of a stream given up by --stream-write-timeout.
 STALLED_CLIENT = "stalled_client"
