@@ -244,9 +244,8 @@ class InferenceServicer:
         self.model.resolve(request.model_name, request.model_version)
         try:
             parameters = {name: _parameter(p) for name, p in request.parameters.items()}
+            # a boolean: parse_request checks it with Triton's other reserved parameters
             empty_final = parameters.get("triton_enable_empty_final_response", False)
-            if not isinstance(empty_final, bool):
-                raise InvalidRequestError("parameters.triton_enable_empty_final_response", "must be a bool")
             return parse_request(
                 decode_inputs(request),
                 parameters,

@@ -804,8 +804,7 @@ OTLP_EXPORTER_PACKAGES = {
 
 
 def _otlp_exporter(endpoint: str | None, protocol: str) -> Any:
-    packages = OTLP_EXPORTER_PACKAGES
-    if protocol not in packages:
+    if protocol not in OTLP_EXPORTER_PACKAGES:
         raise ValueError(
             f"OTLP protocol {protocol!r} (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL): use grpc or http/protobuf"
         )
@@ -816,6 +815,6 @@ def _otlp_exporter(endpoint: str | None, protocol: str) -> Any:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     except ImportError as exc:
         raise RuntimeError(
-            f"OTLP tracing over {protocol} needs the exporter package: pip install {packages[protocol]}"
+            f"OTLP tracing over {protocol} needs the exporter package: pip install {OTLP_EXPORTER_PACKAGES[protocol]}"
         ) from exc
     return OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()

@@ -88,11 +88,16 @@ def test_every_bad_request_on_a_stream_gets_an_error_with_its_id_and_the_good_on
         stream_request("deep", DEEP_ARRAY),
         stream_request("no-text", None, text=False),
         stream_request("huge-n", b'{"n": 4611686018427387904, "max_tokens": 1}'),  # 2**62: no memory
+        stream_request("empty-final", b'{"max_tokens": 1}'),
     ]
+    requests[-1].parameters["triton_enable_empty_final_response"].string_param = "yes"
     # the request iterator ends, so the server closes the stream once every request is final
     replies = list(stub.ModelStreamInfer(iter(requests), timeout=60))
     errors = {r.infer_response.id: r.error_message for r in replies if r.error_message}
-    assert set(errors) == {"digits", "deep", "no-text", "huge-n"}, errors
+    assert set(errors) == {"digits", "deep", "no-text", "huge-n", "empty-final"}, errors
+    assert (
+        errors["empty-final"] == "parameters.triton_enable_empty_final_response: must be a boolean, got 'yes'"
+    )
     assert errors["digits"].startswith("sampling_parameters: is not valid JSON")
     assert errors["deep"].startswith("sampling_parameters: is not valid JSON")
     assert errors["no-text"].startswith("inputs.text_input")

@@ -648,7 +648,7 @@ class LLMEngine:
             metrics=metrics,
             index=completion.index,
             request_finished=request_finished,
-            stop_reason=seq.stop_reason if seq.is_finished else None,
+            stop_reason=seq.stop_reason,  # set as it finishes, None before
         )
 
     def _rest_of_text(self, seq: Sequence) -> str:
