@@ -148,6 +148,28 @@ def test_argmax_ties_take_the_first_column_and_nan_beats_everything(
     )
 
 
+def test_argmax_ties_when_threads_take_each_others_panels(kernel: Kernel) -> None:
+    """A thread done with its own panels takes another's from the back, and the bests are then taken
+    in column order, whoever multiplied which panel: with five threads on this machine's cores the
+    panels change hands in most runs (timing decides which), so ten runs each check different
+    hand-overs of the ties and NaNs above (the first column; the first NaN)."""
+    torch.manual_seed(1)
+    weight = bf16(4096, 64)
+    weight[3000] = weight[2000] = weight[40] = weight[7]
+    x = weight[7:8].repeat(40, 1) * 4
+    nan_weight = weight.clone()
+    nan_weight[[2500, 3100, 4000]] = float("nan")
+    packed, nan_packed = kernel.pack(weight), kernel.pack(nan_weight)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(5)
+        for _ in range(10):
+            assert kernel.argmax(x, packed, 4096).tolist() == [7] * 40
+            assert kernel.argmax(x, nan_packed, 4096).tolist() == [2500] * 40
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_argmax_shapes_and_refusals(kernel: Kernel) -> None:
     weight = bf16(64, 96)
     packed = kernel.pack(weight)

@@ -75,6 +75,23 @@ def test_a_row_gets_what_it_gets_alone_close_to_f_linear(rows: int) -> None:
 
 
 @needs_avx512
+def test_the_same_bits_when_threads_take_each_others_panels() -> None:
+    """A thread done with its own panels takes another's from the back: with five threads on this
+    machine's cores the panels change hands in most runs (timing decides which), and every run gives
+    the reference's bits."""
+    torch.manual_seed(5)
+    weight, x = bf16(1024, 64), bf16(20, 64)
+    packed, expected = cpu.pack_linear_weight_avx512(weight), reference.linear_bf16_pairs(x, weight)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(5)
+        for _ in range(10):
+            assert torch.equal(cpu.linear_avx512(x, packed), expected)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_avx512
 def test_leading_dimensions_strided_and_empty_inputs() -> None:
     weight = bf16(960, 576)
     packed = cpu.pack_linear_weight_avx512(weight)

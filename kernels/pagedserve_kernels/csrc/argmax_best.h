@@ -6,11 +6,13 @@
 #include <ATen/Parallel.h>
 
 #include "bf16_vec.h"
+#include "panel_range.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -74,19 +76,37 @@ inline void take_bests(std::vector<RowBests>& bests, int64_t rows, int64_t* inde
   }
 }
 
-// Each row's argmax into `index` [rows] over `num_panels` panels of `panel_columns` columns, the panels
-// split over at::parallel_for's threads: run(panel0, panel1, best) multiplies panels [panel0, panel1)
-// keeping each row's best column in `best` (update_best); the threads' bests are then taken in column
-// order.
-template <typename Run>
-void argmax_over_panels(int64_t num_panels, int64_t panel_columns, int64_t rows, const Run& run, int64_t* index) {
+// Each row's argmax into `index` [rows] over `num_panels` panels of `panel_columns` columns, split over
+// at::parallel_for's threads, which take each other's panels when done with their own (panel_range.h).
+// Each thread makes itself a runner, `make_run()`, and calls run(panel, prefetch_next, best) for each
+// panel it takes, which multiplies that panel keeping each row's best column in `best` (update_best;
+// `prefetch_next`: its next panel is panel + 1). A thread's own panels make one run of columns and each
+// panel it takes from another thread one more; the runs' bests are then taken in column order.
+template <typename MakeRun>
+void argmax_over_panels(int64_t num_panels, int64_t panel_columns, int64_t rows, const MakeRun& make_run,
+                        int64_t* index) {
+  const int64_t num_shares = std::min<int64_t>(at::get_num_threads(), num_panels);
+  const std::unique_ptr<PanelRange[]> shares = even_shares(num_panels, num_shares);
   std::vector<RowBests> bests;
   std::mutex mutex;
-  at::parallel_for(0, num_panels, 1, [&](int64_t panel0, int64_t panel1) {
-    RowBests best(panel0 * panel_columns, rows);
-    run(panel0, panel1, best);
+  at::parallel_for(0, num_shares, 1, [&](int64_t share0, int64_t share1) {
+    auto run = make_run();
+    std::vector<RowBests> found;
+    for (int64_t s = share0; s < share1; ++s) {
+      bool own_run = false;  // found.back() holds this share's run of columns (its own panels come first)
+      take_share_then_steal(
+          shares.get(), num_shares, s,
+          [&](int64_t panel, bool more) {
+            if (!own_run) found.emplace_back(panel * panel_columns, rows), own_run = true;
+            run(panel, more, found.back());
+          },
+          [&](int64_t panel) {
+            found.emplace_back(panel * panel_columns, rows);
+            run(panel, false, found.back());
+          });
+    }
     const std::lock_guard<std::mutex> lock(mutex);
-    bests.push_back(std::move(best));
+    for (RowBests& best : found) bests.push_back(std::move(best));
   });
   take_bests(bests, rows, index);
 }

@@ -32,6 +32,7 @@
 #include "bf16_vec.h"
 #include "decode_parts.h"
 #include "paged_checks.h"
+#include "panel_range.h"
 
 #include <algorithm>
 #include <array>
@@ -245,11 +246,8 @@ class SpinBarrier {
   alignas(64) std::atomic<int> generation_{0};
 };
 
-// [begin, end) of part `part` of `parts` of [0, n), as at::parallel_for splits a range.
-std::pair<int64_t, int64_t> share(int64_t n, int64_t part, int64_t parts) {
-  const int64_t chunk = (n + parts - 1) / parts;
-  return {std::min(n, part * chunk), std::min(n, (part + 1) * chunk)};
-}
+using pagedserve::PanelRange;
+using pagedserve::share;
 
 // What decode_layers_team reads: the step's arguments, checked, and its buffers.
 struct TeamStep {
@@ -268,50 +266,28 @@ struct TeamStep {
 
 BF16* bf16(const at::Tensor& t) { return t.data_ptr<BF16>(); }
 
-// The output panels of one multiply that one thread has yet to take, [front, back) in one word. The
-// thread takes them from the front, in order (prefetching the next as it goes); a thread done with
-// its own takes another's from the back. A thread that the OS takes off its core in the middle of a
-// multiply (the server's event loop, the load generator, any other process on a busy machine) then
-// holds up the others by the panel it is in, not by the rest of its share: with a process taking a
-// sixth of a core in 50 us bursts, a chat round ran 1.05x as fast as with fixed halves; without, as
-// fast (bench/README.md, "Offline throughput").
-struct alignas(64) PanelRange {
-  std::atomic<uint64_t> bounds{0};
-};
+// Attention's rows go to the threads in runs of about equal work, this many a thread, which they
+// take from each other as they take a multiply's panels: a run's few rows are what a thread that lost
+// its core holds the others up by.
+constexpr int64_t kAttentionRunsPerThread = 4;
 
-uint64_t panel_range(uint64_t front, uint64_t back) { return front | (back << 32); }
-
-// Take the front panel of `range` into `panel`, or (`from_back`) its back one: false when none is
-// left. `more`: panels are left beside the one taken.
-bool take_panel(PanelRange& range, bool from_back, int64_t& panel, bool& more) {
-  uint64_t bounds = range.bounds.load(std::memory_order_relaxed);
-  for (;;) {
-    const uint64_t front = bounds & 0xffffffffu, back = bounds >> 32;
-    if (front >= back) return false;
-    const uint64_t left = from_back ? panel_range(front, back - 1) : panel_range(front + 1, back);
-    if (range.bounds.compare_exchange_weak(bounds, left, std::memory_order_relaxed)) {
-      panel = static_cast<int64_t>(from_back ? back - 1 : front);
-      more = front + 1 < back;
-      return true;
-    }
-  }
+// A layer's parts that the threads take from each other, in the order run_team_thread runs them: the
+// qkv multiply, attention, the o, gate_up and down multiplies. Their items: output panels of 32
+// columns, or attention's runs of rows.
+constexpr int64_t kSharedPartsPerLayer = 5;
+std::array<int64_t, kSharedPartsPerLayer> shared_part_items(const TeamStep& s, int64_t threads) {
+  return {s.n_qkv / 32, threads * kAttentionRunsPerThread, s.hidden / 32, 2 * s.inter / 32, s.hidden / 32};
 }
 
-// A layer's multiplies, in the order run_team_thread makes them: their output widths.
-constexpr int64_t kMultipliesPerLayer = 4;
-std::array<int64_t, kMultipliesPerLayer> multiply_widths(const TeamStep& s) {
-  return {s.n_qkv, s.hidden, 2 * s.inter, s.hidden};  // qkv, o, gate_up, down
-}
-
-// Every thread's share of every multiply of the step: `threads` ranges a multiply, each thread's
-// panels as at::parallel_for would split them.
+// Every thread's share of every such part of the step: `threads` ranges a part, each thread's items
+// as at::parallel_for would split them.
 std::unique_ptr<PanelRange[]> panel_ranges(const TeamStep& s, int64_t threads) {
-  std::unique_ptr<PanelRange[]> ranges(new PanelRange[s.layers * kMultipliesPerLayer * threads]);
-  const auto widths = multiply_widths(s);
-  for (int64_t m = 0; m < s.layers * kMultipliesPerLayer; ++m) {
+  std::unique_ptr<PanelRange[]> ranges(new PanelRange[s.layers * kSharedPartsPerLayer * threads]);
+  const auto items = shared_part_items(s, threads);
+  for (int64_t part = 0; part < s.layers * kSharedPartsPerLayer; ++part) {
     for (int64_t t = 0; t < threads; ++t) {
-      const auto [panel0, panel1] = share(widths[m % kMultipliesPerLayer] / 32, t, threads);
-      ranges[m * threads + t].bounds.store(panel_range(panel0, panel1), std::memory_order_relaxed);
+      const auto [item0, item1] = share(items[part % kSharedPartsPerLayer], t, threads);
+      ranges[part * threads + t].set(item0, item1);
     }
   }
   return ranges;
@@ -319,13 +295,20 @@ std::unique_ptr<PanelRange[]> panel_ranges(const TeamStep& s, int64_t threads) {
 
 // One thread's part of the step, `thread` of `threads`, meeting the others at `barrier` wherever the
 // next part reads what another thread wrote: norms, SiLU, rotary and the KV writes by rows, attention
-// by rows of about equal work (`bounds`), the multiplies by panels of output columns from `ranges`
-// (panel_ranges), its own first and then any another thread has not taken yet.
-void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<int64_t>& bounds,
+// by runs of rows of about equal work (`runs`: their bounds) and the multiplies by panels of output
+// columns, the last two from `ranges` (panel_ranges), its own first and then any another thread has not
+// taken yet.
+void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<int64_t>& runs,
                      PanelRange* ranges, int64_t thread, int64_t threads) {
   const auto [row0, row1] = share(s.tokens, thread, threads);
-  PanelRange* next_ranges = ranges;  // the next multiply's
-  pagedserve::AmxTiles tiles;          // this thread's tile configuration, where the weights are in tiles
+  PanelRange* next_ranges = ranges;  // the next shared part's
+  const auto take_part = [&](int64_t part_of_layer) {
+    PanelRange* shares = next_ranges;
+    TORCH_INTERNAL_ASSERT_DEBUG_ONLY((shares - ranges) / threads % kSharedPartsPerLayer == part_of_layer);
+    next_ranges += threads;
+    return shares;
+  };
+  pagedserve::AmxTiles tiles;  // this thread's tile configuration, where the weights are in tiles
   const auto multiply_panel = [&](const BF16* x, int64_t k, const BF16* packed, const BF16* bias, BF16* out,
                                   int64_t n, int64_t panel, bool prefetch_next) {
     if (s.tiles) {
@@ -334,19 +317,21 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
       pagedserve::linear_avx512_panel(x, k, packed, bias, out, s.tokens, n, k, panel, prefetch_next);
     }
   };
-  const auto multiply = [&](const BF16* x, int64_t k, const at::Tensor& packed, const BF16* bias, BF16* out,
-                            int64_t n) {
-    PanelRange* shares = next_ranges;
-    TORCH_INTERNAL_ASSERT_DEBUG_ONLY(n == multiply_widths(s)[(shares - ranges) / threads % kMultipliesPerLayer]);
-    next_ranges += threads;
-    int64_t panel;
-    bool more;
-    while (take_panel(shares[thread], false, panel, more)) multiply_panel(x, k, bf16(packed), bias, out, n, panel, more);
-    for (int64_t other = 1; other < threads; ++other) {
-      while (take_panel(shares[(thread + other) % threads], true, panel, more)) {
-        multiply_panel(x, k, bf16(packed), bias, out, n, panel, false);
-      }
-    }
+  const auto multiply = [&](int64_t part_of_layer, const BF16* x, int64_t k, const at::Tensor& packed,
+                            const BF16* bias, BF16* out, int64_t n) {
+    pagedserve::take_share_then_steal(
+        take_part(part_of_layer), threads, thread,
+        [&](int64_t panel, bool more) { multiply_panel(x, k, bf16(packed), bias, out, n, panel, more); },
+        [&](int64_t panel) { multiply_panel(x, k, bf16(packed), bias, out, n, panel, false); });
+  };
+  const auto attend = [&](const at::Tensor& k_cache, const at::Tensor& v_cache) {
+    const auto run = [&](int64_t r) {
+      if (runs[r] < runs[r + 1])
+        pagedserve::decode_attention_rows_bf16(s.attn, s.q, k_cache, v_cache, s.tables, s.lens, s.scale, runs[r],
+                                               runs[r + 1]);
+    };
+    pagedserve::take_share_then_steal(
+        take_part(1), threads, thread, [&](int64_t r, bool) { run(r); }, run);
   };
   const int64_t slot_size = s.num_kv_heads * s.head_dim;
   BF16 *residual = bf16(s.residual), *normed = bf16(s.normed), *qkv_out = bf16(s.qkv_out), *qk = bf16(s.qk);
@@ -356,7 +341,7 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
     const BF16* input_norm = bf16(s.norms[2 * l]);
     for (int64_t r = row0; r < row1; ++r) add_rms_norm_row(added, residual, input_norm, normed, r, s.hidden, s.eps);
     barrier.wait();
-    multiply(normed, s.hidden, s.qkv[l], s.qkv_bias.empty() ? nullptr : bf16(s.qkv_bias[l]), qkv_out, s.n_qkv);
+    multiply(0, normed, s.hidden, s.qkv[l], s.qkv_bias.empty() ? nullptr : bf16(s.qkv_bias[l]), qkv_out, s.n_qkv);
     barrier.wait();
     BF16* k_cache = bf16(s.k_caches[l]);
     BF16* v_cache = bf16(s.v_caches[l]);
@@ -372,19 +357,18 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
       std::memcpy(v_cache + s.slots[r] * slot_size, v, slot_size * sizeof(BF16));
     }
     barrier.wait();  // a draft row attends to the rows before it, which another thread may have written
-    pagedserve::decode_attention_rows_bf16(s.attn, s.q, s.k_caches[l], s.v_caches[l], s.tables, s.lens, s.scale,
-                                           bounds[thread], bounds[thread + 1]);
+    attend(s.k_caches[l], s.v_caches[l]);
     barrier.wait();
-    multiply(attn, s.num_heads * s.head_dim, s.o_proj[l], nullptr, out, s.hidden);
+    multiply(2, attn, s.num_heads * s.head_dim, s.o_proj[l], nullptr, out, s.hidden);
     barrier.wait();
     const BF16* post_norm = bf16(s.norms[2 * l + 1]);
     for (int64_t r = row0; r < row1; ++r) add_rms_norm_row(out, residual, post_norm, normed, r, s.hidden, s.eps);
     barrier.wait();
-    multiply(normed, s.hidden, s.gate_up[l], nullptr, gu, 2 * s.inter);
+    multiply(3, normed, s.hidden, s.gate_up[l], nullptr, gu, 2 * s.inter);
     barrier.wait();
     for (int64_t r = row0; r < row1; ++r) silu_and_mul_row(gu, act, r, s.inter);
     barrier.wait();
-    multiply(act, s.inter, s.down[l], nullptr, out, s.hidden);
+    multiply(4, act, s.inter, s.down[l], nullptr, out, s.hidden);
     barrier.wait();
   }
   for (int64_t r = row0; r < row1; ++r) add_rms_norm_row(out, residual, s.final_norm, normed, r, s.hidden, s.eps);
@@ -398,7 +382,7 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
 // same bits.
 void decode_layers_team(const TeamStep& s) {
   SpinBarrier barrier;
-  std::vector<int64_t> bounds;
+  std::vector<int64_t> runs;
   std::unique_ptr<PanelRange[]> ranges;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -406,10 +390,10 @@ void decode_layers_team(const TeamStep& s) {
     {  // the team OpenMP gives, which may be smaller than asked for
       const int threads = omp_get_num_threads();
       barrier.set_threads(threads);
-      bounds = pagedserve::decode_row_split(s.lens.data_ptr<int32_t>(), s.tokens, threads);
+      runs = pagedserve::decode_row_split(s.lens.data_ptr<int32_t>(), s.tokens, threads * kAttentionRunsPerThread);
       ranges = panel_ranges(s, threads);
     }  // (every thread waits here, then sees them)
-    run_team_thread(s, barrier, bounds, ranges.get(), omp_get_thread_num(), omp_get_num_threads());
+    run_team_thread(s, barrier, runs, ranges.get(), omp_get_thread_num(), omp_get_num_threads());
   }
 }
 

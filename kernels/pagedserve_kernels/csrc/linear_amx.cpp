@@ -246,10 +246,29 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const std::
   return out.view(in.out_shape);
 }
 
+#ifdef PAGEDSERVE_AMX
+// One thread's pairs of n-blocks for linear_argmax_amx, on its tile configuration (given back at the end).
+struct ArgmaxPairs {
+  const LinearArgs& args;
+  int64_t num_columns;
+  pagedserve::AmxTiles tiles;
+
+  void operator()(int64_t pair, bool, pagedserve::RowBests& best) {
+    LinearArgs own = args;
+    own.best_value = best.value.data();
+    own.best_index = best.index.data();
+    own.num_columns = num_columns;
+    multiply_pair(own, pair, tiles);
+  }
+  ~ArgmaxPairs() { pagedserve::release_amx_tiles(tiles); }
+};
+#endif
+
 // Greedy sampling from the LM head: each row's argmax over the first `num_columns` outputs of
 // linear_amx(x, packed, bias), as argmax_rows reads them from its output (bfloat16, the first maximum,
-// NaN first), without writing the [rows, n] logits and reading them back. Each thread keeps its pairs
-// of n-blocks' best column a row; the threads' bests are then taken in column order.
+// NaN first), without writing the [rows, n] logits and reading them back. Each run of pairs of n-blocks
+// a thread multiplies keeps its best column a row; the runs' bests are then taken in column order
+// (argmax_over_panels).
 at::Tensor linear_argmax_amx(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                              int64_t num_columns) {
   check_tiles("linear_argmax_amx", packed);
@@ -266,15 +285,7 @@ at::Tensor linear_argmax_amx(const at::Tensor& x, const at::Tensor& packed, cons
     const int64_t num_pairs = (num_columns + 2 * kTileRows - 1) / (2 * kTileRows);  // pairs wholly past: skipped
     pagedserve::argmax_over_panels(
         num_pairs, 2 * kTileRows, num_rows,
-        [&](int64_t pair0, int64_t pair1, pagedserve::RowBests& best) {
-          LinearArgs own = args;
-          own.best_value = best.value.data();
-          own.best_index = best.index.data();
-          own.num_columns = num_columns;
-          pagedserve::AmxTiles tiles;
-          for (int64_t pair = pair0; pair < pair1; ++pair) multiply_pair(own, pair, tiles);
-          pagedserve::release_amx_tiles(tiles);
-        },
+        [&] { return ArgmaxPairs{args, num_columns}; },
         out.data_ptr<int64_t>());
   }
 #endif

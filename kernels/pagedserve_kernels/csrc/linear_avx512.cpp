@@ -6,12 +6,13 @@
 // registers of 16 columns x 2 k, which is what vdpbf16ps multiplies; a panel's k pairs follow each
 // other, so a panel is one contiguous stream of K x 64 bytes.
 //
-// linear_avx512: out [M, N] = x [M, K] @ weight^T (+ bias). Threads split the panels; each panel runs
-// down the rows in tiles of at most kMaxTileRows rows (2 x rows float32 accumulators): per k pair, two
-// weight loads feed two vdpbf16ps a row, each with that row's pair of x broadcast. The panel
-// (K x 64 bytes) stays in L1/L2 while the next row tiles reuse it, so the weight is streamed from
-// memory once a call. Every output sums its k pairs in order in float32 and is rounded to bfloat16
-// once (the bias added first), so a row's result does not depend on the batch it is in.
+// linear_avx512: out [M, N] = x [M, K] @ weight^T (+ bias). Threads split the panels, and take each
+// other's when done with their own (panel_range.h); each panel runs down the rows in tiles of at most
+// kMaxTileRows rows (2 x rows float32 accumulators): per k pair, two weight loads feed two vdpbf16ps a
+// row, each with that row's pair of x broadcast. The panel (K x 64 bytes) stays in L1/L2 while the
+// next row tiles reuse it, so the weight is streamed from memory once a call. Every output sums its k
+// pairs in order in float32 and is rounded to bfloat16 once (the bias added first), so a row's result
+// does not depend on the batch it is in, nor on which thread multiplies it.
 //
 // Left to the hardware, streaming and multiplying barely overlap from 8 rows on: a panel's first tile
 // waits on memory, its later tiles run from L2 while memory idles. So there every tile of a panel
@@ -43,12 +44,14 @@
 #include "bf16_vec.h"
 #include "decode_parts.h"
 #include "linear_inputs.h"
+#include "panel_range.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -175,11 +178,6 @@ void multiply_panel(const LinearArgs& a, int64_t panel, bool last_panel) {
   }
 }
 
-// Panels [panel0, panel1), in order (each prefetches the next).
-void multiply_panels(const LinearArgs& a, int64_t panel0, int64_t panel1) {
-  for (int64_t panel = panel0; panel < panel1; ++panel) multiply_panel(a, panel, panel + 1 == panel1);
-}
-
 #endif  // PAGEDSERVE_AVX512_BF16
 
 bool linear_avx512_supported() {
@@ -233,8 +231,15 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed, const st
 #ifdef PAGEDSERVE_AVX512_BF16
   if (in.rows.size(0) > 0) {
     const LinearArgs args = linear_args(in, packed, out.data_ptr<c10::BFloat16>());
-    at::parallel_for(0, packed.size(0), 1,
-                     [&](int64_t panel0, int64_t panel1) { multiply_panels(args, panel0, panel1); });
+    const int64_t num_shares = std::min<int64_t>(at::get_num_threads(), packed.size(0));
+    const std::unique_ptr<pagedserve::PanelRange[]> shares = pagedserve::even_shares(packed.size(0), num_shares);
+    at::parallel_for(0, num_shares, 1, [&](int64_t share0, int64_t share1) {
+      for (int64_t s = share0; s < share1; ++s) {
+        pagedserve::take_share_then_steal(
+            shares.get(), num_shares, s, [&](int64_t panel, bool more) { multiply_panel(args, panel, !more); },
+            [&](int64_t panel) { multiply_panel(args, panel, true); });
+      }
+    });
   }
 #endif
   return out.view(in.out_shape);
@@ -242,8 +247,9 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed, const st
 
 // Greedy sampling from the LM head: each row's argmax over the first `num_columns` outputs of
 // linear_avx512(x, packed, bias), as argmax_rows reads them from its output (bfloat16, the first
-// maximum, NaN first), without writing the [rows, n] logits and reading them back. Each thread keeps
-// its panels' best column a row; the threads' bests are then taken in column order.
+// maximum, NaN first), without writing the [rows, n] logits and reading them back. Each run of panels
+// a thread multiplies keeps its best column a row; the runs' bests are then taken in column order
+// (argmax_over_panels).
 at::Tensor linear_argmax_avx512(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                                 int64_t num_columns) {
   check_avx512_panels("linear_argmax_avx512", packed);
@@ -260,12 +266,14 @@ at::Tensor linear_argmax_avx512(const at::Tensor& x, const at::Tensor& packed, c
     const int64_t num_panels = (num_columns + kPanel - 1) / kPanel;  // panels wholly past them: skipped
     pagedserve::argmax_over_panels(
         num_panels, kPanel, num_rows,
-        [&](int64_t panel0, int64_t panel1, pagedserve::RowBests& best) {
-          LinearArgs own = args;
-          own.best_value = best.value.data();
-          own.best_index = best.index.data();
-          own.num_columns = num_columns;
-          multiply_panels(own, panel0, panel1);
+        [&] {
+          return [&](int64_t panel, bool prefetch_next, pagedserve::RowBests& best) {
+            LinearArgs own = args;
+            own.best_value = best.value.data();
+            own.best_index = best.index.data();
+            own.num_columns = num_columns;
+            multiply_panel(own, panel, !prefetch_next);
+          };
         },
         out.data_ptr<int64_t>());
   }
