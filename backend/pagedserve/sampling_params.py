@@ -233,6 +233,10 @@ def _nesting(spec: str | dict[str, Any], kind: str) -> int:
 class SamplingParams:
     """How to pick each next token and when to stop. Shaped like vLLM's `SamplingParams`.
 
+    `max_tokens=None` (vLLM's) generates until the context is full: the engine resolves it per request
+    to the room the context leaves after the prompt (after `truncate_prompt_tokens`), on a copy of the
+    params, so that one object serves prompts of any length; a `min_tokens` past that room then ends
+    at the context, as in vLLM (its check against max_tokens holds only for a max_tokens given).
     `temperature == 0` is greedy. `top_k` 0 or -1 disables top-k. The text ends where a `stop` string is
     first completed (of several, the one that ends first); the stop string is cut from it unless
     `include_stop_str_in_output`, and so is the text of an EOS or stop token id that ended generation.
@@ -244,8 +248,9 @@ class SamplingParams:
     `prompt_logprobs=k` returns the same for every prompt token after the first (the token itself and
     the k most likely there), computing the whole prompt: such a request takes no prefix-cache hits.
     `truncate_prompt_tokens=k` keeps only the prompt's last k tokens (left truncation, vLLM's): -1
-    keeps as many as leave `max_tokens` of room in the context (vLLM's -1 keeps the context length,
-    which leaves none); a k above the context length is refused, as vLLM refuses it.
+    keeps as many as leave `max_tokens` of room in the context, with `max_tokens=None` room for one
+    token (vLLM's -1 keeps the context length, which leaves none); a k above the context length is
+    refused, as vLLM refuses it.
 
     Logit controls, vLLM's, applied to every row they are set on, greedy ones included, before
     penalties and temperature (logprobs stay the raw model's): `logit_bias` adds to the logits of its
@@ -273,7 +278,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until the context is full (the engine resolves it per prompt)
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
@@ -393,10 +398,14 @@ class SamplingParams:
         self._check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         self._check(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
         self._check(
-            _is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1"
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            "max_tokens",
+            "must be an integer >= 1, or None (until the context is full)",
         )
         self._check(
-            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            _is_int(self.min_tokens)
+            and self.min_tokens >= 0
+            and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
             "min_tokens",
             "must be an integer in [0, max_tokens]",
         )

@@ -51,6 +51,11 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
+        # an int for the scheduler and the stop checks: the engine resolves vLLM's None (until the context
+        # is full) for the prompt before it makes the sequences
+        if sampling_params.max_tokens is None:
+            raise ValueError("max_tokens: None must be resolved for the prompt (LLMEngine.add_request)")
+        self.max_tokens = sampling_params.max_tokens
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.arrival_order = next(_arrival_counter)  # a later arrival is preempted first
@@ -89,7 +94,7 @@ class Sequence:
     @property
     def max_num_tokens(self) -> int:
         """Tokens this sequence can ever hold: prompt + max_tokens."""
-        return self.num_prompt_tokens + self.sampling_params.max_tokens
+        return self.num_prompt_tokens + self.max_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -107,7 +112,7 @@ class Sequence:
                 return FinishReason.EOS
             if last in params.stop_token_ids:
                 return FinishReason.STOP
-        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None
 

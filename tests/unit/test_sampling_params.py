@@ -55,6 +55,13 @@ def test_min_tokens_above_max_tokens_is_rejected() -> None:
         SamplingParams(max_tokens=4, min_tokens=5)
 
 
+def test_max_tokens_none_is_vllm_s_until_the_context_is_full() -> None:
+    """The engine resolves None per prompt; min_tokens is checked against a max_tokens given only (as
+    vLLM checks it): one past the room of some prompt is no error here."""
+    assert SamplingParams(max_tokens=None).max_tokens is None
+    assert SamplingParams(max_tokens=None, min_tokens=10**6).min_tokens == 10**6
+
+
 def test_valid_values_are_kept() -> None:
     params = SamplingParams(temperature=0, top_p=0.5, top_k=3, stop="###", seed=7, logprobs=2, max_tokens=9)
     assert params.is_greedy and params.stop == ["###"] and params.top_k == 3 and params.logprobs == 2

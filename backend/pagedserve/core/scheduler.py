@@ -73,7 +73,7 @@ class Scheduler:
         for request_id in [seq.request_id, *(sibling.request_id for sibling in seq.pending_forks)]:
             if request_id in self.requests:  # a client's id may be another request's sequence id
                 raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        self.check_can_ever_fit(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
+        self.check_can_ever_fit(seq.num_prompt_tokens, seq.max_tokens)
         self.requests[seq.request_id] = seq
         for sibling in seq.pending_forks:  # parallel sampling: queued when the parent forks them
             self.requests[sibling.request_id] = sibling
@@ -242,7 +242,7 @@ class Scheduler:
             return []
         room = min(
             budget - 1,
-            params.max_tokens - seq.num_output_tokens - 1,
+            seq.max_tokens - seq.num_output_tokens - 1,
             self.config.max_model_len - seq.num_tokens - 1,
         )
         drafts = spec.propose(seq.token_ids, room)

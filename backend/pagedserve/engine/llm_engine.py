@@ -188,7 +188,9 @@ class LLMEngine:
             return prompt_token_ids
         max_len = self.config.model.max_model_len
         if k == -1:  # an embedding generates nothing: it may fill the context
-            k = max_len if params.pooling is not None else max(1, max_len - params.max_tokens)
+            # max_tokens None keeps the most prompt that still generates: room for one token
+            room = 1 if params.max_tokens is None else params.max_tokens
+            k = max_len if params.pooling is not None else max(1, max_len - room)
         elif k > max_len:
             raise InvalidRequestError(
                 "truncate_prompt_tokens", f"{k} is greater than the context length {max_len}"
@@ -220,9 +222,11 @@ class LLMEngine:
     ) -> None:
         """Queue a request. With `n > 1` it runs as n sequences that share the prompt's blocks (and
         its `priority`: under --scheduling-policy priority a lower value runs earlier). `lora_name`
-        runs it through that LoRA adapter of --lora-modules (None or "": the base model)."""
+        runs it through that LoRA adapter of --lora-modules (None or "": the base model). A
+        `max_tokens` of None runs to the context: the request holds a copy of `params` with it resolved."""
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)  # the front end's, unchanged
         self._validate(prompt_token_ids, params, priority, lora_name)
+        params = _with_max_tokens(params, self._max_tokens(len(prompt_token_ids), params))
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         grammar = self.structured_outputs.compile(params.structured_outputs)  # cached after validate_request
@@ -279,7 +283,9 @@ class LLMEngine:
         """Everything add_request() would reject, checked without touching engine state (any thread)."""
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         self._validate(prompt_token_ids, params, priority, lora_name)
-        self.scheduler.check_can_ever_fit(len(prompt_token_ids), params.max_tokens)
+        self.scheduler.check_can_ever_fit(
+            len(prompt_token_ids), self._max_tokens(len(prompt_token_ids), params)
+        )
         self.structured_outputs.compile(params.structured_outputs)  # last: the costliest check
 
     def _validate(
@@ -310,7 +316,7 @@ class LLMEngine:
                 "prompt",
                 f"{len(prompt_token_ids)} tokens leave no room to generate within the context length {max_len}",
             )
-        elif len(prompt_token_ids) + params.max_tokens > max_len:
+        elif len(prompt_token_ids) + self._max_tokens(len(prompt_token_ids), params) > max_len:
             raise InvalidRequestError(
                 "max_tokens",
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -323,6 +329,13 @@ class LLMEngine:
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")
         self._validate_logit_controls(params)
+
+    def _max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The request's max_tokens; vLLM's None (until the context is full) is the room the context
+        leaves after the prompt."""
+        if params.max_tokens is None:
+            return self.config.model.max_model_len - num_prompt_tokens
+        return params.max_tokens
 
     def _validate_logit_controls(self, params: SamplingParams) -> None:
         """Their token ids index the logits: each in the model's vocabulary (vLLM's check and message)."""
@@ -787,6 +800,15 @@ def _note_swap_in(seq: Sequence, now: float) -> None:
 
 def _lora_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
     return tuple(sorted({seq.lora_name for seq in seqs if seq.lora_name is not None}))
+
+
+def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    """`params` with max_tokens None resolved (for the sequences, the scheduler, the stop checks): a
+    copy, since one params object may serve prompts of many lengths. A min_tokens past the room comes
+    down to it, which bans the stop tokens to the end as vLLM's unreached min_tokens does."""
+    if params.max_tokens == max_tokens:
+        return params
+    return replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
