@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import weakref
+from concurrent import futures
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,26 @@ def test_a_port_in_use_exits_2_naming_the_flag(tiny_llama_dir: str, which: str) 
     last_line = done.stderr.strip().splitlines()[-1]
     assert last_line.startswith("pagedserve serve: error: ") and f"--{which}" in last_line, last_line
     assert "Traceback" not in done.stderr and "Event loop is closed" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_grpc_port_another_grpc_server_serves_exits_2_naming_the_flag(tiny_llama_dir: str) -> None:
+    """A gRPC server binds with SO_REUSEPORT unless told not to: a second pagedserve on a port a first
+    one serves (or any gRPC server holds) bound it beside the first, loaded its model and took half
+    of the new connections, where README.md promises exit 2 for a port in use."""
+    import grpc
+
+    other = grpc.server(futures.ThreadPoolExecutor(max_workers=1))  # grpc's defaults: SO_REUSEPORT on
+    port = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+    try:
+        done = serve_once("--model", tiny_llama_dir, "--port", str(port), "--http-port", "0")
+    finally:
+        other.stop(None)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last_line = done.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("pagedserve serve: error: ") and "--port" in last_line, last_line
+    assert "loading the model" not in done.stderr, done.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -679,6 +679,11 @@ PENDING_CALL_OPTIONS = [
     ("grpc.server.max_pending_requests_hard_limit", 65536),
 ]
 
+# gRPC core binds with SO_REUSEPORT by default on Linux: a second server (another pagedserve, any gRPC
+# server) on a port one already serves bound it too, and the kernel split new connections between the
+# two, instead of the start-up failing on a port in use (exit 2 naming --port).
+EXCLUSIVE_PORT_OPTIONS = [("grpc.so_reuseport", 0)]
+
 
 class _ClientGoneWrites(logging.Filter):
     """grpc.aio logs an ERROR with a traceback when a streaming handler's response cannot be sent
@@ -727,7 +732,8 @@ class Server:
         self.api_key = ApiKey(api_key) if api_key is not None else None
         interceptors = [ApiKeyInterceptor(self.api_key)] if self.api_key is not None else None
         self.grpc = grpc.aio.server(
-            options=[*PENDING_CALL_OPTIONS, *(options or [])], interceptors=interceptors
+            options=[*PENDING_CALL_OPTIONS, *EXCLUSIVE_PORT_OPTIONS, *(options or [])],
+            interceptors=interceptors,
         )
         self.write_watch = WriteWatch(stream_write_timeout)  # every front end's streams write through it
         self.servicer = GenerationServicer(self.state, tracer or RequestTracer(None, ""), self.write_watch)
