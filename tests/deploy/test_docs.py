@@ -131,3 +131,30 @@ def test_documented_extra_args_are_flags_the_server_takes(values: dict[str, Any]
     args = by_name(containers)["pagedserve"]["args"]
     assert all(arg in args for arg in values["server"]["extraArgs"])
     parse_serve_args(args)
+
+
+def chart_owned_flags() -> set[str]:
+    """The flags `pagedserve.checkExtraArgs` refuses in `server.extraArgs` (its `$owned` dict)."""
+    helpers = (REPO / "charts" / "pagedserve" / "templates" / "_helpers.tpl").read_text()
+    [owned] = re.findall(r"\$owned := dict ([^\n]*?) -\}\}", helpers)
+    names = re.findall(r'"([^"]+)"', owned)[::2]  # key, value, key, value, ...
+    return {f"--{name}" for name in names}
+
+
+@pytest.mark.parametrize(
+    ("path", "opening"),
+    [
+        (README, "`server.extraArgs` takes any other `pagedserve serve` flag"),
+        (DEPLOY_DOC, "`server.extraArgs` takes any `pagedserve serve` flag except"),
+        (REPO / "charts" / "pagedserve" / "values.yaml", "# More `pagedserve serve` flags"),
+    ],
+    ids=["README.md", "deploy.md", "values.yaml"],
+)
+def test_the_flags_the_chart_refuses_in_extra_args_are_all_documented(path: Path, opening: str) -> None:
+    """Where the docs list the flags `server.extraArgs` refuses, they list every one the chart refuses
+    (the three TLS flags were missing from all three lists)."""
+    text = path.read_text()
+    start = text.index(opening)
+    paragraph = text[start : text.find("\n\n", start)]
+    named = set(re.findall(r"--[a-z0-9-]+", paragraph))
+    assert sorted(chart_owned_flags() - named) == []
