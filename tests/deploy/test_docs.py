@@ -158,3 +158,74 @@ def test_the_flags_the_chart_refuses_in_extra_args_are_all_documented(path: Path
     paragraph = text[start : text.find("\n\n", start)]
     named = set(re.findall(r"--[a-z0-9-]+", paragraph))
     assert sorted(chart_owned_flags() - named) == []
+
+
+METRIC_DOCS = [
+    README,
+    DEPLOY_DOC,
+    REPO / "docs" / "kserve-triton.md",
+    REPO / "charts" / "pagedserve" / "values.yaml",
+]
+
+
+def exported_metrics() -> dict[str, set[tuple[str, str]]]:
+    """Every metric name /metrics can carry (families and their samples: `_total`, `_bucket`, ...),
+    each with the (label, value) pairs its series carry, from a fresh EngineMetrics with the series
+    that appear later (the cache's info, LoRA's) set as the engine sets them."""
+    from pagedserve.telemetry import EngineMetrics
+
+    metrics = EngineMetrics("m")
+    metrics.set_cache_config_info({"block_size": "16", "num_gpu_blocks": "8", "num_cpu_blocks": "0"})
+    metrics.set_num_lora_adapters(1)
+    names: dict[str, set[tuple[str, str]]] = {}
+    for family in metrics.registry.collect():
+        names.setdefault(family.name, set())
+        if family.type == "counter":  # exported once its first series is (spec decoding's: when on)
+            names.setdefault(f"{family.name}_total", set())
+        for sample in family.samples:
+            pairs = set(sample.labels.items())
+            for name in (family.name, sample.name):
+                names.setdefault(name, set()).update(pairs)
+    return names
+
+
+@pytest.mark.parametrize("path", METRIC_DOCS, ids=lambda p: p.name)
+def test_every_metric_the_docs_name_is_exported(path: Path) -> None:
+    """A metric (and label value) named in the docs is one a dashboard or an alert is written against:
+    each must be one the server exports, under that name."""
+    exported = exported_metrics()
+    named = re.findall(r"\b((?:vllm|pagedserve):[a-z_][a-z0-9_]*)(?:\{([^}]*)\})?", path.read_text())
+    for name, labels in named:
+        if name not in exported and not labels:  # a prefix to grep for (`grep vllm:num_requests`)
+            assert any(e.startswith(f"{name}_") for e in exported), f"{path.name}: {name} is not exported"
+            continue
+        assert name in exported, f"{path.name}: {name} is not exported"
+        for label, value in re.findall(r'(\w+)="([^"]*)"', labels):
+            if "!" in labels or label in ("namespace", "pod"):  # a PromQL matcher, Prometheus' own labels
+                continue
+            assert (label, value) in exported[name], (
+                f'{path.name}: {name}{{{label}="{value}"}} is not exported'
+            )
+
+
+def backticked_between(text: str, start: str, end: str) -> set[str]:
+    """The lower-case `identifiers` of the text from `start` to the next `end`, but those in
+    parentheses (what the docs say of an item)."""
+    begin = text.index(start) + len(start)
+    span = text[begin : text.index(end, begin)]
+    while re.search(r"\([^()]*\)", span):
+        span = re.sub(r"\([^()]*\)", "", span)
+    return set(re.findall(r"`([a-z_]+)`", span))
+
+
+def test_the_readme_lists_every_abort_cause_rejection_reason_and_finished_reason() -> None:
+    """The README's lists of the label values of the request counters are the code's, all of them."""
+    from pagedserve.telemetry import ABORT_CAUSES, FINISH_REASONS, REJECTION_REASONS
+
+    text = README.read_text()
+    causes = backticked_between(text, "`pagedserve:request_aborts_total` by cause:", "each request ends")
+    assert causes == set(ABORT_CAUSES)
+    reasons = backticked_between(text, "`pagedserve:request_rejections_total` by reason", "; and Prometheus'")
+    assert reasons == set(REJECTION_REASONS)
+    finished = backticked_between(text, "by vLLM's `finished_reason`:", "\n- ")
+    assert finished == set(FINISH_REASONS)
