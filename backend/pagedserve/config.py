@@ -286,7 +286,7 @@ class CacheConfig:
 
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None = a share of free device memory
-    memory_utilization: float = 0.9  # share of free memory for weights-after-load + KV cache, when no budget
+    memory_utilization: float = 0.9  # GPU: share of its total memory for what is in use + KV, no budget given
     num_blocks: int | None = None  # exact block count, overrides the memory budget (tests)
     watermark: float = 0.01  # share of blocks kept free when admitting new requests
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks (per rank)

@@ -125,7 +125,10 @@ class EngineSettings(BaseSettings):
         None, description="KV-cache budget, e.g. 4GiB (default: a share of free memory)"
     )
     memory_utilization: float = Field(
-        0.9, description="share of free memory to use when no KV budget is given"
+        0.9,
+        description="GPU: the share of its total memory the server may fill when no KV budget is given "
+        "(as vLLM's --gpu-memory-utilization): the KV cache takes what the weights and the GPU's other "
+        "users leave of it; unused on CPU",
     )
     num_kv_blocks: int | None = Field(
         None, description="exact number of KV-cache blocks (overrides the budget)"
