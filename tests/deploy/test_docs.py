@@ -229,3 +229,43 @@ def test_the_readme_lists_every_abort_cause_rejection_reason_and_finished_reason
     assert reasons == set(REJECTION_REASONS)
     finished = backticked_between(text, "by vLLM's `finished_reason`:", "\n- ")
     assert finished == set(FINISH_REASONS)
+
+
+# The MLP's intermediate size of each model of docs/tensor-parallel.md's table (their config.json).
+INTERMEDIATE_SIZES = {
+    "SmolLM2-135M": 1536,
+    "Llama 3 8B": 14336,
+    "Llama 3 70B": 28672,
+    "Qwen2.5 7B": 18944,
+    "Qwen3 8B": 12288,
+}
+
+
+def test_the_tensor_parallel_sizes_table_lists_every_size_that_starts() -> None:
+    """Each row's sizes are exactly those the start-up check takes for that model (the table had
+    left out the replicated-KV sizes 16, 32 and 64 of Llama 3 70B)."""
+    from types import SimpleNamespace
+
+    from pagedserve.worker.executor import check_tensor_parallel_size
+
+    text = (REPO / "docs" / "tensor-parallel.md").read_text()
+    rows = re.findall(
+        r"^\| ([^|]+?)(?: \([^|]*\))? \| (\d+) / (\d+) \| ([^|]+) \|$", text, flags=re.MULTILINE
+    )
+    assert {name for name, *_ in rows} == set(INTERMEDIATE_SIZES)
+    for name, heads, kv_heads, cell in rows:
+        listed = {int(n) for n in re.findall(r"\d+", re.sub(r"\([^)]*\)", "", cell))}
+        model = SimpleNamespace(
+            num_heads=int(heads),
+            num_kv_heads=int(kv_heads),
+            hf_config={"intermediate_size": INTERMEDIATE_SIZES[name]},
+        )
+        starts = set()
+        for tp in range(1, int(heads) + 1):
+            config = SimpleNamespace(model=model, parallel=SimpleNamespace(tensor_parallel_size=tp))
+            try:
+                check_tensor_parallel_size(config)
+            except ValueError:
+                continue
+            starts.add(tp)
+        assert listed == starts, name
