@@ -157,7 +157,8 @@ class EngineSettings(BaseSettings):
     seed: int = Field(0, description="seed for unseeded random sampling")
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto",
-        description="auto (triton on CUDA, torch on CPU), torch (pure-torch reference) or triton "
+        description="auto (triton on CUDA, torch on CPU), torch (on CPU the C++ kernels, built on first "
+        "use, where a C++ compiler is found; else the pure-torch reference) or triton "
         "(Triton kernels; on CPU under Triton's interpreter, which is slow)",
     )
     enforce_eager: bool = Field(
