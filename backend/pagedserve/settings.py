@@ -148,7 +148,8 @@ class EngineSettings(BaseSettings):
     scheduling_policy: str = Field(
         "fcfs",
         description="fcfs (first come, first served) or priority (a request's priority, lower first, then "
-        "arrival; a more urgent request preempts less urgent running ones when the KV cache is full)",
+        "arrival; a more urgent request preempts less urgent running ones when the batch or the KV cache is "
+        "full)",
     )
     enable_prefix_caching: bool = Field(True, description="share KV blocks of identical prompt prefixes")
     max_num_seqs: int = Field(128, description="most sequences in one batch")
