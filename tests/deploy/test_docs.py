@@ -269,3 +269,46 @@ def test_the_tensor_parallel_sizes_table_lists_every_size_that_starts() -> None:
                 continue
             starts.add(tp)
         assert listed == starts, name
+
+
+def documented_default(text: str) -> tuple[bool, Any]:
+    """(checkable, value) of a settings-table default: a number, a `word`, on / off / none; others
+    (`the model's`, a sentence) are not checked."""
+    text = re.sub(r" \([^)]*\)$", "", text.strip())  # `4 (GiB)`, `on (off under a launcher)`
+    if re.fullmatch(r"-?\d+(\.\d+)?", text):
+        return True, float(text)
+    if re.fullmatch(r"`[a-z0-9_.]+`|\d+\.\d+\.\d+\.\d+", text):
+        return True, text.strip("`")
+    if text in ("on", "off", "none"):
+        return True, text
+    return False, None
+
+
+def test_the_readme_settings_table_gives_each_flags_default() -> None:
+    """The table's defaults are the settings' (a number, a word, on for a switch that is on, off or
+    none for one that is off or unset); rows that describe a computed default are left alone."""
+    from pagedserve.rpc.cli import ServeSettings
+
+    rows = [line for line in README.read_text().splitlines() if line.startswith("| `--")]
+    checked = 0
+    for row in rows:
+        flag_cell, default_cell = row.split(" | ")[:2]
+        flags = [f for f in re.findall(r"`--([a-z0-9-]+)`", flag_cell) if not f.startswith("no-")]
+        values = (
+            default_cell.split(", ")
+            if len(flags) > 1 and ", " in default_cell
+            else [default_cell] * len(flags)
+        )
+        for flag, value in zip(flags, values, strict=True):
+            ok, documented = documented_default(value)
+            if not ok:
+                continue
+            default = ServeSettings.model_fields[flag.replace("-", "_")].default
+            if documented == "on":
+                assert default is True or (flag == "engine-process" and default is None), flag
+            elif documented in ("off", "none"):
+                assert default in (None, False), flag
+            else:
+                assert default == documented, flag
+            checked += 1
+    assert checked >= 40, checked
