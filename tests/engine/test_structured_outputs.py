@@ -366,6 +366,48 @@ def test_a_spec_over_64_kib_is_refused_before_it_compiles() -> None:
     assert so(json={"enum": [f"value-{i}" for i in range(100)]}).kind == "json"
 
 
+def _optional_properties(num: int, required: int = 0) -> str:
+    names = [f"p{i}" for i in range(num)]
+    return json.dumps(
+        {"type": "object", "properties": dict.fromkeys(names, {}), "required": names[:required]}
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec"),
+    [
+        ("json", _optional_properties(3000)),  # 32 KiB that compiled for 75 s on the one compile thread
+        ("json", json.loads(_optional_properties(182))),  # a dict schema
+        ("json", {"type": "array", "items": [json.loads(_optional_properties(130))] * 2}),  # two objects
+        (
+            "structural_tag",
+            json.dumps(
+                {
+                    "triggers": ["<f"],
+                    "structures": [
+                        {"begin": "<f>", "schema": json.loads(_optional_properties(200)), "end": "</f>"}
+                    ],
+                }
+            ),
+        ),
+    ],
+    ids=["json-3000", "dict-182", "two-objects-of-130", "structural-tag-200"],
+)
+def test_a_schema_of_too_many_optional_properties_is_refused_before_it_compiles(
+    kind: str, spec: object
+) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        so(**{kind: spec})
+    assert caught.value.field == f"structured_outputs.{kind}"
+    assert "too many optional properties" in caught.value.message
+
+
+def test_optional_properties_within_the_budget_compile(llm: LLM) -> None:
+    """181 optional properties, or any number required (they cost nothing: linear to compile)."""
+    for schema in (_optional_properties(181), _optional_properties(3000, required=3000)):
+        llm.engine.validate_request(PROMPTS[0], greedy(so(json=schema)))
+
+
 def _nested_arrays(depth: int) -> str:
     return '{"type": "array", "items": ' * depth + '{"type": "string"}' + "}" * depth
 
