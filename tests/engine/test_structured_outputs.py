@@ -408,6 +408,61 @@ def test_optional_properties_within_the_budget_compile(llm: LLM) -> None:
         llm.engine.validate_request(PROMPTS[0], greedy(so(json=schema)))
 
 
+UNENFORCED = [  # each compiled, and the output broke it: these keywords never reached the grammar
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems (at #)"),
+    ({"type": "array", "contains": {"const": 7}}, "contains (at #)"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf on a type but integer (at #)"),
+    ({"allOf": [{"type": "string"}, {"maxLength": 3}]}, "allOf of more than one schema (at #)"),
+    (
+        {"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 0}}}},
+        "not (at #/properties/n)",
+    ),
+    ({"if": {"type": "string"}, "then": {"maxLength": 2}}, "then (at #)"),
+    (
+        {"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2},
+        "maxLength beside $ref (at #)",
+    ),
+    ({"$ref": "https://example.com/schema.json"}, "a $ref outside the schema (at #)"),
+    (
+        {"type": "string", "pattern": "^a+$", "maxLength": 2},
+        "minLength or maxLength beside a pattern or format",
+    ),
+    ({"anyOf": [{"type": "null"}, {"type": "object", "patternProperties": {"^x": {}}}]}, "(at #/anyOf/1)"),
+]
+
+
+@pytest.mark.parametrize(("schema", "said"), UNENFORCED, ids=[said.split(" (")[0] for _, said in UNENFORCED])
+def test_schema_keywords_the_compiler_would_not_enforce_are_refused(
+    llm: LLM, schema: dict[str, object], said: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        llm.engine.validate_request(PROMPTS[0], greedy(so(json=json.dumps(schema))))
+    assert caught.value.field == "structured_outputs.json"
+    assert said in caught.value.message and "would not enforce it" in caught.value.message
+    tag = {"triggers": ["<f"], "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}]}
+    with pytest.raises(InvalidRequestError) as in_a_tag:
+        llm.engine.validate_request(PROMPTS[0], greedy(so(structural_tag=json.dumps(tag))))
+    assert in_a_tag.value.field == "structured_outputs.structural_tag"
+
+
+def test_keywords_the_compiler_enforces_or_that_constrain_nothing_compile(llm: LLM) -> None:
+    """Property names that are keywords elsewhere, integer multipleOf, a single allOf, annotations
+    beside $ref, uniqueItems false, if alone."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "not": {"type": "integer", "multipleOf": 5},
+            "contains": {"allOf": [{"$ref": "#/$defs/s"}]},
+            "then": {"$ref": "#/$defs/s", "description": "a string"},
+            "items": {"type": "array", "items": {"type": "integer"}, "uniqueItems": False, "maxItems": 2},
+            "if": {"if": {"type": "string"}},
+        },
+        "required": ["not", "contains", "then", "items", "if"],
+        "$defs": {"s": {"type": "string", "maxLength": 5}},
+    }
+    llm.engine.validate_request(PROMPTS[0], greedy(so(json=schema)))
+
+
 def _nested_arrays(depth: int) -> str:
     return '{"type": "array", "items": ' * depth + '{"type": "string"}' + "}" * depth
 

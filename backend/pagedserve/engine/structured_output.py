@@ -86,6 +86,7 @@ class StructuredOutputs:
         any_whitespace = not params.disable_any_whitespace
         if params.json is not None:
             schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+            _refuse_unenforced(_json_or_none(schema), "structured_outputs.json")
             return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
         if params.regex is not None:
             return compiler.compile_regex(params.regex)
@@ -96,7 +97,10 @@ class StructuredOutputs:
         if params.grammar is not None:
             return compiler.compile_grammar(params.grammar)
         if params.structural_tag is not None:
-            return compiler.compile_structural_tag(_structural_tag(params.structural_tag))
+            tag = _structural_tag(params.structural_tag)
+            for schema in _tag_schemas(json.loads(tag)):
+                _refuse_unenforced(schema, "structured_outputs.structural_tag")
+            return compiler.compile_structural_tag(tag)
         if not any_whitespace:  # the built-in JSON grammar has no such option: any object, as a schema
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         return compiler.compile_builtin_json_grammar()
@@ -209,6 +213,87 @@ class StructuredOutputs:
                     seq.num_new_tokens -= num_after
                 return FinishReason.EOS
         return None
+
+
+# -- JSON schema keywords the compiler does not enforce ------------------------------------------------
+
+# xgrammar (0.2.9) compiles these without enforcing them, so the output breaks the schema it was promised
+# (allOf [string, maxLength 3] wrote a number; uniqueItems repeated items; contains allowed only []).
+# vLLM's xgrammar backend refuses such schemas too ("features not supported by xgrammar").
+_UNENFORCED: tuple[str, ...] = ("uniqueItems", "contains", "minContains", "maxContains", "not", "then")
+_UNENFORCED += ("else", "dependentRequired", "dependentSchemas", "patternProperties")
+# beside a $ref, only these: the compiler reads the reference and drops the other keywords
+_REF_SIBLINGS = {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description"}
+_REF_SIBLINGS |= {"default", "examples", "deprecated", "readOnly", "writeOnly"}
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS: tuple[str, ...] = ("items", "additionalProperties", "unevaluatedProperties", "additionalItems")
+_SUBSCHEMAS += ("unevaluatedItems", "contains", "not", "if", "then", "else", "propertyNames")
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # the compiler says what is wrong with it
+        return None
+
+
+def _refuse_unenforced(schema: Any, field: str) -> None:
+    """InvalidRequestError naming `field`, the keyword and where it sits, for a schema the compiler
+    would not enforce (a `uniqueItems`, an `allOf` of several schemas, a remote `$ref`, ...)."""
+    stack: list[tuple[Any, str]] = [(schema, "#")]
+    while stack:
+        node, where = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        problem = _unenforced(node)
+        if problem is not None:
+            raise InvalidRequestError(
+                field, f"{problem} (at {where}) is not supported: the grammar compiler would not enforce it"
+            )
+        for key in _SUBSCHEMAS:
+            stack.append((node.get(key), f"{where}/{key}"))
+        for key in _SUBSCHEMA_LISTS + ("items",):
+            if isinstance(node.get(key), list):
+                stack.extend((sub, f"{where}/{key}/{i}") for i, sub in enumerate(node[key]))
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend((sub, f"{where}/{key}/{name}") for name, sub in node[key].items())
+
+
+def _unenforced(node: dict[str, Any]) -> str | None:
+    """The keyword of this (sub)schema the compiler would drop, if any."""
+    for key in _UNENFORCED:
+        if key in node and not (key == "uniqueItems" and node[key] is False):
+            return key
+    if "multipleOf" in node and node.get("type") != "integer":  # enforced on integers alone
+        return "multipleOf on a type but integer"
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        return "allOf of more than one schema"
+    if "$ref" in node:
+        if not (isinstance(node["$ref"], str) and node["$ref"].startswith("#")):
+            return "a $ref outside the schema"
+        siblings = sorted(set(node) - _REF_SIBLINGS)
+        if siblings:
+            return f"{siblings[0]} beside $ref"
+    if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+        return "minLength or maxLength beside a pattern or format"
+    return None
+
+
+def _tag_schemas(doc: Any) -> list[Any]:
+    """The JSON schemas in a structural tag's format: `{"type": "json_schema", "json_schema": {...}}`."""
+    found, stack = [], [doc]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if node.get("type") == "json_schema" and "json_schema" in node:
+                found.append(node["json_schema"])
+            else:
+                stack.extend(node.values())
+    return found
 
 
 # -- structural tags ---------------------------------------------------------------------------------
