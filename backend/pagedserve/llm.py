@@ -26,6 +26,7 @@ from pagedserve.outputs import (
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import EngineSettings
+from pagedserve.tool_calls import call_arguments
 
 # text, token ids, or vLLM's TextPrompt / TokensPrompt: {"prompt": text} or {"prompt_token_ids": ids}
 Prompt = str | list[int] | Mapping[str, Any]
@@ -219,7 +220,7 @@ class LLM:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         token_ids = [
             self.engine.encode_chat(
-                [_text_content(message, index, at) for at, message in enumerate(conversation)],
+                [_chat_message(message, index, at) for at, message in enumerate(conversation)],
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
@@ -326,6 +327,33 @@ class LLM:
         no model, it only frees the last batch's rows and sampling state."""
         while not self.engine.has_unfinished_requests() and self.engine.has_work():
             self.engine.step()
+
+
+def _chat_message(message: Mapping[str, Any], conversation: int, index: int) -> dict[str, Any]:
+    """`message` as vLLM's `LLM.chat` gives it to the template: its text content parts joined, and an
+    assistant message's tool calls with their arguments (OpenAI's JSON text) parsed to an object, as
+    templates print them (`tojson`) and as the gRPC `ChatMessage.tool_calls` reach them."""
+    out = _text_content(message, conversation, index)
+    calls = out.get("tool_calls")
+    if out.get("role") == "assistant" and isinstance(calls, list):
+        out["tool_calls"] = [
+            _parsed_call(call, f"conversation {conversation}, message {index}, tool call {at}")
+            for at, call in enumerate(calls)
+        ]
+    return out
+
+
+def _parsed_call(call: Any, where: str) -> Any:
+    """A call whose `function.arguments` is JSON text (or empty: no arguments), with them parsed; any
+    other call as given (arguments already an object, or a shape of the caller's own template)."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("arguments") or "", str):
+        return call
+    try:
+        arguments = call_arguments(function.get("arguments") or "", "messages")
+    except InvalidRequestError as exc:
+        raise InvalidRequestError("messages", f"{where}: function.arguments {exc.message}") from None
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _text_content(message: Mapping[str, Any], conversation: int, index: int) -> dict[str, Any]:

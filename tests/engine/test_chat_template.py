@@ -78,6 +78,35 @@ def test_tools_reach_the_template(thinking_llm: LLM) -> None:
     assert prompt.startswith("<|im_start|>system\ntools: get_weather get_time<|im_end|>\n"), prompt
 
 
+CALLS_TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}]{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<{{ c.function.name }} {{ c.function.arguments | tojson }}>{% endfor %}"
+    "{% endfor %}"
+)
+
+
+def called(arguments: object) -> list[dict[str, object]]:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    return [*QUESTION, {"role": "assistant", "content": "", "tool_calls": [call]}]
+
+
+def test_calls_in_the_history_reach_the_template_with_their_arguments_parsed(llm: LLM) -> None:
+    """OpenAI's history gives a call's arguments as JSON text; vLLM's LLM.chat (and the gRPC
+    ChatMessage.tool_calls) give the template an object, which `tojson` prints once, not as a string."""
+    for arguments, printed in [
+        ('{"city": "Paris"}', '<get_weather {"city": "Paris"}>'),
+        ({"city": "Paris"}, '<get_weather {"city": "Paris"}>'),
+        ("", "<get_weather {}>"),
+    ]:
+        prompt = prompt_of(llm, called(arguments), chat_template=CALLS_TEMPLATE, add_generation_prompt=False)
+        assert prompt.endswith(f"[assistant]{printed}"), prompt
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"^messages: conversation 0, message 1, tool call 0: function.arguments not JSON",
+    ):
+        prompt_of(llm, called("{city"), chat_template=CALLS_TEMPLATE)
+
+
 def test_a_calls_template_replaces_the_engines(thinking_llm: LLM) -> None:
     prompt = prompt_of(thinking_llm, QUESTION, chat_template="{{ messages[0]['content'] }} -> ")
     assert prompt == "What is the capital of France? -> "
