@@ -358,10 +358,12 @@ def _parsed_call(call: Any, where: str) -> Any:
 
 def _text_content(message: Mapping[str, Any], conversation: int, index: int) -> dict[str, Any]:
     """`message` with OpenAI-style content parts (`[{"type": "text", "text": ...}, ...]`) joined into
-    one string by newlines, as vLLM gives them to a template that takes string content (most do, and
-    a template that takes parts takes a string as well); parts of any other type are refused (this
-    engine reads text only)."""
+    one string by newlines (null or absent content: ""), as vLLM gives them to a template that takes
+    string content (most do, and a template that takes parts takes a string as well); parts of any
+    other type are refused (this engine reads text only)."""
     content = message.get("content")
+    if content is None:  # OpenAI's null (an assistant turn that only calls tools), or none given
+        return {**message, "content": ""}
     if not isinstance(content, list):
         return dict(message)
     texts = []

@@ -107,6 +107,18 @@ def test_calls_in_the_history_reach_the_template_with_their_arguments_parsed(llm
         prompt_of(llm, called("{city"), chat_template=CALLS_TEMPLATE)
 
 
+def test_a_null_or_absent_content_reaches_the_template_as_empty_text(llm: LLM) -> None:
+    """OpenAI's assistant turn that only calls tools has content null. The model's template adds
+    message['content'] to strings: transformers drops the None, and the template failed on the missing
+    key ("'dict object' has no attribute 'content'"). vLLM gives such a template "" (and so for an
+    absent content)."""
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]
+    turn = "<|im_start|>assistant\n<|im_end|>\n"
+    for message in [{"role": "assistant", "content": None, "tool_calls": calls}, {"role": "assistant"}]:
+        prompt = prompt_of(llm, [*QUESTION, message], add_generation_prompt=False)
+        assert prompt.endswith(f"capital of France?<|im_end|>\n{turn}"), prompt
+
+
 def test_a_calls_template_replaces_the_engines(thinking_llm: LLM) -> None:
     prompt = prompt_of(thinking_llm, QUESTION, chat_template="{{ messages[0]['content'] }} -> ")
     assert prompt == "What is the capital of France? -> "
