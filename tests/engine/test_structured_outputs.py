@@ -439,6 +439,8 @@ def test_schema_keywords_the_compiler_would_not_enforce_are_refused(
         llm.engine.validate_request(PROMPTS[0], greedy(so(json=json.dumps(schema))))
     assert caught.value.field == "structured_outputs.json"
     assert said in caught.value.message and "would not enforce it" in caught.value.message
+    with pytest.raises(InvalidRequestError, match="would not enforce it"):  # the schema as a dict
+        llm.engine.validate_request(PROMPTS[0], greedy(so(json=schema)))
     tag = {"triggers": ["<f"], "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}]}
     with pytest.raises(InvalidRequestError) as in_a_tag:
         llm.engine.validate_request(PROMPTS[0], greedy(so(structural_tag=json.dumps(tag))))

@@ -85,8 +85,11 @@ class StructuredOutputs:
         compiler = self._get_compiler()
         any_whitespace = not params.disable_any_whitespace
         if params.json is not None:
-            schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-            _refuse_unenforced(_json_or_none(schema), "structured_outputs.json")
+            if isinstance(params.json, str):
+                schema, doc = params.json, _json_or_none(params.json)
+            else:
+                schema, doc = json.dumps(params.json), params.json
+            _refuse_unenforced(doc, "structured_outputs.json")
             return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
         if params.regex is not None:
             return compiler.compile_regex(params.regex)

@@ -97,7 +97,10 @@ void argmax_over_panels(int64_t num_panels, int64_t panel_columns, int64_t rows,
       take_share_then_steal(
           shares.get(), num_shares, s,
           [&](int64_t panel, bool more) {
-            if (!own_run) found.emplace_back(panel * panel_columns, rows), own_run = true;
+            if (!own_run) {
+              found.emplace_back(panel * panel_columns, rows);
+              own_run = true;
+            }
             run(panel, more, found.back());
           },
           [&](int64_t panel) {
