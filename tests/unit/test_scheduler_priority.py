@@ -4,6 +4,7 @@ arrival preempting it when it cannot be admitted, and the setting's validation."
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import subprocess
@@ -128,12 +129,19 @@ def test_an_arrival_as_urgent_or_less_preempts_nothing(priority: int) -> None:
     assert other.status is SequenceStatus.WAITING
 
 
-def test_a_more_urgent_arrival_takes_a_seat_from_the_least_urgent() -> None:
+def test_a_more_urgent_arrival_takes_a_seat_from_the_least_urgent(caplog: pytest.LogCaptureFixture) -> None:
     s = make(num_blocks=16, num_cpu_blocks=16, max_num_seqs=2)
     a, b = add(s, "a", 4, priority=0), add(s, "b", 4, priority=3)
     run(s)
     c = add(s, "c", 4, priority=-2)  # blocks enough, but no seat: "b" goes, "a" stays
-    out = run(s)
+    with caplog.at_level(logging.WARNING, logger="pagedserve.core.scheduler"):
+        out = run(s)
+    # the log says why: not "the KV cache is full", which it is not
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(
+        "preempted b by swapping 1 blocks to CPU (5 tokens): c (priority -2) is more urgent and needs its "
+        "seat or blocks; raise --max-num-seqs or --kv-cache-memory. total_num_cumulative_preemption=1 "
+    ), warning
     assert b.status is SequenceStatus.SWAPPED and a.status is SequenceStatus.RUNNING
     assert ids(s.running) == ["c", "a"] and [r.request_id for r in out.scheduled] == ["a", "c"]
     assert out.scheduled[1].is_new and out.scheduled[1].token_ids == [1, 2, 3, 4]

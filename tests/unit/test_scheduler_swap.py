@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import re
+
+import pytest
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.block_manager import BlockManager
 from pagedserve.core.scheduler import Scheduler
@@ -53,3 +57,35 @@ def test_recompute_mode_frees_blocks_and_restarts_from_zero() -> None:
     out = run(s)
     assert out.blocks_to_swap_out == [] and b.status is SequenceStatus.WAITING
     assert b.num_computed_tokens == 0 and b.block_table == [] and s.num_recompute_preemptions == 1
+
+
+def test_preemptions_warn_on_the_first_and_every_50th_and_each_is_logged_at_debug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Three requests of 4 + 12 tokens in 6 blocks of 4, refilled as they finish, preempt each other
+    120 times, by swap while the 3 CPU blocks have room and by recompute when they do not. A line per
+    preemption flooded the log at INFO; now 3 warnings (the 1st, 50th and 100th) carry the counts so
+    far, as the DEBUG lines before them tally them, and the remedy."""
+    s = make(num_blocks=6, num_cpu_blocks=3)
+    num_requests = 0
+    with caplog.at_level(logging.DEBUG, logger="pagedserve.core.scheduler"):
+        while s.num_preemptions < 120:
+            while len(s.requests) < 3:
+                add(s, f"r{num_requests}", 4, max_tokens=12)
+                num_requests += 1
+            run(s)
+    assert s.num_preemptions == 120 and s.num_swap_preemptions and s.num_recompute_preemptions
+    assert not [r for r in caplog.records if r.levelno == logging.INFO]
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert len(debug) == 120
+    assert all(
+        re.fullmatch(r"preempted r\d+ by (swapping \d+ blocks to CPU|recompute) \(\d+ tokens\): .+", m)
+        for m in debug
+    )
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3
+    for n, warning in zip((1, 50, 100), warnings, strict=True):
+        num_swaps = sum("by swapping" in m for m in debug[:n])
+        assert debug[n - 1] in warning  # the n-th preemption's request, how, tokens and reason
+        assert f"total_num_cumulative_preemption={n} (swap {num_swaps}, recompute {n - num_swaps})" in warning
+        assert "raise --kv-cache-memory (or --swap-space)" in warning

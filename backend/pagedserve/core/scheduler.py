@@ -21,6 +21,14 @@ from pagedserve.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
+# A preemption warns on the first and every this many after (as vLLM's); each one is logged at DEBUG.
+PREEMPTION_WARNING_INTERVAL = 50
+# why a request is preempted, and what leaves fewer to preempt
+KV_CACHE_FULL = (
+    "the KV cache is full; raise --kv-cache-memory (or --swap-space), or lower --max-num-seqs / "
+    "--max-num-batched-tokens"
+)
+
 
 def _by_arrival(seq: Sequence) -> int:
     return seq.arrival_order
@@ -338,8 +346,12 @@ class Scheduler:
         if not self.waiting or (self.swapped and self._key(self.swapped[0]) < self._key(self.waiting[0])):
             return
         head = self.waiting[0]
+        reason = (
+            f"{head.request_id} (priority {head.priority}) is more urgent and needs its seat or blocks; "
+            "raise --max-num-seqs or --kv-cache-memory"
+        )
         while self.running and self.running[-1].priority > head.priority and not self._can_admit(head):
-            self._preempt(self.running[-1])
+            self._preempt(self.running[-1], reason)
 
     def _can_admit(self, seq: Sequence) -> bool:
         """Whether the waiting head would be admitted now: a free seat, and blocks for the tokens the
@@ -412,7 +424,7 @@ class Scheduler:
                 bisect.insort(self.waiting, sibling, key=self._key)
         parent.pending_forks = []
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, reason: str = KV_CACHE_FULL) -> None:
         self.running.remove(seq)
         self._forked_ids.discard(seq.request_id)  # announced to the workers when it resumes instead
         seq.num_preemptions += 1
@@ -436,12 +448,27 @@ class Scheduler:
             bisect.insort(self.waiting, seq, key=self._key)
             how = "by recompute"
             seq.preemption_events.append((time.monotonic(), "recompute"))
-        logger.info(
-            "preempted %s %s (%d tokens): the KV cache is full; raise --kv-cache-memory (or --swap-space), "
-            "or lower --max-num-seqs / --max-num-batched-tokens",
+        self._log_preemption(seq, how, reason)
+
+    def _log_preemption(self, seq: Sequence, how: str, reason: str) -> None:
+        """Each preemption at DEBUG; a WARNING on the first and every 50th, with the counts so far and
+        the remedy (as vLLM's total_num_cumulative_preemption): under load a line per preemption
+        floods the log, and what the operator acts on is the trend, not each victim."""
+        logger.debug("preempted %s %s (%d tokens): %s", seq.request_id, how, seq.num_tokens, reason)
+        n = self.num_preemptions
+        if n != 1 and n % PREEMPTION_WARNING_INTERVAL:
+            return
+        logger.warning(
+            "preempted %s %s (%d tokens): %s. total_num_cumulative_preemption=%d (swap %d, recompute %d); "
+            "logged at the first and every %dth, each one at DEBUG",
             seq.request_id,
             how,
             seq.num_tokens,
+            reason,
+            n,
+            self.num_swap_preemptions,
+            self.num_recompute_preemptions,
+            PREEMPTION_WARNING_INTERVAL,
         )
 
     def _queue(self, seq: Sequence) -> list[Sequence]:
