@@ -166,7 +166,7 @@ def test_an_aborted_embed_is_cancelled(server: InProcessServer) -> None:
             "truncate_prompt_tokens",
         ),
         ({"token_ids": pb.TokenIds(ids=list(range(1, CONTEXT + 2)))}, "prompt"),
-        ({"token_ids": pb.TokenIds(ids=[1, 10**9])}, "prompt_token_ids"),
+        ({"token_ids": pb.TokenIds(ids=[1, 10**9])}, "token_ids.ids[1]"),
         ({"token_ids": pb.TokenIds(ids=[])}, "prompt"),
         ({"text": ""}, "text"),
         ({}, "input"),

@@ -264,8 +264,8 @@ INVALID = [
     ("repetition_penalty", pb.GenerateRequest(text="hi", sampling=_sp(repetition_penalty=0))),
     ("logprobs", pb.GenerateRequest(text="hi", sampling=_sp(logprobs=-1))),
     ("stop_token_ids", pb.GenerateRequest(text="hi", sampling=_sp(stop_token_ids=[-1]))),
-    ("prompt_token_ids", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[-1, 5]))),
-    ("prompt_token_ids", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[2**63 - 1]))),
+    ("token_ids.ids[0]", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[-1, 5]))),
+    ("token_ids.ids[0]", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[2**63 - 1]))),
     ("request_id", pb.GenerateRequest(text="hi", request_id="tab\there")),
     # n sequences were built on the event loop: 2**62 of them froze it until the kernel killed the server
     ("n", pb.GenerateRequest(text="hi", sampling=_sp(n=2**62))),
@@ -297,7 +297,7 @@ def test_odd_tokenize_detokenize_and_undecodable_nested_fields(server: InProcess
     assert invalid_argument(server.stub.Tokenize, pb.TokenizeRequest()).startswith("input:")
     for ids in ([-1], [49152], [2**63 - 1]):
         details = invalid_argument(server.stub.Detokenize, pb.DetokenizeRequest(token_ids=ids))
-        assert details.startswith("token_ids:")
+        assert details == f"token_ids[0]: {ids[0]} is not in [0, 49152)"
     raw = server.channel.unary_stream(
         "/pagedserve.rpc.v1.Generation/Generate",
         request_serializer=lambda b: b,
@@ -305,6 +305,27 @@ def test_odd_tokenize_detokenize_and_undecodable_nested_fields(server: InProcess
     )
     bad_stop = pb.GenerateRequest(text="hi").SerializeToString() + b"\x2a\x03\x62\x01\xff"  # sampling.stop
     assert invalid_argument(raw, bad_stop).startswith("sampling.stop:")
+    assert_serves_on(server)
+
+
+@pytest.mark.parametrize(("ids", "index"), [([5, 7, 3, 49152, 9], 3), ([5, -2, 49152], 1), ([50000], 0)])
+def test_a_token_id_outside_the_vocabulary_is_named_by_its_index_and_value(
+    server: InProcessServer, ids: list[int], index: int
+) -> None:
+    """ "token_ids: must be in [0, vocab)" (Detokenize) and "prompt_token_ids: ..." (a prompt of token
+    ids: not the proto's name) left the client to find the bad id; each now names the field as the
+    client spells it, the first bad id's index and its value (negative ones too)."""
+    said = f"{ids[index]} is not in [0, 49152)"
+    details = invalid_argument(server.stub.Detokenize, pb.DetokenizeRequest(token_ids=ids))
+    assert details == f"token_ids[{index}]: {said}"
+    prompt = pb.TokenIds(ids=ids)
+    req = pb.GenerateRequest(token_ids=prompt, sampling=pb.SamplingParameters(max_tokens=2))
+    for call, arg in (
+        (server.stub.Generate, req),
+        (server.stub.Complete, req),
+        (server.stub.Embed, pb.EmbedRequest(token_ids=prompt)),
+    ):
+        assert invalid_argument(call, arg) == f"token_ids.ids[{index}]: {said}"
     assert_serves_on(server)
 
 

@@ -203,7 +203,7 @@ INVALID = [
     ("stop", pb.GenerateRequest(text="hi", sampling=_sp(stop=[""]))),
     ("text", pb.GenerateRequest(text="")),
     ("input", pb.GenerateRequest()),
-    ("prompt_token_ids", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 99999999]))),
+    ("token_ids.ids[1]", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 99999999]))),
     ("prompt", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[]))),
     ("prompt", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * LONG_CONTEXT))),
     ("max_tokens", pb.GenerateRequest(text="hi", sampling=_sp(max_tokens=LONG_CONTEXT))),

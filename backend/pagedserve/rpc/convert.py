@@ -219,11 +219,22 @@ def prompt_token_ids(request: pb.GenerateRequest | pb.EmbedRequest, engine: LLME
             raise InvalidRequestError("text", "must not be empty")
         return engine.encode_prompt(request.text)
     if kind == "token_ids":
-        return list(request.token_ids.ids)
+        ids = list(request.token_ids.ids)
+        check_token_ids("token_ids.ids", ids, engine.config.model.vocab_size)
+        return ids
     if kind == "messages":
         return chat_token_ids(request.messages, engine)
     inputs = [field.name for field in request.DESCRIPTOR.oneofs_by_name["input"].fields]
     raise InvalidRequestError("input", f"set one of {', '.join(inputs[:-1])} or {inputs[-1]}")
+
+
+def check_token_ids(field: str, token_ids: list[int], vocab_size: int) -> None:
+    """InvalidRequestError naming the first id outside the vocabulary by its index and value
+    (`token_ids[3]: 50000 is not in [0, 49152)`): "must be in [0, vocab)" left the client to find it in
+    a long list. min and max run in C, so a long list in range costs no Python loop."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        i = next(i for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
+        raise InvalidRequestError(f"{field}[{i}]", f"{token_ids[i]} is not in [0, {vocab_size})")
 
 
 def chat_token_ids(messages: pb.ChatMessages, engine: LLMEngine) -> list[int]:
@@ -366,12 +377,9 @@ def tokenize(request: pb.TokenizeRequest, engine: LLMEngine) -> pb.TokenizeRespo
 
 
 def detokenize(request: pb.DetokenizeRequest, engine: LLMEngine) -> pb.DetokenizeResponse:
-    vocab = engine.config.model.vocab_size
-    if any(not 0 <= t < vocab for t in request.token_ids):
-        raise InvalidRequestError("token_ids", f"must be in [0, {vocab})")
-    text = str(
-        engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
-    )
+    ids = list(request.token_ids)
+    check_token_ids("token_ids", ids, engine.config.model.vocab_size)
+    text = str(engine.tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens))
     return pb.DetokenizeResponse(text=text)
 
 
