@@ -101,6 +101,9 @@ class ToolChoice:
     schema: dict[str, Any] | None
     new_parser: Callable[[], ToolCallParser]
     schema_field: str = "tools"  # what a schema that does not compile is said of
+    # required: each tool's parameters by field (tools[i].parameters), the parts of the schema, so a
+    # refused schema is said of the tool whose parameters are refused alone
+    parameters: tuple[tuple[str, dict[str, Any]], ...] = ()
 
 
 def tool_choice(tools: list[Tool], choice: str, function: str, auto_parser: str | None) -> ToolChoice | None:
@@ -125,7 +128,8 @@ def tool_choice(tools: list[Tool], choice: str, function: str, auto_parser: str 
     if choice == "none":
         return None
     if choice == "required":
-        return ToolChoice(required_schema(tools), RequiredCallsParser)
+        parameters = tuple((f"tools[{i}].parameters", tool.parameters) for i, tool in enumerate(tools))
+        return ToolChoice(required_schema(tools), RequiredCallsParser, parameters=parameters)
     if auto_parser is None:
         raise InvalidRequestError(
             "tool_choice",

@@ -194,6 +194,12 @@ def user(**fields: object) -> pb.ChatMessage:
 
 
 BAD_SCHEMA = json.dumps({"type": "object", "properties": {"city": {"type": "colour"}}})
+UNIQUE_TAGS = json.dumps(
+    {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+    }
+)
 DEEP_SCHEMA = '{"type": "object", "properties": {"a": ' * 40 + '{"type": "integer"}' + "}}" * 40
 BAD_REQUESTS = [
     (chat(tool_choice="sometimes"), "tool_choice", "must be none, auto or required"),
@@ -225,12 +231,23 @@ BAD_REQUESTS = [
         "tool message",
     ),
     (chat(chat_template_kwargs=kwargs(tools=[])), "chat_template_kwargs", "'tools' is given by tools"),
-    (
+    (  # required joins the tools' parameters into one schema; its refusal is said of the tool's
         pb.ChatMessages(
-            messages=[QUESTION], tools=[pb.Tool(name="f", parameters=BAD_SCHEMA)], tool_choice="required"
+            messages=[QUESTION],
+            tools=[TOOLS[0], pb.Tool(name="f", parameters=BAD_SCHEMA)],
+            tool_choice="required",
         ),
-        "tools",
+        "tools[1].parameters",
         "does not compile",
+    ),
+    (  # where the keyword sits: in the tool's parameters, not in the joined schema
+        pb.ChatMessages(
+            messages=[QUESTION],
+            tools=[TOOLS[0], TOOLS[1], pb.Tool(name="f", parameters=UNIQUE_TAGS)],
+            tool_choice="required",
+        ),
+        "tools[2].parameters",
+        "uniqueItems (at #/properties/tags) is not supported",
     ),
     (
         pb.ChatMessages(
@@ -245,7 +262,7 @@ BAD_REQUESTS = [
         pb.ChatMessages(
             messages=[QUESTION], tools=[pb.Tool(name="f", parameters=DEEP_SCHEMA)], tool_choice="required"
         ),
-        "tools",
+        "tools[0].parameters",
         "nested at most 64 levels deep",
     ),
 ]

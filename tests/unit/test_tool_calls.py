@@ -11,6 +11,7 @@ import typing
 import jsonschema
 import pytest
 from pagedserve.errors import InvalidRequestError
+from pagedserve.rpc.convert import tool_schema_error
 from pagedserve.tool_calls import (
     TOOL_PARSERS,
     HermesParser,
@@ -214,3 +215,18 @@ def parse_tool_calls_parser(name: str) -> ToolCallParser:
     from pagedserve.tool_calls import PARSERS
 
     return PARSERS[name]()
+
+
+def test_a_required_schema_refused_is_said_of_the_tool_refused_alone_else_of_the_tools() -> None:
+    """tool_choice required joins the tools' parameters into one schema. Each of two 40,000-character
+    parameters fits the 64 KiB limit alone, not joined: no one tool is to blame, the refusal names
+    `tools`. A tool too large alone is named by its index, as a named function's would be."""
+    half = json.dumps({"type": "object", "description": "x" * 40_000})
+    big = json.dumps({"type": "object", "description": "x" * 70_000})
+    joined_refusal = InvalidRequestError("structured_outputs.json", "at most 65536 characters, got 80300")
+    for parameters, field in (([half, half], "tools"), ([half, big], "tools[1].parameters")):
+        tools = [parse_tool(i, f"f{i}", "", p) for i, p in enumerate(parameters)]
+        choice = tool_choice(tools, "required", "", None)
+        assert choice is not None
+        refused = tool_schema_error(choice, joined_refusal)
+        assert refused.field == field and refused.message.startswith("at most 65536 characters, got ")

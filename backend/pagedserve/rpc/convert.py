@@ -142,10 +142,26 @@ def sampling_params(
             kwargs["structured_outputs"] = StructuredOutputsParams(
                 json=json.dumps(tools.schema), disable_any_whitespace=True
             )
-        except InvalidRequestError as exc:
-            # too large or too deep: said of the tools, which the request wrote
-            raise InvalidRequestError(tools.schema_field, exc.message) from None
+        except InvalidRequestError as exc:  # too large or too deep
+            raise tool_schema_error(tools, exc) from None
     return engine.sampling_params(**kwargs)
+
+
+def tool_schema_error(
+    tools: ToolChoice,
+    exc: InvalidRequestError,
+    compile_grammar: Callable[[StructuredOutputsParams], object] = lambda params: None,
+) -> InvalidRequestError:
+    """`exc`, a refusal of the schema a tool choice made, said of what the request wrote: under required,
+    the first tool whose parameters are refused alone (checked, then compiled with `compile_grammar`),
+    as a named function's are (`tools[i].parameters`); else the tools together (too large only
+    joined). The joined schema is no schema the client wrote, and "tools" left it to find which."""
+    for field, schema in tools.parameters:
+        try:
+            compile_grammar(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+        except InvalidRequestError as alone:
+            return InvalidRequestError(field, alone.message)
+    return InvalidRequestError(tools.schema_field, exc.message)
 
 
 def pooling_params(request: pb.EmbedRequest) -> SamplingParams:

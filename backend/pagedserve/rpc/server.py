@@ -26,7 +26,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from pagedserve import __version__
-from pagedserve.engine.async_engine import AsyncEngine, KvEventsOverflow, QueueFullError, in_tokenizer_thread
+from pagedserve.engine.async_engine import (
+    AsyncEngine,
+    KvEventsOverflow,
+    QueueFullError,
+    in_grammar_thread,
+    in_tokenizer_thread,
+)
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import (
     AdapterInUseError,
@@ -201,7 +207,10 @@ class GenerationServicer:
             except InvalidRequestError as exc:  # the tools' schema, which the request did not write as one
                 if tools is None or tools.schema is None or not exc.field.startswith("structured_outputs"):
                     raise
-                raise InvalidRequestError(tools.schema_field, exc.message) from None
+                compile_grammar = self.llm.structured_outputs.compile
+                raise await in_grammar_thread(
+                    convert.tool_schema_error, tools, exc, compile_grammar
+                ) from None
         except InvalidRequestError as exc:
             await self._refuse(context, "invalid", str(exc))
         except QueueFullError as exc:
