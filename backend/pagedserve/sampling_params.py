@@ -291,6 +291,13 @@ class SamplingParams:
     token (vLLM's -1 keeps the context length, which leaves none); a k above the context length is
     refused, as vLLM refuses it.
 
+    Detokenization, vLLM's flags: `detokenize=False` decodes nothing for the request: its outputs carry
+    the token ids, text "" and logprobs whose `decoded_token` is None, and it takes no `stop` strings
+    (they are matched against the text; vLLM refuses them the same way). `skip_special_tokens` leaves
+    special tokens out of the text; `spaces_between_special_tokens` goes to the tokenizer's decode, as
+    in vLLM: transformers 4's slow tokenizers joined special tokens with spaces unless it is False,
+    while fast tokenizers (the default model's) and transformers 5's ignore it.
+
     Logit controls, vLLM's, applied to every row they are set on, greedy ones included, before
     penalties and temperature (logprobs stay the raw model's): `logit_bias` adds to the logits of its
     token ids (keys may be decimal strings, as JSON sends them; each bias clamped to [-100, 100], as
@@ -331,6 +338,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's detokenization flags, here after the fields above so that their positions stay as they were
+    detokenize: bool = True
+    spaces_between_special_tokens: bool = True
     # vLLM's private field: the bad words' token ids, set by the engine at admission (it holds the
     # tokenizer; `update_from_tokenizer`), whatever a caller passed. They travel with the params to the
     # workers (pickled to tensor-parallel ranks); an init field so that `dataclasses.replace` keeps them.
@@ -450,6 +460,13 @@ class SamplingParams:
         )
         self._check(self.seed is None or _is_int(self.seed), "seed", "must be an integer")
         self._check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        for name in ("detokenize", "spaces_between_special_tokens"):
+            self._check(isinstance(getattr(self, name), bool), name, "must be a boolean")
+        self._check(  # vLLM's rule and words: a stop string is matched against the text
+            self.detokenize or not self.stop,
+            "stop",
+            "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.",
+        )
         self._check(
             len(self.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
             "stop",

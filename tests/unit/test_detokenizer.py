@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from spaced_tokenizer import SpacedSpecialTokens
 from transformers import AutoTokenizer
 
 TEXTS = [
@@ -28,7 +29,8 @@ def stream(
         prompt,
         kwargs.get("stop", []),  # type: ignore[arg-type]
         bool(kwargs.get("include", False)),
-        True,
+        bool(kwargs.get("skip", True)),
+        spaces_between_special_tokens=bool(kwargs.get("spaces", True)),
     )
     deltas, hit = [], None
     for i, token in enumerate(ids):
@@ -103,3 +105,43 @@ def test_a_tokenizer_that_cleans_up_spaces_is_decoded_through_transformers() -> 
 def test_the_default_tokenizer_is_decoded_by_the_tokenizers_library(tokenizer: object) -> None:
     detok = IncrementalDetokenizer(tokenizer, [], [], False, True)
     assert detok._rust_decode is not None
+
+
+def _with_special_tokens(tokenizer: object) -> list[int]:
+    """TEXTS' tokens with special tokens between and inside them: runs of them, one at the start, and
+    one between the bytes of a character that several tokens spell."""
+    ids: list[int] = [1]  # <|im_start|>
+    for i, text in enumerate(TEXTS):
+        words = tokenizer.encode(text)  # type: ignore[attr-defined]
+        ids += words[:3] + [i + 2, 0] + words[3:] + [2]
+    return ids + [*tokenizer.encode("👍🏽")[:1], 4, *tokenizer.encode("👍🏽")[1:]]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("spaces", [False, True])
+def test_spaces_between_special_tokens_text_is_hf_decode_of_the_same_ids(
+    tokenizer: object, spaces: bool
+) -> None:
+    """Token by token, special tokens shown: the text is transformers' decode of all the ids with the
+    same flag (the default tokenizer, a fast one, decodes the same either way, as transformers does)."""
+    ids = _with_special_tokens(tokenizer)
+    prompt = tokenizer.encode("Say something:")  # type: ignore[attr-defined]
+    deltas, hit = stream(tokenizer, prompt, ids, skip=False, spaces=spaces)
+    expected = tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=spaces)  # type: ignore[attr-defined]
+    assert hit is None and len(deltas) == len(ids)
+    assert "".join(deltas) == expected
+    assert "<|im_start|>" in expected and "<|endoftext|>" in expected
+
+
+def test_spaces_between_special_tokens_reaches_a_tokenizer_that_reads_it(default_model_dir: str) -> None:
+    """A tokenizer whose decode joins special tokens with spaces: the flag goes to its decode at every
+    step, so the text is its decode of all the ids with the flag, spaced or not."""
+    spaced = SpacedSpecialTokens.from_pretrained(default_model_dir)
+    ids = _with_special_tokens(spaced)
+    texts = {}
+    for spaces in (True, False):
+        deltas, _ = stream(spaced, [], ids, skip=False, spaces=spaces)
+        texts[spaces] = "".join(deltas)
+        assert texts[spaces] == spaced.decode(ids, spaces_between_special_tokens=spaces)
+    assert texts[True] != texts[False] and texts[True].replace(" ", "") == texts[False].replace(" ", "")
+    # without special tokens shown, nothing to join: the same text either way
+    assert stream(spaced, [], ids, spaces=False)[0] == stream(spaced, [], ids, spaces=True)[0]

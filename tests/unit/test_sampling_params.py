@@ -39,6 +39,10 @@ INVALID = [
     ("stop", [f"s{i}" for i in range(65)]),
     ("stop", ["s" * 1025]),
     ("stop_token_ids", [7] * 1025),  # each masked every step below min_tokens: no slowing the batch
+    ("detokenize", 0),
+    ("detokenize", "false"),  # truthy: would have decoded
+    ("spaces_between_special_tokens", None),
+    ("spaces_between_special_tokens", 1),
 ]
 
 
@@ -93,3 +97,21 @@ def test_each_kind_of_penalty_is_named_apart(
     params = SamplingParams(**fields)  # type: ignore[arg-type]
     assert (params.has_repetition_penalty, params.has_count_penalties) == (repetition, counts)
     assert params.has_penalties == (repetition or counts)
+
+
+def test_detokenization_flags_default_to_vllm_s() -> None:
+    params = SamplingParams()
+    assert params.detokenize is True and params.spaces_between_special_tokens is True
+    params = SamplingParams(detokenize=False, spaces_between_special_tokens=False, stop_token_ids=[7])
+    assert params.detokenize is False and params.spaces_between_special_tokens is False
+    assert params.stop_token_ids == [7]  # ids need no text: kept without detokenizing
+
+
+def test_stop_strings_without_detokenize_are_refused_as_vllm_refuses_them() -> None:
+    """Stop strings are matched against the text, which detokenize=False never makes."""
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(detokenize=False, stop="###")
+    assert info.value.field == "stop"
+    assert info.value.message == (
+        "stop strings are only supported when detokenize is True. Set detokenize=True to use stop."
+    )

@@ -25,9 +25,17 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool,
         skip_special_tokens: bool,
         min_tokens: int = 0,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # Passed to transformers' decode only when False: True was the default where transformers used it
+        # (its slow tokenizers, before transformers 5); its fast ones ignore it, as the `tokenizers`
+        # library has no such option; and a decode that refuses unknown keywords (mistral-common's)
+        # still works for every request that leaves it at True.
+        self._decode_kwargs = (
+            {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+        )
         self._rust_decode = _rust_decode(tokenizer)
         self.token_ids = self._prompt_context(prompt_token_ids)
         self.prefix_offset = 0
@@ -110,7 +118,11 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if self._rust_decode is not None:
             return self._rust_decode(token_ids, skip_special_tokens=self.skip_special_tokens)
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens))
+        return str(
+            self.tokenizer.decode(
+                token_ids, skip_special_tokens=self.skip_special_tokens, **self._decode_kwargs
+            )
+        )
 
 
 def _rust_decode(tokenizer: Any) -> Callable[..., str] | None:

@@ -254,15 +254,25 @@ class LLMEngine:
         metrics.lora_name = seqs[0].lora_name
         self._requests[request_id] = _Request(metrics, len(seqs))
         for index, seq in enumerate(seqs):
-            detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
-                prompt_token_ids,
-                params.stop,
-                params.include_stop_str_in_output,
-                params.skip_special_tokens,
-                params.min_tokens,
-            )
+            detokenizer = self._detokenizer(prompt_token_ids, params)
             self._completions[seq.request_id] = _Completion(request_id, index, detokenizer)
+
+    def _detokenizer(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> IncrementalDetokenizer | None:
+        """A completion's detokenizer; None under `detokenize=False` (vLLM's): no decoding at all, the
+        text stays "" (such params take no stop strings)."""
+        if not params.detokenize:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_token_ids,
+            params.stop,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
+            params.min_tokens,
+            params.spaces_between_special_tokens,
+        )
 
     @staticmethod
     def _seq_id(request_id: str, index: int, n: int) -> str:
@@ -600,7 +610,8 @@ class LLMEngine:
             ]
             new_logprobs = self._decode_logprobs(entries[: len(new_token_ids)], seq)
             prompt_logprobs = self._first_prompt_logprobs(seq)  # before _delta, which may forget the request
-            text = self._completions[seq.request_id].detokenizer.take_delta(seq.is_finished)
+            detokenizer = self._completions[seq.request_id].detokenizer
+            text = "" if detokenizer is None else detokenizer.take_delta(seq.is_finished)
             deltas.append(self._delta(seq, new_token_ids, text, new_logprobs, now))
             deltas[-1].prompt_logprobs = prompt_logprobs
             if grammar_end is FinishReason.ERROR:
@@ -613,6 +624,8 @@ class LLMEngine:
         are dropped. Returns the tokens the sequence keeps."""
         detokenizer = self._completions[seq.request_id].detokenizer
         new_token_ids = seq.token_ids[seq.num_tokens - seq.num_new_tokens :]
+        if detokenizer is None:
+            return new_token_ids
         stop_terminated = seq.finish_reason in (FinishReason.EOS, FinishReason.STOP)
         stop = None
         for i, token_id in enumerate(new_token_ids):
@@ -668,6 +681,8 @@ class LLMEngine:
         """An aborted completion's text not yet sent (held back as a possible stop-string start, or a
         character still incomplete): its stream ends with all of its tokens' text, like a finished one."""
         detokenizer = self._completions[seq.request_id].detokenizer
+        if detokenizer is None:
+            return ""
         detokenizer.flush()
         return detokenizer.take_delta(finished=True)
 
@@ -677,6 +692,8 @@ class LLMEngine:
         known = [entry for entry in entries if entry is not None]
         if seq.sampling_params.logprobs is None or len(known) < len(entries):
             return None
+        if not seq.sampling_params.detokenize:  # decoded tokens stay None, as vLLM leaves them
+            return known
         for entry in known:
             for token_id, logprob in entry.items():
                 logprob.decoded_token = self.token_text(token_id)
@@ -732,6 +749,8 @@ class LLMEngine:
         if completion.index != 0:
             return None
         held = self._requests[completion.request_id].prompt_logprobs or [None]  # a 1-token prompt: none
+        if not seq.sampling_params.detokenize:  # decoded tokens stay None, as vLLM leaves them
+            return held
         for entry in held:
             for token_id, logprob in (entry or {}).items():
                 logprob.decoded_token = self.token_text(token_id)
@@ -785,11 +804,12 @@ class _Request:
 
 @dataclass
 class _Completion:
-    """One sequence of a request: which request, which completion index, its detokenizer."""
+    """One sequence of a request: which request, which completion index, its detokenizer (None under
+    `detokenize=False`)."""
 
     request_id: str
     index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None
 
 
 def _note_swap_in(seq: Sequence, now: float) -> None:
