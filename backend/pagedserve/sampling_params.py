@@ -460,7 +460,13 @@ class SamplingParams:
         )
         self._check(self.seed is None or _is_int(self.seed), "seed", "must be an integer")
         self._check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        for name in ("detokenize", "spaces_between_special_tokens"):
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "detokenize",
+            "spaces_between_special_tokens",
+        ):  # a string such as "no" would read as true
             self._check(isinstance(getattr(self, name), bool), name, "must be a boolean")
         self._check(  # vLLM's rule and words: a stop string is matched against the text
             self.detokenize or not self.stop,

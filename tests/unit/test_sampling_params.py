@@ -43,6 +43,9 @@ INVALID = [
     ("detokenize", "false"),  # truthy: would have decoded
     ("spaces_between_special_tokens", None),
     ("spaces_between_special_tokens", 1),
+    ("ignore_eos", "yes"),
+    ("include_stop_str_in_output", 1),
+    ("skip_special_tokens", "no"),  # truthy: would have skipped them
 ]
 
 
