@@ -2,10 +2,11 @@
 generate extension (`/generate`, `/generate_stream` as server-sent events), as aiohttp routes on the
 server's HTTP port. Health follows the same state machine as gRPC health.
 
-Errors are `{"error": "..."}` with 400 (bad request), 404 (unknown model), 429 (queue full), 503 (not
-ready) or 500. On `/generate_stream` the
-status is fixed by the first event, so a later error arrives as an `{"error": ...}` event inside the
-200 response.
+Errors are `{"error": "..."}` with 400 (bad request), 404 (unknown model or route), 405 (a method the
+route lacks), 413 (a body past the size limit), 415 (a Content-Encoding other than gzip or deflate),
+429 (queue full), 503 (not ready) or 500; the HTTP endpoint's own errors (rpc/http.py) come in the
+same form. On `/generate_stream` the status is fixed by the first event, so a later error arrives as
+an `{"error": ...}` event inside the 200 response.
 
 A client that hangs up aborts its request, as a cancelled gRPC call does: the HTTP endpoint runs
 aiohttp with `handler_cancellation`, so a closed connection cancels its handler, and the cancel reaches
@@ -28,6 +29,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from pagedserve import __version__
 from pagedserve.errors import InvalidRequestError
+from pagedserve.rpc.http import read_body
 from pagedserve.rpc.server import STALLED_CLIENT, StalledClientError
 from pagedserve.sampling_params import SamplingParams
 
@@ -369,10 +371,10 @@ async def _infer_body(request: web.Request) -> tuple[dict[str, Any], bytes]:
 
 
 async def _read(request: web.Request) -> bytes:
-    """The request's body; one that cannot be read as sent (a Content-Encoding it does not hold, a
-    broken chunk) is the request's fault."""
+    """The request's body, decoded (read_body: a Content-Encoding not held is a 415, one that does not
+    decode a 400); one that cannot be read as sent (a broken chunk) is the request's fault."""
     try:
-        return await request.read()
+        return await read_body(request)
     except (web.RequestPayloadError, HttpProcessingError) as exc:
         raise InvalidRequestError("request", f"the body cannot be read: {exc}") from None
 

@@ -5,9 +5,12 @@ so keep-alive clients, request bodies and server-sent events work as HTTP client
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import json
 import logging
 import ssl
+import zlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,20 +24,24 @@ from pagedserve.rpc.auth import http_middleware
 logger = logging.getLogger(__name__)
 
 _PROMETHEUS_TYPE = "text/plain; version=0.0.4"
+MAX_BODY_SIZE = 64 * 1024 * 1024  # a request body's bytes, as sent and once its Content-Encoding is undone
+_KEPT_ERROR_HEADERS = ("Allow", "Accept-Encoding")  # 405's methods, 415's codings
+# content coding -> zlib's wbits for it (deflate: the zlib format; raw deflate is told apart by its header)
+_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
 @web.middleware
 async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """aiohttp's own errors (no such route, a method the route lacks, a body past the size limit) as the
-    KServe v2 routes answer theirs, a JSON object with an `error`: tritonclient.http parses every error
-    body as JSON, and choked on aiohttp's text ("Parse error at offset 3")."""
+    """aiohttp's own errors (no such route, a method the route lacks, a body past the size limit) and
+    read_body's as the KServe v2 routes answer theirs, a JSON object with an `error`: tritonclient.http
+    parses every error body as JSON, and choked on aiohttp's text ("Parse error at offset 3")."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         message = f"{exc.reason}: {request.method} {request.path}" if exc.status in (404, 405) else exc.text
-        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        headers = {name: exc.headers[name] for name in _KEPT_ERROR_HEADERS if name in exc.headers}
         return web.json_response({"error": message}, status=exc.status, headers=headers)
 
 
@@ -75,7 +82,7 @@ class HttpEndpoint:
         self.grpc_server = server  # pagedserve.rpc.server.Server: its state and (once bound) engine
         api_key = getattr(server, "api_key", None)  # --api-key, on this port too
         middlewares = [json_errors] + ([http_middleware(api_key)] if api_key is not None else [])
-        self.app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
+        self.app = web.Application(client_max_size=MAX_BODY_SIZE, middlewares=middlewares)
         self.app.add_routes(
             [
                 web.get("/metrics", self.metrics),
@@ -91,9 +98,15 @@ class HttpEndpoint:
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
         """Listen on `host:port` (0: any free port), HTTPS with `ssl_context` (rpc/tls.py); the port."""
         # handler_cancellation: a client that hangs up cancels its handler, which aborts its request
-        # even while the handler waits for tokens with nothing to write (adapters' rest.py)
+        # even while the handler waits for tokens with nothing to write (adapters' rest.py);
+        # auto_decompress off: read_body undoes a Content-Encoding, so that one it does not hold is a
+        # JSON error, not aiohttp's text answer before any handler runs
         self.runner = web.AppRunner(
-            self.app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True
+            self.app,
+            access_log=None,
+            shutdown_timeout=1.0,
+            handler_cancellation=True,
+            auto_decompress=False,
         )
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, ssl_context=ssl_context)
@@ -153,7 +166,7 @@ class HttpEndpoint:
         if state.status != "serving":
             return _lora_error(503, "ServiceUnavailableError", f"server is {state.status}")
         try:
-            body = await request.json()
+            body = json.loads(await read_body(request))
         except ValueError:
             body = None
         if not isinstance(body, dict):
@@ -176,6 +189,53 @@ class HttpEndpoint:
         return web.Response(
             text=f"Success: LoRA adapter '{name}' {'added' if load else 'removed'} successfully."
         )
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request's body with its Content-Encoding undone: gzip or deflate, which tritonclient.http's
+    `request_compression_algorithm` sends. Any other coding is a 415 naming it (aiohttp took `foo` for
+    no coding at all, and refused zstd in text before any handler ran), a body its coding does not
+    decode a 400, and one past MAX_BODY_SIZE a 413, sent (aiohttp's check) or decoded (a small gzip
+    body can hold gigabytes). As HTTP errors, which json_errors answers in JSON."""
+    header = request.headers.get("Content-Encoding", "")
+    codings = [c.strip().lower() for c in header.split(",") if c.strip().lower() not in ("", "identity")]
+    for coding in codings:
+        if coding not in _CODINGS:
+            raise web.HTTPUnsupportedMediaType(
+                text=f"Content-Encoding {coding!r} is not supported; send gzip, deflate or identity",
+                headers={"Accept-Encoding": "gzip, deflate"},  # RFC 9110 15.5.16
+            )
+    body = await request.read()
+    for coding in reversed(codings):  # the codings in the order they were applied
+        if body:
+            body = await asyncio.to_thread(_decode, coding, body)
+    return body
+
+
+def _decode(coding: str, body: bytes) -> bytes:
+    wbits = _CODINGS[coding]
+    if coding == "deflate" and not _is_zlib_header(body):
+        wbits = -zlib.MAX_WBITS  # raw deflate, as some clients send it
+    decoder = zlib.decompressobj(wbits)
+    try:
+        decoded = decoder.decompress(body, MAX_BODY_SIZE + 1)
+    except zlib.error as exc:
+        raise web.HTTPBadRequest(text=f"Content-Encoding {coding}: the body does not decode: {exc}") from None
+    if len(decoded) > MAX_BODY_SIZE:
+        raise web.HTTPRequestEntityTooLarge(
+            MAX_BODY_SIZE,
+            len(decoded),
+            text=f"Maximum request body size {MAX_BODY_SIZE} exceeded once its {coding} coding is undone.",
+        )
+    if not decoder.eof:
+        raise web.HTTPBadRequest(
+            text=f"Content-Encoding {coding}: the body ends before its compressed data does"
+        )
+    return decoded
+
+
+def _is_zlib_header(data: bytes) -> bool:
+    return len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
 
 
 def _lora_error(status: int, kind: str, message: str) -> web.Response:
