@@ -222,7 +222,9 @@ class RestApi:
             self._resolve(request)
             doc, binary = await _infer_body(request)
             outputs_wanted = doc.get("outputs") or []
-            if not isinstance(outputs_wanted, list) or not all(isinstance(o, dict) for o in outputs_wanted):
+            if not isinstance(outputs_wanted, list) or not all(
+                isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs_wanted
+            ):
                 raise InvalidRequestError("outputs", "must be a list of objects with a name")
             output_parameters = {
                 str(o.get("name")): _object(
@@ -353,21 +355,29 @@ async def _json_body(request: web.Request) -> Any:
 
 
 async def _infer_body(request: web.Request) -> tuple[dict[str, Any], bytes]:
+    """The JSON header and the binary tensor data after it: the body's first
+    Inference-Header-Content-Length bytes, or the whole body without that header."""
     body = await _read(request)
     header_length = request.headers.get(_HEADER_LENGTH)
     if header_length is None:
-        header, binary = body, b""
-    else:
-        # digits only, and no more than the body's length has: int() refuses over 4,300 digits
-        if not (
-            header_length.isascii()
-            and header_length.isdigit()
-            and len(header_length) <= len(str(len(body)))
-            and int(header_length) <= len(body)
-        ):
-            raise InvalidRequestError(_HEADER_LENGTH, f"{header_length!r} is not a length within the body")
-        header, binary = body[: int(header_length)], body[int(header_length) :]
-    return _object(_json_document(header), "request"), binary
+        # binary tensor data after the JSON reads as "Extra data": the header is what is missing
+        hint = f"; binary tensor data after the JSON needs the {_HEADER_LENGTH} header"
+        return _object(_json_document(body, extra_data_hint=hint), "request"), b""
+    # ASCII digits only (int() takes " 1" and "1_0"; isdigit() passes "²", which int() refuses), and no
+    # more of them than the body's length has: int() refuses over 4,300 digits
+    if not (header_length.isascii() and header_length.isdigit()):
+        raise InvalidRequestError(
+            _HEADER_LENGTH,
+            f"must be the JSON header's length in bytes, a whole number, got {header_length!r}",
+        )
+    if len(header_length) > len(str(len(body))) or int(header_length) > len(body):
+        raise InvalidRequestError(
+            _HEADER_LENGTH, f"{header_length} bytes of JSON header, but the body has {len(body)} bytes in all"
+        )
+    size = int(header_length)
+    what = f"the JSON header (the body's first {size} bytes, {_HEADER_LENGTH})"
+    header = _json_document(body[:size], what)
+    return _object(header, "request"), body[size:]
 
 
 async def _read(request: web.Request) -> bytes:
@@ -379,11 +389,13 @@ async def _read(request: web.Request) -> bytes:
         raise InvalidRequestError("request", f"the body cannot be read: {exc}") from None
 
 
-def _json_document(body: bytes) -> Any:
+def _json_document(body: bytes, what: str = "body", extra_data_hint: str = "") -> Any:
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as exc:  # also bad UTF-8, integers past 4300 digits, deep nesting
-        raise InvalidRequestError("request", f"body is not valid JSON: {exc}") from None
+        extra = isinstance(exc, json.JSONDecodeError) and exc.msg == "Extra data"
+        hint = extra_data_hint if extra else ""
+        raise InvalidRequestError("request", f"{what} is not valid JSON: {exc}{hint}") from None
 
 
 def _request_id(doc: dict[str, Any]) -> str:

@@ -238,6 +238,41 @@ BAD_HTTP_REQUESTS = {
         {"Content-Encoding": "gzip"},
         "Content-Encoding gzip: the body ends before its compressed data does",
     ),
+    "binary data without the header length": (  # read as one JSON document, with "Extra data"
+        "infer",
+        BINARY_INFER_HEADER + struct.pack("<I", 5) + b"Hello",
+        {},
+        f"request: body is not valid JSON: Extra data: line 1 column {len(BINARY_INFER_HEADER) + 1} "
+        f"(char {len(BINARY_INFER_HEADER)}); binary tensor data after the JSON needs the "
+        "Inference-Header-Content-Length header",
+    ),
+    "header length negative": (
+        "infer",
+        BINARY_INFER_HEADER + struct.pack("<I", 5) + b"Hello",
+        {"Inference-Header-Content-Length": "-1"},
+        "Inference-Header-Content-Length: must be the JSON header's length in bytes, a whole number, "
+        "got '-1'",
+    ),
+    "header length past the body": (
+        "infer",
+        BINARY_INFER_HEADER + struct.pack("<I", 5) + b"Hello",
+        {"Inference-Header-Content-Length": str(len(BINARY_INFER_HEADER) + 100)},
+        f"Inference-Header-Content-Length: {len(BINARY_INFER_HEADER) + 100} bytes of JSON header, but the "
+        f"body has {len(BINARY_INFER_HEADER) + 9} bytes in all",
+    ),
+    "header length short of the JSON": (
+        "infer",
+        BINARY_INFER_HEADER + struct.pack("<I", 5) + b"Hello",
+        {"Inference-Header-Content-Length": str(len(BINARY_INFER_HEADER) - 1)},
+        f"request: the JSON header (the body's first {len(BINARY_INFER_HEADER) - 1} bytes, "
+        "Inference-Header-Content-Length) is not valid JSON",
+    ),
+    "an output without a name": (
+        "infer",
+        {**infer_body(), "outputs": [{"parameters": {"binary_data": False}}]},
+        {},
+        "outputs: must be a list of objects with a name",
+    ),
     "lone surrogate in bad_words": (
         "generate",
         b'{"text_input": "Hello", "parameters": {"bad_words": ["ok", "a\\udfff b"]}}',
