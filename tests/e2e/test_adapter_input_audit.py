@@ -165,6 +165,25 @@ def test_a_body_past_the_size_limit_gets_a_json_413(server: ServerProcess) -> No
     assert "Maximum request body size 67108864 exceeded" in json.loads(reply)["error"]
 
 
+def test_a_body_declared_past_the_size_limit_gets_a_json_413_before_it_is_sent(server: ServerProcess) -> None:
+    """Refused on its Content-Length: the server read 64 MiB before refusing, and a client that declared
+    more than it went on to send waited for an answer until it timed out."""
+    declared = 64 * 1024 * 1024 + 1
+    head = f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(head.encode() + b"{}")  # 2 of the bytes it declared
+        reply = sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    body = reply.split(b"\r\n\r\n", 1)[1]
+    assert (
+        json.loads(body)["error"]
+        == f"Maximum request body size 67108864 exceeded: Content-Length {declared}."
+    )
+    status, reply = post(server, "infer", json.dumps(infer_body()).encode())
+    assert status == 200
+
+
 def post(server: ServerProcess, path: str, body: bytes, headers: dict[str, str] | None = None) -> Any:
     url = f"http://127.0.0.1:{server.http_port}/v2/models/{MODEL}/{path}"
     req = urllib.request.Request(url, data=body, headers=headers or {})

@@ -205,6 +205,14 @@ async def read_body(request: web.Request) -> bytes:
                 text=f"Content-Encoding {coding!r} is not supported; send gzip, deflate or identity",
                 headers={"Accept-Encoding": "gzip, deflate"},  # RFC 9110 15.5.16
             )
+    if request.content_length is not None and request.content_length > MAX_BODY_SIZE:
+        # refused on its header: aiohttp read 64 MiB of it first, and a client that declared more than
+        # it sent waited for a reply until it timed out
+        raise web.HTTPRequestEntityTooLarge(
+            MAX_BODY_SIZE,
+            request.content_length,
+            text=f"Maximum request body size {MAX_BODY_SIZE} exceeded: Content-Length {request.content_length}.",
+        )
     body = await request.read()
     for coding in reversed(codings):  # the codings in the order they were applied
         if body:
