@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
@@ -147,14 +148,16 @@ class InferenceServicer:
     # -- inference -----------------------------------------------------------------------------------
 
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
+        started, carrier = time.monotonic(), _carrier(context)
+        parsed: LLMRequest | None = None
         try:
             parsed = self._parse(request, stream=False)
             completion = Completion(parsed)
-            async for delta in self.model.generate(parsed, _carrier(context), partial(cancel_cause, context)):
+            async for delta in self.model.generate(parsed, carrier, partial(cancel_cause, context)):
                 completion.add(delta)
             outputs = completion.final_outputs()
         except AdapterError as exc:
-            self.model.count_rejection(exc)
+            self.model.refuse(exc, carrier, started, parsed, getattr(request, "model_name", ""))
             await context.abort(_STATUS[exc.kind], str(exc))
         return self._response(request.id, outputs, final=None)
 
@@ -216,6 +219,8 @@ class InferenceServicer:
     ) -> None:
         """One request on a stream: its responses, or one `(id, error)`, go onto the stream's queue."""
         request_id = "" if isinstance(request, InvalidRequestError) else request.id
+        started = time.monotonic()
+        parsed: LLMRequest | None = None
         try:
             parsed = self._parse(request, stream=True)
             completion = Completion(parsed)
@@ -231,7 +236,7 @@ class InferenceServicer:
                     responses.put_nowait(self._response(request.id, completion.final_outputs(), False))
                 responses.put_nowait(self._response(request.id, [], True))
         except AdapterError as exc:
-            self.model.count_rejection(exc)
+            self.model.refuse(exc, carrier, started, parsed, getattr(request, "model_name", ""))
             responses.put_nowait((request_id, exc))
         except Exception as exc:  # a bug, or a request too big to hold: still an answer, never a hang
             logger.exception("stream request %r failed", request_id)

@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,10 +39,11 @@ MODEL_VERSION = "1"
 class AdapterError(Exception):
     """A failed call, with a protocol-neutral kind each protocol maps to its own status."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, request_id: str = "") -> None:
         super().__init__(message)
         # invalid, not_found, unavailable, exhausted, internal, timeout, aborted (cut short by the server)
         self.kind = kind
+        self.request_id = request_id  # the engine's id of a request refused once it had one
 
 
 @dataclass(frozen=True)
@@ -557,12 +558,30 @@ class LLMModel:
             return SamplingParams(**given)
         return self.server.engine.engine.sampling_params(**given)
 
-    def count_rejection(self, exc: AdapterError | InvalidRequestError) -> None:
-        """A request refused before it ran (a bad field, an unknown model, the queue full, the server
-        not serving): counted in pagedserve:request_rejections by its reason, once the engine is bound."""
+    def refuse(
+        self,
+        exc: AdapterError | InvalidRequestError,
+        carrier: Mapping[str, Any] | Iterable[tuple[str, Any]] | None,
+        started: float,
+        request: LLMRequest | None = None,
+        model: str = "",
+    ) -> None:
+        """A call's error: a request refused before it ran (a bad field, an unknown model, the queue
+        full, the server not serving) is counted in pagedserve:request_rejections by its reason once
+        the engine is bound, and traced from `started` (time.monotonic(), when the call came in) under
+        the caller's trace in `carrier` (the call's metadata or headers), with the `model` it named and
+        its parameters once parsed (`request`). Any other error ends a request that ran: `generate`
+        counts and traces that one."""
         reason = _REJECTION_REASONS.get(exc.kind if isinstance(exc, AdapterError) else "invalid")
-        if reason is not None and self.bound:
+        if reason is None:
+            return
+        if self.bound:
             self.server.engine.engine.metrics.record_rejection(reason)
+        tracer = self.server.servicer.tracer
+        if tracer.enabled:
+            request_id = exc.request_id if isinstance(exc, AdapterError) else ""
+            params = request.params if request is not None else None
+            tracer.refuse(carrier, reason, str(exc), started, request_id, params, model[:256])
 
     def is_ready(self, name: str, version: str) -> bool:
         return self.ready and name == self.name and version in ("", self.version)
@@ -600,9 +619,10 @@ class LLMModel:
             prompt = await in_tokenizer_thread(llm.encode_prompt, request.prompt)
             prompt = await engine.prepare(rid, prompt, request.params, priority, lora_name=request.lora_name)
         except Exception as exc:
-            raise _adapter_error(exc) from exc
+            raise _adapter_error(exc, rid) from exc
         tokenized = (started, time.monotonic())
         last: RequestDelta | None = None
+        refused = False
         loop = asyncio.get_running_loop()
         deadline = None  # on the loop's clock, which asyncio.timeout_at reads; counted from `started`
         if request.timeout_us:
@@ -633,16 +653,19 @@ class LLMModel:
                 if delta.finish_reason == "error":
                     raise AdapterError("internal", delta.error or "generation failed")
                 yield delta
-        except (InvalidRequestError, QueueFullError, EngineDeadError) as exc:
-            raise _adapter_error(exc) from exc
+        except (InvalidRequestError, QueueFullError, EngineDeadError) as exc:  # refused at its start
+            refused = True
+            raise _adapter_error(exc, rid) from exc
         finally:
             # A caller that went away aborts the request here (the engine counts it), not whenever
             # the engine's generator is collected; a request the engine ended first is traced and
-            # counted as it ended, as the engine's metrics count it.
+            # counted as it ended, as the engine's metrics count it. A refused one's caller traces
+            # it (`refuse`).
             await deltas.aclose()
             last = engine.unread_final_delta(rid) or last
             self._count(started, tokenized, last)
-            tracer.finish_request(carrier, rid, request.params, last, tokenized, len(prompt))
+            if not refused:
+                tracer.finish_request(carrier, rid, request.params, last, tokenized, len(prompt))
 
     def _count(self, started: float, tokenized: tuple[float, float], last: RequestDelta | None) -> None:
         elapsed_ns = int((time.monotonic() - started) * 1e9)
@@ -663,13 +686,13 @@ class LLMModel:
             stats.queue_ns += int(last.metrics.time_in_queue * 1e9)
 
 
-def _adapter_error(exc: BaseException) -> AdapterError:
+def _adapter_error(exc: BaseException, request_id: str) -> AdapterError:
     if isinstance(exc, AdapterError):
         return exc
     if isinstance(exc, InvalidRequestError):
-        return AdapterError("invalid", str(exc))
+        return AdapterError("invalid", str(exc), request_id)
     if isinstance(exc, QueueFullError):
-        return AdapterError("exhausted", str(exc))
+        return AdapterError("exhausted", str(exc), request_id)
     if isinstance(exc, EngineDeadError):
-        return AdapterError("unavailable", f"engine failed: {exc}")
-    return AdapterError("internal", f"{type(exc).__name__}: {exc}")
+        return AdapterError("unavailable", f"engine failed: {exc}", request_id)
+    return AdapterError("internal", f"{type(exc).__name__}: {exc}", request_id)

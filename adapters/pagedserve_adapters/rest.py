@@ -19,6 +19,7 @@ import json
 import logging
 import socket
 import struct
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -206,9 +207,15 @@ class RestApi:
         state = "READY" if self.model.ready else "UNAVAILABLE"
         return web.json_response([{"name": self.model.name, "version": self.model.version, "state": state}])
 
-    def _refused(self, exc: AdapterError | InvalidRequestError) -> web.Response:
-        """An inference call's error answer, its refusal counted (LLMModel.count_rejection)."""
-        self.model.count_rejection(exc)
+    def _refused(
+        self,
+        exc: AdapterError | InvalidRequestError,
+        request: web.Request,
+        started: float,
+        parsed: LLMRequest | None,
+    ) -> web.Response:
+        """An inference call's error answer, its refusal counted and traced (LLMModel.refuse)."""
+        self.model.refuse(exc, request.headers, started, parsed, request.match_info["model"])
         return _error(exc)
 
     def _resolve(self, request: web.Request) -> None:
@@ -218,6 +225,8 @@ class RestApi:
 
     async def infer(self, request: web.Request) -> web.Response:
         """`/infer`: JSON tensors, or Triton's binary extension (JSON header, then raw tensor data)."""
+        started = time.monotonic()
+        parsed: LLMRequest | None = None
         try:
             self._resolve(request)
             doc, binary = await _infer_body(request)
@@ -248,7 +257,7 @@ class RestApi:
             )
             outputs = (await self._complete(parsed, request)).final_outputs()
         except (AdapterError, InvalidRequestError) as exc:
-            return self._refused(exc)
+            return self._refused(exc, request, started, parsed)
         binary_default = parameters.get("binary_data_output") is True
         binary_outputs = {
             name: given.get("binary_data", binary_default) is True
@@ -258,6 +267,8 @@ class RestApi:
 
     async def generate(self, request: web.Request) -> web.Response:
         """`/generate`: one JSON object with the whole completion."""
+        started = time.monotonic()
+        parsed: LLMRequest | None = None
         try:
             self._resolve(request)
             doc = _object(await _json_body(request), "request")
@@ -269,7 +280,7 @@ class RestApi:
                 )
             outputs = (await self._complete(parsed, request)).final_outputs()
         except (AdapterError, InvalidRequestError) as exc:
-            return self._refused(exc)
+            return self._refused(exc, request, started, parsed)
         return web.json_response(_generate_body(self.model, request_id, outputs))
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
@@ -277,6 +288,8 @@ class RestApi:
         An event that cannot be sent within --stream-write-timeout (the client stopped reading) aborts
         the request and resets the connection."""
         stalled = False
+        started = time.monotonic()
+        parsed: LLMRequest | None = None
 
         def cause() -> str:
             return STALLED_CLIENT if stalled else "client_cancel"
@@ -290,7 +303,7 @@ class RestApi:
             deltas = self.model.generate(parsed, dict(request.headers), cause)
             first = await anext(deltas)
         except (AdapterError, InvalidRequestError) as exc:
-            return self._refused(exc)
+            return self._refused(exc, request, started, parsed)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         send = self.model.server.write_watch.send
         try:

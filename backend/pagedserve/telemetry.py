@@ -611,7 +611,8 @@ _EVENTS = {  # kind in RequestMetrics.preemption_events -> span events
 class RequestTracer:
     """One server span per request, continuing the caller's W3C trace, with child spans for tokenize,
     queue, prefill and decode built from the request's timestamps when it ends, and events for
-    preemption and swap.
+    preemption and swap; a request refused before it ran gets its span too (`refuse`), with status
+    ERROR.
 
     `provider=None` disables tracing: no tracer, no processor, and every front end's call returns at
     once without reading the request's metadata."""
@@ -693,6 +694,43 @@ class RequestTracer:
             span.set_status(Status(StatusCode.ERROR, delta.error or "generation failed"))
         span.end(end_time=self._ns(end))
 
+    def refuse(
+        self,
+        carrier: Mapping[str, Any] | Iterable[tuple[str, Any]] | None,
+        reason: str,
+        message: str,
+        started: float,
+        request_id: str = "",
+        params: Any | None = None,
+        model: str = "",
+    ) -> None:
+        """The span of a request refused before it ran, for `reason` (a REJECTION_REASONS value, as
+        pagedserve:request_rejections counts it): from `started` (time.monotonic(), when its call came
+        in) to now, status ERROR with the refusal's message, under the caller's trace. It says what was
+        known of the request: its id and parameters once parsed (none before), the model it named
+        (`model`; else the served one). No child spans: the request never reached the engine."""
+        if self._tracer is None:
+            return
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+
+        attrs: dict[str, Any] = {
+            "gen_ai.request.model": model or self.model_name,
+            "gen_ai.pagedserve.rejection_reason": reason,
+        }
+        if request_id:
+            attrs["gen_ai.request.id"] = request_id
+        if params is not None:
+            attrs.update(self._params_attributes(params))
+        span = self._tracer.start_span(
+            "llm_request",
+            context=self.extract(carrier),
+            kind=SpanKind.SERVER,
+            start_time=self._ns(started),
+            attributes=attrs,
+        )
+        span.set_status(Status(StatusCode.ERROR, message))
+        span.end(end_time=self._ns(time.monotonic()))
+
     def _attributes(self, request_id: str, params: Any, delta: RequestDelta, end: float) -> dict[str, Any]:
         m = delta.metrics
         ends = delta.completion_ends()  # semantic conventions: the response's tokens, a reason a choice
@@ -700,20 +738,13 @@ class RequestTracer:
             "gen_ai.request.id": request_id,
             "gen_ai.request.model": self.model_name,
             "gen_ai.response.model": self.model_name,
-            "gen_ai.request.max_tokens": params.max_tokens,
-            "gen_ai.request.temperature": params.temperature,
-            "gen_ai.request.top_p": params.top_p,
-            "gen_ai.request.n": params.n,
+            **self._params_attributes(params),
             "gen_ai.usage.prompt_tokens": delta.num_prompt_tokens,
             "gen_ai.usage.completion_tokens": sum(tokens for _, tokens in ends),
             "gen_ai.response.finish_reasons": [reason for reason, _ in ends],
             "gen_ai.latency.e2e": end - m.arrival_time,
             "gen_ai.pagedserve.num_preemptions": m.num_preemptions,
         }
-        if params.pooling is not None:  # an embedding: nothing sampled, nothing to say of sampling
-            for name in ("max_tokens", "temperature", "top_p", "n"):
-                del attrs[f"gen_ai.request.{name}"]
-            attrs["gen_ai.operation.name"] = "embeddings"  # the semantic conventions' operation
         if m.lora_name is not None:
             attrs["gen_ai.pagedserve.lora_name"] = m.lora_name
         if m.time_in_queue is not None:
@@ -724,6 +755,17 @@ class RequestTracer:
             attrs["gen_ai.latency.time_in_model_prefill"] = m.first_token_time - m.first_scheduled_time
             attrs["gen_ai.latency.time_in_model_decode"] = end - m.first_token_time
         return attrs
+
+    @staticmethod
+    def _params_attributes(params: Any) -> dict[str, Any]:
+        if params.pooling is not None:  # an embedding: nothing sampled, nothing to say of sampling
+            return {"gen_ai.operation.name": "embeddings"}  # the semantic conventions' operation
+        return {
+            "gen_ai.request.max_tokens": params.max_tokens,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+            "gen_ai.request.n": params.n,
+        }
 
     @staticmethod
     def _phases(

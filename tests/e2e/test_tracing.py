@@ -2,14 +2,20 @@
 ModelStreamInfer adapter (real tritonclient in a child process) and KServe REST generate_stream, all
 against one in-process server whose tracer provider exports to memory. Each request must yield one
 SERVER span under the caller's W3C trace with the gen_ai attributes, latency attributes, child spans
-tokenize, queue, prefill, decode in order, and preemption/swap events when they happen."""
+tokenize, queue, prefill, decode in order, and preemption/swap events when they happen. A request
+refused before it ran (every generation RPC of ours, KServe v2 gRPC and REST, Triton's stream) yields
+its one SERVER span too: status ERROR with the refusal's message, and the reason
+pagedserve:request_rejections counts it by."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -17,8 +23,10 @@ import pytest
 from inprocess_server import InProcessServer, exporting_to, run_python, wait_for
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 from pagedserve.rpc.v1 import generate_pb2 as pb
+from pagedserve_adapters.v2 import inference_pb2 as v2
+from pagedserve_adapters.v2 import inference_pb2_grpc as v2_grpc
 
 MODEL = "tiny"
 PHASES = ["tokenize", "queue", "prefill", "decode"]
@@ -359,6 +367,278 @@ def test_rest_generate_stream_yields_the_same_span(
     )
 
 
+# -- refused requests --------------------------------------------------------------------------------
+
+REJECTION_REASON = "gen_ai.pagedserve.rejection_reason"
+
+
+def refusal_spans(exporter: InMemorySpanExporter, trace_id: int) -> list[ReadableSpan]:
+    """The trace's spans once its first server span has ended and a moment has passed: time for a
+    second one of the call (the refused request traced again, as aborted, when its call ends) to show."""
+    request_spans(exporter, trace_id)
+    time.sleep(0.3)
+    return [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+
+
+def check_refusal_span(
+    spans: list[ReadableSpan], trace_id: int, reason: str, description: str, **expected: Any
+) -> ReadableSpan:
+    """Exactly one SERVER span, child of the caller's span, with status ERROR and `description`, the
+    refusal `reason`, the attributes in `expected` (gen_ai.* names without the prefix), and no phases
+    (the engine never ran the request)."""
+    servers = [s for s in spans if s.kind is SpanKind.SERVER]
+    assert len(servers) == 1, [(s.name, s.attributes) for s in servers]
+    span = servers[0]
+    assert span.name == "llm_request"
+    assert span.context.trace_id == trace_id
+    assert span.parent is not None and span.parent.is_remote and span.parent.span_id == PARENT_SPAN_ID
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.status.description == description
+    assert span.attributes[REJECTION_REASON] == reason
+    for name, value in expected.items():
+        assert span.attributes.get(f"gen_ai.{name}") == value, name
+    assert "gen_ai.response.finish_reasons" not in span.attributes  # nothing ran to finish
+    assert not [s for s in spans if s.parent is not None and s.parent.span_id == span.context.span_id]
+    assert span.start_time <= span.end_time
+    return span
+
+
+def refused_grpc(call: Any, code: grpc.StatusCode) -> str:
+    """The details of a call that must fail with `code`."""
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.code() == code, info.value.details()
+    return str(info.value.details())
+
+
+@contextmanager
+def server_status(srv: InProcessServer, status: str) -> Iterator[None]:
+    """The server in `status` (draining: refusing new requests) for the block's calls."""
+    state = srv.server.state
+    state.status = status
+    try:
+        yield
+    finally:
+        state.status = "serving"
+
+
+@contextmanager
+def queue_bound(srv: InProcessServer, bound: int, once_admitted: bool = False) -> Iterator[None]:
+    """The engine queues no more than `bound` requests; `once_admitted`: from the moment a request has
+    been checked and tokenized (another request took the last place meanwhile), so that the engine
+    refuses it as it starts it."""
+    engine = srv.server.engine
+    real_bound, real_prepare = engine.max_queued_requests, engine.prepare
+
+    async def prepare(*args: Any, **kwargs: Any) -> list[int]:
+        prompt: list[int] = await real_prepare(*args, **kwargs)
+        engine.max_queued_requests = bound
+        return prompt
+
+    if once_admitted:
+        engine.prepare = prepare
+    else:
+        engine.max_queued_requests = bound
+    try:
+        yield
+    finally:
+        engine.max_queued_requests = real_bound
+        if once_admitted:
+            del engine.prepare
+
+
+def test_generate_refused_for_a_bad_field_has_an_error_span(
+    server: InProcessServer, exporter: InMemorySpanExporter
+) -> None:
+    trace_id, metadata = new_trace()
+    req = token_request([1, 2, 3], 1_000_000, request_id="too-long", temperature=0.5)
+    details = refused_grpc(lambda: stream(server, req, metadata), grpc.StatusCode.INVALID_ARGUMENT)
+    check_refusal_span(
+        refusal_spans(exporter, trace_id),
+        trace_id,
+        "invalid",
+        details,
+        **{
+            "request.id": "too-long",
+            "request.model": MODEL,
+            "request.max_tokens": 1_000_000,
+            "request.temperature": 0.5,
+        },
+    )
+
+
+def test_complete_refused_for_an_unknown_model_names_it(
+    server: InProcessServer, exporter: InMemorySpanExporter
+) -> None:
+    trace_id, metadata = new_trace()
+    req = token_request([1, 2, 3], 4)
+    req.model = "no-such-model"
+    details = refused_grpc(
+        lambda: server.stub.Complete(req, metadata=metadata, timeout=60), grpc.StatusCode.INVALID_ARGUMENT
+    )
+    span = check_refusal_span(
+        refusal_spans(exporter, trace_id), trace_id, "invalid", details, **{"request.model": "no-such-model"}
+    )
+    assert "gen_ai.request.id" not in span.attributes  # refused before an id was assigned
+
+
+def test_embed_refused_has_an_error_span(server: InProcessServer, exporter: InMemorySpanExporter) -> None:
+    trace_id, metadata = new_trace()
+    req = pb.EmbedRequest(request_id="empty-embed", text="")
+    details = refused_grpc(
+        lambda: server.stub.Embed(req, metadata=metadata, timeout=60), grpc.StatusCode.INVALID_ARGUMENT
+    )
+    check_refusal_span(
+        refusal_spans(exporter, trace_id),
+        trace_id,
+        "invalid",
+        details,
+        **{"request.id": "empty-embed", "operation.name": "embeddings"},
+    )
+
+
+def test_generate_refused_while_draining_has_an_unavailable_span(
+    server: InProcessServer, exporter: InMemorySpanExporter
+) -> None:
+    trace_id, metadata = new_trace()
+    req = token_request([1, 2, 3], 4, request_id="while-draining")
+    with server_status(server, "draining"):
+        details = refused_grpc(lambda: stream(server, req, metadata), grpc.StatusCode.UNAVAILABLE)
+    assert details == "server is draining"
+    span = check_refusal_span(refusal_spans(exporter, trace_id), trace_id, "unavailable", details)
+    assert "gen_ai.request.max_tokens" not in span.attributes  # refused before it was read
+
+
+@pytest.mark.parametrize("once_admitted", [False, True], ids=["at-admission", "at-its-start"])
+def test_generate_refused_on_a_full_queue_has_one_error_span(
+    server: InProcessServer, exporter: InMemorySpanExporter, once_admitted: bool
+) -> None:
+    """The queue full at admission, or only once the request was admitted (the engine refuses it as it
+    starts it): one span either way, the refusal's, not an aborted request's."""
+    trace_id, metadata = new_trace()
+    rid = f"queue-full-{once_admitted}"
+    req = token_request([1, 2, 3], 4, request_id=rid)
+    with queue_bound(server, 0, once_admitted):
+        details = refused_grpc(lambda: stream(server, req, metadata), grpc.StatusCode.RESOURCE_EXHAUSTED)
+    check_refusal_span(
+        refusal_spans(exporter, trace_id),
+        trace_id,
+        "queue_full",
+        details,
+        **{"request.id": rid, "request.max_tokens": 4},
+    )
+
+
+def v2_request(model: str, text: str = "Hello", **parameters: Any) -> v2.ModelInferRequest:
+    req = v2.ModelInferRequest(model_name=model, id="client-id")
+    text_input = req.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+    text_input.contents.bytes_contents.append(text.encode())
+    sampling = req.inputs.add(name="sampling_parameters", datatype="BYTES", shape=[1])
+    sampling.contents.bytes_contents.append(json.dumps(parameters).encode())
+    return req
+
+
+def test_kserve_grpc_infer_refusals_have_error_spans(
+    server: InProcessServer, exporter: InMemorySpanExporter
+) -> None:
+    stub = v2_grpc.GRPCInferenceServiceStub(server.channel)
+
+    def infer(req: v2.ModelInferRequest, metadata: Any) -> None:
+        stub.ModelInfer(req, metadata=metadata, timeout=60)
+
+    trace_id, metadata = new_trace()
+    details = refused_grpc(lambda: infer(v2_request("no-such-model"), metadata), grpc.StatusCode.NOT_FOUND)
+    check_refusal_span(
+        refusal_spans(exporter, trace_id),
+        trace_id,
+        "not_found",
+        details,
+        **{"request.model": "no-such-model"},
+    )
+
+    trace_id, metadata = new_trace()
+    req = v2_request(MODEL, max_tokens=3, temperature=-1)
+    details = refused_grpc(lambda: infer(req, metadata), grpc.StatusCode.INVALID_ARGUMENT)
+    check_refusal_span(refusal_spans(exporter, trace_id), trace_id, "invalid", details)
+
+    trace_id, metadata = new_trace()
+    with queue_bound(server, 0, once_admitted=True):
+        req = v2_request(MODEL, max_tokens=3, temperature=0)
+        details = refused_grpc(lambda: infer(req, metadata), grpc.StatusCode.RESOURCE_EXHAUSTED)
+    span = check_refusal_span(
+        refusal_spans(exporter, trace_id), trace_id, "queue_full", details, **{"request.max_tokens": 3}
+    )
+    assert span.attributes["gen_ai.request.id"].startswith("v2-")  # the engine's id, as accepted ones
+
+
+def test_triton_stream_infer_refusals_have_error_spans(
+    server: InProcessServer, exporter: InMemorySpanExporter
+) -> None:
+    """Each refused request on a ModelStreamInfer stream: an error message on the stream, and a span."""
+    stub = v2_grpc.GRPCInferenceServiceStub(server.channel)
+    for model, parameters, reason in (
+        ("no-such-model", {}, "not_found"),
+        (MODEL, {"max_tokens": "many"}, "invalid"),
+    ):
+        trace_id, metadata = new_trace()
+        replies = list(
+            stub.ModelStreamInfer(iter([v2_request(model, **parameters)]), metadata=metadata, timeout=60)
+        )
+        assert len(replies) == 1 and replies[0].error_message, replies
+        assert replies[0].infer_response.id == "client-id"
+        check_refusal_span(refusal_spans(exporter, trace_id), trace_id, reason, replies[0].error_message)
+    trace_id, metadata = new_trace()
+    with server_status(server, "draining"):
+        replies = list(stub.ModelStreamInfer(iter([v2_request(MODEL)]), metadata=metadata, timeout=60))
+    check_refusal_span(refusal_spans(exporter, trace_id), trace_id, "unavailable", replies[0].error_message)
+
+
+def post_json(server: InProcessServer, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, str]:
+    req = urllib.request.Request(
+        server.http_url(path), data=body, headers={"Content-Type": "application/json", **headers}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as reply:
+            return reply.status, json.loads(reply.read()).get("error", "")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())["error"]
+
+
+def test_kserve_rest_infer_refusals_have_error_spans(
+    server: InProcessServer, exporter: InMemorySpanExporter
+) -> None:
+    infer_body = {
+        "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["Hello"]}],
+        "parameters": {"max_tokens": 3},
+    }
+    cases = [
+        ("/v2/models/no-such-model/infer", json.dumps(infer_body).encode(), 404, "not_found"),
+        (f"/v2/models/{MODEL}/infer", b"{not json", 400, "invalid"),
+        (f"/v2/models/{MODEL}/generate_stream", b'{"text_input": ""}', 400, "invalid"),
+    ]
+    for path, body, status, reason in cases:
+        trace_id, metadata = new_trace()
+        code, error = post_json(server, path, body, dict(metadata))
+        assert code == status, error
+        check_refusal_span(refusal_spans(exporter, trace_id), trace_id, reason, error)
+    trace_id, metadata = new_trace()
+    with server_status(server, "draining"):
+        code, error = post_json(
+            server, f"/v2/models/{MODEL}/infer", json.dumps(infer_body).encode(), dict(metadata)
+        )
+    assert code == 503, error
+    check_refusal_span(refusal_spans(exporter, trace_id), trace_id, "unavailable", error)
+    trace_id, metadata = new_trace()
+    with queue_bound(server, 0):
+        code, error = post_json(
+            server, f"/v2/models/{MODEL}/infer", json.dumps(infer_body).encode(), dict(metadata)
+        )
+    assert code == 429, error
+    check_refusal_span(
+        refusal_spans(exporter, trace_id), trace_id, "queue_full", error, **{"request.max_tokens": 3}
+    )
+
+
 # -- tracing off ---------------------------------------------------------------------------------------
 
 
@@ -415,6 +695,10 @@ def test_default_settings_install_no_tracer_and_record_nothing(
             next(call)
             call.cancel()
             list(call)
+        # nor do refused requests
+        too_long = token_request([1, 2, 3], 1_000_000)
+        refused_grpc(lambda: stream(srv, too_long, metadata), grpc.StatusCode.INVALID_ARGUMENT)
+        assert post_json(srv, "/v2/models/no-such-model/infer", b"{}", dict(metadata))[0] == 404
     finally:
         srv.stop()
     assert (global_spy.num_started, global_spy.num_ended) == (0, 0)

@@ -81,12 +81,33 @@ class _Call:
     outputs: convert.ChatOutputs | None = None  # a chat's parsers: reasoning and tool calls out of its text
     last: RequestDelta | None = None
     stalled: bool = False  # given up by --stream-write-timeout: the abort's cause
+    refused: bool = False  # the engine would not start it (`_refuse` traced it)
 
     def response(self, delta: RequestDelta) -> pb.GenerateResponse:
         out = convert.response(delta, self.prompt)
         if self.outputs is not None:
             self.outputs.apply(out, delta.finished)
         return out
+
+
+@dataclass
+class _Admitting:
+    """What is known of a call's request while it is admitted, for the span of its refusal."""
+
+    started: float  # time.monotonic() when the call came in
+    model: str  # as the request names it ("": the served model)
+    request_id: str = ""
+    params: SamplingParams | None = None
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """The telemetry.REJECTION_REASONS reason of an exception that refuses a request before it runs."""
+    if isinstance(exc, QueueFullError):
+        return "queue_full"
+    if isinstance(exc, EngineDeadError):
+        return "unavailable"
+    assert isinstance(exc, InvalidRequestError), exc
+    return "invalid"
 
 
 @dataclass
@@ -170,11 +191,12 @@ class GenerationServicer:
         Generate request's sampling). Its id is held from here until the engine starts the request
         (`AsyncEngine.reserve`): tokenizing and compiling a grammar take up to seconds, in which a
         second request under the id is refused and an Abort call ends this one."""
+        known = _Admitting(time.monotonic(), getattr(request, "model", ""))
         if self.state.status != "serving":
-            await self._refuse(context, "unavailable", f"server is {self.state.status}")
+            await self._refuse(context, "unavailable", f"server is {self.state.status}", known)
         held: list[str] = []
         try:
-            return await self._admit_held(request, context, params_of, held)
+            return await self._admit_held(request, context, params_of, held, known)
         except BaseException:
             for rid in held:  # refused or cancelled here: the engine never starts it
                 self.engine.release(rid)
@@ -186,14 +208,14 @@ class GenerationServicer:
         context: grpc.aio.ServicerContext,
         params_of: Callable[[Any], SamplingParams] | None,
         held: list[str],
+        known: _Admitting,
     ) -> _Call:
-        started = time.monotonic()
         tools: ToolChoice | None = None
         try:
             if isinstance(request, InvalidRequestError):
                 raise request
             lora_name = self._lora_name(request)
-            rid = convert.request_id(request, self.engine.new_request_id())
+            rid = known.request_id = convert.request_id(request, self.engine.new_request_id())
             self.engine.reserve(rid)
             held.append(rid)
             if params_of is None:
@@ -201,6 +223,7 @@ class GenerationServicer:
                 params = convert.sampling_params(request.sampling, self.llm, tools)
             else:
                 params = params_of(request)
+            known.params = params
             prompt = await in_tokenizer_thread(convert.prompt_token_ids, request, self.llm)
             try:
                 prompt = await self.engine.prepare(rid, prompt, params, request.priority, lora_name=lora_name)
@@ -211,12 +234,8 @@ class GenerationServicer:
                 raise await in_grammar_thread(
                     convert.tool_schema_error, tools, exc, compile_grammar
                 ) from None
-        except InvalidRequestError as exc:
-            await self._refuse(context, "invalid", str(exc))
-        except QueueFullError as exc:
-            await self._refuse(context, "queue_full", str(exc))
-        except EngineDeadError as exc:
-            await self._refuse(context, "unavailable", str(exc))
+        except (InvalidRequestError, QueueFullError, EngineDeadError) as exc:
+            await self._refuse(context, refusal_reason(exc), str(exc), known)
         outputs = None
         if params_of is None:
             outputs = convert.chat_outputs(
@@ -226,13 +245,30 @@ class GenerationServicer:
                 params.structured_outputs is not None,
                 lambda: str(self.llm.tokenizer.decode(prompt[-16:])),
             )
-        return _Call(rid, prompt, params, (started, time.monotonic()), request.priority, lora_name, outputs)
+        tokenized = (known.started, time.monotonic())
+        return _Call(rid, prompt, params, tokenized, request.priority, lora_name, outputs)
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, reason: str, message: str) -> NoReturn:
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, reason: str, message: str, known: _Admitting | _Call
+    ) -> NoReturn:
         """End a call whose request will not run, counted by `reason` (telemetry.REJECTION_REASONS) in
-        pagedserve:request_rejections once the engine is bound (while it loads there are no metrics)."""
+        pagedserve:request_rejections once the engine is bound (while it loads there are no metrics),
+        and traced with what is `known` of it."""
         if hasattr(self, "llm"):
             self.llm.metrics.record_rejection(reason)
+        if isinstance(known, _Call):  # traced here, not as an aborted request at the call's end (`_trace`)
+            known.refused = True
+            known = _Admitting(known.tokenized[0], "", known.request_id, known.params)
+        if self.tracer.enabled:  # (its metadata read only then)
+            self.tracer.refuse(
+                context.invocation_metadata(),
+                reason,
+                message,
+                known.started,
+                known.request_id,
+                known.params,
+                known.model[:256],  # as a refusal's message quotes it
+            )
         await context.abort(_REFUSAL_STATUS[reason], message)
         raise AssertionError("context.abort raises")
 
@@ -273,18 +309,16 @@ class GenerationServicer:
                 if delta.finish_reason == "error":
                     await context.abort(grpc.StatusCode.INTERNAL, delta.error or "generation failed")
                 yield delta
-        except InvalidRequestError as exc:
-            await self._refuse(context, "invalid", str(exc))
-        except QueueFullError as exc:
-            await self._refuse(context, "queue_full", str(exc))
-        except EngineDeadError as exc:  # stopped before this request started
-            await self._refuse(context, "unavailable", str(exc))
+        except (InvalidRequestError, QueueFullError, EngineDeadError) as exc:  # refused at its start
+            await self._refuse(context, refusal_reason(exc), str(exc), call)
         finally:
             await deltas.aclose()
 
     def _trace(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
         """After the engine's generator is closed: a request the engine ended while its caller left
         is traced as it ended (its final delta unread), as the metrics count it."""
+        if call.refused:
+            return
         last = self.engine.unread_final_delta(call.request_id) or call.last
         metadata = context.invocation_metadata()
         self.tracer.finish_request(
