@@ -67,6 +67,7 @@ def start(tiny_llama_dir: str, tmp_path: Path) -> ServerProcess:
         "--device", "cpu", "--tensor-parallel-size", "2", "--max-num-seqs", str(MAX_NUM_SEQS),
         "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(NUM_KV_BLOCKS),
         "--num-cpu-kv-blocks", str(NUM_CPU_BLOCKS), "--preemption-mode", "swap",
+        "--log-level", "debug",  # each preemption's line, by swap or by recompute (a warning only every 50th)
         log=tmp_path / "server.log",
     ).wait_ready()  # fmt: skip
 
