@@ -106,10 +106,10 @@ def prompt(i: int, length: int = 20) -> list[int]:
 
 def server_spans(exporter: InMemorySpanExporter, request_ids: list[str]) -> list[ReadableSpan]:
     def find() -> list[ReadableSpan] | None:
-        spans = {
-            s.attributes["gen_ai.request.id"]: s
+        spans = {  # (a request refused before it had an id has a span without one)
+            s.attributes.get("gen_ai.request.id"): s
             for s in exporter.get_finished_spans()
-            if s.kind is SpanKind.SERVER
+            if s.kind is SpanKind.SERVER and s.attributes is not None
         }
         return [spans[i] for i in request_ids] if all(i in spans for i in request_ids) else None
 
