@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.beam_search import BeamSearchOutput, BeamSearchSequence
 from pagedserve.lora_request import LoRARequest
 from pagedserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pagedserve.llm import LLM
@@ -31,6 +32,9 @@ for _variable in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import gc
 import operator
 import threading
@@ -13,6 +14,7 @@ from itertools import count
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
+from pagedserve.beam_search import BeamSearch, BeamSearchOutput
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import InvalidRequestError
 from pagedserve.lora_request import LoRARequest
@@ -22,9 +24,10 @@ from pagedserve.outputs import (
     EmbeddingRequestOutput,
     RequestDelta,
     RequestOutput,
+    TokenLogprobs,
 )
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.settings import EngineSettings
 from pagedserve.tool_calls import call_arguments
 
@@ -171,6 +174,73 @@ class LLM:
             )
             for out in outputs
         ]
+
+    def beam_search(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: BeamSearchParams,
+        lora_request: LoRARequests = None,
+        use_tqdm: bool | Callable[..., Any] = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: one `BeamSearchOutput` per prompt, in input order, holding its best
+        `beam_width` beams, best first. Prompts as `generate` takes them (vLLM's takes prompt dicts).
+
+        Built on the engine's own steps, as vLLM's: each of up to `max_tokens` rounds runs every live
+        beam of every prompt (of `concurrency_limit` prompts at a time, all by default) for one token
+        in one `generate` call, asking for `2 * beam_width` logprobs, then each prompt keeps its best
+        `beam_width` beams (`BeamSearch.extend`). A beam runs its whole sequence as a new request each
+        round: the prefix cache (on by default) finds all but its last block's tokens computed.
+        `use_tqdm` counts the rounds, of which fewer may run (every beam finished)."""
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestError("params", f"must be a BeamSearchParams, got {type(params).__name__}")
+        if concurrency_limit is not None and not (_is_int(concurrency_limit) and concurrency_limit >= 1):
+            raise InvalidRequestError("concurrency_limit", "must be an integer >= 1, or None (all prompts)")
+        _, token_ids = self._tokenized(prompts)
+        lora_requests = _lora_requests(lora_request, len(token_ids))
+        eos_token_ids = self.engine.eos_token_ids
+        searches = [
+            BeamSearch(ids, lora, params, eos_token_ids) for ids, lora in zip(token_ids, lora_requests)
+        ]
+        limit = concurrency_limit or max(len(searches), 1)
+        for start in range(0, len(searches), limit):
+            self._run_beam_searches(searches[start : start + limit], params, use_tqdm)
+        decode = functools.partial(self.engine.decode, skip_special_tokens=False)
+        return [search.best(decode) for search in searches]
+
+    def _run_beam_searches(
+        self, searches: list[BeamSearch], params: BeamSearchParams, use_tqdm: bool | Callable[..., Any]
+    ) -> None:
+        """Extend the searches' beams a token a round, all of them in one engine call each round."""
+        step_params = SamplingParams(
+            temperature=params.temperature, max_tokens=1, logprobs=2 * params.beam_width, detokenize=False
+        )
+        max_model_len = self.engine.config.model.max_model_len
+        progress = _progress_bar(use_tqdm, params.max_tokens, "beam search", "token")
+        try:
+            for _ in range(params.max_tokens):
+                for search in searches:
+                    search.end_at_context(max_model_len)
+                beams = [beam for search in searches for beam in search.beams]
+                if not beams:
+                    break
+                outputs = iter(
+                    self._run(
+                        [None] * len(beams),
+                        [beam.tokens for beam in beams],
+                        step_params,
+                        False,
+                        None,
+                        [beam.lora_request for beam in beams],
+                    )
+                )
+                for search in searches:
+                    search.extend([_step_logprobs(next(outputs)) for _ in search.beams])
+                if progress is not None:
+                    progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
 
     def _tokenized(self, prompts: Prompt | Seq[Prompt]) -> tuple[list[str | None], list[list[int]]]:
         """Each prompt's text (None for token ids) and token ids."""
@@ -495,11 +565,24 @@ def _lora_requests(lora_request: LoRARequests, n: int) -> list[LoRARequest | Non
     return list(lora_request)
 
 
-def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:
+def _progress_bar(
+    use_tqdm: bool | Callable[..., Any], total: int, desc: str = "generating", unit: str = "req"
+) -> Any:
     if not use_tqdm:
         return None
     if callable(use_tqdm):
-        return use_tqdm(total=total, desc="generating", unit="req")
+        return use_tqdm(total=total, desc=desc, unit=unit)
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="generating", unit="req")
+    return tqdm(total=total, desc=desc, unit=unit)
+
+
+def _step_logprobs(output: RequestOutput) -> TokenLogprobs:
+    """The candidates of a beam's one-token request: its one token's logprobs entry."""
+    logprobs = output.outputs[0].logprobs
+    assert logprobs is not None and len(logprobs) == 1, "a beam's step asks for logprobs of one token"
+    return logprobs[0]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

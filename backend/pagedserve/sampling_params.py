@@ -543,3 +543,40 @@ class SamplingParams:
     def _check(ok: bool, name: str, message: str) -> None:
         if not ok:
             raise InvalidRequestError(name, message)
+
+
+@dataclass
+class BeamSearchParams:
+    """What `LLM.beam_search` takes, shaped like vLLM's `BeamSearchParams` (its fields, order and
+    defaults; vLLM checks none of them, these are checked here as SamplingParams' are, naming the field).
+
+    Each step every live beam is extended by its `2 * beam_width` most likely tokens (HF's and vLLM's
+    count: enough that `beam_width` beams go on when up to one candidate per beam is an EOS), so
+    `beam_width` is at most half of `logprobs`' limit. `temperature` only picks the one token sampled
+    at each step, which joins the candidates where it is not among them; the candidates' logprobs are
+    the raw model's, as vLLM's. `length_penalty` divides a beam's cumulative logprob by its length to
+    that power when beams of different lengths are ranked. `include_stop_str_in_output` is taken, as
+    vLLM's `LLM.beam_search` takes it, and changes nothing offline: `tokens` keep the EOS either way."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        check = SamplingParams._check
+        max_beam_width = MAX_LOGPROBS // 2
+        check(
+            _is_int(self.beam_width) and 1 <= self.beam_width <= max_beam_width,
+            "beam_width",
+            f"must be an integer in [1, {max_beam_width}] (each step asks for 2 * beam_width logprobs)",
+        )
+        check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            check(isinstance(getattr(self, name), bool), name, "must be a boolean")
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            check(_is_number(value) and _is_finite(value), name, f"must be a finite number, got {value!r}")
+        check(self.temperature >= 0.0, "temperature", "must be >= 0 (0 means greedy)")
