@@ -16,6 +16,7 @@ import shutil
 import pytest
 import torch
 from pagedserve import LLM, BeamSearchParams, SamplingParams
+from pagedserve.beam_search import BeamSearchSequence, beam_search_score
 
 PROMPTS = [
     "The capital of France is",
@@ -154,6 +155,18 @@ def test_length_penalty_counts_the_prompt(eos_llm: LLM, eos_model_dir: str) -> N
     ids = eos_llm.get_tokenizer().encode(PROMPTS[0])
     want, _ = hf_beams(eos_model_dir, ids, 2, eos=sorted(eos_ids), length_penalty=1.0)
     assert want[0] != output.sequences[0].tokens[len(ids) :]
+
+
+def test_the_score_is_vllms() -> None:
+    """vLLM's get_beam_search_score exactly: the length counts the prompt and not a final EOS token
+    (the test above ranks beams whose order these details do not change)."""
+    eos = frozenset({9})
+    ended = BeamSearchSequence([1, 2, 3, 4, 9], [], cum_logprob=-2.0)  # 4 tokens, the EOS not counted
+    live = BeamSearchSequence([1, 2, 3, 4, 5], [], cum_logprob=-2.0)
+    assert beam_search_score(ended, eos, 1.0) == -2.0 / 4
+    assert beam_search_score(live, eos, 1.0) == -2.0 / 5
+    assert beam_search_score(live, eos, 2.0) == -2.0 / 25
+    assert beam_search_score(live, eos, 0.0) == -2.0
 
 
 def test_concurrency_limit_gives_the_same_beams(llm: LLM) -> None:
