@@ -14,7 +14,8 @@ at once, counted once, and traced as the metrics count it.
   still read).
 
 Real servers on loopback (inprocess_server.py), real sockets; nothing is stubbed (one test injects a
-dead worker's failing step, as test_observability_audit does).
+dead worker's failing step, as test_observability_audit does; `finished_unread` holds steps back,
+unchanged, until its caller has read the first delta).
 
 The gRPC Generation service (rpc/server.py) asks `AsyncEngine.unread_final_delta` as the adapter
 does; its race needs a client to cancel between the engine's final delta and the servicer reading it
@@ -181,8 +182,34 @@ def adapter_request(max_tokens: int) -> LLMRequest:
 
 
 async def finished_unread(srv: InProcessServer, deltas: AsyncGenerator[RequestDelta, None]) -> None:
-    """Read the first delta and no more while the engine finishes the request."""
-    await anext(deltas)
+    """Read the first delta and no more while the engine finishes the request (`deltas` not started).
+
+    Once a step has sampled the request's first token, the engine's next step waits until that delta is
+    read. Unheld, a loop slower than the steps (a loaded machine; every time with the loop held for
+    0.5 s) took the passes of the request's last steps before the reader ran, and handed it their
+    deltas merged, the final one among them, as it hands any reader that is behind: that caller had
+    read its request to the end and left no final delta unread. The engine is idle first: a step of an
+    earlier request, aborted but still running, would sample a token the gate took for this one's."""
+    while not is_idle(srv):
+        await asyncio.sleep(0.01)
+    executor, read = srv.llm.executor, threading.Event()
+    sampled = False
+
+    def held_after_the_first_token(output: Any) -> Any:  # on the torch thread
+        nonlocal sampled
+        if sampled:
+            read.wait(timeout=30)
+        result = type(executor).execute(executor, output)
+        sampled = sampled or bool(result.sampled_token_ids)
+        return result
+
+    executor.execute = held_after_the_first_token
+    try:
+        first = await anext(deltas)
+    finally:
+        read.set()
+        del executor.execute
+    assert not first.request_finished, first
     while srv.llm.has_unfinished_requests():
         await asyncio.sleep(0.01)
     # It ended inside a step that may still be returning on the torch thread: the engine loop hands
