@@ -48,6 +48,8 @@ _OPTIONAL_PARAMS = (
     "skip_special_tokens",
     "prompt_logprobs",
     "truncate_prompt_tokens",
+    "detokenize",
+    "spaces_between_special_tokens",
 )
 _FINISH_REASONS = {
     "length": pb.LENGTH,
@@ -317,6 +319,29 @@ def request_tool_choice(request: pb.GenerateRequest, auto_parser: str | None) ->
     return tool_choice(tools(messages), messages.tool_choice, messages.tool_choice_function, auto_parser)
 
 
+def check_text_free(
+    request: pb.GenerateRequest,
+    params: SamplingParams,
+    tools: ToolChoice | None,
+    reasoning_parser: str | None,
+) -> None:
+    """Under `detokenize` false the output has no text: InvalidRequestError naming the field of a chat
+    request whose output the server would parse (`chat_outputs`: tool calls, reasoning). Stop strings
+    are refused by SamplingParams itself."""
+    if params.detokenize or request.WhichOneof("input") != "messages":
+        return
+    messages = request.messages
+    why = "needs the output's text, which detokenize false leaves undecoded"
+    if tools is not None:  # the calls are parsed out of the text, forced ones too
+        field = messages.WhichOneof("tool_selection") or "tools"
+        raise InvalidRequestError(field, f"the tool calls are parsed out of the text: {why}")
+    if reasoning_parser is not None:
+        raise InvalidRequestError(
+            "messages",
+            f"a chat's reasoning is parsed out of the text (--reasoning-parser {reasoning_parser}): {why}",
+        )
+
+
 class ChatOutputs:
     """A chat request's completions' text split by the server's parsers, each completion on its own:
     its reasoning first (`reasoning_content`, with --reasoning-parser), then the tool calls in the
@@ -395,7 +420,10 @@ def tokenize(request: pb.TokenizeRequest, engine: LLMEngine) -> pb.TokenizeRespo
 def detokenize(request: pb.DetokenizeRequest, engine: LLMEngine) -> pb.DetokenizeResponse:
     ids = list(request.token_ids)
     check_token_ids("token_ids", ids, engine.config.model.vocab_size)
-    text = str(engine.tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens))
+    # passed only when false, as the engine's detokenizer passes it (some decodes take no such keyword)
+    spaced = not request.HasField("spaces_between_special_tokens") or request.spaces_between_special_tokens
+    spaces = {} if spaced else {"spaces_between_special_tokens": False}
+    text = str(engine.tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens, **spaces))
     return pb.DetokenizeResponse(text=text)
 
 

@@ -221,6 +221,7 @@ class GenerationServicer:
             if params_of is None:
                 tools = convert.request_tool_choice(request, self.state.tool_call_parser)
                 params = convert.sampling_params(request.sampling, self.llm, tools)
+                convert.check_text_free(request, params, tools, self.state.reasoning_parser)
             else:
                 params = params_of(request)
             known.params = params
