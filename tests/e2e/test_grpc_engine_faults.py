@@ -79,10 +79,12 @@ def raise_on_next_call(owner: object, method: str, exc: Exception, *, once: bool
 
 
 async def start_streams(live: LiveServer, num: int) -> list[Any]:
-    """`num` streams that have each received their first token, so all of them are running."""
+    """`num` streams that have each received their first token, so all of them are running. A stream
+    read after the others may get its first tokens in one response (deltas queued while its reader was
+    behind are merged), so a response carries at least one token, not exactly one."""
     calls = [live.stub.Generate(request(f"Stream {i} says", max_tokens=MAX_TOKENS)) for i in range(num)]
     for call in calls:
-        assert len((await call.read()).token_ids) == 1
+        assert len((await call.read()).token_ids) >= 1
     return calls
 
 
