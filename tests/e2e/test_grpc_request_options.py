@@ -275,7 +275,8 @@ def test_a_bad_triton_priority_is_a_400_naming_it(priority_server: InProcessServ
 
 def test_cached_tokens_count_the_prompt_found_in_the_prefix_cache(fcfs_server: InProcessServer) -> None:
     """A prompt of 5 full blocks, twice: the second finds the first 4 in the cache (the last block is
-    computed again, as the last prompt token must run to sample from). Every response says so."""
+    computed again, as the last prompt token must run to sample from). Every response says so (the
+    3 tokens may come in fewer responses: deltas queued while the reader was behind are merged)."""
 
     def req(rid: str) -> pb.GenerateRequest:
         return pb.GenerateRequest(
@@ -286,8 +287,9 @@ def test_cached_tokens_count_the_prompt_found_in_the_prefix_cache(fcfs_server: I
 
     first = list(fcfs_server.stub.Generate(req("first"), timeout=60))
     second = list(fcfs_server.stub.Generate(req("second"), timeout=60))
-    assert [r.cached_tokens for r in first] == [0, 0, 0]
-    assert [r.cached_tokens for r in second] == [32, 32, 32]
+    for responses, cached in ((first, 0), (second, 32)):
+        assert sum(len(r.token_ids) for r in responses) == 3
+        assert {r.cached_tokens for r in responses} == {cached}
     assert fcfs_server.stub.Complete(req("third"), timeout=60).completions[0].cached_tokens == 32
 
 
