@@ -555,7 +555,8 @@ def test_prompt_logprobs_over_grpc_are_the_models(fcfs_server: InProcessServer, 
 
     responses = list(fcfs_server.stub.Generate(request("plp", max_tokens=3, prompt_logprobs=3), timeout=60))
     entries = responses[0].prompt_logprobs
-    assert [len(r.prompt_logprobs) for r in responses] == [len(PROMPT) - 1, 0, 0]
+    assert len(responses[0].prompt_logprobs) == len(PROMPT) - 1
+    assert not any(r.prompt_logprobs for r in responses[1:])  # (its 3 tokens in up to 3 responses)
     assert [e.sampled.token_id for e in entries] == PROMPT[1:]
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
     with torch.no_grad():
