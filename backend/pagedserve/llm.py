@@ -27,7 +27,7 @@ from pagedserve.outputs import (
     TokenLogprobs,
 )
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams, _is_int
 from pagedserve.settings import EngineSettings
 from pagedserve.tool_calls import call_arguments
 
@@ -582,7 +582,3 @@ def _step_logprobs(output: RequestOutput) -> TokenLogprobs:
     logprobs = output.outputs[0].logprobs
     assert logprobs is not None and len(logprobs) == 1, "a beam's step asks for logprobs of one token"
     return logprobs[0]
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -270,7 +270,7 @@ INVALID = [
     # n sequences were built on the event loop: 2**62 of them froze it until the kernel killed the server
     ("n", pb.GenerateRequest(text="hi", sampling=_sp(n=2**62))),
     # min_tokens bans the stop ids by index: one past the vocabulary failed the whole batch's step
-    ("stop_token_ids", pb.GenerateRequest(text="hi", sampling=_sp(stop_token_ids=[49152], min_tokens=2))),
+    ("stop_token_ids[0]", pb.GenerateRequest(text="hi", sampling=_sp(stop_token_ids=[49152], min_tokens=2))),
     # every stop string is searched after every token on the thread that steps everyone
     ("stop", pb.GenerateRequest(text="hi", sampling=_sp(stop=[f"s{i}" for i in range(65)]))),
     ("stop", pb.GenerateRequest(text="hi", sampling=_sp(stop=["s" * 1025]))),

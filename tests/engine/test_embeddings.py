@@ -155,7 +155,7 @@ def test_bad_embed_calls_name_what_is_wrong(llm: LLM) -> None:
     assert caught.value.field == "pooling_params"
     with pytest.raises(InvalidRequestError) as caught:
         llm.embed([[1, 10**9]])
-    assert caught.value.field == "prompt_token_ids"
+    assert caught.value.field == "prompt_token_ids[1]"
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

@@ -205,8 +205,8 @@ def test_abort_frees_blocks_and_id_is_reusable(engine: LLMEngine) -> None:
 
 INVALID_REQUESTS = [
     ("prompt", [], {}),
-    ("prompt_token_ids", [1, 49152], {}),
-    ("prompt_token_ids", [1, -1], {}),
+    ("prompt_token_ids[1]", [1, 49152], {}),  # the id named by its index
+    ("prompt_token_ids[1]", [1, -1], {}),
     ("prompt", [1] * 1024, {}),
     ("max_tokens", [1] * 1000, {"max_tokens": 100}),
 ]

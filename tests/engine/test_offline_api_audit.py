@@ -144,8 +144,8 @@ def test_aborting_a_request_a_cut_short_step_ended_forgets_it(llm: LLM) -> None:
 BAD_INPUTS = [
     ([PROMPTS[0], []], GREEDY, "prompt", "prompts[1]"),
     ([PROMPTS[0], ""], GREEDY, "prompt", "prompts[1]"),  # this tokenizer adds no BOS: no tokens
-    ([PROMPTS[0], [1, 49152]], GREEDY, "prompt_token_ids", "prompts[1]"),
-    ([PROMPTS[0], [1, -1]], GREEDY, "prompt_token_ids", "prompts[1]"),
+    ([PROMPTS[0], [1, 49152]], GREEDY, "prompt_token_ids[1]", "49152 is not in [0, 49152) (prompts[1])"),
+    ([PROMPTS[0], [1, -1]], GREEDY, "prompt_token_ids[1]", "prompts[1]"),
     ([PROMPTS[0], [1, 2.5]], GREEDY, "prompt_token_ids", "prompts[1]"),
     ([PROMPTS[0], [1, True]], GREEDY, "prompt_token_ids", "prompts[1]"),
     ([PROMPTS[0], [1] * 1024], GREEDY, "prompt", "context length 1024"),

@@ -29,13 +29,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        # Passed to transformers' decode only when False: True was the default where transformers used it
-        # (its slow tokenizers, before transformers 5); its fast ones ignore it, as the `tokenizers`
-        # library has no such option; and a decode that refuses unknown keywords (mistral-common's)
-        # still works for every request that leaves it at True.
-        self._decode_kwargs = (
-            {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
-        )
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self._rust_decode = _rust_decode(tokenizer)
         self.token_ids = self._prompt_context(prompt_token_ids)
         self.prefix_offset = 0
@@ -116,13 +110,25 @@ class IncrementalDetokenizer:
         return full[len(prefix) :]
 
     def _decode(self, token_ids: list[int]) -> str:
-        if self._rust_decode is not None:
+        if self._rust_decode is not None:  # (fast tokenizers ignore spaces_between_special_tokens)
             return self._rust_decode(token_ids, skip_special_tokens=self.skip_special_tokens)
-        return str(
-            self.tokenizer.decode(
-                token_ids, skip_special_tokens=self.skip_special_tokens, **self._decode_kwargs
-            )
+        return decode_ids(
+            self.tokenizer, token_ids, self.skip_special_tokens, self.spaces_between_special_tokens
         )
+
+
+def decode_ids(
+    tokenizer: Any,
+    token_ids: list[int],
+    skip_special_tokens: bool,
+    spaces_between_special_tokens: bool = True,
+) -> str:
+    """The tokenizer's decode with vLLM's flags. `spaces_between_special_tokens` is passed only when
+    False: True was the default where transformers used it (its slow tokenizers, before transformers 5);
+    its fast ones ignore it, as the `tokenizers` library has no such option; and a decode that refuses
+    unknown keywords (mistral-common's) still works for every request that leaves it at True."""
+    spaces = {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+    return str(tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens, **spaces))
 
 
 def _rust_decode(tokenizer: Any) -> Callable[..., str] | None:

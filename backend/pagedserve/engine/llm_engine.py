@@ -17,7 +17,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.block_manager import BlockManager, KvEvent
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.scheduler_output import ModelRunnerOutput
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.detokenizer import IncrementalDetokenizer, decode_ids
 from pagedserve.engine.structured_output import StructuredOutputs
 from pagedserve.errors import (
     AdapterInUseError,
@@ -197,8 +197,13 @@ class LLMEngine:
             )
         return prompt_token_ids[-k:]
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
+    def decode(
+        self,
+        token_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        return decode_ids(self.tokenizer, token_ids, skip_special_tokens, spaces_between_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token's text as a logprob names it (`decode([token_id])`), decoded once per token id: a
@@ -334,10 +339,8 @@ class LLMEngine:
             )
         if params.n > max_num_seqs:  # its n sequences must fit one batch (and n objects the memory)
             raise InvalidRequestError("n", f"must be at most {max_num_seqs}, the engine's --max-num-seqs")
-        if any(t >= vocab_size for t in params.stop_token_ids):  # min_tokens bans them by index
-            raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {vocab_size})")
-        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
-            raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")
+        check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)  # min_tokens bans them by index
+        check_token_ids("prompt_token_ids", prompt_token_ids, vocab_size)
         self._validate_logit_controls(params)
 
     def _max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -810,6 +813,16 @@ class _Completion:
     request_id: str
     index: int
     detokenizer: IncrementalDetokenizer | None
+
+
+def check_token_ids(field: str, token_ids: list[int], vocab_size: int) -> None:
+    """InvalidRequestError naming the first id outside the vocabulary by its index and value, under
+    `field` as the caller wrote it (`token_ids[3]: 50000 is not in [0, 49152)`): "must be in [0, vocab)"
+    left the caller to find it in a long list. min and max run in C, so a list in range costs no Python
+    loop."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        i = next(i for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
+        raise InvalidRequestError(f"{field}[{i}]", f"{token_ids[i]} is not in [0, {vocab_size})")
 
 
 def _note_swap_in(seq: Sequence, now: float) -> None:

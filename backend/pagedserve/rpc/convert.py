@@ -12,7 +12,7 @@ from google.protobuf.message import DecodeError, Message
 from pagedserve.chat_template import whole_numbers_as_ints
 from pagedserve.core.block_manager import BlockStored
 from pagedserve.engine.async_engine import KvEventBatch
-from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.llm_engine import LLMEngine, check_token_ids
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import RequestDelta, TokenLogprobs
 from pagedserve.pooling_params import PoolingParams
@@ -246,15 +246,6 @@ def prompt_token_ids(request: pb.GenerateRequest | pb.EmbedRequest, engine: LLME
     raise InvalidRequestError("input", f"set one of {', '.join(inputs[:-1])} or {inputs[-1]}")
 
 
-def check_token_ids(field: str, token_ids: list[int], vocab_size: int) -> None:
-    """InvalidRequestError naming the first id outside the vocabulary by its index and value
-    (`token_ids[3]: 50000 is not in [0, 49152)`): "must be in [0, vocab)" left the client to find it in
-    a long list. min and max run in C, so a long list in range costs no Python loop."""
-    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
-        i = next(i for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
-        raise InvalidRequestError(f"{field}[{i}]", f"{token_ids[i]} is not in [0, {vocab_size})")
-
-
 def chat_token_ids(messages: pb.ChatMessages, engine: LLMEngine) -> list[int]:
     if not messages.messages:
         raise InvalidRequestError("messages", "must not be empty")
@@ -420,11 +411,8 @@ def tokenize(request: pb.TokenizeRequest, engine: LLMEngine) -> pb.TokenizeRespo
 def detokenize(request: pb.DetokenizeRequest, engine: LLMEngine) -> pb.DetokenizeResponse:
     ids = list(request.token_ids)
     check_token_ids("token_ids", ids, engine.config.model.vocab_size)
-    # passed only when false, as the engine's detokenizer passes it (some decodes take no such keyword)
     spaced = not request.HasField("spaces_between_special_tokens") or request.spaces_between_special_tokens
-    spaces = {} if spaced else {"spaces_between_special_tokens": False}
-    text = str(engine.tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens, **spaces))
-    return pb.DetokenizeResponse(text=text)
+    return pb.DetokenizeResponse(text=engine.decode(ids, request.skip_special_tokens, spaced))
 
 
 def response(delta: RequestDelta, prompt_token_ids: list[int] | None = None) -> pb.GenerateResponse:
