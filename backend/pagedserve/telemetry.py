@@ -38,6 +38,10 @@ ABORT_CAUSES = ("client_cancel", "deadline", "abort_rpc", "drain", "stream_error
 # HTTP 400), the queue full (RESOURCE_EXHAUSTED, 429), the server not serving (starting, draining, the
 # engine dead: UNAVAILABLE, 503), an unknown model or version (a KServe v2 / Triton call: NOT_FOUND, 404).
 REJECTION_REASONS = ("invalid", "queue_full", "unavailable", "not_found")
+# OpenTelemetry's `error.type` on a request span that ended in error (the semantic conventions' low
+# cardinality class of the error): a refused request's is its rejection reason above; a request the
+# engine failed under it (a model fault, the engine dying) has this one.
+ENGINE_ERROR = "engine_error"
 
 
 @dataclass
@@ -611,8 +615,9 @@ _EVENTS = {  # kind in RequestMetrics.preemption_events -> span events
 class RequestTracer:
     """One server span per request, continuing the caller's W3C trace, with child spans for tokenize,
     queue, prefill and decode built from the request's timestamps when it ends, and events for
-    preemption and swap; a request refused before it ran gets its span too (`refuse`), with status
-    ERROR.
+    preemption and swap; a request refused before it ran gets its span too (`refuse`). A span that
+    ended in error has status ERROR with the message and `error.type` (ENGINE_ERROR, or the refusal's
+    reason).
 
     `provider=None` disables tracing: no tracer, no processor, and every front end's call returns at
     once without reading the request's metadata."""
@@ -692,6 +697,7 @@ class RequestTracer:
                 span.add_event(event, attrs, timestamp=self._ns(when))
         if delta.finish_reason == "error":
             span.set_status(Status(StatusCode.ERROR, delta.error or "generation failed"))
+            span.set_attribute("error.type", ENGINE_ERROR)
         span.end(end_time=self._ns(end))
 
     def refuse(
@@ -716,6 +722,7 @@ class RequestTracer:
         attrs: dict[str, Any] = {
             "gen_ai.request.model": model or self.model_name,
             "gen_ai.pagedserve.rejection_reason": reason,
+            "error.type": reason,
         }
         if request_id:
             attrs["gen_ai.request.id"] = request_id

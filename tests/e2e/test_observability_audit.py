@@ -27,6 +27,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from pagedserve.errors import EngineDeadError
 from pagedserve.rpc.v1 import generate_pb2 as pb
+from pagedserve.telemetry import ENGINE_ERROR
 
 MODEL = "tiny"
 MAX_TOKENS = 900  # seconds of tokens on the tiny model: still running when the fault is injected
@@ -156,6 +157,7 @@ def test_a_request_failed_by_a_dead_engine_ends_its_span_with_error(
     assert span.status.status_code is StatusCode.ERROR, span.status
     assert FAULT in (span.status.description or "")
     assert span.attributes["gen_ai.response.finish_reasons"] == ("error",)
+    assert span.attributes["error.type"] == ENGINE_ERROR
 
 
 @pytest.mark.slow
@@ -288,6 +290,7 @@ def test_a_model_fault_under_an_n_2_request_ends_its_span_with_error(
         span = server_span(exporter, trace_id)
         assert span.status.status_code is StatusCode.ERROR and fault in (span.status.description or "")
         assert span.attributes["gen_ai.response.finish_reasons"] == ("error", "error")  # one a completion
+        assert span.attributes["error.type"] == ENGINE_ERROR
         assert span.attributes["gen_ai.request.n"] == 2
 
 

@@ -108,6 +108,7 @@ def check_span_shape(spans: list[ReadableSpan], trace_id: int, **expected: Any) 
         actual = attrs[f"gen_ai.{name}"]
         assert actual == (pytest.approx(value) if isinstance(value, float) else value), name
     assert attrs["gen_ai.request.model"] == MODEL
+    assert "error.type" not in attrs and span.status.status_code is not StatusCode.ERROR  # it succeeded
     latency = {k: attrs[f"gen_ai.latency.{k}"] for k in ("time_in_queue", "time_to_first_token", "e2e")}
     assert 0 <= latency["time_in_queue"] < latency["time_to_first_token"] < latency["e2e"]
     assert latency["e2e"] <= (span.end_time - span.start_time) / 1e9 + 1e-6
@@ -395,6 +396,7 @@ def check_refusal_span(
     assert span.status.status_code is StatusCode.ERROR
     assert span.status.description == description
     assert span.attributes[REJECTION_REASON] == reason
+    assert span.attributes["error.type"] == reason  # OpenTelemetry's class of the error
     for name, value in expected.items():
         assert span.attributes.get(f"gen_ai.{name}") == value, name
     assert "gen_ai.response.finish_reasons" not in span.attributes  # nothing ran to finish
