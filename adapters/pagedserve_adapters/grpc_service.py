@@ -157,7 +157,8 @@ class InferenceServicer:
                 completion.add(delta)
             outputs = completion.final_outputs()
         except AdapterError as exc:
-            self.model.refuse(exc, carrier, started, parsed, getattr(request, "model_name", ""))
+            model, client_id = getattr(request, "model_name", ""), getattr(request, "id", "")
+            self.model.refuse(exc, carrier, started, parsed, model, client_id)
             await context.abort(_STATUS[exc.kind], str(exc))
         return self._response(request.id, outputs, final=None)
 
@@ -236,7 +237,8 @@ class InferenceServicer:
                     responses.put_nowait(self._response(request.id, completion.final_outputs(), False))
                 responses.put_nowait(self._response(request.id, [], True))
         except AdapterError as exc:
-            self.model.refuse(exc, carrier, started, parsed, getattr(request, "model_name", ""))
+            model, client_id = getattr(request, "model_name", ""), getattr(request, "id", "")
+            self.model.refuse(exc, carrier, started, parsed, model, client_id)
             responses.put_nowait((request_id, exc))
         except Exception as exc:  # a bug, or a request too big to hold: still an answer, never a hang
             logger.exception("stream request %r failed", request_id)
@@ -257,6 +259,7 @@ class InferenceServicer:
                 [output.name for output in request.outputs],
                 empty_final=empty_final and stream,
                 make_params=self.model.sampling_params,
+                client_id=request.id,
             )
         except InvalidRequestError as exc:
             raise AdapterError("invalid", str(exc)) from None

@@ -143,6 +143,7 @@ class LLMRequest:
     priority: int = 0  # Triton's request priority: 0 the default level, 1 the most urgent
     timeout_us: int = 0  # Triton's request timeout in microseconds (0: none): aborted when it passes
     lora_name: str | None = None  # the LoRA adapter to run through (None: the base model)
+    client_id: str = ""  # the request's own `id`, echoed in its responses and put on its span
 
 
 def parse_request(
@@ -151,10 +152,11 @@ def parse_request(
     requested_outputs: Sequence[str] = (),
     empty_final: bool = False,
     make_params: Callable[..., SamplingParams] = SamplingParams,
+    client_id: str = "",
 ) -> LLMRequest:
     """Validate the decoded inputs against the model's tensors; every error names its field.
     `make_params` builds the sampling parameters from those given (`LLMModel.sampling_params`: the
-    model's defaults for the rest)."""
+    model's defaults for the rest); `client_id` is the request's `id`."""
     values: dict[str, Any] = {}
     for tensor in inputs:
         spec = _INPUT_SPECS.get(tensor.name)
@@ -220,6 +222,7 @@ def parse_request(
         priority=priority,
         timeout_us=timeout_us,
         lora_name=lora_name,
+        client_id=client_id,
     )
 
 
@@ -565,13 +568,14 @@ class LLMModel:
         started: float,
         request: LLMRequest | None = None,
         model: str = "",
+        client_id: str = "",
     ) -> None:
         """A call's error: a request refused before it ran (a bad field, an unknown model, the queue
         full, the server not serving) is counted in pagedserve:request_rejections by its reason once
         the engine is bound, and traced from `started` (time.monotonic(), when the call came in) under
-        the caller's trace in `carrier` (the call's metadata or headers), with the `model` it named and
-        its parameters once parsed (`request`). Any other error ends a request that ran: `generate`
-        counts and traces that one."""
+        the caller's trace in `carrier` (the call's metadata or headers), with the `model` and `id`
+        (`client_id`) it gave and its parameters once parsed (`request`). Any other error ends a
+        request that ran: `generate` counts and traces that one."""
         reason = _REJECTION_REASONS.get(exc.kind if isinstance(exc, AdapterError) else "invalid")
         if reason is None:
             return
@@ -581,7 +585,9 @@ class LLMModel:
         if tracer.enabled:
             request_id = exc.request_id if isinstance(exc, AdapterError) else ""
             params = request.params if request is not None else None
-            tracer.refuse(carrier, reason, str(exc), started, request_id, params, model[:256])
+            tracer.refuse(
+                carrier, reason, str(exc), started, request_id, params, model[:256], client_id[:256]
+            )
 
     def is_ready(self, name: str, version: str) -> bool:
         return self.ready and name == self.name and version in ("", self.version)
@@ -665,7 +671,9 @@ class LLMModel:
             last = engine.unread_final_delta(rid) or last
             self._count(started, tokenized, last)
             if not refused:
-                tracer.finish_request(carrier, rid, request.params, last, tokenized, len(prompt))
+                tracer.finish_request(
+                    carrier, rid, request.params, last, tokenized, len(prompt), request.client_id[:256]
+                )
 
     def _count(self, started: float, tokenized: tuple[float, float], last: RequestDelta | None) -> None:
         elapsed_ns = int((time.monotonic() - started) * 1e9)

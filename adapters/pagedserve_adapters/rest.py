@@ -213,9 +213,11 @@ class RestApi:
         request: web.Request,
         started: float,
         parsed: LLMRequest | None,
+        client_id: str = "",
     ) -> web.Response:
-        """An inference call's error answer, its refusal counted and traced (LLMModel.refuse)."""
-        self.model.refuse(exc, request.headers, started, parsed, request.match_info["model"])
+        """An inference call's error answer, its refusal counted and traced (LLMModel.refuse) with the
+        request's `id` once read (`client_id`)."""
+        self.model.refuse(exc, request.headers, started, parsed, request.match_info["model"], client_id)
         return _error(exc)
 
     def _resolve(self, request: web.Request) -> None:
@@ -227,6 +229,7 @@ class RestApi:
         """`/infer`: JSON tensors, or Triton's binary extension (JSON header, then raw tensor data)."""
         started = time.monotonic()
         parsed: LLMRequest | None = None
+        request_id = ""  # the request's `id`, once read
         try:
             self._resolve(request)
             doc, binary = await _infer_body(request)
@@ -254,10 +257,11 @@ class RestApi:
                 parameters,
                 [str(o.get("name")) for o in outputs_wanted],  # as asked: a name twice is refused
                 make_params=self.model.sampling_params,
+                client_id=request_id,
             )
             outputs = (await self._complete(parsed, request)).final_outputs()
         except (AdapterError, InvalidRequestError) as exc:
-            return self._refused(exc, request, started, parsed)
+            return self._refused(exc, request, started, parsed, request_id)
         binary_default = parameters.get("binary_data_output") is True
         binary_outputs = {
             name: given.get("binary_data", binary_default) is True
@@ -269,18 +273,19 @@ class RestApi:
         """`/generate`: one JSON object with the whole completion."""
         started = time.monotonic()
         parsed: LLMRequest | None = None
+        request_id = ""  # the request's `id`, once read
         try:
             self._resolve(request)
             doc = _object(await _json_body(request), "request")
             request_id = _request_id(doc)
-            parsed = _generate_request(doc, False, self.model.sampling_params)
+            parsed = _generate_request(doc, False, self.model.sampling_params, request_id)
             if parsed.stream:
                 raise InvalidRequestError(
                     "parameters.stream", "/generate sends one response; use /generate_stream"
                 )
             outputs = (await self._complete(parsed, request)).final_outputs()
         except (AdapterError, InvalidRequestError) as exc:
-            return self._refused(exc, request, started, parsed)
+            return self._refused(exc, request, started, parsed, request_id)
         return web.json_response(_generate_body(self.model, request_id, outputs))
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
@@ -290,6 +295,7 @@ class RestApi:
         stalled = False
         started = time.monotonic()
         parsed: LLMRequest | None = None
+        request_id = ""  # the request's `id`, once read
 
         def cause() -> str:
             return STALLED_CLIENT if stalled else "client_cancel"
@@ -298,12 +304,12 @@ class RestApi:
             self._resolve(request)
             doc = _object(await _json_body(request), "request")
             request_id = _request_id(doc)
-            parsed = _generate_request(doc, True, self.model.sampling_params)
+            parsed = _generate_request(doc, True, self.model.sampling_params, request_id)
             completion = Completion(parsed)
             deltas = self.model.generate(parsed, dict(request.headers), cause)
             first = await anext(deltas)
         except (AdapterError, InvalidRequestError) as exc:
-            return self._refused(exc, request, started, parsed)
+            return self._refused(exc, request, started, parsed, request_id)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         send = self.model.server.write_watch.send
         try:
@@ -497,7 +503,10 @@ def _infer_response(
 
 
 def _generate_request(
-    doc: dict[str, Any], stream_default: bool, make_params: Callable[..., SamplingParams]
+    doc: dict[str, Any],
+    stream_default: bool,
+    make_params: Callable[..., SamplingParams],
+    client_id: str = "",
 ) -> LLMRequest:
     """Triton's generate extension: `text_input`, `parameters` (sampling parameters and switches), and
     any other top-level property: an input where it names one of the model's, else a parameter, as
@@ -520,7 +529,7 @@ def _generate_request(
         inputs.append(Tensor(key, _SWITCH_INPUTS[key], [1], [value]))
     if "stream" not in doc and "stream" not in parameters:
         parameters["stream"] = stream_default
-    return parse_request(inputs, parameters, make_params=make_params)
+    return parse_request(inputs, parameters, make_params=make_params, client_id=client_id)
 
 
 def _generate_body(model: LLMModel, request_id: str, outputs: list[Tensor]) -> dict[str, Any]:

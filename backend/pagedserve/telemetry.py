@@ -42,6 +42,9 @@ REJECTION_REASONS = ("invalid", "queue_full", "unavailable", "not_found")
 # cardinality class of the error): a refused request's is its rejection reason above; a request the
 # engine failed under it (a model fault, the engine dying) has this one.
 ENGINE_ERROR = "engine_error"
+# The span attribute of the id a KServe v2 or Triton client gave its request (the protocol's `id`): the
+# engine's own id (gen_ai.request.id) is unique, the client's need not be.
+CLIENT_REQUEST_ID = "gen_ai.pagedserve.client_request_id"
 
 
 @dataclass
@@ -650,6 +653,7 @@ class RequestTracer:
         last: RequestDelta | None,
         tokenize: tuple[float, float],
         num_prompt_tokens: int,
+        client_request_id: str = "",
     ) -> None:
         """What every front end calls when a request's call ends, however it ended. `last` is the
         request's final delta: the one the call read, or the one the engine ended the request with
@@ -661,7 +665,9 @@ class RequestTracer:
         if last is None or not last.request_finished:
             error = last.error if last is not None and last.finish_reason == "error" else None
             last = RequestDelta.ended_early(request_id, last, num_prompt_tokens, tokenize[1], error)
-        self.record(self.extract(carrier), request_id, params, last, tokenize)
+        self.record(
+            self.extract(carrier), request_id, params, last, tokenize, client_request_id=client_request_id
+        )
 
     def record(
         self,
@@ -671,8 +677,11 @@ class RequestTracer:
         delta: RequestDelta,
         tokenize: tuple[float, float] | None = None,
         end: float | None = None,
+        client_request_id: str = "",
     ) -> None:
-        """Emit the spans of a request that ended with final delta `delta`. Times are time.monotonic()."""
+        """Emit the spans of a request that ended with final delta `delta`. Times are time.monotonic().
+        `client_request_id`: the id the client's own protocol gave the request (KServe v2's and Triton's
+        `id`, echoed in their responses), beside the engine's id."""
         if self._tracer is None:
             return
         from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
@@ -687,6 +696,8 @@ class RequestTracer:
             start_time=self._ns(start),
             attributes=self._attributes(request_id, params, delta, end),
         )
+        if client_request_id:
+            span.set_attribute(CLIENT_REQUEST_ID, client_request_id)
         child_context = set_span_in_context(span)
         for name, span_start, span_end in self._phases(metrics, tokenize, end):
             child = self._tracer.start_span(name, context=child_context, start_time=self._ns(span_start))
@@ -709,6 +720,7 @@ class RequestTracer:
         request_id: str = "",
         params: Any | None = None,
         model: str = "",
+        client_request_id: str = "",
     ) -> None:
         """The span of a request refused before it ran, for `reason` (a REJECTION_REASONS value, as
         pagedserve:request_rejections counts it): from `started` (time.monotonic(), when its call came
@@ -726,6 +738,8 @@ class RequestTracer:
         }
         if request_id:
             attrs["gen_ai.request.id"] = request_id
+        if client_request_id:
+            attrs[CLIENT_REQUEST_ID] = client_request_id
         if params is not None:
             attrs.update(self._params_attributes(params))
         span = self._tracer.start_span(

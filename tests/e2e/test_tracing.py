@@ -338,6 +338,7 @@ def test_triton_stream_infer_yields_the_same_span(
         },
     )
     assert span.attributes["gen_ai.request.id"].startswith("v2-")
+    assert span.attributes["gen_ai.pagedserve.client_request_id"] == "triton-1"  # the client's own
 
 
 def test_rest_generate_stream_yields_the_same_span(
@@ -345,6 +346,7 @@ def test_rest_generate_stream_yields_the_same_span(
 ) -> None:
     trace_id, metadata = new_trace()
     body = {
+        "id": "rest-1",
         "text_input": "Hello there",
         "parameters": {"temperature": 0, "max_tokens": 5, "ignore_eos": True},
     }
@@ -364,6 +366,7 @@ def test_rest_generate_stream_yields_the_same_span(
             "usage.prompt_tokens": len(server.llm.encode_prompt("Hello there")),
             "usage.completion_tokens": 5,
             "response.finish_reasons": ("length",),
+            "pagedserve.client_request_id": "rest-1",
         },
     )
 
@@ -555,13 +558,19 @@ def test_kserve_grpc_infer_refusals_have_error_spans(
         trace_id,
         "not_found",
         details,
-        **{"request.model": "no-such-model"},
+        **{"request.model": "no-such-model", "pagedserve.client_request_id": "client-id"},
     )
 
     trace_id, metadata = new_trace()
     req = v2_request(MODEL, max_tokens=3, temperature=-1)
     details = refused_grpc(lambda: infer(req, metadata), grpc.StatusCode.INVALID_ARGUMENT)
-    check_refusal_span(refusal_spans(exporter, trace_id), trace_id, "invalid", details)
+    check_refusal_span(
+        refusal_spans(exporter, trace_id),
+        trace_id,
+        "invalid",
+        details,
+        **{"pagedserve.client_request_id": "client-id"},
+    )
 
     trace_id, metadata = new_trace()
     with queue_bound(server, 0, once_admitted=True):
@@ -588,7 +597,13 @@ def test_triton_stream_infer_refusals_have_error_spans(
         )
         assert len(replies) == 1 and replies[0].error_message, replies
         assert replies[0].infer_response.id == "client-id"
-        check_refusal_span(refusal_spans(exporter, trace_id), trace_id, reason, replies[0].error_message)
+        check_refusal_span(
+            refusal_spans(exporter, trace_id),
+            trace_id,
+            reason,
+            replies[0].error_message,
+            **{"pagedserve.client_request_id": "client-id"},
+        )
     trace_id, metadata = new_trace()
     with server_status(server, "draining"):
         replies = list(stub.ModelStreamInfer(iter([v2_request(MODEL)]), metadata=metadata, timeout=60))
@@ -623,6 +638,17 @@ def test_kserve_rest_infer_refusals_have_error_spans(
         code, error = post_json(server, path, body, dict(metadata))
         assert code == status, error
         check_refusal_span(refusal_spans(exporter, trace_id), trace_id, reason, error)
+    trace_id, metadata = new_trace()  # a request refused once its `id` was read: the span keeps it
+    body = json.dumps({"id": "rest-client-id", "parameters": {"max_tokens": 3}}).encode()
+    code, error = post_json(server, f"/v2/models/{MODEL}/generate", body, dict(metadata))
+    assert code == 400 and "text_input" in error, error
+    check_refusal_span(
+        refusal_spans(exporter, trace_id),
+        trace_id,
+        "invalid",
+        error,
+        **{"pagedserve.client_request_id": "rest-client-id"},
+    )
     trace_id, metadata = new_trace()
     with server_status(server, "draining"):
         code, error = post_json(
