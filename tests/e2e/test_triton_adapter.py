@@ -851,8 +851,12 @@ def test_stream_interval_reaches_triton_and_kserve_streams(tiny_llama_dir: str, 
     finally:
         proc.stop()
     assert all(error is None for _, error in got)
-    assert [int(result.as_numpy("num_output_tokens")[0]) for result, _ in got] == [1, 3, 3]
+    # [1, 3, 3] tokens a response; responses queued while the server's writer was behind (a loaded
+    # host) come merged, so a response may end after 4 tokens but never elsewhere
+    counts = [int(result.as_numpy("num_output_tokens")[0]) for result, _ in got]
+    ends = [sum(counts[: i + 1]) for i in range(len(counts))]
+    assert set(ends) <= {1, 4, 7} and ends[-1] == 7, counts
     assert "".join(result.as_numpy("text_output")[0].decode() for result, _ in got) == expected
     events = [json.loads(line[len("data: ") :]) for line in body.splitlines() if line.startswith("data: ")]
-    assert status == 200 and len(events) == 3
+    assert status == 200 and 1 <= len(events) <= 3  # 3, or fewer merged
     assert "".join(e["text_output"] for e in events) == expected
