@@ -1,5 +1,5 @@
-"""Beam search's beams, their score and one prompt's search, as vLLM's `LLM.beam_search` keeps them;
-the engine calls that extend the beams are `LLM.beam_search`'s."""
+"""Beam search's beams, their score and one prompt's search, as vLLM's `LLM.beam_search` keeps them,
+and what a round asks of the engine; the engine calls that extend the beams are `LLM.beam_search`'s."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pagedserve.lora_request import LoRARequest
 from pagedserve.outputs import TokenLogprobs
-from pagedserve.sampling_params import BeamSearchParams
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclass
@@ -109,3 +109,17 @@ class BeamSearch:
         for beam in ranked:
             beam.text = decode(beam.tokens)
         return BeamSearchOutput(ranked)
+
+
+def step_params(params: BeamSearchParams) -> SamplingParams:
+    """What a round asks of the engine for each live beam: one token, the logprobs of its `2 *
+    beam_width` most likely (the beam's candidates), and no text."""
+    return SamplingParams(
+        temperature=params.temperature, max_tokens=1, logprobs=2 * params.beam_width, detokenize=False
+    )
+
+
+def step_candidates(logprobs: list[TokenLogprobs] | None) -> TokenLogprobs:
+    """A beam's candidates from the output of its one-token request: that token's logprobs entry."""
+    assert logprobs is not None and len(logprobs) == 1, "a beam's step asks for logprobs of one token"
+    return logprobs[0]

@@ -14,7 +14,7 @@ from itertools import count
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from pagedserve.beam_search import BeamSearch, BeamSearchOutput
+from pagedserve.beam_search import BeamSearch, BeamSearchOutput, step_candidates, step_params
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import InvalidRequestError
 from pagedserve.lora_request import LoRARequest
@@ -24,7 +24,6 @@ from pagedserve.outputs import (
     EmbeddingRequestOutput,
     RequestDelta,
     RequestOutput,
-    TokenLogprobs,
 )
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams, _is_int
@@ -212,9 +211,7 @@ class LLM:
         self, searches: list[BeamSearch], params: BeamSearchParams, use_tqdm: bool | Callable[..., Any]
     ) -> None:
         """Extend the searches' beams a token a round, all of them in one engine call each round."""
-        step_params = SamplingParams(
-            temperature=params.temperature, max_tokens=1, logprobs=2 * params.beam_width, detokenize=False
-        )
+        step = step_params(params)
         max_model_len = self.engine.config.model.max_model_len
         progress = _progress_bar(use_tqdm, params.max_tokens, "beam search", "token")
         try:
@@ -228,14 +225,14 @@ class LLM:
                     self._run(
                         [None] * len(beams),
                         [beam.tokens for beam in beams],
-                        step_params,
+                        step,
                         False,
                         None,
                         [beam.lora_request for beam in beams],
                     )
                 )
                 for search in searches:
-                    search.extend([_step_logprobs(next(outputs)) for _ in search.beams])
+                    search.extend([step_candidates(next(outputs).outputs[0].logprobs) for _ in search.beams])
                 if progress is not None:
                     progress.update(1)
         finally:
@@ -575,10 +572,3 @@ def _progress_bar(
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit)
-
-
-def _step_logprobs(output: RequestOutput) -> TokenLogprobs:
-    """The candidates of a beam's one-token request: its one token's logprobs entry."""
-    logprobs = output.outputs[0].logprobs
-    assert logprobs is not None and len(logprobs) == 1, "a beam's step asks for logprobs of one token"
-    return logprobs[0]
