@@ -1,5 +1,6 @@
 """Beam search's beams, their score and one prompt's search, as vLLM's `LLM.beam_search` keeps them,
-and what a round asks of the engine; the engine calls that extend the beams are `LLM.beam_search`'s."""
+and what a round asks of the engine; the engine calls that extend the beams are `LLM.beam_search`'s
+(offline) and `AsyncEngine.beam_search`'s (the servers)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedserve.lora_request import LoRARequest
-from pagedserve.outputs import TokenLogprobs
+from pagedserve.outputs import RequestDelta, RequestMetrics, TokenLogprobs
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -101,13 +102,15 @@ class BeamSearch:
             beam.finish_reason = reason
         self.finished.extend(beams)
 
-    def best(self, decode: Callable[[list[int]], str]) -> BeamSearchOutput:
-        """End the search: the best `beam_width` of the finished and the live beams, with their text."""
+    def best(self, decode: Callable[[list[int]], str] | None = None) -> BeamSearchOutput:
+        """End the search: the best `beam_width` of the finished and the live beams, with their text
+        where `decode` is given (a server decodes their generated tokens alone, off the event loop)."""
         self.finish(self.beams, "length")
         self.beams = []
         ranked = sorted(self.finished, key=self.score, reverse=True)[: self.params.beam_width]
-        for beam in ranked:
-            beam.text = decode(beam.tokens)
+        if decode is not None:
+            for beam in ranked:
+                beam.text = decode(beam.tokens)
         return BeamSearchOutput(ranked)
 
 
@@ -123,3 +126,45 @@ def step_candidates(logprobs: list[TokenLogprobs] | None) -> TokenLogprobs:
     """A beam's candidates from the output of its one-token request: that token's logprobs entry."""
     assert logprobs is not None and len(logprobs) == 1, "a beam's step asks for logprobs of one token"
     return logprobs[0]
+
+
+def text_token_ids(beam: BeamSearchSequence, num_prompt_tokens: int, include_stop: bool) -> list[int]:
+    """The generated tokens whose text a server returns (vLLM's online beam search decodes only the
+    generated part): a final EOS left out unless `include_stop` (include_stop_str_in_output), as the
+    engine's detokenizer leaves out the EOS that ends any request."""
+    ids = beam.tokens[num_prompt_tokens:]
+    return ids[:-1] if beam.finish_reason == "stop" and not include_stop else ids
+
+
+def beam_deltas(
+    request_id: str,
+    output: BeamSearchOutput,
+    num_prompt_tokens: int,
+    texts: list[str],
+    metrics: RequestMetrics,
+) -> list[RequestDelta]:
+    """A search's result as a server streams it: one final delta per beam, best first (`index` its
+    rank), its generated tokens and `texts[index]`, finish reason eos (it ended with an EOS, as the
+    engine names that end) or length; the last delta ends the request. `metrics` are the search's."""
+    deltas = []
+    for index, (beam, text) in enumerate(zip(output.sequences, texts, strict=True)):
+        ids = beam.tokens[num_prompt_tokens:]
+        reason = "eos" if beam.finish_reason == "stop" else "length"
+        metrics.completion_ends[index] = (reason, len(ids))
+        deltas.append(
+            RequestDelta(
+                request_id=request_id,
+                new_token_ids=ids,
+                new_text=text,
+                new_logprobs=None,
+                finished=True,
+                finish_reason=reason,
+                num_prompt_tokens=num_prompt_tokens,
+                num_output_tokens=len(ids),
+                metrics=metrics,
+                index=index,
+                request_finished=index == len(output.sequences) - 1,
+            )
+        )
+    metrics.n = len(deltas)
+    return deltas

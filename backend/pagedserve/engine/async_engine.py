@@ -27,16 +27,24 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from pagedserve.beam_search import (
+    BeamSearch,
+    BeamSearchSequence,
+    beam_deltas,
+    step_candidates,
+    step_params,
+    text_token_ids,
+)
 from pagedserve.core.block_manager import KvEvent
 from pagedserve.engine.core import Abort, Add, Inbox, LoraChange, Pass, run_pass
 from pagedserve.engine.core_process import CorePass, EngineFace
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta, RequestMetrics
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.threads import name_os_thread
 
 logger = logging.getLogger(__name__)
@@ -123,6 +131,44 @@ class _Stream:
         return self.items.pop(0)
 
 
+class _BeamRequestEnded(Exception):
+    """A beam's one-token request ended without its token: failed, or aborted (an Abort call, a drain)."""
+
+    def __init__(self, delta: RequestDelta) -> None:
+        super().__init__(delta.error or delta.finish_reason)
+        self.delta = delta
+
+
+async def _beam_step(deltas: AsyncGenerator[RequestDelta, None]) -> RequestDelta:
+    """The final delta of a beam's one-token request (its generator is left for the round to close)."""
+    async for delta in deltas:
+        if delta.finish_reason in ("error", "aborted"):
+            raise _BeamRequestEnded(delta)
+        if delta.request_finished:
+            return delta
+    raise AssertionError("generate ends with a final delta or an exception")
+
+
+def _search_ended(
+    request_id: str, beam_delta: RequestDelta, num_prompt_tokens: int, metrics: RequestMetrics
+) -> RequestDelta:
+    """The final delta of a search that a beam's request ended: its finish reason (error, aborted) and
+    error, said of the search's request."""
+    return replace(
+        beam_delta,
+        request_id=request_id,
+        index=0,
+        new_token_ids=[],
+        new_text="",
+        new_logprobs=None,
+        finished=True,
+        request_finished=True,
+        num_prompt_tokens=num_prompt_tokens,
+        num_output_tokens=0,
+        metrics=metrics,
+    )
+
+
 # How many passes the core may run ahead of the loop handing out their deltas: it waits beyond that
 # (a loop too busy, or blocked, to take them), so that a stuck loop cannot have it pile up deltas.
 _MAX_PASSES_AHEAD = 16
@@ -197,6 +243,8 @@ class AsyncEngine:
         # ids held by front ends admitting their requests (see reserve): an Abort call's Abort, or None
         self._reserved: dict[str, Abort | None] = {}
         self._unread_finals: dict[str, RequestDelta] = {}  # by request id, oldest first
+        # beam searches, by their own (reserved) id: the ids of the round under way (see beam_search)
+        self._searches: dict[str, list[str]] = {}
         self.dead: BaseException | None = None
         self._kv_listeners: list[KvEventListener] = []
         self._new_kv_listeners: list[KvEventListener] = []  # their snapshot is taken between steps
@@ -234,7 +282,7 @@ class AsyncEngine:
 
     @property
     def num_live_requests(self) -> int:
-        return len(self._streams)
+        return len(self.live_request_ids())
 
     @staticmethod
     def new_request_id(prefix: str = "req") -> str:
@@ -243,7 +291,10 @@ class AsyncEngine:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     def live_request_ids(self) -> list[str]:
-        return list(self._streams)
+        """The requests running: a beam search under its own id (aborting it ends the search), not its
+        rounds' requests, and also between two rounds (a drain waits for it)."""
+        rounds = {rid for ids in self._searches.values() for rid in ids}
+        return [rid for rid in self._streams if rid not in rounds] + list(self._searches)
 
     def reserve(self, request_id: str) -> None:
         """Hold `request_id` while a front end admits its request (tokenizing it, compiling its grammar:
@@ -330,7 +381,7 @@ class AsyncEngine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        cancel_cause: Callable[[], str] | None = None,
+        cancel_cause: Callable[[], str | None] | None = None,
         priority: int = 0,
         lora_name: str | None = None,
     ) -> AsyncGenerator[RequestDelta, None]:
@@ -343,8 +394,8 @@ class AsyncEngine:
         Closing the generator early aborts the request; `cancel_cause` says why (an abort cause of
         `pagedserve:request_aborts`, e.g. deadline), counted only when the abort ends the request: a
         request the engine already finished (its final delta unread) is counted as finished alone,
-        and `unread_final_delta` gives its front end that delta. None counts nothing (the server's
-        own requests).
+        and `unread_final_delta` gives its front end that delta. None, or a cause of None, counts
+        nothing (the server's own requests and aborts).
 
         With `stream_interval` N > 1 a completion's first token comes alone, at once, and after it a
         delta carries N tokens (the engine's deltas of N steps, joined), except the last, which carries
@@ -382,6 +433,149 @@ class AsyncEngine:
                 self._send_abort(request_id, Abort(None, cause))
             self._streams.pop(request_id, None)
 
+    async def beam_search(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: BeamSearchParams,
+        cancel_cause: Callable[[], str | None] | None = None,
+        priority: int = 0,
+        lora_name: str | None = None,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> AsyncGenerator[RequestDelta, None]:
+        """vLLM's online beam search (its `EngineClient.beam_search`), taken as `generate` is taken. Each
+        round runs every live beam for one token through `generate`, all of them at once, and
+        `BeamSearch` keeps the best; only the result is yielded: one final delta per beam, best first
+        (`index` its rank), with its generated tokens and their text (decoded with the two flags, off
+        the event loop; an ending EOS's text left out unless `params.include_stop_str_in_output`) and
+        finish reason eos or length (`beam_deltas`). The last one ends the request.
+
+        `request_id` is held for the whole search, as `reserve` holds it (kept from a front end's
+        admission, else reserved here): a second request under it is refused, and `abort` of it aborts
+        the round under way, ending the search with an aborted delta. A round's requests are
+        `{request_id}-beam-<random hex>-<round>.<beam>`. One refused at its start raises what generate
+        raises; one the engine fails (or an Abort call or a drain aborts) ends the search with a final
+        delta of that finish reason and error. Either way, and when the caller closes this generator
+        (`cancel_cause` as generate's), the round's other requests are aborted: nothing of the search
+        is left running. The engine counts each round's requests as requests of their own."""
+        if request_id not in self._reserved:
+            self.reserve(request_id)
+        self._searches[request_id] = []
+        try:
+            search = BeamSearch(prompt_token_ids, None, params, self.engine.eos_token_ids)
+            metrics = RequestMetrics(time.monotonic(), max_tokens=params.max_tokens, lora_name=lora_name)
+            ended = await self._run_beam_search(
+                request_id, search, metrics, cancel_cause, priority, lora_name
+            )
+            if ended is not None:
+                yield ended
+                return
+            output = search.best()
+            flags = (params.include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens)
+            texts = await in_tokenizer_thread(
+                self._beam_texts, output.sequences, len(prompt_token_ids), *flags
+            )
+            metrics.first_token_time = metrics.last_token_time = metrics.finished_time = time.monotonic()
+            for delta in beam_deltas(request_id, output, len(prompt_token_ids), texts, metrics):
+                yield delta
+        finally:
+            self._searches.pop(request_id, None)
+            self.release(request_id)
+
+    async def _run_beam_search(
+        self,
+        request_id: str,
+        search: BeamSearch,
+        metrics: RequestMetrics,
+        cancel_cause: Callable[[], str | None] | None,
+        priority: int,
+        lora_name: str | None,
+    ) -> RequestDelta | None:
+        """Extend the beams a token a round until every beam has finished (an EOS, max_tokens, the
+        context). None then; else the final delta the search ended with early (a round's request failed
+        or was aborted, or `request_id` was aborted between rounds)."""
+        step = step_params(search.params)
+        base = self.new_request_id(f"{request_id}-beam")  # random: no client's id collides with a round's
+        num_prompt_tokens = len(search.beams[0].tokens)
+        for number in range(search.params.max_tokens):
+            search.end_at_context(self.engine.config.model.max_model_len)
+            if not search.beams:
+                break
+            if (abort := self._reserved.get(request_id)) is not None:
+                return RequestDelta.aborted_before_output(
+                    request_id, num_prompt_tokens, metrics, abort.message
+                )
+            ids = [f"{base}-{number}.{i}" for i in range(len(search.beams))]
+            try:
+                deltas = await self._run_beam_round(
+                    request_id, ids, search.beams, step, cancel_cause, priority, lora_name
+                )
+            except _BeamRequestEnded as exc:
+                return _search_ended(request_id, exc.delta, num_prompt_tokens, metrics)
+            if number == 0:  # the prompt's own wait and prefix-cache hits
+                metrics.first_scheduled_time = deltas[0].metrics.first_scheduled_time
+                metrics.num_cached_tokens = deltas[0].metrics.num_cached_tokens
+            search.extend([step_candidates(delta.new_logprobs) for delta in deltas])
+        return None
+
+    async def _run_beam_round(
+        self,
+        request_id: str,
+        ids: list[str],
+        beams: list[BeamSearchSequence],
+        step: SamplingParams,
+        cancel_cause: Callable[[], str | None] | None,
+        priority: int,
+        lora_name: str | None,
+    ) -> list[RequestDelta]:
+        """Each beam's request (`ids`) for one token, all at once: their final deltas, in order. The
+        first that fails (refused at its start, or ended without its token: `_BeamRequestEnded`) ends
+        the round, and every request's generator is closed however the round ends, which aborts those
+        still running: under the caller's `cancel_cause` when the caller went away, under none (the
+        server's own abort, not a client's) when a sibling failed."""
+        failed = False
+
+        def cause() -> str | None:
+            return None if failed or cancel_cause is None else cancel_cause()
+
+        streams = [
+            self.generate(rid, beam.tokens, step, cause, priority, lora_name)
+            for rid, beam in zip(ids, beams, strict=True)
+        ]
+        reads = [asyncio.ensure_future(_beam_step(stream)) for stream in streams]
+        self._searches[request_id] = ids
+        try:
+            return list(await asyncio.gather(*reads))
+        except Exception:
+            failed = True
+            raise
+        finally:
+            self._searches[request_id] = []
+            for read in reads:
+                read.cancel()
+            await asyncio.gather(*reads, return_exceptions=True)
+            for stream in streams:
+                await stream.aclose()
+
+    def _beam_texts(
+        self,
+        beams: list[BeamSearchSequence],
+        num_prompt_tokens: int,
+        include_stop: bool,
+        skip_special_tokens: bool,
+        spaces_between_special_tokens: bool,
+    ) -> list[str]:
+        """The beams' generated text (on the tokenizer thread: `text_token_ids`)."""
+        return [
+            self.engine.decode(
+                text_token_ids(beam, num_prompt_tokens, include_stop),
+                skip_special_tokens,
+                spaces_between_special_tokens,
+            )
+            for beam in beams
+        ]
+
     def unread_final_delta(self, request_id: str) -> RequestDelta | None:
         """The final delta of a request that the engine ended (finished, failed, or aborted by an
         Abort call or a drain) while its caller, gone now, had not read that delta: how the request
@@ -400,8 +594,10 @@ class AsyncEngine:
         """Abort a live request; its stream ends with a final delta whose finish reason is aborted.
         False for an unknown request, or one the engine has already finished (its final delta not
         read yet): that one ends as it finished. `cause` is counted as generate()'s `cancel_cause` is."""
-        if request_id in self._reserved:  # being admitted: ended once generate starts it
+        if request_id in self._reserved:  # being admitted (ended once generate starts it), or a beam search
             self._reserved[request_id] = Abort(message, cause)
+            for beam_request_id in self._searches.get(request_id, ()):  # its round under way
+                self.abort(beam_request_id, message, cause)
             return True
         stream = self._streams.get(request_id)
         if stream is None or stream.is_done_in_engine:
