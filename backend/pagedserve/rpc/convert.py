@@ -18,7 +18,12 @@ from pagedserve.outputs import RequestDelta, TokenLogprobs
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.reasoning import ReasoningParser, prompt_opens_reasoning
 from pagedserve.rpc.v1 import generate_pb2 as pb
-from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.sampling_params import (
+    MAX_BEAM_WIDTH,
+    BeamSearchParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from pagedserve.tool_calls import (
     Tool,
     ToolCall,
@@ -49,6 +54,32 @@ _OPTIONAL_PARAMS = (
     "prompt_logprobs",
     "truncate_prompt_tokens",
     "detokenize",
+    "spaces_between_special_tokens",
+)
+# Beam search honours what BeamSearchParams has (temperature, max_tokens, ignore_eos,
+# include_stop_str_in_output, length_penalty; n is its beam width) and what only shapes the prompt or
+# the text (truncate_prompt_tokens, skip_special_tokens, spaces_between_special_tokens). Every other
+# sampling field is refused, naming it, when set to anything but the values that leave it off, rather
+# than silently ignored: (field, those values; none: any value set is refused).
+_NOT_IN_BEAM_SEARCH: dict[str, tuple[object, ...]] = {
+    "top_p": (1.0,),
+    "top_k": (0, -1),
+    "min_p": (0.0,),
+    "repetition_penalty": (1.0,),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "seed": (),
+    "min_tokens": (0,),
+    "logprobs": (),
+    "prompt_logprobs": (),
+    "detokenize": (True,),
+}
+_LISTS_NOT_IN_BEAM_SEARCH = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")
+_BEAM_SEARCH_PARAMS = (
+    "temperature",
+    "max_tokens",
+    "truncate_prompt_tokens",
+    "skip_special_tokens",
     "spaces_between_special_tokens",
 )
 _FINISH_REASONS = {
@@ -115,6 +146,8 @@ def sampling_params(
 ) -> SamplingParams:
     """The fields the message sets; the engine's defaults (the model's, then ours) for the rest. A tool
     choice of required or a named function constrains the output to its schema."""
+    if message.HasField("length_penalty"):  # else it would change nothing, silently
+        raise InvalidRequestError("length_penalty", "ranks beams: it needs use_beam_search true")
     kwargs: dict[str, object] = {
         name: getattr(message, name) for name in _OPTIONAL_PARAMS if message.HasField(name)
     }
@@ -147,6 +180,61 @@ def sampling_params(
         except InvalidRequestError as exc:  # too large or too deep
             raise tool_schema_error(tools, exc) from None
     return engine.sampling_params(**kwargs)
+
+
+def beam_search_params(
+    request: pb.GenerateRequest, engine: LLMEngine
+) -> tuple[SamplingParams, BeamSearchParams]:
+    """A beam search's parameters (`sampling.use_beam_search`): the request's as SamplingParams, n the
+    beam width (what admission checks, traces and decodes by), and the search's. Unset temperature and
+    max_tokens take the engine's defaults, as generation's do. A field that beam search would not
+    honour is refused naming it."""
+    check_beam_search_fields(request)
+    message = request.sampling
+    n = message.n if message.HasField("n") else 1
+    if not 1 <= n <= MAX_BEAM_WIDTH:
+        raise InvalidRequestError(
+            "n", f"is the beam width with use_beam_search: must be in [1, {MAX_BEAM_WIDTH}]"
+        )
+    defaults = engine.config.model.sampling_defaults
+    kwargs: dict[str, Any] = {
+        name: defaults[name] for name in ("temperature", "max_tokens") if name in defaults
+    }
+    kwargs.update({name: getattr(message, name) for name in _BEAM_SEARCH_PARAMS if message.HasField(name)})
+    params = SamplingParams(
+        n=n,
+        ignore_eos=message.ignore_eos,
+        include_stop_str_in_output=message.include_stop_str_in_output,
+        **kwargs,
+    )
+    search = BeamSearchParams(
+        beam_width=n,
+        max_tokens=params.max_tokens,  # type: ignore[arg-type]  # (an int: neither default is None)
+        ignore_eos=params.ignore_eos,
+        temperature=params.temperature,
+        length_penalty=message.length_penalty if message.HasField("length_penalty") else 1.0,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+    )
+    return params, search
+
+
+def check_beam_search_fields(request: pb.GenerateRequest) -> None:
+    """InvalidRequestError naming the first field set that beam search does not honour (see
+    _NOT_IN_BEAM_SEARCH): the sampling fields, structured outputs, and a chat's tools."""
+    message = request.sampling
+    why = "beam search (use_beam_search) does not honour it: leave it unset"
+    for name, neutral in _NOT_IN_BEAM_SEARCH.items():
+        if message.HasField(name) and getattr(message, name) not in neutral:
+            raise InvalidRequestError(name, f"{why} (or {json.dumps(neutral[0])})" if neutral else why)
+    for name in _LISTS_NOT_IN_BEAM_SEARCH:
+        if getattr(message, name):
+            raise InvalidRequestError(name, why)
+    if message.HasField("structured_outputs"):
+        raise InvalidRequestError("structured_outputs", why)
+    if request.WhichOneof("input") == "messages":
+        messages = request.messages
+        if messages.tools or messages.WhichOneof("tool_selection"):
+            raise InvalidRequestError(messages.WhichOneof("tool_selection") or "tools", why)
 
 
 def tool_schema_error(

@@ -46,7 +46,7 @@ from pagedserve.rpc import convert
 from pagedserve.rpc.auth import ApiKey, ApiKeyInterceptor
 from pagedserve.rpc.signals import catch_stop_signals
 from pagedserve.rpc.v1 import generate_pb2 as pb
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.telemetry import RequestTracer
 from pagedserve.tool_calls import ToolChoice
 
@@ -79,6 +79,9 @@ class _Call:
     priority: int = 0
     lora_name: str | None = None  # the LoRA adapter it runs through (None: the base model)
     outputs: convert.ChatOutputs | None = None  # a chat's parsers: reasoning and tool calls out of its text
+    beam_search: BeamSearchParams | None = (
+        None  # sampling.use_beam_search: the search's (`params`: n its width)
+    )
     last: RequestDelta | None = None
     stalled: bool = False  # given up by --stream-write-timeout: the abort's cause
     refused: bool = False  # the engine would not start it (`_refuse` traced it)
@@ -211,6 +214,7 @@ class GenerationServicer:
         known: _Admitting,
     ) -> _Call:
         tools: ToolChoice | None = None
+        beam_search = None
         try:
             if isinstance(request, InvalidRequestError):
                 raise request
@@ -218,12 +222,14 @@ class GenerationServicer:
             rid = known.request_id = convert.request_id(request, self.engine.new_request_id())
             self.engine.reserve(rid)
             held.append(rid)
-            if params_of is None:
+            if params_of is not None:
+                params = params_of(request)
+            elif request.sampling.use_beam_search:  # (no tools: refused with it)
+                params, beam_search = convert.beam_search_params(request, self.llm)
+            else:
                 tools = convert.request_tool_choice(request, self.state.tool_call_parser)
                 params = convert.sampling_params(request.sampling, self.llm, tools)
                 convert.check_text_free(request, params, tools, self.state.reasoning_parser)
-            else:
-                params = params_of(request)
             known.params = params
             prompt = await in_tokenizer_thread(convert.prompt_token_ids, request, self.llm)
             try:
@@ -247,7 +253,9 @@ class GenerationServicer:
                 lambda: str(self.llm.tokenizer.decode(prompt[-16:])),
             )
         tokenized = (known.started, time.monotonic())
-        return _Call(rid, prompt, params, tokenized, request.priority, lora_name, outputs)
+        return _Call(
+            rid, prompt, params, tokenized, request.priority, lora_name, outputs, beam_search=beam_search
+        )
 
     async def _refuse(
         self, context: grpc.aio.ServicerContext, reason: str, message: str, known: _Admitting | _Call
@@ -295,15 +303,28 @@ class GenerationServicer:
     async def _deltas(
         self, call: _Call, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[RequestDelta, None]:
-        """The engine's deltas; closing this closes the engine's generator at once, which aborts a
-        request its caller left (left to the garbage collector, the abort waited for it)."""
+        """The engine's deltas (a beam search's: its beams' final deltas); closing this closes the
+        engine's generator at once, which aborts a request its caller left (left to the garbage
+        collector, the abort waited for it)."""
 
         def cause() -> str:
             return STALLED_CLIENT if call.stalled else cancel_cause(context)
 
-        deltas = self.engine.generate(
-            call.request_id, call.prompt, call.params, cause, priority=call.priority, lora_name=call.lora_name
-        )
+        if call.beam_search is None:
+            deltas = self.engine.generate(
+                call.request_id, call.prompt, call.params, cause, call.priority, call.lora_name
+            )
+        else:
+            deltas = self.engine.beam_search(
+                call.request_id,
+                call.prompt,
+                call.beam_search,
+                cause,
+                call.priority,
+                call.lora_name,
+                call.params.skip_special_tokens,
+                call.params.spaces_between_special_tokens,
+            )
         try:
             async for delta in deltas:
                 call.last = delta
