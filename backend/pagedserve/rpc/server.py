@@ -79,9 +79,8 @@ class _Call:
     priority: int = 0
     lora_name: str | None = None  # the LoRA adapter it runs through (None: the base model)
     outputs: convert.ChatOutputs | None = None  # a chat's parsers: reasoning and tool calls out of its text
-    beam_search: BeamSearchParams | None = (
-        None  # sampling.use_beam_search: the search's (`params`: n its width)
-    )
+    # sampling.use_beam_search: the search's parameters (`params` then holds n, the beam width)
+    beam_search: BeamSearchParams | None = None
     last: RequestDelta | None = None
     stalled: bool = False  # given up by --stream-write-timeout: the abort's cause
     refused: bool = False  # the engine would not start it (`_refuse` traced it)
