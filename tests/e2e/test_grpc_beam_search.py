@@ -173,16 +173,27 @@ def wait_mid_search(srv: InProcessServer, request_id: str) -> None:
     assert request_id in srv.server.engine.live_request_ids()
 
 
+def aborts(srv: InProcessServer, cause: str) -> float:
+    return metric_sample(srv.http_port, "pagedserve:request_aborts_total", model_name=MODEL, cause=cause)
+
+
+def client_cancels(srv: InProcessServer) -> float:
+    return aborts(srv, "client_cancel")
+
+
 def test_a_client_that_cancels_mid_search_leaves_nothing_running(server: InProcessServer, llm: LLM) -> None:
     """Idle (no request, every KV block free, no stream, no search) within IDLE_AFTER_ABORT_S of the
     cancel, and still so a moment later: no round started after it. (Between two rounds the search
     itself counts as live, so an idle engine is not a search between rounds.)"""
     wait_for(lambda: is_idle(server), what="an idle engine")
+    cancels = client_cancels(server)
     try:
         call = server.stub.Generate(long_search("cancelled-search"), timeout=120)
         wait_mid_search(server, "cancelled-search")
         call.cancel()
         assert wait_until(lambda: is_idle(server), IDLE_AFTER_ABORT_S), server.llm.stats()
+        # counted once, as the search, not as its round's requests (most of them already finished)
+        assert wait_until(lambda: client_cancels(server) == cancels + 1, 5), client_cancels(server) - cancels
         finished = num_finished(server)
         time.sleep(0.5)
         assert is_idle(server) and num_finished(server) == finished
@@ -198,6 +209,7 @@ def test_a_client_that_cancels_mid_search_leaves_nothing_running(server: InProce
 
 def test_an_abort_call_ends_the_search_aborted(server: InProcessServer) -> None:
     wait_for(lambda: is_idle(server), what="an idle engine")
+    abort_calls, cancels = aborts(server, "abort_rpc"), client_cancels(server)
     try:
         call = server.stub.Generate(long_search("aborted-search"), timeout=120)
         wait_mid_search(server, "aborted-search")
@@ -211,14 +223,9 @@ def test_an_abort_call_ends_the_search_aborted(server: InProcessServer) -> None:
         assert last.finish_reason == pb.ABORTED and last.error == "aborted by an Abort call"
         assert last.request_id == "aborted-search" and not last.token_ids
         assert wait_until(lambda: is_idle(server), IDLE_AFTER_ABORT_S), server.llm.stats()
+        assert (aborts(server, "abort_rpc"), client_cancels(server)) == (abort_calls + 1, cancels)
     finally:
         abort_leftovers(server)
-
-
-def client_cancels(srv: InProcessServer) -> float:
-    return metric_sample(
-        srv.http_port, "pagedserve:request_aborts_total", model_name=MODEL, cause="client_cancel"
-    )
 
 
 def test_a_failed_step_mid_search_ends_it_with_internal(server: InProcessServer, llm: LLM) -> None:

@@ -456,19 +456,24 @@ class AsyncEngine:
         the round under way, ending the search with an aborted delta. A round's requests are
         `{request_id}-beam-<random hex>-<round>.<beam>`. One refused at its start raises what generate
         raises; one the engine fails (or an Abort call or a drain aborts) ends the search with a final
-        delta of that finish reason and error. Either way, and when the caller closes this generator
-        (`cancel_cause` as generate's), the round's other requests are aborted: nothing of the search
-        is left running. The engine counts each round's requests as requests of their own."""
+        delta of that finish reason and error. Either way, and when the caller goes away, the round's
+        other requests are aborted: nothing of the search is left running. The engine counts each
+        round's requests as requests of their own, finished or failed; an abort is the search's, counted
+        once (`cancel_cause` as generate's when its caller went away, the Abort's cause else)."""
         if request_id not in self._reserved:
             self.reserve(request_id)
         self._searches[request_id] = []
         try:
             search = BeamSearch(prompt_token_ids, None, params, self.engine.eos_token_ids)
             metrics = RequestMetrics(time.monotonic(), max_tokens=params.max_tokens, lora_name=lora_name)
-            ended = await self._run_beam_search(
-                request_id, search, metrics, cancel_cause, priority, lora_name
-            )
+            try:
+                ended = await self._run_beam_search(request_id, search, metrics, priority, lora_name)
+            except asyncio.CancelledError:  # its caller went away during a round (or between two)
+                self._count_search_abort(cancel_cause() if cancel_cause is not None else None)
+                raise
             if ended is not None:
+                if ended.finish_reason == "aborted" and (abort := self._reserved.get(request_id)):
+                    self._count_search_abort(abort.cause)  # an Abort call's, a drain's
                 yield ended
                 return
             output = search.best()
@@ -488,7 +493,6 @@ class AsyncEngine:
         request_id: str,
         search: BeamSearch,
         metrics: RequestMetrics,
-        cancel_cause: Callable[[], str | None] | None,
         priority: int,
         lora_name: str | None,
     ) -> RequestDelta | None:
@@ -508,9 +512,7 @@ class AsyncEngine:
                 )
             ids = [f"{base}-{number}.{i}" for i in range(len(search.beams))]
             try:
-                deltas = await self._run_beam_round(
-                    request_id, ids, search.beams, step, cancel_cause, priority, lora_name
-                )
+                deltas = await self._run_beam_round(request_id, ids, search.beams, step, priority, lora_name)
             except _BeamRequestEnded as exc:
                 return _search_ended(request_id, exc.delta, num_prompt_tokens, metrics)
             if number == 0:  # the prompt's own wait and prefix-cache hits
@@ -525,31 +527,21 @@ class AsyncEngine:
         ids: list[str],
         beams: list[BeamSearchSequence],
         step: SamplingParams,
-        cancel_cause: Callable[[], str | None] | None,
         priority: int,
         lora_name: str | None,
     ) -> list[RequestDelta]:
         """Each beam's request (`ids`) for one token, all at once: their final deltas, in order. The
         first that fails (refused at its start, or ended without its token: `_BeamRequestEnded`) ends
         the round, and every request's generator is closed however the round ends, which aborts those
-        still running: under the caller's `cancel_cause` when the caller went away, under none (the
-        server's own abort, not a client's) when a sibling failed."""
-        failed = False
-
-        def cause() -> str | None:
-            return None if failed or cancel_cause is None else cancel_cause()
-
+        still running. Their aborts count nothing: the search counts its own (`_count_search_abort`)."""
         streams = [
-            self.generate(rid, beam.tokens, step, cause, priority, lora_name)
+            self.generate(rid, beam.tokens, step, None, priority, lora_name)
             for rid, beam in zip(ids, beams, strict=True)
         ]
         reads = [asyncio.ensure_future(_beam_step(stream)) for stream in streams]
         self._searches[request_id] = ids
         try:
             return list(await asyncio.gather(*reads))
-        except Exception:
-            failed = True
-            raise
         finally:
             self._searches[request_id] = []
             for read in reads:
@@ -557,6 +549,14 @@ class AsyncEngine:
             await asyncio.gather(*reads, return_exceptions=True)
             for stream in streams:
                 await stream.aclose()
+
+    def _count_search_abort(self, cause: str | None) -> None:
+        """A beam search that an abort ended (its caller gone, an Abort call, a drain) counts once in
+        pagedserve:request_aborts, as any request does, under `cause` (None: not counted). Its rounds'
+        one-token requests, aborted with it, count nothing: most of them have already finished in the
+        engine when the abort comes, which would leave a cancelled search uncounted."""
+        if cause is not None:
+            self.engine.metrics.record_abort(cause)
 
     def _beam_texts(
         self,
@@ -596,8 +596,8 @@ class AsyncEngine:
         read yet): that one ends as it finished. `cause` is counted as generate()'s `cancel_cause` is."""
         if request_id in self._reserved:  # being admitted (ended once generate starts it), or a beam search
             self._reserved[request_id] = Abort(message, cause)
-            for beam_request_id in self._searches.get(request_id, ()):  # its round under way
-                self.abort(beam_request_id, message, cause)
+            for beam_request_id in self._searches.get(request_id, ()):  # its round, the search counts it
+                self.abort(beam_request_id, message, None)
             return True
         stream = self._streams.get(request_id)
         if stream is None or stream.is_done_in_engine:
