@@ -14,11 +14,19 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from grpc_helpers import IDLE_AFTER_ABORT_S, LONG_NUM_KV_BLOCKS, long_context_copy, metric_sample, wait_until
+from grpc_helpers import (
+    IDLE_AFTER_ABORT_S,
+    LONG_NUM_KV_BLOCKS,
+    ServerProcess,
+    long_context_copy,
+    metric_sample,
+    wait_until,
+)
 from inprocess_server import InProcessServer, abort_leftovers, is_idle, wait_for
 from pagedserve import LLM, BeamSearchParams, SamplingParams
 from pagedserve.beam_search import BeamSearchOutput
@@ -35,6 +43,7 @@ SETTINGS: dict[str, Any] = {"dtype": "float32", "num_kv_blocks": LONG_NUM_KV_BLO
 # A search this long takes tens of seconds here (n=4, 300 tokens: 1.3 s on the 2-core host, each round
 # slower as the context grows): one that is idle within IDLE_AFTER_ABORT_S of its cancel was stopped.
 LONG_SEARCH_TOKENS = 8000
+SHUTDOWN_TIMEOUT_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -159,10 +168,10 @@ def long_search(request_id: str) -> pb.GenerateRequest:
     return beam_request(request_id=request_id, n=2, max_tokens=LONG_SEARCH_TOKENS, ignore_eos=True)
 
 
-def num_finished(srv: InProcessServer) -> float:
+def num_finished(srv: InProcessServer | ServerProcess, model: str = MODEL) -> float:
     """The engine's requests finished at max_tokens: a search's rounds, one each per beam."""
     return metric_sample(
-        srv.http_port, "vllm:request_success_total", model_name=MODEL, finished_reason="length"
+        srv.http_port, "vllm:request_success_total", model_name=model, finished_reason="length"
     )
 
 
@@ -365,3 +374,27 @@ def test_values_that_change_nothing_are_served(server: InProcessServer, llm: LLM
     )
     tail = llm.get_tokenizer().encode(PROMPTS[1])[-4:]
     check_beams(llm, tail, offline(llm, tail, 2), list(server.stub.Generate(neutral, timeout=60)))
+
+
+def test_sigterm_drains_a_search_then_aborts_it(eos_model_dir: str, tmp_path: Path) -> None:
+    """A real `pagedserve serve` (the engine in its own process, the default): a search that outlives
+    --shutdown-timeout counts as in flight through the drain (also between its rounds), then ends
+    ABORTED with the drain's message; the server exits cleanly."""
+    flags = ["--model", eos_model_dir, "--dtype", "float32", "--block-size", "16"]
+    flags += ["--num-kv-blocks", str(LONG_NUM_KV_BLOCKS), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+    proc = ServerProcess(*flags, log=tmp_path / "server.log").wait_ready()
+    try:
+        call = proc.stub.Generate(long_search("drained-search"), timeout=120)
+        # rounds finishing (each round's one-token requests finish in the step that runs them: the
+        # engine's running count reads 0 between steps)
+        wait_for(lambda: num_finished(proc, Path(eos_model_dir).name) >= 8, what="the search's rounds")
+        proc.proc.terminate()
+        signalled = time.monotonic()
+        [last] = list(call)
+        waited = time.monotonic() - signalled
+        assert last.finish_reason == pb.ABORTED and last.error == "server shutting down", last
+        assert last.request_id == "drained-search" and not last.token_ids
+        assert 0.9 * SHUTDOWN_TIMEOUT_S <= waited < SHUTDOWN_TIMEOUT_S + 15, waited
+        assert proc.proc.wait(timeout=30) == 0, proc.log.read_text()[-2000:]
+    finally:
+        proc.stop()
