@@ -580,3 +580,72 @@ class BeamSearchParams:
             value = getattr(self, name)
             check(_is_number(value) and _is_finite(value), name, f"must be a finite number, got {value!r}")
         check(self.temperature >= 0.0, "temperature", "must be >= 0 (0 means greedy)")
+
+    @classmethod
+    def of(cls, params: SamplingParams, length_penalty: float = 1.0) -> BeamSearchParams:
+        """The search a server runs for a request's `params` (`beam_search_sampling_params`' result:
+        n the width)."""
+        return cls(
+            beam_width=params.n,
+            max_tokens=params.max_tokens,  # type: ignore[arg-type]  # an int: neither default is None
+            ignore_eos=params.ignore_eos,
+            temperature=params.temperature,
+            length_penalty=length_penalty,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+
+
+# The front ends' rule for a request with use_beam_search (our gRPC API's, the KServe v2 / Triton
+# adapters'), by SamplingParams' field names. Beam search honours what BeamSearchParams has (n is its
+# width) and what only shapes the prompt or the text:
+BEAM_SEARCH_FIELDS = (
+    "n",
+    "temperature",
+    "max_tokens",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "truncate_prompt_tokens",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
+# Every other field is refused, naming it, when set to anything but the values that leave it off, rather
+# than silently ignored: (field, those values; none: any value set is refused). A list or mapping field
+# is off empty.
+NOT_IN_BEAM_SEARCH: dict[str, tuple[object, ...]] = {
+    "top_p": (1.0,),
+    "top_k": (0, -1),
+    "min_p": (0.0,),
+    "repetition_penalty": (1.0,),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "seed": (),
+    "min_tokens": (0,),
+    "logprobs": (),
+    "prompt_logprobs": (),
+    "detokenize": (True,),
+    "stop": ([],),
+    "stop_token_ids": ([],),
+    "logit_bias": ({},),
+    "allowed_token_ids": ([],),
+    "bad_words": ([],),
+    "structured_outputs": (),
+}
+
+
+def check_beam_search_field(name: str, value: object, where: str = "") -> None:
+    """InvalidRequestError naming `where` (default: `name`) when the SamplingParams field `name`, set to
+    `value`, is one beam search would not honour (NOT_IN_BEAM_SEARCH) at a value that changes anything."""
+    neutral = NOT_IN_BEAM_SEARCH.get(name)
+    if neutral is None or value in neutral:
+        return
+    why = "beam search (use_beam_search) does not honour it: leave it unset"
+    scalar = [v for v in neutral if not isinstance(v, (list, dict))]  # the value to name, if any
+    raise InvalidRequestError(where or name, f"{why} (or {json.dumps(scalar[0])})" if scalar else why)
+
+
+def check_beam_width(n: int, where: str = "n") -> None:
+    """With use_beam_search `n` is the beam width: InvalidRequestError naming `where` outside its range."""
+    if not (_is_int(n) and 1 <= n <= MAX_BEAM_WIDTH):
+        raise InvalidRequestError(
+            where, f"is the beam width with use_beam_search: must be in [1, {MAX_BEAM_WIDTH}]"
+        )

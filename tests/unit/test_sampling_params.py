@@ -118,3 +118,22 @@ def test_stop_strings_without_detokenize_are_refused_as_vllm_refuses_them() -> N
     assert info.value.message == (
         "stop strings are only supported when detokenize is True. Set detokenize=True to use stop."
     )
+
+
+def test_every_field_is_honoured_by_beam_search_or_refused_with_it() -> None:
+    """The front ends' beam search rule covers every sampling field: a new one must be placed on one
+    side (and NOT_IN_BEAM_SEARCH's values that leave a field off are its defaults)."""
+    import dataclasses
+
+    from pagedserve.sampling_params import BEAM_SEARCH_FIELDS, NOT_IN_BEAM_SEARCH, check_beam_search_field
+
+    public = {f.name for f in dataclasses.fields(SamplingParams) if not f.name.startswith("_")}
+    assert public == set(BEAM_SEARCH_FIELDS) | set(NOT_IN_BEAM_SEARCH)
+    assert not set(BEAM_SEARCH_FIELDS) & set(NOT_IN_BEAM_SEARCH)
+    defaults = SamplingParams()
+    for name in NOT_IN_BEAM_SEARCH:  # (None is unset: a front end checks only the fields a request sets)
+        if getattr(defaults, name) is not None:
+            check_beam_search_field(name, getattr(defaults, name))
+    with pytest.raises(InvalidRequestError) as caught:
+        check_beam_search_field("top_k", 5, "sampling_parameters.top_k")
+    assert caught.value.field == "sampling_parameters.top_k" and "(or 0)" in caught.value.message

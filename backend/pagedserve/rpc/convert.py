@@ -19,10 +19,12 @@ from pagedserve.pooling_params import PoolingParams
 from pagedserve.reasoning import ReasoningParser, prompt_opens_reasoning
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.sampling_params import (
-    MAX_BEAM_WIDTH,
+    NOT_IN_BEAM_SEARCH,
     BeamSearchParams,
     SamplingParams,
     StructuredOutputsParams,
+    check_beam_search_field,
+    check_beam_width,
 )
 from pagedserve.tool_calls import (
     Tool,
@@ -56,25 +58,8 @@ _OPTIONAL_PARAMS = (
     "detokenize",
     "spaces_between_special_tokens",
 )
-# Beam search honours what BeamSearchParams has (temperature, max_tokens, ignore_eos,
-# include_stop_str_in_output, length_penalty; n is its beam width) and what only shapes the prompt or
-# the text (truncate_prompt_tokens, skip_special_tokens, spaces_between_special_tokens). Every other
-# sampling field is refused, naming it, when set to anything but the values that leave it off, rather
-# than silently ignored: (field, those values; none: any value set is refused).
-_NOT_IN_BEAM_SEARCH: dict[str, tuple[object, ...]] = {
-    "top_p": (1.0,),
-    "top_k": (0, -1),
-    "min_p": (0.0,),
-    "repetition_penalty": (1.0,),
-    "presence_penalty": (0.0,),
-    "frequency_penalty": (0.0,),
-    "seed": (),
-    "min_tokens": (0,),
-    "logprobs": (),
-    "prompt_logprobs": (),
-    "detokenize": (True,),
-}
-_LISTS_NOT_IN_BEAM_SEARCH = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")
+# Beam search's scalar fields, set on the message (its rule, NOT_IN_BEAM_SEARCH, is shared with the
+# KServe v2 / Triton adapters)
 _BEAM_SEARCH_PARAMS = (
     "temperature",
     "max_tokens",
@@ -82,6 +67,14 @@ _BEAM_SEARCH_PARAMS = (
     "skip_special_tokens",
     "spaces_between_special_tokens",
 )
+# The message's repeated and map fields among NOT_IN_BEAM_SEARCH's, as the plain values it names
+_REPEATED_FIELDS: dict[str, Callable[[Any], object]] = {
+    "stop": list,
+    "stop_token_ids": list,
+    "logit_bias": dict,
+    "allowed_token_ids": list,
+    "bad_words": list,
+}
 _FINISH_REASONS = {
     "length": pb.LENGTH,
     "stop": pb.STOP,
@@ -192,10 +185,7 @@ def beam_search_params(
     check_beam_search_fields(request)
     message = request.sampling
     n = message.n if message.HasField("n") else 1
-    if not 1 <= n <= MAX_BEAM_WIDTH:
-        raise InvalidRequestError(
-            "n", f"is the beam width with use_beam_search: must be in [1, {MAX_BEAM_WIDTH}]"
-        )
+    check_beam_width(n)
     defaults = engine.config.model.sampling_defaults
     kwargs: dict[str, Any] = {
         name: defaults[name] for name in ("temperature", "max_tokens") if name in defaults
@@ -207,33 +197,23 @@ def beam_search_params(
         include_stop_str_in_output=message.include_stop_str_in_output,
         **kwargs,
     )
-    search = BeamSearchParams(
-        beam_width=n,
-        max_tokens=params.max_tokens,  # type: ignore[arg-type]  # (an int: neither default is None)
-        ignore_eos=params.ignore_eos,
-        temperature=params.temperature,
-        length_penalty=message.length_penalty if message.HasField("length_penalty") else 1.0,
-        include_stop_str_in_output=params.include_stop_str_in_output,
-    )
-    return params, search
+    length_penalty = message.length_penalty if message.HasField("length_penalty") else 1.0
+    return params, BeamSearchParams.of(params, length_penalty)
 
 
 def check_beam_search_fields(request: pb.GenerateRequest) -> None:
     """InvalidRequestError naming the first field set that beam search does not honour (see
-    _NOT_IN_BEAM_SEARCH): the sampling fields, structured outputs, and a chat's tools."""
+    NOT_IN_BEAM_SEARCH): the sampling fields, structured outputs, and a chat's tools."""
     message = request.sampling
-    why = "beam search (use_beam_search) does not honour it: leave it unset"
-    for name, neutral in _NOT_IN_BEAM_SEARCH.items():
-        if message.HasField(name) and getattr(message, name) not in neutral:
-            raise InvalidRequestError(name, f"{why} (or {json.dumps(neutral[0])})" if neutral else why)
-    for name in _LISTS_NOT_IN_BEAM_SEARCH:
-        if getattr(message, name):
-            raise InvalidRequestError(name, why)
-    if message.HasField("structured_outputs"):
-        raise InvalidRequestError("structured_outputs", why)
+    for name in NOT_IN_BEAM_SEARCH:
+        if name in _REPEATED_FIELDS:  # unset is empty (proto3)
+            check_beam_search_field(name, _REPEATED_FIELDS[name](getattr(message, name)))
+        elif message.HasField(name):
+            check_beam_search_field(name, getattr(message, name))
     if request.WhichOneof("input") == "messages":
         messages = request.messages
         if messages.tools or messages.WhichOneof("tool_selection"):
+            why = "beam search (use_beam_search) does not honour it: leave it unset"
             raise InvalidRequestError(messages.WhichOneof("tool_selection") or "tools", why)
 
 
