@@ -27,7 +27,14 @@ from typing import Any
 from pagedserve.engine.async_engine import QueueFullError, in_tokenizer_thread
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta
-from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.sampling_params import (
+    BEAM_SEARCH_FIELDS,
+    BeamSearchParams,
+    SamplingParams,
+    StructuredOutputsParams,
+    check_beam_search_field,
+    check_beam_width,
+)
 
 from pagedserve_adapters import tensors
 
@@ -111,6 +118,9 @@ _PARAMETER_TYPES: dict[str, str] = {
     "logit_bias": "object",
     "allowed_token_ids": "int_list",
     "bad_words": "str_list",
+    # vLLM's beam search (taken apart in parse_request: n is then the beam width)
+    "use_beam_search": "bool",
+    "length_penalty": "float",
 }
 # An AdapterError's kind -> pagedserve:request_rejections' reason, for the kinds that refuse a request
 # before it runs (a timeout, a failure or an abort ends one that ran: counted as such elsewhere).
@@ -144,6 +154,8 @@ class LLMRequest:
     timeout_us: int = 0  # Triton's request timeout in microseconds (0: none): aborted when it passes
     lora_name: str | None = None  # the LoRA adapter to run through (None: the base model)
     client_id: str = ""  # the request's own `id`, echoed in its responses and put on its span
+    # use_beam_search: the search, run instead of sampling (`params` then holds n, the beam width)
+    beam_search: BeamSearchParams | None = None
 
 
 def parse_request(
@@ -203,14 +215,21 @@ def parse_request(
         exclude_input = bool(switches["exclude_input_in_output"])
 
     lora_name = _lora_name(sampling.pop("lora_name", None), "sampling_parameters.lora_name")
-    params = _sampling_params(sampling, "sampling_parameters", make_params)
+    beam_search = None
+    if _use_beam_search(sampling):
+        params, beam_search = _beam_search_params(sampling, "sampling_parameters", make_params)
+        _check_no_logprobs(switches, requested_outputs)
+    else:
+        params = _sampling_params(sampling, "sampling_parameters", make_params)
     priority = _unsigned(parameters.get("priority", 0), "parameters.priority")
     timeout_us = _unsigned(parameters.get("timeout", 0), "parameters.timeout")
     # an output asked for by name is wanted as its switch would want it: real logprobs, not 0.0 and null
     wants_logprobs = switches["return_logprobs"] or switches["return_cumulative_logprob"]
     if (
-        wants_logprobs or {"logprobs", "cumulative_logprob"} & set(requested_outputs)
-    ) and params.logprobs is None:
+        (wants_logprobs or {"logprobs", "cumulative_logprob"} & set(requested_outputs))
+        and params.logprobs is None
+        and beam_search is None  # its beams carry their cumulative logprob
+    ):
         params = dataclasses.replace(params, logprobs=0)  # only the sampled tokens' logprobs
     return LLMRequest(
         prompt=prompt,
@@ -223,7 +242,59 @@ def parse_request(
         timeout_us=timeout_us,
         lora_name=lora_name,
         client_id=client_id,
+        beam_search=beam_search,
     )
+
+
+def _use_beam_search(sampling: dict[str, Any]) -> bool:
+    """Whether the sampling parameters ask for beam search (`use_beam_search`, taken out of them): a
+    JSON boolean, or null for unset. Its string forms are refused, unlike other flags': Triton's vLLM
+    backend reads "false" as true (Python's bool of the string), which would run a search the client
+    did not mean. `length_penalty` without it is refused, as it would change nothing."""
+    value = sampling.pop("use_beam_search", None)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidRequestError(
+            "sampling_parameters.use_beam_search", f"must be a JSON boolean, got {value!r}"
+        )
+    if not value and sampling.get("length_penalty") is not None:
+        raise InvalidRequestError(
+            "sampling_parameters.length_penalty", "ranks beams: it needs use_beam_search true"
+        )
+    return bool(value)
+
+
+def _beam_search_params(
+    given: dict[str, Any], where: str, make_params: Callable[..., SamplingParams]
+) -> tuple[SamplingParams, BeamSearchParams]:
+    """A beam search's parameters, as our gRPC API builds them (rpc/convert.py beam_search_params): n the
+    beam width (what admission checks and `Completion` sizes by); the fields beam search honours, the
+    model's defaults (`make_params`) for those unset; a field it would not honour, set to a value that
+    changes anything, refused naming it (sampling_params.NOT_IN_BEAM_SEARCH)."""
+    length_penalty = given.pop("length_penalty", None)
+    penalty = 1.0 if length_penalty is None else _cast(length_penalty, "float", f"{where}.length_penalty")
+    names = {
+        "structured_outputs" if _PARAMETER_TYPES.get(name) == "structured" else name: name for name in given
+    }
+    kwargs = _sampling_kwargs(given, where)
+    for name, value in kwargs.items():
+        check_beam_search_field(name, value, f"{where}.{names[name]}")
+    check_beam_width(kwargs.get("n", 1), f"{where}.n")
+    try:  # only what the search honours: the model's other defaults (its top_p, ...) would not apply
+        defaults = make_params(**kwargs)
+        params = SamplingParams(**{name: getattr(defaults, name) for name in BEAM_SEARCH_FIELDS})
+        return params, BeamSearchParams.of(params, penalty)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{where}.{exc.field}", exc.message) from None
+
+
+def _check_no_logprobs(switches: Mapping[str, bool | None], requested_outputs: Sequence[str]) -> None:
+    """A beam search returns no per-token logprobs (its beams' cumulative logprob it does): asking for
+    them is refused by name, not answered with nulls."""
+    why = "beam search (use_beam_search) returns no per-token logprobs"
+    if switches["return_logprobs"]:
+        raise InvalidRequestError("inputs.return_logprobs", f"{why}: leave it false")
+    if "logprobs" in requested_outputs:
+        raise InvalidRequestError("outputs.logprobs", f"{why}: do not request it")
 
 
 def _check_reserved(parameters: Mapping[str, Any]) -> None:
@@ -310,6 +381,15 @@ def _flag(value: Any, where: str) -> bool | None:
 def _sampling_params(
     given: Mapping[str, Any], where: str, make_params: Callable[..., SamplingParams]
 ) -> SamplingParams:
+    kwargs = _sampling_kwargs(given, where)
+    try:
+        return make_params(**kwargs)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{where}.{exc.field}", exc.message) from None
+
+
+def _sampling_kwargs(given: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The given sampling parameters, cast, by SamplingParams' names (null values left out)."""
     kwargs: dict[str, Any] = {}
     for name, value in given.items():
         kind = _PARAMETER_TYPES.get(name)
@@ -328,10 +408,7 @@ def _sampling_params(
             kwargs["structured_outputs"] = _structured_outputs(value, f"{where}.{name}")
         else:
             kwargs[name] = _cast(value, kind, f"{where}.{name}")
-    try:
-        return make_params(**kwargs)
-    except InvalidRequestError as exc:
-        raise InvalidRequestError(f"{where}.{exc.field}", exc.message) from None
+    return kwargs
 
 
 def _check_utf8(value: Any, where: str) -> None:
@@ -427,6 +504,8 @@ class Completion:
         self.logprobs[i].extend(_logprob_entries(delta))
         for token_id, entry in zip(delta.new_token_ids, delta.new_logprobs or ()):
             self.cumulative_logprob[i] += entry[token_id].logprob
+        if delta.cumulative_logprob is not None:  # a beam's, which has no per-token logprobs
+            self.cumulative_logprob[i] += delta.cumulative_logprob
         if delta.finished:
             self.finish_reasons[i] = _FINISH_REASONS.get(delta.finish_reason or "", delta.finish_reason)
         if delta.finished and delta.finish_reason == "aborted":
@@ -637,9 +716,7 @@ class LLMModel:
         def cause() -> str:  # asked as the engine's generator closes early
             return "deadline" if deadline is not None and loop.time() >= deadline else cancel_cause()
 
-        deltas = engine.generate(
-            rid, prompt, request.params, cause, priority=priority, lora_name=request.lora_name
-        )
+        deltas = self._deltas(rid, prompt, request, cause, priority)
         try:
             while True:
                 # Waiting for the next delta, not while the caller handles one. In this task, not in one
@@ -674,6 +751,28 @@ class LLMModel:
                 tracer.finish_request(
                     carrier, rid, request.params, last, tokenized, len(prompt), request.client_id[:256]
                 )
+
+    def _deltas(
+        self, rid: str, prompt: list[int], request: LLMRequest, cause: Callable[[], str], priority: int
+    ) -> AsyncGenerator[RequestDelta, None]:
+        """The engine's generator for the request: generate's, or a beam search's (its beams' final
+        deltas, best first, once the search ends), taken the same way."""
+        engine = self.server.engine
+        if request.beam_search is None:
+            return engine.generate(
+                rid, prompt, request.params, cause, priority=priority, lora_name=request.lora_name
+            )
+        params = request.params
+        return engine.beam_search(
+            rid,
+            prompt,
+            request.beam_search,
+            cause,
+            priority,
+            request.lora_name,
+            params.skip_special_tokens,
+            params.spaces_between_special_tokens,
+        )
 
     def _count(self, started: float, tokenized: tuple[float, float], last: RequestDelta | None) -> None:
         elapsed_ns = int((time.monotonic() - started) * 1e9)

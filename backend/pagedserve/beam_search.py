@@ -144,8 +144,9 @@ def beam_deltas(
     metrics: RequestMetrics,
 ) -> list[RequestDelta]:
     """A search's result as a server streams it: one final delta per beam, best first (`index` its
-    rank), its generated tokens and `texts[index]`, finish reason eos (it ended with an EOS, as the
-    engine names that end) or length; the last delta ends the request. `metrics` are the search's."""
+    rank), its generated tokens and `texts[index]`, its `cum_logprob` as `cumulative_logprob`, finish
+    reason eos (it ended with an EOS, as the engine names that end) or length; the last delta ends the
+    request. `metrics` are the search's."""
     deltas = []
     for index, (beam, text) in enumerate(zip(output.sequences, texts, strict=True)):
         ids = beam.tokens[num_prompt_tokens:]
@@ -164,6 +165,7 @@ def beam_deltas(
                 metrics=metrics,
                 index=index,
                 request_finished=index == len(output.sequences) - 1,
+                cumulative_logprob=beam.cum_logprob,
             )
         )
     metrics.n = len(deltas)

@@ -78,6 +78,9 @@ class RequestDelta:
     embedding: list[float] | None = None  # an embedding request's vector, on its one final delta
     # on a completion's last delta: the stop string or stop token id that ended it (vLLM's stop_reason)
     stop_reason: str | int | None = None
+    # a beam search's beam (its one delta): its generated tokens' summed logprob, which the delta's
+    # new_logprobs (None: beam search returns no per-token logprobs) cannot give
+    cumulative_logprob: float | None = None
 
     def completion_ends(self) -> list[tuple[str, int]]:
         """(finish reason, output tokens) of each of the n completions of the request this final delta
