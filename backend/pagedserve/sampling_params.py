@@ -583,8 +583,8 @@ class BeamSearchParams:
 
     @classmethod
     def of(cls, params: SamplingParams, length_penalty: float = 1.0) -> BeamSearchParams:
-        """The search a server runs for a request's `params` (`beam_search_sampling_params`' result:
-        n the width)."""
+        """The search a server runs for a request's `params`, which hold only what beam search honours
+        (BEAM_SEARCH_FIELDS: n is the width)."""
         return cls(
             beam_width=params.n,
             max_tokens=params.max_tokens,  # type: ignore[arg-type]  # an int: neither default is None
