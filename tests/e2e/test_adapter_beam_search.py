@@ -21,10 +21,20 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
-from inprocess_server import InProcessServer
+from grpc_helpers import metric_sample
+from inprocess_server import InProcessServer, is_idle, wait_for
 from pagedserve import LLM
 from pagedserve.beam_search import BeamSearchOutput
-from test_grpc_beam_search import MAX_TOKENS, MODEL, PROMPTS, SETTINGS, eos_model_dir, llm, offline
+from test_grpc_beam_search import (
+    LONG_SEARCH_TOKENS,
+    MAX_TOKENS,
+    MODEL,
+    PROMPTS,
+    SETTINGS,
+    eos_model_dir,
+    llm,
+    offline,
+)
 from tritonclient.utils import InferenceServerException
 
 pytestmark = pytest.mark.slow
@@ -264,3 +274,27 @@ def test_a_refusal_names_the_field_and_the_server_serves_on(
 
     served = client.infer(MODEL, triton_inputs(tgrpc, "Hi", beam_parameters(n=2, max_tokens=2)))
     assert len(served.as_numpy("text_output")) == 2
+
+
+def test_a_search_past_its_triton_timeout_is_aborted_as_a_deadline_once(
+    server: InProcessServer, client: tgrpc.InferenceServerClient
+) -> None:
+    """Triton's request `timeout` (microseconds) ends a search still running its rounds: DEADLINE_EXCEEDED,
+    nothing of it left running, and one deadline abort counted, the search's (its rounds' requests,
+    mostly finished when the deadline comes, count none)."""
+
+    def deadline_aborts() -> float:
+        return metric_sample(
+            server.http_port, "pagedserve:request_aborts_total", model_name=MODEL, cause="deadline"
+        )
+
+    wait_for(lambda: is_idle(server), what="an idle engine")
+    before = deadline_aborts()
+    sampling = beam_parameters(2, max_tokens=LONG_SEARCH_TOKENS, ignore_eos=True)
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer(MODEL, triton_inputs(tgrpc, PROMPTS[0], sampling), timeout=500_000)
+    assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    assert "Request timeout expired (500000 us)" in caught.value.message()
+    wait_for(lambda: is_idle(server), what="nothing of the search left running")
+    wait_for(lambda: deadline_aborts() == before + 1, what="the deadline abort counted")
+    assert deadline_aborts() == before + 1
