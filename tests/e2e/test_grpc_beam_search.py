@@ -199,8 +199,10 @@ def test_a_client_that_cancels_mid_search_leaves_nothing_running(server: InProce
     try:
         call = server.stub.Generate(long_search("cancelled-search"), timeout=120)
         wait_mid_search(server, "cancelled-search")
+        assert server.stub.Health(pb.HealthRequest()).num_in_flight == 1  # the search, not its rounds
         call.cancel()
         assert wait_until(lambda: is_idle(server), IDLE_AFTER_ABORT_S), server.llm.stats()
+        assert server.stub.Health(pb.HealthRequest()).num_in_flight == 0
         # counted once, as the search, not as its round's requests (most of them already finished)
         assert wait_until(lambda: client_cancels(server) == cancels + 1, 5), client_cancels(server) - cancels
         finished = num_finished(server)
@@ -398,3 +400,27 @@ def test_sigterm_drains_a_search_then_aborts_it(eos_model_dir: str, tmp_path: Pa
         assert proc.proc.wait(timeout=30) == 0, proc.log.read_text()[-2000:]
     finally:
         proc.stop()
+
+
+def test_health_counts_searches_in_flight_where_the_engine_counts_none(server: InProcessServer) -> None:
+    """Each round's one-token requests finish in the step that runs them, so the engine's running and
+    waiting counts read 0 between its steps while a search runs; num_in_flight counts the search once
+    (not its rounds' requests) and a plain stream once, what a router balancing on Health needs."""
+    wait_for(lambda: is_idle(server), what="an idle engine")
+    try:
+        search = server.stub.Generate(long_search("counted-search"), timeout=120)
+        wait_mid_search(server, "counted-search")
+        plain = pb.GenerateRequest(
+            text=PROMPTS[1],
+            sampling=pb.SamplingParameters(temperature=0, max_tokens=LONG_SEARCH_TOKENS, ignore_eos=True),
+        )
+        stream = server.stub.Generate(plain, timeout=120)
+        next(stream)
+        counts = [server.stub.Health(pb.HealthRequest()) for _ in range(20)]
+        assert all(h.num_in_flight == 2 for h in counts), [h.num_in_flight for h in counts]
+        search.cancel()
+        stream.cancel()
+        assert wait_until(lambda: is_idle(server), IDLE_AFTER_ABORT_S), server.llm.stats()
+        assert server.stub.Health(pb.HealthRequest()).num_in_flight == 0
+    finally:
+        abort_leftovers(server)

@@ -284,6 +284,12 @@ class AsyncEngine:
     def num_live_requests(self) -> int:
         return len(self.live_request_ids())
 
+    @property
+    def num_in_flight(self) -> int:
+        """The requests front ends are answering: the live ones (beam searches included) and those
+        being admitted (reserved until the engine takes them)."""
+        return len(self.live_request_ids()) + len(self._reserved.keys() - self._searches.keys())
+
     @staticmethod
     def new_request_id(prefix: str = "req") -> str:
         """An id for a request whose caller chose none: random, so that no client's own id collides

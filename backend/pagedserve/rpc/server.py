@@ -452,6 +452,7 @@ class GenerationServicer:
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
             kv_cache_usage=usage,
+            num_in_flight=self.engine.num_in_flight,
         )
 
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:

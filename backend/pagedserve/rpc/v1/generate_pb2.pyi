@@ -271,18 +271,20 @@ class HealthRequest(_message.Message):
     def __init__(self, deep: _Optional[bool] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ready", "status", "num_running", "num_waiting", "kv_cache_usage")
+    __slots__ = ("ready", "status", "num_running", "num_waiting", "kv_cache_usage", "num_in_flight")
     READY_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     status: str
     num_running: int
     num_waiting: int
     kv_cache_usage: float
-    def __init__(self, ready: _Optional[bool] = ..., status: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
+    num_in_flight: int
+    def __init__(self, ready: _Optional[bool] = ..., status: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_in_flight: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "messages")
