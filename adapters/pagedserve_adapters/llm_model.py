@@ -28,7 +28,6 @@ from pagedserve.engine.async_engine import QueueFullError, in_tokenizer_thread
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.outputs import RequestDelta
 from pagedserve.sampling_params import (
-    BEAM_SEARCH_FIELDS,
     BeamSearchParams,
     SamplingParams,
     StructuredOutputsParams,
@@ -279,10 +278,8 @@ def _beam_search_params(
     for name, value in kwargs.items():
         check_beam_search_field(name, value, f"{where}.{names[name]}")
     check_beam_width(kwargs.get("n", 1), f"{where}.n")
-    try:  # only what the search honours: the model's other defaults (its top_p, ...) would not apply
-        defaults = make_params(**kwargs)
-        params = SamplingParams(**{name: getattr(defaults, name) for name in BEAM_SEARCH_FIELDS})
-        return params, BeamSearchParams.of(params, penalty)
+    try:
+        return BeamSearchParams.from_request(make_params(**kwargs), penalty)
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"{where}.{exc.field}", exc.message) from None
 

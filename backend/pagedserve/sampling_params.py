@@ -582,17 +582,22 @@ class BeamSearchParams:
         check(self.temperature >= 0.0, "temperature", "must be >= 0 (0 means greedy)")
 
     @classmethod
-    def of(cls, params: SamplingParams, length_penalty: float = 1.0) -> BeamSearchParams:
-        """The search a server runs for a request's `params`, which hold only what beam search honours
-        (BEAM_SEARCH_FIELDS: n is the width)."""
-        return cls(
-            beam_width=params.n,
-            max_tokens=params.max_tokens,  # type: ignore[arg-type]  # an int: neither default is None
-            ignore_eos=params.ignore_eos,
-            temperature=params.temperature,
+    def from_request(
+        cls, params: SamplingParams, length_penalty: float = 1.0
+    ) -> tuple[SamplingParams, BeamSearchParams]:
+        """The search a server runs for a request's `params` (the fields it set, the model's defaults for
+        the rest: n is the width), and those params cut to what beam search honours (BEAM_SEARCH_FIELDS:
+        the model's other defaults, its top_p say, would not apply, nor be traced as if they did)."""
+        honoured = SamplingParams(**{name: getattr(params, name) for name in BEAM_SEARCH_FIELDS})
+        search = cls(
+            beam_width=honoured.n,
+            max_tokens=honoured.max_tokens,  # type: ignore[arg-type]  # an int: neither default is None
+            ignore_eos=honoured.ignore_eos,
+            temperature=honoured.temperature,
             length_penalty=length_penalty,
-            include_stop_str_in_output=params.include_stop_str_in_output,
+            include_stop_str_in_output=honoured.include_stop_str_in_output,
         )
+        return honoured, search
 
 
 # The front ends' rule for a request with use_beam_search (our gRPC API's, the KServe v2 / Triton

@@ -137,3 +137,20 @@ def test_every_field_is_honoured_by_beam_search_or_refused_with_it() -> None:
     with pytest.raises(InvalidRequestError) as caught:
         check_beam_search_field("top_k", 5, "sampling_parameters.top_k")
     assert caught.value.field == "sampling_parameters.top_k" and "(or 0)" in caught.value.message
+
+
+def test_a_servers_beam_search_keeps_only_the_fields_it_honours() -> None:
+    """BeamSearchParams.from_request takes a request's parameters with the model's defaults filled in:
+    the search's width, temperature, length and EOS flags come from them, and a model default beam search
+    does not apply (generation_config's top_p, say) is dropped, not carried as if it ran."""
+    from pagedserve.sampling_params import BeamSearchParams
+
+    given = SamplingParams(
+        n=3, temperature=0.5, max_tokens=7, top_p=0.9, top_k=20, ignore_eos=True, skip_special_tokens=False
+    )
+    honoured, search = BeamSearchParams.from_request(given, length_penalty=0.5)
+    assert (honoured.top_p, honoured.top_k) == (SamplingParams().top_p, SamplingParams().top_k)
+    assert (honoured.n, honoured.max_tokens, honoured.skip_special_tokens) == (3, 7, False)
+    assert search == BeamSearchParams(
+        beam_width=3, max_tokens=7, ignore_eos=True, temperature=0.5, length_penalty=0.5
+    )

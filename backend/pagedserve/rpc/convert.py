@@ -19,6 +19,7 @@ from pagedserve.pooling_params import PoolingParams
 from pagedserve.reasoning import ReasoningParser, prompt_opens_reasoning
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.sampling_params import (
+    BEAM_SEARCH_FIELDS,
     NOT_IN_BEAM_SEARCH,
     BeamSearchParams,
     SamplingParams,
@@ -56,15 +57,6 @@ _OPTIONAL_PARAMS = (
     "prompt_logprobs",
     "truncate_prompt_tokens",
     "detokenize",
-    "spaces_between_special_tokens",
-)
-# Beam search's scalar fields, set on the message (its rule, NOT_IN_BEAM_SEARCH, is shared with the
-# KServe v2 / Triton adapters)
-_BEAM_SEARCH_PARAMS = (
-    "temperature",
-    "max_tokens",
-    "truncate_prompt_tokens",
-    "skip_special_tokens",
     "spaces_between_special_tokens",
 )
 # The message's repeated and map fields among NOT_IN_BEAM_SEARCH's, as the plain values it names
@@ -179,26 +171,23 @@ def beam_search_params(
     request: pb.GenerateRequest, engine: LLMEngine
 ) -> tuple[SamplingParams, BeamSearchParams]:
     """A beam search's parameters (`sampling.use_beam_search`): the request's as SamplingParams, n the
-    beam width (what admission checks, traces and decodes by), and the search's. Unset temperature and
-    max_tokens take the engine's defaults, as generation's do. A field that beam search would not
-    honour is refused naming it."""
+    beam width (what admission checks, traces and decodes by), and the search's. What the request leaves
+    unset takes the model's defaults, as generation's do. A field that beam search would not honour is
+    refused naming it."""
     check_beam_search_fields(request)
     message = request.sampling
-    n = message.n if message.HasField("n") else 1
-    check_beam_width(n)
-    defaults = engine.config.model.sampling_defaults
+    check_beam_width(message.n if message.HasField("n") else 1)
     kwargs: dict[str, Any] = {
-        name: defaults[name] for name in ("temperature", "max_tokens") if name in defaults
+        name: getattr(message, name)
+        for name in _OPTIONAL_PARAMS
+        if name in BEAM_SEARCH_FIELDS and message.HasField(name)
     }
-    kwargs.update({name: getattr(message, name) for name in _BEAM_SEARCH_PARAMS if message.HasField(name)})
-    params = SamplingParams(
-        n=n,
-        ignore_eos=message.ignore_eos,
-        include_stop_str_in_output=message.include_stop_str_in_output,
-        **kwargs,
+    params = engine.sampling_params(
+        ignore_eos=message.ignore_eos, include_stop_str_in_output=message.include_stop_str_in_output, **kwargs
     )
-    length_penalty = message.length_penalty if message.HasField("length_penalty") else 1.0
-    return params, BeamSearchParams.of(params, length_penalty)
+    return BeamSearchParams.from_request(
+        params, message.length_penalty if message.HasField("length_penalty") else 1.0
+    )
 
 
 def check_beam_search_fields(request: pb.GenerateRequest) -> None:
