@@ -713,7 +713,9 @@ class LLMModel:
         def cause() -> str:  # asked as the engine's generator closes early
             return "deadline" if deadline is not None and loop.time() >= deadline else cancel_cause()
 
-        deltas = self._deltas(rid, prompt, request, cause, priority)
+        deltas = engine.request_deltas(
+            rid, prompt, request.params, cause, priority, request.lora_name, request.beam_search
+        )
         try:
             while True:
                 # Waiting for the next delta, not while the caller handles one. In this task, not in one
@@ -748,28 +750,6 @@ class LLMModel:
                 tracer.finish_request(
                     carrier, rid, request.params, last, tokenized, len(prompt), request.client_id[:256]
                 )
-
-    def _deltas(
-        self, rid: str, prompt: list[int], request: LLMRequest, cause: Callable[[], str], priority: int
-    ) -> AsyncGenerator[RequestDelta, None]:
-        """The engine's generator for the request: generate's, or a beam search's (its beams' final
-        deltas, best first, once the search ends), taken the same way."""
-        engine = self.server.engine
-        if request.beam_search is None:
-            return engine.generate(
-                rid, prompt, request.params, cause, priority=priority, lora_name=request.lora_name
-            )
-        params = request.params
-        return engine.beam_search(
-            rid,
-            prompt,
-            request.beam_search,
-            cause,
-            priority,
-            request.lora_name,
-            params.skip_special_tokens,
-            params.spaces_between_special_tokens,
-        )
 
     def _count(self, started: float, tokenized: tuple[float, float], last: RequestDelta | None) -> None:
         elapsed_ns = int((time.monotonic() - started) * 1e9)

@@ -439,22 +439,39 @@ class AsyncEngine:
                 self._send_abort(request_id, Abort(None, cause))
             self._streams.pop(request_id, None)
 
+    def request_deltas(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cancel_cause: Callable[[], str | None] | None = None,
+        priority: int = 0,
+        lora_name: str | None = None,
+        beam_search: BeamSearchParams | None = None,
+    ) -> AsyncGenerator[RequestDelta, None]:
+        """What a front end reads for a request: `generate`'s deltas, or with `beam_search` that search's
+        (`beam_search`; `params` then hold what it honours, n its width)."""
+        if beam_search is None:
+            return self.generate(request_id, prompt_token_ids, params, cancel_cause, priority, lora_name)
+        return self.beam_search(
+            request_id, prompt_token_ids, params, beam_search, cancel_cause, priority, lora_name
+        )
+
     async def beam_search(
         self,
         request_id: str,
         prompt_token_ids: list[int],
+        sampling: SamplingParams,
         params: BeamSearchParams,
         cancel_cause: Callable[[], str | None] | None = None,
         priority: int = 0,
         lora_name: str | None = None,
-        skip_special_tokens: bool = True,
-        spaces_between_special_tokens: bool = True,
     ) -> AsyncGenerator[RequestDelta, None]:
         """vLLM's online beam search (its `EngineClient.beam_search`), taken as `generate` is taken. Each
         round runs every live beam for one token through `generate`, all of them at once, and
         `BeamSearch` keeps the best; only the result is yielded: one final delta per beam, best first
-        (`index` its rank), with its generated tokens and their text (decoded with the two flags, off
-        the event loop; an ending EOS's text left out unless `params.include_stop_str_in_output`) and
+        (`index` its rank), with its generated tokens and their text (decoded with `sampling`'s
+        skip_special_tokens and spaces_between_special_tokens, off the event loop; an ending EOS's text left out unless `params.include_stop_str_in_output`) and
         finish reason eos or length (`beam_deltas`). The last one ends the request.
 
         `request_id` is held for the whole search, as `reserve` holds it (kept from a front end's
@@ -483,7 +500,11 @@ class AsyncEngine:
                 yield ended
                 return
             output = search.best()
-            flags = (params.include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens)
+            flags = (
+                params.include_stop_str_in_output,
+                sampling.skip_special_tokens,
+                sampling.spaces_between_special_tokens,
+            )
             texts = await in_tokenizer_thread(
                 self._beam_texts, output.sequences, len(prompt_token_ids), *flags
             )

@@ -309,21 +309,9 @@ class GenerationServicer:
         def cause() -> str:
             return STALLED_CLIENT if call.stalled else cancel_cause(context)
 
-        if call.beam_search is None:
-            deltas = self.engine.generate(
-                call.request_id, call.prompt, call.params, cause, call.priority, call.lora_name
-            )
-        else:
-            deltas = self.engine.beam_search(
-                call.request_id,
-                call.prompt,
-                call.beam_search,
-                cause,
-                call.priority,
-                call.lora_name,
-                call.params.skip_special_tokens,
-                call.params.spaces_between_special_tokens,
-            )
+        deltas = self.engine.request_deltas(
+            call.request_id, call.prompt, call.params, cause, call.priority, call.lora_name, call.beam_search
+        )
         try:
             async for delta in deltas:
                 call.last = delta
