@@ -452,9 +452,17 @@ class AsyncEngine:
         """What a front end reads for a request: `generate`'s deltas, or with `beam_search` that search's
         (`beam_search`; `params` then hold what it honours, n its width)."""
         if beam_search is None:
-            return self.generate(request_id, prompt_token_ids, params, cancel_cause, priority, lora_name)
+            return self.generate(
+                request_id, prompt_token_ids, params, cancel_cause, priority=priority, lora_name=lora_name
+            )
         return self.beam_search(
-            request_id, prompt_token_ids, params, beam_search, cancel_cause, priority, lora_name
+            request_id,
+            prompt_token_ids,
+            params,
+            beam_search,
+            cancel_cause,
+            priority=priority,
+            lora_name=lora_name,
         )
 
     async def beam_search(
