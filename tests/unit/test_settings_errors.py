@@ -298,3 +298,34 @@ def test_a_bad_flag_is_refused_before_torch_is_imported(argv: list[str], message
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert message in done.stderr, done.stderr[-2000:]
     assert done.stdout.split() == ["no", "torch", "2"], done.stdout
+
+
+def test_a_unix_socket_path_is_made_absolute_and_refused_where_no_socket_could_have_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert parse(["--uds", "ps.sock"]).uds == str(tmp_path / "ps.sock")  # bound, logged and removed as one
+    longest = "/tmp/" + "s" * 102  # 107 bytes: sun_path's 108 less its NUL
+    assert parse(["--uds", longest]).uds == longest
+    with pytest.raises(SettingsError) as info:
+        parse(["--uds", longest + "s"])
+    assert str(info.value).startswith(
+        "--uds: 108 bytes long as an absolute path: a Unix socket's may have at most 107"
+    ), info.value
+    with pytest.raises(SettingsError, match=r"^--uds: must be a path"):
+        parse(["--uds", ""])
+
+
+def test_a_unix_socket_with_a_port_given_is_refused_naming_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--uds serves gRPC in place of the TCP port: a port given as well would be silently unused."""
+    message = "--uds: serves gRPC in place of the port setting: give one of them"
+    with pytest.raises(SettingsError) as info:
+        parse(["--uds", "/tmp/ps.sock", "--port", "9001"])
+    assert str(info.value) == message
+    monkeypatch.setenv("PAGEDSERVE_PORT", "9001")
+    with pytest.raises(SettingsError) as info:
+        parse(["--uds", "/tmp/ps.sock"])
+    assert str(info.value) == message
+    monkeypatch.delenv("PAGEDSERVE_PORT")
+    settings = parse(["--uds", "/tmp/ps.sock", "--http-port", "9000"])  # HTTP keeps its port
+    assert (settings.uds, settings.http_port, settings.port) == ("/tmp/ps.sock", 9000, 8001)

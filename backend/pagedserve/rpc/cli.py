@@ -12,6 +12,8 @@ import logging
 import math
 import os
 import signal
+import socket
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -40,10 +42,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedserve.serve")
 
+_MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sockaddr_un.sun_path, less its NUL)
+
 
 class ServeSettings(EngineSettings):
     host: str = Field("0.0.0.0", description="address to bind")
     port: int = Field(8001, ge=0, le=65535, description="gRPC port (0 = any free port)")
+    uds: str | None = Field(
+        None,
+        description="serve gRPC on this Unix domain socket instead of --host/--port (as vLLM's --uds), for "
+        "a client or proxy on the same host: a socket left by a server gone is replaced, one a server "
+        "answers on is refused, and the socket is removed at exit. HTTP stays on --host/--http-port",
+    )
     http_port: int = Field(
         8000,
         ge=-1,
@@ -175,6 +185,28 @@ class ServeSettings(EngineSettings):
             )
         return self
 
+    @field_validator("uds")
+    @classmethod
+    def _check_uds(cls, value: str | None) -> str | None:
+        """A path a socket can have: the kernel takes at most 107 bytes (sun_path, its NUL aside)."""
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("must be a path")
+        path = os.path.abspath(value)
+        if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+            raise ValueError(
+                f"{len(os.fsencode(path))} bytes long as an absolute path: a Unix socket's may have at "
+                f"most {_MAX_SOCKET_PATH}"
+            )
+        return path
+
+    @model_validator(mode="after")
+    def _check_uds_alone(self) -> ServeSettings:
+        if self.uds is not None and "port" in self.model_fields_set:
+            raise ValueError("uds: serves gRPC in place of the port setting: give one of them")
+        return self
+
     @field_validator("log_level", "log_format", mode="before")
     @classmethod
     def _lower_case(cls, value: object) -> object:
@@ -221,7 +253,9 @@ def add_health_parser(subparsers: argparse._SubParsersAction) -> None:
         "the service is SERVING, 1 otherwise (not serving, unreachable, TLS refused) with one line on "
         "stderr. TLS when any --ssl-* flag is given.",
     )
-    parser.add_argument("--address", default="localhost:8001", help="gRPC host:port (default: %(default)s)")
+    parser.add_argument(
+        "--address", default="localhost:8001", help="gRPC host:port, or unix:PATH (default: %(default)s)"
+    )
     parser.add_argument(
         "--service",
         default="",
@@ -412,11 +446,20 @@ async def _run(
     drained; the exit code."""
     from pagedserve.rpc.server import run_until_signalled
 
-    address = f"{setting_source('host', flags)}, {setting_source('port', flags)}"
-    try:
-        port = server.add_port(f"{settings.host}:{settings.port}", tls.grpc_credentials() if tls else None)
-    except OSError as exc:
-        raise SettingsError(f"{address}: {exc}") from None
+    credentials = tls.grpc_credentials() if tls else None
+    if settings.uds is not None:
+        try:
+            grpc_address = _free_unix_socket(settings.uds)
+            server.add_port(grpc_address, credentials)
+        except OSError as exc:
+            raise SettingsError(f"{setting_source('uds', flags)}: {exc}") from None
+    else:
+        address = f"{setting_source('host', flags)}, {setting_source('port', flags)}"
+        try:
+            port = server.add_port(f"{settings.host}:{settings.port}", credentials)
+        except OSError as exc:
+            raise SettingsError(f"{address}: {exc}") from None
+        grpc_address = f"{settings.host}:{port}"
     try:
         http_port = (
             await http.start(settings.host, settings.http_port, tls.http_context() if tls else None)
@@ -429,9 +472,8 @@ async def _run(
     https = "HTTPS" if tls and http_port is not None else "HTTP"
     security = f" ({tls.mode})" if tls else ""
     logger.info(
-        "gRPC on %s:%d, %s%s: live; loading the model",
-        settings.host,
-        port,
+        "gRPC on %s, %s%s: live; loading the model",
+        grpc_address,
         f"{https} on {settings.host}:{http_port}" if http_port is not None else "HTTP off",
         security,
     )
@@ -447,15 +489,37 @@ async def _run(
         return 0
     llm = await starting
     logger.info(
-        "pagedserve ready: gRPC %s:%d (pagedserve.rpc.v1.Generation, inference.GRPCInferenceService, "
+        "pagedserve ready: gRPC %s (pagedserve.rpc.v1.Generation, inference.GRPCInferenceService, "
         "grpc.health.v1, reflection), %s KServe v2 REST%s, model %r",
-        settings.host,
-        port,
+        grpc_address,
         https,
         security,
         llm.config.model.served_model_name,
     )
     return await run_until_signalled(server, settings.shutdown_timeout, stop)
+
+
+def _free_unix_socket(path: str) -> str:
+    """The gRPC address of a Unix socket at `path` once it is free to bind: absent, or a socket nobody
+    answers on (a server's that was killed), which gRPC replaces. Anything else is an OSError saying
+    what holds the path: gRPC would replace a live server's socket without a word, and both servers
+    would run with the first one cut off from new clients."""
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        raise OSError(f"{path}: no directory {folder}")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return f"unix:{path}"
+    if not stat.S_ISSOCK(mode):
+        raise OSError(f"{path} exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(5.0)  # (a listener whose backlog is full: held, not refused)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:  # left by a server gone
+            return f"unix:{path}"
+    raise OSError(f"{path}: a server already listens on it")
 
 
 async def _start(server: Server, startup: _Startup, settings: ServeSettings, flags: set[str]) -> LLMEngine:
