@@ -7,6 +7,7 @@ and latency percentiles, optionally against the offline engine on the same workl
     python bench/serving.py --spawn --concurrency 16 --workload random --num-requests 64
     python bench/serving.py --spawn --compare-tracing --num-requests 16  # tracing off / on / off
     python bench/serving.py --spawn --rounds 8 --twin-server-arg=--stream-interval=2  # one setting vs another
+    python bench/serving.py --spawn --rounds 8 --twin-server-arg=--uds=/tmp/ps.sock  # loopback TCP vs a Unix socket
 
 Each request is one server-streaming `Generate` call (greedy, ignore_eos, the workload's forced
 max_tokens; chat workloads send messages and the server applies the chat template). Measured per
@@ -41,6 +42,9 @@ loop) takes cycles from the server, which this benchmark does not hide but keeps
 --twin-server-arg starts a second server beside the first, the same but for the extra arguments, and
 alternates the rounds between the two (A then B in odd rounds, B then A in even ones): the most
 sensitive way to see what a server setting costs or buys, both sides seeing the machine's drift.
+
+A spawned server given `--uds=PATH` (--server-arg or --twin-server-arg, in that one form) serves gRPC
+on that Unix socket, and this client dials `unix:PATH` (--target takes `unix:PATH` too).
 
 --engine-cores CPUS (with --spawn; Linux) lays a GPU host out on a CPU: the spawned servers' engine
 (the engine process, or with --server-arg=--no-engine-process the server's torch thread) runs on
@@ -335,8 +339,14 @@ class SpawnedServer:
 
     def __init__(self, args: argparse.Namespace, extra_args: list[str] | None = None) -> None:
         self.port = free_port()
-        command = [sys.executable, "-m", "pagedserve", "serve", "--host", "127.0.0.1"]
-        command += ["--port", str(self.port), "--http-port", "-1"]
+        # `--uds=PATH` among its arguments: gRPC on that Unix socket, in place of a port
+        self.uds = next(
+            (a.partition("=")[2] for a in args.server_arg + (extra_args or []) if a.startswith("--uds=")),
+            None,
+        )
+        command = [sys.executable, "-m", "pagedserve", "serve", "--host", "127.0.0.1", "--http-port", "-1"]
+        if self.uds is None:
+            command += ["--port", str(self.port)]
         for name in ENGINE_FLAGS:
             if getattr(args, name) is not None:
                 command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
@@ -365,7 +375,7 @@ class SpawnedServer:
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"unix:{self.uds}" if self.uds is not None else f"127.0.0.1:{self.port}"
 
     def stop(self) -> None:
         if self.proc.poll() is None:
