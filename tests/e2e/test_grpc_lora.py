@@ -210,3 +210,31 @@ def test_kv_events_name_the_adapter_whose_kv_a_block_holds(srv: InProcessServer)
             assert run.lora_name == lora_name and run.parent_block_hash == b""  # a prompt's first block
     finally:
         call.cancel()
+
+
+def test_a_beam_search_through_an_adapter_is_the_offline_llms_through_it(
+    srv: InProcessServer, tiny_llama_dir: str, adapters: dict[str, str]
+) -> None:
+    """Every round of a search runs its beams through the request's adapter: the beams equal offline
+    `LLM.beam_search` with that LoRARequest, and differ from the base model's."""
+    from pagedserve import LLM, BeamSearchParams, LoRARequest
+
+    llm = LLM(
+        model=tiny_llama_dir, dtype="float32", num_kv_blocks=128, block_size=BLOCK, lora_modules=adapters
+    )
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    want = {
+        name: [beam.tokens[len(PROMPT) :] for beam in out.sequences]
+        for name in ("sql", None)
+        for out in llm.beam_search([PROMPT], params, LoRARequest(name) if name else None)
+    }
+    assert want["sql"] != want[None]  # the adapter changes the search's outcome
+    for lora_name in ("sql", ""):
+        sampling = pb.SamplingParameters(
+            use_beam_search=True, n=3, temperature=0, max_tokens=6, ignore_eos=True
+        )
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), sampling=sampling, lora_name=lora_name)
+        streamed = [list(r.token_ids) for r in srv.stub.Generate(req, timeout=120)]
+        completed = [list(c.token_ids) for c in srv.stub.Complete(req, timeout=120).completions]
+        assert streamed == completed == want[lora_name or None], lora_name
+    wait_for(lambda: is_idle(srv), what="an idle engine")
