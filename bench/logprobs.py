@@ -63,12 +63,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from pagedserve import LLM, SamplingParams
-    from pagedserve.default_model import resolve_model_path
-    from transformers import AutoTokenizer
 
     llm = LLM(args.model, dtype=args.dtype)
     requests = build_workload(args.workload, args.num_requests)
-    prompts = prompt_token_ids(AutoTokenizer.from_pretrained(resolve_model_path(args.model)), requests)
+    prompts = prompt_token_ids(llm.get_tokenizer(), requests)  # the engine's (PAGEDSERVE_TOKENIZER's)
     sampler = llm.engine.executor.worker.model_runner.sampler  # type: ignore[attr-defined]
     kernel = sampler.logprob_rows
     if kernel is None:

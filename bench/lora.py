@@ -111,13 +111,11 @@ def main() -> None:
 
     from pagedserve import LLM, LoRARequest, SamplingParams
     from pagedserve.default_model import resolve_model_path
-    from transformers import AutoTokenizer
     from transformers import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     model_dir = resolve_model_path(args.model)
     requests = build_workload("chat", None)
-    prompts = prompt_token_ids(AutoTokenizer.from_pretrained(model_dir), requests)
     lengths = [r.max_tokens for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     print(f"machine: {machine_line(args.dtype)}")
@@ -132,6 +130,7 @@ def main() -> None:
         names = list(adapters)
         served = LLM(model_dir, dtype=args.dtype, lora_modules=adapters)
         plain = LLM(model_dir, dtype=args.dtype)
+        prompts = prompt_token_ids(served.get_tokenizer(), requests)  # the engines' (PAGEDSERVE_TOKENIZER's)
         cycle = [LoRARequest(name) for name in names] + [None]
         ways = {
             "base": (served, [None] * len(prompts)),

@@ -97,12 +97,10 @@ def main() -> None:
 
     from pagedserve import LLM, SamplingParams
     from pagedserve.default_model import resolve_model_path
-    from transformers import AutoTokenizer
     from transformers import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     model_dir = resolve_model_path(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     chat = build_workload("chat", None)
     ngram = {
         "method": "ngram",
@@ -127,7 +125,7 @@ def main() -> None:
             True,
         ),
         "chat (64 at once)": (
-            prompt_token_ids(tokenizer, chat),
+            prompt_token_ids(engines["plain"].get_tokenizer(), chat),
             [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in chat],
             False,
         ),

@@ -20,6 +20,7 @@ from pagedserve.settings import (
     EngineSettings,
     SettingsError,
     add_settings_arguments,
+    config_error,
     flags_given,
     setting_source,
     settings_from_args,
@@ -164,13 +165,16 @@ def _run_generate(args: argparse.Namespace) -> int:
     from pagedserve.engine.llm_engine import check_structured_outputs
     from pagedserve.llm import LLM
 
-    # a grammar the compiler refuses is refused before the model loads: the tokenizer alone compiles it
-    if params.structured_outputs is not None:
-        try:
+    given = flags_given(GenerateSettings, args)
+    try:
+        # a grammar the compiler refuses is refused before the model loads: the tokenizer alone compiles it
+        if params.structured_outputs is not None:
             check_structured_outputs(settings.to_engine_config(), params.structured_outputs)
-        except InvalidRequestError as exc:
-            raise _request_error(exc, flags_given(GenerateSettings, args)) from None
-    llm = LLM(**settings.model_dump(include=set(EngineSettings.model_fields)))
+        llm = LLM(**settings.model_dump(include=set(EngineSettings.model_fields)))
+    except InvalidRequestError as exc:
+        raise _request_error(exc, given) from None
+    except ValueError as exc:  # what only the model can tell (its path, its tokenizer), as `serve` says it
+        raise config_error(exc, given) from None
     use_chat = settings.chat and bool(llm.engine.tokenizer.chat_template)
     batch = len(args.prompt) > 1
     lora = LoRARequest(settings.lora_name) if settings.lora_name else None
@@ -185,7 +189,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         else:
             outputs = llm.generate(args.prompt, params, use_tqdm=batch, lora_request=lora)
     except InvalidRequestError as exc:  # a prompt too long for the context, a schema that does not compile
-        raise _request_error(exc, flags_given(GenerateSettings, args)) from None
+        raise _request_error(exc, given) from None
     except RuntimeError as exc:  # a request that failed (a model fault), a dead engine: said in one line
         print(f"pagedserve generate: error: {exc}", file=sys.stderr)
         return 1

@@ -26,9 +26,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A local Hugging Face model directory and the shape facts the engine needs from its config.json."""
+    """A local Hugging Face model directory and the shape facts the engine needs from its config.json;
+    `tokenizer_path`: the directory its tokenizer is read from (--tokenizer, else `path`)."""
 
     path: str
+    tokenizer_path: str
     dtype: str
     max_model_len: int
     served_model_name: str
@@ -57,10 +59,12 @@ class ModelConfig:
         generation_config: str = "auto",
         hf_overrides: dict[str, Any] | None = None,
         override_generation_config: dict[str, Any] | None = None,
+        tokenizer_path: str | None = None,
     ) -> ModelConfig:
         """`hf_overrides`: config.json keys replaced (vLLM's --hf-overrides), e.g. a YaRN rope_scaling;
         `override_generation_config`: generation_config.json values over the file's (or alone, under
-        `generation_config` vllm), vLLM's --override-generation-config."""
+        `generation_config` vllm), vLLM's --override-generation-config; `tokenizer_path`: where the
+        tokenizer is, when not in the model directory (generation_config.json is still the model's)."""
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise ValueError(f"model: {path!r} is not a Hugging Face model directory (no config.json)")
@@ -74,6 +78,7 @@ class ModelConfig:
             raise ValueError(f"dtype: must be one of {DTYPES}, got {dtype!r}")
         return cls(
             path=str(path),
+            tokenizer_path=str(tokenizer_path or path),
             dtype=dtype,
             max_model_len=_max_model_len(hf, architecture, max_model_len),
             served_model_name=served_model_name or Path(path).resolve().name,

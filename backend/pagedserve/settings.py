@@ -36,6 +36,7 @@ from pagedserve.config import (
 )
 from pagedserve.lora_config import parse_lora_modules
 from pagedserve.spec_decode import SpeculativeConfig
+from pagedserve.tokenizer import check_tokenizer_dir
 
 _SIZE_UNITS = {
     "": 1,
@@ -74,6 +75,7 @@ def parse_size(value: str | int | None) -> int | None:
 
 # field -> the parser that checks it as the engine will read it (ValueError naming the field)
 _PARSED_FIELDS: dict[str, Callable[[Any], object]] = {
+    "tokenizer": check_tokenizer_dir,
     "lora_modules": parse_lora_modules,
     "chat_template": resolve_chat_template,
     "default_chat_template_kwargs": lambda value: parse_chat_template_kwargs(
@@ -93,6 +95,11 @@ class EngineSettings(BaseSettings):
 
     model: str | None = Field(
         None, description="local Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)"
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="a directory holding the tokenizer (and its chat template) to use instead of the "
+        "model directory's, as vLLM's --tokenizer",
     )
     served_model_name: str | None = Field(
         None, description="name clients use for the model (default: the directory name)"
@@ -274,6 +281,7 @@ class EngineSettings(BaseSettings):
             self.generation_config,
             parse_hf_overrides(self.hf_overrides),
             parse_generation_overrides(self.override_generation_config),
+            self.tokenizer,
         )
         return EngineConfig(
             model=model,

@@ -329,3 +329,18 @@ def test_a_unix_socket_with_a_port_given_is_refused_naming_both(monkeypatch: pyt
     monkeypatch.delenv("PAGEDSERVE_PORT")
     settings = parse(["--uds", "/tmp/ps.sock", "--http-port", "9000"])  # HTTP keeps its port
     assert (settings.uds, settings.http_port, settings.port) == ("/tmp/ps.sock", 9000, 8001)
+
+
+def test_tokenizer_is_a_directory_holding_one_named_by_its_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    with pytest.raises(SettingsError, match=rf"^--tokenizer: '{tokenizer}' holds no tokenizer \(none of "):
+        parse(["--tokenizer", str(tokenizer)])
+    (tokenizer / "tokenizer.json").write_text("{}")
+    assert parse(["--tokenizer", str(tokenizer)]).tokenizer == str(tokenizer)
+    assert parse([]).tokenizer is None
+    monkeypatch.setenv("PAGEDSERVE_TOKENIZER", str(tmp_path / "nowhere"))
+    with pytest.raises(SettingsError, match=r"^PAGEDSERVE_TOKENIZER: '.*nowhere' is not a directory"):
+        parse([])

@@ -32,6 +32,7 @@ from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.sequence import FinishReason, Sequence
 from pagedserve.settings import EngineSettings
 from pagedserve.telemetry import EngineMetrics, cache_config_labels
+from pagedserve.tokenizer import load_tokenizer
 from pagedserve.worker.executor import Executor, create_executor
 
 logger = logging.getLogger(__name__)
@@ -64,10 +65,8 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         """`executor`: the one built for `config` unless given (an engine process's, EngineFace)."""
-        from transformers import AutoTokenizer
-
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        self.tokenizer = load_tokenizer(config.model)  # before the model: a wrong one fails in a second
         if config.chat_template is not None:
             self.tokenizer.chat_template = config.chat_template
         self.eos_token_ids = _eos_token_ids(config.model.path, self.tokenizer)
@@ -176,7 +175,7 @@ class LLMEngine:
         except Exception as exc:  # the template's own code failed on this conversation or its variables
             raise _template_failed(exc) from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers returns a BatchEncoding
-            ids = ids["input_ids"]  # type: ignore[call-overload,index]
+            ids = ids["input_ids"]
         return list(ids)
 
     def truncate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
@@ -865,15 +864,14 @@ def check_structured_outputs(config: EngineConfig, params: StructuredOutputsPara
     """Compile a request's grammar with the model's tokenizer alone, no model loaded: what the engine
     would refuse as the request arrives (InvalidRequestError naming the field), said before a start that
     takes tens of seconds (`pagedserve generate`)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    tokenizer = load_tokenizer(config.model)
     eos_token_ids = _eos_token_ids(config.model.path, tokenizer)
     StructuredOutputs(tokenizer, config.model.vocab_size, eos_token_ids).compile(params)
 
 
 def _eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
-    """EOS ids from generation_config.json (int or list) and the tokenizer."""
+    """EOS ids from the model directory's generation_config.json (int or list) and the tokenizer's (the
+    one --tokenizer names, when given)."""
     from transformers import GenerationConfig
 
     ids: set[int] = set()
