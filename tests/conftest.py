@@ -37,3 +37,17 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     tokenizer_dir = os.environ.get("PAGEDSERVE_TEST_TOKENIZER_DIR") or resolve_model_path(None)
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def gguf_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A model cache of its own (PAGEDSERVE_CACHE_DIR) holding the embedded GGUF file converted as
+    `--model PATH.gguf` converts it (~20 s on 2 cores): once a session, whatever the user's cache holds.
+    Tests reading it set PAGEDSERVE_CACHE_DIR to it (`monkeypatch.setenv`, or a server's env)."""
+    from pagedserve.default_model import default_gguf_path, resolve_model_path
+
+    cache = str(tmp_path_factory.mktemp("gguf-cache"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PAGEDSERVE_CACHE_DIR", cache)
+        resolve_model_path(str(default_gguf_path()))
+    return cache

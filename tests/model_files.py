@@ -1,5 +1,5 @@
 """Model files made for tests of what `--model` and `--tokenizer` accept: a model directory without its
-tokenizer.
+tokenizer, and a GGUF file of one tensor.
 
 Kept out of conftest.py so tests import it by a name no other folder's conftest shares.
 """
@@ -23,3 +23,17 @@ def model_without_tokenizer(model_dir: str, dest: Path) -> str:
             shutil.copy(Path(model_dir) / name, dest / name)
     assert not any((dest / name).exists() for name in TOKENIZER_FILES)
     return str(dest)
+
+
+def write_gguf(path: Path, architecture: str, values: list[float]) -> Path:
+    """A GGUF file of one tensor: enough for everything before a conversion."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch=architecture)
+    writer.add_tensor("token_embd.weight", np.array(values, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

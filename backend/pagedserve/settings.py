@@ -34,6 +34,7 @@ from pagedserve.config import (
     resolve_device,
     resolve_dtype,
 )
+from pagedserve.gguf_model import check_model_file
 from pagedserve.lora_config import parse_lora_modules
 from pagedserve.spec_decode import SpeculativeConfig
 from pagedserve.tokenizer import check_tokenizer_dir
@@ -75,6 +76,7 @@ def parse_size(value: str | int | None) -> int | None:
 
 # field -> the parser that checks it as the engine will read it (ValueError naming the field)
 _PARSED_FIELDS: dict[str, Callable[[Any], object]] = {
+    "model": check_model_file,
     "tokenizer": check_tokenizer_dir,
     "lora_modules": parse_lora_modules,
     "chat_template": resolve_chat_template,
@@ -94,7 +96,9 @@ class EngineSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PAGEDSERVE_", protected_namespaces=(), extra="ignore")
 
     model: str | None = Field(
-        None, description="local Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)"
+        None,
+        description="a local Hugging Face model directory, or a GGUF file converted once into a cached one "
+        "(default: the embedded SmolLM2-135M-Instruct)",
     )
     tokenizer: str | None = Field(
         None,
@@ -102,7 +106,8 @@ class EngineSettings(BaseSettings):
         "model directory's, as vLLM's --tokenizer",
     )
     served_model_name: str | None = Field(
-        None, description="name clients use for the model (default: the directory name)"
+        None,
+        description="name clients use for the model (default: the directory's name, a GGUF file's without .gguf)",
     )
     dtype: str = Field("auto", description="auto, float32, bfloat16 or float16")
     generation_config: Literal["auto", "vllm"] = Field(

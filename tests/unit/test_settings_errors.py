@@ -344,3 +344,13 @@ def test_tokenizer_is_a_directory_holding_one_named_by_its_flag(
     monkeypatch.setenv("PAGEDSERVE_TOKENIZER", str(tmp_path / "nowhere"))
     with pytest.raises(SettingsError, match=r"^PAGEDSERVE_TOKENIZER: '.*nowhere' is not a directory"):
         parse([])
+
+
+def test_a_model_file_that_is_no_gguf_file_is_named_by_its_flag(tmp_path: Path) -> None:
+    """Told before anything loads: a GGUF file missing, or a file that is not one."""
+    with pytest.raises(SettingsError, match=r"^--model: no such file or directory: '.*missing\.gguf'"):
+        parse(["--model", str(tmp_path / "missing.gguf")])
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00")
+    with pytest.raises(SettingsError, match=r"^--model: '.*model\.safetensors' is not a GGUF file"):
+        parse(["--model", str(tmp_path / "model.safetensors")])
+    assert parse(["--model", str(tmp_path)]).model == str(tmp_path)  # a directory: read as the engine loads

@@ -1,0 +1,149 @@
+"""A GGUF checkpoint (`--model x.gguf`, and the embedded default model) converted once into a cached
+Hugging Face directory (config, tokenizer, safetensors) that loads like any other."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+GGUF_MAGIC = b"GGUF"
+# GGUF's general.architecture -> the config.json architecture transformers converts it to; each one
+# models/registry.py serves (a Mistral GGUF says llama or mistral, by the tool that wrote it)
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def is_gguf_model(model: str) -> bool:
+    """`--model` names a GGUF file rather than a directory: a `.gguf` name (there or not), or a file."""
+    return model.endswith(".gguf") or Path(model).is_file()
+
+
+def check_model_file(model: str | None) -> None:
+    """`--model` as far as it can be told without loading anything (ValueError naming it): a GGUF
+    file's existence and kind. A directory is read once the engine loads."""
+    if model is not None and is_gguf_model(model):
+        check_gguf_file(model)
+
+
+def check_gguf_file(path: str) -> None:
+    """A file that starts as GGUF files do (ValueError naming `model`). Cheap, so it is checked with the
+    settings, before `serve` binds a port; its architecture is read only where it converts."""
+    if not Path(path).exists():
+        raise ValueError(f"model: no such file or directory: {path!r}")
+    if not Path(path).is_file():
+        raise ValueError(f"model: {path!r} is not a file (a GGUF file, or a Hugging Face model directory)")
+    with open(path, "rb") as file:
+        if file.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+            raise ValueError(
+                f"model: {path!r} is not a GGUF file (it does not start with GGUF's magic bytes); --model "
+                "takes a GGUF file or a Hugging Face model directory"
+            )
+
+
+def gguf_model_dir(gguf: str, cache: Path, name: str | None = None) -> str:
+    """The Hugging Face directory of `gguf` under `cache`, converted first unless it is there. `name`:
+    the directory's own name, which is the model's served name by default (the file's stem unless
+    given)."""
+    check_gguf_file(gguf)
+    dest = converted_dir(Path(gguf), cache, name or Path(gguf).stem)
+    if not (dest / "config.json").is_file():
+        convert_gguf(Path(gguf), dest)
+    return str(dest)
+
+
+def converted_dir(gguf: Path, cache: Path, name: str) -> Path:
+    """`<cache>/<stem>-<key>/<name>`, the key a hash of the file's resolved path, size and
+    modification time. Not of its contents: hashing a whole checkpoint reads gigabytes at every start,
+    and its header alone (metadata, tensor names and shapes) stays the same when only the weights
+    change (a fine-tune quantized the same way). Anything that writes the file (a download, a copy,
+    an edit) changes its size or time, so a changed file converts again; a file moved or merely
+    touched converts again too, which costs a conversion, never a stale model. The path keeps two
+    files of the same name in different folders apart."""
+    stat = gguf.stat()
+    source = f"{gguf.resolve()}\n{stat.st_size}\n{stat.st_mtime_ns}"
+    key = hashlib.sha256(source.encode()).hexdigest()[:16]
+    return cache / f"{gguf.stem}-{key}" / name
+
+
+def convert_gguf(gguf: Path, dest: Path) -> None:
+    """GGUF -> safetensors + config.json + tokenizer + generation_config.json in `dest`, written to a
+    temporary folder and renamed into place, so concurrent processes (a launcher's ranks each
+    converting) never see a half-written model."""
+    architecture = gguf_architecture(gguf)  # before the conversion, which takes seconds to minutes
+    # on stderr: stdout is `pagedserve generate`'s answer
+    print(f"pagedserve: converting {gguf} into {dest} (once) ...", file=sys.stderr, flush=True)
+    _write_into_place(dest, lambda folder: _convert_into(folder, gguf, architecture))
+    print(f"pagedserve: {dest.name} ready at {dest}", file=sys.stderr, flush=True)
+
+
+def gguf_architecture(gguf: Path) -> str:
+    """The config.json architecture of `gguf`'s general.architecture (ValueError naming `model` for
+    one pagedserve does not serve)."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(gguf).fields.get("general.architecture")
+    except (ValueError, IndexError, OSError) as exc:  # a truncated file, a GGUF version it does not know
+        raise ValueError(f"model: {str(gguf)!r} is not a readable GGUF file: {exc}") from None
+    name = field.contents() if field is not None else None
+    if name not in ARCHITECTURES:
+        raise ValueError(
+            f"model: {str(gguf)!r} holds a {name!r} model (GGUF general.architecture); pagedserve "
+            f"serves {', '.join(ARCHITECTURES)}"
+        )
+    return ARCHITECTURES[name]
+
+
+def _convert_into(folder: Path, gguf: Path, architecture: str) -> None:
+    """The weights dequantized to float32 by transformers (a tied LM head left out, as Hugging Face
+    saves it), config.json without quantization_config (its weights are plain now) and naming the
+    architecture, the GGUF's tokenizer and generation config."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tied = bool(model.config.tie_word_embeddings)
+    state = {
+        name: tensor.contiguous()
+        for name, tensor in model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    }
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [architecture]
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+
+
+def _write_into_place(dest: Path, write: Callable[[Path], None]) -> None:
+    """`write` into a temporary folder beside `dest`, then rename it to `dest`. Another process that
+    won the race has put its own there: the rename fails, and theirs is the same model. Readable by
+    all, as a downloaded model is (safetensors writes its file for its owner alone), so that a
+    container running as another user can mount it."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    tmp.chmod(0o755)
+    try:
+        write(tmp)
+        for file in tmp.iterdir():
+            file.chmod(0o644)
+        os.replace(tmp, dest)
+    except OSError:
+        if not (dest / "config.json").is_file():  # not a lost race with another converting process
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

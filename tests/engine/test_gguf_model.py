@@ -1,0 +1,106 @@
+"""A GGUF file as `--model`, as vLLM loads one: converted once into the model cache (the embedded default
+model goes through the same conversion), served under the file's name, with the GGUF's tokenizer. A
+changed file converts again; a missing file, a file that is not GGUF and an architecture pagedserve does
+not serve are each refused naming `model`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from model_files import write_gguf
+from pagedserve import LLM, SamplingParams
+from pagedserve.default_model import default_gguf_path, resolve_model_path
+from pagedserve.gguf_model import converted_dir
+from pagedserve.settings import EngineSettings
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+ENGINE = {"dtype": "float32", "num_kv_blocks": 64}
+
+
+@pytest.fixture
+def gguf_cache(gguf_cache_dir: str, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The session's cache, which holds the embedded GGUF file converted already."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", gguf_cache_dir)
+    return Path(gguf_cache_dir)
+
+
+def outputs(llm: LLM) -> list[list[tuple[str, list[int]]]]:
+    return [
+        [(o.outputs[0].text, list(o.outputs[0].token_ids)) for o in llm.generate(PROMPTS, GREEDY)],
+        [(o.outputs[0].text, list(o.outputs[0].token_ids)) for o in llm.chat(QUESTION, GREEDY)],
+    ]
+
+
+def test_the_embedded_gguf_file_serves_as_the_default_model(gguf_cache: Path, default_model_dir: str) -> None:
+    """Greedy text and ids of raw prompts and a chat (the GGUF's tokenizer and chat template) equal the
+    default model's; the model is served under the file's stem."""
+    expected = outputs(LLM(model=default_model_dir, **ENGINE))
+    served = LLM(model=str(default_gguf_path()), **ENGINE)
+    assert outputs(served) == expected
+    assert "Paris" in expected[1][0][0]
+    config = served.engine.config.model
+    assert config.served_model_name == "SmolLM2-135M-Instruct.Q4_1"
+    assert Path(config.path).is_relative_to(gguf_cache) and config.tokenizer_path == config.path
+
+
+def test_a_gguf_file_converts_once(gguf_cache: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The session's conversion is found again: the same directory, its files not written again, no
+    conversion said, nothing left beside it."""
+    path = Path(resolve_model_path(str(default_gguf_path())))
+    before = {f.name: f.stat().st_mtime_ns for f in path.iterdir()}
+    assert path == Path(resolve_model_path(str(default_gguf_path())))
+    assert {f.name: f.stat().st_mtime_ns for f in path.iterdir()} == before
+    assert "converting" not in capfd.readouterr().err
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(before)
+    assert all(f.stat().st_mode & 0o777 == 0o644 for f in path.iterdir())  # a container's user reads them
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary folder left
+
+
+def test_a_changed_gguf_file_converts_again(tmp_path: Path) -> None:
+    """The cache key follows the file: rewritten (another size) or touched (another modification time),
+    it is another directory; as it was, the same one."""
+    path = write_gguf(tmp_path / "tiny.gguf", "llama", [0.0, 1.0])
+    first = converted_dir(path, tmp_path, "tiny")
+    assert first == converted_dir(path, tmp_path, "tiny") and first.name == "tiny"
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    touched = converted_dir(path, tmp_path, "tiny")
+    write_gguf(path, "llama", [0.0] * 64)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the first file's time, another size
+    assert path.stat().st_size != stat.st_size
+    rewritten = converted_dir(path, tmp_path, "tiny")
+    assert len({first, touched, rewritten}) == 3
+
+
+@pytest.mark.parametrize("name", ["missing.gguf", "config.json", "folder.gguf"])
+def test_a_model_path_that_is_no_gguf_file_is_refused_naming_model(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "folder.gguf").mkdir()
+    says = {
+        "missing.gguf": "no such file",
+        "config.json": "is not a GGUF file",
+        "folder.gguf": "is not a file",
+    }
+    with pytest.raises(ValueError, match=rf"model\n.*{says[name]}"):
+        EngineSettings(model=str(tmp_path / name))
+    with pytest.raises(ValueError, match=rf"^model: .*{says[name]}"):
+        resolve_model_path(str(tmp_path / name))
+    assert not (tmp_path / "cache").exists()
+
+
+def test_an_architecture_not_served_is_refused_before_converting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "gpt2.gguf", "gpt2", [0.0])
+    settings = EngineSettings(model=str(path))  # a GGUF file: its architecture is read once it converts
+    with pytest.raises(ValueError, match=r"^model: .*gpt2\.gguf' holds a 'gpt2' model .* serves llama, "):
+        settings.to_engine_config()
+    assert not (tmp_path / "cache").exists()
