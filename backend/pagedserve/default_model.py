@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from pagedserve.gguf_model import gguf_model_dir, is_gguf_model
+from pagedserve.gguf_model import convert_gguf, gguf_model_dir, is_gguf_model
 from pagedserve.settings import cache_root
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -16,9 +16,16 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def resolve_model_path(model: str | None) -> str:
     """A Hugging Face model directory: a user's as given, a GGUF file's converted (on first use, named
-    after the file's stem), or the embedded default model's (named DEFAULT_MODEL_NAME)."""
+    after the file's stem), or the embedded default model's, converted on first use into
+    `<cache>/SmolLM2-135M-Instruct`. That path is fixed (README and docs/deploy.md point at it), not
+    keyed as a user's file is: the embedded file changes only with the wheel's version, and a key
+    following its path and time would convert it again, another 0.5 GB left behind, at every
+    reinstall of the wheel."""
     if model is None:
-        return gguf_model_dir(str(default_gguf_path()), cache_root(), DEFAULT_MODEL_NAME)
+        dest = cache_root() / DEFAULT_MODEL_NAME
+        if not (dest / "config.json").is_file():
+            convert_gguf(default_gguf_path(), dest)
+        return str(dest)
     if is_gguf_model(model):
         return gguf_model_dir(model, cache_root())
     return model
