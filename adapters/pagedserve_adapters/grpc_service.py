@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from pagedserve import __version__
@@ -36,7 +36,7 @@ from pagedserve.rpc.server import (
     give_up_stalled_call,
 )
 
-from pagedserve_adapters import tensors
+from pagedserve_adapters import log_settings, tensors
 from pagedserve_adapters.llm_model import (
     INPUTS,
     OUTPUTS,
@@ -60,6 +60,7 @@ EXTENSIONS = (
     "parameters",
     "generate",
     "schedule_policy",  # a request's priority and timeout parameters
+    "logging",  # LogSettings, GET / POST /v2/logging (log_settings.py)
 )
 _STATUS = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
@@ -138,6 +139,18 @@ class InferenceServicer:
             name=self.model.name, version=self.model.version, state=state
         )
         return pb.RepositoryIndexResponse(models=[index])
+
+    async def LogSettings(self, request: Any, context: grpc.aio.ServicerContext) -> pb.LogSettingsResponse:
+        request = await _valid(request, context)
+        try:
+            changes = {name: _setting_value(name, value) for name, value in request.settings.items()}
+            settings = log_settings.update(self.model, changes)
+        except AdapterError as exc:
+            await context.abort(_STATUS[exc.kind], str(exc))
+        response = pb.LogSettingsResponse()
+        for name, value in settings.items():
+            setattr(response.settings[name], _SETTING_KINDS[type(value)], value)
+        return response
 
     async def _resolve(self, name: str, version: str, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -322,6 +335,19 @@ async def _valid(request: Any, context: grpc.aio.ServicerContext) -> Any:
     return request
 
 
+_SETTING_KINDS = {bool: "bool_param", int: "uint32_param", str: "string_param"}  # LogSettings' values
+
+
+def _setting_value(name: str, value: Any) -> bool | int | str:
+    """A LogSettings value: the one of its three kinds it holds (which log_settings checks)."""
+    kind = value.WhichOneof("parameter_choice")
+    if kind is None:
+        raise AdapterError(
+            "invalid", f"{name[:64]}: no value given (bool_param, uint32_param or string_param)"
+        )
+    return cast(bool | int | str, getattr(value, kind))
+
+
 def model_config(model: LLMModel) -> pb.ModelConfig:
     """A decoupled model that batches internally (`max_batch_size: 0`), as Triton's vLLM backend reports;
     under the priority scheduling policy, with the priority levels its requests' `priority` picks from."""
@@ -403,6 +429,7 @@ def add_to_server(server: grpc.aio.Server, model: LLMModel) -> InferenceServicer
         "ModelConfig": (unary, pb.ModelConfigRequest, pb.ModelConfigResponse),
         "ModelStatistics": (unary, pb.ModelStatisticsRequest, pb.ModelStatisticsResponse),
         "RepositoryIndex": (unary, pb.RepositoryIndexRequest, pb.RepositoryIndexResponse),
+        "LogSettings": (unary, pb.LogSettingsRequest, pb.LogSettingsResponse),
     }
     server.add_generic_rpc_handlers(
         (

@@ -34,7 +34,7 @@ from pagedserve.rpc.http import read_body
 from pagedserve.rpc.server import STALLED_CLIENT, StalledClientError
 from pagedserve.sampling_params import SamplingParams
 
-from pagedserve_adapters import tensors
+from pagedserve_adapters import log_settings, tensors
 from pagedserve_adapters.grpc_service import EXTENSIONS, model_config, model_statistics
 from pagedserve_adapters.llm_model import (
     INPUTS,
@@ -69,6 +69,8 @@ def routes(model: LLMModel) -> list[web.RouteDef]:
         web.get("/v2/health/live", api.live),
         web.get("/v2/health/ready", api.ready),
         web.post("/v2/repository/index", api.repository_index),
+        web.get("/v2/logging", api.log_settings),
+        web.post("/v2/logging", api.update_log_settings),
         web.get("/v2/models/stats", api.all_model_stats),  # before /v2/models/{model} would take it
     ]
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
@@ -145,6 +147,19 @@ class RestApi:
         return web.json_response(
             {"name": "pagedserve", "version": __version__, "extensions": list(EXTENSIONS)}
         )
+
+    async def log_settings(self, request: web.Request) -> web.Response:
+        return web.json_response(log_settings.current())
+
+    async def update_log_settings(self, request: web.Request) -> web.Response:
+        """A JSON object of the settings to change (Triton's $log_setting_request)."""
+        try:
+            changes = _json_document(await _read(request))
+            if not isinstance(changes, dict):
+                raise AdapterError("invalid", "the body must be a JSON object of log settings")
+            return web.json_response(log_settings.update(self.model, changes))
+        except (AdapterError, InvalidRequestError) as exc:
+            return _error(exc)
 
     async def model_ready(self, request: web.Request) -> web.Response:
         """200 ready, 503 not ready (yet, or any more), 404 for a model or version not served: a client

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Literal, cast, get_args
@@ -40,6 +41,61 @@ _RECORD_ATTRIBUTES = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__d
 }
 
 _handler: logging.Handler | None = None  # the one configure installed, replaced by the next call
+
+
+@dataclass(frozen=True)
+class LogSwitches:
+    """Which records a process writes, by level, switched at run time as Triton's logging extension
+    switches its own (the KServe v2 / Triton adapters' LogSettings): info, warning and error records
+    each on or off, and debug records at a verbose level above 0. --log-level sets them at start:
+    debug is verbose 1, warning turns info off, error warning too, critical error too."""
+
+    info: bool = True
+    warning: bool = True
+    error: bool = True  # (critical records with them)
+    verbose: int = 0
+
+    @classmethod
+    def of_level(cls, level: LogLevel) -> LogSwitches:
+        rank = LEVELS.index(level)
+        return cls(info=rank <= 1, warning=rank <= 2, error=rank <= 3, verbose=int(rank == 0))
+
+    def writes(self, levelno: int) -> bool:
+        if levelno < logging.INFO:
+            return self.verbose > 0
+        if levelno < logging.WARNING:
+            return self.info
+        if levelno < logging.ERROR:
+            return self.warning
+        return self.error
+
+    @property
+    def lowest_level(self) -> int:
+        """The root logger's level: no record below it is even made (debug ones cost nothing when off)."""
+        return next(
+            (n for n in (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR) if self.writes(n)),
+            logging.CRITICAL + 1,
+        )
+
+
+_switches = LogSwitches()
+
+
+def _switched(record: logging.LogRecord) -> bool:
+    """configure's handler's filter: what the switches turned off (info off beside warning on)."""
+    return _switches.writes(record.levelno)
+
+
+def switches() -> LogSwitches:
+    return _switches
+
+
+def switch(to: LogSwitches) -> None:
+    """Write from now on what `to` switches on. Where configure installed no handler (a host
+    application's logging), only the root logger's level follows."""
+    global _switches
+    _switches = to
+    logging.getLogger().setLevel(to.lowest_level)
 
 
 class JsonFormatter(logging.Formatter):
@@ -85,8 +141,9 @@ def configure(
         else:
             tag = f"[{process}] " if process else ""
             _handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s"))
+        _handler.addFilter(_switched)
         root.addHandler(_handler)
-        root.setLevel(level.upper())
+        switch(LogSwitches.of_level(level))
         # a library's warnings and an uncaught exception's traceback as JSON lines too, not raw text
         # (a traceback's many lines would each be a record of their own to a log pipeline)
         logging.captureWarnings(fmt == "json")

@@ -162,3 +162,32 @@ def test_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         parse([])
     assert str(info.value).startswith("PAGEDSERVE_LOG_FORMAT: ") and "'xml'" in str(info.value)
     assert ServeSettings.model_fields["log_requests"].default is True
+
+
+def test_log_switches_start_from_the_level_and_switch_each_level_apart() -> None:
+    """--log-level sets the switches (Triton's LogSettings reads and changes them): each level of
+    record on or off by itself, info off beside warning on included, debug at a verbose level above 0."""
+    lines = run("""
+        logs.configure("warning", "text", True)
+        logs.switch(logs.LogSwitches(info=True, warning=False, error=True, verbose=2))
+        log.debug("debug shown")
+        log.info("info shown")
+        log.warning("warning hidden")
+        log.error("error shown")
+        logs.switch(logs.LogSwitches(info=False, warning=False, error=False, verbose=0))
+        log.critical("critical hidden with errors")
+        """)
+    assert [line.split(" ", 2)[2] for line in lines] == [
+        "DEBUG pagedserve.test: debug shown",
+        "INFO pagedserve.test: info shown",
+        "ERROR pagedserve.test: error shown",
+    ]
+    from pagedserve.logs import LogSwitches
+
+    assert [LogSwitches.of_level(level) for level in ("debug", "info", "warning", "error", "critical")] == [
+        LogSwitches(True, True, True, 1),
+        LogSwitches(True, True, True, 0),
+        LogSwitches(False, True, True, 0),
+        LogSwitches(False, False, True, 0),
+        LogSwitches(False, False, False, 0),
+    ]

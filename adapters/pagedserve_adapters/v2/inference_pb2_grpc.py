@@ -84,6 +84,11 @@ class GRPCInferenceServiceStub:
                 request_serializer=pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryIndexRequest.SerializeToString,
                 response_deserializer=pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryIndexResponse.FromString,
                 _registered_method=True)
+        self.LogSettings = channel.unary_unary(
+                '/inference.GRPCInferenceService/LogSettings',
+                request_serializer=pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsRequest.SerializeToString,
+                response_deserializer=pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer:
@@ -149,6 +154,12 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LogSettings(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +212,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.RepositoryIndex,
                     request_deserializer=pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryIndexRequest.FromString,
                     response_serializer=pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryIndexResponse.SerializeToString,
+            ),
+            'LogSettings': grpc.unary_unary_rpc_method_handler(
+                    servicer.LogSettings,
+                    request_deserializer=pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsRequest.FromString,
+                    response_serializer=pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -473,6 +489,33 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/RepositoryIndex',
             pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryIndexRequest.SerializeToString,
             pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryIndexResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LogSettings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/LogSettings',
+            pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsRequest.SerializeToString,
+            pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from pagedserve import logs
 from pagedserve.beam_search import (
     BeamSearch,
     BeamSearchSequence,
@@ -648,6 +649,16 @@ class AsyncEngine:
         self._kick()
 
     # -- KV events ---------------------------------------------------------------------------------
+
+    def switch_logs(self, switches: logs.LogSwitches) -> None:
+        """Write the records `switches` turns on from now on, here and (at its next pass, within
+        milliseconds) in the engine process. Tensor-parallel ranks keep the switches they started with."""
+        logs.switch(switches)
+        if self._face is None:
+            return  # the core steps in this process
+        with self._lock:
+            self._inbox.log_switches = switches
+        self._kick()
 
     def subscribe_kv_events(self, max_pending: int = 1024) -> KvEventListener:
         """A listener to the prefix cache's changes (a KV-aware router's feed): its first batch is a

@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pagedserve import logs
 from pagedserve.core.block_manager import KvEvent
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import InvalidRequestError
@@ -39,8 +40,8 @@ LoraChange = tuple[str, tuple[str, ...], "asyncio.Future[None] | None"]
 
 @dataclass
 class Inbox:
-    """What the loop asks of the engine, applied by the core between steps (`run_pass`): the KV snapshot
-    or stop first, then the aborts, the adds and the LoRA changes."""
+    """What the loop asks of the engine, applied by the core between steps (`run_pass`): the log
+    switches and the KV snapshot or stop first, then the aborts, the adds and the LoRA changes."""
 
     aborts: dict[str, Abort] = field(default_factory=dict)  # by request id
     adds: list[Add] = field(default_factory=list)
@@ -49,9 +50,18 @@ class Inbox:
     lora_changes: list[LoraChange] = field(default_factory=list)
     kv_snapshot: bool = False  # new KV event listeners wait for a snapshot (recording starts)
     kv_stop: bool = False  # the last listener went away: recording stops (never both set)
+    # the front end's log switches, changed at run time (LogSettings): for an engine process's logging
+    log_switches: logs.LogSwitches | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.aborts or self.adds or self.lora_changes or self.kv_snapshot or self.kv_stop)
+        return bool(
+            self.aborts
+            or self.adds
+            or self.lora_changes
+            or self.kv_snapshot
+            or self.kv_stop
+            or self.log_switches is not None
+        )
 
     def take_in(self, later: Inbox) -> None:
         """Add what was asked after this inbox, as if asked of it: a later abort of a request replaces
@@ -61,11 +71,15 @@ class Inbox:
         self.lora_changes += later.lora_changes
         if later.kv_snapshot or later.kv_stop:
             self.kv_snapshot, self.kv_stop = later.kv_snapshot, later.kv_stop
+        if later.log_switches is not None:
+            self.log_switches = later.log_switches
 
     def for_sending(self) -> Inbox:
         """A copy for an engine process: the callers' futures stay here."""
         changes: list[LoraChange] = [(method, args, None) for method, args, _ in self.lora_changes]
-        return Inbox(dict(self.aborts), list(self.adds), changes, self.kv_snapshot, self.kv_stop)
+        return Inbox(
+            dict(self.aborts), list(self.adds), changes, self.kv_snapshot, self.kv_stop, self.log_switches
+        )
 
 
 @dataclass
@@ -88,6 +102,8 @@ def run_pass(llm: LLMEngine, inbox: Inbox, added: Callable[[int], None]) -> Pass
     changes), then step. `added` is told how many adds the engine's queue holds (or dropped) as soon
     as it does. A fault (the engine cannot go on) ends the pass where it happened."""
     done = Pass(inbox)
+    if inbox.log_switches is not None:
+        logs.switch(inbox.log_switches)
     try:
         if inbox.kv_snapshot:
             done.kv_snapshot = llm.record_kv_events(True)

@@ -257,6 +257,15 @@ class LLMEngine:
             metrics = RequestMetrics(seqs[0].arrival_time)
         metrics.lora_name = seqs[0].lora_name
         self._requests[request_id] = _Request(metrics, len(seqs))
+        logger.debug(
+            "request %s queued: %d prompt tokens, n %d, max_tokens %s, priority %d, lora %s",
+            request_id,
+            len(prompt_token_ids),
+            params.n,
+            params.max_tokens,
+            priority,
+            lora_name or "-",
+        )
         for index, seq in enumerate(seqs):
             detokenizer = self._detokenizer(prompt_token_ids, params)
             self._completions[seq.request_id] = _Completion(request_id, index, detokenizer)
@@ -664,6 +673,7 @@ class LLMEngine:
         request_finished = request.num_finished == request.num_sequences
         if request_finished:
             metrics.finished_time = now
+            logger.debug("request %s finished: %s", completion.request_id, metrics.completion_ends)
         return RequestDelta(
             request_id=completion.request_id,
             new_token_ids=token_ids,
