@@ -45,12 +45,10 @@ def check_tokenizer_found(model: ModelConfig) -> None:
 
 
 def load_tokenizer(model: ModelConfig) -> Any:
-    """The transformers tokenizer of `model.tokenizer_path`, with its chat template. None there, one
-    that does not load, or one whose vocabulary is larger than the model's is a ValueError naming the
-    setting. The model has no embedding row for the ids past its `vocab_size` (every prompt using one
-    would be refused as out of vocabulary, and structured outputs would never allow them), so such a
-    tokenizer is not this model's. A smaller vocabulary is normal (a model's rows padded past its
-    tokenizer's, as Qwen's)."""
+    """The transformers tokenizer of `model.tokenizer_path`, with its chat template. None there, or one
+    that does not load, is a ValueError naming the setting. A vocabulary larger than the model's
+    `vocab_size` is taken, as vLLM takes it: a request whose ids lie past it is refused as it arrives
+    (out-of-vocab token id, naming its field), the others run."""
     from transformers import AutoTokenizer
 
     check_tokenizer_found(model)
@@ -60,9 +58,4 @@ def load_tokenizer(model: ModelConfig) -> Any:
         raise ValueError(
             f"tokenizer: the tokenizer in {model.tokenizer_path!r} does not load: {type(exc).__name__}: {exc}"
         ) from None
-    if len(tokenizer) > model.vocab_size:
-        raise ValueError(
-            f"tokenizer: the tokenizer in {model.tokenizer_path!r} has {len(tokenizer)} tokens, more than "
-            f"the model's vocab_size {model.vocab_size} (config.json): it is not this model's tokenizer"
-        )
     return tokenizer

@@ -1,7 +1,7 @@
 """`--tokenizer` (`LLM(tokenizer=...)`), as vLLM's: the tokenizer and its chat template are read from
 that directory instead of the model's. A model directory without a tokenizer serves with one; a model
-directory without one and no `--tokenizer`, a `--tokenizer` that holds none, one that does not load and
-one larger than the model's vocabulary are each refused at start-up naming `tokenizer`."""
+directory without one and no `--tokenizer`, a `--tokenizer` that holds none, and one that does not load
+are each refused at start-up naming `tokenizer`."""
 
 from __future__ import annotations
 
@@ -78,20 +78,6 @@ def test_a_tokenizer_that_does_not_load_is_refused_naming_it(
     (broken / "tokenizer.json").write_text('{"version": "1.0", "model": ')
     with pytest.raises(ValueError, match=r"^tokenizer: the tokenizer in .*broken' does not load: "):
         LLM(model=bare_model_dir, tokenizer=str(broken), **ENGINE)
-
-
-def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(
-    default_model_dir: str, tmp_path: Path
-) -> None:
-    """Its ids past the model's vocab_size have no embedding row: refused before the weights load."""
-    small = tmp_path / "small-vocab"
-    small.mkdir()
-    config = json.loads((Path(default_model_dir) / "config.json").read_text())
-    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 32000}))
-    with pytest.raises(
-        ValueError, match=r"^tokenizer: .* has 49152 tokens, more than the model's vocab_size 32000"
-    ):
-        LLM(model=str(small), tokenizer=default_model_dir, **ENGINE)
 
 
 def test_the_chat_template_is_the_tokenizers(tiny_llama_dir: str, tmp_path: Path) -> None:
