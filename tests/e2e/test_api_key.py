@@ -123,6 +123,8 @@ def test_http_routes_need_the_key_but_metrics_and_health(server: InProcessServer
         (f"/v2/models/{MODEL}/ready", None),
         (f"/v2/models/{MODEL}/generate", generate_body),
         ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/nowhere"}),
+        ("/v2/logging", None),  # log settings, read
+        ("/v2/logging", {"log_verbose_level": 1}),  # and changed
     ]
     for path, body in guarded:
         for key in (None, "wrong"):
