@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,9 +21,19 @@ pytestmark = pytest.mark.slow
 
 
 def run_bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=timeout, check=False
+    """The bench in a session of its own: past `timeout` it is killed with the servers it spawned,
+    which its own exit would have stopped (a killed bench left them serving, idle, holding memory)."""
+    command = [sys.executable, str(BENCH), *args]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def run_ok(json_out: Path, *args: str) -> dict[str, Any]:
