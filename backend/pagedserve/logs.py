@@ -47,12 +47,13 @@ _handler: logging.Handler | None = None  # the one configure installed, replaced
 class LogSwitches:
     """Which records a process writes, by level, switched at run time as Triton's logging extension
     switches its own (the KServe v2 / Triton adapters' LogSettings): info, warning and error records
-    each on or off, and debug records at a verbose level above 0. --log-level sets them at start:
-    debug is verbose 1, warning turns info off, error warning too, critical error too."""
+    each on or off, and debug records at a verbose level above 0; critical records (an uncaught
+    exception's) always. --log-level sets them at start: debug is verbose 1, warning turns info off,
+    error warning too, critical error too."""
 
     info: bool = True
     warning: bool = True
-    error: bool = True  # (critical records with them)
+    error: bool = True
     verbose: int = 0
 
     @classmethod
@@ -67,14 +68,15 @@ class LogSwitches:
             return self.info
         if levelno < logging.ERROR:
             return self.warning
-        return self.error
+        return self.error or levelno >= logging.CRITICAL
 
     @property
     def lowest_level(self) -> int:
         """The root logger's level: no record below it is even made (debug ones cost nothing when off)."""
         return next(
-            (n for n in (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR) if self.writes(n)),
-            logging.CRITICAL + 1,
+            n
+            for n in (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL)
+            if self.writes(n)
         )
 
 

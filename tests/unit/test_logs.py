@@ -175,12 +175,14 @@ def test_log_switches_start_from_the_level_and_switch_each_level_apart() -> None
         log.warning("warning hidden")
         log.error("error shown")
         logs.switch(logs.LogSwitches(info=False, warning=False, error=False, verbose=0))
-        log.critical("critical hidden with errors")
+        log.error("error hidden")
+        log.critical("critical shown: an uncaught exception's, whatever the switches")
         """)
     assert [line.split(" ", 2)[2] for line in lines] == [
         "DEBUG pagedserve.test: debug shown",
         "INFO pagedserve.test: info shown",
         "ERROR pagedserve.test: error shown",
+        "CRITICAL pagedserve.test: critical shown: an uncaught exception's, whatever the switches",
     ]
     from pagedserve.logs import LogSwitches
 
