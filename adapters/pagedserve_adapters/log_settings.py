@@ -10,7 +10,7 @@ over REST (tritonclient's get_log_settings / update_log_settings).
 An update names only what it changes; every value is checked before anything changes, and the answer
 is every setting as it now is. Triton takes a name it does not know without a word; here it is refused
 naming it, so that a typo (Triton's own documentation writes "log_warnings") does not read as done.
-The switches reach the engine process too; tensor-parallel ranks keep those they started with."""
+The switches reach the engine process and the tensor-parallel ranks too, at the engine's next pass."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ import json
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,7 @@ STARTED = {
 }
 QUEUED = "] pagedserve.engine.llm_engine: request "  # the engine's debug line, "[engine] ..." in its log
 FINISHED = "INFO pagedserve.requests: request finished id="  # the front end's line a request
+RANK_SWITCHED = "DEBUG [rank 1] pagedserve.worker.multiproc_executor: log switches now "
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +178,18 @@ def test_an_update_while_the_model_loads_is_unavailable_and_a_read_answers(
         assert post(proc, b"{}") == (200, STARTED)
     finally:
         proc.stop()
+
+
+def test_the_switches_reach_the_tensor_parallel_ranks(tiny_llama_dir: str, tmp_path: Path) -> None:
+    """Rank 1 (started by the engine process) takes them with the plans it is sent: turned verbose, it
+    says so at debug level, which it could not write were its switches still the start's."""
+    args = ("--model", tiny_llama_dir, "--dtype", "float32", "--kv-cache-memory", "1MiB")
+    proc = ServerProcess(*args, "--tensor-parallel-size", "2", log=tmp_path / "server.log").wait_ready()
+    try:
+        with tgrpc.InferenceServerClient(f"127.0.0.1:{proc.port}") as client:
+            client.update_log_settings({"log_verbose_level": 1})
+            assert wait_until(lambda: RANK_SWITCHED in proc.log.read_text(), 30), proc.log.read_text()[-3000:]
+            one_request(client)  # ranks that took the switches step on
+    finally:
+        proc.stop()
+    assert proc.proc.returncode == 0, proc.log.read_text()[-3000:]

@@ -651,11 +651,9 @@ class AsyncEngine:
     # -- KV events ---------------------------------------------------------------------------------
 
     def switch_logs(self, switches: logs.LogSwitches) -> None:
-        """Write the records `switches` turns on from now on, here and (at its next pass, within
-        milliseconds) in the engine process. Tensor-parallel ranks keep the switches they started with."""
+        """Write the records `switches` turns on from now on: here at once, and at the core's next pass
+        (within milliseconds) in the engine process and the tensor-parallel ranks."""
         logs.switch(switches)
-        if self._face is None:
-            return  # the core steps in this process
         with self._lock:
             self._inbox.log_switches = switches
         self._kick()

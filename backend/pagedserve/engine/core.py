@@ -98,13 +98,14 @@ class Pass:
 
 
 def run_pass(llm: LLMEngine, inbox: Inbox, added: Callable[[int], None]) -> Pass:
-    """One pass of an engine core: apply the inbox (the KV snapshot first, then aborts, adds and LoRA
-    changes), then step. `added` is told how many adds the engine's queue holds (or dropped) as soon
-    as it does. A fault (the engine cannot go on) ends the pass where it happened."""
+    """One pass of an engine core: apply the inbox (the log switches and the KV snapshot first, then
+    aborts, adds and LoRA changes), then step. `added` is told how many adds the engine's queue holds
+    (or dropped) as soon as it does. A fault (the engine cannot go on) ends the pass where it happened."""
     done = Pass(inbox)
-    if inbox.log_switches is not None:
-        logs.switch(inbox.log_switches)
     try:
+        if inbox.log_switches is not None:
+            logs.switch(inbox.log_switches)
+            llm.executor.switch_logs(inbox.log_switches)  # its ranks'
         if inbox.kv_snapshot:
             done.kv_snapshot = llm.record_kv_events(True)
         elif inbox.kv_stop:

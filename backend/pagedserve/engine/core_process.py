@@ -247,6 +247,9 @@ class EngineProcess(Executor):
     def unload_lora(self, name: str) -> None:
         raise RuntimeError("the engine process unloads LoRA adapters (AsyncEngine.unload_lora_adapter)")
 
+    def switch_logs(self, switches: logs.LogSwitches) -> None:
+        raise RuntimeError("the engine process takes log switches in its inbox (AsyncEngine.switch_logs)")
+
     def check_health(self) -> None:
         if self._dead_reason is None and self._proc.poll() is not None:
             self._dead_reason = f"the engine process {self._exit()}"

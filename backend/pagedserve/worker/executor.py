@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from pagedserve import logs
 from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed import all_reduce_min
@@ -39,6 +40,10 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def unload_lora(self, name: str) -> None:
         """Drop a LoRA adapter on every rank, between steps; no request may run through it."""
+
+    @abc.abstractmethod
+    def switch_logs(self, switches: logs.LogSwitches) -> None:
+        """Every rank in a process of its own writes the records `switches` turns on, between steps."""
 
     @abc.abstractmethod
     def check_health(self) -> None:
@@ -69,6 +74,9 @@ class InProcessExecutor(Executor):
 
     def unload_lora(self, name: str) -> None:
         self.worker.unload_lora(name)
+
+    def switch_logs(self, switches: logs.LogSwitches) -> None:
+        """One process, whose logging the caller has switched."""
 
     def check_health(self) -> None:
         """One process: if it runs, it is healthy."""

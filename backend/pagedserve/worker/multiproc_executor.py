@@ -75,7 +75,7 @@ _STOP_GRACE_S = 10.0
 # fail it too do so at the same point of the same plan, within milliseconds of each other.
 _FAULT_WAIT_S = 5.0
 
-_STEP, _PING, _STOP, _LORA = "step", "ping", "stop", "lora"
+_STEP, _PING, _STOP, _LORA, _LOGS = "step", "ping", "stop", "lora", "logs"
 
 T = TypeVar("T")
 
@@ -195,6 +195,18 @@ class MultiprocExecutor(Executor):
                 raise EngineDeadError(self._dead_reason) from exc
             self._last_sent = time.monotonic()
             _apply_lora(self.worker, change)
+
+    def switch_logs(self, switches: logs.LogSwitches) -> None:
+        """Sent to every rank as a plan is (a rank found dead fails the next step, as it would)."""
+        with self._lock:
+            self._raise_if_dead()
+            try:
+                distributed.broadcast_object((_LOGS, switches))
+            except EngineDeadError as exc:
+                self._mark_dead(self._reason(exc))
+                self._release()
+                raise EngineDeadError(self._dead_reason) from exc
+            self._last_sent = time.monotonic()
 
     def check_health(self) -> None:
         if self._dead_reason is None and (exited := _exited_ranks(self._procs)):
@@ -379,6 +391,9 @@ def _serve_plans(worker: Worker) -> None:
         if kind == _STEP:
             num_steps += 1
             _execute(worker, plan, num_steps)
+        if kind == _LOGS:
+            logs.switch(plan)
+            logger.debug("log switches now %s", plan)
         if kind == _LORA:
             try:
                 _apply_lora(worker, plan)
