@@ -74,6 +74,7 @@ _STOP_GRACE_S = 10.0
 # A rank whose step raised waits this long for the other ranks' reports of the same step: those that
 # fail it too do so at the same point of the same plan, within milliseconds of each other.
 _FAULT_WAIT_S = 5.0
+_LAUNCHED_FAULT_GRACE_S = 3.0  # a launcher's rank k > 0 that stopped on a fault, before it exits
 
 _STEP, _PING, _STOP, _LORA, _LOGS = "step", "ping", "stop", "lora", "logs"
 
@@ -472,6 +473,11 @@ def run_launched_worker(config: EngineConfig, eos_token_ids: frozenset[int], lau
     server, a script) must not go on as if it were rank 0. os._exit, because a SystemExit raised in
     an engine thread would end only that thread."""
     code = run_worker(config, eos_token_ids, launch)
+    if code != 0:
+        # A launcher's agent stops every rank once one has failed: rank 0, whose output the operator
+        # reads (`pagedserve generate`'s one-line error, a server's log), gets this long to say what
+        # failed first; it exits at once itself, and its agent then stops this one.
+        time.sleep(_LAUNCHED_FAULT_GRACE_S)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
