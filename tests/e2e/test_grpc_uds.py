@@ -106,6 +106,18 @@ def test_every_grpc_service_answers_on_the_socket_and_it_goes_at_exit(
             result = triton.infer(proc_model_name(tiny_llama_dir), [text, sampling])
         assert result.as_numpy("text_output")[0]
         assert f"gRPC on unix:{uds}" in log.read_text()
+        probe = [
+            sys.executable,
+            "-m",
+            "pagedserve",
+            "health",
+            "--address",
+            f"unix:{uds}",
+            "--service",
+            READINESS,
+        ]
+        checked = subprocess.run(probe, capture_output=True, text=True, timeout=60, check=False)
+        assert checked.returncode == 0, checked.stderr  # the exec probe README names for a socket
     finally:
         code = stop(proc)
     assert code == 0, log.read_text()[-3000:]
