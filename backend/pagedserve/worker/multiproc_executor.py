@@ -187,27 +187,24 @@ class MultiprocExecutor(Executor):
         """Every rank applies `change` (`_apply_lora`) from the same files; rank 0's error is raised (a
         rank that fails where rank 0 did not would fail the first step through the adapter)."""
         with self._lock:
-            self._raise_if_dead()
-            try:
-                distributed.broadcast_object((_LORA, change))
-            except EngineDeadError as exc:
-                self._mark_dead(self._reason(exc))
-                self._release()
-                raise EngineDeadError(self._dead_reason) from exc
-            self._last_sent = time.monotonic()
+            self._send_between_steps((_LORA, change))
             _apply_lora(self.worker, change)
 
     def switch_logs(self, switches: logs.LogSwitches) -> None:
-        """Sent to every rank as a plan is (a rank found dead fails the next step, as it would)."""
         with self._lock:
-            self._raise_if_dead()
-            try:
-                distributed.broadcast_object((_LOGS, switches))
-            except EngineDeadError as exc:
-                self._mark_dead(self._reason(exc))
-                self._release()
-                raise EngineDeadError(self._dead_reason) from exc
-            self._last_sent = time.monotonic()
+            self._send_between_steps((_LOGS, switches))
+
+    def _send_between_steps(self, message: tuple[str, object]) -> None:
+        """(Under the lock.) A message every rank takes between plans; a rank found gone marks the
+        executor dead, as a step would."""
+        self._raise_if_dead()
+        try:
+            distributed.broadcast_object(message)
+        except EngineDeadError as exc:
+            self._mark_dead(self._reason(exc))
+            self._release()
+            raise EngineDeadError(self._dead_reason) from exc
+        self._last_sent = time.monotonic()
 
     def check_health(self) -> None:
         if self._dead_reason is None and (exited := _exited_ranks(self._procs)):
