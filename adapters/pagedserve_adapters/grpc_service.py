@@ -36,7 +36,7 @@ from pagedserve.rpc.server import (
     give_up_stalled_call,
 )
 
-from pagedserve_adapters import log_settings, tensors
+from pagedserve_adapters import log_settings, repository, tensors
 from pagedserve_adapters.llm_model import (
     INPUTS,
     OUTPUTS,
@@ -61,6 +61,7 @@ EXTENSIONS = (
     "generate",
     "schedule_policy",  # a request's priority and timeout parameters
     "logging",  # LogSettings, GET / POST /v2/logging (log_settings.py)
+    "model_repository",  # the index, and load / unload of the one served model (repository.py)
 )
 _STATUS = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
@@ -70,6 +71,7 @@ _STATUS = {
     "internal": grpc.StatusCode.INTERNAL,
     "timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
     "aborted": grpc.StatusCode.UNAVAILABLE,  # for the client to retry elsewhere (a drain cut it short)
+    "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
 }
 _CONFIG_TYPES = {
     "BYTES": pb.TYPE_STRING,
@@ -139,6 +141,27 @@ class InferenceServicer:
             name=self.model.name, version=self.model.version, state=state
         )
         return pb.RepositoryIndexResponse(models=[index])
+
+    async def RepositoryModelLoad(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryModelLoadResponse:
+        request = await _valid(request, context)
+        name = _repository_model_name(request)
+        try:
+            repository.load(self.model, name, _repository_parameters(request))
+        except AdapterError as exc:
+            await context.abort(_STATUS[exc.kind], str(exc))
+        return pb.RepositoryModelLoadResponse(model_name=name, isLoaded=True)
+
+    async def RepositoryModelUnload(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryModelUnloadResponse:
+        request = await _valid(request, context)
+        try:
+            repository.unload(self.model, _repository_model_name(request), _repository_parameters(request))
+        except AdapterError as exc:
+            await context.abort(_STATUS[exc.kind], str(exc))
+        raise AssertionError("repository.unload always raises")
 
     async def LogSettings(self, request: Any, context: grpc.aio.ServicerContext) -> pb.LogSettingsResponse:
         request = await _valid(request, context)
@@ -338,6 +361,23 @@ async def _valid(request: Any, context: grpc.aio.ServicerContext) -> Any:
 _SETTING_KINDS = {bool: "bool_param", int: "uint32_param", str: "string_param"}  # LogSettings' values
 
 
+def _repository_model_name(request: Any) -> str:
+    """A load or unload request's model: Triton's model_name (field 2), or KServe's in-tree layout's
+    (field 1, Triton's repository_name) when field 2 is empty."""
+    return str(request.model_name or request.repository_name)
+
+
+def _repository_parameters(request: Any) -> dict[str, repository.Parameter]:
+    """A load or unload request's parameters, each the one value it holds (AdapterError for none)."""
+    values: dict[str, repository.Parameter] = {}
+    for key, value in request.parameters.items():
+        kind = value.WhichOneof("parameter_choice")
+        if kind is None:
+            raise AdapterError("invalid", f"parameters.{key[:64]}: no value given")
+        values[key] = getattr(value, kind)
+    return values
+
+
 def _setting_value(name: str, value: Any) -> bool | int | str:
     """A LogSettings value: the one of its three kinds it holds (which log_settings checks)."""
     kind = value.WhichOneof("parameter_choice")
@@ -430,6 +470,8 @@ def add_to_server(server: grpc.aio.Server, model: LLMModel) -> InferenceServicer
         "ModelStatistics": (unary, pb.ModelStatisticsRequest, pb.ModelStatisticsResponse),
         "RepositoryIndex": (unary, pb.RepositoryIndexRequest, pb.RepositoryIndexResponse),
         "LogSettings": (unary, pb.LogSettingsRequest, pb.LogSettingsResponse),
+        "RepositoryModelLoad": (unary, pb.RepositoryModelLoadRequest, pb.RepositoryModelLoadResponse),
+        "RepositoryModelUnload": (unary, pb.RepositoryModelUnloadRequest, pb.RepositoryModelUnloadResponse),
     }
     server.add_generic_rpc_handlers(
         (

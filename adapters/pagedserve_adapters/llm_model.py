@@ -47,7 +47,8 @@ class AdapterError(Exception):
 
     def __init__(self, kind: str, message: str, request_id: str = "") -> None:
         super().__init__(message)
-        # invalid, not_found, unavailable, exhausted, internal, timeout, aborted (cut short by the server)
+        # invalid, not_found, unavailable, exhausted, internal, timeout, aborted (cut short by the server),
+        # failed_precondition (not in this server's state: repository.py's unload)
         self.kind = kind
         self.request_id = request_id  # the engine's id of a request refused once it had one
 

@@ -34,7 +34,7 @@ from pagedserve.rpc.http import read_body
 from pagedserve.rpc.server import STALLED_CLIENT, StalledClientError
 from pagedserve.sampling_params import SamplingParams
 
-from pagedserve_adapters import log_settings, tensors
+from pagedserve_adapters import log_settings, repository, tensors
 from pagedserve_adapters.grpc_service import EXTENSIONS, model_config, model_statistics
 from pagedserve_adapters.llm_model import (
     INPUTS,
@@ -57,6 +57,7 @@ _HTTP_STATUS = {
     "internal": 500,
     "timeout": 504,
     "aborted": 503,  # for the client to retry elsewhere (a drain cut it short)
+    "failed_precondition": 400,
 }
 _HEADER_LENGTH = "Inference-Header-Content-Length"
 _SWITCH_INPUTS = {spec.name: spec.datatype for spec in INPUTS if spec.name != "text_input"}
@@ -69,6 +70,8 @@ def routes(model: LLMModel) -> list[web.RouteDef]:
         web.get("/v2/health/live", api.live),
         web.get("/v2/health/ready", api.ready),
         web.post("/v2/repository/index", api.repository_index),
+        web.post("/v2/repository/models/{model}/load", api.repository_load),
+        web.post("/v2/repository/models/{model}/unload", api.repository_unload),
         web.get("/v2/logging", api.log_settings),
         web.post("/v2/logging", api.update_log_settings),
         web.get("/v2/models/stats", api.all_model_stats),  # before /v2/models/{model} would take it
@@ -221,6 +224,24 @@ class RestApi:
             return web.json_response([])
         state = "READY" if self.model.ready else "UNAVAILABLE"
         return web.json_response([{"name": self.model.name, "version": self.model.version, "state": state}])
+
+    async def repository_load(self, request: web.Request) -> web.Response:
+        """Triton's load (an optional `{"parameters": {...}}` body); KServe's answer, which Triton's
+        clients do not read."""
+        name = request.match_info["model"]
+        try:
+            repository.load(self.model, name, await _repository_parameters(request))
+        except (AdapterError, InvalidRequestError) as exc:
+            return _error(exc)
+        return web.json_response({"name": name, "load": True})
+
+    async def repository_unload(self, request: web.Request) -> web.Response:
+        try:
+            parameters = await _repository_parameters(request)
+            repository.unload(self.model, request.match_info["model"], parameters)
+        except (AdapterError, InvalidRequestError) as exc:
+            return _error(exc)
+        raise AssertionError("repository.unload always raises")
 
     def _refused(
         self,
@@ -444,6 +465,20 @@ def _object(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise InvalidRequestError(where, "must be a JSON object")
     return value
+
+
+async def _repository_parameters(request: web.Request) -> dict[str, repository.Parameter]:
+    """A load or unload body's `parameters` (none for an empty body). A bytes parameter comes base64
+    encoded in JSON; its text is taken as it is, as only its name is ever read."""
+    body = await _read(request)
+    if not body.strip():
+        return {}
+    parameters = _or_empty(_object(_json_document(body), "request").get("parameters"))
+    values = _object(parameters, "parameters")
+    for key, value in values.items():
+        if isinstance(value, (dict, list, float)) or value is None:
+            raise InvalidRequestError(f"parameters.{key[:64]}", "must be a boolean, an integer or a string")
+    return values
 
 
 def _or_empty(parameters: Any) -> Any:

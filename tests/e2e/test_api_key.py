@@ -125,6 +125,8 @@ def test_http_routes_need_the_key_but_metrics_and_health(server: InProcessServer
         ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/nowhere"}),
         ("/v2/logging", None),  # log settings, read
         ("/v2/logging", {"log_verbose_level": 1}),  # and changed
+        (f"/v2/repository/models/{MODEL}/load", {}),  # the model repository's load and unload
+        (f"/v2/repository/models/{MODEL}/unload", {}),
     ]
     for path, body in guarded:
         for key in (None, "wrong"):

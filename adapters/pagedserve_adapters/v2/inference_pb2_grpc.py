@@ -89,6 +89,16 @@ class GRPCInferenceServiceStub:
                 request_serializer=pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsRequest.SerializeToString,
                 response_deserializer=pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsResponse.FromString,
                 _registered_method=True)
+        self.RepositoryModelLoad = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelLoad',
+                request_serializer=pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryModelLoadRequest.SerializeToString,
+                response_deserializer=pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryModelLoadResponse.FromString,
+                _registered_method=True)
+        self.RepositoryModelUnload = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelUnload',
+                request_serializer=pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryModelUnloadRequest.SerializeToString,
+                response_deserializer=pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryModelUnloadResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer:
@@ -160,6 +170,18 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RepositoryModelLoad(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryModelUnload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +239,16 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.LogSettings,
                     request_deserializer=pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsRequest.FromString,
                     response_serializer=pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsResponse.SerializeToString,
+            ),
+            'RepositoryModelLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelLoad,
+                    request_deserializer=pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryModelLoadRequest.FromString,
+                    response_serializer=pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryModelLoadResponse.SerializeToString,
+            ),
+            'RepositoryModelUnload': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelUnload,
+                    request_deserializer=pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryModelUnloadRequest.FromString,
+                    response_serializer=pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryModelUnloadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -516,6 +548,60 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/LogSettings',
             pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsRequest.SerializeToString,
             pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryModelLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryModelLoad',
+            pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryModelLoadRequest.SerializeToString,
+            pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryModelLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryModelUnload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryModelUnload',
+            pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryModelUnloadRequest.SerializeToString,
+            pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryModelUnloadResponse.FromString,
             options,
             channel_credentials,
             insecure,
