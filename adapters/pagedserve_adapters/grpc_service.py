@@ -47,6 +47,7 @@ from pagedserve_adapters.llm_model import (
     Tensor,
     parse_request,
 )
+from pagedserve_adapters.shared_memory import Place, SharedMemory, WriteError
 from pagedserve_adapters.v2 import inference_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ EXTENSIONS = (
     "schedule_policy",  # a request's priority and timeout parameters
     "logging",  # LogSettings, GET / POST /v2/logging (log_settings.py)
     "model_repository",  # the index, and load / unload of the one served model (repository.py)
+    "system_shared_memory",  # tensors in client shared memory (shared_memory.py; --allow-client-shm)
 )
 _STATUS = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
@@ -72,6 +74,8 @@ _STATUS = {
     "timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
     "aborted": grpc.StatusCode.UNAVAILABLE,  # for the client to retry elsewhere (a drain cut it short)
     "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
+    "already_exists": grpc.StatusCode.ALREADY_EXISTS,
 }
 _CONFIG_TYPES = {
     "BYTES": pb.TYPE_STRING,
@@ -83,8 +87,9 @@ _DONE = object()  # end of a stream's responses
 
 
 class InferenceServicer:
-    def __init__(self, model: LLMModel) -> None:
+    def __init__(self, model: LLMModel, shared_memory: SharedMemory) -> None:
         self.model = model
+        self.shared_memory = shared_memory
 
     # -- health and metadata -------------------------------------------------------------------------
 
@@ -163,6 +168,40 @@ class InferenceServicer:
             await context.abort(_STATUS[exc.kind], str(exc))
         raise AssertionError("repository.unload always raises")
 
+    async def SystemSharedMemoryRegister(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        request = await _valid(request, context)
+        try:
+            self.shared_memory.register(request.name, request.key, request.offset, request.byte_size)
+        except AdapterError as exc:
+            await context.abort(_STATUS[exc.kind], str(exc))
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryStatus(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        request = await _valid(request, context)
+        try:
+            regions = self.shared_memory.status(request.name)
+        except AdapterError as exc:
+            await context.abort(_STATUS[exc.kind], str(exc))
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in regions:
+            response.regions[region.name].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(
+                    name=region.name, key=region.key, offset=region.offset, byte_size=region.byte_size
+                )
+            )
+        return response
+
+    async def SystemSharedMemoryUnregister(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        request = await _valid(request, context)
+        self.shared_memory.unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
     async def LogSettings(self, request: Any, context: grpc.aio.ServicerContext) -> pb.LogSettingsResponse:
         request = await _valid(request, context)
         try:
@@ -187,16 +226,17 @@ class InferenceServicer:
         started, carrier = time.monotonic(), _carrier(context)
         parsed: LLMRequest | None = None
         try:
-            parsed = self._parse(request, stream=False)
+            parsed, places = self._parse(request, stream=False)
             completion = Completion(parsed)
             async for delta in self.model.generate(parsed, carrier, partial(cancel_cause, context)):
                 completion.add(delta)
-            outputs = completion.final_outputs()
+            return self._response(request.id, completion.final_outputs(), None, places)
         except AdapterError as exc:
-            model, client_id = getattr(request, "model_name", ""), getattr(request, "id", "")
-            self.model.refuse(exc, carrier, started, parsed, model, client_id)
+            if not isinstance(exc, WriteError):  # (one that ran was counted and traced as it ended)
+                model, client_id = getattr(request, "model_name", ""), getattr(request, "id", "")
+                self.model.refuse(exc, carrier, started, parsed, model, client_id)
             await context.abort(_STATUS[exc.kind], str(exc))
-        return self._response(request.id, outputs, final=None)
+            raise AssertionError("context.abort raises") from None
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -259,38 +299,47 @@ class InferenceServicer:
         started = time.monotonic()
         parsed: LLMRequest | None = None
         try:
-            parsed = self._parse(request, stream=True)
+            parsed, places = self._parse(request, stream=True)
             completion = Completion(parsed)
             async for delta in self.model.generate(parsed, carrier, cause):
                 completion.add(delta)
                 final = delta.request_finished and not parsed.empty_final
                 if parsed.stream:
-                    responses.put_nowait(self._response(request.id, completion.step_outputs(delta), final))
+                    outputs = completion.step_outputs(delta)
+                    responses.put_nowait(self._response(request.id, outputs, final, places))
                 elif final:
-                    responses.put_nowait(self._response(request.id, completion.final_outputs(), True))
+                    outputs = completion.final_outputs()
+                    responses.put_nowait(self._response(request.id, outputs, True, places))
             if parsed.empty_final:
                 if not parsed.stream:
-                    responses.put_nowait(self._response(request.id, completion.final_outputs(), False))
-                responses.put_nowait(self._response(request.id, [], True))
+                    outputs = completion.final_outputs()
+                    responses.put_nowait(self._response(request.id, outputs, False, places))
+                responses.put_nowait(self._response(request.id, [], True, places))
         except AdapterError as exc:
-            model, client_id = getattr(request, "model_name", ""), getattr(request, "id", "")
-            self.model.refuse(exc, carrier, started, parsed, model, client_id)
+            if not isinstance(exc, WriteError):  # (one that ran was counted and traced as it ended)
+                model, client_id = getattr(request, "model_name", ""), getattr(request, "id", "")
+                self.model.refuse(exc, carrier, started, parsed, model, client_id)
             responses.put_nowait((request_id, exc))
         except Exception as exc:  # a bug, or a request too big to hold: still an answer, never a hang
             logger.exception("stream request %r failed", request_id)
             responses.put_nowait((request_id, AdapterError("internal", f"{type(exc).__name__}: {exc}")))
 
-    def _parse(self, request: Any, stream: bool) -> LLMRequest:
-        """Decode and validate one ModelInferRequest."""
+    def _parse(self, request: Any, stream: bool) -> tuple[LLMRequest, dict[str, Place]]:
+        """Decode and validate one ModelInferRequest; also where its outputs in shared memory go."""
         if isinstance(request, InvalidRequestError):
             raise AdapterError("invalid", str(request))
         self.model.resolve(request.model_name, request.model_version)
+        places = {}
+        for output in request.outputs:
+            given = {name: _parameter(p) for name, p in output.parameters.items()}
+            if (place := self.shared_memory.place(f"outputs.{output.name}", given)) is not None:
+                places[output.name] = place
         try:
             parameters = {name: _parameter(p) for name, p in request.parameters.items()}
             # a boolean: parse_request checks it with Triton's other reserved parameters
             empty_final = parameters.get("triton_enable_empty_final_response", False)
-            return parse_request(
-                decode_inputs(request),
+            parsed = parse_request(
+                decode_inputs(request, self.shared_memory),
                 parameters,
                 [output.name for output in request.outputs],
                 empty_final=empty_final and stream,
@@ -299,14 +348,23 @@ class InferenceServicer:
             )
         except InvalidRequestError as exc:
             raise AdapterError("invalid", str(exc)) from None
+        return parsed, places
 
-    def _response(self, request_id: str, outputs: list[Tensor], final: bool | None) -> pb.ModelInferResponse:
+    def _response(
+        self, request_id: str, outputs: list[Tensor], final: bool | None, places: dict[str, Place]
+    ) -> pb.ModelInferResponse:
+        """An output in `places` is written into its shared memory region; its tensor goes without
+        data (an empty raw_output_contents entry, as Triton keeps one per output)."""
         response = pb.ModelInferResponse(
             model_name=self.model.name, model_version=self.model.version, id=request_id
         )
         for tensor in outputs:
             response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
-            response.raw_output_contents.append(tensors.encode_raw(tensor.datatype, tensor.values))
+            raw = tensors.encode_raw(tensor.datatype, tensor.values)
+            if (place := places.get(tensor.name)) is not None:
+                self.shared_memory.write(f"outputs.{tensor.name}", place, raw)
+                raw = b""
+            response.raw_output_contents.append(raw)
         if final is not None:
             response.parameters["triton_final_response"].bool_param = final
         return response
@@ -321,22 +379,34 @@ async def _cancel_all(reader: asyncio.Task[None], running: set[asyncio.Task[None
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def decode_inputs(request: Any) -> list[Tensor]:
-    """Inputs given raw (one `raw_input_contents` entry per input, in order) or as typed contents."""
-    raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
+def decode_inputs(request: Any, shared_memory: SharedMemory) -> list[Tensor]:
+    """Inputs in shared memory (their parameters name a region), then the others given raw (one
+    `raw_input_contents` entry per input not in shared memory, in order) or as typed contents."""
+    raw = list(request.raw_input_contents)
+    places = [
+        shared_memory.place(
+            f"inputs.{tensor.name or i}", {name: _parameter(p) for name, p in tensor.parameters.items()}
+        )
+        for i, tensor in enumerate(request.inputs)
+    ]
+    num_in_messages = places.count(None)
+    if raw and len(raw) != num_in_messages:
         raise InvalidRequestError(
-            "raw_input_contents", f"has {len(raw)} entries for {len(request.inputs)} inputs (one per input)"
+            "raw_input_contents",
+            f"has {len(raw)} entries for {num_in_messages} inputs (one per input not in shared memory)",
         )
     decoded = []
-    for i, tensor in enumerate(request.inputs):
+    for i, (tensor, place) in enumerate(zip(request.inputs, places, strict=True)):
         where = f"inputs.{tensor.name or i}"
         tensors.check_datatype(where, tensor.datatype)
         shape = list(tensor.shape)
-        if raw and tensor.HasField("contents"):  # the protocol allows one form per request, as Triton checks
-            raise InvalidRequestError(f"{where}.contents", "must not be set when raw_input_contents is used")
-        if raw:
-            values = tensors.decode_raw(where, tensor.datatype, shape, raw[i])
+        if (raw or place is not None) and tensor.HasField("contents"):  # one form per input, as Triton checks
+            used = "raw_input_contents is used" if place is None else "the input is in shared memory"
+            raise InvalidRequestError(f"{where}.contents", f"must not be set when {used}")
+        if place is not None:
+            values = tensors.decode_raw(where, tensor.datatype, shape, shared_memory.read(place))
+        elif raw:
+            values = tensors.decode_raw(where, tensor.datatype, shape, raw.pop(0))
         else:
             values = tensors.decode_contents(where, tensor.datatype, shape, tensor.contents)
         decoded.append(Tensor(tensor.name, tensor.datatype, shape, values))
@@ -442,9 +512,12 @@ def model_statistics(model: LLMModel) -> pb.ModelStatistics:
     )
 
 
-def add_to_server(server: grpc.aio.Server, model: LLMModel) -> InferenceServicer:
-    """Register the servicer with deserializers that turn undecodable requests into named errors."""
-    servicer = InferenceServicer(model)
+def add_to_server(
+    server: grpc.aio.Server, model: LLMModel, shared_memory: SharedMemory | None = None
+) -> InferenceServicer:
+    """Register the servicer with deserializers that turn undecodable requests into named errors.
+    `shared_memory`: the regions it shares with the REST routes (default: a registry of its own, off)."""
+    servicer = InferenceServicer(model, shared_memory or SharedMemory(allowed=False))
 
     def handler(kind: Any, method: Any, request_type: Any, response_type: Any) -> Any:
         return kind(
@@ -472,6 +545,21 @@ def add_to_server(server: grpc.aio.Server, model: LLMModel) -> InferenceServicer
         "LogSettings": (unary, pb.LogSettingsRequest, pb.LogSettingsResponse),
         "RepositoryModelLoad": (unary, pb.RepositoryModelLoadRequest, pb.RepositoryModelLoadResponse),
         "RepositoryModelUnload": (unary, pb.RepositoryModelUnloadRequest, pb.RepositoryModelUnloadResponse),
+        "SystemSharedMemoryStatus": (
+            unary,
+            pb.SystemSharedMemoryStatusRequest,
+            pb.SystemSharedMemoryStatusResponse,
+        ),
+        "SystemSharedMemoryRegister": (
+            unary,
+            pb.SystemSharedMemoryRegisterRequest,
+            pb.SystemSharedMemoryRegisterResponse,
+        ),
+        "SystemSharedMemoryUnregister": (
+            unary,
+            pb.SystemSharedMemoryUnregisterRequest,
+            pb.SystemSharedMemoryUnregisterResponse,
+        ),
     }
     server.add_generic_rpc_handlers(
         (

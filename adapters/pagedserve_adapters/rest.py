@@ -46,6 +46,7 @@ from pagedserve_adapters.llm_model import (
     Tensor,
     parse_request,
 )
+from pagedserve_adapters.shared_memory import Place, SharedMemory, WriteError
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +59,16 @@ _HTTP_STATUS = {
     "timeout": 504,
     "aborted": 503,  # for the client to retry elsewhere (a drain cut it short)
     "failed_precondition": 400,
+    "permission_denied": 403,
+    "already_exists": 409,
 }
 _HEADER_LENGTH = "Inference-Header-Content-Length"
 _SWITCH_INPUTS = {spec.name: spec.datatype for spec in INPUTS if spec.name != "text_input"}
 
 
-def routes(model: LLMModel) -> list[web.RouteDef]:
-    api = RestApi(model)
+def routes(model: LLMModel, shared_memory: SharedMemory | None = None) -> list[web.RouteDef]:
+    """`shared_memory`: the regions these routes share with gRPC (default: a registry of their own, off)."""
+    api = RestApi(model, shared_memory or SharedMemory(allowed=False))
     defs = [
         web.get("/v2", api.server_metadata),
         web.get("/v2/health/live", api.live),
@@ -72,6 +76,11 @@ def routes(model: LLMModel) -> list[web.RouteDef]:
         web.post("/v2/repository/index", api.repository_index),
         web.post("/v2/repository/models/{model}/load", api.repository_load),
         web.post("/v2/repository/models/{model}/unload", api.repository_unload),
+        web.get("/v2/systemsharedmemory/status", api.shared_memory_status),
+        web.get("/v2/systemsharedmemory/region/{region}/status", api.shared_memory_status),
+        web.post("/v2/systemsharedmemory/region/{region}/register", api.shared_memory_register),
+        web.post("/v2/systemsharedmemory/unregister", api.shared_memory_unregister),
+        web.post("/v2/systemsharedmemory/region/{region}/unregister", api.shared_memory_unregister),
         web.get("/v2/logging", api.log_settings),
         web.post("/v2/logging", api.update_log_settings),
         web.get("/v2/models/stats", api.all_model_stats),  # before /v2/models/{model} would take it
@@ -135,8 +144,9 @@ def _field_value(field: FieldDescriptor, value: Any) -> Any:
 
 
 class RestApi:
-    def __init__(self, model: LLMModel) -> None:
+    def __init__(self, model: LLMModel, shared_memory: SharedMemory) -> None:
         self.model = model
+        self.shared_memory = shared_memory
 
     # -- health and metadata -------------------------------------------------------------------------
 
@@ -225,6 +235,35 @@ class RestApi:
         state = "READY" if self.model.ready else "UNAVAILABLE"
         return web.json_response([{"name": self.model.name, "version": self.model.version, "state": state}])
 
+    async def shared_memory_status(self, request: web.Request) -> web.Response:
+        try:
+            regions = self.shared_memory.status(request.match_info.get("region", ""))
+        except AdapterError as exc:
+            return _error(exc)
+        return web.json_response(
+            [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size} for r in regions]
+        )
+
+    async def shared_memory_register(self, request: web.Request) -> web.Response:
+        """`{"key": ..., "offset": ..., "byte_size": ...}` (offset 0 when left out)."""
+        try:
+            doc = _object(_json_document(await _read(request)), "request")
+            key = doc.get("key")
+            if not isinstance(key, str):
+                raise InvalidRequestError("key", f"must be a string, got {key!r}")
+            offset, byte_size = (
+                _integer("offset", doc.get("offset", 0)),
+                _integer("byte_size", doc.get("byte_size")),
+            )
+            self.shared_memory.register(request.match_info["region"], key, offset, byte_size)
+        except (AdapterError, InvalidRequestError) as exc:
+            return _error(exc)
+        return web.json_response({})
+
+    async def shared_memory_unregister(self, request: web.Request) -> web.Response:
+        self.shared_memory.unregister(request.match_info.get("region", ""))
+        return web.json_response({})
+
     async def repository_load(self, request: web.Request) -> web.Response:
         """Triton's load (an optional `{"parameters": {...}}` body); KServe's answer, which Triton's
         clients do not read."""
@@ -288,8 +327,12 @@ class RestApi:
                     )
             request_id = _request_id(doc)
             parameters = _object(doc.get("parameters", {}), "parameters")
+            places = {}
+            for name, given in output_parameters.items():
+                if (place := self.shared_memory.place(f"outputs.{name}", given)) is not None:
+                    places[name] = place
             parsed = parse_request(
-                _json_inputs(doc.get("inputs"), binary),
+                _json_inputs(doc.get("inputs"), binary, self.shared_memory),
                 parameters,
                 [str(o.get("name")) for o in outputs_wanted],  # as asked: a name twice is refused
                 make_params=self.model.sampling_params,
@@ -303,7 +346,12 @@ class RestApi:
             name: given.get("binary_data", binary_default) is True
             for name, given in output_parameters.items()
         }
-        return _infer_response(self.model, request_id, outputs, binary_outputs, binary_default)
+        try:
+            return _infer_response(
+                self.model, request_id, outputs, binary_outputs, binary_default, places, self.shared_memory
+            )
+        except WriteError as exc:  # an output its region cannot take (the request ran: no refusal)
+            return _error(exc)
 
     async def generate(self, request: web.Request) -> web.Response:
         """`/generate`: one JSON object with the whole completion."""
@@ -481,13 +529,20 @@ async def _repository_parameters(request: web.Request) -> dict[str, repository.P
     return values
 
 
+def _integer(field: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(field, f"must be an integer, got {value!r}")
+    return value
+
+
 def _or_empty(parameters: Any) -> Any:
     """An absent or null `parameters` is none given; anything else must be an object (0 and "" too)."""
     return {} if parameters is None else parameters
 
 
-def _json_inputs(inputs: Any, binary: bytes) -> list[Tensor]:
-    """Input tensors from JSON `data`, or from the binary section (`parameters.binary_data_size`)."""
+def _json_inputs(inputs: Any, binary: bytes, shared_memory: SharedMemory) -> list[Tensor]:
+    """Input tensors from JSON `data`, from the binary section (`parameters.binary_data_size`), or
+    from a shared memory region their parameters name."""
     if not isinstance(inputs, list) or not inputs:
         raise InvalidRequestError("inputs", "must be a non-empty list of tensors")
     decoded, offset = [], 0
@@ -502,8 +557,17 @@ def _json_inputs(inputs: Any, binary: bytes) -> list[Tensor]:
         ):
             raise InvalidRequestError(f"{where}.shape", "must be a list of integers")
         tensors.check_datatype(where, datatype)
-        size = _object(_or_empty(tensor.get("parameters")), f"{where}.parameters").get("binary_data_size")
-        if size is not None:
+        given = _object(_or_empty(tensor.get("parameters")), f"{where}.parameters")
+        size = given.get("binary_data_size")
+        place = shared_memory.place(where, given)
+        if place is not None:
+            if "data" in tensor or size is not None:
+                raise InvalidRequestError(
+                    f"{where}.{'data' if 'data' in tensor else 'parameters.binary_data_size'}",
+                    "must not be set when the input is in shared memory",
+                )
+            values = tensors.decode_raw(where, datatype, shape, shared_memory.read(place))
+        elif size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise InvalidRequestError(f"{where}.parameters.binary_data_size", "must be an integer >= 0")
             if offset + size > len(binary):
@@ -527,15 +591,26 @@ def _json_inputs(inputs: Any, binary: bytes) -> list[Tensor]:
 
 
 def _infer_response(
-    model: LLMModel, request_id: str, outputs: list[Tensor], binary: dict[str, bool], binary_default: bool
+    model: LLMModel,
+    request_id: str,
+    outputs: list[Tensor],
+    binary: dict[str, bool],
+    binary_default: bool,
+    places: dict[str, Place],
+    shared_memory: SharedMemory,
 ) -> web.Response:
+    """An output in `places` is written into its shared memory region and goes without data."""
     doc: dict[str, Any] = {"model_name": model.name, "model_version": model.version, "outputs": []}
     if request_id:
         doc["id"] = request_id
     chunks = []
     for tensor in outputs:
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": tensor.shape}
-        if binary.get(tensor.name, binary_default):
+        if (place := places.get(tensor.name)) is not None:
+            shared_memory.write(
+                f"outputs.{tensor.name}", place, tensors.encode_raw(tensor.datatype, tensor.values)
+            )
+        elif binary.get(tensor.name, binary_default):
             raw = tensors.encode_raw(tensor.datatype, tensor.values)
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)

@@ -85,6 +85,12 @@ class ServeSettings(EngineSettings):
         description="take LoadLoRAAdapter / UnloadLoRAAdapter calls (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): "
         "LoRA adapters loaded from and dropped by any path the server can read, while it serves",
     )
+    allow_client_shm: bool = Field(
+        False,
+        description="take Triton's system shared memory registrations (SystemSharedMemoryRegister, POST "
+        "/v2/systemsharedmemory/region/NAME/register; Triton's flag): tensors in a client's shared memory "
+        "objects, which the server maps read-write by the name a client gives",
+    )
     enable_auto_tool_choice: bool = Field(
         False,
         description="take tool_choice auto (the default of a chat request with tools): the model decides "
@@ -380,6 +386,7 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
     from pagedserve_adapters.grpc_service import add_to_server as add_inference_service
     from pagedserve_adapters.llm_model import LLMModel, PriorityLevels
     from pagedserve_adapters.rest import routes as rest_routes
+    from pagedserve_adapters.shared_memory import SharedMemory
 
     from pagedserve.engine.async_engine import in_torch_thread
     from pagedserve.engine.llm_engine import LLMEngine
@@ -415,9 +422,10 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
     )
     levels = PriorityLevels(settings.triton_priority_levels, settings.triton_default_priority_level)
     model = LLMModel(server, levels)
-    add_inference_service(server.grpc, model)
+    shared_memory = SharedMemory(settings.allow_client_shm)  # one registry for gRPC and REST
+    add_inference_service(server.grpc, model, shared_memory)
     server.services.append(INFERENCE_SERVICE)
-    http = HttpEndpoint(server, rest_routes(model))
+    http = HttpEndpoint(server, rest_routes(model, shared_memory))
     try:
         return await _run(server, http, tls, startup, settings, flags, stop or catch_stop_signals())
     except StartupError as exc:  # a tensor-parallel rank died or never started: not a bug, no traceback
@@ -431,6 +439,7 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
             startup.llm.executor.shutdown()
         if provider is not None:
             provider.shutdown()
+        shared_memory.close()  # (the clients' shared memory objects stay: theirs to unlink)
 
 
 async def _run(
