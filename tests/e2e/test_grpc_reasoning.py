@@ -143,3 +143,21 @@ def test_text_and_token_prompts_are_not_parsed_and_model_info_names_the_parser(
     ).completions
     assert (completion.text, completion.reasoning_content) == (THOUGHT, "")
     assert server.stub.ModelInfo(pb.ModelInfoRequest(), timeout=30).reasoning_parser == "qwen3"
+
+
+def test_a_beam_searchs_beams_are_each_split_as_a_completion(server: InProcessServer) -> None:
+    """With the block opened by the prompt, every beam's output is its reasoning: what the same search
+    writes unparsed from the same prompt's token ids (a token prompt is not parsed), beam by beam. (The
+    model never closes the block, so every beam's parser stays in one state: that the beams' parsers
+    are apart is not seen here.)"""
+    req = request(thinks=True)
+    req.sampling.use_beam_search = True
+    req.sampling.n = 3
+    req.sampling.max_tokens = 12
+    beams = server.stub.Complete(req, timeout=120).completions
+    prompt = server.stub.Tokenize(pb.TokenizeRequest(messages=req.messages), timeout=30).token_ids
+    as_tokens = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=req.sampling)
+    unparsed = server.stub.Complete(as_tokens, timeout=120).completions
+    assert [b.index for b in beams] == [0, 1, 2] and [b.text for b in beams] == ["", "", ""]
+    assert [b.reasoning_content for b in beams] == [u.text for u in unparsed]
+    assert len({b.reasoning_content for b in beams}) == 3 and all(u.text.strip() for u in unparsed)
