@@ -36,7 +36,7 @@ from pagedserve.rpc.server import (
     give_up_stalled_call,
 )
 
-from pagedserve_adapters import log_settings, repository, tensors
+from pagedserve_adapters import log_settings, repository, tensors, trace_settings
 from pagedserve_adapters.llm_model import (
     INPUTS,
     OUTPUTS,
@@ -64,6 +64,7 @@ EXTENSIONS = (
     "logging",  # LogSettings, GET / POST /v2/logging (log_settings.py)
     "model_repository",  # the index, and load / unload of the one served model (repository.py)
     "system_shared_memory",  # tensors in client shared memory (shared_memory.py; --allow-client-shm)
+    "trace",  # TraceSetting, GET / POST /v2/trace/setting (trace_settings.py)
 )
 _STATUS = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
@@ -201,6 +202,18 @@ class InferenceServicer:
         request = await _valid(request, context)
         self.shared_memory.unregister(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def TraceSetting(self, request: Any, context: grpc.aio.ServicerContext) -> pb.TraceSettingResponse:
+        request = await _valid(request, context)
+        changes = {name: list(value.value) for name, value in request.settings.items()}
+        try:
+            settings = trace_settings.update(self.model, request.model_name, changes)
+        except AdapterError as exc:
+            await context.abort(_STATUS[exc.kind], str(exc))
+        response = pb.TraceSettingResponse()
+        for name, values in settings.items():
+            response.settings[name].value.extend(values)
+        return response
 
     async def LogSettings(self, request: Any, context: grpc.aio.ServicerContext) -> pb.LogSettingsResponse:
         request = await _valid(request, context)
@@ -543,6 +556,7 @@ def add_to_server(
         "ModelStatistics": (unary, pb.ModelStatisticsRequest, pb.ModelStatisticsResponse),
         "RepositoryIndex": (unary, pb.RepositoryIndexRequest, pb.RepositoryIndexResponse),
         "LogSettings": (unary, pb.LogSettingsRequest, pb.LogSettingsResponse),
+        "TraceSetting": (unary, pb.TraceSettingRequest, pb.TraceSettingResponse),
         "RepositoryModelLoad": (unary, pb.RepositoryModelLoadRequest, pb.RepositoryModelLoadResponse),
         "RepositoryModelUnload": (unary, pb.RepositoryModelUnloadRequest, pb.RepositoryModelUnloadResponse),
         "SystemSharedMemoryStatus": (

@@ -34,7 +34,7 @@ from pagedserve.rpc.http import read_body
 from pagedserve.rpc.server import STALLED_CLIENT, StalledClientError
 from pagedserve.sampling_params import SamplingParams
 
-from pagedserve_adapters import log_settings, repository, tensors
+from pagedserve_adapters import log_settings, repository, tensors, trace_settings
 from pagedserve_adapters.grpc_service import EXTENSIONS, model_config, model_statistics
 from pagedserve_adapters.llm_model import (
     INPUTS,
@@ -83,6 +83,10 @@ def routes(model: LLMModel, shared_memory: SharedMemory | None = None) -> list[w
         web.post("/v2/systemsharedmemory/region/{region}/unregister", api.shared_memory_unregister),
         web.get("/v2/logging", api.log_settings),
         web.post("/v2/logging", api.update_log_settings),
+        web.get("/v2/trace/setting", api.trace_setting),
+        web.post("/v2/trace/setting", api.trace_setting),
+        web.get("/v2/models/{model}/trace/setting", api.trace_setting),
+        web.post("/v2/models/{model}/trace/setting", api.trace_setting),
         web.get("/v2/models/stats", api.all_model_stats),  # before /v2/models/{model} would take it
     ]
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
@@ -173,6 +177,26 @@ class RestApi:
             return web.json_response(log_settings.update(self.model, changes))
         except (AdapterError, InvalidRequestError) as exc:
             return _error(exc)
+
+    async def trace_setting(self, request: web.Request) -> web.Response:
+        """GET reads, POST changes (a JSON object of settings, each a string, a list of strings or
+        null: back to its default); both answer every setting, trace_level as a list, the others as
+        strings (Triton's $trace_setting_response)."""
+        try:
+            changes: dict[str, list[str]] = {}
+            if request.method == "POST":
+                body = _object(_json_document(await _read(request)), "request")
+                for name, value in body.items():
+                    values = [] if value is None else [value] if isinstance(value, str) else value
+                    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+                        raise InvalidRequestError(name[:64], "must be a string, a list of strings or null")
+                    changes[name] = values
+            settings = trace_settings.update(self.model, request.match_info.get("model", ""), changes)
+        except (AdapterError, InvalidRequestError) as exc:
+            return _error(exc)
+        return web.json_response(
+            {name: values if name == "trace_level" else "".join(values) for name, values in settings.items()}
+        )
 
     async def model_ready(self, request: web.Request) -> web.Response:
         """200 ready, 503 not ready (yet, or any more), 404 for a model or version not served: a client

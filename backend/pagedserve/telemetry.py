@@ -623,7 +623,12 @@ class RequestTracer:
     reason).
 
     `provider=None` disables tracing: no tracer, no processor, and every front end's call returns at
-    once without reading the request's metadata."""
+    once without reading the request's metadata.
+
+    With a provider, three switches (Triton's trace settings, changed while serving) pick the requests
+    traced: `on` (trace_level TIMESTAMPS, else OFF), `rate` (one request traced of every `rate` that
+    end) and `count` (traces left to take, -1 for no limit; at 0 tracing stops). At start every
+    request is traced."""
 
     def __init__(self, provider: Any | None, model_name: str) -> None:
         self.provider = provider
@@ -631,10 +636,31 @@ class RequestTracer:
         self._tracer = provider.get_tracer("pagedserve") if provider is not None else None
         # monotonic -> epoch nanoseconds, for span timestamps taken with time.monotonic()
         self._epoch_offset_ns = time.time_ns() - time.monotonic_ns()
+        self.on = provider is not None
+        self.rate = 1
+        self.count = -1
+        self._since_traced = 0  # requests ended since the last one traced
+
+    @property
+    def can_trace(self) -> bool:
+        """A provider is there: the switches can turn tracing on."""
+        return self._tracer is not None
 
     @property
     def enabled(self) -> bool:
-        return self._tracer is not None
+        return self._tracer is not None and self.on and self.count != 0
+
+    def _sampled(self) -> bool:
+        """Whether the request ending now is traced (one of every `rate`, `count` taking it)."""
+        if not self.enabled:
+            return False
+        self._since_traced += 1
+        if self._since_traced < self.rate:
+            return False
+        self._since_traced = 0
+        if self.count > 0:
+            self.count -= 1
+        return True
 
     def extract(self, carrier: Mapping[str, Any] | Iterable[tuple[str, Any]] | None) -> Any:
         """The caller's trace context from gRPC metadata (pairs) or HTTP headers (`traceparent`,
@@ -660,7 +686,7 @@ class RequestTracer:
         while its caller went away (`AsyncEngine.unread_final_delta`), so that the span says what the
         metrics count; else a failed completion's (finish reason error), after which the call ended;
         or an earlier one (or none) when the caller went away, which aborted the request."""
-        if self._tracer is None:
+        if not self._sampled():
             return
         if last is None or not last.request_finished:
             error = last.error if last is not None and last.finish_reason == "error" else None
@@ -727,7 +753,7 @@ class RequestTracer:
         in) to now, status ERROR with the refusal's message, under the caller's trace. It says what was
         known of the request: its id and parameters once parsed (none before), the model it named
         (`model`; else the served one). No child spans: the request never reached the engine."""
-        if self._tracer is None:
+        if self._tracer is None or not self._sampled():
             return
         from opentelemetry.trace import SpanKind, Status, StatusCode
 

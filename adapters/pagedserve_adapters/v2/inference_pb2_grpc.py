@@ -89,6 +89,11 @@ class GRPCInferenceServiceStub:
                 request_serializer=pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsRequest.SerializeToString,
                 response_deserializer=pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsResponse.FromString,
                 _registered_method=True)
+        self.TraceSetting = channel.unary_unary(
+                '/inference.GRPCInferenceService/TraceSetting',
+                request_serializer=pagedserve__adapters_dot_v2_dot_inference__pb2.TraceSettingRequest.SerializeToString,
+                response_deserializer=pagedserve__adapters_dot_v2_dot_inference__pb2.TraceSettingResponse.FromString,
+                _registered_method=True)
         self.RepositoryModelLoad = channel.unary_unary(
                 '/inference.GRPCInferenceService/RepositoryModelLoad',
                 request_serializer=pagedserve__adapters_dot_v2_dot_inference__pb2.RepositoryModelLoadRequest.SerializeToString,
@@ -185,6 +190,12 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TraceSetting(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RepositoryModelLoad(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -272,6 +283,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.LogSettings,
                     request_deserializer=pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsRequest.FromString,
                     response_serializer=pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsResponse.SerializeToString,
+            ),
+            'TraceSetting': grpc.unary_unary_rpc_method_handler(
+                    servicer.TraceSetting,
+                    request_deserializer=pagedserve__adapters_dot_v2_dot_inference__pb2.TraceSettingRequest.FromString,
+                    response_serializer=pagedserve__adapters_dot_v2_dot_inference__pb2.TraceSettingResponse.SerializeToString,
             ),
             'RepositoryModelLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.RepositoryModelLoad,
@@ -596,6 +612,33 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/LogSettings',
             pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsRequest.SerializeToString,
             pagedserve__adapters_dot_v2_dot_inference__pb2.LogSettingsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TraceSetting(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/TraceSetting',
+            pagedserve__adapters_dot_v2_dot_inference__pb2.TraceSettingRequest.SerializeToString,
+            pagedserve__adapters_dot_v2_dot_inference__pb2.TraceSettingResponse.FromString,
             options,
             channel_credentials,
             insecure,
