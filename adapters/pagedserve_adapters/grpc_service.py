@@ -417,7 +417,7 @@ def decode_inputs(request: Any, shared_memory: SharedMemory) -> list[Tensor]:
             used = "raw_input_contents is used" if place is None else "the input is in shared memory"
             raise InvalidRequestError(f"{where}.contents", f"must not be set when {used}")
         if place is not None:
-            values = tensors.decode_raw(where, tensor.datatype, shape, shared_memory.read(place))
+            values = tensors.decode_raw(where, tensor.datatype, shape, shared_memory.read(where, place))
         elif raw:
             values = tensors.decode_raw(where, tensor.datatype, shape, raw.pop(0))
         else:

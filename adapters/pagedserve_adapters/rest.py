@@ -590,7 +590,7 @@ def _json_inputs(inputs: Any, binary: bytes, shared_memory: SharedMemory) -> lis
                     f"{where}.{'data' if 'data' in tensor else 'parameters.binary_data_size'}",
                     "must not be set when the input is in shared memory",
                 )
-            values = tensors.decode_raw(where, datatype, shape, shared_memory.read(place))
+            values = tensors.decode_raw(where, datatype, shape, shared_memory.read(where, place))
         elif size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise InvalidRequestError(f"{where}.parameters.binary_data_size", "must be an integer >= 0")

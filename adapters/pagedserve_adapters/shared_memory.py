@@ -15,7 +15,9 @@ the last's, as Triton does: the client reads them as each response arrives.
 Mapping what a client names is off unless the server runs with --allow-client-shm (Triton's flag of
 the same name, off by default there too): a key is a shared memory object's name, one path component,
 under /dev/shm, opened read-write. Regions stay mapped until unregistered (an empty name: all of
-them) or the server stops. CUDA shared memory is not served (a CPU server's clients have none)."""
+them) or the server stops; each object's size is checked before every access, so that one a client shrank
+under its mapping is refused instead of killing the server with SIGBUS. CUDA shared memory is not
+served (a CPU server's clients have none)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,25 @@ class Region:
     offset: int  # into the shared memory object
     byte_size: int
     mapping: mmap.mmap  # the object from its start through offset + byte_size
+    fd: int  # the object, open while registered: its size is checked before each access
+
+    def lost(self, where: str) -> str | None:
+        """Why the region cannot be used now, if it cannot: unregistered, or its object shrunk by the
+        client under the mapping (an access past the object's end would have the server killed by
+        SIGBUS)."""
+        if self.mapping.closed:
+            return f"{where}.parameters.{REGION}: region {self.name!r} was unregistered"
+        size = os.fstat(self.fd).st_size
+        if size < self.offset + self.byte_size:
+            return (
+                f"{where}.parameters.{REGION}: the shared memory object {self.key!r} of region {self.name!r} "
+                f"holds {size} bytes now, fewer than the {self.offset + self.byte_size} registered"
+            )
+        return None
+
+    def close(self) -> None:
+        self.mapping.close()
+        os.close(self.fd)
 
 
 @dataclass(frozen=True)
@@ -97,9 +118,10 @@ class SharedMemory:
                     f"({offset + byte_size})",
                 )
             mapping = mmap.mmap(fd, offset + byte_size)
-        finally:
+        except BaseException:
             os.close(fd)
-        self.regions[name] = Region(name, key, offset, byte_size, mapping)
+            raise
+        self.regions[name] = Region(name, key, offset, byte_size, mapping, fd)
 
     def status(self, name: str) -> list[Region]:
         """One region, or every one for an empty name."""
@@ -114,7 +136,7 @@ class SharedMemory:
         for region_name in [name] if name else list(self.regions):
             region = self.regions.pop(region_name, None)
             if region is not None:
-                region.mapping.close()
+                region.close()
 
     def close(self) -> None:
         self.unregister("")
@@ -154,16 +176,16 @@ class SharedMemory:
         return Place(region, offset, byte_size)
 
     @staticmethod
-    def read(place: Place) -> bytes:
+    def read(where: str, place: Place) -> bytes:
+        if (why := place.region.lost(where)) is not None:
+            raise AdapterError("invalid", why)
         return place.region.mapping[place.start : place.start + place.byte_size]
 
     @staticmethod
     def write(where: str, place: Place, data: bytes) -> None:
         """Write an output's raw bytes; refused (nothing written) when they do not fit."""
-        if place.region.mapping.closed:
-            raise WriteError(
-                "invalid", f"{where}.parameters.{REGION}: region {place.region.name!r} was unregistered"
-            )
+        if (why := place.region.lost(where)) is not None:
+            raise WriteError("invalid", why)
         if len(data) > place.byte_size:
             raise WriteError(
                 "invalid",

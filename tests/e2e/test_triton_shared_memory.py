@@ -356,3 +356,32 @@ def test_a_server_without_the_flag_registers_nothing(
         assert http(plain, "GET", "/v2/systemsharedmemory/status") == (200, [])
     finally:
         plain.stop()
+
+
+def test_an_object_shrunk_under_its_region_is_refused_not_a_crash(
+    grpc_client: tgrpc.InferenceServerClient, objects: Callable[[int], ShmObject], name: str
+) -> None:
+    """A client that truncates its object after registering it: an access past the object's end
+    would have the server killed by SIGBUS; the request is refused, and the server serves on."""
+    data = prompt_bytes()
+    source, target = objects(4096), objects(4096)
+    source.write(data)
+    grpc_client.register_system_shared_memory("in", source.key, 4096)
+    grpc_client.register_system_shared_memory("out", target.key, 4096)
+    os.truncate(source.path, 0)
+    status, message = refusal(
+        lambda: grpc_client.infer(
+            name, [shm_prompt_input(tgrpc, "in", len(data)), *inputs(tgrpc, prompt=None)]
+        )
+    )
+    assert status == "StatusCode.INVALID_ARGUMENT", (status, message)
+    assert message == (
+        f"inputs.text_input.parameters.shared_memory_region: the shared memory object {source.key!r} of "
+        "region 'in' holds 0 bytes now, fewer than the 4096 registered"
+    )
+    os.truncate(target.path, 100)
+    output = tgrpc.InferRequestedOutput("text_output")
+    output.set_shared_memory("out", 4096)
+    status, message = refusal(lambda: grpc_client.infer(name, inputs(tgrpc), outputs=[output]))
+    assert status == "StatusCode.INVALID_ARGUMENT" and "holds 100 bytes now" in message, (status, message)
+    assert grpc_client.infer(name, inputs(tgrpc)).as_numpy("text_output")[0]  # alive, serving
