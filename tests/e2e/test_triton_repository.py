@@ -6,9 +6,6 @@ parameters refused naming them; every refusal with the status Triton's clients r
 from __future__ import annotations
 
 import gc
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,8 +16,8 @@ import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 from grpc_health.v1 import health_pb2
 from grpc_helpers import ServerProcess, wait_until
+from triton_helpers import http_json, refusal, served_model
 from tritonclient.grpc import service_pb2
-from tritonclient.utils import InferenceServerException
 
 pytestmark = pytest.mark.slow
 
@@ -49,17 +46,7 @@ def http_client(server: ServerProcess) -> Iterator[thttp.InferenceServerClient]:
 
 @pytest.fixture
 def name(grpc_client: tgrpc.InferenceServerClient) -> str:
-    [model] = grpc_client.get_model_repository_index(as_json=True)["models"]
-    return str(model["name"])
-
-
-def post(server: ServerProcess, path: str, body: bytes = b"") -> tuple[int, Any]:
-    request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}{path}", data=body, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return served_model(grpc_client)
 
 
 def completion(client: tgrpc.InferenceServerClient, name: str) -> str:
@@ -69,12 +56,6 @@ def completion(client: tgrpc.InferenceServerClient, name: str) -> str:
     sampling.set_data_from_numpy(np.array([b'{"max_tokens": 3, "temperature": 0}'], dtype=object))
     result = client.infer(name, [text, sampling])
     return str(result.as_numpy("text_output")[0].decode())
-
-
-def refusal(call: Any) -> tuple[str, str]:
-    with pytest.raises(InferenceServerException) as caught:
-        call()
-    return str(caught.value.status()), str(caught.value.message())
 
 
 def raw_call(server: ServerProcess, method: str, request: Any) -> bytes:
@@ -99,8 +80,8 @@ def test_a_load_of_the_served_model_is_done_and_it_serves_on(
     grpc_client.load_model(name)
     http_client.load_model(name)
     assert grpc_client.is_model_ready(name) and http_client.is_model_ready(name)
-    assert post(server, f"/v2/repository/models/{name}/load") == (200, {"name": name, "load": True})
-    assert post(server, f"/v2/repository/models/{name}/load", b'{"parameters": {}}')[0] == 200
+    assert http_json(server, f"/v2/repository/models/{name}/load") == (200, {"name": name, "load": True})
+    assert http_json(server, f"/v2/repository/models/{name}/load", b'{"parameters": {}}')[0] == 200
     assert completion(grpc_client, name) == before  # nothing was reloaded under it
 
 
@@ -116,7 +97,7 @@ def test_an_unload_of_the_served_model_is_refused_and_it_serves_on(
     assert "only by stopping the server" in message
     _, message = refusal(lambda: http_client.unload_model(name, unload_dependents=True))
     assert "only by stopping the server" in message
-    status, answer = post(server, f"/v2/repository/models/{name}/unload")
+    status, answer = http_json(server, f"/v2/repository/models/{name}/unload")
     assert status == 400 and "only by stopping the server" in answer["error"], (status, answer)
     assert grpc_client.is_model_ready(name)
     assert completion(grpc_client, name)
@@ -135,7 +116,7 @@ def test_another_model_is_not_found_by_either_call(
         assert status == "StatusCode.NOT_FOUND", (status, message)
         assert message == f"model_name: unknown model 'nope'; this server serves {name!r} and loads no other"
     for path in ("load", "unload"):
-        status, answer = post(server, f"/v2/repository/models/nope/{path}")
+        status, answer = http_json(server, f"/v2/repository/models/nope/{path}")
         assert status == 404 and "unknown model 'nope'" in answer["error"], (status, answer)
     _, message = refusal(lambda: http_client.load_model("nope"))
     assert "unknown model 'nope'" in message
@@ -171,7 +152,7 @@ def test_a_loads_parameters_are_refused_naming_them(
 def test_a_bad_rest_load_is_400_naming_the_field(
     server: ServerProcess, name: str, body: bytes, says: str
 ) -> None:
-    status, answer = post(server, f"/v2/repository/models/{name}/load", body)
+    status, answer = http_json(server, f"/v2/repository/models/{name}/load", body)
     assert status == 400 and answer["error"].startswith(says), (status, answer)
 
 
@@ -188,7 +169,7 @@ def test_a_bad_rest_load_is_400_naming_the_field(
 def test_a_bad_rest_unload_is_400_naming_the_field(
     server: ServerProcess, name: str, body: bytes, says: str
 ) -> None:
-    status, answer = post(server, f"/v2/repository/models/{name}/unload", body)
+    status, answer = http_json(server, f"/v2/repository/models/{name}/unload", body)
     assert status == 400 and answer["error"].startswith(says), (status, answer)
 
 
@@ -243,7 +224,7 @@ def test_both_calls_are_unavailable_while_the_model_loads(
                 assert status == "StatusCode.UNAVAILABLE", (status, message)
                 assert message == "server is starting: the model is still loading"
         for path in ("load", "unload"):
-            status, answer = post(proc, f"/v2/repository/models/SmolLM2-135M-Instruct/{path}")
+            status, answer = http_json(proc, f"/v2/repository/models/SmolLM2-135M-Instruct/{path}")
             assert status == 503 and "still loading" in answer["error"], (status, answer)
         assert proc.readiness() == health_pb2.HealthCheckResponse.NOT_SERVING  # (still loading throughout)
     finally:

@@ -15,8 +15,6 @@ import mmap
 import os
 import queue
 import struct
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,7 +24,7 @@ import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 from grpc_helpers import ServerProcess
-from tritonclient.utils import InferenceServerException
+from triton_helpers import http_json, refusal, served_model
 
 pytestmark = pytest.mark.slow
 
@@ -96,8 +94,7 @@ def http_client(server: ServerProcess) -> Iterator[thttp.InferenceServerClient]:
 
 @pytest.fixture
 def name(grpc_client: tgrpc.InferenceServerClient) -> str:
-    [model] = grpc_client.get_model_repository_index(as_json=True)["models"]
-    return str(model["name"])
+    return served_model(grpc_client)
 
 
 def prompt_bytes(prompt: str = PROMPT) -> bytes:
@@ -136,22 +133,6 @@ def text_from(obj: ShmObject, result: Any, offset: int = 0) -> str:
     assert list(output.shape if hasattr(output, "shape") else output["shape"]) == [1]
     (length,) = struct.unpack("<I", obj.read(4, offset))
     return obj.read(length, offset + 4).decode()
-
-
-def refusal(call: Callable[[], Any]) -> tuple[str | None, str]:
-    with pytest.raises(InferenceServerException) as caught:
-        call()
-    return caught.value.status(), str(caught.value.message())
-
-
-def http(server: ServerProcess, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
-    url = f"http://127.0.0.1:{server.http_port}{path}"
-    request = urllib.request.Request(url, data=body, method=method)
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def test_system_shared_memory_is_an_extension(grpc_client: tgrpc.InferenceServerClient) -> None:
@@ -309,7 +290,7 @@ def test_bad_registrations_are_refused_naming_the_field(
 
     base = "/v2/systemsharedmemory/region"
     assert (
-        http(server, "POST", f"{base}/r/register", json.dumps({"key": obj.key, "byte_size": 8}).encode())[0]
+        http_json(server, f"{base}/r/register", json.dumps({"key": obj.key, "byte_size": 8}).encode())[0]
         == 409
     )
     for body, says in [
@@ -317,9 +298,9 @@ def test_bad_registrations_are_refused_naming_the_field(
         (json.dumps({"byte_size": 8}).encode(), "key: must be a string"),
         (json.dumps({"key": obj.key, "byte_size": "8"}).encode(), "byte_size: must be an integer"),
     ]:
-        status, answer = http(server, "POST", f"{base}/t/register", body)
+        status, answer = http_json(server, f"{base}/t/register", body)
         assert status == 400 and answer["error"].startswith(says), (body, status, answer)
-    assert http(server, "GET", f"{base}/t/status") == (
+    assert http_json(server, f"{base}/t/status", method="GET") == (
         404,
         {"error": "name: no shared memory region 't' is registered"},
     )
@@ -333,9 +314,9 @@ def test_unregistering_one_region_then_all(
     grpc_client.unregister_system_shared_memory("a")
     grpc_client.unregister_system_shared_memory("never")  # nothing to do, as Triton
     assert sorted(grpc_client.get_system_shared_memory_status(as_json=True)["regions"]) == ["b", "c"]
-    assert http(server, "POST", "/v2/systemsharedmemory/region/b/unregister") == (200, {})
-    assert [r["name"] for r in http(server, "GET", "/v2/systemsharedmemory/status")[1]] == ["c"]
-    assert http(server, "POST", "/v2/systemsharedmemory/unregister") == (200, {})
+    assert http_json(server, "/v2/systemsharedmemory/region/b/unregister") == (200, {})
+    assert [r["name"] for r in http_json(server, "/v2/systemsharedmemory/status", method="GET")[1]] == ["c"]
+    assert http_json(server, "/v2/systemsharedmemory/unregister") == (200, {})
     assert grpc_client.get_system_shared_memory_status(as_json=True).get("regions", {}) == {}
 
 
@@ -351,9 +332,9 @@ def test_a_server_without_the_flag_registers_nothing(
             assert status == "StatusCode.PERMISSION_DENIED", (status, message)
             assert "start the server with --allow-client-shm" in message
         body = json.dumps({"key": obj.key, "byte_size": 16}).encode()
-        status, answer = http(plain, "POST", "/v2/systemsharedmemory/region/r/register", body)
+        status, answer = http_json(plain, "/v2/systemsharedmemory/region/r/register", body)
         assert status == 403 and "--allow-client-shm" in answer["error"]
-        assert http(plain, "GET", "/v2/systemsharedmemory/status") == (200, [])
+        assert http_json(plain, "/v2/systemsharedmemory/status", method="GET") == (200, [])
     finally:
         plain.stop()
 

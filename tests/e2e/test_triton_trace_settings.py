@@ -9,8 +9,6 @@ from __future__ import annotations
 import gc
 import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +17,7 @@ import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 from grpc_helpers import ServerProcess
-from tritonclient.utils import InferenceServerException
+from triton_helpers import http_json, refusal, served_model
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +52,7 @@ def client(server: ServerProcess) -> Iterator[tgrpc.InferenceServerClient]:
 
 @pytest.fixture
 def name(client: tgrpc.InferenceServerClient) -> str:
-    [model] = client.get_model_repository_index(as_json=True)["models"]
-    return str(model["name"])
+    return served_model(client)
 
 
 def settings(response: dict[str, Any]) -> dict[str, list[str]]:
@@ -75,21 +72,6 @@ def spans_of(server: ServerProcess, client: tgrpc.InferenceServerClient, name: s
         client.infer(name, [text, sampling])
     time.sleep(1.0)  # 20 flush intervals
     return server.log.read_text().count(SPAN) - before
-
-
-def refusal(call: Any) -> tuple[str | None, str]:
-    with pytest.raises(InferenceServerException) as caught:
-        call()
-    return caught.value.status(), str(caught.value.message())
-
-
-def post(server: ServerProcess, path: str, body: bytes) -> tuple[int, Any]:
-    request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}{path}", data=body, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def test_the_settings_read_as_the_server_started_and_trace_is_an_extension(
@@ -165,7 +147,7 @@ def test_a_bad_update_is_refused_naming_the_setting_and_changes_nothing(
 ) -> None:
     status, message = refusal(lambda: client.update_trace_settings(settings=changes))
     assert status == "StatusCode.INVALID_ARGUMENT" and message.startswith(says), (status, message)
-    status_code, answer = post(server, "/v2/trace/setting", json.dumps(changes).encode())
+    status_code, answer = http_json(server, "/v2/trace/setting", json.dumps(changes).encode())
     assert status_code == 400 and answer["error"].startswith(says), (status_code, answer)
     assert settings(client.get_trace_settings(as_json=True)) == STARTED
 
@@ -175,14 +157,14 @@ def test_another_model_and_a_bad_body_are_refused(
 ) -> None:
     status, message = refusal(lambda: client.get_trace_settings(model_name="nope"))
     assert status == "StatusCode.NOT_FOUND" and message.startswith("model_name: unknown model 'nope'")
-    status_code, answer = post(server, "/v2/models/nope/trace/setting", b"{}")
+    status_code, answer = http_json(server, "/v2/models/nope/trace/setting", b"{}")
     assert status_code == 404, answer
     for body, says in [
         (b"[]", "request: must be a JSON object"),
         (b'{"trace_rate": 2}', "trace_rate: must be a string, a list of strings or null"),
         (b"{", "request: body is not valid JSON"),
     ]:
-        status_code, answer = post(server, "/v2/trace/setting", body)
+        status_code, answer = http_json(server, "/v2/trace/setting", body)
         assert status_code == 400 and answer["error"].startswith(says), (body, answer)
 
 
