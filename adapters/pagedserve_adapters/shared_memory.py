@@ -15,9 +15,9 @@ the last's, as Triton does: the client reads them as each response arrives.
 Mapping what a client names is off unless the server runs with --allow-client-shm (Triton's flag of
 the same name, off by default there too): a key is a shared memory object's name, one path component,
 under /dev/shm, opened read-write. Regions stay mapped until unregistered (an empty name: all of
-them) or the server stops; each object's size is checked before every access, so that one a client shrank
-under its mapping is refused instead of killing the server with SIGBUS. CUDA shared memory is not
-served (a CPU server's clients have none)."""
+them) or the server stops. Each object's size is checked before every access: one a client shrank
+under its mapping is refused, where an access past its end would kill the server with SIGBUS. CUDA
+shared memory is not served (a CPU server's clients have none)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ from pagedserve_adapters.llm_model import AdapterError
 
 SHM_DIR = "/dev/shm"
 REGION, BYTE_SIZE, OFFSET = "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"
-PARAMETERS = (REGION, BYTE_SIZE, OFFSET)
 
 
 @dataclass
