@@ -87,6 +87,7 @@ def routes(model: LLMModel, shared_memory: SharedMemory | None = None) -> list[w
         web.post("/v2/trace/setting", api.trace_setting),
         web.get("/v2/models/{model}/trace/setting", api.trace_setting),
         web.post("/v2/models/{model}/trace/setting", api.trace_setting),
+        web.get("/v2/models", api.list_models),
         web.get("/v2/models/stats", api.all_model_stats),  # before /v2/models/{model} would take it
     ]
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
@@ -238,6 +239,10 @@ class RestApi:
         except AdapterError as exc:
             return _error(exc)
         return web.json_response({"model_stats": [triton_json(model_statistics(self.model))]})
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        """KServe's model list (`GET /v2/models`): the served model's name, once it is loaded."""
+        return web.json_response({"models": [self.model.name] if self.model.bound else []})
 
     async def all_model_stats(self, request: web.Request) -> web.Response:
         """Every model's statistics (Triton's `GET v2/models/stats`): the one served, once it is loaded."""

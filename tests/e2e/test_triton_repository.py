@@ -66,8 +66,11 @@ def raw_call(server: ServerProcess, method: str, request: Any) -> bytes:
         return bytes(call(request.SerializeToString(), timeout=10))
 
 
-def test_model_repository_is_an_extension(grpc_client: tgrpc.InferenceServerClient) -> None:
+def test_model_repository_is_an_extension_and_kserve_lists_the_model(
+    server: ServerProcess, grpc_client: tgrpc.InferenceServerClient, name: str
+) -> None:
     assert "model_repository" in grpc_client.get_server_metadata(as_json=True)["extensions"]
+    assert http_json(server, "/v2/models", method="GET") == (200, {"models": [name]})
 
 
 def test_a_load_of_the_served_model_is_done_and_it_serves_on(
@@ -223,6 +226,7 @@ def test_both_calls_are_unavailable_while_the_model_loads(
                 status, message = refusal(lambda call=call: call("SmolLM2-135M-Instruct"))
                 assert status == "StatusCode.UNAVAILABLE", (status, message)
                 assert message == "server is starting: the model is still loading"
+        assert http_json(proc, "/v2/models", method="GET") == (200, {"models": []})
         for path in ("load", "unload"):
             status, answer = http_json(proc, f"/v2/repository/models/SmolLM2-135M-Instruct/{path}")
             assert status == 503 and "still loading" in answer["error"], (status, answer)
