@@ -14,14 +14,14 @@ the last's, as Triton does: the client reads them as each response arrives.
 
 Mapping what a client names is off unless the server runs with --allow-client-shm (Triton's flag of
 the same name, off by default there too): a key is a shared memory object's name, one path component,
-under /dev/shm, opened read-write. Regions stay mapped until unregistered (an empty name: all of
-them) or the server stops. Each object's size is checked before every access: one a client shrank
-under its mapping is refused, where an access past its end would kill the server with SIGBUS. CUDA
-shared memory is not served (a CPU server's clients have none)."""
+under /dev/shm, opened read-write. A region's object stays open until it is unregistered (an empty
+name: all of them) or the server stops. It is read and written with pread and pwrite, never mapped:
+a client that shrinks its object under a mapping would have the server killed by SIGBUS at the next
+access past the end, where a short read is an error to report (the request is refused, naming the
+region). CUDA shared memory is not served (a CPU server's clients have none)."""
 
 from __future__ import annotations
 
-import mmap
 import os
 import stat
 from collections.abc import Mapping
@@ -40,14 +40,12 @@ class Region:
     key: str
     offset: int  # into the shared memory object
     byte_size: int
-    mapping: mmap.mmap  # the object from its start through offset + byte_size
-    fd: int  # the object, open while registered: its size is checked before each access
+    fd: int  # the object, open while registered (-1 once unregistered)
 
     def lost(self, where: str) -> str | None:
         """Why the region cannot be used now, if it cannot: unregistered, or its object shrunk by the
-        client under the mapping (an access past the object's end would have the server killed by
-        SIGBUS)."""
-        if self.mapping.closed:
+        client since."""
+        if self.fd < 0:
             return f"{where}.parameters.{REGION}: region {self.name!r} was unregistered"
         size = os.fstat(self.fd).st_size
         if size < self.offset + self.byte_size:
@@ -58,8 +56,8 @@ class Region:
         return None
 
     def close(self) -> None:
-        self.mapping.close()
         os.close(self.fd)
+        self.fd = -1
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,7 @@ class Place:
     byte_size: int
 
     @property
-    def start(self) -> int:  # into the mapping
+    def start(self) -> int:  # into the object
         return self.region.offset + self.offset
 
 
@@ -116,11 +114,10 @@ class SharedMemory:
                     f"byte_size: {key[:256]!r} holds {info.st_size} bytes, fewer than offset + byte_size "
                     f"({offset + byte_size})",
                 )
-            mapping = mmap.mmap(fd, offset + byte_size)
         except BaseException:
             os.close(fd)
             raise
-        self.regions[name] = Region(name, key, offset, byte_size, mapping, fd)
+        self.regions[name] = Region(name, key, offset, byte_size, fd)
 
     def status(self, name: str) -> list[Region]:
         """One region, or every one for an empty name."""
@@ -176,9 +173,12 @@ class SharedMemory:
 
     @staticmethod
     def read(where: str, place: Place) -> bytes:
-        if (why := place.region.lost(where)) is not None:
-            raise AdapterError("invalid", why)
-        return place.region.mapping[place.start : place.start + place.byte_size]
+        if (why := place.region.lost(where)) is None:
+            data = os.pread(place.region.fd, place.byte_size, place.start)
+            if len(data) == place.byte_size:
+                return data
+            why = place.region.lost(where)  # shrunk between the check and the read
+        raise AdapterError("invalid", why or f"{where}: the shared memory region could not be read whole")
 
     @staticmethod
     def write(where: str, place: Place, data: bytes) -> None:
@@ -191,7 +191,7 @@ class SharedMemory:
                 f"{where}.parameters.{BYTE_SIZE}: {place.byte_size} bytes cannot hold the output "
                 f"({len(data)} bytes)",
             )
-        place.region.mapping[place.start : place.start + len(data)] = data
+        os.pwrite(place.region.fd, data, place.start)
 
 
 def _object_path(key: str) -> str:
