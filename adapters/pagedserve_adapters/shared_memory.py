@@ -12,12 +12,12 @@ and its response tensor carries its name, datatype and shape but no data; one la
 given is refused, the region left as it was. A streamed request writes each response's outputs over
 the last's, as Triton does: the client reads them as each response arrives.
 
-Mapping what a client names is off unless the server runs with --allow-client-shm (Triton's flag of
+Opening what a client names is off unless the server runs with --allow-client-shm (Triton's flag of
 the same name, off by default there too): a key is a shared memory object's name, one path component,
 under /dev/shm, opened read-write. A region's object stays open until it is unregistered (an empty
 name: all of them) or the server stops. It is read and written with pread and pwrite, never mapped:
-a client that shrinks its object under a mapping would have the server killed by SIGBUS at the next
-access past the end, where a short read is an error to report (the request is refused, naming the
+had the server mapped it, a client shrinking it would have the server killed by SIGBUS at its next
+access past the end; a short read is an error to report instead (the request is refused, naming the
 region). CUDA shared memory is not served (a CPU server's clients have none)."""
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class SharedMemory:
             raise AdapterError(
                 "permission_denied",
                 "client shared memory is off: start the server with --allow-client-shm to register "
-                "regions (it maps whatever shared memory object a client names)",
+                "regions (it opens whatever shared memory object a client names)",
             )
         if not name:
             raise AdapterError("invalid", "name: must not be empty")

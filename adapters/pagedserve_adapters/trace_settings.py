@@ -42,7 +42,7 @@ def current(tracer: RequestTracer) -> dict[str, list[str]]:
 def update(model: LLMModel, model_name: str, changes: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
     """Apply `changes` (a setting's values; none: back to its start) and return every setting as it
     now is; AdapterError naming the setting, nothing changed, for a bad one."""
-    check_model(model, model_name)
+    _check_model(model, model_name)
     tracer: RequestTracer = model.server.servicer.tracer
     values: dict[str, bool | int] = {}
     for name, given in changes.items():
@@ -68,7 +68,7 @@ def update(model: LLMModel, model_name: str, changes: Mapping[str, Sequence[str]
     return current(tracer)
 
 
-def check_model(model: LLMModel, model_name: str) -> None:
+def _check_model(model: LLMModel, model_name: str) -> None:
     """A request naming a model: the served one (its settings the server's), once it is known."""
     if not model_name:
         return

@@ -89,7 +89,7 @@ class ServeSettings(EngineSettings):
         False,
         description="take Triton's system shared memory registrations (SystemSharedMemoryRegister, POST "
         "/v2/systemsharedmemory/region/NAME/register; Triton's flag): tensors in a client's shared memory "
-        "objects, which the server maps read-write by the name a client gives",
+        "objects, which the server opens read-write by the name a client gives",
     )
     enable_auto_tool_choice: bool = Field(
         False,
