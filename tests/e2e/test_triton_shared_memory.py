@@ -199,15 +199,17 @@ def test_a_stream_writes_each_response_over_the_last(
         grpc_client.stop_stream()
         return got
 
-    pieces = [r.as_numpy("text_output")[0].decode() for r in stream(None)]
+    # (a stream's responses are as many as its pieces but for deltas merged while its reader was
+    # behind: the two streams' counts may differ by design, their texts may not)
+    whole = "".join(r.as_numpy("text_output")[0].decode() for r in stream(None))
     target = objects(1024)
     grpc_client.register_system_shared_memory("out", target.key, 1024)
     output = tgrpc.InferRequestedOutput("text_output")
     output.set_shared_memory("out", 1024)
     got = stream([output])
-    assert len(got) == len(pieces) > 1
-    assert all(r.get_response().raw_output_contents == [b""] for r in got)
-    assert text_from(target, got[-1]) == pieces[-1]  # the last response's piece, over the others
+    assert len(got) > 1 and all(r.get_response().raw_output_contents == [b""] for r in got)
+    last = text_from(target, got[-1])  # the last response's piece, written over the others'
+    assert last and whole.endswith(last) and len(last) < len(whole)
 
 
 def test_an_output_too_large_for_its_space_is_refused_and_nothing_written(
