@@ -29,7 +29,6 @@ from triton_helpers import http_json, refusal, served_model
 pytestmark = pytest.mark.slow
 
 PROMPT = "The capital of France is"
-SAMPLING = json.dumps({"temperature": 0, "max_tokens": 8}).encode()
 
 
 class ShmObject:
@@ -102,16 +101,17 @@ def prompt_bytes(prompt: str = PROMPT) -> bytes:
     return struct.pack("<I", len(prompt.encode())) + prompt.encode()
 
 
-def inputs(module: Any, prompt: str | None = PROMPT, stream: bool = False) -> list[Any]:
-    """text_input (given in the message unless `prompt` is None), sampling_parameters, and the stream
-    switch when `stream`."""
+def inputs(module: Any, prompt: str | None = PROMPT, stream: bool = False, max_tokens: int = 8) -> list[Any]:
+    """text_input (given in the message unless `prompt` is None), sampling_parameters (greedy,
+    `max_tokens`), and the stream switch when `stream`."""
     made = []
     if prompt is not None:
         text = module.InferInput("text_input", [1], "BYTES")
         text.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
         made.append(text)
     params = module.InferInput("sampling_parameters", [1], "BYTES")
-    params.set_data_from_numpy(np.array([SAMPLING], dtype=object))
+    sampling = json.dumps({"temperature": 0, "max_tokens": max_tokens}).encode()
+    params.set_data_from_numpy(np.array([sampling], dtype=object))
     made.append(params)
     if stream:
         switch = module.InferInput("stream", [1], "BOOL")
@@ -188,7 +188,9 @@ def test_a_stream_writes_each_response_over_the_last(
     def stream(outputs: list[Any] | None) -> list[Any]:
         responses: queue.Queue[Any] = queue.Queue()
         grpc_client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        grpc_client.async_stream_infer(name, inputs(tgrpc, stream=True), outputs=outputs, request_id="s")
+        grpc_client.async_stream_infer(
+            name, inputs(tgrpc, stream=True, max_tokens=32), outputs=outputs, request_id="s"
+        )
         got = []
         while True:
             result, error = responses.get(timeout=60)
@@ -200,7 +202,8 @@ def test_a_stream_writes_each_response_over_the_last(
         return got
 
     # (a stream's responses are as many as its pieces but for deltas merged while its reader was
-    # behind: the two streams' counts may differ by design, their texts may not)
+    # behind: the two streams' counts may differ by design, their texts may not; 32 tokens, so that
+    # several responses come however many merge)
     whole = "".join(r.as_numpy("text_output")[0].decode() for r in stream(None))
     target = objects(1024)
     grpc_client.register_system_shared_memory("out", target.key, 1024)
