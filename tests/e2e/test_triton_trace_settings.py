@@ -60,9 +60,12 @@ def settings(response: dict[str, Any]) -> dict[str, list[str]]:
     return {key: value.get("value", []) for key, value in response["settings"].items()}
 
 
-def spans_of(server: ServerProcess, client: tgrpc.InferenceServerClient, name: str, requests: int) -> int:
-    """How many request spans `requests` requests wrote to the server's log (its exporter flushes
-    every 50 ms here: waited for)."""
+def spans_of(
+    server: ServerProcess, client: tgrpc.InferenceServerClient, name: str, requests: int, expected: int
+) -> int:
+    """How many request spans `requests` requests wrote to the server's log: waited for until
+    `expected` are there (its exporter flushes every 50 ms here; at most 10 s on a loaded machine),
+    then 0.5 s more for any beyond them."""
     before = server.log.read_text().count(SPAN)
     text = tgrpc.InferInput("text_input", [1], "BYTES")
     text.set_data_from_numpy(np.array([b"Hello"], dtype=object))
@@ -70,7 +73,10 @@ def spans_of(server: ServerProcess, client: tgrpc.InferenceServerClient, name: s
     sampling.set_data_from_numpy(np.array([b'{"max_tokens": 2, "temperature": 0}'], dtype=object))
     for _ in range(requests):
         client.infer(name, [text, sampling])
-    time.sleep(1.0)  # 20 flush intervals
+    deadline = time.monotonic() + 10
+    while server.log.read_text().count(SPAN) - before < expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # 10 flush intervals
     return server.log.read_text().count(SPAN) - before
 
 
@@ -99,21 +105,21 @@ def test_the_settings_read_as_the_server_started_and_trace_is_an_extension(
 def test_trace_level_off_writes_no_spans_and_back_on_writes_them(
     server: ServerProcess, client: tgrpc.InferenceServerClient, name: str
 ) -> None:
-    assert spans_of(server, client, name, 2) == 2
+    assert spans_of(server, client, name, 2, 2) == 2
     off = client.update_trace_settings(settings={"trace_level": ["OFF"]}, as_json=True)
     assert settings(off)["trace_level"] == ["OFF"]
-    assert spans_of(server, client, name, 2) == 0
+    assert spans_of(server, client, name, 2, 0) == 0
     client.update_trace_settings(settings={"trace_level": None})  # back to its start: on
-    assert spans_of(server, client, name, 2) == 2
+    assert spans_of(server, client, name, 2, 2) == 2
 
 
 def test_trace_rate_and_trace_count_pick_the_requests_traced(
     server: ServerProcess, client: tgrpc.InferenceServerClient, name: str
 ) -> None:
     client.update_trace_settings(model_name=name, settings={"trace_rate": "3"})
-    assert spans_of(server, client, name, 6) == 2  # one of every three
+    assert spans_of(server, client, name, 6, 2) == 2  # one of every three
     client.update_trace_settings(settings={"trace_rate": "1", "trace_count": "2"})
-    assert spans_of(server, client, name, 4) == 2  # then tracing stops
+    assert spans_of(server, client, name, 4, 2) == 2  # then tracing stops
     now = settings(client.get_trace_settings(as_json=True))
     assert now["trace_count"] == ["0"] and now["trace_level"] == ["TIMESTAMPS"]
     http = thttp.InferenceServerClient(f"127.0.0.1:{server.http_port}")
@@ -122,7 +128,7 @@ def test_trace_rate_and_trace_count_pick_the_requests_traced(
     finally:
         http.close()
         gc.collect()
-    assert spans_of(server, client, name, 1) == 1
+    assert spans_of(server, client, name, 1, 1) == 1
 
 
 @pytest.mark.parametrize(
