@@ -375,7 +375,7 @@ class InferenceServicer:
             response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
             raw = tensors.encode_raw(tensor.datatype, tensor.values)
             if (place := places.get(tensor.name)) is not None:
-                self.shared_memory.write(f"outputs.{tensor.name}", place, raw)
+                place.write(f"outputs.{tensor.name}", raw)
                 raw = b""
             response.raw_output_contents.append(raw)
         if final is not None:
@@ -417,7 +417,7 @@ def decode_inputs(request: Any, shared_memory: SharedMemory) -> list[Tensor]:
             used = "raw_input_contents is used" if place is None else "the input is in shared memory"
             raise InvalidRequestError(f"{where}.contents", f"must not be set when {used}")
         if place is not None:
-            values = tensors.decode_raw(where, tensor.datatype, shape, shared_memory.read(where, place))
+            values = tensors.decode_raw(where, tensor.datatype, shape, place.read(where))
         elif raw:
             values = tensors.decode_raw(where, tensor.datatype, shape, raw.pop(0))
         else:

@@ -8,7 +8,7 @@ load_model, KServe's RepositoryModelLoad) works unchanged, and everything else i
     load or unload of another      not_found, naming the model: this server loads no other
     a load's parameters            refused (config and file: overrides would need a reload)
     unload_dependents              taken (a boolean; the model has no dependents)
-    while the model loads          unavailable, as every model call then
+    while the model loads, drains  unavailable, as every model call then
 
 Over gRPC (RepositoryModelLoad / RepositoryModelUnload) and REST (POST
 /v2/repository/models/{name}/load and /unload, an optional `{"parameters": {...}}` body)."""
@@ -32,10 +32,6 @@ def load(model: LLMModel, name: str, parameters: Mapping[str, Parameter]) -> Non
             f"parameters.{key[:64]}: this server loads its one model at start and cannot reload it "
             "with another configuration or files",
         )
-    if not model.ready:
-        raise AdapterError(
-            "unavailable", f"model {name!r} is not ready: server is {model.server.state.status}"
-        )
 
 
 def unload(model: LLMModel, name: str, parameters: Mapping[str, Parameter]) -> None:
@@ -56,12 +52,7 @@ def unload(model: LLMModel, name: str, parameters: Mapping[str, Parameter]) -> N
 
 
 def _check_model(model: LLMModel, name: str) -> None:
-    if not model.bound:
-        raise AdapterError("unavailable", "server is starting: the model is still loading")
+    """A name given, and the served model's, once it has loaded and while it serves (LLMModel.resolve)."""
     if not name:
         raise AdapterError("invalid", "model_name: must not be empty")
-    if name != model.name:
-        raise AdapterError(
-            "not_found",
-            f"model_name: unknown model {name[:256]!r}; this server serves {model.name!r} and loads no other",
-        )
+    model.resolve(name, "")

@@ -376,9 +376,7 @@ class RestApi:
             for name, given in output_parameters.items()
         }
         try:
-            return _infer_response(
-                self.model, request_id, outputs, binary_outputs, binary_default, places, self.shared_memory
-            )
+            return _infer_response(self.model, request_id, outputs, binary_outputs, binary_default, places)
         except WriteError as exc:  # an output its region cannot take (the request ran: no refusal)
             return _error(exc)
 
@@ -595,7 +593,7 @@ def _json_inputs(inputs: Any, binary: bytes, shared_memory: SharedMemory) -> lis
                     f"{where}.{'data' if 'data' in tensor else 'parameters.binary_data_size'}",
                     "must not be set when the input is in shared memory",
                 )
-            values = tensors.decode_raw(where, datatype, shape, shared_memory.read(where, place))
+            values = tensors.decode_raw(where, datatype, shape, place.read(where))
         elif size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise InvalidRequestError(f"{where}.parameters.binary_data_size", "must be an integer >= 0")
@@ -626,7 +624,6 @@ def _infer_response(
     binary: dict[str, bool],
     binary_default: bool,
     places: dict[str, Place],
-    shared_memory: SharedMemory,
 ) -> web.Response:
     """An output in `places` is written into its shared memory region and goes without data."""
     doc: dict[str, Any] = {"model_name": model.name, "model_version": model.version, "outputs": []}
@@ -636,9 +633,7 @@ def _infer_response(
     for tensor in outputs:
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": tensor.shape}
         if (place := places.get(tensor.name)) is not None:
-            shared_memory.write(
-                f"outputs.{tensor.name}", place, tensors.encode_raw(tensor.datatype, tensor.values)
-            )
+            place.write(f"outputs.{tensor.name}", tensors.encode_raw(tensor.datatype, tensor.values))
         elif binary.get(tensor.name, binary_default):
             raw = tensors.encode_raw(tensor.datatype, tensor.values)
             entry["parameters"] = {"binary_data_size": len(raw)}

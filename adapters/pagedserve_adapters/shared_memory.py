@@ -72,6 +72,26 @@ class Place:
     def start(self) -> int:  # into the object
         return self.region.offset + self.offset
 
+    def read(self, where: str) -> bytes:
+        if (why := self.region.lost(where)) is None:
+            data = os.pread(self.region.fd, self.byte_size, self.start)
+            if len(data) == self.byte_size:
+                return data
+            why = self.region.lost(where)  # shrunk between the check and the read
+        raise AdapterError("invalid", why or f"{where}: the shared memory region could not be read whole")
+
+    def write(self, where: str, data: bytes) -> None:
+        """Write an output's raw bytes; refused (nothing written) when they do not fit."""
+        if (why := self.region.lost(where)) is not None:
+            raise WriteError("invalid", why)
+        if len(data) > self.byte_size:
+            raise WriteError(
+                "invalid",
+                f"{where}.parameters.{BYTE_SIZE}: {self.byte_size} bytes cannot hold the output "
+                f"({len(data)} bytes)",
+            )
+        os.pwrite(self.region.fd, data, self.start)
+
 
 class WriteError(AdapterError):
     """An output its region cannot take, found once the request has run (not a refusal of it)."""
@@ -170,28 +190,6 @@ class SharedMemory:
                 f"of region {name!r} ({region.byte_size} bytes)",
             )
         return Place(region, offset, byte_size)
-
-    @staticmethod
-    def read(where: str, place: Place) -> bytes:
-        if (why := place.region.lost(where)) is None:
-            data = os.pread(place.region.fd, place.byte_size, place.start)
-            if len(data) == place.byte_size:
-                return data
-            why = place.region.lost(where)  # shrunk between the check and the read
-        raise AdapterError("invalid", why or f"{where}: the shared memory region could not be read whole")
-
-    @staticmethod
-    def write(where: str, place: Place, data: bytes) -> None:
-        """Write an output's raw bytes; refused (nothing written) when they do not fit."""
-        if (why := place.region.lost(where)) is not None:
-            raise WriteError("invalid", why)
-        if len(data) > place.byte_size:
-            raise WriteError(
-                "invalid",
-                f"{where}.parameters.{BYTE_SIZE}: {place.byte_size} bytes cannot hold the output "
-                f"({len(data)} bytes)",
-            )
-        os.pwrite(place.region.fd, data, place.start)
 
 
 def _object_path(key: str) -> str:

@@ -42,7 +42,8 @@ def current(tracer: RequestTracer) -> dict[str, list[str]]:
 def update(model: LLMModel, model_name: str, changes: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
     """Apply `changes` (a setting's values; none: back to its start) and return every setting as it
     now is; AdapterError naming the setting, nothing changed, for a bad one."""
-    _check_model(model, model_name)
+    if model_name:  # the served model's settings are the server's (LLMModel.resolve: it, and serving)
+        model.resolve(model_name, "")
     tracer: RequestTracer = model.server.servicer.tracer
     values: dict[str, bool | int] = {}
     for name, given in changes.items():
@@ -66,18 +67,6 @@ def update(model: LLMModel, model_name: str, changes: Mapping[str, Sequence[str]
     for key, value in values.items():
         setattr(tracer, key, value)
     return current(tracer)
-
-
-def _check_model(model: LLMModel, model_name: str) -> None:
-    """A request naming a model: the served one (its settings the server's), once it is known."""
-    if not model_name:
-        return
-    if not model.bound:
-        raise AdapterError("unavailable", "server is starting: the model is still loading")
-    if model_name != model.name:
-        raise AdapterError(
-            "not_found", f"model_name: unknown model {model_name[:256]!r}; this server serves {model.name!r}"
-        )
 
 
 def _level(given: Sequence[str], tracer: RequestTracer) -> bool:
