@@ -594,7 +594,7 @@ def test_prompt_logprobs_past_a_message_go_over_the_first_responses(
     assert all(r.request_id == "plp-split" and r.prompt_tokens == len(PROMPT) for r in ahead)
     assert [e for r in responses for e in r.prompt_logprobs] == expected
     assert [t for r in responses for t in r.token_ids] == list(whole.completions[0].token_ids)
-    assert len(responses) - len(ahead) == 3
+    assert 1 <= len(responses) - len(ahead) <= 3  # three tokens (deltas merge for a slow reader)
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
