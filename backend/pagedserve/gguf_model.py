@@ -3,6 +3,7 @@ Hugging Face directory (config, tokenizer, safetensors) that loads like any othe
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 GGUF_MAGIC = b"GGUF"
+SOURCE_RECORD = "source.json"  # beside a conversion: the file it was made of
 # GGUF's general.architecture -> the config.json architecture transformers converts it to; each one
 # models/registry.py serves (a Mistral GGUF says llama or mistral, by the tool that wrote it)
 ARCHITECTURES = {
@@ -58,6 +60,8 @@ def gguf_model_dir(gguf: str, cache: Path, name: str | None = None) -> str:
     dest = converted_dir(Path(gguf), cache, name or Path(gguf).stem)
     if not (dest / "config.json").is_file():
         convert_gguf(Path(gguf), dest)
+        _record_source(Path(gguf), dest.parent)
+        remove_stale_conversions(Path(gguf), dest.parent)
     return str(dest)
 
 
@@ -73,6 +77,43 @@ def converted_dir(gguf: Path, cache: Path, name: str) -> Path:
     source = f"{gguf.resolve()}\n{stat.st_size}\n{stat.st_mtime_ns}"
     key = hashlib.sha256(source.encode()).hexdigest()[:16]
     return cache / f"{gguf.stem}-{key}" / name
+
+
+def remove_stale_conversions(gguf: Path, current: Path) -> list[Path]:
+    """Remove the conversions of `gguf`'s earlier contents beside `current`, its conversion now, and
+    return them: each conversion's folder records the file it came from (`source.json`), and one of
+    the same resolved path under another key was made of a file since rewritten or touched, which
+    nothing finds again (a dequantized 7B model leaves 28 GB a download). Those written before the
+    record existed are left alone, as are other files' and any folder that is not a conversion. A
+    server still running on one it removes keeps what it loaded (the files unlinked, not gone)."""
+    path = str(gguf.resolve())
+    removed = []
+    for folder in sorted(current.parent.glob(f"{glob.escape(gguf.stem)}-*")):
+        if folder == current or not folder.is_dir() or _recorded_source(folder) != path:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            print(f"pagedserve: removed {folder}, converted from {gguf} before it changed", file=sys.stderr)
+            removed.append(folder)
+    return removed
+
+
+def _record_source(gguf: Path, folder: Path) -> None:
+    """`folder/source.json`: the resolved path of the file converted there (see
+    remove_stale_conversions), written whole or not at all."""
+    record = folder / SOURCE_RECORD
+    tmp = record.with_name(f".{SOURCE_RECORD}-{os.getpid()}")
+    tmp.write_text(json.dumps({"path": str(gguf.resolve())}))
+    tmp.chmod(0o644)
+    os.replace(tmp, record)
+
+
+def _recorded_source(folder: Path) -> str | None:
+    try:
+        source = json.loads((folder / SOURCE_RECORD).read_text()).get("path")
+    except (OSError, ValueError, AttributeError):  # none (an older conversion), unreadable, not an object
+        return None
+    return source if isinstance(source, str) else None
 
 
 def convert_gguf(gguf: Path, dest: Path) -> None:

@@ -5,14 +5,16 @@ not serve are each refused naming `model`."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 from model_files import write_gguf
 from pagedserve import LLM, SamplingParams
 from pagedserve.default_model import default_gguf_path, resolve_model_path
-from pagedserve.gguf_model import converted_dir
+from pagedserve.gguf_model import converted_dir, gguf_model_dir
 from pagedserve.settings import EngineSettings
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -57,7 +59,7 @@ def test_a_gguf_file_converts_once(gguf_cache: Path, capfd: pytest.CaptureFixtur
     assert "converting" not in capfd.readouterr().err
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(before)
     assert all(f.stat().st_mode & 0o777 == 0o644 for f in path.iterdir())  # a container's user reads them
-    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary folder left
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name, "source.json"]  # nothing temporary
 
 
 def test_a_changed_gguf_file_converts_again(tmp_path: Path) -> None:
@@ -74,6 +76,41 @@ def test_a_changed_gguf_file_converts_again(tmp_path: Path) -> None:
     assert path.stat().st_size != stat.st_size
     rewritten = converted_dir(path, tmp_path, "tiny")
     assert len({first, touched, rewritten}) == 3
+
+
+@pytest.mark.slow
+def test_a_changed_gguf_file_leaves_no_earlier_conversion(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A conversion records the file it was made of; converting a file again (it was rewritten or
+    touched) removes its earlier conversion (28 GB for a 7B model), which nothing would find again.
+    Another file's conversion of the same name, one written before conversions recorded their file,
+    and anything else in the cache stay."""
+    gguf = tmp_path / "models" / "m.gguf"
+    gguf.parent.mkdir()
+    shutil.copyfile(default_gguf_path(), gguf)
+    cache = tmp_path / "cache"
+    earlier = cache / "m-00000000000000aa"  # this path's file before it changed
+    elsewhere = cache / "m-00000000000000bb"  # a file m.gguf in another folder
+    unrecorded = cache / "m-00000000000000cc"  # converted before the record
+    for folder, source in ((earlier, gguf), (elsewhere, tmp_path / "other" / "m.gguf"), (unrecorded, None)):
+        (folder / "m").mkdir(parents=True)
+        (folder / "m" / "config.json").write_text("{}")
+        if source is not None:
+            (folder / "source.json").write_text(json.dumps({"path": str(source.resolve())}))
+    other = cache / "m-notes.txt"
+    other.write_text("kept")
+
+    converted = Path(gguf_model_dir(str(gguf), cache))
+    assert (converted / "config.json").is_file() and converted.parent.name.startswith("m-")
+    assert json.loads((converted.parent / "source.json").read_text()) == {"path": str(gguf.resolve())}
+    assert not earlier.exists()
+    assert f"removed {earlier}" in capfd.readouterr().err
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [converted.parent.name, elsewhere.name, unrecorded.name, other.name]
+    )
+    assert Path(gguf_model_dir(str(gguf), cache)) == converted  # found again, nothing removed
+    assert "removed" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["missing.gguf", "config.json", "folder.gguf"])
