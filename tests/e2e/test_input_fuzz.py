@@ -15,6 +15,7 @@ import http.client
 import json
 import math
 import random
+import re
 import struct
 from collections import Counter
 from collections.abc import Iterator
@@ -39,6 +40,7 @@ CLIENT_CODES = {
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.OUT_OF_RANGE,
 }
+FIELD_FIRST = re.compile(r"[a-z_]+(\[\d+\])?(\.[a-z_]+(\[\d+\])?)*: ")  # tools[0].name: ...
 INTS = [0, 1, -1, 2, 5, 64, 2**31, -(2**31), 2**62, -(2**63), 49151, 49152, 100_000]
 FLOATS = [0.0, -0.0, 1.0, -1.0, 0.5, 1e-30, 1e30, math.inf, -math.inf, math.nan, 2.0, 100.0]
 STRINGS = ["", "x", "<|im_end|>", "a" * 2000, "\u0000", "Hi", "{", "\ud7ff"]
@@ -136,6 +138,8 @@ def test_random_generate_requests_are_answered_or_refused_naming_a_field(server:
             outcomes["ok"] += 1
         except grpc.RpcError as exc:
             assert exc.code() in CLIENT_CODES and exc.details(), (exc.code(), exc.details(), request)
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:  # "field: why", the field as in the proto
+                assert FIELD_FIRST.match(exc.details()), (exc.details(), request)
             outcomes[exc.code().name] += 1
     assert outcomes["ok"] >= 10 and outcomes["INVALID_ARGUMENT"] >= 10, outcomes  # both sides reached
     check_unharmed(server)
