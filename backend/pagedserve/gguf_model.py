@@ -3,6 +3,7 @@ Hugging Face directory (config, tokenizer, safetensors) that loads like any othe
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -62,6 +63,9 @@ def gguf_model_dir(gguf: str, cache: Path, name: str | None = None) -> str:
         convert_gguf(Path(gguf), dest)
         _record_source(Path(gguf), dest.parent)
         remove_stale_conversions(Path(gguf), dest.parent)
+    elif not (dest.parent / SOURCE_RECORD).is_file():  # converted before conversions were recorded
+        with contextlib.suppress(OSError):  # a cache mounted read-only: it stays unrecorded
+            _record_source(Path(gguf), dest.parent)
     return str(dest)
 
 
@@ -83,8 +87,9 @@ def remove_stale_conversions(gguf: Path, current: Path) -> list[Path]:
     """Remove the conversions of `gguf`'s earlier contents beside `current`, its conversion now, and
     return them: each conversion's folder records the file it came from (`source.json`), and one of
     the same resolved path under another key was made of a file since rewritten or touched, which
-    nothing finds again (a dequantized 7B model leaves 28 GB a download). Those written before the
-    record existed are left alone, as are other files' and any folder that is not a conversion. A
+    nothing finds again (a dequantized 7B model leaves 28 GB a download). One written before
+    conversions were recorded gets its record when next used; one never used since is left alone, as
+    are other files' and any folder that is not a conversion. A
     server still running on one it removes keeps what it loaded (the files unlinked, not gone)."""
     path = str(gguf.resolve())
     removed = []

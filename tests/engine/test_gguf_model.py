@@ -85,7 +85,7 @@ def test_a_changed_gguf_file_leaves_no_earlier_conversion(
     """A conversion records the file it was made of; converting a file again (it was rewritten or
     touched) removes its earlier conversion (28 GB for a 7B model), which nothing would find again.
     Another file's conversion of the same name, one written before conversions recorded their file,
-    and anything else in the cache stay."""
+    and anything else in the cache stay; a conversion found without its record gets it."""
     gguf = tmp_path / "models" / "m.gguf"
     gguf.parent.mkdir()
     shutil.copyfile(default_gguf_path(), gguf)
@@ -111,6 +111,9 @@ def test_a_changed_gguf_file_leaves_no_earlier_conversion(
     )
     assert Path(gguf_model_dir(str(gguf), cache)) == converted  # found again, nothing removed
     assert "removed" not in capfd.readouterr().err
+    (converted.parent / "source.json").unlink()  # as a conversion from before the record
+    assert Path(gguf_model_dir(str(gguf), cache)) == converted
+    assert json.loads((converted.parent / "source.json").read_text()) == {"path": str(gguf.resolve())}
 
 
 @pytest.mark.parametrize("name", ["missing.gguf", "config.json", "folder.gguf"])
