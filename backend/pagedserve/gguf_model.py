@@ -89,8 +89,8 @@ def remove_stale_conversions(gguf: Path, current: Path) -> list[Path]:
     the same resolved path under another key was made of a file since rewritten or touched, which
     nothing finds again (a dequantized 7B model leaves 28 GB a download). One written before
     conversions were recorded gets its record when next used; one never used since is left alone, as
-    are other files' and any folder that is not a conversion. A
-    server still running on one it removes keeps what it loaded (the files unlinked, not gone)."""
+    are other files' and any folder that is not a conversion. A server still running on one it
+    removes keeps what it loaded (the files unlinked, not gone)."""
     path = str(gguf.resolve())
     removed = []
     for folder in sorted(current.parent.glob(f"{glob.escape(gguf.stem)}-*")):
