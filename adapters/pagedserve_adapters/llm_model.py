@@ -670,12 +670,14 @@ class LLMModel:
         return self.ready and name == self.name and version in ("", self.version)
 
     def resolve(self, name: str, version: str) -> None:
-        """Raise unless `name`/`version` is this model and the server is serving."""
+        """Raise unless `name`/`version` is this model and the server is serving. The client's name is
+        echoed cut to 256 characters: a status past a client's 8 KiB of metadata reaches it as
+        RESOURCE_EXHAUSTED, not as the refusal."""
         if not self.bound:
             raise AdapterError("unavailable", "server is starting: the model is still loading")
         if name != self.name:
             raise AdapterError(
-                "not_found", f"model_name: unknown model {name!r}; this server serves {self.name!r}"
+                "not_found", f"model_name: unknown model {name[:256]!r}; this server serves {self.name!r}"
             )
         if version not in ("", self.version):
             raise AdapterError("not_found", f"model_version: {name!r} has only version {self.version!r}")

@@ -14,6 +14,7 @@ import urllib.request
 import zlib
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
@@ -124,6 +125,24 @@ def test_an_n_past_what_a_list_can_hold_is_invalid_argument_naming_n(server: Ser
             assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
             assert info.value.message().startswith("n: must be at most 128"), info.value
     assert server.engine_idle()
+
+
+def test_a_long_unknown_model_name_is_not_found_over_grpc(server: ServerProcess) -> None:
+    """Echoed whole, a 10 kB name made the refusal larger than a client's 8 KiB of metadata: the
+    client got RESOURCE_EXHAUSTED ("Stream removed") instead of NOT_FOUND naming model_name."""
+    name = "x" * 100_000
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(server.channel)
+    calls = (
+        (stub.ModelInfer, service_pb2.ModelInferRequest(model_name=name)),
+        (stub.RepositoryModelLoad, service_pb2.RepositoryModelLoadRequest(model_name=name)),
+        (stub.TraceSetting, service_pb2.TraceSettingRequest(model_name=name)),
+    )
+    for call, request in calls:
+        with pytest.raises(grpc.RpcError) as info:
+            call(request, timeout=30)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value
+        assert info.value.details().startswith("model_name: unknown model 'xxx"), info.value
+        assert len(info.value.details()) < 400
 
 
 def test_an_output_requested_twice_is_invalid_argument(server: ServerProcess) -> None:
