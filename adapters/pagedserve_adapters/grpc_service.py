@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import grpc
 from pagedserve import __version__
@@ -66,6 +66,7 @@ EXTENSIONS = (
     "system_shared_memory",  # tensors in client shared memory (shared_memory.py; --allow-client-shm)
     "trace",  # TraceSetting, GET / POST /v2/trace/setting (trace_settings.py)
 )
+MAX_DETAILS_BYTES = 2048  # percent-encoded in the trailers: at most 6 kB of a client's 8 KiB
 _STATUS = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     "not_found": grpc.StatusCode.NOT_FOUND,
@@ -156,7 +157,7 @@ class InferenceServicer:
         try:
             repository.load(self.model, name, _repository_parameters(request))
         except AdapterError as exc:
-            await context.abort(_STATUS[exc.kind], str(exc))
+            await _abort(context, _STATUS[exc.kind], str(exc))
         return pb.RepositoryModelLoadResponse(model_name=name, isLoaded=True)
 
     async def RepositoryModelUnload(
@@ -166,7 +167,7 @@ class InferenceServicer:
         try:
             repository.unload(self.model, _repository_model_name(request), _repository_parameters(request))
         except AdapterError as exc:
-            await context.abort(_STATUS[exc.kind], str(exc))
+            await _abort(context, _STATUS[exc.kind], str(exc))
         raise AssertionError("repository.unload always raises")
 
     async def SystemSharedMemoryRegister(
@@ -176,7 +177,7 @@ class InferenceServicer:
         try:
             self.shared_memory.register(request.name, request.key, request.offset, request.byte_size)
         except AdapterError as exc:
-            await context.abort(_STATUS[exc.kind], str(exc))
+            await _abort(context, _STATUS[exc.kind], str(exc))
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryStatus(
@@ -186,7 +187,7 @@ class InferenceServicer:
         try:
             regions = self.shared_memory.status(request.name)
         except AdapterError as exc:
-            await context.abort(_STATUS[exc.kind], str(exc))
+            await _abort(context, _STATUS[exc.kind], str(exc))
         response = pb.SystemSharedMemoryStatusResponse()
         for region in regions:
             response.regions[region.name].CopyFrom(
@@ -209,7 +210,7 @@ class InferenceServicer:
         try:
             settings = trace_settings.update(self.model, request.model_name, changes)
         except AdapterError as exc:
-            await context.abort(_STATUS[exc.kind], str(exc))
+            await _abort(context, _STATUS[exc.kind], str(exc))
         response = pb.TraceSettingResponse()
         for name, values in settings.items():
             response.settings[name].value.extend(values)
@@ -221,7 +222,7 @@ class InferenceServicer:
             changes = {name: _setting_value(name, value) for name, value in request.settings.items()}
             settings = log_settings.update(self.model, changes)
         except AdapterError as exc:
-            await context.abort(_STATUS[exc.kind], str(exc))
+            await _abort(context, _STATUS[exc.kind], str(exc))
         response = pb.LogSettingsResponse()
         for name, value in settings.items():
             setattr(response.settings[name], _SETTING_KINDS[type(value)], value)
@@ -231,7 +232,7 @@ class InferenceServicer:
         try:
             self.model.resolve(name, version)
         except AdapterError as exc:
-            await context.abort(_STATUS[exc.kind], str(exc))
+            await _abort(context, _STATUS[exc.kind], str(exc))
 
     # -- inference -----------------------------------------------------------------------------------
 
@@ -248,8 +249,7 @@ class InferenceServicer:
             if not isinstance(exc, WriteError):  # (one that ran was counted and traced as it ended)
                 model, client_id = getattr(request, "model_name", ""), getattr(request, "id", "")
                 self.model.refuse(exc, carrier, started, parsed, model, client_id)
-            await context.abort(_STATUS[exc.kind], str(exc))
-            raise AssertionError("context.abort raises") from None
+            await _abort(context, _STATUS[exc.kind], str(exc))
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -292,7 +292,7 @@ class InferenceServicer:
                 request_id, error = item
                 if grpc_errors:
                     ended_by = "stream_error"
-                    await context.abort(_STATUS[error.kind], str(error))
+                    await _abort(context, _STATUS[error.kind], str(error))
                 failed = pb.ModelInferResponse(id=request_id)
                 await write(pb.ModelStreamInferResponse(error_message=str(error), infer_response=failed))
         except StalledClientError as exc:
@@ -435,9 +435,19 @@ def _carrier(context: grpc.aio.ServicerContext) -> dict[str, str]:
     return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
 
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """End the call with `code` and `message`, cut to MAX_DETAILS_BYTES of UTF-8: the details travel
+    in the trailers, of which a client takes 8 KiB, and past that it gets RESOURCE_EXHAUSTED instead
+    of the refusal (a message echoing a client's 100 kB input name, datatype or JSON key did)."""
+    if len(message.encode()) > MAX_DETAILS_BYTES:
+        message = message.encode()[: MAX_DETAILS_BYTES - 3].decode(errors="ignore") + "..."
+    await context.abort(code, message)
+    raise AssertionError("context.abort raises")
+
+
 async def _valid(request: Any, context: grpc.aio.ServicerContext) -> Any:
     if isinstance(request, InvalidRequestError):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
+        await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(request))
     return request
 
 

@@ -127,22 +127,61 @@ def test_an_n_past_what_a_list_can_hold_is_invalid_argument_naming_n(server: Ser
     assert server.engine_idle()
 
 
-def test_a_long_unknown_model_name_is_not_found_over_grpc(server: ServerProcess) -> None:
-    """Echoed whole, a 10 kB name made the refusal larger than a client's 8 KiB of metadata: the
-    client got RESOURCE_EXHAUSTED ("Stream removed") instead of NOT_FOUND naming model_name."""
-    name = "x" * 100_000
+def test_a_refusal_echoing_a_long_input_stays_a_refusal_over_grpc(server: ServerProcess) -> None:
+    """Echoed whole, a 10 kB model name, input name, datatype, sampling key or output name made the
+    refusal larger than a client's 8 KiB of trailers: the client got RESOURCE_EXHAUSTED ("Stream
+    removed") instead of the status naming the field. The details are cut to 2 kB; a model name is
+    echoed cut to 256 characters."""
+    long = "x" * 100_000
     stub = service_pb2_grpc.GRPCInferenceServiceStub(server.channel)
+    tensor = service_pb2.ModelInferRequest.InferInputTensor
+    text = tensor(name="text_input", datatype="BYTES", shape=[1])
+    text.contents.bytes_contents.append(b"Hello")
+    sampling = tensor(name="sampling_parameters", datatype="BYTES", shape=[1])
+    sampling.contents.bytes_contents.append(json.dumps({long: 1}).encode())
+    output = service_pb2.ModelInferRequest.InferRequestedOutputTensor(name=long)
+    text_long = tensor(name="text_input", datatype=long, shape=[1])  # a datatype of 100 kB
+    infer = service_pb2.ModelInferRequest
+    unknown = "model_name: unknown model 'xxx"
     calls = (
-        (stub.ModelInfer, service_pb2.ModelInferRequest(model_name=name)),
-        (stub.RepositoryModelLoad, service_pb2.RepositoryModelLoadRequest(model_name=name)),
-        (stub.TraceSetting, service_pb2.TraceSettingRequest(model_name=name)),
+        ("NOT_FOUND", unknown, stub.ModelInfer, infer(model_name=long)),
+        (
+            "NOT_FOUND",
+            unknown,
+            stub.RepositoryModelLoad,
+            service_pb2.RepositoryModelLoadRequest(model_name=long),
+        ),
+        ("NOT_FOUND", unknown, stub.TraceSetting, service_pb2.TraceSettingRequest(model_name=long)),
+        (
+            "INVALID_ARGUMENT",
+            "inputs.xxx",
+            stub.ModelInfer,
+            infer(model_name=MODEL, inputs=[tensor(name=long)]),
+        ),
+        (
+            "INVALID_ARGUMENT",
+            "inputs.text_input",
+            stub.ModelInfer,
+            infer(model_name=MODEL, inputs=[text_long]),
+        ),
+        (
+            "INVALID_ARGUMENT",
+            "sampling_parameters",
+            stub.ModelInfer,
+            infer(model_name=MODEL, inputs=[text, sampling]),
+        ),
+        (
+            "INVALID_ARGUMENT",
+            "outputs",
+            stub.ModelInfer,
+            infer(model_name=MODEL, inputs=[text], outputs=[output]),
+        ),
     )
-    for call, request in calls:
+    for code, start, call, request in calls:
         with pytest.raises(grpc.RpcError) as info:
             call(request, timeout=30)
-        assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value
-        assert info.value.details().startswith("model_name: unknown model 'xxx"), info.value
-        assert len(info.value.details()) < 400
+        assert info.value.code().name == code and info.value.details().startswith(start), info.value
+        assert len(info.value.details().encode()) <= 2048
 
 
 def test_an_output_requested_twice_is_invalid_argument(server: ServerProcess) -> None:
