@@ -141,13 +141,18 @@ class _BeamRequestEnded(Exception):
 
 
 async def _beam_step(deltas: AsyncGenerator[RequestDelta, None]) -> RequestDelta:
-    """The final delta of a beam's one-token request (its generator is left for the round to close)."""
-    async for delta in deltas:
-        if delta.finish_reason in ("error", "aborted"):
-            raise _BeamRequestEnded(delta)
-        if delta.request_finished:
-            return delta
-    raise AssertionError("generate ends with a final delta or an exception")
+    """The final delta of a beam's one-token request. The read closes the request's generator itself,
+    however it ends (cancelled too, which aborts a request still running): a round cancelled while
+    it collects its reads cannot leave one open."""
+    try:
+        async for delta in deltas:
+            if delta.finish_reason in ("error", "aborted"):
+                raise _BeamRequestEnded(delta)
+            if delta.request_finished:
+                return delta
+        raise AssertionError("generate ends with a final delta or an exception")
+    finally:
+        await deltas.aclose()
 
 
 def _search_ended(
@@ -568,13 +573,16 @@ class AsyncEngine:
     ) -> list[RequestDelta]:
         """Each beam's request (`ids`) for one token, all at once: their final deltas, in order. The
         first that fails (refused at its start, or ended without its token: `_BeamRequestEnded`) ends
-        the round, and every request's generator is closed however the round ends, which aborts those
-        still running. Their aborts count nothing: the search counts its own (`_count_search_abort`)."""
-        streams = [
-            self.generate(rid, beam.tokens, step, None, priority, lora_name)
+        the round, and every read is cancelled however the round ends; each read closes its request's
+        generator (`_beam_step`), which aborts those still running, even when the round is cancelled
+        again while it waits for them here (a deadline landing just as the round ends). Their aborts
+        count nothing: the search counts its own (`_count_search_abort`)."""
+        reads = [
+            asyncio.ensure_future(
+                _beam_step(self.generate(rid, beam.tokens, step, None, priority, lora_name))
+            )
             for rid, beam in zip(ids, beams, strict=True)
         ]
-        reads = [asyncio.ensure_future(_beam_step(stream)) for stream in streams]
         self._searches[request_id] = ids
         try:
             return list(await asyncio.gather(*reads))
@@ -583,8 +591,6 @@ class AsyncEngine:
             for read in reads:
                 read.cancel()
             await asyncio.gather(*reads, return_exceptions=True)
-            for stream in streams:
-                await stream.aclose()
 
     def _count_search_abort(self, cause: str | None) -> None:
         """A beam search that an abort ended (its caller gone, an Abort call, a drain) counts once in
