@@ -16,6 +16,9 @@ manager, model runner, metrics) is empty and every KV and swap block free; each 
 counted exactly once, as finished or aborted; a normal request is still served at once; and a second
 identical round grows neither those tables nor the process.
 
+A second, shorter chaos does the same to beam searches (cancelled, timed out by a gRPC deadline or
+Triton's request timeout, aborted by id, dropped over REST, or read to the end) beside plain requests.
+
 The focused tests below reproduce, one at a time, what the chaos found.
 """
 
@@ -58,6 +61,7 @@ NUM_KV_BLOCKS = 32  # 512 tokens: three 150-token requests fill it, so requests 
 NUM_CPU_BLOCKS = 48
 MAX_NUM_SEQS = 16
 CHAOS_S = 12.0  # per round
+BEAM_CHAOS_S = 8.0
 LONG_MAX_TOKENS = 200  # 13 blocks with its prompt: outlives k responses and any short deadline here
 GAUGES = (
     "vllm:num_requests_running",
@@ -74,6 +78,8 @@ MAX_TOKENS = [8, 24, 64, 120]
 
 # (prompt kind "ids" or "text", prompt, max_tokens, stop, ignore_eos) of a greedy request
 GreedyKey = tuple[str, Any, int, tuple[str, ...], bool]
+# (prompt token ids, beam width, max_tokens) of a beam search read to the end
+BeamKey = tuple[tuple[int, ...], int, int]
 
 # A client process holding two streams open, unread, until it is SIGKILLed: its connection vanishes.
 KILLED_CLIENT = r"""
@@ -104,6 +110,7 @@ class Ledger:
     finished_ids: list[str] = field(default_factory=list)  # our ids of requests read to the end
     problems: list[str] = field(default_factory=list)  # outcomes no client should see
     outcomes: Counter[str] = field(default_factory=Counter)
+    beams: dict[BeamKey, list[list[list[int]]]] = field(default_factory=dict)  # searches read to the end
 
     def record_greedy(self, key: GreedyKey, token_ids: list[int] | None, text: str) -> None:
         self.greedy.setdefault(key, []).append((token_ids, text))
@@ -645,6 +652,9 @@ def leftovers(server: InProcessServer) -> dict[str, int]:
         "async_engine._streams": len(engine._streams),
         "async_engine._num_pending_adds": engine._num_pending_adds,
         "async_engine._pending_aborts": len(engine._pending_aborts),
+        "async_engine._reserved": len(engine._reserved),
+        "async_engine._searches": len(engine._searches),
+        "async_engine._unread_finals": len(engine._unread_finals),
         "llm_engine._requests": len(llm._requests),
         "llm_engine._completions": len(llm._completions),
         "scheduler.waiting": len(scheduler.waiting),
@@ -804,6 +814,164 @@ def test_chaos_leaves_correct_tokens_and_nothing_behind(
         assert not mismatches, mismatches[:5]
         if num_rounds > 1:  # a second round grows nothing
             assert rss[-1] - rss[0] < 50, rss
+    finally:
+        server.stop()
+
+
+# -- beam searches under the same abuse --------------------------------------------------------------------
+# A search runs as rounds of one-token requests (AsyncEngine.beam_search), each round's opened and
+# closed while the caller may be leaving: cancelled, timed out by its gRPC deadline or Triton's request
+# timeout, aborted by id, its REST connection dropped. The rounds' requests count as requests of their
+# own and the search's abort once, so the chaos's admitted == finished + aborted does not hold here;
+# the rest does: searches read to the end equal a quiet run, nothing is left in any table, no error.
+
+BEAM_MAX_TOKENS = [4, 8]
+
+
+def beam_request(key: BeamKey, request_id: str = "") -> pb.GenerateRequest:
+    prompt, n, max_tokens = key
+    params = pb.SamplingParameters(use_beam_search=True, n=n, max_tokens=max_tokens, temperature=0.0)
+    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt), sampling=params)
+
+
+def long_beam_request(rng: random.Random, request_id: str = "") -> pb.GenerateRequest:
+    request = beam_request((tuple(rng.choice(ID_PROMPTS)[:20]), 2, LONG_MAX_TOKENS), request_id)
+    request.sampling.ignore_eos = True
+    return request
+
+
+async def beam_to_the_end(c: Clients, rng: random.Random) -> None:
+    key = (tuple(rng.choice(ID_PROMPTS)), rng.choice([2, 3]), rng.choice(BEAM_MAX_TOKENS))
+    responses = [r async for r in c.stub.Generate(beam_request(key), timeout=120)]
+    token_ids, _, reasons = completions(responses, key[1])
+    if any(reason not in (pb.LENGTH, pb.EOS) for reason in reasons):
+        c.ledger.problems.append(f"beam search {key}: finish reasons {reasons}")
+    c.ledger.beams.setdefault(key, []).append(token_ids)
+    c.ledger.outcomes["beam_full"] += 1
+
+
+async def beam_cancel(c: Clients, rng: random.Random) -> None:
+    call = c.stub.Generate(long_beam_request(rng), timeout=120)
+    await asyncio.sleep(rng.choice([0.0, 0.01, 0.1, 0.3]))
+    call.cancel()
+    c.ledger.outcomes["beam_cancel"] += 1
+
+
+async def beam_deadline(c: Clients, rng: random.Random) -> None:
+    timeout = rng.choice([0.01, 0.05, 0.2, 0.5])
+    try:
+        async for _ in c.stub.Generate(long_beam_request(rng), timeout=timeout):
+            c.ledger.problems.append(f"a {LONG_MAX_TOKENS}-token search answered within {timeout} s")
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            c.ledger.problems.append(f"beam deadline {timeout}: {exc.code()} {exc.details()}")
+    c.ledger.outcomes["beam_deadline"] += 1
+
+
+async def beam_abort_by_id(c: Clients, rng: random.Random) -> None:
+    """Abort a search by id mid-rounds: reported aborted, its stream ends with one ABORTED response."""
+    rid = c.new_id("beam-abort")
+    call = c.stub.Generate(long_beam_request(rng, rid), timeout=120)
+    await asyncio.sleep(rng.choice([0.05, 0.2]))
+    reply = await c.stub.Abort(pb.AbortRequest(request_ids=[rid]))
+    responses = [r async for r in call]
+    reasons = [r.finish_reason for r in responses]
+    if list(reply.aborted_request_ids) != [rid] or reasons != [pb.ABORTED]:
+        c.ledger.problems.append(f"Abort({rid}): reported {list(reply.aborted_request_ids)}, ended {reasons}")
+    c.ledger.outcomes["beam_abort"] += 1
+
+
+async def beam_triton_timeout(c: Clients, rng: random.Random) -> None:
+    """Triton's request timeout (microseconds) ends the search on the server: DEADLINE_EXCEEDED."""
+    params = {"use_beam_search": True, "n": 2, "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True}
+    inputs = [text_input(rng.choice(TEXT_PROMPTS)), sampling_input(params)]
+    timeout_us = rng.choice([10_000, 100_000, 300_000])
+    try:
+        await c.triton.infer(MODEL, inputs, timeout=timeout_us)
+        c.ledger.problems.append(f"a {LONG_MAX_TOKENS}-token search answered within {timeout_us} us")
+    except InferenceServerException as exc:
+        if exc.status() != "StatusCode.DEADLINE_EXCEEDED":
+            c.ledger.problems.append(f"Triton search timeout: {exc.status()} {exc.message()}")
+    c.ledger.outcomes["beam_triton_timeout"] += 1
+
+
+async def beam_rest_drop(c: Clients, rng: random.Random) -> None:
+    """/generate of a search, its client gone after a moment (its connection closed unanswered)."""
+    params = {"use_beam_search": True, "n": 2, "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True}
+    body = {"text_input": rng.choice(TEXT_PROMPTS), "parameters": params}
+    timeout = aiohttp.ClientTimeout(total=rng.choice([0.05, 0.3]))
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.post(c.server.http_url(f"/v2/models/{MODEL}/generate"), json=body) as reply,
+        ):
+            c.ledger.problems.append(f"a {LONG_MAX_TOKENS}-token search answered: HTTP {reply.status}")
+    except TimeoutError:
+        pass
+    c.ledger.outcomes["beam_rest_drop"] += 1
+
+
+BEAM_ACTIONS: list[Action] = [
+    beam_to_the_end,
+    beam_to_the_end,
+    beam_cancel,
+    beam_deadline,
+    beam_abort_by_id,
+    beam_triton_timeout,
+    beam_rest_drop,
+]
+BEAM_OUTCOMES = {
+    "beam_full",
+    "beam_cancel",
+    "beam_deadline",
+    "beam_abort",
+    "beam_triton_timeout",
+    "beam_rest_drop",
+    "grpc_full",
+    "grpc_cancel",
+}
+
+
+async def beam_chaos_round(server: InProcessServer, ledger: Ledger) -> None:
+    address = f"127.0.0.1:{server.port}"
+    async with (
+        grpc.aio.insecure_channel(address) as channel,
+        triton_aio.InferenceServerClient(address) as triton,
+        aiohttp.ClientSession() as http,
+    ):
+        stub = pb_grpc.GenerationStub(channel)
+        c = Clients(server, stub, triton, http, ledger, time.monotonic() + BEAM_CHAOS_S, "beam")
+        plain: list[Action] = [generate_to_the_end, cancel_after_k]  # plain requests in the same batches
+        workers = [*[BEAM_ACTIONS] * 4, plain]
+        await asyncio.gather(*(worker(c, actions, SEED * 200 + i) for i, actions in enumerate(workers)))
+
+
+@pytest.mark.slow
+def test_beam_search_chaos_leaves_correct_beams_and_nothing_behind(
+    tiny_llama_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What it found: a round's requests whose callers, the round's reads, were cancelled after the
+    engine finished them left their final deltas kept for front ends that never ask (256 at most)."""
+    server = start_server(tiny_llama_dir, preemption_mode="recompute")
+    try:
+        ledger = Ledger()
+        caplog.set_level(logging.ERROR)
+        asyncio.run(beam_chaos_round(server, ledger))
+        settle(server)
+
+        assert not ledger.problems, "\n".join(ledger.problems[:20])
+        assert not BEAM_OUTCOMES - set(ledger.outcomes), ledger.outcomes  # every kind of client ran
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not errors, errors[:5]
+        stats = server.llm.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks and stats.num_unfinished == 0
+
+        mismatches = []
+        for key, seen in ledger.beams.items():
+            token_ids, _, _ = completions(list(server.stub.Generate(beam_request(key), timeout=60)), key[1])
+            mismatches += [(key, s, token_ids) for s in seen if s != token_ids]
+        assert not mismatches, mismatches[:3]
+        assert len(quiet_run(server, ("ids", (1, 2, 3), 16, (), True))[0]) == 16  # still serving
     finally:
         server.stop()
 

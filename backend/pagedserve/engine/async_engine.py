@@ -141,18 +141,13 @@ class _BeamRequestEnded(Exception):
 
 
 async def _beam_step(deltas: AsyncGenerator[RequestDelta, None]) -> RequestDelta:
-    """The final delta of a beam's one-token request. The read closes the request's generator itself,
-    however it ends (cancelled too, which aborts a request still running): a round cancelled while
-    it collects its reads cannot leave one open."""
-    try:
-        async for delta in deltas:
-            if delta.finish_reason in ("error", "aborted"):
-                raise _BeamRequestEnded(delta)
-            if delta.request_finished:
-                return delta
-        raise AssertionError("generate ends with a final delta or an exception")
-    finally:
-        await deltas.aclose()
+    """The final delta of a beam's one-token request (its generator closed by `_read_beam_step`)."""
+    async for delta in deltas:
+        if delta.finish_reason in ("error", "aborted"):
+            raise _BeamRequestEnded(delta)
+        if delta.request_finished:
+            return delta
+    raise AssertionError("generate ends with a final delta or an exception")
 
 
 def _search_ended(
@@ -574,13 +569,11 @@ class AsyncEngine:
         """Each beam's request (`ids`) for one token, all at once: their final deltas, in order. The
         first that fails (refused at its start, or ended without its token: `_BeamRequestEnded`) ends
         the round, and every read is cancelled however the round ends; each read closes its request's
-        generator (`_beam_step`), which aborts those still running, even when the round is cancelled
-        again while it waits for them here (a deadline landing just as the round ends). Their aborts
-        count nothing: the search counts its own (`_count_search_abort`)."""
+        generator (`_read_beam_step`), which aborts those still running, even when the wait for them
+        here is cancelled (a deadline landing just as the round ends). Their aborts count nothing: the
+        search counts its own (`_count_search_abort`)."""
         reads = [
-            asyncio.ensure_future(
-                _beam_step(self.generate(rid, beam.tokens, step, None, priority, lora_name))
-            )
+            asyncio.ensure_future(self._read_beam_step(rid, beam.tokens, step, priority, lora_name))
             for rid, beam in zip(ids, beams, strict=True)
         ]
         self._searches[request_id] = ids
@@ -591,6 +584,21 @@ class AsyncEngine:
             for read in reads:
                 read.cancel()
             await asyncio.gather(*reads, return_exceptions=True)
+
+    async def _read_beam_step(
+        self, request_id: str, tokens: list[int], step: SamplingParams, priority: int, lora_name: str | None
+    ) -> RequestDelta:
+        """One beam's request of a round, read to its final delta (`_beam_step`). The read closes the
+        request's generator itself however it ends (cancelled too, which aborts it if still running),
+        so that a round cancelled while it collects its reads cannot leave one open; and it forgets the
+        final delta the engine keeps for a caller gone before reading it (`unread_final_delta`), which
+        no front end asks for a round's request."""
+        deltas = self.generate(request_id, tokens, step, None, priority, lora_name)
+        try:
+            return await _beam_step(deltas)
+        finally:
+            await deltas.aclose()
+            self._unread_finals.pop(request_id, None)
 
     def _count_search_abort(self, cause: str | None) -> None:
         """A beam search that an abort ended (its caller gone, an Abort call, a drain) counts once in
