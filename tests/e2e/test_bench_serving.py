@@ -83,16 +83,21 @@ def test_warmup_rounds_run_untimed_on_both_sides(tiny_llama_dir: str, tmp_path: 
     assert len(summary["offline_rounds_tokens_per_s"]) == 1
 
 
-def test_twin_servers_differ_only_by_the_twin_argument(tiny_llama_dir: str, tmp_path: Path) -> None:
-    out = run_ok(
-        tmp_path / "out.json",
-        *("--spawn", "--model", tiny_llama_dir, "--num-requests", "4", "--rounds", "2"),
-        *("--twin-server-arg=--stream-interval=4", "--client-loop", "asyncio"),
-    )
+def test_twin_servers_differ_only_by_the_twin_arguments(tiny_llama_dir: str, tmp_path: Path) -> None:
+    """B alone gets --stream-interval=4 and a Unix socket: B gets no port (the server refuses --uds
+    beside one) and its calls go to unix:PATH, where alone it listens; A serves loopback TCP."""
+    with tempfile.TemporaryDirectory(prefix="ps-bench-", dir="/tmp") as folder:  # short: <= 107 bytes
+        uds = f"{folder}/b.sock"
+        out = run_ok(
+            tmp_path / "out.json",
+            *("--spawn", "--model", tiny_llama_dir, "--num-requests", "4", "--rounds", "2"),
+            *("--twin-server-arg=--stream-interval=4", f"--twin-server-arg=--uds={uds}"),
+            *("--client-loop", "asyncio"),
+        )
     assert out["args"]["client_loop"] == "asyncio"
     a, b = out["servers"]
     assert (a["server"], a["server_args"]) == ("A", [])
-    assert (b["server"], b["server_args"]) == ("B", ["--stream-interval=4"])
+    assert (b["server"], b["server_args"]) == ("B", ["--stream-interval=4", f"--uds={uds}"])
     for side in (a, b):
         assert side["num_failed_all_rounds"] == 0 and len(side["rounds_output_tokens_per_s"]) == 2
         assert side["num_output_tokens"] == 16 + 32 + 64 + 128
@@ -101,22 +106,6 @@ def test_twin_servers_differ_only_by_the_twin_argument(tiny_llama_dir: str, tmp_
     # 5 + 9 + 17 + 33 responses at most for the four completions of 16, 32, 64 and 128 tokens
     assert 64 < a["num_token_responses"] <= a["num_output_tokens"]
     assert b["num_token_responses"] <= 64
-
-
-def test_a_twin_server_on_a_unix_socket_is_dialled_there(tiny_llama_dir: str, tmp_path: Path) -> None:
-    """Loopback TCP against a Unix socket: B gets no port (the server refuses --uds beside one) and its
-    calls go to unix:PATH, where alone it listens."""
-    with tempfile.TemporaryDirectory(prefix="ps-bench-", dir="/tmp") as folder:  # short: <= 107 bytes
-        uds = f"{folder}/b.sock"
-        out = run_ok(
-            tmp_path / "out.json",
-            *("--spawn", "--model", tiny_llama_dir, "--num-requests", "4", "--rounds", "2"),
-            f"--twin-server-arg=--uds={uds}",
-        )
-    a, b = out["servers"]
-    assert b["server_args"] == [f"--uds={uds}"]
-    for side in (a, b):
-        assert side["num_failed_all_rounds"] == 0 and side["num_output_tokens"] == 16 + 32 + 64 + 128
     spawned = [line for line in out["stdout"].splitlines() if line.startswith("spawning: ")]
     assert "--port" in spawned[0] and f"--uds={uds}" not in spawned[0]
     assert "--port" not in spawned[1] and f"--uds={uds}" in spawned[1]
