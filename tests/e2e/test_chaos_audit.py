@@ -47,6 +47,8 @@ import pytest
 import tritonclient.grpc.aio as triton_aio
 from inprocess_server import InProcessServer, Samples, parse_metrics, scrape, wait_for
 from pagedserve.engine.async_engine import in_torch_thread
+from pagedserve.engine.core_process import EngineFace
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import RequestDelta
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.rpc.v1 import generate_pb2_grpc as pb_grpc
@@ -642,12 +644,11 @@ class CountingStreams(dict[str, Any]):
 
 
 def leftovers(server: InProcessServer) -> dict[str, int]:
-    """Every per-request table of every layer, and every block in use: all zero once idle."""
+    """Every per-request table of every layer, and every block in use: all zero once idle. With the
+    engine in a process of its own, the front end's tables, the metrics it replays and what the engine
+    process's stats say of its requests and blocks."""
     engine = server.server.engine
     llm = engine.engine
-    scheduler = llm.scheduler
-    bm = scheduler.block_manager
-    runner = llm.executor.worker.model_runner  # type: ignore[attr-defined]  # one rank, in process
     sizes = {
         "async_engine._streams": len(engine._streams),
         "async_engine._num_pending_adds": engine._num_pending_adds,
@@ -655,6 +656,24 @@ def leftovers(server: InProcessServer) -> dict[str, int]:
         "async_engine._reserved": len(engine._reserved),
         "async_engine._searches": len(engine._searches),
         "async_engine._unread_finals": len(engine._unread_finals),
+        "metrics.last_token": len(llm.metrics._streams.last_token),
+        "metrics.unmetered_request_ids": len(llm.metrics.unmetered_request_ids),
+    }
+    if isinstance(llm, EngineFace):
+        stats = llm.stats()
+        sizes["engine_process.unfinished"] = stats.num_unfinished
+        sizes["engine_process.used_blocks"] = stats.num_total_blocks - stats.num_free_blocks
+        sizes["engine_process.used_cpu_blocks"] = stats.num_total_cpu_blocks - stats.num_free_cpu_blocks
+    else:
+        sizes |= engine_leftovers(llm)
+    return {name: size for name, size in sizes.items() if size}
+
+
+def engine_leftovers(llm: LLMEngine) -> dict[str, int]:
+    scheduler = llm.scheduler
+    bm = scheduler.block_manager
+    runner = llm.executor.worker.model_runner  # type: ignore[attr-defined]  # one rank, in process
+    return {
         "llm_engine._requests": len(llm._requests),
         "llm_engine._completions": len(llm._completions),
         "scheduler.waiting": len(scheduler.waiting),
@@ -674,10 +693,7 @@ def leftovers(server: InProcessServer) -> dict[str, int]:
         "model_runner.requests": len(runner.requests),
         "model_runner.prompt_token_ids": len(runner.prompt_token_ids),
         "model_runner.used_rows": len(runner.block_tables) - len(runner.free_rows),
-        "metrics.last_token": len(llm.metrics._streams.last_token),
-        "metrics.unmetered_request_ids": len(llm.metrics.unmetered_request_ids),
     }
-    return {name: size for name, size in sizes.items() if size}
 
 
 def wait_idle(server: InProcessServer) -> None:
@@ -753,19 +769,26 @@ def start_server(model_dir: str, **settings: Any) -> InProcessServer:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("preemption_mode", "num_rounds", "scheduling_policy"),
-    [("swap", 2, "fcfs"), ("recompute", 1, "priority")],
+    ("preemption_mode", "num_rounds", "scheduling_policy", "engine_process"),
+    [("swap", 2, "fcfs", False), ("recompute", 1, "priority", False), ("swap", 1, "fcfs", True)],
 )
 def test_chaos_leaves_correct_tokens_and_nothing_behind(
     tiny_llama_dir: str,
     preemption_mode: str,
     num_rounds: int,
     scheduling_policy: str,
+    engine_process: bool,
     caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
-    """The recompute run schedules by priority: our Generate clients send random priorities."""
+    """The recompute run schedules by priority: our Generate clients send random priorities. The last
+    runs the engine in a process of its own, as `serve` does by default (adds, aborts and deltas
+    crossing between the processes), where the engine's own tables are seen through its stats."""
     server = start_server(
-        tiny_llama_dir, preemption_mode=preemption_mode, scheduling_policy=scheduling_policy
+        tiny_llama_dir,
+        preemption_mode=preemption_mode,
+        scheduling_policy=scheduling_policy,
+        engine_process=engine_process,
     )
     try:
         streams = server.server.engine._streams = CountingStreams()  # set while idle
@@ -781,6 +804,7 @@ def test_chaos_leaves_correct_tokens_and_nothing_behind(
         assert not OUTCOMES - set(ledger.outcomes), ledger.outcomes  # every kind of client ran
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert not errors, errors[:5]  # clients misbehaving is no server error
+        assert "Traceback" not in capfd.readouterr().err  # nor in the engine process's log
 
         stats, after = server.llm.stats(), scrape(server)
         preemptions = {
