@@ -616,7 +616,15 @@ async def worker(c: Clients, actions: list[Action], seed: int) -> None:
                 c.ledger.problems.append(f"{action}: {exc!r}"[:500])
 
 
-async def chaos_round(server: InProcessServer, ledger: Ledger, round_tag: str) -> None:
+async def chaos_round(
+    server: InProcessServer,
+    ledger: Ledger,
+    round_tag: str,
+    workers: list[list[Action]] = WORKERS,
+    duration_s: float = CHAOS_S,
+    kill_clients: bool = True,
+) -> None:
+    """`workers` clients at once for `duration_s`, and client processes killed meanwhile."""
     address = f"127.0.0.1:{server.port}"
     async with (
         grpc.aio.insecure_channel(address) as channel,
@@ -624,9 +632,9 @@ async def chaos_round(server: InProcessServer, ledger: Ledger, round_tag: str) -
         aiohttp.ClientSession() as http,
     ):
         stub = pb_grpc.GenerationStub(channel)
-        c = Clients(server, stub, triton, http, ledger, time.monotonic() + CHAOS_S, round_tag)
-        workers = [worker(c, actions, SEED * 100 + i) for i, actions in enumerate(WORKERS)]
-        await asyncio.gather(*workers, kill_client_processes(c))
+        c = Clients(server, stub, triton, http, ledger, time.monotonic() + duration_s, round_tag)
+        tasks = [worker(c, actions, SEED * 100 + i) for i, actions in enumerate(workers)]
+        await asyncio.gather(*tasks, *([kill_client_processes(c)] if kill_clients else []))
 
 
 # -- the server's own state -------------------------------------------------------------------------------
@@ -956,18 +964,10 @@ BEAM_OUTCOMES = {
 }
 
 
-async def beam_chaos_round(server: InProcessServer, ledger: Ledger) -> None:
-    address = f"127.0.0.1:{server.port}"
-    async with (
-        grpc.aio.insecure_channel(address) as channel,
-        triton_aio.InferenceServerClient(address) as triton,
-        aiohttp.ClientSession() as http,
-    ):
-        stub = pb_grpc.GenerationStub(channel)
-        c = Clients(server, stub, triton, http, ledger, time.monotonic() + BEAM_CHAOS_S, "beam")
-        plain: list[Action] = [generate_to_the_end, cancel_after_k]  # plain requests in the same batches
-        workers = [*[BEAM_ACTIONS] * 4, plain]
-        await asyncio.gather(*(worker(c, actions, SEED * 200 + i) for i, actions in enumerate(workers)))
+BEAM_WORKERS: list[list[Action]] = [
+    *[BEAM_ACTIONS] * 4,
+    [generate_to_the_end, cancel_after_k],  # plain requests in the same batches
+]
 
 
 @pytest.mark.slow
@@ -980,7 +980,7 @@ def test_beam_search_chaos_leaves_correct_beams_and_nothing_behind(
     try:
         ledger = Ledger()
         caplog.set_level(logging.ERROR)
-        asyncio.run(beam_chaos_round(server, ledger))
+        asyncio.run(chaos_round(server, ledger, "beam", BEAM_WORKERS, BEAM_CHAOS_S, kill_clients=False))
         settle(server)
 
         assert not ledger.problems, "\n".join(ledger.problems[:20])
