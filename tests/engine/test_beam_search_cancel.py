@@ -1,6 +1,6 @@
-"""A beam search cancelled at any point of a round leaves nothing running: its round's one-token
-requests are all closed, whether the cancel comes while they run or just after the round has read them
-all (while it collects their reads), as a Triton request timeout can land in either."""
+"""A beam search cancelled at the worst moment of a round leaves nothing running: just after the
+round has read all its beams, while it collects those reads (a Triton request timeout landed there in
+CI). Cancels while the round's requests run are the chaos's (tests/e2e/test_chaos_audit.py)."""
 
 from __future__ import annotations
 
