@@ -140,16 +140,6 @@ class _BeamRequestEnded(Exception):
         self.delta = delta
 
 
-async def _beam_step(deltas: AsyncGenerator[RequestDelta, None]) -> RequestDelta:
-    """The final delta of a beam's one-token request (its generator closed by `_read_beam_step`)."""
-    async for delta in deltas:
-        if delta.finish_reason in ("error", "aborted"):
-            raise _BeamRequestEnded(delta)
-        if delta.request_finished:
-            return delta
-    raise AssertionError("generate ends with a final delta or an exception")
-
-
 def _search_ended(
     request_id: str, beam_delta: RequestDelta, num_prompt_tokens: int, metrics: RequestMetrics
 ) -> RequestDelta:
@@ -588,14 +578,19 @@ class AsyncEngine:
     async def _read_beam_step(
         self, request_id: str, tokens: list[int], step: SamplingParams, priority: int, lora_name: str | None
     ) -> RequestDelta:
-        """One beam's request of a round, read to its final delta (`_beam_step`). The read closes the
-        request's generator itself however it ends (cancelled too, which aborts it if still running),
-        so that a round cancelled while it collects its reads cannot leave one open; and it forgets the
-        final delta the engine keeps for a caller gone before reading it (`unread_final_delta`), which
-        no front end asks for a round's request."""
+        """One beam's request of a round, read to its final delta (`_BeamRequestEnded` if it ends
+        without its token). The read closes the request's generator itself however it ends (cancelled
+        too, which aborts it if still running), so that a round cancelled while it collects its reads
+        cannot leave one open; and it forgets the final delta the engine keeps for a caller gone before
+        reading it (`unread_final_delta`), which no front end asks for a round's request."""
         deltas = self.generate(request_id, tokens, step, None, priority, lora_name)
         try:
-            return await _beam_step(deltas)
+            async for delta in deltas:
+                if delta.finish_reason in ("error", "aborted"):
+                    raise _BeamRequestEnded(delta)
+                if delta.request_finished:
+                    return delta
+            raise AssertionError("generate ends with a final delta or an exception")
         finally:
             await deltas.aclose()
             self._unread_finals.pop(request_id, None)
