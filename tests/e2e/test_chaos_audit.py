@@ -248,15 +248,21 @@ async def cancel_after_k(c: Clients, rng: random.Random) -> None:
     c.ledger.outcomes["grpc_cancel"] += 1
 
 
-async def short_deadline(c: Clients, rng: random.Random) -> None:
+async def short_deadline(
+    c: Clients,
+    rng: random.Random,
+    request: Callable[[random.Random], pb.GenerateRequest] = long_request,
+    outcome: str = "grpc_deadline",
+) -> None:
+    """A long request (`request` makes it: a beam search's too) cut by a gRPC deadline."""
     timeout = rng.choice([0.01, 0.05, 0.2, 0.5])
     try:  # under this load it cannot finish in time; if it did, nothing is wrong either
-        async for _ in c.stub.Generate(long_request(rng), timeout=timeout):
+        async for _ in c.stub.Generate(request(rng), timeout=timeout):
             pass
     except grpc.aio.AioRpcError as exc:
         if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-            c.ledger.problems.append(f"deadline {timeout}: {exc.code()} {exc.details()}")
-    c.ledger.outcomes["grpc_deadline"] += 1
+            c.ledger.problems.append(f"{outcome} {timeout}: {exc.code()} {exc.details()}")
+    c.ledger.outcomes[outcome] += 1
 
 
 CONSTRAINTS = [
@@ -889,17 +895,6 @@ async def beam_cancel(c: Clients, rng: random.Random) -> None:
     c.ledger.outcomes["beam_cancel"] += 1
 
 
-async def beam_deadline(c: Clients, rng: random.Random) -> None:
-    timeout = rng.choice([0.01, 0.05, 0.2, 0.5])
-    try:  # under this load it cannot finish in time; if it did, nothing is wrong either
-        async for _ in c.stub.Generate(long_beam_request(rng), timeout=timeout):
-            pass
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-            c.ledger.problems.append(f"beam deadline {timeout}: {exc.code()} {exc.details()}")
-    c.ledger.outcomes["beam_deadline"] += 1
-
-
 async def beam_abort_by_id(c: Clients, rng: random.Random) -> None:
     """Abort a search by id mid-rounds: reported aborted, its stream ends with one ABORTED response."""
     rid = c.new_id("beam-abort")
@@ -920,7 +915,7 @@ async def beam_triton_timeout(c: Clients, rng: random.Random) -> None:
     params = {"use_beam_search": True, "n": 2, "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True}
     inputs = [text_input(rng.choice(TEXT_PROMPTS)), sampling_input(params)]
     timeout_us = rng.choice([10_000, 100_000, 300_000])
-    try:  # as beam_deadline's, it may finish in time
+    try:  # as short_deadline's, it may finish in time
         await c.triton.infer(MODEL, inputs, timeout=timeout_us)
     except InferenceServerException as exc:
         if exc.status() != "StatusCode.DEADLINE_EXCEEDED":
@@ -938,7 +933,7 @@ async def beam_rest_drop(c: Clients, rng: random.Random) -> None:
             aiohttp.ClientSession(timeout=timeout) as session,
             session.post(c.server.http_url(f"/v2/models/{MODEL}/generate"), json=body) as reply,
         ):
-            if reply.status != 200:  # it may finish in time, as beam_deadline's
+            if reply.status != 200:  # it may finish in time, as short_deadline's
                 c.ledger.problems.append(f"/generate of a search: HTTP {reply.status}: {await reply.text()}")
     except TimeoutError:
         pass
@@ -949,7 +944,7 @@ BEAM_ACTIONS: list[Action] = [
     beam_to_the_end,
     beam_to_the_end,
     beam_cancel,
-    beam_deadline,
+    partial(short_deadline, request=long_beam_request, outcome="beam_deadline"),
     beam_abort_by_id,
     beam_triton_timeout,
     beam_rest_drop,
