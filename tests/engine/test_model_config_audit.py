@@ -1,10 +1,11 @@
 """The config.json options of the Llama family that change outputs (Qwen2's biases, Qwen3's query and
 key norms, linear, llama3 and yarn rope scaling in the 4.x and 5.x formats, an explicit head_dim, attention and MLP biases, tied
-embeddings, sliding windows), each held to transformers on a tiny random-weight checkpoint; and the
-options pagedserve does not implement, refused at load naming the option.
+embeddings, sliding windows, Granite's multipliers, Phi-3's fused checkpoint tensors and partial
+rotary), each held to transformers on a tiny random-weight checkpoint; and the options pagedserve does
+not implement, refused at load naming the option.
 
 Greedy float32 outputs equal transformers' `generate` (a divergence passes only at a near-tie, as in
-test_hf_parity.py). bfloat16 rounds differently from transformers' float32 reference, so its greedy
+test_hf_parity.py), their logprobs its logprobs. bfloat16 rounds differently from transformers' float32 reference, so its greedy
 tokens part from it within a few steps (as transformers' own bfloat16 tokens do); each token it picks
 is instead held to within BF16_GAP of transformers' float32 best choice on the same context."""
 
@@ -25,7 +26,7 @@ from pagedserve.layers.rotary import RotaryEmbedding
 from test_compile import decode_layers_available
 from test_hf_parity import assert_greedy_equal, hf_greedy
 from tiny_models import save_tiny_model
-from transformers import MistralConfig, Qwen2Config, Qwen3Config
+from transformers import GraniteConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 TINY = {
     "vocab_size": 49152,
@@ -56,8 +57,22 @@ MAX_TOKENS = 16
 # Measured on these checkpoints: transformers' own bfloat16 tokens sit at most 0.21 below its float32
 # best (ours at most 0.21 too); a model that drops its rope scaling or a bias sits ~10 below.
 BF16_GAP = 0.5
-# `decode_layers` takes a qkv bias alone (worker/fused_decode.py): variants with other biases run without
-BIASES_BEYOND_QKV = {"llama-attention-and-mlp-bias", "qwen3-tied-head-dim-32-attention-bias"}
+# Granite's multipliers, each away from 1 and from the others (its attention scale in place of 16^-0.5)
+GRANITE_SCALES = {
+    "embedding_multiplier": 12.0,
+    "attention_multiplier": 0.1,
+    "residual_multiplier": 0.22,
+    "logits_scaling": 8.0,
+}
+# `decode_layers` takes a qkv bias alone, no Granite multiplier and a rotary over whole heads
+# (worker/fused_decode.py): these run without it
+NOT_DECODE_LAYERS = {
+    "llama-attention-and-mlp-bias",
+    "qwen3-tied-head-dim-32-attention-bias",
+    "granite",
+    "granite-tied-biases",
+    "phi3-tied-partial-rotary",
+}
 
 ConfigPatch = Callable[[dict[str, Any]], None]
 
@@ -118,6 +133,25 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         lambda: Qwen3Config(**TINY, tie_word_embeddings=True, head_dim=32, attention_bias=True),
         None,
     ),
+    "granite": (lambda: GraniteConfig(**TINY, **GRANITE_SCALES), None),
+    # Granite 3's checkpoints tie the LM head to the multiplied embeddings
+    "granite-tied-biases": (
+        lambda: GraniteConfig(
+            **TINY, **GRANITE_SCALES, tie_word_embeddings=True, attention_bias=True, mlp_bias=True
+        ),
+        None,
+    ),
+    # q, k and v in one checkpoint tensor, gate and up in another
+    "phi3": (lambda: Phi3Config(**TINY), None),
+    # Phi-4-mini's: a tied LM head, and rotary over the first 3/4 of each head
+    "phi3-tied-partial-rotary": (
+        lambda: Phi3Config(
+            **TINY,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75},
+        ),
+        None,
+    ),
 }
 
 
@@ -153,16 +187,19 @@ def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int
     return [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
 
 
+def hf_logprobs(model: Any, prompt: list[int], output: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' float32 logprob of each token of `output` after the tokens before it, and of its
+    best choice there."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return logprobs.gather(1, torch.tensor(output)[:, None])[:, 0], logprobs.max(dim=-1).values
+
+
 def worst_gap(model: Any, prompts: list[list[int]], outputs: list[list[int]]) -> float:
     """How far below transformers' best float32 logprob the worst of our chosen tokens sits."""
-    worst = 0.0
-    with torch.inference_mode():
-        for prompt, output in zip(prompts, outputs):
-            logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            chosen = logprobs.gather(1, torch.tensor(output)[:, None])[:, 0]
-            worst = max(worst, float((logprobs.max(dim=-1).values - chosen).max()))
-    return worst
+    gaps = [best - chosen for chosen, best in map(hf_logprobs, [model] * len(prompts), prompts, outputs)]
+    return max(float(gap.max()) for gap in gaps)
 
 
 @pytest.fixture(scope="module")
@@ -185,13 +222,19 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
     llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16)
     # no window caps these; linear scaling reaches its factor times the positions (vLLM's rule)
     assert llm.engine.config.model.max_model_len == (4096 if name == "llama-linear-rope" else 1024)
-    assert_greedy_equal(model, prompts, greedy(llm, prompts, MAX_TOKENS), theirs)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    ours = [r.outputs[0] for r in llm.generate(prompts, params)]
+    assert_greedy_equal(model, prompts, [o.token_ids for o in ours], theirs)
+    # the logprobs too (the logits as transformers scales them: Granite's logits_scaling)
+    for prompt, completion in zip(prompts, ours):
+        expected = float(hf_logprobs(model, prompt, completion.token_ids)[0].sum())
+        assert completion.cumulative_logprob == pytest.approx(expected, abs=1e-3)
     bf16 = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=128, block_size=16)
     gap = worst_gap(model, prompts, greedy(bf16, prompts, MAX_TOKENS))
     assert gap < BF16_GAP, f"a bfloat16 token sits {gap:.2f} below transformers' float32 best"
     # eager too, its decode steps in one C++ call where the CPU has it, but for biases beyond qkv
     fused = bf16.engine.executor.worker.model_runner.fused_decode
-    assert (fused is not None) == (decode_layers_available() and name not in BIASES_BEYOND_QKV)
+    assert (fused is not None) == (decode_layers_available() and name not in NOT_DECODE_LAYERS)
 
 
 @pytest.mark.slow
@@ -203,6 +246,8 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
         "llama-llama3-rope-4.x-config",
         "llama-attention-and-mlp-bias",
         "qwen3-yarn-rope-4.x-config",
+        "granite",
+        "phi3-tied-partial-rotary",
     ],
 )
 def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str], name: str) -> None:
@@ -220,7 +265,7 @@ def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str]
         else:
             assert worst_gap(model, prompts, ours) < BF16_GAP
             fused = llm.engine.executor.worker.model_runner.fused_decode
-            assert (fused is not None) == (decode_layers_available() and name not in BIASES_BEYOND_QKV)
+            assert (fused is not None) == (decode_layers_available() and name not in NOT_DECODE_LAYERS)
 
 
 def test_dropping_the_rope_scaling_changes_transformers_outputs(
@@ -449,6 +494,25 @@ def test_rotary_tables_equal_transformers(
             lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": "4", "rope_theta": 1e4}),
             r"rope scaling \(yarn\) needs a numeric factor, got '4'",
         ),
+        # Phi-3's 128K checkpoints and Phi-3.5's (transformers switches their factors by length)
+        (
+            lambda c: c.update(
+                architectures=["Phi3ForCausalLM"],
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "rope_theta": 1e4,
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [2.0] * 8,
+                    "original_max_position_embeddings": 256,
+                },
+            ),
+            "rope_type 'longrope' .* is not supported",
+        ),
+        # (a greedy step takes the argmax before the logits are divided)
+        (
+            lambda c: c.update(architectures=["GraniteForCausalLM"], logits_scaling=0.0),
+            "logits_scaling must be positive, got 0.0",
+        ),
     ],
     ids=[
         "partial-rotary",
@@ -459,6 +523,8 @@ def test_rotary_tables_equal_transformers(
         "quantized",
         "linear-without-factor",
         "yarn-factor-not-a-number",
+        "phi3-longrope",
+        "granite-logits-scaling-0",
     ],
 )
 def test_an_unsupported_option_is_refused_naming_it(

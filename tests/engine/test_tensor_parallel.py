@@ -176,6 +176,47 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         assert_matches_reference(greedy_reference(llm, prompts), reference)
 
 
+@pytest.mark.parametrize(
+    ("config_class", "overrides"),
+    [
+        # q, k and v cut from one checkpoint tensor, then each rank's heads from each part; and a
+        # rotary over the first half of each head
+        (
+            "Phi3Config",
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+        ),
+        # every multiplier, and the o and down projections' biases, added once after the all-reduce
+        (
+            "GraniteConfig",
+            {
+                "embedding_multiplier": 12.0,
+                "attention_multiplier": 0.1,
+                "residual_multiplier": 0.22,
+                "logits_scaling": 8.0,
+                "attention_bias": True,
+                "mlp_bias": True,
+            },
+        ),
+    ],
+    ids=["phi3", "granite"],
+)
+def test_tp2_phi3_and_granite_match_single_rank(
+    tmp_path: Path,
+    default_model_dir: str,
+    prompts: list[list[int]],
+    config_class: str,
+    overrides: dict[str, object],
+) -> None:
+    from tiny_models import build_tiny_llama
+
+    model_dir = build_tiny_llama(
+        tmp_path / "model", default_model_dir, config_class=config_class, **overrides
+    )
+    reference = single_rank_reference(model_dir, prompts, num_kv_blocks=256, block_size=8)
+    with tensor_parallel_llm(model_dir, 2, num_kv_blocks=256, block_size=8) as llm:
+        assert_matches_reference(greedy_reference(llm, prompts), reference)
+
+
 @pytest.mark.slow
 def test_default_model_tp3_with_speculative_decoding_matches_single_rank(default_model_dir: str) -> None:
     """Every rank verifies the same drafts and keeps the same tokens (each takes the scheduler's count

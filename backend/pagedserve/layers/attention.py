@@ -287,11 +287,18 @@ class Attention(nn.Module):
     layer_index: torch.Tensor  # a buffer (register_buffer): int64, 0-d
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend, layer_index: int
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        backend: AttentionBackend,
+        layer_index: int,
+        scale: float | None = None,
     ) -> None:
+        """`scale` multiplies q.k: 1 / sqrt(head_dim) unless the model names its own (Granite's)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         # Its place among the model's layers, for the compiled pass's op. A tensor, not an int: dynamo

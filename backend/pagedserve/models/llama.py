@@ -1,11 +1,12 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3 layouts): GQA, RoPE, RMSNorm, SwiGLU, tied or
-untied embeddings, and Qwen3's RMSNorm of each query and key head. Mirrors Hugging Face's
-LlamaForCausalLM; the difference is paged attention and tensor-parallel layers. Input is one packed
-batch of tokens, [num_tokens]."""
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3 layouts): GQA, RoPE, RMSNorm,
+SwiGLU, tied or untied embeddings, Qwen3's RMSNorm of each query and key head, Granite's multipliers
+and Phi-3's fused checkpoint tensors. Mirrors Hugging Face's LlamaForCausalLM; the difference is paged
+attention and tensor-parallel layers. Input is one packed batch of tokens, [num_tokens]."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -33,9 +34,27 @@ def rms_norm_eps(cfg: dict[str, Any]) -> float:
     return float(cfg.get("rms_norm_eps", 1e-6))
 
 
+@dataclass(frozen=True)
+class Scales:
+    """The constants Granite multiplies by where Llama multiplies by none: the embeddings, q.k (in
+    place of 1 / sqrt(head_dim)), each layer's attention and MLP output before it joins the residual
+    stream, and the logits (divided by `logits`). The defaults are Llama's."""
+
+    embedding: float = 1.0
+    attention: float | None = None  # None: 1 / sqrt(head_dim)
+    residual: float = 1.0
+    logits: float = 1.0
+
+
 class LlamaAttention(nn.Module):
     def __init__(
-        self, cfg: dict[str, Any], backend: AttentionBackend, biases: Biases, qk_norm: bool, layer_index: int
+        self,
+        cfg: dict[str, Any],
+        backend: AttentionBackend,
+        biases: Biases,
+        qk_norm: bool,
+        layer_index: int,
+        scale: float | None,
     ) -> None:
         super().__init__()
         hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
@@ -51,7 +70,7 @@ class LlamaAttention(nn.Module):
         # with one weight for all query heads and one for all key heads (whole on every rank)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps(cfg)) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps(cfg)) if qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, backend, layer_index)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, backend, layer_index, scale)
 
     def forward(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # each row: [ q heads | k heads | v heads ]
@@ -89,11 +108,18 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, cfg: dict[str, Any], backend: AttentionBackend, biases: Biases, qk_norm: bool, layer_index: int
+        self,
+        cfg: dict[str, Any],
+        backend: AttentionBackend,
+        biases: Biases,
+        qk_norm: bool,
+        layer_index: int,
+        scales: Scales,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, biases, qk_norm, layer_index)
+        self.self_attn = LlamaAttention(cfg, backend, biases, qk_norm, layer_index, scales.attention)
         self.mlp = LlamaMLP(cfg)
+        self.residual_multiplier = scales.residual
         self.input_layernorm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
 
@@ -109,8 +135,13 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(rotary, hidden, metadata)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        if self.residual_multiplier != 1.0:  # (the next layer's norm or the final one adds it)
+            hidden = hidden * self.residual_multiplier
+        return hidden, residual
 
 
 def run_layer(
@@ -141,15 +172,18 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     qk_norm = False  # Qwen3's RMSNorm of each query and key head
+    rotates_part_of_a_head = False  # Phi-3's `partial_rotary_factor`: the first part of each head turns
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
         super().__init__()
-        _check_full_rotary(cfg)
+        if not self.rotates_part_of_a_head:
+            _check_full_rotary(cfg)
+        self.scales = self.read_scales(cfg)
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
         self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), max_position, cfg)
         biases = self.attention_biases(cfg)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, biases, self.qk_norm, index)
+            LlamaDecoderLayer(cfg, backend, biases, self.qk_norm, index, self.scales)
             for index in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
@@ -163,6 +197,11 @@ class LlamaForCausalLM(nn.Module):
         """Llama's `attention_bias` covers all four projections (as in transformers)."""
         bias = bool(cfg.get("attention_bias", False))
         return bias, bias
+
+    @staticmethod
+    def read_scales(cfg: dict[str, Any]) -> Scales:
+        """Llama's: none (transformers' Llama reads no multiplier a config.json might carry)."""
+        return Scales()
 
     @property
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
@@ -184,6 +223,8 @@ class LlamaForCausalLM(nn.Module):
         """The hidden states of the last layer, normed. `layer_step`, where given, runs each decoder
         layer in place of calling it (the model runner's layer compiled alone, `ModelRunner._compile`)."""
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.scales.embedding != 1.0:
+            hidden = hidden * self.scales.embedding
         # Layers compiled one at a time take the rotary tables in float32, as the whole model's graph
         # read them (inductor fuses the tables' cast to bf16 away): tables rounded to bf16 between
         # graphs put the default model's bf16 logprobs further from float32's (mean error on
@@ -198,11 +239,13 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+        logits = self.lm_head.compute_logits(hidden)
+        return logits if self.scales.logits == 1.0 else logits / self.scales.logits
 
     def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """`compute_logits(hidden)`'s argmax a row, without the logits where the LM head's kernel takes
-        it (`ParallelLMHead.greedy_token_ids`); None elsewhere."""
+        it (`ParallelLMHead.greedy_token_ids`); None elsewhere. (Dividing by a positive logits scale,
+        `read_scales` checks it is one, moves no argmax.)"""
         return self.lm_head.greedy_token_ids(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -248,6 +291,60 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     query and key head RMS-normed before the rotation (`q_norm`, `k_norm`)."""
 
     qk_norm = True
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """Llama's layout (`attention_bias` and `mlp_bias` as Llama's) with IBM Granite's four multipliers
+    (`Scales`), as transformers' GraniteForCausalLM applies them."""
+
+    @staticmethod
+    def read_scales(cfg: dict[str, Any]) -> Scales:
+        scales = Scales(
+            embedding=float(cfg.get("embedding_multiplier", 1.0)),
+            attention=float(cfg.get("attention_multiplier", 1.0)),
+            residual=float(cfg.get("residual_multiplier", 1.0)),
+            logits=float(cfg.get("logits_scaling", 1.0)),
+        )
+        if not scales.logits > 0:  # (a greedy step takes the argmax of the logits before dividing)
+            raise ValueError(f"model: config.json's logits_scaling must be positive, got {scales.logits}")
+        return scales
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Llama's layout, stored as Microsoft's Phi-3 checkpoints store it: q, k and v in one tensor
+    (`qkv_proj`) and gate and up in another (`gate_up_proj`). Each is cut into its parts on load, so
+    that the parts shard across ranks as Llama's do (a rank's q heads and k/v heads come from
+    different rows of the fused tensor). transformers' Phi3 turns the first `partial_rotary_factor` of
+    each head (Phi-4-mini: 0.75) and passes the rest, as `ops.apply_rotary` does."""
+
+    rotates_part_of_a_head = True
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        super().__init__(cfg, max_position, backend)
+        head_dim, num_heads = head_dim_of(cfg), cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        self.qkv_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._unfused(weights))
+
+    def _unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each fused tensor as its parts, under the names Llama's checkpoints give them."""
+        for name, tensor in weights:
+            if name.endswith(".self_attn.qkv_proj.weight"):
+                if tensor.shape[0] != sum(self.qkv_sizes):
+                    raise ValueError(
+                        f"checkpoint's {name!r} has {tensor.shape[0]} rows; config.json's heads make "
+                        f"{sum(self.qkv_sizes)}"
+                    )
+                for part, rows in zip(("q_proj", "k_proj", "v_proj"), tensor.split(self.qkv_sizes)):
+                    yield name.replace("qkv_proj", part), rows
+            elif name.endswith(".mlp.gate_up_proj.weight"):
+                gate, up = tensor.chunk(2)
+                yield name.replace("gate_up_proj", "gate_proj"), gate
+                yield name.replace("gate_up_proj", "up_proj"), up
+            else:
+                yield name, tensor
 
 
 def _check_full_rotary(cfg: dict[str, Any]) -> None:

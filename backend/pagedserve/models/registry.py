@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from pagedserve.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from pagedserve.models.llama import (
+    GraniteForCausalLM,
+    LlamaForCausalLM,
+    Phi3ForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
 
 # every architecture served is Llama-family: the model runner and `fused_decode` use its typed attributes
 MODELS: dict[str, type[LlamaForCausalLM]] = {
@@ -10,6 +16,8 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
