@@ -216,7 +216,9 @@ def rope_context_length(hf: dict[str, Any]) -> int:
     128K from 32K with factor 4). llama3's tables already reach max_position_embeddings."""
     positions = int(hf.get("max_position_embeddings", 2048))
     rope = rope_parameters(hf)
-    if rope["rope_type"] in ("linear", "yarn", "llama3") and not isinstance(rope.get("factor"), int | float):
+    if rope["rope_type"] in ("linear", "yarn", "llama3", "longrope") and not isinstance(
+        rope.get("factor"), int | float
+    ):
         raise ValueError(
             f"model: config.json's rope scaling ({rope['rope_type']}) needs a numeric factor, got {rope.get('factor')!r}"
         )
@@ -265,20 +267,21 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
 def _standardized(raw: dict[str, Any], hf_config: dict[str, Any]) -> dict[str, Any]:
     """Top-level `rope_theta` and `partial_rotary_factor` fill in what the dict lacks, as in
     transformers' `standardize_rope_params`; so does llama3's pretraining length (a top-level
-    `original_max_position_embeddings` first, else the dict's, else `max_position_embeddings`) and
-    yarn's."""
+    `original_max_position_embeddings` first, else the dict's, else `max_position_embeddings`),
+    yarn's and longrope's."""
     params = {k: v for k, v in raw.items() if k != "type"}
     params["rope_type"] = raw.get("rope_type") or raw.get("type") or "default"
     params.setdefault("rope_theta", hf_config.get("rope_theta") or 10000.0)
     if hf_config.get("partial_rotary_factor") is not None:
         params.setdefault("partial_rotary_factor", hf_config["partial_rotary_factor"])
-    if params["rope_type"] in ("llama3", "yarn"):
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
         params["original_max_position_embeddings"] = (
             hf_config.get("original_max_position_embeddings")
             or params.get("original_max_position_embeddings")
             or hf_config.get("max_position_embeddings", 2048)
         )
-    if params["rope_type"] == "yarn" and params.get("factor") is None:  # DeepSeek-V3's way to say it
+    # DeepSeek-V3's way to say it for yarn, Phi-3's for longrope
+    if params["rope_type"] in ("yarn", "longrope") and params.get("factor") is None:
         params["factor"] = (
             hf_config.get("max_position_embeddings", 2048) / params["original_max_position_embeddings"]
         )

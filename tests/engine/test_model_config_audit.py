@@ -53,6 +53,15 @@ LLAMA3_ROPE = {
 # Qwen's YaRN for 4x its pretraining length: prompts of 300+ tokens run past 256, and the attention
 # factor (0.1 ln 4 + 1) scales every cos and sin.
 YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+# Phi-4-mini's rope on a tiny scale: LongRoPE over 3/4 of each 16-dimension head (6 pairs), pretrained
+# on 256 positions and stretched to 1,024 (an attention factor of sqrt(1 + ln 4 / ln 256))
+PHI3_LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 1e4,
+    "partial_rotary_factor": 0.75,
+    "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.3],
+    "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
+}
 MAX_TOKENS = 16
 # Measured on these checkpoints: transformers' own bfloat16 tokens sit at most 0.21 below its float32
 # best (ours at most 0.21 too); a model that drops its rope scaling or a bias sits ~10 below.
@@ -72,6 +81,7 @@ NOT_DECODE_LAYERS = {
     "granite",
     "granite-tied-biases",
     "phi3-tied-partial-rotary",
+    "phi3-longrope",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
@@ -150,6 +160,11 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75},
         ),
+        None,
+    ),
+    # the long factors: max_model_len (1,024) reaches past the pretraining length, and so do the prompts
+    "phi3-longrope": (
+        lambda: Phi3Config(**TINY, original_max_position_embeddings=256, rope_parameters=PHI3_LONGROPE),
         None,
     ),
 }
@@ -248,6 +263,7 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
         "qwen3-yarn-rope-4.x-config",
         "granite",
         "phi3-tied-partial-rotary",
+        "phi3-longrope",
     ],
 )
 def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str], name: str) -> None:
@@ -266,6 +282,22 @@ def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str]
             assert worst_gap(model, prompts, ours) < BF16_GAP
             fused = llm.engine.executor.worker.model_runner.fused_decode
             assert (fused is not None) == (decode_layers_available() and name not in NOT_DECODE_LAYERS)
+
+
+def test_longrope_within_its_pretraining_length_takes_the_short_factors(
+    variant_dir: Callable[[str], str],
+) -> None:
+    """A max_model_len within LongRoPE's pretraining length (256) turns every position by the short
+    factors, as transformers does for a sequence that fits in it."""
+    model_dir = variant_dir("phi3-longrope")
+    rng = random.Random(1)
+    prompts = [[1] + [rng.randrange(3, 49152) for _ in range(120 + 100 * i)] for i in range(2)]
+    model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=64, block_size=16, max_model_len=256)
+    assert_greedy_equal(model, prompts, greedy(llm, prompts, MAX_TOKENS), theirs)
+    # (the long factors, served past the pretraining length, turn these prompts otherwise)
+    long = LLM(model=model_dir, dtype="float32", num_kv_blocks=64, block_size=16)
+    assert greedy(long, prompts, MAX_TOKENS) != theirs
 
 
 def test_dropping_the_rope_scaling_changes_transformers_outputs(
@@ -494,7 +526,8 @@ def test_rotary_tables_equal_transformers(
             lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": "4", "rope_theta": 1e4}),
             r"rope scaling \(yarn\) needs a numeric factor, got '4'",
         ),
-        # Phi-3's 128K checkpoints and Phi-3.5's (transformers switches their factors by length)
+        # one factor a rotated pair of dimensions (head_dim 16: 8); the long ones, as max_model_len
+        # (1024) reaches past the pretraining length
         (
             lambda c: c.update(
                 architectures=["Phi3ForCausalLM"],
@@ -502,11 +535,11 @@ def test_rotary_tables_equal_transformers(
                     "rope_type": "longrope",
                     "rope_theta": 1e4,
                     "short_factor": [1.0] * 8,
-                    "long_factor": [2.0] * 8,
+                    "long_factor": [2.0] * 7,
                     "original_max_position_embeddings": 256,
                 },
             ),
-            "rope_type 'longrope' .* is not supported",
+            r"longrope long_factor must list 8 numbers .*, got \[2.0, ",
         ),
         # (a greedy step takes the argmax before the logits are divided)
         (
@@ -523,7 +556,7 @@ def test_rotary_tables_equal_transformers(
         "quantized",
         "linear-without-factor",
         "yarn-factor-not-a-number",
-        "phi3-longrope",
+        "phi3-longrope-factors",
         "granite-logits-scaling-0",
     ],
 )

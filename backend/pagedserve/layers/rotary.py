@@ -1,6 +1,6 @@
 """Rotary position embedding with the scaling variants Llama-family checkpoints use (default, linear,
-llama3, yarn). The cos/sin table is computed once, in float32, exactly as Hugging Face computes it
-(YaRN's attention factor included: it scales cos and sin alike)."""
+llama3, yarn, Phi-3's longrope). The cos/sin table is computed once, in float32, exactly as Hugging
+Face computes it (YaRN's and LongRoPE's attention factors included: they scale cos and sin alike)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from pagedserve.config import rope_parameters
 from pagedserve.layers import ops
 
 
-def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
-    """The inverse frequencies, and the factor cos and sin are scaled by (1 but for yarn)."""
+def _inv_freq(rotary_dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies, and the factor cos and sin are scaled by (1 but for yarn and longrope),
+    for a table of `max_position` positions."""
     base = params["rope_theta"]
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     kind = params["rope_type"]
@@ -27,10 +28,40 @@ def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, fl
         return _llama3_inv_freq(inv_freq, params), 1.0
     if kind == "yarn":
         return _yarn_inv_freq(rotary_dim, params)
+    if kind == "longrope":
+        return _longrope_inv_freq(rotary_dim, params, max_position)
     raise ValueError(
         f"model: config.json's rope_type {kind!r} (rope_scaling / rope_parameters) is not supported "
-        "(default, linear, llama3, yarn are)"
+        "(default, linear, llama3, yarn, longrope are)"
     )
+
+
+def _longrope_inv_freq(dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3's 128K and Phi-3.5's, Phi-4-mini's): each frequency divided by its own factor,
+    `short_factor`'s within the pretraining length, `long_factor`'s past it; cos and sin scaled by the
+    attention factor (sqrt(1 + ln(factor) / ln(pretraining length)) unless given).
+
+    transformers picks the factors for a whole sequence by its length, and recomputes the sequence's
+    cache when it grows past the pretraining length. A paged cache keeps every block it wrote, so the
+    choice is made once for all sequences, as vLLM makes it: long factors when the context served
+    (`max_position`, the max_model_len) reaches past the pretraining length, short ones otherwise. A
+    max_model_len within it gives transformers' tokens for every request; a longer one gives them for
+    requests past it."""
+    old_len = params["original_max_position_embeddings"]
+    name = "long_factor" if max_position > old_len else "short_factor"
+    factors = params.get(name)
+    if not (isinstance(factors, list) and len(factors) == dim // 2):
+        raise ValueError(
+            f"model: config.json's longrope {name} must list {dim // 2} numbers (one a rotated pair of "
+            f"dimensions), got {str(factors)[:100]}"
+        )
+    factor = params["factor"]
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * params["rope_theta"] ** shape)
+    return inv_freq, float(attention_factor)
 
 
 def _yarn_inv_freq(dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
@@ -89,7 +120,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         params = rope_parameters(hf_config)
         self.rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-        inv_freq, scale = _inv_freq(self.rotary_dim, params)
+        inv_freq, scale = _inv_freq(self.rotary_dim, params, max_position)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         table = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
         self.register_buffer("cos_sin_cache", table, persistent=False)
