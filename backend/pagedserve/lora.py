@@ -6,7 +6,8 @@ freely. A targeted linear layer adds, for the rows of each adapter in the step,
 `scale * (x @ A^T) @ B^T` to the base product (PEFT's forward, with `scale = lora_alpha / r`, or
 `lora_alpha / sqrt(r)` under rsLoRA). The merged layers (q/k/v, gate/up) take their parts' A stacked
 and B block-diagonal, and a step mixing adapters multiplies by all of them side by side, masking
-other adapters' columns per token: one pair of thin products a layer whatever the mix. With tensor
+other adapters' columns per token: one pair of thin products a layer whatever the mix. A LoRA of a
+fused module (Phi-3's `qkv_proj`, `gate_up_proj`) is its parts' LoRAs sharing one A. With tensor
 parallelism each rank keeps the slices its base weights have: B split as a column-parallel layer's
 outputs, A as a row-parallel layer's inputs (its update is added before the all-reduce).
 
@@ -29,7 +30,15 @@ from pagedserve.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from pagedserve.lora_config import ADAPTER_WEIGHTS, TARGETS, WEIGHT_NAME, AdapterConfig, read_adapter_config
+from pagedserve.lora_config import (
+    ADAPTER_WEIGHTS,
+    FUSED_TARGETS,
+    MODULE_NAMES,
+    TARGETS,
+    WEIGHT_NAME,
+    AdapterConfig,
+    read_adapter_config,
+)
 
 
 class LoRAStep:
@@ -173,9 +182,9 @@ class LoRAModels:
         parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
             match = WEIGHT_NAME.fullmatch(key)
-            if match is None or match.group(2) not in TARGETS:
+            if match is None or match.group(2) not in MODULE_NAMES:
                 raise fail(
-                    f"weight {key!r} is not a LoRA of a decoder layer's projection ({', '.join(TARGETS)})"
+                    f"weight {key!r} is not a LoRA of a decoder layer's projection ({', '.join(MODULE_NAMES)})"
                 )
             layer, module, which = int(match.group(1)), match.group(2), match.group(3)
             parts.setdefault((layer, module), {})[which] = tensor.float()
@@ -188,12 +197,20 @@ class LoRAModels:
                 raise fail(
                     f"layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not chain"
                 )
-            our_layer, shard = TARGETS[module]
+            our_layer = TARGETS[FUSED_TARGETS.get(module, (module,))[0]][0]
             if (layer, our_layer) not in self.layers:
                 raise fail(f"layer {layer} {module}: the model has {_num_layers(self.layers)} layers")
-            by_layer.setdefault((layer, our_layer), []).append(
-                (shard, a, b * config.scale(module, a.shape[0]))
-            )
+            pieces = by_layer.setdefault((layer, our_layer), [])
+            try:
+                b_parts = _parts(self.layers[layer, our_layer], module, b)
+            except ValueError as exc:
+                raise fail(f"layer {layer} {module} does not fit the model: {exc}") from None
+            for shard, b_part in b_parts:
+                if any(shard == other for other, _, _ in pieces):
+                    raise fail(
+                        f"layer {layer}: {module} overlaps another module adapted (a fused one and its part)"
+                    )
+                pieces.append((shard, a, b_part * config.scale(module, a.shape[0])))
         for key, pieces in by_layer.items():
             try:
                 self.updates[key].weights[index] = _slices(self.layers[key], pieces, dtype)
@@ -212,6 +229,18 @@ def _target_layers(model: torch.nn.Module) -> dict[tuple[int, str], Linear]:
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 found[number, name] = module
     return found
+
+
+def _parts(layer: Linear, module: str, b: torch.Tensor) -> list[tuple[str | int | None, torch.Tensor]]:
+    """(shard id, its rows of lora_B) for each part of the layer `module` adapts: one for a module
+    of its own, each part's rows for a fused one (ValueError where they do not add up)."""
+    if module not in FUSED_TARGETS:
+        return [(TARGETS[module][1], b)]
+    shards = [TARGETS[part][1] for part in FUSED_TARGETS[module]]
+    sizes = [_out_features(layer, shard) for shard in shards]
+    if b.shape[0] != sum(sizes):
+        raise ValueError(f"lora_B has {b.shape[0]} output features, the fused layer {sum(sizes)}")
+    return list(zip(shards, b.split(sizes)))
 
 
 def _num_layers(layers: dict[tuple[int, str], Linear]) -> int:

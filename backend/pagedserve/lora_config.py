@@ -19,6 +19,13 @@ TARGETS: dict[str, tuple[str, str | int | None]] = {
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", None),
 }
+# PEFT's name of a fused module (Phi-3's checkpoints fuse them) -> the parts its lora_B stacks, in order:
+# one lora_A for all of them
+FUSED_TARGETS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+MODULE_NAMES = (*TARGETS, *FUSED_TARGETS)
 WEIGHT_NAME = re.compile(
     r"base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
 )
@@ -101,8 +108,8 @@ def read_adapter_config(name: str, path: str) -> AdapterConfig:
     if cfg.get("bias", "none") != "none":
         raise fail(f"bias {cfg['bias']!r} is not supported (none is)")
     alpha_pattern = cfg.get("alpha_pattern") or {}
-    if any(key not in TARGETS for key in alpha_pattern):
-        raise fail(f"alpha_pattern keys must be module names ({', '.join(TARGETS)})")
+    if any(key not in MODULE_NAMES for key in alpha_pattern):
+        raise fail(f"alpha_pattern keys must be module names ({', '.join(MODULE_NAMES)})")
     return AdapterConfig(
         name,
         path,

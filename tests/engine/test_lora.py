@@ -344,6 +344,76 @@ def test_a_qwen3_adapter_updates_q_and_k_before_their_head_norms(
     assert out.outputs[0].token_ids == theirs
 
 
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_a_phi3_adapter_of_its_fused_modules_matches_peft(
+    tmp_path: Path, default_model_dir: str, tensor_parallel_size: int
+) -> None:
+    """Phi-3's adapters name its fused modules (qkv_proj, gate_up_proj): one lora_A, and a lora_B
+    whose rows stack the parts, cut as the base weight is (every rank its heads of q, k and v). An
+    alpha_pattern scales one of them as PEFT does."""
+    from tiny_models import build_tiny_llama
+
+    model_dir = build_tiny_llama(tmp_path / "phi3", default_model_dir, config_class="Phi3Config")
+    adapter = build_lora_adapter(
+        tmp_path / "fused",
+        model_dir,
+        rank=4,
+        targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+        seed=4,
+        alpha_pattern={"qkv_proj": 32},
+    )
+    theirs = peft_greedy_tokens(model_dir, adapter, PROMPT, MAX_TOKENS)
+    assert theirs != peft_greedy_tokens(model_dir, None, PROMPT, MAX_TOKENS)
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        block_size=8,
+        tensor_parallel_size=tensor_parallel_size,
+        lora_modules={"fused": adapter},
+    )
+    try:
+        [out] = llm.generate([PROMPT], greedy(), lora_request=LoRARequest("fused"))
+        assert out.outputs[0].token_ids == theirs
+    finally:
+        llm.engine.executor.shutdown()
+
+
+def test_a_fused_module_adapted_with_its_part_or_cut_wrong_is_refused(
+    tmp_path: Path, default_model_dir: str
+) -> None:
+    from safetensors.torch import load_file, save_file
+    from tiny_models import build_tiny_llama
+
+    model_dir = build_tiny_llama(tmp_path / "phi3", default_model_dir, config_class="Phi3Config")
+    adapter = build_lora_adapter(tmp_path / "fused", model_dir, rank=4, targets=("qkv_proj",), seed=5)
+    tensors = load_file(str(Path(adapter) / "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.0.self_attn"
+    overlapping = _copy_adapter(adapter, tmp_path / "overlapping")
+    save_file(
+        {
+            **tensors,
+            f"{prefix}.q_proj.lora_A.weight": tensors[f"{prefix}.qkv_proj.lora_A.weight"].clone(),
+            f"{prefix}.q_proj.lora_B.weight": tensors[f"{prefix}.qkv_proj.lora_B.weight"][:64].clone(),
+        },
+        str(overlapping / "adapter_model.safetensors"),
+    )
+    with pytest.raises(ValueError, match=r"layer 0: qkv_proj overlaps another module adapted"):
+        LLM(model=model_dir, dtype="float32", lora_modules={"overlapping": str(overlapping)})
+    short = _copy_adapter(adapter, tmp_path / "short")
+    save_file(
+        {
+            **tensors,
+            f"{prefix}.qkv_proj.lora_B.weight": tensors[f"{prefix}.qkv_proj.lora_B.weight"][:-1].clone(),
+        },
+        str(short / "adapter_model.safetensors"),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"layer 0 qkv_proj does not fit the model: lora_B has 127 output features, the fused layer 128",
+    ):
+        LLM(model=model_dir, dtype="float32", lora_modules={"short": str(short)})
+
+
 def test_speculative_decoding_verifies_drafts_through_the_adapter(
     tiny_llama_dir: str, adapters: dict[str, str], peft_tokens: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
