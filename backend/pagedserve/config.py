@@ -232,22 +232,40 @@ def rope_context_length(hf: dict[str, Any]) -> int:
 def _sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
     """The attention window some layer of this model slides, or None. `use_sliding_window: false`
     turns it off (Qwen2 and Qwen3 configs carry a window they do not use; vLLM reads it so for every
-    model). Qwen2's and Qwen3's default is off, and when on, transformers slides only the layers
-    `layer_types` names, by default those from `max_window_layers` on: with none of them, no window
-    applies."""
+    model). Qwen2's, Qwen3's and SmolLM3's default is off, and when on, transformers slides only the
+    layers `layer_types` names (by default Qwen's from `max_window_layers` on, SmolLM3's layers
+    without rotary): with none of them, no window applies."""
     window = hf.get("sliding_window")
-    is_qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-    if not (isinstance(window, int) and window > 0) or not hf.get("use_sliding_window", not is_qwen):
+    off_by_default = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
+    if not (isinstance(window, int) and window > 0) or not hf.get("use_sliding_window", not off_by_default):
         return None
-    if is_qwen:
-        first_sliding = hf.get("max_window_layers", 28)  # transformers' Qwen2Config and Qwen3Config default
-        layer_types = hf.get("layer_types") or [
-            "sliding_attention" if i >= first_sliding else "full_attention"
-            for i in range(hf["num_hidden_layers"])
-        ]
+    if off_by_default:
+        layer_types = hf.get("layer_types") or _default_layer_types(hf, architecture)
         if "sliding_attention" not in layer_types:
             return None
     return window
+
+
+def _default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
+    """transformers' `layer_types` where config.json has none (Qwen2Config, Qwen3Config, SmolLM3Config)."""
+    if architecture == "SmolLM3ForCausalLM":
+        sliding = [not turns for turns in smollm3_rotary_layers(hf)]
+    else:
+        first_sliding = hf.get("max_window_layers", 28)  # transformers' Qwen2Config and Qwen3Config default
+        sliding = [i >= first_sliding for i in range(hf["num_hidden_layers"])]
+    return ["sliding_attention" if slides else "full_attention" for slides in sliding]
+
+
+def smollm3_rotary_layers(hf: dict[str, Any]) -> list[bool]:
+    """Which of SmolLM3's layers turn q and k by their positions: `no_rope_layers` (1 turns, 0 does
+    not; NoPE), by default all but every `no_rope_layer_interval`-th, as SmolLM3Config fills it in."""
+    num_layers, interval = hf["num_hidden_layers"], hf.get("no_rope_layer_interval", 4)
+    flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(flags) != num_layers:
+        raise ValueError(
+            f"model: config.json's no_rope_layers has {len(flags)} entries for {num_layers} layers"
+        )
+    return [bool(flag) for flag in flags]
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from pagedserve.layers.rotary import RotaryEmbedding
 from test_compile import decode_layers_available
 from test_hf_parity import assert_greedy_equal, hf_greedy
 from tiny_models import save_tiny_model
-from transformers import GraniteConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+from transformers import GraniteConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config
 
 TINY = {
     "vocab_size": 49152,
@@ -82,6 +82,8 @@ NOT_DECODE_LAYERS = {
     "granite-tied-biases",
     "phi3-tied-partial-rotary",
     "phi3-longrope",
+    "smollm3-nope-layer-1",
+    "smollm3-nope-by-default",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
@@ -105,6 +107,11 @@ def LlamaConfig(**kwargs: Any) -> Any:  # noqa: N802 (stands in for the class)
 def with_unused_window(config: dict[str, Any]) -> None:
     """As Qwen2 checkpoints ship: a window that `use_sliding_window: false` turns off."""
     config.update(sliding_window=32, use_sliding_window=False)
+
+
+def without_nope_layers(config: dict[str, Any]) -> None:
+    """A config.json without `no_rope_layers`: SmolLM3Config's default, every fourth layer NoPE."""
+    del config["no_rope_layers"]
 
 
 def without_rms_norm_eps(config: dict[str, Any]) -> None:
@@ -166,6 +173,12 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "phi3-longrope": (
         lambda: Phi3Config(**TINY, original_max_position_embeddings=256, rope_parameters=PHI3_LONGROPE),
         None,
+    ),
+    # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
+    "smollm3-nope-layer-1": (lambda: SmolLM3Config(**TINY, no_rope_layers=[1, 0]), None),
+    "smollm3-nope-by-default": (
+        lambda: SmolLM3Config(**{**TINY, "num_hidden_layers": 4}, tie_word_embeddings=True),
+        without_nope_layers,
     ),
 }
 
@@ -264,6 +277,7 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
         "granite",
         "phi3-tied-partial-rotary",
         "phi3-longrope",
+        "smollm3-nope-layer-1",
     ],
 )
 def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str], name: str) -> None:
@@ -395,6 +409,23 @@ def drop(*keys: str) -> ConfigPatch:
             1024,
         ),
         (MistralConfig(**TINY, sliding_window=None), None, 1024),
+        # SmolLM3 slides its NoPE layers, where the window is on
+        (SmolLM3Config(**TINY, use_sliding_window=True, sliding_window=32, no_rope_layers=[1, 0]), None, 32),
+        (
+            SmolLM3Config(**TINY, use_sliding_window=True, sliding_window=32, no_rope_layers=[1, 1]),
+            None,
+            1024,
+        ),
+        (
+            SmolLM3Config(**{**TINY, "num_hidden_layers": 4}, use_sliding_window=True, sliding_window=32),
+            drop("layer_types", "no_rope_layers"),
+            32,
+        ),
+        (
+            SmolLM3Config(**TINY, use_sliding_window=True, sliding_window=32, no_rope_layers=[1, 0]),
+            drop("use_sliding_window"),
+            1024,
+        ),
     ],
     ids=[
         "qwen2-layer-1-slides",
@@ -406,6 +437,10 @@ def drop(*keys: str) -> ConfigPatch:
         "qwen3-layer-1-slides",
         "qwen3-use-unset",
         "mistral-no-window",
+        "smollm3-nope-layer-slides",
+        "smollm3-no-nope-layer",
+        "smollm3-default-nope-layer-slides",
+        "smollm3-use-unset",
     ],
 )
 def test_the_window_applies_where_transformers_slides_a_layer(
@@ -413,14 +448,18 @@ def test_the_window_applies_where_transformers_slides_a_layer(
 ) -> None:
     from pagedserve.config import ModelConfig
 
-    config_dict = {**config.to_dict(), "architectures": [config.model_type.title() + "ForCausalLM"]}
+    config_dict = {
+        **config.to_dict(),
+        "architectures": [type(config).__name__.replace("Config", "ForCausalLM")],
+    }
     if patch is not None:
         patch(config_dict)
     (tmp_path / "config.json").write_text(json.dumps(config_dict))
     # transformers' own reading of the same file agrees
     theirs = type(config).from_pretrained(tmp_path)
     layer_types = getattr(theirs, "layer_types", None) or ["sliding_attention"]  # Mistral: every layer
-    slides = theirs.sliding_window is not None and "sliding_attention" in layer_types
+    on = getattr(theirs, "use_sliding_window", True)  # (SmolLM3's attention reads it; Qwen's config)
+    slides = on and theirs.sliding_window is not None and "sliding_attention" in layer_types
     assert max_model_len == (32 if slides else 1024)
     assert ModelConfig.from_path(str(tmp_path), "float32").max_model_len == max_model_len
 

@@ -1,18 +1,18 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3 layouts): GQA, RoPE, RMSNorm,
-SwiGLU, tied or untied embeddings, Qwen3's RMSNorm of each query and key head, Granite's multipliers
-and Phi-3's fused checkpoint tensors. Mirrors Hugging Face's LlamaForCausalLM; the difference is paged
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, SmolLM3 layouts): GQA, RoPE,
+RMSNorm, SwiGLU, tied or untied embeddings, Qwen3's RMSNorm of each query and key head, Granite's
+multipliers, Phi-3's fused checkpoint tensors and SmolLM3's layers without rotary. Mirrors Hugging Face's LlamaForCausalLM; the difference is paged
 attention and tensor-parallel layers. Input is one packed batch of tokens, [num_tokens]."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from pagedserve.config import rope_parameters
+from pagedserve.config import rope_parameters, smollm3_rotary_layers
 from pagedserve.layers import ops
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
@@ -46,21 +46,25 @@ class Scales:
     logits: float = 1.0
 
 
+@dataclass(frozen=True)
+class LayerOptions:
+    """How one decoder layer departs from Llama's (`LlamaForCausalLM.layer_options`)."""
+
+    biases: Biases = (False, False)
+    qk_norm: bool = False  # Qwen3's RMSNorm of each query and key head
+    scales: Scales = field(default_factory=Scales)
+    rotary: bool = True  # False: SmolLM3's NoPE layers, whose q and k turn by no position
+
+
 class LlamaAttention(nn.Module):
     def __init__(
-        self,
-        cfg: dict[str, Any],
-        backend: AttentionBackend,
-        biases: Biases,
-        qk_norm: bool,
-        layer_index: int,
-        scale: float | None,
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
     ) -> None:
         super().__init__()
         hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
         head_dim = head_dim_of(cfg)
-        qkv_bias, o_bias = biases
+        qkv_bias, o_bias = options.biases
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
@@ -68,8 +72,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim
         # Qwen3: every query head and every key head RMS-normed over its head_dim before the rotation,
         # with one weight for all query heads and one for all key heads (whole on every rank)
-        self.q_norm = RMSNorm(head_dim, rms_norm_eps(cfg)) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, rms_norm_eps(cfg)) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps(cfg)) if options.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps(cfg)) if options.qk_norm else None
+        self.rotary = options.rotary
+        scale = options.scales.attention
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, backend, layer_index, scale)
 
     def forward(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -85,7 +91,9 @@ class LlamaAttention(nn.Module):
                 ),
                 dim=1,
             )
-        q, k = ops.apply_rotary(qk, *rotary).split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.rotary:
+            qk = ops.apply_rotary(qk, *rotary)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :]
         return self.o_proj(self.attn(q, k, v, metadata))
 
@@ -108,18 +116,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self,
-        cfg: dict[str, Any],
-        backend: AttentionBackend,
-        biases: Biases,
-        qk_norm: bool,
-        layer_index: int,
-        scales: Scales,
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, biases, qk_norm, layer_index, scales.attention)
+        self.self_attn = LlamaAttention(cfg, backend, options, layer_index)
         self.mlp = LlamaMLP(cfg)
-        self.residual_multiplier = scales.residual
+        self.residual_multiplier = options.scales.residual
         self.input_layernorm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
 
@@ -181,10 +183,9 @@ class LlamaForCausalLM(nn.Module):
         self.scales = self.read_scales(cfg)
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
         self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), max_position, cfg)
-        biases = self.attention_biases(cfg)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, biases, self.qk_norm, index, self.scales)
-            for index in range(cfg["num_hidden_layers"])
+            LlamaDecoderLayer(cfg, backend, options, index)
+            for index, options in enumerate(self.layer_options(cfg))
         )
         self.norm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
@@ -202,6 +203,15 @@ class LlamaForCausalLM(nn.Module):
     def read_scales(cfg: dict[str, Any]) -> Scales:
         """Llama's: none (transformers' Llama reads no multiplier a config.json might carry)."""
         return Scales()
+
+    @staticmethod
+    def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
+        """Which layers turn q and k by their positions: all of Llama's."""
+        return [True] * cfg["num_hidden_layers"]
+
+    def layer_options(self, cfg: dict[str, Any]) -> list[LayerOptions]:
+        biases, qk_norm, scales = self.attention_biases(cfg), self.qk_norm, self.scales
+        return [LayerOptions(biases, qk_norm, scales, rotary) for rotary in self.rotary_layers(cfg)]
 
     @property
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
@@ -345,6 +355,14 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield name.replace("gate_up_proj", "up_proj"), up
             else:
                 yield name, tensor
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    """Llama's layout with no rotary in some layers (NoPE; by default every fourth)."""
+
+    @staticmethod
+    def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
+        return smollm3_rotary_layers(cfg)
 
 
 def _check_full_rotary(cfg: dict[str, Any]) -> None:

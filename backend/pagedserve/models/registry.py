@@ -8,6 +8,7 @@ from pagedserve.models.llama import (
     Phi3ForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
+    SmolLM3ForCausalLM,
 )
 
 # every architecture served is Llama-family: the model runner and `fused_decode` use its typed attributes
@@ -18,6 +19,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 

@@ -13,8 +13,8 @@ Used on CPUs with AVX512-BF16 with one rank (the kernel has no all-reduce) and t
 backend's C++ kernels, whether or not the forward pass is compiled (--enforce-eager turns off
 torch.compile, not the C++ kernels), for bfloat16 models whose linear layers are all packed
 (`LinearBase.packed_weight`) and carry no bias but an optional qkv bias, with or without Qwen3's query
-and key head norms, and no embedding or residual multiplier (Granite's; its attention scale is the
-kernel's `scale`, its logits scale applies after it).
+and key head norms, with no embedding or residual multiplier (Granite's; its attention scale is the
+kernel's `scale`, its logits scale applies after it) and rotary in every layer (not SmolLM3's).
 """
 
 from __future__ import annotations
@@ -125,6 +125,8 @@ def _unsupported(model: torch.nn.Module, backend: object, dtype: torch.dtype) ->
         return "no decoder layers"
     if model.scales.embedding != 1.0 or model.scales.residual != 1.0:
         return "an embedding or residual multiplier (Granite's)"
+    if not all(layer.self_attn.rotary for layer in layers):
+        return "layers without rotary (SmolLM3's)"
     rotary_dim, head_dim = model.rotary_emb.rotary_dim, layers[0].self_attn.head_dim
     if rotary_dim != head_dim or head_dim % 2:
         return f"rotary over {rotary_dim} of {head_dim} dimensions"
