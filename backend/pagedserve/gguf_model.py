@@ -17,13 +17,18 @@ from pathlib import Path
 GGUF_MAGIC = b"GGUF"
 SOURCE_RECORD = "source.json"  # beside a conversion: the file it was made of
 # GGUF's general.architecture -> the config.json architecture transformers converts it to; each one
-# models/registry.py serves (a Mistral GGUF says llama or mistral, by the tool that wrote it)
+# models/registry.py serves. llama.cpp writes a Mistral checkpoint as llama; a `mistral` GGUF (another
+# tool's) is refused: the gguf package transformers reads it with knows no such architecture.
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
+# Tensors llama.cpp writes for a scaled rope (Llama 3.1's per-frequency factors, Phi-3's LongRoPE
+# factors), which transformers' conversion does not read: the model it makes would turn by the
+# unscaled rope, its tokens no longer the checkpoint's.
+ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def is_gguf_model(model: str) -> bool:
@@ -134,18 +139,26 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
 
 def gguf_architecture(gguf: Path) -> str:
     """The config.json architecture of `gguf`'s general.architecture (ValueError naming `model` for
-    one pagedserve does not serve)."""
+    one pagedserve does not serve, or one whose rope the conversion would lose)."""
     from gguf import GGUFReader
 
     try:
-        field = GGUFReader(gguf).fields.get("general.architecture")
+        reader = GGUFReader(gguf)
     except (ValueError, IndexError, OSError) as exc:  # a truncated file, a GGUF version it does not know
         raise ValueError(f"model: {str(gguf)!r} is not a readable GGUF file: {exc}") from None
+    field = reader.fields.get("general.architecture")
     name = field.contents() if field is not None else None
     if name not in ARCHITECTURES:
         raise ValueError(
             f"model: {str(gguf)!r} holds a {name!r} model (GGUF general.architecture); pagedserve "
             f"serves {', '.join(ARCHITECTURES)}"
+        )
+    factors = sorted({t.name for t in reader.tensors} & set(ROPE_FACTOR_TENSORS))
+    if factors:
+        raise ValueError(
+            f"model: {str(gguf)!r} scales its rope by factors ({', '.join(factors)}: Llama 3.1's or "
+            "Phi-3's LongRoPE), which converting it through transformers would drop; serve the Hugging "
+            "Face checkpoint it was made from"
         )
     return ARCHITECTURES[name]
 
@@ -158,8 +171,12 @@ def _convert_into(folder: Path, gguf: Path, architecture: str) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # transformers' own refusal: weights its config does not fit, a tokenizer
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        raise ValueError(f"model: transformers could not convert {str(gguf)!r}: {lines[0][:500]}") from None
     tied = bool(model.config.tie_word_embeddings)
     state = {
         name: tensor.contiguous()

@@ -1,7 +1,9 @@
 """A GGUF file as `--model`, as vLLM loads one: converted once into the model cache (the embedded default
-model goes through the same conversion), served under the file's name, with the GGUF's tokenizer. A
-changed file converts again; a missing file, a file that is not GGUF and an architecture pagedserve does
-not serve are each refused naming `model`."""
+model goes through the same conversion), served under the file's name, with the GGUF's tokenizer; a
+GGUF of each architecture served, written as llama.cpp writes one, gives its checkpoint's tokens. A
+changed file converts again; a missing file, a file that is not GGUF, an architecture pagedserve does
+not serve, a rope scaled by factor tensors the conversion would drop and a file transformers cannot
+convert are each refused naming `model`."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from model_files import write_gguf
+from model_files import write_gguf, write_gguf_of
 from pagedserve import LLM, SamplingParams
 from pagedserve.default_model import default_gguf_path, resolve_model_path
 from pagedserve.gguf_model import converted_dir, gguf_model_dir
@@ -135,12 +137,77 @@ def test_a_model_path_that_is_no_gguf_file_is_refused_naming_model(
     assert not (tmp_path / "cache").exists()
 
 
-def test_an_architecture_not_served_is_refused_before_converting(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("architecture", "tensor_name", "message"),
+    [
+        ("gpt2", "token_embd.weight", r"holds a 'gpt2' model .* serves llama, qwen2, qwen3, phi3$"),
+        # llama.cpp writes Mistral as llama; transformers' gguf package knows no `mistral`
+        ("mistral", "token_embd.weight", r"holds a 'mistral' model"),
+        # Llama 3.1's rope, as llama.cpp writes it: transformers' conversion would drop it
+        ("llama", "rope_freqs.weight", r"scales its rope by factors \(rope_freqs.weight: Llama 3.1's"),
+        ("phi3", "rope_factors_long.weight", r"scales its rope by factors \(rope_factors_long.weight"),
+    ],
+    ids=["gpt2", "mistral", "llama-rope-freqs", "phi3-longrope-factors"],
+)
+def test_a_gguf_file_not_served_is_refused_before_converting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, architecture: str, tensor_name: str, message: str
 ) -> None:
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_gguf(tmp_path / "gpt2.gguf", "gpt2", [0.0])
+    path = write_gguf(tmp_path / "model.gguf", architecture, [0.0], tensor_name)
     settings = EngineSettings(model=str(path))  # a GGUF file: its architecture is read once it converts
-    with pytest.raises(ValueError, match=r"^model: .*gpt2\.gguf' holds a 'gpt2' model .* serves llama, "):
+    with pytest.raises(ValueError, match=rf"^model: .*model\.gguf' {message}"):
         settings.to_engine_config()
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_gguf_file_transformers_cannot_convert_is_refused_naming_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_model_dir: str
+) -> None:
+    """transformers' GGUF reader takes a Qwen3's head_dim as 128 (every Qwen3 checkpoint's); one of 16
+    does not fit its weights: refused naming `model`, nothing converted left behind."""
+    from tiny_models import build_tiny_llama
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = build_tiny_llama(tmp_path / "hf", default_model_dir, config_class="Qwen3Config")
+    gguf = write_gguf_of(model_dir, tmp_path / "tiny-qwen3.gguf", "qwen3", default_gguf_path())
+    with pytest.raises(ValueError, match=r"^model: transformers could not convert '.*tiny-qwen3\.gguf': "):
+        LLM(model=str(gguf), **ENGINE)
+    assert not any((tmp_path / "cache").glob("tiny-qwen3-*/tiny-qwen3"))
+
+
+@pytest.mark.parametrize(
+    ("architecture", "config_class", "overrides"),
+    [
+        ("llama", "LlamaConfig", {}),
+        ("qwen2", "Qwen2Config", {}),
+        # the head_dim transformers' GGUF reader assumes (every Qwen3 checkpoint's)
+        ("qwen3", "Qwen3Config", {"num_heads": 1, "num_kv_heads": 1, "head_dim": 128}),
+        ("phi3", "Phi3Config", {}),
+    ],
+    ids=["llama", "qwen2", "qwen3", "phi3"],
+)
+def test_a_gguf_file_of_each_architecture_served_gives_its_checkpoints_tokens(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    default_model_dir: str,
+    architecture: str,
+    config_class: str,
+    overrides: dict[str, object],
+) -> None:
+    """A tiny checkpoint written as llama.cpp writes it (float32, so nothing is lost) converts into the
+    same model: the same architecture, the same greedy tokens as the checkpoint itself."""
+    from tiny_models import build_tiny_llama
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = build_tiny_llama(tmp_path / "hf", default_model_dir, config_class=config_class, **overrides)
+    gguf = write_gguf_of(model_dir, tmp_path / f"tiny-{architecture}.gguf", architecture, default_gguf_path())
+    from_gguf = LLM(model=str(gguf), **ENGINE)
+    converted = json.loads((Path(from_gguf.engine.config.model.path) / "config.json").read_text())
+    assert (
+        converted["architectures"]
+        == json.loads((Path(model_dir) / "config.json").read_text())["architectures"]
+    )
+    prompts = [[1, *range(300, 340)], [1, *range(900, 913)]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    theirs = [o.outputs[0].token_ids for o in LLM(model=model_dir, **ENGINE).generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in from_gguf.generate(prompts, params)] == theirs
