@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from tiny_models import TOKENIZER_FILES
 
@@ -45,7 +46,9 @@ def write_gguf_of(model_dir: str, path: Path, architecture: str, tokenizer_gguf:
     """`model_dir`'s checkpoint as llama.cpp's convert_hf_to_gguf.py writes it, in float32: its tensors
     under GGUF's names (Llama's and Mistral's q and k rows permuted as llama.cpp stores them, for its
     interleaved rotary), its config as `<architecture>.*` keys, and the tokenizer of
-    `tokenizer_gguf` (a GGUF file of the same vocabulary: the tiny models share the default model's)."""
+    `tokenizer_gguf` (the tiny models share the default model's), cut to the model's vocabulary: its
+    first ids, and the merges among them (a whole tokenizer of 49,152 tokens takes transformers ~10 s
+    to read and convert)."""
     import json
 
     import gguf
@@ -63,12 +66,22 @@ def write_gguf_of(model_dir: str, path: Path, architecture: str, tokenizer_gguf:
     writer.add_head_count(num_heads)
     writer.add_head_count_kv(num_kv_heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
-    for name, field in gguf.GGUFReader(tokenizer_gguf).fields.items():
-        if name.startswith("tokenizer."):
-            sub_type = field.types[1] if len(field.types) > 1 else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type)
+    _add_rope_factors(writer, config)
+    fields = gguf.GGUFReader(tokenizer_gguf).fields
+    vocab = fields["tokenizer.ggml.tokens"].contents()[: config["vocab_size"]]
+    kept = set(vocab)
+    for name, field in fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+            value = value[: len(vocab)]
+        elif name == "tokenizer.ggml.merges":
+            value = [m for m in value if all(p in kept for p in (*m.split(" "), m.replace(" ", "")))]
+        sub_type = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(name, value, field.types[0], sub_type)
 
     tensor_names_of = "llama" if architecture == "mistral" else architecture  # llama.cpp names them alike
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[tensor_names_of.upper()], num_layers)
@@ -85,3 +98,39 @@ def write_gguf_of(model_dir: str, path: Path, architecture: str, tokenizer_gguf:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_rope_factors(writer: Any, config: dict[str, Any]) -> None:
+    """A scaled rope as llama.cpp's convert_hf_to_gguf.py writes it: Llama 3.1's as one factor a
+    frequency (`rope_freqs`, each frequency divided by it), Phi-3's LongRoPE as its long and short
+    factors with its pretraining length and attention factor."""
+    import math
+
+    import numpy as np
+
+    rope = config["rope_parameters"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if rope["rope_type"] == "llama3":
+        base, factor = rope["rope_theta"], rope["factor"]
+        old_len = rope["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / rope["low_freq_factor"], old_len / rope["high_freq_factor"]
+        factors = []
+        for freq in 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)):
+            wavelen = 2 * math.pi / freq
+            if wavelen < high_wavelen:
+                factors.append(1.0)
+            elif wavelen > low_wavelen:
+                factors.append(factor)
+            else:
+                smooth = (old_len / wavelen - rope["low_freq_factor"]) / (
+                    rope["high_freq_factor"] - rope["low_freq_factor"]
+                )
+                factors.append(1 / ((1 - smooth) / factor + smooth))
+        writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    elif rope["rope_type"] == "longrope":
+        old_len = config["original_max_position_embeddings"]
+        scale = config["max_position_embeddings"] / old_len
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+        writer.add_rope_scaling_orig_ctx_len(old_len)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(old_len)))

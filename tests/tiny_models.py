@@ -28,15 +28,16 @@ def build_tiny_llama(
     num_layers: int = 2,
     seed: int = 0,
     config_class: str = "LlamaConfig",
+    vocab_size: int = 49152,
     **overrides: object,
 ) -> str:
     """A random-weight Llama (or another Llama-family model: `config_class="Qwen3Config"`) with the
-    default model's tokenizer (vocab 49152). A large init range makes its next-token distributions
-    peaked, so greedy decoding has few near-ties."""
+    default model's tokenizer (vocab 49152; a smaller `vocab_size` keeps its first ids). A large init
+    range makes its next-token distributions peaked, so greedy decoding has few near-ties."""
     import transformers
 
     config = getattr(transformers, config_class)(
-        vocab_size=49152,
+        vocab_size=vocab_size,
         hidden_size=num_heads * head_dim,
         intermediate_size=96,
         num_hidden_layers=num_layers,

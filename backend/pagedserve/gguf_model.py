@@ -13,6 +13,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 GGUF_MAGIC = b"GGUF"
 SOURCE_RECORD = "source.json"  # beside a conversion: the file it was made of
@@ -25,10 +26,14 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }
-# Tensors llama.cpp writes for a scaled rope (Llama 3.1's per-frequency factors, Phi-3's LongRoPE
-# factors), which transformers' conversion does not read: the model it makes would turn by the
-# unscaled rope, its tokens no longer the checkpoint's.
-ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# Tensors llama.cpp writes for a scaled rope: each frequency divided by its factor (Llama 3.1's rope
+# as `rope_freqs`; Phi-3's LongRoPE as a long and a short set). transformers' conversion does not read
+# them (its model would turn by the unscaled rope), so `_rope_parameters` puts them in config.json.
+ROPE_FREQS, LONG_FACTORS, SHORT_FACTORS = (
+    "rope_freqs.weight",
+    "rope_factors_long.weight",
+    "rope_factors_short.weight",
+)
 
 
 def is_gguf_model(model: str) -> bool:
@@ -139,7 +144,7 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
 
 def gguf_architecture(gguf: Path) -> str:
     """The config.json architecture of `gguf`'s general.architecture (ValueError naming `model` for
-    one pagedserve does not serve, or one whose rope the conversion would lose)."""
+    one pagedserve does not serve, or for rope factors of neither kind `_rope_parameters` reads)."""
     from gguf import GGUFReader
 
     try:
@@ -153,14 +158,63 @@ def gguf_architecture(gguf: Path) -> str:
             f"model: {str(gguf)!r} holds a {name!r} model (GGUF general.architecture); pagedserve "
             f"serves {', '.join(ARCHITECTURES)}"
         )
-    factors = sorted({t.name for t in reader.tensors} & set(ROPE_FACTOR_TENSORS))
-    if factors:
+    factors = {t.name for t in reader.tensors} & {ROPE_FREQS, LONG_FACTORS, SHORT_FACTORS}
+    longrope = {LONG_FACTORS, SHORT_FACTORS}
+    if (
+        factors
+        and factors != {ROPE_FREQS}
+        and not (factors == longrope and f"{name}.rope.scaling.original_context_length" in reader.fields)
+    ):
         raise ValueError(
-            f"model: {str(gguf)!r} scales its rope by factors ({', '.join(factors)}: Llama 3.1's or "
-            "Phi-3's LongRoPE), which converting it through transformers would drop; serve the Hugging "
-            "Face checkpoint it was made from"
+            f"model: {str(gguf)!r} carries rope factors ({', '.join(sorted(factors))}) that are neither "
+            f"Llama 3.1's ({ROPE_FREQS}) nor LongRoPE's (both {' and '.join(sorted(longrope))}, with "
+            f"{name}.rope.scaling.original_context_length)"
         )
     return ARCHITECTURES[name]
+
+
+def _rope_parameters(gguf: Path, config: dict[str, Any]) -> dict[str, Any] | None:
+    """config.json's `rope_parameters` for the rope factors the GGUF carries (`gguf_architecture` has
+    checked they are of one of two kinds), or None for none. They divide the frequencies as LongRoPE's
+    do (`layers.rotary`), which transformers reads too: Llama 3.1's one set as both the long and the
+    short one, with no attention factor (llama.cpp applies none); Phi-3's two sets over its
+    pretraining length (`phi3.rope.scaling.original_context_length`), with the attention factor it
+    names, else the one LongRoPE computes."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf)
+    factors = {
+        t.name: [float(x) for x in t.data.reshape(-1)]
+        for t in reader.tensors
+        if t.name in (ROPE_FREQS, LONG_FACTORS, SHORT_FACTORS)
+    }
+    if not factors:
+        return None
+    theta = float(config.get("rope_parameters", {}).get("rope_theta") or config.get("rope_theta") or 10000.0)
+    positions = int(config["max_position_embeddings"])
+    if set(factors) == {ROPE_FREQS}:
+        freqs = factors[ROPE_FREQS]
+        return {
+            "rope_type": "longrope",
+            "rope_theta": theta,
+            "short_factor": freqs,
+            "long_factor": freqs,
+            "attention_factor": 1.0,
+            "original_max_position_embeddings": positions,
+        }
+    arch = reader.fields["general.architecture"].contents()
+    original = reader.fields[f"{arch}.rope.scaling.original_context_length"]  # (`gguf_architecture`)
+    params = {
+        "rope_type": "longrope",
+        "rope_theta": theta,
+        "short_factor": factors[SHORT_FACTORS],
+        "long_factor": factors[LONG_FACTORS],
+        "original_max_position_embeddings": int(original.contents()),
+    }
+    attention = reader.fields.get(f"{arch}.rope.scaling.attn_factor")
+    if attention is not None:
+        params["attention_factor"] = float(attention.contents())
+    return params
 
 
 def _convert_into(folder: Path, gguf: Path, architecture: str) -> None:
@@ -186,6 +240,11 @@ def _convert_into(folder: Path, gguf: Path, architecture: str) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [architecture]
+    rope = _rope_parameters(gguf, config)
+    if rope is not None:  # (transformers reads a top-level pretraining length first: Phi-3's place)
+        config.pop("rope_scaling", None)
+        config["rope_parameters"] = rope
+        config["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(folder)

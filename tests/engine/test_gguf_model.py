@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,21 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 ENGINE = {"dtype": "float32", "num_kv_blocks": 64}
+GGUF_VOCAB = 1024  # the tiny checkpoints written as GGUF files: the default tokenizer's first ids
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 1e4,
+    "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.3, 1.4, 1.5],
+    "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0],
+}
 
 
 @pytest.fixture
@@ -82,15 +96,18 @@ def test_a_changed_gguf_file_converts_again(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_changed_gguf_file_leaves_no_earlier_conversion(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], default_model_dir: str
 ) -> None:
     """A conversion records the file it was made of; converting a file again (it was rewritten or
     touched) removes its earlier conversion (28 GB for a 7B model), which nothing would find again.
     Another file's conversion of the same name, one written before conversions recorded their file,
     and anything else in the cache stay; a conversion found without its record gets it."""
+    from tiny_models import build_tiny_llama
+
     gguf = tmp_path / "models" / "m.gguf"
     gguf.parent.mkdir()
-    shutil.copyfile(default_gguf_path(), gguf)
+    model_dir = build_tiny_llama(tmp_path / "hf", default_model_dir, vocab_size=GGUF_VOCAB)
+    write_gguf_of(model_dir, gguf, "llama", default_gguf_path())
     cache = tmp_path / "cache"
     earlier = cache / "m-00000000000000aa"  # this path's file before it changed
     elsewhere = cache / "m-00000000000000bb"  # a file m.gguf in another folder
@@ -143,11 +160,14 @@ def test_a_model_path_that_is_no_gguf_file_is_refused_naming_model(
         ("gpt2", "token_embd.weight", r"holds a 'gpt2' model .* serves llama, qwen2, qwen3, phi3$"),
         # llama.cpp writes Mistral as llama; transformers' gguf package knows no `mistral`
         ("mistral", "token_embd.weight", r"holds a 'mistral' model"),
-        # Llama 3.1's rope, as llama.cpp writes it: transformers' conversion would drop it
-        ("llama", "rope_freqs.weight", r"scales its rope by factors \(rope_freqs.weight: Llama 3.1's"),
-        ("phi3", "rope_factors_long.weight", r"scales its rope by factors \(rope_factors_long.weight"),
+        # LongRoPE's long factors without the short ones (and the pretraining length)
+        (
+            "phi3",
+            "rope_factors_long.weight",
+            r"carries rope factors \(rope_factors_long.weight\) that are neither",
+        ),
     ],
-    ids=["gpt2", "mistral", "llama-rope-freqs", "phi3-longrope-factors"],
+    ids=["gpt2", "mistral", "phi3-long-factors-alone"],
 )
 def test_a_gguf_file_not_served_is_refused_before_converting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, architecture: str, tensor_name: str, message: str
@@ -168,7 +188,9 @@ def test_a_gguf_file_transformers_cannot_convert_is_refused_naming_model(
     from tiny_models import build_tiny_llama
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    model_dir = build_tiny_llama(tmp_path / "hf", default_model_dir, config_class="Qwen3Config")
+    model_dir = build_tiny_llama(
+        tmp_path / "hf", default_model_dir, config_class="Qwen3Config", vocab_size=GGUF_VOCAB
+    )
     gguf = write_gguf_of(model_dir, tmp_path / "tiny-qwen3.gguf", "qwen3", default_gguf_path())
     with pytest.raises(ValueError, match=r"^model: transformers could not convert '.*tiny-qwen3\.gguf': "):
         LLM(model=str(gguf), **ENGINE)
@@ -179,12 +201,16 @@ def test_a_gguf_file_transformers_cannot_convert_is_refused_naming_model(
     ("architecture", "config_class", "overrides"),
     [
         ("llama", "LlamaConfig", {}),
+        # Llama 3.1's rope, pretrained on 64 positions: llama.cpp's rope_freqs tensor
+        ("llama", "LlamaConfig", {"rope_parameters": LLAMA3_ROPE}),
         ("qwen2", "Qwen2Config", {}),
         # the head_dim transformers' GGUF reader assumes (every Qwen3 checkpoint's)
         ("qwen3", "Qwen3Config", {"num_heads": 1, "num_kv_heads": 1, "head_dim": 128}),
         ("phi3", "Phi3Config", {}),
+        # LongRoPE's long factors (max_model_len 1,024 past the pretraining length 256)
+        ("phi3", "Phi3Config", {"original_max_position_embeddings": 256, "rope_parameters": LONGROPE}),
     ],
-    ids=["llama", "qwen2", "qwen3", "phi3"],
+    ids=["llama", "llama-3.1-rope", "qwen2", "qwen3", "phi3", "phi3-longrope"],
 )
 def test_a_gguf_file_of_each_architecture_served_gives_its_checkpoints_tokens(
     tmp_path: Path,
@@ -199,15 +225,16 @@ def test_a_gguf_file_of_each_architecture_served_gives_its_checkpoints_tokens(
     from tiny_models import build_tiny_llama
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    model_dir = build_tiny_llama(tmp_path / "hf", default_model_dir, config_class=config_class, **overrides)
-    gguf = write_gguf_of(model_dir, tmp_path / f"tiny-{architecture}.gguf", architecture, default_gguf_path())
-    from_gguf = LLM(model=str(gguf), **ENGINE)
-    converted = json.loads((Path(from_gguf.engine.config.model.path) / "config.json").read_text())
-    assert (
-        converted["architectures"]
-        == json.loads((Path(model_dir) / "config.json").read_text())["architectures"]
+    model_dir = build_tiny_llama(
+        tmp_path / "hf", default_model_dir, config_class=config_class, vocab_size=GGUF_VOCAB, **overrides
     )
-    prompts = [[1, *range(300, 340)], [1, *range(900, 913)]]
+    gguf = write_gguf_of(model_dir, tmp_path / f"tiny-{architecture}.gguf", architecture, default_gguf_path())
+    from_gguf, checkpoint = LLM(model=str(gguf), **ENGINE), LLM(model=model_dir, **ENGINE)
+    converted = json.loads((Path(from_gguf.engine.config.model.path) / "config.json").read_text())
+    assert converted["architectures"] == [checkpoint.engine.config.model.architecture]
+    prompts = [[1, *range(300, 450)], [1, *range(900, 913)]]  # (150 tokens: past 64 positions)
+    # the GGUF's tokenizer, cut to the model's vocabulary, reads its ids as the checkpoint's does
+    assert from_gguf.engine.tokenizer.decode(prompts[0]) == checkpoint.engine.tokenizer.decode(prompts[0])
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    theirs = [o.outputs[0].token_ids for o in LLM(model=model_dir, **ENGINE).generate(prompts, params)]
+    theirs = [o.outputs[0].token_ids for o in checkpoint.generate(prompts, params)]
     assert [o.outputs[0].token_ids for o in from_gguf.generate(prompts, params)] == theirs
