@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, SmolLM3 layouts): GQA, RoPE,
 RMSNorm, SwiGLU, tied or untied embeddings, Qwen3's RMSNorm of each query and key head, Granite's
-multipliers, Phi-3's fused checkpoint tensors and SmolLM3's layers without rotary. Mirrors Hugging Face's LlamaForCausalLM; the difference is paged
-attention and tensor-parallel layers. Input is one packed batch of tokens, [num_tokens]."""
+multipliers, Phi-3's fused checkpoint tensors and SmolLM3's layers without rotary. Mirrors Hugging
+Face's LlamaForCausalLM; the difference is paged attention and tensor-parallel layers. Input is one
+packed batch of tokens, [num_tokens]."""
 
 from __future__ import annotations
 
