@@ -68,7 +68,7 @@ def write_gguf_of(model_dir: str, path: Path, architecture: str, tokenizer_gguf:
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
-    _add_rope_factors(writer, config)
+    _add_rope_scaling(writer, config)
     fields = gguf.GGUFReader(tokenizer_gguf).fields
     vocab = fields["tokenizer.ggml.tokens"].contents()[: config["vocab_size"]]
     kept = set(vocab)
@@ -100,15 +100,21 @@ def write_gguf_of(model_dir: str, path: Path, architecture: str, tokenizer_gguf:
     return path
 
 
-def _add_rope_factors(writer: Any, config: dict[str, Any]) -> None:
-    """A scaled rope as llama.cpp's convert_hf_to_gguf.py writes it: Llama 3.1's as one factor a
-    frequency (`rope_freqs`, each frequency divided by it), Phi-3's LongRoPE as its long and short
-    factors with its pretraining length and attention factor."""
+def _add_rope_scaling(writer: Any, config: dict[str, Any]) -> None:
+    """A scaled rope as llama.cpp's convert_hf_to_gguf.py writes it: linear and YaRN as keys, Llama
+    3.1's as one factor a frequency (`rope_freqs`, each frequency divided by it), Phi-3's LongRoPE as
+    its long and short factors with its pretraining length and attention factor."""
     import math
 
+    import gguf
     import numpy as np
 
     rope = config["rope_parameters"]
+    if rope["rope_type"] in ("linear", "yarn"):
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        writer.add_rope_scaling_factor(rope["factor"])
+        if rope["rope_type"] == "yarn":
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     if rope["rope_type"] == "llama3":
         base, factor = rope["rope_theta"], rope["factor"]

@@ -13,7 +13,10 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 GGUF_MAGIC = b"GGUF"
 SOURCE_RECORD = "source.json"  # beside a conversion: the file it was made of
@@ -27,8 +30,7 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
 }
 # Tensors llama.cpp writes for a scaled rope: each frequency divided by its factor (Llama 3.1's rope
-# as `rope_freqs`; Phi-3's LongRoPE as a long and a short set). transformers' conversion does not read
-# them (its model would turn by the unscaled rope), so `_rope_parameters` puts them in config.json.
+# as `rope_freqs`; Phi-3's LongRoPE as a long and a short set)
 ROPE_FREQS, LONG_FACTORS, SHORT_FACTORS = (
     "rope_freqs.weight",
     "rope_factors_long.weight",
@@ -135,22 +137,23 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
     """GGUF -> safetensors + config.json + tokenizer + generation_config.json in `dest`, written to a
     temporary folder and renamed into place, so concurrent processes (a launcher's ranks each
     converting) never see a half-written model."""
-    architecture = gguf_architecture(gguf)  # before the conversion, which takes seconds to minutes
-    # on stderr: stdout is `pagedserve generate`'s answer
-    print(f"pagedserve: converting {gguf} into {dest} (once) ...", file=sys.stderr, flush=True)
-    _write_into_place(dest, lambda folder: _convert_into(folder, gguf, architecture))
-    print(f"pagedserve: {dest.name} ready at {dest}", file=sys.stderr, flush=True)
-
-
-def gguf_architecture(gguf: Path) -> str:
-    """The config.json architecture of `gguf`'s general.architecture (ValueError naming `model` for
-    one pagedserve does not serve, or for rope factors of neither kind `_rope_parameters` reads)."""
     from gguf import GGUFReader
 
     try:
         reader = GGUFReader(gguf)
     except (ValueError, IndexError, OSError) as exc:  # a truncated file, a GGUF version it does not know
         raise ValueError(f"model: {str(gguf)!r} is not a readable GGUF file: {exc}") from None
+    # both read before the conversion, which takes seconds to minutes
+    architecture, rope = gguf_architecture(reader, gguf), gguf_rope(reader, gguf)
+    # on stderr: stdout is `pagedserve generate`'s answer
+    print(f"pagedserve: converting {gguf} into {dest} (once) ...", file=sys.stderr, flush=True)
+    _write_into_place(dest, lambda folder: _convert_into(folder, gguf, architecture, rope))
+    print(f"pagedserve: {dest.name} ready at {dest}", file=sys.stderr, flush=True)
+
+
+def gguf_architecture(reader: GGUFReader, gguf: Path) -> str:
+    """The config.json architecture of the GGUF's general.architecture (ValueError naming `model` for
+    one pagedserve does not serve)."""
     field = reader.fields.get("general.architecture")
     name = field.contents() if field is not None else None
     if name not in ARCHITECTURES:
@@ -158,69 +161,73 @@ def gguf_architecture(gguf: Path) -> str:
             f"model: {str(gguf)!r} holds a {name!r} model (GGUF general.architecture); pagedserve "
             f"serves {', '.join(ARCHITECTURES)}"
         )
-    factors = {t.name for t in reader.tensors} & {ROPE_FREQS, LONG_FACTORS, SHORT_FACTORS}
-    longrope = {LONG_FACTORS, SHORT_FACTORS}
-    if (
-        factors
-        and factors != {ROPE_FREQS}
-        and not (factors == longrope and f"{name}.rope.scaling.original_context_length" in reader.fields)
-    ):
-        raise ValueError(
-            f"model: {str(gguf)!r} carries rope factors ({', '.join(sorted(factors))}) that are neither "
-            f"Llama 3.1's ({ROPE_FREQS}) nor LongRoPE's (both {' and '.join(sorted(longrope))}, with "
-            f"{name}.rope.scaling.original_context_length)"
-        )
     return ARCHITECTURES[name]
 
 
-def _rope_parameters(gguf: Path, config: dict[str, Any]) -> dict[str, Any] | None:
-    """config.json's `rope_parameters` for the rope factors the GGUF carries (`gguf_architecture` has
-    checked they are of one of two kinds), or None for none. They divide the frequencies as LongRoPE's
-    do (`layers.rotary`), which transformers reads too: Llama 3.1's one set as both the long and the
-    short one, with no attention factor (llama.cpp applies none); Phi-3's two sets over its
-    pretraining length (`phi3.rope.scaling.original_context_length`), with the attention factor it
-    names, else the one LongRoPE computes."""
-    from gguf import GGUFReader
+def gguf_rope(reader: GGUFReader, gguf: Path) -> dict[str, Any] | None:
+    """config.json's `rope_parameters` for the scaled rope the GGUF describes, or None for none:
+    transformers' conversion reads no rope scaling of these architectures, and its model would turn
+    by the unscaled rope (other tokens than the checkpoint's). llama.cpp writes linear and YaRN
+    scaling as `<arch>.rope.scaling.*` keys, and per-frequency factors as tensors, which divide the
+    frequencies as LongRoPE's do (`layers.rotary`): Llama 3.1's one set (`rope_freqs`) as both the
+    long and the short one, with no attention factor (llama.cpp applies none); Phi-3's two sets over
+    its pretraining length, with the attention factor it names, else the one LongRoPE computes. A
+    scaling of another kind is refused (ValueError naming `model`)."""
+    arch = reader.fields["general.architecture"].contents()
 
-    reader = GGUFReader(gguf)
+    def value(key: str) -> Any:
+        field = reader.fields.get(f"{arch}.{key}")
+        return None if field is None else field.contents()
+
     factors = {
         t.name: [float(x) for x in t.data.reshape(-1)]
         for t in reader.tensors
         if t.name in (ROPE_FREQS, LONG_FACTORS, SHORT_FACTORS)
     }
-    if not factors:
-        return None
-    theta = float(config.get("rope_parameters", {}).get("rope_theta") or config.get("rope_theta") or 10000.0)
-    positions = int(config["max_position_embeddings"])
-    if set(factors) == {ROPE_FREQS}:
+    kind = value("rope.scaling.type") or ("longrope" if factors else "none")
+    theta, original = float(value("rope.freq_base") or 10000.0), value("rope.scaling.original_context_length")
+    params: dict[str, Any] = {"rope_type": kind, "rope_theta": theta}
+    if set(factors) == {ROPE_FREQS} and kind in ("none", "longrope"):
+        positions = int(value("context_length"))
         freqs = factors[ROPE_FREQS]
         return {
+            **params,
             "rope_type": "longrope",
-            "rope_theta": theta,
             "short_factor": freqs,
             "long_factor": freqs,
             "attention_factor": 1.0,
             "original_max_position_embeddings": positions,
         }
-    arch = reader.fields["general.architecture"].contents()
-    original = reader.fields[f"{arch}.rope.scaling.original_context_length"]  # (`gguf_architecture`)
-    params = {
-        "rope_type": "longrope",
-        "rope_theta": theta,
-        "short_factor": factors[SHORT_FACTORS],
-        "long_factor": factors[LONG_FACTORS],
-        "original_max_position_embeddings": int(original.contents()),
-    }
-    attention = reader.fields.get(f"{arch}.rope.scaling.attn_factor")
-    if attention is not None:
-        params["attention_factor"] = float(attention.contents())
-    return params
+    if set(factors) == {LONG_FACTORS, SHORT_FACTORS} and kind == "longrope" and original is not None:
+        params.update(short_factor=factors[SHORT_FACTORS], long_factor=factors[LONG_FACTORS])
+        params["original_max_position_embeddings"] = int(original)
+        if value("rope.scaling.attn_factor") is not None:
+            params["attention_factor"] = float(value("rope.scaling.attn_factor"))
+        return params
+    if not factors and kind == "none":
+        return None
+    if not factors and kind == "linear" and value("rope.scaling.factor"):
+        return {**params, "factor": float(value("rope.scaling.factor"))}
+    if not factors and kind == "yarn" and value("rope.scaling.factor") and original is not None:
+        params.update(
+            factor=float(value("rope.scaling.factor")), original_max_position_embeddings=int(original)
+        )
+        for ours in ("beta_fast", "beta_slow"):
+            if value(f"rope.scaling.yarn_{ours}") is not None:
+                params[ours] = float(value(f"rope.scaling.yarn_{ours}"))
+        return params
+    raise ValueError(
+        f"model: {str(gguf)!r} scales its rope in a way pagedserve does not read (rope.scaling.type "
+        f"{kind!r}, factor tensors: {', '.join(sorted(factors)) or 'none'}): linear and yarn with a factor "
+        f"(yarn with its original_context_length), {ROPE_FREQS} alone, or {LONG_FACTORS} and "
+        f"{SHORT_FACTORS} with longrope's original_context_length are"
+    )
 
 
-def _convert_into(folder: Path, gguf: Path, architecture: str) -> None:
+def _convert_into(folder: Path, gguf: Path, architecture: str, rope: dict[str, Any] | None) -> None:
     """The weights dequantized to float32 by transformers (a tied LM head left out, as Hugging Face
-    saves it), config.json without quantization_config (its weights are plain now) and naming the
-    architecture, the GGUF's tokenizer and generation config."""
+    saves it), config.json without quantization_config (its weights are plain now), naming the
+    architecture and with the GGUF's `rope` (`gguf_rope`), the GGUF's tokenizer and generation config."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -240,11 +247,11 @@ def _convert_into(folder: Path, gguf: Path, architecture: str) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [architecture]
-    rope = _rope_parameters(gguf, config)
     if rope is not None:  # (transformers reads a top-level pretraining length first: Phi-3's place)
         config.pop("rope_scaling", None)
         config["rope_parameters"] = rope
-        config["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+        if "original_max_position_embeddings" in rope:
+            config["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(folder)

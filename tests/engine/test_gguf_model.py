@@ -31,6 +31,7 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 256}
 LONGROPE = {
     "rope_type": "longrope",
     "rope_theta": 1e4,
@@ -164,7 +165,8 @@ def test_a_model_path_that_is_no_gguf_file_is_refused_naming_model(
         (
             "phi3",
             "rope_factors_long.weight",
-            r"carries rope factors \(rope_factors_long.weight\) that are neither",
+            r"scales its rope in a way pagedserve does not read \(rope.scaling.type 'longrope', factor "
+            r"tensors: rope_factors_long.weight\)",
         ),
     ],
     ids=["gpt2", "mistral", "phi3-long-factors-alone"],
@@ -201,16 +203,32 @@ def test_a_gguf_file_transformers_cannot_convert_is_refused_naming_model(
     ("architecture", "config_class", "overrides"),
     [
         ("llama", "LlamaConfig", {}),
+        (
+            "llama",
+            "LlamaConfig",
+            {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}},
+        ),
         # Llama 3.1's rope, pretrained on 64 positions: llama.cpp's rope_freqs tensor
         ("llama", "LlamaConfig", {"rope_parameters": LLAMA3_ROPE}),
         ("qwen2", "Qwen2Config", {}),
+        # Qwen's YaRN for 4x its pretraining length (256): rope.scaling.* keys
+        ("qwen2", "Qwen2Config", {"rope_parameters": YARN_ROPE}),
         # the head_dim transformers' GGUF reader assumes (every Qwen3 checkpoint's)
         ("qwen3", "Qwen3Config", {"num_heads": 1, "num_kv_heads": 1, "head_dim": 128}),
         ("phi3", "Phi3Config", {}),
         # LongRoPE's long factors (max_model_len 1,024 past the pretraining length 256)
         ("phi3", "Phi3Config", {"original_max_position_embeddings": 256, "rope_parameters": LONGROPE}),
     ],
-    ids=["llama", "llama-3.1-rope", "qwen2", "qwen3", "phi3", "phi3-longrope"],
+    ids=[
+        "llama",
+        "llama-linear-rope",
+        "llama-3.1-rope",
+        "qwen2",
+        "qwen2-yarn-rope",
+        "qwen3",
+        "phi3",
+        "phi3-longrope",
+    ],
 )
 def test_a_gguf_file_of_each_architecture_served_gives_its_checkpoints_tokens(
     tmp_path: Path,
@@ -232,6 +250,8 @@ def test_a_gguf_file_of_each_architecture_served_gives_its_checkpoints_tokens(
     from_gguf, checkpoint = LLM(model=str(gguf), **ENGINE), LLM(model=model_dir, **ENGINE)
     converted = json.loads((Path(from_gguf.engine.config.model.path) / "config.json").read_text())
     assert converted["architectures"] == [checkpoint.engine.config.model.architecture]
+    # the context its rope reaches (yarn: its pretraining length times its factor)
+    assert from_gguf.engine.config.model.max_model_len == checkpoint.engine.config.model.max_model_len
     prompts = [[1, *range(300, 450)], [1, *range(900, 913)]]  # (150 tokens: past 64 positions)
     # the GGUF's tokenizer, cut to the model's vocabulary, reads its ids as the checkpoint's does
     assert from_gguf.engine.tokenizer.decode(prompts[0]) == checkpoint.engine.tokenizer.decode(prompts[0])
