@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 GGUF_MAGIC = b"GGUF"
 SOURCE_RECORD = "source.json"  # beside a conversion: the file it was made of
+# What a conversion makes, by version: a new one converts every file again once (its conversions made
+# before are then removed as stale). 2: the rope scaling transformers drops is kept (`gguf_rope`).
+CONVERSION = 2
 # GGUF's general.architecture -> the config.json architecture transformers converts it to; each one
 # models/registry.py serves. llama.cpp writes a Mistral checkpoint as llama; a `mistral` GGUF (another
 # tool's) is refused: the gguf package transformers reads it with knows no such architecture.
@@ -88,9 +91,10 @@ def converted_dir(gguf: Path, cache: Path, name: str) -> Path:
     change (a fine-tune quantized the same way). Anything that writes the file (a download, a copy,
     an edit) changes its size or time, so a changed file converts again; a file moved or merely
     touched converts again too, which costs a conversion, never a stale model. The path keeps two
-    files of the same name in different folders apart."""
+    files of the same name in different folders apart, and `CONVERSION` conversions made before the
+    conversion changed apart from those made since."""
     stat = gguf.stat()
-    source = f"{gguf.resolve()}\n{stat.st_size}\n{stat.st_mtime_ns}"
+    source = f"{gguf.resolve()}\n{stat.st_size}\n{stat.st_mtime_ns}\n{CONVERSION}"
     key = hashlib.sha256(source.encode()).hexdigest()[:16]
     return cache / f"{gguf.stem}-{key}" / name
 

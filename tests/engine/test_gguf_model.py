@@ -79,9 +79,10 @@ def test_a_gguf_file_converts_once(gguf_cache: Path, capfd: pytest.CaptureFixtur
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name, "source.json"]  # nothing temporary
 
 
-def test_a_changed_gguf_file_converts_again(tmp_path: Path) -> None:
+def test_a_changed_gguf_file_converts_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cache key follows the file: rewritten (another size) or touched (another modification time),
-    it is another directory; as it was, the same one."""
+    it is another directory; as it was, the same one. So does the conversion's version: a file
+    converted before the conversion changed (it dropped a GGUF's rope scaling) converts again."""
     path = write_gguf(tmp_path / "tiny.gguf", "llama", [0.0, 1.0])
     first = converted_dir(path, tmp_path, "tiny")
     assert first == converted_dir(path, tmp_path, "tiny") and first.name == "tiny"
@@ -93,6 +94,10 @@ def test_a_changed_gguf_file_converts_again(tmp_path: Path) -> None:
     assert path.stat().st_size != stat.st_size
     rewritten = converted_dir(path, tmp_path, "tiny")
     assert len({first, touched, rewritten}) == 3
+    from pagedserve import gguf_model
+
+    monkeypatch.setattr(gguf_model, "CONVERSION", gguf_model.CONVERSION - 1)
+    assert converted_dir(path, tmp_path, "tiny") not in {first, touched, rewritten}
 
 
 @pytest.mark.slow
