@@ -91,8 +91,8 @@ def converted_dir(gguf: Path, cache: Path, name: str) -> Path:
     change (a fine-tune quantized the same way). Anything that writes the file (a download, a copy,
     an edit) changes its size or time, so a changed file converts again; a file moved or merely
     touched converts again too, which costs a conversion, never a stale model. The path keeps two
-    files of the same name in different folders apart, and `CONVERSION` conversions made before the
-    conversion changed apart from those made since."""
+    files of the same name in different folders apart; `CONVERSION` keeps what an earlier version of
+    the conversion made apart from what this one makes."""
     stat = gguf.stat()
     source = f"{gguf.resolve()}\n{stat.st_size}\n{stat.st_mtime_ns}\n{CONVERSION}"
     key = hashlib.sha256(source.encode()).hexdigest()[:16]
