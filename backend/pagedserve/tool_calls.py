@@ -4,7 +4,7 @@ template as `tools`; its tool choice decides what the output is:
 - none: text, as without tools;
 - auto: text, and the calls the model chose to write, found by the parser of its family's format
   (`--tool-call-parser`: hermes for Qwen2.5/Qwen3/Hermes, llama3_json for Llama 3.1/3.2, pythonic for
-  Llama 3.2/4's pythonic template);
+  Llama 3.2/4's pythonic template, granite for IBM Granite 3.x);
 - required, or one named function: calls only, the output constrained by structured outputs to their
   JSON (a list of {"name", "parameters"}, or the named function's arguments).
 
@@ -23,7 +23,7 @@ from typing import Any
 
 from pagedserve.errors import InvalidRequestError
 
-TOOL_PARSERS = ("hermes", "llama3_json", "pythonic")
+TOOL_PARSERS = ("hermes", "llama3_json", "pythonic", "granite")
 TOOL_CHOICES = ("none", "auto", "required")
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -349,6 +349,30 @@ class PythonicParser(_WholeOutputParser):
         return calls
 
 
+class GraniteParser(_WholeOutputParser):
+    """IBM Granite 3.x's calls: a JSON list `[{"name": ..., "arguments": {...}}, ...]`, after
+    `<|tool_call|>` (3.0) or `<tool_call>` (3.1 and later) or alone, as vLLM's granite parser reads
+    them."""
+
+    TAGS = ("<|tool_call|>", "<tool_call>")
+    BEGINS = (*TAGS, "[")
+
+    def _parse(self, text: str) -> list[ToolCall] | None:
+        text = text.strip()
+        for tag in self.TAGS:
+            text = text.removeprefix(tag)
+        value = _json_or_none(text)
+        if not (isinstance(value, list) and value):
+            return None
+        calls = []
+        for item in value:
+            call = _call_of(item, ("arguments",))
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+
+
 class RequiredCallsParser(_WholeOutputParser):
     """tool_choice required: the output is a JSON list of {"name", "parameters"} (its schema holds it)."""
 
@@ -384,6 +408,7 @@ PARSERS: dict[str, Callable[[], ToolCallParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
     "pythonic": PythonicParser,
+    "granite": GraniteParser,
 }
 assert tuple(PARSERS) == TOOL_PARSERS
 

@@ -115,6 +115,28 @@ def test_pythonic_calls_take_literal_keyword_arguments() -> None:
         assert parse_tool_calls(text, "pythonic") == (text, []), text
 
 
+@pytest.mark.parametrize(
+    "tag", ["<|tool_call|>", "<tool_call>", ""], ids=["granite-3.0", "granite-3.1", "bare"]
+)
+def test_granite_calls_are_a_json_list_after_its_tag(tag: str) -> None:
+    text = f"{tag}[{WEATHER}, " + '{"name": "get_time", "arguments": {}}]'
+    for cut in range(len(text) + 1):
+        contents, calls = run(parse_tool_calls_parser("granite"), [text[:cut], text[cut:]])
+        assert ("".join(contents), calls) == ("", EXPECTED_CALLS), cut
+    parser = parse_tool_calls_parser("granite")
+    assert parser.feed(" <|tool") == ("", [])  # may be the tag
+    assert parser.feed("s are here") == (" <|tools are here", [])
+    # what is not a list of calls, every item a call, stays text, whole
+    for text in (
+        f"{tag}[]",
+        f"{tag}[1, 2]",
+        f'{tag}[{WEATHER}, {{"x": 1}}]',
+        f"{tag}{WEATHER}",
+        f"{tag}[{WEATHER}",
+    ):
+        assert parse_tool_calls(text, "granite") == (text, []), text
+
+
 def test_required_and_named_outputs_become_calls() -> None:
     output = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}}, ' + (
         '{"name": "get_time", "parameters": {}}]'
@@ -207,7 +229,9 @@ def test_the_flag_offers_every_parser() -> None:
     annotation = ServeSettings.model_fields["tool_call_parser"].annotation
     literal = next(arg for arg in typing.get_args(annotation) if arg is not type(None))
     assert typing.get_args(literal) == TOOL_PARSERS
-    with pytest.raises(ValueError, match="tool_call_parser: must be one of hermes, llama3_json, pythonic"):
+    with pytest.raises(
+        ValueError, match="tool_call_parser: must be one of hermes, llama3_json, pythonic, granite"
+    ):
         parse_tool_calls("", "mistral")
 
 
