@@ -44,8 +44,8 @@ def write_gguf(
 
 def write_gguf_of(model_dir: str, path: Path, architecture: str, tokenizer_gguf: str) -> Path:
     """`model_dir`'s checkpoint as llama.cpp's convert_hf_to_gguf.py writes it, in float32: its tensors
-    under GGUF's names (Llama's and Mistral's q and k rows permuted as llama.cpp stores them, for its
-    interleaved rotary), its config as `<architecture>.*` keys, and the tokenizer of
+    under GGUF's names (Llama's q and k rows permuted as llama.cpp stores them, for its interleaved
+    rotary), its config as `<architecture>.*` keys, and the tokenizer of
     `tokenizer_gguf` (the tiny models share the default model's), cut to the model's vocabulary: its
     first ids, and the merges among them (a whole tokenizer of 49,152 tokens takes transformers ~10 s
     to read and convert)."""
@@ -83,11 +83,10 @@ def write_gguf_of(model_dir: str, path: Path, architecture: str, tokenizer_gguf:
         sub_type = field.types[1] if len(field.types) > 1 else None
         writer.add_key_value(name, value, field.types[0], sub_type)
 
-    tensor_names_of = "llama" if architecture == "mistral" else architecture  # llama.cpp names them alike
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[tensor_names_of.upper()], num_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture.upper()], num_layers)
     tensors = load_file(str(Path(model_dir) / "model.safetensors"))
     for name, tensor in tensors.items():
-        if architecture in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = num_heads if name.endswith("q_proj.weight") else num_kv_heads
             tensor = tensor.reshape(heads, 2, -1, tensor.shape[1]).swapaxes(1, 2).reshape(tensor.shape)
         writer.add_tensor(
