@@ -189,37 +189,26 @@ def gguf_rope(reader: GGUFReader, gguf: Path) -> dict[str, Any] | None:
         if t.name in (ROPE_FREQS, LONG_FACTORS, SHORT_FACTORS)
     }
     kind = value("rope.scaling.type") or ("longrope" if factors else "none")
-    theta, original = float(value("rope.freq_base") or 10000.0), value("rope.scaling.original_context_length")
-    params: dict[str, Any] = {"rope_type": kind, "rope_theta": theta}
-    if set(factors) == {ROPE_FREQS} and kind in ("none", "longrope"):
-        positions = int(value("context_length"))
-        freqs = factors[ROPE_FREQS]
-        return {
-            **params,
-            "rope_type": "longrope",
-            "short_factor": freqs,
-            "long_factor": freqs,
-            "attention_factor": 1.0,
-            "original_max_position_embeddings": positions,
-        }
-    if set(factors) == {LONG_FACTORS, SHORT_FACTORS} and kind == "longrope" and original is not None:
-        params.update(short_factor=factors[SHORT_FACTORS], long_factor=factors[LONG_FACTORS])
-        params["original_max_position_embeddings"] = int(original)
-        if value("rope.scaling.attn_factor") is not None:
-            params["attention_factor"] = float(value("rope.scaling.attn_factor"))
-        return params
-    if not factors and kind == "none":
+    factor, original = value("rope.scaling.factor"), value("rope.scaling.original_context_length")
+    params: dict[str, Any] = {"rope_type": kind, "rope_theta": float(value("rope.freq_base") or 10000.0)}
+    if kind == "none" and not factors:
         return None
-    if not factors and kind == "linear" and value("rope.scaling.factor"):
-        return {**params, "factor": float(value("rope.scaling.factor"))}
-    if not factors and kind == "yarn" and value("rope.scaling.factor") and original is not None:
-        params.update(
-            factor=float(value("rope.scaling.factor")), original_max_position_embeddings=int(original)
-        )
+    if kind in ("none", "longrope") and set(factors) == {ROPE_FREQS}:
+        freqs, positions = factors[ROPE_FREQS], int(value("context_length"))
+        params.update(rope_type="longrope", short_factor=freqs, long_factor=freqs, attention_factor=1.0)
+        return {**params, "original_max_position_embeddings": positions}
+    if kind == "longrope" and set(factors) == {LONG_FACTORS, SHORT_FACTORS} and original is not None:
+        params.update(short_factor=factors[SHORT_FACTORS], long_factor=factors[LONG_FACTORS])
+        if (attention := value("rope.scaling.attn_factor")) is not None:
+            params["attention_factor"] = float(attention)
+        return {**params, "original_max_position_embeddings": int(original)}
+    if kind == "linear" and not factors and factor:
+        return {**params, "factor": float(factor)}
+    if kind == "yarn" and not factors and factor and original is not None:
         for ours in ("beta_fast", "beta_slow"):
-            if value(f"rope.scaling.yarn_{ours}") is not None:
-                params[ours] = float(value(f"rope.scaling.yarn_{ours}"))
-        return params
+            if (beta := value(f"rope.scaling.yarn_{ours}")) is not None:
+                params[ours] = float(beta)
+        return {**params, "factor": float(factor), "original_max_position_embeddings": int(original)}
     raise ValueError(
         f"model: {str(gguf)!r} scales its rope in a way pagedserve does not read (rope.scaling.type "
         f"{kind!r}, factor tensors: {', '.join(sorted(factors)) or 'none'}): linear and yarn with a factor "
