@@ -10,7 +10,9 @@ Layouts (shared with the Triton kernels):
   cos_sin_cache      [max_position, rotary_dim]  first half cos, second half sin (NeoX-style rotation)
 
 A query token i of a sequence with q_len query tokens and context_len cached tokens sits at
-position context_len - q_len + i and attends to cache positions 0..that position (causal).
+position context_len - q_len + i and attends to cache positions 0..that position (causal). Under a
+sliding window of W tokens (`window` W > 0; 0 is none) it attends to the last W of them only: cache
+positions p - W + 1..p for a query at p, as transformers' sliding-window mask (`kv > q - W`).
 """
 
 from __future__ import annotations
@@ -47,13 +49,18 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) 
     return blocks.view(num_seqs, num_blocks * cache.shape[1], *cache.shape[2:])
 
 
-def decode_key_mask(context_lens: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
-    """[num_seqs, 1, 1, num_slots] additive mask: 0 for a sequence's cached slots, -inf past its end.
-    Every layer of a step shares it."""
+def decode_key_mask(
+    context_lens: torch.Tensor, num_slots: int, dtype: torch.dtype, window: int = 0
+) -> torch.Tensor:
+    """[num_seqs, 1, 1, num_slots] additive mask: 0 for a sequence's cached slots, -inf past its end
+    (and, under a `window`, before its last `window` slots). Every layer of a step with this window
+    shares it."""
     slots = torch.arange(num_slots, device=context_lens.device)
-    past_end = slots[None, :] >= context_lens[:, None]
-    mask = torch.zeros(past_end.shape, dtype=dtype, device=context_lens.device)
-    return mask.masked_fill_(past_end, float("-inf"))[:, None, None, :]
+    hidden = slots[None, :] >= context_lens[:, None]
+    if window:
+        hidden |= slots[None, :] < context_lens[:, None] - window
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=context_lens.device)
+    return mask.masked_fill_(hidden, float("-inf"))[:, None, None, :]
 
 
 def paged_attention_decode(
@@ -65,9 +72,11 @@ def paged_attention_decode(
     scale: float,
     max_context_len: int | None = None,
     key_mask: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """One query token per sequence ([num_seqs, num_heads, head_dim]) over its paged context.
-    `max_context_len` (host-side) and `key_mask` (`decode_key_mask`) may be passed in to save work.
+    """One query token per sequence ([num_seqs, num_heads, head_dim]) over its paged context (its
+    last `window` tokens under a sliding window). `max_context_len` (host-side) and `key_mask`
+    (`decode_key_mask`, of the same window) may be passed in to save work.
 
     The query heads sharing a KV head ride in the query-length dimension of one SDPA call:
 
@@ -81,7 +90,7 @@ def paged_attention_decode(
         max_context_len = int(context_lens.max())
     num_blocks = -(-max_context_len // block_size)
     if key_mask is None:
-        key_mask = decode_key_mask(context_lens, num_blocks * block_size, query.dtype)
+        key_mask = decode_key_mask(context_lens, num_blocks * block_size, query.dtype, window)
     keys = gather_kv(k_cache, block_tables, num_blocks).transpose(1, 2)  # [S, KVH, slots, D]
     values = gather_kv(v_cache, block_tables, num_blocks).transpose(1, 2)
     grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -114,10 +123,15 @@ _PAIRS_PER_CALL = 16 * 1024
 
 
 def plan_prefill_batch(
-    query_start_loc: torch.Tensor, context_lens: torch.Tensor, block_size: int, dtype: torch.dtype
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    dtype: torch.dtype,
+    window: int = 0,
 ) -> PrefillBatch | None:
-    """The padded layout of a step's prefills, or None when attending each sequence on its own
-    costs less (long prompts, or one long chunk beside short prompts)."""
+    """The padded layout of a step's prefills (its mask sliding under a `window`), or None when
+    attending each sequence on its own costs less (long prompts, or one long chunk beside short
+    prompts)."""
     starts, ctx = query_start_loc.tolist(), context_lens.tolist()
     q_lens = [end - start for start, end in zip(starts, starts[1:])]
     max_q, max_ctx = max(q_lens), max(ctx)
@@ -135,7 +149,9 @@ def plan_prefill_batch(
     query_pos = (context_lens.long() - q_lens_t)[:, None] + torch.arange(max_q, device=device)[None, :]
     slots = torch.arange(num_blocks * block_size, device=device)
     visible = (slots[None, None, :] <= query_pos[:, :, None]) & (slots < context_lens[:, None, None])
-    visible[:, :, 0] = True  # padded rows (r >= q_len) see slot 0 only if nothing else
+    if window:
+        visible &= slots[None, None, :] > query_pos[:, :, None] - window
+    visible[:, :, 0] |= ~visible.any(dim=-1)  # padded rows (r >= q_len) see slot 0: a finite row
     mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
     return PrefillBatch(rows, mask[:, None], max_q, num_blocks)
 
@@ -165,13 +181,15 @@ def paged_attention_prefill(
     context_lens: torch.Tensor,
     scale: float,
     batch: PrefillBatch | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention for packed variable-length queries ([num_tokens, num_heads, head_dim]) whose
-    keys, earlier context included, are already in the paged cache. `batch` (`plan_prefill_batch`)
-    pads them into one SDPA call; without it each sequence is attended on its own."""
+    keys, earlier context included, are already in the paged cache, each query over the last
+    `window` positions only under a sliding window. `batch` (`plan_prefill_batch`, of the same
+    window) pads them into one SDPA call; without it each sequence is attended on its own."""
     if batch is None:
         return _prefill_each_sequence(
-            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window
         )
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = context_lens.shape[0]
@@ -194,6 +212,7 @@ def _prefill_each_sequence(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int,
 ) -> torch.Tensor:
     out = torch.empty_like(query)
     block_size = k_cache.shape[1]
@@ -207,16 +226,19 @@ def _prefill_each_sequence(
         keys = gather_kv(k_cache, table, num_blocks)[:, :context_len].transpose(1, 2)
         values = gather_kv(v_cache, table, num_blocks)[:, :context_len].transpose(1, 2)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        out[start:end] = _causal_attention(q, keys, values, scale).squeeze(0).transpose(0, 1)
+        out[start:end] = _causal_attention(q, keys, values, scale, window).squeeze(0).transpose(0, 1)
     return out
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int
+) -> torch.Tensor:
     q_len, kv_len = q.shape[2], k.shape[2]
-    if q_len == kv_len:
+    if q_len == kv_len and not window:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-    mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+    kv_pos = torch.arange(kv_len, device=q.device)[None, :]
+    mask = (kv_pos <= q_pos) & (kv_pos > q_pos - window) if window else kv_pos <= q_pos
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
