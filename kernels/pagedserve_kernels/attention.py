@@ -19,6 +19,13 @@
 #
 # Softmax is the online (flash) form in base 2: running max m, running sum l, unnormalised
 # accumulator acc, rescaled by exp2(m_old - m_new) whenever the max grows.
+#
+# Sliding window (`window` W > 0; 0 is none): a query at position p sees keys p - W + 1..p. A key
+# loop starts at the block holding its first visible position, so the blocks wholly before the window
+# are never read (nor their block-table entries), and masks that block's positions before it:
+#
+#   positions   0 ........ 15 | 16 .. 28  29 .. 31 | 32 .. 40
+#   window 12   skipped       | masked    seen ............. |   the query at 40 sees 29..40
 """Paged attention kernels: decode (one query token per sequence, optional split-K) and prefill over
 packed variable-length queries whose keys, earlier context included, are in the paged cache."""
 
@@ -97,13 +104,17 @@ def _online_softmax_step(
     scale_log2: tl.tensor,
     UPCAST: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
-    """One key tile of flash attention. Invariant: every row has a valid key in the first tile it
-    sees, so m_i is finite from then on and exp2(m_i - m_new) never sees -inf - -inf."""
+    """One key tile of flash attention. A row may have no valid key in a tile, and none yet at all:
+    under a window a prefill row's keys start after its tile's first row's, and a split may hold
+    only keys before the window. Such a row keeps m_i == -inf, l_i == 0 and acc == 0."""
     scores = _dot(q, tl.trans(k), UPCAST) * scale_log2
     scores = tl.where(valid, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    # exponents are taken against 0 while a row's max is still -inf: exp2(-inf - 0) weighs 0, where
+    # exp2(-inf - -inf) would be NaN
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_base)
+    p = tl.exp2(scores - m_base[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
     return m_new, l_i, acc
@@ -120,6 +131,7 @@ def _decode_kernel(
     lse_ptr: tl.tensor,
     scale_log2: tl.tensor,
     tokens_per_split: tl.tensor,
+    window: tl.tensor,
     stride_qs: tl.tensor,
     stride_qh: tl.tensor,
     stride_cb: tl.tensor,
@@ -141,14 +153,19 @@ def _decode_kernel(
     UPCAST: tl.constexpr,
 ) -> None:
     """Program (seq, kv_head, split): the group's query heads over keys
-    [split * tokens_per_split, min((split + 1) * tokens_per_split, context_len)). Without split the
-    normalised output goes to out; with it, out holds each split's normalised partial output (fp32)
-    and lse its log2-sum-exp2, merged by _merge_splits_kernel."""
+    [kv_start + split * tokens_per_split, min(kv_start + (split + 1) * tokens_per_split, context_len)),
+    kv_start the first position of the block holding the first visible key (0 without a window), keys
+    before that key masked. Without split the normalised output goes to out; with it, out holds each
+    split's normalised partial output (fp32) and lse its log2-sum-exp2, merged by
+    _merge_splits_kernel."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    start = split * tokens_per_split
+    # the query sits at context_len - 1 and sees keys from `first` on
+    first = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
+    kv_start = first // BLOCK_SIZE * BLOCK_SIZE
+    start = kv_start + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, context_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -167,15 +184,18 @@ def _decode_kernel(
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile_start in range(start, end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
+        # masked in the load, not only in the scores: a V slot read there would still meet its zero
+        # weight in p @ v, and 0 * NaN (an unwritten or reused slot) is NaN
+        n_mask = (offs_n >= first) & (offs_n < end)
         k, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_table_ptr, offs_n, n_mask, kv_head, offs_d, d_mask,
             stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
         )  # fmt: skip
         m_i, l_i, acc = _online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, UPCAST)
 
-    # l_i >= 1 once a key was seen (the max key adds exp2(0)); an empty split (start >= context_len)
-    # keeps l_i == 0, m_i == -inf and acc == 0, so it writes zeros and lse -inf: weight 0 in the merge
+    # l_i >= 1 once a key was seen (the max key adds exp2(0)); an empty split (start >= context_len,
+    # or a block longer than a split and every key of the split before `first`) keeps l_i == 0,
+    # m_i == -inf and acc == 0, so it writes zeros and lse -inf: weight 0 in the merge
     out = acc / tl.maximum(l_i, 1.0)[:, None]
     out_offs = seq * stride_os + heads[:, None] * stride_oh + split * stride_osplit + offs_d[None, :]
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -202,7 +222,8 @@ def _merge_splits_kernel(
     BLOCK_SPLITS: tl.constexpr,
 ) -> None:
     """Program (seq, head): out = sum_s w_s * partial_s with w_s = 2^lse_s / sum_s 2^lse_s.
-    Split 0 is never empty (context_len >= 1), so the max lse is finite."""
+    The split holding the query's first visible key is never empty (context_len >= 1), so the max lse
+    is finite and an empty split's -inf weighs exp2(-inf) = 0 (times its partial of zeros)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_SPLITS)
@@ -229,6 +250,7 @@ def _prefill_kernel(
     context_lens_ptr: tl.tensor,
     out_ptr: tl.tensor,
     scale_log2: tl.tensor,
+    window: tl.tensor,
     stride_qt: tl.tensor,
     stride_qh: tl.tensor,
     stride_cb: tl.tensor,
@@ -250,7 +272,8 @@ def _prefill_kernel(
 
         row r -> token q_tile * BLOCK_Q + r // GROUP, head kv_head * GROUP + r % GROUP
 
-    Token i of a sequence sits at position context_len - q_len + i and sees keys 0..position."""
+    Token i of a sequence sits at position context_len - q_len + i and sees keys 0..position (under
+    a window, position - window + 1..position)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     q_tile = tl.program_id(2)
@@ -263,8 +286,13 @@ def _prefill_kernel(
     tokens = q_tile * BLOCK_Q + offs_m // GROUP
     heads = kv_head * GROUP + offs_m % GROUP
     m_mask = (offs_m < BLOCK_Q * GROUP) & (tokens < q_len)
-    # padded rows get positions >= 0 too, so they also see key 0 and never hold an all -inf row
+    # padded rows get positions too (past the last token's: they may see no key, and are not stored)
     positions = context_len - q_len + tokens
+    # a row sees keys from row_first on; the tile's first token sees the earliest of them, from
+    # `first`, and the key loop starts at the block holding that
+    row_first = tl.where(window > 0, positions - window + 1, 0)
+    first = tl.where(window > 0, tl.maximum(context_len - q_len + q_tile * BLOCK_Q - window + 1, 0), 0)
+    kv_start = first // BLOCK_SIZE * BLOCK_SIZE
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     q_rows = (q_start + tokens).to(tl.int64) * stride_qt + heads * stride_qh
@@ -279,17 +307,18 @@ def _prefill_kernel(
     # a tile past the sequence's last token (grid sized for the longest) reads nothing
     last_token = tl.minimum((q_tile + 1) * BLOCK_Q, q_len) - 1
     kv_end = tl.where(q_tile * BLOCK_Q < q_len, context_len - q_len + last_token + 1, 0)
-    for tile_start in range(0, kv_end, BLOCK_N):
+    for tile_start in range(kv_start, kv_end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
+        n_mask = (offs_n >= first) & (offs_n < kv_end)  # in the load, as in _decode_kernel
         k, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_table_ptr, offs_n, n_mask, kv_head, offs_d, d_mask,
             stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
         )  # fmt: skip
-        valid = n_mask[None, :] & (offs_n[None, :] <= positions[:, None])
+        causal = (offs_n[None, :] <= positions[:, None]) & (offs_n[None, :] >= row_first[:, None])
+        valid = n_mask[None, :] & causal
         m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST)
 
-    out = acc / tl.maximum(l_i, 1.0)[:, None]  # padded rows of an empty tile keep l_i == 0
+    out = acc / tl.maximum(l_i, 1.0)[:, None]  # padded rows that saw no key keep l_i == 0
     out_rows = (q_start + tokens).to(tl.int64) * stride_ot + heads * stride_oh
     tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -300,8 +329,11 @@ def _check_attention_args(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    window: int,
 ) -> int:
     """Checks shared by decode and prefill; returns the GQA group size (query heads per KV head)."""
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0 for no sliding window), got {window}")
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("k_cache", k_cache, ndim=4, dtypes=(query.dtype,), contiguous=True)
     check_tensor("v_cache", v_cache, ndim=4, dtypes=(query.dtype,), contiguous=True)
@@ -349,17 +381,23 @@ def paged_attention_decode(
     *,
     num_splits: int | None = None,
     max_context_len: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """One query token per sequence over its paged context (see reference.paged_attention_decode).
+    """One query token per sequence over its paged context, its last `window` tokens only under a
+    sliding window (0: none; see reference.paged_attention_decode).
 
-    num_splits > 1 splits each context into that many key ranges run in parallel and merged
-    (split-K, for long contexts and few sequences); None picks it from the context length.
-    max_context_len (max of context_lens) spares a device-to-host sync when the caller knows it.
+    num_splits > 1 splits the keys each query sees into that many ranges run in parallel and merged
+    (split-K, for long contexts and few sequences); None picks it from the context length (under a
+    window, from the keys a window leaves). max_context_len (max of context_lens) spares a
+    device-to-host sync when the caller knows it. The window is a runtime argument, not a constexpr,
+    so layers of different windows share compiled kernels (Triton specializes an int argument only
+    when it is 1 or a multiple of 16); a CUDA graph captures it as it captures the scale.
 
     Block ids are trusted, not checked: checking them would cost a device-to-host sync every step.
     Each sequence's first ceil(context_len / block_size) ids must name blocks of the cache (an id
-    outside it reads other memory, or faults); the ids past them are never read."""
-    group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens)
+    outside it reads other memory, or faults); the ids past them, and under a window those of the
+    blocks wholly before it, are never read."""
+    group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens, window)
     num_seqs, num_heads, head_dim = query.shape
     check_shape("context_lens", context_lens, (num_seqs,))
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -372,15 +410,18 @@ def paged_attention_decode(
         f"block_tables: {block_tables.shape[1]} blocks of {block_size} cannot hold {max_context_len} tokens"
     )
     num_kv_heads = k_cache.shape[2]
+    # the keys a program walks: from the start of the block holding the first visible key (at most
+    # block_size - 1 keys before the window) to the end; only these are divided among the splits
+    span = min(max_context_len, window + block_size - 1) if window else max_context_len
     if num_splits is None:
-        num_splits = _default_num_splits(num_seqs * num_kv_heads, max_context_len, query.device)
+        num_splits = _default_num_splits(num_seqs * num_kv_heads, span, query.device)
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     # splits are whole multiples of 16 keys; a request for more splits than that allows gets fewer
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context_len, num_splits), _MIN_DOT) * _MIN_DOT
-    num_splits = triton.cdiv(max_context_len, tokens_per_split)
+    tokens_per_split = triton.cdiv(triton.cdiv(span, num_splits), _MIN_DOT) * _MIN_DOT
+    num_splits = triton.cdiv(span, tokens_per_split)
     if num_splits == 1:
         _launch_decode(
-            query, k_cache, v_cache, block_tables, context_lens, scale, group, out, None, max_context_len
+            query, k_cache, v_cache, block_tables, context_lens, scale, group, out, None, span, window
         )
         return out
     partial = torch.empty(
@@ -388,8 +429,9 @@ def paged_attention_decode(
     )
     lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
     _launch_decode(
-        query, k_cache, v_cache, block_tables, context_lens, scale, group, partial, lse, tokens_per_split
-    )
+        query, k_cache, v_cache, block_tables, context_lens, scale, group, partial, lse, tokens_per_split,
+        window,
+    )  # fmt: skip
     _merge_splits_kernel[(num_seqs, num_heads)](
         partial, lse, out, num_splits, *partial.stride()[:3], *lse.stride()[:2], *out.stride()[:2],
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
@@ -409,6 +451,7 @@ def _launch_decode(
     out: torch.Tensor,
     lse: torch.Tensor | None,
     tokens_per_split: int,
+    window: int,
 ) -> None:
     """out is the final [S, H, D] output (lse None) or the [S, H, splits, D] partials with their
     [S, H, splits] log2-sum-exp2 in lse."""
@@ -421,7 +464,7 @@ def _launch_decode(
     grid = (num_seqs, num_kv_heads, num_splits)
     _decode_kernel[grid](
         query, k_cache, v_cache, block_tables, context_lens, out, lse if is_split else out,
-        scale * _LOG2E, tokens_per_split,
+        scale * _LOG2E, tokens_per_split, window,
         *query.stride()[:2], *k_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), stride_split, *lse_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
@@ -442,14 +485,17 @@ def paged_attention_prefill(
     scale: float,
     *,
     max_query_len: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention for packed variable-length queries over keys in the paged cache (see
+    """Causal attention for packed variable-length queries over keys in the paged cache, each
+    query over its last `window` positions only under a sliding window (0: none; see
     reference.paged_attention_prefill). Requires q_len <= context_len for every sequence.
     max_query_len spares a device-to-host sync when the caller knows it.
 
     Block ids are trusted, as in paged_attention_decode: those covering each context must name
-    blocks of the cache; the ids past them are never read."""
-    group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens)
+    blocks of the cache; the ids past them, and under a window those of the blocks wholly before
+    the first query's, are never read."""
+    group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens, window)
     num_seqs = context_lens.shape[0]
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
@@ -462,7 +508,7 @@ def paged_attention_prefill(
     block_m = max(_PREFILL_BLOCK_M, triton.next_power_of_2(group))
     grid = (num_seqs, k_cache.shape[2], triton.cdiv(max_query_len, block_m // group))
     _prefill_kernel[grid](
-        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale * _LOG2E,
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale * _LOG2E, window,
         *query.stride()[:2], *k_cache.stride()[:3], block_tables.stride(0), *out.stride()[:2],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_N=_PREFILL_BLOCK_N,

@@ -7,7 +7,10 @@ head_dim 80 (not a power of two); each in float32 and bfloat16. Split-K decode, 
 launcher's num_splits, runs every (head_dim, block_size, GQA ratio, dtype) combination on that batch
 of 7 and on batch 1 at 17 and 417 tokens. Beyond the grid: the default split-K choice on a long
 context, unused cache slots holding NaN, logits large enough to overflow a naive softmax, int64
-index tensors, and the launchers' argument checks.
+index tensors, and the launchers' argument checks. Sliding windows (1, under a block, a block,
+several blocks, longer than every context) run decode, split-K decode (a split wholly before the
+window among them) and prefill (chunks after earlier context, query tiles starting before the
+window), with NaN in every slot before the window, and a negative window is refused.
 
 Tolerances: float32 atol = rtol = 1e-4 against the float32 reference. bfloat16 atol = rtol = 2e-2
 against the reference run in float32 on the same bfloat16 inputs (the kernel rounds the softmax
@@ -272,13 +275,17 @@ def test_decode_default_split_k_on_long_context(device: torch.device) -> None:
     torch.testing.assert_close(out, reference.paged_attention_decode(query, *args), atol=1e-4, rtol=1e-4)
 
 
-def poison_unused_slots(cache: PagedCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of the caches with NaN in every slot outside the sequences' contexts: a kernel that
-    reads one (instead of masking the load) returns NaN, since 0 * NaN is NaN."""
+def poison_unused_slots(
+    cache: PagedCache, first_visible: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the caches with NaN in every slot outside the sequences' contexts (and before each
+    sequence's first_visible position, when given): a kernel that reads one (instead of masking the
+    load) returns NaN, since 0 * NaN is NaN."""
     block_size = cache.k_cache.shape[1]
     unused = torch.ones(cache.k_cache.shape[:2], dtype=torch.bool, device=cache.k_cache.device)
     for seq, context_len in enumerate(cache.context_lens.tolist()):
-        positions = torch.arange(context_len, device=unused.device)
+        first = first_visible[seq] if first_visible else 0
+        positions = torch.arange(first, context_len, device=unused.device)
         unused[cache.block_tables[seq, positions // block_size].long(), positions % block_size] = False
     k_cache, v_cache = cache.k_cache.clone(), cache.v_cache.clone()
     k_cache[unused] = float("nan")
@@ -307,6 +314,155 @@ def test_prefill_never_reads_unused_slots(device: torch.device) -> None:
     out = attention.paged_attention_prefill(query, k_cache, v_cache, *tail)
     expected = reference.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+# Sliding windows: 1, under a block, a block, several blocks, longer than every context (block size 16)
+WINDOWS = [pytest.param(w, id=f"w{w}") for w in (1, 7, 16, 45, 1000)]
+# contexts shorter and longer than the windows; one 300 tokens long, past several windows' blocks
+WINDOW_CONTEXTS = [1, 15, 16, 17, 40, 300]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", WINDOWS)
+def test_decode_window_matches_reference(window: int, dtype: torch.dtype, device: torch.device) -> None:
+    cache = make_paged_cache(WINDOW_CONTEXTS, 2, 64, 16, dtype, device)
+    query = torch.randn(len(WINDOW_CONTEXTS), 6, 64, dtype=dtype, device=device)
+    args = (cache.block_tables, cache.context_lens, 0.125)
+    out = attention.paged_attention_decode(query, cache.k_cache, cache.v_cache, *args, window=window)
+    expected = reference.paged_attention_decode(
+        query.float(), cache.k_cache.float(), cache.v_cache.float(), *args, window=window
+    )
+    assert_matches_reference(out, expected, dtype)
+
+
+# (window, block_size, num_splits): the splits divide only the keys from the block holding the first
+# visible one. Window 7 in blocks of 32: one split's share (32 keys) holds the whole window, the
+# second split is empty. Window 20 in blocks of 32: splits of 16 keys, so where the window starts in
+# a block's second half (300 tokens: keys 280..299, in the block 256..287) split 0 holds only keys
+# before it. Window 100: three splits of 48 keys share it.
+WINDOW_SPLIT_CASES = [(7, 32, 2), (20, 32, 4), (100, 16, 3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("window", "block_size", "num_splits"),
+    [pytest.param(*case, id="w{}-bs{}-{}splits".format(*case)) for case in WINDOW_SPLIT_CASES],
+)
+def test_split_k_decode_window_matches_reference(
+    window: int,
+    block_size: int,
+    num_splits: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cache = make_paged_cache(WINDOW_CONTEXTS, 2, 64, block_size, dtype, device)
+    query = torch.randn(len(WINDOW_CONTEXTS), 6, 64, dtype=dtype, device=device)
+    args = (cache.block_tables, cache.context_lens, 0.125)
+    num_splits_launched = spy_on_decode_splits(monkeypatch)
+    out = attention.paged_attention_decode(
+        query, cache.k_cache, cache.v_cache, *args, num_splits=num_splits, window=window
+    )
+    expected = reference.paged_attention_decode(
+        query.float(), cache.k_cache.float(), cache.v_cache.float(), *args, window=window
+    )
+    assert num_splits_launched == [num_splits]
+    assert_matches_reference(out, expected, dtype)
+
+
+def test_default_split_k_divides_only_the_window(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 4,096-token context is split 16 ways without a window; under a window of 256 only ~256 keys
+    are read, too few to split."""
+    cache = make_paged_cache([4096], 1, 64, 16, torch.float32, device)
+    query = torch.randn(1, 4, 64, device=device)
+    args = (cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125)
+    assert attention._default_num_splits(1, 4096, device) == 16
+    num_splits_launched = spy_on_decode_splits(monkeypatch)
+    out = attention.paged_attention_decode(query, *args, window=256)
+    assert num_splits_launched == [1]
+    torch.testing.assert_close(
+        out, reference.paged_attention_decode(query, *args, window=256), atol=1e-4, rtol=1e-4
+    )
+
+
+# (query_len, context_len): whole prompts shorter and longer than the windows, a chunk after earlier
+# context, a sequence with nothing to run, a short chunk deep in a long context, and a long chunk
+# whose query tiles (21 tokens at GQA ratio 3) start before, inside and after the windows
+WINDOW_PREFILL_LENS = [(1, 1), (17, 17), (5, 17), (0, 3), (20, 300), (100, 140)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", WINDOWS)
+def test_prefill_window_matches_reference(window: int, dtype: torch.dtype, device: torch.device) -> None:
+    query_lens = [q for q, _ in WINDOW_PREFILL_LENS]
+    cache = make_paged_cache([c for _, c in WINDOW_PREFILL_LENS], 2, 64, 16, dtype, device)
+    starts = torch.tensor([0, *query_lens], device=device).cumsum(0).to(torch.int32)
+    query = torch.randn(sum(query_lens), 6, 64, dtype=dtype, device=device)
+    args = (cache.block_tables, starts, cache.context_lens, 0.125)
+    out = attention.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *args, window=window)
+    expected = reference.paged_attention_prefill(
+        query.float(), cache.k_cache.float(), cache.v_cache.float(), *args, window=window
+    )
+    assert_matches_reference(out, expected, dtype)
+
+
+@pytest.mark.parametrize("window", [pytest.param(w, id=f"w{w}") for w in (1, 40)])
+def test_prefill_window_rows_of_a_tile_start_after_its_key_tiles(window: int, device: torch.device) -> None:
+    """At GQA ratio 1 a query tile holds 64 tokens, a key tile 32: the tile's last rows see none of
+    its first key tiles (their running max stays -inf for a while) and must still come out exact."""
+    lens = [(64, 64), (70, 100)]
+    cache = make_paged_cache([c for _, c in lens], 2, 64, 16, torch.float32, device)
+    starts = torch.tensor([0, 64, 134], dtype=torch.int32, device=device)
+    query = torch.randn(134, 2, 64, device=device)
+    args = (cache.k_cache, cache.v_cache, cache.block_tables, starts, cache.context_lens, 0.125)
+    out = attention.paged_attention_prefill(query, *args, window=window)
+    expected = reference.paged_attention_prefill(query, *args, window=window)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_never_reads_before_the_window(num_splits: int, device: torch.device) -> None:
+    """NaN in every slot before the window (blocks of 32, so with 4 splits split 0 of the longest
+    sequences holds only such slots) and outside the contexts: the output is the clean cache's."""
+    window = 20
+    cache = make_paged_cache(WINDOW_CONTEXTS, 2, 64, 32, torch.float32, device)
+    k_cache, v_cache = poison_unused_slots(cache, [max(n - window, 0) for n in WINDOW_CONTEXTS])
+    query = torch.randn(len(WINDOW_CONTEXTS), 6, 64, device=device)
+    tail = (cache.block_tables, cache.context_lens, 0.125)
+    out = attention.paged_attention_decode(
+        query, k_cache, v_cache, *tail, num_splits=num_splits, window=window
+    )
+    expected = reference.paged_attention_decode(query, cache.k_cache, cache.v_cache, *tail, window=window)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_never_reads_before_the_window(device: torch.device) -> None:
+    """NaN in every slot before the first query token's window and outside the contexts."""
+    window = 20
+    lens = [(1, 1), (5, 17), (0, 3), (40, 40), (30, 200)]
+    cache = make_paged_cache([c for _, c in lens], 2, 64, 16, torch.float32, device)
+    k_cache, v_cache = poison_unused_slots(cache, [max(c - q - window + 1, 0) for q, c in lens])
+    starts = torch.tensor([0, *(q for q, _ in lens)], device=device).cumsum(0).to(torch.int32)
+    query = torch.randn(int(starts[-1]), 6, 64, device=device)
+    tail = (cache.block_tables, starts, cache.context_lens, 0.125)
+    out = attention.paged_attention_prefill(query, k_cache, v_cache, *tail, window=window)
+    expected = reference.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail, window=window)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_negative_window_is_refused(device: torch.device) -> None:
+    cache = make_paged_cache([17, 5], 2, 64, 16, torch.float32, device)
+    query = torch.randn(2, 4, 64, device=device)
+    kv = (cache.k_cache, cache.v_cache, cache.block_tables)
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        attention.paged_attention_decode(query, *kv, cache.context_lens, 0.125, window=-1)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        attention.paged_attention_prefill(query, *kv, starts, cache.context_lens, 0.125, window=-1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
