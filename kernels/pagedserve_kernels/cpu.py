@@ -89,12 +89,14 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """`reference.paged_attention_decode`, reading K/V straight from the paged cache (needs `load()`).
-    The block ids covering each context are checked first (a RuntimeError names one outside the
-    cache); those past it are padding, never read, and may hold anything."""
+    """`reference.paged_attention_decode`, reading K/V straight from the paged cache (needs `load()`),
+    under a sliding `window` only each context's last `window` slots. The block ids covering each
+    context are checked first (a RuntimeError names one outside the cache); those past it are padding,
+    never read, and may hold anything."""
     return torch.ops.pagedserve_cpu.paged_attention_decode(
-        query, k_cache, v_cache, block_tables, context_lens, scale
+        query, k_cache, v_cache, block_tables, context_lens, scale, window
     )
 
 
@@ -106,13 +108,15 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """`reference.paged_attention_prefill` for bfloat16 and head sizes 64 and 128 on a build whose
-    `decode_isa()` is "avx512_bf16" (a RuntimeError elsewhere): tiles of 16 (query token, query head)
-    lanes sharing a KV head, scores and P V both by vdpbf16ps, the softmax weights rounded to bfloat16
-    for P V as flash attention rounds them. Needs `load()`; block ids are checked as for decode."""
+    """`reference.paged_attention_prefill`, its sliding `window` too, for bfloat16 and head sizes 64
+    and 128 on a build whose `decode_isa()` is "avx512_bf16" (a RuntimeError elsewhere): tiles of 16
+    (query token, query head) lanes sharing a KV head, scores and P V both by vdpbf16ps, the softmax
+    weights rounded to bfloat16 for P V as flash attention rounds them. Needs `load()`; block ids are
+    checked as for decode."""
     return torch.ops.pagedserve_cpu.paged_attention_prefill(
-        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window
     )
 
 

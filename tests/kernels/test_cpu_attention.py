@@ -11,11 +11,15 @@ head size 64, 2 for 128), block sizes 8 and 16, context lengths across block, 16
 Tolerances: float32 1e-5 against the float32 reference; bf16 and fp16 against the reference run in
 float32 on the same inputs, no further off than the reference's own low-precision result. Also
 prefill attention: as decode rows (`reference.prefill_rows`), in the bf16 prefill kernel
-(`paged_attention_prefill`, AVX512-BF16 builds), and the CPU backend's use of the latter.
+(`paged_attention_prefill`, AVX512-BF16 builds), and the CPU backend's use of the latter. Sliding
+windows (`window`): decode and prefill against the reference's windowed attention, windows of 1, below
+a block, of a block, across blocks (and the 256-token tile) and longer than every context; the slots
+before a row's window are never read.
 """
 
 from __future__ import annotations
 
+import functools
 import shutil
 from collections.abc import Callable
 
@@ -78,6 +82,83 @@ def assert_as_near_as_the_reference(
     assert ours <= theirs.abs().max().item() + 1e-3
 
 
+def window_of(kind: str, block_size: int) -> int:
+    """A window of one token, below a block, of a block, across blocks, across 256 tokens (the bf16
+    decode path's tile, on the context of 300), or longer than every context."""
+    return {
+        "1": 1,
+        "below-block": block_size // 2 + 1,
+        "block": block_size,
+        "blocks": 2 * block_size + 3,
+        "past-tile": 260,
+        "past-all": 2000,
+    }[kind]
+
+
+WINDOWS = ["1", "below-block", "block", "blocks", "past-tile", "past-all"]
+# GQA 3 and 4 of CASES: the AVX512-BF16 path's passes of heads (4 for head size 64, 2 for 128) partial
+# and whole
+WINDOW_CASES = [case for case in CASES if case.id is not None and case.id.startswith(("gqa3-", "gqa4-"))]
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), WINDOW_CASES)
+@pytest.mark.parametrize("kind", WINDOWS)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
+def test_decode_under_a_window_matches_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, kind: str, dtype: torch.dtype
+) -> None:
+    """Each row over its context's last `window` tokens, on contexts shorter and longer than the window
+    (head sizes 64 and 128 in bf16: the AVX512-BF16 path; the rest the generic loops)."""
+    window = window_of(kind, block_size)
+    cache = make_paged_cache(CONTEXT_LENS, num_kv_heads, head_dim, block_size, dtype, torch.device("cpu"))
+    query = torch.randn(len(CONTEXT_LENS), num_heads, head_dim, dtype=dtype)
+    tail = (cache.block_tables, cache.context_lens, head_dim**-0.5)
+    out = cpu.paged_attention_decode(query, cache.k_cache, cache.v_cache, *tail, window=window)
+    windowed = functools.partial(reference.paged_attention_decode, window=window)
+    assert_as_near_as_the_reference(out, windowed, query, cache, tail)
+
+
+def poison_before_the_windows(
+    cache: PagedCache, caches: tuple[torch.Tensor, torch.Tensor], first_visible: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of `caches` with NaN also in each sequence's slots before position first_visible[seq]
+    (its blocks are its own: no other sequence reads them)."""
+    block_size = cache.k_cache.shape[1]
+    k_cache, v_cache = caches[0].clone(), caches[1].clone()
+    for seq, first in enumerate(first_visible):
+        positions = torch.arange(first)
+        blocks = cache.block_tables[seq, positions // block_size].long()
+        k_cache[blocks, positions % block_size] = float("nan")
+        v_cache[blocks, positions % block_size] = float("nan")
+    return k_cache, v_cache
+
+
+@pytest.mark.parametrize("head_dim", [64, 80], ids=["d64", "d80"])
+@pytest.mark.parametrize("window", [1, 5, 8, 20, 260])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
+def test_decode_never_reads_the_slots_before_the_window(
+    head_dim: int, window: int, dtype: torch.dtype
+) -> None:
+    """The slots before each row's window (and past its context) hold NaN: a row that read one, even
+    masked, would turn NaN (0 * NaN). The output is finite and the reference's on the clean cache."""
+    lens = [1, 17, 100, 33, 300]
+    cache = make_paged_cache(lens, 2, head_dim, 8, dtype, torch.device("cpu"))
+    caches = poison_before_the_windows(cache, poison_unused_slots(cache), [max(0, n - window) for n in lens])
+    query = torch.randn(len(lens), 6, head_dim).to(dtype)
+    tail = (cache.block_tables, cache.context_lens, 0.125)
+    out = cpu.paged_attention_decode(query, *caches, *tail, window=window)
+    assert torch.isfinite(out).all()
+    expected = reference.paged_attention_decode(
+        query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail, window=window
+    )
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16, fp16: the output's rounding
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_reads_a_strided_query_and_never_the_unused_slots(dtype: torch.dtype) -> None:
     """The query is a view into the fused qkv projection (rows wider than heads * head_dim), and
@@ -130,6 +211,10 @@ def test_bad_arguments_are_refused_with_the_reason() -> None:
     with pytest.raises(RuntimeError, match="one block table row"):
         cpu.paged_attention_decode(
             query[:1], cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale
+        )
+    with pytest.raises(RuntimeError, match="window must be 0 .none. or positive, got -1"):
+        cpu.paged_attention_decode(
+            query, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale, window=-1
         )
 
 
@@ -188,17 +273,20 @@ def test_prefill_rows_are_each_tokens_sequence_and_context() -> None:
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 128), (6, 2, 80)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [0, 1, 7, 40])
 def test_decode_over_prefill_rows_is_prefill_attention(
-    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, window: int
 ) -> None:
     """The decode kernel over `prefill_rows` is causal prefill attention, earlier context included
-    (bf16 head sizes 64 and 128: the AVX512-BF16 path, tiles of 256 tokens; 80: the generic one)."""
+    (bf16 head sizes 64 and 128: the AVX512-BF16 path, tiles of 256 tokens; 80: the generic one), and
+    under a window the prefill's sliding-window attention."""
     cache, starts, query = prefill_case(num_heads, num_kv_heads, head_dim, dtype)
     scale = head_dim**-0.5
     rows = reference.prefill_rows(cache.block_tables, starts, cache.context_lens)
-    out = cpu.paged_attention_decode(query, cache.k_cache, cache.v_cache, *rows, scale)
+    out = cpu.paged_attention_decode(query, cache.k_cache, cache.v_cache, *rows, scale, window=window)
     tail = (cache.block_tables, starts, cache.context_lens, scale)
-    assert_as_near_as_the_reference(out, reference.paged_attention_prefill, query, cache, tail)
+    windowed = functools.partial(reference.paged_attention_prefill, window=window)
+    assert_as_near_as_the_reference(out, windowed, query, cache, tail)
 
 
 def prefill_metadata(cache: PagedCache, starts: torch.Tensor) -> AttentionMetadata:
@@ -255,21 +343,64 @@ def test_prefill_kernel_matches_reference(
 
 
 def assert_as_near_as_flash_attention(
-    out: torch.Tensor, query: torch.Tensor, cache: PagedCache, tail: tuple[object, ...]
+    out: torch.Tensor, query: torch.Tensor, cache: PagedCache, tail: tuple[object, ...], window: int = 0
 ) -> None:
     """The prefill kernel rounds the softmax weights to bf16 for P V (as flash attention does): each
     weight within 2^-9 of its value, so the output within 2^-9 max|V| of the exact one beyond the
-    reference's own bf16 error; and on average no more than 1.5x as far off as the reference's."""
+    reference's own bf16 error; and on average no more than 1.5x as far off as the reference's (both
+    under `window`)."""
     exact = reference.paged_attention_prefill(
-        query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail
+        query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail, window=window
     )
     theirs = (
-        reference.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail).float() - exact
+        reference.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail, window=window).float()
+        - exact
     ).abs()
     ours = (out.float() - exact).abs()
     weights_rounding = 2**-9 * cache.v_cache.float().abs().max().item()
     assert ours.max().item() <= theirs.max().item() + weights_rounding + 1e-3
     assert ours.mean().item() <= 1.5 * theirs.mean().item()
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(9, 3, 64), (8, 8, 64), (20, 1, 64), (8, 2, 128)],
+    ids=["gqa3-d64", "mha-d64", "gqa20-d64", "gqa4-d128"],
+)
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("kind", WINDOWS)
+def test_prefill_kernel_under_a_window_matches_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, kind: str
+) -> None:
+    """Each query token over its last `window` positions: prompts and chunks after earlier context
+    (LONG_PREFILL_LENS) shorter and longer than the window, a tile's rows (16 lanes: 16 rows of one
+    head, 5 of 3, 1 of 20) reaching back to different first keys; as near the float32 reference as
+    its own bf16 run."""
+    needs_the_prefill_kernel()
+    window = window_of(kind, block_size)
+    lens = LONG_PREFILL_LENS
+    cache = make_paged_cache(
+        [c for _, c in lens], num_kv_heads, head_dim, block_size, torch.bfloat16, torch.device("cpu")
+    )
+    starts = torch.tensor([0, *(q for q, _ in lens)]).cumsum(0).to(torch.int32)
+    query = torch.randn(int(starts[-1]), num_heads, head_dim, dtype=torch.bfloat16)
+    tail = (cache.block_tables, starts, cache.context_lens, head_dim**-0.5)
+    out = cpu.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail, window=window)
+    assert_as_near_as_flash_attention(out, query, cache, tail, window=window)
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 20, 45])
+def test_prefill_kernel_never_reads_the_slots_before_the_windows(window: int) -> None:
+    """The slots before each sequence's first query token's window (and past its context) hold NaN:
+    no tile reads one. Finite, and near the float32 reference on the clean cache."""
+    needs_the_prefill_kernel()
+    lens = [(20, 20), (3, 40), (50, 57), (17, 300)]
+    cache = make_paged_cache([c for _, c in lens], 2, 64, 8, torch.bfloat16, torch.device("cpu"))
+    first_visible = [max(0, c - q - window + 1) for q, c in lens]
+    caches = poison_before_the_windows(cache, poison_unused_slots(cache), first_visible)
+    starts = torch.tensor([0, *(q for q, _ in lens)]).cumsum(0).to(torch.int32)
+    query = torch.randn(int(starts[-1]), 6, 64).to(torch.bfloat16)
+    assert_prefill_finite_and_near_float32(query, caches, cache, starts, window)
 
 
 def test_prefill_kernel_reads_a_strided_query_and_never_the_unused_slots() -> None:
@@ -294,15 +425,20 @@ def test_prefill_kernel_softmax_is_stable_for_huge_logits() -> None:
 
 
 def assert_prefill_finite_and_near_float32(
-    query: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], cache: PagedCache, starts: torch.Tensor
+    query: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    cache: PagedCache,
+    starts: torch.Tensor,
+    window: int = 0,
 ) -> None:
-    """The prefill kernel over `caches` (the cache's own, or copies with its unused slots poisoned):
-    finite, and within 2e-2 (the output's bf16 rounding) of the float32 reference on the clean cache."""
+    """The prefill kernel over `caches` (the cache's own, or copies with its unused slots poisoned),
+    under `window`: finite, and within 2e-2 (the output's bf16 rounding) of the float32 reference on
+    the clean cache."""
     tail = (cache.block_tables, starts, cache.context_lens, 0.125)
-    out = cpu.paged_attention_prefill(query, *caches, *tail)
+    out = cpu.paged_attention_prefill(query, *caches, *tail, window=window)
     assert torch.isfinite(out).all()
     expected = reference.paged_attention_prefill(
-        query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail
+        query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail, window=window
     )
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
@@ -340,6 +476,8 @@ def test_prefill_kernel_refuses_bad_arguments_with_the_reason() -> None:
     outside[4, 0] = cache.k_cache.shape[0]
     with pytest.raises(RuntimeError, match=r"block_tables\[4, 0\].*not a block of the KV cache"):
         cpu.paged_attention_prefill(query, *caches, outside, starts, lens, 0.1)
+    with pytest.raises(RuntimeError, match="window must be 0 .none. or positive, got -2"):
+        cpu.paged_attention_prefill(query, *caches, tables, starts, lens, 0.1, window=-2)
 
 
 def test_the_backend_runs_bf16_prefill_in_the_prefill_kernel() -> None:

@@ -12,11 +12,14 @@
 //   (every KV head) are widened to float32 once and scored against every query head, then its V
 //   slots are widened and accumulated.
 // Both trust the block ids they read: check_block_tables (paged_checks.h) has checked them first.
+// Under a sliding window of W tokens (`window` > 0) a row reads only its context's last W slots: its
+// key loop starts at the first of them, so a long context costs only the window.
 //
 // paged_attention_prefill: causal attention of packed prompt chunks (bfloat16, head size 64 or 128,
 // AVX512-BF16 builds only), the engine's bf16 prefill path: tiles of query tokens times the heads of
 // a KV head's group, 16 lanes, scores and P V both by vdpbf16ps (prefill_kernel_avx512_bf16). Each K/V
 // row is read once a tile, not once a query token as the decode kernel over prefill rows reads it.
+// Under a window a tile's keys start at the first its earliest token sees.
 //
 // write_kv_cache: this step's K/V rows copied into their slots, one call per layer.
 //
@@ -149,11 +152,11 @@ inline __m512 exp_nonpositive16(__m512 x) {
 #endif
 
 // What both decode kernels read: sizes, data pointers and strides of one call's tensors (checked by
-// paged_attention_decode), and the slot arithmetic of the paged layout.
+// paged_attention_decode), the sliding window (0: none), and the slot arithmetic of the paged layout.
 template <typename scalar_t>
 struct DecodeArgs {
   DecodeArgs(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale)
+             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window)
       : num_seqs(query.size(0)),
         num_heads(query.size(1)),
         dim(query.size(2)),
@@ -167,6 +170,7 @@ struct DecodeArgs {
         o_seq_stride(out.stride(0)),
         o_head_stride(out.stride(1)),
         scale(static_cast<float>(scale)),
+        window(window),
         q(query.data_ptr<scalar_t>()),
         k_cache(k_cache.data_ptr<scalar_t>()),
         v_cache(v_cache.data_ptr<scalar_t>()),
@@ -178,11 +182,15 @@ struct DecodeArgs {
   int64_t slot_size;  // one cache slot: every KV head of one token
   int64_t q_seq_stride, q_head_stride, o_seq_stride, o_head_stride;
   float scale;
+  int64_t window;  // > 0: a row sees its context's last `window` tokens; 0: all of them
   const scalar_t *q, *k_cache, *v_cache;
   const int32_t *tables, *lens;
   scalar_t* out;
 
   int64_t context_len(int64_t seq) const { return lens[seq]; }  // within its table row: checked
+  // the first position row `seq` sees: its query sits at context_len - 1, and under a window of W sees
+  // positions from context_len - W on (transformers' kv > q - W)
+  int64_t first_visible(int64_t seq) const { return window > 0 ? std::max<int64_t>(0, lens[seq] - window) : 0; }
   // the offset of the slot holding token `pos` of sequence `seq`, in either cache (its block id: checked)
   int64_t slot_offset(int64_t seq, int64_t pos) const {
     const int32_t block = tables[seq * max_blocks + pos / block_size];
@@ -203,7 +211,7 @@ struct DecodeArgs {
 template <typename scalar_t, typename F>
 void parallel_over_rows(const DecodeArgs<scalar_t>& a, const F& fn) {
   const int64_t parts = std::min<int64_t>(at::get_num_threads(), a.num_seqs);
-  const std::vector<int64_t> bounds = pagedserve::decode_row_split(a.lens, a.num_seqs, parts);
+  const std::vector<int64_t> bounds = pagedserve::decode_row_split(a.lens, a.num_seqs, parts, a.window);
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     for (int64_t part = part_begin; part < part_end; ++part)
       if (bounds[part] < bounds[part + 1]) fn(bounds[part], bounds[part + 1]);
@@ -228,7 +236,8 @@ void decode_rows(const DecodeArgs<scalar_t>& a, int64_t begin, int64_t end) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     std::fill(maxes.begin(), maxes.end(), neg_inf);
     std::fill(sums.begin(), sums.end(), 0.0f);
-    for (int64_t first = 0; first < context_len; first += kChunk) {
+    // from the first visible token exactly: one query a row, so nothing before it needs a mask
+    for (int64_t first = a.first_visible(seq); first < context_len; first += kChunk) {
       const int64_t n = std::min(kChunk, context_len - first);
       for (int64_t t = 0; t < n; ++t) offsets[t] = a.slot_offset(seq, first + t);
       for (int64_t t = 0; t < n; ++t) widen(a.k_cache + offsets[t], rows.data() + t * slot_size, slot_size);
@@ -380,8 +389,9 @@ class NextRowPrefetch {
         lines_per_block_((block_bytes_ + 63) / 64) {
     if (next >= end || steps <= 0) return;
     blocks_ = a.tables + next * a.max_blocks;
+    block_ = a.first_visible(next) / a.block_size;  // under a window: the blocks it reads only
     num_blocks_ = std::min(a.max_blocks, (a.context_len(next) + a.block_size - 1) / a.block_size);
-    lines_per_step_ = (num_blocks_ * lines_per_block_ + steps - 1) / steps;
+    lines_per_step_ = ((num_blocks_ - block_) * lines_per_block_ + steps - 1) / steps;
   }
 
   void step() {
@@ -417,11 +427,12 @@ void decode_rows_avx512_bf16(const DecodeArgs<c10::BFloat16>& a, int64_t begin, 
   int64_t offsets[kTile];
   const bf16* keys[kChunk];
   for (int64_t seq = begin; seq < end; ++seq) {
-    const int64_t context_len = a.context_len(seq);
+    const int64_t context_len = a.context_len(seq), start = a.first_visible(seq);
     std::fill(states.begin(), states.end(), HeadState<kDim>());
-    const int64_t chunks = a.num_kv_heads * group * ((context_len + kChunk - 1) / kChunk);  // scored below
+    const int64_t chunks = a.num_kv_heads * group * ((context_len - start + kChunk - 1) / kChunk);  // scored below
     NextRowPrefetch prefetch(a, seq + 1, end, chunks);
-    for (int64_t first = 0; first < context_len; first += kTile) {
+    // from the first visible token exactly: one query a row, so nothing before it needs a mask
+    for (int64_t first = start; first < context_len; first += kTile) {
       const int64_t n = std::min(kTile, context_len - first);
       const int64_t padded = (n + kChunk - 1) / kChunk * kChunk;  // past n: the last slot again
       for (int64_t t = 0; t < padded; ++t) offsets[t] = a.slot_offset(seq, first + std::min(t, n - 1));
@@ -515,14 +526,15 @@ inline void transpose16(__m512* r) {
 // - scores: 16 vectors (one a key) of vdpbf16ps over the head size, each step a pair of the query's
 //   dimensions (packed once a tile) against the key's same pair broadcast: no horizontal sums, where
 //   a decode row reduces 16 partial-sum vectors to one per 16 keys;
-// - an online softmax per lane (running max and sum as vectors), keys past a lane's position masked;
+// - an online softmax per lane (running max and sum as vectors), keys past a lane's position masked
+//   (and under a window, those before its first visible one);
 // - P V by vdpbf16ps too, two keys a step: the weights rounded to bfloat16 (as flash attention's
 //   P V product takes them), the V rows of the two keys interleaved once a chunk, accumulators float32.
 // Every K and V row is read once a tile instead of once a query token.
 struct PrefillArgs {
   PrefillArgs(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-              double scale)
+              double scale, int64_t window)
       : num_seqs(block_tables.size(0)),
         num_heads(query.size(1)),
         dim(query.size(2)),
@@ -539,6 +551,8 @@ struct PrefillArgs {
         o_token_stride(out.stride(0)),
         o_head_stride(out.stride(1)),
         scale(static_cast<float>(scale)),
+        // lanes compare int32 positions: a window past every int32 context is as long as any
+        window(std::min<int64_t>(window, std::numeric_limits<int32_t>::max())),
         q(query.data_ptr<c10::BFloat16>()),
         k_cache(k_cache.data_ptr<c10::BFloat16>()),
         v_cache(v_cache.data_ptr<c10::BFloat16>()),
@@ -551,6 +565,7 @@ struct PrefillArgs {
   int64_t heads_per_tile, rows_per_tile, head_groups;
   int64_t q_token_stride, q_head_stride, o_token_stride, o_head_stride;
   float scale;
+  int64_t window;  // > 0: a token at p sees keys p - window + 1..p; 0: keys 0..p
   const c10::BFloat16 *q, *k_cache, *v_cache;
   const int32_t *tables, *starts, *lens;
   c10::BFloat16* out;
@@ -562,9 +577,10 @@ struct PrefillArgs {
 };
 
 // One work item: rows [first_row, first_row + num_rows) of the packed query, consecutive tokens of
-// sequence `seq` at positions first_pos.. (each sees the keys up to its own position).
+// sequence `seq` at positions first_pos.. (each sees the keys up to its own position, from first_key
+// on: the first its first token sees, 0 without a window).
 struct PrefillTile {
-  int64_t seq, first_row, num_rows, first_pos;
+  int64_t seq, first_row, num_rows, first_pos, first_key;
   int32_t num_keys() const { return static_cast<int32_t>(first_pos + num_rows); }
 };
 
@@ -587,16 +603,25 @@ class PrefillTileRunner {
     for (int l = 0; l < 16; ++l)  // dead lanes take the last row's position (finite scores, never stored)
       lane_pos[l] = static_cast<int32_t>(tile.first_pos + std::min<int64_t>(l / ht, tile.num_rows - 1));
     const __m512i positions = _mm512_load_si512(lane_pos);
+    // a lane sees the keys above this (its position minus the window; -1 without one: every key)
+    const __m512i before = a_.window > 0
+                               ? _mm512_sub_epi32(positions, _mm512_set1_epi32(static_cast<int32_t>(a_.window)))
+                               : _mm512_set1_epi32(-1);
+    const int64_t last_before = a_.window > 0 ? tile.first_pos + tile.num_rows - 1 - a_.window : -1;  // the last lane's
     for (int64_t kv = 0; kv < a_.num_kv_heads; ++kv)
       for (int64_t hg = 0; hg < a_.head_groups; ++hg) start_group(tile, kv, hg, groups_[kv * a_.head_groups + hg]);
     const int64_t num_keys = tile.num_keys();
-    for (int64_t k0 = 0; k0 < num_keys; k0 += 16) {
+    // from the first key the tile's first token sees: the keys before it are no lane's, never read
+    for (int64_t k0 = tile.first_key; k0 < num_keys; k0 += 16) {
       const int64_t n = std::min<int64_t>(16, num_keys - k0);
       __mmask16 valid[16];
-      const bool masked = k0 + 15 > tile.first_pos;  // some key here is past some lane's position
+      // some key here is past some lane's position, or (under a window) before some lane's first
+      const bool masked = k0 + 15 > tile.first_pos || k0 <= last_before;
       if (masked)
-        for (int j = 0; j < 16; ++j)
-          valid[j] = j < n ? _mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32(static_cast<int32_t>(k0 + j))) : 0;
+        for (int j = 0; j < 16; ++j) {
+          const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(k0 + j));
+          valid[j] = j < n ? _mm512_mask_cmplt_epi32_mask(_mm512_cmpge_epi32_mask(positions, key), before, key) : 0;
+        }
       for (int j = 0; j < 16; ++j) slots_[j] = a_.slot_offset(tile.seq, k0 + std::min<int64_t>(j, n - 1));
       for (int64_t kv = 0; kv < a_.num_kv_heads; ++kv) {
         pack_chunk(kv);
@@ -701,7 +726,7 @@ class PrefillTileRunner {
   }
 
   void finish_group(const PrefillTile& tile, int64_t kv, int64_t hg, const LaneGroup<kDim>& g) const {
-    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), g.sum);  // every lane saw key 0: sum > 0
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), g.sum);  // every lane saw a key: sum > 0
     for (int64_t d0 = 0; d0 < kDim; d0 += 16) {  // 16 dimensions of every lane, transposed to a lane each
       __m512 dims[16];
       for (int i = 0; i < 16; ++i) dims[i] = _mm512_mul_ps(g.acc[d0 + i], inv);
@@ -728,13 +753,14 @@ void prefill_kernel_avx512_bf16(const PrefillArgs& a) {
   for (int64_t seq = 0; seq < a.num_seqs; ++seq) {
     const int64_t q_len = a.starts[seq + 1] - a.starts[seq], first_pos = a.lens[seq] - q_len;
     for (int64_t r = 0; r < q_len; r += a.rows_per_tile) {
-      tiles.push_back({seq, a.starts[seq] + r, std::min(a.rows_per_tile, q_len - r), first_pos + r});
-      costs.push_back(tiles.back().num_keys());
+      const int64_t pos = first_pos + r, first_key = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+      tiles.push_back({seq, a.starts[seq] + r, std::min(a.rows_per_tile, q_len - r), pos, first_key});
+      costs.push_back(tiles.back().num_keys() - first_key);
     }
   }
   if (tiles.empty()) return;
   const int64_t parts = std::min<int64_t>(at::get_num_threads(), tiles.size());
-  const std::vector<int64_t> bounds = pagedserve::decode_row_split(costs.data(), tiles.size(), parts);
+  const std::vector<int64_t> bounds = pagedserve::decode_row_split(costs.data(), tiles.size(), parts, 0);
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     for (int64_t part = part_begin; part < part_end; ++part) {
       if (bounds[part] == bounds[part + 1]) continue;
@@ -779,8 +805,10 @@ at::Tensor paged_attention_decode(
     const at::Tensor& v_cache,
     const at::Tensor& block_tables,
     const at::Tensor& context_lens,
-    double scale) {
+    double scale,
+    int64_t window) {
   check_attention_shapes(query, k_cache, v_cache, "seqs");
+  TORCH_CHECK(window >= 0, "paged_attention_decode: window must be 0 (none) or positive, got ", window);
   TORCH_CHECK(query.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "query rows and the caches must be contiguous");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -795,9 +823,15 @@ at::Tensor paged_attention_decode(
   pagedserve::check_block_tables(tables, lens, k_cache.size(1), k_cache.size(0));
   auto out = at::empty_like(query);
   switch (query.scalar_type()) {
-    case at::kFloat: dispatch_dim(DecodeArgs<float>(out, query, k_cache, v_cache, tables, lens, scale)); break;
-    case at::kBFloat16: dispatch_dim(DecodeArgs<c10::BFloat16>(out, query, k_cache, v_cache, tables, lens, scale)); break;
-    case at::kHalf: dispatch_dim(DecodeArgs<c10::Half>(out, query, k_cache, v_cache, tables, lens, scale)); break;
+    case at::kFloat:
+      dispatch_dim(DecodeArgs<float>(out, query, k_cache, v_cache, tables, lens, scale, window));
+      break;
+    case at::kBFloat16:
+      dispatch_dim(DecodeArgs<c10::BFloat16>(out, query, k_cache, v_cache, tables, lens, scale, window));
+      break;
+    case at::kHalf:
+      dispatch_dim(DecodeArgs<c10::Half>(out, query, k_cache, v_cache, tables, lens, scale, window));
+      break;
     default: TORCH_CHECK(false, "paged_attention_decode: float32, bfloat16 or float16, not ", query.scalar_type());
   }
   return out;
@@ -805,8 +839,9 @@ at::Tensor paged_attention_decode(
 
 // Causal prefill attention of packed prompt chunks read from the paged cache (their own K/V written
 // there first): query [tokens, heads, head_dim], sequence s's rows query_start_loc[s] ..
-// query_start_loc[s + 1], at the last positions of its context_lens[s] tokens. bfloat16, head sizes
-// 64 and 128, on AVX512-BF16 builds (decode_isa() == "avx512_bf16"); elsewhere the caller keeps SDPA.
+// query_start_loc[s + 1], at the last positions of its context_lens[s] tokens, each over its last
+// `window` positions only under a window (> 0). bfloat16, head sizes 64 and 128, on AVX512-BF16 builds
+// (decode_isa() == "avx512_bf16"); elsewhere the caller keeps SDPA.
 at::Tensor paged_attention_prefill(
     const at::Tensor& query,
     const at::Tensor& k_cache,
@@ -814,8 +849,10 @@ at::Tensor paged_attention_prefill(
     const at::Tensor& block_tables,
     const at::Tensor& query_start_loc,
     const at::Tensor& context_lens,
-    double scale) {
+    double scale,
+    int64_t window) {
   check_attention_shapes(query, k_cache, v_cache, "tokens");
+  TORCH_CHECK(window >= 0, "paged_attention_prefill: window must be 0 (none) or positive, got ", window);
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16,
               "paged_attention_prefill: bfloat16 query and caches");
@@ -843,7 +880,7 @@ at::Tensor paged_attention_prefill(
   const auto q = query.stride(2) == 1 ? query : query.contiguous();  // a head's dimensions in one run
   auto out = at::empty(query.sizes(), query.options());
 #ifdef PAGEDSERVE_AVX512_BF16
-  const PrefillArgs args(out, q, k_cache, v_cache, tables, starts, lens, scale);
+  const PrefillArgs args(out, q, k_cache, v_cache, tables, starts, lens, scale, window);
   if (args.dim == 64) prefill_kernel_avx512_bf16<64>(args);
   else prefill_kernel_avx512_bf16<128>(args);
 #else
@@ -1550,10 +1587,14 @@ std::string decode_isa() {
 
 }  // namespace
 
-std::vector<int64_t> pagedserve::decode_row_split(const int32_t* context_lens, int64_t num_rows, int64_t parts) {
+std::vector<int64_t> pagedserve::decode_row_split(const int32_t* context_lens, int64_t num_rows, int64_t parts,
+                                                  int64_t window) {
   constexpr int64_t kRowCost = 16;
   std::vector<int64_t> work(num_rows + 1, 0);  // work[r]: rows before r
-  for (int64_t r = 0; r < num_rows; ++r) work[r + 1] = work[r] + context_lens[r] + kRowCost;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t read = window > 0 ? std::min<int64_t>(context_lens[r], window) : context_lens[r];
+    work[r + 1] = work[r] + read + kRowCost;
+  }
   std::vector<int64_t> bounds(parts + 1, num_rows);
   for (int64_t part = 0; part < parts; ++part)  // the first row whose work starts at or past part's share
     bounds[part] = std::lower_bound(work.begin(), work.end(), work.back() * part / parts) - work.begin();
@@ -1562,9 +1603,9 @@ std::vector<int64_t> pagedserve::decode_row_split(const int32_t* context_lens, i
 
 void pagedserve::decode_attention_rows_bf16(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                            const at::Tensor& context_lens, double scale, int64_t begin,
-                                            int64_t end) {
-  const DecodeArgs<c10::BFloat16> args(out, query, k_cache, v_cache, block_tables, context_lens, scale);
+                                            const at::Tensor& context_lens, double scale, int64_t window,
+                                            int64_t begin, int64_t end) {
+  const DecodeArgs<c10::BFloat16> args(out, query, k_cache, v_cache, block_tables, context_lens, scale, window);
   switch (args.dim) {  // the paths dispatch_dim takes
 #ifdef PAGEDSERVE_AVX512_BF16
     case 64: return decode_rows_avx512_bf16<64>(args, begin, end);
@@ -1587,9 +1628,9 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("logprob_rows(Tensor logits, Tensor? tokens, int k) -> (Tensor, Tensor, Tensor)");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int window=0) -> Tensor");
   m.def("paged_attention_prefill(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor context_lens, float scale) -> Tensor");
+        "Tensor query_start_loc, Tensor context_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {

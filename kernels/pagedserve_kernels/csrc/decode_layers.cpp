@@ -211,8 +211,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("pagedserve_cpu::paged_attention_decode", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, double)>();
-  return op.call(q, k_cache, v_cache, block_tables, context_lens, scale);
+                            const at::Tensor&, double, int64_t)>();
+  return op.call(q, k_cache, v_cache, block_tables, context_lens, scale, /*window=*/0);
 }
 
 // A barrier for the threads of one parallel region. Two threads meet here in a few hundred
@@ -327,8 +327,8 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
   const auto attend = [&](const at::Tensor& k_cache, const at::Tensor& v_cache) {
     const auto run = [&](int64_t r) {
       if (runs[r] < runs[r + 1])
-        pagedserve::decode_attention_rows_bf16(s.attn, s.q, k_cache, v_cache, s.tables, s.lens, s.scale, runs[r],
-                                               runs[r + 1]);
+        pagedserve::decode_attention_rows_bf16(s.attn, s.q, k_cache, v_cache, s.tables, s.lens, s.scale,
+                                               /*window=*/0, runs[r], runs[r + 1]);
     };
     pagedserve::take_share_then_steal(
         take_part(1), threads, thread, [&](int64_t r, bool) { run(r); }, run);
@@ -390,7 +390,8 @@ void decode_layers_team(const TeamStep& s) {
     {  // the team OpenMP gives, which may be smaller than asked for
       const int threads = omp_get_num_threads();
       barrier.set_threads(threads);
-      runs = pagedserve::decode_row_split(s.lens.data_ptr<int32_t>(), s.tokens, threads * kAttentionRunsPerThread);
+      runs = pagedserve::decode_row_split(s.lens.data_ptr<int32_t>(), s.tokens, threads * kAttentionRunsPerThread,
+                                          /*window=*/0);
       ranges = panel_ranges(s, threads);
     }  // (every thread waits here, then sees them)
     run_team_thread(s, barrier, runs, ranges.get(), omp_get_thread_num(), omp_get_num_threads());

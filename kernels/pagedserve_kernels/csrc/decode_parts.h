@@ -40,17 +40,19 @@ void linear_amx_panel(const c10::BFloat16* x, int64_t ld_x, const c10::BFloat16*
 // Gives the thread's tile state back (after its last linear_amx_panel), if it loaded any.
 void release_amx_tiles(AmxTiles& tiles);
 
-// The first row of each of `parts` runs of rows of about equal work (a row costs its context plus a
-// few tokens' worth of its own), then `num_rows`: parts + 1 bounds. As paged_attention_decode splits
-// its rows over threads.
-std::vector<int64_t> decode_row_split(const int32_t* context_lens, int64_t num_rows, int64_t parts);
+// The first row of each of `parts` runs of rows of about equal work (a row costs its context, at most
+// `window` tokens of it under a window (> 0), plus a few tokens' worth of its own), then `num_rows`:
+// parts + 1 bounds. As paged_attention_decode splits its rows over threads.
+std::vector<int64_t> decode_row_split(const int32_t* context_lens, int64_t num_rows, int64_t parts,
+                                      int64_t window);
 
-// Decode attention (paged_attention_decode) of rows [begin, end) into `out` [rows, heads, head_dim],
-// bfloat16, on the path paged_attention_decode would take (head sizes 64 and 128 on AVX512-BF16
-// where the build has it, the generic loops otherwise), every argument checked by the caller as
-// paged_attention_decode checks it (the block tables and context lengths contiguous).
+// Decode attention (paged_attention_decode, under `window`) of rows [begin, end) into `out` [rows,
+// heads, head_dim], bfloat16, on the path paged_attention_decode would take (head sizes 64 and 128 on
+// AVX512-BF16 where the build has it, the generic loops otherwise), every argument checked by the
+// caller as paged_attention_decode checks it (the block tables and context lengths contiguous).
 void decode_attention_rows_bf16(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                const at::Tensor& context_lens, double scale, int64_t begin, int64_t end);
+                                const at::Tensor& context_lens, double scale, int64_t window, int64_t begin,
+                                int64_t end);
 
 }  // namespace pagedserve
