@@ -258,12 +258,14 @@ def decode_layers(
     num_kv_heads: int,
     eps: float,
     scale: float,
+    windows: list[int],
 ) -> torch.Tensor:
     """Every decoder layer of a Llama-family model for a decode-only step, bfloat16 on packed weights
     (`csrc/decode_layers.cpp`): each one in AMX tiles (`pack_linear_weight`, needs
     `linear_amx_supported()`), in AVX512-BF16 panels (`pack_linear_weight_avx512`) or in oneDNN's layout
     (`torch.ops.mkldnn._reorder_linear_weight`);
-    `qkv_bias` one a layer or none, `qk_norms` (Qwen3's query and key head norms) two a layer or none.
+    `qkv_bias` one a layer or none, `qk_norms` (Qwen3's query and key head norms) two a layer or none,
+    `windows` each layer's sliding window (0: none), one a layer.
     The final-normed hidden states [tokens, hidden] (needs `decode_layers_supported()`). Block tables are
     checked as `paged_attention_decode` checks them, before any layer runs."""
     return torch.ops.pagedserve_cpu.decode_layers(
@@ -288,4 +290,5 @@ def decode_layers(
         num_kv_heads,
         eps,
         scale,
+        windows,
     )

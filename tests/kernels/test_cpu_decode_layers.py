@@ -1,8 +1,9 @@
 """Every decoder layer of a decode step in one C++ call (`pagedserve_kernels.cpu.decode_layers`) against
 the same layers composed from the torch references (`pagedserve_kernels.reference`) and F.linear:
-hidden states within bfloat16 rounding, the KV cache written at the step's slots, and the inputs it
-refuses. Runs where the build has it (CPUs with AVX512-BF16), on weights packed as the engine packs
-them there (AMX tiles where the CPU has them, else AVX512-BF16 panels), and on every layout it can.
+hidden states within bfloat16 rounding, the KV cache written at the step's slots, layers under sliding
+windows of their own, and the inputs it refuses. Runs where the build has it (CPUs with AVX512-BF16),
+on weights packed as the engine packs them there (AMX tiles where the CPU has them, else AVX512-BF16
+panels), and on every layout it can.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ def run_kernel(
     head_dim: int = HEAD_DIM,
     packing: str | None = None,
     num_kv_heads: int = KV_HEADS,
+    windows: list[int] | None = None,
 ) -> torch.Tensor:
     return cpu.decode_layers(
         step["input_ids"],
@@ -143,11 +145,15 @@ def run_kernel(
         num_kv_heads,
         EPS,
         head_dim**-0.5,
+        [0] * LAYERS if windows is None else windows,
     )
 
 
-def run_reference(model: Model, step: dict, head_dim: int = HEAD_DIM) -> torch.Tensor:
-    """The model's layers as the eager model runs them, on the torch references."""
+def run_reference(
+    model: Model, step: dict, head_dim: int = HEAD_DIM, windows: list[int] | None = None
+) -> torch.Tensor:
+    """The model's layers as the eager model runs them, on the torch references (layer l's attention
+    under `windows[l]`, by default none)."""
     q_size, kv_size = HEADS * head_dim, KV_HEADS * head_dim
     cos, sin = reference.rotary_cos_sin(step["positions"], model.cos_sin_cache, torch.bfloat16)
     hidden = model.embedding[step["input_ids"]]
@@ -170,7 +176,13 @@ def run_reference(model: Model, step: dict, head_dim: int = HEAD_DIM) -> torch.T
         k_cache, v_cache = step["k_caches"][layer], step["v_caches"][layer]
         reference.write_kv_cache(k, v, k_cache, v_cache, step["slot_mapping"])
         attn = reference.paged_attention_decode(
-            q, k_cache, v_cache, step["block_tables"], step["context_lens"], head_dim**-0.5
+            q,
+            k_cache,
+            v_cache,
+            step["block_tables"],
+            step["context_lens"],
+            head_dim**-0.5,
+            window=windows[layer] if windows else 0,
         )
         hidden = F.linear(attn.reshape(-1, q_size), model.o_proj[layer])
         hidden, residual = reference.fused_add_rms_norm(hidden, residual, model.norms[2 * layer + 1], EPS)
@@ -286,6 +298,35 @@ def test_draft_rows_read_the_rows_before_them(head_dim: int) -> None:
             torch.testing.assert_close(
                 ours[name][layer].float(), ref_step[name][layer].float(), atol=0.05, rtol=0.03
             )
+
+
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
+@pytest.mark.parametrize("windows", [[0, 6], [13, 1]], ids=["full-then-6", "13-then-1"])
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_each_layer_attends_under_its_own_window(head_dim: int, windows: list[int], packing: str) -> None:
+    """Sliding-window layers (Mistral's, Qwen2's sliding ones) beside full ones: each layer's attention
+    sees its window's last tokens of contexts of 5 to 31 (windows below a block of 8, and across two),
+    as the reference layers under the same windows; without the windows the step differs. Head size 16
+    takes the generic attention rows, 64 the AVX512-BF16 ones; 40 rows split over runs of the threads."""
+    model, step = make_model(False, head_dim=head_dim), make_step(40, head_dim=head_dim)
+    assert int(step["context_lens"].max()) > max(windows)
+    ours = run_kernel(model, clone_step(step), head_dim=head_dim, packing=packing, windows=windows)
+    expected = run_reference(model, clone_step(step), head_dim=head_dim, windows=windows)
+    torch.testing.assert_close(ours.float(), expected.float(), atol=0.05, rtol=0.03)
+    full = run_reference(model, clone_step(step), head_dim=head_dim)
+    assert not torch.allclose(ours.float(), full.float(), atol=0.05, rtol=0.03)
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_refuses_windows_that_are_not_one_a_layer(packing: str) -> None:
+    """A window a layer, none negative: checked before any layer runs (on AMX tiles and AVX512-BF16
+    panels, before the one parallel region where nothing may throw)."""
+    model, step = make_model(False), make_step(4)
+    for windows in ([0], [0, 0, 0]):
+        with pytest.raises(RuntimeError, match=f"windows: one a layer .*got {len(windows)} for 2 layers"):
+            run_kernel(model, clone_step(step), packing=packing, windows=windows)
+    with pytest.raises(RuntimeError, match="layer 1's window must be 0 .none. or positive, got -3"):
+        run_kernel(model, clone_step(step), packing=packing, windows=[4, -3])
 
 
 @pytest.mark.parametrize("num_seqs", [1, 7, 40])

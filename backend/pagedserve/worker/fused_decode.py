@@ -100,6 +100,7 @@ class FusedDecode:
             self.num_kv_heads,
             self.eps,
             self.scale,
+            [0] * len(self.qkv),
         )
 
 

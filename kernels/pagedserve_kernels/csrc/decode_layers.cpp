@@ -5,12 +5,13 @@
 // the compiled forward pass calls ~8 ops a layer from Python (inductor's wrapper), each a few
 // microseconds of dispatch, and its fused elementwise kernels are tiny at decode batch sizes. Here a
 // layer is: residual add + RMSNorm, the qkv multiply, (Qwen3: RMSNorm of each q and k head,) rotary on
-// q and k, the KV write and decode attention (cpu_kernels.cpp), the o multiply, residual add +
-// RMSNorm, the gate_up multiply, SiLU(gate) * up, the down multiply. The multiplies and attention are
-// the same kernels the compiled pass calls; the elementwise parts are written here in float32, rounded
-// to bfloat16 once per output as inductor's fused kernels do, but with each residual add rounded as the
-// eager model rounds it (inductor sums several adds in float32 first), so greedy bfloat16 tokens can
-// part from the compiled pass's where two logits are within rounding of each other.
+// q and k, the KV write and decode attention (cpu_kernels.cpp, under the layer's sliding window if it
+// has one), the o multiply, residual add + RMSNorm, the gate_up multiply, SiLU(gate) * up, the down
+// multiply. The multiplies and attention are the same kernels the compiled pass calls; the elementwise
+// parts are written here in float32, rounded to bfloat16 once per output as inductor's fused kernels do,
+// but with each residual add rounded as the eager model rounds it (inductor sums several adds in float32
+// first), so greedy bfloat16 tokens can part from the compiled pass's where two logits are within
+// rounding of each other.
 //
 // With the weights in AMX tiles or AVX512-BF16 panels the whole step is one parallel region
 // (decode_layers_team): its threads run each part on their share (rows, or panels of output columns)
@@ -206,13 +207,14 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                            int64_t window) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("pagedserve_cpu::paged_attention_decode", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, double, int64_t)>();
-  return op.call(q, k_cache, v_cache, block_tables, context_lens, scale, /*window=*/0);
+  return op.call(q, k_cache, v_cache, block_tables, context_lens, scale, window);
 }
 
 // A barrier for the threads of one parallel region. Two threads meet here in a few hundred
@@ -262,6 +264,7 @@ struct TeamStep {
   at::Tensor tables, lens;                              // contiguous
   at::Tensor residual, normed, qkv_out, qk, q, attn, out, gu, act;  // q: the query heads of qk
   bool tiles = false;  // the weights are in AMX tiles (else in AVX512-BF16 panels)
+  std::vector<int64_t> windows;  // each layer's sliding window (0: none)
 };
 
 BF16* bf16(const at::Tensor& t) { return t.data_ptr<BF16>(); }
@@ -295,10 +298,10 @@ std::unique_ptr<PanelRange[]> panel_ranges(const TeamStep& s, int64_t threads) {
 
 // One thread's part of the step, `thread` of `threads`, meeting the others at `barrier` wherever the
 // next part reads what another thread wrote: norms, SiLU, rotary and the KV writes by rows, attention
-// by runs of rows of about equal work (`runs`: their bounds) and the multiplies by panels of output
-// columns, the last two from `ranges` (panel_ranges), its own first and then any another thread has not
-// taken yet.
-void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<int64_t>& runs,
+// by runs of rows of about equal work (`runs[l]`: their bounds in layer l, whose window changes what a
+// row reads) and the multiplies by panels of output columns, the last two from `ranges` (panel_ranges),
+// its own first and then any another thread has not taken yet.
+void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<std::vector<int64_t>>& runs,
                      PanelRange* ranges, int64_t thread, int64_t threads) {
   const auto [row0, row1] = share(s.tokens, thread, threads);
   PanelRange* next_ranges = ranges;  // the next shared part's
@@ -324,11 +327,12 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
         [&](int64_t panel, bool more) { multiply_panel(x, k, bf16(packed), bias, out, n, panel, more); },
         [&](int64_t panel) { multiply_panel(x, k, bf16(packed), bias, out, n, panel, false); });
   };
-  const auto attend = [&](const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  const auto attend = [&](int64_t l) {
+    const std::vector<int64_t>& bounds = runs[l];
     const auto run = [&](int64_t r) {
-      if (runs[r] < runs[r + 1])
-        pagedserve::decode_attention_rows_bf16(s.attn, s.q, k_cache, v_cache, s.tables, s.lens, s.scale,
-                                               /*window=*/0, runs[r], runs[r + 1]);
+      if (bounds[r] < bounds[r + 1])
+        pagedserve::decode_attention_rows_bf16(s.attn, s.q, s.k_caches[l], s.v_caches[l], s.tables, s.lens, s.scale,
+                                               s.windows[l], bounds[r], bounds[r + 1]);
     };
     pagedserve::take_share_then_steal(
         take_part(1), threads, thread, [&](int64_t r, bool) { run(r); }, run);
@@ -357,7 +361,7 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
       std::memcpy(v_cache + s.slots[r] * slot_size, v, slot_size * sizeof(BF16));
     }
     barrier.wait();  // a draft row attends to the rows before it, which another thread may have written
-    attend(s.k_caches[l], s.v_caches[l]);
+    attend(l);
     barrier.wait();
     multiply(2, attn, s.num_heads * s.head_dim, s.o_proj[l], nullptr, out, s.hidden);
     barrier.wait();
@@ -382,7 +386,7 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
 // same bits.
 void decode_layers_team(const TeamStep& s) {
   SpinBarrier barrier;
-  std::vector<int64_t> runs;
+  std::vector<std::vector<int64_t>> runs(s.layers);
   std::unique_ptr<PanelRange[]> ranges;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -390,8 +394,9 @@ void decode_layers_team(const TeamStep& s) {
     {  // the team OpenMP gives, which may be smaller than asked for
       const int threads = omp_get_num_threads();
       barrier.set_threads(threads);
-      runs = pagedserve::decode_row_split(s.lens.data_ptr<int32_t>(), s.tokens, threads * kAttentionRunsPerThread,
-                                          /*window=*/0);
+      for (int64_t l = 0; l < s.layers; ++l)
+        runs[l] = pagedserve::decode_row_split(s.lens.data_ptr<int32_t>(), s.tokens, threads * kAttentionRunsPerThread,
+                                               s.windows[l]);
       ranges = panel_ranges(s, threads);
     }  // (every thread waits here, then sees them)
     run_team_thread(s, barrier, runs, ranges.get(), omp_get_thread_num(), omp_get_num_threads());
@@ -422,7 +427,8 @@ bool is_bf16_cpu(const at::Tensor& t) { return t.device().is_cpu() && t.scalar_t
 // input_ids, positions [T] int64; embedding [vocab, hidden]; cos_sin_cache [positions, head_dim] float32
 // ([cos | sin] halves); per layer L: norms[2L] (input, post-attention), qkv[L], qkv_bias[L] or empty,
 // qk_norms[2L] (query, key head norms [head_dim]) or empty, o_proj[L], gate_up[L], down[L] (packed); final_norm [hidden]; the layers' caches; the step's slot
-// mapping, decode block tables and context lengths. Returns the final-normed hidden states [T, hidden].
+// mapping, decode block tables and context lengths; windows[L], layer L's sliding window (0: none).
+// Returns the final-normed hidden states [T, hidden].
 at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& embedding,
                          const at::Tensor& cos_sin_cache, at::TensorList norms, at::TensorList qkv,
                          at::TensorList qkv_bias, at::TensorList qk_norms, at::TensorList o_proj,
@@ -430,7 +436,7 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
                          at::TensorList down, const at::Tensor& final_norm, at::TensorList k_caches,
                          at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-                         double scale) {
+                         double scale, const std::vector<int64_t>& windows) {
   const int64_t layers = static_cast<int64_t>(qkv.size());
   TORCH_CHECK(layers > 0 && norms.size() == 2 * qkv.size() && o_proj.size() == qkv.size() &&
                   gate_up.size() == qkv.size() && down.size() == qkv.size() && k_caches.size() == qkv.size() &&
@@ -438,6 +444,11 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
                   (qk_norms.empty() || qk_norms.size() == 2 * qkv.size()),
               "decode_layers: one qkv, o_proj, gate_up, down, k and v cache and two norms a layer (and one qkv bias "
               "and two head norms, if any)");
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == layers, "decode_layers: windows: one a layer (0: none), got ",
+              windows.size(), " for ", layers, " layers");
+  for (int64_t l = 0; l < layers; ++l)  // here, not in the team's region, where nothing may throw
+    TORCH_CHECK(windows[l] >= 0, "decode_layers: layer ", l, "'s window must be 0 (none) or positive, got ",
+                windows[l]);
   TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && positions.sizes() == input_ids.sizes() &&
                   positions.scalar_type() == at::kLong && input_ids.is_contiguous() && positions.is_contiguous(),
               "decode_layers: input_ids and positions must be contiguous int64 [tokens]");
@@ -523,6 +534,7 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
     step.gu = at::empty({tokens, 2 * inter}, options);
     step.act = at::empty({tokens, inter}, options);
     step.tiles = tiles;
+    step.windows = windows;
     decode_layers_team(step);
     return step.normed;
   }
@@ -545,7 +557,7 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
     const at::Tensor v = qkv_out.narrow(1, heads_qk * head_dim, num_kv_heads * head_dim).view({tokens, num_kv_heads, head_dim});
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping);
-    const at::Tensor attn = decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
+    const at::Tensor attn = decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, windows[l]);
     out = linear(attn.view({tokens, num_heads * head_dim}), o_proj[l], std::nullopt);
     add_rms_norm(out.data_ptr<BF16>(), residual.data_ptr<BF16>(), norms[2 * l + 1].data_ptr<BF16>(),
                  normed.data_ptr<BF16>(), tokens, hidden, static_cast<float>(eps));
@@ -580,7 +592,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
       "decode_layers(Tensor input_ids, Tensor positions, Tensor embedding, Tensor cos_sin_cache, Tensor[] norms, "
       "Tensor[] qkv, Tensor[] qkv_bias, Tensor[] qk_norms, Tensor[] o_proj, Tensor[] gate_up, Tensor[] down, Tensor final_norm, "
       "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
-      "int num_heads, int num_kv_heads, float eps, float scale) -> Tensor");
+      "int num_heads, int num_kv_heads, float eps, float scale, int[] windows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }
