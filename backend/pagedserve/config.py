@@ -80,7 +80,7 @@ class ModelConfig:
             path=str(path),
             tokenizer_path=str(tokenizer_path or path),
             dtype=dtype,
-            max_model_len=_max_model_len(hf, architecture, max_model_len),
+            max_model_len=_max_model_len(hf, max_model_len),
             served_model_name=served_model_name or Path(path).resolve().name,
             architecture=architecture,
             vocab_size=hf["vocab_size"],
@@ -185,28 +185,12 @@ def sampling_defaults(model_path: str, mode: str, overrides: dict[str, Any] | No
     return defaults
 
 
-def _max_model_len(hf: dict[str, Any], architecture: str, requested: int | None) -> int:
-    """The requested context length, else the model's. We have no sliding-window attention, so a
-    model with a window is exact only up to it (a window of W tokens covers the whole of a W-token
-    context): its length is capped there, as vLLM did where its backend lacked the window."""
-    positions = rope_context_length(hf)
-    window = _sliding_window(hf, architecture)
-    limit = min(positions, window or positions)
+def _max_model_len(hf: dict[str, Any], requested: int | None) -> int:
+    """The requested context length, else the model's (a sliding window bounds what a layer attends
+    to, not the positions)."""
+    limit = rope_context_length(hf)
     if requested is not None and not 1 <= requested <= limit:
-        if limit < positions and requested > limit:  # the window binds, not the positions
-            raise ValueError(
-                f"max_model_len: {requested} exceeds this model's sliding_window ({window} tokens, "
-                "config.json), which pagedserve does not implement: a longer context would attend "
-                f"beyond the window; use at most {window}"
-            )
         raise ValueError(f"max_model_len: must be in [1, {limit}] for this model, got {requested}")
-    if requested is None and limit < positions:
-        logger.warning(
-            "max_model_len capped at %d tokens, this model's sliding_window (max_position_embeddings "
-            "%d): pagedserve has no sliding-window attention, a longer context would attend beyond it",
-            limit,
-            positions,
-        )
     return requested or limit
 
 
@@ -229,21 +213,30 @@ def rope_context_length(hf: dict[str, Any]) -> int:
     return positions
 
 
-def _sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
-    """The attention window some layer of this model slides, or None. `use_sliding_window: false`
-    turns it off (Qwen2 and Qwen3 configs carry a window they do not use; vLLM reads it so for every
-    model). Qwen2's, Qwen3's and SmolLM3's default is off, and when on, transformers slides only the
-    layers `layer_types` names (by default Qwen's from `max_window_layers` on, SmolLM3's layers
-    without rotary): with none of them, no window applies."""
+_WINDOW_ON_UNLESS_OFF = ("MistralForCausalLM", "Phi3ForCausalLM")
+_WINDOW_OFF_UNLESS_ON = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
+
+
+def layer_windows(hf: dict[str, Any], architecture: str) -> list[int]:
+    """Each layer's sliding window (0: none), as transformers' attention of the architecture reads
+    config.json: Mistral and Phi-3 slide every layer by `sliding_window`; Qwen2, Qwen3 and SmolLM3
+    slide the layers `layer_types` names (by default Qwen's from `max_window_layers` on, SmolLM3's
+    layers without rotary), and only under `use_sliding_window` (their checkpoints carry a window
+    they do not use). `use_sliding_window: false` turns any window off (vLLM reads it so for every
+    model); Llama and Granite have none (transformers reads no `sliding_window` for them)."""
+    num_layers = hf["num_hidden_layers"]
     window = hf.get("sliding_window")
-    off_by_default = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
-    if not (isinstance(window, int) and window > 0) or not hf.get("use_sliding_window", not off_by_default):
-        return None
-    if off_by_default:
-        layer_types = hf.get("layer_types") or _default_layer_types(hf, architecture)
-        if "sliding_attention" not in layer_types:
-            return None
-    return window
+    on_by_default = architecture in _WINDOW_ON_UNLESS_OFF
+    if (
+        not (on_by_default or architecture in _WINDOW_OFF_UNLESS_ON)
+        or not (isinstance(window, int) and window > 0)
+        or not hf.get("use_sliding_window", on_by_default)
+    ):
+        return [0] * num_layers
+    if on_by_default:
+        return [window] * num_layers
+    layer_types = hf.get("layer_types") or _default_layer_types(hf, architecture)
+    return [window if kind == "sliding_attention" else 0 for kind in layer_types]
 
 
 def _default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:

@@ -11,8 +11,8 @@ is instead held to within BF16_GAP of transformers' float32 best choice on the s
 
 from __future__ import annotations
 
+import inspect
 import json
-import logging
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 import torch
 from pagedserve import LLM, SamplingParams
-from pagedserve.errors import InvalidRequestError
 from pagedserve.layers.rotary import RotaryEmbedding
 from test_compile import decode_layers_available
 from test_hf_parity import assert_greedy_equal, hf_greedy
@@ -84,6 +83,7 @@ NOT_DECODE_LAYERS = {
     "phi3-longrope",
     "smollm3-nope-layer-1",
     "smollm3-nope-by-default",
+    "smollm3-window-20-nope-layer",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
@@ -172,6 +172,18 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     # the long factors: max_model_len (1,024) reaches past the pretraining length, and so do the prompts
     "phi3-longrope": (
         lambda: Phi3Config(**TINY, original_max_position_embeddings=256, rope_parameters=PHI3_LONGROPE),
+        None,
+    ),
+    # sliding windows far inside the prompts (300+ tokens): Mistral's and Phi-3's slide every layer,
+    # Qwen2's the layers from max_window_layers on, SmolLM3's its NoPE layers
+    "mistral-window-32": (lambda: MistralConfig(**TINY, sliding_window=32), None),
+    "phi3-window-40": (lambda: Phi3Config(**TINY, sliding_window=40), None),
+    "qwen2-window-48-layer-1": (
+        lambda: Qwen2Config(**TINY, use_sliding_window=True, sliding_window=48, max_window_layers=1),
+        None,
+    ),
+    "smollm3-window-20-nope-layer": (
+        lambda: SmolLM3Config(**TINY, use_sliding_window=True, sliding_window=20, no_rope_layers=[1, 0]),
         None,
     ),
     # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
@@ -333,40 +345,33 @@ def test_dropping_the_rope_scaling_changes_transformers_outputs(
         assert hf_greedy(plain, prompts, 4)[1] != hf_greedy(model_dir, prompts, 4)[1], name
 
 
-# --- sliding windows: pagedserve has none, so the context stops at the window -----------------------
+# --- sliding windows --------------------------------------------------------------------------------
 
 
-def mistral_with_window(root: Path, tokenizer_dir: str) -> str:
-    return build(root, "mistral-window-32", MistralConfig(**TINY, sliding_window=32), None, tokenizer_dir)
-
-
-def test_a_sliding_window_caps_the_context_at_the_window(
-    tmp_path: Path, default_model_dir: str, caplog: pytest.LogCaptureFixture
+def test_past_the_window_chunks_and_cached_prefixes_slide_as_transformers_does(
+    variant_dir: Callable[[str], str], tmp_path: Path
 ) -> None:
-    model_dir = mistral_with_window(tmp_path, default_model_dir)
-    # the defect a cap prevents: past the window, transformers' outputs are not full attention's
-    long = long_prompts()[0][:100]
+    """A prompt's chunks that start inside and past the window, a prompt whose cached prefix is
+    longer than the window, and decode steps past it: each query sees the last 32 positions alone."""
+    model_dir, prompts = variant_dir("mistral-window-32"), long_prompts()
+    # the window changes transformers' tokens here: full attention would not pass this test
     full_attention = with_config(tmp_path / "no-window", model_dir, lambda c: c.update(sliding_window=None))
-    assert hf_greedy(model_dir, [long], 4)[1] != hf_greedy(full_attention, [long], 4)[1]
-
-    with caplog.at_level(logging.WARNING, logger="pagedserve.config"):
-        llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=16, block_size=16)
-    assert llm.engine.config.model.max_model_len == 32
-    assert "max_model_len capped at 32 tokens, this model's sliding_window" in caplog.text
-    with pytest.raises(InvalidRequestError, match="context length 32"):
-        llm.generate([long], SamplingParams(max_tokens=4))
-    # within the window, sliding and full attention agree: the last of 32 tokens still sees the first
-    prompt = long[:20]
-    model, theirs = hf_greedy(model_dir, [prompt], 12)
-    assert_greedy_equal(model, [prompt], greedy(llm, [prompt], 12), theirs)
-
-
-def test_a_max_model_len_past_the_window_is_refused_naming_it(tmp_path: Path, default_model_dir: str) -> None:
-    model_dir = mistral_with_window(tmp_path, default_model_dir)
-    with pytest.raises(ValueError, match=r"^max_model_len: 100 exceeds this model's sliding_window \(32"):
-        LLM(model=model_dir, max_model_len=100)
-    with pytest.raises(ValueError, match=r"^max_model_len: must be in \[1, 32\]"):
-        LLM(model=model_dir, max_model_len=0)
+    assert hf_greedy(model_dir, prompts, MAX_TOKENS)[1] != hf_greedy(full_attention, prompts, MAX_TOKENS)[1]
+    # the second prompt shares the first's 200 tokens (a cached prefix, six windows long)
+    prompts = [prompts[0], prompts[0][:200] + prompts[1][200:]]
+    model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        num_kv_blocks=128,
+        block_size=16,
+        max_num_batched_tokens=40,
+        max_num_seqs=8,
+    )
+    assert llm.engine.config.model.max_model_len == 1024  # no cap at the window
+    ours = [greedy(llm, [prompt], MAX_TOKENS)[0] for prompt in prompts]  # the second after the first
+    assert llm.engine.stats().num_prefix_hits >= 192, llm.engine.stats()
+    assert_greedy_equal(model, prompts, ours, theirs)
 
 
 def drop(*keys: str) -> ConfigPatch:
@@ -378,53 +383,63 @@ def drop(*keys: str) -> ConfigPatch:
 
 
 @pytest.mark.parametrize(
-    ("config", "patch", "max_model_len"),
+    ("config", "patch", "windows"),
     [
         # Qwen2 slides the layers from max_window_layers on: here layer 1 of 2
-        (Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=1), None, 32),
-        (Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=2), None, 1024),
+        (Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=1), None, [0, 32]),
+        (Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=2), None, [0, 0]),
         # configs from before layer_types: Qwen2's use_sliding_window is off unless set, and
         # max_window_layers defaults to 28 (both of these layers full)
         (
             Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32),
             drop("use_sliding_window", "layer_types"),
-            1024,
+            [0, 0],
         ),
         (
             Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32),
             drop("max_window_layers", "layer_types"),
-            1024,
+            [0, 0],
         ),
         (
             Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=0),
             drop("layer_types"),
-            32,
+            [32, 32],
         ),
-        (Qwen2Config(**TINY), with_unused_window, 1024),
+        (Qwen2Config(**TINY), with_unused_window, [0, 0]),
         # Qwen3 reads its window as Qwen2 does
-        (Qwen3Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=1), None, 32),
+        (Qwen3Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=1), None, [0, 32]),
         (
             Qwen3Config(**TINY, use_sliding_window=True, sliding_window=32),
             drop("use_sliding_window", "layer_types"),
-            1024,
+            [0, 0],
         ),
-        (MistralConfig(**TINY, sliding_window=None), None, 1024),
+        # Mistral and Phi-3 slide every layer
+        (MistralConfig(**TINY, sliding_window=None), None, [0, 0]),
+        (MistralConfig(**TINY, sliding_window=32), None, [32, 32]),
+        (Phi3Config(**TINY, sliding_window=32), None, [32, 32]),
+        # Llama and Granite read no window (a config.json carrying one slides nothing in transformers)
+        (LlamaConfig(**TINY), lambda c: c.update(sliding_window=32), [0, 0]),
+        (GraniteConfig(**TINY), lambda c: c.update(sliding_window=32), [0, 0]),
         # SmolLM3 slides its NoPE layers, where the window is on
-        (SmolLM3Config(**TINY, use_sliding_window=True, sliding_window=32, no_rope_layers=[1, 0]), None, 32),
+        (
+            SmolLM3Config(**TINY, use_sliding_window=True, sliding_window=32, no_rope_layers=[1, 0]),
+            None,
+            [0, 32],
+        ),
         (
             SmolLM3Config(**TINY, use_sliding_window=True, sliding_window=32, no_rope_layers=[1, 1]),
             None,
-            1024,
+            [0, 0],
         ),
         (
             SmolLM3Config(**{**TINY, "num_hidden_layers": 4}, use_sliding_window=True, sliding_window=32),
             drop("layer_types", "no_rope_layers"),
-            32,
+            [0, 0, 0, 32],
         ),
         (
             SmolLM3Config(**TINY, use_sliding_window=True, sliding_window=32, no_rope_layers=[1, 0]),
             drop("use_sliding_window"),
-            1024,
+            [0, 0],
         ),
     ],
     ids=[
@@ -437,6 +452,10 @@ def drop(*keys: str) -> ConfigPatch:
         "qwen3-layer-1-slides",
         "qwen3-use-unset",
         "mistral-no-window",
+        "mistral-window",
+        "phi3-window",
+        "llama-window-unread",
+        "granite-window-unread",
         "smollm3-nope-layer-slides",
         "smollm3-no-nope-layer",
         "smollm3-default-nope-layer-slides",
@@ -444,9 +463,10 @@ def drop(*keys: str) -> ConfigPatch:
     ],
 )
 def test_the_window_applies_where_transformers_slides_a_layer(
-    tmp_path: Path, config: Any, patch: ConfigPatch | None, max_model_len: int
+    tmp_path: Path, config: Any, patch: ConfigPatch | None, windows: list[int]
 ) -> None:
-    from pagedserve.config import ModelConfig
+    from pagedserve.config import ModelConfig, layer_windows
+    from transformers import AutoModelForCausalLM
 
     config_dict = {
         **config.to_dict(),
@@ -455,13 +475,18 @@ def test_the_window_applies_where_transformers_slides_a_layer(
     if patch is not None:
         patch(config_dict)
     (tmp_path / "config.json").write_text(json.dumps(config_dict))
-    # transformers' own reading of the same file agrees
+    # transformers' own reading of the same file: the window each layer's attention passes on
     theirs = type(config).from_pretrained(tmp_path)
-    layer_types = getattr(theirs, "layer_types", None) or ["sliding_attention"]  # Mistral: every layer
-    on = getattr(theirs, "use_sliding_window", True)  # (SmolLM3's attention reads it; Qwen's config)
-    slides = on and theirs.sliding_window is not None and "sliding_attention" in layer_types
-    assert max_model_len == (32 if slides else 1024)
-    assert ModelConfig.from_path(str(tmp_path), "float32").max_model_len == max_model_len
+    model = AutoModelForCausalLM.from_config(theirs)
+    for layer, window in zip(model.model.layers, windows, strict=True):
+        attention = layer.self_attn
+        # Qwen's and SmolLM3's attention holds its window, Mistral's and Phi-3's pass the config's,
+        # Llama's and Granite's pass none
+        passes_one = "sliding_window" in inspect.getsource(type(attention).forward)
+        kept = getattr(attention, "sliding_window", theirs.sliding_window) if passes_one else None
+        assert (kept or 0) == window
+    assert layer_windows(config_dict, config_dict["architectures"][0]) == windows
+    assert ModelConfig.from_path(str(tmp_path), "float32").max_model_len == 1024  # a window caps nothing
 
 
 # --- rope tables, read from config.json as transformers reads it ---------------------------------------

@@ -11,7 +11,9 @@ Tolerance: none, the greedy token ids must be equal.
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,14 +57,33 @@ def run(model_dir: str, attention_backend: str, device: torch.device) -> tuple[t
     return backend, llm.engine.scheduler.block_manager.num_prefix_hits, token_ids
 
 
+def with_window(model_dir: str, root: Path, window: int) -> str:
+    """`model_dir` as a Mistral sliding every layer by `window` (its files linked, config.json new)."""
+    root.mkdir()
+    for file in Path(model_dir).iterdir():
+        if file.name != "config.json":
+            (root / file.name).symlink_to(file)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window)
+    (root / "config.json").write_text(json.dumps(config))
+    return str(root)
+
+
 @pytest.mark.timeout(600)
-def test_triton_backend_greedy_equals_torch_backend(tiny_llama_dir: str, device: torch.device) -> None:
-    torch_backend, _, expected = run(tiny_llama_dir, "torch", device)
-    triton_backend, num_prefix_hits, actual = run(tiny_llama_dir, "triton", device)
+@pytest.mark.parametrize("window", [0, 20], ids=["full", "window-20"])
+def test_triton_backend_greedy_equals_torch_backend(
+    tiny_llama_dir: str, device: torch.device, window: int, tmp_path: Path
+) -> None:
+    """A window of 20 slides inside the chunks, the cached prefixes and the decode steps alike."""
+    model_dir = with_window(tiny_llama_dir, tmp_path / "window", window) if window else tiny_llama_dir
+    torch_backend, _, expected = run(model_dir, "torch", device)
+    triton_backend, num_prefix_hits, actual = run(model_dir, "triton", device)
     assert (torch_backend, triton_backend) == (TorchAttentionBackend, TritonAttentionBackend)
     assert num_prefix_hits >= 2 * PREFIX_LEN  # the second batch started past cached prefixes
     assert all(len(ids) == MAX_TOKENS for ids in actual)
     assert actual == expected
+    if window:  # the window changes the tokens: a kernel ignoring it would not pass
+        assert expected != run(tiny_llama_dir, "torch", device)[2]
 
 
 @pytest.mark.timeout(600)

@@ -303,7 +303,7 @@ def prefill_and_its_calls(
 ) -> tuple[torch.Tensor, dict[str, int]]:
     """The backend's prefill attention, and the ops it called (name -> count)."""
     with torch.profiler.profile() as prof:
-        out = backend.prefill(query, cache.k_cache, cache.v_cache, metadata, 0.125)
+        out = backend.prefill(query, cache.k_cache, cache.v_cache, metadata, 0.125, window=0)
     return out, {event.key: event.count for event in prof.key_averages()}
 
 
@@ -489,9 +489,8 @@ def test_the_backend_runs_bf16_prefill_in_the_prefill_kernel() -> None:
         pytest.skip("no AVX512-BF16 here: every prefill stays with SDPA")
     cache, starts, query = prefill_case(9, 3, 64, torch.bfloat16)
     metadata = prefill_metadata(cache, starts)
-    backend.prepare(metadata, torch.bfloat16, 8)
-    assert metadata.prefill_batch is None  # nothing planned for SDPA
     out, calls = prefill_and_its_calls(backend, cache, query, metadata)
+    assert not metadata.prefill_batches  # nothing planned for SDPA
     assert calls.get("pagedserve_cpu::paged_attention_prefill") == 1
     assert not any("scaled_dot_product" in name or "paged_attention_decode" in name for name in calls)
     tail = (cache.block_tables, starts, cache.context_lens, 0.125)
@@ -501,7 +500,6 @@ def test_the_backend_runs_bf16_prefill_in_the_prefill_kernel() -> None:
     for dtype, head_dim in ((torch.bfloat16, 80), (torch.float32, 64)):
         cache, starts, query = prefill_case(6, 2, head_dim, dtype)
         metadata = prefill_metadata(cache, starts)
-        backend.prepare(metadata, dtype, 8)
         _, calls = prefill_and_its_calls(backend, cache, query, metadata)
         assert "pagedserve_cpu::paged_attention_prefill" not in calls
         assert any("scaled_dot_product" in name for name in calls)

@@ -290,7 +290,6 @@ def test_attention_layer_on_the_cpu_kernels_matches_the_reference_backend(
     for backend in (fast, slow):
         layer = Attention(num_heads, num_kv_heads, head_dim, backend, layer_index=0)
         layer.kv_cache = (batch.k_cache.clone(), batch.v_cache.clone())
-        backend.prepare(metadata, dtype, block_size)
         outs.append(layer(q, k, v, metadata))
         caches.append(layer.kv_cache)
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])

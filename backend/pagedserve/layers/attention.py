@@ -17,7 +17,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -42,9 +42,10 @@ class AttentionMetadata:
     # host-side maxima, so a kernel launch sizes its grid without a device-to-host sync
     max_decode_context_len: int = 0
     max_prefill_query_len: int = 0
-    # derived once per step by the torch backend's `prepare`, shared by every layer
-    decode_key_mask: torch.Tensor | None = None
-    prefill_batch: reference.PrefillBatch | None = None
+    # derived by the torch backend on a step's first layer of each sliding window (0: none) and
+    # shared by its other layers of that window
+    decode_key_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    prefill_batches: dict[int, reference.PrefillBatch | None] = field(default_factory=dict)
 
     @property
     def num_prefills(self) -> int:
@@ -52,11 +53,9 @@ class AttentionMetadata:
 
 
 class AttentionBackend(abc.ABC):
-    name: str
+    """Paged attention of a layer whose queries see the last `window` positions (0: all of them)."""
 
-    def prepare(self, metadata: AttentionMetadata, dtype: torch.dtype, block_size: int) -> None:  # noqa: B027
-        """Called once per step before the forward pass: derive what every layer can reuse (an
-        optional hook: the Triton kernels need nothing)."""
+    name: str
 
     @abc.abstractmethod
     def write_kv_cache(
@@ -76,6 +75,7 @@ class AttentionBackend(abc.ABC):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int,
     ) -> torch.Tensor:
         """[num_decodes, heads, head_dim] queries over the decode sequences' paged context."""
 
@@ -87,6 +87,7 @@ class AttentionBackend(abc.ABC):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int,
     ) -> torch.Tensor:
         """The packed prefill tokens' queries, causal over their paged context."""
 
@@ -101,7 +102,10 @@ class TorchAttentionBackend(AttentionBackend):
     prefill kernel (`cpu.paged_attention_prefill`: tiles of query tokens and heads sharing a KV head,
     flash-attention style), read straight from the paged cache: 3.4-4.9x faster than
     scaled_dot_product_attention and 1.8-2.4x faster than the decode kernel run one row a prompt
-    token on prompts of 100 tokens and more (bench/cpu_attention.py)."""
+    token on prompts of 100 tokens and more (bench/cpu_attention.py).
+
+    The reference's decode mask and padded prefill layout are built on a step's first layer of each
+    window, not once per layer."""
 
     name = "torch"
 
@@ -113,18 +117,6 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _prefill_in_kernel(self, dtype: torch.dtype, head_dim: int) -> bool:
         return self.bf16_prefill and dtype == torch.bfloat16 and head_dim in (64, 128)
-
-    def prepare(self, metadata: AttentionMetadata, dtype: torch.dtype, block_size: int) -> None:
-        if metadata.num_decodes and not self.cpu_kernels:
-            num_blocks = -(-metadata.max_decode_context_len // block_size)
-            metadata.decode_key_mask = reference.decode_key_mask(
-                metadata.decode_context_lens, num_blocks * block_size, dtype
-            )
-        # bfloat16 prefills on the C++ kernel need no plan (`prefill` knows the head size)
-        if metadata.num_prefills and not (self.bf16_prefill and dtype == torch.bfloat16):
-            metadata.prefill_batch = reference.plan_prefill_batch(
-                metadata.prefill_query_start_loc, metadata.prefill_context_lens, block_size, dtype
-            )
 
     def write_kv_cache(
         self,
@@ -146,10 +138,22 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int,
     ) -> torch.Tensor:
         if self.cpu_kernels:
             return cpu_kernels.paged_attention_decode(
-                query, k_cache, v_cache, metadata.decode_block_tables, metadata.decode_context_lens, scale
+                query,
+                k_cache,
+                v_cache,
+                metadata.decode_block_tables,
+                metadata.decode_context_lens,
+                scale,
+                window=window,
+            )
+        if window not in metadata.decode_key_masks:
+            num_blocks = -(-metadata.max_decode_context_len // k_cache.shape[1])
+            metadata.decode_key_masks[window] = reference.decode_key_mask(
+                metadata.decode_context_lens, num_blocks * k_cache.shape[1], query.dtype, window
             )
         return reference.paged_attention_decode(
             query,
@@ -159,7 +163,8 @@ class TorchAttentionBackend(AttentionBackend):
             metadata.decode_context_lens,
             scale,
             max_context_len=metadata.max_decode_context_len,
-            key_mask=metadata.decode_key_mask,
+            key_mask=metadata.decode_key_masks[window],
+            window=window,
         )
 
     def prefill(
@@ -169,6 +174,7 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int,
     ) -> torch.Tensor:
         if self._prefill_in_kernel(query.dtype, query.shape[-1]):
             return cpu_kernels.paged_attention_prefill(
@@ -179,6 +185,15 @@ class TorchAttentionBackend(AttentionBackend):
                 metadata.prefill_query_start_loc,
                 metadata.prefill_context_lens,
                 scale,
+                window=window,
+            )
+        if window not in metadata.prefill_batches:
+            metadata.prefill_batches[window] = reference.plan_prefill_batch(
+                metadata.prefill_query_start_loc,
+                metadata.prefill_context_lens,
+                k_cache.shape[1],
+                query.dtype,
+                window,
             )
         return reference.paged_attention_prefill(
             query,
@@ -188,7 +203,8 @@ class TorchAttentionBackend(AttentionBackend):
             metadata.prefill_query_start_loc,
             metadata.prefill_context_lens,
             scale,
-            batch=metadata.prefill_batch,
+            batch=metadata.prefill_batches[window],
+            window=window,
         )
 
 
@@ -218,6 +234,7 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int,
     ) -> torch.Tensor:
         return self._attention.paged_attention_decode(
             query,
@@ -227,6 +244,7 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.decode_context_lens,
             scale,
             max_context_len=metadata.max_decode_context_len,
+            window=window,
         )
 
     def prefill(
@@ -236,6 +254,7 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int,
     ) -> torch.Tensor:
         return self._attention.paged_attention_prefill(
             query,
@@ -246,6 +265,7 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.prefill_context_lens,
             scale,
             max_query_len=metadata.max_prefill_query_len,
+            window=window,
         )
 
 
@@ -294,11 +314,14 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         layer_index: int,
         scale: float | None = None,
+        window: int = 0,
     ) -> None:
-        """`scale` multiplies q.k: 1 / sqrt(head_dim) unless the model names its own (Granite's)."""
+        """`scale` multiplies q.k: 1 / sqrt(head_dim) unless the model names its own (Granite's).
+        `window`: a query sees the last `window` positions alone (a sliding window; 0, all)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
+        self.window = window
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         # Its place among the model's layers, for the compiled pass's op. A tensor, not an int: dynamo
@@ -326,16 +349,18 @@ class Attention(nn.Module):
         )
         k_cache, v_cache = self.kv_cache
         self.backend.write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
-        num_decodes = metadata.num_decodes
+        num_decodes, scale, window = metadata.num_decodes, self.scale, self.window
         if metadata.num_prefills == 0:
-            out = self.backend.decode(q, k_cache, v_cache, metadata, self.scale)
+            out = self.backend.decode(q, k_cache, v_cache, metadata, scale, window)
         else:
             out = torch.empty_like(q)
             if num_decodes:
                 out[:num_decodes] = self.backend.decode(
-                    q[:num_decodes], k_cache, v_cache, metadata, self.scale
+                    q[:num_decodes], k_cache, v_cache, metadata, scale, window
                 )
-            out[num_decodes:] = self.backend.prefill(q[num_decodes:], k_cache, v_cache, metadata, self.scale)
+            out[num_decodes:] = self.backend.prefill(
+                q[num_decodes:], k_cache, v_cache, metadata, scale, window
+            )
         return out.view(-1, self.num_heads * self.head_dim)
 
 

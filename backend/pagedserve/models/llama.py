@@ -1,8 +1,9 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, SmolLM3 layouts): GQA, RoPE,
 RMSNorm, SwiGLU, tied or untied embeddings, Qwen3's RMSNorm of each query and key head, Granite's
-multipliers, Phi-3's fused checkpoint tensors and SmolLM3's layers without rotary. Mirrors Hugging
-Face's LlamaForCausalLM; the difference is paged attention and tensor-parallel layers. Input is one
-packed batch of tokens, [num_tokens]."""
+multipliers, Phi-3's fused checkpoint tensors, SmolLM3's layers without rotary, and the sliding
+windows of Mistral, Phi-3 and Qwen's and SmolLM3's sliding layers. Mirrors Hugging Face's
+LlamaForCausalLM; the difference is paged attention and tensor-parallel layers. Input is one packed
+batch of tokens, [num_tokens]."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from pagedserve.config import rope_parameters, smollm3_rotary_layers
+from pagedserve.config import layer_windows, rope_parameters, smollm3_rotary_layers
 from pagedserve.layers import ops
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
@@ -55,6 +56,7 @@ class LayerOptions:
     qk_norm: bool = False  # Qwen3's RMSNorm of each query and key head
     scales: Scales = field(default_factory=Scales)
     rotary: bool = True  # False: SmolLM3's NoPE layers, whose q and k turn by no position
+    window: int = 0  # a sliding window: queries see the last `window` positions alone (0: all)
 
 
 class LlamaAttention(nn.Module):
@@ -76,8 +78,15 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, rms_norm_eps(cfg)) if options.qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps(cfg)) if options.qk_norm else None
         self.rotary = options.rotary
-        scale = options.scales.attention
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, backend, layer_index, scale)
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            head_dim,
+            backend,
+            layer_index,
+            scale=options.scales.attention,
+            window=options.window,
+        )
 
     def forward(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # each row: [ q heads | k heads | v heads ]
@@ -212,7 +221,11 @@ class LlamaForCausalLM(nn.Module):
 
     def layer_options(self, cfg: dict[str, Any]) -> list[LayerOptions]:
         biases, qk_norm, scales = self.attention_biases(cfg), self.qk_norm, self.scales
-        return [LayerOptions(biases, qk_norm, scales, rotary) for rotary in self.rotary_layers(cfg)]
+        windows = layer_windows(cfg, (cfg.get("architectures") or ["LlamaForCausalLM"])[0])
+        return [
+            LayerOptions(biases, qk_norm, scales, rotary, window)
+            for rotary, window in zip(self.rotary_layers(cfg), windows, strict=True)
+        ]
 
     @property
     def decoder_layers(self) -> list[LlamaDecoderLayer]:

@@ -14,7 +14,8 @@ backend's C++ kernels, whether or not the forward pass is compiled (--enforce-ea
 torch.compile, not the C++ kernels), for bfloat16 models whose linear layers are all packed
 (`LinearBase.packed_weight`) and carry no bias but an optional qkv bias, with or without Qwen3's query
 and key head norms, with no embedding or residual multiplier (Granite's; its attention scale is the
-kernel's `scale`, its logits scale applies after it) and rotary in every layer (not SmolLM3's).
+kernel's `scale`, its logits scale applies after it) and rotary in every layer (not SmolLM3's); each
+layer's sliding window its own.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class FusedDecode:
         self.down = [_packed(layer.mlp.down_proj) for layer in layers]
         self.final_norm = model.norm.weight
         self.attention_layers = model.attention_layers
+        self.windows = [attn.window for attn in self.attention_layers]  # sliding windows (0: none)
 
     @classmethod
     def build(cls, model: torch.nn.Module, backend: object, dtype: torch.dtype) -> FusedDecode | None:
@@ -100,7 +102,7 @@ class FusedDecode:
             self.num_kv_heads,
             self.eps,
             self.scale,
-            [0] * len(self.qkv),
+            self.windows,
         )
 
 

@@ -461,7 +461,6 @@ class ModelRunner:
             prefill_context_lens=to_device([2], torch.int32),
             max_prefill_query_len=2,
         )
-        self.backend.prepare(metadata, self.dtype, self.block_size)
         return metadata
 
     @torch.inference_mode()
@@ -474,7 +473,6 @@ class ModelRunner:
         token_adapters = self._token_adapters(order) if self.lora is not None else None
         if token_adapters is not None:  # LoRA rows: the eager pass (the fast ones have base weights alone)
             assert self.lora is not None
-            self.backend.prepare(metadata, self.dtype, self.block_size)
             with (
                 step_metadata(metadata, self.attention_layers),
                 self.lora.running(token_adapters, self.device),
@@ -485,7 +483,6 @@ class ModelRunner:
         elif self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
             hidden = self.cuda_graphs(input_ids, positions, metadata)
         else:
-            self.backend.prepare(metadata, self.dtype, self.block_size)
             with step_metadata(metadata, self.attention_layers):
                 hidden = self.forward(input_ids, positions, metadata)
         prompt_logprobs = self._prompt_logprobs(order, hidden) if self.prompt_token_ids else {}
