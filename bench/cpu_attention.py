@@ -53,51 +53,65 @@ def timed(arms: dict[str, Callable[[], object]], repeats: int, per: int = 1) -> 
 
 
 def decode_case(
-    context_lens: list[int], block_size: int, repeats: int, gen: torch.Generator
+    context_lens: list[int], block_size: int, repeats: int, gen: torch.Generator, window: int = 0
 ) -> dict[str, float]:
+    """Under a `window`, "full" times our kernel without it on the same caches."""
     layers = [paged_cache(context_lens, block_size, gen) for _ in range(LAYERS)]
     lens = torch.tensor(context_lens, dtype=torch.int32)
     query = torch.randn(len(context_lens), NUM_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
     k, v, tables = layers[0]
-    ours = cpu.paged_attention_decode(query, k, v, tables, lens, SCALE)
-    exact = reference.paged_attention_decode(query.float(), k.float(), v.float(), tables, lens, SCALE)
+    ours = cpu.paged_attention_decode(query, k, v, tables, lens, SCALE, window=window)
+    exact = reference.paged_attention_decode(
+        query.float(), k.float(), v.float(), tables, lens, SCALE, window=window
+    )
     assert (ours.float() - exact).abs().max() < 0.05, "the kernel disagrees with the reference"
     arms = {
-        "ours": lambda: [cpu.paged_attention_decode(query, k, v, t, lens, SCALE) for k, v, t in layers],
+        "ours": lambda: [
+            cpu.paged_attention_decode(query, k, v, t, lens, SCALE, window=window) for k, v, t in layers
+        ],
         "reference": lambda: [
-            reference.paged_attention_decode(query, k, v, t, lens, SCALE) for k, v, t in layers
+            reference.paged_attention_decode(query, k, v, t, lens, SCALE, window=window) for k, v, t in layers
         ],
     }
+    if window:
+        arms["full"] = lambda: [cpu.paged_attention_decode(query, k, v, t, lens, SCALE) for k, v, t in layers]
     return timed(arms, repeats, per=LAYERS)
 
 
 def prefill_case(
-    lens: list[tuple[int, int]], block_size: int, repeats: int, gen: torch.Generator
+    lens: list[tuple[int, int]], block_size: int, repeats: int, gen: torch.Generator, window: int = 0
 ) -> dict[str, float]:
-    """(query_len, context_len) a sequence; context_len > query_len: earlier tokens already cached."""
+    """(query_len, context_len) a sequence; context_len > query_len: earlier tokens already cached.
+    Under a `window`, "full" times our kernel without it."""
     k, v, tables = paged_cache([c for _, c in lens], block_size, gen)
     starts = torch.tensor([0, *(q for q, _ in lens)]).cumsum(0).to(torch.int32)
     context = torch.tensor([c for _, c in lens], dtype=torch.int32)
     query = torch.randn(int(starts[-1]), NUM_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
 
     def ours() -> torch.Tensor:
-        return cpu.paged_attention_prefill(query, k, v, tables, starts, context, SCALE)
+        return cpu.paged_attention_prefill(query, k, v, tables, starts, context, SCALE, window=window)
 
     def rows() -> torch.Tensor:
         return cpu.paged_attention_decode(
-            query, k, v, *reference.prefill_rows(tables, starts, context), SCALE
+            query, k, v, *reference.prefill_rows(tables, starts, context), SCALE, window=window
         )
 
     def sdpa() -> torch.Tensor:
-        batch = reference.plan_prefill_batch(starts, context, block_size, torch.bfloat16)
-        return reference.paged_attention_prefill(query, k, v, tables, starts, context, SCALE, batch=batch)
+        batch = reference.plan_prefill_batch(starts, context, block_size, torch.bfloat16, window)
+        return reference.paged_attention_prefill(
+            query, k, v, tables, starts, context, SCALE, batch=batch, window=window
+        )
+
+    def full() -> torch.Tensor:
+        return cpu.paged_attention_prefill(query, k, v, tables, starts, context, SCALE)
 
     exact = reference.paged_attention_prefill(
-        query.float(), k.float(), v.float(), tables, starts, context, SCALE
+        query.float(), k.float(), v.float(), tables, starts, context, SCALE, window=window
     )
     for arm in (ours, rows):
         assert (arm().float() - exact).abs().max() < 0.05, f"{arm.__name__} disagrees with the reference"
-    return timed({"ours": ours, "rows": rows, "reference": sdpa}, repeats)
+    arms = {"ours": ours, "rows": rows, "reference": sdpa} | ({"full": full} if window else {})
+    return timed(arms, repeats)
 
 
 def main() -> None:
@@ -136,6 +150,24 @@ def main() -> None:
         print(
             f"| {name} | {t['ours']:.2f} | {t['rows']:.2f} | {t['reference']:.2f} | "
             f"{t['rows'] / t['ours']:.2f}x | {t['reference'] / t['ours']:.2f}x |"
+        )
+    # a sliding window (Mistral v0.1's 4,096 against 32K contexts, scaled down): ours under it,
+    # ours over the whole context, and the reference's masked SDPA under it
+    print(
+        "\n| window 512 | ours ms | ours without the window ms | SDPA ms | without / ours | SDPA / ours |"
+        "\n|---|---:|---:|---:|---:|---:|"
+    )
+    windowed = {
+        "decode 16 x 4,000": lambda: decode_case([4000] * 16, args.block_size, args.repeats, gen, 512),
+        "prefill 1 prompt of 4,096": lambda: prefill_case(
+            [(4096, 4096)], args.block_size, args.repeats, gen, 512
+        ),
+    }
+    for name, case in windowed.items():
+        t = case()
+        print(
+            f"| {name} | {t['ours']:.3f} | {t['full']:.3f} | {t['reference']:.3f} | "
+            f"{t['full'] / t['ours']:.2f}x | {t['reference'] / t['ours']:.2f}x |"
         )
 
 
