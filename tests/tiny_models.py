@@ -59,7 +59,8 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
     """A random-weight checkpoint of any transformers causal-LM `config` (its class picks the
     architecture), saved as a Hugging Face directory with the default model's tokenizer. Biases are
     random too (transformers initializes them to zero, which would hide a bias never applied), so are
-    Qwen3's query and key norms (ones would hide a weight never applied), and a tied LM head is left
+    Qwen3's query and key norms (ones would hide a weight never applied) and Gemma's norms (zeros,
+    its 1 + weight), and a tied LM head is left
     out of the weights, as transformers saves it."""
     import torch
     from safetensors.torch import save_file
@@ -73,6 +74,8 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                 param.normal_(0.0, 0.2)
             elif name.endswith((".q_norm.weight", ".k_norm.weight")):
                 param.normal_(1.0, 0.5)
+            if name.endswith("norm.weight") and type(model).__name__.startswith("Gemma"):
+                param.normal_(0.0, 0.5)  # Gemma scales by 1 + weight: zeros would hide the weight
     weights = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         del weights["lm_head.weight"]

@@ -197,8 +197,11 @@ def _max_model_len(hf: dict[str, Any], requested: int | None) -> int:
 def rope_context_length(hf: dict[str, Any]) -> int:
     """The context the model's positions reach, as vLLM derives it: `max_position_embeddings`, times
     `factor` under linear rope scaling; under yarn, the pretraining length times `factor` (Qwen's
-    128K from 32K with factor 4). llama3's tables already reach max_position_embeddings."""
+    128K from 32K with factor 4). llama3's tables already reach max_position_embeddings, and so do
+    Gemma 3's (its global layers' linear scaling, vLLM's exception)."""
     positions = int(hf.get("max_position_embeddings", 2048))
+    if (hf.get("architectures") or [""])[0] == "Gemma3ForCausalLM":
+        return positions
     rope = rope_parameters(hf)
     if rope["rope_type"] in ("linear", "yarn", "llama3", "longrope") and not isinstance(
         rope.get("factor"), int | float
@@ -213,19 +216,23 @@ def rope_context_length(hf: dict[str, Any]) -> int:
     return positions
 
 
-_WINDOW_ON_UNLESS_OFF = ("MistralForCausalLM", "Phi3ForCausalLM")
+_WINDOW_ON_UNLESS_OFF = ("MistralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
 _WINDOW_OFF_UNLESS_ON = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
+_WINDOW_IN_SOME_LAYERS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "Gemma3ForCausalLM")
+# where config.json has no `sliding_window` key, transformers' config class default
+_DEFAULT_WINDOW = {"MistralForCausalLM": 4096, "Gemma3ForCausalLM": 4096}
 
 
 def layer_windows(hf: dict[str, Any], architecture: str) -> list[int]:
     """Each layer's sliding window (0: none), as transformers' attention of the architecture reads
-    config.json: Mistral and Phi-3 slide every layer by `sliding_window`; Qwen2, Qwen3 and SmolLM3
-    slide the layers `layer_types` names (by default Qwen's from `max_window_layers` on, SmolLM3's
-    layers without rotary), and only under `use_sliding_window` (their checkpoints carry a window
-    they do not use). `use_sliding_window: false` turns any window off (vLLM reads it so for every
-    model); Llama and Granite have none (transformers reads no `sliding_window` for them)."""
+    config.json: Mistral and Phi-3 slide every layer by `sliding_window`, Gemma 3 the layers
+    `layer_types` names (by default five of every six); Qwen2, Qwen3 and SmolLM3 slide the layers
+    `layer_types` names (by default Qwen's from `max_window_layers` on, SmolLM3's layers without
+    rotary), and only under `use_sliding_window` (their checkpoints carry a window they do not use).
+    `use_sliding_window: false` turns any window off (vLLM reads it so for every model); Llama and
+    Granite have none (transformers reads no `sliding_window` for them)."""
     num_layers = hf["num_hidden_layers"]
-    window = hf.get("sliding_window")
+    window = hf.get("sliding_window", _DEFAULT_WINDOW.get(architecture))
     on_by_default = architecture in _WINDOW_ON_UNLESS_OFF
     if (
         not (on_by_default or architecture in _WINDOW_OFF_UNLESS_ON)
@@ -233,15 +240,19 @@ def layer_windows(hf: dict[str, Any], architecture: str) -> list[int]:
         or not hf.get("use_sliding_window", on_by_default)
     ):
         return [0] * num_layers
-    if on_by_default:
+    if architecture not in _WINDOW_IN_SOME_LAYERS:
         return [window] * num_layers
-    layer_types = hf.get("layer_types") or _default_layer_types(hf, architecture)
+    layer_types = hf.get("layer_types") or default_layer_types(hf, architecture)
     return [window if kind == "sliding_attention" else 0 for kind in layer_types]
 
 
-def _default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
-    """transformers' `layer_types` where config.json has none (Qwen2Config, Qwen3Config, SmolLM3Config)."""
-    if architecture == "SmolLM3ForCausalLM":
+def default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
+    """transformers' `layer_types` where config.json has none (Qwen2Config, Qwen3Config, SmolLM3Config,
+    Gemma3TextConfig: every `sliding_window_pattern`-th layer full, the others sliding)."""
+    if architecture == "Gemma3ForCausalLM":
+        pattern = hf.get("sliding_window_pattern", 6)
+        sliding = [bool((i + 1) % pattern) for i in range(hf["num_hidden_layers"])]
+    elif architecture == "SmolLM3ForCausalLM":
         sliding = [not turns for turns in smollm3_rotary_layers(hf)]
     else:
         first_sliding = hf.get("max_window_layers", 28)  # transformers' Qwen2Config and Qwen3Config default

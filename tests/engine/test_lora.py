@@ -367,6 +367,27 @@ def test_a_granite_adapter_enters_before_its_residual_multiplier(
     assert out.outputs[0].token_ids == theirs
 
 
+def test_a_gemma3_adapter_enters_before_its_post_norms(tmp_path: Path, default_model_dir: str) -> None:
+    """Gemma 3 norms each layer's attention and MLP output (o_proj's, down_proj's) before the residual
+    add: PEFT's update of those projections is normed with them, as ours (added to the product) is."""
+    from tiny_models import build_tiny_llama
+
+    model_dir = build_tiny_llama(
+        tmp_path / "gemma3",
+        default_model_dir,
+        config_class="Gemma3TextConfig",
+        query_pre_attn_scalar=10,
+        sliding_window=12,
+        sliding_window_pattern=2,
+    )
+    adapter = build_lora_adapter(tmp_path / "all", model_dir, rank=8, seed=6, std=0.3)
+    theirs = peft_greedy_tokens(model_dir, adapter, PROMPT, MAX_TOKENS)
+    assert theirs != peft_greedy_tokens(model_dir, None, PROMPT, MAX_TOKENS)
+    llm = LLM(model=model_dir, dtype="float32", block_size=8, lora_modules={"all": adapter})
+    [out] = llm.generate([PROMPT], greedy(), lora_request=LoRARequest("all"))
+    assert out.outputs[0].token_ids == theirs
+
+
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_a_phi3_adapter_of_its_fused_modules_matches_peft(
     tmp_path: Path, default_model_dir: str, tensor_parallel_size: int

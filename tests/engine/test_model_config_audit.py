@@ -25,7 +25,15 @@ from pagedserve.layers.rotary import RotaryEmbedding
 from test_compile import decode_layers_available
 from test_hf_parity import assert_greedy_equal, hf_greedy
 from tiny_models import save_tiny_model
-from transformers import GraniteConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config
+from transformers import (
+    Gemma3TextConfig,
+    GraniteConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+    SmolLM3Config,
+)
 
 TINY = {
     "vocab_size": 49152,
@@ -84,9 +92,13 @@ NOT_DECODE_LAYERS = {
     "smollm3-nope-layer-1",
     "smollm3-nope-by-default",
     "smollm3-window-20-nope-layer",
+    "gemma3",
+    "gemma3-linear-rope-4.x-config-softcap",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
+# a tiny Gemma 3: 16-dimension heads, q.k scaled by 1/sqrt(10) (not the head's 1/4), a window of 24
+GEMMA3 = {"head_dim": 16, "query_pre_attn_scalar": 10, "sliding_window": 24, "sliding_window_pattern": 2}
 
 
 def as_transformers_4(config: dict[str, Any]) -> None:
@@ -94,6 +106,17 @@ def as_transformers_4(config: dict[str, Any]) -> None:
     rope = config.pop("rope_parameters")
     config["rope_theta"] = rope.pop("rope_theta")
     config["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+
+
+def gemma3_as_transformers_4(config: dict[str, Any]) -> None:
+    """Gemma 3's 4.x layout, as its checkpoints on the Hub carry it: no layer_types (the pattern)."""
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope["full_attention"]["rope_theta"]
+    config["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+    scaling = {k: v for k, v in rope["full_attention"].items() if k != "rope_theta"}
+    config["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+    config["sliding_window_pattern"] = 2
+    del config["layer_types"]
 
 
 def LlamaConfig(**kwargs: Any) -> Any:  # noqa: N802 (stands in for the class)
@@ -185,6 +208,18 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "smollm3-window-20-nope-layer": (
         lambda: SmolLM3Config(**TINY, use_sliding_window=True, sliding_window=20, no_rope_layers=[1, 0]),
         None,
+    ),
+    # Gemma 3: a local layer (window 24, rope base 1e4) then a global one (rope base 1e6), norms after
+    # attention and the MLP, GELU, the embeddings times sqrt(hidden), q.k by query_pre_attn_scalar
+    "gemma3": (lambda: Gemma3TextConfig(**TINY, **GEMMA3), None),
+    # Gemma 3 4B's: its global layers' linear rope (the context stays max_position_embeddings), a
+    # config in the 4.x layout (rope_theta, rope_local_base_freq, rope_scaling, sliding_window_pattern),
+    # and Gemma 2's final logit soft-capping
+    "gemma3-linear-rope-4.x-config-softcap": (
+        lambda: Gemma3TextConfig(
+            **TINY, **GEMMA3, rope_scaling={"rope_type": "linear", "factor": 8.0}, final_logit_softcapping=3.0
+        ),
+        gemma3_as_transformers_4,
     ),
     # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
     "smollm3-nope-layer-1": (lambda: SmolLM3Config(**TINY, no_rope_layers=[1, 0]), None),
@@ -420,6 +455,13 @@ def drop(*keys: str) -> ConfigPatch:
         # Llama and Granite read no window (a config.json carrying one slides nothing in transformers)
         (LlamaConfig(**TINY), lambda c: c.update(sliding_window=32), [0, 0]),
         (GraniteConfig(**TINY), lambda c: c.update(sliding_window=32), [0, 0]),
+        # Gemma 3 slides the layers layer_types names (by default five of six), its window on always
+        (Gemma3TextConfig(**TINY, sliding_window=32, sliding_window_pattern=2), None, [32, 0]),
+        (
+            Gemma3TextConfig(**{**TINY, "num_hidden_layers": 6}),
+            drop("layer_types", "sliding_window"),
+            [4096, 4096, 4096, 4096, 4096, 0],
+        ),
         # SmolLM3 slides its NoPE layers, where the window is on
         (
             SmolLM3Config(**TINY, use_sliding_window=True, sliding_window=32, no_rope_layers=[1, 0]),
@@ -456,6 +498,8 @@ def drop(*keys: str) -> ConfigPatch:
         "phi3-window",
         "llama-window-unread",
         "granite-window-unread",
+        "gemma3-pattern-2",
+        "gemma3-default-pattern-and-window",
         "smollm3-nope-layer-slides",
         "smollm3-no-nope-layer",
         "smollm3-default-nope-layer-slides",
@@ -470,7 +514,9 @@ def test_the_window_applies_where_transformers_slides_a_layer(
 
     config_dict = {
         **config.to_dict(),
-        "architectures": [type(config).__name__.replace("Config", "ForCausalLM")],
+        "architectures": [
+            type(config).__name__.replace("TextConfig", "Config").replace("Config", "ForCausalLM")
+        ],
     }
     if patch is not None:
         patch(config_dict)

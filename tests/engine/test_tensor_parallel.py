@@ -197,10 +197,15 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
                 "mlp_bias": True,
             },
         ),
+        # each rank's heads normed and turned by the local or the global rope, a local layer's window
+        (
+            "Gemma3TextConfig",
+            {"query_pre_attn_scalar": 10, "sliding_window": 12, "sliding_window_pattern": 2},
+        ),
     ],
-    ids=["phi3", "granite"],
+    ids=["phi3", "granite", "gemma3"],
 )
-def test_tp2_phi3_and_granite_match_single_rank(
+def test_tp2_phi3_granite_and_gemma3_match_single_rank(
     tmp_path: Path,
     default_model_dir: str,
     prompts: list[list[int]],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedserve.models.gemma3 import Gemma3ForCausalLM
 from pagedserve.models.llama import (
     GraniteForCausalLM,
     LlamaForCausalLM,
@@ -11,7 +12,8 @@ from pagedserve.models.llama import (
     SmolLM3ForCausalLM,
 )
 
-# every architecture served is Llama-family: the model runner and `fused_decode` use its typed attributes
+# every architecture served is Llama-family (Gemma 3 on its layers, with its own decoder layer): the
+# model runner and `fused_decode` use its typed attributes
 MODELS: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -20,6 +22,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

@@ -1,0 +1,221 @@
+"""Google's Gemma 3 (`Gemma3ForCausalLM`: Gemma 3 1B, and text-only Gemma 3 checkpoints), as
+transformers' Gemma3ForCausalLM computes it, on the Llama family's tensor-parallel layers:
+
+- the embeddings times sqrt(hidden_size), rounded to the model's dtype;
+- RMSNorm by (1 + weight), computed in float32 (`GemmaRMSNorm`), after attention and after the MLP
+  too (four norms a layer), and on each query and key head;
+- GELU (tanh approximation) in place of SiLU;
+- q.k scaled by query_pre_attn_scalar^-1/2;
+- local and global layers (`layer_types`, by default five sliding layers to one full one): a local
+  layer slides a window and turns by its own rope (`rope_local_base_freq`), a global one attends to
+  every position and turns by the model's rope (with its scaling);
+- logits soft-capped (`final_logit_softcapping`: c * tanh(logits / c)) where the config sets it.
+
+Attention logits soft-capping (Gemma 2's) needs it inside every attention kernel: refused."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.config import default_layer_types, layer_windows
+from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.models.llama import LayerStep, LlamaForCausalLM, head_dim_of, rms_norm_eps
+
+GemmaRotary = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # global cos, sin, local
+
+
+class GemmaRMSNorm(RMSNorm):
+    """x / rms(x) * (1 + weight), all in float32, rounded to x's dtype once (transformers' Gemma3RMSNorm;
+    Llama's rounds before it multiplies). `forward` keeps RMSNorm's form (with `residual`, their sum
+    normed and returned too); Gemma's layers call `normed`."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__(size, eps)
+        self.weight.data.zero_()
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self.normed(x)
+        summed = x + residual
+        return self.normed(summed), summed
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def gemma3_rope_config(hf: dict[str, Any], layer_type: str) -> dict[str, Any]:
+    """A layer type's rope (as a config `RotaryEmbedding` reads), as transformers' Gemma3TextConfig
+    reads it: `rope_parameters` keyed by layer type (transformers 5's layout), else the global
+    layers' `rope_theta` (1e6) and `rope_scaling`, the local layers' `rope_local_base_freq` (1e4)
+    without scaling (4.x's)."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and layer_type in params:
+        chosen = dict(params[layer_type] or {"rope_type": "default"})
+    elif layer_type == "full_attention":
+        chosen = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 1e6)}
+    else:
+        chosen = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", 1e4)}
+    chosen.setdefault("rope_theta", 1e6 if layer_type == "full_attention" else 1e4)
+    return {"rope_parameters": chosen, "max_position_embeddings": hf.get("max_position_embeddings")}
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, layer_index: int, local: bool, window: int
+    ) -> None:
+        super().__init__()
+        hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        head_dim = head_dim_of(cfg)
+        bias = bool(cfg.get("attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size, self.head_dim = (
+            self.num_heads * head_dim,
+            self.num_kv_heads * head_dim,
+            head_dim,
+        )
+        self.q_norm = GemmaRMSNorm(head_dim, rms_norm_eps(cfg))
+        self.k_norm = GemmaRMSNorm(head_dim, rms_norm_eps(cfg))
+        self.local = local  # turns by the local rope
+        scale = float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, head_dim, backend, layer_index, scale=scale, window=window
+        )
+
+    def forward(self, rotary: GemmaRotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q = self.q_norm.normed(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm.normed(
+            qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
+        )
+        cos, sin = rotary[2:] if self.local else rotary[:2]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        v = qkv[:, self.q_size + self.kv_size :]
+        return self.o_proj(self.attn(q, k, v, metadata))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb in x's dtype (its cos and sin are cast to it first)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if activation != "gelu_pytorch_tanh":
+            raise ValueError(
+                f"model: config.json's hidden_activation {activation!r} is not supported (gelu_pytorch_tanh is)"
+            )
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=False)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """Llama's layer protocol: it takes the residual stream as `hidden + residual` (the previous
+    layer's output and its residual, added here as transformers adds them at that layer's end) and
+    returns its own pair."""
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, layer_index: int, local: bool, window: int
+    ) -> None:
+        super().__init__()
+        eps, size = rms_norm_eps(cfg), cfg["hidden_size"]
+        self.self_attn = Gemma3Attention(cfg, backend, layer_index, local, window)
+        self.mlp = Gemma3MLP(cfg)
+        self.input_layernorm = GemmaRMSNorm(size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+
+    def forward(
+        self,
+        rotary: GemmaRotary,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = hidden if residual is None else residual + hidden
+        attended = self.post_attention_layernorm.normed(
+            self.self_attn(rotary, self.input_layernorm.normed(stream), metadata)
+        )
+        stream = stream + attended
+        return self.post_feedforward_layernorm.normed(
+            self.mlp(self.pre_feedforward_layernorm.normed(stream))
+        ), stream
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Gemma 3's text decoder (see the module docstring). The checkpoint names its tensors as Llama's
+    do (q/k/v and gate/up merged on load), plus the two norms around the MLP and the head norms."""
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        nn.Module.__init__(self)
+        for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+            if cfg.get(key):
+                raise ValueError(f"model: config.json's {key} {cfg[key]!r} is not supported for Gemma 3")
+        head_dim, hidden = head_dim_of(cfg), cfg["hidden_size"]
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], hidden)
+        self.embedding_scale = math.sqrt(hidden)  # rounded to the dtype, as transformers rounds it
+        layer_types = cfg.get("layer_types") or default_layer_types(cfg, "Gemma3ForCausalLM")
+        self.rotary_emb = RotaryEmbedding(head_dim, max_position, gemma3_rope_config(cfg, "full_attention"))
+        self.local_rotary_emb = RotaryEmbedding(
+            head_dim, max_position, gemma3_rope_config(cfg, "sliding_attention")
+        )
+        windows = layer_windows({**cfg, "layer_types": layer_types}, "Gemma3ForCausalLM")
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(cfg, backend, index, kind == "sliding_attention", window)
+            for index, (kind, window) in enumerate(zip(layer_types, windows, strict=True))
+        )
+        self.norm = GemmaRMSNorm(hidden, rms_norm_eps(cfg))
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], hidden)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.softcap = float(cfg.get("final_logit_softcapping") or 0.0)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        layer_step: LayerStep | None = None,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
+        rotary = (*self.rotary_emb(positions, hidden.dtype), *self.local_rotary_emb(positions, hidden.dtype))
+        residual = None
+        for layer in self.layers:
+            if layer_step is None:
+                hidden, residual = layer(rotary, hidden, residual, metadata)
+            else:
+                hidden, residual = layer_step(layer, rotary, hidden, residual, metadata)
+        assert residual is not None
+        return cast(GemmaRMSNorm, self.norm).normed(residual + hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(Soft-capping is monotonic: `greedy_token_ids`' argmax of the LM head stands.)"""
+        logits = self.lm_head.compute_logits(hidden)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
