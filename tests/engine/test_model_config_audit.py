@@ -325,6 +325,8 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
         "phi3-tied-partial-rotary",
         "phi3-longrope",
         "smollm3-nope-layer-1",
+        "qwen2-window-48-layer-1",
+        "gemma3",
     ],
 )
 def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str], name: str) -> None:
