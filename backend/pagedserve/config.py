@@ -72,6 +72,7 @@ class ModelConfig:
         if hf.get("quantization_config"):  # its weights would load as garbage or not at all
             method = hf["quantization_config"].get("quant_method", "?")
             raise ValueError(f"model: config.json's quantization_config ({method}) is not supported")
+        hf = text_decoder_config(hf)
         num_heads = hf["num_attention_heads"]
         architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
         if dtype not in DTYPES:
@@ -183,6 +184,22 @@ def sampling_defaults(model_path: str, mode: str, overrides: dict[str, Any] | No
         {_GENERATION_DEFAULTS[key]: value for key, value in overrides.items() if value is not None}
     )
     return defaults
+
+
+def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json as the model served reads it: a Gemma 3 multimodal checkpoint's
+    (`Gemma3ForConditionalGeneration`: Gemma 3 4B, 12B, 27B) as its text decoder's, a
+    `Gemma3ForCausalLM` (images are not served): its `text_config` with Gemma3TextConfig's defaults
+    for what it leaves out (the Hub's configs leave out the 4B's heads, for one), as transformers
+    fills them in. Any other config as it is."""
+    if (hf.get("architectures") or [""])[0] != "Gemma3ForConditionalGeneration":
+        return hf
+    from transformers import Gemma3TextConfig
+
+    text = Gemma3TextConfig(**(hf.get("text_config") or {})).to_dict()
+    text["architectures"] = ["Gemma3ForCausalLM"]
+    logger.info("Gemma3ForConditionalGeneration: its text decoder is served (Gemma3ForCausalLM), not images")
+    return text
 
 
 def _max_model_len(hf: dict[str, Any], requested: int | None) -> int:

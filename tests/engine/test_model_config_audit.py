@@ -382,6 +382,63 @@ def test_dropping_the_rope_scaling_changes_transformers_outputs(
         assert hf_greedy(plain, prompts, 4)[1] != hf_greedy(model_dir, prompts, 4)[1], name
 
 
+# --- a multimodal checkpoint's text decoder --------------------------------------------------------
+
+
+def gemma3_multimodal(root: Path, tokenizer_dir: str) -> str:
+    """A tiny Gemma3ForConditionalGeneration (Gemma 3 4B's layout): GEMMA3's text decoder beside a
+    one-layer vision tower, saved as transformers 5 saves it (`model.language_model.*`)."""
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    text = Gemma3TextConfig(**TINY, **GEMMA3, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    return save_tiny_model(root, tokenizer_dir, config)
+
+
+def as_the_hub_lays_it_out(model_dir: str) -> None:
+    """The Hub's Gemma 3 4B files: the language model under `language_model.model.*`, the vision
+    tower and projector at the top, the text config in 4.x's layout without layer_types."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    renamed = {
+        name.replace("model.language_model.", "language_model.model.").removeprefix("model."): tensor
+        for name, tensor in weights.items()
+    }
+    assert any(name.startswith("vision_tower.") for name in renamed)
+    save_file(renamed, str(Path(model_dir) / "model.safetensors"), metadata={"format": "pt"})
+    config_file = Path(model_dir) / "config.json"
+    config = json.loads(config_file.read_text())
+    gemma3_as_transformers_4(config["text_config"])
+    config_file.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("layout", ["transformers-5", "hub"])
+def test_a_gemma3_multimodal_checkpoint_serves_its_text_decoder(
+    tmp_path: Path, default_model_dir: str, layout: str
+) -> None:
+    """Gemma 3 4B, 12B and 27B ship as Gemma3ForConditionalGeneration: their text decoder is served,
+    its tokens transformers' own multimodal model's on text prompts."""
+    model_dir = gemma3_multimodal(tmp_path / "gemma3-mm", default_model_dir)
+    prompts = long_prompts()
+    model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    if layout == "hub":
+        as_the_hub_lays_it_out(model_dir)
+    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16)
+    assert llm.engine.config.model.architecture == "Gemma3ForCausalLM"
+    assert llm.engine.config.model.max_model_len == 1024  # Gemma's linear rope scales no context
+    assert_greedy_equal(model, prompts, greedy(llm, prompts, MAX_TOKENS), theirs)
+
+
 # --- sliding windows --------------------------------------------------------------------------------
 
 

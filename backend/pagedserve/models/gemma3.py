@@ -1,5 +1,6 @@
-"""Google's Gemma 3 (`Gemma3ForCausalLM`: Gemma 3 1B, and text-only Gemma 3 checkpoints), as
-transformers' Gemma3ForCausalLM computes it, on the Llama family's tensor-parallel layers:
+"""Google's Gemma 3 (`Gemma3ForCausalLM`: Gemma 3 1B; and the text decoder of the multimodal 4B, 12B and
+27B, `Gemma3ForConditionalGeneration`, see `config.text_decoder_config`), as transformers' Gemma3
+computes it, on the Llama family's tensor-parallel layers:
 
 - the embeddings times sqrt(hidden_size), rounded to the model's dtype;
 - RMSNorm by (1 + weight), computed in float32 (`GemmaRMSNorm`), after attention and after the MLP
@@ -16,6 +17,7 @@ Attention logits soft-capping (Gemma 2's) needs it inside every attention kernel
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
 import torch
@@ -194,6 +196,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             self.lm_head.weight = self.embed_tokens.weight
         self.softcap = float(cfg.get("final_logit_softcapping") or 0.0)
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_text_decoder_weights(weights))
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -219,3 +224,27 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+# a multimodal checkpoint's language model (transformers 5's names, the Hub's) -> a text-only one's
+_TEXT_PREFIXES = {
+    "model.language_model.": "model.",
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+_IMAGE_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def _text_decoder_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a text-only checkpoint, under its names: a Gemma3ForConditionalGeneration's
+    language model renamed, its vision tower and projector left out (`text_decoder_config`)."""
+    for name, tensor in weights:
+        if name.startswith(_IMAGE_PREFIXES):
+            continue
+        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+        yield (name if prefix is None else _TEXT_PREFIXES[prefix] + name.removeprefix(prefix)), tensor
