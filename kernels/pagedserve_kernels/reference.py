@@ -13,6 +13,8 @@ A query token i of a sequence with q_len query tokens and context_len cached tok
 position context_len - q_len + i and attends to cache positions 0..that position (causal). Under a
 sliding window of W tokens (`window` W > 0; 0 is none) it attends to the last W of them only: cache
 positions p - W + 1..p for a query at p, as transformers' sliding-window mask (`kv > q - W`).
+Under soft-capping (`softcap` c > 0; 0 is none: Gemma 2's attention logit soft-capping) each score
+s = scale * q.k becomes c * tanh(s / c) before the mask and the softmax.
 """
 
 from __future__ import annotations
@@ -73,9 +75,10 @@ def paged_attention_decode(
     max_context_len: int | None = None,
     key_mask: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per sequence ([num_seqs, num_heads, head_dim]) over its paged context (its
-    last `window` tokens under a sliding window). `max_context_len` (host-side) and `key_mask`
+    last `window` tokens under a sliding window; scores soft-capped by `softcap`). `max_context_len` (host-side) and `key_mask`
     (`decode_key_mask`, of the same window) may be passed in to save work.
 
     The query heads sharing a KV head ride in the query-length dimension of one SDPA call:
@@ -94,7 +97,7 @@ def paged_attention_decode(
     keys = gather_kv(k_cache, block_tables, num_blocks).transpose(1, 2)  # [S, KVH, slots, D]
     values = gather_kv(v_cache, block_tables, num_blocks).transpose(1, 2)
     grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=key_mask, scale=scale)
+    out = _attention(grouped, keys, values, key_mask, scale, softcap)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
@@ -182,14 +185,16 @@ def paged_attention_prefill(
     scale: float,
     batch: PrefillBatch | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention for packed variable-length queries ([num_tokens, num_heads, head_dim]) whose
     keys, earlier context included, are already in the paged cache, each query over the last
     `window` positions only under a sliding window. `batch` (`plan_prefill_batch`, of the same
-    window) pads them into one SDPA call; without it each sequence is attended on its own."""
+    window) pads them into one SDPA call; without it each sequence is attended on its own. Scores
+    are soft-capped by `softcap`."""
     if batch is None:
         return _prefill_each_sequence(
-            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window
+            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap
         )
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = context_lens.shape[0]
@@ -198,9 +203,7 @@ def paged_attention_prefill(
     padded_q = padded.view(num_seqs, batch.max_query_len, num_heads, head_dim).transpose(1, 2)
     keys = gather_kv(k_cache, block_tables, batch.num_blocks).transpose(1, 2)  # [S, KVH, slots, D]
     values = gather_kv(v_cache, block_tables, batch.num_blocks).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        padded_q, keys, values, attn_mask=batch.mask, scale=scale, enable_gqa=True
-    )  # [S, H, max_q, D]
+    out = _attention(padded_q, keys, values, batch.mask, scale, softcap)  # [S, H, max_q, D]
     return out.transpose(1, 2).reshape(-1, num_heads, head_dim).index_select(0, batch.rows)
 
 
@@ -213,6 +216,7 @@ def _prefill_each_sequence(
     context_lens: torch.Tensor,
     scale: float,
     window: int,
+    softcap: float,
 ) -> torch.Tensor:
     out = torch.empty_like(query)
     block_size = k_cache.shape[1]
@@ -226,20 +230,37 @@ def _prefill_each_sequence(
         keys = gather_kv(k_cache, table, num_blocks)[:, :context_len].transpose(1, 2)
         values = gather_kv(v_cache, table, num_blocks)[:, :context_len].transpose(1, 2)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        out[start:end] = _causal_attention(q, keys, values, scale, window).squeeze(0).transpose(0, 1)
+        out[start:end] = _causal_attention(q, keys, values, scale, window, softcap).squeeze(0).transpose(0, 1)
     return out
 
 
 def _causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int, softcap: float
 ) -> torch.Tensor:
     q_len, kv_len = q.shape[2], k.shape[2]
-    if q_len == kv_len and not window:
+    if q_len == kv_len and not window and not softcap:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
     kv_pos = torch.arange(kv_len, device=q.device)[None, :]
     mask = (kv_pos <= q_pos) & (kv_pos > q_pos - window) if window else kv_pos <= q_pos
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return _attention(q, k, v, mask, scale, softcap)
+
+
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """scaled_dot_product_attention of q [..., H, q_len, D] over k, v [..., KVH, kv_len, D] (query
+    heads grouped over KV heads), `mask` boolean (True: seen) or additive; under `softcap` the scores
+    soft-capped before the mask, in float32 (SDPA has no such step)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3).float(), v.repeat_interleave(group, dim=-3).float()
+    scores = torch.tanh(q.float() @ k.transpose(-1, -2) * (scale / softcap)) * softcap
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
+    scores = scores + mask.float()
+    return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
 
 
 def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
