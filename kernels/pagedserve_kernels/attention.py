@@ -26,12 +26,17 @@
 #
 #   positions   0 ........ 15 | 16 .. 28  29 .. 31 | 32 .. 40
 #   window 12   skipped       | masked    seen ............. |   the query at 40 sees 29..40
+#
+# Soft-capping (`softcap` c > 0; 0 is none): each score s = scale * q.k becomes c * tanh(s / c)
+# before the mask and the softmax, in base 2 as (c * log2 e) * tanh(q.k * (scale / c)). SOFTCAP is a
+# constexpr, so the kernels without it are the arithmetic of scale_log2 alone; c is a runtime float.
 """Paged attention kernels: decode (one query token per sequence, optional split-K) and prefill over
 packed variable-length queries whose keys, earlier context included, are in the paged cache."""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -93,6 +98,17 @@ def _dot(a: tl.tensor, b: tl.tensor, UPCAST: tl.constexpr) -> tl.tensor:
 
 
 @triton.jit
+def _tanh(x: tl.tensor) -> tl.tensor:
+    """tanh(x) = sign(x) * (1 - e) / (1 + e), e = exp(-2|x|) in (0, 1]: nothing overflows for any
+    finite x (a large |x| gives e = 0, so +-1). Written out because triton.language has no tanh and
+    libdevice's fails under the interpreter; the tests then run the arithmetic a GPU runs. Near 0,
+    1 - e costs relative precision: tanh is off by ~1e-7 absolute, a score by c times that."""
+    e = tl.exp2(tl.abs(x) * (-2.0 * 1.4426950408889634))  # exp(-2|x|); 1.44... is log2 e
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _online_softmax_step(
     q: tl.tensor,
     k: tl.tensor,
@@ -102,12 +118,21 @@ def _online_softmax_step(
     l_i: tl.tensor,
     acc: tl.tensor,
     scale_log2: tl.tensor,
+    softcap_scale: tl.tensor,
+    softcap_log2: tl.tensor,
     UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """One key tile of flash attention. A row may have no valid key in a tile, and none yet at all:
     under a window a prefill row's keys start after its tile's first row's, and a split may hold
-    only keys before the window. Such a row keeps m_i == -inf, l_i == 0 and acc == 0."""
-    scores = _dot(q, tl.trans(k), UPCAST) * scale_log2
+    only keys before the window. Such a row keeps m_i == -inf, l_i == 0 and acc == 0.
+
+    Scores in base 2: q.k * scale_log2 (scale * log2 e), or under SOFTCAP the capped natural score
+    c * tanh(scale * q.k / c) times log2 e, as tanh(q.k * softcap_scale) * softcap_log2 (scale / c and
+    c * log2 e)."""
+    qk = _dot(q, tl.trans(k), UPCAST)
+    # a constexpr condition: only the chosen branch is compiled
+    scores = _tanh(qk * softcap_scale) * softcap_log2 if SOFTCAP else qk * scale_log2
     scores = tl.where(valid, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     # exponents are taken against 0 while a row's max is still -inf: exp2(-inf - 0) weighs 0, where
@@ -130,6 +155,8 @@ def _decode_kernel(
     out_ptr: tl.tensor,
     lse_ptr: tl.tensor,
     scale_log2: tl.tensor,
+    softcap_scale: tl.tensor,
+    softcap_log2: tl.tensor,
     tokens_per_split: tl.tensor,
     window: tl.tensor,
     stride_qs: tl.tensor,
@@ -151,6 +178,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ) -> None:
     """Program (seq, kv_head, split): the group's query heads over keys
     [kv_start + split * tokens_per_split, min(kv_start + (split + 1) * tokens_per_split, context_len)),
@@ -191,7 +219,9 @@ def _decode_kernel(
             k_cache_ptr, v_cache_ptr, block_table_ptr, offs_n, n_mask, kv_head, offs_d, d_mask,
             stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
         )  # fmt: skip
-        m_i, l_i, acc = _online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, UPCAST)
+        m_i, l_i, acc = _online_softmax_step(
+            q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, softcap_scale, softcap_log2, UPCAST, SOFTCAP
+        )
 
     # l_i >= 1 once a key was seen (the max key adds exp2(0)); an empty split (start >= context_len,
     # or a block longer than a split and every key of the split before `first`) keeps l_i == 0,
@@ -250,6 +280,8 @@ def _prefill_kernel(
     context_lens_ptr: tl.tensor,
     out_ptr: tl.tensor,
     scale_log2: tl.tensor,
+    softcap_scale: tl.tensor,
+    softcap_log2: tl.tensor,
     window: tl.tensor,
     stride_qt: tl.tensor,
     stride_qh: tl.tensor,
@@ -266,6 +298,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ) -> None:
     """Program (seq, kv_head, q_tile): BLOCK_Q = BLOCK_M // GROUP query tokens of the sequence, times
     the GROUP query heads of kv_head, as BLOCK_M rows:
@@ -316,7 +349,9 @@ def _prefill_kernel(
         )  # fmt: skip
         causal = (offs_n[None, :] <= positions[:, None]) & (offs_n[None, :] >= row_first[:, None])
         valid = n_mask[None, :] & causal
-        m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST)
+        m_i, l_i, acc = _online_softmax_step(
+            q, k, v, valid, m_i, l_i, acc, scale_log2, softcap_scale, softcap_log2, UPCAST, SOFTCAP
+        )
 
     out = acc / tl.maximum(l_i, 1.0)[:, None]  # padded rows that saw no key keep l_i == 0
     out_rows = (q_start + tokens).to(tl.int64) * stride_ot + heads * stride_oh
@@ -330,10 +365,13 @@ def _check_attention_args(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     window: int,
+    softcap: float,
 ) -> int:
     """Checks shared by decode and prefill; returns the GQA group size (query heads per KV head)."""
     if window < 0:
         raise ValueError(f"window must be >= 0 (0 for no sliding window), got {window}")
+    if not (softcap >= 0 and math.isfinite(softcap)):  # NaN fails both
+        raise ValueError(f"softcap must be >= 0 and finite (0 for no soft-capping), got {softcap}")
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("k_cache", k_cache, ndim=4, dtypes=(query.dtype,), contiguous=True)
     check_tensor("v_cache", v_cache, ndim=4, dtypes=(query.dtype,), contiguous=True)
@@ -352,6 +390,14 @@ def _check_attention_args(
     assert block_size & (block_size - 1) == 0, f"block_size must be a power of two, got {block_size}"
     check_shape("context_lens", context_lens, (block_tables.shape[0],))
     return num_heads // num_kv_heads
+
+
+def _score_args(scale: float, softcap: float) -> tuple[float, float, float, bool]:
+    """The kernels' scale_log2, softcap_scale, softcap_log2 and SOFTCAP (see _online_softmax_step).
+    Without a cap the two softcap floats are unused (the SOFTCAP False kernel never reads them)."""
+    if not softcap:
+        return scale * _LOG2E, 0.0, 0.0, False
+    return scale * _LOG2E, scale / softcap, softcap * _LOG2E, True
 
 
 @functools.cache
@@ -382,22 +428,26 @@ def paged_attention_decode(
     num_splits: int | None = None,
     max_context_len: int | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context, its last `window` tokens only under a
-    sliding window (0: none; see reference.paged_attention_decode).
+    sliding window (0: none; see reference.paged_attention_decode), its scores s soft-capped to
+    softcap * tanh(s / softcap) under `softcap` (0: none; Gemma 2's attn_logit_softcapping).
 
     num_splits > 1 splits the keys each query sees into that many ranges run in parallel and merged
     (split-K, for long contexts and few sequences); None picks it from the context length (under a
     window, from the keys a window leaves). max_context_len (max of context_lens) spares a
     device-to-host sync when the caller knows it. The window is a runtime argument, not a constexpr,
     so layers of different windows share compiled kernels (Triton specializes an int argument only
-    when it is 1 or a multiple of 16); a CUDA graph captures it as it captures the scale.
+    when it is 1 or a multiple of 16); a CUDA graph captures it as it captures the scale. Whether
+    there is a softcap picks a compiled kernel (a constexpr); its value is a runtime float, captured
+    as the scale is.
 
     Block ids are trusted, not checked: checking them would cost a device-to-host sync every step.
     Each sequence's first ceil(context_len / block_size) ids must name blocks of the cache (an id
     outside it reads other memory, or faults); the ids past them, and under a window those of the
     blocks wholly before it, are never read."""
-    group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens, window)
+    group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens, window, softcap)
     num_seqs, num_heads, head_dim = query.shape
     check_shape("context_lens", context_lens, (num_seqs,))
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -421,8 +471,9 @@ def paged_attention_decode(
     num_splits = triton.cdiv(span, tokens_per_split)
     if num_splits == 1:
         _launch_decode(
-            query, k_cache, v_cache, block_tables, context_lens, scale, group, out, None, span, window
-        )
+            query, k_cache, v_cache, block_tables, context_lens, scale, group, out, None, span, window,
+            softcap,
+        )  # fmt: skip
         return out
     partial = torch.empty(
         (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
@@ -430,7 +481,7 @@ def paged_attention_decode(
     lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
     _launch_decode(
         query, k_cache, v_cache, block_tables, context_lens, scale, group, partial, lse, tokens_per_split,
-        window,
+        window, softcap,
     )  # fmt: skip
     _merge_splits_kernel[(num_seqs, num_heads)](
         partial, lse, out, num_splits, *partial.stride()[:3], *lse.stride()[:2], *out.stride()[:2],
@@ -452,6 +503,7 @@ def _launch_decode(
     lse: torch.Tensor | None,
     tokens_per_split: int,
     window: int,
+    softcap: float,
 ) -> None:
     """out is the final [S, H, D] output (lse None) or the [S, H, splits, D] partials with their
     [S, H, splits] log2-sum-exp2 in lse."""
@@ -462,16 +514,17 @@ def _launch_decode(
     stride_split = out.stride(2) if is_split else 0
     lse_strides = lse.stride()[:2] if lse is not None else (0, 0)
     grid = (num_seqs, num_kv_heads, num_splits)
+    scale_log2, softcap_scale, softcap_log2, has_softcap = _score_args(scale, softcap)
     _decode_kernel[grid](
         query, k_cache, v_cache, block_tables, context_lens, out, lse if is_split else out,
-        scale * _LOG2E, tokens_per_split, window,
+        scale_log2, softcap_scale, softcap_log2, tokens_per_split, window,
         *query.stride()[:2], *k_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), stride_split, *lse_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
         BLOCK_N=max(_MIN_DOT, min(_DECODE_BLOCK_N, triton.next_power_of_2(tokens_per_split))),
-        IS_SPLIT=is_split, UPCAST=triton.knobs.runtime.interpret,
+        IS_SPLIT=is_split, UPCAST=triton.knobs.runtime.interpret, SOFTCAP=has_softcap,
     )  # fmt: skip
 
 
@@ -486,16 +539,18 @@ def paged_attention_prefill(
     *,
     max_query_len: int | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention for packed variable-length queries over keys in the paged cache, each
-    query over its last `window` positions only under a sliding window (0: none; see
+    query over its last `window` positions only under a sliding window (0: none), scores
+    soft-capped under `softcap` (0: none) as in paged_attention_decode (see
     reference.paged_attention_prefill). Requires q_len <= context_len for every sequence.
     max_query_len spares a device-to-host sync when the caller knows it.
 
     Block ids are trusted, as in paged_attention_decode: those covering each context must name
     blocks of the cache; the ids past them, and under a window those of the blocks wholly before
     the first query's, are never read."""
-    group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens, window)
+    group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens, window, softcap)
     num_seqs = context_lens.shape[0]
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
@@ -507,11 +562,13 @@ def paged_attention_prefill(
     head_dim = query.shape[2]
     block_m = max(_PREFILL_BLOCK_M, triton.next_power_of_2(group))
     grid = (num_seqs, k_cache.shape[2], triton.cdiv(max_query_len, block_m // group))
+    scale_log2, softcap_scale, softcap_log2, has_softcap = _score_args(scale, softcap)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale * _LOG2E, window,
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+        scale_log2, softcap_scale, softcap_log2, window,
         *query.stride()[:2], *k_cache.stride()[:3], block_tables.stride(0), *out.stride()[:2],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_N=_PREFILL_BLOCK_N,
-        UPCAST=triton.knobs.runtime.interpret,
+        UPCAST=triton.knobs.runtime.interpret, SOFTCAP=has_softcap,
     )  # fmt: skip
     return out

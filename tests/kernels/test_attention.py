@@ -11,6 +11,9 @@ index tensors, and the launchers' argument checks. Sliding windows (1, under a b
 several blocks, longer than every context) run decode, split-K decode (a split wholly before the
 window among them) and prefill (chunks after earlier context, query tiles starting before the
 window), with NaN in every slot before the window, and a negative window is refused.
+Soft-capped scores (caps 0.5 and 50, each with and without a window) run decode, split-K decode and
+prefill (chunks after earlier context) in both dtypes, huge scores under a cap stay finite, and a
+negative or non-finite cap is refused.
 
 Tolerances: float32 atol = rtol = 1e-4 against the float32 reference. bfloat16 atol = rtol = 2e-2
 against the reference run in float32 on the same bfloat16 inputs (the kernel rounds the softmax
@@ -463,6 +466,89 @@ def test_a_negative_window_is_refused(device: torch.device) -> None:
     starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="window must be >= 0"):
         attention.paged_attention_prefill(query, *kv, starts, cache.context_lens, 0.125, window=-1)
+
+
+# Soft-capping: a cap of 0.5 bends every score (queries scaled by 4, so scores reach several units),
+# Gemma 2's 50 only the largest; each without a window and under one of 20 tokens (block size 16)
+SOFTCAPS = [pytest.param(c, id=f"cap{c:g}") for c in (0.5, 50.0)]
+SOFTCAP_WINDOWS = [pytest.param(w, id=f"w{w}") for w in (0, 20)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", SOFTCAP_WINDOWS)
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+def test_decode_softcap_matches_reference(
+    softcap: float, window: int, dtype: torch.dtype, device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without splits and with 3 forced. Without the window splits of 112 keys, the short sequences
+    leaving the last ones empty; under it splits of 16 from the block holding the first visible key
+    (300 tokens: 272..287, its first 8 before the window, then 288..299 and an empty third)."""
+    contexts = [1, 17, 40, 300]
+    cache = make_paged_cache(contexts, 2, 64, 16, dtype, device)
+    query = 4 * torch.randn(len(contexts), 6, 64, dtype=dtype, device=device)
+    args = (cache.block_tables, cache.context_lens, 0.125)
+    expected = reference.paged_attention_decode(
+        query.float(), cache.k_cache.float(), cache.v_cache.float(), *args, window=window, softcap=softcap
+    )
+    num_splits_launched = spy_on_decode_splits(monkeypatch)
+    for num_splits in (1, 3):
+        out = attention.paged_attention_decode(
+            query, cache.k_cache, cache.v_cache, *args, num_splits=num_splits, window=window, softcap=softcap
+        )
+        assert_matches_reference(out, expected, dtype)
+    assert num_splits_launched == [1, 3]
+
+
+# whole prompts, a chunk after earlier context, a sequence with nothing to run, and a long chunk
+# whose query tiles (21 tokens at GQA ratio 3) start before, inside and after the window
+SOFTCAP_PREFILL_LENS = [(1, 1), (17, 17), (5, 40), (0, 3), (50, 120)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", SOFTCAP_WINDOWS)
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+def test_prefill_softcap_matches_reference(
+    softcap: float, window: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    query_lens = [q for q, _ in SOFTCAP_PREFILL_LENS]
+    cache = make_paged_cache([c for _, c in SOFTCAP_PREFILL_LENS], 2, 64, 16, dtype, device)
+    starts = torch.tensor([0, *query_lens], device=device).cumsum(0).to(torch.int32)
+    query = 4 * torch.randn(sum(query_lens), 6, 64, dtype=dtype, device=device)
+    args = (cache.block_tables, starts, cache.context_lens, 0.125)
+    out = attention.paged_attention_prefill(
+        query, cache.k_cache, cache.v_cache, *args, window=window, softcap=softcap
+    )
+    expected = reference.paged_attention_prefill(
+        query.float(), cache.k_cache.float(), cache.v_cache.float(), *args, window=window, softcap=softcap
+    )
+    assert_matches_reference(out, expected, dtype)
+
+
+def test_softcap_of_huge_scores_stays_finite(device: torch.device) -> None:
+    """Scores in the hundreds under a cap of 1: tanh written as (exp(2x) - 1) / (exp(2x) + 1) would
+    overflow to inf / inf (NaN); the cap holds them at +-1."""
+    cache = make_paged_cache([300, 17, 1], 2, 64, 16, torch.float32, device)
+    query = 500 * torch.randn(3, 4, 64, device=device)
+    args = (cache.k_cache, cache.v_cache, cache.block_tables)
+    expected = reference.paged_attention_decode(query, *args, cache.context_lens, 0.125, softcap=1.0)
+    decode = attention.paged_attention_decode(query, *args, cache.context_lens, 0.125, softcap=1.0)
+    starts = torch.arange(4, dtype=torch.int32, device=device)
+    prefill = attention.paged_attention_prefill(query, *args, starts, cache.context_lens, 0.125, softcap=1.0)
+    for out in (decode, prefill):
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("softcap", [-1.0, float("nan"), float("inf")])
+def test_a_negative_or_non_finite_softcap_is_refused(softcap: float, device: torch.device) -> None:
+    cache = make_paged_cache([17, 5], 2, 64, 16, torch.float32, device)
+    query = torch.randn(2, 4, 64, device=device)
+    kv = (cache.k_cache, cache.v_cache, cache.block_tables)
+    with pytest.raises(ValueError, match="softcap must be >= 0"):
+        attention.paged_attention_decode(query, *kv, cache.context_lens, 0.125, softcap=softcap)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="softcap must be >= 0"):
+        attention.paged_attention_prefill(query, *kv, starts, cache.context_lens, 0.125, softcap=softcap)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
