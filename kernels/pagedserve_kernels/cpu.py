@@ -90,13 +90,15 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """`reference.paged_attention_decode`, reading K/V straight from the paged cache (needs `load()`),
-    under a sliding `window` only each context's last `window` slots. The block ids covering each
-    context are checked first (a RuntimeError names one outside the cache); those past it are padding,
-    never read, and may hold anything."""
+    under a sliding `window` only each context's last `window` slots, each score s soft-capped to
+    softcap * tanh(s / softcap) under a `softcap` (0: none; a negative or non-finite one is a
+    RuntimeError). The block ids covering each context are checked first (a RuntimeError names one
+    outside the cache); those past it are padding, never read, and may hold anything."""
     return torch.ops.pagedserve_cpu.paged_attention_decode(
-        query, k_cache, v_cache, block_tables, context_lens, scale, window
+        query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap
     )
 
 
@@ -109,14 +111,15 @@ def paged_attention_prefill(
     context_lens: torch.Tensor,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """`reference.paged_attention_prefill`, its sliding `window` too, for bfloat16 and head sizes 64
-    and 128 on a build whose `decode_isa()` is "avx512_bf16" (a RuntimeError elsewhere): tiles of 16
-    (query token, query head) lanes sharing a KV head, scores and P V both by vdpbf16ps, the softmax
-    weights rounded to bfloat16 for P V as flash attention rounds them. Needs `load()`; block ids are
-    checked as for decode."""
+    """`reference.paged_attention_prefill`, its sliding `window` and score `softcap` too (as for
+    decode), for bfloat16 and head sizes 64 and 128 on a build whose `decode_isa()` is "avx512_bf16"
+    (a RuntimeError elsewhere): tiles of 16 (query token, query head) lanes sharing a KV head, scores
+    and P V both by vdpbf16ps, the softmax weights rounded to bfloat16 for P V as flash attention rounds
+    them. Needs `load()`; block ids are checked as for decode."""
     return torch.ops.pagedserve_cpu.paged_attention_prefill(
-        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap
     )
 
 

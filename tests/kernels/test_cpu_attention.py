@@ -14,7 +14,10 @@ prefill attention: as decode rows (`reference.prefill_rows`), in the bf16 prefil
 (`paged_attention_prefill`, AVX512-BF16 builds), and the CPU backend's use of the latter. Sliding
 windows (`window`): decode and prefill against the reference's windowed attention, windows of 1, below
 a block, of a block, across blocks (and the 256-token tile) and longer than every context; the slots
-before a row's window are never read.
+before a row's window are never read. Soft-capping (`softcap`, Gemma 2's): decode (every dtype, both
+paths) and the prefill kernel against the reference's capped attention under caps of 0.5 (every score
+bent) and 50 (Gemma 2's), with and without a window, on queries scaled up so that scores reach several
+units, and on huge ones (tanh saturated); negative, NaN and infinite caps refused.
 """
 
 from __future__ import annotations
@@ -159,6 +162,62 @@ def test_decode_never_reads_the_slots_before_the_window(
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
+# caps that bend every score of SOFTCAP_QUERY_SCALE-scaled queries (0.5) and Gemma 2's (50: scores of
+# several units bent by a few percent)
+SOFTCAPS = [0.5, 50.0]
+SOFTCAP_QUERY_SCALE = 4  # q.k * scale ~ N(0, 16): scores of several units, the largest past 10
+# one case a decode path: AVX512-BF16 passes of 3 of 4 heads (d64) and 2 (d128) in bf16, the
+# generic loops' unrolled (d64, d128) and run-time (d80) head sizes
+SOFTCAP_CASES = [case for case in CASES if case.id in ("gqa3-d64-bs8", "gqa4-d128-bs16", "gqa8-d80-bs8")]
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), SOFTCAP_CASES)
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
+def test_decode_under_a_softcap_matches_reference(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    softcap: float,
+    window: int,
+    dtype: torch.dtype,
+) -> None:
+    """Each score s becomes softcap * tanh(s / softcap) before the softmax, as the reference caps it,
+    alone and under a window."""
+    cache = make_paged_cache(CONTEXT_LENS, num_kv_heads, head_dim, block_size, dtype, torch.device("cpu"))
+    query = (SOFTCAP_QUERY_SCALE * torch.randn(len(CONTEXT_LENS), num_heads, head_dim)).to(dtype)
+    tail = (cache.block_tables, cache.context_lens, head_dim**-0.5)
+    out = cpu.paged_attention_decode(
+        query, cache.k_cache, cache.v_cache, *tail, window=window, softcap=softcap
+    )
+    capped = functools.partial(reference.paged_attention_decode, window=window, softcap=softcap)
+    assert_as_near_as_the_reference(out, capped, query, cache, tail)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80], ids=["d64", "d80"])
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_under_a_softcap_is_stable_for_huge_logits(
+    head_dim: int, softcap: float, dtype: torch.dtype
+) -> None:
+    """Scores in the hundreds and thousands: s / softcap far past where tanh is 1 in float32 (and
+    exp(-2|x|) underflows), every capped score +-softcap or near it."""
+    cache = make_paged_cache([300, 17, 1], 2, head_dim, 8, dtype, torch.device("cpu"))
+    query = (500 * torch.randn(3, 4, head_dim)).to(dtype)
+    tail = (cache.block_tables, cache.context_lens, 0.125)
+    out = cpu.paged_attention_decode(query, cache.k_cache, cache.v_cache, *tail, softcap=softcap)
+    assert torch.isfinite(out).all()
+    expected = reference.paged_attention_decode(
+        query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail, softcap=softcap
+    )
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_reads_a_strided_query_and_never_the_unused_slots(dtype: torch.dtype) -> None:
     """The query is a view into the fused qkv projection (rows wider than heads * head_dim), and
@@ -216,6 +275,17 @@ def test_bad_arguments_are_refused_with_the_reason() -> None:
         cpu.paged_attention_decode(
             query, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale, window=-1
         )
+    for softcap in (-50.0, float("nan"), float("inf")):
+        with pytest.raises(RuntimeError, match="softcap must be 0 .none. or positive and finite, got"):
+            cpu.paged_attention_decode(
+                query,
+                cache.k_cache,
+                cache.v_cache,
+                cache.block_tables,
+                cache.context_lens,
+                scale,
+                softcap=softcap,
+            )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -289,6 +359,26 @@ def test_decode_over_prefill_rows_is_prefill_attention(
     assert_as_near_as_the_reference(out, windowed, query, cache, tail)
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 80)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("softcap", "window"), [(0.5, 0), (50.0, 7)])
+def test_decode_over_prefill_rows_under_a_softcap_is_prefill_attention(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, softcap: float, window: int
+) -> None:
+    """Prompts and chunks after earlier context (PREFILL_LENS) as decode rows, their scores capped as
+    the reference's capped prefill attention caps them."""
+    cache, starts, query = prefill_case(num_heads, num_kv_heads, head_dim, dtype)
+    query = (SOFTCAP_QUERY_SCALE * query.float()).to(dtype)
+    scale = head_dim**-0.5
+    rows = reference.prefill_rows(cache.block_tables, starts, cache.context_lens)
+    out = cpu.paged_attention_decode(
+        query, cache.k_cache, cache.v_cache, *rows, scale, window=window, softcap=softcap
+    )
+    tail = (cache.block_tables, starts, cache.context_lens, scale)
+    capped = functools.partial(reference.paged_attention_prefill, window=window, softcap=softcap)
+    assert_as_near_as_the_reference(out, capped, query, cache, tail)
+
+
 def prefill_metadata(cache: PagedCache, starts: torch.Tensor) -> AttentionMetadata:
     return AttentionMetadata(
         slot_mapping=torch.full((int(starts[-1]),), -1), num_decodes=0,
@@ -343,17 +433,24 @@ def test_prefill_kernel_matches_reference(
 
 
 def assert_as_near_as_flash_attention(
-    out: torch.Tensor, query: torch.Tensor, cache: PagedCache, tail: tuple[object, ...], window: int = 0
+    out: torch.Tensor,
+    query: torch.Tensor,
+    cache: PagedCache,
+    tail: tuple[object, ...],
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """The prefill kernel rounds the softmax weights to bf16 for P V (as flash attention does): each
     weight within 2^-9 of its value, so the output within 2^-9 max|V| of the exact one beyond the
     reference's own bf16 error; and on average no more than 1.5x as far off as the reference's (both
-    under `window`)."""
+    under `window` and `softcap`)."""
     exact = reference.paged_attention_prefill(
-        query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail, window=window
+        query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail, window=window, softcap=softcap
     )
     theirs = (
-        reference.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail, window=window).float()
+        reference.paged_attention_prefill(
+            query, cache.k_cache, cache.v_cache, *tail, window=window, softcap=softcap
+        ).float()
         - exact
     ).abs()
     ours = (out.float() - exact).abs()
@@ -389,6 +486,33 @@ def test_prefill_kernel_under_a_window_matches_reference(
     assert_as_near_as_flash_attention(out, query, cache, tail, window=window)
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(9, 3, 64), (8, 8, 64), (20, 1, 64), (8, 2, 128)],
+    ids=["gqa3-d64", "mha-d64", "gqa20-d64", "gqa4-d128"],
+)
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("window", [0, 7])
+def test_prefill_kernel_under_a_softcap_matches_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, softcap: float, window: int
+) -> None:
+    """Each score capped before the mask and the softmax, as the reference caps it: prompts and
+    chunks after earlier context (LONG_PREFILL_LENS), alone and under a window, every lane
+    arrangement; as near the float32 reference as its own bf16 run."""
+    needs_the_prefill_kernel()
+    lens = LONG_PREFILL_LENS
+    cache = make_paged_cache(
+        [c for _, c in lens], num_kv_heads, head_dim, 8, torch.bfloat16, torch.device("cpu")
+    )
+    starts = torch.tensor([0, *(q for q, _ in lens)]).cumsum(0).to(torch.int32)
+    query = (SOFTCAP_QUERY_SCALE * torch.randn(int(starts[-1]), num_heads, head_dim)).to(torch.bfloat16)
+    tail = (cache.block_tables, starts, cache.context_lens, head_dim**-0.5)
+    out = cpu.paged_attention_prefill(
+        query, cache.k_cache, cache.v_cache, *tail, window=window, softcap=softcap
+    )
+    assert_as_near_as_flash_attention(out, query, cache, tail, window=window, softcap=softcap)
+
+
 @pytest.mark.parametrize("window", [1, 5, 8, 20, 45])
 def test_prefill_kernel_never_reads_the_slots_before_the_windows(window: int) -> None:
     """The slots before each sequence's first query token's window (and past its context) hold NaN:
@@ -417,11 +541,15 @@ def test_prefill_kernel_reads_a_strided_query_and_never_the_unused_slots() -> No
     assert_prefill_finite_and_near_float32(query, (k_cache, v_cache), cache, starts)
 
 
-def test_prefill_kernel_softmax_is_stable_for_huge_logits() -> None:
+@pytest.mark.parametrize("softcap", [0.0, *SOFTCAPS])
+def test_prefill_kernel_softmax_is_stable_for_huge_logits(softcap: float) -> None:
+    """Also under caps: s / softcap far past where tanh is 1 in float32."""
     needs_the_prefill_kernel()
     cache, starts, _ = prefill_case(9, 3, 64, torch.bfloat16)
     query = (500 * torch.randn(int(starts[-1]), 9, 64)).to(torch.bfloat16)
-    assert_prefill_finite_and_near_float32(query, (cache.k_cache, cache.v_cache), cache, starts)
+    assert_prefill_finite_and_near_float32(
+        query, (cache.k_cache, cache.v_cache), cache, starts, softcap=softcap
+    )
 
 
 def assert_prefill_finite_and_near_float32(
@@ -430,15 +558,16 @@ def assert_prefill_finite_and_near_float32(
     cache: PagedCache,
     starts: torch.Tensor,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """The prefill kernel over `caches` (the cache's own, or copies with its unused slots poisoned),
-    under `window`: finite, and within 2e-2 (the output's bf16 rounding) of the float32 reference on
-    the clean cache."""
+    under `window` and `softcap`: finite, and within 2e-2 (the output's bf16 rounding) of the float32
+    reference on the clean cache."""
     tail = (cache.block_tables, starts, cache.context_lens, 0.125)
-    out = cpu.paged_attention_prefill(query, *caches, *tail, window=window)
+    out = cpu.paged_attention_prefill(query, *caches, *tail, window=window, softcap=softcap)
     assert torch.isfinite(out).all()
     expected = reference.paged_attention_prefill(
-        query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail, window=window
+        query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail, window=window, softcap=softcap
     )
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
@@ -478,6 +607,9 @@ def test_prefill_kernel_refuses_bad_arguments_with_the_reason() -> None:
         cpu.paged_attention_prefill(query, *caches, outside, starts, lens, 0.1)
     with pytest.raises(RuntimeError, match="window must be 0 .none. or positive, got -2"):
         cpu.paged_attention_prefill(query, *caches, tables, starts, lens, 0.1, window=-2)
+    for softcap in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(RuntimeError, match="softcap must be 0 .none. or positive and finite, got"):
+            cpu.paged_attention_prefill(query, *caches, tables, starts, lens, 0.1, softcap=softcap)
 
 
 def test_the_backend_runs_bf16_prefill_in_the_prefill_kernel() -> None:

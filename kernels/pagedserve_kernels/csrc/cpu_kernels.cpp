@@ -14,12 +14,16 @@
 // Both trust the block ids they read: check_block_tables (paged_checks.h) has checked them first.
 // Under a sliding window of W tokens (`window` > 0) a row reads only its context's last W slots: its
 // key loop starts at the first of them, so a long context costs only the window.
+// Under soft-capping (`softcap` c > 0, Gemma 2's attention logit soft-capping) each score s (already
+// times the scale) becomes c * tanh(s / c) before the softmax (tanh_float, tanh16: within 2e-7 of
+// tanh); without it the score loops run as before, past one branch a chunk (generic) or tile (AVX512).
 //
 // paged_attention_prefill: causal attention of packed prompt chunks (bfloat16, head size 64 or 128,
 // AVX512-BF16 builds only), the engine's bf16 prefill path: tiles of query tokens times the heads of
 // a KV head's group, 16 lanes, scores and P V both by vdpbf16ps (prefill_kernel_avx512_bf16). Each K/V
 // row is read once a tile, not once a query token as the decode kernel over prefill rows reads it.
-// Under a window a tile's keys start at the first its earliest token sees.
+// Under a window a tile's keys start at the first its earliest token sees; under a softcap the scores
+// are capped as decode caps them, before the mask.
 //
 // write_kv_cache: this step's K/V rows copied into their slots, one call per layer.
 //
@@ -132,6 +136,32 @@ inline float exp_nonpositive(float x) {
   return out;
 }
 
+// tanh(x) within 2e-7 (measured against float64 tanh over [-30, 30]: 1.2e-7 absolute, 2.5e-7
+// relative, libm's tanhf 1.0e-7), written so that a loop of it vectorizes: below |x| = 0.5 the odd
+// Taylor polynomial to x^15 (truncation below 1e-8, relative precision near 0), from there
+// (1 - e) / (1 + e) with e = exp(-2|x|), whose non-positive argument exp_nonpositive takes (nothing
+// overflows: past |x| ~ 43, e ~ 1e-38 and the result 1), the sign put back. NaN stays NaN (it takes
+// the polynomial's side of the compare).
+constexpr float kTanhTaylorBelow = 0.5f;
+constexpr float kTanhTaylor[7] = {-1.0f / 3, 2.0f / 15, -17.0f / 315, 62.0f / 2835, -1382.0f / 155925,
+                                  21844.0f / 6081075, -929569.0f / 638512875};  // x^3, x^5, .. x^15
+
+inline float tanh_float(float x) {
+  const float ax = std::fabs(x), x2 = ax * ax;
+  float p = kTanhTaylor[6];
+  for (int i = 5; i >= 0; --i) p = p * x2 + kTanhTaylor[i];
+  const float small = ax + ax * x2 * p;
+  const float e = exp_nonpositive(-2.0f * ax);
+  const float large = (1.0f - e) / (1.0f + e);
+  return std::copysign(ax >= kTanhTaylorBelow ? large : small, x);
+}
+
+// s = c * tanh(s / c) for n scores (inv_cap = 1 / c), as the reference soft-caps them.
+inline void softcap_scores(float* __restrict s, int64_t n, float cap, float inv_cap) {
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) s[t] = cap * tanh_float(s[t] * inv_cap);
+}
+
 #ifdef PAGEDSERVE_AVX512
 // exp_nonpositive on 16 lanes
 inline __m512 exp_nonpositive16(__m512 x) {
@@ -149,14 +179,42 @@ inline __m512 exp_nonpositive16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);  // times 2^n
 }
+
+// tanh_float on 16 lanes
+inline __m512 tanh16(__m512 x) {
+  const __m512 ax = _mm512_abs_ps(x), x2 = _mm512_mul_ps(ax, ax);
+  __m512 p = _mm512_set1_ps(kTanhTaylor[6]);
+  for (int i = 5; i >= 0; --i) p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(kTanhTaylor[i]));
+  const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(ax, x2), p, ax);
+  const __m512 e = exp_nonpositive16(_mm512_mul_ps(ax, _mm512_set1_ps(-2.0f)));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 large = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __mmask16 above = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(kTanhTaylorBelow), _CMP_GE_OQ);  // not NaN
+  const __m512 r = _mm512_mask_mov_ps(small, above, large);
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), sign));
+}
+
+// c * tanh(s / c) on 16 scores (inv_cap = 1 / c)
+inline __m512 softcap16(__m512 s, __m512 cap, __m512 inv_cap) {
+  return _mm512_mul_ps(cap, tanh16(_mm512_mul_ps(s, inv_cap)));
+}
 #endif
 
+// softcap: 0 (none) or positive and finite, as the ops take it
+void check_softcap(const char* op, double softcap) {
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), op, ": softcap must be 0 (none) or positive and finite, got ",
+              softcap);
+}
+
 // What both decode kernels read: sizes, data pointers and strides of one call's tensors (checked by
-// paged_attention_decode), the sliding window (0: none), and the slot arithmetic of the paged layout.
+// paged_attention_decode), the sliding window (0: none), the softcap (0: none), and the slot
+// arithmetic of the paged layout.
 template <typename scalar_t>
 struct DecodeArgs {
   DecodeArgs(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window)
+             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
+             double softcap)
       : num_seqs(query.size(0)),
         num_heads(query.size(1)),
         dim(query.size(2)),
@@ -171,6 +229,8 @@ struct DecodeArgs {
         o_head_stride(out.stride(1)),
         scale(static_cast<float>(scale)),
         window(window),
+        softcap(static_cast<float>(softcap)),
+        inv_softcap(softcap > 0.0 ? static_cast<float>(1.0 / softcap) : 0.0f),
         q(query.data_ptr<scalar_t>()),
         k_cache(k_cache.data_ptr<scalar_t>()),
         v_cache(v_cache.data_ptr<scalar_t>()),
@@ -183,6 +243,7 @@ struct DecodeArgs {
   int64_t q_seq_stride, q_head_stride, o_seq_stride, o_head_stride;
   float scale;
   int64_t window;  // > 0: a row sees its context's last `window` tokens; 0: all of them
+  float softcap, inv_softcap;  // > 0: each score s becomes softcap * tanh(s * inv_softcap); 0: as it is
   const scalar_t *q, *k_cache, *v_cache;
   const int32_t *tables, *lens;
   scalar_t* out;
@@ -245,6 +306,7 @@ void decode_rows(const DecodeArgs<scalar_t>& a, int64_t begin, int64_t end) {
         const float* key = rows.data() + (h / a.group) * dim;
         float* s = scores.data() + h * kChunk;
         score_chunk<kDim>(qf.data() + h * dim, key, slot_size, n, s, dim);
+        if (a.softcap > 0.0f) softcap_scores(s, n, a.softcap, a.inv_softcap);
         float chunk_max = maxes[h];
         for (int64_t t = 0; t < n; ++t) chunk_max = std::max(chunk_max, s[t]);
         const float correction = std::exp(maxes[h] - chunk_max);  // 0 on the first chunk (exp(-inf))
@@ -420,6 +482,7 @@ void decode_rows_avx512_bf16(const DecodeArgs<c10::BFloat16>& a, int64_t begin, 
   constexpr int kHeadsPerPass = 256 / kDim;  // accumulators of this many heads fit in 16 registers
   const int64_t group = a.group;
   const __m512 vscale = _mm512_set1_ps(a.scale);
+  const __m512 vcap = _mm512_set1_ps(a.softcap), vinv_cap = _mm512_set1_ps(a.inv_softcap);
   std::vector<HeadState<kDim>> states(a.num_heads);
   std::vector<__m512> score_storage(group * kTile / 16);  // aligned: [group][kTile] floats
   float* scores = reinterpret_cast<float*>(score_storage.data());
@@ -448,6 +511,9 @@ void decode_rows_avx512_bf16(const DecodeArgs<c10::BFloat16>& a, int64_t begin, 
             _mm512_store_ps(s + c, score16<kDim>(q, keys, vscale));
             prefetch.step();
           }
+          if (a.softcap > 0.0f)  // the tile's scores capped in place (the padding's too: still its last)
+            for (int64_t c = 0; c < n; c += kChunk)
+              _mm512_store_ps(s + c, softcap16(_mm512_load_ps(s + c), vcap, vinv_cap));
         }
         for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
           const int64_t count = std::min<int64_t>(kHeadsPerPass, group - g0);
@@ -526,6 +592,7 @@ inline void transpose16(__m512* r) {
 // - scores: 16 vectors (one a key) of vdpbf16ps over the head size, each step a pair of the query's
 //   dimensions (packed once a tile) against the key's same pair broadcast: no horizontal sums, where
 //   a decode row reduces 16 partial-sum vectors to one per 16 keys;
+// - under a softcap, each score capped (softcap16) before the mask;
 // - an online softmax per lane (running max and sum as vectors), keys past a lane's position masked
 //   (and under a window, those before its first visible one);
 // - P V by vdpbf16ps too, two keys a step: the weights rounded to bfloat16 (as flash attention's
@@ -534,7 +601,7 @@ inline void transpose16(__m512* r) {
 struct PrefillArgs {
   PrefillArgs(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-              double scale, int64_t window)
+              double scale, int64_t window, double softcap)
       : num_seqs(block_tables.size(0)),
         num_heads(query.size(1)),
         dim(query.size(2)),
@@ -553,6 +620,8 @@ struct PrefillArgs {
         scale(static_cast<float>(scale)),
         // lanes compare int32 positions: a window past every int32 context is as long as any
         window(std::min<int64_t>(window, std::numeric_limits<int32_t>::max())),
+        softcap(static_cast<float>(softcap)),
+        inv_softcap(softcap > 0.0 ? static_cast<float>(1.0 / softcap) : 0.0f),
         q(query.data_ptr<c10::BFloat16>()),
         k_cache(k_cache.data_ptr<c10::BFloat16>()),
         v_cache(v_cache.data_ptr<c10::BFloat16>()),
@@ -566,6 +635,7 @@ struct PrefillArgs {
   int64_t q_token_stride, q_head_stride, o_token_stride, o_head_stride;
   float scale;
   int64_t window;  // > 0: a token at p sees keys p - window + 1..p; 0: keys 0..p
+  float softcap, inv_softcap;  // > 0: each score s becomes softcap * tanh(s * inv_softcap); 0: as it is
   const c10::BFloat16 *q, *k_cache, *v_cache;
   const int32_t *tables, *starts, *lens;
   c10::BFloat16* out;
@@ -693,9 +763,13 @@ class PrefillTileRunner {
     }
     const __m512 vscale = _mm512_set1_ps(a_.scale);
     const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int j = 0; j < 16; ++j) s[j] = _mm512_mul_ps(s[j], vscale);
+    if (a_.softcap > 0.0f) {
+      const __m512 cap = _mm512_set1_ps(a_.softcap), inv_cap = _mm512_set1_ps(a_.inv_softcap);
+      for (int j = 0; j < 16; ++j) s[j] = softcap16(s[j], cap, inv_cap);
+    }
     __m512 chunk_max = g.max;
     for (int j = 0; j < 16; ++j) {
-      s[j] = _mm512_mul_ps(s[j], vscale);
       if (valid != nullptr) s[j] = _mm512_mask_mov_ps(neg_inf, valid[j], s[j]);
       chunk_max = _mm512_max_ps(chunk_max, s[j]);
     }
@@ -806,9 +880,11 @@ at::Tensor paged_attention_decode(
     const at::Tensor& block_tables,
     const at::Tensor& context_lens,
     double scale,
-    int64_t window) {
+    int64_t window,
+    double softcap) {
   check_attention_shapes(query, k_cache, v_cache, "seqs");
   TORCH_CHECK(window >= 0, "paged_attention_decode: window must be 0 (none) or positive, got ", window);
+  check_softcap("paged_attention_decode", softcap);
   TORCH_CHECK(query.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "query rows and the caches must be contiguous");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -824,13 +900,13 @@ at::Tensor paged_attention_decode(
   auto out = at::empty_like(query);
   switch (query.scalar_type()) {
     case at::kFloat:
-      dispatch_dim(DecodeArgs<float>(out, query, k_cache, v_cache, tables, lens, scale, window));
+      dispatch_dim(DecodeArgs<float>(out, query, k_cache, v_cache, tables, lens, scale, window, softcap));
       break;
     case at::kBFloat16:
-      dispatch_dim(DecodeArgs<c10::BFloat16>(out, query, k_cache, v_cache, tables, lens, scale, window));
+      dispatch_dim(DecodeArgs<c10::BFloat16>(out, query, k_cache, v_cache, tables, lens, scale, window, softcap));
       break;
     case at::kHalf:
-      dispatch_dim(DecodeArgs<c10::Half>(out, query, k_cache, v_cache, tables, lens, scale, window));
+      dispatch_dim(DecodeArgs<c10::Half>(out, query, k_cache, v_cache, tables, lens, scale, window, softcap));
       break;
     default: TORCH_CHECK(false, "paged_attention_decode: float32, bfloat16 or float16, not ", query.scalar_type());
   }
@@ -840,8 +916,9 @@ at::Tensor paged_attention_decode(
 // Causal prefill attention of packed prompt chunks read from the paged cache (their own K/V written
 // there first): query [tokens, heads, head_dim], sequence s's rows query_start_loc[s] ..
 // query_start_loc[s + 1], at the last positions of its context_lens[s] tokens, each over its last
-// `window` positions only under a window (> 0). bfloat16, head sizes 64 and 128, on AVX512-BF16 builds
-// (decode_isa() == "avx512_bf16"); elsewhere the caller keeps SDPA.
+// `window` positions only under a window (> 0), its scores soft-capped under a softcap (> 0). bfloat16,
+// head sizes 64 and 128, on AVX512-BF16 builds (decode_isa() == "avx512_bf16"); elsewhere the caller
+// keeps SDPA.
 at::Tensor paged_attention_prefill(
     const at::Tensor& query,
     const at::Tensor& k_cache,
@@ -850,9 +927,11 @@ at::Tensor paged_attention_prefill(
     const at::Tensor& query_start_loc,
     const at::Tensor& context_lens,
     double scale,
-    int64_t window) {
+    int64_t window,
+    double softcap) {
   check_attention_shapes(query, k_cache, v_cache, "tokens");
   TORCH_CHECK(window >= 0, "paged_attention_prefill: window must be 0 (none) or positive, got ", window);
+  check_softcap("paged_attention_prefill", softcap);
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16,
               "paged_attention_prefill: bfloat16 query and caches");
@@ -880,7 +959,7 @@ at::Tensor paged_attention_prefill(
   const auto q = query.stride(2) == 1 ? query : query.contiguous();  // a head's dimensions in one run
   auto out = at::empty(query.sizes(), query.options());
 #ifdef PAGEDSERVE_AVX512_BF16
-  const PrefillArgs args(out, q, k_cache, v_cache, tables, starts, lens, scale, window);
+  const PrefillArgs args(out, q, k_cache, v_cache, tables, starts, lens, scale, window, softcap);
   if (args.dim == 64) prefill_kernel_avx512_bf16<64>(args);
   else prefill_kernel_avx512_bf16<128>(args);
 #else
@@ -1604,8 +1683,9 @@ std::vector<int64_t> pagedserve::decode_row_split(const int32_t* context_lens, i
 void pagedserve::decode_attention_rows_bf16(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                                             const at::Tensor& context_lens, double scale, int64_t window,
-                                            int64_t begin, int64_t end) {
-  const DecodeArgs<c10::BFloat16> args(out, query, k_cache, v_cache, block_tables, context_lens, scale, window);
+                                            double softcap, int64_t begin, int64_t end) {
+  const DecodeArgs<c10::BFloat16> args(out, query, k_cache, v_cache, block_tables, context_lens, scale, window,
+                                       softcap);
   switch (args.dim) {  // the paths dispatch_dim takes
 #ifdef PAGEDSERVE_AVX512_BF16
     case 64: return decode_rows_avx512_bf16<64>(args, begin, end);
@@ -1628,9 +1708,9 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("logprob_rows(Tensor logits, Tensor? tokens, int k) -> (Tensor, Tensor, Tensor)");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int window=0) -> Tensor");
+        "Tensor context_lens, float scale, int window=0, float softcap=0.0) -> Tensor");
   m.def("paged_attention_prefill(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor context_lens, float scale, int window=0) -> Tensor");
+        "Tensor query_start_loc, Tensor context_lens, float scale, int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {

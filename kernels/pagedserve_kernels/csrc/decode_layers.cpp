@@ -213,8 +213,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("pagedserve_cpu::paged_attention_decode", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, double, int64_t)>();
-  return op.call(q, k_cache, v_cache, block_tables, context_lens, scale, window);
+                            const at::Tensor&, double, int64_t, double)>();
+  return op.call(q, k_cache, v_cache, block_tables, context_lens, scale, window, 0.0);  // no softcap
 }
 
 // A barrier for the threads of one parallel region. Two threads meet here in a few hundred
@@ -332,7 +332,7 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
     const auto run = [&](int64_t r) {
       if (bounds[r] < bounds[r + 1])
         pagedserve::decode_attention_rows_bf16(s.attn, s.q, s.k_caches[l], s.v_caches[l], s.tables, s.lens, s.scale,
-                                               s.windows[l], bounds[r], bounds[r + 1]);
+                                               s.windows[l], 0.0, bounds[r], bounds[r + 1]);  // no softcap
     };
     pagedserve::take_share_then_steal(
         take_part(1), threads, thread, [&](int64_t r, bool) { run(r); }, run);
