@@ -233,17 +233,17 @@ def rope_context_length(hf: dict[str, Any]) -> int:
     return positions
 
 
-_WINDOW_ON_UNLESS_OFF = ("MistralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
+_WINDOW_ON_UNLESS_OFF = ("MistralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _WINDOW_OFF_UNLESS_ON = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
-_WINDOW_IN_SOME_LAYERS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "Gemma3ForCausalLM")
+_WINDOW_IN_SOME_LAYERS = (*_WINDOW_OFF_UNLESS_ON, "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # where config.json has no `sliding_window` key, transformers' config class default
-_DEFAULT_WINDOW = {"MistralForCausalLM": 4096, "Gemma3ForCausalLM": 4096}
+_DEFAULT_WINDOW = {"MistralForCausalLM": 4096, "Gemma2ForCausalLM": 4096, "Gemma3ForCausalLM": 4096}
 
 
 def layer_windows(hf: dict[str, Any], architecture: str) -> list[int]:
     """Each layer's sliding window (0: none), as transformers' attention of the architecture reads
-    config.json: Mistral and Phi-3 slide every layer by `sliding_window`, Gemma 3 the layers
-    `layer_types` names (by default five of every six); Qwen2, Qwen3 and SmolLM3 slide the layers
+    config.json: Mistral and Phi-3 slide every layer by `sliding_window`, Gemma 2 and 3 the layers
+    `layer_types` names (by default every other one, five of every six); Qwen2, Qwen3 and SmolLM3 slide the layers
     `layer_types` names (by default Qwen's from `max_window_layers` on, SmolLM3's layers without
     rotary), and only under `use_sliding_window` (their checkpoints carry a window they do not use).
     `use_sliding_window: false` turns any window off (vLLM reads it so for every model); Llama and
@@ -264,10 +264,11 @@ def layer_windows(hf: dict[str, Any], architecture: str) -> list[int]:
 
 
 def default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
-    """transformers' `layer_types` where config.json has none (Qwen2Config, Qwen3Config, SmolLM3Config,
-    Gemma3TextConfig: every `sliding_window_pattern`-th layer full, the others sliding)."""
-    if architecture == "Gemma3ForCausalLM":
-        pattern = hf.get("sliding_window_pattern", 6)
+    """transformers' `layer_types` where config.json has none (Qwen2Config, Qwen3Config, SmolLM3Config;
+    Gemma2Config and Gemma3TextConfig: every other layer, every `sliding_window_pattern`-th (6) full,
+    the others sliding)."""
+    if architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        pattern = 2 if architecture == "Gemma2ForCausalLM" else hf.get("sliding_window_pattern", 6)
         sliding = [bool((i + 1) % pattern) for i in range(hf["num_hidden_layers"])]
     elif architecture == "SmolLM3ForCausalLM":
         sliding = [not turns for turns in smollm3_rotary_layers(hf)]

@@ -26,7 +26,9 @@ from test_compile import decode_layers_available
 from test_hf_parity import assert_greedy_equal, hf_greedy
 from tiny_models import save_tiny_model
 from transformers import (
+    Gemma2Config,
     Gemma3TextConfig,
+    GemmaConfig,
     GraniteConfig,
     MistralConfig,
     Phi3Config,
@@ -92,6 +94,10 @@ NOT_DECODE_LAYERS = {
     "smollm3-nope-layer-1",
     "smollm3-nope-by-default",
     "smollm3-window-20-nope-layer",
+    "gemma",
+    "gemma-legacy-gelu",
+    "gemma2-softcaps",
+    "gemma2-default-softcaps",
     "gemma3",
     "gemma3-linear-rope-4.x-config-softcap",
 }
@@ -99,6 +105,7 @@ NOT_DECODE_LAYERS = {
 ConfigPatch = Callable[[dict[str, Any]], None]
 # a tiny Gemma 3: 16-dimension heads, q.k scaled by 1/sqrt(10) (not the head's 1/4), a window of 24
 GEMMA3 = {"head_dim": 16, "query_pre_attn_scalar": 10, "sliding_window": 24, "sliding_window_pattern": 2}
+GEMMA2 = {"head_dim": 16, "query_pre_attn_scalar": 10, "sliding_window": 24}
 
 
 def as_transformers_4(config: dict[str, Any]) -> None:
@@ -106,6 +113,14 @@ def as_transformers_4(config: dict[str, Any]) -> None:
     rope = config.pop("rope_parameters")
     config["rope_theta"] = rope.pop("rope_theta")
     config["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+
+
+def drop(*keys: str) -> ConfigPatch:
+    def patch(config: dict[str, Any]) -> None:
+        for key in keys:
+            del config[key]
+
+    return patch
 
 
 def gemma3_as_transformers_4(config: dict[str, Any]) -> None:
@@ -208,6 +223,24 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "smollm3-window-20-nope-layer": (
         lambda: SmolLM3Config(**TINY, use_sliding_window=True, sliding_window=20, no_rope_layers=[1, 0]),
         None,
+    ),
+    # Gemma 1: Llama's layer with Gemma's norms (by 1 + weight), GELU and embeddings times sqrt(hidden);
+    # its configs' legacy "gelu" names the tanh approximation
+    "gemma": (lambda: GemmaConfig(**TINY, head_dim=16), None),
+    "gemma-legacy-gelu": (
+        lambda: GemmaConfig(**TINY, head_dim=16, tie_word_embeddings=False),
+        lambda c: c.update(hidden_act="gelu", hidden_activation=None),
+    ),
+    # Gemma 2: a local layer (window 24) then a global one, norms after attention and the MLP, q.k
+    # by query_pre_attn_scalar, attention scores soft-capped (at 2: every score bent) and logits (at 3)
+    "gemma2-softcaps": (
+        lambda: Gemma2Config(**TINY, **GEMMA2, attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+        None,
+    ),
+    # Gemma2Config's own caps (50, 30) where config.json leaves them out
+    "gemma2-default-softcaps": (
+        lambda: Gemma2Config(**TINY, **GEMMA2),
+        drop("attn_logit_softcapping", "final_logit_softcapping"),
     ),
     # Gemma 3: a local layer (window 24, rope base 1e4) then a global one (rope base 1e6), norms after
     # attention and the MLP, GELU, the embeddings times sqrt(hidden), q.k by query_pre_attn_scalar
@@ -468,14 +501,6 @@ def test_past_the_window_chunks_and_cached_prefixes_slide_as_transformers_does(
     assert_greedy_equal(model, prompts, ours, theirs)
 
 
-def drop(*keys: str) -> ConfigPatch:
-    def patch(config: dict[str, Any]) -> None:
-        for key in keys:
-            del config[key]
-
-    return patch
-
-
 @pytest.mark.parametrize(
     ("config", "patch", "windows"),
     [
@@ -514,6 +539,10 @@ def drop(*keys: str) -> ConfigPatch:
         # Llama and Granite read no window (a config.json carrying one slides nothing in transformers)
         (LlamaConfig(**TINY), lambda c: c.update(sliding_window=32), [0, 0]),
         (GraniteConfig(**TINY), lambda c: c.update(sliding_window=32), [0, 0]),
+        # Gemma 2 every other layer (its first), Gemma 1 none
+        (Gemma2Config(**TINY, sliding_window=32), None, [32, 0]),
+        (Gemma2Config(**TINY), drop("layer_types", "sliding_window"), [4096, 0]),
+        (GemmaConfig(**TINY), lambda c: c.update(sliding_window=32), [0, 0]),
         # Gemma 3 slides the layers layer_types names (by default five of six), its window on always
         (Gemma3TextConfig(**TINY, sliding_window=32, sliding_window_pattern=2), None, [32, 0]),
         (
@@ -557,6 +586,9 @@ def drop(*keys: str) -> ConfigPatch:
         "phi3-window",
         "llama-window-unread",
         "granite-window-unread",
+        "gemma2",
+        "gemma2-default-window",
+        "gemma-window-unread",
         "gemma3-pattern-2",
         "gemma3-default-pattern-and-window",
         "smollm3-nope-layer-slides",

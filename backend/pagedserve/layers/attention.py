@@ -53,7 +53,8 @@ class AttentionMetadata:
 
 
 class AttentionBackend(abc.ABC):
-    """Paged attention of a layer whose queries see the last `window` positions (0: all of them)."""
+    """Paged attention of a layer whose queries see the last `window` positions (0: all of them),
+    its scores soft-capped by `softcap` (0: none)."""
 
     name: str
 
@@ -76,6 +77,7 @@ class AttentionBackend(abc.ABC):
         metadata: AttentionMetadata,
         scale: float,
         window: int,
+        softcap: float,
     ) -> torch.Tensor:
         """[num_decodes, heads, head_dim] queries over the decode sequences' paged context."""
 
@@ -88,6 +90,7 @@ class AttentionBackend(abc.ABC):
         metadata: AttentionMetadata,
         scale: float,
         window: int,
+        softcap: float,
     ) -> torch.Tensor:
         """The packed prefill tokens' queries, causal over their paged context."""
 
@@ -139,6 +142,7 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         window: int,
+        softcap: float,
     ) -> torch.Tensor:
         if self.cpu_kernels:
             return cpu_kernels.paged_attention_decode(
@@ -149,6 +153,7 @@ class TorchAttentionBackend(AttentionBackend):
                 metadata.decode_context_lens,
                 scale,
                 window=window,
+                softcap=softcap,
             )
         if window not in metadata.decode_key_masks:
             num_blocks = -(-metadata.max_decode_context_len // k_cache.shape[1])
@@ -165,6 +170,7 @@ class TorchAttentionBackend(AttentionBackend):
             max_context_len=metadata.max_decode_context_len,
             key_mask=metadata.decode_key_masks[window],
             window=window,
+            softcap=softcap,
         )
 
     def prefill(
@@ -175,6 +181,7 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         window: int,
+        softcap: float,
     ) -> torch.Tensor:
         if self._prefill_in_kernel(query.dtype, query.shape[-1]):
             return cpu_kernels.paged_attention_prefill(
@@ -186,6 +193,7 @@ class TorchAttentionBackend(AttentionBackend):
                 metadata.prefill_context_lens,
                 scale,
                 window=window,
+                softcap=softcap,
             )
         if window not in metadata.prefill_batches:
             metadata.prefill_batches[window] = reference.plan_prefill_batch(
@@ -205,6 +213,7 @@ class TorchAttentionBackend(AttentionBackend):
             scale,
             batch=metadata.prefill_batches[window],
             window=window,
+            softcap=softcap,
         )
 
 
@@ -235,6 +244,7 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         window: int,
+        softcap: float,
     ) -> torch.Tensor:
         return self._attention.paged_attention_decode(
             query,
@@ -245,6 +255,7 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             max_context_len=metadata.max_decode_context_len,
             window=window,
+            softcap=softcap,
         )
 
     def prefill(
@@ -255,6 +266,7 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         window: int,
+        softcap: float,
     ) -> torch.Tensor:
         return self._attention.paged_attention_prefill(
             query,
@@ -266,6 +278,7 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             max_query_len=metadata.max_prefill_query_len,
             window=window,
+            softcap=softcap,
         )
 
 
@@ -315,13 +328,15 @@ class Attention(nn.Module):
         layer_index: int,
         scale: float | None = None,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> None:
         """`scale` multiplies q.k: 1 / sqrt(head_dim) unless the model names its own (Granite's).
-        `window`: a query sees the last `window` positions alone (a sliding window; 0, all)."""
+        `window`: a query sees the last `window` positions alone (a sliding window; 0, all).
+        `softcap` c: each score s becomes c * tanh(s / c) (Gemma 2's soft-capping; 0, none)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
-        self.window = window
+        self.window, self.softcap = window, softcap
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         # Its place among the model's layers, for the compiled pass's op. A tensor, not an int: dynamo
@@ -349,17 +364,17 @@ class Attention(nn.Module):
         )
         k_cache, v_cache = self.kv_cache
         self.backend.write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
-        num_decodes, scale, window = metadata.num_decodes, self.scale, self.window
+        num_decodes, scale, limits = metadata.num_decodes, self.scale, (self.window, self.softcap)
         if metadata.num_prefills == 0:
-            out = self.backend.decode(q, k_cache, v_cache, metadata, scale, window)
+            out = self.backend.decode(q, k_cache, v_cache, metadata, scale, *limits)
         else:
             out = torch.empty_like(q)
             if num_decodes:
                 out[:num_decodes] = self.backend.decode(
-                    q[:num_decodes], k_cache, v_cache, metadata, scale, window
+                    q[:num_decodes], k_cache, v_cache, metadata, scale, *limits
                 )
             out[num_decodes:] = self.backend.prefill(
-                q[num_decodes:], k_cache, v_cache, metadata, scale, window
+                q[num_decodes:], k_cache, v_cache, metadata, scale, *limits
             )
         return out.view(-1, self.num_heads * self.head_dim)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedserve.models.gemma3 import Gemma3ForCausalLM
+from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from pagedserve.models.llama import (
     GraniteForCausalLM,
     LlamaForCausalLM,
@@ -12,7 +12,7 @@ from pagedserve.models.llama import (
     SmolLM3ForCausalLM,
 )
 
-# every architecture served is Llama-family (Gemma 3 on its layers, with its own decoder layer): the
+# every architecture served is Llama-family (Gemma's on its layers, with its own decoder layer): the
 # model runner and `fused_decode` use its typed attributes
 MODELS: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -22,6 +22,8 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "GemmaForCausalLM": GemmaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 

@@ -28,7 +28,7 @@ from pagedserve_kernels import cpu as cpu_kernels
 from pagedserve.distributed import get_tp_size
 from pagedserve.layers.attention import AttentionMetadata, TorchAttentionBackend
 from pagedserve.layers.linear import LinearBase
-from pagedserve.models.gemma3 import Gemma3ForCausalLM
+from pagedserve.models.gemma import GemmaForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -116,8 +116,8 @@ def _packed(linear: LinearBase) -> torch.Tensor:
 def _unsupported(model: torch.nn.Module, backend: object, dtype: torch.dtype) -> str:
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not a Llama-family model"
-    if isinstance(model, Gemma3ForCausalLM):
-        return "Gemma 3's layers (norms after attention and the MLP, GELU, two ropes)"
+    if isinstance(model, GemmaForCausalLM):
+        return "Gemma's layers (norms by 1 + weight, GELU)"
     if dtype != torch.bfloat16:
         return f"dtype {dtype} (bfloat16 only)"
     if get_tp_size() > 1:

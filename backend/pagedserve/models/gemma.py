@@ -1,18 +1,18 @@
-"""Google's Gemma 3 (`Gemma3ForCausalLM`: Gemma 3 1B; and the text decoder of the multimodal 4B, 12B and
-27B, `Gemma3ForConditionalGeneration`, see `config.text_decoder_config`), as transformers' Gemma3
-computes it, on the Llama family's tensor-parallel layers:
+"""Google's Gemma family as transformers computes it, on the Llama family's tensor-parallel layers:
+Gemma (`GemmaForCausalLM`: Gemma 1, CodeGemma), Gemma 2 (`Gemma2ForCausalLM`) and Gemma 3
+(`Gemma3ForCausalLM`: Gemma 3 1B; and the text decoder of the multimodal 4B, 12B and 27B,
+`Gemma3ForConditionalGeneration`, see `config.text_decoder_config`). What each adds to Llama's layer:
 
-- the embeddings times sqrt(hidden_size), rounded to the model's dtype;
-- RMSNorm by (1 + weight), computed in float32 (`GemmaRMSNorm`), after attention and after the MLP
-  too (four norms a layer), and on each query and key head;
-- GELU (tanh approximation) in place of SiLU;
-- q.k scaled by query_pre_attn_scalar^-1/2;
-- local and global layers (`layer_types`, by default five sliding layers to one full one): a local
-  layer slides a window and turns by its own rope (`rope_local_base_freq`), a global one attends to
-  every position and turns by the model's rope (with its scaling);
-- logits soft-capped (`final_logit_softcapping`: c * tanh(logits / c)) where the config sets it.
-
-Attention logits soft-capping (Gemma 2's) needs it inside every attention kernel: refused."""
+- every one: the embeddings times sqrt(hidden_size), rounded to the model's dtype; RMSNorm by
+  (1 + weight), computed in float32 (`GemmaRMSNorm`); GELU (tanh approximation) in place of SiLU;
+- Gemma 2 and 3: norms after attention and after the MLP too (four a layer, `sandwich_norms`);
+  q.k scaled by query_pre_attn_scalar^-1/2; local layers sliding a window beside global ones
+  (`layer_types`: by default every other layer in Gemma 2, five of six in Gemma 3); logits
+  soft-capped where the config says (`final_logit_softcapping`: c * tanh(logits / c));
+- Gemma 2: attention scores soft-capped too (`attn_logit_softcapping`, in every attention kernel);
+- Gemma 3: each query and key head normed; the local layers turn by their own rope
+  (`rope_local_base_freq`), the global ones by the model's (with its scaling).
+"""
 
 from __future__ import annotations
 
@@ -32,11 +32,12 @@ from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.models.llama import LayerStep, LlamaForCausalLM, head_dim_of, rms_norm_eps
 
-GemmaRotary = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # global cos, sin, local
+# a step's cos and sin tables: the global layers', then the local layers' (the same for Gemma 1 and 2)
+GemmaRotary = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class GemmaRMSNorm(RMSNorm):
-    """x / rms(x) * (1 + weight), all in float32, rounded to x's dtype once (transformers' Gemma3RMSNorm;
+    """x / rms(x) * (1 + weight), all in float32, rounded to x's dtype once (transformers' GemmaRMSNorm;
     Llama's rounds before it multiplies). `forward` keeps RMSNorm's form (with `residual`, their sum
     normed and returned too); Gemma's layers call `normed`."""
 
@@ -58,10 +59,10 @@ class GemmaRMSNorm(RMSNorm):
 
 
 def gemma3_rope_config(hf: dict[str, Any], layer_type: str) -> dict[str, Any]:
-    """A layer type's rope (as a config `RotaryEmbedding` reads), as transformers' Gemma3TextConfig
-    reads it: `rope_parameters` keyed by layer type (transformers 5's layout), else the global
-    layers' `rope_theta` (1e6) and `rope_scaling`, the local layers' `rope_local_base_freq` (1e4)
-    without scaling (4.x's)."""
+    """A Gemma 3 layer type's rope (as a config `RotaryEmbedding` reads), as transformers'
+    Gemma3TextConfig reads it: `rope_parameters` keyed by layer type (transformers 5's layout), else
+    the global layers' `rope_theta` (1e6) and `rope_scaling`, the local layers' `rope_local_base_freq`
+    (1e4) without scaling (4.x's)."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and layer_type in params:
         chosen = dict(params[layer_type] or {"rope_type": "default"})
@@ -73,9 +74,18 @@ def gemma3_rope_config(hf: dict[str, Any], layer_type: str) -> dict[str, Any]:
     return {"rope_parameters": chosen, "max_position_embeddings": hf.get("max_position_embeddings")}
 
 
-class Gemma3Attention(nn.Module):
+class GemmaAttention(nn.Module):
     def __init__(
-        self, cfg: dict[str, Any], backend: AttentionBackend, layer_index: int, local: bool, window: int
+        self,
+        cfg: dict[str, Any],
+        backend: AttentionBackend,
+        layer_index: int,
+        *,
+        qk_norm: bool,
+        local: bool,
+        window: int,
+        scale: float,
+        softcap: float,
     ) -> None:
         super().__init__()
         hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
@@ -85,25 +95,28 @@ class Gemma3Attention(nn.Module):
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=bias)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size, self.head_dim = (
-            self.num_heads * head_dim,
-            self.num_kv_heads * head_dim,
-            head_dim,
-        )
-        self.q_norm = GemmaRMSNorm(head_dim, rms_norm_eps(cfg))
-        self.k_norm = GemmaRMSNorm(head_dim, rms_norm_eps(cfg))
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.head_dim = head_dim
+        self.q_norm = GemmaRMSNorm(head_dim, rms_norm_eps(cfg)) if qk_norm else None
+        self.k_norm = GemmaRMSNorm(head_dim, rms_norm_eps(cfg)) if qk_norm else None
         self.local = local  # turns by the local rope
-        scale = float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, head_dim, backend, layer_index, scale=scale, window=window
+            self.num_heads,
+            self.num_kv_heads,
+            head_dim,
+            backend,
+            layer_index,
+            scale=scale,
+            window=window,
+            softcap=softcap,
         )
 
     def forward(self, rotary: GemmaRotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q = self.q_norm.normed(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm.normed(
-            qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
-        )
+        q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm.normed(q), self.k_norm.normed(k)
         cos, sin = rotary[2:] if self.local else rotary[:2]
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :]
@@ -116,12 +129,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, cfg: dict[str, Any]) -> None:
+class GemmaMLP(nn.Module):
+    def __init__(self, cfg: dict[str, Any], legacy_gelu: bool) -> None:
+        """`legacy_gelu`: "gelu" names the tanh approximation too (GemmaConfig's reading of Gemma 1's
+        configs)."""
         super().__init__()
         hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
         activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-        if activation != "gelu_pytorch_tanh":
+        if not (activation == "gelu_pytorch_tanh" or (legacy_gelu and activation == "gelu")):
             raise ValueError(
                 f"model: config.json's hidden_activation {activation!r} is not supported (gelu_pytorch_tanh is)"
             )
@@ -133,22 +148,25 @@ class Gemma3MLP(nn.Module):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     """Llama's layer protocol: it takes the residual stream as `hidden + residual` (the previous
     layer's output and its residual, added here as transformers adds them at that layer's end) and
-    returns its own pair."""
+    returns its own pair. Gemma 1's `post_attention_layernorm` is the norm before the MLP (Llama's
+    place); Gemma 2's and 3's norms the attention's output, `pre_feedforward_layernorm` comes before
+    the MLP and `post_feedforward_layernorm` after it."""
 
     def __init__(
-        self, cfg: dict[str, Any], backend: AttentionBackend, layer_index: int, local: bool, window: int
+        self, cfg: dict[str, Any], mlp: GemmaMLP, attention: GemmaAttention, sandwich_norms: bool
     ) -> None:
         super().__init__()
         eps, size = rms_norm_eps(cfg), cfg["hidden_size"]
-        self.self_attn = Gemma3Attention(cfg, backend, layer_index, local, window)
-        self.mlp = Gemma3MLP(cfg)
+        self.self_attn, self.mlp = attention, mlp
+        self.sandwich_norms = sandwich_norms
         self.input_layernorm = GemmaRMSNorm(size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        if sandwich_norms:
+            self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+            self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
 
     def forward(
         self,
@@ -158,43 +176,74 @@ class Gemma3DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         stream = hidden if residual is None else residual + hidden
-        attended = self.post_attention_layernorm.normed(
-            self.self_attn(rotary, self.input_layernorm.normed(stream), metadata)
-        )
-        stream = stream + attended
-        return self.post_feedforward_layernorm.normed(
-            self.mlp(self.pre_feedforward_layernorm.normed(stream))
-        ), stream
+        attended = self.self_attn(rotary, self.input_layernorm.normed(stream), metadata)
+        if not self.sandwich_norms:
+            stream = stream + attended
+            return self.mlp(self.post_attention_layernorm.normed(stream)), stream
+        stream = stream + self.post_attention_layernorm.normed(attended)
+        mlp_out = self.mlp(self.pre_feedforward_layernorm.normed(stream))
+        return self.post_feedforward_layernorm.normed(mlp_out), stream
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Gemma 3's text decoder (see the module docstring). The checkpoint names its tensors as Llama's
-    do (q/k/v and gate/up merged on load), plus the two norms around the MLP and the head norms."""
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 1 (see the module docstring); Gemma 2 and 3 set the class attributes of what they add.
+    The checkpoint names its tensors as Llama's do (q/k/v and gate/up merged on load), plus the norms
+    around the MLP and the head norms where the version has them."""
+
+    architecture = "GemmaForCausalLM"
+    sandwich_norms = False  # Gemma 2, 3: norms after attention and after the MLP
+    qk_norm = False  # Gemma 3: each query and key head normed
+    local_rope = False  # Gemma 3: the local layers turn by their own rope
+    # the config.json keys transformers' model of the version reads, with its config class's defaults
+    # for them: query_pre_attn_scalar (else q.k by head_dim^-1/2), attn_logit_softcapping and
+    # final_logit_softcapping (None or absent: none)
+    reads: dict[str, float | None] = {}
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
         nn.Module.__init__(self)
-        for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
-            if cfg.get(key):
-                raise ValueError(f"model: config.json's {key} {cfg[key]!r} is not supported for Gemma 3")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("model: config.json's use_bidirectional_attention is not supported for Gemma")
         head_dim, hidden = head_dim_of(cfg), cfg["hidden_size"]
+        read = {key: cfg.get(key, default) for key, default in self.reads.items()}
+        scalar = read.get("query_pre_attn_scalar") or head_dim
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], hidden)
         self.embedding_scale = math.sqrt(hidden)  # rounded to the dtype, as transformers rounds it
-        layer_types = cfg.get("layer_types") or default_layer_types(cfg, "Gemma3ForCausalLM")
-        self.rotary_emb = RotaryEmbedding(head_dim, max_position, gemma3_rope_config(cfg, "full_attention"))
-        self.local_rotary_emb = RotaryEmbedding(
-            head_dim, max_position, gemma3_rope_config(cfg, "sliding_attention")
-        )
-        windows = layer_windows({**cfg, "layer_types": layer_types}, "Gemma3ForCausalLM")
+        num_layers = cfg["num_hidden_layers"]
+        layer_types = cfg.get("layer_types") or default_layer_types(cfg, self.architecture)
+        windows = layer_windows({**cfg, "layer_types": layer_types}, self.architecture)
+        if self.local_rope:
+            self.rotary_emb = RotaryEmbedding(
+                head_dim, max_position, gemma3_rope_config(cfg, "full_attention")
+            )
+            self.local_rotary_emb = RotaryEmbedding(
+                head_dim, max_position, gemma3_rope_config(cfg, "sliding_attention")
+            )
+        else:
+            self.rotary_emb = RotaryEmbedding(head_dim, max_position, cfg)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, backend, index, kind == "sliding_attention", window)
-            for index, (kind, window) in enumerate(zip(layer_types, windows, strict=True))
+            GemmaDecoderLayer(
+                cfg,
+                GemmaMLP(cfg, legacy_gelu=not self.sandwich_norms),
+                GemmaAttention(
+                    cfg,
+                    backend,
+                    index,
+                    qk_norm=self.qk_norm,
+                    local=self.local_rope and layer_types[index] == "sliding_attention",
+                    window=windows[index],
+                    scale=float(scalar) ** -0.5,
+                    softcap=float(read.get("attn_logit_softcapping") or 0.0),
+                ),
+                self.sandwich_norms,
+            )
+            for index in range(num_layers)
         )
         self.norm = GemmaRMSNorm(hidden, rms_norm_eps(cfg))
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
         self.lm_head = ParallelLMHead(cfg["vocab_size"], hidden)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.softcap = float(cfg.get("final_logit_softcapping") or 0.0)
+        self.softcap = float(read.get("final_logit_softcapping") or 0.0)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_text_decoder_weights(weights))
@@ -208,7 +257,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
-        rotary = (*self.rotary_emb(positions, hidden.dtype), *self.local_rotary_emb(positions, hidden.dtype))
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        local = self.local_rotary_emb(positions, hidden.dtype) if self.local_rope else (cos, sin)
+        rotary = (cos, sin, *local)
         residual = None
         for layer in self.layers:
             if layer_step is None:
@@ -224,6 +275,21 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+class Gemma2ForCausalLM(GemmaForCausalLM):
+    architecture = "Gemma2ForCausalLM"
+    sandwich_norms = True
+    reads = {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+
+
+class Gemma3ForCausalLM(GemmaForCausalLM):
+    architecture = "Gemma3ForCausalLM"
+    sandwich_norms = True
+    qk_norm = True
+    local_rope = True
+    # (transformers' Gemma 3 reads no attn_logit_softcapping: its attention passes none on)
+    reads = {"query_pre_attn_scalar": 256, "final_logit_softcapping": None}
 
 
 # a multimodal checkpoint's language model (transformers 5's names, the Hub's) -> a text-only one's
