@@ -242,12 +242,12 @@ _DEFAULT_WINDOW = {"MistralForCausalLM": 4096, "Gemma2ForCausalLM": 4096, "Gemma
 
 def layer_windows(hf: dict[str, Any], architecture: str) -> list[int]:
     """Each layer's sliding window (0: none), as transformers' attention of the architecture reads
-    config.json: Mistral and Phi-3 slide every layer by `sliding_window`, Gemma 2 and 3 the layers
-    `layer_types` names (by default every other one, five of every six); Qwen2, Qwen3 and SmolLM3 slide the layers
-    `layer_types` names (by default Qwen's from `max_window_layers` on, SmolLM3's layers without
-    rotary), and only under `use_sliding_window` (their checkpoints carry a window they do not use).
-    `use_sliding_window: false` turns any window off (vLLM reads it so for every model); Llama and
-    Granite have none (transformers reads no `sliding_window` for them)."""
+    config.json: Mistral and Phi-3 slide every layer by `sliding_window`; Gemma 2 and 3 the layers
+    `layer_types` names (by default every other one, five of every six); Qwen2, Qwen3 and SmolLM3
+    the layers `layer_types` names (by default Qwen's from `max_window_layers` on, SmolLM3's layers
+    without rotary), and only under `use_sliding_window` (their checkpoints carry a window they do
+    not use). `use_sliding_window: false` turns any window off (vLLM reads it so for every model);
+    Llama, Granite and Gemma 1 have none (transformers reads no `sliding_window` for them)."""
     num_layers = hf["num_hidden_layers"]
     window = hf.get("sliding_window", _DEFAULT_WINDOW.get(architecture))
     on_by_default = architecture in _WINDOW_ON_UNLESS_OFF

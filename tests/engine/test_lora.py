@@ -344,41 +344,35 @@ def test_a_qwen3_adapter_updates_q_and_k_before_their_head_norms(
     assert out.outputs[0].token_ids == theirs
 
 
-def test_a_granite_adapter_enters_before_its_residual_multiplier(
-    tmp_path: Path, default_model_dir: str
+@pytest.mark.parametrize(
+    ("config_class", "overrides"),
+    [
+        (
+            "GraniteConfig",
+            {
+                "embedding_multiplier": 12.0,
+                "attention_multiplier": 0.1,
+                "residual_multiplier": 0.22,
+                "logits_scaling": 8.0,
+            },
+        ),
+        (
+            "Gemma3TextConfig",
+            {"query_pre_attn_scalar": 10, "sliding_window": 12, "sliding_window_pattern": 2},
+        ),
+    ],
+    ids=["granite", "gemma3"],
+)
+def test_an_adapter_enters_before_what_the_layer_does_to_its_output(
+    tmp_path: Path, default_model_dir: str, config_class: str, overrides: dict[str, object]
 ) -> None:
-    """Granite scales each layer's attention and MLP output (o_proj's, down_proj's) before the residual
-    add: PEFT's update of those projections is scaled with them, as ours (added to the product) is."""
-    from tiny_models import build_tiny_llama
-
-    multipliers = {"embedding_multiplier": 12.0, "attention_multiplier": 0.1, "residual_multiplier": 0.22}
-    model_dir = build_tiny_llama(
-        tmp_path / "granite",
-        default_model_dir,
-        config_class="GraniteConfig",
-        logits_scaling=8.0,
-        **multipliers,
-    )
-    adapter = build_lora_adapter(tmp_path / "all", model_dir, rank=8, seed=6, std=0.3)
-    theirs = peft_greedy_tokens(model_dir, adapter, PROMPT, MAX_TOKENS)
-    assert theirs != peft_greedy_tokens(model_dir, None, PROMPT, MAX_TOKENS)
-    llm = LLM(model=model_dir, dtype="float32", block_size=8, lora_modules={"all": adapter})
-    [out] = llm.generate([PROMPT], greedy(), lora_request=LoRARequest("all"))
-    assert out.outputs[0].token_ids == theirs
-
-
-def test_a_gemma3_adapter_enters_before_its_post_norms(tmp_path: Path, default_model_dir: str) -> None:
-    """Gemma 3 norms each layer's attention and MLP output (o_proj's, down_proj's) before the residual
-    add: PEFT's update of those projections is normed with them, as ours (added to the product) is."""
+    """Granite scales each layer's attention and MLP output (o_proj's, down_proj's) before the
+    residual add, Gemma 3 norms it: PEFT's update of those projections is scaled or normed with them,
+    as ours (added to the product) is."""
     from tiny_models import build_tiny_llama
 
     model_dir = build_tiny_llama(
-        tmp_path / "gemma3",
-        default_model_dir,
-        config_class="Gemma3TextConfig",
-        query_pre_attn_scalar=10,
-        sliding_window=12,
-        sliding_window_pattern=2,
+        tmp_path / "model", default_model_dir, config_class=config_class, **overrides
     )
     adapter = build_lora_adapter(tmp_path / "all", model_dir, rank=8, seed=6, std=0.3)
     theirs = peft_greedy_tokens(model_dir, adapter, PROMPT, MAX_TOKENS)
