@@ -194,6 +194,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     sandwich_norms = False  # Gemma 2, 3: norms after attention and after the MLP
     qk_norm = False  # Gemma 3: each query and key head normed
     local_rope = False  # Gemma 3: the local layers turn by their own rope
+    legacy_gelu = True  # Gemma 1: its configs' "gelu" is the tanh approximation (GemmaConfig's reading)
     # the config.json keys transformers' model of the version reads, with its config class's defaults
     # for them: query_pre_attn_scalar (else q.k by head_dim^-1/2), attn_logit_softcapping and
     # final_logit_softcapping (None or absent: none)
@@ -209,9 +210,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], hidden)
         self.embedding_scale = math.sqrt(hidden)  # rounded to the dtype, as transformers rounds it
         num_layers = cfg["num_hidden_layers"]
-        layer_types = cfg.get("layer_types") or default_layer_types(cfg, self.architecture)
-        windows = layer_windows({**cfg, "layer_types": layer_types}, self.architecture)
+        windows = layer_windows(cfg, self.architecture)
+        local = [False] * num_layers
         if self.local_rope:
+            layer_types = cfg.get("layer_types") or default_layer_types(cfg, self.architecture)
+            local = [kind == "sliding_attention" for kind in layer_types]
             self.rotary_emb = RotaryEmbedding(
                 head_dim, max_position, gemma3_rope_config(cfg, "full_attention")
             )
@@ -223,13 +226,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(
                 cfg,
-                GemmaMLP(cfg, legacy_gelu=not self.sandwich_norms),
+                GemmaMLP(cfg, self.legacy_gelu),
                 GemmaAttention(
                     cfg,
                     backend,
                     index,
                     qk_norm=self.qk_norm,
-                    local=self.local_rope and layer_types[index] == "sliding_attention",
+                    local=local[index],
                     window=windows[index],
                     scale=float(scalar) ** -0.5,
                     softcap=float(read.get("attn_logit_softcapping") or 0.0),
@@ -280,12 +283,14 @@ class GemmaForCausalLM(LlamaForCausalLM):
 class Gemma2ForCausalLM(GemmaForCausalLM):
     architecture = "Gemma2ForCausalLM"
     sandwich_norms = True
+    legacy_gelu = False
     reads = {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 
 
 class Gemma3ForCausalLM(GemmaForCausalLM):
     architecture = "Gemma3ForCausalLM"
     sandwich_norms = True
+    legacy_gelu = False
     qk_norm = True
     local_rope = True
     # (transformers' Gemma 3 reads no attn_logit_softcapping: its attention passes none on)
