@@ -23,7 +23,7 @@ from typing import Any
 
 from pagedserve.errors import InvalidRequestError
 
-TOOL_PARSERS = ("hermes", "llama3_json", "pythonic", "granite")
+TOOL_PARSERS = ("hermes", "llama3_json", "pythonic", "granite", "phi4_mini_json")
 TOOL_CHOICES = ("none", "auto", "required")
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -349,13 +349,12 @@ class PythonicParser(_WholeOutputParser):
         return calls
 
 
-class GraniteParser(_WholeOutputParser):
-    """IBM Granite 3.x's calls: a JSON list `[{"name": ..., "arguments": {...}}, ...]`, after
-    `<|tool_call|>` (3.0) or `<tool_call>` (3.1 and later) or alone, as vLLM's granite parser reads
-    them."""
+class _JsonListParser(_WholeOutputParser):
+    """Calls as a JSON list `[{"name": ..., "<an ARGUMENTS key>": {...}}, ...]` after one of `TAGS`
+    (or alone where `BEGINS` has "["); every item a call, or none is."""
 
-    TAGS = ("<|tool_call|>", "<tool_call>")
-    BEGINS = (*TAGS, "[")
+    TAGS: tuple[str, ...] = ()
+    ARGUMENTS: tuple[str, ...] = ("arguments",)
 
     def _parse(self, text: str) -> list[ToolCall] | None:
         text = text.strip()
@@ -366,11 +365,30 @@ class GraniteParser(_WholeOutputParser):
             return None
         calls = []
         for item in value:
-            call = _call_of(item, ("arguments",))
+            call = _call_of(item, self.ARGUMENTS)
             if call is None:
                 return None
             calls.append(call)
         return calls
+
+
+class GraniteParser(_JsonListParser):
+    """IBM Granite 3.x's calls: a JSON list `[{"name": ..., "arguments": {...}}, ...]`, after
+    `<|tool_call|>` (3.0) or `<tool_call>` (3.1 and later) or alone, as vLLM's granite parser reads
+    them."""
+
+    TAGS = ("<|tool_call|>", "<tool_call>")
+    BEGINS = (*TAGS, "[")
+
+
+class Phi4MiniParser(_JsonListParser):
+    """Phi-4-mini's calls: `functools[{"name": ..., "arguments": {...}}, ...]` ("parameters" too), as
+    vLLM's phi4_mini_json parser reads them (a list whose arguments hold lists as well: vLLM's stops
+    at the first "]")."""
+
+    TAGS = ("functools",)
+    BEGINS = TAGS
+    ARGUMENTS = ("arguments", "parameters")
 
 
 class RequiredCallsParser(_WholeOutputParser):
@@ -409,6 +427,7 @@ PARSERS: dict[str, Callable[[], ToolCallParser]] = {
     "llama3_json": Llama3JsonParser,
     "pythonic": PythonicParser,
     "granite": GraniteParser,
+    "phi4_mini_json": Phi4MiniParser,
 }
 assert tuple(PARSERS) == TOOL_PARSERS
 

@@ -137,6 +137,29 @@ def test_granite_calls_are_a_json_list_after_its_tag(tag: str) -> None:
         assert parse_tool_calls(text, "granite") == (text, []), text
 
 
+def test_phi4_mini_calls_are_a_json_list_after_functools() -> None:
+    """vLLM's phi4_mini_json: `functools[...]`, each call's arguments under "arguments" or
+    "parameters"; arguments holding lists too (vLLM's regex stops at their first "]")."""
+    text = f"functools[{WEATHER}, " + '{"name": "get_time", "parameters": {}}]'
+    for cut in range(len(text) + 1):
+        contents, calls = run(parse_tool_calls_parser("phi4_mini_json"), [text[:cut], text[cut:]])
+        assert ("".join(contents), calls) == ("", EXPECTED_CALLS), cut
+    nested = parse_tool_calls('functools[{"name": "f", "parameters": {"xs": [1, [2]]}}]', "phi4_mini_json")
+    assert [(c.name, json.loads(c.arguments)) for c in nested[1]] == [("f", {"xs": [1, [2]]})]
+    parser = parse_tool_calls_parser("phi4_mini_json")
+    assert parser.feed(" functo") == ("", [])  # may be the tag
+    assert parser.feed("rs of production") == (" functors of production", [])
+    # what is not a list of calls after the tag stays text, whole
+    for text in (
+        "functools[]",
+        "functools[1]",
+        f"functools{WEATHER}",
+        f"functools[{WEATHER}",
+        f"[{WEATHER}]",
+    ):
+        assert parse_tool_calls(text, "phi4_mini_json") == (text, []), text
+
+
 def test_required_and_named_outputs_become_calls() -> None:
     output = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}}, ' + (
         '{"name": "get_time", "parameters": {}}]'
@@ -230,7 +253,8 @@ def test_the_flag_offers_every_parser() -> None:
     literal = next(arg for arg in typing.get_args(annotation) if arg is not type(None))
     assert typing.get_args(literal) == TOOL_PARSERS
     with pytest.raises(
-        ValueError, match="tool_call_parser: must be one of hermes, llama3_json, pythonic, granite"
+        ValueError,
+        match="tool_call_parser: must be one of hermes, llama3_json, pythonic, granite, phi4_mini_json",
     ):
         parse_tool_calls("", "mistral")
 
