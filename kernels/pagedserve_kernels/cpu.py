@@ -262,13 +262,21 @@ def decode_layers(
     eps: float,
     scale: float,
     windows: list[int],
+    embedding_scale: float,
+    residual_scale: float,
+    rotary_layers: list[bool],
 ) -> torch.Tensor:
     """Every decoder layer of a Llama-family model for a decode-only step, bfloat16 on packed weights
     (`csrc/decode_layers.cpp`): each one in AMX tiles (`pack_linear_weight`, needs
     `linear_amx_supported()`), in AVX512-BF16 panels (`pack_linear_weight_avx512`) or in oneDNN's layout
     (`torch.ops.mkldnn._reorder_linear_weight`);
     `qkv_bias` one a layer or none, `qk_norms` (Qwen3's query and key head norms) two a layer or none,
-    `windows` each layer's sliding window (0: none), one a layer.
+    `windows` each layer's sliding window (0: none), one a layer; `embedding_scale` and `residual_scale`
+    Granite's multipliers of the embeddings and of each layer's attention and MLP outputs before they
+    join the residual stream (1: none), each product rounded to bfloat16 as the eager model's;
+    `rotary_layers` whether each layer turns q and k, one a layer (SmolLM3's NoPE layers do not).
+    `cos_sin_cache` [positions, rotary_dim] turns the first rotary_dim values of each head (even, up to
+    head_dim, which the KV caches give: Phi-3's partial rotary below it), the rest pass through.
     The final-normed hidden states [tokens, hidden] (needs `decode_layers_supported()`). Block tables are
     checked as `paged_attention_decode` checks them, before any layer runs."""
     return torch.ops.pagedserve_cpu.decode_layers(
@@ -294,4 +302,7 @@ def decode_layers(
         eps,
         scale,
         windows,
+        embedding_scale,
+        residual_scale,
+        rotary_layers,
     )

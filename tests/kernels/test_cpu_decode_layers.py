@@ -64,10 +64,14 @@ def bf16(*shape: int, scale: float = 0.1) -> torch.Tensor:
     return (torch.randn(*shape) * scale).to(torch.bfloat16)
 
 
-def make_model(qkv_bias: bool, head_dim: int = HEAD_DIM, qk_norms: bool = False) -> Model:
+def make_model(
+    qkv_bias: bool, head_dim: int = HEAD_DIM, qk_norms: bool = False, rotary_dim: int | None = None
+) -> Model:
+    """Random layers; the rotary table over each head's first `rotary_dim` values (by default all)."""
     torch.manual_seed(0)
     qkv_size = (HEADS + 2 * KV_HEADS) * head_dim
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
     freqs = torch.arange(256).float()[:, None] * inv_freq[None, :]
     return Model(
         embedding=bf16(1000, HIDDEN, scale=1.0),
@@ -122,6 +126,9 @@ def run_kernel(
     packing: str | None = None,
     num_kv_heads: int = KV_HEADS,
     windows: list[int] | None = None,
+    embedding_scale: float = 1.0,
+    residual_scale: float = 1.0,
+    rotary_layers: list[bool] | None = None,
 ) -> torch.Tensor:
     return cpu.decode_layers(
         step["input_ids"],
@@ -146,17 +153,31 @@ def run_kernel(
         EPS,
         head_dim**-0.5,
         [0] * LAYERS if windows is None else windows,
+        embedding_scale,
+        residual_scale,
+        [True] * LAYERS if rotary_layers is None else rotary_layers,
     )
 
 
 def run_reference(
-    model: Model, step: dict, head_dim: int = HEAD_DIM, windows: list[int] | None = None
+    model: Model,
+    step: dict,
+    head_dim: int = HEAD_DIM,
+    windows: list[int] | None = None,
+    embedding_scale: float = 1.0,
+    residual_scale: float = 1.0,
+    rotary_layers: list[bool] | None = None,
 ) -> torch.Tensor:
-    """The model's layers as the eager model runs them, on the torch references (layer l's attention
-    under `windows[l]`, by default none)."""
+    """The model's layers as the eager model runs them (`LlamaDecoderLayer.forward`), on the torch
+    references: layer l's attention under `windows[l]` (by default none), its q and k turned where
+    `rotary_layers[l]` (by default every layer), over each head's first rotary_dim values (the rotary
+    table's width); the embeddings times `embedding_scale` and each attention and MLP output times
+    `residual_scale` in bfloat16 (Granite's, where they are not 1)."""
     q_size, kv_size = HEADS * head_dim, KV_HEADS * head_dim
     cos, sin = reference.rotary_cos_sin(step["positions"], model.cos_sin_cache, torch.bfloat16)
     hidden = model.embedding[step["input_ids"]]
+    if embedding_scale != 1.0:
+        hidden = hidden * embedding_scale
     residual = None
     for layer in range(LAYERS):
         weight = model.norms[2 * layer]
@@ -171,7 +192,9 @@ def run_reference(
             q, k = qk.split([HEADS, KV_HEADS], dim=1)
             q_norm, k_norm = model.qk_norms[2 * layer], model.qk_norms[2 * layer + 1]
             qk = torch.cat((reference.rms_norm(q, q_norm, EPS), reference.rms_norm(k, k_norm, EPS)), dim=1)
-        q, k = reference.apply_rotary(qk, cos, sin).split([HEADS, KV_HEADS], dim=1)
+        if rotary_layers is None or rotary_layers[layer]:
+            qk = reference.apply_rotary(qk, cos, sin)
+        q, k = qk.split([HEADS, KV_HEADS], dim=1)
         v = qkv[:, q_size + kv_size :].view(-1, KV_HEADS, head_dim)
         k_cache, v_cache = step["k_caches"][layer], step["v_caches"][layer]
         reference.write_kv_cache(k, v, k_cache, v_cache, step["slot_mapping"])
@@ -185,8 +208,12 @@ def run_reference(
             window=windows[layer] if windows else 0,
         )
         hidden = F.linear(attn.reshape(-1, q_size), model.o_proj[layer])
+        if residual_scale != 1.0:
+            hidden = hidden * residual_scale
         hidden, residual = reference.fused_add_rms_norm(hidden, residual, model.norms[2 * layer + 1], EPS)
         hidden = F.linear(reference.silu_and_mul(F.linear(hidden, model.gate_up[layer])), model.down[layer])
+        if residual_scale != 1.0:
+            hidden = hidden * residual_scale
     hidden, _ = reference.fused_add_rms_norm(hidden, residual, model.final_norm, EPS)
     return hidden
 
@@ -389,9 +416,9 @@ def test_refuses_what_its_threads_would_misread(packing: str) -> None:
     wide.down = [bf16(HIDDEN, INTER + 32) for _ in range(LAYERS)]
     with pytest.raises(RuntimeError, match="a down weight packed for 64 x 96 does not match"):
         run_kernel(wide, clone_step(step), packing=packing)
-    other_heads = clone_step(step)
+    other_heads = clone_step(step)  # (blocks of 16 one-head slots: the caches give head_dim)
     for name in ("k_caches", "v_caches"):
-        other_heads[name] = [c.view(NUM_BLOCKS, BLOCK_SIZE, 1, 2 * HEAD_DIM) for c in other_heads[name]]
+        other_heads[name] = [c.view(NUM_BLOCKS, 2 * BLOCK_SIZE, 1, HEAD_DIM) for c in other_heads[name]]
     with pytest.raises(
         RuntimeError, match=r"KV caches must be contiguous bfloat16 \[blocks, block_size, 2, 16\]"
     ):
@@ -422,3 +449,113 @@ def test_refuses_query_heads_the_kv_heads_do_not_divide(packing: str, num_kv_hea
         RuntimeError, match=f"query heads must be a multiple of the KV heads, got 4 and {num_kv_heads}"
     ):
         run_kernel(model, clone_step(step), packing=packing, num_kv_heads=num_kv_heads)
+
+
+@pytest.mark.parametrize(
+    ("embedding_scale", "residual_scale"),
+    [(12.0, 0.22), (1.0, 0.22), (12.0, 1.0)],
+    ids=["both", "residual", "embedding"],
+)
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_granite_s_embedding_and_residual_multipliers(
+    embedding_scale: float, residual_scale: float, packing: str
+) -> None:
+    """Granite's multipliers: the embeddings times `embedding_scale`, and each layer's attention and MLP
+    outputs times `residual_scale` before they join the residual stream (the last MLP's before the
+    final norm), each product rounded to bfloat16, as the reference layers compute them; the step
+    differs from Llama's (both 1)."""
+    model, step = make_model(True, head_dim=64), make_step(16, head_dim=64)
+    scales = {"embedding_scale": embedding_scale, "residual_scale": residual_scale}
+    ours, ref_step = clone_step(step), clone_step(step)
+    out = run_kernel(model, ours, head_dim=64, packing=packing, **scales)
+    expected = run_reference(model, ref_step, head_dim=64, **scales)
+    torch.testing.assert_close(out.float(), expected.float(), atol=0.05, rtol=0.03)
+    for name in ("k_caches", "v_caches"):
+        for layer in range(LAYERS):
+            torch.testing.assert_close(
+                ours[name][layer].float(), ref_step[name][layer].float(), atol=0.05, rtol=0.03
+            )
+    unscaled = run_reference(model, clone_step(step), head_dim=64)
+    assert not torch.allclose(out.float(), unscaled.float(), atol=0.05, rtol=0.03)
+
+
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
+@pytest.mark.parametrize(
+    "rotary_layers", [[True, False], [False, True], [False, False]], ids=["nope-1", "nope-0", "nope-all"]
+)
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_layers_without_rotary(head_dim: int, rotary_layers: list[bool], packing: str) -> None:
+    """SmolLM3's NoPE layers: a layer that does not rotate writes its q and k as the qkv multiply gave
+    them (its KV cache rows too), as the reference layers that skip the rotation; the others rotate.
+    Each differs from the step whose every layer rotates."""
+    model, step = make_model(False, head_dim=head_dim), make_step(16, head_dim=head_dim)
+    ours, ref_step = clone_step(step), clone_step(step)
+    out = run_kernel(model, ours, head_dim=head_dim, packing=packing, rotary_layers=rotary_layers)
+    expected = run_reference(model, ref_step, head_dim=head_dim, rotary_layers=rotary_layers)
+    torch.testing.assert_close(out.float(), expected.float(), atol=0.05, rtol=0.03)
+    for layer in range(LAYERS):
+        torch.testing.assert_close(
+            ours["k_caches"][layer].float(), ref_step["k_caches"][layer].float(), atol=0.05, rtol=0.03
+        )
+    # a layer that does not rotate writes the very keys the multiply gave
+    nope = rotary_layers.index(False)
+    plain = clone_step(step)
+    run_kernel(model, plain, head_dim=head_dim, packing=packing)
+    assert not torch.allclose(
+        ours["k_caches"][nope].float(), plain["k_caches"][nope].float(), atol=0.05, rtol=0.03
+    )
+    rotating = run_reference(model, clone_step(step), head_dim=head_dim)
+    assert not torch.allclose(out.float(), rotating.float(), atol=0.05, rtol=0.03)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "rotary_dim"), [(64, 48), (16, 8), (64, 32)], ids=["64-48", "16-8", "64-32"]
+)
+@pytest.mark.parametrize("qk_norms", [False, True])
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_partial_rotary(head_dim: int, rotary_dim: int, qk_norms: bool, packing: str) -> None:
+    """Phi-3's partial rotary (Phi-4-mini's 3/4 of a head): the rotary table's width turns each head's
+    first rotary_dim values, NeoX halves within them, and the rest pass through, as the reference's
+    `apply_rotary`; with and without Qwen3-style head norms before it (normed in place, then turned).
+    Layer 0's keys in the cache keep, past rotary_dim, the bits of the same keys unturned (a step whose
+    layers do not rotate); the step differs from one whose whole heads turn."""
+    model = make_model(True, head_dim=head_dim, qk_norms=qk_norms, rotary_dim=rotary_dim)
+    assert model.cos_sin_cache.shape[1] == rotary_dim
+    step = make_step(16, head_dim=head_dim)
+    ours, ref_step = clone_step(step), clone_step(step)
+    out = run_kernel(model, ours, head_dim=head_dim, packing=packing)
+    expected = run_reference(model, ref_step, head_dim=head_dim)
+    torch.testing.assert_close(out.float(), expected.float(), atol=0.05, rtol=0.03)
+    slots = step["slot_mapping"]
+    for layer in range(LAYERS):
+        for name in ("k_caches", "v_caches"):
+            written = ours[name][layer].view(-1, KV_HEADS, head_dim)[slots]
+            wanted = ref_step[name][layer].view(-1, KV_HEADS, head_dim)[slots]
+            torch.testing.assert_close(written.float(), wanted.float(), atol=0.05, rtol=0.03)
+    unturned = clone_step(step)
+    run_kernel(model, unturned, head_dim=head_dim, packing=packing, rotary_layers=[False] * LAYERS)
+    keys = ours["k_caches"][0].view(-1, KV_HEADS, head_dim)[slots]
+    unturned_keys = unturned["k_caches"][0].view(-1, KV_HEADS, head_dim)[slots]
+    assert torch.equal(keys[..., rotary_dim:], unturned_keys[..., rotary_dim:])
+    assert not torch.equal(keys[..., :rotary_dim], unturned_keys[..., :rotary_dim])
+    whole = make_model(True, head_dim=head_dim, qk_norms=qk_norms)
+    rotating_whole_heads = run_reference(whole, clone_step(step), head_dim=head_dim)
+    assert not torch.allclose(out.float(), rotating_whole_heads.float(), atol=0.05, rtol=0.03)
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_refuses_rotary_layers_that_are_not_one_a_layer_and_odd_or_wide_tables(packing: str) -> None:
+    """rotary_layers one a layer, and a rotary table of an even width up to head_dim (the KV caches'
+    last size): checked before any layer runs."""
+    model, step = make_model(False), make_step(4)
+    for rotary_layers in ([True], [True, False, True]):
+        with pytest.raises(
+            RuntimeError, match=f"rotary_layers: one a layer .*got {len(rotary_layers)} for 2 layers"
+        ):
+            run_kernel(model, clone_step(step), packing=packing, rotary_layers=rotary_layers)
+    for width in (HEAD_DIM - 3, 2 * HEAD_DIM):
+        model.cos_sin_cache = torch.zeros(256, width)
+        with pytest.raises(
+            RuntimeError, match=f"rotary_dim .its width. must be even and at most head_dim 16, got {width}"
+        ):
+            run_kernel(model, clone_step(step), packing=packing)

@@ -5,13 +5,15 @@
 // the compiled forward pass calls ~8 ops a layer from Python (inductor's wrapper), each a few
 // microseconds of dispatch, and its fused elementwise kernels are tiny at decode batch sizes. Here a
 // layer is: residual add + RMSNorm, the qkv multiply, (Qwen3: RMSNorm of each q and k head,) rotary on
-// q and k, the KV write and decode attention (cpu_kernels.cpp, under the layer's sliding window if it
+// q and k (over the first rotary_dim values of each head: Phi-3's partial rotary; none in SmolLM3's NoPE
+// layers), the KV write and decode attention (cpu_kernels.cpp, under the layer's sliding window if it
 // has one), the o multiply, residual add + RMSNorm, the gate_up multiply, SiLU(gate) * up, the down
-// multiply. The multiplies and attention are the same kernels the compiled pass calls; the elementwise
-// parts are written here in float32, rounded to bfloat16 once per output as inductor's fused kernels do,
-// but with each residual add rounded as the eager model rounds it (inductor sums several adds in float32
-// first), so greedy bfloat16 tokens can part from the compiled pass's where two logits are within
-// rounding of each other.
+// multiply (Granite: the embeddings, and the o and down outputs before their residual adds, multiplied
+// by its constants, each product rounded to bfloat16 as the eager model rounds it). The multiplies and
+// attention are the same kernels the compiled pass calls; the elementwise parts are written here in
+// float32, rounded to bfloat16 once per output as inductor's fused kernels do, but with each residual
+// add rounded as the eager model rounds it (inductor sums several adds in float32 first), so greedy
+// bfloat16 tokens can part from the compiled pass's where two logits are within rounding of each other.
 //
 // With the weights in AMX tiles or AVX512-BF16 panels the whole step is one parallel region
 // (decode_layers_team): its threads run each part on their share (rows, or panels of output columns)
@@ -21,8 +23,9 @@
 // parallel region"). Weights in oneDNN's layout call the ops, each with its own region.
 //
 // bfloat16 only, on CPUs with AVX512-BF16, with the linear weights packed (for AMX tiles where the CPU
-// has them, else in AVX512-BF16 panels, or for oneDNN), full rotary (NeoX layout), no biases but an
-// optional qkv bias, optional query and key head norms: the model runner checks that before using it.
+// has them, else in AVX512-BF16 panels, or for oneDNN), NeoX-layout rotary over an even part of each head
+// or none, no biases but an optional qkv bias, optional query and key head norms: the model runner
+// checks that before using it.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -78,17 +81,33 @@ void for_rows(int64_t rows, const F& fn) {
   });
 }
 
+// v rounded to bfloat16 and widened back: what a bfloat16 tensor holding v holds.
+inline __m512 round_bf16(__m512 v) {
+  const __m256bh b = _mm512_cvtneps_pbh(v);
+  return pagedserve::widen_bf16(reinterpret_cast<const __m256i&>(b));
+}
+
+// x's 16 values from p, times `x_scale` rounded to bfloat16 where kScaled (Granite's residual
+// multiplier, as the eager model's `hidden * residual_multiplier` on its bfloat16 tensor: one float32
+// product, rounded once).
+template <bool kScaled>
+inline __m512 load_scaled(const BF16* p, __m512 x_scale) {
+  return kScaled ? round_bf16(_mm512_mul_ps(load_bf16(p), x_scale)) : load_bf16(p);
+}
+
 // Row r: residual = x + residual (skipped when `x` is null: the first layer), then
-// out = weight * (residual * rsqrt(mean(residual^2) + eps)), each rounded to bfloat16 once.
+// out = weight * (residual * rsqrt(mean(residual^2) + eps)), each rounded to bfloat16 once. Where
+// kScaled, x is first multiplied by `x_scale` and rounded to bfloat16 (load_scaled).
+template <bool kScaled>
 void add_rms_norm_row(const BF16* x, BF16* residual, const BF16* weight, BF16* out, int64_t r, int64_t dim,
-                      float eps) {
+                      float eps, __m512 x_scale) {
   BF16* res = residual + r * dim;
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   for (int64_t j = 0; j < dim; j += 32) {
     __m512 a = load_bf16(res + j), b = load_bf16(res + j + 16);
     if (x != nullptr) {
-      a = _mm512_add_ps(load_bf16(x + r * dim + j), a);
-      b = _mm512_add_ps(load_bf16(x + r * dim + j + 16), b);
+      a = _mm512_add_ps(load_scaled<kScaled>(x + r * dim + j, x_scale), a);
+      b = _mm512_add_ps(load_scaled<kScaled>(x + r * dim + j + 16, x_scale), b);
       store_bf16(res + j, a);
       store_bf16(res + j + 16, b);
       a = load_bf16(res + j);  // the norm reads the rounded residual, as the next layer will
@@ -103,9 +122,23 @@ void add_rms_norm_row(const BF16* x, BF16* residual, const BF16* weight, BF16* o
     store_bf16(out + r * dim + j, _mm512_mul_ps(load_bf16(weight + j), _mm512_mul_ps(load_bf16(res + j), scale)));
 }
 
+// add_rms_norm_row over rows [row0, row1), x scaled by `x_scale` where it is not 1 (one branch for the
+// rows: none for Llama's 1).
+void add_rms_norm_rows(const BF16* x, BF16* residual, const BF16* weight, BF16* out, int64_t row0, int64_t row1,
+                       int64_t dim, float eps, float x_scale) {
+  const __m512 scale = _mm512_set1_ps(x_scale);
+  if (x != nullptr && x_scale != 1.0f) {
+    for (int64_t r = row0; r < row1; ++r) add_rms_norm_row<true>(x, residual, weight, out, r, dim, eps, scale);
+  } else {
+    for (int64_t r = row0; r < row1; ++r) add_rms_norm_row<false>(x, residual, weight, out, r, dim, eps, scale);
+  }
+}
+
 void add_rms_norm(const BF16* x, BF16* residual, const BF16* weight, BF16* out, int64_t rows, int64_t dim,
-                  float eps) {
-  for_rows(rows, [&](int64_t r) { add_rms_norm_row(x, residual, weight, out, r, dim, eps); });
+                  float eps, float x_scale) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    add_rms_norm_rows(x, residual, weight, out, begin, end, dim, eps, x_scale);
+  });
 }
 
 // out = weight * (x * rsqrt(mean(x^2) + eps)) over one head of `dim` values, rounded to bfloat16 once.
@@ -123,22 +156,26 @@ void rms_norm_head(const BF16* x, const BF16* weight, BF16* out, int64_t dim, fl
 }
 
 // q and k heads of qkv row r (its first heads_qk * dim values) rotated into row r of `out` [rows,
-// heads_qk, dim], NeoX layout: the two halves of a head pair up with cos and sin of the token's position. With
-// `q_norm` and `k_norm` (Qwen3), each query head is first RMS-normed with `q_norm` and each key head
-// (those from `num_heads` on) with `k_norm`, into `out`, and rotated there (each lane is read before
-// it is written).
+// heads_qk, dim]: the first `rot_dim` values of each head, NeoX layout within them (their two halves pair
+// up with cos and sin of the token's position, from `cos_sin` [positions, rot_dim]: [cos | sin]); the
+// rest pass through (Phi-3's partial rotary), and all of them in a layer that does not rotate (`rotate`
+// false: SmolLM3's NoPE layers). With `q_norm` and `k_norm` (Qwen3), each query head is first
+// RMS-normed with `q_norm` and each key head (those from `num_heads` on) with `k_norm`, into `out`, and
+// rotated there (each lane is read before it is written).
 void rotary_row(const BF16* qkv, int64_t ld_qkv, const int64_t* positions, const float* cos_sin, BF16* out,
-                int64_t r, int64_t num_heads, int64_t heads_qk, int64_t dim, const BF16* q_norm, const BF16* k_norm,
-                float eps) {
-  const int64_t half = dim / 2;
-  const float* cos = cos_sin + positions[r] * dim;
-  const float* sin = cos + half;
+                int64_t r, int64_t num_heads, int64_t heads_qk, int64_t dim, int64_t rot_dim, bool rotate,
+                const BF16* q_norm, const BF16* k_norm, float eps) {
+  const int64_t half = rotate ? rot_dim / 2 : 0, turned = 2 * half;  // the values that turn
+  const float* cos = cos_sin + positions[r] * rot_dim;
+  const float* sin = cos + rot_dim / 2;
   for (int64_t h = 0; h < heads_qk; ++h) {
     const BF16* x = qkv + r * ld_qkv + h * dim;
     BF16* y = out + (r * heads_qk + h) * dim;
     if (q_norm != nullptr) {
       rms_norm_head(x, h < num_heads ? q_norm : k_norm, y, dim, eps);
       x = y;
+    } else if (turned < dim) {  // (never where whole heads turn)
+      std::memcpy(y + turned, x + turned, (dim - turned) * sizeof(BF16));
     }
     for (int64_t i = 0; i < half; i += 16) {
       const __mmask16 m = lanes_below(half - i);
@@ -151,10 +188,11 @@ void rotary_row(const BF16* qkv, int64_t ld_qkv, const int64_t* positions, const
 }
 
 void rotary(const BF16* qkv, int64_t ld_qkv, const int64_t* positions, const float* cos_sin, BF16* out,
-            int64_t rows, int64_t num_heads, int64_t heads_qk, int64_t dim, const BF16* q_norm, const BF16* k_norm,
-            float eps) {
+            int64_t rows, int64_t num_heads, int64_t heads_qk, int64_t dim, int64_t rot_dim, bool rotate,
+            const BF16* q_norm, const BF16* k_norm, float eps) {
   for_rows(rows, [&](int64_t r) {
-    rotary_row(qkv, ld_qkv, positions, cos_sin, out, r, num_heads, heads_qk, dim, q_norm, k_norm, eps);
+    rotary_row(qkv, ld_qkv, positions, cos_sin, out, r, num_heads, heads_qk, dim, rot_dim, rotate, q_norm, k_norm,
+               eps);
   });
 }
 
@@ -253,8 +291,8 @@ using pagedserve::share;
 
 // What decode_layers_team reads: the step's arguments, checked, and its buffers.
 struct TeamStep {
-  int64_t tokens, hidden, head_dim, num_heads, num_kv_heads, heads_qk, n_qkv, inter, layers;
-  float eps;
+  int64_t tokens, hidden, head_dim, rot_dim, num_heads, num_kv_heads, heads_qk, n_qkv, inter, layers;
+  float eps, residual_scale;
   double scale;
   const int64_t* positions;
   const int64_t* slots;
@@ -265,6 +303,7 @@ struct TeamStep {
   at::Tensor residual, normed, qkv_out, qk, q, attn, out, gu, act;  // q: the query heads of qk
   bool tiles = false;  // the weights are in AMX tiles (else in AVX512-BF16 panels)
   std::vector<int64_t> windows;  // each layer's sliding window (0: none)
+  std::vector<char> rotary_layers;  // whether each layer turns q and k (SmolLM3's NoPE layers do not)
 };
 
 BF16* bf16(const at::Tensor& t) { return t.data_ptr<BF16>(); }
@@ -343,7 +382,7 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
   for (int64_t l = 0; l < s.layers; ++l) {
     const BF16* added = l == 0 ? nullptr : out;  // the last layer's down multiply
     const BF16* input_norm = bf16(s.norms[2 * l]);
-    for (int64_t r = row0; r < row1; ++r) add_rms_norm_row(added, residual, input_norm, normed, r, s.hidden, s.eps);
+    add_rms_norm_rows(added, residual, input_norm, normed, row0, row1, s.hidden, s.eps, s.residual_scale);
     barrier.wait();
     multiply(0, normed, s.hidden, s.qkv[l], s.qkv_bias.empty() ? nullptr : bf16(s.qkv_bias[l]), qkv_out, s.n_qkv);
     barrier.wait();
@@ -352,8 +391,8 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
     const BF16* q_norm = s.qk_norms.empty() ? nullptr : bf16(s.qk_norms[2 * l]);
     const BF16* k_norm = s.qk_norms.empty() ? nullptr : bf16(s.qk_norms[2 * l + 1]);
     for (int64_t r = row0; r < row1; ++r) {
-      rotary_row(qkv_out, s.n_qkv, s.positions, s.cos_sin, qk, r, s.num_heads, s.heads_qk, s.head_dim, q_norm, k_norm,
-                 s.eps);
+      rotary_row(qkv_out, s.n_qkv, s.positions, s.cos_sin, qk, r, s.num_heads, s.heads_qk, s.head_dim, s.rot_dim,
+                 s.rotary_layers[l] != 0, q_norm, k_norm, s.eps);
       if (s.slots[r] < 0) continue;  // a padding row: no cache slot
       const BF16* k = qk + (r * s.heads_qk + s.num_heads) * s.head_dim;
       const BF16* v = qkv_out + r * s.n_qkv + s.heads_qk * s.head_dim;
@@ -366,7 +405,7 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
     multiply(2, attn, s.num_heads * s.head_dim, s.o_proj[l], nullptr, out, s.hidden);
     barrier.wait();
     const BF16* post_norm = bf16(s.norms[2 * l + 1]);
-    for (int64_t r = row0; r < row1; ++r) add_rms_norm_row(out, residual, post_norm, normed, r, s.hidden, s.eps);
+    add_rms_norm_rows(out, residual, post_norm, normed, row0, row1, s.hidden, s.eps, s.residual_scale);
     barrier.wait();
     multiply(3, normed, s.hidden, s.gate_up[l], nullptr, gu, 2 * s.inter);
     barrier.wait();
@@ -375,7 +414,7 @@ void run_team_thread(const TeamStep& s, SpinBarrier& barrier, const std::vector<
     multiply(4, act, s.inter, s.down[l], nullptr, out, s.hidden);
     barrier.wait();
   }
-  for (int64_t r = row0; r < row1; ++r) add_rms_norm_row(out, residual, s.final_norm, normed, r, s.hidden, s.eps);
+  add_rms_norm_rows(out, residual, s.final_norm, normed, row0, row1, s.hidden, s.eps, s.residual_scale);
   pagedserve::release_amx_tiles(tiles);
 }
 
@@ -420,15 +459,28 @@ void check_packed(const at::Tensor& w, bool tiles, int64_t n, int64_t k, const c
               " weight packed for ", n, " x ", k, " does not match ", w.sizes());
 }
 
+// The step's embeddings, times `scale` where it is not 1 (Granite's embedding multiplier), as the eager
+// model multiplies its bfloat16 embeddings: the same op.
+at::Tensor embedded(const at::Tensor& embedding, const at::Tensor& input_ids, double scale) {
+  at::Tensor rows = embedding.index_select(0, input_ids);
+  if (scale != 1.0) rows.mul_(scale);
+  return rows;
+}
+
 #endif  // PAGEDSERVE_DECODE_LAYERS
 
 bool is_bf16_cpu(const at::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kBFloat16; }
 
-// input_ids, positions [T] int64; embedding [vocab, hidden]; cos_sin_cache [positions, head_dim] float32
-// ([cos | sin] halves); per layer L: norms[2L] (input, post-attention), qkv[L], qkv_bias[L] or empty,
-// qk_norms[2L] (query, key head norms [head_dim]) or empty, o_proj[L], gate_up[L], down[L] (packed); final_norm [hidden]; the layers' caches; the step's slot
-// mapping, decode block tables and context lengths; windows[L], layer L's sliding window (0: none).
-// Returns the final-normed hidden states [T, hidden].
+// input_ids, positions [T] int64; embedding [vocab, hidden]; cos_sin_cache [positions, rotary_dim] float32
+// ([cos | sin] halves; rotary_dim even, up to head_dim: the first rotary_dim values of each q and k head
+// turn); per layer L: norms[2L] (input, post-attention), qkv[L], qkv_bias[L] or empty, qk_norms[2L] (query,
+// key head norms [head_dim]) or empty, o_proj[L], gate_up[L], down[L] (packed); final_norm [hidden]; the
+// layers' caches [blocks, block_size, kv_heads, head_dim] (which give head_dim); the step's slot mapping,
+// decode block tables and context lengths; windows[L], layer L's sliding window (0: none);
+// embedding_scale, what the embeddings are multiplied by, and residual_scale, what each layer's attention
+// and MLP outputs are multiplied by before they join the residual stream (Granite's multipliers: 1 for
+// none; each product rounded to bfloat16 as the eager model's); rotary_layers[L], whether layer L turns q
+// and k (SmolLM3's NoPE layers do not). Returns the final-normed hidden states [T, hidden].
 at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& embedding,
                          const at::Tensor& cos_sin_cache, at::TensorList norms, at::TensorList qkv,
                          at::TensorList qkv_bias, at::TensorList qk_norms, at::TensorList o_proj,
@@ -436,7 +488,8 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
                          at::TensorList down, const at::Tensor& final_norm, at::TensorList k_caches,
                          at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-                         double scale, const std::vector<int64_t>& windows) {
+                         double scale, const std::vector<int64_t>& windows, double embedding_scale,
+                         double residual_scale, const c10::List<bool>& rotary_layers) {
   const int64_t layers = static_cast<int64_t>(qkv.size());
   TORCH_CHECK(layers > 0 && norms.size() == 2 * qkv.size() && o_proj.size() == qkv.size() &&
                   gate_up.size() == qkv.size() && down.size() == qkv.size() && k_caches.size() == qkv.size() &&
@@ -449,16 +502,26 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
   for (int64_t l = 0; l < layers; ++l)  // here, not in the team's region, where nothing may throw
     TORCH_CHECK(windows[l] >= 0, "decode_layers: layer ", l, "'s window must be 0 (none) or positive, got ",
                 windows[l]);
+  TORCH_CHECK(static_cast<int64_t>(rotary_layers.size()) == layers,
+              "decode_layers: rotary_layers: one a layer (whether it turns q and k), got ", rotary_layers.size(),
+              " for ", layers, " layers");
   TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && positions.sizes() == input_ids.sizes() &&
                   positions.scalar_type() == at::kLong && input_ids.is_contiguous() && positions.is_contiguous(),
               "decode_layers: input_ids and positions must be contiguous int64 [tokens]");
   TORCH_CHECK(is_bf16_cpu(embedding) && embedding.dim() == 2 && embedding.is_contiguous(),
               "decode_layers: embedding must be a contiguous bfloat16 [vocab, hidden] CPU tensor");
+  for (int64_t l = 0; l < layers; ++l)
+    TORCH_CHECK(k_caches[l].dim() == 4 && k_caches[l].sizes() == k_caches[0].sizes() &&
+                    v_caches[l].sizes() == k_caches[0].sizes(),
+                "decode_layers: every layer's k and v cache must be [blocks, block_size, kv_heads, head_dim], one "
+                "shape for all");
   const int64_t tokens = input_ids.size(0), hidden = embedding.size(1);
-  const int64_t head_dim = cos_sin_cache.size(1), heads_qk = num_heads + num_kv_heads;
-  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 && cos_sin_cache.is_contiguous() &&
-                  head_dim % 2 == 0,
-              "decode_layers: cos_sin_cache must be contiguous float32 [positions, head_dim], head_dim even");
+  const int64_t head_dim = k_caches[0].size(3), heads_qk = num_heads + num_kv_heads;
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 && cos_sin_cache.is_contiguous(),
+              "decode_layers: cos_sin_cache must be contiguous float32 [positions, rotary_dim]");
+  const int64_t rot_dim = cos_sin_cache.size(1);
+  TORCH_CHECK(rot_dim % 2 == 0 && rot_dim <= head_dim, "decode_layers: cos_sin_cache's rotary_dim (its width) must be ",
+              "even and at most head_dim ", head_dim, ", got ", rot_dim);
   TORCH_CHECK(hidden % 32 == 0 && final_norm.numel() == hidden && is_bf16_cpu(final_norm) && final_norm.is_contiguous(),
               "decode_layers: hidden size a multiple of 32, final_norm contiguous bfloat16 [hidden]");
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
@@ -476,15 +539,11 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
     TORCH_CHECK(is_bf16_cpu(w) && w.numel() == head_dim && w.is_contiguous(),
                 "decode_layers: query and key head norm weights must be bfloat16 [head_dim]");
   // The block tables once, before layer 0 writes a KV row or starts a thread, against the cache shape
-  // every layer shares (each layer's attention call checks them again: a pass over a few ids).
+  // every layer shares (checked above; each layer's attention call checks them again: a pass over a few
+  // ids).
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.size(0) == tokens &&
                   context_lens.dim() == 1 && context_lens.scalar_type() == at::kInt && context_lens.size(0) == tokens,
               "decode_layers: block_tables [tokens, max_blocks] and context_lens [tokens] must be int32");
-  for (int64_t l = 0; l < layers; ++l)
-    TORCH_CHECK(k_caches[l].dim() == 4 && k_caches[l].sizes() == k_caches[0].sizes() &&
-                    v_caches[l].sizes() == k_caches[0].sizes(),
-                "decode_layers: every layer's k and v cache must be [blocks, block_size, kv_heads, head_dim], one "
-                "shape for all");
   pagedserve::check_block_tables(block_tables.contiguous(), context_lens.contiguous(), k_caches[0].size(1),
                                  k_caches[0].size(0));
 #ifdef PAGEDSERVE_DECODE_LAYERS
@@ -520,11 +579,12 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     for (int64_t t = 0; t < tokens; ++t)
       TORCH_CHECK(slots[t] < num_slots, "slot_mapping: slot ", slots[t], " is past the cache's ", num_slots);
-    TeamStep step{tokens, hidden, head_dim, num_heads, num_kv_heads, heads_qk, n_qkv, inter, layers,
-                  static_cast<float>(eps), scale, pos, slots, cos_sin_cache.data_ptr<float>(), norms, qkv, qkv_bias,
-                  qk_norms, o_proj, gate_up, down, k_caches, v_caches, final_norm.data_ptr<BF16>(),
+    TeamStep step{tokens, hidden, head_dim, rot_dim, num_heads, num_kv_heads, heads_qk, n_qkv, inter, layers,
+                  static_cast<float>(eps), static_cast<float>(residual_scale), scale, pos, slots,
+                  cos_sin_cache.data_ptr<float>(), norms, qkv, qkv_bias, qk_norms, o_proj, gate_up, down, k_caches,
+                  v_caches, final_norm.data_ptr<BF16>(),
                   block_tables.contiguous(), context_lens.contiguous()};
-    step.residual = embedding.index_select(0, input_ids);  // the first layer's residual is its input
+    step.residual = embedded(embedding, input_ids, embedding_scale);  // the first layer's residual is its input
     step.normed = at::empty({tokens, hidden}, options);
     step.qkv_out = at::empty({tokens, n_qkv}, options);
     step.qk = at::empty({tokens, heads_qk, head_dim}, options);
@@ -535,22 +595,24 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
     step.act = at::empty({tokens, inter}, options);
     step.tiles = tiles;
     step.windows = windows;
+    for (const bool rotates : rotary_layers) step.rotary_layers.push_back(rotates);
     decode_layers_team(step);
     return step.normed;
   }
-  at::Tensor residual = embedding.index_select(0, input_ids);  // the first layer's residual is its input
+  at::Tensor residual = embedded(embedding, input_ids, embedding_scale);  // the first layer's residual is its input
   at::Tensor normed = at::empty({tokens, hidden}, options);
   at::Tensor qk = at::empty({tokens, heads_qk, head_dim}, options);
   at::Tensor act;
   at::Tensor out;  // the last multiply's output, added to the residual by the next norm
   for (int64_t l = 0; l < layers; ++l) {
     add_rms_norm(out.defined() ? out.data_ptr<BF16>() : nullptr, residual.data_ptr<BF16>(),
-                 norms[2 * l].data_ptr<BF16>(), normed.data_ptr<BF16>(), tokens, hidden, static_cast<float>(eps));
+                 norms[2 * l].data_ptr<BF16>(), normed.data_ptr<BF16>(), tokens, hidden, static_cast<float>(eps),
+                 static_cast<float>(residual_scale));
     const at::Tensor qkv_out = linear(normed, qkv[l], qkv_bias.empty() ? std::nullopt : std::optional<at::Tensor>(qkv_bias[l]));
     TORCH_CHECK(qkv_out.size(1) == (heads_qk + num_kv_heads) * head_dim,
                 "decode_layers: layer ", l, "'s qkv weight does not match the heads");
     rotary(qkv_out.data_ptr<BF16>(), qkv_out.size(1), positions.data_ptr<int64_t>(), cos_sin_cache.data_ptr<float>(),
-           qk.data_ptr<BF16>(), tokens, num_heads, heads_qk, head_dim,
+           qk.data_ptr<BF16>(), tokens, num_heads, heads_qk, head_dim, rot_dim, rotary_layers.get(l),
            qk_norms.empty() ? nullptr : qk_norms[2 * l].data_ptr<BF16>(),
            qk_norms.empty() ? nullptr : qk_norms[2 * l + 1].data_ptr<BF16>(), static_cast<float>(eps));
     const at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, num_kv_heads);
@@ -560,7 +622,7 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
     const at::Tensor attn = decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, windows[l]);
     out = linear(attn.view({tokens, num_heads * head_dim}), o_proj[l], std::nullopt);
     add_rms_norm(out.data_ptr<BF16>(), residual.data_ptr<BF16>(), norms[2 * l + 1].data_ptr<BF16>(),
-                 normed.data_ptr<BF16>(), tokens, hidden, static_cast<float>(eps));
+                 normed.data_ptr<BF16>(), tokens, hidden, static_cast<float>(eps), static_cast<float>(residual_scale));
     const at::Tensor gu = linear(normed, gate_up[l], std::nullopt);
     const int64_t inter = gu.size(1) / 2;
     TORCH_CHECK(inter % 16 == 0, "decode_layers: intermediate size must be a multiple of 16");
@@ -569,7 +631,7 @@ at::Tensor decode_layers(const at::Tensor& input_ids, const at::Tensor& position
     out = linear(act, down[l], std::nullopt);
   }
   add_rms_norm(out.data_ptr<BF16>(), residual.data_ptr<BF16>(), final_norm.data_ptr<BF16>(), normed.data_ptr<BF16>(),
-               tokens, hidden, static_cast<float>(eps));
+               tokens, hidden, static_cast<float>(eps), static_cast<float>(residual_scale));
   return normed;
 #else
   TORCH_CHECK(false, "decode_layers: this build has no AVX512-BF16 (check decode_layers_supported() first)");
@@ -592,7 +654,8 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
       "decode_layers(Tensor input_ids, Tensor positions, Tensor embedding, Tensor cos_sin_cache, Tensor[] norms, "
       "Tensor[] qkv, Tensor[] qkv_bias, Tensor[] qk_norms, Tensor[] o_proj, Tensor[] gate_up, Tensor[] down, Tensor final_norm, "
       "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
-      "int num_heads, int num_kv_heads, float eps, float scale, int[] windows) -> Tensor");
+      "int num_heads, int num_kv_heads, float eps, float scale, int[] windows, float embedding_scale, "
+      "float residual_scale, bool[] rotary_layers) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }
