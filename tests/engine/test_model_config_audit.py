@@ -82,18 +82,12 @@ GRANITE_SCALES = {
     "residual_multiplier": 0.22,
     "logits_scaling": 8.0,
 }
-# `decode_layers` takes a qkv bias alone, no Granite multiplier and a rotary over whole heads
-# (worker/fused_decode.py): these run without it
+# `decode_layers` takes a qkv bias alone (Granite's multipliers, Phi-3's partial rotary and SmolLM3's
+# NoPE layers it runs) and no Gemma layer (worker/fused_decode.py): these run without it
 NOT_DECODE_LAYERS = {
     "llama-attention-and-mlp-bias",
     "qwen3-tied-head-dim-32-attention-bias",
-    "granite",
     "granite-tied-biases",
-    "phi3-tied-partial-rotary",
-    "phi3-longrope",
-    "smollm3-nope-layer-1",
-    "smollm3-nope-by-default",
-    "smollm3-window-20-nope-layer",
     "gemma",
     "gemma-legacy-gelu",
     "gemma2-softcaps",

@@ -13,9 +13,10 @@ Used on CPUs with AVX512-BF16 with one rank (the kernel has no all-reduce) and t
 backend's C++ kernels, whether or not the forward pass is compiled (--enforce-eager turns off
 torch.compile, not the C++ kernels), for bfloat16 models whose linear layers are all packed
 (`LinearBase.packed_weight`) and carry no bias but an optional qkv bias, with or without Qwen3's query
-and key head norms, with no embedding or residual multiplier (Granite's; its attention scale is the
-kernel's `scale`, its logits scale applies after it) and rotary in every layer (not SmolLM3's); each
-layer's sliding window its own.
+and key head norms; Granite's embedding and residual multipliers passed to it (its attention scale is
+the kernel's `scale`, its logits scale applies after it), rotary over each head or an even part of it
+(Phi-3's partial rotary) and in the layers that turn (not SmolLM3's NoPE layers); each layer's sliding
+window its own.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class FusedDecode:
         self.final_norm = model.norm.weight
         self.attention_layers = model.attention_layers
         self.windows = [attn.window for attn in self.attention_layers]  # sliding windows (0: none)
+        self.embedding_scale, self.residual_scale = model.scales.embedding, model.scales.residual
+        self.rotary_layers = [layer.self_attn.rotary for layer in layers]  # False: SmolLM3's NoPE layers
 
     @classmethod
     def build(cls, model: torch.nn.Module, backend: object, dtype: torch.dtype) -> FusedDecode | None:
@@ -104,6 +107,9 @@ class FusedDecode:
             self.eps,
             self.scale,
             self.windows,
+            self.embedding_scale,
+            self.residual_scale,
+            self.rotary_layers,
         )
 
 
@@ -129,13 +135,9 @@ def _unsupported(model: torch.nn.Module, backend: object, dtype: torch.dtype) ->
     layers = model.decoder_layers
     if not layers:
         return "no decoder layers"
-    if model.scales.embedding != 1.0 or model.scales.residual != 1.0:
-        return "an embedding or residual multiplier (Granite's)"
-    if not all(layer.self_attn.rotary for layer in layers):
-        return "layers without rotary (SmolLM3's)"
     rotary_dim, head_dim = model.rotary_emb.rotary_dim, layers[0].self_attn.head_dim
-    if rotary_dim != head_dim or head_dim % 2:
-        return f"rotary over {rotary_dim} of {head_dim} dimensions"
+    if rotary_dim > head_dim or rotary_dim % 2:
+        return f"rotary over {rotary_dim} of {head_dim} dimensions (an even part of a head only)"
     if model.embed_tokens.weight.dim() != 2 or model.embed_tokens.weight.dtype != dtype:
         return "the embedding is not a bfloat16 table"
     for layer in layers:
