@@ -53,64 +53,76 @@ def timed(arms: dict[str, Callable[[], object]], repeats: int, per: int = 1) -> 
 
 
 def decode_case(
-    context_lens: list[int], block_size: int, repeats: int, gen: torch.Generator, window: int = 0
+    context_lens: list[int],
+    block_size: int,
+    repeats: int,
+    gen: torch.Generator,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> dict[str, float]:
-    """Under a `window`, "full" times our kernel without it on the same caches."""
+    """Under a `window` or a `softcap`, "full" times our kernel without them on the same caches."""
     layers = [paged_cache(context_lens, block_size, gen) for _ in range(LAYERS)]
     lens = torch.tensor(context_lens, dtype=torch.int32)
     query = torch.randn(len(context_lens), NUM_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
     k, v, tables = layers[0]
-    ours = cpu.paged_attention_decode(query, k, v, tables, lens, SCALE, window=window)
+    limits = {"window": window, "softcap": softcap}
+    ours = cpu.paged_attention_decode(query, k, v, tables, lens, SCALE, **limits)
     exact = reference.paged_attention_decode(
-        query.float(), k.float(), v.float(), tables, lens, SCALE, window=window
+        query.float(), k.float(), v.float(), tables, lens, SCALE, **limits
     )
     assert (ours.float() - exact).abs().max() < 0.05, "the kernel disagrees with the reference"
     arms = {
         "ours": lambda: [
-            cpu.paged_attention_decode(query, k, v, t, lens, SCALE, window=window) for k, v, t in layers
+            cpu.paged_attention_decode(query, k, v, t, lens, SCALE, **limits) for k, v, t in layers
         ],
         "reference": lambda: [
-            reference.paged_attention_decode(query, k, v, t, lens, SCALE, window=window) for k, v, t in layers
+            reference.paged_attention_decode(query, k, v, t, lens, SCALE, **limits) for k, v, t in layers
         ],
     }
-    if window:
+    if window or softcap:
         arms["full"] = lambda: [cpu.paged_attention_decode(query, k, v, t, lens, SCALE) for k, v, t in layers]
     return timed(arms, repeats, per=LAYERS)
 
 
 def prefill_case(
-    lens: list[tuple[int, int]], block_size: int, repeats: int, gen: torch.Generator, window: int = 0
+    lens: list[tuple[int, int]],
+    block_size: int,
+    repeats: int,
+    gen: torch.Generator,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> dict[str, float]:
     """(query_len, context_len) a sequence; context_len > query_len: earlier tokens already cached.
-    Under a `window`, "full" times our kernel without it."""
+    Under a `window` or a `softcap`, "full" times our kernel without them."""
     k, v, tables = paged_cache([c for _, c in lens], block_size, gen)
     starts = torch.tensor([0, *(q for q, _ in lens)]).cumsum(0).to(torch.int32)
     context = torch.tensor([c for _, c in lens], dtype=torch.int32)
     query = torch.randn(int(starts[-1]), NUM_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    limits = {"window": window, "softcap": softcap}
 
     def ours() -> torch.Tensor:
-        return cpu.paged_attention_prefill(query, k, v, tables, starts, context, SCALE, window=window)
+        return cpu.paged_attention_prefill(query, k, v, tables, starts, context, SCALE, **limits)
 
     def rows() -> torch.Tensor:
         return cpu.paged_attention_decode(
-            query, k, v, *reference.prefill_rows(tables, starts, context), SCALE, window=window
+            query, k, v, *reference.prefill_rows(tables, starts, context), SCALE, **limits
         )
 
     def sdpa() -> torch.Tensor:
         batch = reference.plan_prefill_batch(starts, context, block_size, torch.bfloat16, window)
         return reference.paged_attention_prefill(
-            query, k, v, tables, starts, context, SCALE, batch=batch, window=window
+            query, k, v, tables, starts, context, SCALE, batch=batch, **limits
         )
 
     def full() -> torch.Tensor:
         return cpu.paged_attention_prefill(query, k, v, tables, starts, context, SCALE)
 
     exact = reference.paged_attention_prefill(
-        query.float(), k.float(), v.float(), tables, starts, context, SCALE, window=window
+        query.float(), k.float(), v.float(), tables, starts, context, SCALE, **limits
     )
     for arm in (ours, rows):
         assert (arm().float() - exact).abs().max() < 0.05, f"{arm.__name__} disagrees with the reference"
-    arms = {"ours": ours, "rows": rows, "reference": sdpa} | ({"full": full} if window else {})
+    arms = {"ours": ours, "rows": rows, "reference": sdpa} | ({"full": full} if window or softcap else {})
     return timed(arms, repeats)
 
 
@@ -168,6 +180,26 @@ def main() -> None:
         print(
             f"| {name} | {t['ours']:.3f} | {t['full']:.3f} | {t['reference']:.3f} | "
             f"{t['full'] / t['ours']:.2f}x | {t['reference'] / t['ours']:.2f}x |"
+        )
+    # Gemma 2's attention soft-capping (50): what the capped scores cost in our kernels, against the
+    # same kernels without it, and the reference's float32 capped attention
+    print(
+        "\n| softcap 50 | ours ms | ours without the cap ms | reference ms | ours / without | reference / ours |"
+        "\n|---|---:|---:|---:|---:|---:|"
+    )
+    capped = {
+        "decode 16 x 1,000": lambda: decode_case(
+            [1000] * 16, args.block_size, args.repeats, gen, softcap=50.0
+        ),
+        "prefill 1 prompt of 2,048": lambda: prefill_case(
+            [(2048, 2048)], args.block_size, args.repeats, gen, softcap=50.0
+        ),
+    }
+    for name, case in capped.items():
+        t = case()
+        print(
+            f"| {name} | {t['ours']:.3f} | {t['full']:.3f} | {t['reference']:.3f} | "
+            f"{t['ours'] / t['full']:.2f}x | {t['reference'] / t['ours']:.2f}x |"
         )
 
 
