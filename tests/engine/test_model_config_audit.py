@@ -495,6 +495,21 @@ def test_past_the_window_chunks_and_cached_prefixes_slide_as_transformers_does(
     assert_greedy_equal(model, prompts, ours, theirs)
 
 
+def test_a_max_model_len_past_the_positions_is_refused_naming_it(tmp_path: Path) -> None:
+    """A window bounds what a layer sees, not the context: a Mistral with a window of 32 takes a
+    max_model_len up to its positions (1,024), and refuses one past them or below 1, naming it."""
+    from pagedserve.config import ModelConfig
+
+    config = {**MistralConfig(**TINY, sliding_window=32).to_dict(), "architectures": ["MistralForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert ModelConfig.from_path(str(tmp_path), "float32", max_model_len=1024).max_model_len == 1024
+    for bad in (1025, 0):
+        with pytest.raises(
+            ValueError, match=rf"^max_model_len: must be in \[1, 1024\] for this model, got {bad}$"
+        ):
+            ModelConfig.from_path(str(tmp_path), "float32", max_model_len=bad)
+
+
 @pytest.mark.parametrize(
     ("config", "patch", "windows"),
     [
