@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.config import default_layer_types, layer_windows
+from pagedserve.layers import ops
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -118,15 +119,10 @@ class GemmaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.normed(q), self.k_norm.normed(k)
         cos, sin = rotary[2:] if self.local else rotary[:2]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        # (tables in the hidden dtype, as transformers casts them: its apply_rotary_pos_emb exactly)
+        q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :]
         return self.o_proj(self.attn(q, k, v, metadata))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' apply_rotary_pos_emb in x's dtype (its cos and sin are cast to it first)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class GemmaMLP(nn.Module):
