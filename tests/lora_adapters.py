@@ -18,19 +18,24 @@ def build_lora_adapter(
     *,
     rank: int = 8,
     alpha: int = 16,
-    targets: tuple[str, ...] = ALL_TARGETS,
+    targets: tuple[str, ...] | str = ALL_TARGETS,
     seed: int = 0,
     std: float = 0.1,
     **lora_config: object,
 ) -> str:
-    """A PEFT LoRA adapter of `base_model_dir` with normal(0, `std`) A and B, saved in `dest`."""
+    """A PEFT LoRA adapter of `base_model_dir` with normal(0, `std`) A and B, saved in `dest`.
+    `targets`: module names, or a regular expression PEFT matches whole module paths with."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_model_dir, torch_dtype=torch.float32)
     config = LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False, **lora_config
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=targets if isinstance(targets, str) else list(targets),
+        init_lora_weights=False,
+        **lora_config,
     )
     model = get_peft_model(base, config)
     generator = torch.Generator().manual_seed(seed)

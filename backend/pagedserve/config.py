@@ -233,21 +233,41 @@ def rope_context_length(hf: dict[str, Any]) -> int:
     return positions
 
 
-_WINDOW_ON_UNLESS_OFF = ("MistralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-_WINDOW_OFF_UNLESS_ON = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
-_WINDOW_IN_SOME_LAYERS = (*_WINDOW_OFF_UNLESS_ON, "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_WINDOW_ON_UNLESS_OFF = (
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+)
+_WINDOW_OFF_UNLESS_ON = (
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+_WINDOW_IN_SOME_LAYERS = (
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+)
 # where config.json has no `sliding_window` key, transformers' config class default
 _DEFAULT_WINDOW = {"MistralForCausalLM": 4096, "Gemma2ForCausalLM": 4096, "Gemma3ForCausalLM": 4096}
 
 
 def layer_windows(hf: dict[str, Any], architecture: str) -> list[int]:
     """Each layer's sliding window (0: none), as transformers' attention of the architecture reads
-    config.json: Mistral and Phi-3 slide every layer by `sliding_window`; Gemma 2 and 3 the layers
-    `layer_types` names (by default every other one, five of every six); Qwen2, Qwen3 and SmolLM3
-    the layers `layer_types` names (by default Qwen's from `max_window_layers` on, SmolLM3's layers
-    without rotary), and only under `use_sliding_window` (their checkpoints carry a window they do
-    not use). `use_sliding_window: false` turns any window off (vLLM reads it so for every model);
-    Llama, Granite and Gemma 1 have none (transformers reads no `sliding_window` for them)."""
+    config.json: Mistral, Mixtral and Phi-3 slide every layer by `sliding_window`; Gemma 2 and 3 the
+    layers `layer_types` names (by default every other one, five of every six); Qwen2, Qwen2-MoE,
+    Qwen3 and SmolLM3 the layers `layer_types` names (by default Qwen2's from `max_window_layers` on,
+    Qwen2-MoE's every other one below it, SmolLM3's layers without rotary) and Qwen3-MoE every layer,
+    only under `use_sliding_window` (their checkpoints carry a window they do not use).
+    `use_sliding_window: false` turns any window off (vLLM reads it so for every model); Llama,
+    Granite and Gemma 1 have none (transformers reads no `sliding_window` for them)."""
     num_layers = hf["num_hidden_layers"]
     window = hf.get("sliding_window", _DEFAULT_WINDOW.get(architecture))
     on_by_default = architecture in _WINDOW_ON_UNLESS_OFF
@@ -272,6 +292,9 @@ def default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
         sliding = [bool((i + 1) % pattern) for i in range(hf["num_hidden_layers"])]
     elif architecture == "SmolLM3ForCausalLM":
         sliding = [not turns for turns in smollm3_rotary_layers(hf)]
+    elif architecture == "Qwen2MoeForCausalLM":  # every other layer below max_window_layers
+        first_full = hf.get("max_window_layers", 28)
+        sliding = [bool((i + 1) % 2) and i < first_full for i in range(hf["num_hidden_layers"])]
     else:
         first_sliding = hf.get("max_window_layers", 28)  # transformers' Qwen2Config and Qwen3Config default
         sliding = [i >= first_sliding for i in range(hf["num_hidden_layers"])]

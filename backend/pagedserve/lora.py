@@ -199,6 +199,11 @@ class LoRAModels:
                 )
             our_layer = TARGETS[FUSED_TARGETS.get(module, (module,))[0]][0]
             if (layer, our_layer) not in self.layers:
+                if any(number == layer for number, _ in self.layers):  # the layer is there, not the module
+                    raise fail(
+                        f"layer {layer} {module}: the layer's MLP is a mixture of experts, whose "
+                        "projections take no LoRA here (its attention's do)"
+                    )
                 raise fail(f"layer {layer} {module}: the model has {_num_layers(self.layers)} layers")
             pieces = by_layer.setdefault((layer, our_layer), [])
             try:

@@ -344,6 +344,43 @@ def test_a_qwen3_adapter_updates_q_and_k_before_their_head_norms(
     assert out.outputs[0].token_ids == theirs
 
 
+def test_a_mixture_of_experts_takes_adapters_of_its_attention_and_dense_mlps(
+    tmp_path: Path, default_model_dir: str
+) -> None:
+    """Qwen2-MoE with layer 1 dense: an adapter of every layer's attention and layer 1's MLP matches
+    PEFT; one of an MLP made of experts is refused naming the layer (LoRAs of experts are not served)."""
+    from safetensors.torch import load_file, save_file
+    from tiny_models import build_tiny_llama
+
+    model_dir = build_tiny_llama(
+        tmp_path / "qwen2-moe",
+        default_model_dir,
+        config_class="Qwen2MoeConfig",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[1],
+    )
+    targets = r".*\.(self_attn\.(q|k|v|o)_proj|layers\.1\.mlp\.(gate|up|down)_proj)"
+    adapter = build_lora_adapter(tmp_path / "adapter", model_dir, rank=8, targets=targets, seed=4, std=0.3)
+    assert any(".layers.1.mlp.gate_proj." in key for key in load_file(f"{adapter}/adapter_model.safetensors"))
+    theirs = peft_greedy_tokens(model_dir, adapter, PROMPT, MAX_TOKENS)
+    assert theirs != peft_greedy_tokens(model_dir, None, PROMPT, MAX_TOKENS)
+    llm = LLM(model=model_dir, dtype="float32", block_size=8, lora_modules={"a": adapter})
+    [out] = llm.generate([PROMPT], greedy(), lora_request=LoRARequest("a"))
+    assert out.outputs[0].token_ids == theirs
+
+    experts = _copy_adapter(adapter, tmp_path / "experts")
+    tensors = load_file(str(experts / "adapter_model.safetensors"))
+    moved = {key.replace(".layers.1.mlp.", ".layers.0.mlp."): tensor for key, tensor in tensors.items()}
+    save_file(moved, str(experts / "adapter_model.safetensors"))
+    with pytest.raises(
+        ValueError, match=r"adapter 'e' \(.*\): layer 0 down_proj: the layer's MLP is a mixture of experts"
+    ):
+        LLM(model=model_dir, dtype="float32", lora_modules={"e": str(experts)})
+
+
 @pytest.mark.parametrize(
     ("config_class", "overrides"),
     [

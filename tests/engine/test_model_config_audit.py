@@ -1,8 +1,9 @@
 """The config.json options of the Llama family that change outputs (Qwen2's biases, Qwen3's query and
-key norms, linear, llama3 and yarn rope scaling in the 4.x and 5.x formats, an explicit head_dim, attention and MLP biases, tied
-embeddings, sliding windows, Granite's multipliers, Phi-3's fused checkpoint tensors and partial
-rotary), each held to transformers on a tiny random-weight checkpoint; and the options pagedserve does
-not implement, refused at load naming the option.
+key norms, linear, llama3 and yarn rope scaling in the 4.x and 5.x formats, an explicit head_dim,
+attention and MLP biases, tied embeddings, sliding windows, Granite's multipliers, Phi-3's fused
+checkpoint tensors and partial rotary, Gemma's layers, the mixtures of experts of Mixtral, Qwen2-MoE
+and Qwen3-MoE), each held to transformers on a tiny random-weight checkpoint; and the options
+pagedserve does not implement, refused at load naming the option.
 
 Greedy float32 outputs equal transformers' `generate` (a divergence passes only at a near-tie, as in
 test_hf_parity.py), their logprobs its logprobs. bfloat16 rounds differently from transformers' float32 reference, so its greedy
@@ -14,6 +15,7 @@ from __future__ import annotations
 import inspect
 import json
 import random
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,9 +33,12 @@ from transformers import (
     GemmaConfig,
     GraniteConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
     SmolLM3Config,
 )
 
@@ -94,12 +99,17 @@ NOT_DECODE_LAYERS = {
     "gemma2-default-softcaps",
     "gemma3",
     "gemma3-linear-rope-4.x-config-softcap",
+    "mixtral-4-experts",
+    "qwen2-moe-shared-expert-dense-layer-0",
+    "qwen3-moe-norm-topk",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
 # a tiny Gemma 3: 16-dimension heads, q.k scaled by 1/sqrt(10) (not the head's 1/4), a window of 24
 GEMMA3 = {"head_dim": 16, "query_pre_attn_scalar": 10, "sliding_window": 24, "sliding_window_pattern": 2}
 GEMMA2 = {"head_dim": 16, "query_pre_attn_scalar": 10, "sliding_window": 24}
+# a few small experts, for tests of what a Qwen MoE config says of other things
+SMALL_MOE = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 16}
 
 
 def as_transformers_4(config: dict[str, Any]) -> None:
@@ -248,6 +258,32 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         ),
         gemma3_as_transformers_4,
     ),
+    # mixtures of experts: Mixtral's 2 of 4 experts a token, weights renormalized; Qwen2-MoE's 2 of 6
+    # without renormalizing, beside a shared expert under its sigmoid gate, layer 0 dense
+    # (mlp_only_layers) and q, k, v biased; Qwen3-MoE's 3 of 8 renormalized (norm_topk_prob)
+    "mixtral-4-experts": (lambda: MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2), None),
+    "qwen2-moe-shared-expert-dense-layer-0": (
+        lambda: Qwen2MoeConfig(
+            **TINY,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[0],
+        ),
+        None,
+    ),
+    "qwen3-moe-norm-topk": (
+        lambda: Qwen3MoeConfig(
+            **TINY,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        ),
+        None,
+    ),
     # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
     "smollm3-nope-layer-1": (lambda: SmolLM3Config(**TINY, no_rope_layers=[1, 0]), None),
     "smollm3-nope-by-default": (
@@ -354,6 +390,7 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
         "smollm3-nope-layer-1",
         "qwen2-window-48-layer-1",
         "gemma3",
+        "qwen2-moe-shared-expert-dense-layer-0",
     ],
 )
 def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str], name: str) -> None:
@@ -464,6 +501,67 @@ def test_a_gemma3_multimodal_checkpoint_serves_its_text_decoder(
     assert llm.engine.config.model.architecture == "Gemma3ForCausalLM"
     assert llm.engine.config.model.max_model_len == 1024  # Gemma's linear rope scales no context
     assert_greedy_equal(model, prompts, greedy(llm, prompts, MAX_TOKENS), theirs)
+
+
+# --- mixtures of experts -----------------------------------------------------------------------------
+
+
+def experts_as_the_hub_lays_them_out(model_dir: str, mixtral: bool) -> None:
+    """The Hub's files: one tensor per expert and projection (transformers 5 stacks them on load),
+    under Mixtral's names (`block_sparse_moe`, w1 gate, w3 up, w2 down) or Qwen's."""
+    from safetensors.torch import load_file, save_file
+
+    names = (
+        {"gate": "w1", "up": "w3", "down": "w2"}
+        if mixtral
+        else {p: f"{p}_proj" for p in ("gate", "up", "down")}
+    )
+    block = ".block_sparse_moe." if mixtral else ".mlp."
+    weights, split = load_file(str(Path(model_dir) / "model.safetensors")), {}
+    for name, tensor in weights.items():
+        prefix, stacked, part = name.rpartition(".mlp.experts.")
+        if not stacked:
+            split[name.replace(".mlp.gate.", block + "gate.")] = tensor
+            continue
+        for number, expert in enumerate(tensor):
+            parts = {"down": expert} if part == "down_proj" else dict(zip(("gate", "up"), expert.chunk(2)))
+            for kind, rows in parts.items():
+                split[f"{prefix}{block}experts.{number}.{names[kind]}.weight"] = rows.contiguous()
+    assert len(split) > len(weights)
+    save_file(split, str(Path(model_dir) / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("name", ["mixtral-4-experts", "qwen2-moe-shared-expert-dense-layer-0"])
+def test_experts_one_tensor_each_as_on_the_hub_load_as_stacked(
+    tmp_path: Path, default_model_dir: str, name: str
+) -> None:
+    """Hub checkpoints store each expert's projections apart, transformers 5 stacks them: both load
+    to the same model (the hub's files as transformers itself reads them)."""
+    from transformers import AutoModelForCausalLM
+
+    make_config, _ = VARIANTS[name]
+    stacked = build(tmp_path / "stacked", name, make_config(), None, default_model_dir)
+    apart = with_config(tmp_path / "apart", stacked, lambda config: None)
+    (Path(apart) / "model.safetensors").unlink()
+    shutil.copy(Path(stacked) / "model.safetensors", Path(apart) / "model.safetensors")
+    experts_as_the_hub_lays_them_out(apart, mixtral=name.startswith("mixtral"))
+    theirs = AutoModelForCausalLM.from_pretrained(apart).state_dict()
+    assert all(
+        torch.equal(tensor, theirs[key])
+        for key, tensor in AutoModelForCausalLM.from_pretrained(stacked).state_dict().items()
+    )
+    prompts = long_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outputs = [
+        [
+            (o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
+            for o in LLM(model=path, dtype="float32", num_kv_blocks=128, block_size=16).generate(
+                prompts, params
+            )
+        ]
+        for path in (stacked, apart)
+    ]
+    assert outputs[0] == outputs[1]
 
 
 # --- sliding windows --------------------------------------------------------------------------------
@@ -580,6 +678,28 @@ def test_a_max_model_len_past_the_positions_is_refused_naming_it(tmp_path: Path)
             drop("use_sliding_window"),
             [0, 0],
         ),
+        # Mixtral slides every layer as Mistral does, by default none; Qwen3-MoE every layer where
+        # the window is on; Qwen2-MoE by default every other layer below max_window_layers
+        (MixtralConfig(**TINY, num_local_experts=2, sliding_window=32), None, [32, 32]),
+        (MixtralConfig(**TINY, num_local_experts=2), drop("sliding_window"), [0, 0]),
+        (Qwen3MoeConfig(**TINY, **SMALL_MOE, use_sliding_window=True, sliding_window=32), None, [32, 32]),
+        (Qwen3MoeConfig(**TINY, **SMALL_MOE, sliding_window=32), None, [0, 0]),
+        (
+            Qwen2MoeConfig(
+                **{**TINY, "num_hidden_layers": 4},
+                **SMALL_MOE,
+                use_sliding_window=True,
+                sliding_window=32,
+                max_window_layers=3,
+            ),
+            drop("layer_types"),
+            [32, 0, 32, 0],
+        ),
+        (
+            Qwen2MoeConfig(**{**TINY, "num_hidden_layers": 4}, **SMALL_MOE, sliding_window=32),
+            drop("layer_types"),
+            [0, 0, 0, 0],
+        ),
     ],
     ids=[
         "qwen2-layer-1-slides",
@@ -604,6 +724,12 @@ def test_a_max_model_len_past_the_positions_is_refused_naming_it(tmp_path: Path)
         "smollm3-no-nope-layer",
         "smollm3-default-nope-layer-slides",
         "smollm3-use-unset",
+        "mixtral-window",
+        "mixtral-no-window-by-default",
+        "qwen3-moe-every-layer-slides",
+        "qwen3-moe-use-unset",
+        "qwen2-moe-every-other-layer-below-max-window-layers",
+        "qwen2-moe-use-unset",
     ],
 )
 def test_the_window_applies_where_transformers_slides_a_layer(
@@ -624,12 +750,18 @@ def test_the_window_applies_where_transformers_slides_a_layer(
     # transformers' own reading of the same file: the window each layer's attention passes on
     theirs = type(config).from_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_config(theirs)
-    for layer, window in zip(model.model.layers, windows, strict=True):
+    # Qwen2-MoE's attention takes its window from the mask its model picks by layer_types alone
+    masks_by_type = "causal_mask_mapping[self.config.layer_types[i]]" in inspect.getsource(
+        type(model.model).forward
+    )
+    for number, (layer, window) in enumerate(zip(model.model.layers, windows, strict=True)):
         attention = layer.self_attn
         # Qwen's and SmolLM3's attention holds its window, Mistral's and Phi-3's pass the config's,
         # Llama's and Granite's pass none
         passes_one = "sliding_window" in inspect.getsource(type(attention).forward)
         kept = getattr(attention, "sliding_window", theirs.sliding_window) if passes_one else None
+        if not passes_one and masks_by_type and theirs.layer_types[number] == "sliding_attention":
+            kept = theirs.sliding_window
         assert (kept or 0) == window
     assert layer_windows(config_dict, config_dict["architectures"][0]) == windows
     assert ModelConfig.from_path(str(tmp_path), "float32").max_model_len == 1024  # a window caps nothing
@@ -756,6 +888,23 @@ def test_rotary_tables_equal_transformers(
             lambda c: c.update(architectures=["GraniteForCausalLM"], logits_scaling=0.0),
             "logits_scaling must be positive, got 0.0",
         ),
+        (
+            lambda c: c.update(
+                architectures=["MixtralForCausalLM"], num_local_experts=2, num_experts_per_tok=3
+            ),
+            "num_experts_per_tok 3 must be 1 to the 2 experts",
+        ),
+        # (transformers divides by it)
+        (
+            lambda c: c.update(
+                architectures=["Qwen3MoeForCausalLM"],
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                decoder_sparse_step=0,
+            ),
+            "decoder_sparse_step must be a positive integer, got 0",
+        ),
     ],
     ids=[
         "partial-rotary",
@@ -768,6 +917,8 @@ def test_rotary_tables_equal_transformers(
         "yarn-factor-not-a-number",
         "phi3-longrope-factors",
         "granite-logits-scaling-0",
+        "mixtral-more-experts-a-token-than-experts",
+        "qwen3-moe-sparse-step-0",
     ],
 )
 def test_an_unsupported_option_is_refused_naming_it(

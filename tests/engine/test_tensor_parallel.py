@@ -202,10 +202,22 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
             "Gemma3TextConfig",
             {"query_pre_attn_scalar": 10, "sliding_window": 12, "sliding_window_pattern": 2},
         ),
+        # each rank's share of every expert's intermediate features and of the shared expert's,
+        # summed under the router's weights and the shared expert's gate, reduced once; a dense layer
+        (
+            "Qwen2MoeConfig",
+            {
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 48,
+                "mlp_only_layers": [1],
+            },
+        ),
     ],
-    ids=["phi3", "granite", "gemma3"],
+    ids=["phi3", "granite", "gemma3", "qwen2-moe"],
 )
-def test_tp2_phi3_granite_and_gemma3_match_single_rank(
+def test_tp2_phi3_granite_gemma3_and_qwen2_moe_match_single_rank(
     tmp_path: Path,
     default_model_dir: str,
     prompts: list[list[int]],

@@ -20,6 +20,7 @@ from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedserve.layers.moe import Experts, SparseMoeBlock
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
 
@@ -57,6 +58,7 @@ class LayerOptions:
     scales: Scales = field(default_factory=Scales)
     rotary: bool = True  # False: SmolLM3's NoPE layers, whose q and k turn by no position
     window: int = 0  # a sliding window: queries see the last `window` positions alone (0: all)
+    experts: Experts | None = None  # an MLP of experts (`layers.moe`) in place of the dense one
 
 
 class LlamaAttention(nn.Module):
@@ -108,14 +110,16 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, metadata))
 
 
+def check_silu(cfg: dict[str, Any]) -> None:
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"model: config.json's hidden_act {cfg['hidden_act']!r} is not supported (silu is)")
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         hidden, inter, bias = cfg["hidden_size"], cfg["intermediate_size"], cfg.get("mlp_bias", False)
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(
-                f"model: config.json's hidden_act {cfg['hidden_act']!r} is not supported (silu is)"
-            )
+        check_silu(cfg)
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=bias)
         self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
         self.act = SiluAndMul()
@@ -130,7 +134,9 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, backend, options, layer_index)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp: LlamaMLP | SparseMoeBlock = (
+            LlamaMLP(cfg) if options.experts is None else SparseMoeBlock(cfg["hidden_size"], options.experts)
+        )
         self.residual_multiplier = options.scales.residual
         self.input_layernorm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))

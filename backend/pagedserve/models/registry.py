@@ -11,9 +11,11 @@ from pagedserve.models.llama import (
     Qwen3ForCausalLM,
     SmolLM3ForCausalLM,
 )
+from pagedserve.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
-# every architecture served is Llama-family (Gemma's on its layers, with its own decoder layer): the
-# model runner and `fused_decode` use its typed attributes
+# every architecture served is Llama-family (Gemma's on its layers, with its own decoder layer; the
+# mixtures of experts on its layers, with experts for MLPs): the model runner and `fused_decode` use
+# its typed attributes
 MODELS: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -25,6 +27,9 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -22,6 +22,7 @@ window its own.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 from pagedserve_kernels import cpu as cpu_kernels
@@ -30,7 +31,7 @@ from pagedserve.distributed import get_tp_size
 from pagedserve.layers.attention import AttentionMetadata, TorchAttentionBackend
 from pagedserve.layers.linear import LinearBase
 from pagedserve.models.gemma import GemmaForCausalLM
-from pagedserve.models.llama import LlamaForCausalLM
+from pagedserve.models.llama import LlamaForCausalLM, LlamaMLP
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,9 @@ class FusedDecode:
             if norm is not None
         ]
         self.o_proj = [_packed(layer.self_attn.o_proj) for layer in layers]
-        self.gate_up = [_packed(layer.mlp.gate_up_proj) for layer in layers]
-        self.down = [_packed(layer.mlp.down_proj) for layer in layers]
+        mlps = [cast(LlamaMLP, layer.mlp) for layer in layers]  # dense: `_unsupported` refuses experts
+        self.gate_up = [_packed(mlp.gate_up_proj) for mlp in mlps]
+        self.down = [_packed(mlp.down_proj) for mlp in mlps]
         self.final_norm = model.norm.weight
         self.attention_layers = model.attention_layers
         self.windows = [attn.window for attn in self.attention_layers]  # sliding windows (0: none)
@@ -142,6 +144,8 @@ def _unsupported(model: torch.nn.Module, backend: object, dtype: torch.dtype) ->
         return "the embedding is not a bfloat16 table"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(mlp, LlamaMLP):
+            return "MLPs made of experts (a mixture of experts)"
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if linear.packed_weight is None:
                 return "a linear layer is not packed"

@@ -31,6 +31,7 @@ from pagedserve.layers.attention import (
     step_metadata,
 )
 from pagedserve.layers.linear import LinearBase, can_pack_weights, packed_before_compiling
+from pagedserve.layers.moe import SparseMoeBlock
 from pagedserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors, apply_token_bitmask
 from pagedserve.lora import LoRAModels
 from pagedserve.models import llama
@@ -309,7 +310,11 @@ class ModelRunner:
         # Decode-only steps skip the forward pass, compiled or eager, where one C++ call runs every
         # layer (`fused_decode`), which reads the packed weights.
         self.fused_decode = FusedDecode.build(self.model, self.backend, self.dtype)
-        if self.config.cuda_graphs:
+        if self.config.cuda_graphs and any(isinstance(m, SparseMoeBlock) for m in self.model.modules()):
+            logger.info(
+                "decode steps run eagerly: the experts' dispatch reads its sizes on the host (no CUDA graphs)"
+            )
+        elif self.config.cuda_graphs:
             logger.info(
                 "decode steps replay CUDA graphs, each captured at its first step (batch size, context)"
             )

@@ -1,0 +1,150 @@
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE). A router scores every expert for each
+token; the token goes through its `top_k` best, and its output is their outputs weighted by the
+router's probabilities (softmax over all experts, then the top k, renormalized to sum to one where
+the model says so). Qwen2-MoE adds a shared expert every token goes through, scaled by a sigmoid gate.
+
+Experts are tensor-parallel as the dense MLP is: every rank holds each expert's share of the
+intermediate features (gate and up column-parallel, down row-parallel), sums its partial outputs,
+and the block all-reduces once.
+
+Dispatch: the step's (token, expert) pairs sorted by expert; each expert with tokens runs its rows
+in two matmuls, its weights packed on CPU as the dense layers' are. How many rows each expert gets is
+data, read on the host once a layer: free on the CPU, a sync a layer on a GPU, which is why models
+with experts replay no CUDA graphs (`ModelRunner.bind_kv_cache`). A compiled forward pass leaves the
+dispatch out of its graph, as one opaque op (`pagedserve::moe_experts`), as it does attention.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedserve.distributed import all_reduce
+from pagedserve.layers import ops
+from pagedserve.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+
+
+@dataclass(frozen=True)
+class Experts:
+    """One layer's experts, as config.json describes them."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top k probabilities scaled to sum to one (Mixtral; Qwen's norm_topk_prob)
+    shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise ValueError(f"model: config.json names {self.num_experts} experts (at least 1)")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(
+                f"model: config.json's num_experts_per_tok {self.top_k} must be 1 to the {self.num_experts} experts"
+            )
+
+
+class Expert(nn.Module):
+    """A SwiGLU MLP whose output is this rank's partial sums (the block reduces them)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce_results=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's `top_k` experts [tokens, top_k] (int64) and their weights (float32): the softmax
+    of the logits over all experts, in float32 as transformers takes it."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, expert_ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, expert_ids
+
+
+def run_experts(
+    experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+) -> torch.Tensor:
+    """Each token's experts' outputs weighted by `weights` and summed, in float32, then in x's dtype."""
+    num_tokens, top_k = expert_ids.shape
+    pairs = expert_ids.flatten()
+    order = pairs.argsort(stable=True)  # the (token, expert) pairs, grouped by expert
+    counts = torch.bincount(pairs, minlength=len(experts)).tolist()
+    tokens = order // top_k  # each sorted pair's token
+    outputs = [
+        expert(rows)
+        for expert, rows, count in zip(experts, x[tokens].split(counts), counts, strict=True)
+        if count
+    ]
+    summed = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    if outputs:
+        weighted = torch.cat(outputs).float() * weights.flatten()[order, None]
+        summed.index_add_(0, tokens, weighted)
+    return summed.to(x.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """A decoder layer's MLP made of experts. Its parameters carry Qwen's checkpoint names (`gate`,
+    `experts.N.gate_proj`...; the model maps Mixtral's to them)."""
+
+    moe_index: torch.Tensor  # a buffer: int64, 0-d
+
+    def __init__(self, hidden_size: int, spec: Experts) -> None:
+        super().__init__()
+        self.spec = spec
+        self.gate = ReplicatedLinear(hidden_size, spec.num_experts)
+        self.experts = nn.ModuleList(
+            Expert(hidden_size, spec.intermediate_size) for _ in range(spec.num_experts)
+        )
+        self.shared_expert = self.shared_expert_gate = None
+        if spec.shared_intermediate_size:
+            self.shared_expert = Expert(hidden_size, spec.shared_intermediate_size)
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
+        # its index in `_BLOCKS`, for the compiled pass's op: a buffer, so a graph input (as
+        # `Attention.layer_index` is), on the CPU whatever the model's device
+        index = next(_INDICES)
+        _BLOCKS[index] = self
+        self.register_buffer("moe_index", torch.tensor(index, device="cpu"), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = route(self.gate(x), self.spec.top_k, self.spec.renormalize)
+        if torch.compiler.is_compiling():
+            out = torch.ops.pagedserve.moe_experts(x, weights, expert_ids, self.moe_index)
+        else:
+            out = run_experts(self.experts, x, weights, expert_ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            # the gate is a per-token scalar, the same on every rank: it scales the partial sums
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return all_reduce(out)
+
+
+# -- the torch.compile boundary (see `layers.attention`'s) ----------------------------------------
+# The blocks are held weakly: the model owns them.
+_BLOCKS: weakref.WeakValueDictionary[int, SparseMoeBlock] = weakref.WeakValueDictionary()
+_INDICES = itertools.count()
+
+_LIBRARY = torch.library.Library("pagedserve", "FRAGMENT")
+_LIBRARY.define("moe_experts(Tensor x, Tensor weights, Tensor expert_ids, Tensor moe_index) -> Tensor")
+
+
+def _moe_experts_op(
+    x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, moe_index: torch.Tensor
+) -> torch.Tensor:
+    return run_experts(_BLOCKS[int(moe_index)].experts, x, weights, expert_ids)
+
+
+_LIBRARY.impl("moe_experts", _moe_experts_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("pagedserve::moe_experts", lib=_LIBRARY)
+def _(
+    x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, moe_index: torch.Tensor
+) -> torch.Tensor:
+    return x.new_empty(x.shape)

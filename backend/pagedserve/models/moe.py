@@ -1,0 +1,132 @@
+"""Llama-family decoders whose MLPs are mixtures of experts (`layers.moe`): Mixtral (Mistral's layer,
+every MLP 8 experts, 2 a token), Qwen2-MoE (Qwen2's layer, with a shared expert) and Qwen3-MoE
+(Qwen3's layer). Qwen's `decoder_sparse_step` and `mlp_only_layers` keep some layers dense.
+
+Checkpoints come in two layouts, both read: the hub's, one tensor per expert and projection
+(Mixtral's `block_sparse_moe.experts.N.w1`/`w3`/`w2`, Qwen's `mlp.experts.N.gate_proj`/`up_proj`/
+`down_proj`), and transformers 5's in-memory one, every expert in one tensor (`mlp.experts.gate_up_proj`
+[experts, 2 x intermediate, hidden], `mlp.experts.down_proj` [experts, hidden, intermediate]); each
+becomes the hub's per-expert names on load."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from pagedserve.layers.moe import Experts
+from pagedserve.models.llama import (
+    Biases,
+    LayerOptions,
+    LlamaForCausalLM,
+    check_silu,
+)
+
+_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.")
+_STACKED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """A Llama-family model some of whose layers' MLPs are experts (`read_experts`)."""
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        raise NotImplementedError
+
+    def layer_options(self, cfg: dict[str, Any]) -> list[LayerOptions]:
+        check_silu(cfg)
+        experts = self.read_experts(cfg)
+        return [
+            dataclasses.replace(options, experts=spec)
+            for options, spec in zip(super().layer_options(cfg), experts, strict=True)
+        ]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_per_expert(weights))
+
+
+def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every expert's tensors under the hub's Qwen names: Mixtral's renamed, transformers 5's stacked
+    tensors cut into their experts."""
+    for name, tensor in weights:
+        name = _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m[1]}.{_MIXTRAL_NAMES[m[2]]}.", name)
+        name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+        stacked = _STACKED.search(name)
+        if stacked is None:
+            yield name, tensor
+            continue
+        prefix = name[: stacked.start()] + ".mlp.experts"
+        if tensor.dim() != 3:
+            raise ValueError(f"checkpoint's {name!r} has {tensor.dim()} dimensions; stacked experts have 3")
+        for number, expert in enumerate(tensor.unbind(0)):
+            if stacked[1] == "down_proj":
+                yield f"{prefix}.{number}.down_proj.weight", expert
+            else:
+                gate, up = expert.chunk(2)
+                yield f"{prefix}.{number}.gate_proj.weight", gate
+                yield f"{prefix}.{number}.up_proj.weight", up
+
+
+def _sparse_layers(cfg: dict[str, Any]) -> list[bool]:
+    """Qwen's layers with experts: every `decoder_sparse_step`-th but `mlp_only_layers`."""
+    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+    if not (isinstance(step, int) and step > 0):
+        raise ValueError(f"model: config.json's decoder_sparse_step must be a positive integer, got {step!r}")
+    return [(i + 1) % step == 0 and i not in dense for i in range(cfg["num_hidden_layers"])]
+
+
+def _num_experts(cfg: dict[str, Any], default: int) -> int:
+    """config.json names them `num_experts` (Qwen's hub configs) or `num_local_experts` (Mixtral's,
+    and transformers 5 saves Qwen3-MoE's so); transformers reads either for each."""
+    return int(cfg.get("num_local_experts", cfg.get("num_experts", default)))
+
+
+def _qwen_experts(cfg: dict[str, Any], defaults: Experts) -> list[Experts | None]:
+    """Qwen's experts, with the config class's defaults where config.json leaves a key out."""
+    spec = Experts(
+        num_experts=_num_experts(cfg, defaults.num_experts),
+        top_k=cfg.get("num_experts_per_tok", defaults.top_k),
+        intermediate_size=cfg.get("moe_intermediate_size", defaults.intermediate_size),
+        renormalize=bool(cfg.get("norm_topk_prob", False)),
+        shared_intermediate_size=cfg.get("shared_expert_intermediate_size", defaults.shared_intermediate_size)
+        if defaults.shared_intermediate_size
+        else 0,
+    )
+    return [spec if sparse else None for sparse in _sparse_layers(cfg)]
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    """Mistral's layer; every MLP is `num_local_experts` experts, `num_experts_per_tok` a token, their
+    weights renormalized."""
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        spec = Experts(
+            num_experts=_num_experts(cfg, 8),
+            top_k=cfg.get("num_experts_per_tok", 2),
+            intermediate_size=cfg["intermediate_size"],
+            renormalize=True,
+        )
+        return [spec] * cfg["num_hidden_layers"]
+
+
+class Qwen2MoeForCausalLM(MoeForCausalLM):
+    """Qwen2's attention (q, k and v biased by `qkv_bias`, o never); experts with a shared one."""
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        return bool(cfg.get("qkv_bias", True)), False
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        return _qwen_experts(cfg, Experts(60, 4, 1408, renormalize=False, shared_intermediate_size=5632))
+
+
+class Qwen3MoeForCausalLM(MoeForCausalLM):
+    """Qwen3's attention (each query and key head RMS-normed); experts without a shared one."""
+
+    qk_norm = True
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        return _qwen_experts(cfg, Experts(128, 8, 768, renormalize=False))

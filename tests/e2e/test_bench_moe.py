@@ -1,0 +1,56 @@
+"""bench/moe_model.py: the checkpoints it writes are what transformers' `save_pretrained` writes for
+each mixture of experts (the hub's layout, a tensor per expert and projection), and pagedserve
+serves them as transformers runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from pagedserve import LLM, SamplingParams
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "moe_model.py"
+
+
+@pytest.mark.parametrize(
+    ("architecture", "class_name", "expert_key"),
+    [
+        ("mixtral", "MixtralForCausalLM", "model.layers.0.block_sparse_moe.experts.7.w2.weight"),
+        ("qwen2-moe", "Qwen2MoeForCausalLM", "model.layers.0.mlp.shared_expert.up_proj.weight"),
+    ],
+)
+def test_a_written_checkpoint_serves_transformers_tokens(
+    tmp_path: Path, architecture: str, class_name: str, expert_key: str
+) -> None:
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    dest = tmp_path / architecture
+    run = subprocess.run(
+        [sys.executable, str(BENCH), str(dest), "--architecture", architecture, "--layers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert f"{architecture}: " in run.stdout
+    assert json.loads((dest / "config.json").read_text())["architectures"] == [class_name]
+    [weights] = dest.glob("*.safetensors")
+    with safe_open(str(weights), "pt") as tensors:
+        assert expert_key in tensors.keys()  # noqa: SIM118 (safe_open has no __contains__)
+    prompts = [[1, *range(300, 340)], [1, *range(900, 913)]]
+    model = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        theirs = [
+            model.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+    llm = LLM(model=str(dest), dtype="float32", num_kv_blocks=64, block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert [r.outputs[0].token_ids for r in llm.generate(prompts, params)] == theirs
