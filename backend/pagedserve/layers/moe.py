@@ -1,7 +1,8 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE). A router scores every expert for each
-token; the token goes through its `top_k` best, and its output is their outputs weighted by the
-router's probabilities (softmax over all experts, then the top k, renormalized to sum to one where
-the model says so). Qwen2-MoE adds a shared expert every token goes through, scaled by a sigmoid gate.
+"""Mixture-of-experts MLPs (Mixtral, Granite MoE, Qwen2-MoE, Qwen3-MoE). A router scores every
+expert for each token; the token goes through its `top_k` best, and its output is their outputs
+weighted by the router's probabilities (softmax over all experts, then the top k, renormalized to
+sum to one where the model says so). Qwen2-MoE adds a shared expert every token goes through, scaled
+by a sigmoid gate.
 
 Experts are tensor-parallel as the dense MLP is: every rank holds each expert's share of the
 intermediate features (gate and up column-parallel, down row-parallel), sums its partial outputs,
@@ -35,7 +36,8 @@ class Experts:
     num_experts: int
     top_k: int
     intermediate_size: int  # each expert's
-    renormalize: bool  # the top k probabilities scaled to sum to one (Mixtral; Qwen's norm_topk_prob)
+    # the top k probabilities scaled to sum to one (Mixtral, Granite; Qwen by norm_topk_prob)
+    renormalize: bool
     shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
 
     def __post_init__(self) -> None:
@@ -92,7 +94,7 @@ def run_experts(
 
 class SparseMoeBlock(nn.Module):
     """A decoder layer's MLP made of experts. Its parameters carry Qwen's checkpoint names (`gate`,
-    `experts.N.gate_proj`...; the model maps Mixtral's to them)."""
+    `experts.N.gate_proj`...; the model maps Mixtral's and Granite's to them)."""
 
     moe_index: torch.Tensor  # a buffer: int64, 0-d
 

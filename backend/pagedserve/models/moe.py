@@ -1,12 +1,14 @@
 """Llama-family decoders whose MLPs are mixtures of experts (`layers.moe`): Mixtral (Mistral's layer,
-every MLP 8 experts, 2 a token), Qwen2-MoE (Qwen2's layer, with a shared expert) and Qwen3-MoE
-(Qwen3's layer). Qwen's `decoder_sparse_step` and `mlp_only_layers` keep some layers dense.
+every MLP 8 experts, 2 a token), IBM's Granite MoE (Granite's layer), Qwen2-MoE (Qwen2's layer, with a
+shared expert) and Qwen3-MoE (Qwen3's layer). Qwen's `decoder_sparse_step` and `mlp_only_layers` keep
+some layers dense.
 
-Checkpoints come in two layouts, both read: the hub's, one tensor per expert and projection
+Checkpoints come in several layouts, all read: the hub's, one tensor per expert and projection
 (Mixtral's `block_sparse_moe.experts.N.w1`/`w3`/`w2`, Qwen's `mlp.experts.N.gate_proj`/`up_proj`/
-`down_proj`), and transformers 5's in-memory one, every expert in one tensor (`mlp.experts.gate_up_proj`
-[experts, 2 x intermediate, hidden], `mlp.experts.down_proj` [experts, hidden, intermediate]); each
-becomes the hub's per-expert names on load."""
+`down_proj`), Granite's, every expert in one tensor (`block_sparse_moe.input_linear` [experts,
+2 x intermediate, hidden], `output_linear` [experts, hidden, intermediate]), and transformers 5's
+in-memory one, stacked as Granite's (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`); each
+becomes the hub's per-expert Qwen names on load."""
 
 from __future__ import annotations
 
@@ -20,13 +22,27 @@ import torch
 from pagedserve.layers.moe import Experts
 from pagedserve.models.llama import (
     Biases,
+    GraniteForCausalLM,
     LayerOptions,
     LlamaForCausalLM,
     check_silu,
 )
 
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.")
+# each checkpoint layout's names as the hub's Qwen names (stacked experts as transformers 5 names them)
+_RENAMES: list[tuple[re.Pattern[str], Any]] = [
+    # Mixtral's experts
+    (
+        re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\."),
+        lambda m: f".mlp.experts.{m[1]}.{_MIXTRAL_NAMES[m[2]]}.",
+    ),
+    # Granite's stacked experts and router
+    (re.compile(r"\.block_sparse_moe\.input_linear\.weight$"), ".mlp.experts.gate_up_proj"),
+    (re.compile(r"\.block_sparse_moe\.output_linear\.weight$"), ".mlp.experts.down_proj"),
+    (re.compile(r"\.block_sparse_moe\.router(\.layer)?\.weight$"), ".mlp.gate.weight"),
+    # the rest of `block_sparse_moe` (Mixtral's router `gate`, transformers 5's stacked experts)
+    (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+]
 _STACKED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
@@ -49,11 +65,11 @@ class MoeForCausalLM(LlamaForCausalLM):
 
 
 def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every expert's tensors under the hub's Qwen names: Mixtral's renamed, transformers 5's stacked
-    tensors cut into their experts."""
+    """Every expert's tensors under the hub's Qwen names: Mixtral's and Granite's renamed, stacked
+    tensors (transformers 5's, Granite's) cut into their experts."""
     for name, tensor in weights:
-        name = _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m[1]}.{_MIXTRAL_NAMES[m[2]]}.", name)
-        name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+        for pattern, replacement in _RENAMES:
+            name = pattern.sub(replacement, name)
         stacked = _STACKED.search(name)
         if stacked is None:
             yield name, tensor
@@ -101,6 +117,23 @@ def _qwen_experts(cfg: dict[str, Any], defaults: Experts) -> list[Experts | None
 class MixtralForCausalLM(MoeForCausalLM):
     """Mistral's layer; every MLP is `num_local_experts` experts, `num_experts_per_tok` a token, their
     weights renormalized."""
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        spec = Experts(
+            num_experts=_num_experts(cfg, 8),
+            top_k=cfg.get("num_experts_per_tok", 2),
+            intermediate_size=cfg["intermediate_size"],
+            renormalize=True,
+        )
+        return [spec] * cfg["num_hidden_layers"]
+
+
+class GraniteMoeForCausalLM(MoeForCausalLM):
+    """Granite's layer (its four multipliers, `attention_bias` on all four projections); every MLP
+    `num_local_experts` experts, `num_experts_per_tok` a token, weighted by the softmax of their
+    logits alone (the top k renormalized), stacked in the checkpoint (`input_linear`, `output_linear`)."""
+
+    read_scales = staticmethod(GraniteForCausalLM.read_scales)
 
     def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
         spec = Experts(

@@ -11,7 +11,12 @@ from pagedserve.models.llama import (
     Qwen3ForCausalLM,
     SmolLM3ForCausalLM,
 )
-from pagedserve.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from pagedserve.models.moe import (
+    GraniteMoeForCausalLM,
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 
 # every architecture served is Llama-family (Gemma's on its layers, with its own decoder layer; the
 # mixtures of experts on its layers, with experts for MLPs): the model runner and `fused_decode` use
@@ -28,6 +33,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
