@@ -320,6 +320,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def fused_moe_reference(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+) -> torch.Tensor:
+    """A mixture-of-experts MLP, as `pagedserve.layers.moe.run_experts` computes it: out[t] =
+    sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])) with e = expert_ids[t, j].
+
+    x [T, H]; w13 [E, 2I, H] (expert e's gate rows [:I], up rows [I:]); w2 [E, H, I]; weights
+    [T, k] float32; expert_ids [T, k]. Each expert's output is computed in x's dtype (an `Expert`'s
+    linears), weighted and summed in float32, expert by expert, and the sum cast to x's dtype."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in range(w13.shape[0]):
+        tokens, slots = (expert_ids == expert).nonzero(as_tuple=True)
+        if len(tokens):
+            y = F.linear(silu_and_mul(F.linear(x[tokens], w13[expert])), w2[expert])
+            out.index_add_(0, tokens, weights[tokens, slots, None] * y.float())
+    return out.to(x.dtype)
+
+
 def linear_bf16_pairs(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

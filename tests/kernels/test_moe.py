@@ -1,0 +1,261 @@
+"""The fused mixture-of-experts kernels against the pure-torch reference (odd hidden and intermediate
+sizes, top-1 to top-3, experts with no tokens, one token, several blocks per expert), the expert
+alignment on its own, the launchers' argument checks, and the reference against the serving path
+(`pagedserve.layers.moe.run_experts`).
+
+Tolerances: float32 atol = rtol = 1e-5 (the kernel sums its products in another order than torch's
+matmul: observed errors below 1e-6 on outputs of magnitude 1). float16 atol = rtol = 1e-3, about one
+float16 ulp at the outputs' magnitude, and at least 99% of the outputs bitwise equal: the kernel rounds
+where the reference does, so only the summation order differs. bfloat16 atol = rtol = 5e-2: the
+interpreter truncates float32 to bfloat16 where torch rounds to nearest, at each of the five rounding
+points (gate and up, silu, h, the expert's output, the sum), each a bias of up to one ulp (2^-7 relative)
+toward zero that the down projection sums over (observed up to 0.04 on outputs near 2). On a GPU
+bfloat16 rounds to nearest and the errors are smaller.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from pagedserve.layers.moe import Expert, run_experts
+from pagedserve_kernels import moe, reference
+from torch import nn
+
+TOLERANCES: dict[torch.dtype, dict[str, Any]] = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 1e-3, "rtol": 1e-3},
+    torch.bfloat16: {"atol": 5e-2, "rtol": 5e-2},
+}
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, id="bf16"),
+]
+# (tokens, hidden, intermediate, experts, top_k, unused experts). The kernels' tiles are 64 columns
+# by 32 of the reduction (BLOCK_M 16 to 64 rows): no size here is a multiple of them, and hidden 72
+# takes two column tiles in the down projection and three reduction steps in gate/up.
+CASES = [
+    pytest.param(5, 72, 40, 4, 2, (), id="top2"),
+    pytest.param(1, 72, 40, 4, 1, (), id="one-token-top1"),
+    pytest.param(7, 40, 24, 6, 3, (1, 4), id="top3-idle-experts"),
+    pytest.param(40, 48, 20, 4, 1, (1, 2), id="several-blocks-per-expert"),  # 16-row blocks, ~20 rows each
+]
+
+
+def make_routing(
+    num_tokens: int, num_experts: int, top_k: int, unused: tuple[int, ...], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router weights (float32, each token's summing to one) and top_k distinct experts per token,
+    as `layers.moe.route` gives them, never choosing the `unused` experts."""
+    logits = torch.randn(num_tokens, num_experts, device=device)
+    logits[:, list(unused)] = float("-inf")
+    weights, expert_ids = logits.softmax(-1).topk(top_k)
+    return weights / weights.sum(-1, keepdim=True), expert_ids
+
+
+def make_experts(
+    num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 [E, 2I, H] and w2 [E, H, I], scaled so each product has unit variance."""
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=device) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, device=device) / inter**0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "hidden", "inter", "num_experts", "top_k", "unused"), CASES)
+def test_fused_moe_matches_reference(
+    num_tokens: int,
+    hidden: int,
+    inter: int,
+    num_experts: int,
+    top_k: int,
+    unused: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    x = torch.randn(num_tokens, hidden, device=device).to(dtype)
+    w13, w2 = make_experts(num_experts, hidden, inter, dtype, device)
+    weights, expert_ids = make_routing(num_tokens, num_experts, top_k, unused, device)
+    out = moe.fused_moe(x, w13, w2, weights, expert_ids)
+    expected = reference.fused_moe_reference(x, w13, w2, weights, expert_ids)
+    assert out.shape == expected.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCES[dtype])
+    if dtype == torch.float16:
+        assert (out == expected).float().mean() >= 0.99
+
+
+def test_fused_moe_int32_expert_ids(device: torch.device) -> None:
+    x = torch.randn(6, 40, device=device)
+    w13, w2 = make_experts(3, 40, 24, torch.float32, device)
+    weights, expert_ids = make_routing(6, 3, 2, (), device)
+    out = moe.fused_moe(x, w13, w2, weights, expert_ids.int())
+    expected = reference.fused_moe_reference(x, w13, w2, weights, expert_ids)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+
+
+def test_fused_moe_no_tokens(device: torch.device) -> None:
+    w13, w2 = make_experts(3, 40, 24, torch.float32, device)
+    weights, expert_ids = make_routing(0, 3, 2, (), device)
+    out = moe.fused_moe(torch.randn(0, 40, device=device), w13, w2, weights, expert_ids)
+    assert out.shape == (0, 40)
+
+
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+)
+def test_reference_is_the_serving_path(dtype: torch.dtype) -> None:
+    """`run_experts` on `Expert`s loaded as a checkpoint loads them (gate_proj as gate_up_proj's shard
+    0, up_proj as shard 1) gives the reference's output to the bit: the same linears, rounded in the
+    model's dtype, weighted and summed in float32 in the same order."""
+    num_tokens, hidden, inter, num_experts = 9, 40, 24, 5
+    x = torch.randn(num_tokens, hidden).to(dtype)
+    w13, w2 = make_experts(num_experts, hidden, inter, dtype, torch.device("cpu"))
+    weights, expert_ids = make_routing(num_tokens, num_experts, 2, (3,), torch.device("cpu"))
+    experts = [Expert(hidden, inter).to(dtype) for _ in range(num_experts)]
+    for expert, gate_up, down in zip(experts, w13, w2, strict=True):
+        expert.gate_up_proj.weight_loader(expert.gate_up_proj.weight, gate_up[:inter], 0)
+        expert.gate_up_proj.weight_loader(expert.gate_up_proj.weight, gate_up[inter:], 1)
+        expert.down_proj.weight_loader(expert.down_proj.weight, down)
+    expected = run_experts(nn.ModuleList(experts), x, weights, expert_ids)
+    torch.testing.assert_close(
+        reference.fused_moe_reference(x, w13, w2, weights, expert_ids), expected, atol=0, rtol=0
+    )
+
+
+# -- align_by_expert ------------------------------------------------------------------------------
+
+
+def test_align_by_expert_example(device: torch.device) -> None:
+    """The example drawn at the top of moe.py: pairs 1, 4 go to expert 0, pairs 0, 2, 3 to expert 2;
+    each run padded to 4 rows with 5 (= T*k), no block for idle expert 1, the rest padding."""
+    expert_ids = torch.tensor([[2], [0], [2], [2], [0]], device=device)
+    sorted_pair_ids, block_expert_ids, num_valid_rows = moe.align_by_expert(expert_ids, 3, 4)
+    # bound: 5 pairs + 3 experts * 3 padding rows = 14, rounded up to 16
+    assert sorted_pair_ids.tolist() == [1, 4, 5, 5, 0, 2, 3, 5] + [5] * 8
+    assert block_expert_ids.tolist() == [0, 2, -1, -1]
+    assert num_valid_rows.tolist() == [8]
+    assert sorted_pair_ids.dtype == block_expert_ids.dtype == num_valid_rows.dtype == torch.int32
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_align_by_expert_groups_every_pair_once(block_m: int, device: torch.device) -> None:
+    num_tokens, top_k, num_experts = 37, 3, 8
+    _, expert_ids = make_routing(num_tokens, num_experts, top_k, (2, 5), device)
+    sorted_pair_ids, block_expert_ids, num_valid_rows = moe.align_by_expert(expert_ids, num_experts, block_m)
+    num_pairs, valid = expert_ids.numel(), int(num_valid_rows)
+    pair_experts = expert_ids.flatten().tolist()
+    assert len(sorted_pair_ids) == moe.max_padded_rows(num_pairs, num_experts, block_m)
+    assert len(block_expert_ids) * block_m == len(sorted_pair_ids)
+
+    rows = sorted_pair_ids.tolist()
+    assert sorted(p for p in rows if p < num_pairs) == list(range(num_pairs))  # every pair once
+    assert all(p == num_pairs for p in rows[valid:])  # past the valid rows, only padding
+    counts = torch.bincount(expert_ids.flatten(), minlength=num_experts).tolist()
+    assert valid == sum(-(-count // block_m) * block_m for count in counts)
+
+    blocks = block_expert_ids.tolist()
+    assert all(e == -1 for e in blocks[valid // block_m :])
+    valid_blocks = blocks[: valid // block_m]
+    assert valid_blocks == sorted(valid_blocks) and 2 not in valid_blocks and 5 not in valid_blocks
+    for block, expert in enumerate(valid_blocks):
+        block_rows = rows[block * block_m : (block + 1) * block_m]
+        pairs = [p for p in block_rows if p < num_pairs]
+        assert pairs and all(pair_experts[p] == expert for p in pairs)  # one expert a block
+        assert block_rows == pairs + [num_pairs] * (block_m - len(pairs))  # padding at a run's end
+        assert pairs == sorted(pairs)  # stable: a run keeps the pairs' order
+
+
+def test_align_by_expert_shapes_depend_on_sizes_only() -> None:
+    """On the meta device (shapes, no data) the alignment still runs: it never reads a value back
+    to the host nor sizes a tensor by one, so a CUDA graph can capture it."""
+    expert_ids = torch.empty(37, 3, dtype=torch.int64, device="meta")
+    sorted_pair_ids, block_expert_ids, num_valid_rows = moe.align_by_expert(expert_ids, 8, 16)
+    bound = moe.max_padded_rows(37 * 3, 8, 16)
+    assert bound == 111 + 8 * 15 + 9  # 231 rounded up to 240
+    assert sorted_pair_ids.shape == (bound,) and block_expert_ids.shape == (bound // 16,)
+    assert num_valid_rows.shape == (1,)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode needs a GPU")
+def test_fused_moe_never_syncs() -> None:
+    x = torch.randn(5, 72, device="cuda")
+    w13, w2 = make_experts(4, 72, 40, torch.float32, torch.device("cuda"))
+    weights, expert_ids = make_routing(5, 4, 2, (), torch.device("cuda"))
+    moe.fused_moe(x, w13, w2, weights, expert_ids)  # compiles the kernels outside the check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe.fused_moe(x, w13, w2, weights, expert_ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+# -- argument checks ------------------------------------------------------------------------------
+
+
+def good_moe_args(device: torch.device) -> dict[str, torch.Tensor]:
+    w13, w2 = make_experts(3, 40, 24, torch.float32, device)
+    weights, expert_ids = make_routing(6, 3, 2, (), device)
+    return {
+        "x": torch.randn(6, 40, device=device),
+        "w13": w13,
+        "w2": w2,
+        "weights": weights,
+        "expert_ids": expert_ids,
+    }
+
+
+def bad_moe_args(device: torch.device) -> dict[str, dict]:
+    """fused_moe's arguments, each set with one problem, keyed by the error it must raise."""
+    good = good_moe_args(device)
+    w13, w2, weights, expert_ids = good["w13"], good["w2"], good["weights"], good["expert_ids"]
+    return {
+        "x: dtype": {**good, "x": good["x"].int()},
+        "x: expected 2 dimensions": {**good, "x": good["x"][None]},
+        "x: must be contiguous": {**good, "x": torch.randn(6, 80, device=device)[:, ::2]},
+        "w13: dtype torch.float16 must be x's dtype": {**good, "w13": w13.half()},
+        "w13: expected shape": {**good, "w13": w13[:, :, :32].contiguous()},
+        r"w13: expected \[experts": {**good, "w13": w13[:, :47].contiguous()},
+        "w13: expected 3 dimensions": {**good, "w13": w13[0]},
+        "w2: dtype torch.bfloat16 must be x's dtype": {**good, "w2": w2.bfloat16()},
+        "w2: expected shape": {**good, "w2": w2[:, :, :16].contiguous()},
+        "w2: must be contiguous": {**good, "w2": w2.transpose(1, 2).contiguous().transpose(1, 2)},
+        "weights: dtype": {**good, "weights": weights.bfloat16()},
+        "weights: expected shape": {**good, "weights": weights[:5]},
+        "expert_ids: dtype": {**good, "expert_ids": expert_ids.float()},
+        "expert_ids: expected shape": {**good, "expert_ids": expert_ids[:, :1].contiguous()},
+        "expert_ids: must be contiguous": {**good, "expert_ids": expert_ids.t().contiguous().t()},
+        # the device check names every tensor and its device
+        "weights.*meta": {**good, "weights": weights.to("meta")},
+    }
+
+
+@pytest.mark.parametrize("problem", list(bad_moe_args(torch.device("cpu"))))
+def test_fused_moe_rejects_bad_arguments(problem: str, device: torch.device) -> None:
+    """A bad argument fails in the launcher with a ValueError naming it, not inside the kernel."""
+    with pytest.raises(ValueError, match=problem):
+        moe.fused_moe(**bad_moe_args(device)[problem])
+
+
+def test_fused_moe_rejects_cpu_tensors_outside_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without TRITON_INTERPRET (read when the launcher runs), CPU tensors are refused by name."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="x: on cpu; Triton kernels need CUDA tensors"):
+        moe.fused_moe(**good_moe_args(torch.device("cpu")))
+
+
+@pytest.mark.parametrize(
+    ("problem", "args"),
+    [
+        ("expert_ids: dtype", (torch.zeros(4, 2), 3, 16)),
+        ("expert_ids: expected 2 dimensions", (torch.zeros(8, dtype=torch.int64), 3, 16)),
+        ("num_experts: must be positive", (torch.zeros(4, 2, dtype=torch.int64), 0, 16)),
+        ("block_m: must be positive", (torch.zeros(4, 2, dtype=torch.int64), 3, 0)),
+    ],
+)
+def test_align_by_expert_rejects_bad_arguments(problem: str, args: tuple, device: torch.device) -> None:
+    with pytest.raises(ValueError, match=problem):
+        moe.align_by_expert(args[0].to(device), *args[1:])
