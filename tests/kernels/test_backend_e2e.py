@@ -87,6 +87,46 @@ def test_triton_backend_greedy_equals_torch_backend(
 
 
 @pytest.mark.timeout(600)
+def test_experts_in_the_triton_kernel_equal_the_torch_dispatch(
+    default_model_dir: str, device: torch.device, tmp_path: Path
+) -> None:
+    """Beside the Triton backend the experts' weights are stacked and run by `fused_moe`; beside the
+    torch backend each expert's rows run apart (`run_experts`): the same tokens. A Qwen2-MoE with a
+    shared expert and a dense layer, so every path of the block runs."""
+    from pagedserve.layers.moe import SparseMoeBlock
+    from tiny_models import build_tiny_llama
+
+    model_dir = build_tiny_llama(
+        tmp_path / "qwen2-moe",
+        default_model_dir,
+        config_class="Qwen2MoeConfig",
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[1],
+    )
+    prompts = [list(range(100, 121)), list(range(900, 907)), [5]]  # (short: the interpreter is slow)
+
+    def tokens(backend: str) -> tuple[list[list[int]], SparseMoeBlock]:
+        llm = LLM(
+            model=model_dir, dtype="float32", device=str(device), attention_backend=backend, num_kv_blocks=16
+        )
+        [block] = [
+            m
+            for m in llm.engine.executor.worker.model_runner.model.modules()
+            if isinstance(m, SparseMoeBlock)
+        ]
+        return greedy_token_ids(llm, prompts), block
+
+    expected, unstacked = tokens("torch")
+    actual, stacked = tokens("triton")
+    assert unstacked.w13 is None and len(unstacked.experts) == 6
+    assert stacked.w13 is not None and stacked.w13.shape == (6, 64, 64) and not list(stacked.experts)
+    assert actual == expected
+
+
+@pytest.mark.timeout(600)
 def test_triton_backend_verifies_drafts_as_decode_rows(
     tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

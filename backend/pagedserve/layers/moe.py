@@ -8,11 +8,16 @@ Experts are tensor-parallel as the dense MLP is: every rank holds each expert's 
 intermediate features (gate and up column-parallel, down row-parallel), sums its partial outputs,
 and the block all-reduces once.
 
-Dispatch: the step's (token, expert) pairs sorted by expert; each expert with tokens runs its rows
-in two matmuls, its weights packed on CPU as the dense layers' are. How many rows each expert gets is
-data, read on the host once a layer: free on the CPU, a sync a layer on a GPU, which is why models
-with experts replay no CUDA graphs (`ModelRunner.bind_kv_cache`). A compiled forward pass leaves the
-dispatch out of its graph, as one opaque op (`pagedserve::moe_experts`), as it does attention.
+Dispatch, two ways:
+- Beside the torch attention backend (CPU): the step's (token, expert) pairs sorted by expert; each
+  expert with tokens runs its rows in two matmuls, its weights packed as the dense layers' are. How
+  many rows each expert gets is read on the host once a layer (`run_experts`).
+- Beside the Triton backend (GPUs): the experts' weights stacked once after loading
+  (`stack_experts`) and run by the Triton kernel `pagedserve_kernels.moe.fused_moe`, which groups the
+  pairs by expert on the device and reads nothing back: decode steps replay CUDA graphs as a dense
+  model's do.
+A compiled forward pass leaves the dispatch out of its graph, as one opaque op
+(`pagedserve::moe_experts`), as it does attention.
 """
 
 from __future__ import annotations
@@ -106,6 +111,9 @@ class SparseMoeBlock(nn.Module):
             Expert(hidden_size, spec.intermediate_size) for _ in range(spec.num_experts)
         )
         self.shared_expert = self.shared_expert_gate = None
+        # every expert's gate/up [E, 2I, H] and down [E, H, I] weights, once `stack_experts` ran
+        self.w13: nn.Parameter | None = None
+        self.w2: nn.Parameter | None = None
         if spec.shared_intermediate_size:
             self.shared_expert = Expert(hidden_size, spec.shared_intermediate_size)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
@@ -115,12 +123,27 @@ class SparseMoeBlock(nn.Module):
         _BLOCKS[index] = self
         self.register_buffer("moe_index", torch.tensor(index, device="cpu"), persistent=False)
 
+    def stack_experts(self) -> None:
+        """The experts' weights (this rank's shards) as two stacked tensors for the Triton kernel;
+        the per-expert layers go (their weights would be a second copy)."""
+        experts: list[Expert] = list(self.experts)  # type: ignore[arg-type]
+        self.w13 = nn.Parameter(torch.stack([e.gate_up_proj.weight for e in experts]), requires_grad=False)
+        self.w2 = nn.Parameter(torch.stack([e.down_proj.weight for e in experts]), requires_grad=False)
+        self.experts = nn.ModuleList()
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        if self.w13 is None or self.w2 is None:
+            return run_experts(self.experts, x, weights, expert_ids)
+        from pagedserve_kernels.moe import fused_moe  # (Triton: imported where it runs)
+
+        return fused_moe(x, self.w13, self.w2, weights, expert_ids)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = route(self.gate(x), self.spec.top_k, self.spec.renormalize)
         if torch.compiler.is_compiling():
             out = torch.ops.pagedserve.moe_experts(x, weights, expert_ids, self.moe_index)
         else:
-            out = run_experts(self.experts, x, weights, expert_ids)
+            out = self.run_experts(x, weights, expert_ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # the gate is a per-token scalar, the same on every rank: it scales the partial sums
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -139,7 +162,7 @@ _LIBRARY.define("moe_experts(Tensor x, Tensor weights, Tensor expert_ids, Tensor
 def _moe_experts_op(
     x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, moe_index: torch.Tensor
 ) -> torch.Tensor:
-    return run_experts(_BLOCKS[int(moe_index)].experts, x, weights, expert_ids)
+    return _BLOCKS[int(moe_index)].run_experts(x, weights, expert_ids)
 
 
 _LIBRARY.impl("moe_experts", _moe_experts_op, "CompositeExplicitAutograd")

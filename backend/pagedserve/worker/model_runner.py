@@ -275,6 +275,11 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype):
             model = get_model_class(cfg.architecture)(cfg.hf_config, cfg.max_model_len, self.backend)
         model.load_weights(iter_safetensors(cfg.path))
+        # beside the Triton kernels (GPUs) the experts run in one, from stacked weights, and read
+        # nothing back to the host: CUDA graphs capture their decode steps (`layers.moe`)
+        if self.backend.name == "triton":
+            for block in [m for m in model.modules() if isinstance(m, SparseMoeBlock)]:
+                block.stack_experts()
         if self.config.lora_modules:  # before packing: the adapters are sliced beside the plain weights
             self.lora = LoRAModels(self.config.lora_modules, model, self.dtype)
         # A compiled pass reads the weights packed before it is traced, or leaves them to inductor
@@ -310,11 +315,7 @@ class ModelRunner:
         # Decode-only steps skip the forward pass, compiled or eager, where one C++ call runs every
         # layer (`fused_decode`), which reads the packed weights.
         self.fused_decode = FusedDecode.build(self.model, self.backend, self.dtype)
-        if self.config.cuda_graphs and any(isinstance(m, SparseMoeBlock) for m in self.model.modules()):
-            logger.info(
-                "decode steps run eagerly: the experts' dispatch reads its sizes on the host (no CUDA graphs)"
-            )
-        elif self.config.cuda_graphs:
+        if self.config.cuda_graphs:
             logger.info(
                 "decode steps replay CUDA graphs, each captured at its first step (batch size, context)"
             )
