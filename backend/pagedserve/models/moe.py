@@ -102,14 +102,13 @@ def _num_experts(cfg: dict[str, Any], default: int) -> int:
 
 def _qwen_experts(cfg: dict[str, Any], defaults: Experts) -> list[Experts | None]:
     """Qwen's experts, with the config class's defaults where config.json leaves a key out."""
+    shared = defaults.shared_intermediate_size  # Qwen2-MoE's shared expert (Qwen3-MoE has none: 0)
     spec = Experts(
         num_experts=_num_experts(cfg, defaults.num_experts),
         top_k=cfg.get("num_experts_per_tok", defaults.top_k),
         intermediate_size=cfg.get("moe_intermediate_size", defaults.intermediate_size),
         renormalize=bool(cfg.get("norm_topk_prob", False)),
-        shared_intermediate_size=cfg.get("shared_expert_intermediate_size", defaults.shared_intermediate_size)
-        if defaults.shared_intermediate_size
-        else 0,
+        shared_intermediate_size=cfg.get("shared_expert_intermediate_size", shared) if shared else 0,
     )
     return [spec if sparse else None for sparse in _sparse_layers(cfg)]
 
