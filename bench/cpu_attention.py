@@ -7,6 +7,7 @@ lanes, what the engine runs for bf16 prefills), the decode kernel over one row a
 
     python bench/cpu_attention.py                    # SmolLM2-135M's heads: 9 query, 3 KV, head size 64
     python bench/cpu_attention.py --repeats 15 --block-size 16
+    python bench/cpu_attention.py --head-dim 256 --tables decode prefill   # Gemma's head size
 
 Decode shapes read one cache a layer for 30 layers, so a pass reads from memory as a forward pass does
 (cold); prefill shapes one layer, many times (the cache warm, as after the step's K/V writes). Each
@@ -19,21 +20,35 @@ from __future__ import annotations
 import argparse
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from cpu_linear import median_ms_each
 from pagedserve_kernels import cpu, reference
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
-SCALE = HEAD_DIM**-0.5
+LAYERS = 30
+TABLES = ("decode", "prefill", "window", "softcap")
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The attention heads of the model measured (by default SmolLM2-135M's)."""
+
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
 
 
 def paged_cache(
-    context_lens: list[int], block_size: int, generator: torch.Generator
+    context_lens: list[int], block_size: int, heads: Heads, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(k_cache, v_cache, block_tables): random K/V, each sequence's blocks scattered over the pool."""
     blocks = [-(-n // block_size) for n in context_lens]
-    shape = (sum(blocks) + 1, block_size, NUM_KV_HEADS, HEAD_DIM)
+    shape = (sum(blocks) + 1, block_size, heads.num_kv_heads, heads.head_dim)
     k = torch.randn(shape, generator=generator).to(torch.bfloat16)
     v = torch.randn(shape, generator=generator).to(torch.bfloat16)
     pool = torch.randperm(sum(blocks), generator=generator).add(1).tolist()
@@ -55,38 +70,41 @@ def timed(arms: dict[str, Callable[[], object]], repeats: int, per: int = 1) -> 
 def decode_case(
     context_lens: list[int],
     block_size: int,
+    heads: Heads,
     repeats: int,
     gen: torch.Generator,
     window: int = 0,
     softcap: float = 0.0,
 ) -> dict[str, float]:
     """Under a `window` or a `softcap`, "full" times our kernel without them on the same caches."""
-    layers = [paged_cache(context_lens, block_size, gen) for _ in range(LAYERS)]
+    layers = [paged_cache(context_lens, block_size, heads, gen) for _ in range(LAYERS)]
     lens = torch.tensor(context_lens, dtype=torch.int32)
-    query = torch.randn(len(context_lens), NUM_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    query = torch.randn(len(context_lens), heads.num_heads, heads.head_dim, generator=gen).to(torch.bfloat16)
+    scale = heads.scale
     k, v, tables = layers[0]
     limits = {"window": window, "softcap": softcap}
-    ours = cpu.paged_attention_decode(query, k, v, tables, lens, SCALE, **limits)
+    ours = cpu.paged_attention_decode(query, k, v, tables, lens, scale, **limits)
     exact = reference.paged_attention_decode(
-        query.float(), k.float(), v.float(), tables, lens, SCALE, **limits
+        query.float(), k.float(), v.float(), tables, lens, scale, **limits
     )
     assert (ours.float() - exact).abs().max() < 0.05, "the kernel disagrees with the reference"
     arms = {
         "ours": lambda: [
-            cpu.paged_attention_decode(query, k, v, t, lens, SCALE, **limits) for k, v, t in layers
+            cpu.paged_attention_decode(query, k, v, t, lens, scale, **limits) for k, v, t in layers
         ],
         "reference": lambda: [
-            reference.paged_attention_decode(query, k, v, t, lens, SCALE, **limits) for k, v, t in layers
+            reference.paged_attention_decode(query, k, v, t, lens, scale, **limits) for k, v, t in layers
         ],
     }
     if window or softcap:
-        arms["full"] = lambda: [cpu.paged_attention_decode(query, k, v, t, lens, SCALE) for k, v, t in layers]
+        arms["full"] = lambda: [cpu.paged_attention_decode(query, k, v, t, lens, scale) for k, v, t in layers]
     return timed(arms, repeats, per=LAYERS)
 
 
 def prefill_case(
     lens: list[tuple[int, int]],
     block_size: int,
+    heads: Heads,
     repeats: int,
     gen: torch.Generator,
     window: int = 0,
@@ -94,31 +112,32 @@ def prefill_case(
 ) -> dict[str, float]:
     """(query_len, context_len) a sequence; context_len > query_len: earlier tokens already cached.
     Under a `window` or a `softcap`, "full" times our kernel without them."""
-    k, v, tables = paged_cache([c for _, c in lens], block_size, gen)
+    k, v, tables = paged_cache([c for _, c in lens], block_size, heads, gen)
     starts = torch.tensor([0, *(q for q, _ in lens)]).cumsum(0).to(torch.int32)
     context = torch.tensor([c for _, c in lens], dtype=torch.int32)
-    query = torch.randn(int(starts[-1]), NUM_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    query = torch.randn(int(starts[-1]), heads.num_heads, heads.head_dim, generator=gen).to(torch.bfloat16)
+    scale = heads.scale
     limits = {"window": window, "softcap": softcap}
 
     def ours() -> torch.Tensor:
-        return cpu.paged_attention_prefill(query, k, v, tables, starts, context, SCALE, **limits)
+        return cpu.paged_attention_prefill(query, k, v, tables, starts, context, scale, **limits)
 
     def rows() -> torch.Tensor:
         return cpu.paged_attention_decode(
-            query, k, v, *reference.prefill_rows(tables, starts, context), SCALE, **limits
+            query, k, v, *reference.prefill_rows(tables, starts, context), scale, **limits
         )
 
     def sdpa() -> torch.Tensor:
         batch = reference.plan_prefill_batch(starts, context, block_size, torch.bfloat16, window)
         return reference.paged_attention_prefill(
-            query, k, v, tables, starts, context, SCALE, batch=batch, **limits
+            query, k, v, tables, starts, context, scale, batch=batch, **limits
         )
 
     def full() -> torch.Tensor:
-        return cpu.paged_attention_prefill(query, k, v, tables, starts, context, SCALE)
+        return cpu.paged_attention_prefill(query, k, v, tables, starts, context, scale)
 
     exact = reference.paged_attention_prefill(
-        query.float(), k.float(), v.float(), tables, starts, context, SCALE, **limits
+        query.float(), k.float(), v.float(), tables, starts, context, scale, **limits
     )
     for arm in (ours, rows):
         assert (arm().float() - exact).abs().max() < 0.05, f"{arm.__name__} disagrees with the reference"
@@ -126,25 +145,17 @@ def prefill_case(
     return timed(arms, repeats)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--block-size", type=int, default=8, help="the engine's default on CPU: 8")
-    args = parser.parse_args()
-    if not cpu.load():
-        raise SystemExit("the C++ kernels do not build here (no C++ compiler?): nothing to compare")
-    gen = torch.Generator().manual_seed(0)
-    rng = random.Random(0)
-    print(f"decode attention ({cpu.decode_isa()}), bf16, {NUM_HEADS}/{NUM_KV_HEADS} heads of {HEAD_DIM}, "
-          f"block size {args.block_size}, {torch.get_num_threads()} threads; ms a layer")  # fmt: skip
+def decode_table(args: argparse.Namespace, heads: Heads, gen: torch.Generator) -> None:
     print("\n| decode rows x context | ours ms | reference ms | reference / ours |\n|---|---:|---:|---:|")
     for seqs, ctx in ((64, 45), (16, 140), (64, 300), (16, 1000), (1, 1000)):
-        t = decode_case([ctx] * seqs, args.block_size, args.repeats, gen)
+        t = decode_case([ctx] * seqs, args.block_size, heads, args.repeats, gen)
         print(
             f"| {seqs} x {ctx} | {t['ours']:.3f} | {t['reference']:.3f} | {t['reference'] / t['ours']:.2f}x |"
         )
+
+
+def prefill_table(args: argparse.Namespace, heads: Heads, gen: torch.Generator) -> None:
+    rng = random.Random(0)
     chat = [rng.randint(12, 22) for _ in range(64)]
     fresh = [rng.randint(36, 44) for _ in range(64)]
     prefills = {
@@ -158,22 +169,24 @@ def main() -> None:
         "\n| prefill | ours ms | rows ms | SDPA ms | rows / ours | SDPA / ours |\n|---|---:|---:|---:|---:|---:|"
     )
     for name, lens in prefills.items():
-        t = prefill_case(lens, args.block_size, args.repeats, gen)
+        t = prefill_case(lens, args.block_size, heads, args.repeats, gen)
         print(
             f"| {name} | {t['ours']:.2f} | {t['rows']:.2f} | {t['reference']:.2f} | "
             f"{t['rows'] / t['ours']:.2f}x | {t['reference'] / t['ours']:.2f}x |"
         )
-    # a sliding window (Mistral v0.1's 4,096 against 32K contexts, scaled down): ours under it,
-    # ours over the whole context, and the reference's masked SDPA under it
+
+
+def window_table(args: argparse.Namespace, heads: Heads, gen: torch.Generator) -> None:
+    """A sliding window (Mistral v0.1's 4,096 against 32K contexts, scaled down): ours under it, ours
+    over the whole context, and the reference's masked SDPA under it."""
     print(
         "\n| window 512 | ours ms | ours without the window ms | SDPA ms | without / ours | SDPA / ours |"
         "\n|---|---:|---:|---:|---:|---:|"
     )
+    bs, repeats = args.block_size, args.repeats
     windowed = {
-        "decode 16 x 4,000": lambda: decode_case([4000] * 16, args.block_size, args.repeats, gen, 512),
-        "prefill 1 prompt of 4,096": lambda: prefill_case(
-            [(4096, 4096)], args.block_size, args.repeats, gen, 512
-        ),
+        "decode 16 x 4,000": lambda: decode_case([4000] * 16, bs, heads, repeats, gen, 512),
+        "prefill 1 prompt of 4,096": lambda: prefill_case([(4096, 4096)], bs, heads, repeats, gen, 512),
     }
     for name, case in windowed.items():
         t = case()
@@ -181,18 +194,20 @@ def main() -> None:
             f"| {name} | {t['ours']:.3f} | {t['full']:.3f} | {t['reference']:.3f} | "
             f"{t['full'] / t['ours']:.2f}x | {t['reference'] / t['ours']:.2f}x |"
         )
-    # Gemma 2's attention soft-capping (50): what the capped scores cost in our kernels, against the
-    # same kernels without it, and the reference's float32 capped attention
+
+
+def softcap_table(args: argparse.Namespace, heads: Heads, gen: torch.Generator) -> None:
+    """Gemma 2's attention soft-capping (50): what the capped scores cost in our kernels, against the
+    same kernels without it, and the reference's float32 capped attention."""
     print(
         "\n| softcap 50 | ours ms | ours without the cap ms | reference ms | ours / without | reference / ours |"
         "\n|---|---:|---:|---:|---:|---:|"
     )
+    bs, repeats = args.block_size, args.repeats
     capped = {
-        "decode 16 x 1,000": lambda: decode_case(
-            [1000] * 16, args.block_size, args.repeats, gen, softcap=50.0
-        ),
+        "decode 16 x 1,000": lambda: decode_case([1000] * 16, bs, heads, repeats, gen, softcap=50.0),
         "prefill 1 prompt of 2,048": lambda: prefill_case(
-            [(2048, 2048)], args.block_size, args.repeats, gen, softcap=50.0
+            [(2048, 2048)], bs, heads, repeats, gen, softcap=50.0
         ),
     }
     for name, case in capped.items():
@@ -201,6 +216,38 @@ def main() -> None:
             f"| {name} | {t['ours']:.3f} | {t['full']:.3f} | {t['reference']:.3f} | "
             f"{t['ours'] / t['full']:.2f}x | {t['reference'] / t['ours']:.2f}x |"
         )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--block-size", type=int, default=8, help="the engine's default on CPU: 8")
+    parser.add_argument(
+        "--head-dim", type=int, default=64, help="64 (SmolLM2), 96 (Phi-3), 128 (Llama), 256 (Gemma)"
+    )
+    parser.add_argument(
+        "--heads", type=int, nargs=2, default=[9, 3], metavar=("QUERY", "KV"), help="default: 9 3"
+    )
+    parser.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES), help="default: all")
+    args = parser.parse_args()
+    if not cpu.load():
+        raise SystemExit("the C++ kernels do not build here (no C++ compiler?): nothing to compare")
+    heads = Heads(args.heads[0], args.heads[1], args.head_dim)
+    gen = torch.Generator().manual_seed(0)
+    print(
+        f"decode attention ({cpu.decode_isa()}), bf16, {heads.num_heads}/{heads.num_kv_heads} heads of "
+        f"{heads.head_dim}, block size {args.block_size}, {torch.get_num_threads()} threads; ms a layer"
+    )
+    tables = {
+        "decode": decode_table,
+        "prefill": prefill_table,
+        "window": window_table,
+        "softcap": softcap_table,
+    }
+    for name in args.tables:
+        tables[name](args, heads, gen)
 
 
 if __name__ == "__main__":

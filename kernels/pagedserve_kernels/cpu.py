@@ -26,6 +26,11 @@ _SOURCES = (
 )
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
+# The head sizes the AVX512-BF16 attention kernels are instantiated for (csrc/cpu_kernels.cpp):
+# `paged_attention_prefill` takes only these, and bfloat16 decode at any other size runs the generic
+# loops. SmolLM2's 64, Phi-3's 96, Llama's 128, Gemma's 256.
+PREFILL_HEAD_SIZES = (64, 96, 128, 256)
+
 
 def _machine_tag() -> str:
     try:
@@ -114,10 +119,10 @@ def paged_attention_prefill(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """`reference.paged_attention_prefill`, its sliding `window` and score `softcap` too (as for
-    decode), for bfloat16 and head sizes 64 and 128 on a build whose `decode_isa()` is "avx512_bf16"
-    (a RuntimeError elsewhere): tiles of 16 (query token, query head) lanes sharing a KV head, scores
-    and P V both by vdpbf16ps, the softmax weights rounded to bfloat16 for P V as flash attention rounds
-    them. Needs `load()`; block ids are checked as for decode."""
+    decode), for bfloat16 and head sizes 64, 96, 128 and 256 (`PREFILL_HEAD_SIZES`) on a build whose
+    `decode_isa()` is "avx512_bf16" (a RuntimeError elsewhere): tiles of 16 (query token, query head)
+    lanes sharing a KV head, scores and P V both by vdpbf16ps, the softmax weights rounded to bfloat16
+    for P V as flash attention rounds them. Needs `load()`; block ids are checked as for decode."""
     return torch.ops.pagedserve_cpu.paged_attention_prefill(
         query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap
     )

@@ -7,7 +7,9 @@ without one these tests are skipped, and tests/engine/test_compile.py checks the
 Grid: head_dim 64 and 128 (the unrolled paths, and in bf16 the AVX512-BF16 one where the CPU has
 it) and 80 (the generic one), GQA ratios 1/3/4/8 (the AVX512 path accumulates 4 heads at a time for
 head size 64, 2 for 128), block sizes 8 and 16, context lengths across block, 16-token chunk and
-(bf16) 256-token tile boundaries (1, 7, 8, 9, 16, 17, 33, 300), float32, bfloat16 and float16.
+(bf16) 256-token tile boundaries (1, 7, 8, 9, 16, 17, 33, 300), float32, bfloat16 and float16. Phi-3's
+head size 96 and Gemma's 256 on the AVX512-BF16 paths (bf16 decode, plain, windowed and capped; the
+prefill kernel) in a few cases each: passes of 2 heads (96) and of 1 (256), whole and partial.
 Tolerances: float32 1e-5 against the float32 reference; bf16 and fp16 against the reference run in
 float32 on the same inputs, no further off than the reference's own low-precision result. Also
 prefill attention: as decode rows (`reference.prefill_rows`), in the bf16 prefill kernel
@@ -83,6 +85,40 @@ def assert_as_near_as_the_reference(
     ours = (out.float() - exact).abs().max().item()
     theirs = reference_fn(query, cache.k_cache, cache.v_cache, *tail).float() - exact
     assert ours <= theirs.abs().max().item() + 1e-3
+
+
+# bf16 decode at Phi-3's head size 96 (2 heads a pass: GQA 3 leaves a pass of 1) and Gemma's 256 (1
+# head a pass: MHA, and Gemma-2B's 8 heads on one KV head)
+WIDE_CASES = [
+    pytest.param(6, 2, 96, 8, id="gqa3-d96-bs8"),
+    pytest.param(8, 2, 96, 16, id="gqa4-d96-bs16"),
+    pytest.param(4, 4, 256, 16, id="gqa1-d256-bs16"),
+    pytest.param(8, 1, 256, 8, id="gqa8-d256-bs8"),
+]
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), WIDE_CASES)
+@pytest.mark.parametrize(
+    ("window", "softcap"), [(0, 0.0), (260, 0.0), (7, 50.0)], ids=["full", "window260", "window7-cap50"]
+)
+def test_bf16_decode_at_head_sizes_96_and_256_matches_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, window: int, softcap: float
+) -> None:
+    """The AVX512-BF16 decode path (the generic loops where the CPU lacks it) at head sizes 96 and 256,
+    over the whole context (300 tokens: two tiles), a window past the first tile, and a short window
+    under Gemma 2's cap (queries scaled up so that the cap bends the scores)."""
+    cache = make_paged_cache(
+        CONTEXT_LENS, num_kv_heads, head_dim, block_size, torch.bfloat16, torch.device("cpu")
+    )
+    query = torch.randn(len(CONTEXT_LENS), num_heads, head_dim)
+    query = (SOFTCAP_QUERY_SCALE * query if softcap else query).to(torch.bfloat16)
+    tail = (cache.block_tables, cache.context_lens, head_dim**-0.5)
+    out = cpu.paged_attention_decode(
+        query, cache.k_cache, cache.v_cache, *tail, window=window, softcap=softcap
+    )
+    assert out.shape == query.shape
+    limited = functools.partial(reference.paged_attention_decode, window=window, softcap=softcap)
+    assert_as_near_as_the_reference(out, limited, query, cache, tail)
 
 
 def window_of(kind: str, block_size: int) -> int:
@@ -409,8 +445,8 @@ LONG_PREFILL_LENS = [*PREFILL_LENS, (16, 16), (33, 33), (1, 1000), (77, 250)]
 
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
-    [(9, 3, 64), (8, 8, 64), (8, 2, 128), (16, 2, 64), (20, 1, 64), (6, 2, 128)],
-    ids=["gqa3-d64", "mha-d64", "gqa4-d128", "gqa8-d64", "gqa20-d64", "gqa3-d128"],
+    [(9, 3, 64), (8, 8, 64), (8, 2, 128), (16, 2, 64), (20, 1, 64), (6, 2, 128), (4, 4, 96), (8, 1, 256)],
+    ids=["gqa3-d64", "mha-d64", "gqa4-d128", "gqa8-d64", "gqa20-d64", "gqa3-d128", "mha-d96", "gqa8-d256"],
 )
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
 def test_prefill_kernel_matches_reference(
@@ -418,7 +454,9 @@ def test_prefill_kernel_matches_reference(
 ) -> None:
     """Every (query token, query head) lane arrangement: 16 rows of one head (no grouping), 5 rows of
     3 heads, 2 of 8, and 20 heads of one KV head (two lane groups of 16 and 4), over chunks that
-    span blocks of 1 to 32 slots; as near the float32 reference as its own bf16 run."""
+    span blocks of 1 to 32 slots; head sizes 64 and 128, Phi-3's 96 (no grouping, as Phi-3-mini) and
+    Gemma's 256 (Gemma-2B's 8 heads on one KV head); as near the float32 reference as its own bf16
+    run."""
     needs_the_prefill_kernel()
     lens = LONG_PREFILL_LENS
     cache = make_paged_cache(
@@ -472,7 +510,7 @@ def test_prefill_kernel_under_a_window_matches_reference(
     """Each query token over its last `window` positions: prompts and chunks after earlier context
     (LONG_PREFILL_LENS) shorter and longer than the window, a tile's rows (16 lanes: 16 rows of one
     head, 5 of 3, 1 of 20) reaching back to different first keys; as near the float32 reference as
-    its own bf16 run."""
+    its own bf16 run (head sizes 96 and 256 under a window: the softcap test's window of 7)."""
     needs_the_prefill_kernel()
     window = window_of(kind, block_size)
     lens = LONG_PREFILL_LENS
@@ -488,8 +526,8 @@ def test_prefill_kernel_under_a_window_matches_reference(
 
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
-    [(9, 3, 64), (8, 8, 64), (20, 1, 64), (8, 2, 128)],
-    ids=["gqa3-d64", "mha-d64", "gqa20-d64", "gqa4-d128"],
+    [(9, 3, 64), (8, 8, 64), (20, 1, 64), (8, 2, 128), (8, 4, 256), (6, 2, 96)],
+    ids=["gqa3-d64", "mha-d64", "gqa20-d64", "gqa4-d128", "gqa2-d256", "gqa3-d96"],
 )
 @pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("window", [0, 7])
@@ -498,7 +536,8 @@ def test_prefill_kernel_under_a_softcap_matches_reference(
 ) -> None:
     """Each score capped before the mask and the softmax, as the reference caps it: prompts and
     chunks after earlier context (LONG_PREFILL_LENS), alone and under a window, every lane
-    arrangement; as near the float32 reference as its own bf16 run."""
+    arrangement, and at Gemma 2's head size 256 (8 rows of 2 heads) and Phi-3's 96; as near the
+    float32 reference as its own bf16 run."""
     needs_the_prefill_kernel()
     lens = LONG_PREFILL_LENS
     cache = make_paged_cache(
@@ -580,7 +619,7 @@ def test_prefill_kernel_refuses_bad_arguments_with_the_reason() -> None:
         cpu.paged_attention_prefill(
             query.float(), caches[0].float(), caches[1].float(), tables, starts, lens, 0.1
         )
-    with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
+    with pytest.raises(RuntimeError, match="head_dim 64, 96, 128 or 256, not 80"):
         other = make_paged_cache([c for _, c in PREFILL_LENS], 3, 80, 8, torch.bfloat16, torch.device("cpu"))
         cpu.paged_attention_prefill(
             torch.randn(query.shape[0], 9, 80).to(torch.bfloat16),
@@ -613,21 +652,22 @@ def test_prefill_kernel_refuses_bad_arguments_with_the_reason() -> None:
 
 
 def test_the_backend_runs_bf16_prefill_in_the_prefill_kernel() -> None:
-    """bfloat16 head size 64 or 128: prefill attention is one prefill-kernel call a layer (3-5x faster
-    than SDPA here); any other head size or dtype stays with SDPA."""
+    """bfloat16 head size 64, 96 (Phi-3), 128 or 256 (Gemma): prefill attention is one prefill-kernel
+    call a layer (3-5x faster than SDPA here); any other head size or dtype stays with SDPA."""
     backend = TorchAttentionBackend(torch.device("cpu"))
     if cpu.decode_isa() != "avx512_bf16":
         assert not backend.bf16_prefill
         pytest.skip("no AVX512-BF16 here: every prefill stays with SDPA")
-    cache, starts, query = prefill_case(9, 3, 64, torch.bfloat16)
-    metadata = prefill_metadata(cache, starts)
-    out, calls = prefill_and_its_calls(backend, cache, query, metadata)
-    assert not metadata.prefill_batches  # nothing planned for SDPA
-    assert calls.get("pagedserve_cpu::paged_attention_prefill") == 1
-    assert not any("scaled_dot_product" in name or "paged_attention_decode" in name for name in calls)
-    tail = (cache.block_tables, starts, cache.context_lens, 0.125)
-    expected = reference.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail)
-    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    for num_heads, num_kv_heads, head_dim in ((9, 3, 64), (4, 4, 96), (4, 2, 256)):
+        cache, starts, query = prefill_case(num_heads, num_kv_heads, head_dim, torch.bfloat16)
+        metadata = prefill_metadata(cache, starts)
+        out, calls = prefill_and_its_calls(backend, cache, query, metadata)
+        assert not metadata.prefill_batches  # nothing planned for SDPA
+        assert calls.get("pagedserve_cpu::paged_attention_prefill") == 1, head_dim
+        assert not any("scaled_dot_product" in name or "paged_attention_decode" in name for name in calls)
+        tail = (cache.block_tables, starts, cache.context_lens, 0.125)
+        expected = reference.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail)
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
     for dtype, head_dim in ((torch.bfloat16, 80), (torch.float32, 64)):
         cache, starts, query = prefill_case(6, 2, head_dim, dtype)

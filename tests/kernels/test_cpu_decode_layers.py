@@ -248,13 +248,16 @@ def test_matches_the_reference_layers(num_seqs: int, qkv_bias: bool, packing: st
             assert torch.equal(written[untouched], step[name][layer].view(-1, KV_HEADS, HEAD_DIM)[untouched])
 
 
-def test_a_head_wider_than_a_vector() -> None:
-    """head_dim 64 (SmolLM2's): rotary halves of 32 values, two vectors each."""
-    model, step = make_model(False, head_dim=64), make_step(8, head_dim=64)
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+def test_a_head_wider_than_a_vector(head_dim: int) -> None:
+    """head_dim 64 (SmolLM2's): rotary halves of 32 values, two vectors each; Phi-3's 96 (halves of 48)
+    and Gemma's 256 (halves of 128), each on its AVX512-BF16 attention rows (2 query heads a KV head:
+    one pass of 2 heads at 96, two of 1 at 256)."""
+    model, step = make_model(False, head_dim=head_dim), make_step(8, head_dim=head_dim)
     ours, ref_step = clone_step(step), clone_step(step)
     torch.testing.assert_close(
-        run_kernel(model, ours, head_dim=64).float(),
-        run_reference(model, ref_step, head_dim=64).float(),
+        run_kernel(model, ours, head_dim=head_dim).float(),
+        run_reference(model, ref_step, head_dim=head_dim).float(),
         atol=0.05,
         rtol=0.03,
     )
@@ -327,14 +330,15 @@ def test_draft_rows_read_the_rows_before_them(head_dim: int) -> None:
             )
 
 
-@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 256])
 @pytest.mark.parametrize("windows", [[0, 6], [13, 1]], ids=["full-then-6", "13-then-1"])
 @pytest.mark.parametrize("packing", PACKINGS)
 def test_each_layer_attends_under_its_own_window(head_dim: int, windows: list[int], packing: str) -> None:
     """Sliding-window layers (Mistral's, Qwen2's sliding ones) beside full ones: each layer's attention
     sees its window's last tokens of contexts of 5 to 31 (windows below a block of 8, and across two),
     as the reference layers under the same windows; without the windows the step differs. Head size 16
-    takes the generic attention rows, 64 the AVX512-BF16 ones; 40 rows split over runs of the threads."""
+    takes the generic attention rows, 64 and 256 the AVX512-BF16 ones; 40 rows split over runs of the
+    threads."""
     model, step = make_model(False, head_dim=head_dim), make_step(40, head_dim=head_dim)
     assert int(step["context_lens"].max()) > max(windows)
     ours = run_kernel(model, clone_step(step), head_dim=head_dim, packing=packing, windows=windows)

@@ -7,7 +7,8 @@ rows padded with stale ids; float32, bfloat16 and float16; empty batches; the la
 mappings in any order with -1 padding first, inside and last.
 
 The C++ CPU decode kernel gets the whole grid (it is fast): on a CPU with AVX512-BF16, bfloat16 with
-head size 64 or 128 takes the vdpbf16ps path and every other case the generic loops, so both run.
+head size 64, 96 or 128 takes the vdpbf16ps path and every other case (head size 80, float32,
+float16) the generic loops, so both run.
 The Triton kernels run under the interpreter on CPU: a few deliberate cases each, float16 and head
 size 96 among them (the Triton grid elsewhere has float32 and bfloat16, head sizes 64/80/128).
 
@@ -262,10 +263,10 @@ def test_cpu_write_kv_cache_refuses_a_key_that_only_has_the_right_size() -> None
 def test_attention_layer_on_the_cpu_kernels_matches_the_reference_backend(
     dtype: torch.dtype, head_dim: int
 ) -> None:
-    """The layer's path on CPU (C++ KV write and decode; prefill on the decode kernel in bfloat16 head
-    size 128 where the CPU has AVX512-BF16, else the reference's SDPA), bfloat16 head size 128 on the
-    AVX512-BF16 path where the CPU has it and 96 on the generic one, against the same layer on the
-    pure-torch reference, over a mixed step: three decodes, a prompt and a chunk."""
+    """The layer's path on CPU (C++ KV write and decode; prefill in the prefill kernel in bfloat16 where
+    the CPU has AVX512-BF16, else the reference's SDPA), bfloat16 head sizes 128 and 96 on the
+    AVX512-BF16 paths where the CPU has them and float16 on the generic one, against the same layer
+    on the pure-torch reference, over a mixed step: three decodes, a prompt and a chunk."""
     from pagedserve.layers.attention import Attention, AttentionMetadata, TorchAttentionBackend
 
     fast, slow = TorchAttentionBackend(CPU), TorchAttentionBackend(None)

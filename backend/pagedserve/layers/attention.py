@@ -101,11 +101,12 @@ class TorchAttentionBackend(AttentionBackend):
     straight from the paged cache) where they build. The decode mask and the padded prefill layout
     are built once per step, not once per layer.
 
-    Prefill attention in bfloat16, head size 64 or 128, on a build with AVX512-BF16 runs in the C++
-    prefill kernel (`cpu.paged_attention_prefill`: tiles of query tokens and heads sharing a KV head,
-    flash-attention style), read straight from the paged cache: 3.4-4.9x faster than
-    scaled_dot_product_attention and 1.8-2.4x faster than the decode kernel run one row a prompt
-    token on prompts of 100 tokens and more (bench/cpu_attention.py).
+    Prefill attention in bfloat16, head size 64, 96, 128 or 256 (`cpu.PREFILL_HEAD_SIZES`), on a build
+    with AVX512-BF16 runs in the C++ prefill kernel (`cpu.paged_attention_prefill`: tiles of query
+    tokens and heads sharing a KV head, flash-attention style), read straight from the paged cache:
+    at head size 64 3.4-4.9x faster than scaled_dot_product_attention and 1.8-2.4x faster than the
+    decode kernel run one row a prompt token on prompts of 100 tokens and more, at 96 and 256
+    2.1-3.9x faster than SDPA (bench/cpu_attention.py, bench/README.md).
 
     The reference's decode mask and padded prefill layout are built on a step's first layer of each
     window, not once per layer."""
@@ -119,7 +120,7 @@ class TorchAttentionBackend(AttentionBackend):
             logger.info("KV writes and attention: the C++ CPU kernels (%s)", cpu_kernels.decode_isa())
 
     def _prefill_in_kernel(self, dtype: torch.dtype, head_dim: int) -> bool:
-        return self.bf16_prefill and dtype == torch.bfloat16 and head_dim in (64, 128)
+        return self.bf16_prefill and dtype == torch.bfloat16 and head_dim in cpu_kernels.PREFILL_HEAD_SIZES
 
     def write_kv_cache(
         self,

@@ -5,9 +5,9 @@
 // context up to it: reference.prefill_rows), read straight from the paged KV cache (no gathered copy
 // of the context), softmax in float32. Threads take runs of rows of about equal work (context
 // tokens). Two paths:
-// - bfloat16 with head size 64 or 128 where the compiler targets AVX512-BF16 (decode_kernel_avx512_bf16):
-//   tiles of up to 256 tokens, K rows scored in bf16 by vdpbf16ps, 16 tokens' scores reduced into one
-//   vector, softmax weights over the tile, V accumulated in registers;
+// - bfloat16 with head size 64, 96, 128 or 256 where the compiler targets AVX512-BF16
+//   (decode_kernel_avx512_bf16): tiles of up to 256 tokens, K rows scored in bf16 by vdpbf16ps, 16
+//   tokens' scores reduced into one vector, softmax weights over the tile, V accumulated in registers;
 // - everything else (decode_kernel): an online softmax over chunks of 16 tokens; the chunk's K slots
 //   (every KV head) are widened to float32 once and scored against every query head, then its V
 //   slots are widened and accumulated.
@@ -18,10 +18,11 @@
 // times the scale) becomes c * tanh(s / c) before the softmax (tanh_float, tanh16: within 2e-7 of
 // tanh); without it the score loops run as before, past one branch a chunk (generic) or tile (AVX512).
 //
-// paged_attention_prefill: causal attention of packed prompt chunks (bfloat16, head size 64 or 128,
-// AVX512-BF16 builds only), the engine's bf16 prefill path: tiles of query tokens times the heads of
-// a KV head's group, 16 lanes, scores and P V both by vdpbf16ps (prefill_kernel_avx512_bf16). Each K/V
-// row is read once a tile, not once a query token as the decode kernel over prefill rows reads it.
+// paged_attention_prefill: causal attention of packed prompt chunks (bfloat16, head size 64, 96, 128
+// or 256, AVX512-BF16 builds only), the engine's bf16 prefill path: tiles of query tokens times the
+// heads of a KV head's group, 16 lanes, scores and P V both by vdpbf16ps (prefill_kernel_avx512_bf16).
+// Each K/V row is read once a tile, not once a query token as the decode kernel over prefill rows
+// reads it.
 // Under a window a tile's keys start at the first its earliest token sees; under a softcap the scores
 // are capped as decode caps them, before the mask.
 //
@@ -337,13 +338,15 @@ void decode_kernel(const DecodeArgs<scalar_t>& a) {
 
 
 #ifdef PAGEDSERVE_AVX512_BF16
-// bfloat16 on CPUs with AVX512-BF16, head sizes 64 and 128. A sequence's context goes in tiles of up
-// to 256 tokens, each in three passes with no chain from one 16-token chunk to the next (an online
-// softmax per chunk made every chunk wait on the last one's max): every query head's scores for the
-// whole tile (K rows scored in their bf16 form by vdpbf16ps, bf16 products exact in float32, 16 tokens'
-// partial-sum vectors reduced into one vector of scores), then each head's softmax weights over the
-// tile (its running max, sum and accumulator rescaled once a tile), then V: each row widened once per
-// group of query heads sharing it, the heads' accumulators held in registers over the tile.
+// bfloat16 on CPUs with AVX512-BF16, head sizes 64, 96 (Phi-3's), 128 and 256 (Gemma's): any multiple
+// of 32 up to 256 would do (whole vdpbf16ps operands of 32 bf16), these are the ones instantiated. A
+// sequence's context goes in tiles of up to 256 tokens, each in three passes with no chain from one
+// 16-token chunk to the next (an online softmax per chunk made every chunk wait on the last one's max):
+// every query head's scores for the whole tile (K rows scored in their bf16 form by vdpbf16ps, bf16
+// products exact in float32, 16 tokens' partial-sum vectors reduced into one vector of scores), then
+// each head's softmax weights over the tile (its running max, sum and accumulator rescaled once a
+// tile), then V: each row widened once per group of query heads sharing it, the heads' accumulators
+// held in registers over the tile.
 //
 // A row's K and V come from memory in blocks scattered over the cache (a decoding request gets a new
 // block every block_size steps, between other requests' blocks), too short for the hardware's
@@ -478,8 +481,10 @@ class NextRowPrefetch {
 template <int64_t kDim>
 void decode_rows_avx512_bf16(const DecodeArgs<c10::BFloat16>& a, int64_t begin, int64_t end) {
   using bf16 = c10::BFloat16;
+  static_assert(kDim % 32 == 0 && kDim <= 256, "whole vdpbf16ps operands; one head's accumulators in 16 registers");
   constexpr int kPairs = kDim / 32;
-  constexpr int kHeadsPerPass = 256 / kDim;  // accumulators of this many heads fit in 16 registers
+  // accumulators of this many heads fit in 16 registers: 4 for head size 64, 2 for 96 and 128, 1 for 256
+  constexpr int kHeadsPerPass = 256 / kDim;
   const int64_t group = a.group;
   const __m512 vscale = _mm512_set1_ps(a.scale);
   const __m512 vcap = _mm512_set1_ps(a.softcap), vinv_cap = _mm512_set1_ps(a.inv_softcap);
@@ -521,16 +526,19 @@ void decode_rows_avx512_bf16(const DecodeArgs<c10::BFloat16>& a, int64_t begin, 
             corrections[g] = softmax_tile<kDim>(scores + (g0 + g) * kTile, n, group_states[g0 + g]);
           const bf16* values = a.v_cache + kv * kDim;
           const float* probs = scores + g0 * kTile;
-          // count <= kHeadsPerPass: 4 for head size 64, 2 for 128
+          // count <= kHeadsPerPass (only the passes a head size can take are instantiated: 2 heads of
+          // 256 would need 32 accumulator registers)
           if (count == 1) {
             accumulate_tile<kDim, 1>(values, offsets, n, probs, corrections, group_states + g0);
-          } else if (count == 2) {
-            accumulate_tile<kDim, 2>(values, offsets, n, probs, corrections, group_states + g0);
-          } else if constexpr (kHeadsPerPass == 4) {
-            if (count == 3) {
-              accumulate_tile<kDim, 3>(values, offsets, n, probs, corrections, group_states + g0);
-            } else {
-              accumulate_tile<kDim, 4>(values, offsets, n, probs, corrections, group_states + g0);
+          } else if constexpr (kHeadsPerPass >= 2) {
+            if (count == 2) {
+              accumulate_tile<kDim, 2>(values, offsets, n, probs, corrections, group_states + g0);
+            } else if constexpr (kHeadsPerPass == 4) {
+              if (count == 3) {
+                accumulate_tile<kDim, 3>(values, offsets, n, probs, corrections, group_states + g0);
+              } else {
+                accumulate_tile<kDim, 4>(values, offsets, n, probs, corrections, group_states + g0);
+              }
             }
           }
         }
@@ -584,9 +592,9 @@ inline void transpose16(__m512* r) {
   transpose16(r, [](__m512 x, __m512i i, __m512 y) { return _mm512_permutex2var_ps(x, i, y); });
 }
 
-// paged_attention_prefill on AVX512-BF16 (bfloat16, head sizes 64 and 128): causal attention of packed
-// prompt chunks, flash-attention style. The 16 lanes of a vector hold 16 (query token, query head)
-// pairs that read the same KV head: `rows_per_tile` consecutive tokens of one sequence times
+// paged_attention_prefill on AVX512-BF16 (bfloat16, head sizes 64, 96, 128 and 256): causal attention
+// of packed prompt chunks, flash-attention style. The 16 lanes of a vector hold 16 (query token, query
+// head) pairs that read the same KV head: `rows_per_tile` consecutive tokens of one sequence times
 // `heads_per_tile` heads of a KV head's group (5 x 3 for SmolLM2's 9 heads on 3 KV heads, 16 x 1 with
 // no grouping). A tile walks its context in chunks of 16 keys, and for each chunk and lane group:
 // - scores: 16 vectors (one a key) of vdpbf16ps over the head size, each step a pair of the query's
@@ -664,6 +672,10 @@ struct LaneGroup {
 
 template <int64_t kDim>
 class PrefillTileRunner {
+  // a lane's query loads and the V pairs' permutes take 32 bf16 (64 bytes) at a time, the outputs'
+  // transposes 16 dimensions
+  static_assert(kDim % 32 == 0, "head size: a multiple of 32");
+
  public:
   explicit PrefillTileRunner(const PrefillArgs& a) : a_(a), groups_(a.num_kv_heads * a.head_groups) {}
 
@@ -838,7 +850,9 @@ void prefill_kernel_avx512_bf16(const PrefillArgs& a) {
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     for (int64_t part = part_begin; part < part_end; ++part) {
       if (bounds[part] == bounds[part + 1]) continue;
-      auto runner = std::make_unique<PrefillTileRunner<kDim>>(a);  // ~50 KB of state: on the heap
+      // the packed K and V (64 * kDim bytes: 16 KB for head size 256) and each lane group's query and
+      // accumulators (96 * kDim bytes a group): on the heap
+      auto runner = std::make_unique<PrefillTileRunner<kDim>>(a);
       for (int64_t t = bounds[part]; t < bounds[part + 1]; ++t) runner->run(tiles[t]);
     }
   });
@@ -851,7 +865,9 @@ void dispatch_dim(const DecodeArgs<scalar_t>& args) {
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     switch (args.dim) {
       case 64: return decode_kernel_avx512_bf16<64>(args);
+      case 96: return decode_kernel_avx512_bf16<96>(args);
       case 128: return decode_kernel_avx512_bf16<128>(args);
+      case 256: return decode_kernel_avx512_bf16<256>(args);
       default: break;
     }
   }
@@ -917,8 +933,8 @@ at::Tensor paged_attention_decode(
 // there first): query [tokens, heads, head_dim], sequence s's rows query_start_loc[s] ..
 // query_start_loc[s + 1], at the last positions of its context_lens[s] tokens, each over its last
 // `window` positions only under a window (> 0), its scores soft-capped under a softcap (> 0). bfloat16,
-// head sizes 64 and 128, on AVX512-BF16 builds (decode_isa() == "avx512_bf16"); elsewhere the caller
-// keeps SDPA.
+// head sizes 64, 96, 128 and 256, on AVX512-BF16 builds (decode_isa() == "avx512_bf16"); elsewhere the
+// caller keeps SDPA.
 at::Tensor paged_attention_prefill(
     const at::Tensor& query,
     const at::Tensor& k_cache,
@@ -935,8 +951,9 @@ at::Tensor paged_attention_prefill(
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16,
               "paged_attention_prefill: bfloat16 query and caches");
-  TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128, "paged_attention_prefill: head_dim 64 or 128, not ",
-              query.size(2));
+  const int64_t head_dim = query.size(2);
+  TORCH_CHECK(head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 256,
+              "paged_attention_prefill: head_dim 64, 96, 128 or 256, not ", head_dim);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
                   context_lens.scalar_type() == at::kInt,
@@ -960,8 +977,12 @@ at::Tensor paged_attention_prefill(
   auto out = at::empty(query.sizes(), query.options());
 #ifdef PAGEDSERVE_AVX512_BF16
   const PrefillArgs args(out, q, k_cache, v_cache, tables, starts, lens, scale, window, softcap);
-  if (args.dim == 64) prefill_kernel_avx512_bf16<64>(args);
-  else prefill_kernel_avx512_bf16<128>(args);
+  switch (args.dim) {  // one of the sizes checked above
+    case 64: prefill_kernel_avx512_bf16<64>(args); break;
+    case 96: prefill_kernel_avx512_bf16<96>(args); break;
+    case 128: prefill_kernel_avx512_bf16<128>(args); break;
+    default: prefill_kernel_avx512_bf16<256>(args); break;
+  }
 #else
   TORCH_CHECK(false, "paged_attention_prefill: this build has no AVX512-BF16 (decode_isa() is generic)");
 #endif
@@ -1689,7 +1710,9 @@ void pagedserve::decode_attention_rows_bf16(const at::Tensor& out, const at::Ten
   switch (args.dim) {  // the paths dispatch_dim takes
 #ifdef PAGEDSERVE_AVX512_BF16
     case 64: return decode_rows_avx512_bf16<64>(args, begin, end);
+    case 96: return decode_rows_avx512_bf16<96>(args, begin, end);
     case 128: return decode_rows_avx512_bf16<128>(args, begin, end);
+    case 256: return decode_rows_avx512_bf16<256>(args, begin, end);
 #else
     case 64: return decode_rows<c10::BFloat16, 64>(args, begin, end);
     case 128: return decode_rows<c10::BFloat16, 128>(args, begin, end);

@@ -48,9 +48,9 @@ std::vector<int64_t> decode_row_split(const int32_t* context_lens, int64_t num_r
 
 // Decode attention (paged_attention_decode, under `window` and `softcap`, 0 for none) of rows [begin,
 // end) into `out` [rows, heads, head_dim], bfloat16, on the path paged_attention_decode would take (head
-// sizes 64 and 128 on AVX512-BF16 where the build has it, the generic loops otherwise), every argument
-// checked by the caller as paged_attention_decode checks it (the block tables and context lengths
-// contiguous).
+// sizes 64, 96, 128 and 256 on AVX512-BF16 where the build has it, the generic loops otherwise), every
+// argument checked by the caller as paged_attention_decode checks it (the block tables and context
+// lengths contiguous).
 void decode_attention_rows_bf16(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
                                 const at::Tensor& context_lens, double scale, int64_t window, double softcap,
