@@ -42,12 +42,17 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def gguf_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A model cache of its own (PAGEDSERVE_CACHE_DIR) holding the embedded GGUF file converted as
-    `--model PATH.gguf` converts it (~20 s on 2 cores): once a session, whatever the user's cache holds.
+    `--model PATH.gguf` converts it (~20 s on 2 cores): once a run, whatever the user's cache holds.
     Tests reading it set PAGEDSERVE_CACHE_DIR to it (`monkeypatch.setenv`, or a server's env)."""
+    from filelock import FileLock
     from pagedserve.default_model import default_gguf_path, resolve_model_path
 
-    cache = str(tmp_path_factory.mktemp("gguf-cache"))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PAGEDSERVE_CACHE_DIR", cache)
-        resolve_model_path(str(default_gguf_path()))
-    return cache
+    # under xdist, one conversion for every worker: the run's temporary root is theirs to share
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    cache = root / "gguf-cache"
+    with FileLock(str(root / "gguf-cache.lock")), pytest.MonkeyPatch.context() as patch:
+        cache.mkdir(exist_ok=True)
+        patch.setenv("PAGEDSERVE_CACHE_DIR", str(cache))
+        resolve_model_path(str(default_gguf_path()))  # converts, or finds another worker's conversion
+    return str(cache)

@@ -99,10 +99,9 @@ def test_rounds_run_the_peers_in_turn_and_report_each_peer_s_median_round(
     ("cuts", "header"),
     [
         ([], "sampled at temperature 0.8\n"),
-        (["--top-k", "20", "--top-p", "0.9"], "sampled at temperature 0.8, top-k 20, top-p 0.9\n"),
         (
-            ["--top-p", "0.9", "--repetition-penalty", "1.2"],
-            "sampled at temperature 0.8, top-p 0.9, repetition penalty 1.2\n",
+            ["--top-k", "20", "--top-p", "0.9", "--repetition-penalty", "1.2"],
+            "sampled at temperature 0.8, top-k 20, top-p 0.9, repetition penalty 1.2\n",
         ),
     ],
 )
