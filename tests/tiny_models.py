@@ -55,6 +55,21 @@ def build_tiny_llama(
     return save_tiny_model(dest, tokenizer_dir, config, seed=seed)
 
 
+def build_tiny_qwen2_moe(dest: Path, tokenizer_dir: str, num_experts: int = 6) -> str:
+    """A tiny Qwen2-MoE with every part of a block of experts: `num_experts` experts, 2 a token, a
+    shared expert under its gate, and layer 1 dense (`mlp_only_layers`)."""
+    return build_tiny_llama(
+        dest,
+        tokenizer_dir,
+        config_class="Qwen2MoeConfig",
+        num_experts=num_experts,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[1],
+    )
+
+
 def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int = 0) -> str:
     """A random-weight checkpoint of any transformers causal-LM `config` (its class picks the
     architecture), saved as a Hugging Face directory with the default model's tokenizer. Biases are

@@ -350,18 +350,9 @@ def test_a_mixture_of_experts_takes_adapters_of_its_attention_and_dense_mlps(
     """Qwen2-MoE with layer 1 dense: an adapter of every layer's attention and layer 1's MLP matches
     PEFT; one of an MLP made of experts is refused naming the layer (LoRAs of experts are not served)."""
     from safetensors.torch import load_file, save_file
-    from tiny_models import build_tiny_llama
+    from tiny_models import build_tiny_qwen2_moe
 
-    model_dir = build_tiny_llama(
-        tmp_path / "qwen2-moe",
-        default_model_dir,
-        config_class="Qwen2MoeConfig",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        mlp_only_layers=[1],
-    )
+    model_dir = build_tiny_qwen2_moe(tmp_path / "qwen2-moe", default_model_dir, num_experts=4)
     targets = r".*\.(self_attn\.(q|k|v|o)_proj|layers\.1\.mlp\.(gate|up|down)_proj)"
     adapter = build_lora_adapter(tmp_path / "adapter", model_dir, rank=8, targets=targets, seed=4, std=0.3)
     assert any(".layers.1.mlp.gate_proj." in key for key in load_file(f"{adapter}/adapter_model.safetensors"))

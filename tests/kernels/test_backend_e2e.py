@@ -94,18 +94,9 @@ def test_experts_in_the_triton_kernel_equal_the_torch_dispatch(
     torch backend each expert's rows run apart (`run_experts`): the same tokens. A Qwen2-MoE with a
     shared expert and a dense layer, so every path of the block runs."""
     from pagedserve.layers.moe import SparseMoeBlock
-    from tiny_models import build_tiny_llama
+    from tiny_models import build_tiny_qwen2_moe
 
-    model_dir = build_tiny_llama(
-        tmp_path / "qwen2-moe",
-        default_model_dir,
-        config_class="Qwen2MoeConfig",
-        num_experts=6,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        mlp_only_layers=[1],
-    )
+    model_dir = build_tiny_qwen2_moe(tmp_path / "qwen2-moe", default_model_dir)
     prompts = [list(range(100, 121)), list(range(900, 907)), [5]]  # (short: the interpreter is slow)
 
     def tokens(backend: str) -> tuple[list[list[int]], SparseMoeBlock]:

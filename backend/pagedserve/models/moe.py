@@ -113,18 +113,23 @@ def _qwen_experts(cfg: dict[str, Any], defaults: Experts) -> list[Experts | None
     return [spec if sparse else None for sparse in _sparse_layers(cfg)]
 
 
+def _every_layer_experts(cfg: dict[str, Any]) -> list[Experts | None]:
+    """Mixtral's and Granite's: every MLP `num_local_experts` experts (8) of `intermediate_size`,
+    `num_experts_per_tok` (2) a token, their weights renormalized."""
+    spec = Experts(
+        num_experts=_num_experts(cfg, 8),
+        top_k=cfg.get("num_experts_per_tok", 2),
+        intermediate_size=cfg["intermediate_size"],
+        renormalize=True,
+    )
+    return [spec] * cfg["num_hidden_layers"]
+
+
 class MixtralForCausalLM(MoeForCausalLM):
-    """Mistral's layer; every MLP is `num_local_experts` experts, `num_experts_per_tok` a token, their
-    weights renormalized."""
+    """Mistral's layer; every MLP is experts (`_every_layer_experts`)."""
 
     def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
-        spec = Experts(
-            num_experts=_num_experts(cfg, 8),
-            top_k=cfg.get("num_experts_per_tok", 2),
-            intermediate_size=cfg["intermediate_size"],
-            renormalize=True,
-        )
-        return [spec] * cfg["num_hidden_layers"]
+        return _every_layer_experts(cfg)
 
 
 class GraniteMoeForCausalLM(MoeForCausalLM):
@@ -135,13 +140,7 @@ class GraniteMoeForCausalLM(MoeForCausalLM):
     read_scales = staticmethod(GraniteForCausalLM.read_scales)
 
     def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
-        spec = Experts(
-            num_experts=_num_experts(cfg, 8),
-            top_k=cfg.get("num_experts_per_tok", 2),
-            intermediate_size=cfg["intermediate_size"],
-            renormalize=True,
-        )
-        return [spec] * cfg["num_hidden_layers"]
+        return _every_layer_experts(cfg)
 
 
 class Qwen2MoeForCausalLM(MoeForCausalLM):
