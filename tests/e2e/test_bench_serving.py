@@ -44,9 +44,17 @@ def run_ok(json_out: Path, *args: str) -> dict[str, Any]:
 
 
 def test_compare_offline_reports_the_share_of_interleaved_rounds(tiny_llama_dir: str, tmp_path: Path) -> None:
+    """One spawned server and the offline engine beside it (one run for what would be three: a
+    spawn costs seconds):
+    - timed rounds interleaved with the offline engine's, the share taken against its lower middle;
+    - untimed warm-up rounds first on both sides (a GPU captures a CUDA graph the first time a batch
+      size and context length come up: they leave that out of the rounds compared);
+    - --lora-adapters 2: the server and the offline engine load two adapters, and three of four
+      requests name one (a0, a1, base, a0): a name either side lacked would fail its calls."""
     out = run_ok(
         tmp_path / "out.json",
         *("--spawn", "--model", tiny_llama_dir, "--compare-offline", "--num-requests", "4", "--rounds", "2"),
+        *("--warmup-rounds", "1", "--lora-adapters", "2", "--lora-rank", "4"),
     )
     assert out["args"]["client_loop"] == "uvloop"  # installed with the project's bench extra
     summary = out["summary"]
@@ -60,27 +68,13 @@ def test_compare_offline_reports_the_share_of_interleaved_rounds(tiny_llama_dir:
         assert 0 < summary[name]["p50"] <= summary[name]["p99"] <= summary[name]["max"]
     # the spawned server's CPU over its median round: its own process's and its engine process's
     assert summary["server_cpu_s"]["front_end_s"] > 0 and summary["server_cpu_s"]["engine_s"] > 0
+    lines = out["stdout"].splitlines()
     assert "server CPU time: its own process (the front end) " in out["stdout"]
-
-
-def test_warmup_rounds_run_untimed_on_both_sides(tiny_llama_dir: str, tmp_path: Path) -> None:
-    """A GPU captures a CUDA graph the first time a batch size and context length come up: untimed
-    rounds of the whole workload first leave that out of the rounds compared."""
-    json_out = tmp_path / "out.json"
-    done = run_bench(
-        *("--spawn", "--model", tiny_llama_dir, "--compare-offline", "--num-requests", "4"),
-        *("--rounds", "1", "--warmup-rounds", "2", "--json-out", str(json_out)),
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert [line.split(":")[0] for line in done.stdout.splitlines() if "untimed round" in line] == [
-        "untimed round 1",
-        "offline engine, untimed round",
-        "untimed round 2",
-        "offline engine, untimed round",
-    ]
-    summary = json.loads(json_out.read_text())["summary"]
-    assert len(summary["rounds_output_tokens_per_s"]) == 1
-    assert len(summary["offline_rounds_tokens_per_s"]) == 1
+    untimed = [line.split(":")[0] for line in lines if "untimed round" in line]
+    assert untimed == ["untimed round 1", "offline engine, untimed round"]
+    assert "2 LoRA adapters of rank 4" in out["stdout"]
+    spawned = next(line for line in lines if line.startswith("spawning: "))
+    assert "--lora-modules a0=" in spawned and ",a1=" in spawned
 
 
 def test_twin_servers_differ_only_by_the_twin_arguments(tiny_llama_dir: str, tmp_path: Path) -> None:
@@ -109,21 +103,6 @@ def test_twin_servers_differ_only_by_the_twin_arguments(tiny_llama_dir: str, tmp
     spawned = [line for line in out["stdout"].splitlines() if line.startswith("spawning: ")]
     assert "--port" in spawned[0] and f"--uds={uds}" not in spawned[0]
     assert "--port" not in spawned[1] and f"--uds={uds}" in spawned[1]
-
-
-def test_lora_adapters_serve_the_workload_through_them(tiny_llama_dir: str, tmp_path: Path) -> None:
-    """--lora-adapters 2: the spawned server and the offline engine load two adapters, and three of
-    four requests name one (a0, a1, base, a0): a name either side lacked would fail its calls."""
-    done = run_bench(
-        *("--spawn", "--model", tiny_llama_dir, "--compare-offline", "--num-requests", "4"),
-        *("--lora-adapters", "2", "--lora-rank", "4", "--json-out", str(tmp_path / "out.json")),
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "2 LoRA adapters of rank 4" in done.stdout
-    spawned = next(line for line in done.stdout.splitlines() if line.startswith("spawning: "))
-    assert "--lora-modules a0=" in spawned and ",a1=" in spawned
-    summary = json.loads((tmp_path / "out.json").read_text())["summary"]
-    assert summary["num_completed"] == 4 and summary["num_failed_all_rounds"] == 0
 
 
 def test_failed_calls_give_a_nonzero_exit_and_their_errors(tiny_llama_dir: str) -> None:
