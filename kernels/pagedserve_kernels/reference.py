@@ -15,6 +15,8 @@ sliding window of W tokens (`window` W > 0; 0 is none) it attends to the last W 
 positions p - W + 1..p for a query at p, as transformers' sliding-window mask (`kv > q - W`).
 Under soft-capping (`softcap` c > 0; 0 is none: Gemma 2's attention logit soft-capping) each score
 s = scale * q.k becomes c * tanh(s / c) before the mask and the softmax.
+Under attention sinks (`sinks` [num_heads] float32; None is none: GPT-OSS's) query head h's softmax
+has one more logit, sinks[h], with no value: p_j = exp(s_j) / (sum_k exp(s_k) + exp(sinks[h])).
 """
 
 from __future__ import annotations
@@ -51,6 +53,25 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) 
     return blocks.view(num_seqs, num_blocks * cache.shape[1], *cache.shape[2:])
 
 
+def check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    """sinks: None, or one float32 logit a query head ([num_heads], contiguous) on the query's
+    device. Every entry point taking `sinks` checks them here: a ValueError names them."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise ValueError(f"sinks: expected a torch.Tensor or None, got {type(sinks).__name__}")
+    if sinks.dtype != torch.float32:
+        raise ValueError(f"sinks: dtype {sinks.dtype}, expected torch.float32")
+    if tuple(sinks.shape) != (query.shape[1],):
+        raise ValueError(
+            f"sinks: expected shape ({query.shape[1]},) (one a query head), got {tuple(sinks.shape)}"
+        )
+    if not sinks.is_contiguous():
+        raise ValueError(f"sinks: must be contiguous, got strides {sinks.stride()}")
+    if sinks.device != query.device:
+        raise ValueError(f"sinks: on {sinks.device}, the query on {query.device}")
+
+
 def decode_key_mask(
     context_lens: torch.Tensor, num_slots: int, dtype: torch.dtype, window: int = 0
 ) -> torch.Tensor:
@@ -76,15 +97,18 @@ def paged_attention_decode(
     key_mask: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence ([num_seqs, num_heads, head_dim]) over its paged context (its
-    last `window` tokens under a sliding window; scores soft-capped by `softcap`). `max_context_len` (host-side) and `key_mask`
+    last `window` tokens under a sliding window; scores soft-capped by `softcap`; each head's softmax
+    joined by its sink logit under `sinks`). `max_context_len` (host-side) and `key_mask`
     (`decode_key_mask`, of the same window) may be passed in to save work.
 
     The query heads sharing a KV head ride in the query-length dimension of one SDPA call:
 
         query [S, H, D] -> [S, KVH, H / KVH, D]  against  keys [S, KVH, slots, D]
     """
+    check_sinks(sinks, query)
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_seqs == 0:  # an empty batch, as the kernels return it (context_lens.max() has no value)
@@ -97,7 +121,9 @@ def paged_attention_decode(
     keys = gather_kv(k_cache, block_tables, num_blocks).transpose(1, 2)  # [S, KVH, slots, D]
     values = gather_kv(v_cache, block_tables, num_blocks).transpose(1, 2)
     grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = _attention(grouped, keys, values, key_mask, scale, softcap)
+    # the group's heads are the rows of a KV head's scores: their sinks [KVH, H / KVH] likewise
+    group_sinks = None if sinks is None else sinks.view(num_kv_heads, -1)
+    out = _attention(grouped, keys, values, key_mask, scale, softcap, group_sinks)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
@@ -186,16 +212,19 @@ def paged_attention_prefill(
     batch: PrefillBatch | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed variable-length queries ([num_tokens, num_heads, head_dim]) whose
     keys, earlier context included, are already in the paged cache, each query over the last
     `window` positions only under a sliding window. `batch` (`plan_prefill_batch`, of the same
     window) pads them into one SDPA call; without it each sequence is attended on its own. Scores
-    are soft-capped by `softcap`."""
+    are soft-capped by `softcap`, and each head's softmax joined by its sink logit under `sinks`."""
+    check_sinks(sinks, query)
     if batch is None:
         return _prefill_each_sequence(
-            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap
-        )
+            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap,
+            sinks,
+        )  # fmt: skip
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = context_lens.shape[0]
     padded = query.new_zeros(num_seqs * batch.max_query_len, num_heads, head_dim)
@@ -203,7 +232,8 @@ def paged_attention_prefill(
     padded_q = padded.view(num_seqs, batch.max_query_len, num_heads, head_dim).transpose(1, 2)
     keys = gather_kv(k_cache, block_tables, batch.num_blocks).transpose(1, 2)  # [S, KVH, slots, D]
     values = gather_kv(v_cache, block_tables, batch.num_blocks).transpose(1, 2)
-    out = _attention(padded_q, keys, values, batch.mask, scale, softcap)  # [S, H, max_q, D]
+    head_sinks = None if sinks is None else sinks[:, None]  # a head's rows: [H, 1]
+    out = _attention(padded_q, keys, values, batch.mask, scale, softcap, head_sinks)  # [S, H, max_q, D]
     return out.transpose(1, 2).reshape(-1, num_heads, head_dim).index_select(0, batch.rows)
 
 
@@ -217,6 +247,7 @@ def _prefill_each_sequence(
     scale: float,
     window: int,
     softcap: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     out = torch.empty_like(query)
     block_size = k_cache.shape[1]
@@ -230,37 +261,58 @@ def _prefill_each_sequence(
         keys = gather_kv(k_cache, table, num_blocks)[:, :context_len].transpose(1, 2)
         values = gather_kv(v_cache, table, num_blocks)[:, :context_len].transpose(1, 2)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        out[start:end] = _causal_attention(q, keys, values, scale, window, softcap).squeeze(0).transpose(0, 1)
+        attended = _causal_attention(q, keys, values, scale, window, softcap, sinks)
+        out[start:end] = attended.squeeze(0).transpose(0, 1)
     return out
 
 
 def _causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int, softcap: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     q_len, kv_len = q.shape[2], k.shape[2]
-    if q_len == kv_len and not window and not softcap:
+    if q_len == kv_len and not window and not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
     kv_pos = torch.arange(kv_len, device=q.device)[None, :]
     mask = (kv_pos <= q_pos) & (kv_pos > q_pos - window) if window else kv_pos <= q_pos
-    return _attention(q, k, v, mask, scale, softcap)
+    head_sinks = None if sinks is None else sinks[:, None]  # a head's rows: [H, 1]
+    return _attention(q, k, v, mask, scale, softcap, head_sinks)
 
 
 def _attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """scaled_dot_product_attention of q [..., H, q_len, D] over k, v [..., KVH, kv_len, D] (query
     heads grouped over KV heads), `mask` boolean (True: seen) or additive; under `softcap` the scores
-    soft-capped before the mask, in float32 (SDPA has no such step)."""
-    if not softcap:
+    soft-capped before the mask, and under `sinks` (float32, broadcast against the scores' rows
+    [..., H, q_len]) each row's softmax joined by its sink logit: both in float32 (SDPA has neither)."""
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     group = q.shape[-3] // k.shape[-3]
     k, v = k.repeat_interleave(group, dim=-3).float(), v.repeat_interleave(group, dim=-3).float()
-    scores = torch.tanh(q.float() @ k.transpose(-1, -2) * (scale / softcap)) * softcap
+    scores = q.float() @ k.transpose(-1, -2)
+    scores = torch.tanh(scores * (scale / softcap)) * softcap if softcap else scores * scale
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
     scores = scores + mask.float()
-    return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1)
+    else:  # exp(s_j) / (sum_k exp(s_k) + exp(sink)), each exponent taken against the row's total
+        total = torch.logaddexp(torch.logsumexp(scores, dim=-1), sinks)
+        weights = torch.exp(scores - total[..., None])
+    return (weights @ v).to(q.dtype)
 
 
 def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
