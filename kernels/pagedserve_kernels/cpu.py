@@ -5,6 +5,9 @@ and source version, then a library load.
 They are compiled for the machine they run on (`-march=native`, the CPU's flags in the library's name,
 so a cache shared between different CPUs never hands one the other's build). When no C++ compiler is
 there, `load()` says so once and returns False; callers keep the pure-torch reference.
+
+The attention kernels take the reference's `window`, `softcap` and `sinks` (GPT-OSS's per-head sink
+logits: each head's online softmax starts from its sink), checked here as the reference checks them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import logging
 from pathlib import Path
 
 import torch
+
+from pagedserve_kernels.reference import check_sinks
 
 logger = logging.getLogger(__name__)
 
@@ -96,14 +101,18 @@ def paged_attention_decode(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`reference.paged_attention_decode`, reading K/V straight from the paged cache (needs `load()`),
     under a sliding `window` only each context's last `window` slots, each score s soft-capped to
     softcap * tanh(s / softcap) under a `softcap` (0: none; a negative or non-finite one is a
-    RuntimeError). The block ids covering each context are checked first (a RuntimeError names one
-    outside the cache); those past it are padding, never read, and may hold anything."""
+    RuntimeError), each head's softmax joined by its sink logit under `sinks` (float32 [num_heads];
+    None: none; a bad one is a ValueError). The block ids covering each context are checked first (a
+    RuntimeError names one outside the cache); those past it are padding, never read, and may hold
+    anything."""
+    check_sinks(sinks, query)
     return torch.ops.pagedserve_cpu.paged_attention_decode(
-        query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap
+        query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, sinks
     )
 
 
@@ -117,14 +126,16 @@ def paged_attention_prefill(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`reference.paged_attention_prefill`, its sliding `window` and score `softcap` too (as for
-    decode), for bfloat16 and head sizes 64, 96, 128 and 256 (`PREFILL_HEAD_SIZES`) on a build whose
+    """`reference.paged_attention_prefill`, its sliding `window`, score `softcap` and `sinks` too (as
+    for decode), for bfloat16 and head sizes 64, 96, 128 and 256 (`PREFILL_HEAD_SIZES`) on a build whose
     `decode_isa()` is "avx512_bf16" (a RuntimeError elsewhere): tiles of 16 (query token, query head)
     lanes sharing a KV head, scores and P V both by vdpbf16ps, the softmax weights rounded to bfloat16
     for P V as flash attention rounds them. Needs `load()`; block ids are checked as for decode."""
+    check_sinks(sinks, query)
     return torch.ops.pagedserve_cpu.paged_attention_prefill(
-        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap, sinks
     )
 
 

@@ -5,17 +5,24 @@ The reference is held to that formula written out as transformers' GPT-OSS eager
 (`gpt_oss_attention`: the sink column concatenated to the masked scores, the softmax, the column
 dropped) over a small paged cache: decode and prefill (whole prompts and chunks after earlier context,
 both of its paths), GQA, with and without a sliding window (and once under a softcap), float32; and
-to out = plain attention * sigmoid(lse - sink), per head. Bad `sinks` arguments (dtype, shape,
-device, layout) are refused with a ValueError naming them.
+to out = plain attention * sigmoid(lse - sink), per head. The C++ kernels are held to the reference
+with sinks: decode in float32 and bfloat16 (the generic loops, and the AVX512-BF16 path where the CPU
+has it) at head sizes 64, 128 and 80, and the bfloat16 prefill kernel in each lane arrangement. Large
+sinks (+8) must shrink every implementation's output by sigmoid(lse - sink) (one that ignored them
+fails), very negative ones (-1e4) leave it as attention without sinks. Bad `sinks` arguments (dtype,
+shape, device, layout) are refused by every entry point with a ValueError naming them.
 """
 
 from __future__ import annotations
 
+import functools
+import shutil
+from collections.abc import Callable
 from itertools import accumulate
 
 import pytest
 import torch
-from pagedserve_kernels import reference
+from pagedserve_kernels import cpu, reference
 
 from tests.kernels.test_attention import PagedCache, make_paged_cache
 
@@ -152,13 +159,215 @@ def test_reference_sinks_scale_attention_by_sigmoid_of_lse_minus_sink() -> None:
         torch.testing.assert_close(out[seq], plain[seq] * factor[:, None], atol=1e-6, rtol=1e-5)
 
 
+# The C++ kernels against the reference
+
+needs_a_compiler = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler to build the kernels"
+)
+
+
+@pytest.fixture(scope="module")
+def built() -> None:
+    """The C++ kernels, built on first use (or found in TORCH_EXTENSIONS_DIR)."""
+    assert cpu.load(), "the CPU kernels failed to build: see the warning logged above"
+
+
+def needs_the_prefill_kernel() -> None:
+    if cpu.decode_isa() != "avx512_bf16":
+        pytest.skip("no AVX512-BF16 here: the bf16 prefill kernel is not built")
+
+
+def assert_as_near_as_the_reference(
+    out: torch.Tensor,
+    reference_fn: Callable[..., torch.Tensor],
+    query: torch.Tensor,
+    cache: PagedCache,
+    tail: tuple[object, ...],
+    rounds_weights: bool = False,
+) -> None:
+    """float32: within 1e-5 of the reference. bfloat16: no further off the reference run in float32 on
+    the same inputs than the reference's own bfloat16 result, plus 1e-3 (and, where the kernel rounds
+    the softmax weights to bfloat16 for P V as flash attention does, 2^-9 max|V|)."""
+    exact = reference_fn(query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail)
+    if query.dtype == torch.float32:
+        torch.testing.assert_close(out, exact, atol=1e-5, rtol=1e-5)
+        return
+    theirs = (reference_fn(query, cache.k_cache, cache.v_cache, *tail).float() - exact).abs().max().item()
+    slack = 1e-3 + (2**-9 * cache.v_cache.float().abs().max().item() if rounds_weights else 0.0)
+    assert (out.float() - exact).abs().max().item() <= theirs + slack
+
+
+# contexts across a block, the generic path's 16-token chunks and the AVX512-BF16 path's 256-token tile
+CPU_DECODE_CONTEXTS = [1, 7, 17, 40, 300]
+# (num_heads, num_kv_heads): GQA 3 (a partial pass of heads on the AVX512-BF16 path at head size 64)
+# and 4 (whole passes)
+CPU_DECODE_HEADS = [pytest.param(6, 2, id="gqa3"), pytest.param(8, 2, id="gqa4")]
+
+
+@needs_a_compiler
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("window", [0, 7], ids=["full", "w7"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), CPU_DECODE_HEADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_decode_with_sinks_matches_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, window: int
+) -> None:
+    """float32: the generic loops; bfloat16: the AVX512-BF16 path where the CPU has it (the generic
+    loops elsewhere)."""
+    cache = make_paged_cache(CPU_DECODE_CONTEXTS, num_kv_heads, head_dim, 16, dtype, CPU)
+    query = torch.randn(len(CPU_DECODE_CONTEXTS), num_heads, head_dim).to(dtype)
+    sinks = random_sinks(num_heads)
+    tail = (cache.block_tables, cache.context_lens, head_dim**-0.5)
+    out = cpu.paged_attention_decode(query, cache.k_cache, cache.v_cache, *tail, window=window, sinks=sinks)
+    with_sinks = functools.partial(reference.paged_attention_decode, window=window, sinks=sinks)
+    assert_as_near_as_the_reference(out, with_sinks, query, cache, tail)
+
+
+@needs_a_compiler
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_decode_with_sinks_at_a_run_time_head_size_and_a_softcap(dtype: torch.dtype) -> None:
+    """Head size 80: the generic loops' run-time size in every dtype, under a cap that bends the scores."""
+    cache = make_paged_cache(CPU_DECODE_CONTEXTS, 2, 80, 8, dtype, CPU)
+    query = (4 * torch.randn(len(CPU_DECODE_CONTEXTS), 6, 80)).to(dtype)
+    sinks = random_sinks(6)
+    tail = (cache.block_tables, cache.context_lens, 80**-0.5)
+    out = cpu.paged_attention_decode(query, cache.k_cache, cache.v_cache, *tail, 7, 2.0, sinks)
+    capped = functools.partial(reference.paged_attention_decode, window=7, softcap=2.0, sinks=sinks)
+    assert_as_near_as_the_reference(out, capped, query, cache, tail)
+
+
+# (query tokens, context): one-token prompt, a prompt past a 16-key chunk, chunks after earlier
+# context, a sequence with nothing to run, a prompt past several tiles of rows
+CPU_PREFILL_SHAPES = [(1, 1), (17, 17), (5, 40), (0, 3), (3, 20), (37, 70)]
+
+
+@needs_a_compiler
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("window", [0, 7], ids=["full", "w7"])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(6, 2, 64), (20, 1, 64), (8, 2, 128)],
+    ids=["gqa3-d64", "gqa20-d64", "gqa4-d128"],
+)
+def test_cpu_prefill_with_sinks_matches_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, window: int
+) -> None:
+    """The bfloat16 prefill kernel's lane arrangements: 5 rows of 3 heads (a dead lane past the rows),
+    20 heads of one KV head (a second lane group of 4 heads, 12 lanes past the group's heads: no sink
+    of theirs to read) and 4 rows of 4 heads at head size 128."""
+    needs_the_prefill_kernel()
+    cache, starts, query = prefill_case(
+        CPU_PREFILL_SHAPES, num_heads, num_kv_heads, head_dim, 8, torch.bfloat16
+    )
+    sinks = random_sinks(num_heads)
+    tail = (cache.block_tables, starts, cache.context_lens, head_dim**-0.5)
+    out = cpu.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail, window=window, sinks=sinks)
+    with_sinks = functools.partial(reference.paged_attention_prefill, window=window, sinks=sinks)
+    assert_as_near_as_the_reference(out, with_sinks, query, cache, tail, rounds_weights=True)
+
+
+@needs_a_compiler
+@pytest.mark.usefixtures("built")
+def test_cpu_ops_refuse_bad_sinks_naming_them() -> None:
+    """The C++ ops check `sinks` themselves too (a caller may reach torch.ops directly)."""
+    cache, starts, query = prefill_case([(1, 5), (1, 9)], HEADS, KV_HEADS, 64, BLOCK_SIZE, torch.bfloat16)
+    kv = (query, cache.k_cache, cache.v_cache, cache.block_tables)
+    for bad in (torch.zeros(HEADS, dtype=torch.float64), torch.zeros(KV_HEADS), torch.zeros(2 * HEADS)[::2]):
+        with pytest.raises(RuntimeError, match="paged_attention_decode: sinks must be float32"):
+            torch.ops.pagedserve_cpu.paged_attention_decode(*kv, cache.context_lens, 0.125, 0, 0.0, bad)
+        with pytest.raises(RuntimeError, match="paged_attention_prefill: sinks must be float32"):
+            torch.ops.pagedserve_cpu.paged_attention_prefill(
+                *kv, starts, cache.context_lens, 0.125, 0, 0.0, bad
+            )
+
+
+# Large and very negative sinks, every implementation
+
+
+def run_decode(impl: str, query: torch.Tensor, cache: PagedCache, sinks: torch.Tensor | None) -> torch.Tensor:
+    tail = (cache.block_tables, cache.context_lens, query.shape[-1] ** -0.5)
+    if impl == "reference":
+        return reference.paged_attention_decode(query, cache.k_cache, cache.v_cache, *tail, sinks=sinks)
+    return cpu.paged_attention_decode(query, cache.k_cache, cache.v_cache, *tail, sinks=sinks)
+
+
+def run_prefill(
+    impl: str, query: torch.Tensor, cache: PagedCache, starts: torch.Tensor, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    tail = (cache.block_tables, starts, cache.context_lens, query.shape[-1] ** -0.5)
+    if impl == "reference":
+        return reference.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail, sinks=sinks)
+    return cpu.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail, sinks=sinks)
+
+
+# (implementation, kind, dtype): the C++ prefill kernel is bfloat16 only
+EXTREME_CASES = [
+    pytest.param("reference", "decode", torch.float32, id="reference-decode"),
+    pytest.param("reference", "prefill", torch.float32, id="reference-prefill"),
+    pytest.param("cpu", "decode", torch.float32, id="cpu-decode-fp32", marks=needs_a_compiler),
+    pytest.param("cpu", "decode", torch.bfloat16, id="cpu-decode-bf16", marks=needs_a_compiler),
+    pytest.param("cpu", "prefill", torch.bfloat16, id="cpu-prefill-bf16", marks=needs_a_compiler),
+]
+
+
+Case = tuple[PagedCache, torch.Tensor, torch.Tensor]
+
+
+def extreme_case(impl: str, kind: str, dtype: torch.dtype) -> Case:
+    """Three sequences of 1, 17 and 40 tokens (the last 1, 4 and 9 of them queries in prefill)."""
+    if impl == "cpu":
+        assert cpu.load(), "the CPU kernels failed to build"
+        if kind == "prefill":
+            needs_the_prefill_kernel()
+    return prefill_case([(1, 1), (4, 17), (9, 40)], HEADS, KV_HEADS, 64, 16, dtype)
+
+
+def run_with_sinks(impl: str, kind: str, case: Case, sink: float | None) -> torch.Tensor:
+    """One implementation on `case`, every head's sink `sink` (None: no sinks)."""
+    cache, starts, query = case
+    sinks = None if sink is None else torch.full((HEADS,), sink)
+    if kind == "decode":
+        return run_decode(impl, query[starts[1:] - 1], cache, sinks)  # each sequence's last query
+    return run_prefill(impl, query, cache, starts, sinks)
+
+
+def upcast(case: Case) -> Case:
+    cache, starts, query = case
+    k_cache, v_cache = cache.k_cache.float(), cache.v_cache.float()
+    return PagedCache(k_cache, v_cache, cache.block_tables, cache.context_lens), starts, query.float()
+
+
+@pytest.mark.parametrize(("impl", "kind", "dtype"), EXTREME_CASES)
+def test_large_sinks_shrink_the_output(impl: str, kind: str, dtype: torch.dtype) -> None:
+    """A sink of +8 outweighs the few visible keys (scores of about 1): every output shrinks by
+    sigmoid(lse - 8), below a fifth of attention without sinks, as the reference shrinks it."""
+    case = extreme_case(impl, kind, dtype)
+    plain = run_with_sinks(impl, kind, case, None).float()
+    out = run_with_sinks(impl, kind, case, 8.0).float()
+    expected = run_with_sinks("reference", kind, upcast(case), 8.0)
+    assert out.abs().amax(dim=-1).max() < 0.2 * plain.abs().amax(dim=-1).min()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3  # bf16: outputs of ~0.05, rounded
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize(("impl", "kind", "dtype"), EXTREME_CASES)
+def test_very_negative_sinks_leave_attention_as_it_is(impl: str, kind: str, dtype: torch.dtype) -> None:
+    """exp(-1e4) is 0 in float32: the sinks weigh nothing (and overflow nothing)."""
+    case = extreme_case(impl, kind, dtype)
+    plain = run_with_sinks(impl, kind, case, None)
+    out = run_with_sinks(impl, kind, case, -1e4)
+    torch.testing.assert_close(out, plain, atol=1e-6, rtol=1e-6)
+
+
 # Bad arguments
 
 
 def call_with_sinks(entry: str, sinks: object) -> torch.Tensor:
     """Entry point `entry` ("module.decode" or "module.prefill") on a small float32 case, with `sinks`."""
     module_name, kind = entry.split(".")
-    module = {"reference": reference}[module_name]
+    module = {"reference": reference, "cpu": cpu}[module_name]
     cache, starts, query = prefill_case([(1, 5), (1, 9)], HEADS, KV_HEADS, 64, BLOCK_SIZE)
     kv = (query, cache.k_cache, cache.v_cache, cache.block_tables)
     if kind == "decode":
@@ -175,7 +384,7 @@ BAD_SINKS = {
     "device": (lambda: torch.zeros(HEADS, device="meta"), r"sinks: on meta"),
     "list": (lambda: [0.0] * HEADS, r"sinks: expected a torch.Tensor"),
 }
-ENTRY_POINTS = ["reference.decode", "reference.prefill"]
+ENTRY_POINTS = ["reference.decode", "reference.prefill", "cpu.decode", "cpu.prefill"]
 
 
 @pytest.mark.parametrize("problem", list(BAD_SINKS))

@@ -17,6 +17,9 @@
 // Under soft-capping (`softcap` c > 0, Gemma 2's attention logit soft-capping) each score s (already
 // times the scale) becomes c * tanh(s / c) before the softmax (tanh_float, tanh16: within 2e-7 of
 // tanh); without it the score loops run as before, past one branch a chunk (generic) or tile (AVX512).
+// Under attention sinks (`sinks`, GPT-OSS's: one float32 logit a query head, no value) each head's
+// online softmax starts from its sink (running max sinks[h], running sum exp(0) = 1, accumulator 0);
+// without them (a null pointer) it starts from -inf and 0 as before: a branch a row, none in the loops.
 //
 // paged_attention_prefill: causal attention of packed prompt chunks (bfloat16, head size 64, 96, 128
 // or 256, AVX512-BF16 builds only), the engine's bf16 prefill path: tiles of query tokens times the
@@ -24,7 +27,7 @@
 // Each K/V row is read once a tile, not once a query token as the decode kernel over prefill rows
 // reads it.
 // Under a window a tile's keys start at the first its earliest token sees; under a softcap the scores
-// are capped as decode caps them, before the mask.
+// are capped as decode caps them, before the mask; under sinks each lane starts from its head's sink.
 //
 // write_kv_cache: this step's K/V rows copied into their slots, one call per layer.
 //
@@ -208,14 +211,26 @@ void check_softcap(const char* op, double softcap) {
               softcap);
 }
 
+// sinks: none, or one float32 logit a query head ([num_heads], contiguous, on the CPU), as the ops
+// take them; their data, or null for none
+const float* sinks_data(const char* op, const std::optional<at::Tensor>& sinks, int64_t num_heads) {
+  if (!sinks.has_value()) return nullptr;
+  const at::Tensor& s = *sinks;
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 1 && s.size(0) == num_heads && s.is_contiguous() &&
+                  s.device().is_cpu(),
+              op, ": sinks must be float32 [", num_heads, "] (one a query head), contiguous, on the CPU; got ",
+              s.scalar_type(), " ", s.sizes(), " on ", s.device());
+  return s.data_ptr<float>();
+}
+
 // What both decode kernels read: sizes, data pointers and strides of one call's tensors (checked by
-// paged_attention_decode), the sliding window (0: none), the softcap (0: none), and the slot
-// arithmetic of the paged layout.
+// paged_attention_decode), the sliding window (0: none), the softcap (0: none), the sinks (null:
+// none), and the slot arithmetic of the paged layout.
 template <typename scalar_t>
 struct DecodeArgs {
   DecodeArgs(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
              const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
-             double softcap)
+             double softcap, const float* sinks = nullptr)
       : num_seqs(query.size(0)),
         num_heads(query.size(1)),
         dim(query.size(2)),
@@ -232,6 +247,7 @@ struct DecodeArgs {
         window(window),
         softcap(static_cast<float>(softcap)),
         inv_softcap(softcap > 0.0 ? static_cast<float>(1.0 / softcap) : 0.0f),
+        sinks(sinks),
         q(query.data_ptr<scalar_t>()),
         k_cache(k_cache.data_ptr<scalar_t>()),
         v_cache(v_cache.data_ptr<scalar_t>()),
@@ -245,6 +261,7 @@ struct DecodeArgs {
   float scale;
   int64_t window;  // > 0: a row sees its context's last `window` tokens; 0: all of them
   float softcap, inv_softcap;  // > 0: each score s becomes softcap * tanh(s * inv_softcap); 0: as it is
+  const float* sinks;          // [num_heads]: each head's sink logit, in the scores' units; null: none
   const scalar_t *q, *k_cache, *v_cache;
   const int32_t *tables, *lens;
   scalar_t* out;
@@ -296,8 +313,13 @@ void decode_rows(const DecodeArgs<scalar_t>& a, int64_t begin, int64_t end) {
       scale_by<kDim>(a.scale, qf.data() + h * dim, dim);
     }
     std::fill(acc.begin(), acc.end(), 0.0f);
-    std::fill(maxes.begin(), maxes.end(), neg_inf);
-    std::fill(sums.begin(), sums.end(), 0.0f);
+    if (a.sinks != nullptr) {  // each head's softmax holds its sink from the start: max sink, sum exp(0)
+      std::copy(a.sinks, a.sinks + num_heads, maxes.begin());
+      std::fill(sums.begin(), sums.end(), 1.0f);
+    } else {
+      std::fill(maxes.begin(), maxes.end(), neg_inf);
+      std::fill(sums.begin(), sums.end(), 0.0f);
+    }
     // from the first visible token exactly: one query a row, so nothing before it needs a mask
     for (int64_t first = a.first_visible(seq); first < context_len; first += kChunk) {
       const int64_t n = std::min(kChunk, context_len - first);
@@ -497,6 +519,8 @@ void decode_rows_avx512_bf16(const DecodeArgs<c10::BFloat16>& a, int64_t begin, 
   for (int64_t seq = begin; seq < end; ++seq) {
     const int64_t context_len = a.context_len(seq), start = a.first_visible(seq);
     std::fill(states.begin(), states.end(), HeadState<kDim>());
+    if (a.sinks != nullptr)  // each head's softmax holds its sink from the start: max sink, sum exp(0)
+      for (int64_t h = 0; h < a.num_heads; ++h) states[h].max = a.sinks[h], states[h].sum = 1.0f;
     const int64_t chunks = a.num_kv_heads * group * ((context_len - start + kChunk - 1) / kChunk);  // scored below
     NextRowPrefetch prefetch(a, seq + 1, end, chunks);
     // from the first visible token exactly: one query a row, so nothing before it needs a mask
@@ -609,7 +633,7 @@ inline void transpose16(__m512* r) {
 struct PrefillArgs {
   PrefillArgs(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-              double scale, int64_t window, double softcap)
+              double scale, int64_t window, double softcap, const float* sinks)
       : num_seqs(block_tables.size(0)),
         num_heads(query.size(1)),
         dim(query.size(2)),
@@ -630,6 +654,7 @@ struct PrefillArgs {
         window(std::min<int64_t>(window, std::numeric_limits<int32_t>::max())),
         softcap(static_cast<float>(softcap)),
         inv_softcap(softcap > 0.0 ? static_cast<float>(1.0 / softcap) : 0.0f),
+        sinks(sinks),
         q(query.data_ptr<c10::BFloat16>()),
         k_cache(k_cache.data_ptr<c10::BFloat16>()),
         v_cache(v_cache.data_ptr<c10::BFloat16>()),
@@ -644,6 +669,7 @@ struct PrefillArgs {
   float scale;
   int64_t window;  // > 0: a token at p sees keys p - window + 1..p; 0: keys 0..p
   float softcap, inv_softcap;  // > 0: each score s becomes softcap * tanh(s * inv_softcap); 0: as it is
+  const float* sinks;          // [num_heads]: each head's sink logit, in the scores' units; null: none
   const c10::BFloat16 *q, *k_cache, *v_cache;
   const int32_t *tables, *starts, *lens;
   c10::BFloat16* out;
@@ -741,6 +767,21 @@ class PrefillTileRunner {
     for (int64_t d = 0; d < kDim; ++d) g.acc[d] = _mm512_setzero_ps();
     g.max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     g.sum = _mm512_setzero_ps();
+    if (a_.sinks != nullptr) start_at_sinks(tile, kv, hg, g);
+  }
+
+  // Each live lane's softmax holding its head's sink from the start: max sink, sum exp(0) = 1. Dead
+  // lanes (whose head may be past the group's: no sink to read) keep -inf and 0.
+  void start_at_sinks(const PrefillTile& tile, int64_t kv, int64_t hg, LaneGroup<kDim>& g) const {
+    alignas(64) float max[16], sum[16];
+    for (int l = 0; l < 16; ++l) {
+      int64_t row, head;
+      const bool live = lane(tile, kv, hg, l, row, head);
+      max[l] = live ? a_.sinks[head] : -std::numeric_limits<float>::infinity();
+      sum[l] = live ? 1.0f : 0.0f;
+    }
+    g.max = _mm512_load_ps(max);
+    g.sum = _mm512_load_ps(sum);
   }
 
   // The chunk's 16 K rows of KV head kv, contiguous (keys_, a row's dimension pair a dword), and its V
@@ -897,10 +938,12 @@ at::Tensor paged_attention_decode(
     const at::Tensor& context_lens,
     double scale,
     int64_t window,
-    double softcap) {
+    double softcap,
+    const std::optional<at::Tensor>& sinks) {
   check_attention_shapes(query, k_cache, v_cache, "seqs");
   TORCH_CHECK(window >= 0, "paged_attention_decode: window must be 0 (none) or positive, got ", window);
   check_softcap("paged_attention_decode", softcap);
+  const float* sink_logits = sinks_data("paged_attention_decode", sinks, query.size(1));
   TORCH_CHECK(query.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "query rows and the caches must be contiguous");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -916,13 +959,15 @@ at::Tensor paged_attention_decode(
   auto out = at::empty_like(query);
   switch (query.scalar_type()) {
     case at::kFloat:
-      dispatch_dim(DecodeArgs<float>(out, query, k_cache, v_cache, tables, lens, scale, window, softcap));
+      dispatch_dim(DecodeArgs<float>(out, query, k_cache, v_cache, tables, lens, scale, window, softcap, sink_logits));
       break;
     case at::kBFloat16:
-      dispatch_dim(DecodeArgs<c10::BFloat16>(out, query, k_cache, v_cache, tables, lens, scale, window, softcap));
+      dispatch_dim(
+          DecodeArgs<c10::BFloat16>(out, query, k_cache, v_cache, tables, lens, scale, window, softcap, sink_logits));
       break;
     case at::kHalf:
-      dispatch_dim(DecodeArgs<c10::Half>(out, query, k_cache, v_cache, tables, lens, scale, window, softcap));
+      dispatch_dim(
+          DecodeArgs<c10::Half>(out, query, k_cache, v_cache, tables, lens, scale, window, softcap, sink_logits));
       break;
     default: TORCH_CHECK(false, "paged_attention_decode: float32, bfloat16 or float16, not ", query.scalar_type());
   }
@@ -932,7 +977,8 @@ at::Tensor paged_attention_decode(
 // Causal prefill attention of packed prompt chunks read from the paged cache (their own K/V written
 // there first): query [tokens, heads, head_dim], sequence s's rows query_start_loc[s] ..
 // query_start_loc[s + 1], at the last positions of its context_lens[s] tokens, each over its last
-// `window` positions only under a window (> 0), its scores soft-capped under a softcap (> 0). bfloat16,
+// `window` positions only under a window (> 0), its scores soft-capped under a softcap (> 0), each
+// head's softmax joined by its sink logit under sinks (none: nullopt). bfloat16,
 // head sizes 64, 96, 128 and 256, on AVX512-BF16 builds (decode_isa() == "avx512_bf16"); elsewhere the
 // caller keeps SDPA.
 at::Tensor paged_attention_prefill(
@@ -944,10 +990,12 @@ at::Tensor paged_attention_prefill(
     const at::Tensor& context_lens,
     double scale,
     int64_t window,
-    double softcap) {
+    double softcap,
+    const std::optional<at::Tensor>& sinks) {
   check_attention_shapes(query, k_cache, v_cache, "tokens");
   TORCH_CHECK(window >= 0, "paged_attention_prefill: window must be 0 (none) or positive, got ", window);
   check_softcap("paged_attention_prefill", softcap);
+  const float* sink_logits = sinks_data("paged_attention_prefill", sinks, query.size(1));
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16,
               "paged_attention_prefill: bfloat16 query and caches");
@@ -976,7 +1024,7 @@ at::Tensor paged_attention_prefill(
   const auto q = query.stride(2) == 1 ? query : query.contiguous();  // a head's dimensions in one run
   auto out = at::empty(query.sizes(), query.options());
 #ifdef PAGEDSERVE_AVX512_BF16
-  const PrefillArgs args(out, q, k_cache, v_cache, tables, starts, lens, scale, window, softcap);
+  const PrefillArgs args(out, q, k_cache, v_cache, tables, starts, lens, scale, window, softcap, sink_logits);
   switch (args.dim) {  // one of the sizes checked above
     case 64: prefill_kernel_avx512_bf16<64>(args); break;
     case 96: prefill_kernel_avx512_bf16<96>(args); break;
@@ -984,6 +1032,7 @@ at::Tensor paged_attention_prefill(
     default: prefill_kernel_avx512_bf16<256>(args); break;
   }
 #else
+  (void)sink_logits;
   TORCH_CHECK(false, "paged_attention_prefill: this build has no AVX512-BF16 (decode_isa() is generic)");
 #endif
   return out;
@@ -1731,9 +1780,10 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("logprob_rows(Tensor logits, Tensor? tokens, int k) -> (Tensor, Tensor, Tensor)");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int window=0, float softcap=0.0) -> Tensor");
+        "Tensor context_lens, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("paged_attention_prefill(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor context_lens, float scale, int window=0, float softcap=0.0) -> Tensor");
+        "Tensor query_start_loc, Tensor context_lens, float scale, int window=0, float softcap=0.0, "
+        "Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
