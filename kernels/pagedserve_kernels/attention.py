@@ -30,6 +30,10 @@
 # Soft-capping (`softcap` c > 0; 0 is none): each score s = scale * q.k becomes c * tanh(s / c)
 # before the mask and the softmax, in base 2 as (c * log2 e) * tanh(q.k * (scale / c)). SOFTCAP is a
 # constexpr, so the kernels without it are the arithmetic of scale_log2 alone; c is a runtime float.
+#
+# Attention sinks (`sinks` [num_heads] float32, GPT-OSS's; None is none): head h's softmax has one more
+# logit, sinks[h], with no value. A row's online softmax starts from it (m = sinks[h] * log2 e, l = 1,
+# acc = 0); split-K adds it once, in the merge. HAS_SINKS is a constexpr: without sinks, as before.
 """Paged attention kernels: decode (one query token per sequence, optional split-K) and prefill over
 packed variable-length queries whose keys, earlier context included, are in the paged cache."""
 
@@ -49,6 +53,7 @@ from pagedserve_kernels._checks import (
     check_shape,
     check_tensor,
 )
+from pagedserve_kernels.reference import check_sinks
 
 _LOG2E = 1.4426950408889634
 # tl.dot needs every dimension >= 16 on GPUs; smaller group/head/tile sizes are padded and masked.
@@ -109,6 +114,22 @@ def _tanh(x: tl.tensor) -> tl.tensor:
 
 
 @triton.jit
+def _softmax_start(
+    sinks_ptr: tl.tensor, heads: tl.tensor, mask: tl.tensor, ROWS: tl.constexpr, HAS_SINKS: tl.constexpr
+) -> tuple[tl.tensor, tl.tensor]:
+    """The running max and sum of ROWS rows (query heads `heads`, `mask`ed rows not read) before any
+    key: -inf and 0; under HAS_SINKS each row's sink (in base 2: sinks[h] * log2 e) and exp2(0) = 1,
+    as if the sink were a first key whose value is zero."""
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + heads, mask=mask, other=0.0) * 1.4426950408889634  # log2 e
+        l_i = tl.full([ROWS], 1.0, tl.float32)
+    else:
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+    return m_i, l_i
+
+
+@triton.jit
 def _online_softmax_step(
     q: tl.tensor,
     k: tl.tensor,
@@ -154,6 +175,7 @@ def _decode_kernel(
     context_lens_ptr: tl.tensor,
     out_ptr: tl.tensor,
     lse_ptr: tl.tensor,
+    sinks_ptr: tl.tensor,
     scale_log2: tl.tensor,
     softcap_scale: tl.tensor,
     softcap_log2: tl.tensor,
@@ -179,13 +201,15 @@ def _decode_kernel(
     IS_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ) -> None:
     """Program (seq, kv_head, split): the group's query heads over keys
     [kv_start + split * tokens_per_split, min(kv_start + (split + 1) * tokens_per_split, context_len)),
     kv_start the first position of the block holding the first visible key (0 without a window), keys
     before that key masked. Without split the normalised output goes to out; with it, out holds each
     split's normalised partial output (fp32) and lse its log2-sum-exp2, merged by
-    _merge_splits_kernel."""
+    _merge_splits_kernel. HAS_SINKS (never with IS_SPLIT: the merge adds the sinks, once) starts the
+    softmax from the sinks."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -206,8 +230,7 @@ def _decode_kernel(
         query_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0
     )
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
+    m_i, l_i = _softmax_start(sinks_ptr, heads, g_mask, BLOCK_G, HAS_SINKS)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile_start in range(start, end, BLOCK_N):
@@ -239,6 +262,7 @@ def _merge_splits_kernel(
     partial_ptr: tl.tensor,
     lse_ptr: tl.tensor,
     out_ptr: tl.tensor,
+    sinks_ptr: tl.tensor,
     num_splits: tl.tensor,
     stride_ps: tl.tensor,
     stride_ph: tl.tensor,
@@ -250,10 +274,13 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ) -> None:
     """Program (seq, head): out = sum_s w_s * partial_s with w_s = 2^lse_s / sum_s 2^lse_s.
     The split holding the query's first visible key is never empty (context_len >= 1), so the max lse
-    is finite and an empty split's -inf weighs exp2(-inf) = 0 (times its partial of zeros)."""
+    is finite and an empty split's -inf weighs exp2(-inf) = 0 (times its partial of zeros). Under
+    HAS_SINKS the head's sink joins the denominator here, once (the splits have none): as one more
+    split, of lse sinks[head] * log2 e and a partial of zeros."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_SPLITS)
@@ -261,10 +288,18 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(lse_ptr + seq * stride_ls + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, 0))
+    m = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634  # log2 e
+        m = tl.maximum(m, sink)
+    weights = tl.exp2(lse - m)
     offs = seq * stride_ps + head * stride_ph + offs_s[:, None] * stride_psplit + offs_d[None, :]
     partial = tl.load(partial_ptr + offs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
+    numerator = tl.sum(partial * weights[:, None], 0)
+    denominator = tl.sum(weights, 0)
+    if HAS_SINKS:
+        denominator += tl.exp2(sink - m)
+    out = numerator / denominator
     tl.store(
         out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask
     )
@@ -279,6 +314,7 @@ def _prefill_kernel(
     query_start_loc_ptr: tl.tensor,
     context_lens_ptr: tl.tensor,
     out_ptr: tl.tensor,
+    sinks_ptr: tl.tensor,
     scale_log2: tl.tensor,
     softcap_scale: tl.tensor,
     softcap_log2: tl.tensor,
@@ -299,6 +335,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ) -> None:
     """Program (seq, kv_head, q_tile): BLOCK_Q = BLOCK_M // GROUP query tokens of the sequence, times
     the GROUP query heads of kv_head, as BLOCK_M rows:
@@ -332,8 +369,7 @@ def _prefill_kernel(
     q_mask = m_mask[:, None] & d_mask[None, :]
     q = tl.load(query_ptr + q_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = _softmax_start(sinks_ptr, heads, m_mask, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # keys past the tile's last query position are causally masked for every row: stop there;
@@ -366,6 +402,7 @@ def _check_attention_args(
     context_lens: torch.Tensor,
     window: int,
     softcap: float,
+    sinks: torch.Tensor | None,
 ) -> int:
     """Checks shared by decode and prefill; returns the GQA group size (query heads per KV head)."""
     if window < 0:
@@ -381,6 +418,7 @@ def _check_attention_args(
     check_same_device(
         query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens
     )
+    check_sinks(sinks, query)
     num_heads, head_dim = query.shape[1:]
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert head_dim == cache_head_dim, f"query head_dim {head_dim} != cache head_dim {cache_head_dim}"
@@ -429,10 +467,12 @@ def paged_attention_decode(
     max_context_len: int | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context, its last `window` tokens only under a
     sliding window (0: none; see reference.paged_attention_decode), its scores s soft-capped to
-    softcap * tanh(s / softcap) under `softcap` (0: none; Gemma 2's attn_logit_softcapping).
+    softcap * tanh(s / softcap) under `softcap` (0: none; Gemma 2's attn_logit_softcapping), each
+    head's softmax joined by its sink logit under `sinks` (float32 [num_heads], None: none; GPT-OSS's).
 
     num_splits > 1 splits the keys each query sees into that many ranges run in parallel and merged
     (split-K, for long contexts and few sequences); None picks it from the context length (under a
@@ -447,7 +487,7 @@ def paged_attention_decode(
     Each sequence's first ceil(context_len / block_size) ids must name blocks of the cache (an id
     outside it reads other memory, or faults); the ids past them, and under a window those of the
     blocks wholly before it, are never read."""
-    group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens, window, softcap)
+    group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens, window, softcap, sinks)
     num_seqs, num_heads, head_dim = query.shape
     check_shape("context_lens", context_lens, (num_seqs,))
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -472,21 +512,23 @@ def paged_attention_decode(
     if num_splits == 1:
         _launch_decode(
             query, k_cache, v_cache, block_tables, context_lens, scale, group, out, None, span, window,
-            softcap,
+            softcap, sinks,
         )  # fmt: skip
         return out
     partial = torch.empty(
         (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
     )
     lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    # the splits run without the sinks: the merge adds each once
     _launch_decode(
         query, k_cache, v_cache, block_tables, context_lens, scale, group, partial, lse, tokens_per_split,
-        window, softcap,
+        window, softcap, None,
     )  # fmt: skip
     _merge_splits_kernel[(num_seqs, num_heads)](
-        partial, lse, out, num_splits, *partial.stride()[:3], *lse.stride()[:2], *out.stride()[:2],
+        partial, lse, out, out if sinks is None else sinks, num_splits,
+        *partial.stride()[:3], *lse.stride()[:2], *out.stride()[:2],
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+        BLOCK_SPLITS=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
     )  # fmt: skip
     return out
 
@@ -504,9 +546,12 @@ def _launch_decode(
     tokens_per_split: int,
     window: int,
     softcap: float,
+    sinks: torch.Tensor | None,
 ) -> None:
     """out is the final [S, H, D] output (lse None) or the [S, H, splits, D] partials with their
-    [S, H, splits] log2-sum-exp2 in lse."""
+    [S, H, splits] log2-sum-exp2 in lse; `sinks` only with the final output (a split's partials have
+    none: the merge adds them)."""
+    assert sinks is None or lse is None, "split-K partials take no sinks: the merge adds them once"
     num_seqs, _, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     is_split = lse is not None
@@ -517,7 +562,7 @@ def _launch_decode(
     scale_log2, softcap_scale, softcap_log2, has_softcap = _score_args(scale, softcap)
     _decode_kernel[grid](
         query, k_cache, v_cache, block_tables, context_lens, out, lse if is_split else out,
-        scale_log2, softcap_scale, softcap_log2, tokens_per_split, window,
+        out if sinks is None else sinks, scale_log2, softcap_scale, softcap_log2, tokens_per_split, window,
         *query.stride()[:2], *k_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), stride_split, *lse_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
@@ -525,6 +570,7 @@ def _launch_decode(
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
         BLOCK_N=max(_MIN_DOT, min(_DECODE_BLOCK_N, triton.next_power_of_2(tokens_per_split))),
         IS_SPLIT=is_split, UPCAST=triton.knobs.runtime.interpret, SOFTCAP=has_softcap,
+        HAS_SINKS=sinks is not None,
     )  # fmt: skip
 
 
@@ -540,17 +586,18 @@ def paged_attention_prefill(
     max_query_len: int | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed variable-length queries over keys in the paged cache, each
     query over its last `window` positions only under a sliding window (0: none), scores
-    soft-capped under `softcap` (0: none) as in paged_attention_decode (see
-    reference.paged_attention_prefill). Requires q_len <= context_len for every sequence.
-    max_query_len spares a device-to-host sync when the caller knows it.
+    soft-capped under `softcap` (0: none) and softmaxes joined by `sinks` (None: none) as in
+    paged_attention_decode (see reference.paged_attention_prefill). Requires q_len <= context_len
+    for every sequence. max_query_len spares a device-to-host sync when the caller knows it.
 
     Block ids are trusted, as in paged_attention_decode: those covering each context must name
     blocks of the cache; the ids past them, and under a window those of the blocks wholly before
     the first query's, are never read."""
-    group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens, window, softcap)
+    group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens, window, softcap, sinks)
     num_seqs = context_lens.shape[0]
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
@@ -565,10 +612,10 @@ def paged_attention_prefill(
     scale_log2, softcap_scale, softcap_log2, has_softcap = _score_args(scale, softcap)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
-        scale_log2, softcap_scale, softcap_log2, window,
+        out if sinks is None else sinks, scale_log2, softcap_scale, softcap_log2, window,
         *query.stride()[:2], *k_cache.stride()[:3], block_tables.stride(0), *out.stride()[:2],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_N=_PREFILL_BLOCK_N,
-        UPCAST=triton.knobs.runtime.interpret, SOFTCAP=has_softcap,
+        UPCAST=triton.knobs.runtime.interpret, SOFTCAP=has_softcap, HAS_SINKS=sinks is not None,
     )  # fmt: skip
     return out

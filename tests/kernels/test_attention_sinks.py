@@ -7,9 +7,11 @@ dropped) over a small paged cache: decode and prefill (whole prompts and chunks 
 both of its paths), GQA, with and without a sliding window (and once under a softcap), float32; and
 to out = plain attention * sigmoid(lse - sink), per head. The C++ kernels are held to the reference
 with sinks: decode in float32 and bfloat16 (the generic loops, and the AVX512-BF16 path where the CPU
-has it) at head sizes 64, 128 and 80, and the bfloat16 prefill kernel in each lane arrangement. Large
-sinks (+8) must shrink every implementation's output by sigmoid(lse - sink) (one that ignored them
-fails), very negative ones (-1e4) leave it as attention without sinks. Bad `sinks` arguments (dtype,
+has it) at head sizes 64, 128 and 80, and the bfloat16 prefill kernel in each lane arrangement; so are
+the Triton kernels (under the interpreter on CPU, small shapes): decode single-pass and with 3 splits
+forced (the sink counts once, in the merge), and prefill, with and without a window. Large sinks (+8)
+must shrink every implementation's output by sigmoid(lse - sink) (one that ignored them fails), very
+negative ones (-1e4) leave it as attention without sinks. Bad `sinks` arguments (dtype,
 shape, device, layout) are refused by every entry point with a ValueError naming them.
 """
 
@@ -22,9 +24,9 @@ from itertools import accumulate
 
 import pytest
 import torch
-from pagedserve_kernels import cpu, reference
+from pagedserve_kernels import attention, cpu, reference
 
-from tests.kernels.test_attention import PagedCache, make_paged_cache
+from tests.kernels.test_attention import PagedCache, make_paged_cache, spy_on_decode_splits
 
 HEADS, KV_HEADS, BLOCK_SIZE = 6, 2, 4  # GQA: 3 query heads a KV head
 HEAD_DIM = 16
@@ -283,6 +285,73 @@ def test_cpu_ops_refuse_bad_sinks_naming_them() -> None:
             )
 
 
+# The Triton kernels against the reference (under the interpreter on CPU: small shapes)
+
+TRITON_TOLERANCES = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+TRITON_HEAD_DIM = 32
+
+
+@pytest.mark.parametrize(
+    ("window", "dtype"),
+    [(0, torch.float32), (20, torch.float32), (20, torch.bfloat16)],
+    ids=["full-fp32", "w20-fp32", "w20-bf16"],
+)
+def test_triton_decode_with_sinks_matches_reference(
+    window: int, dtype: torch.dtype, device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Single pass and 3 splits forced: without a window splits of 48 keys (the short sequences leave
+    the last ones empty), under one splits of 16 from the block holding the first visible key (the
+    100-token sequence: 80..95, its first 0 before the window, then 96..99 and an empty third). The
+    sink must count once whatever the split count."""
+    contexts = [1, 17, 40, 100]
+    cache = make_paged_cache(contexts, KV_HEADS, TRITON_HEAD_DIM, 16, dtype, device)
+    query = torch.randn(len(contexts), HEADS, TRITON_HEAD_DIM, device=device).to(dtype)
+    sinks = random_sinks(HEADS).to(device)
+    args = (cache.block_tables, cache.context_lens, TRITON_HEAD_DIM**-0.5)
+    expected = reference.paged_attention_decode(
+        query.float(), cache.k_cache.float(), cache.v_cache.float(), *args, window=window, sinks=sinks
+    )
+    num_splits_launched = spy_on_decode_splits(monkeypatch)
+    for num_splits in (1, 3):
+        out = attention.paged_attention_decode(
+            query, cache.k_cache, cache.v_cache, *args, num_splits=num_splits, window=window, sinks=sinks
+        )
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), expected, **TRITON_TOLERANCES[dtype])
+    assert num_splits_launched == [1, 3]
+
+
+# whole prompts, a chunk after earlier context, a sequence with nothing to run, and a chunk of two
+# query tiles (21 tokens a tile at GQA 3) after earlier context
+TRITON_PREFILL_SHAPES = [(1, 1), (17, 17), (5, 40), (0, 3), (30, 70)]
+
+
+@pytest.mark.parametrize(
+    ("window", "dtype"),
+    [(0, torch.float32), (20, torch.float32), (20, torch.bfloat16)],
+    ids=["full-fp32", "w20-fp32", "w20-bf16"],
+)
+def test_triton_prefill_with_sinks_matches_reference(
+    window: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    cache, starts, query = prefill_case(
+        TRITON_PREFILL_SHAPES, HEADS, KV_HEADS, TRITON_HEAD_DIM, 16, dtype, device
+    )
+    sinks = random_sinks(HEADS).to(device)
+    args = (cache.block_tables, starts, cache.context_lens, TRITON_HEAD_DIM**-0.5)
+    out = attention.paged_attention_prefill(
+        query, cache.k_cache, cache.v_cache, *args, window=window, sinks=sinks
+    )
+    expected = reference.paged_attention_prefill(
+        query.float(), cache.k_cache.float(), cache.v_cache.float(), *args, window=window, sinks=sinks
+    )
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, **TRITON_TOLERANCES[dtype])
+
+
 # Large and very negative sinks, every implementation
 
 
@@ -290,7 +359,12 @@ def run_decode(impl: str, query: torch.Tensor, cache: PagedCache, sinks: torch.T
     tail = (cache.block_tables, cache.context_lens, query.shape[-1] ** -0.5)
     if impl == "reference":
         return reference.paged_attention_decode(query, cache.k_cache, cache.v_cache, *tail, sinks=sinks)
-    return cpu.paged_attention_decode(query, cache.k_cache, cache.v_cache, *tail, sinks=sinks)
+    if impl == "cpu":
+        return cpu.paged_attention_decode(query, cache.k_cache, cache.v_cache, *tail, sinks=sinks)
+    num_splits = {"triton": 1, "triton-split": 3}[impl]
+    return attention.paged_attention_decode(
+        query, cache.k_cache, cache.v_cache, *tail, num_splits=num_splits, sinks=sinks
+    )
 
 
 def run_prefill(
@@ -299,7 +373,9 @@ def run_prefill(
     tail = (cache.block_tables, starts, cache.context_lens, query.shape[-1] ** -0.5)
     if impl == "reference":
         return reference.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail, sinks=sinks)
-    return cpu.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail, sinks=sinks)
+    if impl == "cpu":
+        return cpu.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail, sinks=sinks)
+    return attention.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail, sinks=sinks)
 
 
 # (implementation, kind, dtype): the C++ prefill kernel is bfloat16 only
@@ -309,25 +385,30 @@ EXTREME_CASES = [
     pytest.param("cpu", "decode", torch.float32, id="cpu-decode-fp32", marks=needs_a_compiler),
     pytest.param("cpu", "decode", torch.bfloat16, id="cpu-decode-bf16", marks=needs_a_compiler),
     pytest.param("cpu", "prefill", torch.bfloat16, id="cpu-prefill-bf16", marks=needs_a_compiler),
+    pytest.param("triton", "decode", torch.float32, id="triton-decode"),
+    pytest.param("triton-split", "decode", torch.float32, id="triton-split-decode"),
+    pytest.param("triton", "prefill", torch.float32, id="triton-prefill"),
 ]
 
 
 Case = tuple[PagedCache, torch.Tensor, torch.Tensor]
 
 
-def extreme_case(impl: str, kind: str, dtype: torch.dtype) -> Case:
-    """Three sequences of 1, 17 and 40 tokens (the last 1, 4 and 9 of them queries in prefill)."""
+def extreme_case(impl: str, kind: str, dtype: torch.dtype, device: torch.device) -> Case:
+    """Three sequences of 1, 17 and 40 tokens (the last 1, 4 and 9 of them queries in prefill): 3
+    splits of 16 keys for the 40 (one for the 1, two for the 17) in split-K decode."""
     if impl == "cpu":
         assert cpu.load(), "the CPU kernels failed to build"
         if kind == "prefill":
             needs_the_prefill_kernel()
-    return prefill_case([(1, 1), (4, 17), (9, 40)], HEADS, KV_HEADS, 64, 16, dtype)
+    device = device if impl.startswith("triton") else CPU
+    return prefill_case([(1, 1), (4, 17), (9, 40)], HEADS, KV_HEADS, 64, 16, dtype, device)
 
 
 def run_with_sinks(impl: str, kind: str, case: Case, sink: float | None) -> torch.Tensor:
     """One implementation on `case`, every head's sink `sink` (None: no sinks)."""
     cache, starts, query = case
-    sinks = None if sink is None else torch.full((HEADS,), sink)
+    sinks = None if sink is None else torch.full((HEADS,), sink, device=query.device)
     if kind == "decode":
         return run_decode(impl, query[starts[1:] - 1], cache, sinks)  # each sequence's last query
     return run_prefill(impl, query, cache, starts, sinks)
@@ -340,35 +421,42 @@ def upcast(case: Case) -> Case:
 
 
 @pytest.mark.parametrize(("impl", "kind", "dtype"), EXTREME_CASES)
-def test_large_sinks_shrink_the_output(impl: str, kind: str, dtype: torch.dtype) -> None:
+def test_large_sinks_shrink_the_output(
+    impl: str, kind: str, dtype: torch.dtype, device: torch.device
+) -> None:
     """A sink of +8 outweighs the few visible keys (scores of about 1): every output shrinks by
     sigmoid(lse - 8), below a fifth of attention without sinks, as the reference shrinks it."""
-    case = extreme_case(impl, kind, dtype)
+    case = extreme_case(impl, kind, dtype, device)
     plain = run_with_sinks(impl, kind, case, None).float()
     out = run_with_sinks(impl, kind, case, 8.0).float()
     expected = run_with_sinks("reference", kind, upcast(case), 8.0)
     assert out.abs().amax(dim=-1).max() < 0.2 * plain.abs().amax(dim=-1).min()
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-3  # bf16: outputs of ~0.05, rounded
+    # float32: the C++ kernels' 1e-5, the Triton kernels' 1e-4; bf16: outputs of ~0.05, rounded
+    tolerance = 2e-3 if dtype == torch.bfloat16 else 1e-4 if impl.startswith("triton") else 1e-5
     torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize(("impl", "kind", "dtype"), EXTREME_CASES)
-def test_very_negative_sinks_leave_attention_as_it_is(impl: str, kind: str, dtype: torch.dtype) -> None:
+def test_very_negative_sinks_leave_attention_as_it_is(
+    impl: str, kind: str, dtype: torch.dtype, device: torch.device
+) -> None:
     """exp(-1e4) is 0 in float32: the sinks weigh nothing (and overflow nothing)."""
-    case = extreme_case(impl, kind, dtype)
+    case = extreme_case(impl, kind, dtype, device)
     plain = run_with_sinks(impl, kind, case, None)
     out = run_with_sinks(impl, kind, case, -1e4)
     torch.testing.assert_close(out, plain, atol=1e-6, rtol=1e-6)
 
 
-# Bad arguments
+# Bad arguments: the device is checked last, so the CPU-made ones reach their check on a GPU too
 
 
-def call_with_sinks(entry: str, sinks: object) -> torch.Tensor:
-    """Entry point `entry` ("module.decode" or "module.prefill") on a small float32 case, with `sinks`."""
+def call_with_sinks(entry: str, sinks: object, device: torch.device) -> torch.Tensor:
+    """Entry point `entry` ("module.decode" or "module.prefill") on a small float32 case, with `sinks`
+    (the case on `device` for Triton's, on the CPU for the others)."""
     module_name, kind = entry.split(".")
-    module = {"reference": reference, "cpu": cpu}[module_name]
-    cache, starts, query = prefill_case([(1, 5), (1, 9)], HEADS, KV_HEADS, 64, BLOCK_SIZE)
+    module = {"reference": reference, "cpu": cpu, "triton": attention}[module_name]
+    device = device if module_name == "triton" else CPU
+    cache, starts, query = prefill_case([(1, 5), (1, 9)], HEADS, KV_HEADS, 64, BLOCK_SIZE, device=device)
     kv = (query, cache.k_cache, cache.v_cache, cache.block_tables)
     if kind == "decode":
         return module.paged_attention_decode(*kv, cache.context_lens, 0.125, sinks=sinks)
@@ -384,12 +472,14 @@ BAD_SINKS = {
     "device": (lambda: torch.zeros(HEADS, device="meta"), r"sinks: on meta"),
     "list": (lambda: [0.0] * HEADS, r"sinks: expected a torch.Tensor"),
 }
-ENTRY_POINTS = ["reference.decode", "reference.prefill", "cpu.decode", "cpu.prefill"]
+ENTRY_POINTS = [
+    f"{module}.{kind}" for module in ("reference", "cpu", "triton") for kind in ("decode", "prefill")
+]
 
 
 @pytest.mark.parametrize("problem", list(BAD_SINKS))
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
-def test_bad_sinks_are_refused_naming_them(entry: str, problem: str) -> None:
+def test_bad_sinks_are_refused_naming_them(entry: str, problem: str, device: torch.device) -> None:
     make, message = BAD_SINKS[problem]
     with pytest.raises(ValueError, match=message):
-        call_with_sinks(entry, make())
+        call_with_sinks(entry, make(), device)
