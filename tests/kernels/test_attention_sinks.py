@@ -7,12 +7,13 @@ dropped) over a small paged cache: decode and prefill (whole prompts and chunks 
 both of its paths), GQA, with and without a sliding window (and once under a softcap), float32; and
 to out = plain attention * sigmoid(lse - sink), per head. The C++ kernels are held to the reference
 with sinks: decode in float32 and bfloat16 (the generic loops, and the AVX512-BF16 path where the CPU
-has it) at head sizes 64, 128 and 80, and the bfloat16 prefill kernel in each lane arrangement; so are
-the Triton kernels (under the interpreter on CPU, small shapes): decode single-pass and with 3 splits
-forced (the sink counts once, in the merge), and prefill, with and without a window. Large sinks (+8)
-must shrink every implementation's output by sigmoid(lse - sink) (one that ignored them fails), very
-negative ones (-1e4) leave it as attention without sinks. Bad `sinks` arguments (dtype,
-shape, device, layout) are refused by every entry point with a ValueError naming them.
+has it) at head sizes 64 and 128, and at 80, 96 and 256 (float16 once); the bfloat16 prefill kernel in
+each lane arrangement. So are the Triton kernels (under the interpreter on CPU, small shapes): decode
+single-pass and with 3 splits forced (the sink counts once, in the merge), and prefill, with and
+without a window. Large sinks (+8) must shrink every implementation's output by sigmoid(lse - sink)
+(one that ignored them fails), very negative ones (-1e4) leave it as attention without sinks. Bad
+`sinks` arguments (dtype, shape, device, layout) are refused by every entry point with a ValueError
+naming them.
 """
 
 from __future__ import annotations
@@ -92,9 +93,14 @@ def random_sinks(num_heads: int) -> torch.Tensor:
 
 
 def prefill_case(
-    shapes: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-    dtype: torch.dtype = torch.float32, device: torch.device = CPU,
-) -> tuple[PagedCache, torch.Tensor, torch.Tensor]:  # fmt: skip
+    shapes: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device = CPU,
+) -> tuple[PagedCache, torch.Tensor, torch.Tensor]:
     cache = make_paged_cache([c for _, c in shapes], num_kv_heads, head_dim, block_size, dtype, device)
     starts = torch.tensor([0, *accumulate(q for q, _ in shapes)], dtype=torch.int32, device=device)
     query = torch.randn(int(starts[-1]), num_heads, head_dim, device=device).to(dtype)
@@ -187,9 +193,9 @@ def assert_as_near_as_the_reference(
     tail: tuple[object, ...],
     rounds_weights: bool = False,
 ) -> None:
-    """float32: within 1e-5 of the reference. bfloat16: no further off the reference run in float32 on
-    the same inputs than the reference's own bfloat16 result, plus 1e-3 (and, where the kernel rounds
-    the softmax weights to bfloat16 for P V as flash attention does, 2^-9 max|V|)."""
+    """float32: within 1e-5 of the reference. bfloat16, float16: no further off the reference run in
+    float32 on the same inputs than the reference's own low-precision result, plus 1e-3 (and, where
+    the kernel rounds the softmax weights to bfloat16 for P V as flash attention does, 2^-9 max|V|)."""
     exact = reference_fn(query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail)
     if query.dtype == torch.float32:
         torch.testing.assert_close(out, exact, atol=1e-5, rtol=1e-5)
@@ -228,13 +234,25 @@ def test_cpu_decode_with_sinks_matches_reference(
 
 @needs_a_compiler
 @pytest.mark.usefixtures("built")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cpu_decode_with_sinks_at_a_run_time_head_size_and_a_softcap(dtype: torch.dtype) -> None:
-    """Head size 80: the generic loops' run-time size in every dtype, under a cap that bends the scores."""
-    cache = make_paged_cache(CPU_DECODE_CONTEXTS, 2, 80, 8, dtype, CPU)
-    query = (4 * torch.randn(len(CPU_DECODE_CONTEXTS), 6, 80)).to(dtype)
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"),
+    [
+        (torch.float32, 80),
+        (torch.bfloat16, 80),
+        (torch.float16, 64),
+        (torch.bfloat16, 96),
+        (torch.bfloat16, 256),
+    ],
+    ids=["fp32-d80", "bf16-d80", "fp16-d64", "bf16-d96", "bf16-d256"],
+)
+def test_cpu_decode_with_sinks_at_other_head_sizes_and_a_softcap(dtype: torch.dtype, head_dim: int) -> None:
+    """The rest of the paths decode dispatches to: the generic loops' run-time head size (80) in
+    float32 and bfloat16, float16, and the AVX512-BF16 path's head sizes 96 and 256 (the generic
+    loops where the CPU lacks it); under a cap that bends the scores and a window."""
+    cache = make_paged_cache(CPU_DECODE_CONTEXTS, 2, head_dim, 8, dtype, CPU)
+    query = (4 * torch.randn(len(CPU_DECODE_CONTEXTS), 6, head_dim)).to(dtype)
     sinks = random_sinks(6)
-    tail = (cache.block_tables, cache.context_lens, 80**-0.5)
+    tail = (cache.block_tables, cache.context_lens, head_dim**-0.5)
     out = cpu.paged_attention_decode(query, cache.k_cache, cache.v_cache, *tail, 7, 2.0, sinks)
     capped = functools.partial(reference.paged_attention_decode, window=7, softcap=2.0, sinks=sinks)
     assert_as_near_as_the_reference(out, capped, query, cache, tail)
