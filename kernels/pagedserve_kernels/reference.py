@@ -372,21 +372,59 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def swiglu_oai_and_mul(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[..., 2 * d] -> [..., d]: GPT-OSS's clamped SwiGLU of gate = the first half, up = the second
+    (transformers' `GptOssExperts._apply_gate`, whose gate and up are interleaved instead):
+    gate = min(gate, limit), up = clamp(up, -limit, limit), gate * sigmoid(alpha * gate) * (up + 1).
+    Each op rounds to x's dtype, as the eager module's do."""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
+MOE_ACTIVATIONS = ("silu", "swiglu_oai")
+
+
 def fused_moe_reference(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
     """A mixture-of-experts MLP, as `pagedserve.layers.moe.run_experts` computes it: out[t] =
-    sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])) with e = expert_ids[t, j].
+    sum_j weights[t, j] * down_e(act(gate_e(x[t]), up_e(x[t]))) with e = expert_ids[t, j].
 
     x [T, H]; w13 [E, 2I, H] (expert e's gate rows [:I], up rows [I:]); w2 [E, H, I]; weights
-    [T, k] float32; expert_ids [T, k]. Each expert's output is computed in x's dtype (an `Expert`'s
-    linears), weighted and summed in float32, expert by expert, and the sum cast to x's dtype."""
+    [T, k] float32; expert_ids [T, k]; optional biases w13_bias [E, 2I] (gate [:I], up [I:]) and
+    w2_bias [E, H] in x's dtype (GPT-OSS's experts). `activation` "silu": silu(gate) * up
+    (`silu_and_mul`); "swiglu_oai": GPT-OSS's clamped SwiGLU (`swiglu_oai_and_mul`, with
+    `swiglu_alpha` and `swiglu_limit`). Each expert's output is computed in x's dtype (an `Expert`'s
+    linears, their biases added as F.linear adds them), weighted and summed in float32, expert by
+    expert, and the sum cast to x's dtype."""
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {MOE_ACTIVATIONS}, got {activation!r}")
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in range(w13.shape[0]):
         tokens, slots = (expert_ids == expert).nonzero(as_tuple=True)
-        if len(tokens):
-            y = F.linear(silu_and_mul(F.linear(x[tokens], w13[expert])), w2[expert])
-            out.index_add_(0, tokens, weights[tokens, slots, None] * y.float())
+        if not len(tokens):
+            continue
+        b13 = None if w13_bias is None else w13_bias[expert]
+        b2 = None if w2_bias is None else w2_bias[expert]
+        gate_up = F.linear(x[tokens], w13[expert], b13)
+        if activation == "silu":
+            h = silu_and_mul(gate_up)
+        else:
+            h = swiglu_oai_and_mul(gate_up, swiglu_alpha, swiglu_limit)
+        y = F.linear(h, w2[expert], b2)
+        out.index_add_(0, tokens, weights[tokens, slots, None] * y.float())
     return out.to(x.dtype)
 
 

@@ -1,7 +1,8 @@
 """The fused mixture-of-experts kernels against the pure-torch reference (odd hidden and intermediate
 sizes, top-1 to top-3, experts with no tokens, one token, several blocks per expert), the expert
-alignment on its own, the launchers' argument checks, and the reference against the serving path
-(`pagedserve.layers.moe.run_experts`).
+alignment on its own, the launchers' argument checks, the reference against the serving path
+(`pagedserve.layers.moe.run_experts`), and GPT-OSS's experts (biases, clamped SwiGLU): the reference
+against transformers' `GptOssExperts`.
 
 Tolerances: float32 atol = rtol = 1e-5 (the kernel sums its products in another order than torch's
 matmul: observed errors below 1e-6 on outputs of magnitude 1). float16 atol = rtol = 1e-3, about one
@@ -22,6 +23,8 @@ import torch
 from pagedserve.layers.moe import Expert, run_experts
 from pagedserve_kernels import moe, reference
 from torch import nn
+from transformers import GptOssConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
 
 TOLERANCES: dict[torch.dtype, dict[str, Any]] = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},
@@ -123,6 +126,117 @@ def test_reference_is_the_serving_path(dtype: torch.dtype) -> None:
     torch.testing.assert_close(
         reference.fused_moe_reference(x, w13, w2, weights, expert_ids), expected, atol=0, rtol=0
     )
+
+
+# -- GPT-OSS's experts: biases and the clamped SwiGLU ----------------------------------------------
+# Weights scaled so the gate/up projections have a standard deviation near 5: about 8% of the gates
+# exceed the limit 7 and 15% of the ups lie outside [-7, 7], so every clamp binds somewhere.
+GPT_OSS_SCALE = 5.0
+ALPHA, LIMIT = 1.702, 7.0  # GptOssConfig's swiglu_alpha and swiglu_limit
+
+
+def assert_clamps_bind(gate_up: torch.Tensor) -> None:
+    """Some gates above the limit, some ups above it and some below -limit ([..., 2I], gate first)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    assert (gate > LIMIT).any() and (up > LIMIT).any() and (up < -LIMIT).any()
+
+
+def transformers_apply_gate(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """A transcription of transformers' `GptOssExperts._apply_gate` (gate and up interleaved)."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    glu = gate * torch.sigmoid(gate * alpha)
+    return (up + 1) * glu
+
+
+def deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's interleaved gate/up columns [..., 2I] (gate 2i, up 2i + 1) as ours: gates, then ups."""
+    return torch.cat((t[..., ::2], t[..., 1::2]), dim=-1)
+
+
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+)
+def test_swiglu_oai_and_mul_matches_transformers(dtype: torch.dtype) -> None:
+    """The reference's clamped SwiGLU is transformers' to the bit: the same ops in the same order,
+    each rounded to the input's dtype (the transcription checked against the module's own method)."""
+    gate_up = (torch.randn(6, 2 * 20) * GPT_OSS_SCALE).to(dtype)
+    assert_clamps_bind(deinterleave(gate_up))
+    expected = transformers_apply_gate(gate_up, ALPHA, LIMIT)
+    experts = GptOssExperts(gpt_oss_config(hidden=8, inter=20, num_experts=1, top_k=1))
+    torch.testing.assert_close(experts._apply_gate(gate_up), expected, atol=0, rtol=0)
+    out = reference.swiglu_oai_and_mul(deinterleave(gate_up), ALPHA, LIMIT)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+def gpt_oss_config(hidden: int, inter: int, num_experts: int, top_k: int) -> GptOssConfig:
+    """A tiny GPT-OSS config (only its experts' sizes and SwiGLU constants matter here)."""
+    config = GptOssConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_local_experts=num_experts,
+        num_experts_per_tok=top_k,
+        swiglu_limit=LIMIT,
+        swiglu_alpha=ALPHA,
+    )
+    config._experts_implementation = "eager"  # the module's own loop over experts (None warns)
+    return config
+
+
+def build_gpt_oss_experts(
+    hidden: int, inter: int, num_experts: int, top_k: int
+) -> tuple[GptOssExperts, GptOssTopKRouter]:
+    """transformers' GPT-OSS experts and router with random parameters (biases included), in float32."""
+    config = gpt_oss_config(hidden, inter, num_experts, top_k)
+    experts, router = GptOssExperts(config), GptOssTopKRouter(config)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(num_experts, hidden, 2 * inter) * GPT_OSS_SCALE / hidden**0.5)
+        experts.gate_up_proj_bias.copy_(torch.randn(num_experts, 2 * inter))
+        experts.down_proj.copy_(torch.randn(num_experts, inter, hidden) / inter**0.5)
+        experts.down_proj_bias.copy_(torch.randn(num_experts, hidden))
+        router.weight.copy_(torch.randn(num_experts, hidden))
+        router.bias.copy_(torch.randn(num_experts))
+    return experts, router
+
+
+def test_reference_matches_transformers_gpt_oss_experts() -> None:
+    """`fused_moe_reference` with GPT-OSS's biases and clamped SwiGLU, its weights converted to our
+    layout (gate/up de-interleaved, both projections transposed to [out, in]), gives transformers'
+    `GptOssExperts` output under the model's own top-k routing. float32: both sum the weighted
+    experts in float32 in expert order, so only the matmuls' summation order differs."""
+    num_tokens, hidden, inter, num_experts, top_k = 11, 40, 24, 6, 2
+    experts, router = build_gpt_oss_experts(hidden, inter, num_experts, top_k)
+    x = torch.randn(num_tokens, hidden)
+    with torch.no_grad():
+        _, weights, expert_ids = router(x)
+        expected = experts(x, router_indices=expert_ids, routing_weights=weights)
+        w13 = deinterleave(experts.gate_up_proj).transpose(1, 2).contiguous()  # [E, 2I, H]
+        w13_bias = deinterleave(experts.gate_up_proj_bias)
+        w2 = experts.down_proj.transpose(1, 2).contiguous()  # [E, H, I]
+        gate_up = torch.einsum("th,enh->ten", x, w13) + w13_bias  # [T, E, 2I]
+        assert_clamps_bind(gate_up[torch.arange(num_tokens)[:, None], expert_ids])  # the routed pairs'
+        out = reference.fused_moe_reference(
+            x,
+            w13,
+            w2,
+            weights,
+            expert_ids,
+            w13_bias=w13_bias,
+            w2_bias=experts.down_proj_bias,
+            activation="swiglu_oai",
+            swiglu_alpha=ALPHA,
+            swiglu_limit=LIMIT,
+        )
+    assert len(expert_ids.unique()) > 1
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_moe_reference_rejects_an_unknown_activation() -> None:
+    w13, w2 = make_experts(3, 40, 24, torch.float32, torch.device("cpu"))
+    weights, expert_ids = make_routing(6, 3, 2, (), torch.device("cpu"))
+    with pytest.raises(ValueError, match="activation: expected one of"):
+        reference.fused_moe_reference(torch.randn(6, 40), w13, w2, weights, expert_ids, activation="gelu")
 
 
 # -- align_by_expert ------------------------------------------------------------------------------
