@@ -3,6 +3,8 @@
 #   w13          [E, 2I, H], contiguous, x's dtype: expert e's gate rows [:I], then its up rows [I:]
 #                (each expert's merged gate/up projection weight)
 #   w2           [E, H, I], contiguous, x's dtype: expert e's down projection weight
+#   w13_bias     [E, 2I], contiguous, x's dtype, optional: gate biases [:I], then up biases [I:]
+#   w2_bias      [E, H], contiguous, x's dtype, optional (GPT-OSS's experts have both biases)
 #   weights      [T, k] float32, contiguous: the router's weight of each (token, expert) pair
 #   expert_ids   [T, k] int32/int64, contiguous, values in [0, E): not checked, as that would read
 #                them on the host (an id out of range fails in a device-side index check)
@@ -27,15 +29,26 @@
 # launches, which a CUDA graph can capture.
 #
 # Two grouped GEMMs accumulate in float32 and round where the reference rounds (in x's dtype: the
-# gate/up product, the SiLU, the SwiGLU product, the expert's output):
-#   h[p] = silu(x[t] @ gate_e.T) * (x[t] @ up_e.T)      [T*k, I] in x's dtype
-#   y[p] = weights[p] * round(h[p] @ down_e.T)             [T*k, H] in float32
+# gate/up product with its bias, each op of the activation, the expert's output with its bias):
+#   g, u = round(x[t] @ gate_e.T + b13[e, :I]), round(x[t] @ up_e.T + b13[e, I:])   (no bias: + 0)
+#   h[p] = act(g, u)                                       [T*k, I] in x's dtype
+#   y[p] = weights[p] * round(h[p] @ down_e.T + b2[e])     [T*k, H] in float32
+# (a bias joins its product in float32, before the one rounding, as F.linear adds it: on the CPU
+# too, checked for float16 and bfloat16)
 #   out[t] = sum_j y[t * k + j]                            a torch sum over k: no atomics, deterministic
-"""Fused mixture-of-experts MLP: every (token, expert) pair's SwiGLU expert in two grouped-GEMM
-kernels, weighted by the router and summed per token, with no host synchronization."""
+# act, a constexpr of the gate/up kernel (so each compiles only its own):
+#   "silu"        silu(g) * u                                             (Mixtral, Qwen, ...)
+#   "swiglu_oai"  g' * sigmoid(alpha * g') * (u' + 1), g' = min(g, limit),
+#                 u' = clamp(u, -limit, limit)                            (GPT-OSS)
+#   alpha and limit are runtime scalars: a model's own values compile nothing new.
+# The biases are constexpr too (HAS_BIAS): without them the kernels compile no bias load.
+"""Fused mixture-of-experts MLP: every (token, expert) pair's SwiGLU expert (GPT-OSS's clamped one and
+biases too) in two grouped-GEMM kernels, weighted by the router and summed per token, with no host
+synchronization."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -43,6 +56,7 @@ import triton
 import triton.language as tl
 
 from pagedserve_kernels._checks import FLOAT_DTYPES, INDEX_DTYPES
+from pagedserve_kernels.reference import MOE_ACTIVATIONS
 
 # tl.dot needs every block dimension >= 16 on GPUs, so BLOCK_M is at least 16 (padding rows are masked).
 _MIN_BLOCK_M = 16
@@ -94,24 +108,69 @@ def _load_columns(
 
 
 @triton.jit
+def _round(x: tl.tensor, dtype: tl.constexpr) -> tl.tensor:
+    """x (float32) rounded to `dtype` and back: where an eager torch op in the model's dtype rounds."""
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _add_bias(
+    acc: tl.tensor, b_ptr: tl.tensor, offsets: tl.tensor, col_mask: tl.tensor, HAS_BIAS: tl.constexpr
+) -> tl.tensor:
+    """acc [BLOCK_M, BLOCK_N] plus the bias at `offsets` (its columns' in the expert's bias row), in
+    float32 before the one rounding, as F.linear adds it; without HAS_BIAS (b_ptr is then None) acc
+    itself."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offsets, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _silu_and_mul(gate: tl.tensor, up: tl.tensor, dtype: tl.constexpr) -> tl.tensor:
+    """As reference.silu_and_mul of the rounded projections: silu in float32 rounded, times up, rounded."""
+    silu = _round(gate / (1.0 + tl.exp(-gate)), dtype)
+    return silu * up
+
+
+@triton.jit
+def _swiglu_oai_and_mul(
+    gate: tl.tensor, up: tl.tensor, alpha: tl.tensor, limit: tl.tensor, dtype: tl.constexpr
+) -> tl.tensor:
+    """As reference.swiglu_oai_and_mul of the rounded projections, rounded after each op as eager torch
+    rounds: gate * sigmoid(alpha * gate) * (up + 1) of the clamped gate and up. The clamps round
+    too, for a limit `dtype` cannot hold (torch's clamp returns a value of x's dtype)."""
+    gate = _round(tl.minimum(gate, limit), dtype)
+    up = _round(tl.minimum(tl.maximum(up, -limit), limit), dtype)
+    sigmoid = _round(1.0 / (1.0 + tl.exp(-_round(gate * alpha, dtype))), dtype)
+    glu = _round(gate * sigmoid, dtype)
+    return glu * _round(up + 1.0, dtype)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr: tl.tensor,
     w13_ptr: tl.tensor,
+    b13_ptr: tl.tensor,
     h_ptr: tl.tensor,
     sorted_pair_ids_ptr: tl.tensor,
     block_expert_ids_ptr: tl.tensor,
     num_valid_rows_ptr: tl.tensor,
     num_pairs: tl.tensor,
+    alpha: tl.tensor,
+    limit: tl.tensor,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
     TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
 ) -> None:
-    """Program (block, column tile): h[p, cols] = silu(x[t] @ gate_e[cols].T) * (x[t] @ up_e[cols].T)
-    for the block's pairs p, of tokens t = p // TOP_K, and its expert e."""
+    """Program (block, column tile): h[p, cols] = act(x[t] @ gate_e[cols].T + gate bias,
+    x[t] @ up_e[cols].T + up bias) for the block's pairs p, of tokens t = p // TOP_K, and its expert
+    e; act is ACTIVATION ("silu" or "swiglu_oai", with alpha and limit)."""
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(num_valid_rows_ptr):
         return
@@ -130,19 +189,24 @@ def _gate_up_kernel(
         gate += _dot(a, _load_columns(gate_ptr, cols, col_mask, k0, HIDDEN, BLOCK_K), UPCAST)
         up += _dot(a, _load_columns(up_ptr, cols, col_mask, k0, HIDDEN, BLOCK_K), UPCAST)
 
-    # as reference.silu_and_mul of the rounded projection: silu in float32 rounded, times up, rounded
+    # the projections rounded as F.linear (with its bias) rounds them, then the activation
     dtype = h_ptr.dtype.element_ty
-    gate = gate.to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-    h = (silu.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+    gate_bias = expert * (2 * INTER) + cols  # b13 [E, 2I]: the expert's gate biases, then its up biases
+    gate = _round(_add_bias(gate, b13_ptr, gate_bias, col_mask, HAS_BIAS), dtype)
+    up = _round(_add_bias(up, b13_ptr, gate_bias + INTER, col_mask, HAS_BIAS), dtype)
+    if ACTIVATION == "swiglu_oai":
+        h = _swiglu_oai_and_mul(gate, up, alpha, limit, dtype)
+    else:
+        h = _silu_and_mul(gate, up, dtype)
     mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(h_ptr + pair_ids[:, None] * INTER + cols[None, :], h, mask=mask)
+    tl.store(h_ptr + pair_ids[:, None] * INTER + cols[None, :], h.to(dtype), mask=mask)
 
 
 @triton.jit
 def _down_kernel(
     h_ptr: tl.tensor,
     w2_ptr: tl.tensor,
+    b2_ptr: tl.tensor,
     weights_ptr: tl.tensor,
     y_ptr: tl.tensor,
     sorted_pair_ids_ptr: tl.tensor,
@@ -151,13 +215,14 @@ def _down_kernel(
     num_pairs: tl.tensor,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
 ) -> None:
-    """Program (block, column tile): y[p, cols] = weights[p] * round(h[p] @ down_e[cols].T), in
-    float32, for the block's pairs p and its expert e."""
+    """Program (block, column tile): y[p, cols] = weights[p] * round(h[p] @ down_e[cols].T + down
+    bias), in float32, for the block's pairs p and its expert e."""
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(num_valid_rows_ptr):
         return
@@ -173,9 +238,11 @@ def _down_kernel(
         a = _load_rows(h_ptr, pair_ids, row_mask, k0, INTER, BLOCK_K)
         acc += _dot(a, _load_columns(down_ptr, cols, col_mask, k0, INTER, BLOCK_K), UPCAST)
 
-    # the expert's output is rounded to the model's dtype before the weighting, as an Expert's is
+    # the expert's output (with its bias) is rounded to the model's dtype before the weighting, as an
+    # Expert's is
+    acc = _add_bias(acc, b2_ptr, expert * HIDDEN + cols, col_mask, HAS_BIAS)
     weight = tl.load(weights_ptr + pair_ids, mask=row_mask, other=0.0)
-    y = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
+    y = _round(acc, h_ptr.dtype.element_ty) * weight[:, None]
     mask = row_mask[:, None] & col_mask[None, :]
     tl.store(y_ptr + pair_ids[:, None] * HIDDEN + cols[None, :], y, mask=mask)
 
@@ -232,19 +299,40 @@ def _check_moe_args(
         f"weights: expected shape ({num_tokens}, top_k > 0), got {tuple(weights.shape)}",
     )
     _check_shape("expert_ids", expert_ids, weights.shape)
-    devices = {
-        "x": x.device,
-        "w13": w13.device,
-        "w2": w2.device,
-        "weights": weights.device,
-        "expert_ids": expert_ids.device,
-    }
+    return hidden, inter
+
+
+def _check_bias(name: str, bias: torch.Tensor | None, x: torch.Tensor, expected: Sequence[int]) -> None:
+    """An optional bias: None, or [E, N] of x's dtype, contiguous."""
+    if bias is None:
+        return
+    _check_operand(name, bias, 2, FLOAT_DTYPES)
+    _require(bias.dtype == x.dtype, f"{name}: dtype {bias.dtype} must be x's dtype {x.dtype}")
+    _check_shape(name, bias, expected)
+
+
+def _check_activation(activation: str, swiglu_alpha: float, swiglu_limit: float) -> None:
+    _require(
+        activation in MOE_ACTIVATIONS, f"activation: expected one of {MOE_ACTIVATIONS}, got {activation!r}"
+    )
+    # a bool is an int to Python, and a tensor would be read back to the host: both refused
+    is_number = isinstance(swiglu_alpha, (int, float)) and not isinstance(swiglu_alpha, bool)
+    _require(is_number and math.isfinite(swiglu_alpha), f"swiglu_alpha: must be finite, got {swiglu_alpha!r}")
+    is_number = isinstance(swiglu_limit, (int, float)) and not isinstance(swiglu_limit, bool)
+    _require(
+        is_number and math.isfinite(swiglu_limit) and swiglu_limit > 0,
+        f"swiglu_limit: must be positive and finite, got {swiglu_limit!r}",
+    )
+
+
+def _check_devices(x: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    """Every tensor on x's device, and that one a GPU's, or the CPU under the interpreter."""
+    devices = {"x": x.device} | {name: t.device for name, t in tensors.items() if t is not None}
     _require(len(set(devices.values())) == 1, f"tensors on different devices: {devices}")
     _require(
         x.is_cuda or triton.knobs.runtime.interpret,
         f"x: on {x.device}; Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 on CPU",
     )
-    return hidden, inter
 
 
 # -- launchers ------------------------------------------------------------------------------------
@@ -304,27 +392,48 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = expert_ids[t, j]:
-    [T, H] in x's dtype (see the layouts at the top and reference.fused_moe_reference)."""
+    """out[t] = sum_j weights[t, j] * down_e(act(gate_e(x[t]), up_e(x[t]))), e = expert_ids[t, j]:
+    [T, H] in x's dtype. `activation` "silu" is silu(gate) * up; "swiglu_oai" GPT-OSS's clamped
+    SwiGLU (`swiglu_alpha`, `swiglu_limit`); the projections add `w13_bias` [E, 2I] and `w2_bias`
+    [E, H] when given (see the layouts at the top and reference.fused_moe_reference)."""
     hidden, inter = _check_moe_args(x, w13, w2, weights, expert_ids)
-    num_tokens, top_k = expert_ids.shape
+    num_experts, num_tokens, top_k = w13.shape[0], *expert_ids.shape
+    _check_bias("w13_bias", w13_bias, x, (num_experts, 2 * inter))
+    _check_bias("w2_bias", w2_bias, x, (num_experts, hidden))
+    _check_activation(activation, swiglu_alpha, swiglu_limit)
+    _check_devices(
+        x, w13=w13, w2=w2, weights=weights, expert_ids=expert_ids, w13_bias=w13_bias, w2_bias=w2_bias
+    )
     if num_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
     num_pairs = num_tokens * top_k
-    block_m = _block_m(num_pairs, w13.shape[0])
-    sorted_pair_ids, block_expert_ids, num_valid_rows = align_by_expert(expert_ids, w13.shape[0], block_m)
+    block_m = _block_m(num_pairs, num_experts)
+    sorted_pair_ids, block_expert_ids, num_valid_rows = align_by_expert(expert_ids, num_experts, block_m)
     num_blocks = sorted_pair_ids.numel() // block_m
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     blocks = (sorted_pair_ids, block_expert_ids, num_valid_rows, num_pairs)
     sizes = {"HIDDEN": hidden, "INTER": inter, "BLOCK_M": block_m, "BLOCK_N": _BLOCK_N, "BLOCK_K": _BLOCK_K}
     upcast = triton.knobs.runtime.interpret
+    # a missing bias goes in as None (HAS_BIAS=False compiles its loads out); "silu" ignores alpha, limit
+    swiglu = (float(swiglu_alpha), float(swiglu_limit))
+    gate_up = {"TOP_K": top_k, "HAS_BIAS": w13_bias is not None, "ACTIVATION": activation}
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, _BLOCK_N))](
-        x, w13, h, *blocks, TOP_K=top_k, UPCAST=upcast, **sizes
+        x, w13, w13_bias, h, *blocks, *swiglu, UPCAST=upcast, **gate_up, **sizes
     )
     _down_kernel[(num_blocks, triton.cdiv(hidden, _BLOCK_N))](
-        h, w2, weights, y, *blocks, UPCAST=upcast, **sizes
+        h, w2, w2_bias, weights, y, *blocks, HAS_BIAS=w2_bias is not None, UPCAST=upcast, **sizes
     )
     return y.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)
