@@ -21,15 +21,17 @@ reference's ops with truncation in place of rounding to nearest, so the whole ga
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 from pagedserve.layers.moe import Expert, run_experts
 from pagedserve_kernels import moe, reference
 from torch import nn
-from transformers import GptOssConfig
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
+
+if TYPE_CHECKING:  # imported where used: transformers' modeling costs ~2 s at every collection
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
 
 TOLERANCES: dict[torch.dtype, dict[str, Any]] = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},
@@ -172,6 +174,8 @@ def deinterleave(t: torch.Tensor) -> torch.Tensor:
 def test_swiglu_oai_and_mul_matches_transformers(dtype: torch.dtype) -> None:
     """The reference's clamped SwiGLU is transformers' to the bit: the same ops in the same order,
     each rounded to the input's dtype (the transcription checked against the module's own method)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
     gate_up = (torch.randn(6, 2 * 20) * GPT_OSS_SCALE).to(dtype)
     assert_clamps_bind(deinterleave(gate_up))
     expected = transformers_apply_gate(gate_up, ALPHA, LIMIT)
@@ -183,6 +187,8 @@ def test_swiglu_oai_and_mul_matches_transformers(dtype: torch.dtype) -> None:
 
 def gpt_oss_config(hidden: int, inter: int, num_experts: int, top_k: int) -> GptOssConfig:
     """A tiny GPT-OSS config (only its experts' sizes and SwiGLU constants matter here)."""
+    from transformers import GptOssConfig
+
     config = GptOssConfig(
         hidden_size=hidden,
         intermediate_size=inter,
@@ -199,6 +205,8 @@ def build_gpt_oss_experts(
     hidden: int, inter: int, num_experts: int, top_k: int
 ) -> tuple[GptOssExperts, GptOssTopKRouter]:
     """transformers' GPT-OSS experts and router with random parameters (biases included), in float32."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
+
     config = gpt_oss_config(hidden, inter, num_experts, top_k)
     experts, router = GptOssExperts(config), GptOssTopKRouter(config)
     with torch.no_grad():
