@@ -74,8 +74,8 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
     """A random-weight checkpoint of any transformers causal-LM `config` (its class picks the
     architecture), saved as a Hugging Face directory with the default model's tokenizer. Biases are
     random too (transformers initializes them to zero, which would hide a bias never applied), so are
-    Qwen3's query and key norms (ones would hide a weight never applied) and Gemma's norms (zeros,
-    its 1 + weight), and a tied LM head is left
+    Qwen3's query and key norms (ones would hide a weight never applied), Gemma's norms (zeros,
+    its 1 + weight) and GPT-OSS's attention sinks, and a tied LM head is left
     out of the weights, as transformers saves it."""
     import torch
     from safetensors.torch import save_file
@@ -85,8 +85,10 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith((".bias", "_bias")):  # (GPT-OSS's experts' `gate_up_proj_bias`...)
                 param.normal_(0.0, 0.2)
+            elif name.endswith(".sinks"):  # GPT-OSS's: large enough to move the outputs
+                param.normal_(3.0, 2.0)
             elif name.endswith((".q_norm.weight", ".k_norm.weight")):
                 param.normal_(1.0, 0.5)
             if name.endswith("norm.weight") and type(model).__name__.startswith("Gemma"):
@@ -102,4 +104,51 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
     for name in TOKENIZER_FILES:
         if (Path(tokenizer_dir) / name).exists():
             shutil.copy(Path(tokenizer_dir) / name, dest / name)
+    return str(dest)
+
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def quantize_mxfp4(weight: object) -> tuple[object, object]:
+    """[..., in] -> MXFP4 blocks [..., in / 32, 16] and scales [..., in / 32] (uint8), as OpenAI's
+    checkpoints store them: each group of 32 scaled by a power of two so that its largest value is
+    at most 6, each value rounded to the nearest FP4 code, two codes a byte (the low nibble first)."""
+    import torch
+
+    assert isinstance(weight, torch.Tensor)
+    groups = weight.float().unflatten(-1, (-1, 32))  # [..., G, 32]
+    largest = groups.abs().amax(dim=-1).clamp(min=2.0**-126)
+    exponent = torch.ceil(torch.log2(largest / 6.0)).clamp(-127, 127)
+    lut = torch.tensor(FP4_VALUES)
+    codes = ((groups / torch.exp2(exponent)[..., None])[..., None] - lut).abs().argmin(dim=-1)
+    codes = codes.to(torch.uint8).unflatten(-1, (16, 2))
+    blocks = codes[..., 0] | (codes[..., 1] << 4)
+    return blocks.contiguous(), (exponent + 127).to(torch.uint8).contiguous()
+
+
+def save_mxfp4_gpt_oss(dest: Path, model_dir: str) -> str:
+    """`model_dir`'s GPT-OSS checkpoint (transformers' layout) with its experts' projections in MXFP4,
+    as OpenAI released gpt-oss-20b and -120b: `mlp.experts.gate_up_proj_blocks`/`_scales` [experts,
+    out, in / 32, ...] in place of `gate_up_proj` [experts, in, out] (and the down projection's
+    likewise), config.json's quantization_config saying mxfp4."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(weights.pop(name).transpose(1, 2))
+        weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks, scales
+    shutil.copytree(model_dir, dest)
+    save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
     return str(dest)

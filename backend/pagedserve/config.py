@@ -69,9 +69,7 @@ class ModelConfig:
         if not config_file.is_file():
             raise ValueError(f"model: {path!r} is not a Hugging Face model directory (no config.json)")
         hf = apply_hf_overrides(json.loads(config_file.read_text()), hf_overrides or {})
-        if hf.get("quantization_config"):  # its weights would load as garbage or not at all
-            method = hf["quantization_config"].get("quant_method", "?")
-            raise ValueError(f"model: config.json's quantization_config ({method}) is not supported")
+        check_quantization(hf)
         hf = text_decoder_config(hf)
         num_heads = hf["num_attention_heads"]
         architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
@@ -239,6 +237,7 @@ _WINDOW_ON_UNLESS_OFF = (
     "Phi3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "GptOssForCausalLM",
 )
 _WINDOW_OFF_UNLESS_ON = (
     "Qwen2ForCausalLM",
@@ -254,15 +253,35 @@ _WINDOW_IN_SOME_LAYERS = (
     "Qwen2MoeForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "GptOssForCausalLM",
 )
 # where config.json has no `sliding_window` key, transformers' config class default
-_DEFAULT_WINDOW = {"MistralForCausalLM": 4096, "Gemma2ForCausalLM": 4096, "Gemma3ForCausalLM": 4096}
+_DEFAULT_WINDOW = {
+    "MistralForCausalLM": 4096,
+    "Gemma2ForCausalLM": 4096,
+    "Gemma3ForCausalLM": 4096,
+    "GptOssForCausalLM": 128,
+}
+
+
+def check_quantization(hf: dict[str, Any]) -> None:
+    """Quantized weights would load as garbage or not at all, but GPT-OSS's MXFP4 experts, which
+    `models.gpt_oss` dequantizes on load."""
+    if not hf.get("quantization_config"):
+        return
+    method = hf["quantization_config"].get("quant_method", "?")
+    if not (method == "mxfp4" and (hf.get("architectures") or [""])[0] == "GptOssForCausalLM"):
+        raise ValueError(
+            f"model: config.json's quantization_config ({method}) is not supported "
+            "(GPT-OSS's mxfp4 is, dequantized on load)"
+        )
 
 
 def layer_windows(hf: dict[str, Any], architecture: str) -> list[int]:
     """Each layer's sliding window (0: none), as transformers' attention of the architecture reads
-    config.json: Mistral, Mixtral and Phi-3 slide every layer by `sliding_window`; Gemma 2 and 3 the
-    layers `layer_types` names (by default every other one, five of every six); Qwen2, Qwen2-MoE,
+    config.json: Mistral, Mixtral and Phi-3 slide every layer by `sliding_window`; Gemma 2 and 3 and
+    GPT-OSS the layers `layer_types` names (by default every other one, five of every six in Gemma 3;
+    GPT-OSS's window 128 unless config.json names one); Qwen2, Qwen2-MoE,
     Qwen3 and SmolLM3 the layers `layer_types` names (by default Qwen2's from `max_window_layers` on,
     Qwen2-MoE's every other one below it, SmolLM3's layers without rotary) and Qwen3-MoE every layer,
     only under `use_sliding_window` (their checkpoints carry a window they do not use).
@@ -285,10 +304,10 @@ def layer_windows(hf: dict[str, Any], architecture: str) -> list[int]:
 
 def default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
     """transformers' `layer_types` where config.json has none (Qwen2Config, Qwen3Config, SmolLM3Config;
-    Gemma2Config and Gemma3TextConfig: every other layer, every `sliding_window_pattern`-th (6) full,
-    the others sliding)."""
-    if architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
-        pattern = 2 if architecture == "Gemma2ForCausalLM" else hf.get("sliding_window_pattern", 6)
+    Gemma2Config and GptOssConfig: every other layer full; Gemma3TextConfig: every
+    `sliding_window_pattern`-th (6) full; the others sliding)."""
+    if architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"):
+        pattern = hf.get("sliding_window_pattern", 6) if architecture == "Gemma3ForCausalLM" else 2
         sliding = [bool((i + 1) % pattern) for i in range(hf["num_hidden_layers"])]
     elif architecture == "SmolLM3ForCausalLM":
         sliding = [not turns for turns in smollm3_rotary_layers(hf)]

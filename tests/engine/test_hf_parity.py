@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -44,11 +45,12 @@ class NearTieDivergence(UserWarning):
 
 
 def hf_greedy(
-    model_dir: str, prompts: list[list[int]], max_new_tokens: int
+    model_dir: str, prompts: list[list[int]], max_new_tokens: int, **load: Any
 ) -> tuple[object, list[list[int]]]:
+    """transformers' float32 greedy tokens (`load`: more of from_pretrained's arguments)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load).eval()
     # no EOS at all (like ignore_eos): the model's own generation config would stop at it
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     model.generation_config = config

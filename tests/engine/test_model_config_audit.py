@@ -26,11 +26,12 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.layers.rotary import RotaryEmbedding
 from test_compile import decode_layers_available
 from test_hf_parity import assert_greedy_equal, hf_greedy
-from tiny_models import save_tiny_model
+from tiny_models import save_mxfp4_gpt_oss, save_tiny_model
 from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
+    GptOssConfig,
     GraniteConfig,
     GraniteMoeConfig,
     MistralConfig,
@@ -104,6 +105,7 @@ NOT_DECODE_LAYERS = {
     "qwen2-moe-shared-expert-dense-layer-0",
     "qwen3-moe-norm-topk",
     "granitemoe-tied-biases",
+    "gpt-oss-sinks-clamped-experts",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
@@ -112,6 +114,22 @@ GEMMA3 = {"head_dim": 16, "query_pre_attn_scalar": 10, "sliding_window": 24, "sl
 GEMMA2 = {"head_dim": 16, "query_pre_attn_scalar": 10, "sliding_window": 24}
 # a few small experts, for tests of what a Qwen MoE config says of other things
 SMALL_MOE = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 16}
+# a tiny GPT-OSS: 2 of 4 experts a token, YaRN as its checkpoints carry it (truncate false; 4x a
+# pretraining length of 256 here)
+GPT_OSS = {
+    "head_dim": 16,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 256,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "rope_theta": 150000.0,
+    },
+}
 
 
 def as_transformers_4(config: dict[str, Any]) -> None:
@@ -299,6 +317,13 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         ),
         None,
     ),
+    # OpenAI's GPT-OSS: biases on all four attention projections, a sink logit a head (drawn large
+    # by save_tiny_model), layer 0 sliding by 24; experts with biases, their SwiGLU clamped at 2 (the
+    # clamps bind here) and its alpha away from 1.702; the config as OpenAI's (rope_scaling, rope_theta)
+    "gpt-oss-sinks-clamped-experts": (
+        lambda: GptOssConfig(**TINY, **GPT_OSS, sliding_window=24, swiglu_limit=2.0, swiglu_alpha=1.2),
+        as_transformers_4,
+    ),
     # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
     "smollm3-nope-layer-1": (lambda: SmolLM3Config(**TINY, no_rope_layers=[1, 0]), None),
     "smollm3-nope-by-default": (
@@ -403,6 +428,7 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
         "qwen2-window-48-layer-1",  # (a Qwen2 beside its window)
         "gemma3",
         "qwen2-moe-shared-expert-dense-layer-0",
+        "gpt-oss-sinks-clamped-experts",
     ],
 )
 def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str], name: str) -> None:
@@ -456,6 +482,65 @@ def test_dropping_the_rope_scaling_changes_transformers_outputs(
         model_dir = variant_dir(name)
         plain = with_config(tmp_path / name, model_dir, without)
         assert hf_greedy(plain, prompts, 4)[1] != hf_greedy(model_dir, prompts, 4)[1], name
+
+
+# --- GPT-OSS's experts in MXFP4, as OpenAI released its checkpoints -------------------------------
+
+
+def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(
+    variant_dir: Callable[[str], str], tmp_path: Path
+) -> None:
+    """The experts' projections in MXFP4 (`*_blocks`, `*_scales`): our float32 tokens and logprobs on
+    them are transformers' on the same files, dequantized on load (its CPU path, Mxfp4Config)."""
+    from transformers import Mxfp4Config
+
+    model_dir = save_mxfp4_gpt_oss(tmp_path / "mxfp4", variant_dir("gpt-oss-sinks-clamped-experts"))
+    prompts = long_prompts()
+    model, theirs = hf_greedy(
+        model_dir, prompts, MAX_TOKENS, quantization_config=Mxfp4Config(dequantize=True)
+    )
+    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    ours = [r.outputs[0] for r in llm.generate(prompts, params)]
+    assert_greedy_equal(model, prompts, [o.token_ids for o in ours], theirs)
+    for prompt, completion in zip(prompts, ours):
+        expected = float(hf_logprobs(model, prompt, completion.token_ids)[0].sum())
+        assert completion.cumulative_logprob == pytest.approx(expected, abs=1e-3)
+
+
+def test_mxfp4_blocks_without_their_scales_are_refused_naming_them(
+    variant_dir: Callable[[str], str], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model_dir = Path(save_mxfp4_gpt_oss(tmp_path / "mxfp4", variant_dir("gpt-oss-sinks-clamped-experts")))
+    weights = load_file(str(model_dir / "model.safetensors"))
+    del weights["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(weights, str(model_dir / "model.safetensors"))
+    with pytest.raises(
+        ValueError, match=r"'model.layers.1.mlp.experts.down_proj_blocks' has no MXFP4 blocks or scales"
+    ):
+        LLM(model=str(model_dir), dtype="float32", num_kv_blocks=8)
+
+
+def test_mxfp4_dequantizes_as_transformers_does() -> None:
+    """Every code, under scales from tiny to huge: the same bfloat16 values as transformers'
+    conversion (which then transposes to its layout)."""
+    from pagedserve.models.gpt_oss import dequantize_mxfp4
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 5, 4, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(100, 155, (3, 5, 4), dtype=torch.uint8, generator=generator)
+    ours = dequantize_mxfp4(blocks, scales)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (3, 5, 128)
+    torch.testing.assert_close(
+        ours, convert_moe_packed_tensors(blocks, scales).transpose(1, 2), rtol=0, atol=0
+    )
+    with pytest.raises(ValueError, match="MXFP4 blocks and scales are uint8"):
+        dequantize_mxfp4(blocks.int(), scales)
+    with pytest.raises(ValueError, match=r"do not match: \(3, 5, 4, 16\), \(3, 5, 3\)"):
+        dequantize_mxfp4(blocks, scales[..., :3])
 
 
 # --- a multimodal checkpoint's text decoder --------------------------------------------------------
@@ -699,6 +784,10 @@ def test_a_max_model_len_past_the_positions_is_refused_naming_it(tmp_path: Path)
             drop("layer_types"),
             [0, 0, 0, 0],
         ),
+        # GPT-OSS: every other layer from the first, by layer_types or by default, 128 by default
+        (GptOssConfig(**TINY, **GPT_OSS, sliding_window=32), None, [32, 0]),
+        (GptOssConfig(**{**TINY, "num_hidden_layers": 4}, **GPT_OSS), drop("layer_types"), [128, 0, 128, 0]),
+        (GptOssConfig(**TINY, **GPT_OSS), drop("sliding_window"), [128, 0]),
     ],
     ids=[
         "qwen2-layer-1-slides",
@@ -729,6 +818,9 @@ def test_a_max_model_len_past_the_positions_is_refused_naming_it(tmp_path: Path)
         "qwen3-moe-use-unset",
         "qwen2-moe-every-other-layer-below-max-window-layers",
         "qwen2-moe-use-unset",
+        "gpt-oss",
+        "gpt-oss-default-layer-types",
+        "gpt-oss-default-window",
     ],
 )
 def test_the_window_applies_where_transformers_slides_a_layer(
@@ -859,6 +951,11 @@ def test_rotary_tables_equal_transformers(
             lambda c: c.update(quantization_config={"quant_method": "gptq", "bits": 4}),
             r"quantization_config \(gptq\) is not supported",
         ),
+        # (GPT-OSS's experts alone are read from MXFP4)
+        (
+            lambda c: c.update(quantization_config={"quant_method": "mxfp4"}),
+            r"quantization_config \(mxfp4\) is not supported \(GPT-OSS's mxfp4 is",
+        ),
         (
             lambda c: c.update(rope_parameters={"rope_type": "linear", "rope_theta": 1e4}),
             r"rope scaling \(linear\) needs a numeric factor, got None",
@@ -912,6 +1009,7 @@ def test_rotary_tables_equal_transformers(
         "dynamic-ntk",
         "gelu",
         "quantized",
+        "mxfp4-beyond-gpt-oss",
         "linear-without-factor",
         "yarn-factor-not-a-number",
         "phi3-longrope-factors",

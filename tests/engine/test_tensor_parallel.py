@@ -214,10 +214,22 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
                 "mlp_only_layers": [1],
             },
         ),
+        # GPT-OSS: each rank's heads' sinks; each rank's share of every expert's biased, clamped
+        # SwiGLU, the down projections' biases added once (by rank 0); layer 0 sliding
+        (
+            "GptOssConfig",
+            {
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "sliding_window": 12,
+                "swiglu_limit": 2.0,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
     ],
-    ids=["phi3", "granite", "gemma3", "qwen2-moe"],
+    ids=["phi3", "granite", "gemma3", "qwen2-moe", "gpt-oss"],
 )
-def test_tp2_phi3_granite_gemma3_and_qwen2_moe_match_single_rank(
+def test_tp2_phi3_granite_gemma3_and_moes_match_single_rank(
     tmp_path: Path,
     default_model_dir: str,
     prompts: list[list[int]],

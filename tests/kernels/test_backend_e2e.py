@@ -118,6 +118,41 @@ def test_experts_in_the_triton_kernel_equal_the_torch_dispatch(
 
 
 @pytest.mark.timeout(600)
+def test_gpt_oss_in_the_triton_kernels_equals_the_torch_backend(
+    default_model_dir: str, device: torch.device, tmp_path: Path
+) -> None:
+    """GPT-OSS beside the Triton backend: its sinks in the attention kernels (layer 0 sliding by 8,
+    inside the prompts), its experts' biases and clamped SwiGLU in `fused_moe`: the torch backend's
+    tokens."""
+    from pagedserve.layers.moe import SparseMoeBlock
+    from tiny_models import build_tiny_llama
+
+    model_dir = build_tiny_llama(
+        tmp_path / "gpt-oss",
+        default_model_dir,
+        config_class="GptOssConfig",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        swiglu_limit=2.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+    )
+    prompts = [list(range(100, 121)), list(range(900, 907)), [5]]  # (short: the interpreter is slow)
+
+    def tokens(backend: str) -> tuple[list[list[int]], list[SparseMoeBlock]]:
+        llm = LLM(
+            model=model_dir, dtype="float32", device=str(device), attention_backend=backend, num_kv_blocks=16
+        )
+        model = llm.engine.executor.worker.model_runner.model
+        return greedy_token_ids(llm, prompts), [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+    expected, _ = tokens("torch")
+    actual, blocks = tokens("triton")
+    assert all(b.w13_bias is not None and b.w2_bias is not None for b in blocks) and len(blocks) == 2
+    assert actual == expected
+
+
+@pytest.mark.timeout(600)
 def test_triton_backend_verifies_drafts_as_decode_rows(
     tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

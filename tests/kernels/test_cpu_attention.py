@@ -429,7 +429,9 @@ def prefill_and_its_calls(
 ) -> tuple[torch.Tensor, dict[str, int]]:
     """The backend's prefill attention, and the ops it called (name -> count)."""
     with torch.profiler.profile() as prof:
-        out = backend.prefill(query, cache.k_cache, cache.v_cache, metadata, 0.125, window=0, softcap=0.0)
+        out = backend.prefill(
+            query, cache.k_cache, cache.v_cache, metadata, 0.125, window=0, softcap=0.0, sinks=None
+        )
     return out, {event.key: event.count for event in prof.key_averages()}
 
 

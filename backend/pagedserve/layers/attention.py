@@ -25,6 +25,8 @@ from pagedserve_kernels import cpu as cpu_kernels
 from pagedserve_kernels import reference
 from torch import nn
 
+from pagedserve.distributed import get_tp_rank
+
 logger = logging.getLogger(__name__)
 
 
@@ -54,7 +56,8 @@ class AttentionMetadata:
 
 class AttentionBackend(abc.ABC):
     """Paged attention of a layer whose queries see the last `window` positions (0: all of them),
-    its scores soft-capped by `softcap` (0: none)."""
+    its scores soft-capped by `softcap` (0: none), each query head's softmax joined by its logit in
+    `sinks` (float32 [heads]; None: none; GPT-OSS's attention sinks)."""
 
     name: str
 
@@ -78,6 +81,7 @@ class AttentionBackend(abc.ABC):
         scale: float,
         window: int,
         softcap: float,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         """[num_decodes, heads, head_dim] queries over the decode sequences' paged context."""
 
@@ -91,6 +95,7 @@ class AttentionBackend(abc.ABC):
         scale: float,
         window: int,
         softcap: float,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         """The packed prefill tokens' queries, causal over their paged context."""
 
@@ -144,6 +149,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         window: int,
         softcap: float,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         if self.cpu_kernels:
             return cpu_kernels.paged_attention_decode(
@@ -155,6 +161,7 @@ class TorchAttentionBackend(AttentionBackend):
                 scale,
                 window=window,
                 softcap=softcap,
+                sinks=sinks,
             )
         if window not in metadata.decode_key_masks:
             num_blocks = -(-metadata.max_decode_context_len // k_cache.shape[1])
@@ -172,6 +179,7 @@ class TorchAttentionBackend(AttentionBackend):
             key_mask=metadata.decode_key_masks[window],
             window=window,
             softcap=softcap,
+            sinks=sinks,
         )
 
     def prefill(
@@ -183,6 +191,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         window: int,
         softcap: float,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         if self._prefill_in_kernel(query.dtype, query.shape[-1]):
             return cpu_kernels.paged_attention_prefill(
@@ -195,6 +204,7 @@ class TorchAttentionBackend(AttentionBackend):
                 scale,
                 window=window,
                 softcap=softcap,
+                sinks=sinks,
             )
         if window not in metadata.prefill_batches:
             metadata.prefill_batches[window] = reference.plan_prefill_batch(
@@ -215,6 +225,7 @@ class TorchAttentionBackend(AttentionBackend):
             batch=metadata.prefill_batches[window],
             window=window,
             softcap=softcap,
+            sinks=sinks,
         )
 
 
@@ -246,6 +257,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         window: int,
         softcap: float,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         return self._attention.paged_attention_decode(
             query,
@@ -257,6 +269,7 @@ class TritonAttentionBackend(AttentionBackend):
             max_context_len=metadata.max_decode_context_len,
             window=window,
             softcap=softcap,
+            sinks=sinks,
         )
 
     def prefill(
@@ -268,6 +281,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         window: int,
         softcap: float,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         return self._attention.paged_attention_prefill(
             query,
@@ -280,6 +294,7 @@ class TritonAttentionBackend(AttentionBackend):
             max_query_len=metadata.max_prefill_query_len,
             window=window,
             softcap=softcap,
+            sinks=sinks,
         )
 
 
@@ -330,14 +345,21 @@ class Attention(nn.Module):
         scale: float | None = None,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: bool = False,
     ) -> None:
         """`scale` multiplies q.k: 1 / sqrt(head_dim) unless the model names its own (Granite's).
         `window`: a query sees the last `window` positions alone (a sliding window; 0, all).
-        `softcap` c: each score s becomes c * tanh(s / c) (Gemma 2's soft-capping; 0, none)."""
+        `softcap` c: each score s becomes c * tanh(s / c) (Gemma 2's soft-capping; 0, none).
+        `sinks`: a learned logit a query head (the parameter `sinks`, this rank's `num_heads` of
+        them) joins each softmax with no value (GPT-OSS's attention sinks)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.window, self.softcap = window, softcap
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
+            self.sinks.weight_loader = self._sinks_loader  # type: ignore[attr-defined]
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         # Its place among the model's layers, for the compiled pass's op. A tensor, not an int: dynamo
@@ -345,6 +367,11 @@ class Attention(nn.Module):
         # (`ModelRunner._compile`) serves all of them; a buffer is a graph input. On the CPU whatever
         # the model's device, so that the op reads it without a device sync.
         self.register_buffer("layer_index", torch.tensor(layer_index, device="cpu"), persistent=False)
+
+    def _sinks_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """This rank's query heads' sinks (heads split across ranks in order)."""
+        start = get_tp_rank() * self.num_heads
+        param.data.copy_(loaded.narrow(0, start, self.num_heads))
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
@@ -365,7 +392,9 @@ class Attention(nn.Module):
         )
         k_cache, v_cache = self.kv_cache
         self.backend.write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
-        num_decodes, scale, limits = metadata.num_decodes, self.scale, (self.window, self.softcap)
+        # (the sinks stay float32 whatever the model's dtype: the kernels take them so)
+        sinks = None if self.sinks is None else self.sinks.float()
+        num_decodes, scale, limits = metadata.num_decodes, self.scale, (self.window, self.softcap, sinks)
         if metadata.num_prefills == 0:
             out = self.backend.decode(q, k_cache, v_cache, metadata, scale, *limits)
         else:

@@ -298,11 +298,9 @@ class RowParallelLinear(LinearBase):
         self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True
     ) -> None:
         """`reduce_results=False` leaves each rank its partial sums, for a caller that adds several
-        layers' before one all-reduce (the experts of `layers.moe`); it takes no bias (each rank
-        would add it)."""
+        layers' before one all-reduce (the experts of `layers.moe`); rank 0 alone adds the bias to
+        its partial sums then, so that the sum holds it once."""
         super().__init__()
-        if bias and not reduce_results:
-            raise ValueError("a row-parallel layer whose results are not reduced takes no bias")
         self.reduce_results = reduce_results
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
         if input_size % self.tp_size:
@@ -326,7 +324,7 @@ class RowParallelLinear(LinearBase):
         if self.lora is not None:  # this rank's share of the update, summed with the product's
             out = self.lora.add_to(x, out)
         if not self.reduce_results:
-            return out
+            return out if self.bias is None or self.tp_rank else out + self.bias
         out = all_reduce(out)
         return out if self.bias is None else out + self.bias
 
@@ -335,10 +333,10 @@ class ReplicatedLinear(LinearBase):
     """A whole weight [out, in] on every rank, for small layers every rank needs whole (a mixture of
     experts' router)."""
 
-    def __init__(self, input_size: int, output_size: int) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = _param(output_size, input_size)
-        self.bias = None
+        self.bias = _param(output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
+        return self.matmul(x, self.bias)

@@ -1,8 +1,8 @@
-"""Mixture-of-experts MLPs (Mixtral, Granite MoE, Qwen2-MoE, Qwen3-MoE). A router scores every
-expert for each token; the token goes through its `top_k` best, and its output is their outputs
+"""Mixture-of-experts MLPs (Mixtral, Granite MoE, Qwen2-MoE, Qwen3-MoE, GPT-OSS). A router scores
+every expert for each token; the token goes through its `top_k` best, and its output is their outputs
 weighted by the router's probabilities (softmax over all experts, then the top k, renormalized to
 sum to one where the model says so). Qwen2-MoE adds a shared expert every token goes through, scaled
-by a sigmoid gate.
+by a sigmoid gate. GPT-OSS biases the router and the experts, and clamps its SwiGLU (`Experts`).
 
 Experts are tensor-parallel as the dense MLP is: every rank holds each expert's share of the
 intermediate features (gate and up column-parallel, down row-parallel), sums its partial outputs,
@@ -23,10 +23,12 @@ A compiled forward pass leaves the dispatch out of its graph, as one opaque op
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from dataclasses import dataclass
 
 import torch
+from pagedserve_kernels import reference
 from torch import nn
 
 from pagedserve.distributed import all_reduce
@@ -44,6 +46,11 @@ class Experts:
     # the top k probabilities scaled to sum to one (Mixtral, Granite; Qwen by norm_topk_prob)
     renormalize: bool
     shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    bias: bool = False  # GPT-OSS's: the router's, and each expert's gate/up and down projections'
+    # "silu": SwiGLU; "swiglu_oai": GPT-OSS's clamped SwiGLU (`swiglu_oai_and_mul`)
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -52,18 +59,31 @@ class Experts:
             raise ValueError(
                 f"model: config.json's num_experts_per_tok {self.top_k} must be 1 to the {self.num_experts} experts"
             )
+        if self.activation not in ("silu", "swiglu_oai"):
+            raise ValueError(f"model: experts' activation {self.activation!r} (silu or swiglu_oai)")
+        if not (self.swiglu_limit > 0 and math.isfinite(self.swiglu_limit)):
+            raise ValueError(f"model: config.json's swiglu_limit must be positive, got {self.swiglu_limit}")
 
 
 class Expert(nn.Module):
-    """A SwiGLU MLP whose output is this rank's partial sums (the block reduces them)."""
+    """A SwiGLU MLP (GPT-OSS's: clamped, biased) whose output is this rank's partial sums (the
+    block reduces them; rank 0 alone adds the down projection's bias)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, spec: Experts | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce_results=False)
+        bias = spec is not None and spec.bias
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias=bias
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, reduce_results=False)
+        self.spec = spec
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.spec is None or self.spec.activation == "silu":
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        alpha, limit = self.spec.swiglu_alpha, self.spec.swiglu_limit
+        return self.down_proj(reference.swiglu_oai_and_mul(gate_up, alpha, limit))
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,14 +126,17 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, spec: Experts) -> None:
         super().__init__()
         self.spec = spec
-        self.gate = ReplicatedLinear(hidden_size, spec.num_experts)
+        self.gate = ReplicatedLinear(hidden_size, spec.num_experts, bias=spec.bias)
         self.experts = nn.ModuleList(
-            Expert(hidden_size, spec.intermediate_size) for _ in range(spec.num_experts)
+            Expert(hidden_size, spec.intermediate_size, spec) for _ in range(spec.num_experts)
         )
         self.shared_expert = self.shared_expert_gate = None
         # every expert's gate/up [E, 2I, H] and down [E, H, I] weights, once `stack_experts` ran
         self.w13: nn.Parameter | None = None
         self.w2: nn.Parameter | None = None
+        # and their biases [E, 2I], [E, H] (GPT-OSS's; w2's on rank 0 alone, as `Expert` adds it)
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
         if spec.shared_intermediate_size:
             self.shared_expert = Expert(hidden_size, spec.shared_intermediate_size)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
@@ -127,8 +150,12 @@ class SparseMoeBlock(nn.Module):
         """The experts' weights (this rank's shards) as two stacked tensors for the Triton kernel;
         the per-expert layers go (their weights would be a second copy)."""
         experts: list[Expert] = list(self.experts)  # type: ignore[arg-type]
-        self.w13 = nn.Parameter(torch.stack([e.gate_up_proj.weight for e in experts]), requires_grad=False)
-        self.w2 = nn.Parameter(torch.stack([e.down_proj.weight for e in experts]), requires_grad=False)
+        self.w13 = _stacked([e.gate_up_proj.weight for e in experts])
+        self.w2 = _stacked([e.down_proj.weight for e in experts])
+        if self.spec.bias:
+            self.w13_bias = _stacked([e.gate_up_proj.bias for e in experts])
+            if experts[0].down_proj.tp_rank == 0:
+                self.w2_bias = _stacked([e.down_proj.bias for e in experts])
         self.experts = nn.ModuleList()
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -136,7 +163,19 @@ class SparseMoeBlock(nn.Module):
             return run_experts(self.experts, x, weights, expert_ids)
         from pagedserve_kernels.moe import fused_moe  # (Triton: imported where it runs)
 
-        return fused_moe(x, self.w13, self.w2, weights, expert_ids)
+        spec = self.spec
+        return fused_moe(
+            x,
+            self.w13,
+            self.w2,
+            weights,
+            expert_ids,
+            w13_bias=self.w13_bias,
+            w2_bias=self.w2_bias,
+            activation=spec.activation,
+            swiglu_alpha=spec.swiglu_alpha,
+            swiglu_limit=spec.swiglu_limit,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = route(self.gate(x), self.spec.top_k, self.spec.renormalize)
@@ -148,6 +187,11 @@ class SparseMoeBlock(nn.Module):
             # the gate is a per-token scalar, the same on every rank: it scales the partial sums
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return all_reduce(out)
+
+
+def _stacked(tensors: list[torch.Tensor | None]) -> nn.Parameter:
+    assert all(t is not None for t in tensors)
+    return nn.Parameter(torch.stack(tensors), requires_grad=False)  # type: ignore[arg-type]
 
 
 # -- the torch.compile boundary (see `layers.attention`'s) ----------------------------------------

@@ -59,6 +59,7 @@ class LayerOptions:
     rotary: bool = True  # False: SmolLM3's NoPE layers, whose q and k turn by no position
     window: int = 0  # a sliding window: queries see the last `window` positions alone (0: all)
     experts: Experts | None = None  # an MLP of experts (`layers.moe`) in place of the dense one
+    sinks: bool = False  # GPT-OSS's attention sinks: a learned logit a head joins each softmax
 
 
 class LlamaAttention(nn.Module):
@@ -88,6 +89,7 @@ class LlamaAttention(nn.Module):
             layer_index,
             scale=options.scales.attention,
             window=options.window,
+            sinks=options.sinks,
         )
 
     def forward(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:

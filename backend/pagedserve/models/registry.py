@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
+from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.llama import (
     GraniteForCausalLM,
     LlamaForCausalLM,
@@ -36,6 +37,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

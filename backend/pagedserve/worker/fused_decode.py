@@ -151,6 +151,8 @@ def _unsupported(model: torch.nn.Module, backend: object, dtype: torch.dtype) ->
                 return "a linear layer is not packed"
         if any(m.bias is not None for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             return "biases beyond qkv"
+        if attn.attn.sinks is not None:
+            return "attention sinks"
     qkv_biases = [layer.self_attn.qkv_proj.bias is not None for layer in layers]
     if any(qkv_biases) and not all(qkv_biases):
         return "qkv bias on some layers only"
