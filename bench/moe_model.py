@@ -6,9 +6,10 @@ bench/throughput.py to measure the experts' path against its peers:
 
 The default is Qwen3-30B-A3B's layout at a CPU's scale: 12 layers of 64 experts, 8 a token (its
 128 and 8), each expert's intermediate 256 wide against a hidden 768 (its 768 against 2,048), the
-default model's tokenizer and vocabulary. `--architecture` picks Mixtral's (8 experts, 2 a token) or
-Qwen2-MoE's (a shared expert too). Saved by transformers' `save_pretrained` in bfloat16, so in the
-hub's layout: a tensor per expert and projection.
+default model's tokenizer and vocabulary. `--architecture` picks Mixtral's (8 experts, 2 a token),
+Qwen2-MoE's (a shared expert too) or GPT-OSS's (32 experts, 4 a token). Saved by transformers'
+`save_pretrained` in bfloat16, so in the hub's layout: a tensor per expert and projection (GPT-OSS's
+stacked, as its checkpoints are).
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ ARCHITECTURES = {
     "mixtral": (
         "MixtralConfig",
         {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 1024},
+    ),
+    # gpt-oss-20b's: 32 experts, 4 a token, as wide as the hidden size; biases, attention sinks, every
+    # other layer sliding by 128
+    "gpt-oss": (
+        "GptOssConfig",
+        {"num_local_experts": 32, "num_experts_per_tok": 4, "intermediate_size": 768},
     ),
 }
 

@@ -380,6 +380,21 @@ def worst_gap(model: Any, prompts: list[list[int]], outputs: list[list[int]]) ->
     return max(float(gap.max()) for gap in gaps)
 
 
+def assert_float32_matches(
+    model_dir: str, model: Any, prompts: list[list[int]], theirs: list[list[int]]
+) -> LLM:
+    """Our float32 greedy tokens are transformers' (`theirs`, by `model`), their logprobs its logprobs
+    (the logits as transformers scales them: Granite's logits_scaling). Returns our engine."""
+    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    ours = [r.outputs[0] for r in llm.generate(prompts, params)]
+    assert_greedy_equal(model, prompts, [o.token_ids for o in ours], theirs)
+    for prompt, completion in zip(prompts, ours):
+        expected = float(hf_logprobs(model, prompt, completion.token_ids)[0].sum())
+        assert completion.cumulative_logprob == pytest.approx(expected, abs=1e-3)
+    return llm
+
+
 @pytest.fixture(scope="module")
 def variant_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> Callable[[str], str]:
     built: dict[str, str] = {}
@@ -397,16 +412,9 @@ def variant_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str
 def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: str) -> None:
     model_dir, prompts = variant_dir(name), long_prompts()
     model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16)
+    llm = assert_float32_matches(model_dir, model, prompts, theirs)
     # no window caps these; linear scaling reaches its factor times the positions (vLLM's rule)
     assert llm.engine.config.model.max_model_len == (4096 if name == "llama-linear-rope" else 1024)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    ours = [r.outputs[0] for r in llm.generate(prompts, params)]
-    assert_greedy_equal(model, prompts, [o.token_ids for o in ours], theirs)
-    # the logprobs too (the logits as transformers scales them: Granite's logits_scaling)
-    for prompt, completion in zip(prompts, ours):
-        expected = float(hf_logprobs(model, prompt, completion.token_ids)[0].sum())
-        assert completion.cumulative_logprob == pytest.approx(expected, abs=1e-3)
     bf16 = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=128, block_size=16)
     gap = worst_gap(model, prompts, greedy(bf16, prompts, MAX_TOKENS))
     assert gap < BF16_GAP, f"a bfloat16 token sits {gap:.2f} below transformers' float32 best"
@@ -499,13 +507,7 @@ def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(
     model, theirs = hf_greedy(
         model_dir, prompts, MAX_TOKENS, quantization_config=Mxfp4Config(dequantize=True)
     )
-    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    ours = [r.outputs[0] for r in llm.generate(prompts, params)]
-    assert_greedy_equal(model, prompts, [o.token_ids for o in ours], theirs)
-    for prompt, completion in zip(prompts, ours):
-        expected = float(hf_logprobs(model, prompt, completion.token_ids)[0].sum())
-        assert completion.cumulative_logprob == pytest.approx(expected, abs=1e-3)
+    assert_float32_matches(model_dir, model, prompts, theirs)
 
 
 def test_mxfp4_blocks_without_their_scales_are_refused_naming_them(

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import functools
 import shutil
-from collections.abc import Callable
 from itertools import accumulate
 
 import pytest
 import torch
 from pagedserve_kernels import attention, cpu, reference
-
-from tests.kernels.test_attention import PagedCache, make_paged_cache, spy_on_decode_splits
+from test_attention import PagedCache, make_paged_cache, spy_on_decode_splits
+from test_cpu_attention import assert_as_near_as_the_reference, needs_the_prefill_kernel
 
 HEADS, KV_HEADS, BLOCK_SIZE = 6, 2, 4  # GQA: 3 query heads a KV head
 HEAD_DIM = 16
@@ -178,31 +177,6 @@ needs_a_compiler = pytest.mark.skipif(
 def built() -> None:
     """The C++ kernels, built on first use (or found in TORCH_EXTENSIONS_DIR)."""
     assert cpu.load(), "the CPU kernels failed to build: see the warning logged above"
-
-
-def needs_the_prefill_kernel() -> None:
-    if cpu.decode_isa() != "avx512_bf16":
-        pytest.skip("no AVX512-BF16 here: the bf16 prefill kernel is not built")
-
-
-def assert_as_near_as_the_reference(
-    out: torch.Tensor,
-    reference_fn: Callable[..., torch.Tensor],
-    query: torch.Tensor,
-    cache: PagedCache,
-    tail: tuple[object, ...],
-    rounds_weights: bool = False,
-) -> None:
-    """float32: within 1e-5 of the reference. bfloat16, float16: no further off the reference run in
-    float32 on the same inputs than the reference's own low-precision result, plus 1e-3 (and, where
-    the kernel rounds the softmax weights to bfloat16 for P V as flash attention does, 2^-9 max|V|)."""
-    exact = reference_fn(query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail)
-    if query.dtype == torch.float32:
-        torch.testing.assert_close(out, exact, atol=1e-5, rtol=1e-5)
-        return
-    theirs = (reference_fn(query, cache.k_cache, cache.v_cache, *tail).float() - exact).abs().max().item()
-    slack = 1e-3 + (2**-9 * cache.v_cache.float().abs().max().item() if rounds_weights else 0.0)
-    assert (out.float() - exact).abs().max().item() <= theirs + slack
 
 
 # contexts across a block, the generic path's 16-token chunks and the AVX512-BF16 path's 256-token tile

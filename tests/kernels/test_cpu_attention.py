@@ -75,16 +75,18 @@ def assert_as_near_as_the_reference(
     query: torch.Tensor,
     cache: PagedCache,
     tail: tuple[object, ...],
+    rounds_weights: bool = False,
 ) -> None:
     """float32: within 1e-5 of the reference; bf16, fp16: no further off the reference run in float32
-    on the same inputs than the reference's own low-precision result (plus 1e-3)."""
+    on the same inputs than the reference's own low-precision result, plus 1e-3 (and, where the
+    kernel rounds the softmax weights to bfloat16 for P V as flash attention does, 2^-9 max|V|)."""
     exact = reference_fn(query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail)
     if query.dtype == torch.float32:
         torch.testing.assert_close(out, exact, atol=1e-5, rtol=1e-5)
         return
-    ours = (out.float() - exact).abs().max().item()
-    theirs = reference_fn(query, cache.k_cache, cache.v_cache, *tail).float() - exact
-    assert ours <= theirs.abs().max().item() + 1e-3
+    theirs = (reference_fn(query, cache.k_cache, cache.v_cache, *tail).float() - exact).abs().max().item()
+    slack = 1e-3 + (2**-9 * cache.v_cache.float().abs().max().item() if rounds_weights else 0.0)
+    assert (out.float() - exact).abs().max().item() <= theirs + slack
 
 
 # bf16 decode at Phi-3's head size 96 (2 heads a pass: GQA 3 leaves a pass of 1) and Gemma's 256 (1
