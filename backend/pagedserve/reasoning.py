@@ -1,6 +1,7 @@
 """Reasoning content as vLLM's `--reasoning-parser` separates it: what a thinking model (Qwen3,
 DeepSeek-R1, QwQ) writes between `<think>` and `</think>` leaves as `reasoning_content`, the rest as
 the answer. Both parsers read the same tags; their names are vLLM's, so deployments carry over.
+`openai_gptoss` reads GPT-OSS's harmony format instead (`HarmonyParser`).
 
 A completion starts inside its reasoning when it begins with `<think>`, or when the prompt left a
 think block open (Qwen3-Thinking's and DeepSeek-R1's templates end the prompt with `<think>`, so
@@ -11,8 +12,11 @@ from __future__ import annotations
 
 from pagedserve.tool_calls import partial_suffix
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "openai_gptoss", "qwen3")
 START, END = "<think>", "</think>"
+# GPT-OSS's harmony format: its special tokens, kept in the text the parser reads
+HARMONY_CHANNEL, HARMONY_MESSAGE = "<|channel|>", "<|message|>"
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 
 
 def prompt_opens_reasoning(prompt_tail: str) -> bool:
@@ -59,6 +63,72 @@ class ReasoningParser:
         """At the completion's end: what was held back."""
         rest, self._pending = self._pending, ""
         return (rest, "") if self._state == "reasoning" else ("", rest)
+
+
+class HarmonyParser:
+    """GPT-OSS's completion in OpenAI's harmony format, its special tokens kept in the text: messages
+
+        [<|start|>assistant]<|channel|>CHANNEL[ to=RECIPIENT][ <|constrain|>TYPE]<|message|>BODY<|end|>
+
+    (the prompt opens the first one with `<|start|>assistant`; the last ends with `<|return|>`, the
+    EOS, left out of the text, or `<|call|>`). The bodies of `analysis` messages are reasoning, the
+    others' (`final`, `commentary`) content; the headers and ends are dropped. Text that opens with
+    no header (a model that does not write harmony) is content. What may be the beginning of a
+    header or an end is held back until it is one or is not."""
+
+    def __init__(self) -> None:
+        self._channel: str | None = None  # the message being read; None: between messages
+        self._pending = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._pending += text
+        reasoning: list[str] = []
+        content: list[str] = []
+        while self._pending:
+            if self._channel is None:
+                if not self._read_header():
+                    break
+                continue
+            ends = [(i, tag) for tag in HARMONY_ENDS if (i := self._pending.find(tag)) >= 0]
+            body = reasoning if self._channel == "analysis" else content
+            if not ends:
+                keep = max(partial_suffix(self._pending, tag) for tag in HARMONY_ENDS)
+                body.append(self._pending[: len(self._pending) - keep])
+                self._pending = self._pending[len(self._pending) - keep :]
+                break
+            end, tag = min(ends)
+            body.append(self._pending[:end])
+            self._pending, self._channel = self._pending[end + len(tag) :], None
+        return "".join(reasoning), "".join(content)
+
+    def _read_header(self) -> bool:
+        """Past a whole header, its channel set; False while one is begun but not ended."""
+        head = self._pending.lstrip()
+        if not head.startswith("<|") and not "<|".startswith(head):
+            self._channel = "final"  # no harmony: the text is the answer
+            return True
+        end = self._pending.find(HARMONY_MESSAGE)
+        if end < 0:
+            return False
+        header = self._pending[:end]
+        after = header.rfind(HARMONY_CHANNEL)
+        channel = header[after + len(HARMONY_CHANNEL) :].split("<|")[0].split(" ")[0] if after >= 0 else ""
+        self._channel = channel or "final"
+        self._pending = self._pending[end + len(HARMONY_MESSAGE) :]
+        return True
+
+    def finish(self) -> tuple[str, str]:
+        """At the completion's end: a body held back is its channel's; a header cut short is dropped."""
+        rest, self._pending = self._pending, ""
+        if self._channel is None:
+            return "", ""
+        return (rest, "") if self._channel == "analysis" else ("", rest)
+
+
+def new_parser(name: str, open_at_start: bool) -> ReasoningParser | HarmonyParser:
+    """The `--reasoning-parser` `name`'s parser for one completion (`open_at_start`: see
+    `ReasoningParser`; harmony's messages say their channel themselves)."""
+    return HarmonyParser() if name == "openai_gptoss" else ReasoningParser(open_at_start)
 
 
 def split_reasoning(text: str, open_at_start: bool = False) -> tuple[str, str]:

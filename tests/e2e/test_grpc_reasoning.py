@@ -161,3 +161,66 @@ def test_a_beam_searchs_beams_are_each_split_as_a_completion(server: InProcessSe
     assert [b.index for b in beams] == [0, 1, 2] and [b.text for b in beams] == ["", "", ""]
     assert [b.reasoning_content for b in beams] == [u.text for u in unparsed]
     assert len({b.reasoning_content for b in beams}) == 3 and all(u.text.strip() for u in unparsed)
+
+
+# --- GPT-OSS's harmony messages: --reasoning-parser openai_gptoss ------------------------------------
+
+# gpt-oss's template ends the prompt with `<|start|>assistant`; the model writes the channels
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+HARMONY = (
+    "<|channel|>analysis<|message|>Paris is in France.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>It is sunny in Paris."
+)
+
+
+@pytest.fixture(scope="module")
+def harmony_server(tiny_llama_dir: str) -> Iterator[InProcessServer]:
+    srv = InProcessServer(
+        tiny_llama_dir,
+        provider=None,
+        enforce_eager=True,
+        num_kv_blocks=64,
+        chat_template=HARMONY_TEMPLATE,
+        reasoning_parser="openai_gptoss",
+    ).start()
+    yield srv
+    srv.stop()
+
+
+def test_harmonys_analysis_channel_leaves_as_reasoning_and_its_final_channel_as_text(
+    harmony_server: InProcessServer,
+) -> None:
+    """The model writes every token of the messages (a forced `choice`; in this tokenizer harmony's
+    markers are plain text, in gpt-oss's special tokens, which the server keeps in a chat's text for
+    the parser: the test below). The reasoning streams before the answer; a text prompt is not parsed."""
+    responses = list(harmony_server.stub.Generate(request(forced=HARMONY), timeout=120))
+    assert "".join(r.reasoning_content for r in responses) == "Paris is in France."
+    assert "".join(r.text for r in responses) == "It is sunny in Paris."
+    answer_starts = next(i for i, r in enumerate(responses) if r.text)
+    assert not any(r.reasoning_content for r in responses[answer_starts:])
+    sampling = pb.SamplingParameters(temperature=0.0, max_tokens=160)
+    sampling.structured_outputs.choice.choices.append(HARMONY)
+    [completion] = harmony_server.stub.Complete(
+        pb.GenerateRequest(text="Hello", sampling=sampling), timeout=120
+    ).completions
+    assert (completion.text, completion.reasoning_content) == (HARMONY, "")
+
+
+def test_a_chat_under_the_harmony_parser_keeps_its_special_tokens_in_the_text() -> None:
+    """gpt-oss's harmony markers are special tokens: skipped from the text (the default), the parser
+    would see none. A chat's (beam search's too) are kept under openai_gptoss alone."""
+    from pagedserve.rpc import convert
+    from pagedserve.sampling_params import SamplingParams
+
+    chat = pb.GenerateRequest(messages=pb.ChatMessages(messages=[QUESTION]))
+    params = SamplingParams(max_tokens=8)
+    assert params.skip_special_tokens
+    kept = convert.keep_harmony_tokens(chat, params, "openai_gptoss")
+    assert not kept.skip_special_tokens and kept.max_tokens == 8
+    assert convert.keep_harmony_tokens(chat, params, "qwen3").skip_special_tokens
+    assert convert.keep_harmony_tokens(
+        pb.GenerateRequest(text="Hi"), params, "openai_gptoss"
+    ).skip_special_tokens

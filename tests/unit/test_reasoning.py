@@ -4,12 +4,12 @@ is cut, the tags dropped, nothing else lost. The gRPC end of it: tests/e2e/test_
 from __future__ import annotations
 
 import pytest
-from pagedserve.reasoning import ReasoningParser, prompt_opens_reasoning, split_reasoning
+from pagedserve.reasoning import HarmonyParser, ReasoningParser, prompt_opens_reasoning, split_reasoning
 
 THOUGHT = "<think>\nThe user wants 2 + 2.\n</think>\n\nIt is 4."
 
 
-def run(parser: ReasoningParser, pieces: list[str]) -> list[tuple[str, str]]:
+def run(parser: ReasoningParser | HarmonyParser, pieces: list[str]) -> list[tuple[str, str]]:
     return [parser.feed(piece) for piece in pieces] + [parser.finish()]
 
 
@@ -68,3 +68,60 @@ def test_the_prompts_last_block_decides_whether_it_is_open() -> None:
     assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking off
     assert not prompt_opens_reasoning("<|im_start|>assistant\n")
     assert prompt_opens_reasoning("</think> earlier turn <think>")
+
+
+# --- GPT-OSS's harmony messages (--reasoning-parser openai_gptoss) ---------------------------------
+
+# as gpt-oss writes a completion after its template's `<|start|>assistant`: a message on the analysis
+# channel, then one on the final channel (the closing <|return|> is the EOS, out of the text)
+HARMONY = (
+    "<|channel|>analysis<|message|>The user wants 2 + 2.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>It is 4."
+)
+
+
+def test_harmony_analysis_is_reasoning_and_final_is_content_wherever_the_stream_is_cut() -> None:
+    expected = ("The user wants 2 + 2.", "It is 4.")
+    for cut in range(len(HARMONY) + 1):
+        for cut2 in range(cut, min(cut + 5, len(HARMONY)) + 1):
+            pieces = [HARMONY[:cut], HARMONY[cut:cut2], HARMONY[cut2:]]
+            assert joined(run(HarmonyParser(), pieces)) == expected, (cut, cut2)
+    assert joined(run(HarmonyParser(), list(HARMONY))) == expected
+
+
+def test_harmony_streams_bodies_as_they_come_holding_back_only_a_marker_begun() -> None:
+    parser = HarmonyParser()
+    assert parser.feed("<|channel|>analy") == ("", "")  # a header: nothing until <|message|>
+    assert parser.feed("sis<|message|>Let me") == ("Let me", "")
+    assert parser.feed(" see.<|e") == (" see.", "")  # may be <|end|>
+    assert parser.feed("nd|><|start|>assistant<|channel|>final<|message|>Four") == ("", "Four")
+    assert parser.feed("<|ca") == ("", "")  # may be <|call|>
+    assert parser.finish() == ("", "<|ca")
+
+
+@pytest.mark.parametrize(
+    ("output", "split"),
+    [
+        # a model that writes no harmony: its text is the answer
+        ("Just an answer.", ("", "Just an answer.")),
+        ("  plain <|end|> text", ("", "  plain  text")),  # (an end's marker is dropped wherever)
+        # cut short while thinking: reasoning only; in a header: nothing
+        ("<|channel|>analysis<|message|>Hmm, 4", ("Hmm, 4", "")),
+        ("<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant<|chan", ("Hmm.", "")),
+        # a tool call's message (commentary to a function, its arguments' type constrained) is content
+        (
+            "<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+            ("Call it.", '{"city": "Paris"}'),
+        ),
+        # two analysis messages, a commentary preamble, then the answer
+        (
+            "<|channel|>analysis<|message|>A.<|end|><|start|>assistant<|channel|>analysis<|message|>B."
+            "<|end|><|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>Done.",
+            ("A.B.", "Checking.Done."),
+        ),
+    ],
+)
+def test_harmony_messages_split_by_channel(output: str, split: tuple[str, str]) -> None:
+    assert joined(run(HarmonyParser(), [output])) == split

@@ -242,7 +242,9 @@ def test_the_reasoning_parser_is_one_we_have(monkeypatch: pytest.MonkeyPatch) ->
     assert parse(["--reasoning-parser", "deepseek_r1"]).reasoning_parser == "deepseek_r1"
     assert parse([]).reasoning_parser is None
     monkeypatch.setenv("PAGEDSERVE_REASONING_PARSER", "granite")
-    with pytest.raises(SettingsError, match=r"^PAGEDSERVE_REASONING_PARSER: .*'deepseek_r1' or 'qwen3'"):
+    with pytest.raises(
+        SettingsError, match=r"^PAGEDSERVE_REASONING_PARSER: .*'deepseek_r1', 'openai_gptoss' or 'qwen3'"
+    ):
         parse([])
     annotation = ServeSettings.model_fields["reasoning_parser"].annotation
     assert (

@@ -105,10 +105,12 @@ class ServeSettings(EngineSettings):
             "list of calls), phi4_mini_json (Phi-4-mini: functools[ then a JSON list of calls ])",
         )
     )
-    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+    reasoning_parser: Literal["deepseek_r1", "openai_gptoss", "qwen3"] | None = Field(
         None,
         description="send a chat completion's reasoning (between <think> and </think>) as reasoning_content, "
-        "apart from its text, as vLLM's flag: deepseek_r1 (DeepSeek-R1, QwQ) or qwen3 (the same tags)",
+        "apart from its text, as vLLM's flag: deepseek_r1 (DeepSeek-R1, QwQ) or qwen3 (the same tags), or "
+        "openai_gptoss (GPT-OSS's harmony messages: the analysis channel's as reasoning, the final channel's "
+        "as text, their special tokens dropped)",
     )
     triton_priority_levels: int = Field(
         3,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +18,7 @@ from pagedserve.engine.llm_engine import LLMEngine, check_token_ids
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import RequestDelta, TokenLogprobs
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.reasoning import ReasoningParser, prompt_opens_reasoning
+from pagedserve.reasoning import HarmonyParser, ReasoningParser, new_parser, prompt_opens_reasoning
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.sampling_params import (
     BEAM_SEARCH_FIELDS,
@@ -397,19 +399,23 @@ class ChatOutputs:
     what remains is `text`."""
 
     def __init__(
-        self, tools: ToolChoice | None, reasoning_open: bool | None, include_reasoning: bool = True
+        self,
+        tools: ToolChoice | None,
+        reasoning: Callable[[], ReasoningParser | HarmonyParser] | None,
+        include_reasoning: bool = True,
     ) -> None:
-        """`reasoning_open`: whether a completion starts inside its reasoning (None: no reasoning
-        parser)."""
-        self.tools, self.reasoning_open, self.include_reasoning = tools, reasoning_open, include_reasoning
-        self._reasoning: dict[int, ReasoningParser] = {}
+        """`reasoning`: a new completion's reasoning parser (None: no reasoning parser)."""
+        self.tools, self.new_reasoning, self.include_reasoning = tools, reasoning, include_reasoning
+        self._reasoning: dict[int, ReasoningParser | HarmonyParser] = {}
         self._tool_parsers: dict[int, ToolCallParser] = {}
         self._called: set[int] = set()
 
     def apply(self, out: pb.GenerateResponse, finished: bool) -> None:
         index, content, reasoning = out.index, out.text, ""
-        if self.reasoning_open is not None:
-            parser = self._reasoning.setdefault(index, ReasoningParser(self.reasoning_open))
+        if self.new_reasoning is not None:
+            parser = self._reasoning.get(index)
+            if parser is None:
+                parser = self._reasoning[index] = self.new_reasoning()
             reasoning, content = parser.feed(content)
             if finished:
                 more, rest = parser.finish()
@@ -447,11 +453,22 @@ def chat_outputs(
     if request.WhichOneof("input") != "messages" or (tools is None and reasoning_parser is None):
         return None
     messages = request.messages
-    reasoning_open = None
+    reasoning = None
     if reasoning_parser is not None:
-        reasoning_open = not constrained and prompt_opens_reasoning(prompt_tail())
+        name, opens = reasoning_parser, not constrained and prompt_opens_reasoning(prompt_tail())
+        reasoning = functools.partial(new_parser, name, opens)
     include = messages.include_reasoning if messages.HasField("include_reasoning") else True
-    return ChatOutputs(tools, reasoning_open, include)
+    return ChatOutputs(tools, reasoning, include)
+
+
+def keep_harmony_tokens(
+    request: pb.GenerateRequest, params: SamplingParams, reasoning_parser: str | None
+) -> SamplingParams:
+    """A chat request's params under `--reasoning-parser openai_gptoss`: its special tokens kept in
+    the text (harmony's headers and ends are special tokens, which the parser reads and drops)."""
+    if reasoning_parser != "openai_gptoss" or request.WhichOneof("input") != "messages":
+        return params
+    return dataclasses.replace(params, skip_special_tokens=False)
 
 
 def tokenize(request: pb.TokenizeRequest, engine: LLMEngine) -> pb.TokenizeResponse:
