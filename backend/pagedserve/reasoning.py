@@ -10,13 +10,14 @@ the model writes only the closing tag); then everything up to `</think>` is reas
 
 from __future__ import annotations
 
-from pagedserve.tool_calls import partial_suffix
+import re
+
+from pagedserve.tool_calls import HARMONY_CHANNEL, HARMONY_ENDS, HARMONY_MESSAGE, partial_suffix
 
 REASONING_PARSERS = ("deepseek_r1", "openai_gptoss", "qwen3")
 START, END = "<think>", "</think>"
-# GPT-OSS's harmony format: its special tokens, kept in the text the parser reads
-HARMONY_CHANNEL, HARMONY_MESSAGE = "<|channel|>", "<|message|>"
-HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+# a harmony message's recipient (`to=functions.get_weather`), in its role's part or its channel's
+_RECIPIENT = re.compile(r" to=([^\s<]+)")
 
 
 def prompt_opens_reasoning(prompt_tail: str) -> bool:
@@ -72,12 +73,16 @@ class HarmonyParser:
 
     (the prompt opens the first one with `<|start|>assistant`; the last ends with `<|return|>`, the
     EOS, left out of the text, or `<|call|>`). The bodies of `analysis` messages are reasoning, the
-    others' (`final`, `commentary`) content; the headers and ends are dropped. Text that opens with
-    no header (a model that does not write harmony) is content. What may be the beginning of a
-    header or an end is held back until it is one or is not."""
+    others' (`final`, `commentary`) content; the headers and ends are dropped. A message to a
+    recipient (a tool call: `to=functions.NAME`) stays whole in the content, its header as
+    `<|channel|>CHANNEL to=RECIPIENT<|message|>`, for `--tool-call-parser openai`
+    (`tool_calls.HarmonyCallParser`). Text that opens with no header (a model that does not write
+    harmony) is content. What may be the beginning of a header or an end is held back until it is
+    one or is not."""
 
     def __init__(self) -> None:
         self._channel: str | None = None  # the message being read; None: between messages
+        self._to_recipient = False  # the message is a call: passed on whole
         self._pending = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -86,43 +91,50 @@ class HarmonyParser:
         content: list[str] = []
         while self._pending:
             if self._channel is None:
-                if not self._read_header():
+                header = self._read_header()
+                if header is None:
                     break
+                content.append(header)
                 continue
             ends = [(i, tag) for tag in HARMONY_ENDS if (i := self._pending.find(tag)) >= 0]
-            body = reasoning if self._channel == "analysis" else content
+            body = reasoning if self._channel == "analysis" and not self._to_recipient else content
             if not ends:
                 keep = max(partial_suffix(self._pending, tag) for tag in HARMONY_ENDS)
                 body.append(self._pending[: len(self._pending) - keep])
                 self._pending = self._pending[len(self._pending) - keep :]
                 break
             end, tag = min(ends)
-            body.append(self._pending[:end])
+            body.append(self._pending[:end] + (tag if self._to_recipient else ""))
             self._pending, self._channel = self._pending[end + len(tag) :], None
         return "".join(reasoning), "".join(content)
 
-    def _read_header(self) -> bool:
-        """Past a whole header, its channel set; False while one is begun but not ended."""
+    def _read_header(self) -> str | None:
+        """Past a whole header, its channel set: what of it passes on (a call's header, else nothing);
+        None while one is begun but not ended."""
         head = self._pending.lstrip()
         if not head.startswith("<|") and not "<|".startswith(head):
-            self._channel = "final"  # no harmony: the text is the answer
-            return True
+            self._channel, self._to_recipient = "final", False  # no harmony: the text is the answer
+            return ""
         end = self._pending.find(HARMONY_MESSAGE)
         if end < 0:
-            return False
+            return None
         header = self._pending[:end]
         after = header.rfind(HARMONY_CHANNEL)
         channel = header[after + len(HARMONY_CHANNEL) :].split("<|")[0].split(" ")[0] if after >= 0 else ""
         self._channel = channel or "final"
         self._pending = self._pending[end + len(HARMONY_MESSAGE) :]
-        return True
+        recipient = _RECIPIENT.search(header)
+        self._to_recipient = recipient is not None
+        if recipient is None:
+            return ""
+        return f"{HARMONY_CHANNEL}{self._channel} to={recipient[1]}{HARMONY_MESSAGE}"
 
     def finish(self) -> tuple[str, str]:
         """At the completion's end: a body held back is its channel's; a header cut short is dropped."""
         rest, self._pending = self._pending, ""
         if self._channel is None:
             return "", ""
-        return (rest, "") if self._channel == "analysis" else ("", rest)
+        return (rest, "") if self._channel == "analysis" and not self._to_recipient else ("", rest)
 
 
 def new_parser(name: str, open_at_start: bool) -> ReasoningParser | HarmonyParser:

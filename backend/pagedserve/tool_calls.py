@@ -23,7 +23,10 @@ from typing import Any
 
 from pagedserve.errors import InvalidRequestError
 
-TOOL_PARSERS = ("hermes", "llama3_json", "pythonic", "granite", "phi4_mini_json")
+TOOL_PARSERS = ("hermes", "llama3_json", "pythonic", "granite", "phi4_mini_json", "openai")
+# GPT-OSS's harmony format (OpenAI's): a message's header ends at <|message|>, its body at one of the ends
+HARMONY_CHANNEL, HARMONY_MESSAGE = "<|channel|>", "<|message|>"
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 TOOL_CHOICES = ("none", "auto", "required")
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -422,12 +425,65 @@ class NamedCallParser(_WholeOutputParser):
         return [ToolCall(self.name, json.dumps(arguments, ensure_ascii=False))]
 
 
+class HarmonyCallParser(ToolCallParser):
+    """GPT-OSS's calls (`--tool-call-parser openai`, vLLM's name): harmony messages to a function,
+    `<|channel|>commentary to=functions.NAME<|message|>ARGUMENTS<|call|>`, as `--reasoning-parser
+    openai_gptoss` passes them on whole (every other message it strips to its body). The last call
+    may lack its `<|call|>` (an EOS, left out of the text). A message that is no call to a function
+    with a JSON object of arguments stays text, markers and all."""
+
+    def __init__(self) -> None:
+        self._pending = ""
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._pending += text
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        while self._pending:
+            start = self._pending.find(HARMONY_CHANNEL)
+            if start < 0:
+                keep = partial_suffix(self._pending, HARMONY_CHANNEL)
+                content.append(self._pending[: len(self._pending) - keep])
+                self._pending = self._pending[len(self._pending) - keep :]
+                break
+            content.append(self._pending[:start])
+            self._pending = self._pending[start:]
+            ends = [(i, tag) for tag in HARMONY_ENDS if (i := self._pending.find(tag)) >= 0]
+            if not ends:
+                break  # a message begun: held to its end
+            end, tag = min(ends)
+            message, self._pending = self._pending[:end], self._pending[end + len(tag) :]
+            call = _harmony_call(message)
+            content.append(message + tag if call is None else "")
+            calls += [call] if call is not None else []
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        rest, self._pending = self._pending, ""
+        call = _harmony_call(rest)
+        return ("", [call]) if call is not None else (rest, [])
+
+
+_HARMONY_CALL = re.compile(r"^<\|channel\|>\w+ to=functions\.([^\s<]+)")
+
+
+def _harmony_call(message: str) -> ToolCall | None:
+    """A call of a message `<|channel|>CHANNEL to=functions.NAME ...<|message|>ARGUMENTS`, its end cut."""
+    header, found, body = message.partition(HARMONY_MESSAGE)
+    recipient = _HARMONY_CALL.match(header)
+    arguments = _json_or_none(body) if found else None
+    if recipient is None or not isinstance(arguments, dict):
+        return None
+    return ToolCall(recipient[1], json.dumps(arguments, ensure_ascii=False))
+
+
 PARSERS: dict[str, Callable[[], ToolCallParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
     "pythonic": PythonicParser,
     "granite": GraniteParser,
     "phi4_mini_json": Phi4MiniParser,
+    "openai": HarmonyCallParser,
 }
 assert tuple(PARSERS) == TOOL_PARSERS
 

@@ -185,6 +185,8 @@ def harmony_server(tiny_llama_dir: str) -> Iterator[InProcessServer]:
         num_kv_blocks=64,
         chat_template=HARMONY_TEMPLATE,
         reasoning_parser="openai_gptoss",
+        enable_auto_tool_choice=True,
+        tool_call_parser="openai",
     ).start()
     yield srv
     srv.stop()
@@ -224,3 +226,21 @@ def test_a_chat_under_the_harmony_parser_keeps_its_special_tokens_in_the_text() 
     assert convert.keep_harmony_tokens(
         pb.GenerateRequest(text="Hi"), params, "openai_gptoss"
     ).skip_special_tokens
+
+
+def test_harmonys_calls_to_functions_leave_as_tool_calls(harmony_server: InProcessServer) -> None:
+    """--tool-call-parser openai: a message to `functions.get_weather` (its arguments' type
+    constrained, as gpt-oss writes it) is a call, the analysis before it reasoning; the completion
+    ends TOOL_CALLS."""
+    call = (
+        "<|channel|>analysis<|message|>I need the weather.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+    )
+    req = request(forced=call, tools=[WEATHER])
+    req.sampling.max_tokens = 160
+    completion = complete(harmony_server, req)
+    assert (completion.reasoning_content, completion.text) == ("I need the weather.", "")
+    assert [(c.name, json.loads(c.arguments)) for c in completion.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    assert completion.finish_reason == pb.TOOL_CALLS

@@ -108,11 +108,15 @@ def test_harmony_streams_bodies_as_they_come_holding_back_only_a_marker_begun() 
         # cut short while thinking: reasoning only; in a header: nothing
         ("<|channel|>analysis<|message|>Hmm, 4", ("Hmm, 4", "")),
         ("<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant<|chan", ("Hmm.", "")),
-        # a tool call's message (commentary to a function, its arguments' type constrained) is content
+        # a tool call's message (commentary to a function, its arguments' type constrained) passes on
+        # whole, its header in one form, for the tool-call parser (tests/unit/test_tool_calls.py)
         (
             "<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant<|channel|>commentary "
             'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
-            ("Call it.", '{"city": "Paris"}'),
+            (
+                "Call it.",
+                '<|channel|>commentary to=functions.get_weather<|message|>{"city": "Paris"}<|call|>',
+            ),
         ),
         # two analysis messages, a commentary preamble, then the answer
         (

@@ -217,6 +217,23 @@ def test_auto_tool_choice_needs_a_parser_and_a_parser_is_one_we_have(monkeypatch
         parser.parse_args(["--tool-call-parser", "mistral"])
 
 
+def test_gpt_oss_calls_need_its_reasoning_parser() -> None:
+    """--tool-call-parser openai reads the calls the harmony reasoning parser passes on whole."""
+    with pytest.raises(SettingsError) as info:
+        parse(["--enable-auto-tool-choice", "--tool-call-parser", "openai"])
+    assert str(info.value).startswith(
+        "--tool-call-parser: openai reads the calls --reasoning-parser openai_gptoss"
+    )
+    both = [
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "openai",
+        "--reasoning-parser",
+        "openai_gptoss",
+    ]
+    assert parse(both).auto_tool_call_parser == "openai"
+
+
 @pytest.mark.parametrize(
     ("value", "error"),
     [("{rope", "not JSON"), ("[1]", "must be a JSON object of config.json keys, got list")],

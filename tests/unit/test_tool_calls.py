@@ -254,7 +254,7 @@ def test_the_flag_offers_every_parser() -> None:
     assert typing.get_args(literal) == TOOL_PARSERS
     with pytest.raises(
         ValueError,
-        match="tool_call_parser: must be one of hermes, llama3_json, pythonic, granite, phi4_mini_json",
+        match="tool_call_parser: must be one of hermes, llama3_json, pythonic, granite, phi4_mini_json, openai",
     ):
         parse_tool_calls("", "mistral")
 
@@ -278,3 +278,63 @@ def test_a_required_schema_refused_is_said_of_the_tool_refused_alone_else_of_the
         assert choice is not None
         refused = tool_schema_error(choice, joined_refusal)
         assert refused.field == field and refused.message.startswith("at most 65536 characters, got ")
+
+
+# --- GPT-OSS's calls: harmony messages to a function (--tool-call-parser openai) --------------------
+
+# what --reasoning-parser openai_gptoss passes on of a completion that thinks, says a word, then calls
+# two functions: the commentary's body, then each call whole (the last without its <|call|>, the EOS)
+HARMONY_CALLS = (
+    "Checking.<|channel|>commentary to=functions.get_weather<|message|>"
+    '{"city": "Paris", "unit": "°C"}<|call|><|channel|>commentary to=functions.get_time<|message|>{}'
+)
+
+
+def test_harmony_calls_are_found_wherever_the_stream_is_cut() -> None:
+    for cut in range(len(HARMONY_CALLS) + 1):
+        contents, calls = run(parse_tool_calls_parser("openai"), [HARMONY_CALLS[:cut], HARMONY_CALLS[cut:]])
+        assert ("".join(contents), calls) == ("Checking.", EXPECTED_CALLS), cut
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<|channel|>commentary to=functions.f<|message|>not json<|call|>",  # arguments not JSON
+        "<|channel|>commentary to=browser.open<|message|>{}<|call|>",  # not a function
+        '<|channel|>commentary to=functions.f<|message|>["a list"]',  # not an object
+    ],
+)
+def test_a_harmony_message_that_is_no_call_stays_text(text: str) -> None:
+    assert parse_tool_calls(text, "openai") == (text, [])
+
+
+def test_the_harmony_reasoning_parser_passes_calls_on_whole_for_the_tool_parser() -> None:
+    """As gpt-oss writes it, the recipient in the channel's part or the role's, the arguments' type
+    constrained: the reasoning apart, the calls found, the rest text."""
+    from pagedserve.reasoning import HarmonyParser
+
+    completion = (
+        "<|channel|>analysis<|message|>Need the weather.<|end|>"
+        "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city": "Paris", "unit": "°C"}<|call|>'
+        "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}"
+    )
+    for cut in range(0, len(completion) + 1, 7):
+        harmony, tools = HarmonyParser(), parse_tool_calls_parser("openai")
+        reasoning, contents, calls = [], [], []
+        for piece in (completion[:cut], completion[cut:]):
+            thought, text = harmony.feed(piece)
+            reasoning.append(thought)
+            content, found = tools.feed(text)
+            contents.append(content)
+            calls += found
+        thought, text = harmony.finish()
+        content, found = tools.feed(text)
+        rest, more = tools.finish()
+        reasoning.append(thought)
+        contents += [content, rest]
+        calls += found + more
+        assert "".join(reasoning) == "Need the weather.", cut
+        assert "".join(contents) == "Checking.", cut
+        assert [(c.name, c.arguments) for c in calls] == EXPECTED_CALLS, cut

@@ -96,14 +96,15 @@ class ServeSettings(EngineSettings):
         description="take tool_choice auto (the default of a chat request with tools): the model decides "
         "whether to call tools, and --tool-call-parser finds its calls in its output (as vLLM's flag)",
     )
-    tool_call_parser: Literal["hermes", "llama3_json", "pythonic", "granite", "phi4_mini_json"] | None = (
-        Field(
-            None,
-            description="the model family's tool-call format: hermes (Qwen2.5, Qwen3, Hermes: <tool_call> "
-            "JSON </tool_call>), llama3_json (Llama 3.1/3.2 JSON calls), pythonic ([f(x=1), g()]; Llama 3.2/4, "
-            "Gemma 3 with a pythonic template), granite (Granite 3.x: <|tool_call|> or <tool_call>, then a JSON "
-            "list of calls), phi4_mini_json (Phi-4-mini: functools[ then a JSON list of calls ])",
-        )
+    tool_call_parser: (
+        Literal["hermes", "llama3_json", "pythonic", "granite", "phi4_mini_json", "openai"] | None
+    ) = Field(
+        None,
+        description="the model family's tool-call format: hermes (Qwen2.5, Qwen3, Hermes: <tool_call> "
+        "JSON </tool_call>), llama3_json (Llama 3.1/3.2 JSON calls), pythonic ([f(x=1), g()]; Llama 3.2/4, "
+        "Gemma 3 with a pythonic template), granite (Granite 3.x: <|tool_call|> or <tool_call>, then a JSON "
+        "list of calls), phi4_mini_json (Phi-4-mini: functools[ then a JSON list of calls ]), openai "
+        "(GPT-OSS: harmony messages to=functions.NAME; with --reasoning-parser openai_gptoss)",
     )
     reasoning_parser: Literal["deepseek_r1", "openai_gptoss", "qwen3"] | None = Field(
         None,
@@ -239,6 +240,11 @@ class ServeSettings(EngineSettings):
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(
                 "enable_auto_tool_choice: needs --tool-call-parser (the format of the model's calls)"
+            )
+        if self.tool_call_parser == "openai" and self.reasoning_parser != "openai_gptoss":
+            raise ValueError(
+                "tool_call_parser: openai reads the calls --reasoning-parser openai_gptoss passes on "
+                "from GPT-OSS's harmony messages: add it"
             )
         return self
 
