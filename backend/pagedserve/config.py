@@ -332,12 +332,30 @@ def smollm3_rotary_layers(hf: dict[str, Any]) -> list[bool]:
     return [bool(flag) for flag in flags]
 
 
+# where config.json names no rope_theta, the config class's default (transformers' `default_theta`;
+# 10,000 for the others)
+_DEFAULT_THETA = {"MixtralForCausalLM": 1e6, "SmolLM3ForCausalLM": 2e6, "GptOssForCausalLM": 150_000.0}
+# where it names no rope parameters at all, the config class's (GptOssConfig's YaRN)
+_DEFAULT_ROPE: dict[str, dict[str, Any]] = {
+    "GptOssForCausalLM": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    }
+}
+
+
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     """The RoPE parameters transformers 5 reads from a 4.x (`rope_theta` + `rope_scaling`) or 5.x
     (`rope_parameters`) config: `rope_scaling` wins where both are set, so a config both carry is
-    refused when they differ (transformers would also drop the other's `rope_theta`)."""
+    refused when they differ (transformers would also drop the other's `rope_theta`). Without
+    either, the config class's defaults."""
     scaling, params = hf_config.get("rope_scaling"), hf_config.get("rope_parameters")
-    chosen = _standardized(scaling or params or {}, hf_config)
+    architecture = (hf_config.get("architectures") or [""])[0]
+    chosen = _standardized(scaling or params or _DEFAULT_ROPE.get(architecture, {}), hf_config)
     if scaling and params and _standardized(params, hf_config) != chosen:
         raise ValueError(
             f"model: config.json sets both rope_scaling {scaling} and rope_parameters {params}, which "
@@ -353,7 +371,8 @@ def _standardized(raw: dict[str, Any], hf_config: dict[str, Any]) -> dict[str, A
     yarn's and longrope's."""
     params = {k: v for k, v in raw.items() if k != "type"}
     params["rope_type"] = raw.get("rope_type") or raw.get("type") or "default"
-    params.setdefault("rope_theta", hf_config.get("rope_theta") or 10000.0)
+    architecture = (hf_config.get("architectures") or [""])[0]
+    params.setdefault("rope_theta", hf_config.get("rope_theta") or _DEFAULT_THETA.get(architecture, 10000.0))
     if hf_config.get("partial_rotary_factor") is not None:
         params.setdefault("partial_rotary_factor", hf_config["partial_rotary_factor"])
     if params["rope_type"] in ("llama3", "yarn", "longrope"):

@@ -881,6 +881,31 @@ def rope_in_both_layouts(config: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(
+    "config",
+    [MixtralConfig(**TINY), SmolLM3Config(**TINY), GptOssConfig(**TINY, head_dim=16)],
+    ids=["mixtral-theta-1e6", "smollm3-theta-2e6", "gpt-oss-yarn-theta-150000"],
+)
+def test_a_config_without_rope_keys_takes_its_classs_defaults(tmp_path: Path, config: Any) -> None:
+    """A hand-written config.json may name no rope at all: transformers then takes its config class's
+    (Mixtral's theta 1e6, SmolLM3's 2e6, GPT-OSS's YaRN over 4,096 positions with theta 150,000)."""
+    from transformers import AutoModelForCausalLM
+
+    name = type(config).__name__.replace("Config", "ForCausalLM")
+    config_dict = {**config.to_dict(), "architectures": [name]}
+    for key in ("rope_parameters", "rope_scaling", "rope_theta"):
+        config_dict.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps(config_dict))
+    theirs = type(config).from_pretrained(tmp_path)
+    positions = torch.tensor([0, 1, 63, 64, 300, 1023])
+    rotary = AutoModelForCausalLM.from_config(theirs).model.rotary_emb
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions[None])
+    head_dim = getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
+    half = head_dim // 2  # (GPT-OSS's tables hold half a head, the others' a whole one)
+    ours = RotaryEmbedding(head_dim, 1024, config_dict).cos_sin_cache[positions]
+    torch.testing.assert_close(ours, torch.cat((cos[0, :, :half], sin[0, :, :half]), dim=-1))
+
+
+@pytest.mark.parametrize(
     ("overrides", "patch"),
     [
         ({"rope_theta": 500000.0}, None),
