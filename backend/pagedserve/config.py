@@ -72,7 +72,7 @@ class ModelConfig:
         check_quantization(hf)
         hf = text_decoder_config(hf)
         num_heads = hf["num_attention_heads"]
-        architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+        architecture = architecture_of(hf, "LlamaForCausalLM")
         if dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {DTYPES}, got {dtype!r}")
         return cls(
@@ -184,13 +184,18 @@ def sampling_defaults(model_path: str, mode: str, overrides: dict[str, Any] | No
     return defaults
 
 
+def architecture_of(hf: dict[str, Any], default: str = "") -> str:
+    """config.json's architecture: the first of its `architectures`, `default` where it names none."""
+    return str((hf.get("architectures") or [default])[0])
+
+
 def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
     """config.json as the model served reads it: a Gemma 3 multimodal checkpoint's
     (`Gemma3ForConditionalGeneration`: Gemma 3 4B, 12B, 27B) as its text decoder's, a
     `Gemma3ForCausalLM` (images are not served): its `text_config` with Gemma3TextConfig's defaults
     for what it leaves out (the Hub's configs leave out the 4B's heads, for one), as transformers
     fills them in. Any other config as it is."""
-    if (hf.get("architectures") or [""])[0] != "Gemma3ForConditionalGeneration":
+    if architecture_of(hf) != "Gemma3ForConditionalGeneration":
         return hf
     from transformers import Gemma3TextConfig
 
@@ -215,7 +220,7 @@ def rope_context_length(hf: dict[str, Any]) -> int:
     128K from 32K with factor 4). llama3's tables already reach max_position_embeddings, and so do
     Gemma 3's (its global layers' linear scaling, vLLM's exception)."""
     positions = int(hf.get("max_position_embeddings", 2048))
-    if (hf.get("architectures") or [""])[0] == "Gemma3ForCausalLM":
+    if architecture_of(hf) == "Gemma3ForCausalLM":
         return positions
     rope = rope_parameters(hf)
     if rope["rope_type"] in ("linear", "yarn", "llama3", "longrope") and not isinstance(
@@ -270,7 +275,7 @@ def check_quantization(hf: dict[str, Any]) -> None:
     if not hf.get("quantization_config"):
         return
     method = hf["quantization_config"].get("quant_method", "?")
-    if not (method == "mxfp4" and (hf.get("architectures") or [""])[0] == "GptOssForCausalLM"):
+    if not (method == "mxfp4" and architecture_of(hf) == "GptOssForCausalLM"):
         raise ValueError(
             f"model: config.json's quantization_config ({method}) is not supported "
             "(GPT-OSS's mxfp4 is, dequantized on load)"
@@ -354,8 +359,7 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     refused when they differ (transformers would also drop the other's `rope_theta`). Without
     either, the config class's defaults."""
     scaling, params = hf_config.get("rope_scaling"), hf_config.get("rope_parameters")
-    architecture = (hf_config.get("architectures") or [""])[0]
-    chosen = _standardized(scaling or params or _DEFAULT_ROPE.get(architecture, {}), hf_config)
+    chosen = _standardized(scaling or params or _DEFAULT_ROPE.get(architecture_of(hf_config), {}), hf_config)
     if scaling and params and _standardized(params, hf_config) != chosen:
         raise ValueError(
             f"model: config.json sets both rope_scaling {scaling} and rope_parameters {params}, which "
@@ -371,8 +375,8 @@ def _standardized(raw: dict[str, Any], hf_config: dict[str, Any]) -> dict[str, A
     yarn's and longrope's."""
     params = {k: v for k, v in raw.items() if k != "type"}
     params["rope_type"] = raw.get("rope_type") or raw.get("type") or "default"
-    architecture = (hf_config.get("architectures") or [""])[0]
-    params.setdefault("rope_theta", hf_config.get("rope_theta") or _DEFAULT_THETA.get(architecture, 10000.0))
+    theta = hf_config.get("rope_theta") or _DEFAULT_THETA.get(architecture_of(hf_config), 10000.0)
+    params.setdefault("rope_theta", theta)
     if hf_config.get("partial_rotary_factor") is not None:
         params.setdefault("partial_rotary_factor", hf_config["partial_rotary_factor"])
     if params["rope_type"] in ("llama3", "yarn", "longrope"):

@@ -454,8 +454,10 @@ class HarmonyCallParser(ToolCallParser):
             end, tag = min(ends)
             message, self._pending = self._pending[:end], self._pending[end + len(tag) :]
             call = _harmony_call(message)
-            content.append(message + tag if call is None else "")
-            calls += [call] if call is not None else []
+            if call is None:
+                content.append(message + tag)
+            else:
+                calls.append(call)
         return "".join(content), calls
 
     def finish(self) -> tuple[str, list[ToolCall]]:

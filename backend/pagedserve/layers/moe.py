@@ -59,8 +59,10 @@ class Experts:
             raise ValueError(
                 f"model: config.json's num_experts_per_tok {self.top_k} must be 1 to the {self.num_experts} experts"
             )
-        if self.activation not in ("silu", "swiglu_oai"):
-            raise ValueError(f"model: experts' activation {self.activation!r} (silu or swiglu_oai)")
+        if self.activation not in reference.MOE_ACTIVATIONS:
+            raise ValueError(
+                f"model: experts' activation {self.activation!r} ({' or '.join(reference.MOE_ACTIVATIONS)})"
+            )
         if not (self.swiglu_limit > 0 and math.isfinite(self.swiglu_limit)):
             raise ValueError(f"model: config.json's swiglu_limit must be positive, got {self.swiglu_limit}")
 

@@ -14,7 +14,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from pagedserve.config import layer_windows, rope_parameters, smollm3_rotary_layers
+from pagedserve.config import architecture_of, layer_windows, rope_parameters, smollm3_rotary_layers
 from pagedserve.layers import ops
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
@@ -229,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
 
     def layer_options(self, cfg: dict[str, Any]) -> list[LayerOptions]:
         biases, qk_norm, scales = self.attention_biases(cfg), self.qk_norm, self.scales
-        windows = layer_windows(cfg, (cfg.get("architectures") or ["LlamaForCausalLM"])[0])
+        windows = layer_windows(cfg, architecture_of(cfg, "LlamaForCausalLM"))
         return [
             LayerOptions(biases, qk_norm, scales, rotary, window)
             for rotary, window in zip(self.rotary_layers(cfg), windows, strict=True)
