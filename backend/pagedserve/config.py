@@ -222,7 +222,9 @@ def rope_context_length(hf: dict[str, Any]) -> int:
     positions = int(hf.get("max_position_embeddings", 2048))
     if architecture_of(hf) == "Gemma3ForCausalLM":
         return positions
-    rope = rope_parameters(hf)
+    rope = rope_parameters(
+        olmo3_rope_config(hf, "full_attention") if architecture_of(hf) == "Olmo3ForCausalLM" else hf
+    )
     if rope["rope_type"] in ("linear", "yarn", "llama3", "longrope") and not isinstance(
         rope.get("factor"), int | float
     ):
@@ -243,6 +245,7 @@ _WINDOW_ON_UNLESS_OFF = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "GptOssForCausalLM",
+    "Olmo3ForCausalLM",
 )
 _WINDOW_OFF_UNLESS_ON = (
     "Qwen2ForCausalLM",
@@ -259,6 +262,7 @@ _WINDOW_IN_SOME_LAYERS = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "GptOssForCausalLM",
+    "Olmo3ForCausalLM",
 )
 # where config.json has no `sliding_window` key, transformers' config class default
 _DEFAULT_WINDOW = {
@@ -266,6 +270,7 @@ _DEFAULT_WINDOW = {
     "Gemma2ForCausalLM": 4096,
     "Gemma3ForCausalLM": 4096,
     "GptOssForCausalLM": 128,
+    "Olmo3ForCausalLM": 4096,
 }
 
 
@@ -310,10 +315,12 @@ def layer_windows(hf: dict[str, Any], architecture: str) -> list[int]:
 def default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
     """transformers' `layer_types` where config.json has none (Qwen2Config, Qwen3Config, SmolLM3Config;
     Gemma2Config and GptOssConfig: every other layer full; Gemma3TextConfig: every
-    `sliding_window_pattern`-th (6) full; the others sliding)."""
-    if architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"):
-        pattern = hf.get("sliding_window_pattern", 6) if architecture == "Gemma3ForCausalLM" else 2
-        sliding = [bool((i + 1) % pattern) for i in range(hf["num_hidden_layers"])]
+    `sliding_window_pattern`-th (6) full; Olmo3Config: every fourth full; the others sliding)."""
+    patterns = {"Gemma2ForCausalLM": 2, "GptOssForCausalLM": 2, "Olmo3ForCausalLM": 4}
+    if architecture == "Gemma3ForCausalLM":
+        patterns[architecture] = hf.get("sliding_window_pattern", 6)
+    if architecture in patterns:
+        sliding = [bool((i + 1) % patterns[architecture]) for i in range(hf["num_hidden_layers"])]
     elif architecture == "SmolLM3ForCausalLM":
         sliding = [not turns for turns in smollm3_rotary_layers(hf)]
     elif architecture == "Qwen2MoeForCausalLM":  # every other layer below max_window_layers
@@ -339,7 +346,12 @@ def smollm3_rotary_layers(hf: dict[str, Any]) -> list[bool]:
 
 # where config.json names no rope_theta, the config class's default (transformers' `default_theta`;
 # 10,000 for the others)
-_DEFAULT_THETA = {"MixtralForCausalLM": 1e6, "SmolLM3ForCausalLM": 2e6, "GptOssForCausalLM": 150_000.0}
+_DEFAULT_THETA = {
+    "MixtralForCausalLM": 1e6,
+    "SmolLM3ForCausalLM": 2e6,
+    "GptOssForCausalLM": 150_000.0,
+    "Olmo3ForCausalLM": 500_000.0,
+}
 # where it names no rope parameters at all, the config class's (GptOssConfig's YaRN)
 _DEFAULT_ROPE: dict[str, dict[str, Any]] = {
     "GptOssForCausalLM": {
@@ -366,6 +378,26 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
             "differ; keep the one the model was trained with"
         )
     return chosen
+
+
+def olmo3_rope_config(hf: dict[str, Any], layer_type: str) -> dict[str, Any]:
+    """An OLMo 3 layer type's rope (as a config `RotaryEmbedding` reads): transformers 5's
+    `rope_parameters` keyed by layer type as they are; from a 4.x config (`rope_theta`, 500,000 by
+    default, and `rope_scaling`: YaRN in the long-context checkpoints) the global layers' rope with
+    the scaling and the sliding layers' without it, at the same theta, as vLLM reads them.
+    (transformers 5 reads such a config's `rope_theta` for the global layers alone and gives the
+    sliding ones 500,000: the same for OLMo 3's checkpoints, all at 500,000.)"""
+    params = hf.get("rope_parameters")
+    theta = hf.get("rope_theta") or _DEFAULT_THETA["Olmo3ForCausalLM"]
+    if isinstance(params, dict) and layer_type in params:
+        chosen = dict(params[layer_type] or {"rope_type": "default"})
+    else:  # one rope for the model (`rope_scaling`, or `rope_parameters` not keyed by layer type)
+        whole = hf.get("rope_scaling") or params or {}
+        theta = whole.get("rope_theta") or theta
+        chosen = dict(whole) if layer_type == "full_attention" else {"rope_type": "default"}
+    chosen.setdefault("rope_theta", theta)
+    keys = ("max_position_embeddings", "original_max_position_embeddings")
+    return {"rope_parameters": chosen, **{key: hf[key] for key in keys if key in hf}}
 
 
 def _standardized(raw: dict[str, Any], hf_config: dict[str, Any]) -> dict[str, Any]:

@@ -36,6 +36,9 @@ from transformers import (
     GraniteMoeConfig,
     MistralConfig,
     MixtralConfig,
+    Olmo2Config,
+    Olmo3Config,
+    OlmoeConfig,
     Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
@@ -106,6 +109,11 @@ NOT_DECODE_LAYERS = {
     "qwen3-moe-norm-topk",
     "granitemoe-tied-biases",
     "gpt-oss-sinks-clamped-experts",
+    "olmo2",
+    "olmo2-attention-bias-tied",
+    "olmo3-yarn-global-layers-4.x-config",
+    "olmo3-sliding-theta-default-layer-types",
+    "olmoe-clip-qkv",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
@@ -156,6 +164,14 @@ def gemma3_as_transformers_4(config: dict[str, Any]) -> None:
     config["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
     config["sliding_window_pattern"] = 2
     del config["layer_types"]
+
+
+def olmo3_as_transformers_4(config: dict[str, Any]) -> None:
+    """OLMo 3's 4.x layout, as its checkpoints on the Hub carry it: one rope_theta, rope_scaling (the
+    global layers')."""
+    rope = config.pop("rope_parameters")["full_attention"]
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
 
 
 def LlamaConfig(**kwargs: Any) -> Any:  # noqa: N802 (stands in for the class)
@@ -324,6 +340,40 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         lambda: GptOssConfig(**TINY, **GPT_OSS, sliding_window=24, swiglu_limit=2.0, swiglu_alpha=1.2),
         as_transformers_4,
     ),
+    # Ai2's OLMo 2: q and k each RMS-normed over the whole projection (not head by head), norms after
+    # attention and the MLP instead of before, in float32; with Llama's biases and a tied LM head too
+    "olmo2": (lambda: Olmo2Config(**TINY, rope_theta=500000.0), None),
+    "olmo2-attention-bias-tied": (
+        lambda: Olmo2Config(**TINY, attention_bias=True, tie_word_embeddings=True),
+        None,
+    ),
+    # OLMo 3 as its long-context checkpoints ship: layers 0-2 sliding (here by 24), layer 3 global;
+    # YaRN (4x over 256 positions) in the global layer alone; one theta in the 4.x layout
+    "olmo3-yarn-global-layers-4.x-config": (
+        lambda: Olmo3Config(
+            **{**TINY, "num_hidden_layers": 4},
+            sliding_window=24,
+            rope_theta=500000.0,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+        ),
+        olmo3_as_transformers_4,
+    ),
+    # transformers 5's layout: a rope a layer type (here each its own theta), every fourth layer
+    # global where config.json names no layer_types
+    "olmo3-sliding-theta-default-layer-types": (
+        lambda: Olmo3Config(
+            **{**TINY, "num_hidden_layers": 4},
+            sliding_window=24,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            },
+        ),
+        drop("layer_types"),
+    ),
+    # OLMoE: Llama's layer with OLMo's whole-projection q and k norms, q, k and v clamped at 1.5 (the
+    # clamp binds here), 2 of 4 experts a token, their weights not renormalized
+    "olmoe-clip-qkv": (lambda: OlmoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, clip_qkv=1.5), None),
     # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
     "smollm3-nope-layer-1": (lambda: SmolLM3Config(**TINY, no_rope_layers=[1, 0]), None),
     "smollm3-nope-by-default": (
@@ -437,6 +487,8 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
         "gemma3",
         "qwen2-moe-shared-expert-dense-layer-0",
         "gpt-oss-sinks-clamped-experts",
+        "olmo3-yarn-global-layers-4.x-config",
+        "olmoe-clip-qkv",
     ],
 )
 def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str], name: str) -> None:
@@ -790,6 +842,17 @@ def test_a_max_model_len_past_the_positions_is_refused_naming_it(tmp_path: Path)
         (GptOssConfig(**TINY, **GPT_OSS, sliding_window=32), None, [32, 0]),
         (GptOssConfig(**{**TINY, "num_hidden_layers": 4}, **GPT_OSS), drop("layer_types"), [128, 0, 128, 0]),
         (GptOssConfig(**TINY, **GPT_OSS), drop("sliding_window"), [128, 0]),
+        # OLMo 3: every fourth layer global, by layer_types or by default, 4,096 by default
+        (
+            Olmo3Config(**{**TINY, "num_hidden_layers": 4}, sliding_window=32),
+            drop("layer_types"),
+            [32, 32, 32, 0],
+        ),
+        (
+            Olmo3Config(**TINY, layer_types=["full_attention", "sliding_attention"]),
+            drop("sliding_window"),
+            [0, 4096],
+        ),
     ],
     ids=[
         "qwen2-layer-1-slides",
@@ -823,6 +886,8 @@ def test_a_max_model_len_past_the_positions_is_refused_naming_it(tmp_path: Path)
         "gpt-oss",
         "gpt-oss-default-layer-types",
         "gpt-oss-default-window",
+        "olmo3-default-layer-types",
+        "olmo3-default-window",
     ],
 )
 def test_the_window_applies_where_transformers_slides_a_layer(
@@ -903,6 +968,26 @@ def test_a_config_without_rope_keys_takes_its_classs_defaults(tmp_path: Path, co
     half = head_dim // 2  # (GPT-OSS's tables hold half a head, the others' a whole one)
     ours = RotaryEmbedding(head_dim, 1024, config_dict).cos_sin_cache[positions]
     torch.testing.assert_close(ours, torch.cat((cos[0, :, :half], sin[0, :, :half]), dim=-1))
+
+
+@pytest.mark.parametrize("layer_type", ["full_attention", "sliding_attention"])
+def test_an_olmo3_config_without_rope_keys_turns_both_layer_types_by_theta_5e5(
+    tmp_path: Path, layer_type: str
+) -> None:
+    """Olmo3Config's default theta (500,000, not the 10,000 of most) for each layer type's table."""
+    from pagedserve.config import olmo3_rope_config
+    from transformers import AutoModelForCausalLM
+
+    config = Olmo3Config(**{**TINY, "num_hidden_layers": 4})  # (layer 3 global)
+    config_dict = {**config.to_dict(), "architectures": ["Olmo3ForCausalLM"]}
+    for key in ("rope_parameters", "rope_scaling", "rope_theta"):
+        config_dict.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps(config_dict))
+    rotary = AutoModelForCausalLM.from_config(Olmo3Config.from_pretrained(tmp_path)).model.rotary_emb
+    positions = torch.tensor([0, 1, 63, 64, 300, 1023])
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions[None], layer_type)
+    ours = RotaryEmbedding(16, 1024, olmo3_rope_config(config_dict, layer_type)).cos_sin_cache[positions]
+    torch.testing.assert_close(ours, torch.cat((cos[0, :, :8], sin[0, :, :8]), dim=-1))
 
 
 @pytest.mark.parametrize(

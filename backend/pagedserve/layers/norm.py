@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.layers import ops
@@ -20,3 +21,24 @@ class RMSNorm(nn.Module):
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Float32RMSNorm(RMSNorm):
+    """x / rms(x) * (weight_offset + weight), all in float32, rounded to x's dtype once (transformers'
+    Olmo2RMSNorm; GemmaRMSNorm with its offset of 1; Llama's rounds before it multiplies). `forward`
+    keeps RMSNorm's form (with `residual`, their sum normed and returned too); the layers that use it
+    call `normed`."""
+
+    weight_offset = 0.0
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self.normed(x)
+        summed = x + residual
+        return self.normed(summed), summed
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (self.weight_offset + self.weight.float())).to(x.dtype)

@@ -29,7 +29,7 @@ from pagedserve.layers import ops
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.norm import Float32RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.models.llama import LayerStep, LlamaForCausalLM, head_dim_of, rms_norm_eps
 
@@ -37,26 +37,14 @@ from pagedserve.models.llama import LayerStep, LlamaForCausalLM, head_dim_of, rm
 GemmaRotary = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class GemmaRMSNorm(RMSNorm):
-    """x / rms(x) * (1 + weight), all in float32, rounded to x's dtype once (transformers' GemmaRMSNorm;
-    Llama's rounds before it multiplies). `forward` keeps RMSNorm's form (with `residual`, their sum
-    normed and returned too); Gemma's layers call `normed`."""
+class GemmaRMSNorm(Float32RMSNorm):
+    """x / rms(x) * (1 + weight), all in float32, rounded to x's dtype once (transformers' GemmaRMSNorm)."""
+
+    weight_offset = 1.0
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__(size, eps)
         self.weight.data.zero_()
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return self.normed(x)
-        summed = x + residual
-        return self.normed(summed), summed
-
-    def normed(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def gemma3_rope_config(hf: dict[str, Any], layer_type: str) -> dict[str, Any]:

@@ -131,11 +131,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class: type[LlamaAttention] = LlamaAttention  # OLMoE's: its q and k normed whole
+
     def __init__(
         self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, options, layer_index)
+        self.self_attn = self.attention_class(cfg, backend, options, layer_index)
         self.mlp: LlamaMLP | SparseMoeBlock = (
             LlamaMLP(cfg) if options.experts is None else SparseMoeBlock(cfg["hidden_size"], options.experts)
         )
@@ -193,16 +195,17 @@ class LlamaForCausalLM(nn.Module):
     }
     qk_norm = False  # Qwen3's RMSNorm of each query and key head
     rotates_part_of_a_head = False  # Phi-3's `partial_rotary_factor`: the first part of each head turns
+    decoder_layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer  # OLMo's put their norms elsewhere
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
         super().__init__()
         if not self.rotates_part_of_a_head:
-            _check_full_rotary(cfg)
+            _check_full_rotary(self.rope_config(cfg), architecture_of(cfg, "LlamaForCausalLM"))
         self.scales = self.read_scales(cfg)
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), max_position, cfg)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), max_position, self.rope_config(cfg))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, options, index)
+            self.decoder_layer_class(cfg, backend, options, index)
             for index, options in enumerate(self.layer_options(cfg))
         )
         self.norm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
@@ -221,6 +224,12 @@ class LlamaForCausalLM(nn.Module):
     def read_scales(cfg: dict[str, Any]) -> Scales:
         """Llama's: none (transformers' Llama reads no multiplier a config.json might carry)."""
         return Scales()
+
+    @staticmethod
+    def rope_config(cfg: dict[str, Any]) -> dict[str, Any]:
+        """The config `rotary_emb` reads its rope from: config.json itself (OLMo 3's global layers have
+        one of their own)."""
+        return cfg
 
     @staticmethod
     def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
@@ -383,19 +392,25 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
     """Llama's layout with no rotary in some layers (NoPE; by default every fourth)."""
 
     @staticmethod
+    def rope_config(cfg: dict[str, Any]) -> dict[str, Any]:
+        """The config `rotary_emb` reads its rope from: config.json itself (OLMo 3's global layers have
+        one of their own)."""
+        return cfg
+
+    @staticmethod
     def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
         return smollm3_rotary_layers(cfg)
 
 
-def _check_full_rotary(cfg: dict[str, Any]) -> None:
+def _check_full_rotary(rope_cfg: dict[str, Any], architecture: str) -> None:
     """transformers' Llama, Mistral and Qwen2 rotate the whole head: their default rope ignores a
     `partial_rotary_factor` and their scaled ropes fail on it. Which dimensions such a checkpoint
     was trained to rotate is unknown, so it is refused rather than guessed."""
-    factor = rope_parameters(cfg).get("partial_rotary_factor", 1.0)
+    factor = rope_parameters(rope_cfg).get("partial_rotary_factor", 1.0)
     if factor != 1.0:
         raise ValueError(
-            f"model: config.json's partial_rotary_factor {factor} is not supported for "
-            f"{(cfg.get('architectures') or ['LlamaForCausalLM'])[0]} (the whole head rotates)"
+            f"model: config.json's partial_rotary_factor {factor} is not supported for {architecture} "
+            "(the whole head rotates)"
         )
 
 

@@ -94,7 +94,7 @@ def _sparse_layers(cfg: dict[str, Any]) -> list[bool]:
     return [(i + 1) % step == 0 and i not in dense for i in range(cfg["num_hidden_layers"])]
 
 
-def _num_experts(cfg: dict[str, Any], default: int) -> int:
+def num_experts_of(cfg: dict[str, Any], default: int) -> int:
     """config.json names them `num_experts` (Qwen's hub configs) or `num_local_experts` (Mixtral's,
     and transformers 5 saves Qwen3-MoE's so); transformers reads either for each."""
     return int(cfg.get("num_local_experts", cfg.get("num_experts", default)))
@@ -104,7 +104,7 @@ def _qwen_experts(cfg: dict[str, Any], defaults: Experts) -> list[Experts | None
     """Qwen's experts, with the config class's defaults where config.json leaves a key out."""
     shared = defaults.shared_intermediate_size  # Qwen2-MoE's shared expert (Qwen3-MoE has none: 0)
     spec = Experts(
-        num_experts=_num_experts(cfg, defaults.num_experts),
+        num_experts=num_experts_of(cfg, defaults.num_experts),
         top_k=cfg.get("num_experts_per_tok", defaults.top_k),
         intermediate_size=cfg.get("moe_intermediate_size", defaults.intermediate_size),
         renormalize=bool(cfg.get("norm_topk_prob", False)),
@@ -117,7 +117,7 @@ def _every_layer_experts(cfg: dict[str, Any]) -> list[Experts | None]:
     """Mixtral's and Granite's: every MLP `num_local_experts` experts (8) of `intermediate_size`,
     `num_experts_per_tok` (2) a token, their weights renormalized."""
     spec = Experts(
-        num_experts=_num_experts(cfg, 8),
+        num_experts=num_experts_of(cfg, 8),
         top_k=cfg.get("num_experts_per_tok", 2),
         intermediate_size=cfg["intermediate_size"],
         renormalize=True,

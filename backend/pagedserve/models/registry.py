@@ -18,9 +18,10 @@ from pagedserve.models.moe import (
     Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM,
 )
+from pagedserve.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 
-# every architecture served is Llama-family (Gemma's on its layers, with its own decoder layer; the
-# mixtures of experts on its layers, with experts for MLPs): the model runner and `fused_decode` use
+# every architecture served is Llama-family (Gemma's and OLMo's on its layers, with decoder layers of
+# their own; the mixtures of experts on its layers, with experts for MLPs): the model runner and `fused_decode` use
 # its typed attributes
 MODELS: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -38,6 +39,9 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Olmo3ForCausalLM": Olmo3ForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 

@@ -31,7 +31,7 @@ from pagedserve.distributed import get_tp_size
 from pagedserve.layers.attention import AttentionMetadata, TorchAttentionBackend
 from pagedserve.layers.linear import LinearBase
 from pagedserve.models.gemma import GemmaForCausalLM
-from pagedserve.models.llama import LlamaForCausalLM, LlamaMLP
+from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,11 @@ def _unsupported(model: torch.nn.Module, backend: object, dtype: torch.dtype) ->
         return f"rotary over {rotary_dim} of {head_dim} dimensions (an even part of a head only)"
     if model.embed_tokens.weight.dim() != 2 or model.embed_tokens.weight.dtype != dtype:
         return "the embedding is not a bfloat16 table"
+    if any(
+        type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention
+        for layer in layers
+    ):
+        return f"{type(layers[0]).__name__}'s layers (norms placed or shaped otherwise than Llama's)"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(mlp, LlamaMLP):
