@@ -1,12 +1,15 @@
 """Reasoning content as vLLM's `--reasoning-parser` separates it: what a thinking model (Qwen3,
-DeepSeek-R1, QwQ) writes between `<think>` and `</think>` leaves as `reasoning_content`, the rest as
-the answer. Both parsers read the same tags; their names are vLLM's, so deployments carry over.
+DeepSeek-R1, QwQ, OLMo 3 Think) writes between `<think>` and `</think>` leaves as `reasoning_content`,
+the rest as the answer. `deepseek_r1`, `olmo3` and `qwen3` read the same tags (as text: OLMo 3's are
+plain text, the others' special tokens kept in the text); their names are vLLM's, so deployments
+carry over.
 `openai_gptoss` reads GPT-OSS's harmony format instead (`HarmonyParser`).
 
 A completion starts inside its reasoning when it begins with `<think>`, or when the prompt left a
-think block open (Qwen3-Thinking's and DeepSeek-R1's templates end the prompt with `<think>`, so
-the model writes only the closing tag); then everything up to `</think>` is reasoning, also when no
-`</think>` comes (a completion cut short while thinking gave reasoning only). Torch-free."""
+think block open (Qwen3-Thinking's, DeepSeek-R1's and OLMo 3 Think's templates end the prompt with
+`<think>`, so the model writes only the closing tag); then everything up to `</think>` is reasoning,
+also when no `</think>` comes (a completion cut short while thinking gave reasoning only).
+Torch-free."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import re
 
 from pagedserve.tool_calls import HARMONY_CHANNEL, HARMONY_ENDS, HARMONY_MESSAGE, partial_suffix
 
-REASONING_PARSERS = ("deepseek_r1", "openai_gptoss", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "olmo3", "openai_gptoss", "qwen3")
 START, END = "<think>", "</think>"
 # a harmony message's recipient (`to=functions.get_weather`), in its role's part or its channel's
 _RECIPIENT = re.compile(r" to=([^\s<]+)")

@@ -19,11 +19,11 @@ import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from pagedserve.errors import InvalidRequestError
 
-TOOL_PARSERS = ("hermes", "llama3_json", "pythonic", "granite", "phi4_mini_json", "openai")
+TOOL_PARSERS = ("hermes", "llama3_json", "pythonic", "granite", "phi4_mini_json", "openai", "olmo3")
 # GPT-OSS's harmony format (OpenAI's): a message's header ends at <|message|>, its body at one of the ends
 HARMONY_CHANNEL, HARMONY_MESSAGE = "<|channel|>", "<|message|>"
 HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
@@ -327,12 +327,17 @@ class PythonicParser(_WholeOutputParser):
     templates, optionally between <|python_start|> and <|python_end|>); keyword arguments of literal
     values only."""
 
-    BEGINS = ("[", "<|python_start|>")
+    BEGINS: tuple[str, ...] = ("[", "<|python_start|>")
 
     def _parse(self, text: str) -> list[ToolCall] | None:
-        text = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+        return self._calls(
+            text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+        )
+
+    def _calls(self, text: str) -> list[ToolCall] | None:
+        """`text`'s Python list of calls, each with keyword arguments of literal values alone."""
         try:
-            tree = ast.parse(text, mode="eval").body
+            tree = self._literals(ast.parse(text, mode="eval").body)
         except SyntaxError:
             return None
         if not isinstance(tree, ast.List) or not tree.elts:
@@ -350,6 +355,35 @@ class PythonicParser(_WholeOutputParser):
                 return None
             calls.append(ToolCall(node.func.id, text_arguments))
         return calls
+
+    def _literals(self, tree: ast.expr) -> ast.expr:
+        return tree
+
+
+class Olmo3Parser(PythonicParser):
+    """OLMo 3's calls: one pythonic call a line between `<function_calls>` and `</function_calls>`, as
+    its template asks and vLLM's olmo3 parser reads them; JSON's null, true and false taken for
+    Python's None, True and False (the model writes its arguments as the tools' JSON schemas do)."""
+
+    TAG, END = "<function_calls>", "</function_calls>"
+    BEGINS = (TAG,)
+
+    def _parse(self, text: str) -> list[ToolCall] | None:
+        body = text.strip().removeprefix(self.TAG).removesuffix(self.END)
+        lines = [line.strip() for line in body.splitlines() if line.strip()]
+        return self._calls(f"[{', '.join(lines)}]") if lines else None
+
+    def _literals(self, tree: ast.expr) -> ast.expr:
+        return cast(ast.expr, _JsonNames().visit(tree))
+
+
+class _JsonNames(ast.NodeTransformer):
+    """JSON's null, true and false, written as Python names, as the constants they stand for."""
+
+    VALUES = {"null": None, "true": True, "false": False}
+
+    def visit_Name(self, node: ast.Name) -> ast.expr:  # noqa: N802 (NodeTransformer's name)
+        return ast.Constant(self.VALUES[node.id]) if node.id in self.VALUES else node
 
 
 class _JsonListParser(_WholeOutputParser):
@@ -486,6 +520,7 @@ PARSERS: dict[str, Callable[[], ToolCallParser]] = {
     "granite": GraniteParser,
     "phi4_mini_json": Phi4MiniParser,
     "openai": HarmonyCallParser,
+    "olmo3": Olmo3Parser,
 }
 assert tuple(PARSERS) == TOOL_PARSERS
 

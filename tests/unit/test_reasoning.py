@@ -4,7 +4,13 @@ is cut, the tags dropped, nothing else lost. The gRPC end of it: tests/e2e/test_
 from __future__ import annotations
 
 import pytest
-from pagedserve.reasoning import HarmonyParser, ReasoningParser, prompt_opens_reasoning, split_reasoning
+from pagedserve.reasoning import (
+    HarmonyParser,
+    ReasoningParser,
+    new_parser,
+    prompt_opens_reasoning,
+    split_reasoning,
+)
 
 THOUGHT = "<think>\nThe user wants 2 + 2.\n</think>\n\nIt is 4."
 
@@ -68,6 +74,17 @@ def test_the_prompts_last_block_decides_whether_it_is_open() -> None:
     assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking off
     assert not prompt_opens_reasoning("<|im_start|>assistant\n")
     assert prompt_opens_reasoning("</think> earlier turn <think>")
+
+
+def test_olmo3_reads_olmo_3_thinks_output_after_its_open_block() -> None:
+    """OLMo 3 Think's template ends the prompt with `<think>` (plain text in its vocabulary, as the
+    closing tag is): vLLM's `olmo3` is the same split."""
+    prompt_tail = "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n<think>"
+    parser = new_parser("olmo3", prompt_opens_reasoning(prompt_tail))
+    assert joined(run(parser, ["The user wants", " 2 + 2.</th", "ink>It is 4."])) == (
+        "The user wants 2 + 2.",
+        "It is 4.",
+    )
 
 
 # --- GPT-OSS's harmony messages (--reasoning-parser openai_gptoss) ---------------------------------

@@ -260,7 +260,8 @@ def test_the_reasoning_parser_is_one_we_have(monkeypatch: pytest.MonkeyPatch) ->
     assert parse([]).reasoning_parser is None
     monkeypatch.setenv("PAGEDSERVE_REASONING_PARSER", "granite")
     with pytest.raises(
-        SettingsError, match=r"^PAGEDSERVE_REASONING_PARSER: .*'deepseek_r1', 'openai_gptoss' or 'qwen3'"
+        SettingsError,
+        match=r"^PAGEDSERVE_REASONING_PARSER: .*'deepseek_r1', 'olmo3', 'openai_gptoss' or 'qwen3'",
     ):
         parse([])
     annotation = ServeSettings.model_fields["reasoning_parser"].annotation

@@ -115,6 +115,35 @@ def test_pythonic_calls_take_literal_keyword_arguments() -> None:
         assert parse_tool_calls(text, "pythonic") == (text, []), text
 
 
+def test_olmo3_calls_are_a_pythonic_call_a_line_between_its_tags() -> None:
+    """vLLM's olmo3: OLMo 3's template asks for `<function_calls>` and one call a line; argument values
+    as JSON writes them (null, true, false) or as Python does."""
+    text = '<function_calls>\nget_weather(city="Paris", unit="°C")\nget_time()\n</function_calls>'
+    for cut in range(len(text) + 1):
+        contents, calls = run(parse_tool_calls_parser("olmo3"), [text[:cut], text[cut:]])
+        assert ("".join(contents), calls) == ("", EXPECTED_CALLS), cut
+    json_names = parse_tool_calls(
+        "<function_calls>f(a=null, b=[true, false], c={'d': None})</function_calls>", "olmo3"
+    )
+    assert [json.loads(c.arguments) for c in json_names[1]] == [
+        {"a": None, "b": [True, False], "c": {"d": None}}
+    ]
+    parser = parse_tool_calls_parser("olmo3")
+    assert parser.feed(" <function") == ("", [])  # may be the tag
+    assert parser.feed("s>") == (" <functions>", [])
+    # what is not calls, one a line, stays text, whole
+    for text in (
+        "<function_calls></function_calls>",
+        "<function_calls>\nf(x)\n</function_calls>",
+        "<function_calls>\nf(x=y)\n</function_calls>",
+        "<function_calls>\n[f(), g()]\n</function_calls>",
+        "<function_calls>\nf(x=1\n</function_calls>",
+        "get_time()",
+        "Let me look.<function_calls>\nget_time()\n</function_calls>",
+    ):
+        assert parse_tool_calls(text, "olmo3") == (text, []), text
+
+
 @pytest.mark.parametrize(
     "tag", ["<|tool_call|>", "<tool_call>", ""], ids=["granite-3.0", "granite-3.1", "bare"]
 )
@@ -254,7 +283,7 @@ def test_the_flag_offers_every_parser() -> None:
     assert typing.get_args(literal) == TOOL_PARSERS
     with pytest.raises(
         ValueError,
-        match="tool_call_parser: must be one of hermes, llama3_json, pythonic, granite, phi4_mini_json, openai",
+        match="tool_call_parser: must be one of hermes, llama3_json, pythonic, granite, phi4_mini_json, openai, olmo3",
     ):
         parse_tool_calls("", "mistral")
 

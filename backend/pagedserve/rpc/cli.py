@@ -97,19 +97,21 @@ class ServeSettings(EngineSettings):
         "whether to call tools, and --tool-call-parser finds its calls in its output (as vLLM's flag)",
     )
     tool_call_parser: (
-        Literal["hermes", "llama3_json", "pythonic", "granite", "phi4_mini_json", "openai"] | None
+        Literal["hermes", "llama3_json", "pythonic", "granite", "phi4_mini_json", "openai", "olmo3"] | None
     ) = Field(
         None,
         description="the model family's tool-call format: hermes (Qwen2.5, Qwen3, Hermes: <tool_call> "
         "JSON </tool_call>), llama3_json (Llama 3.1/3.2 JSON calls), pythonic ([f(x=1), g()]; Llama 3.2/4, "
         "Gemma 3 with a pythonic template), granite (Granite 3.x: <|tool_call|> or <tool_call>, then a JSON "
         "list of calls), phi4_mini_json (Phi-4-mini: functools[ then a JSON list of calls ]), openai "
-        "(GPT-OSS: harmony messages to=functions.NAME; with --reasoning-parser openai_gptoss)",
+        "(GPT-OSS: harmony messages to=functions.NAME; with --reasoning-parser openai_gptoss), olmo3 (OLMo 3: "
+        "a pythonic call a line between <function_calls> and </function_calls>)",
     )
-    reasoning_parser: Literal["deepseek_r1", "openai_gptoss", "qwen3"] | None = Field(
+    reasoning_parser: Literal["deepseek_r1", "olmo3", "openai_gptoss", "qwen3"] | None = Field(
         None,
         description="send a chat completion's reasoning (between <think> and </think>) as reasoning_content, "
-        "apart from its text, as vLLM's flag: deepseek_r1 (DeepSeek-R1, QwQ) or qwen3 (the same tags), or "
+        "apart from its text, as vLLM's flag: deepseek_r1 (DeepSeek-R1, QwQ), olmo3 (OLMo 3 Think) or qwen3 "
+        "(the same tags), or "
         "openai_gptoss (GPT-OSS's harmony messages: the analysis channel's as reasoning, the final channel's "
         "as text, their special tokens dropped)",
     )
