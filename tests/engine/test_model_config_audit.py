@@ -34,6 +34,7 @@ from transformers import (
     GptOssConfig,
     GraniteConfig,
     GraniteMoeConfig,
+    GraniteMoeHybridConfig,
     MistralConfig,
     MixtralConfig,
     Olmo2Config,
@@ -120,6 +121,13 @@ ConfigPatch = Callable[[dict[str, Any]], None]
 # a tiny Gemma 3: 16-dimension heads, q.k scaled by 1/sqrt(10) (not the head's 1/4), a window of 24
 GEMMA3 = {"head_dim": 16, "query_pre_attn_scalar": 10, "sliding_window": 24, "sliding_window_pattern": 2}
 GEMMA2 = {"head_dim": 16, "query_pre_attn_scalar": 10, "sliding_window": 24}
+# a tiny dense Granite 4.0: both layers attention, no experts, an MLP of 48 (not TINY's 96)
+GRANITE4 = {
+    **GRANITE_SCALES,
+    "layer_types": ["attention", "attention"],
+    "num_local_experts": 0,
+    "shared_intermediate_size": 48,
+}
 # a few small experts, for tests of what a Qwen MoE config says of other things
 SMALL_MOE = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 16}
 # a tiny GPT-OSS: 2 of 4 experts a token, YaRN as its checkpoints carry it (truncate false; 4x a
@@ -339,6 +347,16 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "gpt-oss-sinks-clamped-experts": (
         lambda: GptOssConfig(**TINY, **GPT_OSS, sliding_window=24, swiglu_limit=2.0, swiglu_alpha=1.2),
         as_transformers_4,
+    ),
+    # IBM Granite 4.0's attention-only checkpoints: Granite's multipliers, the MLP as `shared_mlp`
+    # (gate and up in one tensor) of shared_intermediate_size, and the rope or none (NoPE)
+    "granite4-rope": (
+        lambda: GraniteMoeHybridConfig(**TINY, **GRANITE4, position_embedding_type="rope", rope_theta=1e6),
+        None,
+    ),
+    "granite4-nope-tied": (
+        lambda: GraniteMoeHybridConfig(**TINY, **GRANITE4, tie_word_embeddings=True),
+        None,
     ),
     # Ai2's OLMo 2: q and k each RMS-normed over the whole projection (not head by head), norms after
     # attention and the MLP instead of before, in float32; with Llama's biases and a tied LM head too
@@ -1113,6 +1131,33 @@ def test_rotary_tables_equal_transformers(
             ),
             "decoder_sparse_step must be a positive integer, got 0",
         ),
+        # Granite 4.0's hybrid checkpoints (Mamba2 layers; every layer is one where config.json names
+        # none) and its experts
+        (
+            lambda c: c.update(
+                architectures=["GraniteMoeHybridForCausalLM"],
+                layer_types=["attention", "mamba"],
+                num_local_experts=0,
+                shared_intermediate_size=96,
+            ),
+            "layer_types: layer 1 is 'mamba', a Mamba2 layer",
+        ),
+        (
+            lambda c: c.update(
+                architectures=["GraniteMoeHybridForCausalLM"],
+                num_local_experts=0,
+                shared_intermediate_size=96,
+            ),
+            "layer_types: layer 0 is 'mamba', a Mamba2 layer",
+        ),
+        (
+            lambda c: c.update(
+                architectures=["GraniteMoeHybridForCausalLM"],
+                layer_types=["attention", "attention"],
+                shared_intermediate_size=96,
+            ),
+            "num_local_experts 8: Granite 4.0's experts are not served",
+        ),
     ],
     ids=[
         "partial-rotary",
@@ -1128,6 +1173,9 @@ def test_rotary_tables_equal_transformers(
         "granite-logits-scaling-0",
         "mixtral-more-experts-a-token-than-experts",
         "qwen3-moe-sparse-step-0",
+        "granite4-mamba-layer",
+        "granite4-mamba-by-default",
+        "granite4-experts",
     ],
 )
 def test_an_unsupported_option_is_refused_naming_it(

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, SmolLM3 layouts): GQA, RoPE,
-RMSNorm, SwiGLU, tied or untied embeddings, Qwen3's RMSNorm of each query and key head, Granite's
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite 3 and 4.0, Phi-3, SmolLM3 layouts): GQA,
+RoPE, RMSNorm, SwiGLU, tied or untied embeddings, Qwen3's RMSNorm of each query and key head, Granite's
 multipliers, Phi-3's fused checkpoint tensors, SmolLM3's layers without rotary, and the sliding
 windows of Mistral, Phi-3 and Qwen's and SmolLM3's sliding layers. Mirrors Hugging Face's
 LlamaForCausalLM; the difference is paged attention and tensor-parallel layers. Input is one packed
@@ -349,6 +349,56 @@ class GraniteForCausalLM(LlamaForCausalLM):
         if not scales.logits > 0:  # (a greedy step takes the argmax of the logits before dividing)
             raise ValueError(f"model: config.json's logits_scaling must be positive, got {scales.logits}")
         return scales
+
+
+class GraniteMoeHybridForCausalLM(GraniteForCausalLM):
+    """IBM Granite 4.0's attention-only checkpoints (granite-4.0-micro, granite-4.0-1b, 350m): Granite's
+    layer and multipliers, its MLP stored as `shared_mlp` (gate and up in one tensor, `input_linear`,
+    down as `output_linear`) of `shared_intermediate_size`, q and k turned by the rope where
+    `position_embedding_type` is "rope" and by none otherwise (NoPE). Mamba layers (the hybrid "-h"
+    checkpoints) and experts are refused by name."""
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        _check_attention_only(cfg)
+        super().__init__({**cfg, "intermediate_size": cfg["shared_intermediate_size"]}, max_position, backend)
+
+    @staticmethod
+    def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
+        return [cfg.get("position_embedding_type") == "rope"] * cfg["num_hidden_layers"]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._unfused(weights))
+
+    @staticmethod
+    def _unfused(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The shared MLP's tensors under Llama's names: `input_linear` [2 x intermediate, hidden] is gate
+        then up."""
+        for name, tensor in weights:
+            if name.endswith(".shared_mlp.input_linear.weight"):
+                gate, up = tensor.chunk(2)
+                yield name.replace("shared_mlp.input_linear", "mlp.gate_proj"), gate
+                yield name.replace("shared_mlp.input_linear", "mlp.up_proj"), up
+            else:
+                yield name.replace(".shared_mlp.output_linear.", ".mlp.down_proj."), tensor
+
+
+def _check_attention_only(cfg: dict[str, Any]) -> None:
+    """Granite 4.0's layers are attention (`layer_types` "attention", transformers 5's "full_attention")
+    or Mamba2 (by default every one, as transformers reads a config without `layer_types`)."""
+    layer_types = (
+        cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * cfg["num_hidden_layers"]
+    )
+    for number, kind in enumerate(layer_types):
+        if kind not in ("attention", "full_attention"):
+            raise ValueError(
+                f"model: config.json's layer_types: layer {number} is {kind!r}, a Mamba2 layer (Granite 4.0's "
+                "hybrid -h checkpoints are not served; its attention-only ones are)"
+            )
+    if cfg.get("num_local_experts", 8):
+        raise ValueError(
+            f"model: config.json's num_local_experts {cfg.get('num_local_experts', 8)}: Granite 4.0's experts "
+            "are not served (its attention-only checkpoints, num_local_experts 0, are)"
+        )
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

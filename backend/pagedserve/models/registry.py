@@ -6,6 +6,7 @@ from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaF
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.llama import (
     GraniteForCausalLM,
+    GraniteMoeHybridForCausalLM,
     LlamaForCausalLM,
     Phi3ForCausalLM,
     Qwen2ForCausalLM,
@@ -29,6 +30,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
