@@ -354,9 +354,12 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         lambda: GraniteMoeHybridConfig(**TINY, **GRANITE4, position_embedding_type="rope", rope_theta=1e6),
         None,
     ),
-    "granite4-nope-tied": (
-        lambda: GraniteMoeHybridConfig(**TINY, **GRANITE4, tie_word_embeddings=True),
-        None,
+    # (and GraniteMoeHybridConfig's shared_intermediate_size, 1,024, where config.json leaves it out)
+    "granite4-nope-tied-default-mlp-size": (
+        lambda: GraniteMoeHybridConfig(
+            **TINY, **{**GRANITE4, "shared_intermediate_size": 1024}, tie_word_embeddings=True
+        ),
+        drop("shared_intermediate_size"),
     ),
     # Ai2's OLMo 2: q and k each RMS-normed over the whole projection (not head by head), norms after
     # attention and the MLP instead of before, in float32; with Llama's biases and a tied LM head too
@@ -1158,6 +1161,12 @@ def test_rotary_tables_equal_transformers(
             ),
             "num_local_experts 8: Granite 4.0's experts are not served",
         ),
+        (
+            lambda c: c.update(
+                architectures=["OlmoeForCausalLM"], num_experts=2, num_experts_per_tok=1, clip_qkv="8"
+            ),
+            "clip_qkv must be a positive number, got '8'",
+        ),
     ],
     ids=[
         "partial-rotary",
@@ -1176,6 +1185,7 @@ def test_rotary_tables_equal_transformers(
         "granite4-mamba-layer",
         "granite4-mamba-by-default",
         "granite4-experts",
+        "olmoe-clip-qkv-not-a-number",
     ],
 )
 def test_an_unsupported_option_is_refused_naming_it(

@@ -360,7 +360,9 @@ class GraniteMoeHybridForCausalLM(GraniteForCausalLM):
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
         _check_attention_only(cfg)
-        super().__init__({**cfg, "intermediate_size": cfg["shared_intermediate_size"]}, max_position, backend)
+        # (GraniteMoeHybridConfig's default where config.json leaves it out)
+        shared = cfg.get("shared_intermediate_size", 1024)
+        super().__init__({**cfg, "intermediate_size": shared}, max_position, backend)
 
     @staticmethod
     def rotary_layers(cfg: dict[str, Any]) -> list[bool]:

@@ -105,6 +105,8 @@ class OlmoAttention(LlamaAttention):
         self.q_norm = ProjectionRMSNorm(self.num_heads, self.head_dim, 1, eps, self.float32_norms)
         self.k_norm = ProjectionRMSNorm(self.num_kv_heads, self.head_dim, replicas, eps, self.float32_norms)
         clip = cfg.get("clip_qkv") if self.reads_clip_qkv else None
+        if clip is not None and not (isinstance(clip, int | float) and clip > 0):
+            raise ValueError(f"model: config.json's clip_qkv must be a positive number, got {clip!r}")
         self.clip = None if clip is None else float(clip)
         self.sliding_rope = options.window > 0
 
