@@ -79,10 +79,13 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
     out of the weights, as transformers saves it."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    try:
+        model = AutoModelForCausalLM.from_config(config)
+    except ValueError:  # a multimodal model transformers has no causal-LM class for (Mistral 3's)
+        model = AutoModelForImageTextToText.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith((".bias", "_bias")):  # (GPT-OSS's experts' `gate_up_proj_bias`...)

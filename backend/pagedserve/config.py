@@ -190,18 +190,31 @@ def architecture_of(hf: dict[str, Any], default: str = "") -> str:
 
 
 def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
-    """config.json as the model served reads it: a Gemma 3 multimodal checkpoint's
-    (`Gemma3ForConditionalGeneration`: Gemma 3 4B, 12B, 27B) as its text decoder's, a
-    `Gemma3ForCausalLM` (images are not served): its `text_config` with Gemma3TextConfig's defaults
-    for what it leaves out (the Hub's configs leave out the 4B's heads, for one), as transformers
-    fills them in. Any other config as it is."""
-    if architecture_of(hf) != "Gemma3ForConditionalGeneration":
-        return hf
-    from transformers import Gemma3TextConfig
+    """config.json as the model served reads it: a multimodal checkpoint's as its text decoder's
+    (images are not served): its `text_config` with the text config class's defaults for what it
+    leaves out (the Hub's Gemma 3 configs leave out the 4B's heads, for one), as transformers fills
+    them in. Gemma 3 4B, 12B, 27B (`Gemma3ForConditionalGeneration`) as a `Gemma3ForCausalLM`;
+    Mistral Small 3.1 and 3.2, Magistral Small, Devstral Small (`Mistral3ForConditionalGeneration`
+    with a Mistral text config) as a `MistralForCausalLM`, Ministral 3 (the same with a `ministral3`
+    one) as a `Ministral3ForCausalLM`. Any other config as it is."""
+    architecture = architecture_of(hf)
+    if architecture == "Gemma3ForConditionalGeneration":
+        from transformers import Gemma3TextConfig
 
-    text = Gemma3TextConfig(**(hf.get("text_config") or {})).to_dict()
-    text["architectures"] = ["Gemma3ForCausalLM"]
-    logger.info("Gemma3ForConditionalGeneration: its text decoder is served (Gemma3ForCausalLM), not images")
+        text = Gemma3TextConfig(**(hf.get("text_config") or {})).to_dict()
+        text["architectures"] = ["Gemma3ForCausalLM"]
+    elif architecture == "Mistral3ForConditionalGeneration":
+        from transformers import Mistral3Config, PretrainedConfig
+
+        text_config = Mistral3Config(text_config=hf.get("text_config")).text_config
+        assert isinstance(text_config, PretrainedConfig)  # (Mistral3Config builds one from a dict or None)
+        text = text_config.to_dict()
+        text["architectures"] = [
+            "Ministral3ForCausalLM" if text_config.model_type == "ministral3" else "MistralForCausalLM"
+        ]
+    else:
+        return hf
+    logger.info("%s: its text decoder is served (%s), not images", architecture, text["architectures"][0])
     return text
 
 
@@ -246,6 +259,7 @@ _WINDOW_ON_UNLESS_OFF = (
     "Gemma3ForCausalLM",
     "GptOssForCausalLM",
     "Olmo3ForCausalLM",
+    "Ministral3ForCausalLM",
 )
 _WINDOW_OFF_UNLESS_ON = (
     "Qwen2ForCausalLM",
@@ -351,6 +365,7 @@ _DEFAULT_THETA = {
     "SmolLM3ForCausalLM": 2e6,
     "GptOssForCausalLM": 150_000.0,
     "Olmo3ForCausalLM": 500_000.0,
+    "Ministral3ForCausalLM": 1e6,
 }
 # where it names no rope parameters at all, the config class's (GptOssConfig's YaRN)
 _DEFAULT_ROPE: dict[str, dict[str, Any]] = {
@@ -361,7 +376,18 @@ _DEFAULT_ROPE: dict[str, dict[str, Any]] = {
         "beta_slow": 1.0,
         "truncate": False,
         "original_max_position_embeddings": 4096,
-    }
+    },
+    # Ministral3Config's: YaRN 16x over 16,384 positions, queries scaled past them (Llama 4's scaling)
+    "Ministral3ForCausalLM": {
+        "rope_type": "yarn",
+        "factor": 16.0,
+        "original_max_position_embeddings": 16384,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "llama_4_scaling_beta": 0.1,
+    },
 }
 
 

@@ -48,9 +48,12 @@ def hf_greedy(
     model_dir: str, prompts: list[list[int]], max_new_tokens: int, **load: Any
 ) -> tuple[object, list[list[int]]]:
     """transformers' float32 greedy tokens (`load`: more of from_pretrained's arguments)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load).eval()
+    except ValueError:  # a multimodal model transformers has no causal-LM class for (Mistral 3's)
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, **load).eval()
     # no EOS at all (like ignore_eos): the model's own generation config would stop at it
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     model.generation_config = config

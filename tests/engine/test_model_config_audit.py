@@ -35,6 +35,7 @@ from transformers import (
     GraniteConfig,
     GraniteMoeConfig,
     GraniteMoeHybridConfig,
+    Ministral3Config,
     MistralConfig,
     MixtralConfig,
     Olmo2Config,
@@ -110,6 +111,7 @@ NOT_DECODE_LAYERS = {
     "qwen3-moe-norm-topk",
     "granitemoe-tied-biases",
     "gpt-oss-sinks-clamped-experts",
+    "ministral3-yarn-query-scaling-window-40",
     "olmo2",
     "olmo2-attention-bias-tied",
     "olmo3-yarn-global-layers-4.x-config",
@@ -121,6 +123,18 @@ ConfigPatch = Callable[[dict[str, Any]], None]
 # a tiny Gemma 3: 16-dimension heads, q.k scaled by 1/sqrt(10) (not the head's 1/4), a window of 24
 GEMMA3 = {"head_dim": 16, "query_pre_attn_scalar": 10, "sliding_window": 24, "sliding_window_pattern": 2}
 GEMMA2 = {"head_dim": 16, "query_pre_attn_scalar": 10, "sliding_window": 24}
+# Ministral 3's rope on a tiny scale: YaRN 16x over a pretraining length of 64
+MINISTRAL3_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 1e6,
+    "factor": 16.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.5,
+    "llama_4_scaling_beta": 0.1,
+}
 # a tiny dense Granite 4.0: both layers attention, no experts, an MLP of 48 (not TINY's 96)
 GRANITE4 = {
     **GRANITE_SCALES,
@@ -360,6 +374,18 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             **TINY, **{**GRANITE4, "shared_intermediate_size": 1024}, tie_word_embeddings=True
         ),
         drop("shared_intermediate_size"),
+    ),
+    # Mistral AI's Ministral 3 (text-only): YaRN 16x over 64 positions (DeepSeek's attention factor of
+    # mscale and mscale_all_dim), each query scaled past them by Llama 4's scaling (beta 0.4: ~1.8 at
+    # the prompts' ends), a window of 40 in every layer
+    "ministral3-yarn-query-scaling-window-40": (
+        lambda: Ministral3Config(
+            **TINY,
+            head_dim=16,
+            sliding_window=40,
+            rope_parameters={**MINISTRAL3_ROPE, "llama_4_scaling_beta": 0.4},
+        ),
+        None,
     ),
     # Ai2's OLMo 2: q and k each RMS-normed over the whole projection (not head by head), norms after
     # attention and the MLP instead of before, in float32; with Llama's biases and a tied LM head too
@@ -639,9 +665,12 @@ def gemma3_multimodal(root: Path, tokenizer_dir: str) -> str:
     return save_tiny_model(root, tokenizer_dir, config)
 
 
-def as_the_hub_lays_it_out(model_dir: str) -> None:
-    """The Hub's Gemma 3 4B files: the language model under `language_model.model.*`, the vision
-    tower and projector at the top, the text config in 4.x's layout without layer_types."""
+def as_the_hub_lays_it_out(
+    model_dir: str, text_config_4x: ConfigPatch | None = gemma3_as_transformers_4
+) -> None:
+    """The Hub's multimodal files (Gemma 3 4B's, Mistral Small 3.1's): the language model under
+    `language_model.model.*`, the vision tower and projector at the top; the text config patched
+    (Gemma 3's in 4.x's layout without layer_types)."""
     from safetensors.torch import load_file, save_file
 
     weights = load_file(str(Path(model_dir) / "model.safetensors"))
@@ -653,7 +682,8 @@ def as_the_hub_lays_it_out(model_dir: str) -> None:
     save_file(renamed, str(Path(model_dir) / "model.safetensors"), metadata={"format": "pt"})
     config_file = Path(model_dir) / "config.json"
     config = json.loads(config_file.read_text())
-    gemma3_as_transformers_4(config["text_config"])
+    if text_config_4x is not None:
+        text_config_4x(config["text_config"])
     config_file.write_text(json.dumps(config))
 
 
@@ -672,6 +702,60 @@ def test_a_gemma3_multimodal_checkpoint_serves_its_text_decoder(
     llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16)
     assert llm.engine.config.model.architecture == "Gemma3ForCausalLM"
     assert llm.engine.config.model.max_model_len == 1024  # Gemma's linear rope scales no context
+    assert_greedy_equal(model, prompts, greedy(llm, prompts, MAX_TOKENS), theirs)
+
+
+def mistral3_multimodal(root: Path, tokenizer_dir: str, text: Any) -> str:
+    """A tiny Mistral3ForConditionalGeneration: the `text` config's decoder beside a one-layer Pixtral
+    vision tower, saved as transformers 5 saves it (`model.language_model.*`)."""
+    from transformers import Mistral3Config, PixtralVisionConfig
+
+    vision = PixtralVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        head_dim=8,
+        image_size=28,
+        patch_size=14,
+    )
+    # (its own LM head, as the text config says and Mistral's checkpoints have: transformers 5 ties the
+    # head by the outer config's tie_word_embeddings, true by default, transformers 4 and vLLM by the
+    # text config's, which pagedserve reads)
+    config = Mistral3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=False
+    )
+    return save_tiny_model(root, tokenizer_dir, config)
+
+
+@pytest.mark.parametrize(
+    ("text", "architecture", "layout"),
+    [
+        ("ministral3", "Ministral3ForCausalLM", "transformers-5"),
+        ("mistral", "MistralForCausalLM", "hub"),
+    ],
+    ids=["ministral3", "mistral-small-3.1-hub-layout"],
+)
+def test_a_mistral3_multimodal_checkpoint_serves_its_text_decoder(
+    tmp_path: Path, default_model_dir: str, text: str, architecture: str, layout: str
+) -> None:
+    """Ministral 3 and Mistral Small 3.1 / 3.2 (Magistral, Devstral Small) ship as
+    Mistral3ForConditionalGeneration: their text decoder is served (Ministral 3's or Mistral's), its
+    tokens transformers' own multimodal model's on text prompts; a text config that leaves keys out
+    takes its class's defaults (Ministral 3's rope, here all but its pretraining length)."""
+    if text == "ministral3":
+        rope = {"rope_type": "yarn", "original_max_position_embeddings": 64, "llama_4_scaling_beta": 0.4}
+        decoder = Ministral3Config(**TINY, head_dim=16, rope_parameters={**MINISTRAL3_ROPE, **rope})
+    else:
+        decoder = MistralConfig(**TINY, head_dim=16, sliding_window=None)
+    model_dir = mistral3_multimodal(tmp_path / "mistral3-mm", default_model_dir, decoder)
+    prompts = long_prompts()
+    model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert type(model).__name__ == "Mistral3ForConditionalGeneration"
+    if layout == "hub":
+        as_the_hub_lays_it_out(model_dir, text_config_4x=None)
+    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16)
+    assert llm.engine.config.model.architecture == architecture
     assert_greedy_equal(model, prompts, greedy(llm, prompts, MAX_TOKENS), theirs)
 
 
@@ -968,12 +1052,18 @@ def rope_in_both_layouts(config: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(
     "config",
-    [MixtralConfig(**TINY), SmolLM3Config(**TINY), GptOssConfig(**TINY, head_dim=16)],
-    ids=["mixtral-theta-1e6", "smollm3-theta-2e6", "gpt-oss-yarn-theta-150000"],
+    [
+        MixtralConfig(**TINY),
+        SmolLM3Config(**TINY),
+        GptOssConfig(**TINY, head_dim=16),
+        Ministral3Config(**TINY, head_dim=16),
+    ],
+    ids=["mixtral-theta-1e6", "smollm3-theta-2e6", "gpt-oss-yarn-theta-150000", "ministral3-yarn-theta-1e6"],
 )
 def test_a_config_without_rope_keys_takes_its_classs_defaults(tmp_path: Path, config: Any) -> None:
     """A hand-written config.json may name no rope at all: transformers then takes its config class's
-    (Mixtral's theta 1e6, SmolLM3's 2e6, GPT-OSS's YaRN over 4,096 positions with theta 150,000)."""
+    (Mixtral's theta 1e6, SmolLM3's 2e6, GPT-OSS's YaRN over 4,096 positions with theta 150,000,
+    Ministral 3's over 16,384 with theta 1e6)."""
     from transformers import AutoModelForCausalLM
 
     name = type(config).__name__.replace("Config", "ForCausalLM")

@@ -17,7 +17,6 @@ Gemma (`GemmaForCausalLM`: Gemma 1, CodeGemma), Gemma 2 (`Gemma2ForCausalLM`) an
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
 import torch
@@ -232,9 +231,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
             self.lm_head.weight = self.embed_tokens.weight
         self.softcap = float(read.get("final_logit_softcapping") or 0.0)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_text_decoder_weights(weights))
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -279,27 +275,3 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
     local_rope = True
     # (transformers' Gemma 3 reads no attn_logit_softcapping: its attention passes none on)
     reads = {"query_pre_attn_scalar": 256, "final_logit_softcapping": None}
-
-
-# a multimodal checkpoint's language model (transformers 5's names, the Hub's) -> a text-only one's
-_TEXT_PREFIXES = {
-    "model.language_model.": "model.",
-    "language_model.model.": "model.",
-    "language_model.lm_head.": "lm_head.",
-}
-_IMAGE_PREFIXES = (
-    "vision_tower.",
-    "multi_modal_projector.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
-)
-
-
-def _text_decoder_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a text-only checkpoint, under its names: a Gemma3ForConditionalGeneration's
-    language model renamed, its vision tower and projector left out (`text_decoder_config`)."""
-    for name, tensor in weights:
-        if name.startswith(_IMAGE_PREFIXES):
-            continue
-        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
-        yield (name if prefix is None else _TEXT_PREFIXES[prefix] + name.removeprefix(prefix)), tensor

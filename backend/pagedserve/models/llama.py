@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite 3 and 4.0, Phi-3, SmolLM3 layouts): GQA,
+"""Llama-family decoder (Llama, Mistral, Ministral 3, Qwen2, Qwen3, Granite 3 and 4.0, Phi-3, SmolLM3 layouts): GQA,
 RoPE, RMSNorm, SwiGLU, tied or untied embeddings, Qwen3's RMSNorm of each query and key head, Granite's
 multipliers, Phi-3's fused checkpoint tensors, SmolLM3's layers without rotary, and the sliding
 windows of Mistral, Phi-3 and Qwen's and SmolLM3's sliding layers. Mirrors Hugging Face's
@@ -24,7 +24,9 @@ from pagedserve.layers.moe import Experts, SparseMoeBlock
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
 
-Rotary = tuple[torch.Tensor, torch.Tensor]  # a step's cos and sin tables, shared by every layer
+# a step's cos and sin tables, shared by every layer (and after them a model's own: Gemma's and OLMo 3's
+# sliding layers' tables, Ministral 3's query scales)
+Rotary = tuple[torch.Tensor, ...]
 Biases = tuple[bool, bool]  # whether the q/k/v projections and the o projection carry a bias
 
 
@@ -93,6 +95,13 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        return self.o_proj(self.attn(*self.rotated_qkv(rotary, hidden), metadata))
+
+    def rotated_qkv(
+        self, rotary: Rotary, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q and k [tokens, heads, head_dim] normed where the model norms them and turned, v [tokens,
+        kv heads x head_dim]."""
         qkv = self.qkv_proj(hidden)  # each row: [ q heads | k heads | v heads ]
         # q and k sit side by side in every row, so one rotation covers both
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -108,8 +117,16 @@ class LlamaAttention(nn.Module):
         if self.rotary:
             qk = ops.apply_rotary(qk, *rotary)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size :]
-        return self.o_proj(self.attn(q, k, v, metadata))
+        return q, k, qkv[:, self.q_size + self.kv_size :]
+
+
+class Ministral3Attention(LlamaAttention):
+    """Llama's attention with Ministral 3's queries scaled by their positions after the rotation (Llama
+    4's scaling: the step's third table, `Ministral3ForCausalLM.step_rotary`)."""
+
+    def forward(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.rotated_qkv(rotary[:2], hidden)
+        return self.o_proj(self.attn(q * rotary[2].to(q.dtype), k, v, metadata))
 
 
 def check_silu(cfg: dict[str, Any]) -> None:
@@ -270,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
         # read them (inductor fuses the tables' cast to bf16 away): tables rounded to bf16 between
         # graphs put the default model's bf16 logprobs further from float32's (mean error on
         # test_hf_parity's chat prompts 0.0605 against 0.0541, the whole graph 0.050)
-        rotary = self.rotary_emb(positions, hidden.dtype if layer_step is None else torch.float32)
+        rotary = self.step_rotary(positions, hidden.dtype if layer_step is None else torch.float32)
         for layer in self.layers:
             if layer_step is None:
                 hidden, residual = layer(rotary, hidden, residual, metadata)
@@ -278,6 +295,11 @@ class LlamaForCausalLM(nn.Module):
                 hidden, residual = layer_step(layer, rotary, hidden, residual, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def step_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        """What every layer of a step turns q and k by: the cos and sin tables of its positions (and
+        Ministral 3's scale of its queries)."""
+        return self.rotary_emb(positions, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden)
@@ -292,7 +314,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
-        for checkpoint_name, tensor in weights:
+        for checkpoint_name, tensor in text_decoder_weights(weights):
             name = checkpoint_name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
@@ -312,6 +334,31 @@ class LlamaForCausalLM(nn.Module):
         }
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]} ...")
+
+
+# a multimodal checkpoint's language model (transformers 5's names, the Hub's) -> a text-only one's
+_TEXT_PREFIXES = {
+    "model.language_model.": "model.",
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+_IMAGE_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def text_decoder_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a text-only checkpoint, under its names: a multimodal checkpoint's language
+    model (Gemma3ForConditionalGeneration's, Mistral3ForConditionalGeneration's) renamed, its vision
+    tower and projector left out (`config.text_decoder_config`); a text-only checkpoint's as they are."""
+    for name, tensor in weights:
+        if name.startswith(_IMAGE_PREFIXES):
+            continue
+        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+        yield (name if prefix is None else _TEXT_PREFIXES[prefix] + name.removeprefix(prefix)), tensor
 
 
 def _param(params: dict[str, nn.Parameter], name: str, checkpoint_name: str) -> nn.Parameter:
@@ -401,6 +448,37 @@ def _check_attention_only(cfg: dict[str, Any]) -> None:
             f"model: config.json's num_local_experts {cfg.get('num_local_experts', 8)}: Granite 4.0's experts "
             "are not served (its attention-only checkpoints, num_local_experts 0, are)"
         )
+
+
+class Ministral3DecoderLayer(LlamaDecoderLayer):
+    attention_class = Ministral3Attention
+
+
+class Ministral3ForCausalLM(LlamaForCausalLM):
+    """Mistral AI's Ministral 3 (the text decoder of its Mistral3ForConditionalGeneration checkpoints):
+    Mistral's layer (a window in every layer where config.json sets `sliding_window`), YaRN, and each
+    query multiplied after its rotation by 1 + beta ln(1 + floor(position / the pretraining length))
+    (`llama_4_scaling_beta` and `original_max_position_embeddings` of its rope), in the query's dtype,
+    as transformers' Ministral3Attention does: 1 within the pretraining length."""
+
+    decoder_layer_class = Ministral3DecoderLayer
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        super().__init__(cfg, max_position, backend)
+        rope = rope_parameters(cfg)
+        beta, length = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
+        if not (isinstance(beta, int | float) and isinstance(length, int) and length > 0):
+            raise ValueError(
+                "model: config.json's rope needs a numeric llama_4_scaling_beta and a positive integer "
+                f"original_max_position_embeddings for Ministral3ForCausalLM, got {beta!r} and {length!r}"
+            )
+        self.query_scaling_beta, self.query_scaling_length = float(beta), length
+
+    def step_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        cos, sin = self.rotary_emb(positions, dtype)
+        periods = torch.floor(positions.float() / self.query_scaling_length)
+        scale = 1.0 + self.query_scaling_beta * torch.log1p(periods)
+        return cos, sin, scale[:, None, None]  # (float32: rounded to the queries' dtype where applied)
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

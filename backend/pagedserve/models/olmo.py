@@ -38,13 +38,11 @@ from pagedserve.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
+    Rotary,
     head_dim_of,
     rms_norm_eps,
 )
 from pagedserve.models.moe import MoeForCausalLM, num_experts_of
-
-# a step's cos and sin tables: the global layers', then the sliding layers' (the same but in OLMo 3)
-OlmoRotary = tuple[torch.Tensor, ...]
 
 
 class ProjectionRMSNorm(RMSNorm):
@@ -110,7 +108,7 @@ class OlmoAttention(LlamaAttention):
         self.clip = None if clip is None else float(clip)
         self.sliding_rope = options.window > 0
 
-    def forward(self, rotary: OlmoRotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = norm_q_and_k(q, k, cast(ProjectionRMSNorm, self.q_norm), cast(ProjectionRMSNorm, self.k_norm))
         if self.clip is not None:
@@ -138,7 +136,7 @@ class Olmo2DecoderLayer(LlamaDecoderLayer):
 
     def forward(
         self,
-        rotary: OlmoRotary,
+        rotary: Rotary,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,

@@ -8,6 +8,7 @@ from pagedserve.models.llama import (
     GraniteForCausalLM,
     GraniteMoeHybridForCausalLM,
     LlamaForCausalLM,
+    Ministral3ForCausalLM,
     Phi3ForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
@@ -27,6 +28,7 @@ from pagedserve.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForC
 MODELS: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Ministral3ForCausalLM": Ministral3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
