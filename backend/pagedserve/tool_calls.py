@@ -17,13 +17,23 @@ import ast
 import json
 import re
 import secrets
+import string
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from pagedserve.errors import InvalidRequestError
 
-TOOL_PARSERS = ("hermes", "llama3_json", "pythonic", "granite", "phi4_mini_json", "openai", "olmo3")
+TOOL_PARSERS = (
+    "hermes",
+    "llama3_json",
+    "pythonic",
+    "granite",
+    "phi4_mini_json",
+    "openai",
+    "olmo3",
+    "mistral",
+)
 # GPT-OSS's harmony format (OpenAI's): a message's header ends at <|message|>, its body at one of the ends
 HARMONY_CHANNEL, HARMONY_MESSAGE = "<|channel|>", "<|message|>"
 HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
@@ -33,6 +43,11 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
+
+
+def new_mistral_call_id() -> str:
+    """Nine letters and digits: the ids Mistral's chat templates take back (they refuse others)."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 @dataclass(frozen=True)
@@ -107,6 +122,7 @@ class ToolChoice:
     # required: each tool's parameters by field (tools[i].parameters), the parts of the schema, so a
     # refused schema is said of the tool whose parameters are refused alone
     parameters: tuple[tuple[str, dict[str, Any]], ...] = ()
+    special_tokens: bool = False  # the parser reads special tokens, to be kept in the text (Mistral's)
 
 
 def tool_choice(tools: list[Tool], choice: str, function: str, auto_parser: str | None) -> ToolChoice | None:
@@ -139,7 +155,8 @@ def tool_choice(tools: list[Tool], choice: str, function: str, auto_parser: str 
             "auto (the default with tools) needs a server started with --enable-auto-tool-choice and "
             "--tool-call-parser; set none, required or tool_choice_function instead",
         )
-    return ToolChoice(None, PARSERS[auto_parser])
+    parser = PARSERS[auto_parser]
+    return ToolChoice(None, parser, special_tokens=parser.SPECIAL_TOKENS)
 
 
 def required_schema(tools: list[Tool]) -> dict[str, Any]:
@@ -161,6 +178,8 @@ def required_schema(tools: list[Tool]) -> dict[str, Any]:
 
 class ToolCallParser:
     """One completion's text in, as it streams; what of it is text (content) and which calls, out."""
+
+    SPECIAL_TOKENS = False  # its format is special tokens, which the text must keep (Mistral's)
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         raise NotImplementedError
@@ -377,6 +396,77 @@ class Olmo3Parser(PythonicParser):
         return cast(ast.expr, _JsonNames().visit(tree))
 
 
+class MistralParser(ToolCallParser):
+    """Mistral's calls after its `[TOOL_CALLS]` token (a special token: kept in the text of a request
+    this parser reads, `ToolChoice.special_tokens`), as vLLM's mistral parser reads them: a JSON list
+    `[{"name": ..., "arguments": {...}}, ...]` (Mistral 7B v0.3's, Mistral Nemo's, Mistral Small 3.1's),
+    or one call a tag as `name{...}`, `name[ARGS]{...}` or `name[CALL_ID]id[ARGS]{...}` (Mistral's
+    tokenizers from v11 on: Mistral Small 3.2, Magistral, Devstral). Text before the first tag
+    streams as text; from it on the output is held to its end, and what is not all calls is text.
+    Calls get the nine-character ids Mistral's templates take back (or the model's own `[CALL_ID]`)."""
+
+    TAG = "[TOOL_CALLS]"
+    SPECIAL_TOKENS = True
+
+    def __init__(self) -> None:
+        self._pending = ""
+        self._calls_begun = False
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._pending += text
+        if self._calls_begun:
+            return "", []
+        at = self._pending.find(self.TAG)
+        if at >= 0:
+            self._calls_begun = True
+            content, self._pending = self._pending[:at], self._pending[at:]
+            return content, []
+        content = self._pending[: len(self._pending) - partial_suffix(self._pending, self.TAG)]
+        self._pending = self._pending[len(content) :]
+        return content, []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        text, self._pending = self._pending, ""
+        calls = self._parse(text) if self._calls_begun else None
+        return ("", calls) if calls else (text, [])
+
+    def _parse(self, text: str) -> list[ToolCall] | None:
+        calls: list[ToolCall] = []
+        for piece in text.split(self.TAG)[1:]:
+            found = _mistral_list(piece) if piece.lstrip().startswith("[{") else _mistral_call(piece)
+            if found is None:
+                return None
+            calls += found
+        return calls or None
+
+
+_MISTRAL_NAME = re.compile(r"\s*([A-Za-z0-9_-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?(?:\[ARGS\])?")
+
+
+def _mistral_list(text: str) -> list[ToolCall] | None:
+    value = _json_or_none(text)
+    if not (isinstance(value, list) and value):
+        return None
+    calls = [_call_of(item, ("arguments",)) for item in value]
+    if any(call is None for call in calls):
+        return None
+    return [replace(call, id=new_mistral_call_id()) for call in calls if call is not None]
+
+
+def _mistral_call(text: str) -> list[ToolCall] | None:
+    """`name{...}` (with `[CALL_ID]id` and `[ARGS]` between where the tokenizer writes them) as a call."""
+    name = _MISTRAL_NAME.match(text)
+    if name is None:
+        return None
+    try:
+        arguments, end = json.JSONDecoder().raw_decode(text, name.end())
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(arguments, dict) or text[end:].strip():
+        return None
+    return [ToolCall(name[1], json.dumps(arguments, ensure_ascii=False), name[2] or new_mistral_call_id())]
+
+
 class _JsonNames(ast.NodeTransformer):
     """JSON's null, true and false, written as Python names, as the constants they stand for."""
 
@@ -513,7 +603,7 @@ def _harmony_call(message: str) -> ToolCall | None:
     return ToolCall(recipient[1], json.dumps(arguments, ensure_ascii=False))
 
 
-PARSERS: dict[str, Callable[[], ToolCallParser]] = {
+PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
     "pythonic": PythonicParser,
@@ -521,6 +611,7 @@ PARSERS: dict[str, Callable[[], ToolCallParser]] = {
     "phi4_mini_json": Phi4MiniParser,
     "openai": HarmonyCallParser,
     "olmo3": Olmo3Parser,
+    "mistral": MistralParser,
 }
 assert tuple(PARSERS) == TOOL_PARSERS
 

@@ -211,21 +211,31 @@ def test_harmonys_analysis_channel_leaves_as_reasoning_and_its_final_channel_as_
     assert (completion.text, completion.reasoning_content) == (HARMONY, "")
 
 
-def test_a_chat_under_the_harmony_parser_keeps_its_special_tokens_in_the_text() -> None:
-    """gpt-oss's harmony markers are special tokens: skipped from the text (the default), the parser
-    would see none. A chat's (beam search's too) are kept under openai_gptoss alone."""
+def test_a_chat_under_a_parser_of_special_tokens_keeps_them_in_the_text() -> None:
+    """gpt-oss's harmony markers and Mistral's [TOOL_CALLS] are special tokens: skipped from the text
+    (the default), the parser would see none. A chat's (beam search's too) are kept under
+    openai_gptoss, and under the mistral tool-call parser where the chat's tools are parsed by it."""
     from pagedserve.rpc import convert
     from pagedserve.sampling_params import SamplingParams
 
     chat = pb.GenerateRequest(messages=pb.ChatMessages(messages=[QUESTION]))
     params = SamplingParams(max_tokens=8)
     assert params.skip_special_tokens
-    kept = convert.keep_harmony_tokens(chat, params, "openai_gptoss")
+    kept = convert.keep_special_tokens(chat, params, "openai_gptoss")
     assert not kept.skip_special_tokens and kept.max_tokens == 8
-    assert convert.keep_harmony_tokens(chat, params, "qwen3").skip_special_tokens
-    assert convert.keep_harmony_tokens(
+    assert convert.keep_special_tokens(chat, params, "qwen3").skip_special_tokens
+    assert convert.keep_special_tokens(
         pb.GenerateRequest(text="Hi"), params, "openai_gptoss"
     ).skip_special_tokens
+    with_tools = pb.GenerateRequest(messages=pb.ChatMessages(messages=[QUESTION], tools=[WEATHER]))
+    for parser, keeps in (("mistral", True), ("hermes", False)):
+        tools = convert.request_tool_choice(with_tools, parser)
+        assert convert.keep_special_tokens(with_tools, params, None, tools).skip_special_tokens is not keeps
+    # tool_choice none, or a forced call (its output constrained to JSON): nothing to keep
+    for choice in ("none", "required"):
+        with_tools.messages.tool_choice = choice
+        tools = convert.request_tool_choice(with_tools, "mistral")
+        assert convert.keep_special_tokens(with_tools, params, None, tools).skip_special_tokens
 
 
 def test_harmonys_calls_to_functions_leave_as_tool_calls(harmony_server: InProcessServer) -> None:

@@ -207,14 +207,14 @@ def test_auto_tool_choice_needs_a_parser_and_a_parser_is_one_we_have(monkeypatch
     assert parse(["--tool-call-parser", "hermes"]).auto_tool_call_parser is None  # not enabled: auto refused
     settings = parse(["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"])
     assert settings.auto_tool_call_parser == "pythonic"
-    monkeypatch.setenv("PAGEDSERVE_TOOL_CALL_PARSER", "mistral")
+    monkeypatch.setenv("PAGEDSERVE_TOOL_CALL_PARSER", "xlam")
     with pytest.raises(SettingsError) as info:
         parse([])
     assert str(info.value).startswith("PAGEDSERVE_TOOL_CALL_PARSER: ") and "'hermes'" in str(info.value)
     parser = argparse.ArgumentParser()
     add_settings_arguments(parser, ServeSettings)
     with pytest.raises(SystemExit):  # argparse's choices: exit 2 with the choices listed
-        parser.parse_args(["--tool-call-parser", "mistral"])
+        parser.parse_args(["--tool-call-parser", "xlam"])
 
 
 def test_gpt_oss_calls_need_its_reasoning_parser() -> None:

@@ -115,6 +115,42 @@ def test_pythonic_calls_take_literal_keyword_arguments() -> None:
         assert parse_tool_calls(text, "pythonic") == (text, []), text
 
 
+@pytest.mark.parametrize(
+    "calls",
+    [
+        f"[TOOL_CALLS][{WEATHER}, " + '{"name": "get_time", "arguments": {}}]',
+        '[TOOL_CALLS]get_weather{"city": "Paris", "unit": "°C"}[TOOL_CALLS]get_time{}',
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "°C"}[TOOL_CALLS]get_time[ARGS]{}',
+    ],
+    ids=["json-list", "v11", "v13-args"],
+)
+def test_mistral_calls_follow_its_tool_calls_token(calls: str) -> None:
+    """vLLM's mistral: after [TOOL_CALLS] a JSON list of calls (tokenizers before v11), or a call a
+    token as name{...} or name[ARGS]{...}; text before it streams; ids of nine letters and digits."""
+    text = "Let me check." + calls
+    for cut in range(len(text) + 1):
+        contents, found = run(parse_tool_calls_parser("mistral"), [text[:cut], text[cut:]])
+        assert ("".join(contents), found) == ("Let me check.", EXPECTED_CALLS), cut
+    parser = parse_tool_calls_parser("mistral")
+    assert parser.feed("Sure. [TOOL") == ("Sure. ", [])  # may be the token
+    assert parser.feed("S] and more") == ("[TOOLS] and more", [])
+    _, [call, _] = parse_tool_calls(text, "mistral")
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", call.id)
+    _, [given] = parse_tool_calls('[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"tz": "UTC"}', "mistral")
+    assert (given.name, given.id, json.loads(given.arguments)) == ("get_time", "a1b2c3d4e", {"tz": "UTC"})
+    # what is not all calls after the token stays text, whole
+    for text in (
+        "[TOOL_CALLS]",
+        "[TOOL_CALLS][]",
+        "[TOOL_CALLS]get_time",
+        '[TOOL_CALLS]get_time{"tz": "UTC"} and then',
+        '[TOOL_CALLS]get_time{"tz": "UTC"}[TOOL_CALLS]not a call',
+        f"[TOOL_CALLS][{WEATHER}, 1]",
+        '[TOOL_CALLS]get_time["UTC"]',
+    ):
+        assert parse_tool_calls(text, "mistral") == (text, []), text
+
+
 def test_olmo3_calls_are_a_pythonic_call_a_line_between_its_tags() -> None:
     """vLLM's olmo3: OLMo 3's template asks for `<function_calls>` and one call a line; argument values
     as JSON writes them (null, true, false) or as Python does."""
@@ -283,9 +319,10 @@ def test_the_flag_offers_every_parser() -> None:
     assert typing.get_args(literal) == TOOL_PARSERS
     with pytest.raises(
         ValueError,
-        match="tool_call_parser: must be one of hermes, llama3_json, pythonic, granite, phi4_mini_json, openai, olmo3",
+        match="tool_call_parser: must be one of hermes, llama3_json, pythonic, granite, phi4_mini_json, openai, "
+        "olmo3, mistral",
     ):
-        parse_tool_calls("", "mistral")
+        parse_tool_calls("", "xlam")
 
 
 def parse_tool_calls_parser(name: str) -> ToolCallParser:

@@ -97,7 +97,10 @@ class ServeSettings(EngineSettings):
         "whether to call tools, and --tool-call-parser finds its calls in its output (as vLLM's flag)",
     )
     tool_call_parser: (
-        Literal["hermes", "llama3_json", "pythonic", "granite", "phi4_mini_json", "openai", "olmo3"] | None
+        Literal[
+            "hermes", "llama3_json", "pythonic", "granite", "phi4_mini_json", "openai", "olmo3", "mistral"
+        ]
+        | None
     ) = Field(
         None,
         description="the model family's tool-call format: hermes (Qwen2.5, Qwen3, Hermes: <tool_call> "
@@ -105,7 +108,8 @@ class ServeSettings(EngineSettings):
         "Gemma 3 with a pythonic template), granite (Granite 3.x: <|tool_call|> or <tool_call>, then a JSON "
         "list of calls), phi4_mini_json (Phi-4-mini: functools[ then a JSON list of calls ]), openai "
         "(GPT-OSS: harmony messages to=functions.NAME; with --reasoning-parser openai_gptoss), olmo3 (OLMo 3: "
-        "a pythonic call a line between <function_calls> and </function_calls>)",
+        "a pythonic call a line between <function_calls> and </function_calls>), mistral (Mistral: [TOOL_CALLS] then "
+        "a JSON list of calls, or name{...} a call)",
     )
     reasoning_parser: Literal["deepseek_r1", "olmo3", "openai_gptoss", "qwen3"] | None = Field(
         None,

@@ -461,12 +461,18 @@ def chat_outputs(
     return ChatOutputs(tools, reasoning, include)
 
 
-def keep_harmony_tokens(
-    request: pb.GenerateRequest, params: SamplingParams, reasoning_parser: str | None
+def keep_special_tokens(
+    request: pb.GenerateRequest,
+    params: SamplingParams,
+    reasoning_parser: str | None,
+    tools: ToolChoice | None = None,
 ) -> SamplingParams:
-    """A chat request's params under `--reasoning-parser openai_gptoss`: its special tokens kept in
-    the text (harmony's headers and ends are special tokens, which the parser reads and drops)."""
-    if reasoning_parser != "openai_gptoss" or request.WhichOneof("input") != "messages":
+    """A chat request's params with its special tokens kept in the text where a parser reads them (and
+    drops them): under `--reasoning-parser openai_gptoss` (harmony's headers and ends), and where its
+    tool choice's parser does (`--tool-call-parser mistral`'s `[TOOL_CALLS]`, as vLLM keeps them)."""
+    if request.WhichOneof("input") != "messages":
+        return params
+    if reasoning_parser != "openai_gptoss" and not (tools is not None and tools.special_tokens):
         return params
     return dataclasses.replace(params, skip_special_tokens=False)
 

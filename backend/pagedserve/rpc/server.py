@@ -225,12 +225,12 @@ class GenerationServicer:
                 params = params_of(request)
             elif request.sampling.use_beam_search:  # (no tools: refused with it)
                 params, beam_search = convert.beam_search_params(request, self.llm)
-                params = convert.keep_harmony_tokens(request, params, self.state.reasoning_parser)
+                params = convert.keep_special_tokens(request, params, self.state.reasoning_parser)
             else:
                 tools = convert.request_tool_choice(request, self.state.tool_call_parser)
                 params = convert.sampling_params(request.sampling, self.llm, tools)
                 convert.check_text_free(request, params, tools, self.state.reasoning_parser)
-                params = convert.keep_harmony_tokens(request, params, self.state.reasoning_parser)
+                params = convert.keep_special_tokens(request, params, self.state.reasoning_parser, tools)
             known.params = params
             prompt = await in_tokenizer_thread(convert.prompt_token_ids, request, self.llm)
             try:
