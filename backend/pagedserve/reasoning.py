@@ -3,7 +3,9 @@ DeepSeek-R1, QwQ, OLMo 3 Think) writes between `<think>` and `</think>` leaves a
 the rest as the answer. `deepseek_r1`, `olmo3` and `qwen3` read the same tags (as text: OLMo 3's are
 plain text, the others' special tokens kept in the text); their names are vLLM's, so deployments
 carry over.
-`openai_gptoss` reads GPT-OSS's harmony format instead (`HarmonyParser`).
+`mistral` reads Magistral's `[THINK]` and `[/THINK]` the same way (special tokens, kept in a chat's
+text under it: `rpc.convert.keep_special_tokens`). `openai_gptoss` reads GPT-OSS's harmony format
+instead (`HarmonyParser`).
 
 A completion starts inside its reasoning when it begins with `<think>`, or when the prompt left a
 think block open (Qwen3-Thinking's, DeepSeek-R1's and OLMo 3 Think's templates end the prompt with
@@ -17,24 +19,31 @@ import re
 
 from pagedserve.tool_calls import HARMONY_CHANNEL, HARMONY_ENDS, HARMONY_MESSAGE, partial_suffix
 
-REASONING_PARSERS = ("deepseek_r1", "olmo3", "openai_gptoss", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "mistral", "olmo3", "openai_gptoss", "qwen3")
 START, END = "<think>", "</think>"
+# the parsers whose tags are others (the rest read START and END)
+TAGS = {"mistral": ("[THINK]", "[/THINK]")}
+# the parsers whose markers are special tokens, to be kept in a chat's text for them
+READS_SPECIAL_TOKENS = ("mistral", "openai_gptoss")
 # a harmony message's recipient (`to=functions.get_weather`), in its role's part or its channel's
 _RECIPIENT = re.compile(r" to=([^\s<]+)")
 
 
-def prompt_opens_reasoning(prompt_tail: str) -> bool:
-    """Whether the prompt's last text leaves a think block open (a `<think>` after the last `</think>`)."""
-    return prompt_tail.rfind(START) > prompt_tail.rfind(END)
+def prompt_opens_reasoning(prompt_tail: str, name: str = "") -> bool:
+    """Whether the prompt's last text leaves a think block open (a `<think>` after the last `</think>`;
+    parser `name`'s own tags where it has some)."""
+    start, end = TAGS.get(name, (START, END))
+    return prompt_tail.rfind(start) > prompt_tail.rfind(end)
 
 
 class ReasoningParser:
     """One completion's text in, as it streams; its reasoning and its content out. What may be the
     beginning of a tag is held back until it is one or is not."""
 
-    def __init__(self, open_at_start: bool) -> None:
+    def __init__(self, open_at_start: bool, start: str = START, end: str = END) -> None:
         self._state = "reasoning" if open_at_start else "start"  # start: is a <think> coming?
         self._pending = ""
+        self._start, self._end = start, end
 
     def feed(self, text: str) -> tuple[str, str]:
         self._pending += text
@@ -43,21 +52,21 @@ class ReasoningParser:
         while self._pending:
             if self._state == "start":
                 head = self._pending.lstrip()
-                if head.startswith(START):
-                    self._pending, self._state = head[len(START) :], "reasoning"
-                elif START.startswith(head):  # whitespace, or a <think> begun: wait
+                if head.startswith(self._start):
+                    self._pending, self._state = head[len(self._start) :], "reasoning"
+                elif self._start.startswith(head):  # whitespace, or a <think> begun: wait
                     break
                 else:
                     self._state = "content"
             elif self._state == "reasoning":
-                end = self._pending.find(END)
+                end = self._pending.find(self._end)
                 if end < 0:
-                    keep = partial_suffix(self._pending, END)
+                    keep = partial_suffix(self._pending, self._end)
                     reasoning.append(self._pending[: len(self._pending) - keep])
                     self._pending = self._pending[len(self._pending) - keep :]
                     break
                 reasoning.append(self._pending[:end])
-                self._pending, self._state = self._pending[end + len(END) :], "content"
+                self._pending, self._state = self._pending[end + len(self._end) :], "content"
             else:
                 content.append(self._pending)
                 self._pending = ""
@@ -143,7 +152,9 @@ class HarmonyParser:
 def new_parser(name: str, open_at_start: bool) -> ReasoningParser | HarmonyParser:
     """The `--reasoning-parser` `name`'s parser for one completion (`open_at_start`: see
     `ReasoningParser`; harmony's messages say their channel themselves)."""
-    return HarmonyParser() if name == "openai_gptoss" else ReasoningParser(open_at_start)
+    if name == "openai_gptoss":
+        return HarmonyParser()
+    return ReasoningParser(open_at_start, *TAGS.get(name, (START, END)))
 
 
 def split_reasoning(text: str, open_at_start: bool = False) -> tuple[str, str]:

@@ -212,9 +212,10 @@ def test_harmonys_analysis_channel_leaves_as_reasoning_and_its_final_channel_as_
 
 
 def test_a_chat_under_a_parser_of_special_tokens_keeps_them_in_the_text() -> None:
-    """gpt-oss's harmony markers and Mistral's [TOOL_CALLS] are special tokens: skipped from the text
-    (the default), the parser would see none. A chat's (beam search's too) are kept under
-    openai_gptoss, and under the mistral tool-call parser where the chat's tools are parsed by it."""
+    """gpt-oss's harmony markers, Magistral's [THINK] and Mistral's [TOOL_CALLS] are special tokens:
+    skipped from the text (the default), the parser would see none. A chat's (beam search's too) are
+    kept under openai_gptoss and mistral, and under the mistral tool-call parser where the chat's
+    tools are parsed by it."""
     from pagedserve.rpc import convert
     from pagedserve.sampling_params import SamplingParams
 
@@ -223,6 +224,7 @@ def test_a_chat_under_a_parser_of_special_tokens_keeps_them_in_the_text() -> Non
     assert params.skip_special_tokens
     kept = convert.keep_special_tokens(chat, params, "openai_gptoss")
     assert not kept.skip_special_tokens and kept.max_tokens == 8
+    assert not convert.keep_special_tokens(chat, params, "mistral").skip_special_tokens  # [THINK]
     assert convert.keep_special_tokens(chat, params, "qwen3").skip_special_tokens
     assert convert.keep_special_tokens(
         pb.GenerateRequest(text="Hi"), params, "openai_gptoss"

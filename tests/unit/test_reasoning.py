@@ -87,6 +87,19 @@ def test_olmo3_reads_olmo_3_thinks_output_after_its_open_block() -> None:
     )
 
 
+def test_mistral_reads_magistrals_think_tokens_and_no_other_tags() -> None:
+    """vLLM's mistral: Magistral thinks between [THINK] and [/THINK] (special tokens, kept in the
+    text); <think> is text to it, and a prompt ending in [THINK] opens the block."""
+    output = "[THINK]The user wants 2 + 2.[/THINK]It is 4."
+    for cut in range(len(output) + 1):
+        parser = new_parser("mistral", open_at_start=False)
+        assert joined(run(parser, [output[:cut], output[cut:]])) == ("The user wants 2 + 2.", "It is 4."), cut
+    assert joined(run(new_parser("mistral", False), ["<think>a</think>b"])) == ("", "<think>a</think>b")
+    assert prompt_opens_reasoning("[INST]What is 2 + 2?[/INST][THINK]", "mistral")
+    assert not prompt_opens_reasoning("[INST]What is 2 + 2?[/INST][THINK]", "qwen3")
+    assert not prompt_opens_reasoning("[THINK]earlier[/THINK][INST]Hi[/INST]", "mistral")
+
+
 # --- GPT-OSS's harmony messages (--reasoning-parser openai_gptoss) ---------------------------------
 
 # as gpt-oss writes a completion after its template's `<|start|>assistant`: a message on the analysis

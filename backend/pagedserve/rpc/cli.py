@@ -111,11 +111,11 @@ class ServeSettings(EngineSettings):
         "a pythonic call a line between <function_calls> and </function_calls>), mistral (Mistral: [TOOL_CALLS] then "
         "a JSON list of calls, or name{...} a call)",
     )
-    reasoning_parser: Literal["deepseek_r1", "olmo3", "openai_gptoss", "qwen3"] | None = Field(
+    reasoning_parser: Literal["deepseek_r1", "mistral", "olmo3", "openai_gptoss", "qwen3"] | None = Field(
         None,
         description="send a chat completion's reasoning (between <think> and </think>) as reasoning_content, "
         "apart from its text, as vLLM's flag: deepseek_r1 (DeepSeek-R1, QwQ), olmo3 (OLMo 3 Think) or qwen3 "
-        "(the same tags), or "
+        "(the same tags), mistral (Magistral: [THINK] and [/THINK]), or "
         "openai_gptoss (GPT-OSS's harmony messages: the analysis channel's as reasoning, the final channel's "
         "as text, their special tokens dropped)",
     )

@@ -18,7 +18,13 @@ from pagedserve.engine.llm_engine import LLMEngine, check_token_ids
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import RequestDelta, TokenLogprobs
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.reasoning import HarmonyParser, ReasoningParser, new_parser, prompt_opens_reasoning
+from pagedserve.reasoning import (
+    READS_SPECIAL_TOKENS,
+    HarmonyParser,
+    ReasoningParser,
+    new_parser,
+    prompt_opens_reasoning,
+)
 from pagedserve.rpc.v1 import generate_pb2 as pb
 from pagedserve.sampling_params import (
     BEAM_SEARCH_FIELDS,
@@ -455,7 +461,8 @@ def chat_outputs(
     messages = request.messages
     reasoning = None
     if reasoning_parser is not None:
-        name, opens = reasoning_parser, not constrained and prompt_opens_reasoning(prompt_tail())
+        opens = not constrained and prompt_opens_reasoning(prompt_tail(), reasoning_parser)
+        name = reasoning_parser
         reasoning = functools.partial(new_parser, name, opens)
     include = messages.include_reasoning if messages.HasField("include_reasoning") else True
     return ChatOutputs(tools, reasoning, include)
@@ -468,11 +475,12 @@ def keep_special_tokens(
     tools: ToolChoice | None = None,
 ) -> SamplingParams:
     """A chat request's params with its special tokens kept in the text where a parser reads them (and
-    drops them): under `--reasoning-parser openai_gptoss` (harmony's headers and ends), and where its
-    tool choice's parser does (`--tool-call-parser mistral`'s `[TOOL_CALLS]`, as vLLM keeps them)."""
+    drops them): under `--reasoning-parser openai_gptoss` (harmony's headers and ends) or `mistral`
+    (Magistral's [THINK] and [/THINK]), and where its tool choice's parser does (`--tool-call-parser
+    mistral`'s `[TOOL_CALLS]`), as vLLM keeps them."""
     if request.WhichOneof("input") != "messages":
         return params
-    if reasoning_parser != "openai_gptoss" and not (tools is not None and tools.special_tokens):
+    if reasoning_parser not in READS_SPECIAL_TOKENS and not (tools is not None and tools.special_tokens):
         return params
     return dataclasses.replace(params, skip_special_tokens=False)
 
