@@ -18,7 +18,7 @@ for the base weights alone.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -116,6 +116,10 @@ class LoRAModels:
         self.names: list[str | None] = []  # by index; None: a free index
         self.step = LoRAStep()
         self.layers = _target_layers(model)
+        # a checkpoint's rows as the model reads them (ERNIE 4.5's and GLM-4's q and k reordered)
+        self.checkpoint_rows: Callable[[str, torch.Tensor], torch.Tensor] = getattr(
+            model, "checkpoint_rows", lambda module, rows: rows
+        )
         self.updates = {key: LoRALinear(self.step) for key in self.layers}
         for key, layer in self.layers.items():
             layer.lora = self.updates[key]
@@ -197,6 +201,10 @@ class LoRAModels:
                 raise fail(
                     f"layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not chain"
                 )
+            try:
+                b = self.checkpoint_rows(module, b)
+            except ValueError as exc:
+                raise fail(f"layer {layer} {module} does not fit the model: {exc}") from None
             our_layer = TARGETS[FUSED_TARGETS.get(module, (module,))[0]][0]
             if (layer, our_layer) not in self.layers:
                 if any(number == layer for number, _ in self.layers):  # the layer is there, not the module

@@ -389,15 +389,18 @@ def test_a_mixture_of_experts_takes_adapters_of_its_attention_and_dense_mlps(
             {"query_pre_attn_scalar": 10, "sliding_window": 12, "sliding_window_pattern": 2},
         ),
         ("Olmo2Config", {}),
+        # (q_proj's and k_proj's lora_B rows reordered as the base weights are for GPT-J's rotary)
+        ("Glm4Config", {}),
     ],
-    ids=["granite", "gemma3", "olmo2"],
+    ids=["granite", "gemma3", "olmo2", "glm4"],
 )
 def test_an_adapter_enters_before_what_the_layer_does_to_its_output(
     tmp_path: Path, default_model_dir: str, config_class: str, overrides: dict[str, object]
 ) -> None:
     """Granite scales each layer's attention and MLP output (o_proj's, down_proj's) before the
-    residual add, Gemma 3 and OLMo 2 norm it (OLMo 2 its whole q and k projections too): PEFT's
-    update of those projections is scaled or normed with them, as ours (added to the product) is."""
+    residual add, Gemma 3, OLMo 2 and GLM-4 norm it (OLMo 2 its whole q and k projections too; GLM-4's
+    rotary turns neighbouring dimensions, whose q and k rows are reordered on load): PEFT's update of
+    those projections is scaled or normed (or reordered) with them, as ours (added to the product) is."""
     from tiny_models import build_tiny_llama
 
     model_dir = build_tiny_llama(

@@ -28,9 +28,11 @@ from test_compile import decode_layers_available
 from test_hf_parity import assert_greedy_equal, hf_greedy
 from tiny_models import save_mxfp4_gpt_oss, save_tiny_model
 from transformers import (
+    Ernie4_5Config,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
+    Glm4Config,
     GptOssConfig,
     GraniteConfig,
     GraniteMoeConfig,
@@ -46,6 +48,7 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    SeedOssConfig,
     SmolLM3Config,
 )
 
@@ -112,6 +115,9 @@ NOT_DECODE_LAYERS = {
     "granitemoe-tied-biases",
     "gpt-oss-sinks-clamped-experts",
     "ministral3-yarn-query-scaling-window-40",
+    "seed-oss-biases",
+    "ernie4.5-biases-default-tie",
+    "glm4-partial-interleaved-rotary",
     "olmo2",
     "olmo2-attention-bias-tied",
     "olmo3-yarn-global-layers-4.x-config",
@@ -194,6 +200,12 @@ def olmo3_as_transformers_4(config: dict[str, Any]) -> None:
     rope = config.pop("rope_parameters")["full_attention"]
     config["rope_theta"] = rope.pop("rope_theta")
     config["rope_scaling"] = rope
+
+
+def drop_partial_rotary_factor(config: dict[str, Any]) -> None:
+    """A config.json naming no partial_rotary_factor (where it is, at the top or in the rope's)."""
+    config.pop("partial_rotary_factor", None)
+    (config.get("rope_parameters") or {}).pop("partial_rotary_factor", None)
 
 
 def LlamaConfig(**kwargs: Any) -> Any:  # noqa: N802 (stands in for the class)
@@ -386,6 +398,29 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             rope_parameters={**MINISTRAL3_ROPE, "llama_4_scaling_beta": 0.4},
         ),
         None,
+    ),
+    # ByteDance's Seed-OSS: q, k and v biased (its default), o and the MLP by their own flags
+    "seed-oss-biases": (
+        lambda: SeedOssConfig(**TINY, head_dim=16, attention_out_bias=True, mlp_bias=True, rope_theta=1e7),
+        None,
+    ),
+    # (o unbiased by default, a config.json without the keys)
+    "seed-oss-default-biases": (
+        lambda: SeedOssConfig(**TINY, head_dim=16),
+        drop("attention_bias", "attention_out_bias"),
+    ),
+    # Baidu's ERNIE 4.5 (dense): GPT-J's rotary (neighbouring dimensions turned together) in float32,
+    # every projection biased by use_bias, the LM head tied by default (here left out of config.json)
+    "ernie4.5-biases-default-tie": (
+        lambda: Ernie4_5Config(**TINY, head_dim=16, use_bias=True, tie_word_embeddings=True),
+        drop("tie_word_embeddings"),
+    ),
+    # Zhipu's GLM-4-0414: GPT-J's rotary over the first half of each head (Glm4Config's default,
+    # config.json naming none), q, k and v biased, norms after attention and the MLP too, gate and up
+    # in one tensor
+    "glm4-partial-interleaved-rotary": (
+        lambda: Glm4Config(**TINY, head_dim=16),
+        drop_partial_rotary_factor,
     ),
     # Ai2's OLMo 2: q and k each RMS-normed over the whole projection (not head by head), norms after
     # attention and the MLP instead of before, in float32; with Llama's biases and a tied LM head too

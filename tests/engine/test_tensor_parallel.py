@@ -229,10 +229,13 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         # OLMo 3: q normed over all four heads of both ranks, k over its one KV head (on both ranks:
         # each sums its copy), a rank's share of each norm's weight; layers 0-2 sliding
         ("Olmo3Config", {"num_kv_heads": 1, "num_layers": 4, "sliding_window": 12}),
+        # GLM-4: each rank's heads' q and k rows reordered for GPT-J's rotary over half of each head,
+        # the norms after attention and the MLP
+        ("Glm4Config", {}),
     ],
-    ids=["phi3", "granite", "gemma3", "qwen2-moe", "gpt-oss", "olmo3-one-kv-head"],
+    ids=["phi3", "granite", "gemma3", "qwen2-moe", "gpt-oss", "olmo3-one-kv-head", "glm4"],
 )
-def test_tp2_phi3_granite_gemma3_olmo3_and_moes_match_single_rank(
+def test_tp2_phi3_granite_gemma3_olmo3_glm4_and_moes_match_single_rank(
     tmp_path: Path,
     default_model_dir: str,
     prompts: list[list[int]],

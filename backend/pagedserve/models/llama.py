@@ -1,7 +1,8 @@
-"""Llama-family decoder (Llama, Mistral, Ministral 3, Qwen2, Qwen3, Granite 3 and 4.0, Phi-3, SmolLM3 layouts): GQA,
-RoPE, RMSNorm, SwiGLU, tied or untied embeddings, Qwen3's RMSNorm of each query and key head, Granite's
-multipliers, Phi-3's fused checkpoint tensors, SmolLM3's layers without rotary, and the sliding
-windows of Mistral, Phi-3 and Qwen's and SmolLM3's sliding layers. Mirrors Hugging Face's
+"""Llama-family decoder (Llama, Mistral, Ministral 3, Qwen2, Qwen3, Granite 3 and 4.0, Phi-3, SmolLM3,
+Seed-OSS, ERNIE 4.5, GLM-4 layouts): GQA, RoPE, RMSNorm, SwiGLU, tied or untied embeddings, Qwen3's
+RMSNorm of each query and key head, Granite's multipliers, Phi-3's fused checkpoint tensors,
+SmolLM3's layers without rotary, GPT-J's rotary (ERNIE's, GLM's) as NeoX's over reordered rows, and
+the sliding windows of Mistral, Phi-3 and Qwen's and SmolLM3's sliding layers. Mirrors Hugging Face's
 LlamaForCausalLM; the difference is paged attention and tensor-parallel layers. Input is one packed
 batch of tokens, [num_tokens]."""
 
@@ -213,6 +214,9 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False  # Qwen3's RMSNorm of each query and key head
     rotates_part_of_a_head = False  # Phi-3's `partial_rotary_factor`: the first part of each head turns
     decoder_layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer  # OLMo's put their norms elsewhere
+    # ERNIE 4.5's and GLM-4's rotary turns neighbouring dimensions, (x0, x1), (x2, x3), ... (GPT-J's):
+    # their q and k rows are reordered on load (`checkpoint_rows`) so that NeoX's rotation does the same
+    interleaved_rotary = False
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
         super().__init__()
@@ -296,6 +300,28 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
+    def checkpoint_rows(self, projection: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint's `projection` tensor (a weight, a bias, a LoRA's lora_B) with its rows as this
+        model reads them: the same but under `interleaved_rotary`, whose q_proj and k_proj rows are
+        reordered in each head, the rotated dimensions' evens first, then their odds (the pairs GPT-J
+        turns together become NeoX's halves, turned by the same frequencies), the rest as they are.
+        q.k sums the same products in another order."""
+        if not self.interleaved_rotary or projection not in ("q_proj", "k_proj"):
+            return tensor
+        head_dim, rotary_dim = self.decoder_layers[0].self_attn.head_dim, self.rotary_emb.rotary_dim
+        order = torch.cat(
+            (
+                torch.arange(0, rotary_dim, 2),
+                torch.arange(1, rotary_dim, 2),
+                torch.arange(rotary_dim, head_dim),
+            )
+        )
+        if tensor.shape[0] % head_dim:
+            raise ValueError(
+                f"checkpoint's {projection} has {tensor.shape[0]} rows, no whole number of heads"
+            )
+        return tensor.unflatten(0, (-1, head_dim))[:, order].flatten(0, 1)
+
     def step_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
         """What every layer of a step turns q and k by: the cos and sin tables of its positions (and
         Ministral 3's scale of its queries)."""
@@ -322,7 +348,8 @@ class LlamaForCausalLM(nn.Module):
                 if f".{ckpt_part}." in name:
                     target = name.replace(ckpt_part, our_part)
                     param = _param(params, target, checkpoint_name)
-                    param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+                    rows = self.checkpoint_rows(ckpt_part, tensor)
+                    param.weight_loader(param, rows, shard_id)  # type: ignore[attr-defined]
                     loaded.add(target)
                     break
             else:
@@ -372,6 +399,39 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     def attention_biases(cfg: dict[str, Any]) -> Biases:
         """Qwen2 always biases q, k and v and never o; transformers reads no `attention_bias` for it."""
         return True, False
+
+
+class SeedOssForCausalLM(LlamaForCausalLM):
+    """ByteDance's Seed-OSS: Llama's layer with q, k and v biased by `attention_bias` (on by default)
+    and o by `attention_out_bias` (off), as transformers' SeedOssAttention reads them."""
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        return bool(cfg.get("attention_bias", True)), bool(cfg.get("attention_out_bias", False))
+
+
+class Ernie4_5ForCausalLM(LlamaForCausalLM):  # noqa: N801 (transformers' name)
+    """Baidu's ERNIE 4.5 dense models (ERNIE-4.5-0.3B): Llama's layer with every projection biased by
+    `use_bias`, the LM head tied by default, and GPT-J's rotary (`interleaved_rotary`) computed in
+    float32, as transformers' Ernie4_5 does (its tables float32, q and k turned in float32, rounded
+    once)."""
+
+    interleaved_rotary = True
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        # (Ernie4_5Config's defaults: a tied head; its MLP biased as its attention is)
+        tie = cfg.get("tie_word_embeddings", True)
+        super().__init__(
+            {**cfg, "mlp_bias": cfg.get("use_bias", False), "tie_word_embeddings": tie}, max_position, backend
+        )
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        bias = bool(cfg.get("use_bias", False))
+        return bias, bias
+
+    def step_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        return self.rotary_emb(positions, torch.float32)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
@@ -516,6 +576,54 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield name.replace("gate_up_proj", "up_proj"), up
             else:
                 yield name, tensor
+
+
+class Glm4DecoderLayer(LlamaDecoderLayer):
+    """Llama's layer with GLM-4's two more norms: of the attention's output and of the MLP's, each
+    before it joins the residual stream (Llama's RMSNorm)."""
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        super().__init__(cfg, backend, options, layer_index)
+        self.post_self_attn_layernorm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
+        self.post_mlp_layernorm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
+
+    def forward(
+        self,
+        rotary: Rotary,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_self_attn_layernorm(self.self_attn(rotary, hidden, metadata))
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.post_mlp_layernorm(self.mlp(hidden)), residual
+
+
+class Glm4ForCausalLM(Phi3ForCausalLM):
+    """Zhipu's GLM-4-0414 (GLM-4-9B, GLM-4-32B, GLM-Z1): q, k and v biased (`attention_bias`, on by
+    default), o not; gate and up in one checkpoint tensor (`gate_up_proj`, cut as Phi-3's); norms
+    after the attention and the MLP too (`Glm4DecoderLayer`); GPT-J's rotary over the first
+    `partial_rotary_factor` of each head (0.5 by default), `interleaved_rotary`."""
+
+    decoder_layer_class = Glm4DecoderLayer
+    interleaved_rotary = True
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        return bool(cfg.get("attention_bias", True)), False
+
+    @staticmethod
+    def rope_config(cfg: dict[str, Any]) -> dict[str, Any]:
+        """Glm4Config's partial_rotary_factor (0.5) where config.json names none."""
+        if "partial_rotary_factor" in rope_parameters(cfg):
+            return cfg
+        return {**cfg, "partial_rotary_factor": 0.5}
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):

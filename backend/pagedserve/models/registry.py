@@ -5,6 +5,8 @@ from __future__ import annotations
 from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.llama import (
+    Ernie4_5ForCausalLM,
+    Glm4ForCausalLM,
     GraniteForCausalLM,
     GraniteMoeHybridForCausalLM,
     LlamaForCausalLM,
@@ -12,6 +14,7 @@ from pagedserve.models.llama import (
     Phi3ForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
+    SeedOssForCausalLM,
     SmolLM3ForCausalLM,
 )
 from pagedserve.models.moe import (
@@ -35,6 +38,9 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "SeedOssForCausalLM": SeedOssForCausalLM,
+    "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
