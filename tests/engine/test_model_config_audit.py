@@ -570,7 +570,7 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
         "qwen2-moe-shared-expert-dense-layer-0",
         "gpt-oss-sinks-clamped-experts",
         "olmo3-yarn-global-layers-4.x-config",
-        "olmoe-clip-qkv",
+        "ministral3-yarn-query-scaling-window-40",
     ],
 )
 def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str], name: str) -> None:
