@@ -260,6 +260,7 @@ _WINDOW_ON_UNLESS_OFF = (
     "GptOssForCausalLM",
     "Olmo3ForCausalLM",
     "Ministral3ForCausalLM",
+    "Exaone4ForCausalLM",
 )
 _WINDOW_OFF_UNLESS_ON = (
     "Qwen2ForCausalLM",
@@ -277,6 +278,7 @@ _WINDOW_IN_SOME_LAYERS = (
     "Gemma3ForCausalLM",
     "GptOssForCausalLM",
     "Olmo3ForCausalLM",
+    "Exaone4ForCausalLM",
 )
 # where config.json has no `sliding_window` key, transformers' config class default
 _DEFAULT_WINDOW = {
@@ -285,6 +287,7 @@ _DEFAULT_WINDOW = {
     "Gemma3ForCausalLM": 4096,
     "GptOssForCausalLM": 128,
     "Olmo3ForCausalLM": 4096,
+    "Exaone4ForCausalLM": 4096,
 }
 
 
@@ -329,10 +332,14 @@ def layer_windows(hf: dict[str, Any], architecture: str) -> list[int]:
 def default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
     """transformers' `layer_types` where config.json has none (Qwen2Config, Qwen3Config, SmolLM3Config;
     Gemma2Config and GptOssConfig: every other layer full; Gemma3TextConfig: every
-    `sliding_window_pattern`-th (6) full; Olmo3Config: every fourth full; the others sliding)."""
+    `sliding_window_pattern`-th (6) full; Olmo3Config: every fourth full, Exaone4Config every
+    `sliding_window_pattern`-th (4); the others sliding)."""
     patterns = {"Gemma2ForCausalLM": 2, "GptOssForCausalLM": 2, "Olmo3ForCausalLM": 4}
     if architecture == "Gemma3ForCausalLM":
         patterns[architecture] = hf.get("sliding_window_pattern", 6)
+    if architecture == "Exaone4ForCausalLM":  # (its docs' "LLLG": three local, then a global)
+        pattern = hf.get("sliding_window_pattern", 4)
+        patterns[architecture] = len(pattern) if isinstance(pattern, str) else pattern
     if architecture in patterns:
         sliding = [bool((i + 1) % patterns[architecture]) for i in range(hf["num_hidden_layers"])]
     elif architecture == "SmolLM3ForCausalLM":

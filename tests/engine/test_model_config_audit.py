@@ -29,6 +29,7 @@ from test_hf_parity import assert_greedy_equal, hf_greedy
 from tiny_models import save_mxfp4_gpt_oss, save_tiny_model
 from transformers import (
     Ernie4_5Config,
+    Exaone4Config,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -116,6 +117,8 @@ NOT_DECODE_LAYERS = {
     "gpt-oss-sinks-clamped-experts",
     "ministral3-yarn-query-scaling-window-40",
     "seed-oss-biases",
+    "exaone4-sliding-rope-global-nope",
+    "exaone4-no-window",
     "ernie4.5-biases-default-tie",
     "glm4-partial-interleaved-rotary",
     "olmo2",
@@ -421,6 +424,19 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "glm4-partial-interleaved-rotary": (
         lambda: Glm4Config(**TINY, head_dim=16),
         drop_partial_rotary_factor,
+    ),
+    # LG's EXAONE 4.0 32B: norms after attention and the MLP, each query and key head normed, layers
+    # 0-2 sliding (by 24) with the rope, layer 3 global without (NoPE); its 1.2B: no window, the rope in
+    # every layer
+    "exaone4-sliding-rope-global-nope": (
+        lambda: Exaone4Config(**{**TINY, "num_hidden_layers": 4}, head_dim=16, sliding_window=24),
+        drop("layer_types"),
+    ),
+    "exaone4-no-window": (
+        lambda: Exaone4Config(
+            **TINY, head_dim=16, sliding_window=None, layer_types=["full_attention", "full_attention"]
+        ),
+        None,
     ),
     # Ai2's OLMo 2: q and k each RMS-normed over the whole projection (not head by head), norms after
     # attention and the MLP instead of before, in float32; with Llama's biases and a tied LM head too

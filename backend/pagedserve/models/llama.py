@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama, Mistral, Ministral 3, Qwen2, Qwen3, Granite 3 and 4.0, Phi-3, SmolLM3,
-Seed-OSS, ERNIE 4.5, GLM-4 layouts): GQA, RoPE, RMSNorm, SwiGLU, tied or untied embeddings, Qwen3's
+Seed-OSS, ERNIE 4.5, GLM-4, EXAONE 4.0 layouts): GQA, RoPE, RMSNorm, SwiGLU, tied or untied embeddings, Qwen3's
 RMSNorm of each query and key head, Granite's multipliers, Phi-3's fused checkpoint tensors,
 SmolLM3's layers without rotary, GPT-J's rotary (ERNIE's, GLM's) as NeoX's over reordered rows, and
 the sliding windows of Mistral, Phi-3 and Qwen's and SmolLM3's sliding layers. Mirrors Hugging Face's
@@ -15,7 +15,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from pagedserve.config import architecture_of, layer_windows, rope_parameters, smollm3_rotary_layers
+from pagedserve.config import (
+    architecture_of,
+    default_layer_types,
+    layer_windows,
+    rope_parameters,
+    smollm3_rotary_layers,
+)
 from pagedserve.layers import ops
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
@@ -182,6 +188,35 @@ class LlamaDecoderLayer(nn.Module):
         if self.residual_multiplier != 1.0:  # (the next layer's norm or the final one adds it)
             hidden = hidden * self.residual_multiplier
         return hidden, residual
+
+
+class PostNormDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer protocol (it takes the residual stream as `hidden + residual` and returns its own
+    pair) with the norms after attention and the MLP instead of before them (OLMo 2's, EXAONE 4's):
+    each one's output normed, then added to the residual stream."""
+
+    norm_class: type[RMSNorm] = RMSNorm  # OLMo's: multiplied in float32 (`Float32RMSNorm`)
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        nn.Module.__init__(self)  # (not Llama's norms)
+        self.self_attn = self.attention_class(cfg, backend, options, layer_index)
+        self.mlp = LlamaMLP(cfg)
+        self.post_attention_layernorm = self.norm_class(cfg["hidden_size"], rms_norm_eps(cfg))
+        self.post_feedforward_layernorm = self.norm_class(cfg["hidden_size"], rms_norm_eps(cfg))
+
+    def forward(
+        self,
+        rotary: Rotary,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = hidden if residual is None else residual + hidden
+        attended = self.self_attn(rotary, stream, metadata)
+        stream = stream + cast(torch.Tensor, self.post_attention_layernorm(attended))
+        return cast(torch.Tensor, self.post_feedforward_layernorm(self.mlp(stream))), stream
 
 
 def run_layer(
@@ -624,6 +659,23 @@ class Glm4ForCausalLM(Phi3ForCausalLM):
         if "partial_rotary_factor" in rope_parameters(cfg):
             return cfg
         return {**cfg, "partial_rotary_factor": 0.5}
+
+
+class Exaone4ForCausalLM(LlamaForCausalLM):
+    """LG's EXAONE 4.0: norms after attention and the MLP (`PostNormDecoderLayer`), each query and key
+    head RMS-normed before the rotation (Qwen3's), three sliding layers to one global by default
+    (`sliding_window_pattern` 4), the global ones turning by no rope (NoPE) where the model has a
+    window at all, as transformers' Exaone4Attention does."""
+
+    decoder_layer_class = PostNormDecoderLayer
+    qk_norm = True
+
+    @staticmethod
+    def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
+        if not cfg.get("sliding_window"):
+            return [True] * cfg["num_hidden_layers"]
+        layer_types = cfg.get("layer_types") or default_layer_types(cfg, "Exaone4ForCausalLM")
+        return [kind == "sliding_attention" for kind in layer_types]
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):

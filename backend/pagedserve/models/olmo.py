@@ -37,7 +37,7 @@ from pagedserve.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaMLP,
+    PostNormDecoderLayer,
     Rotary,
     head_dim_of,
     rms_norm_eps,
@@ -119,32 +119,11 @@ class OlmoAttention(LlamaAttention):
         return self.o_proj(self.attn(q, k, v, metadata))
 
 
-class Olmo2DecoderLayer(LlamaDecoderLayer):
-    """Llama's layer protocol (it takes the residual stream as `hidden + residual` and returns its own
-    pair) with OLMo 2's norms: none before attention or the MLP, one after each."""
+class Olmo2DecoderLayer(PostNormDecoderLayer):
+    """OLMo 2's norms after attention and the MLP, multiplied in float32, and OLMo's attention."""
 
     attention_class = OlmoAttention
-
-    def __init__(
-        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
-    ) -> None:
-        nn.Module.__init__(self)  # (not Llama's norms)
-        self.self_attn = self.attention_class(cfg, backend, options, layer_index)
-        self.mlp = LlamaMLP(cfg)
-        self.post_attention_layernorm = Float32RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
-        self.post_feedforward_layernorm = Float32RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
-
-    def forward(
-        self,
-        rotary: Rotary,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = hidden if residual is None else residual + hidden
-        attended = self.self_attn(rotary, stream, metadata)
-        stream = stream + cast(Float32RMSNorm, self.post_attention_layernorm).normed(attended)
-        return self.post_feedforward_layernorm.normed(self.mlp(stream)), stream
+    norm_class = Float32RMSNorm
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):

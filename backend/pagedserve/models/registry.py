@@ -6,6 +6,7 @@ from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaF
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.llama import (
     Ernie4_5ForCausalLM,
+    Exaone4ForCausalLM,
     Glm4ForCausalLM,
     GraniteForCausalLM,
     GraniteMoeHybridForCausalLM,
@@ -41,6 +42,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
