@@ -18,7 +18,7 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -33,6 +33,7 @@ TOOL_PARSERS = (
     "openai",
     "olmo3",
     "mistral",
+    "qwen3_coder",
 )
 # GPT-OSS's harmony format (OpenAI's): a message's header ends at <|message|>, its body at one of the ends
 HARMONY_CHANNEL, HARMONY_MESSAGE = "<|channel|>", "<|message|>"
@@ -156,7 +157,7 @@ def tool_choice(tools: list[Tool], choice: str, function: str, auto_parser: str 
             "--tool-call-parser; set none, required or tool_choice_function instead",
         )
     parser = PARSERS[auto_parser]
-    return ToolChoice(None, parser, special_tokens=parser.SPECIAL_TOKENS)
+    return ToolChoice(None, parser.for_tools(tools), special_tokens=parser.SPECIAL_TOKENS)
 
 
 def required_schema(tools: list[Tool]) -> dict[str, Any]:
@@ -180,6 +181,11 @@ class ToolCallParser:
     """One completion's text in, as it streams; what of it is text (content) and which calls, out."""
 
     SPECIAL_TOKENS = False  # its format is special tokens, which the text must keep (Mistral's)
+
+    @classmethod
+    def for_tools(cls, tools: Sequence[Tool]) -> Callable[[], ToolCallParser]:
+        """A maker of this parser for a request with `tools` (Qwen3-Coder's reads their schemas)."""
+        return cls
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         raise NotImplementedError
@@ -266,7 +272,7 @@ class HermesParser(ToolCallParser):
         return "".join(content), calls
 
     def _take_call(self, body: str, raw: str, content: list[str], calls: list[ToolCall]) -> None:
-        call = _json_call(body)
+        call = self._parse_call(body)
         if call is None:
             content.append(raw)
         else:
@@ -276,6 +282,81 @@ class HermesParser(ToolCallParser):
     def _add_text(self, text: str, content: list[str]) -> None:
         if text and not (self._called and text.isspace()):
             content.append(text)
+
+    def _parse_call(self, body: str) -> ToolCall | None:
+        return _json_call(body)
+
+
+class Qwen3CoderParser(HermesParser):
+    """Qwen3-Coder's calls, as vLLM's qwen3_coder parser reads them: in each `<tool_call>`, a
+    `<function=NAME>` and its `<parameter=KEY>` values as the model writes them, one newline trimmed
+    at each end, then typed by the tool's JSON schema: strings as written; integers and numbers parsed
+    (a whole number as an integer); booleans true where "true"; objects and arrays as JSON (else a
+    Python literal); null as null whatever the type; a value that does not parse as its type, or a
+    parameter the schema does not name, a string. What is not such a call stays text."""
+
+    def __init__(self, tools: Sequence[Tool] = ()) -> None:
+        super().__init__()
+        self._properties = {tool.name: tool.parameters.get("properties") or {} for tool in tools}
+
+    @classmethod
+    def for_tools(cls, tools: Sequence[Tool]) -> Callable[[], ToolCallParser]:
+        return lambda: cls(tools)
+
+    def _parse_call(self, body: str) -> ToolCall | None:
+        function = _XML_FUNCTION.fullmatch(body)
+        if function is None:
+            return None
+        name, inside = function[1], function[2]
+        properties = self._properties.get(name, {})
+        arguments: dict[str, Any] = {}
+        end = 0
+        for parameter in _XML_PARAMETER.finditer(inside):
+            if inside[end : parameter.start()].strip():  # text between parameters: no call
+                return None
+            value = parameter[2].removeprefix("\n").removesuffix("\n")
+            arguments[parameter[1]] = _typed(value, properties.get(parameter[1]))
+            end = parameter.end()
+        if inside[end:].strip():
+            return None
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A Qwen3-Coder parameter's text as its schema's type (`Qwen3CoderParser`)."""
+    if value.lower() == "null":
+        return None
+    kind = schema.get("type", "string") if isinstance(schema, dict) else "string"
+    if isinstance(kind, list):  # ["integer", "null"]: the first that is not null
+        kind = next((k for k in kind if k != "null"), "string")
+    kind = str(kind).strip().lower()
+    if kind in ("string", "str", "text", "varchar", "char", "enum"):
+        return value
+    if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+        try:
+            return int(value)
+        except ValueError:
+            return value
+    if kind.startswith(("num", "float")):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return int(number) if number.is_integer() else number
+    if kind in ("boolean", "bool", "binary"):
+        return value.lower() == "true"
+    if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
+        parsed = _json_or_none(value)
+        if parsed is not None:
+            return parsed
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return value
 
 
 class _WholeOutputParser(ToolCallParser):
@@ -612,15 +693,17 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "openai": HarmonyCallParser,
     "olmo3": Olmo3Parser,
     "mistral": MistralParser,
+    "qwen3_coder": Qwen3CoderParser,
 }
 assert tuple(PARSERS) == TOOL_PARSERS
 
 
-def parse_tool_calls(text: str, parser: str) -> tuple[str, list[ToolCall]]:
-    """A whole output's content and calls, by the named parser (for offline use: `LLM.chat` output)."""
+def parse_tool_calls(text: str, parser: str, tools: Sequence[Tool] = ()) -> tuple[str, list[ToolCall]]:
+    """A whole output's content and calls, by the named parser (for offline use: `LLM.chat` output;
+    `tools`: the request's, whose schemas qwen3_coder types the arguments by)."""
     if parser not in PARSERS:
         raise ValueError(f"tool_call_parser: must be one of {', '.join(TOOL_PARSERS)}, got {parser!r}")
-    each = PARSERS[parser]()
+    each = PARSERS[parser].for_tools(tools)()
     content, calls = each.feed(text)
     rest, more = each.finish()
     return content + rest, calls + more

@@ -115,6 +115,89 @@ def test_pythonic_calls_take_literal_keyword_arguments() -> None:
         assert parse_tool_calls(text, "pythonic") == (text, []), text
 
 
+QWEN3_CODER = (
+    "I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=unit>\n°C\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
+    "</function>\n</tool_call>"
+)
+
+
+def test_qwen3_coder_calls_are_xml_in_its_tool_call_tags() -> None:
+    """vLLM's qwen3_coder: `<function=NAME>` and `<parameter=KEY>` values between <tool_call> tags,
+    a call taken as its closing tag comes (the last may lack it), text before them streamed."""
+    for cut in range(len(QWEN3_CODER) + 1):
+        contents, calls = run(parse_tool_calls_parser("qwen3_coder"), [QWEN3_CODER[:cut], QWEN3_CODER[cut:]])
+        assert ("".join(contents), calls) == ("I will look.\n", EXPECTED_CALLS), cut
+    unclosed = "<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC"
+    assert [(c.name, c.arguments) for c in parse_tool_calls(unclosed, "qwen3_coder")[1]] == [
+        ("get_time", '{"tz": "UTC"}')
+    ]
+    # what is not a function with parameters stays text
+    for text in (
+        '<tool_call>\n{"name": "get_time"}\n</tool_call>',
+        "<tool_call>\n<function=get_time>\nnow please\n</function>\n</tool_call>",
+        "<tool_call>\n<function=get_time>\n</function>\ntrailing</tool_call>",
+        "<tool_call></tool_call>",
+    ):
+        assert parse_tool_calls(text, "qwen3_coder") == (text, []), text
+
+
+def test_qwen3_coder_types_the_values_by_the_tools_schema() -> None:
+    """The values are text as written; the tool's JSON schema types them as vLLM does, a value that
+    is not its type (or a parameter it does not name) left a string."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer"},
+            "x": {"type": "number"},
+            "whole": {"type": "number"},
+            "ok": {"type": "boolean"},
+            "tags": {"type": "array"},
+            "opts": {"type": "object"},
+            "maybe": {"type": ["integer", "null"]},
+            "nothing": {"type": "string"},
+            "word": {"type": "string"},
+            "bad": {"type": "integer"},
+        },
+    }
+    tool = parse_tool(0, "f", "", json.dumps(schema))
+    values = {
+        "n": "42",
+        "x": "2.5",
+        "whole": "3.0",
+        "ok": "True",
+        "tags": '["a", 1]',
+        "opts": "{'k': None}",
+        "maybe": "7",
+        "nothing": "null",
+        "word": "007",
+        "bad": "seven",
+        "extra": "12",
+    }
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    _, [call] = parse_tool_calls(
+        f"<tool_call>\n<function=f>\n{body}</function>\n</tool_call>", "qwen3_coder", [tool]
+    )
+    assert json.loads(call.arguments) == {
+        "n": 42,
+        "x": 2.5,
+        "whole": 3,
+        "ok": True,
+        "tags": ["a", 1],
+        "opts": {"k": None},
+        "maybe": 7,
+        "nothing": None,
+        "word": "007",
+        "bad": "seven",
+        "extra": "12",
+    }
+    # a request's tool choice hands its parser the request's tools
+    parser = tool_choice([tool], "", "", "qwen3_coder")
+    assert parser is not None
+    contents, [(name, arguments)] = run(parser.new_parser(), ["<tool_call><function=f><parameter=n>5"])
+    assert (name, json.loads(arguments)) == ("f", {"n": 5})
+
+
 @pytest.mark.parametrize(
     "calls",
     [
@@ -320,7 +403,7 @@ def test_the_flag_offers_every_parser() -> None:
     with pytest.raises(
         ValueError,
         match="tool_call_parser: must be one of hermes, llama3_json, pythonic, granite, phi4_mini_json, openai, "
-        "olmo3, mistral",
+        "olmo3, mistral, qwen3_coder",
     ):
         parse_tool_calls("", "xlam")
 

@@ -98,7 +98,15 @@ class ServeSettings(EngineSettings):
     )
     tool_call_parser: (
         Literal[
-            "hermes", "llama3_json", "pythonic", "granite", "phi4_mini_json", "openai", "olmo3", "mistral"
+            "hermes",
+            "llama3_json",
+            "pythonic",
+            "granite",
+            "phi4_mini_json",
+            "openai",
+            "olmo3",
+            "mistral",
+            "qwen3_coder",
         ]
         | None
     ) = Field(
@@ -109,7 +117,8 @@ class ServeSettings(EngineSettings):
         "list of calls), phi4_mini_json (Phi-4-mini: functools[ then a JSON list of calls ]), openai "
         "(GPT-OSS: harmony messages to=functions.NAME; with --reasoning-parser openai_gptoss), olmo3 (OLMo 3: "
         "a pythonic call a line between <function_calls> and </function_calls>), mistral (Mistral: [TOOL_CALLS] then "
-        "a JSON list of calls, or name{...} a call)",
+        "a JSON list of calls, or name{...} a call), qwen3_coder (Qwen3-Coder: <tool_call><function=NAME> with "
+        "<parameter=KEY> values, typed by the tool's schema)",
     )
     reasoning_parser: Literal["deepseek_r1", "mistral", "olmo3", "openai_gptoss", "qwen3"] | None = Field(
         None,
