@@ -75,7 +75,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
     architecture), saved as a Hugging Face directory with the default model's tokenizer. Biases are
     random too (transformers initializes them to zero, which would hide a bias never applied), so are
     Qwen3's query and key norms (ones would hide a weight never applied), Gemma's norms (zeros,
-    its 1 + weight), OLMo's norms and GPT-OSS's attention sinks, and a tied LM head is left
+    its 1 + weight), OLMo's norms, GPT-OSS's attention sinks and GLM-4.5's expert-picking bias, and a tied LM head is left
     out of the weights, as transformers saves it."""
     import torch
     from safetensors.torch import save_file
@@ -98,6 +98,9 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                 param.normal_(0.0, 0.5)  # Gemma scales by 1 + weight: zeros would hide the weight
             elif name.endswith("norm.weight") and type(model).__name__.startswith("Olmo"):
                 param.normal_(1.0, 0.5)  # OLMo's norms placed otherwise than Llama's: each one's weight
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5's: zeros would hide the bias never added
+                buffer.normal_(0.0, 0.3)
     weights = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         del weights["lm_head.weight"]

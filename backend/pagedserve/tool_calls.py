@@ -34,6 +34,7 @@ TOOL_PARSERS = (
     "olmo3",
     "mistral",
     "qwen3_coder",
+    "glm45",
 )
 # GPT-OSS's harmony format (OpenAI's): a message's header ends at <|message|>, its body at one of the ends
 HARMONY_CHANNEL, HARMONY_MESSAGE = "<|channel|>", "<|message|>"
@@ -287,13 +288,9 @@ class HermesParser(ToolCallParser):
         return _json_call(body)
 
 
-class Qwen3CoderParser(HermesParser):
-    """Qwen3-Coder's calls, as vLLM's qwen3_coder parser reads them: in each `<tool_call>`, a
-    `<function=NAME>` and its `<parameter=KEY>` values as the model writes them, one newline trimmed
-    at each end, then typed by the tool's JSON schema: strings as written; integers and numbers parsed
-    (a whole number as an integer); booleans true where "true"; objects and arrays as JSON (else a
-    Python literal); null as null whatever the type; a value that does not parse as its type, or a
-    parameter the schema does not name, a string. What is not such a call stays text."""
+class _SchemaTypedParser(HermesParser):
+    """Calls in <tool_call> tags whose arguments are text, typed by the request's tool schemas: each
+    tool's `properties` by name."""
 
     def __init__(self, tools: Sequence[Tool] = ()) -> None:
         super().__init__()
@@ -302,6 +299,15 @@ class Qwen3CoderParser(HermesParser):
     @classmethod
     def for_tools(cls, tools: Sequence[Tool]) -> Callable[[], ToolCallParser]:
         return lambda: cls(tools)
+
+
+class Qwen3CoderParser(_SchemaTypedParser):
+    """Qwen3-Coder's calls, as vLLM's qwen3_coder parser reads them: in each `<tool_call>`, a
+    `<function=NAME>` and its `<parameter=KEY>` values as the model writes them, one newline trimmed
+    at each end, then typed by the tool's JSON schema: strings as written; integers and numbers parsed
+    (a whole number as an integer); booleans true where "true"; objects and arrays as JSON (else a
+    Python literal); null as null whatever the type; a value that does not parse as its type, or a
+    parameter the schema does not name, a string. What is not such a call stays text."""
 
     def _parse_call(self, body: str) -> ToolCall | None:
         function = _XML_FUNCTION.fullmatch(body)
@@ -320,6 +326,53 @@ class Qwen3CoderParser(HermesParser):
         if inside[end:].strip():
             return None
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+class Glm45Parser(_SchemaTypedParser):
+    """GLM-4.5's and GLM-4.6's calls, as vLLM's glm45 parser reads them: in each `<tool_call>`, the
+    function's name on the first line, then `<arg_key>KEY</arg_key>` and `<arg_value>VALUE</arg_value>`
+    pairs, the values stripped; a value the tool's schema types as a string as written, any other
+    read as JSON (or JSON once unescaped, or a Python literal), else as written. What is not such a
+    call stays text."""
+
+    def _parse_call(self, body: str) -> ToolCall | None:
+        name, _, pairs = body.strip().partition("\n")
+        if not _TOOL_NAME.fullmatch(name.strip()):
+            return None
+        properties = self._properties.get(name.strip(), {})
+        arguments: dict[str, Any] = {}
+        end = 0
+        for pair in _GLM_ARGUMENT.finditer(pairs):
+            if pairs[end : pair.start()].strip():  # text between the pairs: no call
+                return None
+            key, value = pair[1].strip(), pair[2].strip()
+            schema = properties.get(key)
+            is_string = isinstance(schema, dict) and schema.get("type") == "string"
+            arguments[key] = value if is_string else _glm_value(value)
+            end = pair.end()
+        if pairs[end:].strip():
+            return None
+        return ToolCall(name.strip(), json.dumps(arguments, ensure_ascii=False))
+
+
+_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def _glm_value(value: str) -> Any:
+    """A GLM-4.5 argument that is not a string by its schema: JSON, JSON escaped inside a string, a
+    Python literal, or the text as written (vLLM's order)."""
+    parsed = _json_or_none(value)
+    if parsed is not None or value == "null":
+        return parsed
+    unescaped = _json_or_none(f'"{value}"')
+    if isinstance(unescaped, str):
+        parsed = _json_or_none(unescaped)
+        if parsed is not None:
+            return parsed
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return value
 
 
 _XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?", re.DOTALL)
@@ -694,6 +747,7 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "olmo3": Olmo3Parser,
     "mistral": MistralParser,
     "qwen3_coder": Qwen3CoderParser,
+    "glm45": Glm45Parser,
 }
 assert tuple(PARSERS) == TOOL_PARSERS
 

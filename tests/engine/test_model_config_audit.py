@@ -34,6 +34,7 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     Glm4Config,
+    Glm4MoeConfig,
     GptOssConfig,
     GraniteConfig,
     GraniteMoeConfig,
@@ -117,6 +118,7 @@ NOT_DECODE_LAYERS = {
     "gpt-oss-sinks-clamped-experts",
     "ministral3-yarn-query-scaling-window-40",
     "seed-oss-biases",
+    "glm4-moe-grouped-biased-routing",
     "exaone4-sliding-rope-global-nope",
     "exaone4-no-window",
     "ernie4.5-biases-default-tie",
@@ -437,6 +439,27 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             **TINY, head_dim=16, sliding_window=None, layer_types=["full_attention", "full_attention"]
         ),
         None,
+    ),
+    # Zhipu's GLM-4.5: layer 0 dense, layer 1 2 of 8 experts routed as DeepSeek-V3's (sigmoid scores,
+    # picked by the scores plus a bias among the best 2 of 4 groups, renormalized and scaled by 2.5)
+    # beside an ungated shared expert; q, k and v biased, each query and key head normed, the rope
+    # over half of each head (Glm4MoeConfig's default, config.json naming none)
+    "glm4-moe-grouped-biased-routing": (
+        lambda: Glm4MoeConfig(
+            **TINY,
+            head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            use_qk_norm=True,
+            attention_bias=True,
+        ),
+        drop_partial_rotary_factor,
     ),
     # Ai2's OLMo 2: q and k each RMS-normed over the whole projection (not head by head), norms after
     # attention and the MLP instead of before, in float32; with Llama's biases and a tied LM head too
@@ -813,12 +836,37 @@ def test_a_mistral3_multimodal_checkpoint_serves_its_text_decoder(
 # --- mixtures of experts -----------------------------------------------------------------------------
 
 
+def test_glm4_moe_checkpoints_next_token_prediction_layer_is_left_out(
+    variant_dir: Callable[[str], str], tmp_path: Path
+) -> None:
+    """GLM-4.5's checkpoints hold a next-token prediction layer past `num_hidden_layers` (its
+    `model.layers.46.*` beside 46 layers), which transformers' model and vLLM's serving leave out."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = variant_dir("glm4-moe-grouped-biased-routing")
+    with_mtp = tmp_path / "with-mtp"
+    shutil.copytree(model_dir, with_mtp)
+    weights = load_file(str(with_mtp / "model.safetensors"))
+    extra = {
+        name.replace("model.layers.1.", "model.layers.2."): tensor.clone()
+        for name, tensor in weights.items()
+        if name.startswith("model.layers.1.")
+    }
+    extra["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file({**weights, **extra}, str(with_mtp / "model.safetensors"), metadata={"format": "pt"})
+    prompts = long_prompts()
+    ours = greedy(LLM(model=str(with_mtp), dtype="float32", num_kv_blocks=128, block_size=16), prompts, 4)
+    plain = greedy(LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16), prompts, 4)
+    assert ours == plain
+
+
 @pytest.mark.parametrize(
     ("name", "hub_key"),
     [
         ("mixtral-4-experts", "model.layers.1.block_sparse_moe.experts.3.w3.weight"),
         ("qwen2-moe-shared-expert-dense-layer-0", "model.layers.1.mlp.experts.5.up_proj.weight"),
         ("granitemoe-tied-biases", "model.layers.1.block_sparse_moe.input_linear.weight"),
+        ("glm4-moe-grouped-biased-routing", "model.layers.1.mlp.shared_experts.up_proj.weight"),
     ],
 )
 def test_experts_as_the_hub_lays_them_out_load_as_stacked(

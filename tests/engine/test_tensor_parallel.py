@@ -232,8 +232,22 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         # GLM-4: each rank's heads' q and k rows reordered for GPT-J's rotary over half of each head,
         # the norms after attention and the MLP
         ("Glm4Config", {}),
+        # GLM-4.5: the float32 router and its picking bias whole on each rank, each rank's share of
+        # every expert's and of the ungated shared expert's intermediate features, layer 0 dense
+        (
+            "Glm4MoeConfig",
+            {
+                "n_routed_experts": 8,
+                "num_experts_per_tok": 2,
+                "n_group": 4,
+                "topk_group": 2,
+                "routed_scaling_factor": 2.5,
+                "moe_intermediate_size": 16,
+                "first_k_dense_replace": 1,
+            },
+        ),
     ],
-    ids=["phi3", "granite", "gemma3", "qwen2-moe", "gpt-oss", "olmo3-one-kv-head", "glm4"],
+    ids=["phi3", "granite", "gemma3", "qwen2-moe", "gpt-oss", "olmo3-one-kv-head", "glm4", "glm4-moe"],
 )
 def test_tp2_phi3_granite_gemma3_olmo3_glm4_and_moes_match_single_rank(
     tmp_path: Path,

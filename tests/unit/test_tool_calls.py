@@ -142,6 +142,44 @@ def test_qwen3_coder_calls_are_xml_in_its_tool_call_tags() -> None:
         assert parse_tool_calls(text, "qwen3_coder") == (text, []), text
 
 
+def test_glm45_calls_are_a_name_and_key_value_pairs_in_tool_call_tags() -> None:
+    """vLLM's glm45: the name on the first line of a <tool_call>, then <arg_key>/<arg_value> pairs;
+    a value its schema types as a string as written, others read as JSON, else as written."""
+    text = (
+        "Checking.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "<arg_key>unit</arg_key>\n<arg_value>°C</arg_value>\n</tool_call><tool_call>get_time\n</tool_call>"
+    )
+    for cut in range(len(text) + 1):
+        contents, calls = run(parse_tool_calls_parser("glm45"), [text[:cut], text[cut:]])
+        assert ("".join(contents), calls) == ("Checking.", EXPECTED_CALLS), cut
+    schema = {"type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"}}}
+    tool = parse_tool(0, "f", "", json.dumps(schema))
+    pairs = {
+        "code": "007",
+        "n": "7",
+        "tags": '["a", 1]',
+        "opts": "{'k': None}",
+        "word": "hello",
+        "none": "null",
+    }
+    body = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in pairs.items())
+    _, [call] = parse_tool_calls(f"<tool_call>f\n{body}</tool_call>", "glm45", [tool])
+    assert json.loads(call.arguments) == {
+        "code": "007",
+        "n": 7,
+        "tags": ["a", 1],
+        "opts": {"k": None},
+        "word": "hello",
+        "none": None,
+    }
+    for text in (
+        "<tool_call>not a name\n</tool_call>",
+        "<tool_call>f\nstray text<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+        "<tool_call>f\n<arg_key>a</arg_key></tool_call>",
+    ):
+        assert parse_tool_calls(text, "glm45") == (text, []), text
+
+
 def test_qwen3_coder_types_the_values_by_the_tools_schema() -> None:
     """The values are text as written; the tool's JSON schema types them as vLLM does, a value that
     is not its type (or a parameter it does not name) left a string."""
@@ -403,7 +441,7 @@ def test_the_flag_offers_every_parser() -> None:
     with pytest.raises(
         ValueError,
         match="tool_call_parser: must be one of hermes, llama3_json, pythonic, granite, phi4_mini_json, openai, "
-        "olmo3, mistral, qwen3_coder",
+        "olmo3, mistral, qwen3_coder, glm45",
     ):
         parse_tool_calls("", "xlam")
 

@@ -1,8 +1,11 @@
-"""Mixture-of-experts MLPs (Mixtral, Granite MoE, Qwen2-MoE, Qwen3-MoE, GPT-OSS). A router scores
-every expert for each token; the token goes through its `top_k` best, and its output is their outputs
-weighted by the router's probabilities (softmax over all experts, then the top k, renormalized to
-sum to one where the model says so). Qwen2-MoE adds a shared expert every token goes through, scaled
+"""Mixture-of-experts MLPs (Mixtral, Granite MoE, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5). A router
+scores every expert for each token; the token goes through its `top_k` best, and its output is their
+outputs weighted by the router's probabilities (softmax over all experts, then the top k, renormalized
+to sum to one where the model says so). Qwen2-MoE adds a shared expert every token goes through, scaled
 by a sigmoid gate. GPT-OSS biases the router and the experts, and clamps its SwiGLU (`Experts`).
+GLM-4.5 (DeepSeek-V3's routing) scores each expert by a sigmoid, picks by the scores plus a bias of
+its own among the best groups of experts, scales the weights, and adds an ungated shared expert; its
+router is float32 (`Router`).
 
 Experts are tensor-parallel as the dense MLP is: every rank holds each expert's share of the
 intermediate features (gate and up column-parallel, down row-parallel), sums its partial outputs,
@@ -28,6 +31,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from pagedserve_kernels import reference
 from torch import nn
 
@@ -51,6 +55,18 @@ class Experts:
     activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # GLM-4.5's routing (DeepSeek-V3's): each expert's score a "sigmoid" of its logit (else a
+    # "softmax" over all); the top k picked by the scores plus a bias of the router's own
+    # (`e_score_correction_bias`), among the `topk_groups` best of `num_groups` groups of experts (a
+    # group's worth: its best two scores summed); the weights (the scores, without the bias) scaled
+    # by `routed_scaling_factor`; a router in float32 (`Router`)
+    scoring: str = "softmax"
+    selection_bias: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    router_float32: bool = False
+    shared_gate: bool = True  # Qwen2-MoE's shared expert scaled by a sigmoid gate; GLM-4.5's is not
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -65,6 +81,20 @@ class Experts:
             )
         if not (self.swiglu_limit > 0 and math.isfinite(self.swiglu_limit)):
             raise ValueError(f"model: config.json's swiglu_limit must be positive, got {self.swiglu_limit}")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"model: experts' scoring {self.scoring!r} (softmax or sigmoid)")
+        if not (self.num_groups >= 1 and self.num_experts % self.num_groups == 0):
+            raise ValueError(
+                f"model: config.json's n_group {self.num_groups} must divide the {self.num_experts} experts"
+            )
+        if not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(
+                f"model: config.json's topk_group {self.topk_groups} must be 1 to n_group {self.num_groups}"
+            )
+        if self.num_groups > 1 and self.num_experts // self.num_groups < 2:
+            raise ValueError(
+                "model: config.json's n_group leaves groups of one expert (a group is worth its best two)"
+            )
 
 
 class Expert(nn.Module):
@@ -88,14 +118,54 @@ class Expert(nn.Module):
         return self.down_proj(reference.swiglu_oai_and_mul(gate_up, alpha, limit))
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    router_logits: torch.Tensor, spec: Experts, selection_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's `top_k` experts [tokens, top_k] (int64) and their weights (float32): the softmax
-    of the logits over all experts, in float32 as transformers takes it."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, expert_ids = probs.topk(top_k, dim=-1)
-    if renormalize:
+    of the logits over all experts (or each one's sigmoid), in float32 as transformers takes it; the
+    experts picked by those scores, or by the scores plus `selection_bias` among the best groups
+    (`Experts`)."""
+    if spec.scoring == "sigmoid":
+        scores = router_logits.float().sigmoid()
+    else:
+        scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    if selection_bias is None and spec.num_groups == 1:
+        weights, expert_ids = scores.topk(spec.top_k, dim=-1)
+    else:
+        choice = scores if selection_bias is None else scores + selection_bias
+        if spec.num_groups > 1:
+            groups = choice.unflatten(-1, (spec.num_groups, -1))  # [tokens, groups, experts a group]
+            worth = groups.topk(2, dim=-1).values.sum(dim=-1)
+            best = worth.topk(spec.topk_groups, dim=-1).indices
+            kept = torch.zeros_like(worth, dtype=torch.bool).scatter_(1, best, True)
+            choice = groups.masked_fill(~kept[..., None], float("-inf")).flatten(-2)
+        expert_ids = choice.topk(spec.top_k, dim=-1).indices
+        weights = scores.gather(1, expert_ids)
+    if spec.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if spec.routed_scaling_factor != 1.0:
+        weights = weights * spec.routed_scaling_factor
     return weights, expert_ids
+
+
+class Router(nn.Module):
+    """GLM-4.5's router: its weight [experts, hidden] and the bias it picks experts by
+    (`e_score_correction_bias` [experts]) in float32, its logits computed in float32 (transformers
+    keeps both in float32 whatever the model's dtype)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, selection_bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False
+        )
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+            if selection_bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
 
 
 def run_experts(
@@ -128,7 +198,11 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, spec: Experts) -> None:
         super().__init__()
         self.spec = spec
-        self.gate = ReplicatedLinear(hidden_size, spec.num_experts, bias=spec.bias)
+        self.gate: ReplicatedLinear | Router = (
+            Router(hidden_size, spec.num_experts, spec.selection_bias)
+            if spec.router_float32
+            else ReplicatedLinear(hidden_size, spec.num_experts, bias=spec.bias)
+        )
         self.experts = nn.ModuleList(
             Expert(hidden_size, spec.intermediate_size, spec) for _ in range(spec.num_experts)
         )
@@ -141,7 +215,8 @@ class SparseMoeBlock(nn.Module):
         self.w2_bias: nn.Parameter | None = None
         if spec.shared_intermediate_size:
             self.shared_expert = Expert(hidden_size, spec.shared_intermediate_size)
-            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
+            if spec.shared_gate:
+                self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
         # its index in `_BLOCKS`, for the compiled pass's op: a buffer, so a graph input (as
         # `Attention.layer_index` is), on the CPU whatever the model's device
         index = next(_INDICES)
@@ -180,14 +255,18 @@ class SparseMoeBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = route(self.gate(x), self.spec.top_k, self.spec.renormalize)
+        bias = self.gate.e_score_correction_bias if isinstance(self.gate, Router) else None
+        weights, expert_ids = route(self.gate(x), self.spec, bias)
         if torch.compiler.is_compiling():
             out = torch.ops.pagedserve.moe_experts(x, weights, expert_ids, self.moe_index)
         else:
             out = self.run_experts(x, weights, expert_ids)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            # the gate is a per-token scalar, the same on every rank: it scales the partial sums
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                # the gate is a per-token scalar, the same on every rank: it scales the partial sums
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return all_reduce(out)
 
 

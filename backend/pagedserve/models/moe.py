@@ -1,6 +1,6 @@
 """Llama-family decoders whose MLPs are mixtures of experts (`layers.moe`): Mixtral (Mistral's layer,
 every MLP 8 experts, 2 a token), IBM's Granite MoE (Granite's layer), Qwen2-MoE (Qwen2's layer, with a
-shared expert) and Qwen3-MoE (Qwen3's layer). Qwen's `decoder_sparse_step` and `mlp_only_layers` keep
+shared expert), Qwen3-MoE (Qwen3's layer) and GLM-4.5 (DeepSeek-V3's routing). Qwen's `decoder_sparse_step` and `mlp_only_layers` keep
 some layers dense.
 
 Checkpoints come in several layouts, all read: the hub's, one tensor per expert and projection
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.config import rope_parameters
 from pagedserve.layers.moe import Experts
 from pagedserve.models.llama import (
     Biases,
@@ -152,6 +153,67 @@ class Qwen2MoeForCausalLM(MoeForCausalLM):
 
     def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
         return _qwen_experts(cfg, Experts(60, 4, 1408, renormalize=False, shared_intermediate_size=5632))
+
+
+class Glm4MoeForCausalLM(MoeForCausalLM):
+    """Zhipu's GLM-4.5 and GLM-4.6 (GLM-4.5-Air...): Llama's layer with q, k and v biased
+    (`attention_bias`), each query and key head normed where `use_qk_norm`, the rope over the first
+    `partial_rotary_factor` (0.5) of each head (NeoX's halves); the first `first_k_dense_replace`
+    MLPs dense, the rest `n_routed_experts` experts routed as DeepSeek-V3's (a sigmoid a score, the
+    top k picked by the scores plus the router's `e_score_correction_bias` among the best `topk_group`
+    of `n_group` groups, weights renormalized where `norm_topk_prob` and scaled by
+    `routed_scaling_factor`) beside an ungated shared expert of `n_shared_experts` experts' width.
+    Glm4MoeConfig's defaults where config.json leaves a key out. The checkpoint's next-token
+    prediction layers (past `num_hidden_layers`) are not loaded."""
+
+    rotates_part_of_a_head = True
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        return bool(cfg.get("attention_bias", False)), False
+
+    @staticmethod
+    def rope_config(cfg: dict[str, Any]) -> dict[str, Any]:
+        if "partial_rotary_factor" in rope_parameters(cfg):
+            return cfg
+        return {**cfg, "partial_rotary_factor": 0.5}
+
+    def layer_options(self, cfg: dict[str, Any]) -> list[LayerOptions]:
+        qk_norm = bool(cfg.get("use_qk_norm", False))
+        return [dataclasses.replace(options, qk_norm=qk_norm) for options in super().layer_options(cfg)]
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        width = int(cfg.get("moe_intermediate_size", 1408))
+        spec = Experts(
+            num_experts=int(cfg.get("n_routed_experts", cfg.get("num_local_experts", 128))),
+            top_k=int(cfg.get("num_experts_per_tok", 8)),
+            intermediate_size=width,
+            renormalize=bool(cfg.get("norm_topk_prob", True)),
+            shared_intermediate_size=width * int(cfg.get("n_shared_experts", 1)),
+            shared_gate=False,
+            scoring="sigmoid",
+            selection_bias=True,
+            num_groups=int(cfg.get("n_group", 1)),
+            topk_groups=int(cfg.get("topk_group", 1)),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            router_float32=True,
+        )
+        dense = int(cfg.get("first_k_dense_replace", 1))
+        return [None if i < dense else spec for i in range(cfg["num_hidden_layers"])]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        num_layers = len(self.layers)
+        super().load_weights(
+            (name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor)
+            for name, tensor in weights
+            if not _past_layer(name, num_layers)
+        )
+
+
+def _past_layer(name: str, num_layers: int) -> bool:
+    """A tensor of a layer numbered past the model's (GLM-4.5's next-token prediction layers)."""
+    match = re.match(r"^(?:model\.)?layers\.(\d+)\.", name)
+    return match is not None and int(match[1]) >= num_layers
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):

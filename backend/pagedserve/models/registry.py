@@ -19,6 +19,7 @@ from pagedserve.models.llama import (
     SmolLM3ForCausalLM,
 )
 from pagedserve.models.moe import (
+    Glm4MoeForCausalLM,
     GraniteMoeForCausalLM,
     MixtralForCausalLM,
     Qwen2MoeForCausalLM,
@@ -50,6 +51,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,

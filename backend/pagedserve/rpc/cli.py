@@ -107,6 +107,7 @@ class ServeSettings(EngineSettings):
             "olmo3",
             "mistral",
             "qwen3_coder",
+            "glm45",
         ]
         | None
     ) = Field(
@@ -118,7 +119,8 @@ class ServeSettings(EngineSettings):
         "(GPT-OSS: harmony messages to=functions.NAME; with --reasoning-parser openai_gptoss), olmo3 (OLMo 3: "
         "a pythonic call a line between <function_calls> and </function_calls>), mistral (Mistral: [TOOL_CALLS] then "
         "a JSON list of calls, or name{...} a call), qwen3_coder (Qwen3-Coder: <tool_call><function=NAME> with "
-        "<parameter=KEY> values, typed by the tool's schema)",
+        "<parameter=KEY> values, typed by the tool's schema), glm45 (GLM-4.5/4.6: <tool_call>NAME then "
+        "<arg_key>/<arg_value> pairs)",
     )
     reasoning_parser: Literal["deepseek_r1", "mistral", "olmo3", "openai_gptoss", "qwen3"] | None = Field(
         None,
