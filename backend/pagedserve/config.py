@@ -374,6 +374,7 @@ _DEFAULT_THETA = {
     "Olmo3ForCausalLM": 500_000.0,
     "Ministral3ForCausalLM": 1e6,
     "Ernie4_5ForCausalLM": 500_000.0,
+    "Ernie4_5_MoeForCausalLM": 500_000.0,
 }
 # where it names no rope parameters at all, the config class's (GptOssConfig's YaRN)
 _DEFAULT_ROPE: dict[str, dict[str, Any]] = {

@@ -28,6 +28,7 @@ from test_compile import decode_layers_available
 from test_hf_parity import assert_greedy_equal, hf_greedy
 from tiny_models import save_mxfp4_gpt_oss, save_tiny_model
 from transformers import (
+    Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
     Gemma2Config,
@@ -119,6 +120,7 @@ NOT_DECODE_LAYERS = {
     "ministral3-yarn-query-scaling-window-40",
     "seed-oss-biases",
     "glm4-moe-grouped-biased-routing",
+    "ernie4.5-moe-biased-picking",
     "exaone4-sliding-rope-global-nope",
     "exaone4-no-window",
     "ernie4.5-biases-default-tie",
@@ -439,6 +441,22 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             **TINY, head_dim=16, sliding_window=None, layer_types=["full_attention", "full_attention"]
         ),
         None,
+    ),
+    # Baidu's ERNIE 4.5 MoE: layer 0 dense, layer 1 2 of 8 experts picked by their softmax plus the
+    # router's bias, beside an ungated shared expert; GPT-J's rotary in float32; the head tied by
+    # default (config.json naming nothing)
+    "ernie4.5-moe-biased-picking": (
+        lambda: Ernie4_5_MoeConfig(
+            **TINY,
+            head_dim=16,
+            moe_num_experts=8,
+            moe_k=2,
+            moe_intermediate_size=16,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+            tie_word_embeddings=True,
+        ),
+        drop("tie_word_embeddings"),
     ),
     # Zhipu's GLM-4.5: layer 0 dense, layer 1 2 of 8 experts routed as DeepSeek-V3's (sigmoid scores,
     # picked by the scores plus a bias among the best 2 of 4 groups, renormalized and scaled by 2.5)
@@ -867,6 +885,7 @@ def test_glm4_moe_checkpoints_next_token_prediction_layer_is_left_out(
         ("qwen2-moe-shared-expert-dense-layer-0", "model.layers.1.mlp.experts.5.up_proj.weight"),
         ("granitemoe-tied-biases", "model.layers.1.block_sparse_moe.input_linear.weight"),
         ("glm4-moe-grouped-biased-routing", "model.layers.1.mlp.shared_experts.up_proj.weight"),
+        ("ernie4.5-moe-biased-picking", "model.layers.1.mlp.moe_statics.e_score_correction_bias"),
     ],
 )
 def test_experts_as_the_hub_lays_them_out_load_as_stacked(
@@ -1356,6 +1375,10 @@ def test_rotary_tables_equal_transformers(
             ),
             "clip_qkv must be a positive number, got '8'",
         ),
+        (
+            lambda c: c.update(architectures=["Ernie4_5_MoeForCausalLM"], use_bias=True),
+            "use_bias is not supported for Ernie4_5_MoeForCausalLM",
+        ),
     ],
     ids=[
         "partial-rotary",
@@ -1375,6 +1398,7 @@ def test_rotary_tables_equal_transformers(
         "granite4-mamba-by-default",
         "granite4-experts",
         "olmoe-clip-qkv-not-a-number",
+        "ernie4.5-moe-biases",
     ],
 )
 def test_an_unsupported_option_is_refused_naming_it(

@@ -20,9 +20,11 @@ from typing import Any
 import torch
 
 from pagedserve.config import rope_parameters
+from pagedserve.layers.attention import AttentionBackend
 from pagedserve.layers.moe import Experts
 from pagedserve.models.llama import (
     Biases,
+    Ernie4_5ForCausalLM,
     GraniteForCausalLM,
     LayerOptions,
     LlamaForCausalLM,
@@ -214,6 +216,61 @@ def _past_layer(name: str, num_layers: int) -> bool:
     """A tensor of a layer numbered past the model's (GLM-4.5's next-token prediction layers)."""
     match = re.match(r"^(?:model\.)?layers\.(\d+)\.", name)
     return match is not None and int(match[1]) >= num_layers
+
+
+class Ernie4_5_MoeForCausalLM(MoeForCausalLM):  # noqa: N801 (transformers' name)
+    """Baidu's ERNIE 4.5 MoE models (ERNIE-4.5-21B-A3B): ERNIE 4.5's attention (GPT-J's rotary in
+    float32, `Ernie4_5ForCausalLM`), its LM head tied by default; the MLPs from `moe_layer_start_index`
+    to `moe_layer_end_index`, every `moe_layer_interval`-th, `moe_num_experts` experts, `moe_k` a token,
+    picked by their softmax plus the router's `e_score_correction_bias`, weighted by the softmax
+    renormalized, beside an ungated shared expert of `moe_num_shared_experts` experts' width; the
+    others dense. The router in float32. Ernie4_5_MoeConfig's defaults where config.json leaves a key
+    out; `use_bias` (biased MLPs) refused; the checkpoint's next-token prediction tensors (`mtp`) not
+    loaded. (transformers clamps the renormalizing sum at `moe_norm_min`, 1e-12, which a sum of the
+    top k of a softmax never reaches.)"""
+
+    interleaved_rotary = True
+    attention_biases = staticmethod(Ernie4_5ForCausalLM.attention_biases)
+    step_rotary = Ernie4_5ForCausalLM.step_rotary
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        if cfg.get("use_bias"):
+            raise ValueError("model: config.json's use_bias is not supported for Ernie4_5_MoeForCausalLM")
+        tie = cfg.get("tie_word_embeddings", True)
+        super().__init__({**cfg, "tie_word_embeddings": tie}, max_position, backend)
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        width = int(cfg.get("moe_intermediate_size", 1536))
+        spec = Experts(
+            num_experts=int(cfg.get("moe_num_experts", cfg.get("num_experts", 64))),
+            top_k=int(cfg.get("moe_k", cfg.get("num_experts_per_tok", 6))),
+            intermediate_size=width,
+            renormalize=True,
+            shared_intermediate_size=width * int(cfg.get("moe_num_shared_experts", 2)),
+            shared_gate=False,
+            selection_bias=True,
+            router_float32=True,
+        )
+        num_layers = cfg["num_hidden_layers"]
+        start, end = int(cfg.get("moe_layer_start_index", 1)), int(cfg.get("moe_layer_end_index", -1))
+        end, interval = num_layers - 1 if end == -1 else end, int(cfg.get("moe_layer_interval", 1))
+        return [spec if (i + 1) % interval == 0 and start <= i <= end else None for i in range(num_layers)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_ernie_names(weights))
+
+
+def _ernie_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """ERNIE 4.5 MoE's tensors under our names: its picking bias ([1, experts], under `moe_statics`,
+    the Hub's or transformers 5's place) the router's, its shared experts ours; next-token prediction
+    tensors left out."""
+    for name, tensor in weights:
+        if "mtp" in name:
+            continue
+        if name.endswith("moe_statics.e_score_correction_bias"):
+            yield re.sub(r"\.mlp\.(gate\.)?moe_statics\.", ".mlp.gate.", name), tensor.reshape(-1)
+        else:
+            yield name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):

@@ -19,6 +19,7 @@ from pagedserve.models.llama import (
     SmolLM3ForCausalLM,
 )
 from pagedserve.models.moe import (
+    Ernie4_5_MoeForCausalLM,
     Glm4MoeForCausalLM,
     GraniteMoeForCausalLM,
     MixtralForCausalLM,
@@ -52,6 +53,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
