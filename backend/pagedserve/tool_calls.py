@@ -530,7 +530,7 @@ class Olmo3Parser(PythonicParser):
         return cast(ast.expr, _JsonNames().visit(tree))
 
 
-class MistralParser(ToolCallParser):
+class MistralParser(_WholeOutputParser):
     """Mistral's calls after its `[TOOL_CALLS]` token (a special token: kept in the text of a request
     this parser reads, `ToolChoice.special_tokens`), as vLLM's mistral parser reads them: a JSON list
     `[{"name": ..., "arguments": {...}}, ...]` (Mistral 7B v0.3's, Mistral Nemo's, Mistral Small 3.1's),
@@ -542,11 +542,8 @@ class MistralParser(ToolCallParser):
     TAG = "[TOOL_CALLS]"
     SPECIAL_TOKENS = True
 
-    def __init__(self) -> None:
-        self._pending = ""
-        self._calls_begun = False
-
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(Calls begin at the tag wherever it comes, the text before it streamed.)"""
         self._pending += text
         if self._calls_begun:
             return "", []
@@ -558,11 +555,6 @@ class MistralParser(ToolCallParser):
         content = self._pending[: len(self._pending) - partial_suffix(self._pending, self.TAG)]
         self._pending = self._pending[len(content) :]
         return content, []
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        text, self._pending = self._pending, ""
-        calls = self._parse(text) if self._calls_begun else None
-        return ("", calls) if calls else (text, [])
 
     def _parse(self, text: str) -> list[ToolCall] | None:
         calls: list[ToolCall] = []

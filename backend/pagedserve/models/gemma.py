@@ -242,14 +242,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         local = self.local_rotary_emb(positions, hidden.dtype) if self.local_rope else (cos, sin)
-        rotary = (cos, sin, *local)
-        residual = None
-        for layer in self.layers:
-            if layer_step is None:
-                hidden, residual = layer(rotary, hidden, residual, metadata)
-            else:
-                hidden, residual = layer_step(layer, rotary, hidden, residual, metadata)
-        assert residual is not None
+        hidden, residual = self.run_layers((cos, sin, *local), hidden, metadata, layer_step)
         return cast(GemmaRMSNorm, self.norm).normed(residual + hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -319,7 +319,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """The hidden states of the last layer, normed. `layer_step`, where given, runs each decoder
         layer in place of calling it (the model runner's layer compiled alone, `ModelRunner._compile`)."""
-        hidden, residual = self.embed_tokens(input_ids), None
+        hidden = self.embed_tokens(input_ids)
         if self.scales.embedding != 1.0:
             hidden = hidden * self.scales.embedding
         # Layers compiled one at a time take the rotary tables in float32, as the whole model's graph
@@ -327,13 +327,23 @@ class LlamaForCausalLM(nn.Module):
         # graphs put the default model's bf16 logprobs further from float32's (mean error on
         # test_hf_parity's chat prompts 0.0605 against 0.0541, the whole graph 0.050)
         rotary = self.step_rotary(positions, hidden.dtype if layer_step is None else torch.float32)
+        hidden, residual = self.run_layers(rotary, hidden, metadata, layer_step)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def run_layers(
+        self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata, layer_step: LayerStep | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers over the embeddings `hidden`: the last layer's output and the residual
+        stream beside it (their sum, normed, is the model's hidden state)."""
+        residual = None
         for layer in self.layers:
             if layer_step is None:
                 hidden, residual = layer(rotary, hidden, residual, metadata)
             else:
                 hidden, residual = layer_step(layer, rotary, hidden, residual, metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        assert residual is not None, "a model of no layers"
+        return hidden, residual
 
     def checkpoint_rows(self, projection: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint's `projection` tensor (a weight, a bias, a LoRA's lora_B) with its rows as this

@@ -33,7 +33,6 @@ from pagedserve.layers.norm import Float32RMSNorm, RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.models.llama import (
     LayerOptions,
-    LayerStep,
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -141,29 +140,13 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
             else None
         )
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
-        layer_step: LayerStep | None = None,
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def step_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        """The global layers' tables, then the sliding layers' (the same but in OLMo 3), in float32
+        whatever the model's dtype, as transformers' OLMo 2 keeps them."""
         cos, sin = self.rotary_emb(positions, torch.float32)
-        sliding = (
-            (cos, sin)
-            if self.sliding_rotary_emb is None
-            else self.sliding_rotary_emb(positions, torch.float32)
-        )
-        rotary = (cos, sin, *sliding)
-        residual = None
-        for layer in self.layers:
-            if layer_step is None:
-                hidden, residual = layer(rotary, hidden, residual, metadata)
-            else:
-                hidden, residual = layer_step(layer, rotary, hidden, residual, metadata)
-        assert residual is not None
-        return cast(Float32RMSNorm, self.norm).normed(residual + hidden)
+        if self.sliding_rotary_emb is None:
+            return cos, sin, cos, sin
+        return cos, sin, *self.sliding_rotary_emb(positions, torch.float32)
 
 
 class Olmo3ForCausalLM(Olmo2ForCausalLM):
