@@ -306,9 +306,10 @@ def check_quantization(hf: dict[str, Any]) -> None:
 
 def layer_windows(hf: dict[str, Any], architecture: str) -> list[int]:
     """Each layer's sliding window (0: none), as transformers' attention of the architecture reads
-    config.json: Mistral, Mixtral and Phi-3 slide every layer by `sliding_window`; Gemma 2 and 3 and
-    GPT-OSS the layers `layer_types` names (by default every other one, five of every six in Gemma 3;
-    GPT-OSS's window 128 unless config.json names one); Qwen2, Qwen2-MoE,
+    config.json: Mistral, Mixtral, Ministral 3 and Phi-3 slide every layer by `sliding_window`; Gemma 2
+    and 3, GPT-OSS, OLMo 3 and EXAONE 4.0 the layers `layer_types` names (by default every other one,
+    five of every six in Gemma 3, three of every four in OLMo 3 and EXAONE 4.0; GPT-OSS's window 128
+    and OLMo 3's and EXAONE's 4,096 unless config.json names one); Qwen2, Qwen2-MoE,
     Qwen3 and SmolLM3 the layers `layer_types` names (by default Qwen2's from `max_window_layers` on,
     Qwen2-MoE's every other one below it, SmolLM3's layers without rotary) and Qwen3-MoE every layer,
     only under `use_sliding_window` (their checkpoints carry a window they do not use).

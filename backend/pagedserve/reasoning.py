@@ -1,8 +1,8 @@
 """Reasoning content as vLLM's `--reasoning-parser` separates it: what a thinking model (Qwen3,
-DeepSeek-R1, QwQ, OLMo 3 Think) writes between `<think>` and `</think>` leaves as `reasoning_content`,
-the rest as the answer. `deepseek_r1`, `olmo3` and `qwen3` read the same tags (as text: OLMo 3's are
-plain text, the others' special tokens kept in the text); their names are vLLM's, so deployments
-carry over.
+DeepSeek-R1, QwQ, OLMo 3 Think, GLM-4.5) writes between `<think>` and `</think>` leaves as
+`reasoning_content`, the rest as the answer. `deepseek_r1`, `glm45`, `olmo3` and `qwen3` read the same
+tags, as text (OLMo 3's are plain text; the others' are added tokens the text keeps); their names
+are vLLM's, so deployments carry over.
 `mistral` reads Magistral's `[THINK]` and `[/THINK]` the same way (special tokens, kept in a chat's
 text under it: `rpc.convert.keep_special_tokens`). `openai_gptoss` reads GPT-OSS's harmony format
 instead (`HarmonyParser`).
@@ -19,7 +19,7 @@ import re
 
 from pagedserve.tool_calls import HARMONY_CHANNEL, HARMONY_ENDS, HARMONY_MESSAGE, partial_suffix
 
-REASONING_PARSERS = ("deepseek_r1", "mistral", "olmo3", "openai_gptoss", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "glm45", "mistral", "olmo3", "openai_gptoss", "qwen3")
 START, END = "<think>", "</think>"
 # the parsers whose tags are others (the rest read START and END)
 TAGS = {"mistral": ("[THINK]", "[/THINK]")}

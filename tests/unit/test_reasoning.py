@@ -87,6 +87,15 @@ def test_olmo3_reads_olmo_3_thinks_output_after_its_open_block() -> None:
     )
 
 
+def test_glm45_reads_glm_4_5s_think_tags() -> None:
+    """vLLM's glm45: GLM-4.5 writes its own <think> (or its template closes an empty block when
+    thinking is off): the same split as qwen3's."""
+    parser = new_parser("glm45", prompt_opens_reasoning("<|user|>\nHi<|assistant|>", "glm45"))
+    assert joined(run(parser, ["<think>Say hello.</thi", "nk>Hello!"])) == ("Say hello.", "Hello!")
+    closed = "<|assistant|>\n<think></think>\n"
+    assert not prompt_opens_reasoning(closed, "glm45")
+
+
 def test_mistral_reads_magistrals_think_tokens_and_no_other_tags() -> None:
     """vLLM's mistral: Magistral thinks between [THINK] and [/THINK] (special tokens, kept in the
     text); <think> is text to it, and a prompt ending in [THINK] opens the block."""

@@ -1,8 +1,9 @@
 """Llama-family decoder (Llama, Mistral, Ministral 3, Qwen2, Qwen3, Granite 3 and 4.0, Phi-3, SmolLM3,
-Seed-OSS, ERNIE 4.5, GLM-4, EXAONE 4.0 layouts): GQA, RoPE, RMSNorm, SwiGLU, tied or untied embeddings, Qwen3's
-RMSNorm of each query and key head, Granite's multipliers, Phi-3's fused checkpoint tensors,
-SmolLM3's layers without rotary, GPT-J's rotary (ERNIE's, GLM's) as NeoX's over reordered rows, and
-the sliding windows of Mistral, Phi-3 and Qwen's and SmolLM3's sliding layers. Mirrors Hugging Face's
+Seed-OSS, ERNIE 4.5, GLM-4, EXAONE 4.0 layouts): GQA, RoPE, RMSNorm, SwiGLU, tied or untied
+embeddings, Qwen3's RMSNorm of each query and key head, Granite's multipliers, Phi-3's fused
+checkpoint tensors, SmolLM3's layers without rotary, GPT-J's rotary (ERNIE's, GLM's) as NeoX's over
+reordered rows, norms after attention and the MLP (EXAONE's, OLMo's), and the sliding windows of
+Mistral, Phi-3 and Qwen's, SmolLM3's and EXAONE's sliding layers. Mirrors Hugging Face's
 LlamaForCausalLM; the difference is paged attention and tensor-parallel layers. Input is one packed
 batch of tokens, [num_tokens]."""
 

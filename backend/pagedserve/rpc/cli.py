@@ -122,13 +122,15 @@ class ServeSettings(EngineSettings):
         "<parameter=KEY> values, typed by the tool's schema), glm45 (GLM-4.5/4.6: <tool_call>NAME then "
         "<arg_key>/<arg_value> pairs)",
     )
-    reasoning_parser: Literal["deepseek_r1", "mistral", "olmo3", "openai_gptoss", "qwen3"] | None = Field(
-        None,
-        description="send a chat completion's reasoning (between <think> and </think>) as reasoning_content, "
-        "apart from its text, as vLLM's flag: deepseek_r1 (DeepSeek-R1, QwQ), olmo3 (OLMo 3 Think) or qwen3 "
-        "(the same tags), mistral (Magistral: [THINK] and [/THINK]), or "
-        "openai_gptoss (GPT-OSS's harmony messages: the analysis channel's as reasoning, the final channel's "
-        "as text, their special tokens dropped)",
+    reasoning_parser: Literal["deepseek_r1", "glm45", "mistral", "olmo3", "openai_gptoss", "qwen3"] | None = (
+        Field(
+            None,
+            description="send a chat completion's reasoning (between <think> and </think>) as reasoning_content, "
+            "apart from its text, as vLLM's flag: deepseek_r1 (DeepSeek-R1, QwQ), glm45 (GLM-4.5), olmo3 (OLMo 3 Think) or qwen3 "
+            "(the same tags), mistral (Magistral: [THINK] and [/THINK]), or "
+            "openai_gptoss (GPT-OSS's harmony messages: the analysis channel's as reasoning, the final channel's "
+            "as text, their special tokens dropped)",
+        )
     )
     triton_priority_levels: int = Field(
         3,
