@@ -92,7 +92,9 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                 param.normal_(0.0, 0.2)
             elif name.endswith(".sinks"):  # GPT-OSS's: large enough to move the outputs
                 param.normal_(3.0, 2.0)
-            elif name.endswith((".q_norm.weight", ".k_norm.weight")):
+            elif name.endswith(
+                (".q_norm.weight", ".k_norm.weight", ".query_layernorm.weight", ".key_layernorm.weight")
+            ):
                 param.normal_(1.0, 0.5)
             if name.endswith("norm.weight") and type(model).__name__.startswith("Gemma"):
                 param.normal_(0.0, 0.5)  # Gemma scales by 1 + weight: zeros would hide the weight

@@ -40,6 +40,7 @@ from transformers import (
     GraniteConfig,
     GraniteMoeConfig,
     GraniteMoeHybridConfig,
+    HunYuanDenseV1Config,
     Ministral3Config,
     MistralConfig,
     MixtralConfig,
@@ -121,6 +122,7 @@ NOT_DECODE_LAYERS = {
     "seed-oss-biases",
     "glm4-moe-grouped-biased-routing",
     "ernie4.5-moe-biased-picking",
+    "hunyuan-alpha-rope-norms-after-rotary",
     "exaone4-sliding-rope-global-nope",
     "exaone4-no-window",
     "ernie4.5-biases-default-tie",
@@ -457,6 +459,16 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             tie_word_embeddings=True,
         ),
         drop("tie_word_embeddings"),
+    ),
+    # Tencent's Hunyuan dense: each query and key head normed after the rotation; the rope its
+    # checkpoints call dynamic, with a fixed alpha (the base stretched 1000^(16/14)), as they ship it
+    "hunyuan-alpha-rope-norms-after-rotary": (
+        lambda: HunYuanDenseV1Config(
+            **TINY,
+            head_dim=16,
+            rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0},
+        ),
+        as_transformers_4,
     ),
     # Zhipu's GLM-4.5: layer 0 dense, layer 1 2 of 8 experts routed as DeepSeek-V3's (sigmoid scores,
     # picked by the scores plus a bias among the best 2 of 4 groups, renormalized and scaled by 2.5)

@@ -18,8 +18,12 @@ def _inv_freq(rotary_dim: int, params: dict[str, Any], max_position: int) -> tup
     """The inverse frequencies, and the factor cos and sin are scaled by (1 but for yarn and longrope),
     for a table of `max_position` positions."""
     base = params["rope_theta"]
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     kind = params["rope_type"]
+    if kind == "dynamic" and params.get("alpha"):
+        # Hunyuan's "dynamic" with a fixed alpha: the base stretched once, by alpha^(d / (d - 2)), the
+        # same at every length (transformers' HunYuan rotary reads it so, as "ntk_alpha")
+        base, kind = base * params["alpha"] ** (rotary_dim / (rotary_dim - 2)), "default"
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     if kind == "default":
         return inv_freq, 1.0
     if kind == "linear":
@@ -32,7 +36,7 @@ def _inv_freq(rotary_dim: int, params: dict[str, Any], max_position: int) -> tup
         return _longrope_inv_freq(rotary_dim, params, max_position)
     raise ValueError(
         f"model: config.json's rope_type {kind!r} (rope_scaling / rope_parameters) is not supported "
-        "(default, linear, llama3, yarn, longrope are)"
+        "(default, linear, llama3, yarn, longrope, and dynamic with a fixed alpha are)"
     )
 
 

@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama, Mistral, Ministral 3, Qwen2, Qwen3, Granite 3 and 4.0, Phi-3, SmolLM3,
-Seed-OSS, ERNIE 4.5, GLM-4, EXAONE 4.0 layouts): GQA, RoPE, RMSNorm, SwiGLU, tied or untied
+Seed-OSS, ERNIE 4.5, GLM-4, EXAONE 4.0, Hunyuan layouts): GQA, RoPE, RMSNorm, SwiGLU, tied or untied
 embeddings, Qwen3's RMSNorm of each query and key head, Granite's multipliers, Phi-3's fused
 checkpoint tensors, SmolLM3's layers without rotary, GPT-J's rotary (ERNIE's, GLM's) as NeoX's over
 reordered rows, norms after attention and the MLP (EXAONE's, OLMo's), and the sliding windows of
@@ -125,6 +125,22 @@ class LlamaAttention(nn.Module):
         if self.rotary:
             qk = ops.apply_rotary(qk, *rotary)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return q, k, qkv[:, self.q_size + self.kv_size :]
+
+
+class HunYuanAttention(LlamaAttention):
+    """Llama's attention with Hunyuan's query and key head norms after the rotation (Qwen3's come
+    before it)."""
+
+    def rotated_qkv(
+        self, rotary: Rotary, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = self.qkv_proj(hidden)
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = ops.apply_rotary(qk, *rotary[:2]).split([self.num_heads, self.num_kv_heads], dim=1)
+        assert self.q_norm is not None and self.k_norm is not None  # (`HunYuanDenseV1ForCausalLM.qk_norm`)
+        q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+        k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         return q, k, qkv[:, self.q_size + self.kv_size :]
 
 
@@ -553,6 +569,25 @@ def _check_attention_only(cfg: dict[str, Any]) -> None:
         raise ValueError(
             f"model: config.json's num_local_experts {cfg.get('num_local_experts', 8)}: Granite 4.0's experts "
             "are not served (its attention-only checkpoints, num_local_experts 0, are)"
+        )
+
+
+class HunYuanDecoderLayer(LlamaDecoderLayer):
+    attention_class = HunYuanAttention
+
+
+class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
+    """Tencent's Hunyuan dense models (Hunyuan-0.5B to 7B): Llama's layer with each query and key
+    head RMS-normed after the rotation (`query_layernorm`, `key_layernorm`), and the rope its
+    checkpoints call "dynamic" with a fixed `alpha` (the base stretched once: `layers.rotary`)."""
+
+    decoder_layer_class = HunYuanDecoderLayer
+    qk_norm = True
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(
+            (name.replace(".query_layernorm.", ".q_norm.").replace(".key_layernorm.", ".k_norm."), tensor)
+            for name, tensor in weights
         )
 
 
