@@ -231,6 +231,21 @@ def test_the_readme_lists_every_abort_cause_rejection_reason_and_finished_reason
     assert finished == set(FINISH_REASONS)
 
 
+def test_the_readme_model_table_names_every_architecture_served_and_no_other() -> None:
+    """Supported models: the table's first column names each architecture models/registry.py serves
+    (and the multimodal ones whose text decoder it serves), no more."""
+    from pagedserve.models.registry import MODELS
+
+    text = README.read_text()
+    table = text[text.index("| architecture | families |") :]
+    table = table[: table.index("\n\n")]
+    named = {
+        name for row in table.splitlines()[2:] for name in re.findall(r"`(\w+For\w+)`", row.split(" | ")[0])
+    }
+    multimodal = {"Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration"}
+    assert named == set(MODELS) | multimodal
+
+
 # The MLP's intermediate size of each model of docs/tensor-parallel.md's table (their config.json).
 INTERMEDIATE_SIZES = {
     "SmolLM2-135M": 1536,
