@@ -261,6 +261,7 @@ _WINDOW_ON_UNLESS_OFF = (
     "Olmo3ForCausalLM",
     "Ministral3ForCausalLM",
     "Exaone4ForCausalLM",
+    "Cohere2ForCausalLM",
 )
 _WINDOW_OFF_UNLESS_ON = (
     "Qwen2ForCausalLM",
@@ -279,6 +280,7 @@ _WINDOW_IN_SOME_LAYERS = (
     "GptOssForCausalLM",
     "Olmo3ForCausalLM",
     "Exaone4ForCausalLM",
+    "Cohere2ForCausalLM",
 )
 # where config.json has no `sliding_window` key, transformers' config class default
 _DEFAULT_WINDOW = {
@@ -288,6 +290,7 @@ _DEFAULT_WINDOW = {
     "GptOssForCausalLM": 128,
     "Olmo3ForCausalLM": 4096,
     "Exaone4ForCausalLM": 4096,
+    "Cohere2ForCausalLM": 4096,
 }
 
 
@@ -307,9 +310,9 @@ def check_quantization(hf: dict[str, Any]) -> None:
 def layer_windows(hf: dict[str, Any], architecture: str) -> list[int]:
     """Each layer's sliding window (0: none), as transformers' attention of the architecture reads
     config.json: Mistral, Mixtral, Ministral 3 and Phi-3 slide every layer by `sliding_window`; Gemma 2
-    and 3, GPT-OSS, OLMo 3 and EXAONE 4.0 the layers `layer_types` names (by default every other one,
-    five of every six in Gemma 3, three of every four in OLMo 3 and EXAONE 4.0; GPT-OSS's window 128
-    and OLMo 3's and EXAONE's 4,096 unless config.json names one); Qwen2, Qwen2-MoE,
+    and 3, GPT-OSS, OLMo 3, EXAONE 4.0 and Command R7B the layers `layer_types` names (by default
+    every other one, five of every six in Gemma 3, three of every four in OLMo 3, EXAONE and Cohere's;
+    GPT-OSS's window 128, the others' 4,096 unless config.json names one); Qwen2, Qwen2-MoE,
     Qwen3 and SmolLM3 the layers `layer_types` names (by default Qwen2's from `max_window_layers` on,
     Qwen2-MoE's every other one below it, SmolLM3's layers without rotary) and Qwen3-MoE every layer,
     only under `use_sliding_window` (their checkpoints carry a window they do not use).
@@ -333,9 +336,11 @@ def layer_windows(hf: dict[str, Any], architecture: str) -> list[int]:
 def default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
     """transformers' `layer_types` where config.json has none (Qwen2Config, Qwen3Config, SmolLM3Config;
     Gemma2Config and GptOssConfig: every other layer full; Gemma3TextConfig: every
-    `sliding_window_pattern`-th (6) full; Olmo3Config: every fourth full, Exaone4Config every
-    `sliding_window_pattern`-th (4); the others sliding)."""
+    `sliding_window_pattern`-th (6) full; Olmo3Config: every fourth full, Exaone4Config and
+    Cohere2Config every `sliding_window_pattern`-th (4); the others sliding)."""
     patterns = {"Gemma2ForCausalLM": 2, "GptOssForCausalLM": 2, "Olmo3ForCausalLM": 4}
+    if architecture == "Cohere2ForCausalLM":
+        patterns[architecture] = hf.get("sliding_window_pattern", 4)
     if architecture == "Gemma3ForCausalLM":
         patterns[architecture] = hf.get("sliding_window_pattern", 6)
     if architecture == "Exaone4ForCausalLM":  # (its docs' "LLLG": three local, then a global)

@@ -28,6 +28,7 @@ from test_compile import decode_layers_available
 from test_hf_parity import assert_greedy_equal, hf_greedy
 from tiny_models import save_mxfp4_gpt_oss, save_tiny_model
 from transformers import (
+    Cohere2Config,
     Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
@@ -123,6 +124,7 @@ NOT_DECODE_LAYERS = {
     "glm4-moe-grouped-biased-routing",
     "ernie4.5-moe-biased-picking",
     "hunyuan-alpha-rope-norms-after-rotary",
+    "cohere2-parallel-sliding-rope-global-nope",
     "exaone4-sliding-rope-global-nope",
     "exaone4-no-window",
     "ernie4.5-biases-default-tie",
@@ -459,6 +461,15 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             tie_word_embeddings=True,
         ),
         drop("tie_word_embeddings"),
+    ),
+    # Cohere's Command R7B: attention and the MLP side by side on one LayerNorm, GPT-J's rotary in the
+    # sliding layers (0-2, by 24) alone, layer 3 global without rope, the logits scaled by 1/16
+    # (Cohere2Config's default), the LM head tied (its default too: config.json naming neither)
+    "cohere2-parallel-sliding-rope-global-nope": (
+        lambda: Cohere2Config(
+            **{**TINY, "num_hidden_layers": 4}, head_dim=16, sliding_window=24, tie_word_embeddings=True
+        ),
+        drop("logit_scale", "tie_word_embeddings", "layer_types"),
     ),
     # Tencent's Hunyuan dense: each query and key head normed after the rotation; the rope its
     # checkpoints call dynamic, with a fixed alpha (the base stretched 1000^(16/14)), as they ship it
@@ -1391,6 +1402,10 @@ def test_rotary_tables_equal_transformers(
             lambda c: c.update(architectures=["Ernie4_5_MoeForCausalLM"], use_bias=True),
             "use_bias is not supported for Ernie4_5_MoeForCausalLM",
         ),
+        (
+            lambda c: c.update(architectures=["Cohere2ForCausalLM"], logit_scale=-1.0),
+            "logit_scale must be positive, got -1.0",
+        ),
     ],
     ids=[
         "partial-rotary",
@@ -1411,6 +1426,7 @@ def test_rotary_tables_equal_transformers(
         "granite4-experts",
         "olmoe-clip-qkv-not-a-number",
         "ernie4.5-moe-biases",
+        "cohere2-negative-logit-scale",
     ],
 )
 def test_an_unsupported_option_is_refused_naming_it(

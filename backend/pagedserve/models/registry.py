@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedserve.models.cohere import Cohere2ForCausalLM
 from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.llama import (
@@ -47,6 +48,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
+    "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,

@@ -1,0 +1,109 @@
+"""Cohere's Command R7B and Command A (`Cohere2ForCausalLM`) as transformers computes them, on the
+Llama family's tensor-parallel layers. What they add to Llama's layer:
+
+- attention and the MLP side by side: both read the same normed input, and both outputs join the
+  residual stream at once (`ParallelDecoderLayer`);
+- LayerNorm without a bias (the mean taken out, then scaled by the variance), in float32, where Llama
+  takes RMSNorm (`LayerNorm`);
+- GPT-J's rotary (neighbouring dimensions turned together: `interleaved_rotary`, q and k rows
+  reordered on load), computed in float32, and only in the sliding layers (three of every four by
+  default, a window of 4,096): the global layers turn by no position (NoPE);
+- the logits multiplied by `logit_scale` (1/16 by default); the LM head tied by default.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.config import default_layer_types
+from pagedserve.layers.attention import AttentionBackend, AttentionMetadata
+from pagedserve.layers.norm import RMSNorm
+from pagedserve.models.llama import (
+    LayerOptions,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    Rotary,
+)
+
+
+class LayerNorm(RMSNorm):
+    """(x - mean(x)) / std(x) * weight, all in float32, rounded to x's dtype once (transformers'
+    Cohere2LayerNorm: no bias), with RMSNorm's parameters and call form: with `residual`, their sum
+    normed and returned too."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self.normed(x)
+        summed = x + residual
+        return self.normed(summed), summed
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), None, self.eps).to(x.dtype)
+
+
+def layer_norm_eps(cfg: dict[str, Any]) -> float:
+    return float(cfg.get("layer_norm_eps", 1e-5))
+
+
+class ParallelDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer protocol (it takes the residual stream as `hidden + residual` and returns its own
+    pair) with attention and the MLP reading the same normed input, their outputs added together."""
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        nn.Module.__init__(self)  # (not Llama's norms)
+        self.self_attn = self.attention_class(cfg, backend, options, layer_index)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = LayerNorm(cfg["hidden_size"], layer_norm_eps(cfg))
+
+    def forward(
+        self,
+        rotary: Rotary,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = hidden if residual is None else residual + hidden
+        normed = cast(torch.Tensor, self.input_layernorm(stream))
+        return self.self_attn(rotary, normed, metadata) + self.mlp(normed), stream
+
+
+class Cohere2ForCausalLM(LlamaForCausalLM):
+    """Command R7B and Command A (see the module docstring); Cohere2Config's defaults where config.json
+    leaves a key out."""
+
+    decoder_layer_class = ParallelDecoderLayer
+    interleaved_rotary = True
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        super().__init__(
+            {**cfg, "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}, max_position, backend
+        )
+        self.norm = LayerNorm(cfg["hidden_size"], layer_norm_eps(cfg))
+        self.logit_scale = float(cfg.get("logit_scale", 0.0625))
+        if not self.logit_scale > 0:  # (a greedy step takes the argmax before the logits are scaled)
+            raise ValueError(f"model: config.json's logit_scale must be positive, got {self.logit_scale}")
+
+    @staticmethod
+    def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
+        """The sliding layers turn q and k; the global ones do not (where the model has a window)."""
+        if not cfg.get("sliding_window"):
+            return [True] * cfg["num_hidden_layers"]
+        layer_types = cfg.get("layer_types") or default_layer_types(cfg, "Cohere2ForCausalLM")
+        return [kind == "sliding_attention" for kind in layer_types]
+
+    def step_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        """The tables rounded to the model's dtype, then applied in float32, as transformers' Cohere2
+        turns q and k."""
+        return tuple(table.float() for table in self.rotary_emb(positions, dtype))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden) * self.logit_scale
