@@ -313,18 +313,13 @@ class Qwen3CoderParser(_SchemaTypedParser):
         function = _XML_FUNCTION.fullmatch(body)
         if function is None:
             return None
-        name, inside = function[1], function[2]
-        properties = self._properties.get(name, {})
-        arguments: dict[str, Any] = {}
-        end = 0
-        for parameter in _XML_PARAMETER.finditer(inside):
-            if inside[end : parameter.start()].strip():  # text between parameters: no call
-                return None
-            value = parameter[2].removeprefix("\n").removesuffix("\n")
-            arguments[parameter[1]] = _typed(value, properties.get(parameter[1]))
-            end = parameter.end()
-        if inside[end:].strip():
+        name, parameters = function[1], _matches_alone(_XML_PARAMETER, function[2])
+        if parameters is None:  # text between the parameters: no call
             return None
+        properties = self._properties.get(name, {})
+        arguments = {
+            p[1]: _typed(p[2].removeprefix("\n").removesuffix("\n"), properties.get(p[1])) for p in parameters
+        }
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
@@ -336,23 +331,18 @@ class Glm45Parser(_SchemaTypedParser):
     call stays text."""
 
     def _parse_call(self, body: str) -> ToolCall | None:
-        name, _, pairs = body.strip().partition("\n")
-        if not _TOOL_NAME.fullmatch(name.strip()):
+        first_line, _, rest = body.strip().partition("\n")
+        name, pairs = first_line.strip(), _matches_alone(_GLM_ARGUMENT, rest)
+        if not _TOOL_NAME.fullmatch(name) or pairs is None:  # (text between the pairs: no call)
             return None
-        properties = self._properties.get(name.strip(), {})
+        properties = self._properties.get(name, {})
         arguments: dict[str, Any] = {}
-        end = 0
-        for pair in _GLM_ARGUMENT.finditer(pairs):
-            if pairs[end : pair.start()].strip():  # text between the pairs: no call
-                return None
+        for pair in pairs:
             key, value = pair[1].strip(), pair[2].strip()
             schema = properties.get(key)
             is_string = isinstance(schema, dict) and schema.get("type") == "string"
             arguments[key] = value if is_string else _glm_value(value)
-            end = pair.end()
-        if pairs[end:].strip():
-            return None
-        return ToolCall(name.strip(), json.dumps(arguments, ensure_ascii=False))
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
 _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
@@ -369,10 +359,26 @@ def _glm_value(value: str) -> Any:
         parsed = _json_or_none(unescaped)
         if parsed is not None:
             return parsed
+    return _literal_or_text(value)
+
+
+def _literal_or_text(value: str) -> Any:
+    """The Python literal `value` writes, else `value` itself."""
     try:
         return ast.literal_eval(value)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return value
+
+
+def _matches_alone(pattern: re.Pattern[str], text: str) -> list[re.Match[str]] | None:
+    """`pattern`'s matches in `text` where only whitespace lies between and around them, else None."""
+    matches, end = [], 0
+    for match in pattern.finditer(text):
+        if text[end : match.start()].strip():
+            return None
+        matches.append(match)
+        end = match.end()
+    return matches if not text[end:].strip() else None
 
 
 _XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?", re.DOTALL)
@@ -406,10 +412,7 @@ def _typed(value: str, schema: Any) -> Any:
         parsed = _json_or_none(value)
         if parsed is not None:
             return parsed
-    try:
-        return ast.literal_eval(value)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return value
+    return _literal_or_text(value)
 
 
 class _WholeOutputParser(ToolCallParser):

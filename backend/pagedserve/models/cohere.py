@@ -21,7 +21,7 @@ from torch import nn
 
 from pagedserve.config import default_layer_types
 from pagedserve.layers.attention import AttentionBackend, AttentionMetadata
-from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.norm import Float32RMSNorm
 from pagedserve.models.llama import (
     LayerOptions,
     LlamaDecoderLayer,
@@ -31,18 +31,9 @@ from pagedserve.models.llama import (
 )
 
 
-class LayerNorm(RMSNorm):
+class LayerNorm(Float32RMSNorm):
     """(x - mean(x)) / std(x) * weight, all in float32, rounded to x's dtype once (transformers'
-    Cohere2LayerNorm: no bias), with RMSNorm's parameters and call form: with `residual`, their sum
-    normed and returned too."""
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return self.normed(x)
-        summed = x + residual
-        return self.normed(summed), summed
+    Cohere2LayerNorm: no bias), with the float32 RMSNorm's parameters and call form."""
 
     def normed(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), None, self.eps).to(x.dtype)
