@@ -294,11 +294,18 @@ class _SchemaTypedParser(HermesParser):
 
     def __init__(self, tools: Sequence[Tool] = ()) -> None:
         super().__init__()
-        self._properties = {tool.name: tool.parameters.get("properties") or {} for tool in tools}
+        self._properties = {tool.name: _properties(tool) for tool in tools}
 
     @classmethod
     def for_tools(cls, tools: Sequence[Tool]) -> Callable[[], ToolCallParser]:
         return lambda: cls(tools)
+
+
+def _properties(tool: Tool) -> dict[str, Any]:
+    """A tool's parameters by name (its schema's `properties`; none where the schema names none, or
+    names them otherwise than as an object)."""
+    properties = tool.parameters.get("properties")
+    return properties if isinstance(properties, dict) else {}
 
 
 class Qwen3CoderParser(_SchemaTypedParser):

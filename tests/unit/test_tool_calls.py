@@ -229,6 +229,10 @@ def test_qwen3_coder_types_the_values_by_the_tools_schema() -> None:
         "bad": "seven",
         "extra": "12",
     }
+    # a schema whose properties are no object types nothing (and breaks nothing)
+    odd = parse_tool(0, "f", "", json.dumps({"type": "object", "properties": ["n"]}))
+    _, [untyped] = parse_tool_calls("<tool_call><function=f><parameter=n>5</tool_call>", "qwen3_coder", [odd])
+    assert json.loads(untyped.arguments) == {"n": "5"}
     # a request's tool choice hands its parser the request's tools
     parser = tool_choice([tool], "", "", "qwen3_coder")
     assert parser is not None
