@@ -4,7 +4,8 @@ DeepSeek-R1, QwQ, OLMo 3 Think, GLM-4.5) writes between `<think>` and `</think>`
 tags, as text (OLMo 3's are plain text; the others' are added tokens the text keeps); their names
 are vLLM's, so deployments carry over.
 `mistral` reads Magistral's `[THINK]` and `[/THINK]` the same way (special tokens, kept in a chat's
-text under it: `rpc.convert.keep_special_tokens`). `openai_gptoss` reads GPT-OSS's harmony format
+text under it: `rpc.convert.keep_special_tokens`), `seed_oss` Seed-OSS's `<seed:think>` and
+`</seed:think>` (added tokens the text keeps). `openai_gptoss` reads GPT-OSS's harmony format
 instead (`HarmonyParser`).
 
 A completion starts inside its reasoning when it begins with `<think>`, or when the prompt left a
@@ -19,10 +20,10 @@ import re
 
 from pagedserve.tool_calls import HARMONY_CHANNEL, HARMONY_ENDS, HARMONY_MESSAGE, partial_suffix
 
-REASONING_PARSERS = ("deepseek_r1", "glm45", "mistral", "olmo3", "openai_gptoss", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "glm45", "mistral", "olmo3", "openai_gptoss", "qwen3", "seed_oss")
 START, END = "<think>", "</think>"
 # the parsers whose tags are others (the rest read START and END)
-TAGS = {"mistral": ("[THINK]", "[/THINK]")}
+TAGS = {"mistral": ("[THINK]", "[/THINK]"), "seed_oss": ("<seed:think>", "</seed:think>")}
 # the parsers whose markers are special tokens, to be kept in a chat's text for them
 READS_SPECIAL_TOKENS = ("mistral", "openai_gptoss")
 # a harmony message's recipient (`to=functions.get_weather`), in its role's part or its channel's

@@ -35,6 +35,7 @@ TOOL_PARSERS = (
     "mistral",
     "qwen3_coder",
     "glm45",
+    "seed_oss",
 )
 # GPT-OSS's harmony format (OpenAI's): a message's header ends at <|message|>, its body at one of the ends
 HARMONY_CHANNEL, HARMONY_MESSAGE = "<|channel|>", "<|message|>"
@@ -328,6 +329,13 @@ class Qwen3CoderParser(_SchemaTypedParser):
             p[1]: _typed(p[2].removeprefix("\n").removesuffix("\n"), properties.get(p[1])) for p in parameters
         }
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+class SeedOssParser(Qwen3CoderParser):
+    """Seed-OSS's calls (vLLM's seed_oss parser): Qwen3-Coder's XML, typed the same way, between
+    `<seed:tool_call>` and `</seed:tool_call>`."""
+
+    START, END = "<seed:tool_call>", "</seed:tool_call>"
 
 
 class Glm45Parser(_SchemaTypedParser):
@@ -750,6 +758,7 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "mistral": MistralParser,
     "qwen3_coder": Qwen3CoderParser,
     "glm45": Glm45Parser,
+    "seed_oss": SeedOssParser,
 }
 assert tuple(PARSERS) == TOOL_PARSERS
 

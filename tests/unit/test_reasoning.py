@@ -96,6 +96,14 @@ def test_glm45_reads_glm_4_5s_think_tags() -> None:
     assert not prompt_opens_reasoning(closed, "glm45")
 
 
+def test_seed_oss_reads_its_own_think_tags() -> None:
+    """vLLM's seed_oss: Seed-OSS thinks between <seed:think> and </seed:think>."""
+    parser = new_parser("seed_oss", prompt_opens_reasoning("<seed:bos>assistant\n", "seed_oss"))
+    output = "<seed:think>Two and two.</seed:think>Four."
+    assert joined(run(parser, [output[:9], output[9:30], output[30:]])) == ("Two and two.", "Four.")
+    assert joined(run(new_parser("seed_oss", False), ["<think>a</think>b"])) == ("", "<think>a</think>b")
+
+
 def test_mistral_reads_magistrals_think_tokens_and_no_other_tags() -> None:
     """vLLM's mistral: Magistral thinks between [THINK] and [/THINK] (special tokens, kept in the
     text); <think> is text to it, and a prompt ending in [THINK] opens the block."""

@@ -142,6 +142,15 @@ def test_qwen3_coder_calls_are_xml_in_its_tool_call_tags() -> None:
         assert parse_tool_calls(text, "qwen3_coder") == (text, []), text
 
 
+def test_seed_oss_calls_are_qwen3_coders_xml_in_its_own_tags() -> None:
+    """vLLM's seed_oss: Qwen3-Coder's calls between <seed:tool_call> tags; Qwen's <tool_call> is text."""
+    text = QWEN3_CODER.replace("<tool_call>", "<seed:tool_call>").replace("</tool_call>", "</seed:tool_call>")
+    for cut in range(len(text) + 1):
+        contents, calls = run(parse_tool_calls_parser("seed_oss"), [text[:cut], text[cut:]])
+        assert ("".join(contents), calls) == ("I will look.\n", EXPECTED_CALLS), cut
+    assert parse_tool_calls(QWEN3_CODER, "seed_oss") == (QWEN3_CODER, [])
+
+
 def test_glm45_calls_are_a_name_and_key_value_pairs_in_tool_call_tags() -> None:
     """vLLM's glm45: the name on the first line of a <tool_call>, then <arg_key>/<arg_value> pairs;
     a value its schema types as a string as written, others read as JSON, else as written."""
@@ -445,7 +454,7 @@ def test_the_flag_offers_every_parser() -> None:
     with pytest.raises(
         ValueError,
         match="tool_call_parser: must be one of hermes, llama3_json, pythonic, granite, phi4_mini_json, openai, "
-        "olmo3, mistral, qwen3_coder, glm45",
+        "olmo3, mistral, qwen3_coder, glm45, seed_oss",
     ):
         parse_tool_calls("", "xlam")
 

@@ -108,6 +108,7 @@ class ServeSettings(EngineSettings):
             "mistral",
             "qwen3_coder",
             "glm45",
+            "seed_oss",
         ]
         | None
     ) = Field(
@@ -120,17 +121,17 @@ class ServeSettings(EngineSettings):
         "a pythonic call a line between <function_calls> and </function_calls>), mistral (Mistral: [TOOL_CALLS] then "
         "a JSON list of calls, or name{...} a call), qwen3_coder (Qwen3-Coder: <tool_call><function=NAME> with "
         "<parameter=KEY> values, typed by the tool's schema), glm45 (GLM-4.5/4.6: <tool_call>NAME then "
-        "<arg_key>/<arg_value> pairs)",
+        "<arg_key>/<arg_value> pairs), seed_oss (Seed-OSS: qwen3_coder's XML in <seed:tool_call> tags)",
     )
-    reasoning_parser: Literal["deepseek_r1", "glm45", "mistral", "olmo3", "openai_gptoss", "qwen3"] | None = (
-        Field(
-            None,
-            description="send a chat completion's reasoning (between <think> and </think>) as reasoning_content, "
-            "apart from its text, as vLLM's flag: deepseek_r1 (DeepSeek-R1, QwQ), glm45 (GLM-4.5), olmo3 (OLMo 3 Think) or qwen3 "
-            "(the same tags), mistral (Magistral: [THINK] and [/THINK]), or "
-            "openai_gptoss (GPT-OSS's harmony messages: the analysis channel's as reasoning, the final channel's "
-            "as text, their special tokens dropped)",
-        )
+    reasoning_parser: (
+        Literal["deepseek_r1", "glm45", "mistral", "olmo3", "openai_gptoss", "qwen3", "seed_oss"] | None
+    ) = Field(
+        None,
+        description="send a chat completion's reasoning (between <think> and </think>) as reasoning_content, "
+        "apart from its text, as vLLM's flag: deepseek_r1 (DeepSeek-R1, QwQ), glm45 (GLM-4.5), olmo3 (OLMo 3 "
+        "Think) or qwen3 (the same tags), mistral (Magistral: [THINK] and [/THINK]), seed_oss (Seed-OSS: "
+        "<seed:think>), or openai_gptoss (GPT-OSS's harmony messages: the analysis channel's as reasoning, the "
+        "final channel's as text, their special tokens dropped)",
     )
     triton_priority_levels: int = Field(
         3,
