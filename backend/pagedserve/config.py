@@ -347,7 +347,12 @@ def default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
         pattern = hf.get("sliding_window_pattern", 4)
         patterns[architecture] = len(pattern) if isinstance(pattern, str) else pattern
     if architecture in patterns:
-        sliding = [bool((i + 1) % patterns[architecture]) for i in range(hf["num_hidden_layers"])]
+        pattern = patterns[architecture]
+        if not (isinstance(pattern, int) and pattern > 0):
+            raise ValueError(
+                f"model: config.json's sliding_window_pattern must be a positive integer, got {pattern!r}"
+            )
+        sliding = [bool((i + 1) % pattern) for i in range(hf["num_hidden_layers"])]
     elif architecture == "SmolLM3ForCausalLM":
         sliding = [not turns for turns in smollm3_rotary_layers(hf)]
     elif architecture == "Qwen2MoeForCausalLM":  # every other layer below max_window_layers

@@ -1406,6 +1406,17 @@ def test_rotary_tables_equal_transformers(
             lambda c: c.update(architectures=["Cohere2ForCausalLM"], logit_scale=-1.0),
             "logit_scale must be positive, got -1.0",
         ),
+        # (transformers divides by them)
+        (
+            lambda c: c.update(architectures=["Ernie4_5_MoeForCausalLM"], moe_layer_interval=0),
+            "moe_layer_interval must be a positive integer, got 0",
+        ),
+        (
+            lambda c: c.update(
+                architectures=["Exaone4ForCausalLM"], sliding_window=32, sliding_window_pattern=0
+            ),
+            "sliding_window_pattern must be a positive integer, got 0",
+        ),
     ],
     ids=[
         "partial-rotary",
@@ -1427,6 +1438,8 @@ def test_rotary_tables_equal_transformers(
         "olmoe-clip-qkv-not-a-number",
         "ernie4.5-moe-biases",
         "cohere2-negative-logit-scale",
+        "ernie4.5-moe-layer-interval-0",
+        "exaone4-sliding-window-pattern-0",
     ],
 )
 def test_an_unsupported_option_is_refused_naming_it(

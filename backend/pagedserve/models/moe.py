@@ -1,7 +1,8 @@
 """Llama-family decoders whose MLPs are mixtures of experts (`layers.moe`): Mixtral (Mistral's layer,
 every MLP 8 experts, 2 a token), IBM's Granite MoE (Granite's layer), Qwen2-MoE (Qwen2's layer, with a
-shared expert), Qwen3-MoE (Qwen3's layer) and GLM-4.5 (DeepSeek-V3's routing). Qwen's `decoder_sparse_step` and `mlp_only_layers` keep
-some layers dense.
+shared expert), Qwen3-MoE (Qwen3's layer), GLM-4.5 (DeepSeek-V3's routing) and ERNIE 4.5 MoE (a
+picking bias on a softmax). Qwen's `decoder_sparse_step` and `mlp_only_layers`, GLM's
+`first_k_dense_replace` and ERNIE's `moe_layer_*` keep some layers dense.
 
 Checkpoints come in several layouts, all read: the hub's, one tensor per expert and projection
 (Mixtral's `block_sparse_moe.experts.N.w1`/`w3`/`w2`, Qwen's `mlp.experts.N.gate_proj`/`up_proj`/
@@ -251,9 +252,13 @@ class Ernie4_5_MoeForCausalLM(MoeForCausalLM):  # noqa: N801 (transformers' name
             selection_bias=True,
             router_float32=True,
         )
-        num_layers = cfg["num_hidden_layers"]
+        num_layers, interval = cfg["num_hidden_layers"], cfg.get("moe_layer_interval", 1)
+        if not (isinstance(interval, int) and interval > 0):
+            raise ValueError(
+                f"model: config.json's moe_layer_interval must be a positive integer, got {interval!r}"
+            )
         start, end = int(cfg.get("moe_layer_start_index", 1)), int(cfg.get("moe_layer_end_index", -1))
-        end, interval = num_layers - 1 if end == -1 else end, int(cfg.get("moe_layer_interval", 1))
+        end = num_layers - 1 if end == -1 else end
         return [spec if (i + 1) % interval == 0 and start <= i <= end else None for i in range(num_layers)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
