@@ -18,8 +18,9 @@ for the base weights alone.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -39,6 +40,9 @@ from pagedserve.lora_config import (
     AdapterConfig,
     read_adapter_config,
 )
+
+if TYPE_CHECKING:
+    from pagedserve.models.llama import LlamaForCausalLM
 
 
 class LoRAStep:
@@ -110,16 +114,14 @@ class LoRAModels:
     linear layers (`layer.lora`). An adapter keeps its index while loaded; a removed one's is reused."""
 
     def __init__(
-        self, adapters: tuple[tuple[str, str], ...], model: torch.nn.Module, dtype: torch.dtype
+        self, adapters: tuple[tuple[str, str], ...], model: LlamaForCausalLM, dtype: torch.dtype
     ) -> None:
         self.dtype = dtype
         self.names: list[str | None] = []  # by index; None: a free index
         self.step = LoRAStep()
         self.layers = _target_layers(model)
         # a checkpoint's rows as the model reads them (ERNIE 4.5's and GLM-4's q and k reordered)
-        self.checkpoint_rows: Callable[[str, torch.Tensor], torch.Tensor] = getattr(
-            model, "checkpoint_rows", lambda module, rows: rows
-        )
+        self.checkpoint_rows = model.checkpoint_rows
         self.updates = {key: LoRALinear(self.step) for key in self.layers}
         for key, layer in self.layers.items():
             layer.lora = self.updates[key]
@@ -234,10 +236,10 @@ class LoRAModels:
 Linear = ColumnParallelLinear | RowParallelLinear
 
 
-def _target_layers(model: torch.nn.Module) -> dict[tuple[int, str], Linear]:
+def _target_layers(model: LlamaForCausalLM) -> dict[tuple[int, str], Linear]:
     """(layer number, our layer name) -> the linear layer, for every layer a LoRA can target."""
     found: dict[tuple[int, str], Linear] = {}
-    for number, layer in enumerate(model.layers):  # type: ignore[arg-type]
+    for number, layer in enumerate(model.decoder_layers):
         for name, module in (*layer.self_attn.named_children(), *layer.mlp.named_children()):
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 found[number, name] = module

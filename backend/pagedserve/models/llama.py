@@ -619,7 +619,7 @@ class Ministral3ForCausalLM(LlamaForCausalLM):
         cos, sin = self.rotary_emb(positions, dtype)
         periods = torch.floor(positions.float() / self.query_scaling_length)
         scale = 1.0 + self.query_scaling_beta * torch.log1p(periods)
-        return cos, sin, scale[:, None, None]  # (float32: rounded to the queries' dtype where applied)
+        return cos, sin, scale[:, None, None].to(dtype)  # (in float32 a compiled layer casts it to q's)
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

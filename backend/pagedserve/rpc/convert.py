@@ -462,8 +462,7 @@ def chat_outputs(
     reasoning = None
     if reasoning_parser is not None:
         opens = not constrained and prompt_opens_reasoning(prompt_tail(), reasoning_parser)
-        name = reasoning_parser
-        reasoning = functools.partial(new_parser, name, opens)
+        reasoning = functools.partial(new_parser, reasoning_parser, opens)
     include = messages.include_reasoning if messages.HasField("include_reasoning") else True
     return ChatOutputs(tools, reasoning, include)
 

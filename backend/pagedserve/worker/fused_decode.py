@@ -30,7 +30,6 @@ from pagedserve_kernels import cpu as cpu_kernels
 from pagedserve.distributed import get_tp_size
 from pagedserve.layers.attention import AttentionMetadata, TorchAttentionBackend
 from pagedserve.layers.linear import LinearBase
-from pagedserve.models.gemma import GemmaForCausalLM
 from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 logger = logging.getLogger(__name__)
@@ -124,8 +123,6 @@ def _packed(linear: LinearBase) -> torch.Tensor:
 def _unsupported(model: torch.nn.Module, backend: object, dtype: torch.dtype) -> str:
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not a Llama-family model"
-    if isinstance(model, GemmaForCausalLM):
-        return "Gemma's layers (norms by 1 + weight, GELU)"
     if dtype != torch.bfloat16:
         return f"dtype {dtype} (bfloat16 only)"
     if get_tp_size() > 1:
@@ -146,7 +143,7 @@ def _unsupported(model: torch.nn.Module, backend: object, dtype: torch.dtype) ->
         type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention
         for layer in layers
     ):
-        return f"{type(layers[0]).__name__}'s layers (norms placed or shaped otherwise than Llama's)"
+        return f"{type(layers[0]).__name__}'s layers (Gemma's, OLMo's, GLM-4's...: not Llama's layer)"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(mlp, LlamaMLP):
