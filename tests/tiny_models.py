@@ -74,7 +74,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
     """A random-weight checkpoint of any transformers causal-LM `config` (its class picks the
     architecture), saved as a Hugging Face directory with the default model's tokenizer. Biases are
     random too (transformers initializes them to zero, which would hide a bias never applied), so are
-    Qwen3's query and key norms (ones would hide a weight never applied), Gemma's norms (zeros,
+    Qwen3's query and key norms and DeepSeek's latents' (ones would hide a weight never applied), Gemma's norms (zeros,
     its 1 + weight), OLMo's norms, GPT-OSS's attention sinks and GLM-4.5's expert-picking bias, and a tied LM head is left
     out of the weights, as transformers saves it."""
     import torch
@@ -93,7 +93,14 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
             elif name.endswith(".sinks"):  # GPT-OSS's: large enough to move the outputs
                 param.normal_(3.0, 2.0)
             elif name.endswith(
-                (".q_norm.weight", ".k_norm.weight", ".query_layernorm.weight", ".key_layernorm.weight")
+                (
+                    ".q_norm.weight",
+                    ".k_norm.weight",
+                    ".query_layernorm.weight",
+                    ".key_layernorm.weight",
+                    ".q_a_layernorm.weight",  # DeepSeek's latents' norms
+                    ".kv_a_layernorm.weight",
+                )
             ):
                 param.normal_(1.0, 0.5)
             if name.endswith("norm.weight") and type(model).__name__.startswith("Gemma"):

@@ -72,6 +72,7 @@ class ModelConfig:
         check_quantization(hf)
         hf = text_decoder_config(hf)
         num_heads = hf["num_attention_heads"]
+        num_kv_heads, head_dim = kv_cache_entry(hf)
         architecture = architecture_of(hf, "LlamaForCausalLM")
         if dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {DTYPES}, got {dtype!r}")
@@ -85,11 +86,22 @@ class ModelConfig:
             vocab_size=hf["vocab_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             hf_config=hf,
             sampling_defaults=sampling_defaults(path, generation_config, override_generation_config or {}),
         )
+
+
+def kv_cache_entry(hf: dict[str, Any]) -> tuple[int, int]:
+    """(KV heads, head size) of what a token leaves in each layer's KV cache: config.json's KV heads of
+    `head_dim` (else hidden_size / heads); under DeepSeek's multi-head latent attention (`kv_lora_rank`
+    set) one head of its compressed latent and rotated key part (kv_lora_rank + qk_rope_head_dim), which
+    every query head reads."""
+    num_heads = hf["num_attention_heads"]
+    if hf.get("kv_lora_rank"):
+        return 1, int(hf["kv_lora_rank"]) + int(hf["qk_rope_head_dim"])
+    return hf.get("num_key_value_heads") or num_heads, hf.get("head_dim") or hf["hidden_size"] // num_heads
 
 
 def parse_hf_overrides(value: str | dict[str, Any] | None) -> dict[str, Any]:

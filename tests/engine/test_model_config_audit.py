@@ -29,6 +29,8 @@ from test_hf_parity import assert_greedy_equal, hf_greedy
 from tiny_models import save_mxfp4_gpt_oss, save_tiny_model
 from transformers import (
     Cohere2Config,
+    DeepseekV2Config,
+    DeepseekV3Config,
     Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
@@ -37,6 +39,7 @@ from transformers import (
     GemmaConfig,
     Glm4Config,
     Glm4MoeConfig,
+    Glm4MoeLiteConfig,
     GptOssConfig,
     GraniteConfig,
     GraniteMoeConfig,
@@ -134,6 +137,10 @@ NOT_DECODE_LAYERS = {
     "olmo3-yarn-global-layers-4.x-config",
     "olmo3-sliding-theta-default-layer-types",
     "olmoe-clip-qkv",
+    "deepseek-v3-mla-yarn-grouped-experts-4.x-config",
+    "deepseek-v2-lite-q-proj-greedy-experts",
+    "deepseek-v2-group-limited-biases",
+    "glm4-moe-lite-neox-rope-layer-types",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
@@ -158,6 +165,21 @@ GRANITE4 = {
     "layer_types": ["attention", "attention"],
     "num_local_experts": 0,
     "shared_intermediate_size": 48,
+}
+# DeepSeek's latent attention on a tiny scale: 4 heads, each key 16 unrotated + 8 rotated dimensions,
+# each value 24; a latent of 56 (a cache entry of 56 + 8 = 64, the bfloat16 prefill kernel's); 2 of 8
+# experts a token beside a shared one, layer 0 dense
+MLA = {
+    "num_key_value_heads": 4,  # (transformers' MLA expands its keys to every head)
+    "kv_lora_rank": 56,
+    "q_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 24,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "first_k_dense_replace": 1,
 }
 # a few small experts, for tests of what a Qwen MoE config says of other things
 SMALL_MOE = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 16}
@@ -536,6 +558,60 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     # OLMoE: Llama's layer with OLMo's whole-projection q and k norms, q, k and v clamped at 1.5 (the
     # clamp binds here), 2 of 4 experts a token, their weights not renormalized
     "olmoe-clip-qkv": (lambda: OlmoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, clip_qkv=1.5), None),
+    # DeepSeek-V3 as its checkpoints ship: the 4.x layout, YaRN (4x over 256 positions) with
+    # mscale 1 and mscale_all_dim 0.7 (cos and sin scaled by their ratio, q.k by the latter's square);
+    # experts routed in 2 of 4 groups by sigmoid scores plus a bias, scaled by 2.5; GPT-J's rotary
+    "deepseek-v3-mla-yarn-grouped-experts-4.x-config": (
+        lambda: DeepseekV3Config(
+            **{**TINY, **MLA},
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.7,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "rope_theta": 10000.0,
+            },
+        ),
+        as_transformers_4,
+    ),
+    # DeepSeek-V2-Lite's shape: the query in one projection (no q_lora_rank), the top 2 of all experts
+    # by their softmax (greedy), not renormalized, two shared experts' width; a latent of 24 (a cache
+    # entry of 32, beside the bfloat16 prefill kernel's sizes); GPT-J's rotary in float32
+    "deepseek-v2-lite-q-proj-greedy-experts": (
+        lambda: DeepseekV2Config(
+            **{**TINY, **MLA, "q_lora_rank": None, "kv_lora_rank": 24}, n_shared_experts=2
+        ),
+        None,
+    ),
+    # DeepSeek-V2's routing: the top 2 among the best 2 of 4 groups (a group worth its best expert),
+    # scaled by 4 (V2's 16 makes this random model's bfloat16 routing flip where transformers' does
+    # not); q_a_proj, kv_a_proj_with_mqa and o_proj biased
+    "deepseek-v2-group-limited-biases": (
+        lambda: DeepseekV2Config(
+            **{**TINY, **MLA},
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=4.0,
+            attention_bias=True,
+        ),
+        None,
+    ),
+    # GLM-4.7-Flash: DeepSeek-V3's layer, its rotary NeoX's (rope_interleave false), layer 0 experts
+    # and layer 1 dense by mlp_layer_types, Glm4MoeLiteConfig's routing (no groups, scaled by 1.8)
+    "glm4-moe-lite-neox-rope-layer-types": (
+        lambda: Glm4MoeLiteConfig(
+            **{**TINY, **MLA}, rope_interleave=False, mlp_layer_types=["sparse", "dense"]
+        ),
+        None,
+    ),
     # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
     "smollm3-nope-layer-1": (lambda: SmolLM3Config(**TINY, no_rope_layers=[1, 0]), None),
     "smollm3-nope-by-default": (

@@ -1,11 +1,11 @@
-"""Mixture-of-experts MLPs (Mixtral, Granite MoE, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5). A router
+"""Mixture-of-experts MLPs (Mixtral, Granite MoE, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5, DeepSeek). A router
 scores every expert for each token; the token goes through its `top_k` best, and its output is their
 outputs weighted by the router's probabilities (softmax over all experts, then the top k, renormalized
 to sum to one where the model says so). Qwen2-MoE adds a shared expert every token goes through, scaled
 by a sigmoid gate. GPT-OSS biases the router and the experts, and clamps its SwiGLU (`Experts`).
-GLM-4.5 (DeepSeek-V3's routing) scores each expert by a sigmoid, picks by the scores plus a bias of
-its own among the best groups of experts, scales the weights, and adds an ungated shared expert; its
-router is float32 (`Router`).
+GLM-4.5 and DeepSeek-V3 score each expert by a sigmoid, pick by the scores plus a bias of their own
+among the best groups of experts, scale the weights, and add an ungated shared expert; their router
+is float32 (`Router`). DeepSeek-V2 picks by the softmax among the best groups.
 
 Experts are tensor-parallel as the dense MLP is: every rank holds each expert's share of the
 intermediate features (gate and up column-parallel, down row-parallel), sums its partial outputs,
@@ -59,11 +59,13 @@ class Experts:
     # "softmax" over all); the top k picked by the scores plus a bias of the router's own
     # (`e_score_correction_bias`), among the `topk_groups` best of `num_groups` groups of experts (a
     # group's worth: its best two scores summed); the weights (the scores, without the bias) scaled
-    # by `routed_scaling_factor`; a router in float32 (`Router`)
+    # by `routed_scaling_factor`; a router in float32 (`Router`). DeepSeek-V2's groups are worth their
+    # best score alone (`group_worth_experts` 1; V3's and GLM's their best two)
     scoring: str = "softmax"
     selection_bias: bool = False
     num_groups: int = 1
     topk_groups: int = 1
+    group_worth_experts: int = 2
     routed_scaling_factor: float = 1.0
     router_float32: bool = False
     shared_gate: bool = True  # Qwen2-MoE's shared expert scaled by a sigmoid gate; GLM-4.5's is not
@@ -91,9 +93,16 @@ class Experts:
             raise ValueError(
                 f"model: config.json's topk_group {self.topk_groups} must be 1 to n_group {self.num_groups}"
             )
-        if self.num_groups > 1 and self.num_experts // self.num_groups < 2:
+        per_group = self.num_experts // self.num_groups
+        if self.num_groups > 1 and per_group < self.group_worth_experts:
             raise ValueError(
-                "model: config.json's n_group leaves groups of one expert (a group is worth its best two)"
+                f"model: config.json's n_group leaves groups of {per_group} expert (a group is worth its "
+                f"best {self.group_worth_experts})"
+            )
+        if self.topk_groups * per_group < self.top_k:
+            raise ValueError(
+                f"model: config.json's topk_group {self.topk_groups} keeps {self.topk_groups * per_group} "
+                f"experts, fewer than num_experts_per_tok {self.top_k}"
             )
 
 
@@ -135,7 +144,7 @@ def route(
         choice = scores if selection_bias is None else scores + selection_bias
         if spec.num_groups > 1:
             groups = choice.unflatten(-1, (spec.num_groups, -1))  # [tokens, groups, experts a group]
-            worth = groups.topk(2, dim=-1).values.sum(dim=-1)
+            worth = groups.topk(spec.group_worth_experts, dim=-1).values.sum(dim=-1)
             best = worth.topk(spec.topk_groups, dim=-1).indices
             kept = torch.zeros_like(worth, dtype=torch.bool).scatter_(1, best, True)
             choice = groups.masked_fill(~kept[..., None], float("-inf")).flatten(-2)
@@ -149,7 +158,7 @@ def route(
 
 
 class Router(nn.Module):
-    """GLM-4.5's router: its weight [experts, hidden] and the bias it picks experts by
+    """GLM-4.5's and DeepSeek's router: its weight [experts, hidden] and the bias it picks experts by
     (`e_score_correction_bias` [experts]) in float32, its logits computed in float32 (transformers
     keeps both in float32 whatever the model's dtype)."""
 

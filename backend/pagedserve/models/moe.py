@@ -186,21 +186,7 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
         return [dataclasses.replace(options, qk_norm=qk_norm) for options in super().layer_options(cfg)]
 
     def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
-        width = int(cfg.get("moe_intermediate_size", 1408))
-        spec = Experts(
-            num_experts=int(cfg.get("n_routed_experts", cfg.get("num_local_experts", 128))),
-            top_k=int(cfg.get("num_experts_per_tok", 8)),
-            intermediate_size=width,
-            renormalize=bool(cfg.get("norm_topk_prob", True)),
-            shared_intermediate_size=width * int(cfg.get("n_shared_experts", 1)),
-            shared_gate=False,
-            scoring="sigmoid",
-            selection_bias=True,
-            num_groups=int(cfg.get("n_group", 1)),
-            topk_groups=int(cfg.get("topk_group", 1)),
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-            router_float32=True,
-        )
+        spec = grouped_sigmoid_experts(cfg, GLM4_MOE_EXPERTS)
         dense = int(cfg.get("first_k_dense_replace", 1))
         return [None if i < dense else spec for i in range(cfg["num_hidden_layers"])]
 
@@ -209,12 +195,57 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
         super().load_weights(
             (name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor)
             for name, tensor in weights
-            if not _past_layer(name, num_layers)
+            if not past_layer(name, num_layers)
         )
 
 
-def _past_layer(name: str, num_layers: int) -> bool:
-    """A tensor of a layer numbered past the model's (GLM-4.5's next-token prediction layers)."""
+# DeepSeek-V3's routing as config.json names it, and each config class's defaults for what it leaves out
+GLM4_MOE_EXPERTS = {
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 1408,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True,
+}
+
+
+def grouped_sigmoid_experts(cfg: dict[str, Any], defaults: dict[str, Any]) -> Experts:
+    """DeepSeek-V3's experts (GLM-4.5's, GLM-4.7-Flash's): `n_routed_experts` of
+    `moe_intermediate_size`, `num_experts_per_tok` a token, each scored by a sigmoid and picked by its
+    score plus the router's `e_score_correction_bias` among the best `topk_group` of `n_group` groups
+    (a group worth its best two), the weights renormalized where `norm_topk_prob` and scaled by
+    `routed_scaling_factor`; beside an ungated shared expert of `n_shared_experts` experts' width; the
+    router in float32. `defaults`: the config class's, for the keys config.json leaves out."""
+
+    def read(key: str) -> Any:
+        value = cfg.get(key, defaults[key])
+        return defaults[key] if value is None else value
+
+    width = int(read("moe_intermediate_size"))
+    return Experts(
+        num_experts=int(
+            cfg.get("n_routed_experts", cfg.get("num_local_experts", defaults["n_routed_experts"]))
+        ),
+        top_k=int(read("num_experts_per_tok")),
+        intermediate_size=width,
+        renormalize=bool(read("norm_topk_prob")),
+        shared_intermediate_size=width * int(read("n_shared_experts")),
+        shared_gate=False,
+        scoring="sigmoid",
+        selection_bias=True,
+        num_groups=int(read("n_group")),
+        topk_groups=int(read("topk_group")),
+        routed_scaling_factor=float(read("routed_scaling_factor")),
+        router_float32=True,
+    )
+
+
+def past_layer(name: str, num_layers: int) -> bool:
+    """A tensor of a layer numbered past the model's (GLM-4.5's and DeepSeek-V3's next-token
+    prediction layers)."""
     match = re.match(r"^(?:model\.)?layers\.(\d+)\.", name)
     return match is not None and int(match[1]) >= num_layers
 

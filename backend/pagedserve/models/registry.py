@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagedserve.models.cohere import Cohere2ForCausalLM
+from pagedserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM
 from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.llama import (
@@ -58,6 +59,9 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
