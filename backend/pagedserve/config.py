@@ -99,9 +99,21 @@ def kv_cache_entry(hf: dict[str, Any]) -> tuple[int, int]:
     set) one head of its compressed latent and rotated key part (kv_lora_rank + qk_rope_head_dim), which
     every query head reads."""
     num_heads = hf["num_attention_heads"]
-    if hf.get("kv_lora_rank"):
-        return 1, int(hf["kv_lora_rank"]) + int(hf["qk_rope_head_dim"])
+    if "kv_lora_rank" in hf:
+        dims = mla_dims(hf)
+        return 1, dims["kv_lora_rank"] + dims["qk_rope_head_dim"]
     return hf.get("num_key_value_heads") or num_heads, hf.get("head_dim") or hf["hidden_size"] // num_heads
+
+
+MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def mla_dims(hf: dict[str, Any]) -> dict[str, int]:
+    """Multi-head latent attention's sizes (`models.deepseek`), each a positive integer."""
+    for key in MLA_DIMS:
+        if not (isinstance(hf.get(key), int) and hf[key] > 0):
+            raise ValueError(f"model: config.json's {key} must be a positive integer, got {hf.get(key)!r}")
+    return {key: int(hf[key]) for key in MLA_DIMS}
 
 
 def parse_hf_overrides(value: str | dict[str, Any] | None) -> dict[str, Any]:

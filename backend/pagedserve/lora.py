@@ -209,7 +209,13 @@ class LoRAModels:
                 raise fail(f"layer {layer} {module} does not fit the model: {exc}") from None
             our_layer = TARGETS[FUSED_TARGETS.get(module, (module,))[0]][0]
             if (layer, our_layer) not in self.layers:
-                if any(number == layer for number, _ in self.layers):  # the layer is there, not the module
+                there = any(number == layer for number, _ in self.layers)  # the layer, not the module
+                if there and our_layer == "qkv_proj":
+                    raise fail(
+                        f"layer {layer} {module}: the layer's attention has no q, k or v projection taking "
+                        "a LoRA (multi-head latent attention: its o_proj alone takes one)"
+                    )
+                if there:
                     raise fail(
                         f"layer {layer} {module}: the layer's MLP is a mixture of experts, whose "
                         "projections take no LoRA here (its attention's do)"

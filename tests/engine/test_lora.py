@@ -372,6 +372,48 @@ def test_a_mixture_of_experts_takes_adapters_of_its_attention_and_dense_mlps(
         LLM(model=model_dir, dtype="float32", lora_modules={"e": str(experts)})
 
 
+def test_deepseeks_latent_attention_takes_an_adapter_of_o_proj_alone(
+    tmp_path: Path, default_model_dir: str
+) -> None:
+    """DeepSeek-V2-Lite's shape (its query in one projection, q_proj): an adapter of o_proj matches
+    PEFT; one of q_proj, which the latent attention has no place for (its query meets the latent
+    through kv_b_proj), is refused naming the layer and the module. (PEFT 0.21 turns a pattern naming
+    layer 0's dense gate_proj, up_proj and down_proj on this model into LoRAs of every layer's stacked
+    experts instead, which take none here: dense MLPs' adapters are held to PEFT on other models.)"""
+    from tiny_models import build_tiny_llama
+
+    model_dir = build_tiny_llama(
+        tmp_path / "deepseek-v2-lite",
+        default_model_dir,
+        config_class="DeepseekV2Config",
+        num_kv_heads=4,
+        kv_lora_rank=24,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        first_k_dense_replace=1,
+    )
+    adapter = build_lora_adapter(
+        tmp_path / "adapter", model_dir, rank=8, targets=("o_proj",), seed=4, std=0.3
+    )
+    theirs = peft_greedy_tokens(model_dir, adapter, PROMPT, MAX_TOKENS)
+    assert theirs != peft_greedy_tokens(model_dir, None, PROMPT, MAX_TOKENS)
+    llm = LLM(model=model_dir, dtype="float32", block_size=8, lora_modules={"a": adapter})
+    [out] = llm.generate([PROMPT], greedy(), lora_request=LoRARequest("a"))
+    assert out.outputs[0].token_ids == theirs
+
+    query = build_lora_adapter(tmp_path / "q", model_dir, rank=8, targets=("q_proj",), seed=5)
+    with pytest.raises(
+        ValueError,
+        match=r"adapter 'q' \(.*\): layer 0 q_proj: the layer's attention has no q, k or v projection",
+    ):
+        LLM(model=model_dir, dtype="float32", lora_modules={"q": query})
+
+
 @pytest.mark.parametrize(
     ("config_class", "overrides"),
     [

@@ -181,6 +181,8 @@ MLA = {
     "moe_intermediate_size": 16,
     "first_k_dense_replace": 1,
 }
+# a tiny Llama's config.json as DeepSeek-V2's (its refusals come before any weight loads)
+DEEPSEEK_V2 = {"architectures": ["DeepseekV2ForCausalLM"], **MLA}
 # a few small experts, for tests of what a Qwen MoE config says of other things
 SMALL_MOE = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 16}
 # a tiny GPT-OSS: 2 of 4 experts a token, YaRN as its checkpoints carry it (truncate false; 4x a
@@ -727,6 +729,7 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
         "gpt-oss-sinks-clamped-experts",
         "olmo3-yarn-global-layers-4.x-config",
         "ministral3-yarn-query-scaling-window-40",
+        "deepseek-v3-mla-yarn-grouped-experts-4.x-config",
     ],
 )
 def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str], name: str) -> None:
@@ -977,6 +980,46 @@ def test_glm4_moe_checkpoints_next_token_prediction_layer_is_left_out(
     assert ours == plain
 
 
+def test_deepseeks_cache_holds_one_latent_head_a_token(variant_dir: Callable[[str], str]) -> None:
+    """MLA's cache entry: the latent and the rotated key part (56 + 8), one head whatever the query
+    heads (4), in place of 4 heads' keys (24) and values (24)."""
+    llm = LLM(
+        model=variant_dir("deepseek-v3-mla-yarn-grouped-experts-4.x-config"),
+        dtype="float32",
+        num_kv_blocks=16,
+        block_size=16,
+    )
+    model = llm.engine.config.model
+    assert (model.num_kv_heads, model.head_dim) == (1, 64)
+    assert model.kv_bytes_per_token == 2 * 2 * 64 * 4  # 2 layers, key and value, float32
+    k_cache, v_cache = llm.engine.executor.worker.cache_engine.kv_caches[0]  # type: ignore[attr-defined]
+    assert k_cache.shape == v_cache.shape == (16, 16, 1, 64)
+
+
+def test_deepseek_v3s_next_token_prediction_layer_is_left_out(
+    variant_dir: Callable[[str], str], tmp_path: Path
+) -> None:
+    """DeepSeek-V3's checkpoints hold a next-token prediction layer past `num_hidden_layers`
+    (`model.layers.61.*`), which transformers and vLLM's serving leave out."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = variant_dir("deepseek-v3-mla-yarn-grouped-experts-4.x-config")
+    with_mtp = tmp_path / "with-mtp"
+    shutil.copytree(model_dir, with_mtp)
+    weights = load_file(str(with_mtp / "model.safetensors"))
+    extra = {
+        name.replace("model.layers.1.", "model.layers.2."): tensor.clone()
+        for name, tensor in weights.items()
+        if name.startswith("model.layers.1.")
+    }
+    extra["model.layers.2.enorm.weight"] = torch.ones(64)
+    save_file({**weights, **extra}, str(with_mtp / "model.safetensors"), metadata={"format": "pt"})
+    prompts = long_prompts()
+    ours = greedy(LLM(model=str(with_mtp), dtype="float32", num_kv_blocks=128, block_size=16), prompts, 4)
+    plain = greedy(LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16), prompts, 4)
+    assert ours == plain
+
+
 @pytest.mark.parametrize(
     ("name", "hub_key"),
     [
@@ -985,6 +1028,7 @@ def test_glm4_moe_checkpoints_next_token_prediction_layer_is_left_out(
         ("granitemoe-tied-biases", "model.layers.1.block_sparse_moe.input_linear.weight"),
         ("glm4-moe-grouped-biased-routing", "model.layers.1.mlp.shared_experts.up_proj.weight"),
         ("ernie4.5-moe-biased-picking", "model.layers.1.mlp.moe_statics.e_score_correction_bias"),
+        ("deepseek-v3-mla-yarn-grouped-experts-4.x-config", "model.layers.1.mlp.experts.7.down_proj.weight"),
     ],
 )
 def test_experts_as_the_hub_lays_them_out_load_as_stacked(
@@ -1493,6 +1537,39 @@ def test_rotary_tables_equal_transformers(
             ),
             "sliding_window_pattern must be a positive integer, got 0",
         ),
+        # DeepSeek's routing beyond what its code reads, and what its layers cannot be
+        (
+            lambda c: c.update(DEEPSEEK_V2, topk_method="noaux_tc"),
+            "topk_method 'noaux_tc' is not supported for DeepseekV2ForCausalLM",
+        ),
+        (
+            lambda c: c.update(DEEPSEEK_V2, num_experts_per_tok=None),
+            "num_experts_per_tok must be an integer, got None",
+        ),
+        (
+            lambda c: c.update(DEEPSEEK_V2, moe_layer_freq=0),
+            "moe_layer_freq must be a positive integer, got 0",
+        ),
+        (
+            lambda c: c.update(DEEPSEEK_V2, qk_rope_head_dim=None),
+            "qk_rope_head_dim must be a positive integer, got None",
+        ),
+        (
+            lambda c: c.update(
+                DEEPSEEK_V2,
+                architectures=["DeepseekV3ForCausalLM"],
+                n_group=4,
+                topk_group=1,
+                num_experts_per_tok=4,
+            ),
+            "topk_group 1 keeps 2 experts, fewer than num_experts_per_tok 4",
+        ),
+        (
+            lambda c: c.update(
+                DEEPSEEK_V2, architectures=["Glm4MoeLiteForCausalLM"], mlp_layer_types=["dense", "moe"]
+            ),
+            "mlp_layer_types: layer 1 is 'moe' \\(dense or sparse\\)",
+        ),
     ],
     ids=[
         "partial-rotary",
@@ -1516,6 +1593,12 @@ def test_rotary_tables_equal_transformers(
         "cohere2-negative-logit-scale",
         "ernie4.5-moe-layer-interval-0",
         "exaone4-sliding-window-pattern-0",
+        "deepseek-v2-noaux-tc",
+        "deepseek-v2-no-experts-a-token",
+        "deepseek-moe-layer-freq-0",
+        "deepseek-no-rope-head-dim",
+        "deepseek-v3-groups-short-of-top-k",
+        "glm4-moe-lite-layer-type",
     ],
 )
 def test_an_unsupported_option_is_refused_naming_it(

@@ -266,6 +266,41 @@ def test_tp2_phi3_granite_gemma3_olmo3_glm4_and_moes_match_single_rank(
         assert_matches_reference(greedy_reference(llm, prompts), reference)
 
 
+def test_tp2_deepseek_latent_attention_matches_single_rank_under_swap_and_chunked_prefill(
+    tmp_path: Path, default_model_dir: str, prompts: list[list[int]]
+) -> None:
+    """DeepSeek-V3's multi-head latent attention: each rank its query heads and their rows of q_b_proj,
+    kv_b_proj and o_proj (o's bias added once), over a latent cache every rank holds whole (one KV
+    head, written alike by each), swapped out and back under memory pressure, prompts in chunks;
+    GLM-4.5's routing past the dense layer 0."""
+    from tiny_models import build_tiny_llama
+
+    model_dir = build_tiny_llama(
+        tmp_path / "deepseek-v3",
+        default_model_dir,
+        config_class="DeepseekV3Config",
+        num_kv_heads=4,
+        kv_lora_rank=56,
+        q_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        moe_intermediate_size=16,
+        first_k_dense_replace=1,
+        attention_bias=True,
+    )
+    reference = single_rank_reference(model_dir, prompts, num_kv_blocks=256, block_size=8)
+    settings = {"num_kv_blocks": 24, "block_size": 8, "max_num_batched_tokens": 24, "max_num_seqs": 8}
+    with tensor_parallel_llm(model_dir, 2, **settings) as llm:
+        assert llm.engine.executor.worker.num_kv_heads == 1  # type: ignore[attr-defined]
+        assert_matches_reference(greedy_reference(llm, prompts), reference)
+        assert llm.engine.stats().num_swap_preemptions > 0
+
+
 @pytest.mark.slow
 def test_default_model_tp3_with_speculative_decoding_matches_single_rank(default_model_dir: str) -> None:
     """Every rank verifies the same drafts and keeps the same tokens (each takes the scheduler's count

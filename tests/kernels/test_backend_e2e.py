@@ -153,6 +153,51 @@ def test_gpt_oss_in_the_triton_kernels_equals_the_torch_backend(
 
 
 @pytest.mark.timeout(600)
+def test_deepseeks_latent_attention_in_the_triton_kernels_equals_the_torch_backend(
+    default_model_dir: str, device: torch.device, tmp_path: Path
+) -> None:
+    """DeepSeek-V3 beside the Triton backend: 4 query heads over the one latent head of 56 + 8 (the
+    cache's key and value entries alike) in the attention kernels, chunks of a prompt over the latents
+    already cached, its experts in `fused_moe`: the torch backend's tokens."""
+    from tiny_models import build_tiny_llama
+
+    model_dir = build_tiny_llama(
+        tmp_path / "deepseek-v3",
+        default_model_dir,
+        config_class="DeepseekV3Config",
+        num_kv_heads=4,
+        kv_lora_rank=56,
+        q_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        moe_intermediate_size=16,
+        first_k_dense_replace=1,
+    )
+    prompts = [list(range(100, 121)), list(range(900, 907)), [5]]  # (short: the interpreter is slow)
+
+    def tokens(backend: str) -> list[list[int]]:
+        llm = LLM(
+            model=model_dir,
+            dtype="float32",
+            device=str(device),
+            attention_backend=backend,
+            num_kv_blocks=16,
+            block_size=8,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+        )
+        assert llm.engine.executor.worker.num_kv_heads == 1
+        return greedy_token_ids(llm, prompts)
+
+    assert tokens("triton") == tokens("torch")
+
+
+@pytest.mark.timeout(600)
 def test_triton_backend_verifies_drafts_as_decode_rows(
     tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

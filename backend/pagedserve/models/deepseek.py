@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.config import rope_parameters
+from pagedserve.config import mla_dims, rope_parameters
 from pagedserve.distributed import get_tp_rank, get_tp_size
 from pagedserve.layers import ops
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
@@ -175,16 +175,12 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
     stacked_params = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
-        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            if not (isinstance(cfg.get(key), int) and cfg[key] > 0):
-                raise ValueError(
-                    f"model: config.json's {key} must be a positive integer, got {cfg.get(key)!r}"
-                )
+        dims = mla_dims(cfg)
         # the rope turns qk_rope_head_dim dimensions of a head (DeepseekV2Config's head_dim)
-        super().__init__({**cfg, "head_dim": cfg["qk_rope_head_dim"]}, max_position, backend)
-        self.rope_dim = int(cfg["qk_rope_head_dim"])
-        self.q_head_dim = int(cfg["qk_nope_head_dim"]) + self.rope_dim
-        self.latent_width = int(cfg["kv_lora_rank"]) + self.rope_dim
+        super().__init__({**cfg, "head_dim": dims["qk_rope_head_dim"]}, max_position, backend)
+        self.rope_dim = dims["qk_rope_head_dim"]
+        self.q_head_dim = dims["qk_nope_head_dim"] + self.rope_dim
+        self.latent_width = dims["kv_lora_rank"] + self.rope_dim
         self.interleaved_rope = self.interleaved(cfg)
 
     @staticmethod
