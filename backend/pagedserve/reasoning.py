@@ -5,8 +5,11 @@ tags, as text (OLMo 3's are plain text; the others' are added tokens the text ke
 are vLLM's, so deployments carry over.
 `mistral` reads Magistral's `[THINK]` and `[/THINK]` the same way (special tokens, kept in a chat's
 text under it: `rpc.convert.keep_special_tokens`), `seed_oss` Seed-OSS's `<seed:think>` and
-`</seed:think>` (added tokens the text keeps). `openai_gptoss` reads GPT-OSS's harmony format
-instead (`HarmonyParser`).
+`</seed:think>` (added tokens the text keeps). `deepseek_v3` reads DeepSeek-V3.1's `<think>` tags
+(its template ends a thinking prompt with `<think>`, a non-thinking one with `</think>`), `kimi_k2`
+Kimi K2's (special tokens, kept; its reasoning also ends where a tool call begins, which the model may
+write without closing the block). `openai_gptoss` reads GPT-OSS's harmony format instead
+(`HarmonyParser`).
 
 A completion starts inside its reasoning when it begins with `<think>`, or when the prompt left a
 think block open (Qwen3-Thinking's, DeepSeek-R1's and OLMo 3 Think's templates end the prompt with
@@ -20,12 +23,25 @@ import re
 
 from pagedserve.tool_calls import HARMONY_CHANNEL, HARMONY_ENDS, HARMONY_MESSAGE, partial_suffix
 
-REASONING_PARSERS = ("deepseek_r1", "glm45", "mistral", "olmo3", "openai_gptoss", "qwen3", "seed_oss")
+REASONING_PARSERS = (
+    "deepseek_r1",
+    "deepseek_v3",
+    "glm45",
+    "kimi_k2",
+    "mistral",
+    "olmo3",
+    "openai_gptoss",
+    "qwen3",
+    "seed_oss",
+)
 START, END = "<think>", "</think>"
 # the parsers whose tags are others (the rest read START and END)
 TAGS = {"mistral": ("[THINK]", "[/THINK]"), "seed_oss": ("<seed:think>", "</seed:think>")}
 # the parsers whose markers are special tokens, to be kept in a chat's text for them
-READS_SPECIAL_TOKENS = ("mistral", "openai_gptoss")
+READS_SPECIAL_TOKENS = ("kimi_k2", "mistral", "openai_gptoss")
+# what else ends a parser's reasoning and begins its content (Kimi K2's tool calls: its model may call
+# a tool without closing its think block first)
+HANDOFFS = {"kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_call_begin|>")}
 # a harmony message's recipient (`to=functions.get_weather`), in its role's part or its channel's
 _RECIPIENT = re.compile(r" to=([^\s<]+)")
 
@@ -41,10 +57,13 @@ class ReasoningParser:
     """One completion's text in, as it streams; its reasoning and its content out. What may be the
     beginning of a tag is held back until it is one or is not."""
 
-    def __init__(self, open_at_start: bool, start: str = START, end: str = END) -> None:
+    def __init__(
+        self, open_at_start: bool, start: str = START, end: str = END, handoffs: tuple[str, ...] = ()
+    ) -> None:
         self._state = "reasoning" if open_at_start else "start"  # start: is a <think> coming?
         self._pending = ""
         self._start, self._end = start, end
+        self._handoffs = handoffs  # tags that end the reasoning and stay, beginning the content
 
     def feed(self, text: str) -> tuple[str, str]:
         self._pending += text
@@ -60,14 +79,17 @@ class ReasoningParser:
                 else:
                     self._state = "content"
             elif self._state == "reasoning":
-                end = self._pending.find(self._end)
-                if end < 0:
-                    keep = partial_suffix(self._pending, self._end)
+                tags = (self._end, *self._handoffs)
+                ends = [(at, tag) for tag in tags if (at := self._pending.find(tag)) >= 0]
+                if not ends:
+                    keep = max(partial_suffix(self._pending, tag) for tag in tags)
                     reasoning.append(self._pending[: len(self._pending) - keep])
                     self._pending = self._pending[len(self._pending) - keep :]
                     break
+                end, tag = min(ends)
                 reasoning.append(self._pending[:end])
-                self._pending, self._state = self._pending[end + len(self._end) :], "content"
+                after = end + len(tag) if tag == self._end else end  # (a handoff stays)
+                self._pending, self._state = self._pending[after:], "content"
             else:
                 content.append(self._pending)
                 self._pending = ""
@@ -155,7 +177,7 @@ def new_parser(name: str, open_at_start: bool) -> ReasoningParser | HarmonyParse
     `ReasoningParser`; harmony's messages say their channel themselves)."""
     if name == "openai_gptoss":
         return HarmonyParser()
-    return ReasoningParser(open_at_start, *TAGS.get(name, (START, END)))
+    return ReasoningParser(open_at_start, *TAGS.get(name, (START, END)), handoffs=HANDOFFS.get(name, ()))
 
 
 def split_reasoning(text: str, open_at_start: bool = False) -> tuple[str, str]:

@@ -36,6 +36,9 @@ TOOL_PARSERS = (
     "qwen3_coder",
     "glm45",
     "seed_oss",
+    "deepseek_v3",
+    "deepseek_v31",
+    "kimi_k2",
 )
 # GPT-OSS's harmony format (OpenAI's): a message's header ends at <|message|>, its body at one of the ends
 HARMONY_CHANNEL, HARMONY_MESSAGE = "<|channel|>", "<|message|>"
@@ -233,6 +236,7 @@ class HermesParser(ToolCallParser):
     dropped; a call that does not parse stays text."""
 
     START, END = "<tool_call>", "</tool_call>"
+    MARKERS: tuple[str, ...] = ()  # tags around the calls, dropped from the text (DeepSeek's section)
 
     def __init__(self) -> None:
         self._pending = ""
@@ -254,7 +258,7 @@ class HermesParser(ToolCallParser):
                 continue
             start = self._pending.find(self.START)
             if start < 0:
-                keep = partial_suffix(self._pending, self.START)
+                keep = max(partial_suffix(self._pending, tag) for tag in (self.START, *self.MARKERS))
                 self._add_text(self._pending[: len(self._pending) - keep], content)
                 self._pending = self._pending[len(self._pending) - keep :]
                 break
@@ -282,6 +286,8 @@ class HermesParser(ToolCallParser):
             self._called = True
 
     def _add_text(self, text: str, content: list[str]) -> None:
+        for marker in self.MARKERS:
+            text = text.replace(marker, "")
         if text and not (self._called and text.isspace()):
             content.append(text)
 
@@ -358,6 +364,74 @@ class Glm45Parser(_SchemaTypedParser):
             is_string = isinstance(schema, dict) and schema.get("type") == "string"
             arguments[key] = value if is_string else _glm_value(value)
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _deepseek_tag(name: str) -> str:
+    """DeepSeek's special token `name`: `<｜tool▁calls▁begin｜>`, its bars full-width (U+FF5C) and
+    its spaces U+2581."""
+    return "<\uff5c" + name.replace(" ", "\u2581") + "\uff5c>"
+
+
+class DeepSeekV3Parser(HermesParser):
+    """DeepSeek-V3's and R1's calls, as vLLM's deepseek_v3 parser reads them: in a section between
+    `<｜tool▁calls▁begin｜>` and `<｜tool▁calls▁end｜>` (dropped), each call between
+    `<｜tool▁call▁begin｜>` and `<｜tool▁call▁end｜>` as its type (`function`), `<｜tool▁sep｜>`, its
+    name on that line, then its arguments as a JSON object in a json code fence. Special tokens, kept
+    in the text of a request this parser reads. What is not such a call stays text."""
+
+    START, END = _deepseek_tag("tool call begin"), _deepseek_tag("tool call end")
+    MARKERS = (_deepseek_tag("tool calls begin"), _deepseek_tag("tool calls end"))
+    SEP = _deepseek_tag("tool sep")
+    SPECIAL_TOKENS = True
+
+    def _parse_call(self, body: str) -> ToolCall | None:
+        _, found, rest = body.partition(self.SEP)
+        fenced = _FENCED_JSON.fullmatch(rest) if found else None
+        if fenced is None:
+            return None
+        return _named_call(fenced[1].strip(), _json_or_none(fenced[2]))
+
+
+_FENCED_JSON = re.compile(r"([^\n]*)\n```json\n(.*)\n```\s*", re.DOTALL)
+
+
+def _named_call(name: str, arguments: Any, call_id: str | None = None) -> ToolCall | None:
+    """A call of a tool name and its arguments (a JSON object); None for anything else."""
+    if not _TOOL_NAME.fullmatch(name) or not isinstance(arguments, dict):
+        return None
+    call = ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+    return call if call_id is None else replace(call, id=call_id)
+
+
+class DeepSeekV31Parser(DeepSeekV3Parser):
+    """DeepSeek-V3.1's calls (vLLM's deepseek_v31): DeepSeek-V3's tags, each call its name,
+    `<｜tool▁sep｜>`, then its arguments as a JSON object."""
+
+    def _parse_call(self, body: str) -> ToolCall | None:
+        name, found, arguments = body.partition(self.SEP)
+        return _named_call(name.strip(), _json_or_none(arguments)) if found else None
+
+
+class KimiK2Parser(HermesParser):
+    """Kimi K2's calls (vLLM's kimi_k2): in a section between `<|tool_calls_section_begin|>` and
+    `<|tool_calls_section_end|>` (dropped), each call between `<|tool_call_begin|>` and
+    `<|tool_call_end|>` as its id `functions.NAME:INDEX`, `<|tool_call_argument_begin|>`, then its
+    arguments as a JSON object. The call keeps the model's id, which Kimi's chat template takes back.
+    Special tokens, kept in the text of a request this parser reads."""
+
+    START, END = "<|tool_call_begin|>", "<|tool_call_end|>"
+    MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+    SPECIAL_TOKENS = True
+
+    def _parse_call(self, body: str) -> ToolCall | None:
+        call_id, found, arguments = body.partition("<|tool_call_argument_begin|>")
+        match = _KIMI_ID.fullmatch(call_id.strip()) if found else None
+        if match is None:
+            return None
+        return _named_call(match[1], _json_or_none(arguments), call_id.strip())
+
+
+_KIMI_ID = re.compile(r"(?:functions\.)?([A-Za-z0-9_-]+):\d+")
 
 
 _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
@@ -759,6 +833,9 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "qwen3_coder": Qwen3CoderParser,
     "glm45": Glm45Parser,
     "seed_oss": SeedOssParser,
+    "deepseek_v3": DeepSeekV3Parser,
+    "deepseek_v31": DeepSeekV31Parser,
+    "kimi_k2": KimiK2Parser,
 }
 assert tuple(PARSERS) == TOOL_PARSERS
 

@@ -212,10 +212,11 @@ def test_harmonys_analysis_channel_leaves_as_reasoning_and_its_final_channel_as_
 
 
 def test_a_chat_under_a_parser_of_special_tokens_keeps_them_in_the_text() -> None:
-    """gpt-oss's harmony markers, Magistral's [THINK] and Mistral's [TOOL_CALLS] are special tokens:
-    skipped from the text (the default), the parser would see none. A chat's (beam search's too) are
-    kept under openai_gptoss and mistral, and under the mistral tool-call parser where the chat's
-    tools are parsed by it."""
+    """gpt-oss's harmony markers, Magistral's [THINK], Kimi K2's </think>, and Mistral's, DeepSeek's
+    and Kimi's tool-call tags are special tokens: skipped from the text (the default), the parser would
+    see none. A chat's (beam search's too) are kept under openai_gptoss, mistral and kimi_k2, and under
+    the mistral, deepseek_v3, deepseek_v31 and kimi_k2 tool-call parsers where the chat's tools are
+    parsed by them."""
     from pagedserve.rpc import convert
     from pagedserve.sampling_params import SamplingParams
 
@@ -225,12 +226,20 @@ def test_a_chat_under_a_parser_of_special_tokens_keeps_them_in_the_text() -> Non
     kept = convert.keep_special_tokens(chat, params, "openai_gptoss")
     assert not kept.skip_special_tokens and kept.max_tokens == 8
     assert not convert.keep_special_tokens(chat, params, "mistral").skip_special_tokens  # [THINK]
+    assert not convert.keep_special_tokens(chat, params, "kimi_k2").skip_special_tokens  # </think>
     assert convert.keep_special_tokens(chat, params, "qwen3").skip_special_tokens
+    assert convert.keep_special_tokens(chat, params, "deepseek_v3").skip_special_tokens
     assert convert.keep_special_tokens(
         pb.GenerateRequest(text="Hi"), params, "openai_gptoss"
     ).skip_special_tokens
     with_tools = pb.GenerateRequest(messages=pb.ChatMessages(messages=[QUESTION], tools=[WEATHER]))
-    for parser, keeps in (("mistral", True), ("hermes", False)):
+    for parser, keeps in (
+        ("mistral", True),
+        ("deepseek_v3", True),
+        ("deepseek_v31", True),
+        ("kimi_k2", True),
+        ("hermes", False),
+    ):
         tools = convert.request_tool_choice(with_tools, parser)
         assert convert.keep_special_tokens(with_tools, params, None, tools).skip_special_tokens is not keeps
     # tool_choice none, or a forced call (its output constrained to JSON): nothing to keep

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from pagedserve.reasoning import (
+    READS_SPECIAL_TOKENS,
     HarmonyParser,
     ReasoningParser,
     new_parser,
@@ -115,6 +116,44 @@ def test_mistral_reads_magistrals_think_tokens_and_no_other_tags() -> None:
     assert prompt_opens_reasoning("[INST]What is 2 + 2?[/INST][THINK]", "mistral")
     assert not prompt_opens_reasoning("[INST]What is 2 + 2?[/INST][THINK]", "qwen3")
     assert not prompt_opens_reasoning("[THINK]earlier[/THINK][INST]Hi[/INST]", "mistral")
+
+
+def test_deepseek_v3_thinks_where_deepseek_v31s_prompt_opens_the_block() -> None:
+    """vLLM's deepseek_v3: DeepSeek-V3.1's template ends a thinking prompt with <think> and a
+    non-thinking one with </think>; the output is reasoning until </think> in the first case alone."""
+    thinking = "<｜User｜>2 + 2?<｜Assistant｜><think>"
+    plain = "<｜User｜>2 + 2?<｜Assistant｜></think>"
+    output = "Two and two.</think>It is 4."
+    opens = prompt_opens_reasoning(thinking, "deepseek_v3")
+    assert opens and not prompt_opens_reasoning(plain, "deepseek_v3")
+    assert joined(run(new_parser("deepseek_v3", opens), [output])) == ("Two and two.", "It is 4.")
+    assert joined(run(new_parser("deepseek_v3", False), ["It is 4."])) == ("", "It is 4.")
+
+
+@pytest.mark.parametrize(
+    ("output", "split"),
+    [
+        ("<think>Two and two.</think>It is 4.", ("Two and two.", "It is 4.")),
+        # a tool call written before the block closes ends the reasoning and stays, for the tool parser
+        (
+            "<think>Weather first.<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0",
+            ("Weather first.", "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"),
+        ),
+        (
+            "<think>Weather first.<|tool_call_begin|>functions.f:0<|tool_call_end|>",
+            ("Weather first.", "<|tool_call_begin|>functions.f:0<|tool_call_end|>"),
+        ),
+    ],
+    ids=["closed", "section-begins", "call-begins"],
+)
+def test_kimi_k2s_reasoning_ends_at_its_close_or_at_a_tool_call(output: str, split: tuple[str, str]) -> None:
+    """vLLM's kimi_k2: Kimi K2 Thinking's <think> tags (special tokens, kept in a chat's text), its
+    reasoning also ended by a tool-call section begun without </think>, wherever the stream is cut."""
+    for cut in range(len(output) + 1):
+        assert joined(run(new_parser("kimi_k2", False), [output[:cut], output[cut:]])) == split, cut
+    assert "kimi_k2" in READS_SPECIAL_TOKENS
+    if "</think>" not in output:  # (the handoff is Kimi's: DeepSeek-R1's reasoning runs on through them)
+        assert joined(run(new_parser("deepseek_r1", False), [output])) == (output.removeprefix("<think>"), "")
 
 
 # --- GPT-OSS's harmony messages (--reasoning-parser openai_gptoss) ---------------------------------

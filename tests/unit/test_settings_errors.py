@@ -261,7 +261,8 @@ def test_the_reasoning_parser_is_one_we_have(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("PAGEDSERVE_REASONING_PARSER", "granite")
     with pytest.raises(
         SettingsError,
-        match=r"^PAGEDSERVE_REASONING_PARSER: .*'deepseek_r1', 'glm45', 'mistral', 'olmo3', 'openai_gptoss', 'qwen3' or 'seed_oss'",
+        match=r"^PAGEDSERVE_REASONING_PARSER: .*'deepseek_r1', 'deepseek_v3', 'glm45', 'kimi_k2', 'mistral', 'olmo3', 'openai_gptoss', "
+        "'qwen3' or 'seed_oss'",
     ):
         parse([])
     annotation = ServeSettings.model_fields["reasoning_parser"].annotation

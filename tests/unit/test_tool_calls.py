@@ -13,6 +13,7 @@ import pytest
 from pagedserve.errors import InvalidRequestError
 from pagedserve.rpc.convert import tool_schema_error
 from pagedserve.tool_calls import (
+    PARSERS,
     TOOL_PARSERS,
     HermesParser,
     NamedCallParser,
@@ -285,6 +286,75 @@ def test_mistral_calls_follow_its_tool_calls_token(calls: str) -> None:
         assert parse_tool_calls(text, "mistral") == (text, []), text
 
 
+def deepseek(name: str) -> str:
+    """DeepSeek's special token `name` (full-width bars, U+2581 for spaces)."""
+    return "<\uff5c" + name.replace(" ", "\u2581") + "\uff5c>"
+
+
+CALLS_BEGIN, CALLS_END = deepseek("tool calls begin"), deepseek("tool calls end")
+CALL_BEGIN, CALL_END, SEP = deepseek("tool call begin"), deepseek("tool call end"), deepseek("tool sep")
+DEEPSEEK_V3 = (
+    f"Let me check.{CALLS_BEGIN}{CALL_BEGIN}function{SEP}get_weather\n```json\n"
+    f'{{"city": "Paris", "unit": "°C"}}\n```{CALL_END}\n'
+    f"{CALL_BEGIN}function{SEP}get_time\n```json\n{{}}\n```{CALL_END}{CALLS_END}"
+)
+DEEPSEEK_V31 = (
+    f"Let me check.{CALLS_BEGIN}{CALL_BEGIN}get_weather{SEP}"
+    f'{{"city": "Paris", "unit": "°C"}}{CALL_END}{CALL_BEGIN}get_time{SEP}{{}}{CALL_END}{CALLS_END}'
+)
+KIMI_K2 = (
+    "Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+    '<|tool_call_argument_begin|>{"city": "Paris", "unit": "°C"}<|tool_call_end|>'
+    "<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
+    "<|tool_calls_section_end|>"
+)
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [("deepseek_v3", DEEPSEEK_V3), ("deepseek_v31", DEEPSEEK_V31), ("kimi_k2", KIMI_K2)],
+)
+def test_deepseek_and_kimi_calls_are_found_wherever_the_stream_is_cut(parser: str, text: str) -> None:
+    """vLLM's deepseek_v3 (DeepSeek-V3, R1: a call's type, its name, its arguments in a json fence),
+    deepseek_v31 (a call's name then its arguments) and kimi_k2 (`functions.NAME:INDEX` then its
+    arguments): the calls in their special tokens, the section's tags dropped, the text before them
+    streamed; a token may arrive a character at a time."""
+    for cut in range(len(text) + 1):
+        contents, found = run(parse_tool_calls_parser(parser), [text[:cut], text[cut:]])
+        assert ("".join(contents), found) == ("Let me check.", EXPECTED_CALLS), cut
+    contents, found = run(parse_tool_calls_parser(parser), list(text))
+    assert ("".join(contents), found) == ("Let me check.", EXPECTED_CALLS)
+    assert PARSERS[parser].SPECIAL_TOKENS  # (their tags are special tokens: kept in the text for them)
+
+
+def test_kimi_k2_calls_keep_the_models_ids_and_deepseeks_get_ours() -> None:
+    """Kimi's chat template takes its calls back by the ids it wrote (`functions.get_time:1`)."""
+    _, calls = parse_tool_calls(KIMI_K2, "kimi_k2")
+    assert [c.id for c in calls] == ["functions.get_weather:0", "functions.get_time:1"]
+    _, calls = parse_tool_calls(
+        "<|tool_call_begin|>get_time:7<|tool_call_argument_begin|>{}<|tool_call_end|>", "kimi_k2"
+    )
+    assert [(c.name, c.id) for c in calls] == [("get_time", "get_time:7")]
+    _, calls = parse_tool_calls(DEEPSEEK_V31, "deepseek_v31")
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", c.id) for c in calls)
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        ("deepseek_v3", f"{CALL_BEGIN}get_time{SEP}{{}}{CALL_END}"),  # V3.1's call, no fence
+        ("deepseek_v3", f"{CALL_BEGIN}function{SEP}get_time\n```json\n[1]\n```{CALL_END}"),
+        ("deepseek_v3", f"{CALL_BEGIN}function{SEP}get time\n```json\n{{}}\n```{CALL_END}"),
+        ("deepseek_v31", f"{CALL_BEGIN}get_time{{}}{CALL_END}"),  # no separator
+        ("deepseek_v31", f"{CALL_BEGIN}get_time{SEP}{{not json}}{CALL_END}"),
+        ("kimi_k2", "<|tool_call_begin|>functions.get_time<|tool_call_argument_begin|>{}<|tool_call_end|>"),
+        ("kimi_k2", '<|tool_call_begin|>functions.get_time:0{"tz": "UTC"}<|tool_call_end|>'),
+    ],
+)
+def test_deepseek_and_kimi_output_that_is_no_call_stays_text(parser: str, text: str) -> None:
+    assert parse_tool_calls(text, parser) == (text, [])
+
+
 def test_olmo3_calls_are_a_pythonic_call_a_line_between_its_tags() -> None:
     """vLLM's olmo3: OLMo 3's template asks for `<function_calls>` and one call a line; argument values
     as JSON writes them (null, true, false) or as Python does."""
@@ -454,7 +524,7 @@ def test_the_flag_offers_every_parser() -> None:
     with pytest.raises(
         ValueError,
         match="tool_call_parser: must be one of hermes, llama3_json, pythonic, granite, phi4_mini_json, openai, "
-        "olmo3, mistral, qwen3_coder, glm45, seed_oss",
+        "olmo3, mistral, qwen3_coder, glm45, seed_oss, deepseek_v3, deepseek_v31, kimi_k2",
     ):
         parse_tool_calls("", "xlam")
 

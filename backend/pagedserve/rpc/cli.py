@@ -109,6 +109,9 @@ class ServeSettings(EngineSettings):
             "qwen3_coder",
             "glm45",
             "seed_oss",
+            "deepseek_v3",
+            "deepseek_v31",
+            "kimi_k2",
         ]
         | None
     ) = Field(
@@ -121,15 +124,30 @@ class ServeSettings(EngineSettings):
         "a pythonic call a line between <function_calls> and </function_calls>), mistral (Mistral: [TOOL_CALLS] then "
         "a JSON list of calls, or name{...} a call), qwen3_coder (Qwen3-Coder: <tool_call><function=NAME> with "
         "<parameter=KEY> values, typed by the tool's schema), glm45 (GLM-4.5/4.6: <tool_call>NAME then "
-        "<arg_key>/<arg_value> pairs), seed_oss (Seed-OSS: qwen3_coder's XML in <seed:tool_call> tags)",
+        "<arg_key>/<arg_value> pairs), seed_oss (Seed-OSS: qwen3_coder's XML in <seed:tool_call> tags), "
+        "deepseek_v3 (DeepSeek-V3, R1: a call's name and its arguments in a json fence, in its special tokens), "
+        "deepseek_v31 (DeepSeek-V3.1: a call's name, <｜tool▁sep｜>, its arguments), kimi_k2 (Kimi K2: "
+        "functions.NAME:INDEX then its arguments, the id kept)",
     )
     reasoning_parser: (
-        Literal["deepseek_r1", "glm45", "mistral", "olmo3", "openai_gptoss", "qwen3", "seed_oss"] | None
+        Literal[
+            "deepseek_r1",
+            "deepseek_v3",
+            "glm45",
+            "kimi_k2",
+            "mistral",
+            "olmo3",
+            "openai_gptoss",
+            "qwen3",
+            "seed_oss",
+        ]
+        | None
     ) = Field(
         None,
         description="send a chat completion's reasoning (between <think> and </think>) as reasoning_content, "
-        "apart from its text, as vLLM's flag: deepseek_r1 (DeepSeek-R1, QwQ), glm45 (GLM-4.5), olmo3 (OLMo 3 "
-        "Think) or qwen3 (the same tags), mistral (Magistral: [THINK] and [/THINK]), seed_oss (Seed-OSS: "
+        "apart from its text, as vLLM's flag: deepseek_r1 (DeepSeek-R1, QwQ), deepseek_v3 (DeepSeek-V3.1, "
+        "thinking where its prompt says so), glm45 (GLM-4.5), kimi_k2 (Kimi K2 Thinking: its tags special "
+        "tokens, kept; a tool call ends the reasoning too), olmo3 (OLMo 3 Think) or qwen3 (the same tags), mistral (Magistral: [THINK] and [/THINK]), seed_oss (Seed-OSS: "
         "<seed:think>), or openai_gptoss (GPT-OSS's harmony messages: the analysis channel's as reasoning, the "
         "final channel's as text, their special tokens dropped)",
     )
