@@ -43,11 +43,14 @@ class ModelConfig:
     hf_config: dict[str, Any] = field(repr=False, compare=False, hash=False)
     # SamplingParams fields a request leaves unset take these (the model's generation_config.json)
     sampling_defaults: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    # the values are the keys' cache entries (DeepSeek's latent: `kv_cache_entry`): one cache, not two
+    values_in_keys: bool = False
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Key and value bytes of one token over all layers and KV heads (all ranks together)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        caches = 1 if self.values_in_keys else 2
+        return caches * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
     @classmethod
     def from_path(
@@ -90,14 +93,15 @@ class ModelConfig:
             head_dim=head_dim,
             hf_config=hf,
             sampling_defaults=sampling_defaults(path, generation_config, override_generation_config or {}),
+            values_in_keys="kv_lora_rank" in hf,
         )
 
 
 def kv_cache_entry(hf: dict[str, Any]) -> tuple[int, int]:
     """(KV heads, head size) of what a token leaves in each layer's KV cache: config.json's KV heads of
     `head_dim` (else hidden_size / heads); under DeepSeek's multi-head latent attention (`kv_lora_rank`
-    set) one head of its compressed latent and rotated key part (kv_lora_rank + qk_rope_head_dim), which
-    every query head reads."""
+    in config.json) one head of its compressed latent and rotated key part (kv_lora_rank +
+    qk_rope_head_dim), which every query head reads, as its key and as its value (`values_in_keys`)."""
     num_heads = hf["num_attention_heads"]
     if "kv_lora_rank" in hf:
         dims = mla_dims(hf)

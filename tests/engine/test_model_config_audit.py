@@ -982,7 +982,8 @@ def test_glm4_moe_checkpoints_next_token_prediction_layer_is_left_out(
 
 def test_deepseeks_cache_holds_one_latent_head_a_token(variant_dir: Callable[[str], str]) -> None:
     """MLA's cache entry: the latent and the rotated key part (56 + 8), one head whatever the query
-    heads (4), in place of 4 heads' keys (24) and values (24)."""
+    heads (4), in place of 4 heads' keys (24) and values (24); the values read from the same cache,
+    bound as both."""
     llm = LLM(
         model=variant_dir("deepseek-v3-mla-yarn-grouped-experts-4.x-config"),
         dtype="float32",
@@ -991,9 +992,11 @@ def test_deepseeks_cache_holds_one_latent_head_a_token(variant_dir: Callable[[st
     )
     model = llm.engine.config.model
     assert (model.num_kv_heads, model.head_dim) == (1, 64)
-    assert model.kv_bytes_per_token == 2 * 2 * 64 * 4  # 2 layers, key and value, float32
-    k_cache, v_cache = llm.engine.executor.worker.cache_engine.kv_caches[0]  # type: ignore[attr-defined]
-    assert k_cache.shape == v_cache.shape == (16, 16, 1, 64)
+    assert model.values_in_keys and model.kv_bytes_per_token == 2 * 64 * 4  # 2 layers, float32
+    cache_engine = llm.engine.executor.worker.cache_engine  # type: ignore[attr-defined]
+    assert cache_engine.kv_cache.shape == (2, 1, 16, 16, 1, 64)
+    k_cache, v_cache = cache_engine.kv_caches[0]
+    assert k_cache.shape == (16, 16, 1, 64) and v_cache.data_ptr() == k_cache.data_ptr()
 
 
 def test_deepseek_v3s_next_token_prediction_layer_is_left_out(

@@ -11,9 +11,10 @@ and layer for DeepSeek-V3, where its 128 heads' keys and values would be 40,960.
 the latent itself, as vLLM's MLA does (the up-projections absorbed): a head's score
 q_nope . (W_UK c) + q_pe . k_pe is (W_UK^T q_nope) . c + q_pe . k_pe, so each query becomes
 [W_UK^T q_nope | q_pe] and attends over the cached [c | k_pe] as multi-query attention; its output,
-a weighted sum of the c's, goes through W_UV to the head's value width. The paged kernels take the
-value cache from the same entries ([c | k_pe] again, the k_pe part of the output dropped): the
-cache is written twice, its values one copy of its keys.
+a weighted sum of the c's, goes through W_UV to the head's value width. The paged kernels read the
+values from the same entries, the k_pe part of their output dropped: one cache is bound as both
+(`ModelConfig.values_in_keys`), 576 numbers a token and layer in all (each step's entries written to
+it as keys, then again as values).
 
 DeepSeek turns neighbouring dimensions of q_pe and k_pe together (GPT-J's rotary; `rope_interleave`,
 on by default, and always in V2): their rows are reordered on load so that NeoX's rotation does the

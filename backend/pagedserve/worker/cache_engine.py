@@ -6,6 +6,9 @@ of the same layout that preempted requests are swapped to:
 
 Block `b` of every layer holds the same tokens, so block ids from the block manager index all
 layers, and each swap or copy is one indexed copy over all layers at once.
+
+Where the values are the keys' entries (`values_in_keys`: DeepSeek's latent attention reads one
+latent as both) the second dimension is 1, and each layer's pair is that one cache twice.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ class CacheEngine:
         dtype: torch.dtype,
         device: torch.device | str,
         num_cpu_blocks: int = 0,
+        values_in_keys: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, 1 if values_in_keys else 2, num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: a block's unwritten slots are read (then masked) by attention, and
         # uninitialised memory could hold NaN, which a zero attention weight does not cancel. On the
         # CPU in huge pages: a decode step reads blocks scattered over the whole cache.
@@ -58,13 +62,19 @@ class CacheEngine:
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer[0], layer[1]) for layer in self.kv_cache]
+        return [(layer[0], layer[-1]) for layer in self.kv_cache]
 
     @staticmethod
     def bytes_per_block(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        values_in_keys: bool = False,
     ) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        caches = 1 if values_in_keys else 2
+        return caches * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 def _columns(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,6 +55,7 @@ class Worker:
             self.num_kv_heads,
             model.head_dim,
             self.model_runner.dtype,
+            model.values_in_keys,
         )
 
     def determine_num_blocks(self) -> int:
@@ -111,6 +112,7 @@ class Worker:
             self.model_runner.dtype,
             self.model_runner.device,
             num_cpu_blocks,
+            model.values_in_keys,
         )
         self.model_runner.bind_kv_cache(self.cache_engine.kv_caches)
 
