@@ -208,12 +208,16 @@ class LoRAModels:
             except ValueError as exc:
                 raise fail(f"layer {layer} {module} does not fit the model: {exc}") from None
             our_layer = TARGETS[FUSED_TARGETS.get(module, (module,))[0]][0]
+            if (layer, our_layer) not in self.layers and (layer, module) in self.layers:
+                # a projection the model holds alone under the checkpoint's name (an ungated MLP's
+                # up_proj, DeepSeek-V2-Lite's q_proj)
+                our_layer = module
             if (layer, our_layer) not in self.layers:
                 there = any(number == layer for number, _ in self.layers)  # the layer, not the module
                 if there and our_layer == "qkv_proj":
                     raise fail(
-                        f"layer {layer} {module}: the layer's attention has no q, k or v projection taking "
-                        "a LoRA (multi-head latent attention: its o_proj alone takes one)"
+                        f"layer {layer} {module}: the layer's attention has no such projection (multi-head "
+                        "latent attention: its o_proj, and its q_proj where it has one, take a LoRA)"
                     )
                 if there:
                     raise fail(
@@ -255,8 +259,9 @@ def _target_layers(model: LlamaForCausalLM) -> dict[tuple[int, str], Linear]:
 def _parts(layer: Linear, module: str, b: torch.Tensor) -> list[tuple[str | int | None, torch.Tensor]]:
     """(shard id, its rows of lora_B) for each part of the layer `module` adapts: one for a module
     of its own, each part's rows for a fused one (ValueError where they do not add up)."""
-    if module not in FUSED_TARGETS:
-        return [(TARGETS[module][1], b)]
+    if module not in FUSED_TARGETS:  # (a part of a merged layer, or a layer of its own)
+        merged = isinstance(layer, QKVParallelLinear | MergedColumnParallelLinear)
+        return [(TARGETS[module][1] if merged else None, b)]
     shards = [TARGETS[part][1] for part in FUSED_TARGETS[module]]
     sizes = [_out_features(layer, shard) for shard in shards]
     if b.shape[0] != sum(sizes):

@@ -372,14 +372,16 @@ def test_a_mixture_of_experts_takes_adapters_of_its_attention_and_dense_mlps(
         LLM(model=model_dir, dtype="float32", lora_modules={"e": str(experts)})
 
 
-def test_deepseeks_latent_attention_takes_an_adapter_of_o_proj_alone(
+def test_deepseeks_latent_attention_takes_an_adapter_of_its_q_proj_and_o_proj(
     tmp_path: Path, default_model_dir: str
 ) -> None:
-    """DeepSeek-V2-Lite's shape (its query in one projection, q_proj): an adapter of o_proj matches
-    PEFT; one of q_proj, which the latent attention has no place for (its query meets the latent
-    through kv_b_proj), is refused naming the layer and the module. (PEFT 0.21 turns a pattern naming
-    layer 0's dense gate_proj, up_proj and down_proj on this model into LoRAs of every layer's stacked
-    experts instead, which take none here: dense MLPs' adapters are held to PEFT on other models.)"""
+    """DeepSeek-V2-Lite's shape (its query in one projection, q_proj, whose rope rows are reordered on
+    load for GPT-J's rotary, lora_B's with them): an adapter of q_proj and o_proj matches PEFT; one of
+    k_proj, which the latent attention has no place for (its keys are the latent's), is refused
+    naming the layer and the module. (PEFT 0.21 turns a pattern naming layer 0's dense gate_proj,
+    up_proj and down_proj on this model into LoRAs of every layer's stacked experts instead, which take
+    none here: dense MLPs' adapters are held to PEFT on other models.)"""
+    from safetensors.torch import load_file, save_file
     from tiny_models import build_tiny_llama
 
     model_dir = build_tiny_llama(
@@ -398,7 +400,7 @@ def test_deepseeks_latent_attention_takes_an_adapter_of_o_proj_alone(
         first_k_dense_replace=1,
     )
     adapter = build_lora_adapter(
-        tmp_path / "adapter", model_dir, rank=8, targets=("o_proj",), seed=4, std=0.3
+        tmp_path / "adapter", model_dir, rank=8, targets=("q_proj", "o_proj"), seed=4, std=0.3
     )
     theirs = peft_greedy_tokens(model_dir, adapter, PROMPT, MAX_TOKENS)
     assert theirs != peft_greedy_tokens(model_dir, None, PROMPT, MAX_TOKENS)
@@ -406,12 +408,16 @@ def test_deepseeks_latent_attention_takes_an_adapter_of_o_proj_alone(
     [out] = llm.generate([PROMPT], greedy(), lora_request=LoRARequest("a"))
     assert out.outputs[0].token_ids == theirs
 
-    query = build_lora_adapter(tmp_path / "q", model_dir, rank=8, targets=("q_proj",), seed=5)
+    keys = _copy_adapter(adapter, tmp_path / "k")
+    tensors = load_file(str(keys / "adapter_model.safetensors"))
+    save_file(
+        {k.replace(".q_proj.", ".k_proj."): t for k, t in tensors.items()},
+        str(keys / "adapter_model.safetensors"),
+    )
     with pytest.raises(
-        ValueError,
-        match=r"adapter 'q' \(.*\): layer 0 q_proj: the layer's attention has no q, k or v projection",
+        ValueError, match=r"adapter 'k' \(.*\): layer 0 k_proj: the layer's attention has no such projection"
     ):
-        LLM(model=model_dir, dtype="float32", lora_modules={"q": query})
+        LLM(model=model_dir, dtype="float32", lora_modules={"k": str(keys)})
 
 
 @pytest.mark.parametrize(

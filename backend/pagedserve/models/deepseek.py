@@ -238,13 +238,21 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
             if past_layer(name, len(self.layers)):
                 continue
             rotated = _ROTATED.search(name)
-            if self.interleaved_rope and rotated is not None:
-                width = self.latent_width if rotated[1] == "kv_a_proj_with_mqa" else self.q_head_dim
+            if rotated is not None:
                 try:
-                    tensor = _rope_rows_reordered(tensor, width, self.rope_dim)
+                    tensor = self.checkpoint_rows(rotated[1], tensor)
                 except ValueError as exc:
                     raise ValueError(f"checkpoint's {name!r} {exc}") from None
             yield name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor
+
+    def checkpoint_rows(self, projection: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Under GPT-J's rotary, the rows q_pe and k_pe come from reordered, as NeoX's rotation turns the
+        same pairs: each head's last qk_rope_head_dim rows of q_proj / q_b_proj (a LoRA's lora_B of
+        q_proj too), kv_a_proj_with_mqa's last ones."""
+        if not self.interleaved_rope or projection not in ("q_proj", "q_b_proj", "kv_a_proj_with_mqa"):
+            return tensor
+        width = self.latent_width if projection == "kv_a_proj_with_mqa" else self.q_head_dim
+        return _rope_rows_reordered(tensor, width, self.rope_dim)
 
 
 DEEPSEEK_V3_EXPERTS = {
