@@ -105,8 +105,14 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                 param.normal_(1.0, 0.5)
             if name.endswith("norm.weight") and type(model).__name__.startswith("Gemma"):
                 param.normal_(0.0, 0.5)  # Gemma scales by 1 + weight: zeros would hide the weight
-            elif name.endswith("norm.weight") and type(model).__name__.startswith("Olmo"):
-                param.normal_(1.0, 0.5)  # OLMo's norms placed otherwise than Llama's: each one's weight
+            elif name.endswith("norm.weight") and type(model).__name__.startswith(("Olmo", "Starcoder2")):
+                param.normal_(
+                    1.0, 0.5
+                )  # OLMo's norms placed otherwise than Llama's, LayerNorms: each one's weight
+            elif name.endswith("norm.weight") and type(model).__name__.startswith("Nemotron"):
+                param.normal_(0.0, 0.5)  # (LayerNorm1P: scaled by 1 + weight)
+            elif name.endswith((".act_fn.alpha_p", ".act_fn.alpha_n")):  # Apertus's xIELU: each layer its own
+                param.normal_(0.0, 0.5)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # GLM-4.5's: zeros would hide the bias never added
                 buffer.normal_(0.0, 0.3)

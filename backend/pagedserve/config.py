@@ -290,6 +290,7 @@ _WINDOW_ON_UNLESS_OFF = (
     "Ministral3ForCausalLM",
     "Exaone4ForCausalLM",
     "Cohere2ForCausalLM",
+    "Starcoder2ForCausalLM",
 )
 _WINDOW_OFF_UNLESS_ON = (
     "Qwen2ForCausalLM",
@@ -337,7 +338,7 @@ def check_quantization(hf: dict[str, Any]) -> None:
 
 def layer_windows(hf: dict[str, Any], architecture: str) -> list[int]:
     """Each layer's sliding window (0: none), as transformers' attention of the architecture reads
-    config.json: Mistral, Mixtral, Ministral 3 and Phi-3 slide every layer by `sliding_window`; Gemma 2
+    config.json: Mistral, Mixtral, Ministral 3, Phi-3 and StarCoder2 slide every layer by `sliding_window`; Gemma 2
     and 3, GPT-OSS, OLMo 3, EXAONE 4.0 and Command R7B the layers `layer_types` names (by default
     every other one, five of every six in Gemma 3, three of every four in OLMo 3, EXAONE and Cohere's;
     GPT-OSS's window 128, the others' 4,096 unless config.json names one); Qwen2, Qwen2-MoE,
@@ -414,6 +415,7 @@ _DEFAULT_THETA = {
     "Ministral3ForCausalLM": 1e6,
     "Ernie4_5ForCausalLM": 500_000.0,
     "Ernie4_5_MoeForCausalLM": 500_000.0,
+    "ApertusForCausalLM": 12_000_000.0,
 }
 # where it names no rope parameters at all, the config class's (GptOssConfig's YaRN)
 _DEFAULT_ROPE: dict[str, dict[str, Any]] = {
@@ -435,6 +437,14 @@ _DEFAULT_ROPE: dict[str, dict[str, Any]] = {
         "mscale": 1.0,
         "mscale_all_dim": 1.0,
         "llama_4_scaling_beta": 0.1,
+    },
+    # ApertusConfig's: Llama 3.1's rope 8x over 8,192 positions
+    "ApertusForCausalLM": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "original_max_position_embeddings": 8192,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
     },
 }
 

@@ -439,8 +439,10 @@ def test_deepseeks_latent_attention_takes_an_adapter_of_its_q_proj_and_o_proj(
         ("Olmo2Config", {}),
         # (q_proj's and k_proj's lora_B rows reordered as the base weights are for GPT-J's rotary)
         ("Glm4Config", {}),
+        # (an ungated MLP: up_proj a layer of its own, not a part of gate_up_proj)
+        ("ArceeConfig", {}),
     ],
-    ids=["granite", "gemma3", "olmo2", "glm4"],
+    ids=["granite", "gemma3", "olmo2", "glm4", "arcee"],
 )
 def test_an_adapter_enters_before_what_the_layer_does_to_its_output(
     tmp_path: Path, default_model_dir: str, config_class: str, overrides: dict[str, object]

@@ -28,6 +28,8 @@ from test_compile import decode_layers_available
 from test_hf_parity import assert_greedy_equal, hf_greedy
 from tiny_models import save_mxfp4_gpt_oss, save_tiny_model
 from transformers import (
+    ApertusConfig,
+    ArceeConfig,
     Cohere2Config,
     DeepseekV2Config,
     DeepseekV3Config,
@@ -48,6 +50,7 @@ from transformers import (
     Ministral3Config,
     MistralConfig,
     MixtralConfig,
+    NemotronConfig,
     Olmo2Config,
     Olmo3Config,
     OlmoeConfig,
@@ -58,6 +61,7 @@ from transformers import (
     Qwen3MoeConfig,
     SeedOssConfig,
     SmolLM3Config,
+    Starcoder2Config,
 )
 
 TINY = {
@@ -141,6 +145,10 @@ NOT_DECODE_LAYERS = {
     "deepseek-v2-lite-q-proj-greedy-experts",
     "deepseek-v2-group-limited-biases",
     "glm4-moe-lite-neox-rope-layer-types",
+    "arcee-relu2-yarn",
+    "nemotron-layernorm1p-half-rotary-biases",
+    "starcoder2-gelu-biases-window-tied",
+    "apertus-xielu-head-norms-default-rope",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
@@ -614,6 +622,31 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         ),
         None,
     ),
+    # Arcee's AFM: Llama's layer with an ungated ReLU² MLP (ArceeConfig's default: config.json naming no
+    # hidden_act), YaRN 4x over 256 positions
+    "arcee-relu2-yarn": (
+        lambda: ArceeConfig(**TINY, rope_parameters={**YARN_ROPE, "rope_theta": 10000.0}),
+        drop("hidden_act"),
+    ),
+    # NVIDIA's Nemotron: LayerNorm1P (1 + weight, a bias), an ungated ReLU² MLP, the rope over half of
+    # each head (NemotronConfig's default, config.json naming none), every projection biased
+    "nemotron-layernorm1p-half-rotary-biases": (
+        lambda: NemotronConfig(**TINY, head_dim=16, attention_bias=True, mlp_bias=True),
+        drop_partial_rotary_factor,
+    ),
+    # BigCode's StarCoder2: LayerNorms, every projection biased and the LM head tied (Starcoder2Config's
+    # defaults: config.json naming neither), an ungated GELU MLP (c_fc, c_proj), a window of 48
+    "starcoder2-gelu-biases-window-tied": (
+        lambda: Starcoder2Config(**TINY, sliding_window=48, use_bias=True, tie_word_embeddings=True),
+        drop("use_bias", "tie_word_embeddings"),
+    ),
+    # Swiss AI's Apertus: xIELU (each layer its own parameters), each query and key head normed, its
+    # norms under names of its own, ApertusConfig's rope (Llama 3.1's over 8,192, theta 1.2e7) where
+    # config.json names none
+    "apertus-xielu-head-norms-default-rope": (
+        lambda: ApertusConfig(**TINY),
+        drop("rope_parameters"),
+    ),
     # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
     "smollm3-nope-layer-1": (lambda: SmolLM3Config(**TINY, no_rope_layers=[1, 0]), None),
     "smollm3-nope-by-default": (
@@ -730,6 +763,8 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
         "olmo3-yarn-global-layers-4.x-config",
         "ministral3-yarn-query-scaling-window-40",
         "deepseek-v3-mla-yarn-grouped-experts-4.x-config",
+        "starcoder2-gelu-biases-window-tied",
+        "apertus-xielu-head-norms-default-rope",
     ],
 )
 def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str], name: str) -> None:

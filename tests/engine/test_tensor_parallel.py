@@ -246,10 +246,26 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
                 "first_k_dense_replace": 1,
             },
         ),
+        # StarCoder2: each rank's share of the ungated MLP's biased up projection, the down one's bias
+        # added once; LayerNorms with biases whole on each rank; a window
+        ("Starcoder2Config", {"sliding_window": 12}),
+        # Apertus: xIELU's parameters whole on each rank, each rank's heads normed
+        ("ApertusConfig", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}),
     ],
-    ids=["phi3", "granite", "gemma3", "qwen2-moe", "gpt-oss", "olmo3-one-kv-head", "glm4", "glm4-moe"],
+    ids=[
+        "phi3",
+        "granite",
+        "gemma3",
+        "qwen2-moe",
+        "gpt-oss",
+        "olmo3-one-kv-head",
+        "glm4",
+        "glm4-moe",
+        "starcoder2",
+        "apertus",
+    ],
 )
-def test_tp2_phi3_granite_gemma3_olmo3_glm4_and_moes_match_single_rank(
+def test_tp2_llama_family_layouts_match_single_rank(
     tmp_path: Path,
     default_model_dir: str,
     prompts: list[list[int]],

@@ -42,3 +42,19 @@ class Float32RMSNorm(RMSNorm):
     def normed(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (normed * (self.weight_offset + self.weight.float())).to(x.dtype)
+
+
+class LayerNorm(Float32RMSNorm):
+    """(x - mean(x)) / std(x) * weight + bias, in float32, rounded to x's dtype once, with RMSNorm's
+    call form: StarCoder2's (nn.LayerNorm), Cohere's (no bias), Nemotron's LayerNorm1P (its weight
+    plus `weight_offset` 1, added in the weight's dtype as transformers adds it)."""
+
+    def __init__(self, hidden_size: int, eps: float, bias: bool = True, weight_offset: float = 0.0) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight_offset = weight_offset
+        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False) if bias else None
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        weight = (self.weight + self.weight_offset).float()
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), (x.shape[-1],), weight, bias, self.eps).to(x.dtype)

@@ -16,12 +16,11 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.config import default_layer_types
 from pagedserve.layers.attention import AttentionBackend, AttentionMetadata
-from pagedserve.layers.norm import Float32RMSNorm
+from pagedserve.layers.norm import LayerNorm
 from pagedserve.models.llama import (
     LayerOptions,
     LlamaDecoderLayer,
@@ -29,14 +28,6 @@ from pagedserve.models.llama import (
     LlamaMLP,
     Rotary,
 )
-
-
-class LayerNorm(Float32RMSNorm):
-    """(x - mean(x)) / std(x) * weight, all in float32, rounded to x's dtype once (transformers'
-    Cohere2LayerNorm: no bias), with the float32 RMSNorm's parameters and call form."""
-
-    def normed(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), None, self.eps).to(x.dtype)
 
 
 def layer_norm_eps(cfg: dict[str, Any]) -> float:
@@ -53,7 +44,7 @@ class ParallelDecoderLayer(LlamaDecoderLayer):
         nn.Module.__init__(self)  # (not Llama's norms)
         self.self_attn = self.attention_class(cfg, backend, options, layer_index)
         self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = LayerNorm(cfg["hidden_size"], layer_norm_eps(cfg))
+        self.input_layernorm = LayerNorm(cfg["hidden_size"], layer_norm_eps(cfg), bias=False)
 
     def forward(
         self,
@@ -78,7 +69,7 @@ class Cohere2ForCausalLM(LlamaForCausalLM):
         super().__init__(
             {**cfg, "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}, max_position, backend
         )
-        self.norm = LayerNorm(cfg["hidden_size"], layer_norm_eps(cfg))
+        self.norm = LayerNorm(cfg["hidden_size"], layer_norm_eps(cfg), bias=False)
         self.logit_scale = float(cfg.get("logit_scale", 0.0625))
         if not self.logit_scale > 0:  # (a greedy step takes the argmax before the logits are scaled)
             raise ValueError(f"model: config.json's logit_scale must be positive, got {self.logit_scale}")

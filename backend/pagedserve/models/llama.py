@@ -179,12 +179,22 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = self.attention_class(cfg, backend, options, layer_index)
-        self.mlp: LlamaMLP | SparseMoeBlock = (
-            LlamaMLP(cfg) if options.experts is None else SparseMoeBlock(cfg["hidden_size"], options.experts)
+        self.mlp = (
+            self.dense_mlp(cfg)
+            if options.experts is None
+            else SparseMoeBlock(cfg["hidden_size"], options.experts)
         )
         self.residual_multiplier = options.scales.residual
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
+        self.input_layernorm = self.norm(cfg)
+        self.post_attention_layernorm = self.norm(cfg)
+
+    def dense_mlp(self, cfg: dict[str, Any]) -> nn.Module:
+        """The MLP of a layer without experts: Llama's SwiGLU (ungated ones: `models.ungated`)."""
+        return LlamaMLP(cfg)
+
+    def norm(self, cfg: dict[str, Any]) -> RMSNorm:
+        """Each of the layer's two norms: Llama's RMSNorm (LayerNorms: `models.ungated`)."""
+        return RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
 
     def forward(
         self,

@@ -30,6 +30,12 @@ from pagedserve.models.moe import (
     Qwen3MoeForCausalLM,
 )
 from pagedserve.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
+from pagedserve.models.ungated import (
+    ApertusForCausalLM,
+    ArceeForCausalLM,
+    NemotronForCausalLM,
+    Starcoder2ForCausalLM,
+)
 
 # every architecture served is Llama-family (Gemma's and OLMo's on its layers, with decoder layers of
 # their own; the mixtures of experts on its layers, with experts for MLPs): the model runner and `fused_decode` use
@@ -50,6 +56,10 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
+    "ArceeForCausalLM": ArceeForCausalLM,
+    "NemotronForCausalLM": NemotronForCausalLM,
+    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
+    "ApertusForCausalLM": ApertusForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,

@@ -1,0 +1,198 @@
+"""Llama-family decoders whose MLP is ungated: one projection up, an activation, one down (no gate
+beside the up projection), as transformers' NemotronMLP and Starcoder2MLP compute it.
+
+- Arcee's AFM (`ArceeForCausalLM`): Llama's layer, ReLU² (relu(x)²).
+- NVIDIA's Nemotron (`NemotronForCausalLM`: Nemotron-4, Minitron): ReLU², LayerNorms whose weight is
+  stored less 1 (LayerNorm1P), the rope over the first half of each head by default.
+- BigCode's StarCoder2: GELU (tanh approximation), LayerNorms, every projection biased by `use_bias`,
+  a window in every layer where config.json sets `sliding_window`, the LM head tied by default.
+- Swiss AI's Apertus: xIELU (`XIELU`, an activation with learned parameters of its own a layer),
+  each query and key head RMS-normed before the rotation (Qwen3's), its norms stored under names of
+  their own.
+
+Each reads transformers' config class defaults where config.json leaves a key out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.config import rope_parameters
+from pagedserve.layers.attention import AttentionBackend
+from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedserve.layers.norm import LayerNorm, RMSNorm
+from pagedserve.models.llama import Biases, LlamaDecoderLayer, LlamaForCausalLM, rms_norm_eps
+
+
+class ReLU2(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.square(F.relu(x))
+
+
+class GELUTanh(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh")
+
+
+class XIELU(nn.Module):
+    """xIELU (Huang and Schlag, 2024), as transformers' XIELUActivation computes it: for x > 0,
+    softplus(alpha_p) x² + beta x; else (expm1(min(x, eps)) - x)(beta + softplus(alpha_n)) + beta x.
+    alpha_p and alpha_n are a layer's learned parameters, beta and eps its constants, all from the
+    checkpoint (`mlp.act_fn.*`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.empty(1), requires_grad=False)
+        self.alpha_n = nn.Parameter(torch.empty(1), requires_grad=False)
+        self.beta = nn.Parameter(torch.empty(()), requires_grad=False)
+        self.eps = nn.Parameter(torch.empty(()), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.beta + F.softplus(self.alpha_n)
+        negative = (torch.expm1(torch.minimum(x, self.eps)) - x) * alpha_n
+        return torch.where(x > 0, alpha_p * x * x, negative) + self.beta * x
+
+
+ACTIVATIONS: dict[str, type[nn.Module]] = {"relu2": ReLU2, "gelu_pytorch_tanh": GELUTanh, "xielu": XIELU}
+
+
+class UngatedMLP(nn.Module):
+    """up_proj (column-parallel), the activation, down_proj (row-parallel), both biased where
+    `mlp_bias`; the activation by `hidden_act` (`ACTIVATIONS`)."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        activation = cfg["hidden_act"]
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"model: config.json's hidden_act {activation!r} is not supported for an ungated MLP "
+                f"({', '.join(ACTIVATIONS)} are)"
+            )
+        hidden, inter, bias = cfg["hidden_size"], cfg["intermediate_size"], bool(cfg.get("mlp_bias", False))
+        self.up_proj = ColumnParallelLinear(hidden, inter, bias=bias)
+        self.act_fn = ACTIVATIONS[activation]()
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+class UngatedDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer with an ungated MLP."""
+
+    def dense_mlp(self, cfg: dict[str, Any]) -> nn.Module:
+        return UngatedMLP(cfg)
+
+
+class LayerNormDecoderLayer(UngatedDecoderLayer):
+    """StarCoder2's layer: LayerNorms with a bias (eps `rms_norm_eps`, which the model sets from its
+    own key), an ungated MLP."""
+
+    def norm(self, cfg: dict[str, Any]) -> RMSNorm:
+        return LayerNorm(cfg["hidden_size"], rms_norm_eps(cfg))
+
+
+class LayerNorm1PDecoderLayer(UngatedDecoderLayer):
+    """Nemotron's layer: LayerNorms of weight 1 + the stored one, an ungated MLP."""
+
+    def norm(self, cfg: dict[str, Any]) -> RMSNorm:
+        return LayerNorm(cfg["hidden_size"], rms_norm_eps(cfg), weight_offset=1.0)
+
+
+class UngatedForCausalLM(LlamaForCausalLM):
+    """A Llama-family model whose MLPs are ungated: q, k and v load into one projection, up_proj and
+    down_proj as they are."""
+
+    decoder_layer_class: type[LlamaDecoderLayer] = UngatedDecoderLayer
+    stacked_params = {
+        name: merged for name, merged in LlamaForCausalLM.stacked_params.items() if merged[0] == "qkv_proj"
+    }
+
+
+class ArceeForCausalLM(UngatedForCausalLM):
+    """Arcee's AFM-4.5B: Llama's layer, an ungated ReLU² MLP (ArceeConfig's `hidden_act` relu2)."""
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        super().__init__({**cfg, "hidden_act": cfg.get("hidden_act", "relu2")}, max_position, backend)
+
+
+class NemotronForCausalLM(UngatedForCausalLM):
+    """NVIDIA's Nemotron (Nemotron-4, Minitron, Nemotron-Mini): LayerNorm1P before attention, before the
+    MLP and at the end (eps `norm_eps`), an ungated ReLU² MLP (biased by `mlp_bias`), q, k, v and o
+    biased by `attention_bias`, the rope over the first `partial_rotary_factor` of each head (0.5
+    where config.json names none)."""
+
+    decoder_layer_class = LayerNorm1PDecoderLayer
+    rotates_part_of_a_head = True
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        eps = float(cfg.get("norm_eps", 1e-5))
+        cfg = {**cfg, "rms_norm_eps": eps, "hidden_act": cfg.get("hidden_act", "relu2")}
+        super().__init__(cfg, max_position, backend)
+        self.norm = LayerNorm(cfg["hidden_size"], eps, weight_offset=1.0)
+
+    @staticmethod
+    def rope_config(cfg: dict[str, Any]) -> dict[str, Any]:
+        """NemotronConfig's partial_rotary_factor (0.5) where config.json names none."""
+        if "partial_rotary_factor" in rope_parameters(cfg):
+            return cfg
+        return {**cfg, "partial_rotary_factor": 0.5}
+
+
+class Starcoder2ForCausalLM(UngatedForCausalLM):
+    """BigCode's StarCoder2 (3B, 7B, 15B): LayerNorms (eps `norm_epsilon`), q, k, v, o and the ungated
+    GELU MLP (`c_fc`, `c_proj`) biased by `use_bias` (on by default), a window in every layer where
+    config.json sets `sliding_window`, the LM head tied by default (Starcoder2Config's)."""
+
+    decoder_layer_class = LayerNormDecoderLayer
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        eps, bias = float(cfg.get("norm_epsilon", 1e-5)), bool(cfg.get("use_bias", True))
+        cfg = {
+            **cfg,
+            "rms_norm_eps": eps,
+            "mlp_bias": bias,
+            "hidden_act": cfg.get("hidden_act", "gelu_pytorch_tanh"),
+            "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+        }
+        super().__init__(cfg, max_position, backend)
+        self.norm = LayerNorm(cfg["hidden_size"], eps)
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        bias = bool(cfg.get("use_bias", True))
+        return bias, bias
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(
+            (name.replace(".mlp.c_fc.", ".mlp.up_proj.").replace(".mlp.c_proj.", ".mlp.down_proj."), tensor)
+            for name, tensor in weights
+        )
+
+
+class ApertusForCausalLM(UngatedForCausalLM):
+    """Swiss AI's Apertus (8B, 70B): Llama's layer with each query and key head RMS-normed before the
+    rotation (Qwen3's `q_norm`, `k_norm`), its norms stored as `attention_layernorm` and
+    `feedforward_layernorm`, and an ungated xIELU MLP without biases (ApertusMLP's)."""
+
+    qk_norm = True
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        cfg = {**cfg, "mlp_bias": False, "hidden_act": cfg.get("hidden_act", "xielu")}
+        super().__init__(cfg, max_position, backend)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(
+            (
+                name.replace(".attention_layernorm.", ".input_layernorm.").replace(
+                    ".feedforward_layernorm.", ".post_attention_layernorm."
+                ),
+                tensor,
+            )
+            for name, tensor in weights
+        )
