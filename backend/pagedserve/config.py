@@ -291,6 +291,7 @@ _WINDOW_ON_UNLESS_OFF = (
     "Exaone4ForCausalLM",
     "Cohere2ForCausalLM",
     "Starcoder2ForCausalLM",
+    "Dots1ForCausalLM",
 )
 _WINDOW_OFF_UNLESS_ON = (
     "Qwen2ForCausalLM",
@@ -310,6 +311,7 @@ _WINDOW_IN_SOME_LAYERS = (
     "Olmo3ForCausalLM",
     "Exaone4ForCausalLM",
     "Cohere2ForCausalLM",
+    "Dots1ForCausalLM",
 )
 # where config.json has no `sliding_window` key, transformers' config class default
 _DEFAULT_WINDOW = {
@@ -320,6 +322,7 @@ _DEFAULT_WINDOW = {
     "Olmo3ForCausalLM": 4096,
     "Exaone4ForCausalLM": 4096,
     "Cohere2ForCausalLM": 4096,
+    "Dots1ForCausalLM": 4096,
 }
 
 
@@ -387,8 +390,8 @@ def default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
     elif architecture == "Qwen2MoeForCausalLM":  # every other layer below max_window_layers
         first_full = hf.get("max_window_layers", 28)
         sliding = [bool((i + 1) % 2) and i < first_full for i in range(hf["num_hidden_layers"])]
-    else:
-        first_sliding = hf.get("max_window_layers", 28)  # transformers' Qwen2Config and Qwen3Config default
+    else:  # (transformers' Qwen2Config and Qwen3Config default 28; Dots1Config's all 62 of its layers)
+        first_sliding = hf.get("max_window_layers", 62 if architecture == "Dots1ForCausalLM" else 28)
         sliding = [i >= first_sliding for i in range(hf["num_hidden_layers"])]
     return ["sliding_attention" if slides else "full_attention" for slides in sliding]
 

@@ -33,6 +33,7 @@ from transformers import (
     Cohere2Config,
     DeepseekV2Config,
     DeepseekV3Config,
+    Dots1Config,
     Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
@@ -149,6 +150,7 @@ NOT_DECODE_LAYERS = {
     "nemotron-layernorm1p-half-rotary-biases",
     "starcoder2-gelu-biases-window-tied",
     "apertus-xielu-head-norms-default-rope",
+    "dots1-grouped-experts-window-from-layer-1",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
@@ -601,15 +603,14 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         None,
     ),
     # DeepSeek-V2's routing: the top 2 among the best 2 of 4 groups (a group worth its best expert),
-    # scaled by 4 (V2's 16 makes this random model's bfloat16 routing flip where transformers' does
-    # not); q_a_proj, kv_a_proj_with_mqa and o_proj biased
+    # scaled by 16 (V2's); q_a_proj, kv_a_proj_with_mqa and o_proj biased
     "deepseek-v2-group-limited-biases": (
         lambda: DeepseekV2Config(
             **{**TINY, **MLA},
             topk_method="group_limited_greedy",
             n_group=4,
             topk_group=2,
-            routed_scaling_factor=4.0,
+            routed_scaling_factor=16.0,
             attention_bias=True,
         ),
         None,
@@ -646,6 +647,28 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "apertus-xielu-head-norms-default-rope": (
         lambda: ApertusConfig(**TINY),
         drop("rope_parameters"),
+    ),
+    # rednote's dots.llm1: Qwen3's attention (head norms, all four projections biased), layer 1 sliding
+    # by 48 (from max_window_layers on, config.json naming no layer_types), layer 0 dense, layer 1 2 of 8
+    # experts routed as DeepSeek-V3's (groups, a picking bias, scaled by 2, not renormalized: Dots1Config's
+    # default) beside a shared expert
+    "dots1-grouped-experts-window-from-layer-1": (
+        lambda: Dots1Config(
+            **TINY,
+            head_dim=16,
+            attention_bias=True,
+            sliding_window=48,
+            max_window_layers=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.0,
+        ),
+        drop("layer_types", "norm_topk_prob"),
     ),
     # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
     "smollm3-nope-layer-1": (lambda: SmolLM3Config(**TINY, no_rope_layers=[1, 0]), None),
@@ -1067,6 +1090,7 @@ def test_deepseek_v3s_next_token_prediction_layer_is_left_out(
         ("glm4-moe-grouped-biased-routing", "model.layers.1.mlp.shared_experts.up_proj.weight"),
         ("ernie4.5-moe-biased-picking", "model.layers.1.mlp.moe_statics.e_score_correction_bias"),
         ("deepseek-v3-mla-yarn-grouped-experts-4.x-config", "model.layers.1.mlp.experts.7.down_proj.weight"),
+        ("dots1-grouped-experts-window-from-layer-1", "model.layers.1.mlp.shared_experts.gate_proj.weight"),
     ],
 )
 def test_experts_as_the_hub_lays_them_out_load_as_stacked(

@@ -56,12 +56,13 @@ def filled(layer: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("batch_size", BATCH_SIZES)
-@pytest.mark.parametrize("kind", ["column", "column_bias", "row"])
+@pytest.mark.parametrize("kind", ["column", "column_bias", "row", "row_bias"])
 def test_packed_linear_layers_equal_f_linear(packing: str, kind: str, batch_size: int) -> None:
     layer = {
         "column": lambda: ColumnParallelLinear(576, 1536),
         "column_bias": lambda: ColumnParallelLinear(576, 192, bias=True),
         "row": lambda: RowParallelLinear(1536, 576),
+        "row_bias": lambda: RowParallelLinear(1536, 576, bias=True),
     }[kind]()
     filled(layer, seed=batch_size)
     weight, bias = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone()

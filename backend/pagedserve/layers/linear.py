@@ -320,6 +320,9 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:  # the bias in the product, rounded once with it (F.linear's, PEFT's base)
+            out = self.matmul(x, self.bias)
+            return out if self.lora is None else self.lora.add_to(x, out)
         out = self.matmul(x)
         if self.lora is not None:  # this rank's share of the update, summed with the product's
             out = self.lora.add_to(x, out)

@@ -38,7 +38,7 @@ from pagedserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, Row
 from pagedserve.layers.moe import Experts
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.models.llama import LayerOptions, LlamaAttention, LlamaDecoderLayer, Rotary
-from pagedserve.models.moe import MoeForCausalLM, grouped_sigmoid_experts, past_layer
+from pagedserve.models.moe import MoeForCausalLM, deepseek_v3_names, grouped_sigmoid_experts
 
 # the latents' norms (q_a_layernorm, kv_a_layernorm) take RMSNorm's default eps in DeepSeek's code and
 # transformers', whatever rms_norm_eps says
@@ -234,16 +234,14 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
         """The checkpoint's tensors as this model reads them: the next-token prediction layers (past
         `num_hidden_layers`, V3's) left out, the shared experts under our name, the rows GPT-J's
         rotary turns reordered."""
-        for name, tensor in weights:
-            if past_layer(name, len(self.layers)):
-                continue
+        for name, tensor in deepseek_v3_names(weights, len(self.layers)):
             rotated = _ROTATED.search(name)
             if rotated is not None:
                 try:
                     tensor = self.checkpoint_rows(rotated[1], tensor)
                 except ValueError as exc:
                     raise ValueError(f"checkpoint's {name!r} {exc}") from None
-            yield name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor
+            yield name, tensor
 
     def checkpoint_rows(self, projection: str, tensor: torch.Tensor) -> torch.Tensor:
         """Under GPT-J's rotary, the rows q_pe and k_pe come from reordered, as NeoX's rotation turns the

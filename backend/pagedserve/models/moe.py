@@ -1,8 +1,9 @@
 """Llama-family decoders whose MLPs are mixtures of experts (`layers.moe`): Mixtral (Mistral's layer,
 every MLP 8 experts, 2 a token), IBM's Granite MoE (Granite's layer), Qwen2-MoE (Qwen2's layer, with a
-shared expert), Qwen3-MoE (Qwen3's layer), GLM-4.5 (DeepSeek-V3's routing) and ERNIE 4.5 MoE (a
-picking bias on a softmax). Qwen's `decoder_sparse_step` and `mlp_only_layers`, GLM's
-`first_k_dense_replace` and ERNIE's `moe_layer_*` keep some layers dense.
+shared expert), Qwen3-MoE (Qwen3's layer), GLM-4.5 (DeepSeek-V3's routing), ERNIE 4.5 MoE (a
+picking bias on a softmax) and dots.llm1 (Qwen3's layer, DeepSeek-V3's experts). Qwen's
+`decoder_sparse_step` and `mlp_only_layers`, GLM's and dots.llm1's `first_k_dense_replace` and
+ERNIE's `moe_layer_*` keep some layers dense.
 
 Checkpoints come in several layouts, all read: the hub's, one tensor per expert and projection
 (Mixtral's `block_sparse_moe.experts.N.w1`/`w3`/`w2`, Qwen's `mlp.experts.N.gate_proj`/`up_proj`/
@@ -191,12 +192,17 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
         return [None if i < dense else spec for i in range(cfg["num_hidden_layers"])]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        num_layers = len(self.layers)
-        super().load_weights(
-            (name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor)
-            for name, tensor in weights
-            if not past_layer(name, num_layers)
-        )
+        super().load_weights(deepseek_v3_names(weights, len(self.layers)))
+
+
+def deepseek_v3_names(
+    weights: Iterable[tuple[str, torch.Tensor]], num_layers: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """DeepSeek-V3's layout (GLM-4.5's, dots.llm1's) under our names: its `shared_experts` our
+    `shared_expert`, its next-token prediction layers (past `num_layers`) left out."""
+    for name, tensor in weights:
+        if not past_layer(name, num_layers):
+            yield name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor
 
 
 # DeepSeek-V3's routing as config.json names it, and each config class's defaults for what it leaves out
@@ -316,3 +322,35 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
 
     def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
         return _qwen_experts(cfg, Experts(128, 8, 768, renormalize=False))
+
+
+DOTS1_EXPERTS = {
+    "n_routed_experts": None,
+    "num_experts_per_tok": None,
+    "moe_intermediate_size": 1408,
+    "n_shared_experts": None,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": False,
+}
+
+
+class Dots1ForCausalLM(Qwen3MoeForCausalLM):
+    """rednote's dots.llm1: Qwen3's attention (each query and key head normed, `attention_bias` on all
+    four projections), a window from `max_window_layers` on where config.json sets one (Qwen2's rule,
+    on unless `use_sliding_window` is false); the first `first_k_dense_replace` MLPs dense (0 by
+    default), the rest DeepSeek-V3's experts (`grouped_sigmoid_experts`: Dots1Config names no default
+    for the number of experts, of experts a token, or of shared experts, which config.json must give).
+    The checkpoint's shared experts and next-token prediction layers as GLM-4.5's."""
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        for key in ("n_routed_experts", "num_experts_per_tok", "n_shared_experts"):
+            if not isinstance(cfg.get(key), int):
+                raise ValueError(f"model: config.json's {key} must be an integer, got {cfg.get(key)!r}")
+        spec = grouped_sigmoid_experts(cfg, DOTS1_EXPERTS)
+        dense = int(cfg.get("first_k_dense_replace") or 0)
+        return [None if i < dense else spec for i in range(cfg["num_hidden_layers"])]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(deepseek_v3_names(weights, len(self.layers)))

@@ -22,6 +22,7 @@ from pagedserve.models.llama import (
     SmolLM3ForCausalLM,
 )
 from pagedserve.models.moe import (
+    Dots1ForCausalLM,
     Ernie4_5_MoeForCausalLM,
     Glm4MoeForCausalLM,
     GraniteMoeForCausalLM,
@@ -69,6 +70,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
+    "Dots1ForCausalLM": Dots1ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
