@@ -106,7 +106,20 @@ def kv_cache_entry(hf: dict[str, Any]) -> tuple[int, int]:
     if "kv_lora_rank" in hf:
         dims = mla_dims(hf)
         return 1, dims["kv_lora_rank"] + dims["qk_rope_head_dim"]
-    return hf.get("num_key_value_heads") or num_heads, hf.get("head_dim") or hf["hidden_size"] // num_heads
+    head_dim = (
+        hf.get("head_dim") or _DEFAULT_HEAD_DIM.get(architecture_of(hf)) or hf["hidden_size"] // num_heads
+    )
+    return hf.get("num_key_value_heads") or num_heads, head_dim
+
+
+# where config.json names no head_dim, the config class's (else hidden_size / heads)
+_DEFAULT_HEAD_DIM = {"InternLM3ForCausalLM": 128}
+
+
+def default_head_dim(hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json with its config class's head_dim where it names none and the class has one."""
+    default = _DEFAULT_HEAD_DIM.get(architecture_of(hf))
+    return hf if hf.get("head_dim") or default is None else {**hf, "head_dim": default}
 
 
 MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")

@@ -47,7 +47,9 @@ from transformers import (
     GraniteConfig,
     GraniteMoeConfig,
     GraniteMoeHybridConfig,
+    GraniteMoeSharedConfig,
     HunYuanDenseV1Config,
+    InternLM3Config,
     Ministral3Config,
     MistralConfig,
     MixtralConfig,
@@ -151,6 +153,8 @@ NOT_DECODE_LAYERS = {
     "starcoder2-gelu-biases-window-tied",
     "apertus-xielu-head-norms-default-rope",
     "dots1-grouped-experts-window-from-layer-1",
+    "internlm3-biases-default-head-dim",
+    "granitemoeshared-shared-expert",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
@@ -259,6 +263,14 @@ def LlamaConfig(**kwargs: Any) -> Any:  # noqa: N802 (stands in for the class)
     from transformers import LlamaConfig as config_class
 
     return config_class(**kwargs)
+
+
+def internlm3_as_the_hub_names_it(config: dict[str, Any]) -> None:
+    """InternLM3's config.json: its own architecture, `qkv_bias` and `bias` (which transformers maps to
+    attention_bias and mlp_bias), no head_dim."""
+    config["architectures"] = ["InternLM3ForCausalLM"]
+    config["qkv_bias"], config["bias"] = config.pop("attention_bias"), config.pop("mlp_bias")
+    del config["head_dim"]
 
 
 def with_unused_window(config: dict[str, Any]) -> None:
@@ -669,6 +681,20 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             routed_scaling_factor=2.0,
         ),
         drop("layer_types", "norm_topk_prob"),
+    ),
+    # InternLM3 as its checkpoints name things: `qkv_bias` and `bias` (transformers' attention_bias and
+    # mlp_bias), no head_dim (InternLM3Config's 128, not 64 / 4)
+    "internlm3-biases-default-head-dim": (
+        lambda: InternLM3Config(**TINY, qkv_bias=True, bias=True),
+        internlm3_as_the_hub_names_it,
+    ),
+    # Granite MoE with a shared expert: Granite's multipliers, 2 of 4 experts a token beside an ungated
+    # SwiGLU of 48 every token goes through (`shared_mlp`)
+    "granitemoeshared-shared-expert": (
+        lambda: GraniteMoeSharedConfig(
+            **TINY, **GRANITE_SCALES, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48
+        ),
+        None,
     ),
     # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
     "smollm3-nope-layer-1": (lambda: SmolLM3Config(**TINY, no_rope_layers=[1, 0]), None),
@@ -1091,6 +1117,7 @@ def test_deepseek_v3s_next_token_prediction_layer_is_left_out(
         ("ernie4.5-moe-biased-picking", "model.layers.1.mlp.moe_statics.e_score_correction_bias"),
         ("deepseek-v3-mla-yarn-grouped-experts-4.x-config", "model.layers.1.mlp.experts.7.down_proj.weight"),
         ("dots1-grouped-experts-window-from-layer-1", "model.layers.1.mlp.shared_experts.gate_proj.weight"),
+        ("granitemoeshared-shared-expert", "model.layers.1.shared_mlp.input_linear.weight"),
     ],
 )
 def test_experts_as_the_hub_lays_them_out_load_as_stacked(

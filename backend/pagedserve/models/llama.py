@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Ministral 3, Qwen2, Qwen3, Granite 3 and 4.0, Phi-3, SmolLM3,
+"""Llama-family decoder (Llama, Mistral, Ministral 3, Qwen2, Qwen3, Granite 3 and 4.0, Phi-3, SmolLM3, InternLM3,
 Seed-OSS, ERNIE 4.5, GLM-4, EXAONE 4.0, Hunyuan layouts): GQA, RoPE, RMSNorm, SwiGLU, tied or untied
 embeddings, Qwen3's RMSNorm of each query and key head, Granite's multipliers, Phi-3's fused
 checkpoint tensors, SmolLM3's layers without rotary, GPT-J's rotary (ERNIE's, GLM's) as NeoX's over
@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedserve.config import (
     architecture_of,
+    default_head_dim,
     default_layer_types,
     layer_windows,
     rope_parameters,
@@ -471,6 +472,21 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     def attention_biases(cfg: dict[str, Any]) -> Biases:
         """Qwen2 always biases q, k and v and never o; transformers reads no `attention_bias` for it."""
         return True, False
+
+
+class InternLM3ForCausalLM(LlamaForCausalLM):
+    """Shanghai AI Lab's InternLM3 (8B): Llama's layer with q, k and v biased by `qkv_bias` and o and the
+    MLP by `bias` (InternLM3Config's names; transformers reads them as Llama's attention_bias and
+    mlp_bias, which it requires equal), head_dim 128 by default."""
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        bias = cfg.get("bias", cfg.get("mlp_bias", False))
+        super().__init__({**default_head_dim(cfg), "mlp_bias": bias}, max_position, backend)
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        qkv = cfg.get("qkv_bias", cfg.get("attention_bias", False))
+        return bool(qkv), bool(cfg.get("bias", cfg.get("attention_bias", False)))
 
 
 class SeedOssForCausalLM(LlamaForCausalLM):

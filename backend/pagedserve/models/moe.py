@@ -1,6 +1,6 @@
 """Llama-family decoders whose MLPs are mixtures of experts (`layers.moe`): Mixtral (Mistral's layer,
 every MLP 8 experts, 2 a token), IBM's Granite MoE (Granite's layer), Qwen2-MoE (Qwen2's layer, with a
-shared expert), Qwen3-MoE (Qwen3's layer), GLM-4.5 (DeepSeek-V3's routing), ERNIE 4.5 MoE (a
+shared expert), Granite MoE with a shared expert, Qwen3-MoE (Qwen3's layer), GLM-4.5 (DeepSeek-V3's routing), ERNIE 4.5 MoE (a
 picking bias on a softmax) and dots.llm1 (Qwen3's layer, DeepSeek-V3's experts). Qwen's
 `decoder_sparse_step` and `mlp_only_layers`, GLM's and dots.llm1's `first_k_dense_replace` and
 ERNIE's `moe_layer_*` keep some layers dense.
@@ -146,6 +146,37 @@ class GraniteMoeForCausalLM(MoeForCausalLM):
 
     def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
         return _every_layer_experts(cfg)
+
+
+class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
+    """IBM's Granite MoE with a shared expert (GraniteMoeShared): Granite MoE's layer, and beside its
+    experts an ungated SwiGLU every token goes through, of `shared_intermediate_size` (none where 0,
+    GraniteMoeSharedConfig's default), stored as `shared_mlp` (`input_linear`: gate then up,
+    `output_linear`)."""
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        shared = int(cfg.get("shared_intermediate_size", 0))
+        return [
+            None
+            if spec is None
+            else dataclasses.replace(spec, shared_intermediate_size=shared, shared_gate=False)
+            for spec in super().read_experts(cfg)
+        ]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_granite_shared_names(weights))
+
+
+def _granite_shared_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The shared MLP's tensors as our shared expert's: `input_linear` [2 x shared, hidden] is gate
+    then up, `output_linear` down."""
+    for name, tensor in weights:
+        if name.endswith(".shared_mlp.input_linear.weight"):
+            gate, up = tensor.chunk(2)
+            yield name.replace("shared_mlp.input_linear", "mlp.shared_expert.gate_proj"), gate
+            yield name.replace("shared_mlp.input_linear", "mlp.shared_expert.up_proj"), up
+        else:
+            yield name.replace(".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."), tensor
 
 
 class Qwen2MoeForCausalLM(MoeForCausalLM):
