@@ -104,7 +104,7 @@ def kv_cache_entry(hf: dict[str, Any]) -> tuple[int, int]:
     qk_rope_head_dim), which every query head reads, as its key and as its value (`values_in_keys`)."""
     num_heads = hf["num_attention_heads"]
     if "kv_lora_rank" in hf:
-        dims = mla_dims(hf)
+        dims = mla_dims(hf, ("kv_lora_rank", "qk_rope_head_dim"))
         return 1, dims["kv_lora_rank"] + dims["qk_rope_head_dim"]
     head_dim = (
         hf.get("head_dim") or _DEFAULT_HEAD_DIM.get(architecture_of(hf)) or hf["hidden_size"] // num_heads
@@ -125,12 +125,12 @@ def default_head_dim(hf: dict[str, Any]) -> dict[str, Any]:
 MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
-def mla_dims(hf: dict[str, Any]) -> dict[str, int]:
+def mla_dims(hf: dict[str, Any], keys: tuple[str, ...] = MLA_DIMS) -> dict[str, int]:
     """Multi-head latent attention's sizes (`models.deepseek`), each a positive integer."""
-    for key in MLA_DIMS:
+    for key in keys:
         if not (isinstance(hf.get(key), int) and hf[key] > 0):
             raise ValueError(f"model: config.json's {key} must be a positive integer, got {hf.get(key)!r}")
-    return {key: int(hf[key]) for key in MLA_DIMS}
+    return {key: int(hf[key]) for key in keys}
 
 
 def parse_hf_overrides(value: str | dict[str, Any] | None) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from transformers import (
     GraniteMoeSharedConfig,
     HunYuanDenseV1Config,
     InternLM3Config,
+    MiniCPM3Config,
     Ministral3Config,
     MistralConfig,
     MixtralConfig,
@@ -155,6 +156,7 @@ NOT_DECODE_LAYERS = {
     "dots1-grouped-experts-window-from-layer-1",
     "internlm3-biases-default-head-dim",
     "granitemoeshared-shared-expert",
+    "minicpm3-mla-mup-scales-longrope",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
@@ -695,6 +697,23 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             **TINY, **GRANITE_SCALES, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48
         ),
         None,
+    ),
+    # OpenBMB's MiniCPM3 as its checkpoint ships: DeepSeek-V2's latent attention with NeoX's rotary
+    # (LongRoPE over its 8 rotated dimensions, long factors past 256 positions), μP's scales
+    # (MiniCPM3Config's defaults: embeddings times 12, branches times 1.4 / sqrt(2), logits over
+    # 64 / 256), v_head_dim hidden / heads and a tied head by default (config.json naming none)
+    "minicpm3-mla-mup-scales-longrope": (
+        lambda: MiniCPM3Config(
+            **{**TINY, **MLA, "v_head_dim": None},
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.1, 1.3, 1.6],
+                "long_factor": [1.0, 2.0, 4.0, 8.0],
+                "original_max_position_embeddings": 256,
+            },
+        ),
+        drop("v_head_dim", "scale_emb", "scale_depth", "dim_model_base", "tie_word_embeddings"),
     ),
     # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
     "smollm3-nope-layer-1": (lambda: SmolLM3Config(**TINY, no_rope_layers=[1, 0]), None),

@@ -1,6 +1,6 @@
 """DeepSeek's multi-head latent attention (MLA) and the models built on it: DeepSeek-V2 and V2-Lite,
 DeepSeek-V3 and its descendants (Kimi K2, Moonlight: `DeepseekV3ForCausalLM`), GLM-4.7-Flash
-(`Glm4MoeLiteForCausalLM`). Llama's layer protocol with MLA for attention and, past the first dense
+(`Glm4MoeLiteForCausalLM`), MiniCPM3 (dense, μP's scales: `MiniCPM3ForCausalLM`). Llama's layer protocol with MLA for attention and, past the first dense
 layers, DeepSeek's experts (`layers.moe`).
 
 MLA compresses a token's keys and values into one latent vector c (`kv_lora_rank` wide, RMS-normed)
@@ -37,7 +37,7 @@ from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMe
 from pagedserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedserve.layers.moe import Experts
 from pagedserve.layers.norm import RMSNorm
-from pagedserve.models.llama import LayerOptions, LlamaAttention, LlamaDecoderLayer, Rotary
+from pagedserve.models.llama import LayerOptions, LlamaAttention, LlamaDecoderLayer, Rotary, Scales
 from pagedserve.models.moe import MoeForCausalLM, deepseek_v3_names, grouped_sigmoid_experts
 
 # the latents' norms (q_a_layernorm, kv_a_layernorm) take RMSNorm's default eps in DeepSeek's code and
@@ -315,3 +315,43 @@ class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
                     f"model: config.json's mlp_layer_types: layer {number} is {kind!r} (dense or sparse)"
                 )
         return [spec if kind == "sparse" else None for kind in kinds]
+
+
+class MiniCPM3ForCausalLM(DeepseekV2ForCausalLM):
+    """OpenBMB's MiniCPM3-4B: DeepSeek-V2's latent attention with NeoX's rotary in the model's dtype
+    (Llama's tables, no reordering), a dense SwiGLU in every layer, and μP's scales (Granite's
+    `Scales`): the embeddings times `scale_emb` (12), each layer's attention and MLP output times
+    `scale_depth` / sqrt(layers) (1.4; where null, 1), the logits divided by hidden_size /
+    `dim_model_base` (256; where null, 1). v_head_dim hidden_size / heads and the LM head tied by
+    default (MiniCPM3Config's)."""
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        cfg = {
+            **cfg,
+            "v_head_dim": cfg.get("v_head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+        }
+        super().__init__(cfg, max_position, backend)
+
+    @staticmethod
+    def interleaved(cfg: dict[str, Any]) -> bool:
+        return False
+
+    def step_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        return self.rotary_emb(positions, dtype)
+
+    @staticmethod
+    def read_scales(cfg: dict[str, Any]) -> Scales:
+        depth, base = cfg.get("scale_depth", 1.4), cfg.get("dim_model_base", 256)
+        num_layers = cfg["num_hidden_layers"]
+        scales = Scales(
+            embedding=float(cfg.get("scale_emb", 12)),
+            residual=1.0 if depth is None else float(depth) / math.sqrt(num_layers),
+            logits=1.0 if base is None else cfg["hidden_size"] / float(base),
+        )
+        if not scales.logits > 0:  # (a greedy step takes the argmax of the logits before dividing)
+            raise ValueError(f"model: config.json's dim_model_base must be positive, got {base}")
+        return scales
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        return [None] * cfg["num_hidden_layers"]

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from pagedserve.models.cohere import Cohere2ForCausalLM
-from pagedserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM
+from pagedserve.models.deepseek import (
+    DeepseekV2ForCausalLM,
+    DeepseekV3ForCausalLM,
+    Glm4MoeLiteForCausalLM,
+    MiniCPM3ForCausalLM,
+)
 from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.llama import (
@@ -78,6 +83,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
+    "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
