@@ -105,7 +105,9 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                 param.normal_(1.0, 0.5)
             if name.endswith("norm.weight") and type(model).__name__.startswith("Gemma"):
                 param.normal_(0.0, 0.5)  # Gemma scales by 1 + weight: zeros would hide the weight
-            elif name.endswith("norm.weight") and type(model).__name__.startswith(("Olmo", "Starcoder2")):
+            elif name.endswith("norm.weight") and type(model).__name__.startswith(
+                ("Olmo", "Starcoder2", "StableLm")
+            ):
                 param.normal_(
                     1.0, 0.5
                 )  # OLMo's norms placed otherwise than Llama's, LayerNorms: each one's weight

@@ -65,6 +65,7 @@ from transformers import (
     Qwen3MoeConfig,
     SeedOssConfig,
     SmolLM3Config,
+    StableLmConfig,
     Starcoder2Config,
 )
 
@@ -157,6 +158,8 @@ NOT_DECODE_LAYERS = {
     "internlm3-biases-default-head-dim",
     "granitemoeshared-shared-expert",
     "minicpm3-mla-mup-scales-longrope",
+    "stablelm-layernorms-quarter-rotary-qkv-bias",
+    "stablelm-parallel-residual",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
@@ -714,6 +717,17 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             },
         ),
         drop("v_head_dim", "scale_emb", "scale_depth", "dim_model_base", "tie_word_embeddings"),
+    ),
+    # Stability AI's StableLM 2: LayerNorms with biases, q, k and v biased, the rope over a quarter of
+    # each head (StableLmConfig's default, config.json naming none)
+    "stablelm-layernorms-quarter-rotary-qkv-bias": (
+        lambda: StableLmConfig(**TINY, use_qkv_bias=True),
+        drop_partial_rotary_factor,
+    ),
+    # StableLM 2 12B's layer: attention and the MLP side by side on one LayerNorm
+    "stablelm-parallel-residual": (
+        lambda: StableLmConfig(**TINY, use_parallel_residual=True),
+        None,
     ),
     # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
     "smollm3-nope-layer-1": (lambda: SmolLM3Config(**TINY, no_rope_layers=[1, 0]), None),
@@ -1678,6 +1692,10 @@ def test_rotary_tables_equal_transformers(
             ),
             "mlp_layer_types: layer 1 is 'moe' \\(dense or sparse\\)",
         ),
+        (
+            lambda c: c.update(architectures=["StableLmForCausalLM"], qk_layernorm=True),
+            "qk_layernorm \\(per-head LayerNorms of q and k\\) is not supported",
+        ),
     ],
     ids=[
         "partial-rotary",
@@ -1707,6 +1725,7 @@ def test_rotary_tables_equal_transformers(
         "deepseek-no-rope-head-dim",
         "deepseek-v3-groups-short-of-top-k",
         "glm4-moe-lite-layer-type",
+        "stablelm-qk-layernorm",
     ],
 )
 def test_an_unsupported_option_is_refused_naming_it(

@@ -20,12 +20,11 @@ from torch import nn
 
 from pagedserve.config import default_layer_types
 from pagedserve.layers.attention import AttentionBackend, AttentionMetadata
-from pagedserve.layers.norm import LayerNorm
+from pagedserve.layers.norm import LayerNorm, RMSNorm
 from pagedserve.models.llama import (
     LayerOptions,
     LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaMLP,
     Rotary,
 )
 
@@ -43,8 +42,12 @@ class ParallelDecoderLayer(LlamaDecoderLayer):
     ) -> None:
         nn.Module.__init__(self)  # (not Llama's norms)
         self.self_attn = self.attention_class(cfg, backend, options, layer_index)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = LayerNorm(cfg["hidden_size"], layer_norm_eps(cfg), bias=False)
+        self.mlp = self.dense_mlp(cfg)
+        self.input_layernorm = self.norm(cfg)
+
+    def norm(self, cfg: dict[str, Any]) -> RMSNorm:
+        """Cohere's LayerNorm: no bias (StableLM's parallel layers have one)."""
+        return LayerNorm(cfg["hidden_size"], layer_norm_eps(cfg), bias=False)
 
     def forward(
         self,

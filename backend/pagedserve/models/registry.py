@@ -37,6 +37,7 @@ from pagedserve.models.moe import (
     Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM,
 )
+from pagedserve.models.neox import StableLmForCausalLM
 from pagedserve.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from pagedserve.models.ungated import (
     ApertusForCausalLM,
@@ -65,6 +66,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
+    "StableLmForCausalLM": StableLmForCausalLM,
     "ArceeForCausalLM": ArceeForCausalLM,
     "NemotronForCausalLM": NemotronForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
