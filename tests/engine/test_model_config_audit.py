@@ -43,6 +43,7 @@ from transformers import (
     Glm4Config,
     Glm4MoeConfig,
     Glm4MoeLiteConfig,
+    GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
     GraniteMoeConfig,
@@ -160,6 +161,8 @@ NOT_DECODE_LAYERS = {
     "minicpm3-mla-mup-scales-longrope",
     "stablelm-layernorms-quarter-rotary-qkv-bias",
     "stablelm-parallel-residual",
+    "gpt-neox-parallel-its-own-rope-names",
+    "gpt-neox-sequential",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
@@ -202,6 +205,8 @@ MLA = {
 }
 # a tiny Llama's config.json as DeepSeek-V2's (its refusals come before any weight loads)
 DEEPSEEK_V2 = {"architectures": ["DeepseekV2ForCausalLM"], **MLA}
+# TINY for GPTNeoXConfig, which has all heads for keys and values (no num_key_value_heads)
+NEOX = {key: value for key, value in TINY.items() if key != "num_key_value_heads"}
 # a few small experts, for tests of what a Qwen MoE config says of other things
 SMALL_MOE = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 16}
 # a tiny GPT-OSS: 2 of 4 experts a token, YaRN as its checkpoints carry it (truncate false; 4x a
@@ -276,6 +281,12 @@ def internlm3_as_the_hub_names_it(config: dict[str, Any]) -> None:
     config["architectures"] = ["InternLM3ForCausalLM"]
     config["qkv_bias"], config["bias"] = config.pop("attention_bias"), config.pop("mlp_bias")
     del config["head_dim"]
+
+
+def gpt_neox_as_the_hub_names_it(config: dict[str, Any]) -> None:
+    """GPT-NeoX's config.json names its rope `rotary_pct` and `rotary_emb_base`."""
+    rope = config.pop("rope_parameters")
+    config["rotary_pct"], config["rotary_emb_base"] = rope["partial_rotary_factor"], rope["rope_theta"]
 
 
 def with_unused_window(config: dict[str, Any]) -> None:
@@ -728,6 +739,21 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "stablelm-parallel-residual": (
         lambda: StableLmConfig(**TINY, use_parallel_residual=True),
         None,
+    ),
+    # GPT-NeoX (Pythia) as its checkpoints ship: attention and the GELU MLP side by side on two
+    # LayerNorms, q, k and v in one tensor a head at a time, the rope named rotary_pct (here 0.5) and
+    # rotary_emb_base (here 1,000)
+    "gpt-neox-parallel-its-own-rope-names": (
+        lambda: GPTNeoXConfig(
+            **NEOX,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
+        ),
+        gpt_neox_as_the_hub_names_it,
+    ),
+    # GPT-NeoX's other layer: attention, then the MLP (`use_parallel_residual` false); the rope's defaults
+    "gpt-neox-sequential": (
+        lambda: GPTNeoXConfig(**NEOX, use_parallel_residual=False),
+        drop("rope_parameters"),
     ),
     # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
     "smollm3-nope-layer-1": (lambda: SmolLM3Config(**TINY, no_rope_layers=[1, 0]), None),

@@ -251,6 +251,9 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         ("Starcoder2Config", {"sliding_window": 12}),
         # Apertus: xIELU's parameters whole on each rank, each rank's heads normed
         ("ApertusConfig", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}),
+        # GPT-NeoX: each rank's heads cut from the fused query_key_value, attention and the MLP side by
+        # side on their two norms
+        ("GPTNeoXConfig", {"num_kv_heads": 4}),
     ],
     ids=[
         "phi3",
@@ -263,6 +266,7 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         "glm4-moe",
         "starcoder2",
         "apertus",
+        "gpt-neox",
     ],
 )
 def test_tp2_llama_family_layouts_match_single_rank(

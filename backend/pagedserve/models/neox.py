@@ -1,18 +1,29 @@
-"""EleutherAI's GPT-NeoX lineage on the Llama family's layers: Stability AI's StableLM (StableLM 2,
-StableLM-3B-4E1T, Stable Code): LayerNorms with a bias where Llama has RMSNorms, the rope over the
-first `partial_rotary_factor` of each head (0.25 by default), q, k and v biased by `use_qkv_bias`,
-Llama's SwiGLU; attention and the MLP side by side on one norm where `use_parallel_residual`
-(StableLM 2 12B's), as transformers' StableLm computes them."""
+"""EleutherAI's GPT-NeoX lineage on the Llama family's layers, as transformers computes them:
+
+- GPT-NeoX (Pythia, GPT-NeoX-20B, and the checkpoints on its architecture): LayerNorms with a bias,
+  attention and the ungated GELU MLP side by side, each on a norm of its own (`use_parallel_residual`,
+  on by default; else one after the other), q, k and v in one checkpoint tensor a head at a time
+  (`query_key_value`), every projection biased, the rope over the first `rotary_pct` of each head
+  (0.25) at `rotary_emb_base`;
+- Stability AI's StableLM (StableLM 2, StableLM-3B-4E1T, Stable Code): LayerNorms with a bias where
+  Llama has RMSNorms, the rope over the first `partial_rotary_factor` of each head (0.25 by default),
+  q, k and v biased by `use_qkv_bias`, Llama's SwiGLU; attention and the MLP side by side on one norm
+  where `use_parallel_residual` (StableLM 2 12B's)."""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any, cast
+
+import torch
 
 from pagedserve.config import rope_parameters
-from pagedserve.layers.attention import AttentionBackend
+from pagedserve.layers.attention import AttentionBackend, AttentionMetadata
 from pagedserve.layers.norm import LayerNorm, RMSNorm
 from pagedserve.models.cohere import ParallelDecoderLayer
-from pagedserve.models.llama import Biases, LlamaDecoderLayer, LlamaForCausalLM
+from pagedserve.models.llama import Biases, LlamaDecoderLayer, LlamaForCausalLM, Rotary
+from pagedserve.models.ungated import LayerNormDecoderLayer, UngatedDecoderLayer, UngatedForCausalLM
 
 
 def layer_norm(cfg: dict[str, Any]) -> LayerNorm:
@@ -60,3 +71,96 @@ class StableLmForCausalLM(LlamaForCausalLM):
         if "partial_rotary_factor" in rope_parameters(cfg):
             return cfg
         return {**cfg, "partial_rotary_factor": 0.25}
+
+
+class GPTNeoXParallelDecoderLayer(UngatedDecoderLayer):
+    """GPT-NeoX's layer: attention on `input_layernorm`'s output and the MLP on
+    `post_attention_layernorm`'s, both of the same input, both outputs added to it at once. Llama's
+    layer protocol (it takes the residual stream as `hidden + residual` and returns its own pair)."""
+
+    def norm(self, cfg: dict[str, Any]) -> RMSNorm:
+        return LayerNorm(cfg["hidden_size"], float(cfg.get("layer_norm_eps", 1e-5)))
+
+    def forward(
+        self,
+        rotary: Rotary,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = hidden if residual is None else residual + hidden
+        attended = self.self_attn(rotary, cast(torch.Tensor, self.input_layernorm(stream)), metadata)
+        return attended + self.mlp(cast(torch.Tensor, self.post_attention_layernorm(stream))), stream
+
+
+# GPT-NeoX's checkpoint names -> Llama's (the fused query_key_value is cut in `_gpt_neox_names`)
+_GPT_NEOX_NAMES = [
+    (re.compile(r"^gpt_neox\.embed_in\."), "model.embed_tokens."),
+    (re.compile(r"^gpt_neox\.final_layer_norm\."), "model.norm."),
+    (re.compile(r"^embed_out\."), "lm_head."),
+    (re.compile(r"^gpt_neox\.layers\."), "model.layers."),
+    (re.compile(r"\.attention\.dense\."), ".self_attn.o_proj."),
+    (re.compile(r"\.mlp\.dense_h_to_4h\."), ".mlp.up_proj."),
+    (re.compile(r"\.mlp\.dense_4h_to_h\."), ".mlp.down_proj."),
+]
+
+
+class GPTNeoXForCausalLM(UngatedForCausalLM):
+    """GPT-NeoX (see the module docstring); GPTNeoXConfig's defaults where config.json leaves a key
+    out."""
+
+    rotates_part_of_a_head = True
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        eps = float(cfg.get("layer_norm_eps", 1e-5))
+        if cfg.get("use_parallel_residual", True):  # (this model's layers, before they are built)
+            self.decoder_layer_class = GPTNeoXParallelDecoderLayer
+        else:
+            self.decoder_layer_class = LayerNormDecoderLayer
+        cfg = {
+            **cfg,
+            "rms_norm_eps": eps,
+            "mlp_bias": True,
+            "hidden_act": cfg.get("hidden_act", "gelu"),
+            "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
+        }
+        super().__init__(cfg, max_position, backend)
+        self.norm = LayerNorm(cfg["hidden_size"], eps)
+        self.head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        bias = bool(cfg.get("attention_bias", True))
+        return bias, bias
+
+    @staticmethod
+    def rope_config(cfg: dict[str, Any]) -> dict[str, Any]:
+        """GPT-NeoX's own names for the rope: `rotary_pct` (0.25) of each head turned, at
+        `rotary_emb_base` (10,000), where config.json gives neither in Llama's names."""
+        rope = rope_parameters(cfg)
+        cfg = {**cfg, "partial_rotary_factor": rope.get("partial_rotary_factor", cfg.get("rotary_pct", 0.25))}
+        if "rope_theta" not in cfg and not (cfg.get("rope_parameters") or {}).get("rope_theta"):
+            cfg["rope_theta"] = cfg.get("rotary_emb_base", 10000.0)
+        return cfg
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._as_llama(weights))
+
+    def _as_llama(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors under Llama's names; `query_key_value` [heads x (q | k | v), ...]
+        cut into q_proj, k_proj and v_proj; the attention's mask buffers (older checkpoints') left out."""
+        for name, tensor in weights:
+            if name.endswith((".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")):
+                continue
+            for pattern, replacement in _GPT_NEOX_NAMES:
+                name = pattern.sub(replacement, name)
+            if ".attention.query_key_value." not in name:
+                yield name, tensor
+                continue
+            if tensor.shape[0] % (3 * self.head_dim):
+                raise ValueError(
+                    f"checkpoint's {name!r} has {tensor.shape[0]} rows, no whole number of heads"
+                )
+            parts = tensor.unflatten(0, (-1, 3, self.head_dim)).unbind(1)  # each [heads, head_dim, ...]
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
+                yield name.replace(".attention.query_key_value.", f".self_attn.{part}."), rows.flatten(0, 1)

@@ -37,7 +37,7 @@ from pagedserve.models.moe import (
     Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM,
 )
-from pagedserve.models.neox import StableLmForCausalLM
+from pagedserve.models.neox import GPTNeoXForCausalLM, StableLmForCausalLM
 from pagedserve.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from pagedserve.models.ungated import (
     ApertusForCausalLM,
@@ -67,6 +67,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "StableLmForCausalLM": StableLmForCausalLM,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "ArceeForCausalLM": ArceeForCausalLM,
     "NemotronForCausalLM": NemotronForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,

@@ -38,6 +38,11 @@ class GELUTanh(nn.Module):
         return F.gelu(x, approximate="tanh")
 
 
+class GELU(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x)
+
+
 class XIELU(nn.Module):
     """xIELU (Huang and Schlag, 2024), as transformers' XIELUActivation computes it: for x > 0,
     softplus(alpha_p) x² + beta x; else (expm1(min(x, eps)) - x)(beta + softplus(alpha_n)) + beta x.
@@ -58,7 +63,12 @@ class XIELU(nn.Module):
         return torch.where(x > 0, alpha_p * x * x, negative) + self.beta * x
 
 
-ACTIVATIONS: dict[str, type[nn.Module]] = {"relu2": ReLU2, "gelu_pytorch_tanh": GELUTanh, "xielu": XIELU}
+ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "relu2": ReLU2,
+    "gelu_pytorch_tanh": GELUTanh,
+    "gelu": GELU,
+    "xielu": XIELU,
+}
 
 
 class UngatedMLP(nn.Module):
