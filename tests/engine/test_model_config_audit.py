@@ -60,6 +60,7 @@ from transformers import (
     Olmo3Config,
     OlmoeConfig,
     Phi3Config,
+    PhiConfig,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
@@ -163,6 +164,7 @@ NOT_DECODE_LAYERS = {
     "stablelm-parallel-residual",
     "gpt-neox-parallel-its-own-rope-names",
     "gpt-neox-sequential",
+    "phi2-parallel-biased-head",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
@@ -755,6 +757,14 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         lambda: GPTNeoXConfig(**NEOX, use_parallel_residual=False),
         drop("rope_parameters"),
     ),
+    # Microsoft's Phi-2: attention and the ungated GELU MLP side by side on one LayerNorm, every
+    # projection biased, the rope over 0.4 of each head, an LM head with a bias
+    "phi2-parallel-biased-head": (
+        lambda: PhiConfig(
+            **NEOX, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.4}
+        ),
+        None,
+    ),
     # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
     "smollm3-nope-layer-1": (lambda: SmolLM3Config(**TINY, no_rope_layers=[1, 0]), None),
     "smollm3-nope-by-default": (
@@ -1140,6 +1150,24 @@ def test_deepseeks_cache_holds_one_latent_head_a_token(variant_dir: Callable[[st
     assert cache_engine.kv_cache.shape == (2, 1, 16, 16, 1, 64)
     k_cache, v_cache = cache_engine.kv_caches[0]
     assert k_cache.shape == (16, 16, 1, 64) and v_cache.data_ptr() == k_cache.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_phi2s_lm_head_bias_moves_the_greedy_tokens(
+    variant_dir: Callable[[str], str], tmp_path: Path, dtype: str
+) -> None:
+    """Phi-2's LM head adds a bias to each logit: one of +100 on token 5 makes every greedy token 5,
+    also where a bfloat16 step would take its argmax in the LM head's kernel (which has no bias:
+    `ParallelLMHead.greedy_token_ids` leaves a biased head to the logits)."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "biased"
+    shutil.copytree(variant_dir("phi2-parallel-biased-head"), model_dir)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    weights["lm_head.bias"][5] = 100.0
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(model=str(model_dir), dtype=dtype, num_kv_blocks=128, block_size=16)
+    assert greedy(llm, long_prompts(), 4) == [[5] * 4] * 2
 
 
 def test_deepseek_v3s_next_token_prediction_layer_is_left_out(
@@ -1719,6 +1747,10 @@ def test_rotary_tables_equal_transformers(
             "mlp_layer_types: layer 1 is 'moe' \\(dense or sparse\\)",
         ),
         (
+            lambda c: c.update(architectures=["PhiForCausalLM"], qk_layernorm=True),
+            "qk_layernorm \\(LayerNorms of q and k\\) is not supported",
+        ),
+        (
             lambda c: c.update(architectures=["StableLmForCausalLM"], qk_layernorm=True),
             "qk_layernorm \\(per-head LayerNorms of q and k\\) is not supported",
         ),
@@ -1751,6 +1783,7 @@ def test_rotary_tables_equal_transformers(
         "deepseek-no-rope-head-dim",
         "deepseek-v3-groups-short-of-top-k",
         "glm4-moe-lite-layer-type",
+        "phi-qk-layernorm",
         "stablelm-qk-layernorm",
     ],
 )

@@ -37,22 +37,30 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary, gathered from each rank's slice. A packed copy of the weight
-    (see `layers.linear`) sits beside the plain one, which a tied input embedding still reads."""
+    (see `layers.linear`) sits beside the plain one, which a tied input embedding still reads. `bias`:
+    a logit bias a token (Phi-2's), each rank its slice."""
 
     packed_weight: torch.Tensor | None = None
+
+    def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.vocab_per_rank), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def pack_weights(self, batch_size_hint: int) -> None:
         self.packed_weight = pack_weight(self.weight, batch_size_hint)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = linear(hidden, self.weight, self.packed_weight)
+        local = linear(hidden, self.weight, self.packed_weight, self.bias)
         return all_gather_last_dim(local)[..., : self.vocab_size]
 
     def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Each row's argmax of `compute_logits(hidden)` (the first maximum, NaN first), taken by the
         AMX or AVX512-BF16 kernel as it computes them, without the logits: on one rank, where the weight
-        is in their tiles or panels. None elsewhere."""
-        if self.tp_size != 1 or self.packed_weight is None:
+        is in their tiles or panels and there is no bias. None elsewhere."""
+        if self.tp_size != 1 or self.packed_weight is None or self.bias is not None:
             return None
         if self.packed_weight.dim() == 5:
             return cpu_kernels.linear_argmax_amx(hidden, self.packed_weight, self.vocab_size)

@@ -43,6 +43,7 @@ from pagedserve.models.ungated import (
     ApertusForCausalLM,
     ArceeForCausalLM,
     NemotronForCausalLM,
+    PhiForCausalLM,
     Starcoder2ForCausalLM,
 )
 
@@ -58,6 +59,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "PhiForCausalLM": PhiForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "InternLM3ForCausalLM": InternLM3ForCausalLM,

@@ -23,8 +23,10 @@ from torch import nn
 
 from pagedserve.config import rope_parameters
 from pagedserve.layers.attention import AttentionBackend
+from pagedserve.layers.embedding import ParallelLMHead
 from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedserve.layers.norm import LayerNorm, RMSNorm
+from pagedserve.models.cohere import ParallelDecoderLayer
 from pagedserve.models.llama import Biases, LlamaDecoderLayer, LlamaForCausalLM, rms_norm_eps
 
 
@@ -66,6 +68,7 @@ class XIELU(nn.Module):
 ACTIVATIONS: dict[str, type[nn.Module]] = {
     "relu2": ReLU2,
     "gelu_pytorch_tanh": GELUTanh,
+    "gelu_new": GELUTanh,  # (the same tanh approximation, written out in transformers' NewGELUActivation)
     "gelu": GELU,
     "xielu": XIELU,
 }
@@ -202,6 +205,61 @@ class ApertusForCausalLM(UngatedForCausalLM):
                 name.replace(".attention_layernorm.", ".input_layernorm.").replace(
                     ".feedforward_layernorm.", ".post_attention_layernorm."
                 ),
+                tensor,
+            )
+            for name, tensor in weights
+        )
+
+
+class PhiDecoderLayer(ParallelDecoderLayer):
+    """Phi-2's layer: attention and the ungated MLP side by side on one LayerNorm (with a bias)."""
+
+    def dense_mlp(self, cfg: dict[str, Any]) -> nn.Module:
+        return UngatedMLP(cfg)
+
+    def norm(self, cfg: dict[str, Any]) -> RMSNorm:
+        return LayerNorm(cfg["hidden_size"], rms_norm_eps(cfg))
+
+
+class PhiForCausalLM(UngatedForCausalLM):
+    """Microsoft's Phi-1, Phi-1.5 and Phi-2: attention and an ungated GELU MLP (`fc1`, `fc2`, biased)
+    side by side on one LayerNorm, q, k, v and o (`dense`) biased, the rope over the first
+    `partial_rotary_factor` of each head (0.5 by default), a final LayerNorm (`final_layernorm`) and an
+    LM head with a bias. PhiConfig's defaults where config.json leaves a key out; LayerNorms of q and
+    k (`qk_layernorm`) are refused by name."""
+
+    decoder_layer_class = PhiDecoderLayer
+    rotates_part_of_a_head = True
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        if cfg.get("qk_layernorm"):
+            raise ValueError("model: config.json's qk_layernorm (LayerNorms of q and k) is not supported")
+        eps = float(cfg.get("layer_norm_eps", 1e-5))
+        cfg = {**cfg, "rms_norm_eps": eps, "mlp_bias": True, "hidden_act": cfg.get("hidden_act", "gelu_new")}
+        super().__init__(cfg, max_position, backend)
+        self.norm = LayerNorm(cfg["hidden_size"], eps)
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], bias=True)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        return True, True
+
+    @staticmethod
+    def rope_config(cfg: dict[str, Any]) -> dict[str, Any]:
+        """PhiConfig's partial_rotary_factor (0.5) where config.json names none."""
+        if "partial_rotary_factor" in rope_parameters(cfg):
+            return cfg
+        return {**cfg, "partial_rotary_factor": 0.5}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(
+            (
+                name.replace(".self_attn.dense.", ".self_attn.o_proj.")
+                .replace(".mlp.fc1.", ".mlp.up_proj.")
+                .replace(".mlp.fc2.", ".mlp.down_proj.")
+                .replace("model.final_layernorm.", "model.norm."),
                 tensor,
             )
             for name, tensor in weights
