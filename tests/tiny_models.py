@@ -55,6 +55,24 @@ def build_tiny_llama(
     return save_tiny_model(dest, tokenizer_dir, config, seed=seed)
 
 
+# `build_tiny_llama`'s overrides for a tiny DeepSeek-V3 (config_class "DeepseekV3Config"): 4 query heads
+# over one latent head of 56 + 8, 2 of 8 experts a token in 2 of 4 groups, layer 0 dense
+DEEPSEEK_V3 = {
+    "num_kv_heads": 4,  # (transformers' MLA expands its keys to every head)
+    "kv_lora_rank": 56,
+    "q_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 24,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "moe_intermediate_size": 16,
+    "first_k_dense_replace": 1,
+}
+
+
 def build_tiny_qwen2_moe(dest: Path, tokenizer_dir: str, num_experts: int = 6) -> str:
     """A tiny Qwen2-MoE with every part of a block of experts: `num_experts` experts, 2 a token, a
     shared expert under its gate, and layer 1 dense (`mlp_only_layers`)."""

@@ -26,7 +26,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.layers.rotary import RotaryEmbedding
 from test_compile import decode_layers_available
 from test_hf_parity import assert_greedy_equal, hf_greedy
-from tiny_models import save_mxfp4_gpt_oss, save_tiny_model
+from tiny_models import DEEPSEEK_V3, save_mxfp4_gpt_oss, save_tiny_model
 from transformers import (
     ApertusConfig,
     ArceeConfig,
@@ -194,16 +194,12 @@ GRANITE4 = {
 # each value 24; a latent of 56 (a cache entry of 56 + 8 = 64, the bfloat16 prefill kernel's); 2 of 8
 # experts a token beside a shared one, layer 0 dense
 MLA = {
+    **{
+        key: value
+        for key, value in DEEPSEEK_V3.items()
+        if key not in ("num_kv_heads", "n_group", "topk_group")
+    },
     "num_key_value_heads": 4,  # (transformers' MLA expands its keys to every head)
-    "kv_lora_rank": 56,
-    "q_lora_rank": 32,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 24,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 16,
-    "first_k_dense_replace": 1,
 }
 # a tiny Llama's config.json as DeepSeek-V2's (its refusals come before any weight loads)
 DEEPSEEK_V2 = {"architectures": ["DeepseekV2ForCausalLM"], **MLA}
@@ -1109,24 +1105,32 @@ def test_a_mistral3_multimodal_checkpoint_serves_its_text_decoder(
 # --- mixtures of experts -----------------------------------------------------------------------------
 
 
-def test_glm4_moe_checkpoints_next_token_prediction_layer_is_left_out(
-    variant_dir: Callable[[str], str], tmp_path: Path
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [
+        ("glm4-moe-grouped-biased-routing", "model.layers.2.eh_proj.weight"),
+        ("deepseek-v3-mla-yarn-grouped-experts-4.x-config", "model.layers.2.enorm.weight"),
+    ],
+)
+def test_a_next_token_prediction_layer_is_left_out(
+    variant_dir: Callable[[str], str], tmp_path: Path, name: str, extra: str
 ) -> None:
-    """GLM-4.5's checkpoints hold a next-token prediction layer past `num_hidden_layers` (its
-    `model.layers.46.*` beside 46 layers), which transformers' model and vLLM's serving leave out."""
+    """GLM-4.5's and DeepSeek-V3's checkpoints hold a next-token prediction layer past
+    `num_hidden_layers` (GLM-4.5's `model.layers.46.*` beside 46 layers, DeepSeek-V3's
+    `model.layers.61.*`), which transformers' model and vLLM's serving leave out."""
     from safetensors.torch import load_file, save_file
 
-    model_dir = variant_dir("glm4-moe-grouped-biased-routing")
+    model_dir = variant_dir(name)
     with_mtp = tmp_path / "with-mtp"
     shutil.copytree(model_dir, with_mtp)
     weights = load_file(str(with_mtp / "model.safetensors"))
-    extra = {
-        name.replace("model.layers.1.", "model.layers.2."): tensor.clone()
-        for name, tensor in weights.items()
-        if name.startswith("model.layers.1.")
+    layer = {
+        key.replace("model.layers.1.", "model.layers.2."): tensor.clone()
+        for key, tensor in weights.items()
+        if key.startswith("model.layers.1.")
     }
-    extra["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
-    save_file({**weights, **extra}, str(with_mtp / "model.safetensors"), metadata={"format": "pt"})
+    layer[extra] = torch.zeros(64, 128)
+    save_file({**weights, **layer}, str(with_mtp / "model.safetensors"), metadata={"format": "pt"})
     prompts = long_prompts()
     ours = greedy(LLM(model=str(with_mtp), dtype="float32", num_kv_blocks=128, block_size=16), prompts, 4)
     plain = greedy(LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16), prompts, 4)
@@ -1168,30 +1172,6 @@ def test_phi2s_lm_head_bias_moves_the_greedy_tokens(
     save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     llm = LLM(model=str(model_dir), dtype=dtype, num_kv_blocks=128, block_size=16)
     assert greedy(llm, long_prompts(), 4) == [[5] * 4] * 2
-
-
-def test_deepseek_v3s_next_token_prediction_layer_is_left_out(
-    variant_dir: Callable[[str], str], tmp_path: Path
-) -> None:
-    """DeepSeek-V3's checkpoints hold a next-token prediction layer past `num_hidden_layers`
-    (`model.layers.61.*`), which transformers and vLLM's serving leave out."""
-    from safetensors.torch import load_file, save_file
-
-    model_dir = variant_dir("deepseek-v3-mla-yarn-grouped-experts-4.x-config")
-    with_mtp = tmp_path / "with-mtp"
-    shutil.copytree(model_dir, with_mtp)
-    weights = load_file(str(with_mtp / "model.safetensors"))
-    extra = {
-        name.replace("model.layers.1.", "model.layers.2."): tensor.clone()
-        for name, tensor in weights.items()
-        if name.startswith("model.layers.1.")
-    }
-    extra["model.layers.2.enorm.weight"] = torch.ones(64)
-    save_file({**weights, **extra}, str(with_mtp / "model.safetensors"), metadata={"format": "pt"})
-    prompts = long_prompts()
-    ours = greedy(LLM(model=str(with_mtp), dtype="float32", num_kv_blocks=128, block_size=16), prompts, 4)
-    plain = greedy(LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16), prompts, 4)
-    assert ours == plain
 
 
 @pytest.mark.parametrize(

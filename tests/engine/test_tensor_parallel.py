@@ -293,24 +293,13 @@ def test_tp2_deepseek_latent_attention_matches_single_rank_under_swap_and_chunke
     kv_b_proj and o_proj (o's bias added once), over a latent cache every rank holds whole (one KV
     head, written alike by each), swapped out and back under memory pressure, prompts in chunks;
     GLM-4.5's routing past the dense layer 0."""
-    from tiny_models import build_tiny_llama
+    from tiny_models import DEEPSEEK_V3, build_tiny_llama
 
     model_dir = build_tiny_llama(
         tmp_path / "deepseek-v3",
         default_model_dir,
         config_class="DeepseekV3Config",
-        num_kv_heads=4,
-        kv_lora_rank=56,
-        q_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=24,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=4,
-        topk_group=2,
-        moe_intermediate_size=16,
-        first_k_dense_replace=1,
+        **DEEPSEEK_V3,
         attention_bias=True,
     )
     reference = single_rank_reference(model_dir, prompts, num_kv_blocks=256, block_size=8)

@@ -159,24 +159,13 @@ def test_deepseeks_latent_attention_in_the_triton_kernels_equals_the_torch_backe
     """DeepSeek-V3 beside the Triton backend: 4 query heads over the one latent head of 56 + 8 (the
     cache's key and value entries alike) in the attention kernels, chunks of a prompt over the latents
     already cached, its experts in `fused_moe`: the torch backend's tokens."""
-    from tiny_models import build_tiny_llama
+    from tiny_models import DEEPSEEK_V3, build_tiny_llama
 
     model_dir = build_tiny_llama(
         tmp_path / "deepseek-v3",
         default_model_dir,
         config_class="DeepseekV3Config",
-        num_kv_heads=4,
-        kv_lora_rank=56,
-        q_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=24,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=4,
-        topk_group=2,
-        moe_intermediate_size=16,
-        first_k_dense_replace=1,
+        **DEEPSEEK_V3,
     )
     prompts = [list(range(100, 121)), list(range(900, 907)), [5]]  # (short: the interpreter is slow)
 

@@ -35,7 +35,11 @@ def layer_norm_eps(cfg: dict[str, Any]) -> float:
 
 class ParallelDecoderLayer(LlamaDecoderLayer):
     """Llama's layer protocol (it takes the residual stream as `hidden + residual` and returns its own
-    pair) with attention and the MLP reading the same normed input, their outputs added together."""
+    pair) with attention and the MLP reading the same input, normed, their outputs added together:
+    normed once for both (Cohere's, StableLM's, Phi-2's), or each by a norm of its own where
+    `mlp_norm_of_its_own` (`mlp_layernorm`: GPT-NeoX's checkpoints call it post_attention_layernorm)."""
+
+    mlp_norm_of_its_own = False
 
     def __init__(
         self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
@@ -44,6 +48,7 @@ class ParallelDecoderLayer(LlamaDecoderLayer):
         self.self_attn = self.attention_class(cfg, backend, options, layer_index)
         self.mlp = self.dense_mlp(cfg)
         self.input_layernorm = self.norm(cfg)
+        self.mlp_layernorm = self.norm(cfg) if self.mlp_norm_of_its_own else None
 
     def norm(self, cfg: dict[str, Any]) -> RMSNorm:
         """Cohere's LayerNorm: no bias (StableLM's parallel layers have one)."""
@@ -58,7 +63,8 @@ class ParallelDecoderLayer(LlamaDecoderLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         stream = hidden if residual is None else residual + hidden
         normed = cast(torch.Tensor, self.input_layernorm(stream))
-        return self.self_attn(rotary, normed, metadata) + self.mlp(normed), stream
+        mlp_normed = normed if self.mlp_layernorm is None else self.mlp_layernorm(stream)
+        return self.self_attn(rotary, normed, metadata) + self.mlp(mlp_normed), stream
 
 
 class Cohere2ForCausalLM(LlamaForCausalLM):

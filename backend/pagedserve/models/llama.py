@@ -276,6 +276,8 @@ class LlamaForCausalLM(nn.Module):
     }
     qk_norm = False  # Qwen3's RMSNorm of each query and key head
     rotates_part_of_a_head = False  # Phi-3's `partial_rotary_factor`: the first part of each head turns
+    # the config class's partial_rotary_factor where config.json names none (GLM-4's 0.5...; None: 1)
+    default_partial_rotary: float | None = None
     decoder_layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer  # OLMo's put their norms elsewhere
     # ERNIE 4.5's and GLM-4's rotary turns neighbouring dimensions, (x0, x1), (x2, x3), ... (GPT-J's):
     # their q and k rows are reordered on load (`checkpoint_rows`) so that NeoX's rotation does the same
@@ -309,11 +311,14 @@ class LlamaForCausalLM(nn.Module):
         """Llama's: none (transformers' Llama reads no multiplier a config.json might carry)."""
         return Scales()
 
-    @staticmethod
-    def rope_config(cfg: dict[str, Any]) -> dict[str, Any]:
-        """The config `rotary_emb` reads its rope from: config.json itself (OLMo 3's global layers have
-        one of their own)."""
-        return cfg
+    @classmethod
+    def rope_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """The config `rotary_emb` reads its rope from: config.json itself, with the config class's
+        `default_partial_rotary` where it names no partial_rotary_factor (OLMo 3's global layers have
+        a rope of their own)."""
+        if cls.default_partial_rotary is None or "partial_rotary_factor" in rope_parameters(cfg):
+            return cfg
+        return {**cfg, "partial_rotary_factor": cls.default_partial_rotary}
 
     @staticmethod
     def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
@@ -564,19 +569,22 @@ class GraniteMoeHybridForCausalLM(GraniteForCausalLM):
         return [cfg.get("position_embedding_type") == "rope"] * cfg["num_hidden_layers"]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(self._unfused(weights))
+        super().load_weights(granite_shared_mlp(weights, "mlp"))
 
-    @staticmethod
-    def _unfused(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The shared MLP's tensors under Llama's names: `input_linear` [2 x intermediate, hidden] is gate
-        then up."""
-        for name, tensor in weights:
-            if name.endswith(".shared_mlp.input_linear.weight"):
-                gate, up = tensor.chunk(2)
-                yield name.replace("shared_mlp.input_linear", "mlp.gate_proj"), gate
-                yield name.replace("shared_mlp.input_linear", "mlp.up_proj"), up
-            else:
-                yield name.replace(".shared_mlp.output_linear.", ".mlp.down_proj."), tensor
+
+def granite_shared_mlp(
+    weights: Iterable[tuple[str, torch.Tensor]], ours: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Granite's `shared_mlp` tensors under Llama's names in our module `ours` (Granite 4.0's dense
+    MLP, `mlp`; Granite MoE's shared expert, `mlp.shared_expert`): `input_linear` [2 x intermediate,
+    hidden] is gate then up, `output_linear` down."""
+    for name, tensor in weights:
+        if name.endswith(".shared_mlp.input_linear.weight"):
+            gate, up = tensor.chunk(2)
+            yield name.replace("shared_mlp.input_linear", f"{ours}.gate_proj"), gate
+            yield name.replace("shared_mlp.input_linear", f"{ours}.up_proj"), up
+        else:
+            yield name.replace(".shared_mlp.output_linear.", f".{ours}.down_proj."), tensor
 
 
 def _check_attention_only(cfg: dict[str, Any]) -> None:
@@ -720,17 +728,11 @@ class Glm4ForCausalLM(Phi3ForCausalLM):
 
     decoder_layer_class = Glm4DecoderLayer
     interleaved_rotary = True
+    default_partial_rotary = 0.5  # Glm4Config's
 
     @staticmethod
     def attention_biases(cfg: dict[str, Any]) -> Biases:
         return bool(cfg.get("attention_bias", True)), False
-
-    @staticmethod
-    def rope_config(cfg: dict[str, Any]) -> dict[str, Any]:
-        """Glm4Config's partial_rotary_factor (0.5) where config.json names none."""
-        if "partial_rotary_factor" in rope_parameters(cfg):
-            return cfg
-        return {**cfg, "partial_rotary_factor": 0.5}
 
 
 class Exaone4ForCausalLM(LlamaForCausalLM):
@@ -752,12 +754,6 @@ class Exaone4ForCausalLM(LlamaForCausalLM):
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
     """Llama's layout with no rotary in some layers (NoPE; by default every fourth)."""
-
-    @staticmethod
-    def rope_config(cfg: dict[str, Any]) -> dict[str, Any]:
-        """The config `rotary_emb` reads its rope from: config.json itself (OLMo 3's global layers have
-        one of their own)."""
-        return cfg
 
     @staticmethod
     def rotary_layers(cfg: dict[str, Any]) -> list[bool]:

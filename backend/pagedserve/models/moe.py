@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from pagedserve.config import rope_parameters
 from pagedserve.layers.attention import AttentionBackend
 from pagedserve.layers.moe import Experts
 from pagedserve.models.llama import (
@@ -31,6 +30,7 @@ from pagedserve.models.llama import (
     LayerOptions,
     LlamaForCausalLM,
     check_silu,
+    granite_shared_mlp,
 )
 
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -164,19 +164,7 @@ class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
         ]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_granite_shared_names(weights))
-
-
-def _granite_shared_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The shared MLP's tensors as our shared expert's: `input_linear` [2 x shared, hidden] is gate
-    then up, `output_linear` down."""
-    for name, tensor in weights:
-        if name.endswith(".shared_mlp.input_linear.weight"):
-            gate, up = tensor.chunk(2)
-            yield name.replace("shared_mlp.input_linear", "mlp.shared_expert.gate_proj"), gate
-            yield name.replace("shared_mlp.input_linear", "mlp.shared_expert.up_proj"), up
-        else:
-            yield name.replace(".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."), tensor
+        super().load_weights(granite_shared_mlp(weights, "mlp.shared_expert"))
 
 
 class Qwen2MoeForCausalLM(MoeForCausalLM):
@@ -201,17 +189,13 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
     Glm4MoeConfig's defaults where config.json leaves a key out. The checkpoint's next-token
     prediction layers (past `num_hidden_layers`) are not loaded."""
 
+    default_partial_rotary = 0.5  # Glm4MoeConfig's
+
     rotates_part_of_a_head = True
 
     @staticmethod
     def attention_biases(cfg: dict[str, Any]) -> Biases:
         return bool(cfg.get("attention_bias", False)), False
-
-    @staticmethod
-    def rope_config(cfg: dict[str, Any]) -> dict[str, Any]:
-        if "partial_rotary_factor" in rope_parameters(cfg):
-            return cfg
-        return {**cfg, "partial_rotary_factor": 0.5}
 
     def layer_options(self, cfg: dict[str, Any]) -> list[LayerOptions]:
         qk_norm = bool(cfg.get("use_qk_norm", False))

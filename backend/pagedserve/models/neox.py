@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
+from torch import nn
 
 from pagedserve.config import rope_parameters
-from pagedserve.layers.attention import AttentionBackend, AttentionMetadata
+from pagedserve.layers.attention import AttentionBackend
 from pagedserve.layers.norm import LayerNorm, RMSNorm
 from pagedserve.models.cohere import ParallelDecoderLayer
-from pagedserve.models.llama import Biases, LlamaDecoderLayer, LlamaForCausalLM, Rotary
-from pagedserve.models.ungated import LayerNormDecoderLayer, UngatedDecoderLayer, UngatedForCausalLM
+from pagedserve.models.llama import Biases, LlamaDecoderLayer, LlamaForCausalLM
+from pagedserve.models.ungated import LayerNormDecoderLayer, UngatedForCausalLM, UngatedMLP
 
 
 def layer_norm(cfg: dict[str, Any]) -> LayerNorm:
@@ -49,6 +50,7 @@ class StableLmForCausalLM(LlamaForCausalLM):
     Per-head LayerNorms of q and k (`qk_layernorm`, StableLM 2 12B's) are refused by name."""
 
     rotates_part_of_a_head = True
+    default_partial_rotary = 0.25  # StableLmConfig's
     decoder_layer_class: type[LlamaDecoderLayer] = StableLmDecoderLayer
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
@@ -65,32 +67,19 @@ class StableLmForCausalLM(LlamaForCausalLM):
     def attention_biases(cfg: dict[str, Any]) -> Biases:
         return bool(cfg.get("use_qkv_bias", False)), False
 
-    @staticmethod
-    def rope_config(cfg: dict[str, Any]) -> dict[str, Any]:
-        """StableLmConfig's partial_rotary_factor (0.25) where config.json names none."""
-        if "partial_rotary_factor" in rope_parameters(cfg):
-            return cfg
-        return {**cfg, "partial_rotary_factor": 0.25}
 
+class GPTNeoXParallelDecoderLayer(ParallelDecoderLayer):
+    """GPT-NeoX's layer: attention on `input_layernorm`'s output and the ungated MLP on
+    `mlp_layernorm`'s (the checkpoint's post_attention_layernorm), both of the same input, both
+    outputs added to it at once."""
 
-class GPTNeoXParallelDecoderLayer(UngatedDecoderLayer):
-    """GPT-NeoX's layer: attention on `input_layernorm`'s output and the MLP on
-    `post_attention_layernorm`'s, both of the same input, both outputs added to it at once. Llama's
-    layer protocol (it takes the residual stream as `hidden + residual` and returns its own pair)."""
+    mlp_norm_of_its_own = True
+
+    def dense_mlp(self, cfg: dict[str, Any]) -> nn.Module:
+        return UngatedMLP(cfg)
 
     def norm(self, cfg: dict[str, Any]) -> RMSNorm:
-        return LayerNorm(cfg["hidden_size"], float(cfg.get("layer_norm_eps", 1e-5)))
-
-    def forward(
-        self,
-        rotary: Rotary,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = hidden if residual is None else residual + hidden
-        attended = self.self_attn(rotary, cast(torch.Tensor, self.input_layernorm(stream)), metadata)
-        return attended + self.mlp(cast(torch.Tensor, self.post_attention_layernorm(stream))), stream
+        return layer_norm(cfg)
 
 
 # GPT-NeoX's checkpoint names -> Llama's (the fused query_key_value is cut in `_gpt_neox_names`)
@@ -103,6 +92,8 @@ _GPT_NEOX_NAMES = [
     (re.compile(r"\.mlp\.dense_h_to_4h\."), ".mlp.up_proj."),
     (re.compile(r"\.mlp\.dense_4h_to_h\."), ".mlp.down_proj."),
 ]
+# the parallel layer's second norm, before the MLP (`ParallelDecoderLayer.mlp_layernorm`)
+_MLP_NORM = (re.compile(r"\.post_attention_layernorm\."), ".mlp_layernorm.")
 
 
 class GPTNeoXForCausalLM(UngatedForCausalLM):
@@ -154,6 +145,8 @@ class GPTNeoXForCausalLM(UngatedForCausalLM):
                 continue
             for pattern, replacement in _GPT_NEOX_NAMES:
                 name = pattern.sub(replacement, name)
+            if self.decoder_layer_class is GPTNeoXParallelDecoderLayer:
+                name = _MLP_NORM[0].sub(_MLP_NORM[1], name)
             if ".attention.query_key_value." not in name:
                 yield name, tensor
                 continue

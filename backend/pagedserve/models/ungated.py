@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.config import rope_parameters
 from pagedserve.layers.attention import AttentionBackend
 from pagedserve.layers.embedding import ParallelLMHead
 from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -142,19 +141,13 @@ class NemotronForCausalLM(UngatedForCausalLM):
 
     decoder_layer_class = LayerNorm1PDecoderLayer
     rotates_part_of_a_head = True
+    default_partial_rotary = 0.5  # NemotronConfig's
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
         eps = float(cfg.get("norm_eps", 1e-5))
         cfg = {**cfg, "rms_norm_eps": eps, "hidden_act": cfg.get("hidden_act", "relu2")}
         super().__init__(cfg, max_position, backend)
         self.norm = LayerNorm(cfg["hidden_size"], eps, weight_offset=1.0)
-
-    @staticmethod
-    def rope_config(cfg: dict[str, Any]) -> dict[str, Any]:
-        """NemotronConfig's partial_rotary_factor (0.5) where config.json names none."""
-        if "partial_rotary_factor" in rope_parameters(cfg):
-            return cfg
-        return {**cfg, "partial_rotary_factor": 0.5}
 
 
 class Starcoder2ForCausalLM(UngatedForCausalLM):
@@ -230,6 +223,7 @@ class PhiForCausalLM(UngatedForCausalLM):
 
     decoder_layer_class = PhiDecoderLayer
     rotates_part_of_a_head = True
+    default_partial_rotary = 0.5  # PhiConfig's
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
         if cfg.get("qk_layernorm"):
@@ -245,13 +239,6 @@ class PhiForCausalLM(UngatedForCausalLM):
     @staticmethod
     def attention_biases(cfg: dict[str, Any]) -> Biases:
         return True, True
-
-    @staticmethod
-    def rope_config(cfg: dict[str, Any]) -> dict[str, Any]:
-        """PhiConfig's partial_rotary_factor (0.5) where config.json names none."""
-        if "partial_rotary_factor" in rope_parameters(cfg):
-            return cfg
-        return {**cfg, "partial_rotary_factor": 0.5}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(
