@@ -124,7 +124,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
             if name.endswith("norm.weight") and type(model).__name__.startswith("Gemma"):
                 param.normal_(0.0, 0.5)  # Gemma scales by 1 + weight: zeros would hide the weight
             elif name.endswith("norm.weight") and type(model).__name__.startswith(
-                ("Olmo", "Starcoder2", "StableLm", "GPTNeoX", "PhiForCausalLM")
+                ("Olmo", "Starcoder2", "StableLm", "GPTNeoX", "PhiForCausalLM", "Jais2")
             ):
                 param.normal_(
                     1.0, 0.5

@@ -432,6 +432,7 @@ _DEFAULT_THETA = {
     "Ernie4_5ForCausalLM": 500_000.0,
     "Ernie4_5_MoeForCausalLM": 500_000.0,
     "ApertusForCausalLM": 12_000_000.0,
+    "SolarOpenForCausalLM": 1_000_000.0,
 }
 # where it names no rope parameters at all, the config class's (GptOssConfig's YaRN)
 _DEFAULT_ROPE: dict[str, dict[str, Any]] = {

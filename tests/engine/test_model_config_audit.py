@@ -51,6 +51,7 @@ from transformers import (
     GraniteMoeSharedConfig,
     HunYuanDenseV1Config,
     InternLM3Config,
+    Jais2Config,
     MiniCPM3Config,
     Ministral3Config,
     MistralConfig,
@@ -67,6 +68,7 @@ from transformers import (
     Qwen3MoeConfig,
     SeedOssConfig,
     SmolLM3Config,
+    SolarOpenConfig,
     StableLmConfig,
     Starcoder2Config,
 )
@@ -165,6 +167,8 @@ NOT_DECODE_LAYERS = {
     "gpt-neox-parallel-its-own-rope-names",
     "gpt-neox-sequential",
     "phi2-parallel-biased-head",
+    "jais2-layernorms-relu2-default-biases",
+    "solar-open-every-layer-experts-default-theta",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
@@ -760,6 +764,27 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             **NEOX, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.4}
         ),
         None,
+    ),
+    # Inception's Jais 2: LayerNorms, an ungated ReLU² MLP, every projection biased (Jais2Config's
+    # defaults, config.json naming neither bias)
+    "jais2-layernorms-relu2-default-biases": (
+        lambda: Jais2Config(**TINY, head_dim=16),
+        drop("attention_bias", "mlp_bias"),
+    ),
+    # Upstage's Solar Open: every layer 2 of 8 experts routed as DeepSeek-V3's in 2 of 4 groups beside a
+    # shared one, q, k and v biased (o not), theta 1e6 (SolarOpenConfig's, config.json naming none)
+    "solar-open-every-layer-experts-default-theta": (
+        lambda: SolarOpenConfig(
+            **TINY,
+            head_dim=16,
+            attention_bias=True,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            moe_intermediate_size=16,
+        ),
+        drop("rope_parameters"),
     ),
     # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
     "smollm3-nope-layer-1": (lambda: SmolLM3Config(**TINY, no_rope_layers=[1, 0]), None),

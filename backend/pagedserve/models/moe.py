@@ -369,3 +369,31 @@ class Dots1ForCausalLM(Qwen3MoeForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(deepseek_v3_names(weights, len(self.layers)))
+
+
+SOLAR_OPEN_EXPERTS = {
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 1280,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True,
+}
+
+
+class SolarOpenForCausalLM(MoeForCausalLM):
+    """Upstage's Solar Open: Llama's layer with q, k and v biased by `attention_bias` (o never), every
+    MLP DeepSeek-V3's experts (`grouped_sigmoid_experts`, SolarOpenConfig's defaults) beside a shared
+    one; theta 1,000,000 by default."""
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        return bool(cfg.get("attention_bias", False)), False
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        return [grouped_sigmoid_experts(cfg, SOLAR_OPEN_EXPERTS)] * cfg["num_hidden_layers"]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(deepseek_v3_names(weights, len(self.layers)))

@@ -36,12 +36,14 @@ from pagedserve.models.moe import (
     MixtralForCausalLM,
     Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM,
+    SolarOpenForCausalLM,
 )
 from pagedserve.models.neox import GPTNeoXForCausalLM, StableLmForCausalLM
 from pagedserve.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from pagedserve.models.ungated import (
     ApertusForCausalLM,
     ArceeForCausalLM,
+    Jais2ForCausalLM,
     NemotronForCausalLM,
     PhiForCausalLM,
     Starcoder2ForCausalLM,
@@ -74,6 +76,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "NemotronForCausalLM": NemotronForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "ApertusForCausalLM": ApertusForCausalLM,
+    "Jais2ForCausalLM": Jais2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
@@ -85,6 +88,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
+    "SolarOpenForCausalLM": SolarOpenForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,

@@ -6,6 +6,7 @@ beside the up projection), as transformers' NemotronMLP and Starcoder2MLP comput
   stored less 1 (LayerNorm1P), the rope over the first half of each head by default.
 - BigCode's StarCoder2: GELU (tanh approximation), LayerNorms, every projection biased by `use_bias`,
   a window in every layer where config.json sets `sliding_window`, the LM head tied by default.
+- Inception's Jais 2: LayerNorms, ReLU², every projection biased.
 - Swiss AI's Apertus: xIELU (`XIELU`, an activation with learned parameters of its own a layer),
   each query and key head RMS-normed before the rotation (Qwen3's), its norms stored under names of
   their own.
@@ -179,6 +180,30 @@ class Starcoder2ForCausalLM(UngatedForCausalLM):
             (name.replace(".mlp.c_fc.", ".mlp.up_proj.").replace(".mlp.c_proj.", ".mlp.down_proj."), tensor)
             for name, tensor in weights
         )
+
+
+class Jais2ForCausalLM(UngatedForCausalLM):
+    """Inception's Jais 2: Llama's layer with LayerNorms (with a bias, eps `layer_norm_eps`), every
+    projection biased (`attention_bias`, `mlp_bias`: on by default), an ungated ReLU² MLP (Jais2Config's
+    defaults)."""
+
+    decoder_layer_class = LayerNormDecoderLayer
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        eps = float(cfg.get("layer_norm_eps", 1e-5))
+        cfg = {
+            **cfg,
+            "rms_norm_eps": eps,
+            "mlp_bias": cfg.get("mlp_bias", True),
+            "hidden_act": cfg.get("hidden_act", "relu2"),
+        }
+        super().__init__(cfg, max_position, backend)
+        self.norm = LayerNorm(cfg["hidden_size"], eps)
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        bias = bool(cfg.get("attention_bias", True))
+        return bias, bias
 
 
 class ApertusForCausalLM(UngatedForCausalLM):
