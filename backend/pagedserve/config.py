@@ -302,6 +302,7 @@ _WINDOW_ON_UNLESS_OFF = (
     "Olmo3ForCausalLM",
     "Ministral3ForCausalLM",
     "Exaone4ForCausalLM",
+    "ExaoneMoeForCausalLM",
     "Cohere2ForCausalLM",
     "Starcoder2ForCausalLM",
     "Dots1ForCausalLM",
@@ -323,6 +324,7 @@ _WINDOW_IN_SOME_LAYERS = (
     "GptOssForCausalLM",
     "Olmo3ForCausalLM",
     "Exaone4ForCausalLM",
+    "ExaoneMoeForCausalLM",
     "Cohere2ForCausalLM",
     "Dots1ForCausalLM",
 )
@@ -334,6 +336,7 @@ _DEFAULT_WINDOW = {
     "GptOssForCausalLM": 128,
     "Olmo3ForCausalLM": 4096,
     "Exaone4ForCausalLM": 4096,
+    "ExaoneMoeForCausalLM": 4096,
     "Cohere2ForCausalLM": 4096,
     "Dots1ForCausalLM": 4096,
 }
@@ -388,7 +391,10 @@ def default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
         patterns[architecture] = hf.get("sliding_window_pattern", 4)
     if architecture == "Gemma3ForCausalLM":
         patterns[architecture] = hf.get("sliding_window_pattern", 6)
-    if architecture == "Exaone4ForCausalLM":  # (its docs' "LLLG": three local, then a global)
+    if architecture in (
+        "Exaone4ForCausalLM",
+        "ExaoneMoeForCausalLM",
+    ):  # (the docs' "LLLG": three local, a global)
         pattern = hf.get("sliding_window_pattern", 4)
         patterns[architecture] = len(pattern) if isinstance(pattern, str) else pattern
     if architecture in patterns:

@@ -37,6 +37,7 @@ from transformers import (
     Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
+    ExaoneMoeConfig,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -169,6 +170,7 @@ NOT_DECODE_LAYERS = {
     "phi2-parallel-biased-head",
     "jais2-layernorms-relu2-default-biases",
     "solar-open-every-layer-experts-default-theta",
+    "exaone-moe-sliding-nope-global-experts-from-layer-1",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
@@ -785,6 +787,27 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             moe_intermediate_size=16,
         ),
         drop("rope_parameters"),
+    ),
+    # LG's K-EXAONE: EXAONE 4.0's attention (head norms, layers 0-2 sliding by 24 with the rope, layer 3
+    # global without it) in Llama's pre-norm layer, layer 0 dense and the rest 2 of 8 experts in 2 of 4
+    # groups beside a shared one (config.json naming no layer_types, mlp_layer_types or
+    # first_k_dense_replace). Routed
+    # weights unscaled: at ExaoneMoeConfig's 2.5 a bfloat16 step meets a near-tie (0.06) on one prompt,
+    # and past it a context where transformers' bfloat16 forward picks, as ours does, a token 2.5 below
+    # its float32 best
+    "exaone-moe-sliding-nope-global-experts-from-layer-1": (
+        lambda: ExaoneMoeConfig(
+            **{**TINY, "num_hidden_layers": 4},
+            head_dim=16,
+            sliding_window=24,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.0,
+        ),
+        drop("layer_types", "mlp_layer_types", "first_k_dense_replace"),
     ),
     # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
     "smollm3-nope-layer-1": (lambda: SmolLM3Config(**TINY, no_rope_layers=[1, 0]), None),

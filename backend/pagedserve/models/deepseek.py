@@ -38,7 +38,7 @@ from pagedserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, Row
 from pagedserve.layers.moe import Experts
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.models.llama import LayerOptions, LlamaAttention, LlamaDecoderLayer, Rotary, Scales
-from pagedserve.models.moe import MoeForCausalLM, deepseek_v3_names, grouped_sigmoid_experts
+from pagedserve.models.moe import MoeForCausalLM, deepseek_v3_names, grouped_sigmoid_experts, sparse_by_kind
 
 # the latents' norms (q_a_layernorm, kv_a_layernorm) take RMSNorm's default eps in DeepSeek's code and
 # transformers', whatever rms_norm_eps says
@@ -301,20 +301,8 @@ class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
 
     def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
         spec = grouped_sigmoid_experts(cfg, GLM4_MOE_LITE_EXPERTS)
-        kinds = cfg.get("mlp_layer_types")
-        if kinds is None:
-            return [spec if sparse else None for sparse in self.sparse_layers(cfg, first_dense=1)]
-        if not (isinstance(kinds, list) and len(kinds) == cfg["num_hidden_layers"]):
-            raise ValueError(
-                f"model: config.json's mlp_layer_types must list one kind a layer "
-                f"({cfg['num_hidden_layers']}), got {str(kinds)[:100]}"
-            )
-        for number, kind in enumerate(kinds):
-            if kind not in ("dense", "sparse"):
-                raise ValueError(
-                    f"model: config.json's mlp_layer_types: layer {number} is {kind!r} (dense or sparse)"
-                )
-        return [spec if kind == "sparse" else None for kind in kinds]
+        sparse = sparse_by_kind(cfg, self.sparse_layers(cfg, first_dense=1))
+        return [spec if is_sparse else None for is_sparse in sparse]
 
 
 class MiniCPM3ForCausalLM(DeepseekV2ForCausalLM):

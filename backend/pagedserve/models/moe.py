@@ -26,6 +26,7 @@ from pagedserve.layers.moe import Experts
 from pagedserve.models.llama import (
     Biases,
     Ernie4_5ForCausalLM,
+    Exaone4ForCausalLM,
     GraniteForCausalLM,
     LayerOptions,
     LlamaForCausalLM,
@@ -397,3 +398,63 @@ class SolarOpenForCausalLM(MoeForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(deepseek_v3_names(weights, len(self.layers)))
+
+
+def sparse_by_kind(cfg: dict[str, Any], otherwise: list[bool]) -> list[bool]:
+    """Which layers' MLPs are experts by `mlp_layer_types` ("dense" or "sparse" a layer: GLM-4.7-Flash's,
+    K-EXAONE's), `otherwise` where config.json names none."""
+    kinds = cfg.get("mlp_layer_types")
+    if kinds is None:
+        return otherwise
+    if not (isinstance(kinds, list) and len(kinds) == cfg["num_hidden_layers"]):
+        raise ValueError(
+            f"model: config.json's mlp_layer_types must list one kind a layer "
+            f"({cfg['num_hidden_layers']}), got {str(kinds)[:100]}"
+        )
+    for number, kind in enumerate(kinds):
+        if kind not in ("dense", "sparse"):
+            raise ValueError(
+                f"model: config.json's mlp_layer_types: layer {number} is {kind!r} (dense or sparse)"
+            )
+    return [kind == "sparse" for kind in kinds]
+
+
+EXAONE_MOE_EXPERTS = {
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 1024,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+}
+
+
+class ExaoneMoeForCausalLM(MoeForCausalLM):
+    """LG's K-EXAONE (ExaoneMoe): EXAONE 4.0's attention (each query and key head normed, three sliding
+    layers to one global, the global ones without rope where there is a window) in Llama's pre-norm
+    layer (OLMoE's, not EXAONE 4.0's norms after); the MLPs dense or DeepSeek-V3's experts
+    (`grouped_sigmoid_experts`: `num_experts`, `num_shared_experts`) by `mlp_layer_types`, else the
+    first `first_k_dense_replace` (1) dense; ExaoneMoeConfig's defaults. The checkpoint's next-token
+    prediction tensors (`mtp.*`) are not loaded."""
+
+    qk_norm = True
+    rotary_layers = staticmethod(Exaone4ForCausalLM.rotary_layers)
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        names = {
+            "n_routed_experts": cfg.get("num_experts", 64),
+            "n_shared_experts": cfg.get("num_shared_experts", 1),
+        }
+        spec = grouped_sigmoid_experts({**cfg, **names}, EXAONE_MOE_EXPERTS)
+        dense = int(cfg.get("first_k_dense_replace", 1))
+        sparse = sparse_by_kind(cfg, [i >= dense for i in range(cfg["num_hidden_layers"])])
+        return [spec if is_sparse else None for is_sparse in sparse]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(
+            deepseek_v3_names(
+                ((n, t) for n, t in weights if not n.startswith(("mtp.", "model.mtp."))), len(self.layers)
+            )
+        )

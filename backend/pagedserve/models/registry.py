@@ -30,6 +30,7 @@ from pagedserve.models.llama import (
 from pagedserve.models.moe import (
     Dots1ForCausalLM,
     Ernie4_5_MoeForCausalLM,
+    ExaoneMoeForCausalLM,
     Glm4MoeForCausalLM,
     GraniteMoeForCausalLM,
     GraniteMoeSharedForCausalLM,
@@ -89,6 +90,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
     "SolarOpenForCausalLM": SolarOpenForCausalLM,
+    "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
