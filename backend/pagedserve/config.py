@@ -237,7 +237,8 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
     them in. Gemma 3 4B, 12B, 27B (`Gemma3ForConditionalGeneration`) as a `Gemma3ForCausalLM`;
     Mistral Small 3.1 and 3.2, Magistral Small, Devstral Small (`Mistral3ForConditionalGeneration`
     with a Mistral text config) as a `MistralForCausalLM`, Ministral 3 (the same with a `ministral3`
-    one) as a `Ministral3ForCausalLM`. Any other config as it is."""
+    one) as a `Ministral3ForCausalLM`; Qwen2-VL and Qwen2.5-VL as a `Qwen2ForCausalLM`, Qwen3-VL (dense) as
+    a `Qwen3ForCausalLM`, their M-RoPE as one rope. Any other config as it is."""
     architecture = architecture_of(hf)
     if architecture == "Gemma3ForConditionalGeneration":
         from transformers import Gemma3TextConfig
@@ -253,10 +254,31 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
         text["architectures"] = [
             "Ministral3ForCausalLM" if text_config.model_type == "ministral3" else "MistralForCausalLM"
         ]
+    elif architecture in _QWEN_VL:
+        import transformers
+
+        config_class, served = _QWEN_VL[architecture]
+        outer = getattr(transformers, config_class)(**hf)
+        text = outer.text_config.to_dict()
+        text["architectures"] = [served]
+        # transformers ties the LM head by the outer config's tie_word_embeddings (Qwen3-VL-2B's, 4B's)
+        text["tie_word_embeddings"] = bool(outer.tie_word_embeddings)
+        # (M-RoPE turns a text token's time, height and width sections by its one position, as one rope
+        # does: transformers' config class gives it rope_type default, its sections beside, unread here)
     else:
         return hf
     logger.info("%s: its text decoder is served (%s), not images", architecture, text["architectures"][0])
     return text
+
+
+# Qwen's vision-language checkpoints -> (their config class, the text model served)
+_QWEN_VL = {
+    "Qwen2VLForConditionalGeneration": ("Qwen2VLConfig", "Qwen2ForCausalLM"),
+    "Qwen2_5_VLForConditionalGeneration": ("Qwen2_5_VLConfig", "Qwen2ForCausalLM"),
+    "Qwen3VLForConditionalGeneration": ("Qwen3VLConfig", "Qwen3ForCausalLM"),
+}
+# the multimodal architectures whose text decoder is served (`text_decoder_config`)
+MULTIMODAL_TEXT_DECODERS = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration", *_QWEN_VL)
 
 
 def _max_model_len(hf: dict[str, Any], requested: int | None) -> int:

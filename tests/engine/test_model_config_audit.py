@@ -1150,6 +1150,88 @@ def test_a_mistral3_multimodal_checkpoint_serves_its_text_decoder(
     assert_greedy_equal(model, prompts, greedy(llm, prompts, MAX_TOKENS), theirs)
 
 
+def qwen_vl_multimodal(root: Path, tokenizer_dir: str, family: str, tie: bool) -> str:
+    """A tiny Qwen2.5-VL or Qwen3-VL: TINY's decoder (Qwen2's biases; Qwen3's head norms) beside a
+    one-layer vision tower, saved as transformers 5 saves it (`model.language_model.*`, `model.visual.*`),
+    its LM head tied where `tie` (the outer config's, as Qwen3-VL-2B and 4B ship)."""
+    import transformers
+
+    text = {**TINY, "head_dim": 16}
+    if family == "qwen3-vl":
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5, "mrope_section": [2, 3, 3]}
+        vision = {
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+        }
+        vision["deepstack_visual_indexes"] = [0]
+        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie)
+    else:
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
+        vision = {
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+        }
+        config = transformers.Qwen2_5_VLConfig(
+            text_config=text, vision_config=vision, tie_word_embeddings=tie
+        )
+    return save_tiny_model(root, tokenizer_dir, config)
+
+
+def qwen_vl_as_the_hub_lays_it_out(model_dir: str) -> None:
+    """Qwen2.5-VL's files on the Hub (transformers 4's layout): the language model under `model.*`, the
+    vision tower under `visual.*`; the text config's keys at the top of config.json, its M-RoPE as
+    `rope_scaling` {"type": "mrope", "mrope_section": ...} beside `rope_theta`."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    renamed = {
+        name.replace("model.language_model.", "model.").replace("model.visual.", "visual."): tensor
+        for name, tensor in weights.items()
+    }
+    assert any(name.startswith("visual.") for name in renamed)
+    save_file(renamed, str(Path(model_dir) / "model.safetensors"), metadata={"format": "pt"})
+    config_file = Path(model_dir) / "config.json"
+    config = json.loads(config_file.read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    text.update(
+        rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]}
+    )
+    config.update({key: value for key, value in text.items() if key not in ("model_type", "architectures")})
+    config_file.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("family", "architecture", "tie", "layout"),
+    [
+        ("qwen3-vl", "Qwen3ForCausalLM", True, "transformers-5"),
+        ("qwen2.5-vl", "Qwen2ForCausalLM", False, "transformers-5"),
+        ("qwen2.5-vl", "Qwen2ForCausalLM", False, "hub"),
+    ],
+    ids=["qwen3-vl-tied", "qwen2.5-vl", "qwen2.5-vl-hub-layout"],
+)
+def test_a_qwen_vl_checkpoint_serves_its_text_decoder(
+    tmp_path: Path, default_model_dir: str, family: str, architecture: str, tie: bool, layout: str
+) -> None:
+    """Qwen2.5-VL and Qwen3-VL: their text decoder is served (Qwen2's, Qwen3's), its tokens and logprobs
+    transformers' own multimodal model's on text prompts, whose M-RoPE turns every section of a head by
+    the token's one position; the vision tower left out."""
+    model_dir = qwen_vl_multimodal(tmp_path / family, default_model_dir, family, tie)
+    prompts = long_prompts()
+    model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert type(model).__name__.endswith("ForConditionalGeneration")
+    if layout == "hub":
+        qwen_vl_as_the_hub_lays_it_out(model_dir)
+    llm = assert_float32_matches(model_dir, model, prompts, theirs)
+    assert llm.engine.config.model.architecture == architecture
+
+
 # --- mixtures of experts -----------------------------------------------------------------------------
 
 
