@@ -238,7 +238,8 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
     Mistral Small 3.1 and 3.2, Magistral Small, Devstral Small (`Mistral3ForConditionalGeneration`
     with a Mistral text config) as a `MistralForCausalLM`, Ministral 3 (the same with a `ministral3`
     one) as a `Ministral3ForCausalLM`; Qwen2-VL and Qwen2.5-VL as a `Qwen2ForCausalLM`, Qwen3-VL (dense) as
-    a `Qwen3ForCausalLM`, their M-RoPE as one rope. Any other config as it is."""
+    a `Qwen3ForCausalLM`, Qwen3-VL-MoE as a `Qwen3MoeForCausalLM`, their M-RoPE as one rope. Any other
+    config as it is."""
     architecture = architecture_of(hf)
     if architecture == "Gemma3ForConditionalGeneration":
         from transformers import Gemma3TextConfig
@@ -261,6 +262,8 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
         outer = getattr(transformers, config_class)(**hf)
         text = outer.text_config.to_dict()
         text["architectures"] = [served]
+        if served == "Qwen3MoeForCausalLM":  # (Qwen3-VL-MoE's router renormalizes, whatever the config says)
+            text["norm_topk_prob"] = True
         # transformers ties the LM head by the outer config's tie_word_embeddings (Qwen3-VL-2B's, 4B's)
         text["tie_word_embeddings"] = bool(outer.tie_word_embeddings)
         # (M-RoPE turns a text token's time, height and width sections by its one position, as one rope
@@ -276,6 +279,7 @@ _QWEN_VL = {
     "Qwen2VLForConditionalGeneration": ("Qwen2VLConfig", "Qwen2ForCausalLM"),
     "Qwen2_5_VLForConditionalGeneration": ("Qwen2_5_VLConfig", "Qwen2ForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("Qwen3VLConfig", "Qwen3ForCausalLM"),
+    "Qwen3VLMoeForConditionalGeneration": ("Qwen3VLMoeConfig", "Qwen3MoeForCausalLM"),
 }
 # the multimodal architectures whose text decoder is served (`text_decoder_config`)
 MULTIMODAL_TEXT_DECODERS = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration", *_QWEN_VL)

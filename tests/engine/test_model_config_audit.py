@@ -1157,7 +1157,21 @@ def qwen_vl_multimodal(root: Path, tokenizer_dir: str, family: str, tie: bool) -
     import transformers
 
     text = {**TINY, "head_dim": 16}
-    if family == "qwen3-vl":
+    if family == "qwen3-vl-moe":
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5, "mrope_section": [2, 3, 3]}
+        vision = {
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+        }
+        vision["deepstack_visual_indexes"] = [0]
+        config = transformers.Qwen3VLMoeConfig(
+            text_config=text, vision_config=vision, tie_word_embeddings=tie
+        )
+    elif family == "qwen3-vl":
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5, "mrope_section": [2, 3, 3]}
         vision = {
             "depth": 1,
@@ -1207,26 +1221,48 @@ def qwen_vl_as_the_hub_lays_it_out(model_dir: str) -> None:
     config_file.write_text(json.dumps(config))
 
 
+def qwen3_vl_moe_experts_as_the_hub_stores_them(model_dir: str) -> None:
+    """Qwen3-VL-MoE's checkpoints store the stacked experts input by output (gate_up [experts, hidden,
+    2 x intermediate], down [experts, intermediate, hidden]), transformers holds them output by input."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    turned = {
+        name: tensor.transpose(1, 2).contiguous()
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        else tensor
+        for name, tensor in weights.items()
+    }
+    assert turned["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 32)
+    save_file(turned, str(Path(model_dir) / "model.safetensors"), metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize(
     ("family", "architecture", "tie", "layout"),
     [
         ("qwen3-vl", "Qwen3ForCausalLM", True, "transformers-5"),
         ("qwen2.5-vl", "Qwen2ForCausalLM", False, "transformers-5"),
         ("qwen2.5-vl", "Qwen2ForCausalLM", False, "hub"),
+        ("qwen3-vl-moe", "Qwen3MoeForCausalLM", False, "transformers-5"),
+        ("qwen3-vl-moe", "Qwen3MoeForCausalLM", False, "hub"),
     ],
-    ids=["qwen3-vl-tied", "qwen2.5-vl", "qwen2.5-vl-hub-layout"],
+    ids=["qwen3-vl-tied", "qwen2.5-vl", "qwen2.5-vl-hub-layout", "qwen3-vl-moe", "qwen3-vl-moe-hub-experts"],
 )
 def test_a_qwen_vl_checkpoint_serves_its_text_decoder(
     tmp_path: Path, default_model_dir: str, family: str, architecture: str, tie: bool, layout: str
 ) -> None:
-    """Qwen2.5-VL and Qwen3-VL: their text decoder is served (Qwen2's, Qwen3's), its tokens and logprobs
-    transformers' own multimodal model's on text prompts, whose M-RoPE turns every section of a head by
-    the token's one position; the vision tower left out."""
+    """Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE: their text decoder is served (Qwen2's, Qwen3's, Qwen3-MoE's
+    with its router's renormalized weights), its tokens and logprobs transformers' own multimodal
+    model's on text prompts, whose M-RoPE turns every section of a head by the token's one position;
+    the vision tower left out; Qwen2.5-VL in the Hub's 4.x layout too, Qwen3-VL-MoE's experts as its
+    checkpoints store them (input by output) too."""
     model_dir = qwen_vl_multimodal(tmp_path / family, default_model_dir, family, tie)
     prompts = long_prompts()
     model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
     assert type(model).__name__.endswith("ForConditionalGeneration")
-    if layout == "hub":
+    if layout == "hub" and family == "qwen3-vl-moe":
+        qwen3_vl_moe_experts_as_the_hub_stores_them(model_dir)
+    elif layout == "hub":
         qwen_vl_as_the_hub_lays_it_out(model_dir)
     llm = assert_float32_matches(model_dir, model, prompts, theirs)
     assert llm.engine.config.model.architecture == architecture

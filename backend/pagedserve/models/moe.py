@@ -67,12 +67,17 @@ class MoeForCausalLM(LlamaForCausalLM):
         ]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_per_expert(weights))
+        super().load_weights(_per_expert(weights, hidden_size=self.embed_tokens.weight.shape[1]))
 
 
-def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _per_expert(
+    weights: Iterable[tuple[str, torch.Tensor]], hidden_size: int
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every expert's tensors under the hub's Qwen names: Mixtral's and Granite's renamed, stacked
-    tensors (transformers 5's, Granite's) cut into their experts."""
+    tensors (transformers 5's, Granite's) cut into their experts. Stacked tensors stored input by
+    output (Qwen3-VL-MoE's checkpoints: gate_up [experts, hidden, 2 x intermediate], down [experts,
+    intermediate, hidden]) are turned to output by input, told apart by where the hidden size stands
+    (where 2 x intermediate, or intermediate, equals it, the tensors are read as transformers holds them)."""
     for name, tensor in weights:
         for pattern, replacement in _RENAMES:
             name = pattern.sub(replacement, name)
@@ -83,6 +88,9 @@ def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
         prefix = name[: stacked.start()] + ".mlp.experts"
         if tensor.dim() != 3:
             raise ValueError(f"checkpoint's {name!r} has {tensor.dim()} dimensions; stacked experts have 3")
+        hidden_at = 1 if stacked[1] == "down_proj" else 2  # where transformers' layout holds the hidden size
+        if tensor.shape[hidden_at] != hidden_size and tensor.shape[3 - hidden_at] == hidden_size:
+            tensor = tensor.transpose(1, 2)
         for number, expert in enumerate(tensor.unbind(0)):
             if stacked[1] == "down_proj":
                 yield f"{prefix}.{number}.down_proj.weight", expert
