@@ -383,13 +383,14 @@ def check_quantization(hf: dict[str, Any]) -> None:
 
 def layer_windows(hf: dict[str, Any], architecture: str) -> list[int]:
     """Each layer's sliding window (0: none), as transformers' attention of the architecture reads
-    config.json: Mistral, Mixtral, Ministral 3, Phi-3 and StarCoder2 slide every layer by `sliding_window`; Gemma 2
-    and 3, GPT-OSS, OLMo 3, EXAONE 4.0 and Command R7B the layers `layer_types` names (by default
-    every other one, five of every six in Gemma 3, three of every four in OLMo 3, EXAONE and Cohere's;
-    GPT-OSS's window 128, the others' 4,096 unless config.json names one); Qwen2, Qwen2-MoE,
-    Qwen3 and SmolLM3 the layers `layer_types` names (by default Qwen2's from `max_window_layers` on,
-    Qwen2-MoE's every other one below it, SmolLM3's layers without rotary) and Qwen3-MoE every layer,
-    only under `use_sliding_window` (their checkpoints carry a window they do not use).
+    config.json: Mistral, Mixtral, Ministral 3, Phi-3 and StarCoder2 slide every layer by
+    `sliding_window`; Gemma 2 and 3, GPT-OSS, OLMo 3, EXAONE 4.0, K-EXAONE, Command R7B and dots.llm1
+    the layers `layer_types` names (by default every other one, five of every six in Gemma 3, three
+    of every four in OLMo 3, EXAONE's and Cohere's, dots.llm1's from `max_window_layers` on; GPT-OSS's
+    window 128, the others' 4,096 unless config.json names one); Qwen2, Qwen2-MoE, Qwen3 and SmolLM3
+    the layers `layer_types` names (by default Qwen2's from `max_window_layers` on, Qwen2-MoE's every
+    other one below it, SmolLM3's layers without rotary) and Qwen3-MoE every layer, only under
+    `use_sliding_window` (their checkpoints carry a window they do not use).
     `use_sliding_window: false` turns any window off (vLLM reads it so for every model); Llama,
     Granite and Gemma 1 have none (transformers reads no `sliding_window` for them)."""
     num_layers = hf["num_hidden_layers"]
