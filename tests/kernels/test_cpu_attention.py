@@ -417,6 +417,29 @@ def test_decode_over_prefill_rows_under_a_softcap_is_prefill_attention(
     assert_as_near_as_the_reference(out, capped, query, cache, tail)
 
 
+@pytest.mark.parametrize(("head_dim", "kernel"), [(256, True), (576, False)], ids=["d256", "d576-latent"])
+def test_decode_past_head_size_256_runs_the_reference(head_dim: int, kernel: bool) -> None:
+    """DeepSeek's latent heads (576, read by every query head) decode in the reference's batched
+    matmuls, 1.2-2.9x faster there than the kernel's generic loop (bench/README.md); 256 and below in
+    the kernel. Both give the reference's output."""
+    lens = [1, 9, 300]
+    cache = make_paged_cache(lens, 1, head_dim, 8, torch.bfloat16, torch.device("cpu"))
+    query = torch.randn(len(lens), 16, head_dim).to(torch.bfloat16)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.full((len(lens),), -1), num_decodes=len(lens),
+        decode_block_tables=cache.block_tables, decode_context_lens=cache.context_lens,
+        prefill_block_tables=cache.block_tables[:0], prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
+        prefill_context_lens=cache.context_lens[:0], max_decode_context_len=max(lens),
+    )  # fmt: skip
+    backend = TorchAttentionBackend(torch.device("cpu"))
+    with torch.profiler.profile() as prof:
+        out = backend.decode(query, cache.k_cache, cache.v_cache, metadata, head_dim**-0.5, 0, 0.0, None)
+    calls = {event.key for event in prof.key_averages()}
+    assert ("pagedserve_cpu::paged_attention_decode" in calls) is kernel
+    tail = (cache.block_tables, cache.context_lens, head_dim**-0.5)
+    assert_as_near_as_the_reference(out, reference.paged_attention_decode, query, cache, tail)
+
+
 def prefill_metadata(cache: PagedCache, starts: torch.Tensor) -> AttentionMetadata:
     return AttentionMetadata(
         slot_mapping=torch.full((int(starts[-1]),), -1), num_decodes=0,

@@ -100,11 +100,21 @@ class AttentionBackend(abc.ABC):
         """The packed prefill tokens' queries, causal over their paged context."""
 
 
+# Past this head size decode attention runs the reference, not the C++ kernel (whose head sizes past 256
+# take its generic loop, a query head at a time): DeepSeek's latent heads, 576 wide and read by 16-128
+# query heads, ran 1.2-2.9x faster in the reference's batched matmuls, MiniCPM3's 288 by 40 heads
+# 1.2-1.8x (bench/cpu_attention.py, bench/README.md "Latent attention's decode")
+MAX_KERNEL_DECODE_HEAD_SIZE = 256
+
+
 class TorchAttentionBackend(AttentionBackend):
     """CPU runs: the pure-torch reference (scaled_dot_product_attention over gathered blocks), with
     the KV writes and decode attention in the C++ CPU kernels (`pagedserve_kernels.cpu`, decode read
     straight from the paged cache) where they build. The decode mask and the padded prefill layout
     are built once per step, not once per layer.
+
+    Decode attention at head sizes past 256 (DeepSeek's latent heads) runs the reference
+    (`MAX_KERNEL_DECODE_HEAD_SIZE`).
 
     Prefill attention in bfloat16, head size 64, 96, 128 or 256 (`cpu.PREFILL_HEAD_SIZES`), on a build
     with AVX512-BF16 runs in the C++ prefill kernel (`cpu.paged_attention_prefill`: tiles of query
@@ -151,7 +161,7 @@ class TorchAttentionBackend(AttentionBackend):
         softcap: float,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        if self.cpu_kernels:
+        if self.cpu_kernels and query.shape[-1] <= MAX_KERNEL_DECODE_HEAD_SIZE:
             return cpu_kernels.paged_attention_decode(
                 query,
                 k_cache,
