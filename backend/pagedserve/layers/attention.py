@@ -102,8 +102,8 @@ class AttentionBackend(abc.ABC):
 
 # Past this head size decode attention runs the reference, not the C++ kernel (whose head sizes past 256
 # take its generic loop, a query head at a time): DeepSeek's latent heads, 576 wide and read by 16-128
-# query heads, ran 1.2-2.9x faster in the reference's batched matmuls, MiniCPM3's 288 by 40 heads
-# 1.2-1.8x (bench/cpu_attention.py, bench/README.md "Latent attention's decode")
+# query heads, ran up to 2.9x faster in the reference's batched matmuls (0.95-2.93x over the shapes and
+# runs measured), MiniCPM3's 288 by 40 heads 1.2-1.8x (bench/README.md "Latent attention's decode")
 MAX_KERNEL_DECODE_HEAD_SIZE = 256
 
 
