@@ -103,8 +103,8 @@ class UngatedDecoderLayer(LlamaDecoderLayer):
 
 
 class LayerNormDecoderLayer(UngatedDecoderLayer):
-    """StarCoder2's layer: LayerNorms with a bias (eps `rms_norm_eps`, which the model sets from its
-    own key), an ungated MLP."""
+    """StarCoder2's, Jais 2's and GPT-NeoX's sequential layer: LayerNorms with a bias (eps
+    `rms_norm_eps`, which each model sets from its own key), an ungated MLP."""
 
     def norm(self, cfg: dict[str, Any]) -> RMSNorm:
         return LayerNorm(cfg["hidden_size"], rms_norm_eps(cfg))
