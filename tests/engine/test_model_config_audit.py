@@ -60,6 +60,7 @@ from transformers import (
     NemotronConfig,
     Olmo2Config,
     Olmo3Config,
+    OlmoConfig,
     OlmoeConfig,
     Phi3Config,
     PhiConfig,
@@ -171,6 +172,7 @@ NOT_DECODE_LAYERS = {
     "jais2-layernorms-relu2-default-biases",
     "solar-open-every-layer-experts-default-theta",
     "exaone-moe-sliding-nope-global-experts-from-layer-1",
+    "olmo1-non-affine-layernorms-clip-qkv",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
@@ -809,6 +811,8 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         ),
         drop("layer_types", "mlp_layer_types", "first_k_dense_replace"),
     ),
+    # Ai2's OLMo 1: LayerNorms of no weight or bias, q, k and v clamped at 1.5 (the clamp binds here)
+    "olmo1-non-affine-layernorms-clip-qkv": (lambda: OlmoConfig(**TINY, clip_qkv=1.5), None),
     # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
     "smollm3-nope-layer-1": (lambda: SmolLM3Config(**TINY, no_rope_layers=[1, 0]), None),
     "smollm3-nope-by-default": (

@@ -111,7 +111,7 @@ class LlamaAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q and k [tokens, heads, head_dim] normed where the model norms them and turned, v [tokens,
         kv heads x head_dim]."""
-        qkv = self.qkv_proj(hidden)  # each row: [ q heads | k heads | v heads ]
+        qkv = self.project_qkv(hidden)  # each row: [ q heads | k heads | v heads ]
         # q and k sit side by side in every row, so one rotation covers both
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -127,6 +127,10 @@ class LlamaAttention(nn.Module):
             qk = ops.apply_rotary(qk, *rotary)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return q, k, qkv[:, self.q_size + self.kv_size :]
+
+    def project_qkv(self, hidden: torch.Tensor) -> torch.Tensor:
+        """q, k and v side by side in each row (OLMo 1's clamped)."""
+        return self.qkv_proj(hidden)
 
 
 class HunYuanAttention(LlamaAttention):

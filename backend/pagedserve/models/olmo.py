@@ -1,8 +1,10 @@
-"""Ai2's OLMo family as transformers computes it, on the Llama family's tensor-parallel layers: OLMo 2
-(`Olmo2ForCausalLM`), OLMo 3 (`Olmo3ForCausalLM`) and OLMoE (`OlmoeForCausalLM`). What each adds
-to Llama's layer:
+"""Ai2's OLMo family as transformers computes it, on the Llama family's tensor-parallel layers: OLMo 1
+(`OlmoForCausalLM`), OLMo 2 (`Olmo2ForCausalLM`), OLMo 3 (`Olmo3ForCausalLM`) and OLMoE
+(`OlmoeForCausalLM`). What each adds to Llama's layer:
 
-- every one: q and k RMS-normed over the whole projection (all of q's heads together, all of k's),
+- OLMo 1: LayerNorms of no weight or bias where Llama has RMSNorms, q, k and v clamped to
+  +-`clip_qkv` where config.json sets it;
+- OLMo 2, 3 and OLMoE: q and k RMS-normed over the whole projection (all of q's heads together, all of k's),
   where Qwen3 norms each head apart; under tensor parallelism a rank holds its heads' share of each
   weight and the ranks add up their sums of squares (one all-reduce a layer, `norm_q_and_k`);
 - OLMo 2 and 3: no norm before attention or the MLP; the output of each is normed instead, before
@@ -22,6 +24,7 @@ import dataclasses
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.config import olmo3_rope_config
@@ -87,6 +90,14 @@ def norm_q_and_k(
     return q_norm.scale(q, q_mean), k_norm.scale(k, k_mean)
 
 
+def read_clip_qkv(cfg: dict[str, Any]) -> float | None:
+    """config.json's `clip_qkv` (OLMo 1's, OLMoE's): q, k and v clamped to +-it (None: not)."""
+    clip = cfg.get("clip_qkv")
+    if clip is not None and not (isinstance(clip, int | float) and clip > 0):
+        raise ValueError(f"model: config.json's clip_qkv must be a positive number, got {clip!r}")
+    return None if clip is None else float(clip)
+
+
 class OlmoAttention(LlamaAttention):
     """Llama's attention with q and k normed whole (OLMo 2's norms: in float32) and, in a sliding
     layer, OLMo 3's sliding rope (the last two tables of the step's four)."""
@@ -101,10 +112,7 @@ class OlmoAttention(LlamaAttention):
         eps, replicas = rms_norm_eps(cfg), self.qkv_proj.num_kv_head_replicas
         self.q_norm = ProjectionRMSNorm(self.num_heads, self.head_dim, 1, eps, self.float32_norms)
         self.k_norm = ProjectionRMSNorm(self.num_kv_heads, self.head_dim, replicas, eps, self.float32_norms)
-        clip = cfg.get("clip_qkv") if self.reads_clip_qkv else None
-        if clip is not None and not (isinstance(clip, int | float) and clip > 0):
-            raise ValueError(f"model: config.json's clip_qkv must be a positive number, got {clip!r}")
-        self.clip = None if clip is None else float(clip)
+        self.clip = read_clip_qkv(cfg) if self.reads_clip_qkv else None
         self.sliding_rope = options.window > 0
 
     def forward(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -186,3 +194,47 @@ class OlmoeForCausalLM(MoeForCausalLM):
             renormalize=bool(cfg.get("norm_topk_prob", False)),
         )
         return [spec] * cfg["num_hidden_layers"]
+
+
+class NonAffineLayerNorm(Float32RMSNorm):
+    """OLMo 1's LayerNorm: no weight and no bias, eps 1e-5, in float32 and rounded once, with RMSNorm's
+    call form (transformers' OlmoLayerNorm)."""
+
+    def __init__(self, hidden_size: int) -> None:
+        nn.Module.__init__(self)  # (no parameters)
+        self.eps = 1e-5
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps).to(x.dtype)
+
+
+class Olmo1Attention(LlamaAttention):
+    """Llama's attention with q, k and v clamped to +-`clip_qkv` where config.json sets it."""
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        super().__init__(cfg, backend, options, layer_index)
+        self.clip = read_clip_qkv(cfg)
+
+    def project_qkv(self, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        return qkv if self.clip is None else qkv.clamp(-self.clip, self.clip)
+
+
+class Olmo1DecoderLayer(LlamaDecoderLayer):
+    attention_class = Olmo1Attention
+
+    def norm(self, cfg: dict[str, Any]) -> RMSNorm:
+        return NonAffineLayerNorm(cfg["hidden_size"])
+
+
+class OlmoForCausalLM(LlamaForCausalLM):
+    """Ai2's OLMo 1 (OLMo-1B-hf, OLMo-7B-hf, OLMo-7B-0424-hf): Llama's layer with LayerNorms of no
+    weight or bias (`NonAffineLayerNorm`) and q, k and v clamped by `clip_qkv` where set."""
+
+    decoder_layer_class = Olmo1DecoderLayer
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        super().__init__(cfg, max_position, backend)
+        self.norm = NonAffineLayerNorm(cfg["hidden_size"])

@@ -40,7 +40,7 @@ from pagedserve.models.moe import (
     SolarOpenForCausalLM,
 )
 from pagedserve.models.neox import GPTNeoXForCausalLM, StableLmForCausalLM
-from pagedserve.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
+from pagedserve.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM, OlmoForCausalLM
 from pagedserve.models.ungated import (
     ApertusForCausalLM,
     ArceeForCausalLM,
@@ -96,6 +96,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "OlmoForCausalLM": OlmoForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
