@@ -106,9 +106,7 @@ def kv_cache_entry(hf: dict[str, Any]) -> tuple[int, int]:
     if "kv_lora_rank" in hf:
         dims = mla_dims(hf, ("kv_lora_rank", "qk_rope_head_dim"))
         return 1, dims["kv_lora_rank"] + dims["qk_rope_head_dim"]
-    head_dim = (
-        hf.get("head_dim") or _DEFAULT_HEAD_DIM.get(architecture_of(hf)) or hf["hidden_size"] // num_heads
-    )
+    head_dim = default_head_dim(hf).get("head_dim") or hf["hidden_size"] // num_heads
     return hf.get("num_key_value_heads") or num_heads, head_dim
 
 

@@ -50,7 +50,8 @@ class ParallelDecoderLayer(LlamaDecoderLayer):
         self.input_layernorm = self.norm(cfg)
         self.mlp_layernorm = self.norm(cfg) if self.mlp_norm_of_its_own else None
 
-    def norm(self, cfg: dict[str, Any]) -> RMSNorm:
+    @staticmethod
+    def norm(cfg: dict[str, Any]) -> RMSNorm:
         """Cohere's LayerNorm: no bias (StableLM's parallel layers have one)."""
         return LayerNorm(cfg["hidden_size"], layer_norm_eps(cfg), bias=False)
 
@@ -78,7 +79,6 @@ class Cohere2ForCausalLM(LlamaForCausalLM):
         super().__init__(
             {**cfg, "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}, max_position, backend
         )
-        self.norm = LayerNorm(cfg["hidden_size"], layer_norm_eps(cfg), bias=False)
         self.logit_scale = float(cfg.get("logit_scale", 0.0625))
         if not self.logit_scale > 0:  # (a greedy step takes the argmax before the logits are scaled)
             raise ValueError(f"model: config.json's logit_scale must be positive, got {self.logit_scale}")

@@ -197,8 +197,10 @@ class LlamaDecoderLayer(nn.Module):
         """The MLP of a layer without experts: Llama's SwiGLU (ungated ones: `models.ungated`)."""
         return LlamaMLP(cfg)
 
-    def norm(self, cfg: dict[str, Any]) -> RMSNorm:
-        """Each of the layer's two norms: Llama's RMSNorm (LayerNorms: `models.ungated`)."""
+    @staticmethod
+    def norm(cfg: dict[str, Any]) -> RMSNorm:
+        """Each of the layer's norms, and the model's final one (`LlamaForCausalLM`): Llama's RMSNorm
+        (LayerNorms: `models.ungated`, `models.neox`...)."""
         return RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
 
     def forward(
@@ -227,16 +229,14 @@ class PostNormDecoderLayer(LlamaDecoderLayer):
     pair) with the norms after attention and the MLP instead of before them (OLMo 2's, EXAONE 4's):
     each one's output normed, then added to the residual stream."""
 
-    norm_class: type[RMSNorm] = RMSNorm  # OLMo's: multiplied in float32 (`Float32RMSNorm`)
-
     def __init__(
         self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
     ) -> None:
         nn.Module.__init__(self)  # (not Llama's norms)
         self.self_attn = self.attention_class(cfg, backend, options, layer_index)
-        self.mlp = LlamaMLP(cfg)
-        self.post_attention_layernorm = self.norm_class(cfg["hidden_size"], rms_norm_eps(cfg))
-        self.post_feedforward_layernorm = self.norm_class(cfg["hidden_size"], rms_norm_eps(cfg))
+        self.mlp = self.dense_mlp(cfg)
+        self.post_attention_layernorm = self.norm(cfg)  # (OLMo's: multiplied in float32)
+        self.post_feedforward_layernorm = self.norm(cfg)
 
     def forward(
         self,
@@ -298,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
             self.decoder_layer_class(cfg, backend, options, index)
             for index, options in enumerate(self.layer_options(cfg))
         )
-        self.norm = RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
+        self.norm = self.decoder_layer_class.norm(cfg)  # (the layers' kind of norm)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
         if self.tie_word_embeddings:

@@ -34,14 +34,16 @@ def layer_norm(cfg: dict[str, Any]) -> LayerNorm:
 class StableLmDecoderLayer(LlamaDecoderLayer):
     """Llama's layer with LayerNorms (a bias each)."""
 
-    def norm(self, cfg: dict[str, Any]) -> RMSNorm:
+    @staticmethod
+    def norm(cfg: dict[str, Any]) -> RMSNorm:
         return layer_norm(cfg)
 
 
 class StableLmParallelDecoderLayer(ParallelDecoderLayer):
     """StableLM 2 12B's: attention and the MLP side by side on one LayerNorm (with its bias)."""
 
-    def norm(self, cfg: dict[str, Any]) -> RMSNorm:
+    @staticmethod
+    def norm(cfg: dict[str, Any]) -> RMSNorm:
         return layer_norm(cfg)
 
 
@@ -61,7 +63,6 @@ class StableLmForCausalLM(LlamaForCausalLM):
         if cfg.get("use_parallel_residual"):  # (this model's layers, before they are built)
             self.decoder_layer_class = StableLmParallelDecoderLayer
         super().__init__(cfg, max_position, backend)
-        self.norm = layer_norm(cfg)
 
     @staticmethod
     def attention_biases(cfg: dict[str, Any]) -> Biases:
@@ -78,7 +79,8 @@ class GPTNeoXParallelDecoderLayer(ParallelDecoderLayer):
     def dense_mlp(self, cfg: dict[str, Any]) -> nn.Module:
         return UngatedMLP(cfg)
 
-    def norm(self, cfg: dict[str, Any]) -> RMSNorm:
+    @staticmethod
+    def norm(cfg: dict[str, Any]) -> RMSNorm:
         return layer_norm(cfg)
 
 
@@ -116,7 +118,6 @@ class GPTNeoXForCausalLM(UngatedForCausalLM):
             "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
         }
         super().__init__(cfg, max_position, backend)
-        self.norm = LayerNorm(cfg["hidden_size"], eps)
         self.head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
 
     @staticmethod

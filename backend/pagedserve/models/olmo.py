@@ -130,7 +130,10 @@ class Olmo2DecoderLayer(PostNormDecoderLayer):
     """OLMo 2's norms after attention and the MLP, multiplied in float32, and OLMo's attention."""
 
     attention_class = OlmoAttention
-    norm_class = Float32RMSNorm
+
+    @staticmethod
+    def norm(cfg: dict[str, Any]) -> RMSNorm:
+        return Float32RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
@@ -141,7 +144,6 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
         super().__init__(cfg, max_position, backend)
-        self.norm = Float32RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
         self.sliding_rotary_emb = (
             RotaryEmbedding(head_dim_of(cfg), max_position, olmo3_rope_config(cfg, "sliding_attention"))
             if self.sliding_rope
@@ -225,7 +227,8 @@ class Olmo1Attention(LlamaAttention):
 class Olmo1DecoderLayer(LlamaDecoderLayer):
     attention_class = Olmo1Attention
 
-    def norm(self, cfg: dict[str, Any]) -> RMSNorm:
+    @staticmethod
+    def norm(cfg: dict[str, Any]) -> RMSNorm:
         return NonAffineLayerNorm(cfg["hidden_size"])
 
 
@@ -234,7 +237,3 @@ class OlmoForCausalLM(LlamaForCausalLM):
     weight or bias (`NonAffineLayerNorm`) and q, k and v clamped by `clip_qkv` where set."""
 
     decoder_layer_class = Olmo1DecoderLayer
-
-    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
-        super().__init__(cfg, max_position, backend)
-        self.norm = NonAffineLayerNorm(cfg["hidden_size"])

@@ -106,14 +106,16 @@ class LayerNormDecoderLayer(UngatedDecoderLayer):
     """StarCoder2's, Jais 2's and GPT-NeoX's sequential layer: LayerNorms with a bias (eps
     `rms_norm_eps`, which each model sets from its own key), an ungated MLP."""
 
-    def norm(self, cfg: dict[str, Any]) -> RMSNorm:
+    @staticmethod
+    def norm(cfg: dict[str, Any]) -> RMSNorm:
         return LayerNorm(cfg["hidden_size"], rms_norm_eps(cfg))
 
 
 class LayerNorm1PDecoderLayer(UngatedDecoderLayer):
     """Nemotron's layer: LayerNorms of weight 1 + the stored one, an ungated MLP."""
 
-    def norm(self, cfg: dict[str, Any]) -> RMSNorm:
+    @staticmethod
+    def norm(cfg: dict[str, Any]) -> RMSNorm:
         return LayerNorm(cfg["hidden_size"], rms_norm_eps(cfg), weight_offset=1.0)
 
 
@@ -148,7 +150,6 @@ class NemotronForCausalLM(UngatedForCausalLM):
         eps = float(cfg.get("norm_eps", 1e-5))
         cfg = {**cfg, "rms_norm_eps": eps, "hidden_act": cfg.get("hidden_act", "relu2")}
         super().__init__(cfg, max_position, backend)
-        self.norm = LayerNorm(cfg["hidden_size"], eps, weight_offset=1.0)
 
 
 class Starcoder2ForCausalLM(UngatedForCausalLM):
@@ -168,7 +169,6 @@ class Starcoder2ForCausalLM(UngatedForCausalLM):
             "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
         }
         super().__init__(cfg, max_position, backend)
-        self.norm = LayerNorm(cfg["hidden_size"], eps)
 
     @staticmethod
     def attention_biases(cfg: dict[str, Any]) -> Biases:
@@ -198,7 +198,6 @@ class Jais2ForCausalLM(UngatedForCausalLM):
             "hidden_act": cfg.get("hidden_act", "relu2"),
         }
         super().__init__(cfg, max_position, backend)
-        self.norm = LayerNorm(cfg["hidden_size"], eps)
 
     @staticmethod
     def attention_biases(cfg: dict[str, Any]) -> Biases:
@@ -235,7 +234,8 @@ class PhiDecoderLayer(ParallelDecoderLayer):
     def dense_mlp(self, cfg: dict[str, Any]) -> nn.Module:
         return UngatedMLP(cfg)
 
-    def norm(self, cfg: dict[str, Any]) -> RMSNorm:
+    @staticmethod
+    def norm(cfg: dict[str, Any]) -> RMSNorm:
         return LayerNorm(cfg["hidden_size"], rms_norm_eps(cfg))
 
 
@@ -256,7 +256,6 @@ class PhiForCausalLM(UngatedForCausalLM):
         eps = float(cfg.get("layer_norm_eps", 1e-5))
         cfg = {**cfg, "rms_norm_eps": eps, "mlp_bias": True, "hidden_act": cfg.get("hidden_act", "gelu_new")}
         super().__init__(cfg, max_position, backend)
-        self.norm = LayerNorm(cfg["hidden_size"], eps)
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], bias=True)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
