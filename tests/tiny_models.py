@@ -124,11 +124,11 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
             if name.endswith("norm.weight") and type(model).__name__.startswith("Gemma"):
                 param.normal_(0.0, 0.5)  # Gemma scales by 1 + weight: zeros would hide the weight
             elif name.endswith("norm.weight") and type(model).__name__.startswith(
-                ("Olmo", "Starcoder2", "StableLm", "GPTNeoX", "PhiForCausalLM", "Jais2")
+                ("Olmo", "Starcoder2", "StableLm", "GPTNeoX", "PhiForCausalLM", "Jais2", "Lfm2")
             ):
                 param.normal_(
                     1.0, 0.5
-                )  # OLMo's norms placed otherwise than Llama's, LayerNorms: each one's weight
+                )  # OLMo's norms placed otherwise than Llama's, LayerNorms, LFM2's names: each one's weight
             elif name.endswith("norm.weight") and type(model).__name__.startswith("Nemotron"):
                 param.normal_(0.0, 0.5)  # (LayerNorm1P: scaled by 1 + weight)
             elif name.endswith((".act_fn.alpha_p", ".act_fn.alpha_n")):  # Apertus's xIELU: each layer its own

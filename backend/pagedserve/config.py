@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,9 @@ class ModelConfig:
     sampling_defaults: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     # the values are the keys' cache entries (DeepSeek's latent: `kv_cache_entry`): one cache, not two
     values_in_keys: bool = False
+    # a state a sequence carries from step to step beside its KV cache (LFM2's convolutions,
+    # `layers.short_conv`): `num_layers` counts the layers with a KV cache alone
+    recurrent: bool = False
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -87,14 +90,44 @@ class ModelConfig:
             served_model_name=served_model_name or Path(path).resolve().name,
             architecture=architecture,
             vocab_size=hf["vocab_size"],
-            num_layers=hf["num_hidden_layers"],
+            num_layers=num_kv_cache_layers(hf),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             hf_config=hf,
             sampling_defaults=sampling_defaults(path, generation_config, override_generation_config or {}),
             values_in_keys="kv_lora_rank" in hf,
+            recurrent=architecture in RECURRENT_ARCHITECTURES,
         )
+
+
+RECURRENT_ARCHITECTURES = frozenset({"Lfm2ForCausalLM"})
+
+
+def num_kv_cache_layers(hf: dict[str, Any]) -> int:
+    """The layers that keep a KV cache: every one, but LFM2's attention layers alone."""
+    if architecture_of(hf) == "Lfm2ForCausalLM":
+        return lfm2_layer_types(hf).count("full_attention")
+    return int(hf["num_hidden_layers"])
+
+
+def lfm2_layer_types(hf: dict[str, Any]) -> list[str]:
+    """Each of LFM2's layers, "full_attention" or "conv": config.json's `layer_types`, else attention
+    at `full_attn_idxs` (every layer where it names neither), as Lfm2Config reads them."""
+    num_layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        attention = hf.get("full_attn_idxs")
+        attention = range(num_layers) if attention is None else attention
+        layer_types = ["full_attention" if i in attention else "conv" for i in range(num_layers)]
+    if len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "conv"}:
+        raise ValueError(
+            f"model: config.json's layer_types must name {num_layers} layers, each full_attention or conv, "
+            f"got {layer_types!r}"
+        )
+    if "full_attention" not in layer_types:
+        raise ValueError("model: config.json's layer_types has no full_attention layer (LFM2's have some)")
+    return list(layer_types)
 
 
 def kv_cache_entry(hf: dict[str, Any]) -> tuple[int, int]:
@@ -464,6 +497,7 @@ _DEFAULT_THETA = {
     "Ernie4_5_MoeForCausalLM": 500_000.0,
     "ApertusForCausalLM": 12_000_000.0,
     "SolarOpenForCausalLM": 1_000_000.0,
+    "Lfm2ForCausalLM": 1_000_000.0,
 }
 # where it names no rope parameters at all, the config class's (GptOssConfig's YaRN)
 _DEFAULT_ROPE: dict[str, dict[str, Any]] = {
@@ -602,6 +636,10 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     # n-gram drafts for decoding sequences (--speculative-config); None: none
     speculative: SpeculativeConfig | None = None
+    # the model carries a state per sequence that only the steps computing its tokens build
+    # (`ModelConfig.recurrent`): a preempted sequence is recomputed, never swapped, and parallel
+    # samples share no blocks (each computes its prompt); `for_recurrent_state` sets it
+    recurrent_state: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -656,6 +694,38 @@ class EngineConfig:
                 check_adapter_name(name, self.model.served_model_name)
             except ValueError as exc:
                 raise ValueError(f"lora_modules: {exc}") from None
+        if self.model.recurrent:
+            self._check_recurrent_state()
+
+    def _check_recurrent_state(self) -> None:
+        """What a model with a state per sequence (`ModelConfig.recurrent`) cannot run with."""
+        name = self.model.architecture
+        if self.scheduler.speculative is not None:
+            raise ValueError(
+                f"speculative_config: {name} is not served with speculative decoding (a rejected draft "
+                "would stay in its convolutions' state)"
+            )
+        if self.lora_modules:
+            raise ValueError(f"lora_modules: {name}'s LoRA adapters are not served")
+        if self.cache.enable_prefix_caching or not self.scheduler.recurrent_state:
+            raise ValueError(
+                f"model: {name} carries a state per sequence: configure it through for_recurrent_state "
+                "(no prefix caching, sequences recomputed from their first token)"
+            )
+
+
+def for_recurrent_state(
+    model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig
+) -> tuple[CacheConfig, SchedulerConfig]:
+    """The cache and scheduler settings a model with a state per sequence runs under (as vLLM ran
+    hybrid models before it cached their states): no prefix caching and no swap space, since a
+    sequence can resume only from its first token, which only those steps rebuild."""
+    if not model.recurrent:
+        return cache, scheduler
+    if cache.enable_prefix_caching:
+        logger.info("%s carries a state per sequence: prefix caching is off", model.architecture)
+    cache = replace(cache, enable_prefix_caching=False, swap_space=0.0, num_cpu_blocks=0)
+    return cache, replace(scheduler, recurrent_state=True)
 
 
 def resolve_device(device: str) -> str:

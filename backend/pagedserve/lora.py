@@ -116,6 +116,8 @@ class LoRAModels:
     def __init__(
         self, adapters: tuple[tuple[str, str], ...], model: LlamaForCausalLM, dtype: torch.dtype
     ) -> None:
+        if model.recurrent_layers:
+            raise ValueError(f"lora_modules: {type(model).__name__}'s LoRA adapters are not served")
         self.dtype = dtype
         self.names: list[str | None] = []  # by index; None: a free index
         self.step = LoRAStep()

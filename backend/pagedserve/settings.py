@@ -25,6 +25,7 @@ from pagedserve.config import (
     ParallelConfig,
     SchedulerConfig,
     checkpoint_dtype,
+    for_recurrent_state,
     parse_generation_overrides,
     parse_hf_overrides,
     resolve_attention_backend,
@@ -288,16 +289,23 @@ class EngineSettings(BaseSettings):
             parse_generation_overrides(self.override_generation_config),
             self.tokenizer,
         )
+        cache, scheduler = for_recurrent_state(
+            model,
+            self._cache_config(resolve_block_size(self.block_size, backend)),
+            self._scheduler_config(model.max_model_len),
+        )
+        # a model with a state per sequence runs its forward pass eagerly, not yet verified compiled
+        eager = self.enforce_eager or model.recurrent
         return EngineConfig(
             model=model,
-            cache=self._cache_config(resolve_block_size(self.block_size, backend)),
-            scheduler=self._scheduler_config(model.max_model_len),
+            cache=cache,
+            scheduler=scheduler,
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device=device,
             seed=self.seed,
             attention_backend=backend,
-            compile=resolve_compile(self.enforce_eager, device, backend, self.tensor_parallel_size),
-            cuda_graphs=resolve_cuda_graphs(self.enforce_eager, device, backend, self.tensor_parallel_size),
+            compile=resolve_compile(eager, device, backend, self.tensor_parallel_size),
+            cuda_graphs=resolve_cuda_graphs(eager, device, backend, self.tensor_parallel_size),
             lora_modules=parse_lora_modules(self.lora_modules),
             chat_template=resolve_chat_template(self.chat_template),
             default_chat_template_kwargs=parse_chat_template_kwargs(

@@ -53,6 +53,7 @@ from transformers import (
     HunYuanDenseV1Config,
     InternLM3Config,
     Jais2Config,
+    Lfm2Config,
     MiniCPM3Config,
     Ministral3Config,
     MistralConfig,
@@ -123,6 +124,8 @@ GRANITE_SCALES = {
 # `decode_layers` takes a qkv bias alone (Granite's multipliers, Phi-3's partial rotary and SmolLM3's
 # NoPE layers it runs) and no Gemma layer (worker/fused_decode.py): these run without it
 NOT_DECODE_LAYERS = {
+    "lfm2-conv-attention-conv-conv",
+    "lfm2-as-the-hub-names-it",
     "llama-attention-and-mlp-bias",
     "qwen3-tied-head-dim-32-attention-bias",
     "granite-tied-biases",
@@ -303,6 +306,14 @@ def with_unused_window(config: dict[str, Any]) -> None:
 def without_nope_layers(config: dict[str, Any]) -> None:
     """A config.json without `no_rope_layers`: SmolLM3Config's default, every fourth layer NoPE."""
     del config["no_rope_layers"]
+
+
+def lfm2_as_the_hub_names_it(config: dict[str, Any]) -> None:
+    layer_types = config.pop("layer_types")
+    config["full_attn_idxs"] = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+    config["block_ff_dim"] = config.pop("intermediate_size")
+    config["tie_embedding"] = config.pop("tie_word_embeddings")
+    del config["rope_parameters"], config["norm_eps"]
 
 
 def without_rms_norm_eps(config: dict[str, Any]) -> None:
@@ -818,6 +829,29 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "smollm3-nope-by-default": (
         lambda: SmolLM3Config(**{**TINY, "num_hidden_layers": 4}, tie_word_embeddings=True),
         without_nope_layers,
+    ),
+    # Liquid AI's LFM2: short convolutions (biased, 4 taps) at layers 0, 2 and 3, attention with head
+    # norms at layer 1, the MLP's width derived (144 * 2/3 * 1.5, rounded up to 32: 160), norm eps 1e-2
+    "lfm2-conv-attention-conv-conv": (
+        lambda: Lfm2Config(
+            **{**TINY, "num_hidden_layers": 4},
+            layer_types=["conv", "full_attention", "conv", "conv"],
+            norm_eps=1e-2,
+            conv_bias=True,
+            conv_L_cache=4,
+            block_ff_dim=144,
+            block_multiple_of=32,
+            block_ffn_dim_multiplier=1.5,
+        ),
+        None,
+    ),
+    # as LiquidAI's config.json names it: attention by full_attn_idxs, block_ff_dim, tie_embedding;
+    # without rope keys or norm_eps (theta 1e6, eps 1e-5 by default)
+    "lfm2-as-the-hub-names-it": (
+        lambda: Lfm2Config(
+            **{**TINY, "num_hidden_layers": 3}, layer_types=["conv", "conv", "full_attention"]
+        ),
+        lfm2_as_the_hub_names_it,
     ),
 }
 

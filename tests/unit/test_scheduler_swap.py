@@ -89,3 +89,34 @@ def test_preemptions_warn_on_the_first_and_every_50th_and_each_is_logged_at_debu
         assert debug[n - 1] in warning  # the n-th preemption's request, how, tokens and reason
         assert f"total_num_cumulative_preemption={n} (swap {num_swaps}, recompute {n - num_swaps})" in warning
         assert "raise --kv-cache-memory (or --swap-space)" in warning
+
+
+def test_a_model_with_a_state_per_sequence_recomputes_and_forks_from_the_first_token() -> None:
+    """Under `recurrent_state` (LFM2's convolutions, whose state only the steps computing a sequence
+    build) a preempted sequence, of a parallel-sampling request too, is recomputed although the mode
+    and the CPU pool would swap it, and a forked sibling shares none of its parent's blocks: the
+    workers meet each again at its first token."""
+    config = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, recurrent_state=True
+    )
+    s = Scheduler(config, BlockManager(6, 4, watermark=0.0, num_cpu_blocks=8))
+    a = Sequence("a", list(range(1, 9)), SamplingParams(max_tokens=6))
+    b = Sequence("b", list(range(1, 9)), SamplingParams(max_tokens=6))
+    a.pending_forks = [b]
+    a.is_multi_sequence = b.is_multi_sequence = True
+    s.add(a)
+    run(s)  # a's prompt computed: b forks from it, sharing none of its blocks
+    assert b.block_table == [] and b.num_computed_tokens == 0
+    out = run(s)
+    assert b.block_table and not set(b.block_table) & set(a.block_table)
+    (announced,) = [r for r in out.scheduled if r.request_id == "b"]
+    assert (
+        announced.is_new and announced.num_computed_tokens == 0 and announced.token_ids == a.prompt_token_ids
+    )
+    assert announced.computed_token_ids == []
+    while not s.num_preemptions:  # 6 blocks of 4 for two sequences of 8 + 6 tokens: one gives way
+        out = run(s)
+    assert s.num_swap_preemptions == 0 and out.blocks_to_swap_out == []
+    assert s.num_recompute_preemptions == 1 and s.block_manager.num_free_cpu_blocks == 8
+    (victim,) = [seq for seq in (a, b) if seq.status is SequenceStatus.WAITING]
+    assert victim.num_computed_tokens == 0 and victim.block_table == []

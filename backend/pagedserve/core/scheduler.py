@@ -412,6 +412,8 @@ class Scheduler:
         num_shared_tokens = min(
             parent.num_computed_tokens - 1, parent.num_computed_tokens // block_size * block_size
         )
+        if self.config.recurrent_state:  # the parent's state is its own: each sibling computes its prompt
+            num_shared_tokens = 0
         for sibling in parent.pending_forks:
             if sibling.is_finished:
                 continue
@@ -429,7 +431,9 @@ class Scheduler:
         self._forked_ids.discard(seq.request_id)  # announced to the workers when it resumes instead
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        swap = self.config.preemption_mode == "swap" or seq.is_multi_sequence
+        swap = not self.config.recurrent_state and (
+            self.config.preemption_mode == "swap" or seq.is_multi_sequence
+        )
         if swap and self.block_manager.can_swap_out(seq):
             mapping = self.block_manager.swap_out(seq)
             self._swap_out.extend(mapping)

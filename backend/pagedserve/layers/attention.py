@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from pagedserve_kernels import cpu as cpu_kernels
@@ -26,6 +27,9 @@ from pagedserve_kernels import reference
 from torch import nn
 
 from pagedserve.distributed import get_tp_rank
+
+if TYPE_CHECKING:
+    from pagedserve.layers.short_conv import ConvWindows
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,9 @@ class AttentionMetadata:
     # shared by its other layers of that window
     decode_key_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     prefill_batches: dict[int, reference.PrefillBatch | None] = field(default_factory=dict)
+    # a model's short convolutions (LFM2's): where each of width w reads its taps and keeps its
+    # state this step, by w (built by the model runner, `layers.short_conv`)
+    conv_windows: dict[int, ConvWindows] = field(default_factory=dict)
 
     @property
     def num_prefills(self) -> int:

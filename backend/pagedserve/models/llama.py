@@ -32,6 +32,7 @@ from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLine
 from pagedserve.layers.moe import Experts, SparseMoeBlock
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.layers.short_conv import ShortConv
 
 # a step's cos and sin tables, shared by every layer (and after them a model's own: Gemma's and OLMo 3's
 # sliding layers' tables, Ministral 3's query scales)
@@ -346,6 +347,11 @@ class LlamaForCausalLM(nn.Module):
     @property
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.decoder_layers]
+
+    @property
+    def recurrent_layers(self) -> list[ShortConv]:
+        """The layers that carry a state per request from step to step (LFM2's convolutions)."""
+        return [module for module in self.modules() if isinstance(module, ShortConv)]
 
     def forward(
         self,

@@ -134,16 +134,16 @@ def _unsupported(model: torch.nn.Module, backend: object, dtype: torch.dtype) ->
     layers = model.decoder_layers
     if not layers:
         return "no decoder layers"
+    if any(
+        type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention
+        for layer in layers
+    ):
+        return f"{type(layers[0]).__name__}'s layers (Gemma's, OLMo's, LFM2's...: not Llama's layer)"
     rotary_dim, head_dim = model.rotary_emb.rotary_dim, layers[0].self_attn.head_dim
     if rotary_dim > head_dim or rotary_dim % 2:
         return f"rotary over {rotary_dim} of {head_dim} dimensions (an even part of a head only)"
     if model.embed_tokens.weight.dim() != 2 or model.embed_tokens.weight.dtype != dtype:
         return "the embedding is not a bfloat16 table"
-    if any(
-        type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention
-        for layer in layers
-    ):
-        return f"{type(layers[0]).__name__}'s layers (Gemma's, OLMo's, GLM-4's...: not Llama's layer)"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(mlp, LlamaMLP):

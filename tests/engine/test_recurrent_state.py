@@ -1,0 +1,136 @@
+"""A model that carries a state per sequence beside its KV cache (LFM2's short convolutions,
+`layers.short_conv`) through the engine's paths that break a sequence's steps apart: prompts in chunks,
+preemption under memory pressure, parallel samples, shared prefixes. Each gives the tokens a roomy
+engine gives, since the state is built only by the steps computing the sequence from its first
+token: no prefix caching, no swapping, forks that share no blocks. What cannot run with such a state
+(speculative decoding, LoRA) is refused naming the setting."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pagedserve import LLM, SamplingParams
+from test_tensor_parallel import (
+    assert_matches_reference,
+    greedy_reference,
+    single_rank_reference,
+    tensor_parallel_llm,
+    tiny_prompts,
+)
+from tiny_models import save_tiny_model
+from transformers import Lfm2Config
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def lfm2_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    config = Lfm2Config(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        layer_types=["conv", "full_attention", "conv"],
+        conv_bias=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    return save_tiny_model(tmp_path_factory.mktemp("lfm2"), default_model_dir, config)
+
+
+def prompts() -> list[list[int]]:
+    """Eight prompts of 4-120 tokens, the first four sharing 40 tokens."""
+    return tiny_prompts()
+
+
+def greedy(llm: LLM, prompts: list[list[int]], n: int = 1) -> list[list[list[int]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=n)
+    return [[o.token_ids for o in r.outputs] for r in llm.generate(prompts, params)]
+
+
+def test_chunks_preemption_and_parallel_samples_give_a_roomy_engines_tokens(lfm2_dir: str) -> None:
+    roomy = LLM(model=lfm2_dir, dtype="float32", num_kv_blocks=256, block_size=8)
+    expected = greedy(roomy, prompts())
+    assert roomy.engine.config.cache.enable_prefix_caching is False
+    # a 16-token budget splits every prompt past it into chunks (of any size: the state carries
+    # between them); 16 blocks of 8 hold 128 tokens of the 8 requests' ~600: they preempt each other
+    tight = LLM(
+        model=lfm2_dir,
+        dtype="float32",
+        num_kv_blocks=16,
+        block_size=8,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+    )
+    assert tight.engine.config.scheduler.preemption_mode == "swap"  # (the default, which it cannot use)
+    assert greedy(tight, prompts()) == expected
+    stats = tight.engine.stats()
+    assert stats.num_recompute_preemptions > 0 and stats.num_swap_preemptions == 0
+    # two greedy samples of each prompt: each sibling computes its prompt anew, both equal the one sample
+    samples = greedy(tight, prompts()[:4], n=2)
+    assert samples == [[tokens[0], tokens[0]] for tokens in expected[:4]]
+    assert tight.engine.stats().num_free_blocks == 16
+
+
+def test_a_prefix_another_request_computed_is_computed_again(lfm2_dir: str) -> None:
+    llm = LLM(model=lfm2_dir, dtype="float32", num_kv_blocks=256, block_size=8)
+    alone = [greedy(llm, [prompt])[0] for prompt in prompts()[:4]]
+    assert greedy(llm, prompts()[:4]) == alone  # four prompts sharing 40 tokens, run together
+    assert llm.engine.stats().num_prefix_hits == 0
+
+
+def test_tp2_splits_the_convolutions_channels_and_matches_single_rank(lfm2_dir: str) -> None:
+    """Each rank its half of every convolution's channels (in_proj's rows of B, C and x, their taps and
+    state), out_proj's partial sums all-reduced; under chunked prefill and recompute preemption."""
+    reference = single_rank_reference(lfm2_dir, tiny_prompts(), num_kv_blocks=256, block_size=8)
+    settings = {"num_kv_blocks": 24, "block_size": 8, "max_num_batched_tokens": 24, "max_num_seqs": 8}
+    with tensor_parallel_llm(lfm2_dir, 2, **settings) as llm:
+        assert llm.engine.executor.worker.model_runner.recurrent_layers[0].channels == 32  # type: ignore[attr-defined]
+        assert_matches_reference(greedy_reference(llm, tiny_prompts()), reference)
+        assert llm.engine.stats().num_recompute_preemptions > 0
+
+
+def test_speculative_decoding_and_lora_are_refused_naming_them(lfm2_dir: str, tmp_path: Path) -> None:
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(lfm2_dir)
+    get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(tmp_path)
+    with pytest.raises(
+        ValueError, match="speculative_config: Lfm2ForCausalLM is not served with speculative"
+    ):
+        LLM(model=lfm2_dir, dtype="float32", num_kv_blocks=16, speculative_config=ngram)
+    with pytest.raises(ValueError, match="lora_modules: Lfm2ForCausalLM's LoRA adapters are not served"):
+        LLM(model=lfm2_dir, dtype="float32", num_kv_blocks=16, lora_modules={"sql": str(tmp_path)})
+    llm = LLM(model=lfm2_dir, dtype="float32", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="lora_path: Lfm2ForCausalLM's LoRA adapters are not served"):
+        llm.engine.load_lora_adapter("sql", str(tmp_path))
+    assert greedy(llm, prompts()[:1]) == greedy(llm, prompts()[:1])  # and it still serves
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"layer_types": ["conv", "mamba", "full_attention"]}, "layer_types must name 3 layers, each"),
+        ({"layer_types": ["conv", "conv", "conv"]}, "layer_types has no full_attention layer"),
+        ({"conv_L_cache": 1}, "conv_L_cache must be at least 2, got 1"),
+    ],
+)
+def test_config_values_it_cannot_run_are_refused_naming_them(
+    lfm2_dir: str, tmp_path: Path, change: dict[str, object], message: str
+) -> None:
+    for file in Path(lfm2_dir).iterdir():
+        if file.name != "config.json":
+            (tmp_path / file.name).symlink_to(file)
+    config = json.loads((Path(lfm2_dir) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=f"model: config.json's {message}"):
+        LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=16)
