@@ -131,8 +131,10 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                 )  # OLMo's norms placed otherwise than Llama's, LayerNorms, LFM2's names: each one's weight
             elif name.endswith("norm.weight") and type(model).__name__.startswith("Nemotron"):
                 param.normal_(0.0, 0.5)  # (LayerNorm1P: scaled by 1 + weight)
-            elif name.endswith((".act_fn.alpha_p", ".act_fn.alpha_n")):  # Apertus's xIELU: each layer its own
-                param.normal_(0.0, 0.5)
+            elif name.endswith((".act_fn.alpha_p", ".act_fn.alpha_n", ".mamba.A_log", ".mamba.dt_bias")):
+                param.normal_(0.0, 0.5)  # Apertus's xIELU, each layer its own; Mamba2's, each head its own
+            elif name.endswith((".mamba.D", ".mamba.norm.weight")):  # (ones would hide one never applied)
+                param.normal_(1.0, 0.5)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # GLM-4.5's: zeros would hide the bias never added
                 buffer.normal_(0.0, 0.3)

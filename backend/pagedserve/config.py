@@ -97,18 +97,54 @@ class ModelConfig:
             hf_config=hf,
             sampling_defaults=sampling_defaults(path, generation_config, override_generation_config or {}),
             values_in_keys="kv_lora_rank" in hf,
-            recurrent=architecture in RECURRENT_ARCHITECTURES,
+            recurrent=is_recurrent(hf),
         )
 
 
-RECURRENT_ARCHITECTURES = frozenset({"Lfm2ForCausalLM"})
+def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
+    """Each layer's token mixer in a hybrid model (`models.hybrid`): "full_attention", LFM2's "conv" or
+    Granite 4.0's "mamba"; None for a model of attention layers alone."""
+    architecture = architecture_of(hf)
+    if architecture == "Lfm2ForCausalLM":
+        layer_types = lfm2_layer_types(hf)
+    elif architecture == "GraniteMoeHybridForCausalLM":
+        layer_types = granite_layer_types(hf)
+    else:
+        return None
+    if "full_attention" not in layer_types:
+        raise ValueError(
+            f"model: config.json's layer_types names no attention layer ({set(layer_types)} alone): models "
+            "without attention are not served"
+        )
+    return layer_types
+
+
+def is_recurrent(hf: dict[str, Any]) -> bool:
+    """Whether some layer carries a state per request in place of a KV cache (`ModelConfig.recurrent`)."""
+    layer_types = hybrid_layer_types(hf)
+    return layer_types is not None and any(kind != "full_attention" for kind in layer_types)
 
 
 def num_kv_cache_layers(hf: dict[str, Any]) -> int:
-    """The layers that keep a KV cache: every one, but LFM2's attention layers alone."""
-    if architecture_of(hf) == "Lfm2ForCausalLM":
-        return lfm2_layer_types(hf).count("full_attention")
-    return int(hf["num_hidden_layers"])
+    """The layers that keep a KV cache: every one, but a hybrid's attention layers alone."""
+    layer_types = hybrid_layer_types(hf)
+    return int(hf["num_hidden_layers"]) if layer_types is None else layer_types.count("full_attention")
+
+
+def granite_layer_types(hf: dict[str, Any]) -> list[str]:
+    """Granite 4.0's layers, "full_attention" or "mamba": config.json's `layer_types` (or
+    `layers_block_type`), "attention" / "full_attention" or "mamba" / "linear_attention" (every layer
+    Mamba2 where it names none, as GraniteMoeHybridConfig reads it)."""
+    num_layers = hf["num_hidden_layers"]
+    names = {"attention": "full_attention", "full_attention": "full_attention"}
+    names |= {"mamba": "mamba", "linear_attention": "mamba"}
+    layer_types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * num_layers
+    if len(layer_types) != num_layers or not set(layer_types) <= set(names):
+        raise ValueError(
+            f"model: config.json's layer_types must name {num_layers} layers, each attention or mamba, "
+            f"got {layer_types!r}"
+        )
+    return [names[kind] for kind in layer_types]
 
 
 def lfm2_layer_types(hf: dict[str, Any]) -> list[str]:
@@ -125,8 +161,6 @@ def lfm2_layer_types(hf: dict[str, Any]) -> list[str]:
             f"model: config.json's layer_types must name {num_layers} layers, each full_attention or conv, "
             f"got {layer_types!r}"
         )
-    if "full_attention" not in layer_types:
-        raise ValueError("model: config.json's layer_types has no full_attention layer (LFM2's have some)")
     return list(layer_types)
 
 

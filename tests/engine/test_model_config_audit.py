@@ -124,6 +124,8 @@ GRANITE_SCALES = {
 # `decode_layers` takes a qkv bias alone (Granite's multipliers, Phi-3's partial rotary and SmolLM3's
 # NoPE layers it runs) and no Gemma layer (worker/fused_decode.py): these run without it
 NOT_DECODE_LAYERS = {
+    "granite4-h-mamba-attention-mamba",
+    "granite4-h-experts-hub-names",
     "lfm2-conv-attention-conv-conv",
     "lfm2-as-the-hub-names-it",
     "llama-attention-and-mlp-bias",
@@ -201,6 +203,9 @@ GRANITE4 = {
     "num_local_experts": 0,
     "shared_intermediate_size": 48,
 }
+# Mamba2 on a tiny scale (`layers.mamba2`): 8 heads of 16 (128 = 2 x hidden) in 2 groups, a state of
+# 16, chunks of 32
+GRANITE4_MAMBA = {"mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 32}
 # DeepSeek's latent attention on a tiny scale: 4 heads, each key 16 unrotated + 8 rotated dimensions,
 # each value 24; a latent of 56 (a cache entry of 56 + 8 = 64, the bfloat16 prefill kernel's); 2 of 8
 # experts a token beside a shared one, layer 0 dense
@@ -306,6 +311,13 @@ def with_unused_window(config: dict[str, Any]) -> None:
 def without_nope_layers(config: dict[str, Any]) -> None:
     """A config.json without `no_rope_layers`: SmolLM3Config's default, every fourth layer NoPE."""
     del config["no_rope_layers"]
+
+
+def granite4_as_ibm_names_it(config: dict[str, Any]) -> None:
+    config["layers_block_type"] = config.pop("layer_types")
+    config["mamba_d_head"] = "auto"
+    for key in ("mamba_d_conv", "mamba_expand", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit"):
+        del config[key]
 
 
 def lfm2_as_the_hub_names_it(config: dict[str, Any]) -> None:
@@ -844,6 +856,28 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             block_ffn_dim_multiplier=1.5,
         ),
         None,
+    ),
+    # IBM Granite 4.0's hybrids: Mamba2 layers (8 heads of 16 in 2 groups, a state of 16, 4 taps) at
+    # layers 0 and 2, attention without rope at layer 1, Granite's multipliers; the prompts (300+ tokens)
+    # cross ten of Mamba2's chunks of 32
+    "granite4-h-mamba-attention-mamba": (
+        lambda: GraniteMoeHybridConfig(
+            **{**TINY, "num_hidden_layers": 3},
+            **{**GRANITE4, "layer_types": ["mamba", "attention", "mamba"]},
+            **GRANITE4_MAMBA,
+        ),
+        None,
+    ),
+    # with experts beside the shared MLP (granite-4.0-h-tiny's, -small's), as IBM's config.json names
+    # the layers (layers_block_type), mamba_d_head "auto" (inner / heads) and Mamba2's other defaults
+    "granite4-h-experts-hub-names": (
+        lambda: GraniteMoeHybridConfig(
+            **{**TINY, "num_hidden_layers": 3},
+            **{**GRANITE4, "layer_types": ["attention", "mamba", "mamba"], "num_local_experts": 4},
+            **GRANITE4_MAMBA,
+            num_experts_per_tok=2,
+        ),
+        granite4_as_ibm_names_it,
     ),
     # as LiquidAI's config.json names it: attention by full_attn_idxs, block_ff_dim, tie_embedding;
     # without rope keys or norm_eps (theta 1e6, eps 1e-5 by default)
@@ -1845,32 +1879,46 @@ def test_rotary_tables_equal_transformers(
             ),
             "decoder_sparse_step must be a positive integer, got 0",
         ),
-        # Granite 4.0's hybrid checkpoints (Mamba2 layers; every layer is one where config.json names
-        # none) and its experts
+        # Granite 4.0's layers: attention or Mamba2 (every one where config.json names none, a model
+        # without attention), Mamba2's heads filling mamba_expand x hidden_size
+        (
+            lambda c: c.update(
+                architectures=["GraniteMoeHybridForCausalLM"],
+                layer_types=["attention", "moe"],
+                num_local_experts=0,
+                shared_intermediate_size=96,
+            ),
+            "layer_types must name 2 layers, each attention or mamba, got",
+        ),
+        (
+            lambda c: c.update(
+                architectures=["GraniteMoeHybridForCausalLM"],
+                num_local_experts=0,
+                shared_intermediate_size=96,
+            ),
+            "layer_types names no attention layer .* models without attention are not served",
+        ),
         (
             lambda c: c.update(
                 architectures=["GraniteMoeHybridForCausalLM"],
                 layer_types=["attention", "mamba"],
                 num_local_experts=0,
                 shared_intermediate_size=96,
+                mamba_n_heads=8,
+                mamba_d_head=32,
             ),
-            "layer_types: layer 1 is 'mamba', a Mamba2 layer",
+            r"mamba_d_head \(32\) times mamba_n_heads \(8\) must be mamba_expand x hidden_size \(128\)",
         ),
         (
             lambda c: c.update(
                 architectures=["GraniteMoeHybridForCausalLM"],
+                layer_types=["attention", "mamba"],
                 num_local_experts=0,
                 shared_intermediate_size=96,
+                mamba_n_heads=8,
+                mamba_n_groups=3,
             ),
-            "layer_types: layer 0 is 'mamba', a Mamba2 layer",
-        ),
-        (
-            lambda c: c.update(
-                architectures=["GraniteMoeHybridForCausalLM"],
-                layer_types=["attention", "attention"],
-                shared_intermediate_size=96,
-            ),
-            "num_local_experts 8: Granite 4.0's experts are not served",
+            "3 Mamba2 groups do not divide its 8 heads",
         ),
         (
             lambda c: c.update(
@@ -1953,9 +2001,10 @@ def test_rotary_tables_equal_transformers(
         "granite-logits-scaling-0",
         "mixtral-more-experts-a-token-than-experts",
         "qwen3-moe-sparse-step-0",
-        "granite4-mamba-layer",
-        "granite4-mamba-by-default",
-        "granite4-experts",
+        "granite4-layer-type",
+        "granite4-mamba-alone-by-default",
+        "granite4-mamba-head-dim",
+        "granite4-mamba-groups",
         "olmoe-clip-qkv-not-a-number",
         "ernie4.5-moe-biases",
         "cohere2-negative-logit-scale",

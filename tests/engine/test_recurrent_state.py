@@ -1,9 +1,10 @@
-"""A model that carries a state per sequence beside its KV cache (LFM2's short convolutions,
-`layers.short_conv`) through the engine's paths that break a sequence's steps apart: prompts in chunks,
-preemption under memory pressure, parallel samples, shared prefixes. Each gives the tokens a roomy
-engine gives, since the state is built only by the steps computing the sequence from its first
-token: no prefix caching, no swapping, forks that share no blocks. What cannot run with such a state
-(speculative decoding, LoRA) is refused naming the setting."""
+"""Models that carry a state per request beside their KV cache (LFM2's short convolutions, Granite
+4.0's Mamba2 layers: `layers.recurrent`) through the engine's paths that break a sequence's steps
+apart: prompts in chunks, preemption under memory pressure, parallel samples, shared prefixes. Each
+gives the tokens a roomy engine gives, since the state is built only by the steps computing the
+sequence from its first token: no prefix caching, no swapping, forks that share no blocks. What cannot
+run with such a state (speculative decoding, LoRA; Mamba2 under tensor parallelism) is refused naming
+the setting."""
 
 from __future__ import annotations
 
@@ -20,29 +21,58 @@ from test_tensor_parallel import (
     tiny_prompts,
 )
 from tiny_models import save_tiny_model
-from transformers import Lfm2Config
+from transformers import GraniteMoeHybridConfig, Lfm2Config
 
 MAX_TOKENS = 24
 
 
+SMALL = {
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "initializer_range": 0.2,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+
+
+def lfm2_config() -> Lfm2Config:
+    layers = ["conv", "full_attention", "conv"]
+    return Lfm2Config(**SMALL, intermediate_size=96, num_hidden_layers=3, layer_types=layers, conv_bias=True)
+
+
+def granite4_h_config() -> GraniteMoeHybridConfig:
+    """Mamba2 in chunks of 8: the prompts cross several, chunked prefill splits them anywhere."""
+    return GraniteMoeHybridConfig(
+        **SMALL,
+        num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"],
+        num_local_experts=0,
+        shared_intermediate_size=96,
+        mamba_n_heads=8,
+        mamba_n_groups=2,
+        mamba_d_state=16,
+        mamba_chunk_size=8,
+    )
+
+
+HYBRIDS = {"lfm2": lfm2_config, "granite4-h": granite4_h_config}
+
+
+@pytest.fixture(scope="module", params=list(HYBRIDS))
+def hybrid_dir(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, default_model_dir: str
+) -> str:
+    config = HYBRIDS[request.param]()
+    return save_tiny_model(tmp_path_factory.mktemp(request.param), default_model_dir, config)
+
+
 @pytest.fixture(scope="module")
 def lfm2_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
-    config = Lfm2Config(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.2,
-        layer_types=["conv", "full_attention", "conv"],
-        conv_bias=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    return save_tiny_model(tmp_path_factory.mktemp("lfm2"), default_model_dir, config)
+    return save_tiny_model(tmp_path_factory.mktemp("lfm2"), default_model_dir, lfm2_config())
 
 
 def prompts() -> list[list[int]]:
@@ -55,14 +85,14 @@ def greedy(llm: LLM, prompts: list[list[int]], n: int = 1) -> list[list[list[int
     return [[o.token_ids for o in r.outputs] for r in llm.generate(prompts, params)]
 
 
-def test_chunks_preemption_and_parallel_samples_give_a_roomy_engines_tokens(lfm2_dir: str) -> None:
-    roomy = LLM(model=lfm2_dir, dtype="float32", num_kv_blocks=256, block_size=8)
+def test_chunks_preemption_and_parallel_samples_give_a_roomy_engines_tokens(hybrid_dir: str) -> None:
+    roomy = LLM(model=hybrid_dir, dtype="float32", num_kv_blocks=256, block_size=8)
     expected = greedy(roomy, prompts())
     assert roomy.engine.config.cache.enable_prefix_caching is False
     # a 16-token budget splits every prompt past it into chunks (of any size: the state carries
     # between them); 16 blocks of 8 hold 128 tokens of the 8 requests' ~600: they preempt each other
     tight = LLM(
-        model=lfm2_dir,
+        model=hybrid_dir,
         dtype="float32",
         num_kv_blocks=16,
         block_size=8,
@@ -79,8 +109,8 @@ def test_chunks_preemption_and_parallel_samples_give_a_roomy_engines_tokens(lfm2
     assert tight.engine.stats().num_free_blocks == 16
 
 
-def test_a_prefix_another_request_computed_is_computed_again(lfm2_dir: str) -> None:
-    llm = LLM(model=lfm2_dir, dtype="float32", num_kv_blocks=256, block_size=8)
+def test_a_prefix_another_request_computed_is_computed_again(hybrid_dir: str) -> None:
+    llm = LLM(model=hybrid_dir, dtype="float32", num_kv_blocks=256, block_size=8)
     alone = [greedy(llm, [prompt])[0] for prompt in prompts()[:4]]
     assert greedy(llm, prompts()[:4]) == alone  # four prompts sharing 40 tokens, run together
     assert llm.engine.stats().num_prefix_hits == 0
@@ -97,30 +127,39 @@ def test_tp2_splits_the_convolutions_channels_and_matches_single_rank(lfm2_dir: 
         assert llm.engine.stats().num_recompute_preemptions > 0
 
 
-def test_speculative_decoding_and_lora_are_refused_naming_them(lfm2_dir: str, tmp_path: Path) -> None:
-    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+def test_speculative_decoding_and_lora_are_refused_naming_them(hybrid_dir: str, tmp_path: Path) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(lfm2_dir)
+    name = json.loads((Path(hybrid_dir) / "config.json").read_text())["architectures"][0]
+    base = AutoModelForCausalLM.from_pretrained(hybrid_dir)
     get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(tmp_path)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
     with pytest.raises(
-        ValueError, match="speculative_config: Lfm2ForCausalLM is not served with speculative"
+        ValueError, match=f"speculative_config: {name} is not served with speculative decoding"
     ):
-        LLM(model=lfm2_dir, dtype="float32", num_kv_blocks=16, speculative_config=ngram)
-    with pytest.raises(ValueError, match="lora_modules: Lfm2ForCausalLM's LoRA adapters are not served"):
-        LLM(model=lfm2_dir, dtype="float32", num_kv_blocks=16, lora_modules={"sql": str(tmp_path)})
-    llm = LLM(model=lfm2_dir, dtype="float32", num_kv_blocks=16)
-    with pytest.raises(ValueError, match="lora_path: Lfm2ForCausalLM's LoRA adapters are not served"):
+        LLM(model=hybrid_dir, dtype="float32", num_kv_blocks=16, speculative_config=ngram)
+    with pytest.raises(ValueError, match=f"lora_modules: {name}'s LoRA adapters are not served"):
+        LLM(model=hybrid_dir, dtype="float32", num_kv_blocks=16, lora_modules={"sql": str(tmp_path)})
+    llm = LLM(model=hybrid_dir, dtype="float32", num_kv_blocks=16)
+    with pytest.raises(ValueError, match=f"lora_path: {name}'s LoRA adapters are not served"):
         llm.engine.load_lora_adapter("sql", str(tmp_path))
     assert greedy(llm, prompts()[:1]) == greedy(llm, prompts()[:1])  # and it still serves
+
+
+def test_mamba2_under_tensor_parallelism_is_refused_before_any_rank_starts(
+    tmp_path: Path, default_model_dir: str
+) -> None:
+    model_dir = save_tiny_model(tmp_path / "granite4-h", default_model_dir, granite4_h_config())
+    with pytest.raises(ValueError, match="tensor_parallel_size: Mamba2 layers are served on one rank, not 2"):
+        LLM(model=model_dir, dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         ({"layer_types": ["conv", "mamba", "full_attention"]}, "layer_types must name 3 layers, each"),
-        ({"layer_types": ["conv", "conv", "conv"]}, "layer_types has no full_attention layer"),
+        ({"layer_types": ["conv", "conv", "conv"]}, "layer_types names no attention layer"),
         ({"conv_L_cache": 1}, "conv_L_cache must be at least 2, got 1"),
     ],
 )

@@ -29,7 +29,7 @@ from torch import nn
 from pagedserve.distributed import get_tp_rank
 
 if TYPE_CHECKING:
-    from pagedserve.layers.short_conv import ConvWindows
+    from pagedserve.layers.recurrent import RecurrentStep
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +52,9 @@ class AttentionMetadata:
     # shared by its other layers of that window
     decode_key_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     prefill_batches: dict[int, reference.PrefillBatch | None] = field(default_factory=dict)
-    # a model's short convolutions (LFM2's): where each of width w reads its taps and keeps its
-    # state this step, by w (built by the model runner, `layers.short_conv`)
-    conv_windows: dict[int, ConvWindows] = field(default_factory=dict)
+    # the step's sequences as a model's layers with a state per request read them (LFM2's, Mamba2's:
+    # `layers.recurrent`), built by the model runner for such a model alone
+    recurrent: RecurrentStep | None = None
 
     @property
     def num_prefills(self) -> int:

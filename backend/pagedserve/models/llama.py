@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Ministral 3, Qwen2, Qwen3, Granite 3 and 4.0, Phi-3, SmolLM3, InternLM3,
+"""Llama-family decoder (Llama, Mistral, Ministral 3, Qwen2, Qwen3, Granite 3, Phi-3, SmolLM3, InternLM3,
 Seed-OSS, ERNIE 4.5, GLM-4, EXAONE 4.0, Hunyuan layouts): GQA, RoPE, RMSNorm, SwiGLU, tied or untied
 embeddings, Qwen3's RMSNorm of each query and key head, Granite's multipliers, Phi-3's fused
 checkpoint tensors, SmolLM3's layers without rotary, GPT-J's rotary (ERNIE's, GLM's) as NeoX's over
@@ -31,8 +31,8 @@ from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedserve.layers.moe import Experts, SparseMoeBlock
 from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.recurrent import RecurrentLayer
 from pagedserve.layers.rotary import RotaryEmbedding
-from pagedserve.layers.short_conv import ShortConv
 
 # a step's cos and sin tables, shared by every layer (and after them a model's own: Gemma's and OLMo 3's
 # sliding layers' tables, Ministral 3's query scales)
@@ -204,6 +204,10 @@ class LlamaDecoderLayer(nn.Module):
         (LayerNorms: `models.ungated`, `models.neox`...)."""
         return RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
 
+    def mix(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """The layer's token mixer: attention (a hybrid's recurrent layers: `models.hybrid`)."""
+        return cast(torch.Tensor, self.self_attn(rotary, hidden, metadata))
+
     def forward(
         self,
         rotary: Rotary,
@@ -215,7 +219,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rotary, hidden, metadata)
+        hidden = self.mix(rotary, hidden, metadata)
         if self.residual_multiplier != 1.0:
             hidden = hidden * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
@@ -349,9 +353,9 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.decoder_layers]
 
     @property
-    def recurrent_layers(self) -> list[ShortConv]:
-        """The layers that carry a state per request from step to step (LFM2's convolutions)."""
-        return [module for module in self.modules() if isinstance(module, ShortConv)]
+    def recurrent_layers(self) -> list[RecurrentLayer]:
+        """The layers that carry a state per request from step to step (LFM2's, Mamba2's)."""
+        return [module for module in self.modules() if isinstance(module, RecurrentLayer)]
 
     def forward(
         self,
@@ -563,27 +567,6 @@ class GraniteForCausalLM(LlamaForCausalLM):
         return scales
 
 
-class GraniteMoeHybridForCausalLM(GraniteForCausalLM):
-    """IBM Granite 4.0's attention-only checkpoints (granite-4.0-micro, granite-4.0-1b, 350m): Granite's
-    layer and multipliers, its MLP stored as `shared_mlp` (gate and up in one tensor, `input_linear`,
-    down as `output_linear`) of `shared_intermediate_size`, q and k turned by the rope where
-    `position_embedding_type` is "rope" and by none otherwise (NoPE). Mamba layers (the hybrid "-h"
-    checkpoints) and experts are refused by name."""
-
-    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
-        _check_attention_only(cfg)
-        # (GraniteMoeHybridConfig's default where config.json leaves it out)
-        shared = cfg.get("shared_intermediate_size", 1024)
-        super().__init__({**cfg, "intermediate_size": shared}, max_position, backend)
-
-    @staticmethod
-    def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
-        return [cfg.get("position_embedding_type") == "rope"] * cfg["num_hidden_layers"]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(granite_shared_mlp(weights, "mlp"))
-
-
 def granite_shared_mlp(
     weights: Iterable[tuple[str, torch.Tensor]], ours: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -597,25 +580,6 @@ def granite_shared_mlp(
             yield name.replace("shared_mlp.input_linear", f"{ours}.up_proj"), up
         else:
             yield name.replace(".shared_mlp.output_linear.", f".{ours}.down_proj."), tensor
-
-
-def _check_attention_only(cfg: dict[str, Any]) -> None:
-    """Granite 4.0's layers are attention (`layer_types` "attention", transformers 5's "full_attention")
-    or Mamba2 (by default every one, as transformers reads a config without `layer_types`)."""
-    layer_types = (
-        cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * cfg["num_hidden_layers"]
-    )
-    for number, kind in enumerate(layer_types):
-        if kind not in ("attention", "full_attention"):
-            raise ValueError(
-                f"model: config.json's layer_types: layer {number} is {kind!r}, a Mamba2 layer (Granite 4.0's "
-                "hybrid -h checkpoints are not served; its attention-only ones are)"
-            )
-    if cfg.get("num_local_experts", 8):
-        raise ValueError(
-            f"model: config.json's num_local_experts {cfg.get('num_local_experts', 8)}: Granite 4.0's experts "
-            "are not served (its attention-only checkpoints, num_local_experts 0, are)"
-        )
 
 
 class HunYuanDecoderLayer(LlamaDecoderLayer):

@@ -11,13 +11,12 @@ from pagedserve.models.deepseek import (
 )
 from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
-from pagedserve.models.lfm2 import Lfm2ForCausalLM
+from pagedserve.models.hybrid import GraniteMoeHybridForCausalLM, Lfm2ForCausalLM
 from pagedserve.models.llama import (
     Ernie4_5ForCausalLM,
     Exaone4ForCausalLM,
     Glm4ForCausalLM,
     GraniteForCausalLM,
-    GraniteMoeHybridForCausalLM,
     HunYuanDenseV1ForCausalLM,
     InternLM3ForCausalLM,
     LlamaForCausalLM,

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from pagedserve import logs
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, hybrid_layer_types
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed import all_reduce_min
 from pagedserve.launch import launch_env
@@ -113,6 +113,8 @@ def check_tensor_parallel_size(config: EngineConfig) -> None:
     """Fail before any rank starts when the model's heads or MLP cannot be split `tp` ways."""
     model, tp = config.model, config.parallel.tensor_parallel_size
     check_head_split(model.num_heads, model.num_kv_heads, tp)
+    if tp > 1 and "mamba" in (hybrid_layer_types(model.hf_config) or ()):
+        raise ValueError(f"tensor_parallel_size: Mamba2 layers are served on one rank, not {tp}")
     intermediate_size = int(model.hf_config.get("intermediate_size", 0))
     if intermediate_size % tp:
         raise ValueError(

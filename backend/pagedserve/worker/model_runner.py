@@ -32,8 +32,8 @@ from pagedserve.layers.attention import (
 )
 from pagedserve.layers.linear import LinearBase, can_pack_weights, packed_before_compiling
 from pagedserve.layers.moe import SparseMoeBlock
+from pagedserve.layers.recurrent import ConvWindows, RecurrentStep, conv_windows
 from pagedserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors, apply_token_bitmask
-from pagedserve.layers.short_conv import ConvWindows, conv_windows
 from pagedserve.lora import LoRAModels
 from pagedserve.models import llama
 from pagedserve.models.llama import LlamaForCausalLM
@@ -252,10 +252,16 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.block_tables = torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
         self.free_rows = list(range(max_seqs - 1, -1, -1))
-        # layers with a state per request (LFM2's convolutions), a row of it for each block-table row
+        # layers with a state per request (LFM2's, Mamba2's), a row of it for each block-table row
         self.recurrent_layers = self.model.recurrent_layers
-        for layer in self.recurrent_layers:
-            layer.bind_state(max_seqs)
+        if self.recurrent_layers:
+            state_bytes = sum(layer.bind_state(max_seqs) for layer in self.recurrent_layers)
+            logger.info(
+                "recurrent state of %d layers: %.1f MiB for max_num_seqs (%d) requests",
+                len(self.recurrent_layers),
+                state_bytes / 2**20,
+                max_seqs,
+            )
         self.conv_widths = sorted({layer.width for layer in self.recurrent_layers})
         self.requests: dict[str, RequestState] = {}
         # requests owing prompt logprobs -> their prompts; empty (no per-step work) when none asks
@@ -614,8 +620,7 @@ class ModelRunner:
         if state.keeps_token_ids:
             state.token_ids.replace_from(0, req.computed_token_ids)
         for layer in self.recurrent_layers:
-            assert layer.state is not None
-            layer.state[state.row] = 0
+            layer.reset_state(state.row)
         if req.sampling_params.logit_bias:  # once, not every step: up to 1,024 entries
             bias = req.sampling_params.logit_bias
             state.logit_bias = (
@@ -692,9 +697,11 @@ class ModelRunner:
             max_decode_context_len=int(decode_context_lens.max()) if num_decodes else 0,
             max_prefill_query_len=int(q_lens[num_decode_requests:].max()) if n > num_decode_requests else 0,
         )
-        for width in self.conv_widths:
-            taps, keep = conv_windows(q_lens, width)
-            metadata.conv_windows[width] = ConvWindows(to_device(rows), to_device(taps), to_device(keep))
+        if self.recurrent_layers:
+            metadata.recurrent = RecurrentStep(to_device(rows), rows.tolist(), q_lens.tolist())
+            for width in self.conv_widths:
+                taps, keep = conv_windows(q_lens, width)
+                metadata.recurrent.windows[width] = ConvWindows(to_device(taps), to_device(keep))
         input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in order), np.int64, num_tokens)
         return to_device(input_ids), to_device(positions), metadata, to_device(sample_indices)
 

@@ -1,4 +1,4 @@
-"""LFM2's causal short convolution over packed steps (`layers.short_conv`): sequences of any length
+"""LFM2's causal short convolution over packed steps (`layers.recurrent`): sequences of any length
 side by side, each split into chunks of any size (a decode step's one token, chunks shorter than the
 state), give what one causal Conv1d over each whole sequence gives, the state carried between steps in
 each sequence's own row."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from pagedserve.layers.short_conv import ConvWindows, causal_conv, conv_windows
+from pagedserve.layers.recurrent import ConvWindows, causal_conv, conv_windows
 
 
 def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -45,10 +45,11 @@ def test_packed_chunked_steps_equal_one_conv1d_over_each_sequence(width: int, bi
         chunks = [min(rng.choice([1, 1, 2, 3, 5]), lengths[i] - done[i]) for i in step]
         x = torch.cat([inputs[i][done[i] : done[i] + c] for i, c in zip(step, chunks)])
         taps, keep = conv_windows(np.array(chunks, dtype=np.int64), width)
-        windows = ConvWindows(
-            torch.tensor([rows[i] for i in step]), torch.from_numpy(taps), torch.from_numpy(keep)
+        step_rows, windows = (
+            torch.tensor([rows[i] for i in step]),
+            ConvWindows(torch.from_numpy(taps), torch.from_numpy(keep)),
         )
-        for i, out in zip(step, causal_conv(x, state, weight, conv_bias, windows).split(chunks)):
+        for i, out in zip(step, causal_conv(x, state, weight, conv_bias, step_rows, windows).split(chunks)):
             outputs[i].append(out)
         for i, c in zip(step, chunks):
             done[i] += c

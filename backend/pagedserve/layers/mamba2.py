@@ -1,0 +1,189 @@
+"""Mamba2's mixer (the state space layers of IBM's Granite 4.0 hybrids), with the state it carries for
+each request from step to step (`layers.recurrent`).
+
+in_proj gives each token a gate z, the inputs xBC of a causal depthwise convolution (then SiLU), and a
+time step dt per head; the convolution's output splits into x (heads of `head_dim`), B and C (`groups`
+of `state_size`, each shared by heads / groups heads). Each head h keeps a state S [head_dim,
+state_size], advanced by every token as
+
+    S <- exp(dt A) S + dt x B^T,    y = S C + D x,    dt = softplus(dt + dt_bias), A = -exp(A_log)
+
+and y, gated by SiLU(z) and RMS-normed in groups, goes through out_proj. A request keeps its
+convolution's last inputs and every head's S.
+
+A step's one-token sequences (decodes) advance together; each longer one (a prompt or a chunk of one)
+runs the state-space duality's chunked form (Mamba2's SSD): within a chunk of `chunk_size` tokens its
+outputs are a masked, decayed attention of C over B, plus the state before the chunk read through C;
+chunk to chunk, the state carries. Both in float32, the states kept in the model's dtype (vLLM's
+default and transformers' cache). One rank only: Mamba2's groups and its norm's groups would need
+splitting across ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.distributed import get_tp_size
+from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedserve.layers.recurrent import RecurrentLayer, RecurrentStep, causal_conv
+from pagedserve.layers.short_conv import load_conv_rows
+
+
+@dataclass(frozen=True)
+class Mamba2Dims:
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    state_size: int
+    conv_width: int
+    chunk_size: int
+    conv_bias: bool
+    proj_bias: bool
+    norm_eps: float
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+
+class GatedRMSNorm(nn.Module):
+    """y * SiLU(z), RMS-normed over each of its groups of `group_size`, times the weight; in float32,
+    rounded once (Mamba2's RMSNormGated, the gate before the norm)."""
+
+    def __init__(self, size: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.group_size, self.eps = group_size, eps
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        gated = (y.float() * F.silu(gate.float())).unflatten(-1, (-1, self.group_size))
+        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normed.flatten(-2)).to(gate.dtype)
+
+
+class Mamba2Mixer(RecurrentLayer):
+    def __init__(self, dims: Mamba2Dims) -> None:
+        super().__init__()
+        if get_tp_size() > 1:
+            raise ValueError(
+                f"tensor_parallel_size: Mamba2 layers are served on one rank, not {get_tp_size()}"
+            )
+        if dims.num_heads % dims.num_groups or dims.intermediate_size % dims.num_groups:
+            raise ValueError(
+                f"model: config.json's {dims.num_groups} Mamba2 groups do not divide its {dims.num_heads} heads"
+            )
+        self.dims, self.width = dims, dims.conv_width
+        inner, conv_dim = dims.intermediate_size, dims.conv_dim
+        self.in_proj = ColumnParallelLinear(
+            dims.hidden_size, inner + conv_dim + dims.num_heads, bias=dims.proj_bias
+        )
+        self.conv_weight = nn.Parameter(torch.empty(conv_dim, dims.conv_width), requires_grad=False)
+        self.conv_weight.weight_loader = self.conv_loader  # type: ignore[attr-defined]
+        self.conv_bias: nn.Parameter | None = None
+        if dims.conv_bias:
+            self.conv_bias = nn.Parameter(torch.empty(conv_dim), requires_grad=False)
+            self.conv_bias.weight_loader = self.conv_loader  # type: ignore[attr-defined]
+        self.dt_bias = nn.Parameter(torch.empty(dims.num_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(dims.num_heads), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(dims.num_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(inner, inner // dims.num_groups, dims.norm_eps)
+        self.out_proj = RowParallelLinear(inner, dims.hidden_size, bias=dims.proj_bias)
+        self.conv_state: torch.Tensor | None = None  # [rows, width - 1, conv_dim], set by `bind_state`
+        self.ssm_state: torch.Tensor | None = None  # [rows, heads, head_dim, state_size]
+
+    @staticmethod
+    def conv_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        load_conv_rows(param, loaded, 0)
+
+    def bind_state(self, rows: int) -> int:
+        d, dtype, device = self.dims, self.conv_weight.dtype, self.conv_weight.device
+        self.conv_state = torch.zeros(rows, d.conv_width - 1, d.conv_dim, dtype=dtype, device=device)
+        self.ssm_state = torch.zeros(rows, d.num_heads, d.head_dim, d.state_size, dtype=dtype, device=device)
+        return self.conv_state.nbytes + self.ssm_state.nbytes
+
+    def reset_state(self, row: int) -> None:
+        assert self.conv_state is not None and self.ssm_state is not None, "bind_state() first"
+        self.conv_state[row] = 0
+        self.ssm_state[row] = 0
+
+    def forward(self, hidden: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
+        assert self.conv_state is not None, "bind_state() first"
+        d = self.dims
+        gate, xbc, dt = self.in_proj(hidden).split([d.intermediate_size, d.conv_dim, d.num_heads], dim=-1)
+        windows = step.windows[self.width]
+        xbc = F.silu(causal_conv(xbc, self.conv_state, self.conv_weight, self.conv_bias, step.rows, windows))
+        groups = d.num_groups * d.state_size
+        x, b, c = xbc.float().split([d.intermediate_size, groups, groups], dim=-1)
+        repeat = d.num_heads // d.num_groups  # B and C of each group, for each of its heads
+        y = self.scan(
+            x.unflatten(-1, (d.num_heads, d.head_dim)),
+            F.softplus(dt.float() + self.dt_bias.float()).clamp(*d.time_step_limit),
+            b.unflatten(-1, (d.num_groups, d.state_size)).repeat_interleave(repeat, dim=1),
+            c.unflatten(-1, (d.num_groups, d.state_size)).repeat_interleave(repeat, dim=1),
+            step,
+        )
+        return self.out_proj(self.norm(y.flatten(1), gate))
+
+    def scan(
+        self, x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, step: RecurrentStep
+    ) -> torch.Tensor:
+        """y [tokens, heads, head_dim] (float32) of the step's tokens, each request's state advanced."""
+        assert self.ssm_state is not None
+        a = -torch.exp(self.A_log.float())
+        y = torch.empty_like(x)
+        rows, tokens = step.single_tokens
+        if tokens.numel():  # one token each: S <- exp(dt A) S + dt x B^T, y = S C
+            state = self.ssm_state[rows].float() * torch.exp(dt[tokens] * a)[:, :, None, None]
+            state += (dt[tokens, :, None] * x[tokens])[..., None] * b[tokens, :, None, :]
+            y[tokens] = torch.einsum("khpn,khn->khp", state, c[tokens])
+            self.ssm_state[rows] = state.to(self.ssm_state.dtype)
+        for row, start, n in step.runs:
+            span = slice(start, start + n)
+            y[span], state = ssd(
+                x[span], dt[span], a, b[span], c[span], self.ssm_state[row].float(), self.dims.chunk_size
+            )
+            self.ssm_state[row] = state.to(self.ssm_state.dtype)
+        return y + self.D.float()[:, None] * x
+
+
+def ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's tokens (x [n, heads, head_dim], dt [n, heads], b and c [n, heads, state_size])
+    through the state space from `state` [heads, head_dim, state_size], a chunk at a time: their y
+    (without D's skip) and the state after them. Within a chunk, with L_t the sum of dt A up to token t,
+    y_t = sum over s <= t of exp(L_t - L_s) (c_t . b_s) dt_s x_s, plus exp(L_t) times the state before
+    the chunk read through c_t; the state after it decays every token's dt x b^T by what follows it."""
+    outputs = []
+    for begin in range(0, x.shape[0], chunk_size):
+        xs, dts, bs, cs = (t[begin : begin + chunk_size] for t in (x, dt, b, c))
+        decay = torch.cumsum(dts * a, dim=0)  # [t, heads]: L_t
+        n = decay.shape[0]
+        later = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)[..., None]  # s > t
+        weights = torch.exp((decay[:, None] - decay[None]).masked_fill(later, float("-inf")))  # [t, s, heads]
+        xdt = xs * dts[..., None]
+        scores = torch.einsum("thn,shn->tsh", cs, bs) * weights
+        y = torch.einsum("tsh,shp->thp", scores, xdt)
+        y += torch.einsum("thn,hpn->thp", cs, state) * torch.exp(decay)[..., None]
+        remaining = torch.exp(decay[-1] - decay)  # [s, heads]: each token's decay to the chunk's end
+        state = state * torch.exp(decay[-1])[:, None, None] + torch.einsum(
+            "sh,shp,shn->hpn", remaining, xdt, bs
+        )
+        outputs.append(y)
+    return torch.cat(outputs), state

@@ -1,0 +1,234 @@
+"""Hybrid decoders, whose layers mix their tokens by attention or by a layer that carries a state per
+request from step to step in place of a KV cache (`layers.recurrent`):
+
+- Liquid AI's LFM2 (LFM2-350M, -700M, -1.2B, -2.6B): gated short convolutions (`layers.short_conv`)
+  beside Llama's attention with each query and key head RMS-normed (Qwen3's), every layer then a
+  SwiGLU MLP. Lfm2Config's defaults where config.json leaves a key out: theta 1e6, norms at eps
+  `norm_eps` 1e-5, a tied LM head, the MLP's width derived from `block_ff_dim` as Lfm2MLP derives it.
+- IBM's Granite 4.0 (granite-4.0-h-micro, -h-tiny, -h-small, -h-1b, -h-350m, and the attention-only
+  granite-4.0-micro, -1b, -350m): Mamba2 layers (`layers.mamba2`) beside Granite's attention (q and k
+  turned by the rope where `position_embedding_type` is "rope", by none otherwise), Granite's
+  multipliers, every MLP `shared_mlp` (of `shared_intermediate_size`), beside experts where
+  `num_local_experts` is not 0 (Granite MoE's, stacked in the checkpoint).
+
+A model with any recurrent layer runs without prefix caching or swapping (`ModelConfig.recurrent`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from pagedserve.config import granite_layer_types, lfm2_layer_types
+from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from pagedserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
+from pagedserve.layers.moe import Experts, SparseMoeBlock
+from pagedserve.layers.recurrent import RecurrentLayer
+from pagedserve.layers.short_conv import ShortConv
+from pagedserve.models.llama import (
+    LayerOptions,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    Rotary,
+    granite_shared_mlp,
+)
+from pagedserve.models.moe import GraniteMoeSharedForCausalLM
+
+
+class HybridDecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm layer whose token mixer is attention where the model's `layer_types` (in its
+    config, as the model reads it) names the layer "full_attention", else `recurrent_mixer`'s layer
+    (`mixer`)."""
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        nn.Module.__init__(self)
+        layer_types = cfg["layer_types"]
+        self.mixer = None if layer_types[layer_index] == "full_attention" else self.recurrent_mixer(cfg)
+        if self.mixer is None:  # its attention's index among the attention layers (their KV caches)
+            attention_index = layer_types[:layer_index].count("full_attention")
+            self.self_attn = self.attention_class(cfg, backend, options, attention_index)
+        self.mlp = (
+            self.dense_mlp(cfg)
+            if options.experts is None
+            else SparseMoeBlock(cfg["hidden_size"], options.experts)
+        )
+        self.residual_multiplier = options.scales.residual
+        self.input_layernorm = self.norm(cfg)
+        self.post_attention_layernorm = self.norm(cfg)
+
+    def recurrent_mixer(self, cfg: dict[str, Any]) -> RecurrentLayer:
+        raise NotImplementedError
+
+    def mix(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        if self.mixer is None:
+            return super().mix(rotary, hidden, metadata)
+        assert metadata.recurrent is not None, "a step of a model with a state per request"
+        return cast(torch.Tensor, self.mixer(hidden, metadata.recurrent))
+
+
+def attention_of(layers: Iterable[nn.Module]) -> list[Attention]:
+    """A hybrid's attention layers, in order (the KV caches they are bound to)."""
+    decoder_layers = cast(list[LlamaDecoderLayer], list(layers))
+    return [layer.self_attn.attn for layer in decoder_layers if getattr(layer, "mixer", None) is None]
+
+
+def _renamed(
+    weights: Iterable[tuple[str, torch.Tensor]], names: dict[str, str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        for theirs, ours in names.items():
+            name = name.replace(theirs, ours)
+        yield name, tensor
+
+
+def lfm2_intermediate_size(cfg: dict[str, Any]) -> int:
+    """Lfm2MLP's width: under `block_auto_adjust_ff_dim` (on by default) two thirds of the configured
+    one, times `block_ffn_dim_multiplier` rounded up to a multiple of `block_multiple_of`."""
+    size = int(cfg.get("block_ff_dim", cfg.get("intermediate_size", 12288)))
+    if cfg.get("block_auto_adjust_ff_dim", True):
+        size = int(2 * size / 3)
+        multiplier = cfg.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            multiple = int(cfg.get("block_multiple_of", 256))
+            size = multiple * -(-int(multiplier * size) // multiple)
+    return size
+
+
+class Lfm2DecoderLayer(HybridDecoderLayer):
+    def recurrent_mixer(self, cfg: dict[str, Any]) -> RecurrentLayer:
+        return ShortConv(cfg)
+
+
+class Lfm2ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+    decoder_layer_class = Lfm2DecoderLayer
+    stacked_params = {
+        **LlamaForCausalLM.stacked_params,
+        # the convolution's in_proj, B, C and x in one tensor, split on load (`load_weights`)
+        "b_proj": ("in_proj", 0),
+        "c_proj": ("in_proj", 1),
+        "x_proj": ("in_proj", 2),
+    }
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        cfg = {
+            **cfg,
+            "layer_types": lfm2_layer_types(cfg),
+            "rms_norm_eps": float(cfg.get("norm_eps", 1e-5)),
+            "intermediate_size": lfm2_intermediate_size(cfg),
+            "tie_word_embeddings": cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True)),
+        }
+        super().__init__(cfg, max_position, backend)
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return attention_of(self.layers)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_split_in_proj(_renamed(weights, _LFM2_NAMES)))
+
+
+# LFM2's checkpoint names -> ours (`LlamaForCausalLM.load_weights` merges q, k, v, gate and up)
+_LFM2_NAMES = {
+    ".operator_norm.": ".input_layernorm.",
+    ".ffn_norm.": ".post_attention_layernorm.",
+    ".feed_forward.w1.": ".mlp.gate_proj.",
+    ".feed_forward.w3.": ".mlp.up_proj.",
+    ".feed_forward.w2.": ".mlp.down_proj.",
+    ".self_attn.out_proj.": ".self_attn.o_proj.",
+    ".self_attn.q_layernorm.": ".self_attn.q_norm.",
+    ".self_attn.k_layernorm.": ".self_attn.k_norm.",
+    ".conv.conv.weight": ".mixer.conv_weight",
+    ".conv.conv.bias": ".mixer.conv_bias",
+    ".conv.": ".mixer.",
+    "model.embedding_norm.": "model.norm.",  # (the final norm, despite its name)
+}
+
+
+def _split_in_proj(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """LFM2's in_proj, B, C and x in one tensor, as three (`Lfm2ForCausalLM.stacked_params`)."""
+    for name, tensor in weights:
+        if ".mixer.in_proj." in name:
+            for part, rows in zip(("b_proj", "c_proj", "x_proj"), tensor.chunk(3), strict=True):
+                yield name.replace(".in_proj.", f".{part}."), rows
+        else:
+            yield name, tensor
+
+
+def granite_mamba_dims(cfg: dict[str, Any]) -> Mamba2Dims:
+    """Granite 4.0's Mamba2 sizes, GraniteMoeHybridConfig's defaults where config.json leaves a key out."""
+    hidden, heads = cfg["hidden_size"], int(cfg.get("mamba_n_heads", 128))
+    inner = int(cfg.get("mamba_expand", 2)) * hidden
+    head_dim = cfg.get("mamba_d_head", "auto")
+    head_dim = inner // heads if head_dim == "auto" else int(head_dim)
+    if head_dim * heads != inner:
+        raise ValueError(
+            f"model: config.json's mamba_d_head ({head_dim}) times mamba_n_heads ({heads}) must be "
+            f"mamba_expand x hidden_size ({inner})"
+        )
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    return Mamba2Dims(
+        hidden_size=hidden,
+        num_heads=heads,
+        head_dim=head_dim,
+        num_groups=int(cfg.get("mamba_n_groups", 1)),
+        state_size=int(cfg.get("mamba_d_state", 256)),
+        conv_width=int(cfg.get("mamba_d_conv", 4)),
+        chunk_size=int(cfg.get("mamba_chunk_size", 256)),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        time_step_limit=(float(limit[0]), float(limit[1])),
+    )
+
+
+class GraniteHybridDecoderLayer(HybridDecoderLayer):
+    def recurrent_mixer(self, cfg: dict[str, Any]) -> RecurrentLayer:
+        return Mamba2Mixer(granite_mamba_dims(cfg))
+
+
+class GraniteMoeHybridForCausalLM(GraniteMoeSharedForCausalLM):
+    decoder_layer_class: type[LlamaDecoderLayer] = GraniteHybridDecoderLayer
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        # (GraniteMoeHybridConfig's defaults where config.json leaves them out)
+        shared = int(cfg.get("shared_intermediate_size", 1024))
+        cfg = {**cfg, "layer_types": granite_layer_types(cfg), "shared_intermediate_size": shared}
+        if _dense(cfg):  # every MLP the shared one alone
+            cfg["intermediate_size"] = shared
+        if "mamba" not in cfg["layer_types"]:  # attention alone: Llama's layer (and its fused decode steps)
+            self.decoder_layer_class = LlamaDecoderLayer
+        super().__init__(cfg, max_position, backend)
+
+    @staticmethod
+    def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
+        return [cfg.get("position_embedding_type") == "rope"] * cfg["num_hidden_layers"]
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        return [None] * cfg["num_hidden_layers"] if _dense(cfg) else super().read_experts(cfg)
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return attention_of(self.layers)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        weights = _renamed(weights, _GRANITE_NAMES)
+        if not isinstance(self.decoder_layers[0].mlp, SparseMoeBlock):  # the shared MLP is the MLP
+            weights = granite_shared_mlp(weights, "mlp")
+        super().load_weights(weights)
+
+
+def _dense(cfg: dict[str, Any]) -> bool:
+    return int(cfg.get("num_local_experts", 8)) == 0
+
+
+_GRANITE_NAMES = {
+    ".mamba.conv1d.weight": ".mixer.conv_weight",
+    ".mamba.conv1d.bias": ".mixer.conv_bias",
+    ".mamba.": ".mixer.",
+}
