@@ -74,7 +74,8 @@ class ModelConfig:
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise ValueError(f"model: {path!r} is not a Hugging Face model directory (no config.json)")
-        hf = apply_hf_overrides(json.loads(config_file.read_text()), hf_overrides or {})
+        hf = json.loads(config_file.read_text(), object_hook=special_floats)
+        hf = apply_hf_overrides(hf, hf_overrides or {})
         check_quantization(hf)
         hf = text_decoder_config(hf)
         num_heads = hf["num_attention_heads"]
@@ -99,6 +100,15 @@ class ModelConfig:
             values_in_keys="kv_lora_rank" in hf,
             recurrent=is_recurrent(hf),
         )
+
+
+def special_floats(obj: dict[str, Any]) -> Any:
+    """A config.json object as transformers 5 reads it: the floats JSON cannot hold (Granite 4.0's
+    time_step_limit of infinity...) saved as {"__float__": "Infinity"} (or "-Infinity", "NaN") are
+    floats again."""
+    if obj.keys() == {"__float__"} and obj["__float__"] in ("Infinity", "-Infinity", "NaN"):
+        return float(obj["__float__"])
+    return obj
 
 
 def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:

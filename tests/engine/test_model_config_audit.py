@@ -316,8 +316,10 @@ def without_nope_layers(config: dict[str, Any]) -> None:
 def granite4_as_ibm_names_it(config: dict[str, Any]) -> None:
     config["layers_block_type"] = config.pop("layer_types")
     config["mamba_d_head"] = "auto"
-    for key in ("mamba_d_conv", "mamba_expand", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit"):
+    for key in ("mamba_d_conv", "mamba_expand", "mamba_conv_bias", "mamba_proj_bias"):
         del config[key]
+    # its default, as transformers 5's save_pretrained writes an infinity JSON cannot hold
+    config["time_step_limit"] = [0.0, {"__float__": "Infinity"}]
 
 
 def lfm2_as_the_hub_names_it(config: dict[str, Any]) -> None:

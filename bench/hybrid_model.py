@@ -1,0 +1,87 @@
+"""A hybrid checkpoint built from a config (random weights, no model hub), for bench/throughput.py to
+measure the layers with a state per request (`layers.recurrent`) against their peers:
+
+    python bench/hybrid_model.py /tmp/lfm2
+    python bench/throughput.py --model /tmp/lfm2 --peers pagedserve,hf-static
+
+`lfm2` (the default) is LFM2-350M's shape: hidden 1,024, 16 layers, attention (16 heads, 8 KV heads)
+at layers 2, 5, 8, 10, 12 and 14 and short convolutions of 3 taps at the other ten, an MLP 4,608 wide
+(block_ff_dim 6,656). `granite4-h` is a Granite 4.0-H layout at a CPU's scale: hidden 768, 12 layers,
+every fourth attention (12 heads, 4 KV heads, no rope), the others Mamba2 (24 heads of 64, a state of
+128, one group, convolutions of 4 taps), a dense shared MLP 2,048 wide. Both with the default model's
+tokenizer and vocabulary, saved by transformers' `save_pretrained` in bfloat16.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "lfm2": (
+        "Lfm2Config",
+        {
+            "hidden_size": 1024,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "block_ff_dim": 6656,
+            "layer_types": ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+        },
+    ),
+    "granite4-h": (
+        "GraniteMoeHybridConfig",
+        {
+            "hidden_size": 768,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 4,
+            "layer_types": ["attention" if i % 4 == 3 else "mamba" for i in range(12)],
+            "num_local_experts": 0,
+            "shared_intermediate_size": 2048,
+            "mamba_n_heads": 24,
+            "mamba_d_head": 64,
+            "mamba_d_state": 128,
+            "mamba_n_groups": 1,
+            "position_embedding_type": "nope",
+        },
+    ),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("dest", help="the directory to write")
+    parser.add_argument("--architecture", choices=list(ARCHITECTURES), default="lfm2")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer-dir", help="its tokenizer (default: the embedded default model's)")
+    args = parser.parse_args()
+
+    import transformers
+    from pagedserve.default_model import resolve_model_path
+
+    class_name, shape = ARCHITECTURES[args.architecture]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer_dir or resolve_model_path(None))
+    config = getattr(transformers, class_name)(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **shape,
+    )
+    torch.manual_seed(args.seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(args.dest)
+    tokenizer.save_pretrained(args.dest)
+    total = sum(p.numel() for p in model.parameters())
+    print(f"{args.architecture}: {total / 1e6:.0f}M parameters, written to {args.dest}")
+
+
+if __name__ == "__main__":
+    main()
