@@ -7,6 +7,7 @@ Kept out of conftest.py so tests import it by a name no other folder's conftest 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -124,16 +125,20 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
             if name.endswith("norm.weight") and type(model).__name__.startswith("Gemma"):
                 param.normal_(0.0, 0.5)  # Gemma scales by 1 + weight: zeros would hide the weight
             elif name.endswith("norm.weight") and type(model).__name__.startswith(
-                ("Olmo", "Starcoder2", "StableLm", "GPTNeoX", "PhiForCausalLM", "Jais2", "Lfm2")
+                ("Olmo", "Starcoder2", "StableLm", "GPTNeoX", "PhiForCausalLM", "Jais2", "Lfm2", "NemotronH")
             ):
                 param.normal_(
                     1.0, 0.5
                 )  # OLMo's norms placed otherwise than Llama's, LayerNorms, LFM2's names: each one's weight
             elif name.endswith("norm.weight") and type(model).__name__.startswith("Nemotron"):
                 param.normal_(0.0, 0.5)  # (LayerNorm1P: scaled by 1 + weight)
-            elif name.endswith((".act_fn.alpha_p", ".act_fn.alpha_n", ".mamba.A_log", ".mamba.dt_bias")):
+            elif name.endswith((".act_fn.alpha_p", ".act_fn.alpha_n")) or re.search(
+                r"\.(mamba|mixer)\.(A_log|dt_bias)$", name
+            ):
                 param.normal_(0.0, 0.5)  # Apertus's xIELU, each layer its own; Mamba2's, each head its own
-            elif name.endswith((".mamba.D", ".mamba.norm.weight")):  # (ones would hide one never applied)
+            elif re.search(
+                r"\.(mamba|mixer)\.(D|norm\.weight)$", name
+            ):  # (ones would hide one never applied)
                 param.normal_(1.0, 0.5)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # GLM-4.5's: zeros would hide the bias never added

@@ -78,6 +78,8 @@ class ModelConfig:
         hf = apply_hf_overrides(hf, hf_overrides or {})
         check_quantization(hf)
         hf = text_decoder_config(hf)
+        if architecture_of(hf) == "NemotronHForCausalLM":  # (its layer types count its layers)
+            hf = {**hf, "num_hidden_layers": len(nemotron_h_layer_types(hf))}
         num_heads = hf["num_attention_heads"]
         num_kv_heads, head_dim = kv_cache_entry(hf)
         architecture = architecture_of(hf, "LlamaForCausalLM")
@@ -119,6 +121,8 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
         layer_types = lfm2_layer_types(hf)
     elif architecture == "GraniteMoeHybridForCausalLM":
         layer_types = granite_layer_types(hf)
+    elif architecture == "NemotronHForCausalLM":
+        layer_types = nemotron_h_layer_types(hf)
     else:
         return None
     if "full_attention" not in layer_types:
@@ -131,14 +135,40 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
 
 def is_recurrent(hf: dict[str, Any]) -> bool:
     """Whether some layer carries a state per request in place of a KV cache (`ModelConfig.recurrent`)."""
-    layer_types = hybrid_layer_types(hf)
-    return layer_types is not None and any(kind != "full_attention" for kind in layer_types)
+    return bool({"conv", "mamba"} & set(hybrid_layer_types(hf) or ()))
 
 
 def num_kv_cache_layers(hf: dict[str, Any]) -> int:
     """The layers that keep a KV cache: every one, but a hybrid's attention layers alone."""
     layer_types = hybrid_layer_types(hf)
     return int(hf["num_hidden_layers"]) if layer_types is None else layer_types.count("full_attention")
+
+
+NEMOTRON_H_PATTERN = {"M": "mamba", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+def nemotron_h_layer_types(hf: dict[str, Any]) -> list[str]:
+    """Nemotron-H's layers, each one block, "mamba", "full_attention", "mlp" or "moe": config.json's
+    `layers_block_type` (or `layer_types`; "mamba" also "linear_attention", "full_attention" also
+    "attention"), else its `hybrid_override_pattern`, a character a layer (M, *, - and E), as
+    NemotronHConfig reads them."""
+    names = {"mamba": "mamba", "linear_attention": "mamba", "attention": "full_attention"}
+    names |= {kind: kind for kind in ("full_attention", "mlp", "moe")}
+    layer_types = hf.get("layers_block_type") or hf.get("layer_types")
+    if layer_types is None:
+        pattern = hf.get("hybrid_override_pattern")
+        if not isinstance(pattern, str) or not set(pattern) <= set(NEMOTRON_H_PATTERN):
+            raise ValueError(
+                "model: config.json's hybrid_override_pattern must be a string of M, *, - and E, "
+                f"got {pattern!r}"
+            )
+        layer_types = [NEMOTRON_H_PATTERN[char] for char in pattern]
+    if not set(layer_types) <= set(names):
+        raise ValueError(
+            f"model: config.json's layers_block_type must name each layer mamba, attention, mlp or moe, "
+            f"got {layer_types!r}"
+        )
+    return [names[kind] for kind in layer_types]
 
 
 def granite_layer_types(hf: dict[str, Any]) -> list[str]:
@@ -188,7 +218,7 @@ def kv_cache_entry(hf: dict[str, Any]) -> tuple[int, int]:
 
 
 # where config.json names no head_dim, the config class's (else hidden_size / heads)
-_DEFAULT_HEAD_DIM = {"InternLM3ForCausalLM": 128}
+_DEFAULT_HEAD_DIM = {"InternLM3ForCausalLM": 128, "NemotronHForCausalLM": 128}
 
 
 def default_head_dim(hf: dict[str, Any]) -> dict[str, Any]:

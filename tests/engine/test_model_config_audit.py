@@ -59,6 +59,7 @@ from transformers import (
     MistralConfig,
     MixtralConfig,
     NemotronConfig,
+    NemotronHConfig,
     Olmo2Config,
     Olmo3Config,
     OlmoConfig,
@@ -124,6 +125,8 @@ GRANITE_SCALES = {
 # `decode_layers` takes a qkv bias alone (Granite's multipliers, Phi-3's partial rotary and SmolLM3's
 # NoPE layers it runs) and no Gemma layer (worker/fused_decode.py): these run without it
 NOT_DECODE_LAYERS = {
+    "nemotron-h-mamba-mlp-attention-mlp-mamba-mlp",
+    "nemotron-h-as-nvidia-names-it",
     "granite4-h-mamba-attention-mamba",
     "granite4-h-experts-hub-names",
     "lfm2-conv-attention-conv-conv",
@@ -206,6 +209,18 @@ GRANITE4 = {
 # Mamba2 on a tiny scale (`layers.mamba2`): 8 heads of 16 (128 = 2 x hidden) in 2 groups, a state of
 # 16, chunks of 32
 GRANITE4_MAMBA = {"mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 32}
+# Nemotron-H on a tiny scale: Mamba2 as GRANITE4_MAMBA's, norm eps 1e-2
+NEMOTRON_H = {
+    **{key: value for key, value in TINY.items() if key != "num_hidden_layers"},
+    "head_dim": 16,
+    "layers_block_type": ["mamba", "mlp", "attention", "mlp", "mamba", "mlp"],
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 16,
+    "n_groups": 2,
+    "ssm_state_size": 16,
+    "chunk_size": 32,
+    "layer_norm_epsilon": 1e-2,
+}
 # DeepSeek's latent attention on a tiny scale: 4 heads, each key 16 unrotated + 8 rotated dimensions,
 # each value 24; a latent of 56 (a cache entry of 56 + 8 = 64, the bfloat16 prefill kernel's); 2 of 8
 # experts a token beside a shared one, layer 0 dense
@@ -320,6 +335,13 @@ def granite4_as_ibm_names_it(config: dict[str, Any]) -> None:
         del config[key]
     # its default, as transformers 5's save_pretrained writes an infinity JSON cannot hold
     config["time_step_limit"] = [0.0, {"__float__": "Infinity"}]
+
+
+def nemotron_h_as_nvidia_names_it(config: dict[str, Any]) -> None:
+    kinds = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+    config["hybrid_override_pattern"] = "".join(kinds[kind] for kind in config.pop("layers_block_type"))
+    config["mamba_n_groups"] = config.pop("n_groups")
+    del config["layer_norm_epsilon"], config["mamba_ssm_cache_dtype"]
 
 
 def lfm2_as_the_hub_names_it(config: dict[str, Any]) -> None:
@@ -881,6 +903,13 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         ),
         granite4_as_ibm_names_it,
     ),
+    # NVIDIA's Nemotron-H: a layer a block, Mamba2 (8 heads of 16 in 2 groups, a state of 16, chunks
+    # of 32, the states in float32), attention without rope, or an ungated ReLU² MLP, as transformers 5
+    # saves it
+    "nemotron-h-mamba-mlp-attention-mlp-mamba-mlp": (lambda: NemotronHConfig(**NEMOTRON_H), None),
+    # as NVIDIA's config.json names it: hybrid_override_pattern, mamba_n_groups; NemotronHConfig's
+    # norm eps (1e-5) and state dtype (float32) by default
+    "nemotron-h-as-nvidia-names-it": (lambda: NemotronHConfig(**NEMOTRON_H), nemotron_h_as_nvidia_names_it),
     # as LiquidAI's config.json names it: attention by full_attn_idxs, block_ff_dim, tie_embedding;
     # without rope keys or norm_eps (theta 1e6, eps 1e-5 by default)
     "lfm2-as-the-hub-names-it": (
@@ -1373,6 +1402,26 @@ def test_a_next_token_prediction_layer_is_left_out(
     save_file({**weights, **layer}, str(with_mtp / "model.safetensors"), metadata={"format": "pt"})
     prompts = long_prompts()
     ours = greedy(LLM(model=str(with_mtp), dtype="float32", num_kv_blocks=128, block_size=16), prompts, 4)
+    plain = greedy(LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16), prompts, 4)
+    assert ours == plain
+
+
+def test_nemotron_h_under_nvidias_backbone_names_serves_the_same_tokens(
+    variant_dir: Callable[[str], str], tmp_path: Path
+) -> None:
+    """NVIDIA's checkpoints name the model `backbone` (`backbone.embeddings`, `backbone.layers.N.norm`,
+    `backbone.norm_f`), where transformers 5 saves it as `model`."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = variant_dir("nemotron-h-as-nvidia-names-it")
+    nvidia = tmp_path / "backbone"
+    shutil.copytree(model_dir, nvidia)
+    weights = load_file(str(nvidia / "model.safetensors"))
+    renamed = {key.replace("model.", "backbone.", 1): tensor for key, tensor in weights.items()}
+    assert "backbone.norm_f.weight" in renamed and "backbone.layers.0.mixer.A_log" in renamed
+    save_file(renamed, str(nvidia / "model.safetensors"), metadata={"format": "pt"})
+    prompts = long_prompts()
+    ours = greedy(LLM(model=str(nvidia), dtype="float32", num_kv_blocks=128, block_size=16), prompts, 4)
     plain = greedy(LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16), prompts, 4)
     assert ours == plain
 
@@ -1984,6 +2033,15 @@ def test_rotary_tables_equal_transformers(
             lambda c: c.update(architectures=["PhiForCausalLM"], qk_layernorm=True),
             "qk_layernorm \\(LayerNorms of q and k\\) is not supported",
         ),
+        # Nemotron-H's layers: M, *, - (and E, its experts, refused by name)
+        (
+            lambda c: c.update(architectures=["NemotronHForCausalLM"], hybrid_override_pattern="*E"),
+            "layers_block_type: layer 1 is 'moe' \\(Nemotron-H's experts, Nemotron 3's, are not served",
+        ),
+        (
+            lambda c: c.update(architectures=["NemotronHForCausalLM"], hybrid_override_pattern="M*X"),
+            "hybrid_override_pattern must be a string of M, \\*, - and E, got 'M\\*X'",
+        ),
         (
             lambda c: c.update(architectures=["StableLmForCausalLM"], qk_layernorm=True),
             "qk_layernorm \\(per-head LayerNorms of q and k\\) is not supported",
@@ -2019,6 +2077,8 @@ def test_rotary_tables_equal_transformers(
         "deepseek-v3-groups-short-of-top-k",
         "glm4-moe-lite-layer-type",
         "phi-qk-layernorm",
+        "nemotron-h-experts",
+        "nemotron-h-pattern",
         "stablelm-qk-layernorm",
     ],
 )

@@ -1,5 +1,5 @@
 """Models that carry a state per request beside their KV cache (LFM2's short convolutions, Granite
-4.0's Mamba2 layers: `layers.recurrent`) through the engine's paths that break a sequence's steps
+4.0's and Nemotron-H's Mamba2 layers: `layers.recurrent`) through the engine's paths that break a sequence's steps
 apart: prompts in chunks, preemption under memory pressure, parallel samples, shared prefixes. Each
 gives the tokens a roomy engine gives, since the state is built only by the steps computing the
 sequence from its first token: no prefix caching, no swapping, forks that share no blocks. What cannot
@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from pagedserve import LLM, SamplingParams
 from test_tensor_parallel import (
     assert_matches_reference,
@@ -21,7 +22,7 @@ from test_tensor_parallel import (
     tiny_prompts,
 )
 from tiny_models import save_tiny_model
-from transformers import GraniteMoeHybridConfig, Lfm2Config
+from transformers import GraniteMoeHybridConfig, Lfm2Config, NemotronHConfig
 
 MAX_TOKENS = 24
 
@@ -59,7 +60,22 @@ def granite4_h_config() -> GraniteMoeHybridConfig:
     )
 
 
-HYBRIDS = {"lfm2": lfm2_config, "granite4-h": granite4_h_config}
+def nemotron_h_config() -> NemotronHConfig:
+    """A layer a block, Mamba2 in chunks of 8 (its states in float32)."""
+    return NemotronHConfig(
+        **SMALL,
+        head_dim=16,
+        intermediate_size=96,
+        layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mlp"],
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=16,
+        chunk_size=8,
+    )
+
+
+HYBRIDS = {"lfm2": lfm2_config, "granite4-h": granite4_h_config, "nemotron-h": nemotron_h_config}
 
 
 @pytest.fixture(scope="module", params=list(HYBRIDS))
@@ -173,3 +189,16 @@ def test_config_values_it_cannot_run_are_refused_naming_them(
     (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ValueError, match=f"model: config.json's {message}"):
         LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=16)
+
+
+@pytest.mark.parametrize(("name", "state_dtype"), [("granite4-h", "bfloat16"), ("nemotron-h", "float32")])
+def test_mamba2_states_keep_the_models_dtype_unless_it_names_one(
+    tmp_path: Path, default_model_dir: str, name: str, state_dtype: str
+) -> None:
+    """vLLM's default, the model's dtype; Nemotron-H's config names float32 (`mamba_ssm_cache_dtype`)."""
+    model_dir = save_tiny_model(tmp_path / name, default_model_dir, HYBRIDS[name]())
+    llm = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=16)
+    mixer = llm.engine.executor.worker.model_runner.recurrent_layers[0]  # type: ignore[attr-defined]
+    assert str(mixer.ssm_state.dtype) == f"torch.{state_dtype}"
+    assert mixer.conv_state.dtype == mixer.conv_weight.dtype == torch.bfloat16
+    assert greedy(llm, prompts()[:2]) == greedy(llm, prompts()[:2])

@@ -15,7 +15,7 @@ A step's one-token sequences (decodes) advance together; each longer one (a prom
 runs the state-space duality's chunked form (Mamba2's SSD): within a chunk of `chunk_size` tokens its
 outputs are a masked, decayed attention of C over B, plus the state before the chunk read through C;
 chunk to chunk, the state carries. Both in float32, the states kept in the model's dtype (vLLM's
-default and transformers' cache). One rank only: Mamba2's groups and its norm's groups would need
+default and transformers' cache) unless the model names another (Nemotron-H's float32). One rank only: Mamba2's groups and its norm's groups would need
 splitting across ranks.
 """
 
@@ -47,6 +47,7 @@ class Mamba2Dims:
     proj_bias: bool
     norm_eps: float
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    state_dtype: torch.dtype | None = None  # the states' (None: the model's)
 
     @property
     def intermediate_size(self) -> int:
@@ -109,7 +110,8 @@ class Mamba2Mixer(RecurrentLayer):
     def bind_state(self, rows: int) -> int:
         d, dtype, device = self.dims, self.conv_weight.dtype, self.conv_weight.device
         self.conv_state = torch.zeros(rows, d.conv_width - 1, d.conv_dim, dtype=dtype, device=device)
-        self.ssm_state = torch.zeros(rows, d.num_heads, d.head_dim, d.state_size, dtype=dtype, device=device)
+        shape = (rows, d.num_heads, d.head_dim, d.state_size)
+        self.ssm_state = torch.zeros(shape, dtype=d.state_dtype or dtype, device=device)
         return self.conv_state.nbytes + self.ssm_state.nbytes
 
     def reset_state(self, row: int) -> None:

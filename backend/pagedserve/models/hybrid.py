@@ -10,32 +10,40 @@ request from step to step in place of a KV cache (`layers.recurrent`):
   turned by the rope where `position_embedding_type` is "rope", by none otherwise), Granite's
   multipliers, every MLP `shared_mlp` (of `shared_intermediate_size`), beside experts where
   `num_local_experts` is not 0 (Granite MoE's, stacked in the checkpoint).
+- NVIDIA's Nemotron-H and Nemotron Nano 2: a layer a block, Mamba2, attention without rope or an
+  ungated ReLU² MLP (`NemotronHBlock`).
 
 A model with any recurrent layer runs without prefix caching or swapping (`ModelConfig.recurrent`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from pagedserve.config import granite_layer_types, lfm2_layer_types
+from pagedserve.config import default_head_dim, granite_layer_types, lfm2_layer_types, nemotron_h_layer_types
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
 from pagedserve.layers.moe import Experts, SparseMoeBlock
+from pagedserve.layers.norm import Float32RMSNorm, RMSNorm
 from pagedserve.layers.recurrent import RecurrentLayer
 from pagedserve.layers.short_conv import ShortConv
 from pagedserve.models.llama import (
+    Biases,
     LayerOptions,
+    LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
     Rotary,
     granite_shared_mlp,
+    rms_norm_eps,
 )
 from pagedserve.models.moe import GraniteMoeSharedForCausalLM
+from pagedserve.models.ungated import UngatedMLP
 
 
 class HybridDecoderLayer(LlamaDecoderLayer):
@@ -232,3 +240,138 @@ _GRANITE_NAMES = {
     ".mamba.conv1d.bias": ".mixer.conv_bias",
     ".mamba.": ".mixer.",
 }
+
+
+def _first(cfg: dict[str, Any], keys: tuple[str, ...], default: Any) -> Any:
+    """The first of `keys` config.json names (NemotronHConfig's aliases before its own names)."""
+    return next((cfg[key] for key in keys if key in cfg), default)
+
+
+def nemotron_h_mamba_dims(cfg: dict[str, Any]) -> Mamba2Dims:
+    """Nemotron-H's Mamba2 sizes, NemotronHConfig's defaults (and its `mamba_*` aliases) where
+    config.json leaves a key out; the states in `mamba_ssm_cache_dtype` (float32 by default)."""
+    limit = _first(cfg, ("mamba_dt_limit", "time_step_limit"), None) or (0.0, float("inf"))
+    state_dtype = cfg.get("mamba_ssm_cache_dtype", "float32")
+    return Mamba2Dims(
+        hidden_size=cfg["hidden_size"],
+        num_heads=int(cfg.get("mamba_num_heads", 128)),
+        head_dim=int(cfg.get("mamba_head_dim", 64)),
+        num_groups=int(_first(cfg, ("mamba_n_groups", "n_groups"), 8)),
+        state_size=int(cfg.get("ssm_state_size", 128)),
+        conv_width=int(_first(cfg, ("mamba_d_conv", "conv_kernel"), 4)),
+        chunk_size=int(_first(cfg, ("mamba_chunk_size", "chunk_size"), 128)),
+        conv_bias=bool(_first(cfg, ("mamba_conv_bias", "use_conv_bias"), True)),
+        proj_bias=bool(cfg.get("use_bias", False)),
+        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        time_step_limit=(float(limit[0]), float(limit[1])),
+        state_dtype=None if state_dtype == "auto" else getattr(torch, state_dtype),
+    )
+
+
+class NemotronHBlock(LlamaDecoderLayer):
+    """Nemotron-H's layer: one norm (NemotronHRMSNorm's, in float32), then one block, `mixer`: attention
+    without rope, Mamba2, or an ungated ReLU² MLP, by the layer's type; its output joins the residual
+    stream."""
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        nn.Module.__init__(self)
+        layer_types = cfg["layer_types"]
+        kind = layer_types[layer_index]
+        self.mixer: nn.Module
+        if kind == "full_attention":
+            attention_index = layer_types[:layer_index].count("full_attention")
+            self.mixer = LlamaAttention(cfg, backend, options, attention_index)
+        elif kind == "mamba":
+            self.mixer = Mamba2Mixer(nemotron_h_mamba_dims(cfg))
+        elif kind == "mlp":
+            self.mixer = UngatedMLP(cfg)
+        else:
+            raise ValueError(
+                f"model: config.json's layers_block_type: layer {layer_index} is {kind!r} (Nemotron-H's "
+                "experts, Nemotron 3's, are not served; its mamba, attention and mlp layers are)"
+            )
+        self.input_layernorm = self.norm(cfg)
+
+    @staticmethod
+    def norm(cfg: dict[str, Any]) -> RMSNorm:
+        return Float32RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
+
+    def forward(
+        self,
+        rotary: Rotary,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        return self.mix(rotary, hidden, metadata), residual
+
+    def mix(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        if isinstance(self.mixer, LlamaAttention):
+            return cast(torch.Tensor, self.mixer(rotary, hidden, metadata))
+        if isinstance(self.mixer, Mamba2Mixer):
+            assert metadata.recurrent is not None, "a step of a model with a state per request"
+            return cast(torch.Tensor, self.mixer(hidden, metadata.recurrent))
+        return cast(torch.Tensor, self.mixer(hidden))
+
+
+class NemotronHForCausalLM(LlamaForCausalLM):
+    """NVIDIA's Nemotron-H (8B, 47B, 56B) and Nemotron Nano 2 (9B, 12B): a layer a block, each Mamba2,
+    attention (no rope) or an ungated ReLU² MLP (`NemotronHBlock`), as `hybrid_override_pattern`
+    lays them out; NemotronHConfig's defaults where config.json leaves a key out (head_dim 128, norms
+    at eps `layer_norm_epsilon` 1e-5, an untied LM head, the Mamba2 states in float32)."""
+
+    decoder_layer_class = NemotronHBlock
+    stacked_params = {
+        name: merged for name, merged in LlamaForCausalLM.stacked_params.items() if merged[0] == "qkv_proj"
+    }
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        layer_types = nemotron_h_layer_types(cfg)
+        cfg = {
+            **default_head_dim(cfg),
+            "layer_types": layer_types,
+            "num_hidden_layers": len(layer_types),
+            "rms_norm_eps": float(cfg.get("layer_norm_epsilon", 1e-5)),
+            "hidden_act": cfg.get("mlp_hidden_act", "relu2"),
+        }
+        super().__init__(cfg, max_position, backend)
+
+    @staticmethod
+    def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
+        return [False] * cfg["num_hidden_layers"]
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        """None (NemotronHAttention's projections have no bias, whatever `attention_bias` says)."""
+        return False, False
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        blocks = cast(list[NemotronHBlock], list(self.layers))
+        return [block.mixer.attn for block in blocks if isinstance(block.mixer, LlamaAttention)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_nemotron_h_renamed(weights))
+
+
+_NEMOTRON_H_NAMES = {  # (NVIDIA's checkpoints name the model `backbone`, transformers 5 saves it `model`)
+    "backbone.": "model.",
+    "model.embeddings.": "model.embed_tokens.",
+    "model.norm_f.": "model.norm.",
+    ".mixer.conv1d.weight": ".mixer.conv_weight",
+    ".mixer.conv1d.bias": ".mixer.conv_bias",
+}
+_LAYER_NORM = re.compile(r"^model\.layers\.(\d+)\.norm\.")
+
+
+def _nemotron_h_renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Nemotron-H's names as ours: `backbone` as `model`, the embeddings and final norm as Llama's, each layer's norm as `input_layernorm` (its
+    `norm` is Llama's norm builder), the Mamba2 convolution's tensors as `Mamba2Mixer` holds them."""
+    for name, tensor in _renamed(weights, _NEMOTRON_H_NAMES):
+        yield _LAYER_NORM.sub(r"model.layers.\1.input_layernorm.", name), tensor
