@@ -141,7 +141,9 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
             ):  # (ones would hide one never applied)
                 param.normal_(1.0, 0.5)
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # GLM-4.5's: zeros would hide the bias never added
+            if name.endswith(
+                ("e_score_correction_bias", ".expert_bias")
+            ):  # GLM-4.5's, LFM2-MoE's: zeros would hide the bias never added
                 buffer.normal_(0.0, 0.3)
     weights = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):

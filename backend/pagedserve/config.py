@@ -117,7 +117,7 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
     """Each layer's token mixer in a hybrid model (`models.hybrid`): "full_attention", LFM2's "conv" or
     Granite 4.0's "mamba"; None for a model of attention layers alone."""
     architecture = architecture_of(hf)
-    if architecture == "Lfm2ForCausalLM":
+    if architecture in ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):
         layer_types = lfm2_layer_types(hf)
     elif architecture == "GraniteMoeHybridForCausalLM":
         layer_types = granite_layer_types(hf)
@@ -572,6 +572,7 @@ _DEFAULT_THETA = {
     "ApertusForCausalLM": 12_000_000.0,
     "SolarOpenForCausalLM": 1_000_000.0,
     "Lfm2ForCausalLM": 1_000_000.0,
+    "Lfm2MoeForCausalLM": 1_000_000.0,
 }
 # where it names no rope parameters at all, the config class's (GptOssConfig's YaRN)
 _DEFAULT_ROPE: dict[str, dict[str, Any]] = {

@@ -54,6 +54,7 @@ from transformers import (
     InternLM3Config,
     Jais2Config,
     Lfm2Config,
+    Lfm2MoeConfig,
     MiniCPM3Config,
     Ministral3Config,
     MistralConfig,
@@ -125,6 +126,7 @@ GRANITE_SCALES = {
 # `decode_layers` takes a qkv bias alone (Granite's multipliers, Phi-3's partial rotary and SmolLM3's
 # NoPE layers it runs) and no Gemma layer (worker/fused_decode.py): these run without it
 NOT_DECODE_LAYERS = {
+    "lfm2-moe-dense-layer-0-sigmoid-biased-experts",
     "nemotron-h-mamba-mlp-attention-mlp-mamba-mlp",
     "nemotron-h-as-nvidia-names-it",
     "granite4-h-mamba-attention-mamba",
@@ -910,6 +912,20 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     # as NVIDIA's config.json names it: hybrid_override_pattern, mamba_n_groups; NemotronHConfig's
     # norm eps (1e-5) and state dtype (float32) by default
     "nemotron-h-as-nvidia-names-it": (lambda: NemotronHConfig(**NEMOTRON_H), nemotron_h_as_nvidia_names_it),
+    # Liquid AI's LFM2-8B-A1B at a tiny scale: LFM2's layers, layer 0's MLP dense, the others 2 of 8
+    # experts, each scored by a sigmoid and picked by it plus the router's expert_bias, scaled by 1.5
+    "lfm2-moe-dense-layer-0-sigmoid-biased-experts": (
+        lambda: Lfm2MoeConfig(
+            **{**TINY, "num_hidden_layers": 4},
+            layer_types=["conv", "full_attention", "conv", "conv"],
+            num_dense_layers=1,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            routed_scaling_factor=1.5,
+        ),
+        None,
+    ),
     # as LiquidAI's config.json names it: attention by full_attn_idxs, block_ff_dim, tie_embedding;
     # without rope keys or norm_eps (theta 1e6, eps 1e-5 by default)
     "lfm2-as-the-hub-names-it": (
@@ -1474,6 +1490,7 @@ def test_phi2s_lm_head_bias_moves_the_greedy_tokens(
         ("deepseek-v3-mla-yarn-grouped-experts-4.x-config", "model.layers.1.mlp.experts.7.down_proj.weight"),
         ("dots1-grouped-experts-window-from-layer-1", "model.layers.1.mlp.shared_experts.gate_proj.weight"),
         ("granitemoeshared-shared-expert", "model.layers.1.shared_mlp.input_linear.weight"),
+        ("lfm2-moe-dense-layer-0-sigmoid-biased-experts", "model.layers.1.feed_forward.experts.3.w3.weight"),
     ],
 )
 def test_experts_as_the_hub_lays_them_out_load_as_stacked(

@@ -5,6 +5,7 @@ request from step to step in place of a KV cache (`layers.recurrent`):
   beside Llama's attention with each query and key head RMS-normed (Qwen3's), every layer then a
   SwiGLU MLP. Lfm2Config's defaults where config.json leaves a key out: theta 1e6, norms at eps
   `norm_eps` 1e-5, a tied LM head, the MLP's width derived from `block_ff_dim` as Lfm2MLP derives it.
+  LFM2-MoE (LFM2-8B-A1B): experts past its first dense layers.
 - IBM's Granite 4.0 (granite-4.0-h-micro, -h-tiny, -h-small, -h-1b, -h-350m, and the attention-only
   granite-4.0-micro, -1b, -350m): Mamba2 layers (`layers.mamba2`) beside Granite's attention (q and k
   turned by the rope where `position_embedding_type` is "rope", by none otherwise), Granite's
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -42,7 +44,7 @@ from pagedserve.models.llama import (
     granite_shared_mlp,
     rms_norm_eps,
 )
-from pagedserve.models.moe import GraniteMoeSharedForCausalLM
+from pagedserve.models.moe import GraniteMoeSharedForCausalLM, per_expert_weights
 from pagedserve.models.ungated import UngatedMLP
 
 
@@ -139,6 +141,64 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_split_in_proj(_renamed(weights, _LFM2_NAMES)))
+
+
+class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
+    """Liquid AI's LFM2-8B-A1B: LFM2's layers, the first `num_dense_layers` with a dense MLP of
+    `intermediate_size` (as configured: not derived), the others `num_experts` experts of
+    `moe_intermediate_size`, `num_experts_per_tok` a token, each scored by a sigmoid, picked by its
+    score plus the router's `expert_bias` (`use_expert_bias`), their weights renormalized
+    (`norm_topk_prob`) and scaled by `routed_scaling_factor`; Lfm2MoeConfig's defaults where
+    config.json leaves a key out."""
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        # (Lfm2MoeConfig's dense width is the MLP's own: no block_auto_adjust_ff_dim)
+        dense = {
+            "intermediate_size": int(cfg.get("intermediate_size", 7168)),
+            "block_auto_adjust_ff_dim": False,
+        }
+        super().__init__({**cfg, **dense}, max_position, backend)
+
+    def layer_options(self, cfg: dict[str, Any]) -> list[LayerOptions]:
+        spec = Experts(
+            num_experts=int(cfg.get("num_experts", 32)),
+            top_k=int(cfg.get("num_experts_per_tok", 4)),
+            intermediate_size=int(cfg.get("moe_intermediate_size", 1792)),
+            renormalize=bool(cfg.get("norm_topk_prob", True)),
+            scoring="sigmoid",
+            selection_bias=bool(cfg.get("use_expert_bias", True)),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            router_float32=True,
+        )
+        num_dense = int(cfg.get("num_dense_layers", 2))
+        return [
+            replace(options, experts=None if index < num_dense else spec)
+            for index, options in enumerate(super().layer_options(cfg))
+        ]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        experts = _renamed_by_pattern(weights, _LFM2_EXPERT_NAMES)
+        super().load_weights(per_expert_weights(experts, hidden_size=self.embed_tokens.weight.shape[1]))
+
+
+# LFM2-MoE's experts and router (the hub's per-expert w1/w3/w2, transformers 5's stacked ones) as Qwen's
+_LFM2_EXPERT_NAMES = [
+    (re.compile(r"\.feed_forward\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
+    (re.compile(r"\.feed_forward\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
+    (re.compile(r"\.feed_forward\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
+    (re.compile(r"\.feed_forward\.experts\."), ".mlp.experts."),
+    (re.compile(r"\.feed_forward\.gate\."), ".mlp.gate."),
+    (re.compile(r"\.feed_forward\.expert_bias$"), ".mlp.gate.e_score_correction_bias"),
+]
+
+
+def _renamed_by_pattern(
+    weights: Iterable[tuple[str, torch.Tensor]], patterns: list[tuple[re.Pattern[str], str]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        for pattern, replacement in patterns:
+            name = pattern.sub(replacement, name)
+        yield name, tensor
 
 
 # LFM2's checkpoint names -> ours (`LlamaForCausalLM.load_weights` merges q, k, v, gate and up)

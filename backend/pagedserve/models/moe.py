@@ -67,10 +67,10 @@ class MoeForCausalLM(LlamaForCausalLM):
         ]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_per_expert(weights, hidden_size=self.embed_tokens.weight.shape[1]))
+        super().load_weights(per_expert_weights(weights, hidden_size=self.embed_tokens.weight.shape[1]))
 
 
-def _per_expert(
+def per_expert_weights(
     weights: Iterable[tuple[str, torch.Tensor]], hidden_size: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every expert's tensors under the hub's Qwen names: Mixtral's and Granite's renamed, stacked

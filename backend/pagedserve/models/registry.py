@@ -11,7 +11,12 @@ from pagedserve.models.deepseek import (
 )
 from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
-from pagedserve.models.hybrid import GraniteMoeHybridForCausalLM, Lfm2ForCausalLM, NemotronHForCausalLM
+from pagedserve.models.hybrid import (
+    GraniteMoeHybridForCausalLM,
+    Lfm2ForCausalLM,
+    Lfm2MoeForCausalLM,
+    NemotronHForCausalLM,
+)
 from pagedserve.models.llama import (
     Ernie4_5ForCausalLM,
     Exaone4ForCausalLM,
@@ -101,6 +106,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 
