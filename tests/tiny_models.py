@@ -125,7 +125,17 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
             if name.endswith("norm.weight") and type(model).__name__.startswith("Gemma"):
                 param.normal_(0.0, 0.5)  # Gemma scales by 1 + weight: zeros would hide the weight
             elif name.endswith("norm.weight") and type(model).__name__.startswith(
-                ("Olmo", "Starcoder2", "StableLm", "GPTNeoX", "PhiForCausalLM", "Jais2", "Lfm2", "NemotronH")
+                (
+                    "Olmo",
+                    "Starcoder2",
+                    "StableLm",
+                    "GPTNeoX",
+                    "PhiForCausalLM",
+                    "Jais2",
+                    "Lfm2",
+                    "NemotronH",
+                    "Bamba",
+                )
             ):
                 param.normal_(
                     1.0, 0.5

@@ -123,6 +123,11 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
         layer_types = granite_layer_types(hf)
     elif architecture == "NemotronHForCausalLM":
         layer_types = nemotron_h_layer_types(hf)
+    elif architecture == "BambaForCausalLM":
+        attention = hf.get("attn_layer_indices") or ()
+        layer_types = [
+            "full_attention" if i in attention else "mamba" for i in range(hf["num_hidden_layers"])
+        ]
     else:
         return None
     if "full_attention" not in layer_types:

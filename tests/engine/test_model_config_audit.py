@@ -30,6 +30,7 @@ from tiny_models import DEEPSEEK_V3, save_mxfp4_gpt_oss, save_tiny_model
 from transformers import (
     ApertusConfig,
     ArceeConfig,
+    BambaConfig,
     Cohere2Config,
     DeepseekV2Config,
     DeepseekV3Config,
@@ -126,6 +127,8 @@ GRANITE_SCALES = {
 # `decode_layers` takes a qkv bias alone (Granite's multipliers, Phi-3's partial rotary and SmolLM3's
 # NoPE layers it runs) and no Gemma layer (worker/fused_decode.py): these run without it
 NOT_DECODE_LAYERS = {
+    "bamba-mamba-attention-mamba-biases",
+    "bamba-as-ibm-names-it",
     "lfm2-moe-dense-layer-0-sigmoid-biased-experts",
     "nemotron-h-mamba-mlp-attention-mlp-mamba-mlp",
     "nemotron-h-as-nvidia-names-it",
@@ -337,6 +340,11 @@ def granite4_as_ibm_names_it(config: dict[str, Any]) -> None:
         del config[key]
     # its default, as transformers 5's save_pretrained writes an infinity JSON cannot hold
     config["time_step_limit"] = [0.0, {"__float__": "Infinity"}]
+
+
+def bamba_as_ibm_names_it(config: dict[str, Any]) -> None:
+    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    del config["rms_norm_eps"]
 
 
 def nemotron_h_as_nvidia_names_it(config: dict[str, Any]) -> None:
@@ -925,6 +933,23 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             routed_scaling_factor=1.5,
         ),
         None,
+    ),
+    # IBM's Bamba: Mamba2 layers (as GRANITE4_MAMBA's) but at layer 1, where attention turns half of
+    # each head (BambaConfig's fixed partial_rotary_factor), every projection biased
+    "bamba-mamba-attention-mamba-biases": (
+        lambda: BambaConfig(
+            **{**TINY, "num_hidden_layers": 3},
+            attn_layer_indices=[1],
+            attention_bias=True,
+            **GRANITE4_MAMBA,
+        ),
+        None,
+    ),
+    # as IBM's config.json names it: a top-level rope_theta, no partial_rotary_factor (0.5 whatever
+    # it says), no rms_norm_eps (1e-5)
+    "bamba-as-ibm-names-it": (
+        lambda: BambaConfig(**{**TINY, "num_hidden_layers": 3}, attn_layer_indices=[2], **GRANITE4_MAMBA),
+        bamba_as_ibm_names_it,
     ),
     # as LiquidAI's config.json names it: attention by full_attn_idxs, block_ff_dim, tie_embedding;
     # without rope keys or norm_eps (theta 1e6, eps 1e-5 by default)

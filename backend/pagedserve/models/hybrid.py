@@ -11,6 +11,7 @@ request from step to step in place of a KV cache (`layers.recurrent`):
   turned by the rope where `position_embedding_type` is "rope", by none otherwise), Granite's
   multipliers, every MLP `shared_mlp` (of `shared_intermediate_size`), beside experts where
   `num_local_experts` is not 0 (Granite MoE's, stacked in the checkpoint).
+- IBM's Bamba: Granite 4.0's Mamba2 layers beside attention over half of each head, Llama's MLPs.
 - NVIDIA's Nemotron-H and Nemotron Nano 2: a layer a block, Mamba2, attention without rope or an
   ungated ReLU² MLP (`NemotronHBlock`).
 
@@ -27,7 +28,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from pagedserve.config import default_head_dim, granite_layer_types, lfm2_layer_types, nemotron_h_layer_types
+from pagedserve.config import (
+    default_head_dim,
+    granite_layer_types,
+    lfm2_layer_types,
+    nemotron_h_layer_types,
+    rope_parameters,
+)
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
 from pagedserve.layers.moe import Experts, SparseMoeBlock
@@ -228,8 +235,9 @@ def _split_in_proj(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tupl
             yield name, tensor
 
 
-def granite_mamba_dims(cfg: dict[str, Any]) -> Mamba2Dims:
-    """Granite 4.0's Mamba2 sizes, GraniteMoeHybridConfig's defaults where config.json leaves a key out."""
+def granite_mamba_dims(cfg: dict[str, Any], norm_eps: float = 1e-6) -> Mamba2Dims:
+    """Granite 4.0's Mamba2 sizes (Bamba's), GraniteMoeHybridConfig's defaults where config.json leaves a
+    key out; the gated norm at `rms_norm_eps`, `norm_eps` by default."""
     hidden, heads = cfg["hidden_size"], int(cfg.get("mamba_n_heads", 128))
     inner = int(cfg.get("mamba_expand", 2)) * hidden
     head_dim = cfg.get("mamba_d_head", "auto")
@@ -250,7 +258,7 @@ def granite_mamba_dims(cfg: dict[str, Any]) -> Mamba2Dims:
         chunk_size=int(cfg.get("mamba_chunk_size", 256)),
         conv_bias=bool(cfg.get("mamba_conv_bias", True)),
         proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(cfg.get("rms_norm_eps", norm_eps)),
         time_step_limit=(float(limit[0]), float(limit[1])),
     )
 
@@ -299,6 +307,53 @@ _GRANITE_NAMES = {
     ".mamba.conv1d.weight": ".mixer.conv_weight",
     ".mamba.conv1d.bias": ".mixer.conv_bias",
     ".mamba.": ".mixer.",
+}
+
+
+class BambaDecoderLayer(HybridDecoderLayer):
+    def recurrent_mixer(self, cfg: dict[str, Any]) -> RecurrentLayer:
+        return Mamba2Mixer(granite_mamba_dims(cfg, norm_eps=1e-5))
+
+
+class BambaForCausalLM(LlamaForCausalLM):
+    """IBM's Bamba (Bamba-9B): Mamba2 layers (Granite 4.0's) but at `attn_layer_indices`, where Llama's
+    attention turns half of each head (BambaConfig sets partial_rotary_factor 0.5 whatever config.json
+    says), q, k, v and o biased by `attention_bias`; every layer's MLP Llama's (`feed_forward`), its
+    norms `input_layernorm` and `pre_ff_layernorm`, the final one `final_layernorm`; BambaConfig's
+    defaults where config.json leaves a key out (norms at eps 1e-5, an untied LM head)."""
+
+    decoder_layer_class = BambaDecoderLayer
+    rotates_part_of_a_head = True
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        attention = cfg.get("attn_layer_indices") or ()
+        layer_types = [
+            "full_attention" if i in attention else "mamba" for i in range(cfg["num_hidden_layers"])
+        ]
+        cfg = {**cfg, "layer_types": layer_types, "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-5))}
+        super().__init__(cfg, max_position, backend)
+
+    @classmethod
+    def rope_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        rope = {**rope_parameters(cfg), "partial_rotary_factor": 0.5}
+        return {
+            **{key: value for key, value in cfg.items() if key != "rope_scaling"},
+            "rope_parameters": rope,
+        }
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return attention_of(self.layers)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_renamed(weights, _BAMBA_NAMES))
+
+
+_BAMBA_NAMES = {
+    ".feed_forward.": ".mlp.",
+    ".pre_ff_layernorm.": ".post_attention_layernorm.",
+    "model.final_layernorm.": "model.norm.",
+    **_GRANITE_NAMES,
 }
 
 

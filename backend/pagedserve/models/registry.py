@@ -12,6 +12,7 @@ from pagedserve.models.deepseek import (
 from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.hybrid import (
+    BambaForCausalLM,
     GraniteMoeHybridForCausalLM,
     Lfm2ForCausalLM,
     Lfm2MoeForCausalLM,
@@ -108,6 +109,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
+    "BambaForCausalLM": BambaForCausalLM,
 }
 
 
