@@ -3,8 +3,8 @@
 apart: prompts in chunks, preemption under memory pressure, parallel samples, shared prefixes. Each
 gives the tokens a roomy engine gives, since the state is built only by the steps computing the
 sequence from its first token: no prefix caching, no swapping, forks that share no blocks. What cannot
-run with such a state (speculative decoding, LoRA; Mamba2 under tensor parallelism) is refused naming
-the setting."""
+run with such a state (speculative decoding, LoRA) is refused naming the setting; Mamba2 splits its
+heads across tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -163,12 +163,46 @@ def test_speculative_decoding_and_lora_are_refused_naming_them(hybrid_dir: str, 
     assert greedy(llm, prompts()[:1]) == greedy(llm, prompts()[:1])  # and it still serves
 
 
-def test_mamba2_under_tensor_parallelism_is_refused_before_any_rank_starts(
-    tmp_path: Path, default_model_dir: str
+@pytest.mark.parametrize(("name", "change"), [("granite4-h", {"mamba_n_groups": 1}), ("nemotron-h", {})])
+def test_tp2_splits_mamba2s_heads_and_matches_single_rank(
+    tmp_path: Path, default_model_dir: str, name: str, change: dict[str, object]
 ) -> None:
-    model_dir = save_tiny_model(tmp_path / "granite4-h", default_model_dir, granite4_h_config())
-    with pytest.raises(ValueError, match="tensor_parallel_size: Mamba2 layers are served on one rank, not 2"):
-        LLM(model=model_dir, dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
+    """Each rank its half of the Mamba2 heads (their z, x and dt rows of in_proj, convolution channels,
+    A, D, dt_bias, norm weights and states) and its groups' B and C: Nemotron-H's 2 groups split,
+    Granite's one group whole on each rank, its gated norm's sum of squares all-reduced; under chunked
+    prefill and recompute preemption."""
+    config = HYBRIDS[name]()
+    for key, value in change.items():
+        setattr(config, key, value)
+    model_dir = save_tiny_model(tmp_path / name, default_model_dir, config)
+    reference = single_rank_reference(model_dir, tiny_prompts(), num_kv_blocks=256, block_size=8)
+    settings = {"num_kv_blocks": 24, "block_size": 8, "max_num_batched_tokens": 24, "max_num_seqs": 8}
+    with tensor_parallel_llm(model_dir, 2, **settings) as llm:
+        mixer = llm.engine.executor.worker.model_runner.recurrent_layers[0]  # type: ignore[attr-defined]
+        assert (mixer.num_heads, mixer.num_groups) == (4, 1)
+        assert_matches_reference(greedy_reference(llm, tiny_prompts()), reference)
+        assert llm.engine.stats().num_recompute_preemptions > 0
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({}, "tensor_parallel_size: 4 does not divide the 2 Mamba2 groups"),
+        (
+            {"mamba_n_heads": 2, "mamba_d_head": 64},
+            "tensor_parallel_size: 4 does not divide the 2 Mamba2 heads",
+        ),
+    ],
+)
+def test_mamba2_splits_it_cannot_make_are_refused_before_any_rank_starts(
+    tmp_path: Path, default_model_dir: str, change: dict[str, object], message: str
+) -> None:
+    config = granite4_h_config()
+    for key, value in change.items():
+        setattr(config, key, value)
+    model_dir = save_tiny_model(tmp_path / "granite4-h", default_model_dir, config)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=model_dir, dtype="float32", num_kv_blocks=16, tensor_parallel_size=4)
 
 
 @pytest.mark.parametrize(

@@ -15,23 +15,22 @@ A step's one-token sequences (decodes) advance together; each longer one (a prom
 runs the state-space duality's chunked form (Mamba2's SSD): within a chunk of `chunk_size` tokens its
 outputs are a masked, decayed attention of C over B, plus the state before the chunk read through C;
 chunk to chunk, the state carries. Both in float32, the states kept in the model's dtype (vLLM's
-default and transformers' cache) unless the model names another (Nemotron-H's float32). One rank only: Mamba2's groups and its norm's groups would need
-splitting across ranks.
+default and transformers' cache) unless the model names another (Nemotron-H's float32).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.distributed import get_tp_size
-from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedserve.distributed import all_reduce, get_tp_rank, get_tp_size
+from pagedserve.layers.linear import ReplicatedLinear, RowParallelLinear
 from pagedserve.layers.recurrent import RecurrentLayer, RecurrentStep, causal_conv
-from pagedserve.layers.short_conv import load_conv_rows
 
 
 @dataclass(frozen=True)
@@ -58,60 +57,109 @@ class Mamba2Dims:
         return self.intermediate_size + 2 * self.num_groups * self.state_size
 
 
+def check_split(dims: Mamba2Dims, tp_size: int) -> None:
+    """Heads split evenly across ranks; groups too, or (one group) whole on every rank."""
+    if dims.num_heads % dims.num_groups:
+        raise ValueError(
+            f"model: config.json's {dims.num_groups} Mamba2 groups do not divide its {dims.num_heads} heads"
+        )
+    if dims.num_heads % tp_size:
+        raise ValueError(f"tensor_parallel_size: {tp_size} does not divide the {dims.num_heads} Mamba2 heads")
+    if dims.num_groups % tp_size and dims.num_groups != 1:
+        raise ValueError(
+            f"tensor_parallel_size: {tp_size} does not divide the {dims.num_groups} Mamba2 groups (nor is "
+            "there one group, which each rank would hold whole)"
+        )
+
+
 class GatedRMSNorm(nn.Module):
     """y * SiLU(z), RMS-normed over each of its groups of `group_size`, times the weight; in float32,
-    rounded once (Mamba2's RMSNormGated, the gate before the norm)."""
+    rounded once (Mamba2's RMSNormGated, the gate before the norm). This rank's `size` channels; where
+    one group spans every rank (`across_ranks`), its sum of squares is all-reduced."""
 
-    def __init__(self, size: int, group_size: int, eps: float) -> None:
+    def __init__(self, size: int, group_size: int, eps: float, across_ranks: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self.group_size, self.eps = group_size, eps
+        self.weight.weight_loader = self._loader  # type: ignore[attr-defined]
+        self.group_size, self.eps, self.across_ranks = group_size, eps, across_ranks
+
+    def _loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded.narrow(0, get_tp_rank() * param.shape[0], param.shape[0]))
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        gated = (y.float() * F.silu(gate.float())).unflatten(-1, (-1, self.group_size))
-        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
+        gated = y.float() * F.silu(gate.float())
+        gated = gated.unflatten(-1, (-1, min(self.group_size, gated.shape[-1])))
+        squares = gated.pow(2).sum(-1, keepdim=True)
+        if self.across_ranks:
+            squares = all_reduce(squares)
+        normed = gated * torch.rsqrt(squares / self.group_size + self.eps)
         return (self.weight.float() * normed.flatten(-2)).to(gate.dtype)
 
 
 class Mamba2Mixer(RecurrentLayer):
+    """Under tensor parallelism each rank holds its share of the heads (their z, x and dt rows of
+    in_proj, their convolution channels, A, D, dt_bias and norm weights, their states) and its groups'
+    B and C, or the one group's whole; out_proj sums the ranks' parts."""
+
     def __init__(self, dims: Mamba2Dims) -> None:
         super().__init__()
-        if get_tp_size() > 1:
-            raise ValueError(
-                f"tensor_parallel_size: Mamba2 layers are served on one rank, not {get_tp_size()}"
-            )
-        if dims.num_heads % dims.num_groups or dims.intermediate_size % dims.num_groups:
-            raise ValueError(
-                f"model: config.json's {dims.num_groups} Mamba2 groups do not divide its {dims.num_heads} heads"
-            )
+        tp_size, rank = get_tp_size(), get_tp_rank()
+        check_split(dims, tp_size)
         self.dims, self.width = dims, dims.conv_width
-        inner, conv_dim = dims.intermediate_size, dims.conv_dim
-        self.in_proj = ColumnParallelLinear(
-            dims.hidden_size, inner + conv_dim + dims.num_heads, bias=dims.proj_bias
+        # this rank's sizes
+        self.num_heads, self.head_dim, self.state_size = (
+            dims.num_heads // tp_size,
+            dims.head_dim,
+            dims.state_size,
         )
-        self.conv_weight = nn.Parameter(torch.empty(conv_dim, dims.conv_width), requires_grad=False)
-        self.conv_weight.weight_loader = self.conv_loader  # type: ignore[attr-defined]
+        self.num_groups = dims.num_groups // tp_size if dims.num_groups % tp_size == 0 else 1
+        self.inner = self.num_heads * self.head_dim
+        self.conv_dim = self.inner + 2 * self.num_groups * self.state_size
+        # the checkpoint's rows this rank keeps: of in_proj's [z | x | B | C | dt], of the convolution's
+        # [x | B | C], of each head's A, D and dt_bias
+        inner, groups, size = dims.intermediate_size, dims.num_groups * dims.state_size, self.state_size
+        first_group = rank * self.num_groups if dims.num_groups % tp_size == 0 else 0
+        x_rows = torch.arange(rank * self.inner, (rank + 1) * self.inner)
+        b_rows = torch.arange(first_group * size, (first_group + self.num_groups) * size)
+        heads = torch.arange(rank * self.num_heads, (rank + 1) * self.num_heads)
+        conv_rows = torch.cat((x_rows, inner + b_rows, inner + groups + b_rows))
+        in_proj_rows = torch.cat((x_rows, inner + conv_rows, 2 * inner + 2 * groups + heads))
+        self.in_proj = ReplicatedLinear(dims.hidden_size, len(in_proj_rows), bias=dims.proj_bias)
+        for param in (self.in_proj.weight, self.in_proj.bias):
+            if param is not None:
+                param.weight_loader = self.rows_loader(in_proj_rows)  # type: ignore[attr-defined]
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, dims.conv_width), requires_grad=False)
+        self.conv_weight.weight_loader = self.rows_loader(conv_rows)  # type: ignore[attr-defined]
         self.conv_bias: nn.Parameter | None = None
         if dims.conv_bias:
-            self.conv_bias = nn.Parameter(torch.empty(conv_dim), requires_grad=False)
-            self.conv_bias.weight_loader = self.conv_loader  # type: ignore[attr-defined]
-        self.dt_bias = nn.Parameter(torch.empty(dims.num_heads), requires_grad=False)
-        self.A_log = nn.Parameter(torch.empty(dims.num_heads), requires_grad=False)
-        self.D = nn.Parameter(torch.empty(dims.num_heads), requires_grad=False)
-        self.norm = GatedRMSNorm(inner, inner // dims.num_groups, dims.norm_eps)
+            self.conv_bias = nn.Parameter(torch.empty(self.conv_dim), requires_grad=False)
+            self.conv_bias.weight_loader = self.rows_loader(conv_rows)  # type: ignore[attr-defined]
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+        for param in (self.dt_bias, self.A_log, self.D):
+            param.weight_loader = self.rows_loader(heads)  # type: ignore[attr-defined]
+        one_group_across = dims.num_groups == 1 and tp_size > 1
+        self.norm = GatedRMSNorm(self.inner, inner // dims.num_groups, dims.norm_eps, one_group_across)
         self.out_proj = RowParallelLinear(inner, dims.hidden_size, bias=dims.proj_bias)
         self.conv_state: torch.Tensor | None = None  # [rows, width - 1, conv_dim], set by `bind_state`
         self.ssm_state: torch.Tensor | None = None  # [rows, heads, head_dim, state_size]
 
     @staticmethod
-    def conv_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-        load_conv_rows(param, loaded, 0)
+    def rows_loader(rows: torch.Tensor) -> Callable[[nn.Parameter, torch.Tensor], None]:
+        """A loader keeping the checkpoint tensor's `rows` (a Conv1d weight [channels, 1, width] as
+        [channels, width])."""
+
+        def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+            param.data.copy_(loaded[rows].reshape(param.shape))
+
+        return load
 
     def bind_state(self, rows: int) -> int:
-        d, dtype, device = self.dims, self.conv_weight.dtype, self.conv_weight.device
-        self.conv_state = torch.zeros(rows, d.conv_width - 1, d.conv_dim, dtype=dtype, device=device)
-        shape = (rows, d.num_heads, d.head_dim, d.state_size)
-        self.ssm_state = torch.zeros(shape, dtype=d.state_dtype or dtype, device=device)
+        dtype, device = self.conv_weight.dtype, self.conv_weight.device
+        self.conv_state = torch.zeros(rows, self.width - 1, self.conv_dim, dtype=dtype, device=device)
+        shape = (rows, self.num_heads, self.head_dim, self.state_size)
+        self.ssm_state = torch.zeros(shape, dtype=self.dims.state_dtype or dtype, device=device)
         return self.conv_state.nbytes + self.ssm_state.nbytes
 
     def reset_state(self, row: int) -> None:
@@ -121,18 +169,17 @@ class Mamba2Mixer(RecurrentLayer):
 
     def forward(self, hidden: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
         assert self.conv_state is not None, "bind_state() first"
-        d = self.dims
-        gate, xbc, dt = self.in_proj(hidden).split([d.intermediate_size, d.conv_dim, d.num_heads], dim=-1)
+        gate, xbc, dt = self.in_proj(hidden).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
         windows = step.windows[self.width]
         xbc = F.silu(causal_conv(xbc, self.conv_state, self.conv_weight, self.conv_bias, step.rows, windows))
-        groups = d.num_groups * d.state_size
-        x, b, c = xbc.float().split([d.intermediate_size, groups, groups], dim=-1)
-        repeat = d.num_heads // d.num_groups  # B and C of each group, for each of its heads
+        groups = self.num_groups * self.state_size
+        x, b, c = xbc.float().split([self.inner, groups, groups], dim=-1)
+        repeat = self.num_heads // self.num_groups  # B and C of each group, for each of its heads
         y = self.scan(
-            x.unflatten(-1, (d.num_heads, d.head_dim)),
-            F.softplus(dt.float() + self.dt_bias.float()).clamp(*d.time_step_limit),
-            b.unflatten(-1, (d.num_groups, d.state_size)).repeat_interleave(repeat, dim=1),
-            c.unflatten(-1, (d.num_groups, d.state_size)).repeat_interleave(repeat, dim=1),
+            x.unflatten(-1, (self.num_heads, self.head_dim)),
+            F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dims.time_step_limit),
+            b.unflatten(-1, (self.num_groups, self.state_size)).repeat_interleave(repeat, dim=1),
+            c.unflatten(-1, (self.num_groups, self.state_size)).repeat_interleave(repeat, dim=1),
             step,
         )
         return self.out_proj(self.norm(y.flatten(1), gate))

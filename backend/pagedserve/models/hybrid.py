@@ -29,8 +29,10 @@ import torch
 from torch import nn
 
 from pagedserve.config import (
+    architecture_of,
     default_head_dim,
     granite_layer_types,
+    hybrid_layer_types,
     lfm2_layer_types,
     nemotron_h_layer_types,
     rope_parameters,
@@ -490,3 +492,13 @@ def _nemotron_h_renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator
     `norm` is Llama's norm builder), the Mamba2 convolution's tensors as `Mamba2Mixer` holds them."""
     for name, tensor in _renamed(weights, _NEMOTRON_H_NAMES):
         yield _LAYER_NORM.sub(r"model.layers.\1.input_layernorm.", name), tensor
+
+
+def mamba2_dims(cfg: dict[str, Any]) -> Mamba2Dims | None:
+    """A hybrid model's Mamba2 sizes, as its layers read config.json (None: no Mamba2 layer)."""
+    if "mamba" not in (hybrid_layer_types(cfg) or ()):
+        return None
+    architecture = architecture_of(cfg)
+    if architecture == "NemotronHForCausalLM":
+        return nemotron_h_mamba_dims(cfg)
+    return granite_mamba_dims(cfg, norm_eps=1e-5 if architecture == "BambaForCausalLM" else 1e-6)

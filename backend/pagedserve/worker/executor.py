@@ -13,11 +13,13 @@ import logging
 import torch
 
 from pagedserve import logs
-from pagedserve.config import EngineConfig, hybrid_layer_types
+from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed import all_reduce_min
 from pagedserve.launch import launch_env
 from pagedserve.layers.linear import check_head_split
+from pagedserve.layers.mamba2 import check_split as check_mamba2_split
+from pagedserve.models.hybrid import mamba2_dims
 from pagedserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -113,8 +115,9 @@ def check_tensor_parallel_size(config: EngineConfig) -> None:
     """Fail before any rank starts when the model's heads or MLP cannot be split `tp` ways."""
     model, tp = config.model, config.parallel.tensor_parallel_size
     check_head_split(model.num_heads, model.num_kv_heads, tp)
-    if tp > 1 and "mamba" in (hybrid_layer_types(model.hf_config) or ()):
-        raise ValueError(f"tensor_parallel_size: Mamba2 layers are served on one rank, not {tp}")
+    dims = mamba2_dims(model.hf_config)
+    if dims is not None:
+        check_mamba2_split(dims, tp)
     intermediate_size = int(model.hf_config.get("intermediate_size", 0))
     if intermediate_size % tp:
         raise ValueError(
