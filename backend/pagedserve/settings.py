@@ -294,7 +294,9 @@ class EngineSettings(BaseSettings):
             self._cache_config(resolve_block_size(self.block_size, backend)),
             self._scheduler_config(model.max_model_len),
         )
-        # a model with a state per sequence runs its forward pass eagerly, not yet verified compiled
+        # A model with a state per request runs eagerly: compiled (its recurrent layers opaque ops) it
+        # ran slower here (bench/README.md, "Hybrid models"), and its decode steps' rows and gather
+        # indices are not kept in static buffers for CUDA graphs.
         eager = self.enforce_eager or model.recurrent
         return EngineConfig(
             model=model,

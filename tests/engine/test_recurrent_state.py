@@ -236,3 +236,26 @@ def test_mamba2_states_keep_the_models_dtype_unless_it_names_one(
     assert str(mixer.ssm_state.dtype) == f"torch.{state_dtype}"
     assert mixer.conv_state.dtype == mixer.conv_weight.dtype == torch.bfloat16
     assert greedy(llm, prompts()[:2]) == greedy(llm, prompts()[:2])
+
+
+def test_a_state_past_half_the_free_memory_is_refused_naming_max_num_seqs(
+    tmp_path: Path, default_model_dir: str
+) -> None:
+    """Nemotron-H's float32 states of 8 heads x 16 x 4,096 in 2 layers: 4 MiB a request, 16 GiB for
+    4,096 requests, refused at start with the remedy rather than taken until the machine swaps."""
+    import psutil
+
+    config = nemotron_h_config()
+    config.ssm_state_size = 4096
+    model_dir = save_tiny_model(tmp_path / "nemotron-h", default_model_dir, config)
+    num_seqs = 1 << max(12, int(psutil.virtual_memory().available / 2 / 2**22).bit_length())
+    with pytest.raises(ValueError, match=rf"max_num_seqs: {num_seqs} requests' recurrent state \(2 layers\)"):
+        LLM(
+            model=model_dir,
+            dtype="float32",
+            num_kv_blocks=16,
+            max_num_seqs=num_seqs,
+            max_num_batched_tokens=num_seqs,
+        )
+    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=16, max_num_seqs=4)  # (4 requests: 16 MiB)
+    assert greedy(llm, prompts()[:2]) == greedy(llm, prompts()[:2])

@@ -155,6 +155,11 @@ class Mamba2Mixer(RecurrentLayer):
 
         return load
 
+    def state_bytes(self, rows: int) -> int:
+        conv = (self.width - 1) * self.conv_dim * self.conv_weight.element_size()
+        ssm_dtype = self.dims.state_dtype or self.conv_weight.dtype
+        return rows * (conv + self.num_heads * self.head_dim * self.state_size * ssm_dtype.itemsize)
+
     def bind_state(self, rows: int) -> int:
         dtype, device = self.conv_weight.dtype, self.conv_weight.device
         self.conv_state = torch.zeros(rows, self.width - 1, self.conv_dim, dtype=dtype, device=device)

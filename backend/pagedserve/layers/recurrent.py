@@ -70,6 +70,10 @@ class RecurrentLayer(nn.Module, abc.ABC):
     width: int
 
     @abc.abstractmethod
+    def state_bytes(self, rows: int) -> int:
+        """What `bind_state(rows)` would allocate."""
+
+    @abc.abstractmethod
     def bind_state(self, rows: int) -> int:
         """Zeroed states for `rows` requests; returns their bytes."""
 

@@ -48,6 +48,9 @@ class ShortConv(RecurrentLayer):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         load_conv_rows(param, loaded, get_tp_rank() * self.channels)
 
+    def state_bytes(self, rows: int) -> int:
+        return rows * (self.width - 1) * self.channels * self.conv_weight.element_size()
+
     def bind_state(self, rows: int) -> int:
         weight = self.conv_weight
         self.state = torch.zeros(

@@ -249,20 +249,14 @@ class ModelRunner:
         # reads False once the weights left to inductor are packed after it
         self.frozen_weights = False
         max_seqs = config.scheduler.max_num_seqs
-        self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
-        self.block_tables = torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
-        self.free_rows = list(range(max_seqs - 1, -1, -1))
         # layers with a state per request (LFM2's, Mamba2's), a row of it for each block-table row
         self.recurrent_layers = self.model.recurrent_layers
         if self.recurrent_layers:
-            state_bytes = sum(layer.bind_state(max_seqs) for layer in self.recurrent_layers)
-            logger.info(
-                "recurrent state of %d layers: %.1f MiB for max_num_seqs (%d) requests",
-                len(self.recurrent_layers),
-                state_bytes / 2**20,
-                max_seqs,
-            )
+            self._bind_states(max_seqs)
         self.conv_widths = sorted({layer.width for layer in self.recurrent_layers})
+        self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
+        self.block_tables = torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
+        self.free_rows = list(range(max_seqs - 1, -1, -1))
         self.requests: dict[str, RequestState] = {}
         # requests owing prompt logprobs -> their prompts; empty (no per-step work) when none asks
         self.prompt_token_ids: dict[str, list[int]] = {}
@@ -299,6 +293,32 @@ class ModelRunner:
         before = not self.config.compile or packed_before_compiling(self.device, self.dtype)
         self._pack_weights(model.modules() if before else [model.lm_head])
         return model.eval()
+
+    def _bind_states(self, max_seqs: int) -> None:
+        """A state for each of max_num_seqs requests in every recurrent layer, refused (ValueError naming
+        max_num_seqs) where it would take more than half the device's free memory: the KV cache and
+        the step's activations need the rest."""
+        needed = sum(layer.state_bytes(max_seqs) for layer in self.recurrent_layers)
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        if needed > free / 2:
+            raise ValueError(
+                f"max_num_seqs: {max_seqs} requests' recurrent state ({len(self.recurrent_layers)} layers) "
+                f"needs {needed / 2**30:.1f} GiB, more than half the {free / 2**30:.1f} GiB free; lower "
+                "--max-num-seqs"
+            )
+        for layer in self.recurrent_layers:
+            layer.bind_state(max_seqs)
+        logger.info(
+            "recurrent state of %d layers: %.1f MiB for max_num_seqs (%d) requests",
+            len(self.recurrent_layers),
+            needed / 2**20,
+            max_seqs,
+        )
 
     def _pack_weights(self, modules: Iterable[torch.nn.Module]) -> None:
         """Pack the linear weights of `modules` not packed yet, where packing pays (`layers.linear`)."""
