@@ -28,6 +28,7 @@ _SOURCES = (
     Path(__file__).parent / "csrc" / "linear_amx.cpp",
     Path(__file__).parent / "csrc" / "linear_avx512.cpp",
     Path(__file__).parent / "csrc" / "decode_layers.cpp",
+    Path(__file__).parent / "csrc" / "mamba2.cpp",
 )
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
@@ -79,6 +80,23 @@ def _linear_avx512_shape(
 ) -> torch.Tensor:
     """What `linear_avx512` returns, for tracing (torch.compile)."""
     return x.new_empty((*x.shape[:-1], packed.shape[0] * packed.shape[2]))
+
+
+def mamba2_decode(
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+) -> torch.Tensor:
+    """Mamba2's decode step in one pass over the states (csrc/mamba2.cpp; needs `load()`): each
+    request's state rows[i] of `state` [rows, heads, head_dim, state_size] (float32 or bfloat16)
+    advanced in place, S <- exp(dt A) S + (dt x) B^T, and y = S C [requests, heads, head_dim] (float32)
+    returned, from x [requests, heads, head_dim], dt [requests, heads], A [heads], and B and C
+    [requests, groups, state_size] (each group's shared by heads / groups heads), all float32."""
+    return torch.ops.pagedserve_cpu.mamba2_decode(state, rows, x, dt, a, b, c)
 
 
 def write_kv_cache(

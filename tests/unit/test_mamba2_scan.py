@@ -30,6 +30,7 @@ def token_by_token(
     mixer: Mamba2Mixer, x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor
 ) -> torch.Tensor:
     a = -torch.exp(mixer.A_log.double())
+    b, c = (t.repeat_interleave(DIMS.num_heads // DIMS.num_groups, dim=1) for t in (b, c))
     state = torch.zeros(DIMS.num_heads, DIMS.head_dim, DIMS.state_size, dtype=torch.float64)
     ys = []
     for t in range(x.shape[0]):
@@ -55,8 +56,9 @@ def test_packed_steps_equal_the_recurrence_token_by_token(seed: int) -> None:
     for row in rows:
         mixer.reset_state(row)
     h, p, n = DIMS.num_heads, DIMS.head_dim, DIMS.state_size
+    g = DIMS.num_groups  # B and C a group's, each shared by heads / groups heads
     seqs = [
-        (torch.randn(k, h, p), torch.rand(k, h) * 0.8, torch.randn(k, h, n), torch.randn(k, h, n))
+        (torch.randn(k, h, p), torch.rand(k, h) * 0.8, torch.randn(k, g, n), torch.randn(k, g, n))
         for k in lengths
     ]
     done, outputs = [0] * len(lengths), [[] for _ in lengths]

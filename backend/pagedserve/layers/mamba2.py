@@ -11,10 +11,11 @@ state_size], advanced by every token as
 and y, gated by SiLU(z) and RMS-normed in groups, goes through out_proj. A request keeps its
 convolution's last inputs and every head's S.
 
-A step's one-token sequences (decodes) advance together; each longer one (a prompt or a chunk of one)
-runs the state-space duality's chunked form (Mamba2's SSD): within a chunk of `chunk_size` tokens its
-outputs are a masked, decayed attention of C over B, plus the state before the chunk read through C;
-chunk to chunk, the state carries. Both in float32, the states kept in the model's dtype (vLLM's
+A step's one-token sequences (decodes) advance together, in one pass over their states where the
+C++ kernels build (`cpu_kernels.mamba2_decode`), else through `decode_states`; each longer one (a
+prompt or a chunk of one) runs the state-space duality's chunked form (Mamba2's SSD): within a chunk
+of `chunk_size` tokens its outputs are a masked, decayed attention of C over B, plus the state before
+the chunk read through C; chunk to chunk, the state carries. Both in float32, the states kept in the model's dtype (vLLM's
 default and transformers' cache) unless the model names another (Nemotron-H's float32).
 """
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from pagedserve_kernels import cpu as cpu_kernels
 from torch import nn
 
 from pagedserve.distributed import all_reduce, get_tp_rank, get_tp_size
@@ -179,12 +181,11 @@ class Mamba2Mixer(RecurrentLayer):
         xbc = F.silu(causal_conv(xbc, self.conv_state, self.conv_weight, self.conv_bias, step.rows, windows))
         groups = self.num_groups * self.state_size
         x, b, c = xbc.float().split([self.inner, groups, groups], dim=-1)
-        repeat = self.num_heads // self.num_groups  # B and C of each group, for each of its heads
         y = self.scan(
             x.unflatten(-1, (self.num_heads, self.head_dim)),
             F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dims.time_step_limit),
-            b.unflatten(-1, (self.num_groups, self.state_size)).repeat_interleave(repeat, dim=1),
-            c.unflatten(-1, (self.num_groups, self.state_size)).repeat_interleave(repeat, dim=1),
+            b.unflatten(-1, (self.num_groups, self.state_size)),
+            c.unflatten(-1, (self.num_groups, self.state_size)),
             step,
         )
         return self.out_proj(self.norm(y.flatten(1), gate))
@@ -192,27 +193,51 @@ class Mamba2Mixer(RecurrentLayer):
     def scan(
         self, x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, step: RecurrentStep
     ) -> torch.Tensor:
-        """y [tokens, heads, head_dim] (float32) of the step's tokens, each request's state advanced."""
+        """y [tokens, heads, head_dim] (float32) of the step's tokens, each request's state advanced;
+        b and c [tokens, groups, state_size], each group's shared by its heads."""
         assert self.ssm_state is not None
         a = -torch.exp(self.A_log.float())
+        repeat = self.num_heads // self.num_groups
+        per_head = lambda groups: groups.repeat_interleave(repeat, dim=1)  # noqa: E731 (a group's B or C for each of its heads)
         y = torch.empty_like(x)
         rows, tokens = step.single_tokens
         if tokens.numel():  # one token each: S <- exp(dt A) S + dt x B^T, y = S C
-            k, (heads, head_dim, state_size) = rows.shape[0], self.ssm_state.shape[1:]
-            held, work = _decode_buffers(self.ssm_state)
-            state = work[:k].copy_(torch.index_select(self.ssm_state, 0, rows, out=held[:k])).flatten(0, 1)
-            state.mul_(torch.exp(dt[tokens] * a).flatten()[:, None, None])
-            dtx = (dt[tokens, :, None] * x[tokens]).flatten(0, 1)
-            state.baddbmm_(dtx[:, :, None], b[tokens].flatten(0, 1)[:, None, :])  # (a rank-1 update: exact)
-            y[tokens] = torch.bmm(state, c[tokens].flatten(0, 1)[:, :, None]).view(k, heads, head_dim)
-            self.ssm_state.index_copy_(0, rows, held[:k].copy_(state.view(k, heads, head_dim, state_size)))
+            decode = (
+                cpu_kernels.mamba2_decode if self.ssm_state.is_cpu and cpu_kernels.load() else decode_states
+            )
+            y[tokens] = decode(self.ssm_state, rows, x[tokens], dt[tokens], a, b[tokens], c[tokens])
         for row, start, n in step.runs:
             span = slice(start, start + n)
+            b_heads, c_heads = per_head(b[span]), per_head(c[span])
             y[span], state = ssd(
-                x[span], dt[span], a, b[span], c[span], self.ssm_state[row].float(), self.dims.chunk_size
+                x[span], dt[span], a, b_heads, c_heads, self.ssm_state[row].float(), self.dims.chunk_size
             )
             self.ssm_state[row] = state.to(self.ssm_state.dtype)
         return y + self.D.float()[:, None] * x
+
+
+def decode_states(
+    states: torch.Tensor,
+    rows: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+) -> torch.Tensor:
+    """`cpu_kernels.mamba2_decode` in torch (GPUs; CPUs without the C++ kernels): the requests' states
+    (rows of `states`) gathered, advanced in float32, S <- exp(dt A) S + (dt x) B^T, and written back;
+    y = S C returned [requests, heads, head_dim]. B and C [requests, groups, state_size]."""
+    k, (heads, head_dim, state_size) = rows.shape[0], states.shape[1:]
+    repeat = heads // b.shape[1]
+    held, work = _decode_buffers(states)
+    state = work[:k].copy_(torch.index_select(states, 0, rows, out=held[:k])).flatten(0, 1)
+    state.mul_(torch.exp(dt * a).flatten()[:, None, None])
+    b_heads, c_heads = (t.repeat_interleave(repeat, dim=1).flatten(0, 1) for t in (b, c))
+    state.baddbmm_((dt[:, :, None] * x).flatten(0, 1)[:, :, None], b_heads[:, None, :])  # (rank 1: exact)
+    y = torch.bmm(state, c_heads[:, :, None]).view(k, heads, head_dim)
+    states.index_copy_(0, rows, held[:k].copy_(state.view(k, heads, head_dim, state_size)))
+    return y
 
 
 def _decode_buffers(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +251,7 @@ def _buffers(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # Fresh tensors each step cost more than the step's arithmetic: page faults on every new 50 MB
-    # (64 requests of 24 heads x 64 x 128 states: 58.7 ms a layer against 12.9 with these; bench/README.md)
+    # (64 requests of 24 heads x 64 x 128 states: 58.7 ms a layer against 17.2 with these; bench/README.md)
     return torch.empty(shape, dtype=dtype, device=device), torch.empty(
         shape, dtype=torch.float32, device=device
     )
