@@ -89,6 +89,56 @@ def build_tiny_qwen2_moe(dest: Path, tokenizer_dir: str, num_experts: int = 6) -
     )
 
 
+def tiny_hybrid_config(name: str) -> object:
+    """A tiny hybrid's transformers config (`save_tiny_model` writes its checkpoint): "lfm2" (short
+    convolutions at layers 0 and 2), "granite4-h" (Mamba2 at layers 0 and 2) or "nemotron-h" (a layer a
+    block: Mamba2, MLP, attention, MLP, Mamba2, MLP; its states in float32); Mamba2's 8 heads of 16 in 2
+    groups with states of 16, in chunks of 8, so prompts cross several and chunked prefill splits
+    them anywhere."""
+    import transformers
+
+    small = {
+        "vocab_size": 49152,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "initializer_range": 0.2,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+    }
+    if name == "lfm2":
+        layers = ["conv", "full_attention", "conv"]
+        return transformers.Lfm2Config(
+            **small, intermediate_size=96, num_hidden_layers=3, layer_types=layers, conv_bias=True
+        )
+    if name == "granite4-h":
+        return transformers.GraniteMoeHybridConfig(
+            **small,
+            num_hidden_layers=3,
+            layer_types=["mamba", "attention", "mamba"],
+            num_local_experts=0,
+            shared_intermediate_size=96,
+            mamba_n_heads=8,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_chunk_size=8,
+        )
+    assert name == "nemotron-h", name
+    return transformers.NemotronHConfig(
+        **small,
+        head_dim=16,
+        intermediate_size=96,
+        layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mlp"],
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=16,
+        chunk_size=8,
+    )
+
+
 def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int = 0) -> str:
     """A random-weight checkpoint of any transformers causal-LM `config` (its class picks the
     architecture), saved as a Hugging Face directory with the default model's tokenizer. Biases are

@@ -10,16 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from pagedserve import LLM, SamplingParams
+from test_bench_moe import assert_serves_transformers_tokens
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "hybrid_model.py"
 
 
 @pytest.mark.slow
 def test_a_written_granite4_h_checkpoint_serves_transformers_tokens(tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
     dest = tmp_path / "granite4-h"
     run = subprocess.run(
         [sys.executable, str(BENCH), str(dest), "--architecture", "granite4-h"],
@@ -32,15 +29,4 @@ def test_a_written_granite4_h_checkpoint_serves_transformers_tokens(tmp_path: Pa
     config = json.loads((dest / "config.json").read_text())
     assert config["architectures"] == ["GraniteMoeHybridForCausalLM"]
     assert config["time_step_limit"] == [0.0, {"__float__": "Infinity"}]
-    prompts = [[1, *range(300, 340)], [1, *range(900, 913)]]
-    model = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        theirs = [
-            model.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[
-                0, len(p) :
-            ].tolist()
-            for p in prompts
-        ]
-    llm = LLM(model=str(dest), dtype="float32", num_kv_blocks=64, block_size=16)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    assert [r.outputs[0].token_ids for r in llm.generate(prompts, params)] == theirs
+    assert_serves_transformers_tokens(dest)

@@ -18,7 +18,6 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "moe_model.py"
 def test_a_written_checkpoint_serves_transformers_tokens(tmp_path: Path) -> None:
     """Mixtral's (the other layouts' hub files: test_model_config_audit's hub-layout test)."""
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
 
     architecture, class_name = "mixtral", "MixtralForCausalLM"
     expert_key = "model.layers.0.block_sparse_moe.experts.7.w2.weight"
@@ -35,6 +34,13 @@ def test_a_written_checkpoint_serves_transformers_tokens(tmp_path: Path) -> None
     [weights] = dest.glob("*.safetensors")
     with safe_open(str(weights), "pt") as tensors:
         assert expert_key in tensors.keys()  # noqa: SIM118 (safe_open has no __contains__)
+    assert_serves_transformers_tokens(dest)
+
+
+def assert_serves_transformers_tokens(dest: Path) -> None:
+    """pagedserve's float32 greedy tokens of two prompts are transformers' on the checkpoint `dest`."""
+    from transformers import AutoModelForCausalLM
+
     prompts = [[1, *range(300, 340)], [1, *range(900, 913)]]
     model = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float32).eval()
     with torch.inference_mode():

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_helpers import ServerProcess, request
 from pagedserve import LLM, SamplingParams
-from tiny_models import save_tiny_model
+from tiny_models import save_tiny_model, tiny_hybrid_config
 
 pytestmark = pytest.mark.slow
 
@@ -21,26 +21,7 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", 
 
 @pytest.fixture(scope="module")
 def nemotron_h_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
-    from transformers import NemotronHConfig
-
-    config = NemotronHConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        head_dim=16,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mlp"],
-        mamba_num_heads=8,
-        mamba_head_dim=16,
-        n_groups=2,
-        ssm_state_size=16,
-        chunk_size=8,
-        initializer_range=0.2,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
+    config = tiny_hybrid_config("nemotron-h")
     return save_tiny_model(tmp_path_factory.mktemp("nemotron-h"), default_model_dir, config)
 
 

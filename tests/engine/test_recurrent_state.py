@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,58 +22,21 @@ from test_tensor_parallel import (
     tensor_parallel_llm,
     tiny_prompts,
 )
-from tiny_models import save_tiny_model
-from transformers import GraniteMoeHybridConfig, Lfm2Config, NemotronHConfig
+from tiny_models import save_tiny_model, tiny_hybrid_config
 
 MAX_TOKENS = 24
 
 
-SMALL = {
-    "vocab_size": 49152,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 1024,
-    "initializer_range": 0.2,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 2,
-}
+def lfm2_config() -> Any:
+    return tiny_hybrid_config("lfm2")
 
 
-def lfm2_config() -> Lfm2Config:
-    layers = ["conv", "full_attention", "conv"]
-    return Lfm2Config(**SMALL, intermediate_size=96, num_hidden_layers=3, layer_types=layers, conv_bias=True)
+def granite4_h_config() -> Any:
+    return tiny_hybrid_config("granite4-h")
 
 
-def granite4_h_config() -> GraniteMoeHybridConfig:
-    """Mamba2 in chunks of 8: the prompts cross several, chunked prefill splits them anywhere."""
-    return GraniteMoeHybridConfig(
-        **SMALL,
-        num_hidden_layers=3,
-        layer_types=["mamba", "attention", "mamba"],
-        num_local_experts=0,
-        shared_intermediate_size=96,
-        mamba_n_heads=8,
-        mamba_n_groups=2,
-        mamba_d_state=16,
-        mamba_chunk_size=8,
-    )
-
-
-def nemotron_h_config() -> NemotronHConfig:
-    """A layer a block, Mamba2 in chunks of 8 (its states in float32)."""
-    return NemotronHConfig(
-        **SMALL,
-        head_dim=16,
-        intermediate_size=96,
-        layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mlp"],
-        mamba_num_heads=8,
-        mamba_head_dim=16,
-        n_groups=2,
-        ssm_state_size=16,
-        chunk_size=8,
-    )
+def nemotron_h_config() -> Any:
+    return tiny_hybrid_config("nemotron-h")
 
 
 HYBRIDS = {"lfm2": lfm2_config, "granite4-h": granite4_h_config, "nemotron-h": nemotron_h_config}
