@@ -2081,6 +2081,14 @@ def test_rotary_tables_equal_transformers(
             "layers_block_type: layer 1 is 'moe' \\(Nemotron-H's experts, Nemotron 3's, are not served",
         ),
         (
+            lambda c: c.update(
+                architectures=["NemotronHForCausalLM"],
+                hybrid_override_pattern="M*",
+                mamba_ssm_cache_dtype="fp32",
+            ),
+            "mamba_ssm_cache_dtype must be auto, float32, bfloat16 or float16, got 'fp32'",
+        ),
+        (
             lambda c: c.update(architectures=["NemotronHForCausalLM"], hybrid_override_pattern="M*X"),
             "hybrid_override_pattern must be a string of M, \\*, - and E, got 'M\\*X'",
         ),
@@ -2120,6 +2128,7 @@ def test_rotary_tables_equal_transformers(
         "glm4-moe-lite-layer-type",
         "phi-qk-layernorm",
         "nemotron-h-experts",
+        "nemotron-h-state-dtype",
         "nemotron-h-pattern",
         "stablelm-qk-layernorm",
     ],

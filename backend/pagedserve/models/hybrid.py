@@ -271,6 +271,13 @@ class GraniteHybridDecoderLayer(HybridDecoderLayer):
 
 
 class GraniteMoeHybridForCausalLM(GraniteMoeSharedForCausalLM):
+    """IBM's Granite 4.0: Granite's layer and multipliers, its MLP stored as `shared_mlp` (gate and up in
+    one tensor, `input_linear`; down, `output_linear`) of `shared_intermediate_size`, beside Granite
+    MoE's experts where `num_local_experts` is not 0 (GraniteMoeHybridConfig's 8 where config.json
+    leaves it out); q and k turned by the rope where `position_embedding_type` is "rope", by none
+    otherwise; the layers `layer_types` names mamba, Mamba2's (`layers.mamba2`), the checkpoints of
+    attention alone in Llama's layer."""
+
     decoder_layer_class: type[LlamaDecoderLayer] = GraniteHybridDecoderLayer
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
@@ -369,6 +376,11 @@ def nemotron_h_mamba_dims(cfg: dict[str, Any]) -> Mamba2Dims:
     config.json leaves a key out; the states in `mamba_ssm_cache_dtype` (float32 by default)."""
     limit = _first(cfg, ("mamba_dt_limit", "time_step_limit"), None) or (0.0, float("inf"))
     state_dtype = cfg.get("mamba_ssm_cache_dtype", "float32")
+    if state_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError(
+            f"model: config.json's mamba_ssm_cache_dtype must be auto, float32, bfloat16 or float16, "
+            f"got {state_dtype!r}"
+        )
     return Mamba2Dims(
         hidden_size=cfg["hidden_size"],
         num_heads=int(cfg.get("mamba_num_heads", 128)),
@@ -488,8 +500,9 @@ _LAYER_NORM = re.compile(r"^model\.layers\.(\d+)\.norm\.")
 
 
 def _nemotron_h_renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Nemotron-H's names as ours: `backbone` as `model`, the embeddings and final norm as Llama's, each layer's norm as `input_layernorm` (its
-    `norm` is Llama's norm builder), the Mamba2 convolution's tensors as `Mamba2Mixer` holds them."""
+    """Nemotron-H's names as ours: `backbone` as `model`, the embeddings and final norm as Llama's,
+    each layer's norm as `input_layernorm` (its `norm` is Llama's norm builder), the Mamba2
+    convolution's tensors as `Mamba2Mixer` holds them."""
     for name, tensor in _renamed(weights, _NEMOTRON_H_NAMES):
         yield _LAYER_NORM.sub(r"model.layers.\1.input_layernorm.", name), tensor
 
