@@ -348,8 +348,8 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
     Mistral Small 3.1 and 3.2, Magistral Small, Devstral Small (`Mistral3ForConditionalGeneration`
     with a Mistral text config) as a `MistralForCausalLM`, Ministral 3 (the same with a `ministral3`
     one) as a `Ministral3ForCausalLM`; Qwen2-VL and Qwen2.5-VL as a `Qwen2ForCausalLM`, Qwen3-VL (dense) as
-    a `Qwen3ForCausalLM`, Qwen3-VL-MoE as a `Qwen3MoeForCausalLM`, their M-RoPE as one rope. Any other
-    config as it is."""
+    a `Qwen3ForCausalLM`, Qwen3-VL-MoE as a `Qwen3MoeForCausalLM`, their M-RoPE as one rope; LFM2-VL as
+    an `Lfm2ForCausalLM`. Any other config as it is."""
     architecture = architecture_of(hf)
     if architecture == "Gemma3ForConditionalGeneration":
         from transformers import Gemma3TextConfig
@@ -378,6 +378,14 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
         text["tie_word_embeddings"] = bool(outer.tie_word_embeddings)
         # (M-RoPE turns a text token's time, height and width sections by its one position, as one rope
         # does: transformers' config class gives it rope_type default, its sections beside, unread here)
+    elif architecture == "Lfm2VlForConditionalGeneration":
+        from transformers import Lfm2VlConfig, PretrainedConfig
+
+        outer = Lfm2VlConfig(**hf)
+        assert isinstance(outer.text_config, PretrainedConfig)  # (built from a dict or None)
+        text = outer.text_config.to_dict()
+        text["architectures"] = ["Lfm2ForCausalLM"]
+        text["tie_word_embeddings"] = bool(outer.tie_word_embeddings)  # (the outer config's, tied by default)
     else:
         return hf
     logger.info("%s: its text decoder is served (%s), not images", architecture, text["architectures"][0])
@@ -392,7 +400,12 @@ _QWEN_VL = {
     "Qwen3VLMoeForConditionalGeneration": ("Qwen3VLMoeConfig", "Qwen3MoeForCausalLM"),
 }
 # the multimodal architectures whose text decoder is served (`text_decoder_config`)
-MULTIMODAL_TEXT_DECODERS = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration", *_QWEN_VL)
+MULTIMODAL_TEXT_DECODERS = (
+    "Gemma3ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
+    *_QWEN_VL,
+    "Lfm2VlForConditionalGeneration",
+)
 
 
 def _max_model_len(hf: dict[str, Any], requested: int | None) -> int:

@@ -1412,6 +1412,30 @@ def test_a_qwen_vl_checkpoint_serves_its_text_decoder(
     assert llm.engine.config.model.architecture == architecture
 
 
+def test_an_lfm2_vl_checkpoint_serves_its_text_decoder(tmp_path: Path, default_model_dir: str) -> None:
+    """LFM2-VL: its LFM2 text decoder served (short convolutions, attention, the LM head untied by the
+    outer config, where LFM2's own default ties it), its tokens and logprobs transformers' own multimodal model's on text prompts; the
+    vision tower and projector (`model.vision_tower.*`, `model.multi_modal_projector.*`) left out."""
+    import transformers
+
+    text = {
+        **TINY,
+        "num_hidden_layers": 3,
+        "layer_types": ["conv", "full_attention", "conv"],
+        "conv_bias": True,
+    }
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = transformers.Lfm2VlConfig(
+        text_config=text, vision_config=vision, projector_hidden_size=32, tie_word_embeddings=False
+    )
+    model_dir = save_tiny_model(tmp_path / "lfm2-vl", default_model_dir, config)
+    prompts = long_prompts()
+    model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert type(model).__name__ == "Lfm2VlForConditionalGeneration"
+    llm = assert_float32_matches(model_dir, model, prompts, theirs)
+    assert llm.engine.config.model.architecture == "Lfm2ForCausalLM"
+
+
 # --- mixtures of experts -----------------------------------------------------------------------------
 
 
