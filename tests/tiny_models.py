@@ -91,8 +91,9 @@ def build_tiny_qwen2_moe(dest: Path, tokenizer_dir: str, num_experts: int = 6) -
 
 def tiny_hybrid_config(name: str) -> object:
     """A tiny hybrid's transformers config (`save_tiny_model` writes its checkpoint): "lfm2" (short
-    convolutions at layers 0 and 2), "granite4-h" (Mamba2 at layers 0 and 2) or "nemotron-h" (a layer a
-    block: Mamba2, MLP, attention, MLP, Mamba2, MLP; its states in float32); Mamba2's 8 heads of 16 in 2
+    convolutions at layers 0 and 2), "granite4-h" (Mamba2 at layers 0 and 2), "nemotron-h" (a layer a
+    block: Mamba2, MLP, attention, MLP, Mamba2, MLP; its states in float32) or "mamba2" (two Mamba2
+    layers, no attention); Mamba2's 8 heads of 16 in 2
     groups with states of 16, in chunks of 8, so prompts cross several and chunked prefill splits
     them anywhere."""
     import transformers
@@ -124,6 +125,15 @@ def tiny_hybrid_config(name: str) -> object:
             mamba_n_groups=2,
             mamba_d_state=16,
             mamba_chunk_size=8,
+        )
+    if name == "mamba2":
+        mamba2 = {
+            key: value
+            for key, value in small.items()
+            if "attention" not in key and key != "max_position_embeddings"
+        }
+        return transformers.Mamba2Config(
+            **mamba2, num_hidden_layers=2, num_heads=8, head_dim=16, n_groups=2, state_size=16, chunk_size=8
         )
     assert name == "nemotron-h", name
     return transformers.NemotronHConfig(

@@ -80,8 +80,12 @@ class ModelConfig:
         hf = text_decoder_config(hf)
         if architecture_of(hf) == "NemotronHForCausalLM":  # (its layer types count its layers)
             hf = {**hf, "num_hidden_layers": len(nemotron_h_layer_types(hf))}
-        num_heads = hf["num_attention_heads"]
-        num_kv_heads, head_dim = kv_cache_entry(hf)
+        num_layers = num_kv_cache_layers(hf)
+        if num_layers:
+            num_heads = hf["num_attention_heads"]
+            num_kv_heads, head_dim = kv_cache_entry(hf)
+        else:  # (no attention: its KV blocks hold nothing and only count the tokens for the scheduler)
+            num_heads = num_kv_heads = head_dim = 1
         architecture = architecture_of(hf, "LlamaForCausalLM")
         if dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {DTYPES}, got {dtype!r}")
@@ -93,7 +97,7 @@ class ModelConfig:
             served_model_name=served_model_name or Path(path).resolve().name,
             architecture=architecture,
             vocab_size=hf["vocab_size"],
-            num_layers=num_kv_cache_layers(hf),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -123,6 +127,8 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
         layer_types = granite_layer_types(hf)
     elif architecture == "NemotronHForCausalLM":
         layer_types = nemotron_h_layer_types(hf)
+    elif architecture == "Mamba2ForCausalLM":
+        layer_types = ["mamba"] * hf["num_hidden_layers"]
     elif architecture == "BambaForCausalLM":
         attention = hf.get("attn_layer_indices") or ()
         layer_types = [
@@ -130,11 +136,6 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
         ]
     else:
         return None
-    if "full_attention" not in layer_types:
-        raise ValueError(
-            f"model: config.json's layer_types names no attention layer ({set(layer_types)} alone): models "
-            "without attention are not served"
-        )
     return layer_types
 
 
@@ -410,7 +411,12 @@ MULTIMODAL_TEXT_DECODERS = (
 
 def _max_model_len(hf: dict[str, Any], requested: int | None) -> int:
     """The requested context length, else the model's (a sliding window bounds what a layer attends
-    to, not the positions)."""
+    to, not the positions). A model without attention (Mamba2's) has no positions to run past: any
+    length, 2,048 unless requested (vLLM's where a config names none)."""
+    if num_kv_cache_layers(hf) == 0:
+        if requested is not None and requested < 1:
+            raise ValueError(f"max_model_len: must be at least 1, got {requested}")
+        return requested or 2048
     limit = rope_context_length(hf)
     if requested is not None and not 1 <= requested <= limit:
         raise ValueError(f"max_model_len: must be in [1, {limit}] for this model, got {requested}")

@@ -271,6 +271,7 @@ def test_the_tensor_parallel_sizes_table_lists_every_size_that_starts() -> None:
     for name, heads, kv_heads, cell in rows:
         listed = {int(n) for n in re.findall(r"\d+", re.sub(r"\([^)]*\)", "", cell))}
         model = SimpleNamespace(
+            num_layers=1,  # (attention, whose heads are split)
             num_heads=int(heads),
             num_kv_heads=int(kv_heads),
             hf_config={"intermediate_size": INTERMEDIATE_SIZES[name]},

@@ -56,6 +56,7 @@ from transformers import (
     Jais2Config,
     Lfm2Config,
     Lfm2MoeConfig,
+    Mamba2Config,
     MiniCPM3Config,
     Ministral3Config,
     MistralConfig,
@@ -127,6 +128,7 @@ GRANITE_SCALES = {
 # `decode_layers` takes a qkv bias alone (Granite's multipliers, Phi-3's partial rotary and SmolLM3's
 # NoPE layers it runs) and no Gemma layer (worker/fused_decode.py): these run without it
 NOT_DECODE_LAYERS = {
+    "mamba2-no-attention",
     "bamba-mamba-attention-mamba-biases",
     "bamba-as-ibm-names-it",
     "lfm2-moe-dense-layer-0-sigmoid-biased-experts",
@@ -951,6 +953,25 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         lambda: BambaConfig(**{**TINY, "num_hidden_layers": 3}, attn_layer_indices=[2], **GRANITE4_MAMBA),
         bamba_as_ibm_names_it,
     ),
+    # Mamba2 alone: two layers of it (8 heads of 16 in 2 groups, states of 16, chunks of 32), no
+    # attention, its residual stream kept in float32 by transformers (`residual_in_fp32`)
+    "mamba2-no-attention": (
+        lambda: Mamba2Config(
+            vocab_size=TINY["vocab_size"],
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_heads=8,
+            head_dim=16,
+            n_groups=2,
+            state_size=16,
+            chunk_size=32,
+            initializer_range=0.2,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=2,
+        ),
+        None,
+    ),
     # as LiquidAI's config.json names it: attention by full_attn_idxs, block_ff_dim, tie_embedding;
     # without rope keys or norm_eps (theta 1e6, eps 1e-5 by default)
     "lfm2-as-the-hub-names-it": (
@@ -1043,7 +1064,11 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
     model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
     llm = assert_float32_matches(model_dir, model, prompts, theirs)
     # no window caps these; linear scaling reaches its factor times the positions (vLLM's rule)
-    assert llm.engine.config.model.max_model_len == (4096 if name == "llama-linear-rope" else 1024)
+    # (and Mamba2 alone, without positions, takes vLLM's 2,048 where a config names no length)
+    assert llm.engine.config.model.max_model_len == {
+        "llama-linear-rope": 4096,
+        "mamba2-no-attention": 2048,
+    }.get(name, 1024)
     bf16 = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=128, block_size=16)
     gap = worst_gap(model, prompts, greedy(bf16, prompts, MAX_TOKENS))
     assert gap < BF16_GAP, f"a bfloat16 token sits {gap:.2f} below transformers' float32 best"
@@ -1996,8 +2021,7 @@ def test_rotary_tables_equal_transformers(
             ),
             "decoder_sparse_step must be a positive integer, got 0",
         ),
-        # Granite 4.0's layers: attention or Mamba2 (every one where config.json names none, a model
-        # without attention), Mamba2's heads filling mamba_expand x hidden_size
+        # Granite 4.0's layers: attention or Mamba2, Mamba2's heads filling mamba_expand x hidden_size
         (
             lambda c: c.update(
                 architectures=["GraniteMoeHybridForCausalLM"],
@@ -2006,14 +2030,6 @@ def test_rotary_tables_equal_transformers(
                 shared_intermediate_size=96,
             ),
             "layer_types must name 2 layers, each attention or mamba, got",
-        ),
-        (
-            lambda c: c.update(
-                architectures=["GraniteMoeHybridForCausalLM"],
-                num_local_experts=0,
-                shared_intermediate_size=96,
-            ),
-            "layer_types names no attention layer .* models without attention are not served",
         ),
         (
             lambda c: c.update(
@@ -2136,7 +2152,6 @@ def test_rotary_tables_equal_transformers(
         "mixtral-more-experts-a-token-than-experts",
         "qwen3-moe-sparse-step-0",
         "granite4-layer-type",
-        "granite4-mamba-alone-by-default",
         "granite4-mamba-head-dim",
         "granite4-mamba-groups",
         "olmoe-clip-qkv-not-a-number",

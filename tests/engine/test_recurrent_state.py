@@ -39,7 +39,12 @@ def nemotron_h_config() -> Any:
     return tiny_hybrid_config("nemotron-h")
 
 
-HYBRIDS = {"lfm2": lfm2_config, "granite4-h": granite4_h_config, "nemotron-h": nemotron_h_config}
+HYBRIDS = {
+    "lfm2": lfm2_config,
+    "granite4-h": granite4_h_config,
+    "nemotron-h": nemotron_h_config,
+    "mamba2": lambda: tiny_hybrid_config("mamba2"),
+}
 
 
 @pytest.fixture(scope="module", params=list(HYBRIDS))
@@ -113,7 +118,7 @@ def test_speculative_decoding_and_lora_are_refused_naming_them(hybrid_dir: str, 
 
     name = json.loads((Path(hybrid_dir) / "config.json").read_text())["architectures"][0]
     base = AutoModelForCausalLM.from_pretrained(hybrid_dir)
-    get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(tmp_path)
+    get_peft_model(base, LoraConfig(r=4, target_modules=["in_proj"])).save_pretrained(tmp_path)
     ngram = {"method": "ngram", "num_speculative_tokens": 3}
     with pytest.raises(
         ValueError, match=f"speculative_config: {name} is not served with speculative decoding"
@@ -127,7 +132,9 @@ def test_speculative_decoding_and_lora_are_refused_naming_them(hybrid_dir: str, 
     assert greedy(llm, prompts()[:1]) == greedy(llm, prompts()[:1])  # and it still serves
 
 
-@pytest.mark.parametrize(("name", "change"), [("granite4-h", {"mamba_n_groups": 1}), ("nemotron-h", {})])
+@pytest.mark.parametrize(
+    ("name", "change"), [("granite4-h", {"mamba_n_groups": 1}), ("nemotron-h", {}), ("mamba2", {})]
+)
 def test_tp2_splits_mamba2s_heads_and_matches_single_rank(
     tmp_path: Path, default_model_dir: str, name: str, change: dict[str, object]
 ) -> None:
@@ -173,7 +180,6 @@ def test_mamba2_splits_it_cannot_make_are_refused_before_any_rank_starts(
     ("change", "message"),
     [
         ({"layer_types": ["conv", "mamba", "full_attention"]}, "layer_types must name 3 layers, each"),
-        ({"layer_types": ["conv", "conv", "conv"]}, "layer_types names no attention layer"),
         ({"conv_L_cache": 1}, "conv_L_cache must be at least 2, got 1"),
     ],
 )
@@ -223,3 +229,22 @@ def test_a_state_past_half_the_free_memory_is_refused_naming_max_num_seqs(
         )
     llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=16, max_num_seqs=4)  # (4 requests: 16 MiB)
     assert greedy(llm, prompts()[:2]) == greedy(llm, prompts()[:2])
+
+
+def test_a_model_without_attention_keeps_no_kv_cache_and_runs_past_any_position_limit(
+    tmp_path: Path, default_model_dir: str
+) -> None:
+    """Mamba2 alone: no KV cache (its blocks only count tokens for the scheduler), 2,048 tokens of
+    context unless asked for more (it has no positions to run past), and a prompt past 2,048 tokens
+    gives transformers' tokens."""
+    from test_hf_parity import hf_greedy
+
+    model_dir = save_tiny_model(tmp_path / "mamba2", default_model_dir, tiny_hybrid_config("mamba2"))
+    llm = LLM(model=model_dir, dtype="float32")
+    assert llm.engine.config.model.num_layers == 0 and llm.engine.config.model.max_model_len == 2048
+    assert llm.engine.executor.worker.cache_engine.kv_cache.numel() == 0  # type: ignore[attr-defined]
+    long_prompt = [[1, *range(100, 3100)]]
+    model, theirs = hf_greedy(model_dir, long_prompt, 8)
+    longer = LLM(model=model_dir, dtype="float32", max_model_len=8192, max_num_batched_tokens=1024)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert [r.outputs[0].token_ids for r in longer.generate(long_prompt, params)] == theirs

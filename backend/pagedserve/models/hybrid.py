@@ -14,6 +14,7 @@ request from step to step in place of a KV cache (`layers.recurrent`):
 - IBM's Bamba: Granite 4.0's Mamba2 layers beside attention over half of each head, Llama's MLPs.
 - NVIDIA's Nemotron-H and Nemotron Nano 2: a layer a block, Mamba2, attention without rope or an
   ungated ReLU² MLP (`NemotronHBlock`).
+- Mamba2 alone (Mamba-Codestral-7B): every layer Mamba2, no attention, no KV cache.
 
 A model with any recurrent layer runs without prefix caching or swapping (`ModelConfig.recurrent`).
 """
@@ -413,7 +414,7 @@ class NemotronHBlock(LlamaDecoderLayer):
             attention_index = layer_types[:layer_index].count("full_attention")
             self.mixer = LlamaAttention(cfg, backend, options, attention_index)
         elif kind == "mamba":
-            self.mixer = Mamba2Mixer(nemotron_h_mamba_dims(cfg))
+            self.mixer = Mamba2Mixer(self.mamba_dims(cfg))
         elif kind == "mlp":
             self.mixer = UngatedMLP(cfg)
         else:
@@ -422,6 +423,8 @@ class NemotronHBlock(LlamaDecoderLayer):
                 "experts, Nemotron 3's, are not served; its mamba, attention and mlp layers are)"
             )
         self.input_layernorm = self.norm(cfg)
+
+    mamba_dims = staticmethod(nemotron_h_mamba_dims)
 
     @staticmethod
     def norm(cfg: dict[str, Any]) -> RMSNorm:
@@ -489,6 +492,56 @@ class NemotronHForCausalLM(LlamaForCausalLM):
         super().load_weights(_nemotron_h_renamed(weights))
 
 
+def mamba2_model_dims(cfg: dict[str, Any]) -> Mamba2Dims:
+    """A Mamba2 model's sizes, Mamba2Config's defaults where config.json leaves a key out."""
+    hidden, heads = cfg["hidden_size"], int(cfg.get("num_heads", 128))
+    head_dim = int(cfg.get("head_dim", 64))
+    if head_dim * heads != int(cfg.get("expand", 2)) * hidden:
+        raise ValueError(
+            f"model: config.json's head_dim ({head_dim}) times num_heads ({heads}) must be expand x "
+            f"hidden_size ({int(cfg.get('expand', 2)) * hidden})"
+        )
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    return Mamba2Dims(
+        hidden_size=hidden,
+        num_heads=heads,
+        head_dim=head_dim,
+        num_groups=int(cfg.get("n_groups", 8)),
+        state_size=int(cfg.get("state_size", 128)),
+        conv_width=int(cfg.get("conv_kernel", 4)),
+        chunk_size=int(cfg.get("chunk_size", 256)),
+        conv_bias=bool(cfg.get("use_conv_bias", True)),
+        proj_bias=bool(cfg.get("use_bias", False)),
+        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        time_step_limit=(float(limit[0]), float(limit[1])),
+    )
+
+
+class Mamba2Block(NemotronHBlock):
+    """A Mamba2 model's layer: Llama's RMSNorm, then Mamba2."""
+
+    mamba_dims = staticmethod(mamba2_model_dims)
+
+    @staticmethod
+    def norm(cfg: dict[str, Any]) -> RMSNorm:
+        return RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
+
+
+class Mamba2ForCausalLM(NemotronHForCausalLM):
+    """Mamba2 alone (Mamba-Codestral-7B, state-spaces' mamba2-130m to -2.7b): every layer a norm and
+    Mamba2 (`Mamba2Block`), no attention and so no KV cache; Mamba2Config's defaults where config.json
+    leaves a key out (norms at eps `layer_norm_epsilon` 1e-5, an untied LM head). Its residual stream
+    stays in the model's dtype where config.json asks float32 (`residual_in_fp32`, which transformers
+    honours): in bfloat16 its tokens are held to transformers' float32 as every model's are."""
+
+    decoder_layer_class = Mamba2Block
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        layer_types = ["mamba"] * cfg["num_hidden_layers"]
+        cfg = {**cfg, "layers_block_type": layer_types}
+        super().__init__(cfg, max_position, backend)
+
+
 _NEMOTRON_H_NAMES = {  # (NVIDIA's checkpoints name the model `backbone`, transformers 5 saves it `model`)
     "backbone.": "model.",
     "model.embeddings.": "model.embed_tokens.",
@@ -514,4 +567,6 @@ def mamba2_dims(cfg: dict[str, Any]) -> Mamba2Dims | None:
     architecture = architecture_of(cfg)
     if architecture == "NemotronHForCausalLM":
         return nemotron_h_mamba_dims(cfg)
+    if architecture == "Mamba2ForCausalLM":
+        return mamba2_model_dims(cfg)
     return granite_mamba_dims(cfg, norm_eps=1e-5 if architecture == "BambaForCausalLM" else 1e-6)

@@ -16,6 +16,7 @@ from pagedserve.models.hybrid import (
     GraniteMoeHybridForCausalLM,
     Lfm2ForCausalLM,
     Lfm2MoeForCausalLM,
+    Mamba2ForCausalLM,
     NemotronHForCausalLM,
 )
 from pagedserve.models.llama import (
@@ -110,6 +111,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
+    "Mamba2ForCausalLM": Mamba2ForCausalLM,
 }
 
 

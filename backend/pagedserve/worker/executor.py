@@ -114,7 +114,8 @@ def create_executor(config: EngineConfig, eos_token_ids: frozenset[int]) -> Exec
 def check_tensor_parallel_size(config: EngineConfig) -> None:
     """Fail before any rank starts when the model's heads or MLP cannot be split `tp` ways."""
     model, tp = config.model, config.parallel.tensor_parallel_size
-    check_head_split(model.num_heads, model.num_kv_heads, tp)
+    if model.num_layers:  # (the attention heads, where there is attention)
+        check_head_split(model.num_heads, model.num_kv_heads, tp)
     dims = mamba2_dims(model.hf_config)
     if dims is not None:
         check_mamba2_split(dims, tp)

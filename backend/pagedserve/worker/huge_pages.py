@@ -56,9 +56,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """`torch.zeros(shape, dtype=dtype)` on the CPU, in huge pages where `available` (else exactly
     torch.zeros). Every page is touched here, as torch.zeros does, so that no step waits on a page
     fault (a huge page's fault costs the kernel 2 MiB of zeroing, and may compact memory)."""
-    if not available():
-        return torch.zeros(shape, dtype=dtype)
     count = math.prod(shape)
+    if not available() or count == 0:  # (nothing to map: a model without attention's KV cache)
+        return torch.zeros(shape, dtype=dtype)
     mapping, start = _mapping(count * dtype.itemsize)
     return torch.frombuffer(mapping, dtype=dtype, count=count, offset=start).view(shape).zero_()
 

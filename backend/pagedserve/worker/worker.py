@@ -45,7 +45,8 @@ class Worker:
 
     @property
     def num_kv_heads(self) -> int:
-        return self.model_runner.model.attention_layers[0].num_kv_heads
+        layers = self.model_runner.model.attention_layers
+        return layers[0].num_kv_heads if layers else self.config.model.num_kv_heads  # (no attention: 1)
 
     def bytes_per_block(self) -> int:
         model = self.config.model
@@ -62,6 +63,10 @@ class Worker:
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
+        if self.config.model.num_layers == 0:  # no attention (Mamba2's): blocks of nothing, as many as
+            # every request can fill (they count the tokens for the scheduler alone)
+            blocks_per_seq = -(-self.config.model.max_model_len // cache.block_size)
+            return self.config.scheduler.max_num_seqs * blocks_per_seq
         budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else self._default_kv_budget()
         num_blocks = budget // self.bytes_per_block()
         if num_blocks < 1:
