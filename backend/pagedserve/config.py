@@ -45,8 +45,8 @@ class ModelConfig:
     sampling_defaults: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     # the values are the keys' cache entries (DeepSeek's latent: `kv_cache_entry`): one cache, not two
     values_in_keys: bool = False
-    # a state a sequence carries from step to step beside its KV cache (LFM2's convolutions,
-    # `layers.short_conv`): `num_layers` counts the layers with a KV cache alone
+    # a state a sequence carries from step to step beside its KV cache (LFM2's convolutions, Mamba2's
+    # states: `layers.recurrent`): `num_layers` counts the layers with a KV cache alone (0: none)
     recurrent: bool = False
 
     @property
@@ -118,8 +118,9 @@ def special_floats(obj: dict[str, Any]) -> Any:
 
 
 def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
-    """Each layer's token mixer in a hybrid model (`models.hybrid`): "full_attention", LFM2's "conv" or
-    Granite 4.0's "mamba"; None for a model of attention layers alone."""
+    """Each layer's token mixer in a hybrid model (`models.hybrid`): "full_attention", LFM2's "conv",
+    "mamba" (Granite 4.0's, Bamba's, Nemotron-H's, Mamba2's), Nemotron-H's "mlp" (a layer of an MLP
+    alone) or "moe"; None for a model of attention layers alone."""
     architecture = architecture_of(hf)
     if architecture in ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):
         layer_types = lfm2_layer_types(hf)
@@ -135,7 +136,7 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
             "full_attention" if i in attention else "mamba" for i in range(hf["num_hidden_layers"])
         ]
     else:
-        return None
+        layer_types = None
     return layer_types
 
 
