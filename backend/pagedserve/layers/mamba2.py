@@ -22,7 +22,6 @@ default and transformers' cache) unless the model names another (Nemotron-H's fl
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +31,7 @@ from torch import nn
 
 from pagedserve.distributed import all_reduce, get_tp_rank, get_tp_size
 from pagedserve.layers.linear import ReplicatedLinear, RowParallelLinear
-from pagedserve.layers.recurrent import RecurrentLayer, RecurrentStep, causal_conv
+from pagedserve.layers.recurrent import RecurrentLayer, RecurrentStep, causal_conv, rank_rows, rows_loader
 
 
 @dataclass(frozen=True)
@@ -82,11 +81,8 @@ class GatedRMSNorm(nn.Module):
     def __init__(self, size: int, group_size: int, eps: float, across_ranks: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self.weight.weight_loader = self._loader  # type: ignore[attr-defined]
+        self.weight.weight_loader = rows_loader(rank_rows(size))  # type: ignore[attr-defined]
         self.group_size, self.eps, self.across_ranks = group_size, eps, across_ranks
-
-    def _loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        param.data.copy_(loaded.narrow(0, get_tp_rank() * param.shape[0], param.shape[0]))
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         gated = y.float() * F.silu(gate.float())
@@ -121,53 +117,42 @@ class Mamba2Mixer(RecurrentLayer):
         # [x | B | C], of each head's A, D and dt_bias
         inner, groups, size = dims.intermediate_size, dims.num_groups * dims.state_size, self.state_size
         first_group = rank * self.num_groups if dims.num_groups % tp_size == 0 else 0
-        x_rows = torch.arange(rank * self.inner, (rank + 1) * self.inner)
+        x_rows = rank_rows(self.inner)
         b_rows = torch.arange(first_group * size, (first_group + self.num_groups) * size)
-        heads = torch.arange(rank * self.num_heads, (rank + 1) * self.num_heads)
+        heads = rank_rows(self.num_heads)
         conv_rows = torch.cat((x_rows, inner + b_rows, inner + groups + b_rows))
         in_proj_rows = torch.cat((x_rows, inner + conv_rows, 2 * inner + 2 * groups + heads))
         self.in_proj = ReplicatedLinear(dims.hidden_size, len(in_proj_rows), bias=dims.proj_bias)
         for param in (self.in_proj.weight, self.in_proj.bias):
             if param is not None:
-                param.weight_loader = self.rows_loader(in_proj_rows)  # type: ignore[attr-defined]
+                param.weight_loader = rows_loader(in_proj_rows)  # type: ignore[attr-defined]
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, dims.conv_width), requires_grad=False)
-        self.conv_weight.weight_loader = self.rows_loader(conv_rows)  # type: ignore[attr-defined]
+        self.conv_weight.weight_loader = rows_loader(conv_rows)  # type: ignore[attr-defined]
         self.conv_bias: nn.Parameter | None = None
         if dims.conv_bias:
             self.conv_bias = nn.Parameter(torch.empty(self.conv_dim), requires_grad=False)
-            self.conv_bias.weight_loader = self.rows_loader(conv_rows)  # type: ignore[attr-defined]
+            self.conv_bias.weight_loader = rows_loader(conv_rows)  # type: ignore[attr-defined]
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         for param in (self.dt_bias, self.A_log, self.D):
-            param.weight_loader = self.rows_loader(heads)  # type: ignore[attr-defined]
+            param.weight_loader = rows_loader(heads)  # type: ignore[attr-defined]
         one_group_across = dims.num_groups == 1 and tp_size > 1
         self.norm = GatedRMSNorm(self.inner, inner // dims.num_groups, dims.norm_eps, one_group_across)
         self.out_proj = RowParallelLinear(inner, dims.hidden_size, bias=dims.proj_bias)
         self.conv_state: torch.Tensor | None = None  # [rows, width - 1, conv_dim], set by `bind_state`
         self.ssm_state: torch.Tensor | None = None  # [rows, heads, head_dim, state_size]
 
-    @staticmethod
-    def rows_loader(rows: torch.Tensor) -> Callable[[nn.Parameter, torch.Tensor], None]:
-        """A loader keeping the checkpoint tensor's `rows` (a Conv1d weight [channels, 1, width] as
-        [channels, width])."""
-
-        def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
-            param.data.copy_(loaded[rows].reshape(param.shape))
-
-        return load
-
     def state_bytes(self, rows: int) -> int:
         conv = (self.width - 1) * self.conv_dim * self.conv_weight.element_size()
         ssm_dtype = self.dims.state_dtype or self.conv_weight.dtype
         return rows * (conv + self.num_heads * self.head_dim * self.state_size * ssm_dtype.itemsize)
 
-    def bind_state(self, rows: int) -> int:
+    def bind_state(self, rows: int) -> None:
         dtype, device = self.conv_weight.dtype, self.conv_weight.device
         self.conv_state = torch.zeros(rows, self.width - 1, self.conv_dim, dtype=dtype, device=device)
         shape = (rows, self.num_heads, self.head_dim, self.state_size)
         self.ssm_state = torch.zeros(shape, dtype=self.dims.state_dtype or dtype, device=device)
-        return self.conv_state.nbytes + self.ssm_state.nbytes
 
     def reset_state(self, row: int) -> None:
         assert self.conv_state is not None and self.ssm_state is not None, "bind_state() first"

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import abc
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
+
+from pagedserve.distributed import get_tp_rank
 
 
 @dataclass
@@ -74,12 +77,27 @@ class RecurrentLayer(nn.Module, abc.ABC):
         """What `bind_state(rows)` would allocate."""
 
     @abc.abstractmethod
-    def bind_state(self, rows: int) -> int:
-        """Zeroed states for `rows` requests; returns their bytes."""
+    def bind_state(self, rows: int) -> None:
+        """Zeroed states for `rows` requests (`state_bytes(rows)` of them)."""
 
     @abc.abstractmethod
     def reset_state(self, row: int) -> None:
         """Zero one request's state (it starts at its first token)."""
+
+
+def rows_loader(rows: torch.Tensor) -> Callable[[nn.Parameter, torch.Tensor], None]:
+    """A weight loader keeping the checkpoint tensor's `rows` (this rank's channels or heads; a Conv1d
+    weight [channels, 1, width] as [channels, width])."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded[rows].reshape(param.shape))
+
+    return load
+
+
+def rank_rows(size: int) -> torch.Tensor:
+    """This rank's `size` rows, where each rank holds as many in rank order."""
+    return torch.arange(get_tp_rank() * size, (get_tp_rank() + 1) * size)
 
 
 def conv_windows(query_lens: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:

@@ -10,16 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.distributed import get_tp_rank, get_tp_size
+from pagedserve.distributed import get_tp_size
 from pagedserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from pagedserve.layers.recurrent import RecurrentLayer, RecurrentStep, causal_conv
-
-
-def load_conv_rows(param: nn.Parameter, loaded: torch.Tensor, first: int) -> None:
-    """A checkpoint's Conv1d weight [channels, 1, width] (or its bias [channels]) into `param`, this rank's
-    channels from `first` on."""
-    rows = loaded.reshape(loaded.shape[0], -1).narrow(0, first, param.shape[0])
-    param.data.copy_(rows.reshape(param.shape))
+from pagedserve.layers.recurrent import RecurrentLayer, RecurrentStep, causal_conv, rank_rows, rows_loader
 
 
 class ShortConv(RecurrentLayer):
@@ -38,25 +31,21 @@ class ShortConv(RecurrentLayer):
         self.channels = hidden // get_tp_size()
         # the checkpoint's Conv1d weight [hidden, 1, width] as [channels, width], its bias [channels]
         self.conv_weight = nn.Parameter(torch.empty(self.channels, self.width), requires_grad=False)
-        self.conv_weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.conv_weight.weight_loader = rows_loader(rank_rows(self.channels))  # type: ignore[attr-defined]
         self.conv_bias: nn.Parameter | None = None
         if bias:
             self.conv_bias = nn.Parameter(torch.empty(self.channels), requires_grad=False)
-            self.conv_bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            self.conv_bias.weight_loader = rows_loader(rank_rows(self.channels))  # type: ignore[attr-defined]
         self.state: torch.Tensor | None = None  # [rows, width - 1, channels], set by `bind_state`
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        load_conv_rows(param, loaded, get_tp_rank() * self.channels)
 
     def state_bytes(self, rows: int) -> int:
         return rows * (self.width - 1) * self.channels * self.conv_weight.element_size()
 
-    def bind_state(self, rows: int) -> int:
+    def bind_state(self, rows: int) -> None:
         weight = self.conv_weight
         self.state = torch.zeros(
             rows, self.width - 1, self.channels, dtype=weight.dtype, device=weight.device
         )
-        return self.state.nbytes
 
     def reset_state(self, row: int) -> None:
         assert self.state is not None, "bind_state() first"

@@ -204,6 +204,15 @@ class LlamaDecoderLayer(nn.Module):
         (LayerNorms: `models.ungated`, `models.neox`...)."""
         return RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
 
+    def normed_input(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input normed, and the residual stream with the last layer's output added (the
+        embeddings themselves at the first layer, which has no residual yet)."""
+        if residual is None:
+            return cast(torch.Tensor, self.input_layernorm(hidden)), hidden
+        return cast(tuple[torch.Tensor, torch.Tensor], self.input_layernorm(hidden, residual))
+
     def mix(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """The layer's token mixer: attention (a hybrid's recurrent layers: `models.hybrid`)."""
         return cast(torch.Tensor, self.self_attn(rotary, hidden, metadata))
@@ -215,10 +224,7 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.normed_input(hidden, residual)
         hidden = self.mix(rotary, hidden, metadata)
         if self.residual_multiplier != 1.0:
             hidden = hidden * self.residual_multiplier
@@ -687,10 +693,7 @@ class Glm4DecoderLayer(LlamaDecoderLayer):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.normed_input(hidden, residual)
         hidden = self.post_self_attn_layernorm(self.self_attn(rotary, hidden, metadata))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.post_mlp_layernorm(self.mlp(hidden)), residual
