@@ -274,3 +274,113 @@ def save_mxfp4_gpt_oss(dest: Path, model_dir: str) -> str:
     }
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return str(dest)
+
+
+# the linear layers' weights an FP8 checkpoint quantizes, a multimodal one's text decoder's (embeddings, norms, routers and the LM head
+# stay in the model's dtype, as DeepSeek's and Qwen's FP8 releases keep them)
+FP8_WEIGHTS = re.compile(r"^model\.(language_model\.)?layers\..*_proj(_with_mqa)?\.weight$")
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_fp8(
+    weight: object, block: tuple[int, int] | None, per_row: bool = False
+) -> tuple[object, object]:
+    """[rows, cols] -> float8_e4m3fn values and float32 scales (the weight is their product): one a
+    block of `block` (the last ones partial; [ceil(rows / b0), ceil(cols / b1)]), one a row
+    ([rows, 1]) or one for the tensor ([]), each the amax over its values / 448."""
+    import torch
+
+    assert isinstance(weight, torch.Tensor)
+    w = weight.float()
+    rows, cols = w.shape
+    if block is not None:
+        b0, b1 = block
+        padded = torch.zeros(-(-rows // b0) * b0, -(-cols // b1) * b1)
+        padded[:rows, :cols] = w.abs()
+        amax = padded.unflatten(0, (-1, b0)).unflatten(2, (-1, b1)).amax(dim=(1, 3))
+        scale = amax.clamp(min=1e-12) / FP8_MAX
+        expanded = scale.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
+    elif per_row:
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+        expanded = scale
+    else:
+        scale = w.abs().amax().clamp(min=1e-12) / FP8_MAX
+        expanded = scale
+    return (w / expanded).to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+
+
+FP8_LAYOUTS = {
+    # DeepSeek-V3's, Qwen3-*-FP8's (transformers' FineGrainedFP8): a scale a block, weight_scale_inv
+    "fp8-block": {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [8, 8],
+    },
+    # vLLM's own FP8 serialization: a scale a tensor, static activation scales beside
+    "fp8-tensor": {"quant_method": "fp8", "activation_scheme": "static"},
+    # Meta's Llama 3.1 405B FP8: a scale a row, activation bounds beside
+    "fbgemm": {
+        "quant_method": "fbgemm_fp8",
+        "activation_scale_ub": 1200.0,
+        "modules_to_not_convert": ["lm_head"],
+    },
+    # Red Hat's FP8-dynamic (llm-compressor): a scale a row, KV-cache scales beside
+    "compressed-tensors": {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True},
+                "input_activations": {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True},
+            }
+        },
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "tensor"},
+    },
+}
+
+
+def save_fp8(dest: Path, model_dir: str, layout: str) -> tuple[str, str]:
+    """`model_dir`'s checkpoint with its layers' linear weights (FP8_WEIGHTS) in FP8 as `layout`
+    (FP8_LAYOUTS) stores them, beside the scales a loader drops (activations', the KV cache's):
+    returns that directory and a copy of the checkpoint holding each weight as the product its FP8
+    values and scales make (float32), to hold a loader to."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    quant = FP8_LAYOUTS[layout]
+    block = quant.get("weight_block_size")
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    quantized, products = dict(weights), dict(weights)
+    for name in [n for n in weights if FP8_WEIGHTS.match(n)]:
+        values, scale = quantize_fp8(
+            weights[name], None if block is None else tuple(block), layout in ("fbgemm", "compressed-tensors")
+        )
+        quantized[name] = values
+        quantized[name + ("_scale_inv" if layout == "fp8-block" else "_scale")] = scale
+        if layout in ("fp8-tensor", "compressed-tensors"):
+            quantized[name.replace(".weight", ".input_scale")] = torch.tensor(0.05)
+        if layout == "fbgemm":
+            quantized[name.replace(".weight", ".input_scale_ub")] = torch.tensor([1200.0])
+        if layout == "compressed-tensors" and name.endswith(".k_proj.weight"):
+            attention = name.removesuffix(".k_proj.weight")
+            quantized[attention + ".k_scale"], quantized[attention + ".v_scale"] = (
+                torch.tensor(0.1),
+                torch.tensor(0.1),
+            )
+        if block is None:
+            products[name] = values.float() * scale
+        else:
+            rows, cols = values.shape
+            expanded = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+            products[name] = values.float() * expanded
+    fp8_dir, product_dir = dest / layout, dest / f"{layout}-products"
+    for directory, tensors in ((fp8_dir, quantized), (product_dir, products)):
+        shutil.copytree(model_dir, directory)
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["quantization_config"] = quant
+    (fp8_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return str(fp8_dir), str(product_dir)

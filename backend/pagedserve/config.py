@@ -390,6 +390,8 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
         text["tie_word_embeddings"] = bool(outer.tie_word_embeddings)  # (the outer config's, tied by default)
     else:
         return hf
+    if hf.get("quantization_config"):  # (the checkpoint's, text decoder and all: an FP8 one's scales)
+        text["quantization_config"] = hf["quantization_config"]
     logger.info("%s: its text decoder is served (%s), not images", architecture, text["architectures"][0])
     return text
 
@@ -498,16 +500,78 @@ _DEFAULT_WINDOW = {
 }
 
 
+@dataclass(frozen=True)
+class Fp8Layout:
+    method: str  # config.json's quant_method
+    block: tuple[int, int] | None  # rows x columns a scale, when scales come a block
+
+
+def fp8_layout(hf: dict[str, Any]) -> Fp8Layout | None:
+    """config.json's FP8 scheme, or None where it names no quantization or another one (refused by
+    `config.check_quantization`). An FP8 scheme this module cannot read is refused naming its key."""
+    quant = hf.get("quantization_config") or {}
+    method = quant.get("quant_method")
+    if method == "fp8":
+        if quant.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"model: quantization_config.fmt must be e4m3, got {quant['fmt']!r}")
+        block = quant.get("weight_block_size")
+        return Fp8Layout(method, None if block is None else _block("weight_block_size", block))
+    if method == "fbgemm_fp8":
+        return Fp8Layout(method, None)
+    if method == "compressed-tensors":
+        return Fp8Layout(method, _compressed_tensors_block(quant))
+    return None
+
+
+def _block(key: str, block: Any) -> tuple[int, int]:
+    if not (
+        isinstance(block, list | tuple)
+        and len(block) == 2
+        and all(isinstance(b, int) and b > 0 for b in block)
+    ):
+        raise ValueError(f"model: quantization_config.{key} must be two positive integers, got {block!r}")
+    return int(block[0]), int(block[1])
+
+
+def _compressed_tensors_block(quant: dict[str, Any]) -> tuple[int, int] | None:
+    """The block of a compressed-tensors checkpoint whose every group's weights are 8-bit floats
+    (format float-quantized or naive-quantized), a tensor's, a row's or a block's scale; any other
+    scheme (int4 packed, int8, group-wise...) refused naming its group."""
+    if quant.get("format") not in ("float-quantized", "naive-quantized"):
+        raise ValueError(
+            "model: compressed-tensors quantization_config.format must be float-quantized "
+            f"(FP8 weights), got {quant.get('format')!r}"
+        )
+    blocks = set()
+    for name, group in (quant.get("config_groups") or {}).items():
+        weights = group.get("weights") or {}
+        kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+        if (kind, bits) != ("float", 8) or strategy not in ("tensor", "channel", "block"):
+            raise ValueError(
+                f"model: compressed-tensors config_groups.{name}.weights must be 8-bit floats a tensor, "
+                f"a channel or a block, got type {kind!r}, num_bits {bits!r}, strategy {strategy!r}"
+            )
+        if strategy == "block":
+            blocks.add(
+                _block(f"config_groups.{name}.weights.block_structure", weights.get("block_structure"))
+            )
+    if len(blocks) > 1:
+        raise ValueError(
+            f"model: compressed-tensors config_groups differ in block_structure: {sorted(blocks)}"
+        )
+    return blocks.pop() if blocks else None
+
+
 def check_quantization(hf: dict[str, Any]) -> None:
-    """Quantized weights would load as garbage or not at all, but GPT-OSS's MXFP4 experts, which
-    `models.gpt_oss` dequantizes on load."""
-    if not hf.get("quantization_config"):
+    """Quantized weights would load as garbage or not at all, but FP8 ones (`models.fp8`) and
+    GPT-OSS's MXFP4 experts (`models.gpt_oss`), which are dequantized on load."""
+    if not hf.get("quantization_config") or fp8_layout(hf) is not None:
         return
     method = hf["quantization_config"].get("quant_method", "?")
     if not (method == "mxfp4" and architecture_of(hf) == "GptOssForCausalLM"):
         raise ValueError(
             f"model: config.json's quantization_config ({method}) is not supported "
-            "(GPT-OSS's mxfp4 is, dequantized on load)"
+            "(FP8's fp8, fbgemm_fp8 and compressed-tensors and GPT-OSS's mxfp4 are, dequantized on load)"
         )
 
 

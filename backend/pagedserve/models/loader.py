@@ -1,13 +1,19 @@
-"""Stream tensors out of a Hugging Face directory's safetensors files (sharded or not)."""
+"""Stream tensors out of a Hugging Face directory's safetensors files (sharded or not), FP8 weights
+dequantized (`models.fp8`)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
+
+from pagedserve.config import fp8_layout
+from pagedserve.models.fp8 import FP8_DTYPES, dequantized, left_out
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -34,8 +40,20 @@ def weight_files(model_dir: str) -> list[Path]:
     return files
 
 
-def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in weight_files(model_dir):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+def checkpoint_tensors(model_dir: str, hf: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors (`weight_files`) with FP8 weights dequantized to float32 and
+    their scales and the activations' left out; a float8 tensor in a checkpoint whose config.json
+    names no FP8 scheme, or one without its scale, refused naming it."""
+    layout = fp8_layout(hf)
+    with ExitStack() as stack:
+        files = [
+            stack.enter_context(safe_open(str(file), framework="pt")) for file in weight_files(model_dir)
+        ]
+        where = {name: f for f in files for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        for name, f in where.items():
+            if layout is not None and left_out(name, where):
+                continue
+            tensor = f.get_tensor(name)
+            if tensor.dtype in FP8_DTYPES:
+                tensor = dequantized(name, tensor, where, layout)
+            yield name, tensor

@@ -37,7 +37,7 @@ from pagedserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors, a
 from pagedserve.lora import LoRAModels
 from pagedserve.models import llama
 from pagedserve.models.llama import LlamaForCausalLM
-from pagedserve.models.loader import iter_safetensors
+from pagedserve.models.loader import checkpoint_tensors
 from pagedserve.models.registry import get_model_class
 from pagedserve.outputs import Logprob, TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
@@ -280,7 +280,7 @@ class ModelRunner:
         cfg = self.config.model
         with torch.device(self.device), _default_dtype(self.dtype):
             model = get_model_class(cfg.architecture)(cfg.hf_config, cfg.max_model_len, self.backend)
-        model.load_weights(iter_safetensors(cfg.path))
+        model.load_weights(checkpoint_tensors(cfg.path, cfg.hf_config))
         # beside the Triton kernels (GPUs) the experts run in one, from stacked weights, and read
         # nothing back to the host: CUDA graphs capture their decode steps (`layers.moe`)
         if self.backend.name == "triton":
