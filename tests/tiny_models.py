@@ -384,3 +384,148 @@ def save_fp8(dest: Path, model_dir: str, layout: str) -> tuple[str, str]:
     config["quantization_config"] = quant
     (fp8_dir / "config.json").write_text(json.dumps(config, indent=2))
     return str(fp8_dir), str(product_dir)
+
+
+def pack_int32(values: object, bits: int, order: tuple[int, ...] | None = None) -> object:
+    """[rows, cols] ints of `bits` -> [rows, cols * bits / 32] int32: int c holds columns c * pack + i
+    from its low bits up, or column c * pack + order[i] as its i-th value (AWQ's)."""
+    import torch
+
+    assert isinstance(values, torch.Tensor)
+    pack = 32 // bits
+    order = order or tuple(range(pack))
+    packed = torch.zeros(values.shape[0], values.shape[1] // pack, dtype=torch.int64)
+    for c in range(packed.shape[1]):
+        for i in range(pack):
+            packed[:, c] |= values[:, c * pack + order[i]].long() << (bits * i)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # (the top bit is the sign)
+
+
+def quantize_int(weight: object, bits: int, groups: object, symmetric: bool) -> tuple[object, object, object]:
+    """[out, in] -> ints [out, in], scales and zero points [out, num groups], each input in the group
+    `groups` [in] names: unsigned ints of `bits` with a zero point where not `symmetric`, else signed
+    ones (zero points 0). The weight is (ints - zero point) x scale."""
+    import torch
+
+    assert isinstance(weight, torch.Tensor) and isinstance(groups, torch.Tensor)
+    w = weight.float()
+    num_groups = int(groups.max()) + 1
+    scales, zeros = torch.empty(w.shape[0], num_groups), torch.zeros(w.shape[0], num_groups)
+    ints = torch.empty(w.shape, dtype=torch.long)
+    for g in range(num_groups):
+        cols = w[:, groups == g]
+        if symmetric:
+            scales[:, g] = cols.abs().amax(dim=1).clamp(min=1e-8) / (2 ** (bits - 1) - 1)
+            q = torch.round(cols / scales[:, g : g + 1]).clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+        else:
+            low, high = cols.amin(dim=1).clamp(max=0), cols.amax(dim=1).clamp(min=0)
+            scales[:, g] = ((high - low) / (2**bits - 1)).clamp(min=1e-8)
+            zeros[:, g] = torch.round(-low / scales[:, g]).clamp(0, 2**bits - 1)
+            q = (torch.round(cols / scales[:, g : g + 1]) + zeros[:, g : g + 1]).clamp(0, 2**bits - 1)
+        ints[:, groups == g] = q.long()
+    return ints, scales, zeros.long()
+
+
+INT_LAYOUTS = {
+    # AutoGPTQ's v1 files, 4 bits, symmetric (zero points of 8, stored as 7)
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True},
+    # GPTQModel's v2 files, 8 bits, act order: each input's group by g_idx
+    "gptq-act-order": {
+        "quant_method": "gptq",
+        "bits": 8,
+        "group_size": 32,
+        "desc_act": True,
+        "sym": False,
+        "checkpoint_format": "gptq_v2",
+    },
+    # AutoAWQ's GEMM files
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
+    # Red Hat's W4A16 (llm-compressor)
+    "w4a16": {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "type": "int",
+                    "num_bits": 4,
+                    "strategy": "group",
+                    "group_size": 32,
+                    "symmetric": True,
+                },
+            }
+        },
+        "ignore": ["lm_head"],
+    },
+    # Red Hat's W8A8 int8 (llm-compressor)
+    "w8a8": {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": True},
+                "input_activations": {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True},
+            }
+        },
+        "ignore": ["lm_head"],
+    },
+}
+
+
+def save_int_quantized(dest: Path, model_dir: str, layout: str) -> tuple[str, str]:
+    """`model_dir`'s checkpoint with its layers' linear weights (FP8_WEIGHTS' names) in ints as
+    `layout` (INT_LAYOUTS) stores them: returns that directory and a copy holding each weight as the
+    product its ints, zero points and scales make (float32), to hold a loader to."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    quant = INT_LAYOUTS[layout]
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    quantized, products = dict(weights), dict(weights)
+    generator = torch.Generator().manual_seed(0)
+    bits = quant.get("bits") or quant["config_groups"]["group_0"]["weights"]["num_bits"]
+    for name in [n for n in weights if FP8_WEIGHTS.match(n)]:
+        weight = quantized.pop(name)
+        layer = name.removesuffix(".weight")
+        num_inputs = weight.shape[1]
+        groups = torch.arange(num_inputs) // 32
+        if layout == "w8a8":
+            groups = torch.zeros(num_inputs, dtype=torch.long)
+        if layout == "gptq-act-order":  # (each group's inputs scattered, as act order leaves them)
+            groups = groups[torch.randperm(num_inputs, generator=generator)]
+        ints, scales, zeros = quantize_int(
+            weight, bits, groups, symmetric=layout in ("gptq", "w4a16", "w8a8")
+        )
+        if layout == "gptq":  # (GPTQ's symmetric ints: unsigned about a zero point of 2^(bits - 1))
+            ints, zeros = ints + 2 ** (bits - 1), torch.full_like(zeros, 2 ** (bits - 1))
+        if layout.startswith("gptq") or layout == "awq":
+            scales = scales.half()
+            stored_zeros = zeros - 1 if layout == "gptq" else zeros
+            order = (0, 2, 4, 6, 1, 3, 5, 7) if layout == "awq" else None
+            if layout == "awq":
+                quantized[layer + ".qweight"] = pack_int32(ints.T, bits, order)
+            else:
+                quantized[layer + ".qweight"] = pack_int32(ints, bits).T.contiguous()
+            quantized[layer + ".qzeros"] = pack_int32(stored_zeros.T & (2**bits - 1), bits, order)
+            quantized[layer + ".scales"] = scales.T.contiguous()
+            if layout == "gptq-act-order":
+                quantized[layer + ".g_idx"] = groups.int()
+        elif layout == "w4a16":
+            scales = scales.bfloat16()
+            quantized[layer + ".weight_packed"] = pack_int32(ints + 8, bits)
+            quantized[layer + ".weight_scale"] = scales
+            quantized[layer + ".weight_shape"] = torch.tensor(list(weight.shape))
+        else:
+            scales = scales.bfloat16()
+            quantized[name], quantized[layer + ".weight_scale"] = ints.to(torch.int8), scales
+        products[name] = (ints - zeros[:, groups]).float() * scales.float()[:, groups]
+    int_dir, product_dir = dest / layout, dest / f"{layout}-products"
+    for directory, tensors in ((int_dir, quantized), (product_dir, products)):
+        shutil.copytree(model_dir, directory)
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((int_dir / "config.json").read_text())
+    config["quantization_config"] = quant
+    (int_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return str(int_dir), str(product_dir)

@@ -502,13 +502,30 @@ _DEFAULT_WINDOW = {
 
 @dataclass(frozen=True)
 class Fp8Layout:
+    """An FP8 checkpoint's (`models.fp8`)."""
+
     method: str  # config.json's quant_method
     block: tuple[int, int] | None  # rows x columns a scale, when scales come a block
 
 
-def fp8_layout(hf: dict[str, Any]) -> Fp8Layout | None:
-    """config.json's FP8 scheme, or None where it names no quantization or another one (refused by
-    `config.check_quantization`). An FP8 scheme this module cannot read is refused naming its key."""
+@dataclass(frozen=True)
+class IntLayout:
+    """An integer-quantized checkpoint's (`models.int_weights`): GPTQ's, AWQ's, compressed-tensors'."""
+
+    method: str  # config.json's quant_method
+    bits: int  # a value's
+    group_size: int  # input columns a scale (and zero point); -1: a row's inputs one group
+    zeros_less_one: bool = False  # GPTQ's v1 checkpoints store each zero point less one
+    packed: bool = True  # compressed-tensors' int-quantized int8 weights are stored as they are
+
+
+QuantizedLayout = Fp8Layout | IntLayout
+
+
+def quantized_layout(hf: dict[str, Any]) -> QuantizedLayout | None:
+    """How config.json's quantization_config stores the weights, where they are dequantized on load,
+    or None where it names no quantization or another one (refused by `check_quantization`). A
+    scheme of a served method that cannot be read is refused naming its key."""
     quant = hf.get("quantization_config") or {}
     method = quant.get("quant_method")
     if method == "fp8":
@@ -518,8 +535,12 @@ def fp8_layout(hf: dict[str, Any]) -> Fp8Layout | None:
         return Fp8Layout(method, None if block is None else _block("weight_block_size", block))
     if method == "fbgemm_fp8":
         return Fp8Layout(method, None)
+    if method == "gptq":
+        return _gptq_layout(quant)
+    if method == "awq":
+        return _awq_layout(quant)
     if method == "compressed-tensors":
-        return Fp8Layout(method, _compressed_tensors_block(quant))
+        return _compressed_tensors_layout(quant)
     return None
 
 
@@ -533,45 +554,106 @@ def _block(key: str, block: Any) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
-def _compressed_tensors_block(quant: dict[str, Any]) -> tuple[int, int] | None:
-    """The block of a compressed-tensors checkpoint whose every group's weights are 8-bit floats
-    (format float-quantized or naive-quantized), a tensor's, a row's or a block's scale; any other
-    scheme (int4 packed, int8, group-wise...) refused naming its group."""
-    if quant.get("format") not in ("float-quantized", "naive-quantized"):
+def _bits_and_group(key: str, bits: Any, group_size: Any) -> tuple[int, int]:
+    """Values of 2, 4 or 8 bits (packed whole into int32s), groups of a positive size or -1."""
+    if bits not in (2, 4, 8):
+        raise ValueError(f"model: quantization_config.{key}bits must be 2, 4 or 8, got {bits!r}")
+    if not (isinstance(group_size, int) and (group_size > 0 or group_size == -1)):
         raise ValueError(
-            "model: compressed-tensors quantization_config.format must be float-quantized "
-            f"(FP8 weights), got {quant.get('format')!r}"
+            f"model: quantization_config.{key}group_size must be positive or -1, got {group_size!r}"
         )
-    blocks = set()
+    return bits, group_size
+
+
+def _gptq_layout(quant: dict[str, Any]) -> IntLayout:
+    """AutoGPTQ's and GPTQModel's layout (not Marlin's repacking); v1 checkpoints (`gptq`, the
+    default) store each zero point less one, v2 ones as it is."""
+    checkpoint_format = quant.get("checkpoint_format", quant.get("format", "gptq"))
+    if checkpoint_format not in ("gptq", "gptq_v2"):
+        raise ValueError(
+            f"model: GPTQ quantization_config.checkpoint_format must be gptq or gptq_v2, got {checkpoint_format!r}"
+        )
+    bits, group_size = _bits_and_group("", quant.get("bits"), quant.get("group_size", 128))
+    return IntLayout("gptq", bits, group_size, zeros_less_one=checkpoint_format == "gptq")
+
+
+def _awq_layout(quant: dict[str, Any]) -> IntLayout:
+    """AutoAWQ's GEMM layout with zero points (its default)."""
+    version = str(quant.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"model: AWQ quantization_config.version must be gemm, got {quant.get('version')!r}")
+    if not quant.get("zero_point", True):
+        raise ValueError("model: AWQ quantization_config.zero_point false is not supported")
+    bits, group_size = _bits_and_group(
+        "", quant.get("bits", quant.get("w_bit")), quant.get("group_size", quant.get("q_group_size", 128))
+    )
+    if bits != 4:  # (AutoAWQ's GEMM layout orders the eight 4-bit values of an int32; no other width)
+        raise ValueError(f"model: AWQ quantization_config.bits must be 4, got {bits!r}")
+    return IntLayout("awq", bits, group_size)
+
+
+def _compressed_tensors_layout(quant: dict[str, Any]) -> QuantizedLayout:
+    """Red Hat's and Neural Magic's checkpoints (llm-compressor): FP8 weights (format float-quantized
+    or naive-quantized) a tensor's, a row's or a block's scale; int weights (pack-quantized: 4 or
+    8 bits packed into int32s, W4A16 and W8A16; int-quantized: int8 as they are, W8A8) symmetric,
+    a row's or a group's scale. Every config group the same scheme; any other refused naming its group."""
+    checkpoint_format = quant.get("format")
+    if checkpoint_format not in ("float-quantized", "naive-quantized", "pack-quantized", "int-quantized"):
+        raise ValueError(
+            "model: compressed-tensors quantization_config.format must be float-quantized, naive-quantized, "
+            f"pack-quantized or int-quantized, got {checkpoint_format!r}"
+        )
+    layouts: set[QuantizedLayout] = set()
     for name, group in (quant.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
         kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
-        if (kind, bits) != ("float", 8) or strategy not in ("tensor", "channel", "block"):
+        key = f"config_groups.{name}.weights"
+        if kind == "float" and bits == 8 and strategy in ("tensor", "channel", "block"):
+            block = weights.get("block_structure") if strategy == "block" else None
+            layouts.add(
+                Fp8Layout(
+                    "compressed-tensors", None if block is None else _block(f"{key}.block_structure", block)
+                )
+            )
+        elif kind == "int" and strategy in ("channel", "group") and weights.get("symmetric", True):
+            if checkpoint_format == "int-quantized" and bits != 8:
+                raise ValueError(
+                    f"model: compressed-tensors int-quantized {key}.num_bits must be 8, got {bits!r}"
+                )
+            group_size = weights.get("group_size") if strategy == "group" else -1
+            bits, group_size = _bits_and_group(f"{key}.", bits, group_size)
+            layouts.add(
+                IntLayout(
+                    "compressed-tensors", bits, group_size, packed=checkpoint_format == "pack-quantized"
+                )
+            )
+        else:
             raise ValueError(
-                f"model: compressed-tensors config_groups.{name}.weights must be 8-bit floats a tensor, "
-                f"a channel or a block, got type {kind!r}, num_bits {bits!r}, strategy {strategy!r}"
+                f"model: compressed-tensors {key} must be 8-bit floats a tensor, a channel or a block, "
+                f"or symmetric ints a channel or a group, got type {kind!r}, num_bits {bits!r}, "
+                f"strategy {strategy!r}, symmetric {weights.get('symmetric', True)!r}"
             )
-        if strategy == "block":
-            blocks.add(
-                _block(f"config_groups.{name}.weights.block_structure", weights.get("block_structure"))
-            )
-    if len(blocks) > 1:
+    if len(layouts) != 1:
+        raise ValueError(f"model: compressed-tensors config_groups must name one scheme, got {len(layouts)}")
+    layout = layouts.pop()
+    if isinstance(layout, Fp8Layout) != (checkpoint_format in ("float-quantized", "naive-quantized")):
         raise ValueError(
-            f"model: compressed-tensors config_groups differ in block_structure: {sorted(blocks)}"
+            f"model: compressed-tensors format {checkpoint_format!r} does not hold its config_groups' weights"
         )
-    return blocks.pop() if blocks else None
+    return layout
 
 
 def check_quantization(hf: dict[str, Any]) -> None:
-    """Quantized weights would load as garbage or not at all, but FP8 ones (`models.fp8`) and
-    GPT-OSS's MXFP4 experts (`models.gpt_oss`), which are dequantized on load."""
-    if not hf.get("quantization_config") or fp8_layout(hf) is not None:
+    """Quantized weights would load as garbage or not at all, but those dequantized on load: FP8
+    (`models.fp8`), GPTQ's, AWQ's and compressed-tensors' ints (`models.int_weights`) and GPT-OSS's
+    MXFP4 experts (`models.gpt_oss`)."""
+    if not hf.get("quantization_config") or quantized_layout(hf) is not None:
         return
     method = hf["quantization_config"].get("quant_method", "?")
     if not (method == "mxfp4" and architecture_of(hf) == "GptOssForCausalLM"):
         raise ValueError(
-            f"model: config.json's quantization_config ({method}) is not supported "
-            "(FP8's fp8, fbgemm_fp8 and compressed-tensors and GPT-OSS's mxfp4 are, dequantized on load)"
+            f"model: config.json's quantization_config ({method}) is not supported (fp8, fbgemm_fp8, gptq, "
+            "awq, compressed-tensors and GPT-OSS's mxfp4 are, dequantized on load)"
         )
 
 

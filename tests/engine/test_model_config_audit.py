@@ -1968,13 +1968,13 @@ def test_rotary_tables_equal_transformers(
         ),
         (lambda c: c.update(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
         (
-            lambda c: c.update(quantization_config={"quant_method": "gptq", "bits": 4}),
-            r"quantization_config \(gptq\) is not supported",
+            lambda c: c.update(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}),
+            r"quantization_config \(bitsandbytes\) is not supported",
         ),
         # (GPT-OSS's experts alone are read from MXFP4)
         (
             lambda c: c.update(quantization_config={"quant_method": "mxfp4"}),
-            r"quantization_config \(mxfp4\) is not supported \(FP8.s fp8, fbgemm_fp8 and compressed-tensors and GPT-OSS.s mxfp4 are",
+            r"quantization_config \(mxfp4\) is not supported \(fp8, fbgemm_fp8, gptq, awq, compressed-tensors and GPT-OSS.s mxfp4 are",
         ),
         (
             lambda c: c.update(rope_parameters={"rope_type": "linear", "rope_theta": 1e4}),

@@ -18,6 +18,7 @@ Activation and KV-cache scales (`input_scale`, `activation_scale`, `input_scale_
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -51,10 +52,16 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     )
 
 
-def left_out(name: str, where: dict[str, Any]) -> bool:
-    """Whether an FP8 checkpoint's tensor `name` is read by nothing here: a weight's scale (the
-    weight beside it in `where`, every tensor's name -> its file), an activation's or the KV cache's."""
-    return name.endswith(DROPPED) or _scale_of(name, where)
+def dequantized_tensors(where: dict[str, Any], layout: Fp8Layout) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors (`where`: each name -> its open file) with its FP8 weights times their
+    scales (float32), the scales and the activations' and KV cache's left out."""
+    for name, f in where.items():
+        if name.endswith(DROPPED) or _scale_of(name, where):
+            continue
+        tensor = f.get_tensor(name)
+        if tensor.dtype in FP8_DTYPES:
+            tensor = _dequantized(name, tensor, where, layout)
+        yield name, tensor
 
 
 def _scale_of(name: str, where: dict[str, Any]) -> bool:
@@ -62,14 +69,8 @@ def _scale_of(name: str, where: dict[str, Any]) -> bool:
     return any(name.endswith(suffix) and name.removesuffix(suffix) in where for suffix in WEIGHT_SCALES)
 
 
-def dequantized(
-    name: str, tensor: torch.Tensor, where: dict[str, Any], layout: Fp8Layout | None
-) -> torch.Tensor:
+def _dequantized(name: str, tensor: torch.Tensor, where: dict[str, Any], layout: Fp8Layout) -> torch.Tensor:
     """The float8 tensor `name` times its scale (read from its file in `where`), or refused naming it."""
-    if layout is None:
-        raise ValueError(
-            f"model: {name!r} is {tensor.dtype} but config.json's quantization_config names no FP8 scheme"
-        )
     scale_name = next((name + suffix for suffix in WEIGHT_SCALES if name + suffix in where), None)
     if scale_name is None:
         raise ValueError(f"model: the FP8 weight {name!r} has no scale ({name}_scale_inv or {name}_scale)")

@@ -1,5 +1,5 @@
-"""Stream tensors out of a Hugging Face directory's safetensors files (sharded or not), FP8 weights
-dequantized (`models.fp8`)."""
+"""Stream tensors out of a Hugging Face directory's safetensors files (sharded or not), quantized
+weights dequantized (`models.fp8`, `models.int_weights`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pagedserve.config import fp8_layout
-from pagedserve.models.fp8 import FP8_DTYPES, dequantized, left_out
+from pagedserve.config import Fp8Layout, IntLayout, quantized_layout
+from pagedserve.models import fp8, int_weights
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -41,19 +41,25 @@ def weight_files(model_dir: str) -> list[Path]:
 
 
 def checkpoint_tensors(model_dir: str, hf: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """A checkpoint's tensors (`weight_files`) with FP8 weights dequantized to float32 and
-    their scales and the activations' left out; a float8 tensor in a checkpoint whose config.json
-    names no FP8 scheme, or one without its scale, refused naming it."""
-    layout = fp8_layout(hf)
+    """A checkpoint's tensors (`weight_files`), quantized weights dequantized to float32 as
+    config.json's quantization_config stores them (`models.fp8`, `models.int_weights`), the tensors
+    read with them left out; a float8 tensor in a checkpoint whose config.json names no FP8 scheme
+    refused naming it."""
+    layout = quantized_layout(hf)
     with ExitStack() as stack:
         files = [
             stack.enter_context(safe_open(str(file), framework="pt")) for file in weight_files(model_dir)
         ]
         where = {name: f for f in files for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
-        for name, f in where.items():
-            if layout is not None and left_out(name, where):
-                continue
-            tensor = f.get_tensor(name)
-            if tensor.dtype in FP8_DTYPES:
-                tensor = dequantized(name, tensor, where, layout)
-            yield name, tensor
+        if isinstance(layout, Fp8Layout):
+            yield from fp8.dequantized_tensors(where, layout)
+        elif isinstance(layout, IntLayout):
+            yield from int_weights.dequantized_tensors(where, layout)
+        else:
+            for name, f in where.items():
+                tensor = f.get_tensor(name)
+                if tensor.dtype in fp8.FP8_DTYPES:
+                    raise ValueError(
+                        f"model: {name!r} is {tensor.dtype} but config.json's quantization_config names no FP8 scheme"
+                    )
+                yield name, tensor

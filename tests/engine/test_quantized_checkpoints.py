@@ -1,8 +1,9 @@
-"""FP8 checkpoints (`models.fp8`), dequantized on load: a scale a block (DeepSeek's, Qwen's FP8
-releases: held to transformers' own loading of the same files), a tensor (vLLM's), a row (Meta's
-fbgemm, Red Hat's compressed-tensors): held to transformers on the products the FP8 values and
-scales make. Float32 greedy tokens equal, logprobs equal; shards split between a weight and its
-scale; each refusal naming what it refuses."""
+"""Quantized checkpoints, dequantized on load. FP8 (`models.fp8`): a scale a block (DeepSeek's,
+Qwen's FP8 releases: held to transformers' own loading of the same files), a tensor (vLLM's), a row
+(Meta's fbgemm, Red Hat's compressed-tensors). Ints (`models.int_weights`): GPTQ (v1 4-bit, v2 8-bit
+act-ordered), AWQ, compressed-tensors' W4A16 and W8A8. Each held to transformers on the products
+the stored values, zero points and scales make: float32 greedy tokens equal, logprobs equal;
+shards split between a weight and its scale; each refusal naming what it refuses."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pagedserve.models.fp8 import dequantize_fp8
 from pagedserve.models.loader import checkpoint_tensors
 from test_hf_parity import assert_greedy_equal, hf_greedy
 from test_model_config_audit import MLA, TINY, gemma3_multimodal, hf_logprobs
-from tiny_models import build_tiny_llama, save_fp8, save_tiny_model
+from tiny_models import INT_LAYOUTS, build_tiny_llama, save_fp8, save_int_quantized, save_tiny_model
 from transformers import DeepseekV3Config
 
 MAX_TOKENS = 12
@@ -85,6 +86,31 @@ def test_fp8_layouts_serve_the_products_of_their_values_and_scales(
     fp8_dir, product_dir = save_fp8(tmp_path, llama_dir, layout)
     model, theirs = hf_greedy(product_dir, prompts(), MAX_TOKENS)
     assert_serves_as(fp8_dir, model, theirs)
+
+
+@pytest.mark.parametrize("layout", list(INT_LAYOUTS))
+def test_int_layouts_serve_the_products_of_their_ints_zero_points_and_scales(
+    tmp_path: Path, llama_dir: str, layout: str
+) -> None:
+    """GPTQ's ints packed along the inputs (v1 4-bit symmetric: zero points stored less one; v2
+    8-bit with act order's g_idx), AWQ's along the outputs in its order, compressed-tensors' offset
+    ints beside weight_shape and its int8 weights: each serves as transformers serves their products."""
+    int_dir, product_dir = save_int_quantized(tmp_path, llama_dir, layout)
+    model, theirs = hf_greedy(product_dir, prompts(), MAX_TOKENS)
+    ours = assert_serves_as(int_dir, model, theirs)
+    _, unquantized = hf_greedy(llama_dir, prompts(), MAX_TOKENS)
+    if INT_LAYOUTS[layout].get("bits") == 4 or layout == "w4a16":
+        assert ours != unquantized  # (4 bits' rounding moves these tokens)
+
+
+def test_a_packed_weight_without_its_zero_points_is_refused_naming_it(tmp_path: Path, llama_dir: str) -> None:
+    int_dir, _ = save_int_quantized(tmp_path, llama_dir, "awq")
+    model_dir = edited(tmp_path / "m", int_dir, lambda w: w.pop("model.layers.1.mlp.up_proj.qzeros"))
+    with pytest.raises(
+        ValueError,
+        match=r"the awq weight 'model.layers.1.mlp.up_proj.qweight' cannot be read: .*up_proj.qzeros is not in the checkpoint",
+    ):
+        LLM(model=model_dir, dtype="float32", num_kv_blocks=8)
 
 
 def test_a_multimodal_checkpoint_in_fp8_serves_its_text_decoder(
@@ -217,6 +243,18 @@ def test_scales_of_another_block_than_config_json_names_are_refused(tmp_path: Pa
         list(checkpoint_tensors(model_dir, ModelConfig.from_path(model_dir, "float32").hf_config))
 
 
+CT = "compressed-tensors"
+
+
+def ct_weights(**weights: object) -> dict[str, object]:
+    """A compressed-tensors config of one group of `weights` stored pack-quantized."""
+    return {
+        "quant_method": CT,
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"weights": weights}},
+    }
+
+
 @pytest.mark.parametrize(
     ("quantization", "message"),
     [
@@ -226,26 +264,47 @@ def test_scales_of_another_block_than_config_json_names_are_refused(tmp_path: Pa
         ),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "quantization_config.fmt must be e4m3, got 'e5m2'"),
         (
-            {
-                "quant_method": "compressed-tensors",
-                "format": "pack-quantized",
-                "config_groups": {
-                    "group_0": {"weights": {"type": "int", "num_bits": 4, "strategy": "group"}}
-                },
-            },
-            "compressed-tensors quantization_config.format must be float-quantized",
+            {"quant_method": CT, "format": "marlin-24", "config_groups": {}},
+            "format must be float-quantized, naive-quantized, pack-quantized or int-quantized, got 'marlin-24'",
         ),
         (
-            {
-                "quant_method": "compressed-tensors",
-                "format": "float-quantized",
-                "config_groups": {
-                    "group_0": {"weights": {"type": "float", "num_bits": 4, "strategy": "group"}}
-                },
-            },
+            ct_weights(type="float", num_bits=4, strategy="group"),
             r"config_groups.group_0.weights must be 8-bit floats .* got type 'float', num_bits 4, strategy 'group'",
         ),
-        ({"quant_method": "awq", "bits": 4}, r"quantization_config \(awq\) is not supported"),
+        (
+            ct_weights(type="int", num_bits=4, strategy="group", group_size=128, symmetric=False),
+            r"config_groups.group_0.weights must be .* or symmetric ints a channel or a group, .*symmetric False",
+        ),
+        (
+            ct_weights(type="float", num_bits=8, strategy="channel"),
+            "compressed-tensors format 'pack-quantized' does not hold its config_groups' weights",
+        ),
+        (
+            ct_weights(type="int", num_bits=4, strategy="group", group_size=None),
+            r"config_groups.group_0.weights.group_size must be positive or -1, got None",
+        ),
+        (
+            {"quant_method": "gptq", "bits": 3, "group_size": 128},
+            "quantization_config.bits must be 2, 4 or 8, got 3",
+        ),
+        (
+            {"quant_method": "gptq", "bits": 4, "group_size": 0},
+            "quantization_config.group_size must be positive or -1, got 0",
+        ),
+        (
+            {"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"},
+            "GPTQ quantization_config.checkpoint_format must be gptq or gptq_v2, got 'marlin'",
+        ),
+        (
+            {"quant_method": "awq", "bits": 4, "version": "gemv"},
+            "AWQ quantization_config.version must be gemm, got 'gemv'",
+        ),
+        ({"quant_method": "awq", "bits": 4, "zero_point": False}, "AWQ quantization_config.zero_point false"),
+        ({"quant_method": "awq", "bits": 8}, "AWQ quantization_config.bits must be 4, got 8"),
+        (
+            {"quant_method": "bitsandbytes", "load_in_4bit": True},
+            r"quantization_config \(bitsandbytes\) is not supported",
+        ),
     ],
 )
 def test_a_quantization_config_not_served_is_refused_naming_it(
