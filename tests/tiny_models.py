@@ -512,6 +512,8 @@ def save_int_quantized(dest: Path, model_dir: str, layout: str) -> tuple[str, st
             quantized[layer + ".scales"] = scales.T.contiguous()
             if layout == "gptq-act-order":
                 quantized[layer + ".g_idx"] = groups.int()
+            if layout.startswith("gptq"):  # (AutoGPTQ saves a bias for every layer, zeros where none)
+                quantized[layer + ".bias"] = torch.zeros(weight.shape[0], dtype=torch.float16)
         elif layout == "w4a16":
             scales = scales.bfloat16()
             quantized[layer + ".weight_packed"] = pack_int32(ints + 8, bits)

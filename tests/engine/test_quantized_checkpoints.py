@@ -93,7 +93,7 @@ def test_int_layouts_serve_the_products_of_their_ints_zero_points_and_scales(
     tmp_path: Path, llama_dir: str, layout: str
 ) -> None:
     """GPTQ's ints packed along the inputs (v1 4-bit symmetric: zero points stored less one; v2
-    8-bit with act order's g_idx), AWQ's along the outputs in its order, compressed-tensors' offset
+    8-bit with act order's g_idx; zero biases beside, as AutoGPTQ saves them), AWQ's along the outputs in its order, compressed-tensors' offset
     ints beside weight_shape and its int8 weights: each serves as transformers serves their products."""
     int_dir, product_dir = save_int_quantized(tmp_path, llama_dir, layout)
     model, theirs = hf_greedy(product_dir, prompts(), MAX_TOKENS)
@@ -109,6 +109,19 @@ def test_a_packed_weight_without_its_zero_points_is_refused_naming_it(tmp_path: 
     with pytest.raises(
         ValueError,
         match=r"the awq weight 'model.layers.1.mlp.up_proj.qweight' cannot be read: .*up_proj.qzeros is not in the checkpoint",
+    ):
+        LLM(model=model_dir, dtype="float32", num_kv_blocks=8)
+
+
+def test_a_bias_the_model_has_not_is_refused_unless_zeros(tmp_path: Path, llama_dir: str) -> None:
+    """AutoGPTQ's zero biases load (the test above); one that is not zeros is the model's mistake."""
+    int_dir, _ = save_int_quantized(tmp_path, llama_dir, "gptq")
+    model_dir = edited(
+        tmp_path / "m", int_dir, lambda w: w["model.layers.0.self_attn.k_proj.bias"].fill_(0.5)
+    )
+    with pytest.raises(
+        ValueError,
+        match="checkpoint has a weight this model does not: 'model.layers.0.self_attn.k_proj.bias'",
     ):
         LLM(model=model_dir, dtype="float32", num_kv_blocks=8)
 

@@ -445,12 +445,16 @@ class LlamaForCausalLM(nn.Module):
             for ckpt_part, (our_part, shard_id) in self.stacked_params.items():
                 if f".{ckpt_part}." in name:
                     target = name.replace(ckpt_part, our_part)
+                    if _zero_bias_absent(params, target, tensor):
+                        break
                     param = _param(params, target, checkpoint_name)
                     rows = self.checkpoint_rows(ckpt_part, tensor)
                     param.weight_loader(param, rows, shard_id)  # type: ignore[attr-defined]
                     loaded.add(target)
                     break
             else:
+                if _zero_bias_absent(params, name, tensor):
+                    continue
                 param = _param(params, name, checkpoint_name)
                 getattr(param, "weight_loader", _default_loader)(param, tensor)
                 loaded.add(name)
@@ -486,6 +490,12 @@ def text_decoder_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterato
             continue
         prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
         yield (name if prefix is None else _TEXT_PREFIXES[prefix] + name.removeprefix(prefix)), tensor
+
+
+def _zero_bias_absent(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> bool:
+    """A bias of zeros where the model has none: AutoGPTQ and AutoAWQ save one for every layer they
+    quantize (vLLM skips them too); it adds nothing."""
+    return name.endswith(".bias") and name not in params and not bool(tensor.any())
 
 
 def _param(params: dict[str, nn.Parameter], name: str, checkpoint_name: str) -> nn.Parameter:
