@@ -470,6 +470,7 @@ INT_LAYOUTS = {
             }
         },
         "ignore": ["lm_head"],
+        "kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "tensor"},
     },
 }
 
@@ -522,6 +523,12 @@ def save_int_quantized(dest: Path, model_dir: str, layout: str) -> tuple[str, st
         else:
             scales = scales.bfloat16()
             quantized[name], quantized[layer + ".weight_scale"] = ints.to(torch.int8), scales
+            if name.endswith(".k_proj.weight"):  # (its kv_cache_scheme's scales, read by nothing)
+                attention = layer.removesuffix(".k_proj")
+                quantized[attention + ".k_scale"], quantized[attention + ".v_scale"] = (
+                    torch.tensor(0.1),
+                    torch.tensor(0.1),
+                )
         products[name] = (ints - zeros[:, groups]).float() * scales.float()[:, groups]
     int_dir, product_dir = dest / layout, dest / f"{layout}-products"
     for directory, tensors in ((int_dir, quantized), (product_dir, products)):

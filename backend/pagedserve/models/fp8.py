@@ -12,7 +12,8 @@ the KV cache stay in the model's dtype). Three layouts of the same product, told
   a `weight_scale` a tensor, a row or a block (`block_structure`), by each config group's strategy.
 
 Activation and KV-cache scales (`input_scale`, `activation_scale`, `input_scale_ub`, `k_scale`,
-`v_scale`) are read by nothing here and dropped. A scale may lie in another shard than its weight.
+`v_scale`, vLLM's older `kv_scale`) are read by nothing here and dropped. A scale may lie in
+another shard than its weight.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pagedserve.config import Fp8Layout
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 WEIGHT_SCALES = ("_scale_inv", "_scale")  # after a weight's name: DeepSeek's / the others'
-DROPPED = ("input_scale", "activation_scale", "input_scale_ub", ".k_scale", ".v_scale")
+DROPPED = ("input_scale", "activation_scale", "input_scale_ub", ".k_scale", ".v_scale", ".kv_scale")
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:

@@ -15,8 +15,8 @@ low bits first; a scale (and zero point) a group of `group_size` input columns:
   or `weight` int8 as it is; `weight_scale` [out, groups], `weight_g_idx` [in] where act-ordered
   (`weight_shape` unread: a layer's inputs fill its ints).
 
-Each is yielded under its weight's name (`x.weight`); its other tensors, and activation scales,
-are read by nothing else here.
+Each is yielded under its weight's name (`x.weight`); its other tensors, and activation and
+KV-cache scales, are read by nothing else here.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ PACKED = {
     "awq": (".qweight", (".qzeros", ".scales")),
     "compressed-tensors": (".weight_packed", (".weight_scale", ".weight_g_idx", ".weight_shape")),
 }
-ACTIVATION_SCALES = (".input_scale", ".input_zero_point", ".output_scale")
+# read by nothing here: activations and the KV cache stay in the model's dtype
+DROPPED = (".input_scale", ".input_zero_point", ".output_scale", ".k_scale", ".v_scale", ".kv_scale")
 
 
 def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -102,7 +103,7 @@ def dequantized_tensors(where: dict[str, Any], layout: IntLayout) -> Iterator[tu
     dequantized under their weights' names and the tensors read with them left out."""
     packed_suffix, read_with = PACKED[layout.method]
     for name, f in where.items():
-        if name.endswith(ACTIVATION_SCALES):
+        if name.endswith(DROPPED):
             continue
         if any(name.endswith(s) and name.removesuffix(s) + packed_suffix in where for s in read_with):
             continue
@@ -111,9 +112,10 @@ def dequantized_tensors(where: dict[str, Any], layout: IntLayout) -> Iterator[tu
         if layout.packed and name.endswith(packed_suffix):
             layer = name.removesuffix(packed_suffix)
             try:
-                yield layer + ".weight", _dequantized(layer, where, layout)
+                weight = _dequantized(layer, where, layout)
             except (KeyError, ValueError, RuntimeError, IndexError) as e:
                 raise ValueError(f"model: the {layout.method} weight {name!r} cannot be read: {e}") from None
+            yield layer + ".weight", weight
             continue
         tensor = f.get_tensor(name)
         if tensor.dtype == torch.int8 and not layout.packed and name.endswith(".weight"):
