@@ -92,8 +92,8 @@ def build_tiny_qwen2_moe(dest: Path, tokenizer_dir: str, num_experts: int = 6) -
 def tiny_hybrid_config(name: str) -> object:
     """A tiny hybrid's transformers config (`save_tiny_model` writes its checkpoint): "lfm2" (short
     convolutions at layers 0 and 2), "granite4-h" (Mamba2 at layers 0 and 2), "nemotron-h" (a layer a
-    block: Mamba2, MLP, attention, MLP, Mamba2, MLP; its states in float32) or "mamba2" (two Mamba2
-    layers, no attention); Mamba2's 8 heads of 16 in 2
+    block: Mamba2, MLP, attention, MLP, Mamba2, MLP; its states in float32), "mamba2" (two Mamba2
+    layers, no attention) or "qwen3.5" (Gated DeltaNet at layers 0 and 2, 4 value heads over 2 key heads); Mamba2's 8 heads of 16 in 2
     groups with states of 16, in chunks of 8, so prompts cross several and chunked prefill splits
     them anywhere."""
     import transformers
@@ -135,6 +135,19 @@ def tiny_hybrid_config(name: str) -> object:
         return transformers.Mamba2Config(
             **mamba2, num_hidden_layers=2, num_heads=8, head_dim=16, n_groups=2, state_size=16, chunk_size=8
         )
+    if name == "qwen3.5":
+        return transformers.Qwen3_5TextConfig(
+            **small,
+            head_dim=32,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            tie_word_embeddings=False,
+        )
     assert name == "nemotron-h", name
     return transformers.NemotronHConfig(
         **small,
@@ -161,10 +174,10 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    try:
-        model = AutoModelForCausalLM.from_config(config)
-    except ValueError:  # a multimodal model transformers has no causal-LM class for (Mistral 3's)
+    if hasattr(config, "vision_config"):  # (Qwen3.5's config also maps to a text-only causal LM)
         model = AutoModelForImageTextToText.from_config(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith((".bias", "_bias")):  # (GPT-OSS's experts' `gate_up_proj_bias`...)
@@ -182,8 +195,8 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                 )
             ):
                 param.normal_(1.0, 0.5)
-            if name.endswith("norm.weight") and type(model).__name__.startswith("Gemma"):
-                param.normal_(0.0, 0.5)  # Gemma scales by 1 + weight: zeros would hide the weight
+            if name.endswith("norm.weight") and type(model).__name__.startswith(("Gemma", "Qwen3_5")):
+                param.normal_(0.0, 0.5)  # Gemma and Qwen3.5 scale by 1 + weight: zeros would hide the weight
             elif name.endswith("norm.weight") and type(model).__name__.startswith(
                 (
                     "Olmo",
@@ -203,11 +216,11 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
             elif name.endswith("norm.weight") and type(model).__name__.startswith("Nemotron"):
                 param.normal_(0.0, 0.5)  # (LayerNorm1P: scaled by 1 + weight)
             elif name.endswith((".act_fn.alpha_p", ".act_fn.alpha_n")) or re.search(
-                r"\.(mamba|mixer)\.(A_log|dt_bias)$", name
+                r"\.(mamba|mixer|linear_attn)\.(A_log|dt_bias)$", name
             ):
                 param.normal_(0.0, 0.5)  # Apertus's xIELU, each layer its own; Mamba2's, each head its own
             elif re.search(
-                r"\.(mamba|mixer)\.(D|norm\.weight)$", name
+                r"\.(mamba|mixer|linear_attn)\.(D|norm\.weight)$", name
             ):  # (ones would hide one never applied)
                 param.normal_(1.0, 0.5)
         for name, buffer in model.named_buffers():

@@ -119,8 +119,8 @@ def special_floats(obj: dict[str, Any]) -> Any:
 
 def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
     """Each layer's token mixer in a hybrid model (`models.hybrid`): "full_attention", LFM2's "conv",
-    "mamba" (Granite 4.0's, Bamba's, Nemotron-H's, Mamba2's), Nemotron-H's "mlp" (a layer of an MLP
-    alone) or "moe"; None for a model of attention layers alone."""
+    "mamba" (Granite 4.0's, Bamba's, Nemotron-H's, Mamba2's), "gated_delta" (Qwen3.5's Gated DeltaNet),
+    Nemotron-H's "mlp" (a layer of an MLP alone) or "moe"; None for a model of attention layers alone."""
     architecture = architecture_of(hf)
     if architecture in ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):
         layer_types = lfm2_layer_types(hf)
@@ -130,6 +130,8 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
         layer_types = nemotron_h_layer_types(hf)
     elif architecture == "Mamba2ForCausalLM":
         layer_types = ["mamba"] * hf["num_hidden_layers"]
+    elif architecture == "Qwen3_5ForCausalLM":
+        layer_types = qwen3_5_layer_types(hf)
     elif architecture == "BambaForCausalLM":
         attention = hf.get("attn_layer_indices") or ()
         layer_types = [
@@ -142,7 +144,7 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
 
 def is_recurrent(hf: dict[str, Any]) -> bool:
     """Whether some layer carries a state per request in place of a KV cache (`ModelConfig.recurrent`)."""
-    return bool({"conv", "mamba"} & set(hybrid_layer_types(hf) or ()))
+    return bool({"conv", "mamba", "gated_delta"} & set(hybrid_layer_types(hf) or ()))
 
 
 def num_kv_cache_layers(hf: dict[str, Any]) -> int:
@@ -190,6 +192,31 @@ def granite_layer_types(hf: dict[str, Any]) -> list[str]:
         raise ValueError(
             f"model: config.json's layer_types must name {num_layers} layers, each attention or mamba, "
             f"got {layer_types!r}"
+        )
+    return [names[kind] for kind in layer_types]
+
+
+def qwen3_5_layer_types(hf: dict[str, Any]) -> list[str]:
+    """Qwen3.5's layers, "full_attention" or "gated_delta" (its linear attention, Gated DeltaNet):
+    config.json's `layer_types` ("linear_attention" for the latter), else every
+    `full_attention_interval`-th layer (4) full attention, the others linear, as Qwen3_5TextConfig
+    reads them."""
+    num_layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        interval = hf.get("full_attention_interval", 4)
+        if not (isinstance(interval, int) and interval > 0):
+            raise ValueError(
+                f"model: config.json's full_attention_interval must be positive, got {interval!r}"
+            )
+        layer_types = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)
+        ]
+    names = {"full_attention": "full_attention", "linear_attention": "gated_delta"}
+    if len(layer_types) != num_layers or not set(layer_types) <= set(names):
+        raise ValueError(
+            f"model: config.json's layer_types must name {num_layers} layers, each full_attention or "
+            f"linear_attention, got {layer_types!r}"
         )
     return [names[kind] for kind in layer_types]
 
@@ -400,6 +427,7 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
 _QWEN_VL = {
     "Qwen2VLForConditionalGeneration": ("Qwen2VLConfig", "Qwen2ForCausalLM"),
     "Qwen2_5_VLForConditionalGeneration": ("Qwen2_5_VLConfig", "Qwen2ForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("Qwen3_5Config", "Qwen3_5ForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("Qwen3VLConfig", "Qwen3ForCausalLM"),
     "Qwen3VLMoeForConditionalGeneration": ("Qwen3VLMoeConfig", "Qwen3MoeForCausalLM"),
 }

@@ -12,9 +12,12 @@ logits: each head's online softmax starts from its sink), checked here as the re
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -53,19 +56,34 @@ def load() -> bool:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(
-            name=f"pagedserve_cpu_{_machine_tag()}",
-            sources=[str(path) for path in _SOURCES],
-            extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        name = f"pagedserve_cpu_{_machine_tag()}"
+        with _one_loader_at_a_time(Path(cpp_extension._get_build_directory(name, verbose=False))):
+            cpp_extension.load(
+                name=name,
+                sources=[str(path) for path in _SOURCES],
+                extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+            )
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch reference still works
         logger.warning("CPU kernels unavailable, using the pure-torch reference: %s", str(exc)[-500:])
         return False
     torch.library.register_fake("pagedserve_cpu::linear_amx")(_linear_amx_shape)
     torch.library.register_fake("pagedserve_cpu::linear_avx512")(_linear_avx512_shape)
     return True
+
+
+@contextlib.contextmanager
+def _one_loader_at_a_time(build_dir: Path) -> Iterator[None]:
+    """torch's builder guards the build directory with a `lock` file it deletes when done: a process
+    killed inside it (a tensor-parallel rank stopped while its engine failed to start, a server killed
+    during its first start) leaves the file, and every later load waits on it forever. Loaders here
+    hold an OS lock first (released when its holder dies, however it dies), under which a `lock` file
+    can only be such a leftover, and is removed."""
+    with open(build_dir / "loader.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield  # (the OS lock goes with the file's closing)
 
 
 def _linear_amx_shape(

@@ -8,7 +8,9 @@ two cores), the same verdict where no tie occurs, and a stricter one after a tie
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -50,10 +52,11 @@ def hf_greedy(
     """transformers' float32 greedy tokens (`load`: more of from_pretrained's arguments)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load).eval()
-    except ValueError:  # a multimodal model transformers has no causal-LM class for (Mistral 3's)
-        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, **load).eval()
+    # a multimodal checkpoint as transformers' multimodal model (Qwen3.5's config also maps to a
+    # text-only causal LM, which would read its text decoder alone)
+    multimodal = "vision_config" in json.loads((Path(model_dir) / "config.json").read_text())
+    auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir, dtype=torch.float32, **load).eval()
     # no EOS at all (like ignore_eos): the model's own generation config would stop at it
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     model.generation_config = config

@@ -71,6 +71,7 @@ from transformers import (
     PhiConfig,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
     SeedOssConfig,
@@ -92,6 +93,14 @@ TINY = {
     "bos_token_id": 1,
     "eos_token_id": 2,
     "pad_token_id": 2,
+}
+# Qwen3.5's linear attention at a tiny scale, its attention's heads of 32 (8 dimensions turned)
+QWEN3_5_LINEAR = {
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
 }
 # Llama 3.1's rope with a pretraining length of 64: prompts of 300+ tokens run far past it, and with
 # head_dim 16 and theta 5e5 six of the eight frequencies are scaled or smoothed.
@@ -128,6 +137,8 @@ GRANITE_SCALES = {
 # `decode_layers` takes a qkv bias alone (Granite's multipliers, Phi-3's partial rotary and SmolLM3's
 # NoPE layers it runs) and no Gemma layer (worker/fused_decode.py): these run without it
 NOT_DECODE_LAYERS = {
+    "qwen3.5-delta-attention-delta-biases",
+    "qwen3.5-by-interval-tied",
     "mamba2-no-attention",
     "bamba-mamba-attention-mamba-biases",
     "bamba-as-ibm-names-it",
@@ -362,6 +373,13 @@ def lfm2_as_the_hub_names_it(config: dict[str, Any]) -> None:
     config["block_ff_dim"] = config.pop("intermediate_size")
     config["tie_embedding"] = config.pop("tie_word_embeddings")
     del config["rope_parameters"], config["norm_eps"]
+
+
+def qwen3_5_as_qwen_leaves_it(config: dict[str, Any]) -> None:
+    assert config.pop("layer_types")[3] == "full_attention"
+    config.pop("rms_norm_eps")
+    config["rope_parameters"].pop("partial_rotary_factor")
+    config.pop("partial_rotary_factor", None)
 
 
 def without_rms_norm_eps(config: dict[str, Any]) -> None:
@@ -972,6 +990,26 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         ),
         None,
     ),
+    # Qwen3.5: Gated DeltaNet (4 value heads over 2 key heads of 16, states 16 x 16) in layers 0 and 2,
+    # gated attention (head_dim 32, a quarter turned) with every projection biased in layer 1
+    "qwen3.5-delta-attention-delta-biases": (
+        lambda: Qwen3_5TextConfig(
+            **{**TINY, "num_hidden_layers": 3},
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            attention_bias=True,
+            rms_norm_eps=1e-2,
+            **QWEN3_5_LINEAR,
+        ),
+        None,
+    ),
+    # as Qwen's configs leave things out: no layer_types (every 4th layer full attention), no
+    # partial_rotary_factor (0.25), no rms_norm_eps (1e-6); the LM head tied
+    "qwen3.5-by-interval-tied": (
+        lambda: Qwen3_5TextConfig(
+            **{**TINY, "num_hidden_layers": 5}, tie_word_embeddings=True, **QWEN3_5_LINEAR
+        ),
+        qwen3_5_as_qwen_leaves_it,
+    ),
     # as LiquidAI's config.json names it: attention by full_attn_idxs, block_ff_dim, tie_embedding;
     # without rope keys or norm_eps (theta 1e6, eps 1e-5 by default)
     "lfm2-as-the-hub-names-it": (
@@ -1326,7 +1364,23 @@ def qwen_vl_multimodal(root: Path, tokenizer_dir: str, family: str, tie: bool) -
     import transformers
 
     text = {**TINY, "head_dim": 16}
-    if family == "qwen3-vl-moe":
+    if family == "qwen3.5":
+        rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+        text.update(
+            QWEN3_5_LINEAR,
+            num_hidden_layers=3,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            rope_parameters={**rope, "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        )
+        vision = {
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+        }
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie)
+    elif family == "qwen3-vl-moe":
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5, "mrope_section": [2, 3, 3]}
         vision = {
@@ -1406,6 +1460,16 @@ def qwen3_vl_moe_experts_as_the_hub_stores_them(model_dir: str) -> None:
     save_file(turned, str(Path(model_dir) / "model.safetensors"), metadata={"format": "pt"})
 
 
+def with_mtp_layer(model_dir: str) -> None:
+    """Qwen3.5's checkpoints carry a multi-token-prediction layer (`mtp.*`) beside the model."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    weights["mtp.fc.weight"] = torch.randn(64, 128)
+    weights["mtp.layers.0.mlp.gate_proj.weight"] = torch.randn(96, 64)
+    save_file(weights, str(Path(model_dir) / "model.safetensors"), metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize(
     ("family", "architecture", "tie", "layout"),
     [
@@ -1414,14 +1478,23 @@ def qwen3_vl_moe_experts_as_the_hub_stores_them(model_dir: str) -> None:
         ("qwen2.5-vl", "Qwen2ForCausalLM", False, "hub"),
         ("qwen3-vl-moe", "Qwen3MoeForCausalLM", False, "transformers-5"),
         ("qwen3-vl-moe", "Qwen3MoeForCausalLM", False, "hub"),
+        ("qwen3.5", "Qwen3_5ForCausalLM", True, "hub"),
     ],
-    ids=["qwen3-vl-tied", "qwen2.5-vl", "qwen2.5-vl-hub-layout", "qwen3-vl-moe", "qwen3-vl-moe-hub-experts"],
+    ids=[
+        "qwen3-vl-tied",
+        "qwen2.5-vl",
+        "qwen2.5-vl-hub-layout",
+        "qwen3-vl-moe",
+        "qwen3-vl-moe-hub-experts",
+        "qwen3.5-tied-mtp",
+    ],
 )
 def test_a_qwen_vl_checkpoint_serves_its_text_decoder(
     tmp_path: Path, default_model_dir: str, family: str, architecture: str, tie: bool, layout: str
 ) -> None:
-    """Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE: their text decoder is served (Qwen2's, Qwen3's, Qwen3-MoE's
-    with its router's renormalized weights), its tokens and logprobs transformers' own multimodal
+    """Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and Qwen3.5: their text decoder is served (Qwen2's, Qwen3's,
+    Qwen3-MoE's with its router's renormalized weights, Qwen3.5's with its multi-token-prediction layer
+    left out), its tokens and logprobs transformers' own multimodal
     model's on text prompts, whose M-RoPE turns every section of a head by the token's one position;
     the vision tower left out; Qwen2.5-VL in the Hub's 4.x layout too, Qwen3-VL-MoE's experts as its
     checkpoints store them (input by output) too."""
@@ -1429,7 +1502,9 @@ def test_a_qwen_vl_checkpoint_serves_its_text_decoder(
     prompts = long_prompts()
     model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
     assert type(model).__name__.endswith("ForConditionalGeneration")
-    if layout == "hub" and family == "qwen3-vl-moe":
+    if layout == "hub" and family == "qwen3.5":
+        with_mtp_layer(model_dir)
+    elif layout == "hub" and family == "qwen3-vl-moe":
         qwen3_vl_moe_experts_as_the_hub_stores_them(model_dir)
     elif layout == "hub":
         qwen_vl_as_the_hub_lays_it_out(model_dir)

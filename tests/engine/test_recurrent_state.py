@@ -44,6 +44,7 @@ HYBRIDS = {
     "granite4-h": granite4_h_config,
     "nemotron-h": nemotron_h_config,
     "mamba2": lambda: tiny_hybrid_config("mamba2"),
+    "qwen3.5": lambda: tiny_hybrid_config("qwen3.5"),
 }
 
 
@@ -118,7 +119,8 @@ def test_speculative_decoding_and_lora_are_refused_naming_them(hybrid_dir: str, 
 
     name = json.loads((Path(hybrid_dir) / "config.json").read_text())["architectures"][0]
     base = AutoModelForCausalLM.from_pretrained(hybrid_dir)
-    get_peft_model(base, LoraConfig(r=4, target_modules=["in_proj"])).save_pretrained(tmp_path)
+    targets = ["in_proj", "in_proj_qkv"]  # (a convolution's or Mamba2's; Gated DeltaNet's)
+    get_peft_model(base, LoraConfig(r=4, target_modules=targets)).save_pretrained(tmp_path)
     ngram = {"method": "ngram", "num_speculative_tokens": 3}
     with pytest.raises(
         ValueError, match=f"speculative_config: {name} is not served with speculative decoding"
@@ -153,6 +155,42 @@ def test_tp2_splits_mamba2s_heads_and_matches_single_rank(
         assert (mixer.num_heads, mixer.num_groups) == (4, 1)
         assert_matches_reference(greedy_reference(llm, tiny_prompts()), reference)
         assert llm.engine.stats().num_recompute_preemptions > 0
+
+
+def test_tp2_splits_the_gated_delta_heads_and_matches_single_rank(
+    tmp_path: Path, default_model_dir: str
+) -> None:
+    """Qwen3.5's linear attention: each rank one of the 2 key heads and the 2 value heads it serves
+    (their rows of in_proj_qkv, the convolution, z, b and a, their A_log, dt_bias and states), the
+    gated attention's query-and-gate pairs split by head; under chunked prefill and recompute
+    preemption."""
+    model_dir = save_tiny_model(tmp_path / "qwen3.5", default_model_dir, HYBRIDS["qwen3.5"]())
+    reference = single_rank_reference(model_dir, tiny_prompts(), num_kv_blocks=256, block_size=8)
+    settings = {"num_kv_blocks": 24, "block_size": 8, "max_num_batched_tokens": 24, "max_num_seqs": 8}
+    with tensor_parallel_llm(model_dir, 2, **settings) as llm:
+        mixer = llm.engine.executor.worker.model_runner.recurrent_layers[0]  # type: ignore[attr-defined]
+        assert (mixer.num_k_heads, mixer.num_v_heads) == (1, 2)
+        assert_matches_reference(greedy_reference(llm, tiny_prompts()), reference)
+        assert llm.engine.stats().num_recompute_preemptions > 0
+
+
+def test_gated_delta_splits_it_cannot_make_are_refused(tmp_path: Path, default_model_dir: str) -> None:
+    model_dir = save_tiny_model(tmp_path / "qwen3.5", default_model_dir, HYBRIDS["qwen3.5"]())
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size: 4 does not divide the 2 linear-attention key heads"
+    ):
+        LLM(model=model_dir, dtype="float32", num_kv_blocks=16, tensor_parallel_size=4)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    (Path(model_dir) / "config.json").write_text(json.dumps({**config, "linear_num_value_heads": 3}))
+    with pytest.raises(ValueError, match="2 linear-attention key heads do not divide its 3 value heads"):
+        LLM(model=model_dir, dtype="float32", num_kv_blocks=16)
+    (Path(model_dir) / "config.json").write_text(
+        json.dumps({**config, "layer_types": ["linear_attention", "full_attention", "mamba"]})
+    )
+    with pytest.raises(
+        ValueError, match="layer_types must name 3 layers, each full_attention or linear_attention"
+    ):
+        LLM(model=model_dir, dtype="float32", num_kv_blocks=16)
 
 
 @pytest.mark.parametrize(

@@ -13,13 +13,14 @@ import logging
 import torch
 
 from pagedserve import logs
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, architecture_of
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed import all_reduce_min
 from pagedserve.launch import launch_env
 from pagedserve.layers.linear import check_head_split
 from pagedserve.layers.mamba2 import check_split as check_mamba2_split
 from pagedserve.models.hybrid import mamba2_dims
+from pagedserve.models.qwen3_5 import gated_delta_dims
 from pagedserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,8 @@ def check_tensor_parallel_size(config: EngineConfig) -> None:
     dims = mamba2_dims(model.hf_config)
     if dims is not None:
         check_mamba2_split(dims, tp)
+    if architecture_of(model.hf_config) == "Qwen3_5ForCausalLM":  # (its linear attention's key heads)
+        gated_delta_dims(model.hf_config).check_split(tp)
     intermediate_size = int(model.hf_config.get("intermediate_size", 0))
     if intermediate_size % tp:
         raise ValueError(
