@@ -8,8 +8,11 @@ measure the layers with a state per request (`layers.recurrent`) against their p
 at layers 2, 5, 8, 10, 12 and 14 and short convolutions of 3 taps at the other ten, an MLP 4,608 wide
 (block_ff_dim 6,656). `granite4-h` is a Granite 4.0-H layout at a CPU's scale: hidden 768, 12 layers,
 every fourth attention (12 heads, 4 KV heads, no rope), the others Mamba2 (24 heads of 64, a state of
-128, one group, convolutions of 4 taps), a dense shared MLP 2,048 wide. Both with the default model's
-tokenizer and vocabulary, saved by transformers' `save_pretrained` in bfloat16.
+128, one group, convolutions of 4 taps), a dense shared MLP 2,048 wide. `qwen3.5` is a Qwen3.5 layout at a CPU's scale: hidden 1,024,
+12 layers, every fourth gated full attention (8 heads of 128, 2 KV heads, a quarter of each turned),
+the others Gated DeltaNet (4 key heads and 8 value heads of 128, convolutions of 4 taps), an MLP
+3,072 wide. Each with the default model's tokenizer and vocabulary, saved by transformers'
+`save_pretrained` in bfloat16.
 """
 
 from __future__ import annotations
@@ -46,6 +49,21 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "mamba_d_state": 128,
             "mamba_n_groups": 1,
             "position_embedding_type": "nope",
+        },
+    ),
+    "qwen3.5": (
+        "Qwen3_5TextConfig",
+        {
+            "hidden_size": 1024,
+            "num_hidden_layers": 12,
+            "intermediate_size": 3072,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "linear_num_key_heads": 4,
+            "linear_num_value_heads": 8,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
         },
     ),
 }

@@ -130,7 +130,7 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
         layer_types = nemotron_h_layer_types(hf)
     elif architecture == "Mamba2ForCausalLM":
         layer_types = ["mamba"] * hf["num_hidden_layers"]
-    elif architecture == "Qwen3_5ForCausalLM":
+    elif architecture in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"):
         layer_types = qwen3_5_layer_types(hf)
     elif architecture == "BambaForCausalLM":
         attention = hf.get("attn_layer_indices") or ()
@@ -428,6 +428,7 @@ _QWEN_VL = {
     "Qwen2VLForConditionalGeneration": ("Qwen2VLConfig", "Qwen2ForCausalLM"),
     "Qwen2_5_VLForConditionalGeneration": ("Qwen2_5_VLConfig", "Qwen2ForCausalLM"),
     "Qwen3_5ForConditionalGeneration": ("Qwen3_5Config", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeConfig", "Qwen3_5MoeForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("Qwen3VLConfig", "Qwen3ForCausalLM"),
     "Qwen3VLMoeForConditionalGeneration": ("Qwen3VLMoeConfig", "Qwen3MoeForCausalLM"),
 }

@@ -71,6 +71,7 @@ from transformers import (
     PhiConfig,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
@@ -137,6 +138,7 @@ GRANITE_SCALES = {
 # `decode_layers` takes a qkv bias alone (Granite's multipliers, Phi-3's partial rotary and SmolLM3's
 # NoPE layers it runs) and no Gemma layer (worker/fused_decode.py): these run without it
 NOT_DECODE_LAYERS = {
+    "qwen3.5-moe-shared-expert",
     "qwen3.5-delta-attention-delta-biases",
     "qwen3.5-by-interval-tied",
     "mamba2-no-attention",
@@ -1002,6 +1004,20 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         ),
         None,
     ),
+    # Qwen3.5's experts: 4 of 16, 2 a token (softmax renormalized over the top 2) beside a shared
+    # expert of 32 under its sigmoid gate, in every layer
+    "qwen3.5-moe-shared-expert": (
+        lambda: Qwen3_5MoeTextConfig(
+            **{**TINY, "num_hidden_layers": 3},
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=32,
+            **QWEN3_5_LINEAR,
+        ),
+        None,
+    ),
     # as Qwen's configs leave things out: no layer_types (every 4th layer full attention), no
     # partial_rotary_factor (0.25), no rms_norm_eps (1e-6); the LM head tied
     "qwen3.5-by-interval-tied": (
@@ -1364,7 +1380,7 @@ def qwen_vl_multimodal(root: Path, tokenizer_dir: str, family: str, tie: bool) -
     import transformers
 
     text = {**TINY, "head_dim": 16}
-    if family == "qwen3.5":
+    if family in ("qwen3.5", "qwen3.5-moe"):
         rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
         text.update(
             QWEN3_5_LINEAR,
@@ -1379,7 +1395,20 @@ def qwen_vl_multimodal(root: Path, tokenizer_dir: str, family: str, tie: bool) -
             "num_heads": 2,
             "out_hidden_size": 64,
         }
-        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie)
+        if family == "qwen3.5-moe":
+            text.update(
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=32,
+            )
+            config = transformers.Qwen3_5MoeConfig(
+                text_config=text, vision_config=vision, tie_word_embeddings=tie
+            )
+        else:
+            config = transformers.Qwen3_5Config(
+                text_config=text, vision_config=vision, tie_word_embeddings=tie
+            )
     elif family == "qwen3-vl-moe":
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5, "mrope_section": [2, 3, 3]}
@@ -1479,6 +1508,7 @@ def with_mtp_layer(model_dir: str) -> None:
         ("qwen3-vl-moe", "Qwen3MoeForCausalLM", False, "transformers-5"),
         ("qwen3-vl-moe", "Qwen3MoeForCausalLM", False, "hub"),
         ("qwen3.5", "Qwen3_5ForCausalLM", True, "hub"),
+        ("qwen3.5-moe", "Qwen3_5MoeForCausalLM", False, "transformers-5"),
     ],
     ids=[
         "qwen3-vl-tied",
@@ -1487,6 +1517,7 @@ def with_mtp_layer(model_dir: str) -> None:
         "qwen3-vl-moe",
         "qwen3-vl-moe-hub-experts",
         "qwen3.5-tied-mtp",
+        "qwen3.5-moe",
     ],
 )
 def test_a_qwen_vl_checkpoint_serves_its_text_decoder(

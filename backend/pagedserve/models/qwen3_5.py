@@ -1,8 +1,9 @@
-"""Alibaba's Qwen3.5 (Qwen3.5-0.8B to -27B; `Qwen3_5ForCausalLM`, and the text decoder of the Hub's
-`Qwen3_5ForConditionalGeneration` checkpoints, `config.text_decoder_config`): a hybrid of Gated
-DeltaNet linear attention (`layers.gated_delta`, a state per request in place of a KV cache) and
-gated full attention, by `layer_types` (by default three linear layers, then one full, as
-`full_attention_interval` 4 reads), every layer then a SwiGLU MLP. What it adds to Llama's layer:
+"""Alibaba's Qwen3.5 (`Qwen3_5ForCausalLM`; its mixtures of experts, `Qwen3_5MoeForCausalLM`; and the
+text decoders of the Hub's `Qwen3_5ForConditionalGeneration` and `Qwen3_5MoeForConditionalGeneration`
+checkpoints, `config.text_decoder_config`): a hybrid of Gated DeltaNet linear attention
+(`layers.gated_delta`, a state per request in place of a KV cache) and gated full attention, by
+`layer_types` (by default three linear layers, then one full, as `full_attention_interval` 4
+reads), every layer then a SwiGLU MLP (experts in the MoE). What it adds to Llama's layer:
 
 - every RMSNorm scales by (1 + weight), in float32 (Gemma's, `GemmaRMSNorm`), the query and key
   heads' too;
@@ -16,6 +17,7 @@ The multi-token-prediction layers (`mtp.*`) are left out.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
@@ -27,6 +29,7 @@ from pagedserve.layers import ops
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.gated_delta import GatedDeltaDims, GatedDeltaNet
 from pagedserve.layers.linear import QKVParallelLinear, RowParallelLinear
+from pagedserve.layers.moe import Experts
 from pagedserve.layers.recurrent import RecurrentLayer
 from pagedserve.models.gemma import GemmaRMSNorm
 from pagedserve.models.hybrid import HybridDecoderLayer, attention_of
@@ -35,9 +38,11 @@ from pagedserve.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
     Rotary,
+    check_silu,
     head_dim_of,
     rms_norm_eps,
 )
+from pagedserve.models.moe import per_expert_weights
 
 
 class GatedAttention(LlamaAttention):
@@ -127,6 +132,27 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_served(weights))
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5's mixtures of experts: its layers, every MLP `num_experts` experts (256) of
+    `moe_intermediate_size` (512), `num_experts_per_tok` (8) a token weighted by their softmax
+    renormalized over the top k, beside a shared expert (`shared_expert_intermediate_size`, 512)
+    under a sigmoid gate (Qwen2-MoE's); the experts stacked (transformers 5) or one by one."""
+
+    def layer_options(self, cfg: dict[str, Any]) -> list[LayerOptions]:
+        check_silu(cfg)
+        spec = Experts(
+            num_experts=int(cfg.get("num_experts", 256)),
+            top_k=int(cfg.get("num_experts_per_tok", 8)),
+            intermediate_size=int(cfg.get("moe_intermediate_size", 512)),
+            renormalize=True,
+            shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 512)),
+        )
+        return [dataclasses.replace(options, experts=spec) for options in super().layer_options(cfg)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(per_expert_weights(weights, hidden_size=self.embed_tokens.weight.shape[1]))
 
 
 def _served(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

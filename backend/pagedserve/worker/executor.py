@@ -120,7 +120,10 @@ def check_tensor_parallel_size(config: EngineConfig) -> None:
     dims = mamba2_dims(model.hf_config)
     if dims is not None:
         check_mamba2_split(dims, tp)
-    if architecture_of(model.hf_config) == "Qwen3_5ForCausalLM":  # (its linear attention's key heads)
+    if architecture_of(model.hf_config) in (
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+    ):  # (its linear attention's key heads)
         gated_delta_dims(model.hf_config).check_split(tp)
     intermediate_size = int(model.hf_config.get("intermediate_size", 0))
     if intermediate_size % tp:
