@@ -322,6 +322,26 @@ def quantize_fp8(
     return (w / expanded).to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 
 
+def compressed_tensors(
+    checkpoint_format: str,
+    weights: dict[str, object],
+    activations: dict[str, object] | None = None,
+    **extra: object,
+) -> dict[str, object]:
+    """A compressed-tensors quantization_config (llm-compressor's) of one group: every Linear layer
+    but the LM head, its `weights` (and input `activations`) quantized as given."""
+    group: dict[str, object] = {"targets": ["Linear"], "weights": weights}
+    if activations is not None:
+        group["input_activations"] = activations
+    return {
+        "quant_method": "compressed-tensors",
+        "format": checkpoint_format,
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+        **extra,
+    }
+
+
 FP8_LAYOUTS = {
     # DeepSeek-V3's, Qwen3-*-FP8's (transformers' FineGrainedFP8): a scale a block, weight_scale_inv
     "fp8-block": {
@@ -339,19 +359,12 @@ FP8_LAYOUTS = {
         "modules_to_not_convert": ["lm_head"],
     },
     # Red Hat's FP8-dynamic (llm-compressor): a scale a row, KV-cache scales beside
-    "compressed-tensors": {
-        "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True},
-                "input_activations": {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True},
-            }
-        },
-        "ignore": ["lm_head"],
-        "kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "tensor"},
-    },
+    "compressed-tensors": compressed_tensors(
+        "float-quantized",
+        {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True},
+        {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True},
+        kv_cache_scheme={"type": "float", "num_bits": 8, "strategy": "tensor"},
+    ),
 }
 
 
@@ -454,37 +467,17 @@ INT_LAYOUTS = {
     # AutoAWQ's GEMM files
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
     # Red Hat's W4A16 (llm-compressor)
-    "w4a16": {
-        "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {
-                    "type": "int",
-                    "num_bits": 4,
-                    "strategy": "group",
-                    "group_size": 32,
-                    "symmetric": True,
-                },
-            }
-        },
-        "ignore": ["lm_head"],
-    },
+    "w4a16": compressed_tensors(
+        "pack-quantized",
+        {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": True},
+    ),
     # Red Hat's W8A8 int8 (llm-compressor)
-    "w8a8": {
-        "quant_method": "compressed-tensors",
-        "format": "int-quantized",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": True},
-                "input_activations": {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True},
-            }
-        },
-        "ignore": ["lm_head"],
-        "kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "tensor"},
-    },
+    "w8a8": compressed_tensors(
+        "int-quantized",
+        {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": True},
+        {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True},
+        kv_cache_scheme={"type": "float", "num_bits": 8, "strategy": "tensor"},
+    ),
 }
 
 

@@ -1374,12 +1374,19 @@ def test_a_mistral3_multimodal_checkpoint_serves_its_text_decoder(
 
 
 def qwen_vl_multimodal(root: Path, tokenizer_dir: str, family: str, tie: bool) -> str:
-    """A tiny Qwen2.5-VL or Qwen3-VL: TINY's decoder (Qwen2's biases; Qwen3's head norms) beside a
-    one-layer vision tower, saved as transformers 5 saves it (`model.language_model.*`, `model.visual.*`),
+    """A tiny Qwen2.5-VL, Qwen3-VL (-MoE) or Qwen3.5 (-MoE): TINY's decoder (Qwen2's biases; Qwen3's
+    head norms; Qwen3.5's linear attention at layers 0 and 2) beside a one-layer vision tower, saved as transformers 5 saves it (`model.language_model.*`, `model.visual.*`),
     its LM head tied where `tie` (the outer config's, as Qwen3-VL-2B and 4B ship)."""
     import transformers
 
     text = {**TINY, "head_dim": 16}
+    vision: dict[str, Any] = {
+        "depth": 1,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+    }
     if family in ("qwen3.5", "qwen3.5-moe"):
         rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
         text.update(
@@ -1388,13 +1395,6 @@ def qwen_vl_multimodal(root: Path, tokenizer_dir: str, family: str, tie: bool) -
             layer_types=["linear_attention", "full_attention", "linear_attention"],
             rope_parameters={**rope, "mrope_section": [2, 1, 1], "mrope_interleaved": True},
         )
-        vision = {
-            "depth": 1,
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_heads": 2,
-            "out_hidden_size": 64,
-        }
         if family == "qwen3.5-moe":
             text.update(
                 num_experts=4,
@@ -1412,37 +1412,16 @@ def qwen_vl_multimodal(root: Path, tokenizer_dir: str, family: str, tie: bool) -
     elif family == "qwen3-vl-moe":
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5, "mrope_section": [2, 3, 3]}
-        vision = {
-            "depth": 1,
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_heads": 2,
-            "out_hidden_size": 64,
-        }
         vision["deepstack_visual_indexes"] = [0]
         config = transformers.Qwen3VLMoeConfig(
             text_config=text, vision_config=vision, tie_word_embeddings=tie
         )
     elif family == "qwen3-vl":
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5, "mrope_section": [2, 3, 3]}
-        vision = {
-            "depth": 1,
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_heads": 2,
-            "out_hidden_size": 64,
-        }
         vision["deepstack_visual_indexes"] = [0]
         config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie)
     else:
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
-        vision = {
-            "depth": 1,
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_heads": 2,
-            "out_hidden_size": 64,
-        }
         config = transformers.Qwen2_5_VLConfig(
             text_config=text, vision_config=vision, tie_word_embeddings=tie
         )
