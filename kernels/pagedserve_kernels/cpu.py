@@ -32,6 +32,7 @@ _SOURCES = (
     Path(__file__).parent / "csrc" / "linear_avx512.cpp",
     Path(__file__).parent / "csrc" / "decode_layers.cpp",
     Path(__file__).parent / "csrc" / "mamba2.cpp",
+    Path(__file__).parent / "csrc" / "gated_delta.cpp",
 )
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
@@ -115,6 +116,23 @@ def mamba2_decode(
     returned, from x [requests, heads, head_dim], dt [requests, heads], A [heads], and B and C
     [requests, groups, state_size] (each group's shared by heads / groups heads), all float32."""
     return torch.ops.pagedserve_cpu.mamba2_decode(state, rows, x, dt, a, b, c)
+
+
+def gated_delta_decode(
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+) -> torch.Tensor:
+    """The gated delta rule's decode step in two passes over the states (csrc/gated_delta.cpp; needs
+    `load()`): each request's state rows[i] of `state` [rows, heads, head_k_dim, head_v_dim] (float32
+    or bfloat16) decayed by exp(g) and advanced in place by k (beta (v - S^T k))^T, and o = S^T q
+    [requests, heads, head_v_dim] (float32) of the advanced state returned, from q and k [requests,
+    heads, head_k_dim], v [requests, heads, head_v_dim], g and beta [requests, heads], all float32."""
+    return torch.ops.pagedserve_cpu.gated_delta_decode(state, rows, q, k, v, g, beta)
 
 
 def write_kv_cache(

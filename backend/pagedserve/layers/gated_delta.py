@@ -13,7 +13,8 @@ head keeps a state S [head_k_dim, head_v_dim], advanced by every token as
 and o, RMS-normed over each head then gated by SiLU(z), goes through out_proj. A request keeps its
 convolution's last inputs and every value head's S.
 
-A step's one-token sequences (decodes) advance together; each longer one (a prompt or a chunk of one)
+A step's one-token sequences (decodes) advance together, in two passes over their states where the
+C++ kernels build (`cpu_kernels.gated_delta_decode`), else through `delta_rule_step`; each longer one (a prompt or a chunk of one)
 runs the rule's chunked form (`chunked_delta_rule`): within a chunk the updates are solved at once as
 a triangular system, chunk to chunk the state carries. Both in float32, the states kept in the
 model's dtype (as vLLM keeps them by default).
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from pagedserve_kernels import cpu as cpu_kernels
 from torch import nn
 
 from pagedserve.distributed import get_tp_rank, get_tp_size
@@ -151,7 +153,11 @@ class GatedDeltaNet(RecurrentLayer):
         assert self.delta_state is not None
         o = torch.empty_like(v)
         rows, tokens = step.single_tokens
-        if tokens.numel():
+        if tokens.numel() and self.delta_state.is_cpu and cpu_kernels.load():
+            o[tokens] = cpu_kernels.gated_delta_decode(
+                self.delta_state, rows, q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens]
+            )
+        elif tokens.numel():
             state = self.delta_state[rows].float()
             o[tokens] = delta_rule_step(state, q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens])
             self.delta_state[rows] = state.to(self.delta_state.dtype)

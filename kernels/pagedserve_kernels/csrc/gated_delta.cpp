@@ -1,0 +1,150 @@
+// The gated delta rule's decode step (Qwen3.5's Gated DeltaNet, one token a request) in two passes
+// over each request's states: every value head's state S [head_k_dim, head_v_dim] of the request's
+// row is read once to predict and read out, then advanced in place:
+//
+//     p = (e S)^T k,    r = (e S)^T q,    u = beta (v - p),    S <- e S + k u^T,    o = r + (k.q) u
+//
+// with e = exp(g): o = S^T q of the advanced state, written out without a third pass. The torch path
+// (`pagedserve.layers.gated_delta.delta_rule_step`) gathers the rows, advances them in a float32 copy
+// and scatters them back. The states are float32 or bfloat16 (read widened, advanced in float32,
+// stored rounded to nearest even); q, k, v, g and beta are float32, q and k one row a value head.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "bf16_vec.h"
+
+namespace {
+
+constexpr int64_t kMaxValueDim = 512;  // a value head's width, held twice on the stack
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+inline __m512 load_state(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline void store_state(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
+#if defined(__AVX512BF16__)
+#define PAGEDSERVE_DELTA_BF16_VECTOR 1
+inline __m512 load_state(const c10::BFloat16* p, __mmask16 mask) { return pagedserve::load_bf16(p, mask); }
+inline void store_state(c10::BFloat16* p, __m512 v, __mmask16 mask) { pagedserve::store_bf16(p, v, mask); }
+#endif
+#endif
+
+// One value head of one request: its state [dk, dv] advanced, its output o [dv] written.
+template <typename T>
+void advance_head(T* state, const float* q, const float* k, const float* v, float decay, float beta, float* o,
+                  int64_t dk, int64_t dv) {
+  float predicted[kMaxValueDim], read[kMaxValueDim];
+  float kq = 0.0f;
+  for (int64_t i = 0; i < dk; ++i) kq += k[i] * q[i];
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  constexpr bool vector = std::is_same_v<T, float>
+#if defined(PAGEDSERVE_DELTA_BF16_VECTOR)
+                          || std::is_same_v<T, c10::BFloat16>
+#endif
+      ;
+  if constexpr (vector) {
+    for (int64_t n = 0; n < dv; n += 16) {
+      const __mmask16 mask = pagedserve::lanes_below(dv - n);
+      __m512 p = _mm512_setzero_ps(), r = _mm512_setzero_ps();
+      for (int64_t i = 0; i < dk; ++i) {
+        const __m512 s = load_state(state + i * dv + n, mask);
+        p = _mm512_fmadd_ps(s, _mm512_set1_ps(k[i] * decay), p);
+        r = _mm512_fmadd_ps(s, _mm512_set1_ps(q[i] * decay), r);
+      }
+      const __m512 u = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, v + n), p), _mm512_set1_ps(beta));
+      _mm512_mask_storeu_ps(predicted + n, mask, u);  // (u, from here on)
+      _mm512_mask_storeu_ps(o + n, mask, _mm512_fmadd_ps(u, _mm512_set1_ps(kq), r));
+    }
+    const __m512 vdecay = _mm512_set1_ps(decay);
+    for (int64_t i = 0; i < dk; ++i) {
+      T* row = state + i * dv;
+      const __m512 ki = _mm512_set1_ps(k[i]);
+      for (int64_t n = 0; n < dv; n += 16) {
+        const __mmask16 mask = pagedserve::lanes_below(dv - n);
+        const __m512 s = _mm512_fmadd_ps(ki, _mm512_maskz_loadu_ps(mask, predicted + n),
+                                         _mm512_mul_ps(load_state(row + n, mask), vdecay));
+        store_state(row + n, s, mask);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t n = 0; n < dv; ++n) predicted[n] = read[n] = 0.0f;
+  for (int64_t i = 0; i < dk; ++i) {
+    const T* row = state + i * dv;
+    for (int64_t n = 0; n < dv; ++n) {
+      const float s = static_cast<float>(row[n]);
+      predicted[n] += s * (k[i] * decay);
+      read[n] += s * (q[i] * decay);
+    }
+  }
+  for (int64_t n = 0; n < dv; ++n) {
+    predicted[n] = (v[n] - predicted[n]) * beta;  // (u, from here on)
+    o[n] = read[n] + kq * predicted[n];
+  }
+  for (int64_t i = 0; i < dk; ++i) {
+    T* row = state + i * dv;
+    for (int64_t n = 0; n < dv; ++n) row[n] = static_cast<T>(static_cast<float>(row[n]) * decay + k[i] * predicted[n]);
+  }
+}
+
+template <typename T>
+void advance(at::Tensor& state, const int64_t* rows, const float* q, const float* k, const float* v,
+             const float* g, const float* beta, float* o, int64_t num_requests) {
+  const int64_t num_heads = state.size(1), dk = state.size(2), dv = state.size(3);
+  T* states = state.data_ptr<T>();
+  at::parallel_for(0, num_requests * num_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t i = index / num_heads, h = index % num_heads;
+      advance_head(states + (rows[i] * num_heads + h) * dk * dv, q + index * dk, k + index * dk, v + index * dv,
+                   std::exp(g[index]), beta[index], o + index * dv, dk, dv);
+    }
+  });
+}
+
+at::Tensor gated_delta_decode(at::Tensor& state, const at::Tensor& rows, const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta) {
+  TORCH_CHECK(state.dim() == 4 && state.is_contiguous() &&
+                  (state.scalar_type() == at::kFloat || state.scalar_type() == at::kBFloat16),
+              "state: contiguous float32 or bfloat16 [rows, heads, head_k_dim, head_v_dim]");
+  const int64_t num_heads = state.size(1), dk = state.size(2), dv = state.size(3);
+  TORCH_CHECK(dv <= kMaxValueDim, "state: head_v_dim ", dv, " is past ", kMaxValueDim);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "rows: int64 [requests]");
+  const int64_t num_requests = rows.size(0);
+  const auto f32 = [&](const at::Tensor& t, at::IntArrayRef shape, const char* name) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.sizes() == shape, name, ": float32 ", shape, ", got ",
+                t.scalar_type(), " ", t.sizes());
+    return t.contiguous();
+  };
+  const auto qs = f32(q, {num_requests, num_heads, dk}, "q");
+  const auto ks = f32(k, {num_requests, num_heads, dk}, "k");
+  const auto vs = f32(v, {num_requests, num_heads, dv}, "v");
+  const auto gs = f32(g, {num_requests, num_heads}, "g");
+  const auto betas = f32(beta, {num_requests, num_heads}, "beta");
+  const auto ids = rows.contiguous();
+  const int64_t* row = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_requests; ++i) {
+    TORCH_CHECK(row[i] >= 0 && row[i] < state.size(0), "rows: row ", row[i], " is past the state's ",
+                state.size(0));
+  }
+  auto o = at::empty({num_requests, num_heads, dv}, v.options());
+  const float *qp = qs.data_ptr<float>(), *kp = ks.data_ptr<float>(), *vp = vs.data_ptr<float>();
+  const float *gp = gs.data_ptr<float>(), *bp = betas.data_ptr<float>();
+  if (state.scalar_type() == at::kFloat) {
+    advance<float>(state, row, qp, kp, vp, gp, bp, o.data_ptr<float>(), num_requests);
+  } else {
+    advance<c10::BFloat16>(state, row, qp, kp, vp, gp, bp, o.data_ptr<float>(), num_requests);
+  }
+  return o;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("gated_delta_decode(Tensor(a!) state, Tensor rows, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("gated_delta_decode", &gated_delta_decode); }
