@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from pagedserve_kernels import cpu as cpu_kernels
 from torch import nn
 
-from pagedserve.distributed import get_tp_rank, get_tp_size
+from pagedserve.distributed import get_tp_size
 from pagedserve.layers.linear import ReplicatedLinear, RowParallelLinear
 from pagedserve.layers.recurrent import RecurrentLayer, RecurrentStep, causal_conv, rank_rows, rows_loader
 
@@ -99,13 +99,11 @@ class GatedDeltaNet(RecurrentLayer):
         self.out_proj = RowParallelLinear(dims.num_v_heads * dims.head_v_dim, hidden, bias=False)
         self.conv_state: torch.Tensor | None = None  # [rows, width - 1, conv_dim], set by `bind_state`
         self.delta_state: torch.Tensor | None = None  # [rows, v heads, head_k_dim, head_v_dim]
-        self._rank = get_tp_rank()
 
     def state_bytes(self, rows: int) -> int:
-        per_row = (
-            self.width - 1
-        ) * self.conv_dim + self.num_v_heads * self.dims.head_k_dim * self.dims.head_v_dim
-        return rows * per_row * self.conv_weight.element_size()
+        conv = (self.width - 1) * self.conv_dim
+        delta = self.num_v_heads * self.dims.head_k_dim * self.dims.head_v_dim
+        return rows * (conv + delta) * self.conv_weight.element_size()
 
     def bind_state(self, rows: int) -> None:
         dtype, device = self.conv_weight.dtype, self.conv_weight.device

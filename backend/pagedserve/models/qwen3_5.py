@@ -46,6 +46,9 @@ from pagedserve.models.moe import per_expert_weights
 
 
 class GatedAttention(LlamaAttention):
+    """Qwen3.5's full attention: Llama's with an output gate a head (from q_proj, beside its query),
+    q and k normed by (1 + weight), the output times sigmoid(gate) before o_proj."""
+
     def __init__(
         self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
     ) -> None:
