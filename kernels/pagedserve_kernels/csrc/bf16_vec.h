@@ -1,5 +1,6 @@
 // bfloat16 <-> float32 for 16 lanes of AVX-512, and the mask of a partial 16, shared by the CPU
-// kernels (cpu_kernels.cpp, linear_amx.cpp, linear_avx512.cpp, decode_layers.cpp). Widening is exact
+// kernels (cpu_kernels.cpp, linear_amx.cpp, linear_avx512.cpp, decode_layers.cpp, mamba2.cpp,
+// gated_delta.cpp). Widening is exact
 // (the bf16 bits become a float's top half); narrowing rounds to nearest even (AVX512-BF16's
 // vcvtneps2bf16).
 #pragma once
@@ -7,6 +8,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -38,6 +40,22 @@ inline void store_bf16(c10::BFloat16* p, __m512 v, __mmask16 mask) {
   _mm256_mask_storeu_epi16(p, mask, reinterpret_cast<const __m256i&>(b));
 }
 #endif
+
+// A recurrent state's lanes (float32 or bfloat16; `mask`'s lanes only) read as float32 and stored
+// back in its type (mamba2.cpp, gated_delta.cpp): `vector_state<T>` where the vector path takes T.
+inline __m512 load_state(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline void store_state(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
+#if defined(__AVX512BF16__)
+inline __m512 load_state(const c10::BFloat16* p, __mmask16 mask) { return load_bf16(p, mask); }
+inline void store_state(c10::BFloat16* p, __m512 v, __mmask16 mask) { store_bf16(p, v, mask); }
+#endif
+
+template <typename T>
+inline constexpr bool vector_state = std::is_same_v<T, float>
+#if defined(__AVX512BF16__)
+                                     || std::is_same_v<T, c10::BFloat16>
+#endif
+    ;
 
 }  // namespace pagedserve
 

@@ -14,23 +14,12 @@
 
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include "bf16_vec.h"
 
 namespace {
 
 constexpr int64_t kMaxValueDim = 512;  // a value head's width, held twice on the stack
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-inline __m512 load_state(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-inline void store_state(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
-#if defined(__AVX512BF16__)
-#define PAGEDSERVE_DELTA_BF16_VECTOR 1
-inline __m512 load_state(const c10::BFloat16* p, __mmask16 mask) { return pagedserve::load_bf16(p, mask); }
-inline void store_state(c10::BFloat16* p, __m512 v, __mmask16 mask) { pagedserve::store_bf16(p, v, mask); }
-#endif
-#endif
 
 // One value head of one request: its state [dk, dv] advanced, its output o [dv] written.
 template <typename T>
@@ -40,17 +29,12 @@ void advance_head(T* state, const float* q, const float* k, const float* v, floa
   float kq = 0.0f;
   for (int64_t i = 0; i < dk; ++i) kq += k[i] * q[i];
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  constexpr bool vector = std::is_same_v<T, float>
-#if defined(PAGEDSERVE_DELTA_BF16_VECTOR)
-                          || std::is_same_v<T, c10::BFloat16>
-#endif
-      ;
-  if constexpr (vector) {
+  if constexpr (pagedserve::vector_state<T>) {
     for (int64_t n = 0; n < dv; n += 16) {
       const __mmask16 mask = pagedserve::lanes_below(dv - n);
       __m512 p = _mm512_setzero_ps(), r = _mm512_setzero_ps();
       for (int64_t i = 0; i < dk; ++i) {
-        const __m512 s = load_state(state + i * dv + n, mask);
+        const __m512 s = pagedserve::load_state(state + i * dv + n, mask);
         p = _mm512_fmadd_ps(s, _mm512_set1_ps(k[i] * decay), p);
         r = _mm512_fmadd_ps(s, _mm512_set1_ps(q[i] * decay), r);
       }
@@ -65,8 +49,8 @@ void advance_head(T* state, const float* q, const float* k, const float* v, floa
       for (int64_t n = 0; n < dv; n += 16) {
         const __mmask16 mask = pagedserve::lanes_below(dv - n);
         const __m512 s = _mm512_fmadd_ps(ki, _mm512_maskz_loadu_ps(mask, predicted + n),
-                                         _mm512_mul_ps(load_state(row + n, mask), vdecay));
-        store_state(row + n, s, mask);
+                                         _mm512_mul_ps(pagedserve::load_state(row + n, mask), vdecay));
+        pagedserve::store_state(row + n, s, mask);
       }
     }
     return;

@@ -13,34 +13,18 @@
 #include <torch/library.h>
 
 #include <cmath>
-#include <type_traits>
 #include <cstdint>
 
 #include "bf16_vec.h"
 
 namespace {
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-inline __m512 load_state(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-inline void store_state(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
-#if defined(__AVX512BF16__)
-#define PAGEDSERVE_MAMBA2_BF16_VECTOR 1
-inline __m512 load_state(const c10::BFloat16* p, __mmask16 mask) { return pagedserve::load_bf16(p, mask); }
-inline void store_state(c10::BFloat16* p, __m512 v, __mmask16 mask) { pagedserve::store_bf16(p, v, mask); }
-#endif
-#endif
-
 // One head of one request: its state [head_dim, state_size] advanced, its y [head_dim] written.
 template <typename T>
 void advance_head(T* state, const float* x, float dt, float decay, const float* b, const float* c, float* y,
                   int64_t head_dim, int64_t state_size) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  constexpr bool vector = std::is_same_v<T, float>
-#if defined(PAGEDSERVE_MAMBA2_BF16_VECTOR)
-                          || std::is_same_v<T, c10::BFloat16>
-#endif
-      ;
-  if constexpr (vector) {
+  if constexpr (pagedserve::vector_state<T>) {
     const __m512 vdecay = _mm512_set1_ps(decay);
     for (int64_t p = 0; p < head_dim; ++p) {
       T* row = state + p * state_size;
@@ -48,9 +32,9 @@ void advance_head(T* state, const float* x, float dt, float decay, const float* 
       __m512 acc = _mm512_setzero_ps();
       for (int64_t n = 0; n < state_size; n += 16) {
         const __mmask16 mask = pagedserve::lanes_below(state_size - n);
-        const __m512 s = _mm512_fmadd_ps(load_state(row + n, mask), vdecay,
+        const __m512 s = _mm512_fmadd_ps(pagedserve::load_state(row + n, mask), vdecay,
                                          _mm512_mul_ps(u, _mm512_maskz_loadu_ps(mask, b + n)));
-        store_state(row + n, s, mask);
+        pagedserve::store_state(row + n, s, mask);
         acc = _mm512_fmadd_ps(s, _mm512_maskz_loadu_ps(mask, c + n), acc);
       }
       y[p] = _mm512_reduce_add_ps(acc);
