@@ -368,13 +368,34 @@ FP8_LAYOUTS = {
 }
 
 
+def save_quantized_pair(
+    dest: Path,
+    model_dir: str,
+    quant: dict[str, object],
+    quantized: dict[str, object],
+    products: dict[str, object],
+) -> tuple[str, str]:
+    """`model_dir` copied twice: to `dest` with the `quantized` tensors and config.json's
+    quantization_config `quant`, and beside it (`dest`-products) with the weights those make."""
+    from safetensors.torch import save_file
+
+    product_dir = dest.with_name(f"{dest.name}-products")
+    for directory, tensors in ((dest, quantized), (product_dir, products)):
+        shutil.copytree(model_dir, directory)
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = quant
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return str(dest), str(product_dir)
+
+
 def save_fp8(dest: Path, model_dir: str, layout: str) -> tuple[str, str]:
     """`model_dir`'s checkpoint with its layers' linear weights (FP8_WEIGHTS) in FP8 as `layout`
     (FP8_LAYOUTS) stores them, beside the scales a loader drops (activations', the KV cache's):
     returns that directory and a copy of the checkpoint holding each weight as the product its FP8
     values and scales make (float32), to hold a loader to."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     quant = FP8_LAYOUTS[layout]
     block = quant.get("weight_block_size")
@@ -402,14 +423,7 @@ def save_fp8(dest: Path, model_dir: str, layout: str) -> tuple[str, str]:
             rows, cols = values.shape
             expanded = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
             products[name] = values.float() * expanded
-    fp8_dir, product_dir = dest / layout, dest / f"{layout}-products"
-    for directory, tensors in ((fp8_dir, quantized), (product_dir, products)):
-        shutil.copytree(model_dir, directory)
-        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((fp8_dir / "config.json").read_text())
-    config["quantization_config"] = quant
-    (fp8_dir / "config.json").write_text(json.dumps(config, indent=2))
-    return str(fp8_dir), str(product_dir)
+    return save_quantized_pair(dest / layout, model_dir, quant, quantized, products)
 
 
 def pack_int32(values: object, bits: int, order: tuple[int, ...] | None = None) -> object:
@@ -486,7 +500,7 @@ def save_int_quantized(dest: Path, model_dir: str, layout: str) -> tuple[str, st
     `layout` (INT_LAYOUTS) stores them: returns that directory and a copy holding each weight as the
     product its ints, zero points and scales make (float32), to hold a loader to."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     quant = INT_LAYOUTS[layout]
     weights = load_file(str(Path(model_dir) / "model.safetensors"))
@@ -536,11 +550,4 @@ def save_int_quantized(dest: Path, model_dir: str, layout: str) -> tuple[str, st
                     torch.tensor(0.1),
                 )
         products[name] = (ints - zeros[:, groups]).float() * scales.float()[:, groups]
-    int_dir, product_dir = dest / layout, dest / f"{layout}-products"
-    for directory, tensors in ((int_dir, quantized), (product_dir, products)):
-        shutil.copytree(model_dir, directory)
-        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((int_dir / "config.json").read_text())
-    config["quantization_config"] = quant
-    (int_dir / "config.json").write_text(json.dumps(config, indent=2))
-    return str(int_dir), str(product_dir)
+    return save_quantized_pair(dest / layout, model_dir, quant, quantized, products)

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "bf16_vec.h"
+#include "recurrent_inputs.h"
 
 namespace {
 
@@ -91,29 +92,18 @@ void advance(at::Tensor& state, const int64_t* rows, const float* q, const float
 
 at::Tensor gated_delta_decode(at::Tensor& state, const at::Tensor& rows, const at::Tensor& q, const at::Tensor& k,
                               const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta) {
-  TORCH_CHECK(state.dim() == 4 && state.is_contiguous() &&
-                  (state.scalar_type() == at::kFloat || state.scalar_type() == at::kBFloat16),
-              "state: contiguous float32 or bfloat16 [rows, heads, head_k_dim, head_v_dim]");
+  pagedserve::check_states(state, "[rows, heads, head_k_dim, head_v_dim]");
   const int64_t num_heads = state.size(1), dk = state.size(2), dv = state.size(3);
   TORCH_CHECK(dv <= kMaxValueDim, "state: head_v_dim ", dv, " is past ", kMaxValueDim);
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "rows: int64 [requests]");
-  const int64_t num_requests = rows.size(0);
-  const auto f32 = [&](const at::Tensor& t, at::IntArrayRef shape, const char* name) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.sizes() == shape, name, ": float32 ", shape, ", got ",
-                t.scalar_type(), " ", t.sizes());
-    return t.contiguous();
-  };
+  const auto ids = pagedserve::checked_rows(rows, state);
+  const int64_t* row = ids.data_ptr<int64_t>();
+  const int64_t num_requests = ids.size(0);
+  const auto f32 = pagedserve::float32_input;
   const auto qs = f32(q, {num_requests, num_heads, dk}, "q");
   const auto ks = f32(k, {num_requests, num_heads, dk}, "k");
   const auto vs = f32(v, {num_requests, num_heads, dv}, "v");
   const auto gs = f32(g, {num_requests, num_heads}, "g");
   const auto betas = f32(beta, {num_requests, num_heads}, "beta");
-  const auto ids = rows.contiguous();
-  const int64_t* row = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < num_requests; ++i) {
-    TORCH_CHECK(row[i] >= 0 && row[i] < state.size(0), "rows: row ", row[i], " is past the state's ",
-                state.size(0));
-  }
   auto o = at::empty({num_requests, num_heads, dv}, v.options());
   const float *qp = qs.data_ptr<float>(), *kp = ks.data_ptr<float>(), *vp = vs.data_ptr<float>();
   const float *gp = gs.data_ptr<float>(), *bp = betas.data_ptr<float>();

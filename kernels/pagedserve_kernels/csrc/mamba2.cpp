@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "bf16_vec.h"
+#include "recurrent_inputs.h"
 
 namespace {
 
@@ -74,17 +75,12 @@ void advance(at::Tensor& state, const int64_t* rows, const float* x, const float
 
 at::Tensor mamba2_decode(at::Tensor& state, const at::Tensor& rows, const at::Tensor& x, const at::Tensor& dt,
                          const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
-  TORCH_CHECK(state.dim() == 4 && state.is_contiguous() &&
-                  (state.scalar_type() == at::kFloat || state.scalar_type() == at::kBFloat16),
-              "state: contiguous float32 or bfloat16 [rows, heads, head_dim, state_size]");
+  pagedserve::check_states(state, "[rows, heads, head_dim, state_size]");
   const int64_t num_heads = state.size(1), head_dim = state.size(2), state_size = state.size(3);
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "rows: int64 [requests]");
-  const int64_t num_requests = rows.size(0);
-  const auto f32 = [&](const at::Tensor& t, at::IntArrayRef shape, const char* name) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.sizes() == shape, name, ": float32 ", shape, ", got ",
-                t.scalar_type(), " ", t.sizes());
-    return t.contiguous();
-  };
+  const auto ids = pagedserve::checked_rows(rows, state);
+  const int64_t* row = ids.data_ptr<int64_t>();
+  const int64_t num_requests = ids.size(0);
+  const auto f32 = pagedserve::float32_input;
   const auto xs = f32(x, {num_requests, num_heads, head_dim}, "x");
   const auto dts = f32(dt, {num_requests, num_heads}, "dt");
   const auto as = f32(a, {num_heads}, "a");
@@ -94,12 +90,6 @@ at::Tensor mamba2_decode(at::Tensor& state, const at::Tensor& rows, const at::Te
   const int64_t num_groups = b.size(1);
   const auto bs = f32(b, {num_requests, num_groups, state_size}, "b");
   const auto cs = f32(c, {num_requests, num_groups, state_size}, "c");
-  const auto ids = rows.contiguous();
-  const int64_t* row = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < num_requests; ++i) {
-    TORCH_CHECK(row[i] >= 0 && row[i] < state.size(0), "rows: row ", row[i], " is past the state's ",
-                state.size(0));
-  }
   auto y = at::empty({num_requests, num_heads, head_dim}, x.options());
   const float *xp = xs.data_ptr<float>(), *dtp = dts.data_ptr<float>(), *ap = as.data_ptr<float>();
   const float *bp = bs.data_ptr<float>(), *cp = cs.data_ptr<float>();
