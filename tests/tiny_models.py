@@ -93,7 +93,8 @@ def tiny_hybrid_config(name: str) -> object:
     """A tiny hybrid's transformers config (`save_tiny_model` writes its checkpoint): "lfm2" (short
     convolutions at layers 0 and 2), "granite4-h" (Mamba2 at layers 0 and 2), "nemotron-h" (a layer a
     block: Mamba2, MLP, attention, MLP, Mamba2, MLP; its states in float32), "mamba2" (two Mamba2
-    layers, no attention) or "qwen3.5" (Gated DeltaNet at layers 0 and 2, 4 value heads over 2 key heads); Mamba2's 8 heads of 16 in 2
+    layers, no attention) "qwen3.5" (Gated DeltaNet at layers 0 and 2, 4 value heads over 2 key heads) or "qwen3-next" (its layers
+    as Qwen3-Next stores them, experts at layer 1); Mamba2's 8 heads of 16 in 2
     groups with states of 16, in chunks of 8, so prompts cross several and chunked prefill splits
     them anywhere."""
     import transformers
@@ -135,18 +136,28 @@ def tiny_hybrid_config(name: str) -> object:
         return transformers.Mamba2Config(
             **mamba2, num_hidden_layers=2, num_heads=8, head_dim=16, n_groups=2, state_size=16, chunk_size=8
         )
+    qwen3_5 = {
+        "head_dim": 32,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "tie_word_embeddings": False,
+    }
     if name == "qwen3.5":
-        return transformers.Qwen3_5TextConfig(
+        return transformers.Qwen3_5TextConfig(**small, **qwen3_5)
+    if name == "qwen3-next":
+        return transformers.Qwen3NextConfig(
             **small,
-            head_dim=32,
-            intermediate_size=96,
-            num_hidden_layers=3,
-            layer_types=["linear_attention", "full_attention", "linear_attention"],
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            tie_word_embeddings=False,
+            **qwen3_5,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=32,
+            decoder_sparse_step=2,
         )
     assert name == "nemotron-h", name
     return transformers.NemotronHConfig(
@@ -195,8 +206,12 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                 )
             ):
                 param.normal_(1.0, 0.5)
-            if name.endswith("norm.weight") and type(model).__name__.startswith(("Gemma", "Qwen3_5")):
-                param.normal_(0.0, 0.5)  # Gemma and Qwen3.5 scale by 1 + weight: zeros would hide the weight
+            if name.endswith("norm.weight") and type(model).__name__.startswith(
+                ("Gemma", "Qwen3_5", "Qwen3Next")
+            ):
+                param.normal_(
+                    0.0, 0.5
+                )  # Gemma, Qwen3.5 and Qwen3-Next scale by 1 + weight: zeros would hide the weight
             elif name.endswith("norm.weight") and type(model).__name__.startswith(
                 (
                     "Olmo",

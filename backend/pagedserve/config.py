@@ -119,7 +119,7 @@ def special_floats(obj: dict[str, Any]) -> Any:
 
 def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
     """Each layer's token mixer in a hybrid model (`models.hybrid`): "full_attention", LFM2's "conv",
-    "mamba" (Granite 4.0's, Bamba's, Nemotron-H's, Mamba2's), "gated_delta" (Qwen3.5's Gated DeltaNet),
+    "mamba" (Granite 4.0's, Bamba's, Nemotron-H's, Mamba2's), "gated_delta" (Qwen3.5's and Qwen3-Next's Gated DeltaNet),
     Nemotron-H's "mlp" (a layer of an MLP alone) or "moe"; None for a model of attention layers alone."""
     architecture = architecture_of(hf)
     if architecture in ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):
@@ -130,7 +130,7 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
         layer_types = nemotron_h_layer_types(hf)
     elif architecture == "Mamba2ForCausalLM":
         layer_types = ["mamba"] * hf["num_hidden_layers"]
-    elif architecture in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"):
+    elif architecture in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
         layer_types = qwen3_5_layer_types(hf)
     elif architecture == "BambaForCausalLM":
         attention = hf.get("attn_layer_indices") or ()

@@ -75,6 +75,7 @@ from transformers import (
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
     SeedOssConfig,
     SmolLM3Config,
     SolarOpenConfig,
@@ -141,6 +142,8 @@ NOT_DECODE_LAYERS = {
     "qwen3.5-moe-shared-expert",
     "qwen3.5-delta-attention-delta-biases",
     "qwen3.5-by-interval-tied",
+    "qwen3-next-sparse-step-dense-layer-unnormalized",
+    "qwen3-next-as-qwen-leaves-it",
     "mamba2-no-attention",
     "bamba-mamba-attention-mamba-biases",
     "bamba-as-ibm-names-it",
@@ -384,6 +387,18 @@ def qwen3_5_as_qwen_leaves_it(config: dict[str, Any]) -> None:
     config.pop("partial_rotary_factor", None)
 
 
+def qwen3_next_as_qwen_leaves_it(config: dict[str, Any]) -> None:
+    assert config.pop("layer_types")[3] == "full_attention"
+    config["rope_parameters"].pop("partial_rotary_factor")
+    config.pop("partial_rotary_factor", None)
+    assert config.pop("norm_topk_prob") is True
+
+
+def without_norm_topk_prob(config: dict[str, Any]) -> None:
+    """Qwen2-MoE's config.json as Qwen wrote them, without it: not renormalized."""
+    assert config.pop("norm_topk_prob") is False
+
+
 def without_rms_norm_eps(config: dict[str, Any]) -> None:
     """A hand-written config.json may leave it out: transformers then takes its default."""
     del config["rms_norm_eps"]
@@ -499,7 +514,7 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             shared_expert_intermediate_size=48,
             mlp_only_layers=[0],
         ),
-        None,
+        without_norm_topk_prob,
     ),
     # IBM's Granite MoE: Granite's multipliers, biases on all four attention projections, a tied LM
     # head, 2 of 4 experts a token
@@ -1025,6 +1040,43 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             **{**TINY, "num_hidden_layers": 5}, tie_word_embeddings=True, **QWEN3_5_LINEAR
         ),
         qwen3_5_as_qwen_leaves_it,
+    ),
+    # Qwen3-Next: Qwen3.5's layers, its linear attention's projections fused by key head (in_proj_qkvz,
+    # in_proj_ba: 2 value heads a key head); experts (4 of 16, 2 a token, their softmax not
+    # renormalized, beside a gated shared expert) in every second MLP but mlp_only_layers' 3, the
+    # others dense; every attention projection biased, norm eps 1e-2
+    "qwen3-next-sparse-step-dense-layer-unnormalized": (
+        lambda: Qwen3NextConfig(
+            **{**TINY, "num_hidden_layers": 4},
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            attention_bias=True,
+            decoder_sparse_step=2,
+            mlp_only_layers=[3],
+            rms_norm_eps=1e-2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=32,
+            **QWEN3_5_LINEAR,
+        ),
+        None,
+    ),
+    # as Qwen's config.json leaves things out: no layer_types (every 4th layer full attention), no
+    # partial_rotary_factor or norm_topk_prob (0.25, renormalized); the LM head tied, norm eps 1e-2
+    # (tiny Qwen3-Next models at 1e-6 sit several nats apart in transformers' own bf16 and float32)
+    "qwen3-next-as-qwen-leaves-it": (
+        lambda: Qwen3NextConfig(
+            **{**TINY, "num_hidden_layers": 5},
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=32,
+            **QWEN3_5_LINEAR,
+        ),
+        qwen3_next_as_qwen_leaves_it,
     ),
     # as LiquidAI's config.json names it: attention by full_attn_idxs, block_ff_dim, tie_embedding;
     # without rope keys or norm_eps (theta 1e6, eps 1e-5 by default)
@@ -1650,6 +1702,7 @@ def test_phi2s_lm_head_bias_moves_the_greedy_tokens(
         ("dots1-grouped-experts-window-from-layer-1", "model.layers.1.mlp.shared_experts.gate_proj.weight"),
         ("granitemoeshared-shared-expert", "model.layers.1.shared_mlp.input_linear.weight"),
         ("lfm2-moe-dense-layer-0-sigmoid-biased-experts", "model.layers.1.feed_forward.experts.3.w3.weight"),
+        ("qwen3-next-as-qwen-leaves-it", "model.layers.1.mlp.experts.3.up_proj.weight"),
     ],
 )
 def test_experts_as_the_hub_lays_them_out_load_as_stacked(

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from pagedserve import LLM, SamplingParams
+from pagedserve.worker.executor import check_tensor_parallel_size
 from test_tensor_parallel import (
     assert_matches_reference,
     greedy_reference,
@@ -157,14 +159,16 @@ def test_tp2_splits_mamba2s_heads_and_matches_single_rank(
         assert llm.engine.stats().num_recompute_preemptions > 0
 
 
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next"])
 def test_tp2_splits_the_gated_delta_heads_and_matches_single_rank(
-    tmp_path: Path, default_model_dir: str
+    tmp_path: Path, default_model_dir: str, family: str
 ) -> None:
     """Qwen3.5's linear attention: each rank one of the 2 key heads and the 2 value heads it serves
     (their rows of in_proj_qkv, the convolution, z, b and a, their A_log, dt_bias and states), the
     gated attention's query-and-gate pairs split by head; under chunked prefill and recompute
-    preemption."""
-    model_dir = save_tiny_model(tmp_path / "qwen3.5", default_model_dir, HYBRIDS["qwen3.5"]())
+    preemption. Qwen3-Next's fused projections (in_proj_qkvz, in_proj_ba: each key head's rows
+    together) give each rank the same rows."""
+    model_dir = save_tiny_model(tmp_path / family, default_model_dir, tiny_hybrid_config(family))
     reference = single_rank_reference(model_dir, tiny_prompts(), num_kv_blocks=256, block_size=8)
     settings = {"num_kv_blocks": 24, "block_size": 8, "max_num_batched_tokens": 24, "max_num_seqs": 8}
     with tensor_parallel_llm(model_dir, 2, **settings) as llm:
@@ -174,13 +178,21 @@ def test_tp2_splits_the_gated_delta_heads_and_matches_single_rank(
         assert llm.engine.stats().num_recompute_preemptions > 0
 
 
-def test_gated_delta_splits_it_cannot_make_are_refused(tmp_path: Path, default_model_dir: str) -> None:
-    model_dir = save_tiny_model(tmp_path / "qwen3.5", default_model_dir, HYBRIDS["qwen3.5"]())
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next"])
+def test_gated_delta_splits_it_cannot_make_are_refused(
+    tmp_path: Path, default_model_dir: str, family: str
+) -> None:
+    model_dir = save_tiny_model(tmp_path / family, default_model_dir, tiny_hybrid_config(family))
     with pytest.raises(
         ValueError, match="tensor_parallel_size: 4 does not divide the 2 linear-attention key heads"
     ):
         LLM(model=model_dir, dtype="float32", num_kv_blocks=16, tensor_parallel_size=4)
     config = json.loads((Path(model_dir) / "config.json").read_text())
+    # (by the start-up check, before any rank starts)
+    model = SimpleNamespace(num_layers=1, num_heads=4, num_kv_heads=2, hf_config=config)
+    engine = SimpleNamespace(model=model, parallel=SimpleNamespace(tensor_parallel_size=4))
+    with pytest.raises(ValueError, match="4 does not divide the 2 linear-attention key heads"):
+        check_tensor_parallel_size(engine)  # type: ignore[arg-type]
     (Path(model_dir) / "config.json").write_text(json.dumps({**config, "linear_num_value_heads": 3}))
     with pytest.raises(ValueError, match="2 linear-attention key heads do not divide its 3 value heads"):
         LLM(model=model_dir, dtype="float32", num_kv_blocks=16)

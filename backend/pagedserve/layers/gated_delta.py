@@ -77,18 +77,11 @@ class GatedDeltaNet(RecurrentLayer):
         full_key = dims.num_k_heads * dims.head_k_dim
         keys, values, heads = rank_rows(self.key_dim), rank_rows(self.value_dim), rank_rows(self.num_v_heads)
         qkv_rows = torch.cat((keys, full_key + keys, 2 * full_key + values))
-        hidden = dims.hidden_size
-        self.in_proj_qkv = ReplicatedLinear(hidden, self.conv_dim, bias=False)
-        self.in_proj_z = ReplicatedLinear(hidden, self.value_dim, bias=False)
-        self.in_proj_b = ReplicatedLinear(hidden, self.num_v_heads, bias=False)
-        self.in_proj_a = ReplicatedLinear(hidden, self.num_v_heads, bias=False)
-        for linear, rows in (
-            (self.in_proj_qkv, qkv_rows),
-            (self.in_proj_z, values),
-            (self.in_proj_b, heads),
-            (self.in_proj_a, heads),
-        ):
-            linear.weight.weight_loader = rows_loader(rows)  # type: ignore[attr-defined]
+        # in_proj_qkv, in_proj_z, in_proj_b and in_proj_a as one matmul: [qkv | z | b | a] a token
+        self.in_proj_parts = {"qkv": qkv_rows, "z": values, "b": heads, "a": heads}
+        self.in_proj_sizes = [len(rows) for rows in self.in_proj_parts.values()]
+        self.in_proj = ReplicatedLinear(dims.hidden_size, sum(self.in_proj_sizes), bias=False)
+        self.in_proj.weight.weight_loader = self._in_proj_loader  # type: ignore[attr-defined]
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, dims.conv_width), requires_grad=False)
         self.conv_weight.weight_loader = rows_loader(qkv_rows)  # type: ignore[attr-defined]
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
@@ -96,9 +89,19 @@ class GatedDeltaNet(RecurrentLayer):
         for param in (self.dt_bias, self.A_log):
             param.weight_loader = rows_loader(heads)  # type: ignore[attr-defined]
         self.norm_weight = nn.Parameter(torch.ones(dims.head_v_dim), requires_grad=False)  # (every head's)
-        self.out_proj = RowParallelLinear(dims.num_v_heads * dims.head_v_dim, hidden, bias=False)
+        self.out_proj = RowParallelLinear(dims.num_v_heads * dims.head_v_dim, dims.hidden_size, bias=False)
         self.conv_state: torch.Tensor | None = None  # [rows, width - 1, conv_dim], set by `bind_state`
         self.delta_state: torch.Tensor | None = None  # [rows, v heads, head_k_dim, head_v_dim]
+
+    def _in_proj_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: str) -> None:
+        """The checkpoint's in_proj_`part` (qkv, z, b or a): this rank's rows of it, in its place."""
+        start = 0
+        for name, rows in self.in_proj_parts.items():
+            if name == part:
+                param.data[start : start + len(rows)].copy_(loaded[rows])
+                return
+            start += len(rows)
+        raise ValueError(f"no in_proj part {part!r}")
 
     def state_bytes(self, rows: int) -> int:
         conv = (self.width - 1) * self.conv_dim
@@ -119,8 +122,9 @@ class GatedDeltaNet(RecurrentLayer):
     def forward(self, hidden: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
         assert self.conv_state is not None, "bind_state() first"
         dims = self.dims
+        qkv, z, b, a = self.in_proj(hidden).split(self.in_proj_sizes, dim=-1)
         qkv = causal_conv(
-            self.in_proj_qkv(hidden),
+            qkv,
             self.conv_state,
             self.conv_weight,
             None,
@@ -132,10 +136,10 @@ class GatedDeltaNet(RecurrentLayer):
         q = l2_normed(q.unflatten(-1, (self.num_k_heads, dims.head_k_dim))) * dims.head_k_dim**-0.5
         k = l2_normed(k.unflatten(-1, (self.num_k_heads, dims.head_k_dim)))
         q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
-        beta = torch.sigmoid(self.in_proj_b(hidden)).float()
-        g = -torch.exp(self.A_log.float()) * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias.float())
+        beta = torch.sigmoid(b).float()
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
         o = self.scan(q, k, v.unflatten(-1, (self.num_v_heads, dims.head_v_dim)), g, beta, step)
-        return self.out_proj(self.gated_norm(o.to(hidden.dtype), self.in_proj_z(hidden)).flatten(1))
+        return self.out_proj(self.gated_norm(o.to(hidden.dtype), z).flatten(1))
 
     def scan(
         self,

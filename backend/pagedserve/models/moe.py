@@ -114,14 +114,14 @@ def num_experts_of(cfg: dict[str, Any], default: int) -> int:
     return int(cfg.get("num_local_experts", cfg.get("num_experts", default)))
 
 
-def _qwen_experts(cfg: dict[str, Any], defaults: Experts) -> list[Experts | None]:
+def qwen_experts(cfg: dict[str, Any], defaults: Experts) -> list[Experts | None]:
     """Qwen's experts, with the config class's defaults where config.json leaves a key out."""
     shared = defaults.shared_intermediate_size  # Qwen2-MoE's shared expert (Qwen3-MoE has none: 0)
     spec = Experts(
         num_experts=num_experts_of(cfg, defaults.num_experts),
         top_k=cfg.get("num_experts_per_tok", defaults.top_k),
         intermediate_size=cfg.get("moe_intermediate_size", defaults.intermediate_size),
-        renormalize=bool(cfg.get("norm_topk_prob", False)),
+        renormalize=bool(cfg.get("norm_topk_prob", defaults.renormalize)),
         shared_intermediate_size=cfg.get("shared_expert_intermediate_size", shared) if shared else 0,
     )
     return [spec if sparse else None for sparse in _sparse_layers(cfg)]
@@ -184,7 +184,7 @@ class Qwen2MoeForCausalLM(MoeForCausalLM):
         return bool(cfg.get("qkv_bias", True)), False
 
     def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
-        return _qwen_experts(cfg, Experts(60, 4, 1408, renormalize=False, shared_intermediate_size=5632))
+        return qwen_experts(cfg, Experts(60, 4, 1408, renormalize=False, shared_intermediate_size=5632))
 
 
 class Glm4MoeForCausalLM(MoeForCausalLM):
@@ -345,7 +345,7 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
     qk_norm = True
 
     def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
-        return _qwen_experts(cfg, Experts(128, 8, 768, renormalize=False))
+        return qwen_experts(cfg, Experts(128, 8, 768, renormalize=False))
 
 
 DOTS1_EXPERTS = {

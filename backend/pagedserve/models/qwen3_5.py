@@ -12,6 +12,11 @@ reads), every layer then a SwiGLU MLP (experts in the MoE). What it adds to Llam
   0.25, theta 1e7 in its configs; M-RoPE's sections turn a text token by its one position), and the
   attention's output times sigmoid(gate) before o_proj.
 
+Qwen3-Next (`Qwen3NextForCausalLM`, Qwen3-Next-80B-A3B), its forerunner, has the same layers and
+experts (by `decoder_sparse_step` and `mlp_only_layers`, the others a dense MLP); its checkpoints
+store in_proj_qkv and in_proj_z as one tensor (`in_proj_qkvz`) and in_proj_b and in_proj_a as
+another (`in_proj_ba`), each interleaved by key head, cut into Qwen3.5's four on load.
+
 The multi-token-prediction layers (`mtp.*`) are left out.
 """
 
@@ -42,7 +47,7 @@ from pagedserve.models.llama import (
     head_dim_of,
     rms_norm_eps,
 )
-from pagedserve.models.moe import per_expert_weights
+from pagedserve.models.moe import num_experts_of, per_expert_weights, qwen_experts
 
 
 class GatedAttention(LlamaAttention):
@@ -117,6 +122,14 @@ _NAMES = {
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
     decoder_layer_class = Qwen3_5DecoderLayer
+    stacked_params = {
+        **LlamaForCausalLM.stacked_params,
+        # the linear attention's four input projections as one (`GatedDeltaNet.in_proj`)
+        "in_proj_qkv": ("in_proj", "qkv"),
+        "in_proj_z": ("in_proj", "z"),
+        "in_proj_b": ("in_proj", "b"),
+        "in_proj_a": ("in_proj", "a"),
+    }
     rotates_part_of_a_head = True
     default_partial_rotary = 0.25  # Qwen3_5TextConfig's
 
@@ -156,6 +169,60 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(per_expert_weights(weights, hidden_size=self.embed_tokens.weight.shape[1]))
+
+
+# Qwen3NextConfig's experts where config.json leaves a key out
+QWEN3_NEXT_EXPERTS = Experts(
+    num_experts=512, top_k=10, intermediate_size=512, renormalize=True, shared_intermediate_size=512
+)
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3-Next: Qwen3.5's layers; every `decoder_sparse_step`-th MLP (1) but `mlp_only_layers`
+    `num_experts` experts (512, 10 a token, weights renormalized where `norm_topk_prob`, by default)
+    beside a shared expert under a sigmoid gate, the others (every one where num_experts is 0) a
+    dense MLP of `intermediate_size`; the linear attention's projections fused by key head
+    (`_unfused`)."""
+
+    def layer_options(self, cfg: dict[str, Any]) -> list[LayerOptions]:
+        check_silu(cfg)
+        if num_experts_of(cfg, QWEN3_NEXT_EXPERTS.num_experts):
+            experts = qwen_experts(cfg, QWEN3_NEXT_EXPERTS)
+        else:
+            experts = [None] * cfg["num_hidden_layers"]
+        return [
+            dataclasses.replace(options, experts=spec)
+            for options, spec in zip(super().layer_options(cfg), experts, strict=True)
+        ]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        weights = per_expert_weights(weights, hidden_size=self.embed_tokens.weight.shape[1])
+        mixers = [cast(GatedDeltaNet, layer) for layer in self.recurrent_layers]
+        super().load_weights(_unfused(weights, mixers[0].dims) if mixers else weights)
+
+
+def _unfused(
+    weights: Iterable[tuple[str, torch.Tensor]], dims: GatedDeltaDims
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Qwen3-Next's in_proj_qkvz (each key head's rows: its query, its key, then the values and the
+    gates of the num_v_heads / num_k_heads value heads it serves) as Qwen3.5's in_proj_qkv (every
+    query, every key, every value) and in_proj_z; its in_proj_ba (each key head's value heads' b,
+    then their a) as in_proj_b and in_proj_a."""
+    served = dims.num_v_heads // dims.num_k_heads
+    values = served * dims.head_v_dim
+    for name, tensor in weights:
+        if name.endswith(".linear_attn.in_proj_qkvz.weight"):
+            by_key_head = tensor.unflatten(0, (dims.num_k_heads, -1))
+            q, k, v, z = by_key_head.split([dims.head_k_dim, dims.head_k_dim, values, values], dim=1)
+            qkv = torch.cat([part.flatten(0, 1) for part in (q, k, v)])
+            yield name.replace(".in_proj_qkvz.", ".in_proj_qkv."), qkv
+            yield name.replace(".in_proj_qkvz.", ".in_proj_z."), z.flatten(0, 1)
+        elif name.endswith(".linear_attn.in_proj_ba.weight"):
+            b, a = tensor.unflatten(0, (dims.num_k_heads, -1)).split([served, served], dim=1)
+            yield name.replace(".in_proj_ba.", ".in_proj_b."), b.flatten(0, 1)
+            yield name.replace(".in_proj_ba.", ".in_proj_a."), a.flatten(0, 1)
+        else:
+            yield name, tensor
 
 
 def _served(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

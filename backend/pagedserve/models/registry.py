@@ -48,7 +48,7 @@ from pagedserve.models.moe import (
 )
 from pagedserve.models.neox import GPTNeoXForCausalLM, StableLmForCausalLM
 from pagedserve.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM, OlmoForCausalLM
-from pagedserve.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from pagedserve.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from pagedserve.models.ungated import (
     ApertusForCausalLM,
     ArceeForCausalLM,
@@ -115,6 +115,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 

@@ -123,6 +123,7 @@ def check_tensor_parallel_size(config: EngineConfig) -> None:
     if architecture_of(model.hf_config) in (
         "Qwen3_5ForCausalLM",
         "Qwen3_5MoeForCausalLM",
+        "Qwen3NextForCausalLM",
     ):  # (its linear attention's key heads)
         gated_delta_dims(model.hf_config).check_split(tp)
     intermediate_size = int(model.hf_config.get("intermediate_size", 0))
