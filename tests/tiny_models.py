@@ -500,6 +500,22 @@ INT_LAYOUTS = {
         "pack-quantized",
         {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": True},
     ),
+    # llm-compressor's asymmetric W4A16: zero points packed along the outputs
+    "w4a16-asymmetric": compressed_tensors(
+        "pack-quantized",
+        {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": False},
+    ),
+    # Red Hat's W8A16, act order (GPTQ's, in llm-compressor): each input's group by weight_g_idx
+    "w8a16-act-order": compressed_tensors(
+        "pack-quantized",
+        {"type": "int", "num_bits": 8, "strategy": "group", "group_size": 32, "actorder": "group"},
+    ),
+    # asymmetric int8 weights a channel, their zero points int8 as they are
+    "w8a8-asymmetric": compressed_tensors(
+        "int-quantized",
+        {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": False},
+        {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": False},
+    ),
     # Red Hat's W8A8 int8 (llm-compressor)
     "w8a8": compressed_tensors(
         "int-quantized",
@@ -521,19 +537,19 @@ def save_int_quantized(dest: Path, model_dir: str, layout: str) -> tuple[str, st
     weights = load_file(str(Path(model_dir) / "model.safetensors"))
     quantized, products = dict(weights), dict(weights)
     generator = torch.Generator().manual_seed(0)
-    bits = quant.get("bits") or quant["config_groups"]["group_0"]["weights"]["num_bits"]
+    scheme = quant["config_groups"]["group_0"]["weights"] if "config_groups" in quant else quant
+    bits = scheme.get("bits") or scheme["num_bits"]
+    symmetric = scheme.get("sym", scheme.get("symmetric", True)) and layout != "awq"
     for name in [n for n in weights if FP8_WEIGHTS.match(n)]:
         weight = quantized.pop(name)
         layer = name.removesuffix(".weight")
         num_inputs = weight.shape[1]
         groups = torch.arange(num_inputs) // 32
-        if layout == "w8a8":
+        if scheme.get("strategy") == "channel":
             groups = torch.zeros(num_inputs, dtype=torch.long)
-        if layout == "gptq-act-order":  # (each group's inputs scattered, as act order leaves them)
+        if layout.endswith("act-order"):  # (each group's inputs scattered, as act order leaves them)
             groups = groups[torch.randperm(num_inputs, generator=generator)]
-        ints, scales, zeros = quantize_int(
-            weight, bits, groups, symmetric=layout in ("gptq", "w4a16", "w8a8")
-        )
+        ints, scales, zeros = quantize_int(weight, bits, groups, symmetric=symmetric)
         if layout == "gptq":  # (GPTQ's symmetric ints: unsigned about a zero point of 2^(bits - 1))
             ints, zeros = ints + 2 ** (bits - 1), torch.full_like(zeros, 2 ** (bits - 1))
         if layout.startswith("gptq") or layout == "awq":
@@ -550,14 +566,24 @@ def save_int_quantized(dest: Path, model_dir: str, layout: str) -> tuple[str, st
                 quantized[layer + ".g_idx"] = groups.int()
             if layout.startswith("gptq"):  # (AutoGPTQ saves a bias for every layer, zeros where none)
                 quantized[layer + ".bias"] = torch.zeros(weight.shape[0], dtype=torch.float16)
-        elif layout == "w4a16":
+        elif quant["format"] == "pack-quantized":
+            # (stored signed, offset by 2^(bits - 1) when packed: asymmetric ints and zero points are
+            # unsigned here, so they pack as they are)
+            offset = 2 ** (bits - 1) if symmetric else 0
             scales = scales.bfloat16()
-            quantized[layer + ".weight_packed"] = pack_int32(ints + 8, bits)
+            quantized[layer + ".weight_packed"] = pack_int32(ints + offset, bits)
             quantized[layer + ".weight_scale"] = scales
             quantized[layer + ".weight_shape"] = torch.tensor(list(weight.shape))
+            if not symmetric:
+                quantized[layer + ".weight_zero_point"] = pack_int32(zeros.T, bits).T.contiguous()
+            if layout.endswith("act-order"):
+                quantized[layer + ".weight_g_idx"] = groups.int()
         else:
             scales = scales.bfloat16()
-            quantized[name], quantized[layer + ".weight_scale"] = ints.to(torch.int8), scales
+            signed = ints if symmetric else ints - 128
+            quantized[name], quantized[layer + ".weight_scale"] = signed.to(torch.int8), scales
+            if not symmetric:
+                quantized[layer + ".weight_zero_point"] = (zeros - 128).to(torch.int8)
             if name.endswith(".k_proj.weight"):  # (its kv_cache_scheme's scales, read by nothing)
                 attention = layer.removesuffix(".k_proj")
                 quantized[attention + ".k_scale"], quantized[attention + ".v_scale"] = (

@@ -546,6 +546,7 @@ class IntLayout:
     group_size: int  # input columns a scale (and zero point); -1: a row's inputs one group
     zeros_less_one: bool = False  # GPTQ's v1 checkpoints store each zero point less one
     packed: bool = True  # compressed-tensors' int-quantized int8 weights are stored as they are
+    zero_points: bool = False  # compressed-tensors' asymmetric ints (GPTQ's and AWQ's always have them)
 
 
 QuantizedLayout = Fp8Layout | IntLayout
@@ -624,8 +625,8 @@ def _awq_layout(quant: dict[str, Any]) -> IntLayout:
 def _compressed_tensors_layout(quant: dict[str, Any]) -> QuantizedLayout:
     """Red Hat's and Neural Magic's checkpoints (llm-compressor): FP8 weights (format float-quantized
     or naive-quantized) a tensor's, a row's or a block's scale; int weights (pack-quantized: 4 or
-    8 bits packed into int32s, W4A16 and W8A16; int-quantized: int8 as they are, W8A8) symmetric,
-    a row's or a group's scale. Every config group the same scheme; any other refused naming its group."""
+    8 bits packed into int32s, W4A16 and W8A16; int-quantized: int8 as they are, W8A8) a row's or
+    a group's scale, and zero point where not symmetric. Every config group the same scheme; any other refused naming its group."""
     checkpoint_format = quant.get("format")
     if checkpoint_format not in ("float-quantized", "naive-quantized", "pack-quantized", "int-quantized"):
         raise ValueError(
@@ -644,7 +645,7 @@ def _compressed_tensors_layout(quant: dict[str, Any]) -> QuantizedLayout:
                     "compressed-tensors", None if block is None else _block(f"{key}.block_structure", block)
                 )
             )
-        elif kind == "int" and strategy in ("channel", "group") and weights.get("symmetric", True):
+        elif kind == "int" and strategy in ("channel", "group"):
             if checkpoint_format == "int-quantized" and bits != 8:
                 raise ValueError(
                     f"model: compressed-tensors int-quantized {key}.num_bits must be 8, got {bits!r}"
@@ -653,14 +654,17 @@ def _compressed_tensors_layout(quant: dict[str, Any]) -> QuantizedLayout:
             bits, group_size = _bits_and_group(f"{key}.", bits, group_size)
             layouts.add(
                 IntLayout(
-                    "compressed-tensors", bits, group_size, packed=checkpoint_format == "pack-quantized"
+                    "compressed-tensors",
+                    bits,
+                    group_size,
+                    packed=checkpoint_format == "pack-quantized",
+                    zero_points=not weights.get("symmetric", True),
                 )
             )
         else:
             raise ValueError(
                 f"model: compressed-tensors {key} must be 8-bit floats a tensor, a channel or a block, "
-                f"or symmetric ints a channel or a group, got type {kind!r}, num_bits {bits!r}, "
-                f"strategy {strategy!r}, symmetric {weights.get('symmetric', True)!r}"
+                f"or ints a channel or a group, got type {kind!r}, num_bits {bits!r}, strategy {strategy!r}"
             )
     if len(layouts) != 1:
         raise ValueError(f"model: compressed-tensors config_groups must name one scheme, got {len(layouts)}")

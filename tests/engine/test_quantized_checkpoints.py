@@ -14,12 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import ModelConfig
+from pagedserve.config import Fp8Layout, IntLayout, ModelConfig
+from pagedserve.models import fp8, int_weights
 from pagedserve.models.fp8 import dequantize_fp8
 from pagedserve.models.loader import checkpoint_tensors
 from test_hf_parity import assert_greedy_equal, hf_greedy
 from test_model_config_audit import MLA, TINY, gemma3_multimodal, hf_logprobs
-from tiny_models import INT_LAYOUTS, build_tiny_llama, save_fp8, save_int_quantized, save_tiny_model
+from tiny_models import (
+    INT_LAYOUTS,
+    build_tiny_llama,
+    pack_int32,
+    save_fp8,
+    save_int_quantized,
+    save_tiny_model,
+)
 from transformers import DeepseekV3Config
 
 MAX_TOKENS = 12
@@ -93,13 +101,16 @@ def test_int_layouts_serve_the_products_of_their_ints_zero_points_and_scales(
     tmp_path: Path, llama_dir: str, layout: str
 ) -> None:
     """GPTQ's ints packed along the inputs (v1 4-bit symmetric: zero points stored less one; v2
-    8-bit with act order's g_idx; zero biases beside, as AutoGPTQ saves them), AWQ's along the outputs in its order, compressed-tensors' offset
-    ints beside weight_shape and its int8 weights: each serves as transformers serves their products."""
+    8-bit with act order's g_idx; zero biases beside, as AutoGPTQ saves them), AWQ's along the
+    outputs in its order, compressed-tensors' offset ints beside weight_shape (4-bit symmetric and
+    asymmetric, its zero points packed along the outputs; 8-bit with act order's weight_g_idx) and
+    its int8 weights (symmetric, and asymmetric with int8 zero points): each serves as transformers
+    serves their products."""
     int_dir, product_dir = save_int_quantized(tmp_path, llama_dir, layout)
     model, theirs = hf_greedy(product_dir, prompts(), MAX_TOKENS)
     ours = assert_serves_as(int_dir, model, theirs)
     _, unquantized = hf_greedy(llama_dir, prompts(), MAX_TOKENS)
-    if INT_LAYOUTS[layout].get("bits") == 4 or layout == "w4a16":
+    if INT_LAYOUTS[layout].get("bits") == 4 or layout.startswith("w4a16"):
         assert ours != unquantized  # (4 bits' rounding moves these tokens)
 
 
@@ -207,6 +218,54 @@ def test_dequantizing_blocks_partial_at_the_edges() -> None:
         dequantize_fp8(values[0], scales[0, :, :2], (32, 32))
 
 
+class Stored:
+    """A tensor as an open safetensors file gives it (`get_tensor`)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.tensor
+
+
+def test_packed_ints_and_fp8_blocks_past_the_weight_are_cut_at_its_shape() -> None:
+    """compressed-tensors packs each row's inputs into whole int32s: 12 4-bit inputs fill one int and
+    half of the next, the rest padding (`weight_shape` names 12), and 5 rows' zero points half an
+    int of 8 along the outputs; an FP8 weight padded to whole blocks of 8 x 8 names its own shape
+    (`weight_shape_original`). Each dequantizes to the weight alone."""
+    generator = torch.Generator().manual_seed(0)
+    ints = torch.randint(-8, 8, (5, 12), generator=generator)
+    zero_points = torch.randint(-8, 8, (5, 1), generator=generator)
+    scales = torch.rand(5, 1, generator=generator) + 0.1
+    padded = torch.nn.functional.pad(ints + 8, (0, 4))  # (padding: offset values of 0)
+    stored = {
+        "l.weight_packed": pack_int32(padded, 4),
+        "l.weight_scale": scales,
+        "l.weight_shape": torch.tensor([5, 12]),
+        "l.weight_zero_point": pack_int32(torch.nn.functional.pad(zero_points.T + 8, (0, 3)), 4).T,
+    }
+    layout = IntLayout("compressed-tensors", 4, -1, zero_points=True)
+    tensors = dict(int_weights.dequantized_tensors({n: Stored(t) for n, t in stored.items()}, layout))
+    assert tensors.keys() == {"l.weight"}
+    torch.testing.assert_close(tensors["l.weight"], (ints - zero_points).float() * scales, rtol=0, atol=0)
+
+    values = (torch.randn(16, 16, generator=generator) * 50).to(torch.float8_e4m3fn)
+    block_scales = torch.rand(2, 2, generator=generator) + 0.1
+    stored = {
+        "l.weight": values,
+        "l.weight_scale": block_scales,
+        "l.weight_shape_original": torch.tensor([10, 12]),
+    }
+    tensors = dict(
+        fp8.dequantized_tensors(
+            {n: Stored(t) for n, t in stored.items()}, Fp8Layout("compressed-tensors", (8, 8))
+        )
+    )
+    assert tensors.keys() == {"l.weight"}
+    expected = values.float() * block_scales.repeat_interleave(8, 0).repeat_interleave(8, 1)
+    torch.testing.assert_close(tensors["l.weight"], expected[:10, :12], rtol=0, atol=0)
+
+
 def edited(root: Path, model_dir: str, edit: object = None, config_edit: object = None) -> str:
     """`model_dir`'s checkpoint with its tensors and config.json edited in place of a copy."""
     from safetensors.torch import load_file, save_file
@@ -285,8 +344,8 @@ def ct_weights(**weights: object) -> dict[str, object]:
             r"config_groups.group_0.weights must be 8-bit floats .* got type 'float', num_bits 4, strategy 'group'",
         ),
         (
-            ct_weights(type="int", num_bits=4, strategy="group", group_size=128, symmetric=False),
-            r"config_groups.group_0.weights must be .* or symmetric ints a channel or a group, .*symmetric False",
+            ct_weights(type="int", num_bits=4, strategy="tensor", symmetric=False),
+            r"config_groups.group_0.weights must be .* or ints a channel or a group, .*strategy 'tensor'",
         ),
         (
             ct_weights(type="float", num_bits=8, strategy="channel"),

@@ -9,7 +9,8 @@ the KV cache stay in the model's dtype). Three layouts of the same product, told
   without `weight_block_size` one scale a tensor (`weight_scale_inv`, or vLLM's `weight_scale`).
 - "fbgemm_fp8" (Meta's Llama 3.1 405B FP8): a `weight_scale` an output row.
 - "compressed-tensors" of float weights (Red Hat's and Neural Magic's FP8, FP8-dynamic, FP8-block):
-  a `weight_scale` a tensor, a row or a block (`block_structure`), by each config group's strategy.
+  a `weight_scale` a tensor, a row or a block (`block_structure`), by each config group's strategy;
+  a weight padded to whole blocks carries its own shape (`weight_shape_original`), cut back to it.
 
 Activation and KV-cache scales (`input_scale`, `activation_scale`, `input_scale_ub`, `k_scale`,
 `v_scale`, vLLM's older `kv_scale`) are read by nothing here and dropped. A scale may lie in
@@ -28,6 +29,7 @@ from pagedserve.config import Fp8Layout
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 WEIGHT_SCALES = ("_scale_inv", "_scale")  # after a weight's name: DeepSeek's / the others'
+ORIGINAL_SHAPE = "_shape_original"  # after a padded weight's name (compressed-tensors' blocks)
 DROPPED = ("input_scale", "activation_scale", "input_scale_ub", ".k_scale", ".v_scale", ".kv_scale")
 
 
@@ -66,8 +68,11 @@ def dequantized_tensors(where: dict[str, Any], layout: Fp8Layout) -> Iterator[tu
 
 
 def _scale_of(name: str, where: dict[str, Any]) -> bool:
-    """Whether `name` is a weight's scale (the weight beside it)."""
-    return any(name.endswith(suffix) and name.removesuffix(suffix) in where for suffix in WEIGHT_SCALES)
+    """Whether `name` is a weight's scale or original shape (the weight beside it)."""
+    return any(
+        name.endswith(suffix) and name.removesuffix(suffix) in where
+        for suffix in (*WEIGHT_SCALES, ORIGINAL_SHAPE)
+    )
 
 
 def _dequantized(name: str, tensor: torch.Tensor, where: dict[str, Any], layout: Fp8Layout) -> torch.Tensor:
@@ -76,6 +81,10 @@ def _dequantized(name: str, tensor: torch.Tensor, where: dict[str, Any], layout:
     if scale_name is None:
         raise ValueError(f"model: the FP8 weight {name!r} has no scale ({name}_scale_inv or {name}_scale)")
     try:
-        return dequantize_fp8(tensor, where[scale_name].get_tensor(scale_name), layout.block)
+        weight = dequantize_fp8(tensor, where[scale_name].get_tensor(scale_name), layout.block)
     except ValueError as e:
         raise ValueError(f"model: {name!r}: {e}") from None
+    if name + ORIGINAL_SHAPE in where:  # (padded to whole blocks)
+        rows, cols = (int(n) for n in where[name + ORIGINAL_SHAPE].get_tensor(name + ORIGINAL_SHAPE))
+        weight = weight[:rows, :cols]
+    return weight

@@ -10,10 +10,11 @@ low bits first; a scale (and zero point) a group of `group_size` input columns:
 - AWQ (AutoAWQ's GEMM layout; "awq"): `qweight` [in, out / pack] and `qzeros` [groups, out / pack]
   along the outputs, eight 4-bit values an int32 in the order 0, 2, 4, 6, 1, 3, 5, 7; `scales`
   [groups, out].
-- compressed-tensors' ints (Red Hat's W4A16, W8A16: "pack-quantized"; W8A8: "int-quantized"),
-  symmetric: `weight_packed` [out, in / pack] along the inputs, each value offset by 2^(bits - 1),
-  or `weight` int8 as it is; `weight_scale` [out, groups], `weight_g_idx` [in] where act-ordered
-  (`weight_shape` unread: a layer's inputs fill its ints).
+- compressed-tensors' ints (Red Hat's W4A16, W8A16: "pack-quantized"; W8A8: "int-quantized"):
+  `weight_packed` [out, ceil(in / pack)] along the inputs, each value offset by 2^(bits - 1), the
+  last int's unused values past `weight_shape`'s inputs; or `weight` int8 as it is; `weight_scale`
+  [out, groups], `weight_g_idx` [in] where act-ordered; where not symmetric `weight_zero_point`
+  [out, groups] (packed along the outputs as the values are along the inputs, or int8 as it is).
 
 Each is yielded under its weight's name (`x.weight`); its other tensors, and activation and
 KV-cache scales, are read by nothing else here.
@@ -34,7 +35,10 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 PACKED = {
     "gptq": (".qweight", (".qzeros", ".scales", ".g_idx")),
     "awq": (".qweight", (".qzeros", ".scales")),
-    "compressed-tensors": (".weight_packed", (".weight_scale", ".weight_g_idx", ".weight_shape")),
+    "compressed-tensors": (
+        ".weight_packed",
+        (".weight_scale", ".weight_zero_point", ".weight_g_idx", ".weight_shape"),
+    ),
 }
 # read by nothing here: activations and the KV cache stay in the model's dtype
 DROPPED = (".input_scale", ".input_zero_point", ".output_scale", ".k_scale", ".v_scale", ".kv_scale")
@@ -90,11 +94,18 @@ def dequantize_awq(
     return ((values - zeros[groups]).float() * scales.float()[groups]).T
 
 
-def dequantize_symmetric(
-    values: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None, layout: IntLayout
+def dequantize_compressed(
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor | None,
+    g_idx: torch.Tensor | None,
+    layout: IntLayout,
 ) -> torch.Tensor:
-    """compressed-tensors' signed ints [out, in] times their scales [out, groups] -> float32."""
+    """compressed-tensors' signed ints [out, in] less their zero points (none: symmetric) times their
+    scales, each [out, groups] -> float32."""
     groups = group_of_inputs(values.shape[1], layout.group_size, g_idx)
+    if zero_points is not None:
+        values = values.int() - zero_points.int()[:, groups]
     return values.float() * scales.float()[:, groups]
 
 
@@ -107,7 +118,11 @@ def dequantized_tensors(where: dict[str, Any], layout: IntLayout) -> Iterator[tu
             continue
         if any(name.endswith(s) and name.removesuffix(s) + packed_suffix in where for s in read_with):
             continue
-        if layout.method == "compressed-tensors" and name.endswith(".weight_scale") and not layout.packed:
+        if (
+            layout.method == "compressed-tensors"
+            and name.endswith((".weight_scale", ".weight_zero_point"))
+            and not layout.packed
+        ):
             continue  # (int-quantized: read with its int8 weight below)
         if layout.packed and name.endswith(packed_suffix):
             layer = name.removesuffix(packed_suffix)
@@ -119,10 +134,12 @@ def dequantized_tensors(where: dict[str, Any], layout: IntLayout) -> Iterator[tu
             continue
         tensor = f.get_tensor(name)
         if tensor.dtype == torch.int8 and not layout.packed and name.endswith(".weight"):
-            scale = name.removesuffix("weight") + "weight_scale"
-            if scale not in where:
-                raise ValueError(f"model: the int8 weight {name!r} has no scale ({scale})")
-            tensor = dequantize_symmetric(tensor, where[scale].get_tensor(scale), None, layout)
+            scale, zero_point = name + "_scale", name + "_zero_point"
+            for needed in (scale, zero_point) if layout.zero_points else (scale,):
+                if needed not in where:
+                    raise ValueError(f"model: the int8 weight {name!r} has no {needed}")
+            zero_points = where[zero_point].get_tensor(zero_point) if layout.zero_points else None
+            tensor = dequantize_compressed(tensor, where[scale].get_tensor(scale), zero_points, None, layout)
         yield name, tensor
 
 
@@ -140,5 +157,12 @@ def _dequantized(layer: str, where: dict[str, Any], layout: IntLayout) -> torch.
         return dequantize_gptq(read(".qweight"), read(".qzeros"), read(".scales"), read_if(".g_idx"), layout)
     if layout.method == "awq":
         return dequantize_awq(read(".qweight"), read(".qzeros"), read(".scales"), layout)
-    values = unpack_columns(read(".weight_packed"), layout.bits) - (1 << (layout.bits - 1))
-    return dequantize_symmetric(values, read(".weight_scale"), read_if(".weight_g_idx"), layout)
+    offset = 1 << (layout.bits - 1)
+    values = unpack_columns(read(".weight_packed"), layout.bits) - offset
+    shape = read_if(".weight_shape")
+    if shape is not None:  # (the last int of a row holds values past the inputs)
+        values = values[:, : int(shape[1])]
+    zero_points = None
+    if layout.zero_points:
+        zero_points = unpack_rows(read(".weight_zero_point"), layout.bits)[: values.shape[0]] - offset
+    return dequantize_compressed(values, read(".weight_scale"), zero_points, read_if(".weight_g_idx"), layout)
