@@ -93,8 +93,9 @@ def tiny_hybrid_config(name: str) -> object:
     """A tiny hybrid's transformers config (`save_tiny_model` writes its checkpoint): "lfm2" (short
     convolutions at layers 0 and 2), "granite4-h" (Mamba2 at layers 0 and 2), "nemotron-h" (a layer a
     block: Mamba2, MLP, attention, MLP, Mamba2, MLP; its states in float32), "mamba2" (two Mamba2
-    layers, no attention) "qwen3.5" (Gated DeltaNet at layers 0 and 2, 4 value heads over 2 key heads) or "qwen3-next" (its layers
-    as Qwen3-Next stores them, experts at layer 1); Mamba2's 8 heads of 16 in 2
+    layers, no attention) "qwen3.5" (Gated DeltaNet at layers 0 and 2, 4 value heads over 2 key heads), "qwen3-next" (its layers
+    as Qwen3-Next stores them, experts at layer 1) or "kimi-linear" (KDA's 2 heads at layers 0 and 2,
+    latent attention with q_proj, experts at layer 1); Mamba2's 8 heads of 16 in 2
     groups with states of 16, in chunks of 8, so prompts cross several and chunked prefill splits
     them anywhere."""
     import transformers
@@ -158,6 +159,25 @@ def tiny_hybrid_config(name: str) -> object:
             moe_intermediate_size=16,
             shared_expert_intermediate_size=32,
             decoder_sparse_step=2,
+        )
+    if name == "kimi-linear":
+        return transformers.KimiLinearConfig(
+            **small,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "dense"],
+            linear_num_heads=2,
+            linear_head_dim=16,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            tie_word_embeddings=False,
         )
     assert name == "nemotron-h", name
     return transformers.NemotronHConfig(

@@ -78,6 +78,8 @@ class ModelConfig:
         hf = apply_hf_overrides(hf, hf_overrides or {})
         check_quantization(hf)
         hf = text_decoder_config(hf)
+        if architecture_of(hf) == "KimiLinearForCausalLM":
+            hf = kimi_linear_config(hf)
         if architecture_of(hf) == "NemotronHForCausalLM":  # (its layer types count its layers)
             hf = {**hf, "num_hidden_layers": len(nemotron_h_layer_types(hf))}
         num_layers = num_kv_cache_layers(hf)
@@ -120,6 +122,7 @@ def special_floats(obj: dict[str, Any]) -> Any:
 def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
     """Each layer's token mixer in a hybrid model (`models.hybrid`): "full_attention", LFM2's "conv",
     "mamba" (Granite 4.0's, Bamba's, Nemotron-H's, Mamba2's), "gated_delta" (Qwen3.5's and Qwen3-Next's Gated DeltaNet),
+    "kimi_delta" (Kimi Linear's KDA, as `kimi_linear_config` reads its layers),
     Nemotron-H's "mlp" (a layer of an MLP alone) or "moe"; None for a model of attention layers alone."""
     architecture = architecture_of(hf)
     if architecture in ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):
@@ -132,6 +135,9 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
         layer_types = ["mamba"] * hf["num_hidden_layers"]
     elif architecture in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
         layer_types = qwen3_5_layer_types(hf)
+    elif architecture == "KimiLinearForCausalLM":
+        names = {"full_attention": "full_attention", "linear_attention": "kimi_delta"}
+        layer_types = [names[kind] for kind in kimi_linear_config(hf)["layer_types"]]
     elif architecture == "BambaForCausalLM":
         attention = hf.get("attn_layer_indices") or ()
         layer_types = [
@@ -144,7 +150,7 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
 
 def is_recurrent(hf: dict[str, Any]) -> bool:
     """Whether some layer carries a state per request in place of a KV cache (`ModelConfig.recurrent`)."""
-    return bool({"conv", "mamba", "gated_delta"} & set(hybrid_layer_types(hf) or ()))
+    return bool({"conv", "mamba", "gated_delta", "kimi_delta"} & set(hybrid_layer_types(hf) or ()))
 
 
 def num_kv_cache_layers(hf: dict[str, Any]) -> int:
@@ -219,6 +225,61 @@ def qwen3_5_layer_types(hf: dict[str, Any]) -> list[str]:
             f"linear_attention, got {layer_types!r}"
         )
     return [names[kind] for kind in layer_types]
+
+
+def kimi_linear_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """Kimi Linear's config.json under the names the models read, as KimiLinearConfig reads it (its
+    attribute_map): the experts' `num_experts`, `num_experts_per_token`, `moe_renormalize`,
+    `num_expert_group`, `num_shared_experts` as DeepSeek-V3's `n_routed_experts`...; `model_max_length`
+    as `max_position_embeddings`; `layer_types` ("full_attention" or "linear_attention") from
+    config.json's, else the Hub's `linear_attn_config` (`full_attn_layers` and `kda_layers`, counted
+    from 1), else every 4th layer from layer 4 on full attention; `mlp_layer_types` ("dense" or
+    "sparse") from config.json's, else the first `first_k_dense_replace` (1) dense; the linear
+    attention's heads and convolution from `linear_attn_config` too. Its latent attention turns
+    nothing (`mla_use_nope`, which transformers' model assumes): a config that turns it is refused."""
+    if hf.get("mla_use_nope", True) is not True:
+        raise ValueError(
+            "model: config.json's mla_use_nope false (a rotary latent attention) is not served for Kimi Linear"
+        )
+    if hf.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+        raise ValueError(
+            f"model: config.json's moe_router_activation_func must be sigmoid, got {hf['moe_router_activation_func']!r}"
+        )
+    num_layers, linear = hf["num_hidden_layers"], hf.get("linear_attn_config") or {}
+    layer_types = hf.get("layer_types")
+    if layer_types is None and "full_attn_layers" in linear and "kda_layers" in linear:
+        full = {int(n) - 1 for n in linear["full_attn_layers"]}
+        layer_types = ["full_attention" if i in full else "linear_attention" for i in range(num_layers)]
+    elif layer_types is None:
+        layer_types = [
+            "full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(num_layers)
+        ]
+    if len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "linear_attention"}:
+        raise ValueError(
+            f"model: config.json's layer_types must name {num_layers} layers, each full_attention or "
+            f"linear_attention, got {layer_types!r}"
+        )
+    first_dense = hf.get("first_k_dense_replace", 1)
+    mlp_layer_types = hf.get("mlp_layer_types") or [
+        "dense" if i < first_dense else "sparse" for i in range(num_layers)
+    ]
+    renamed = {
+        "n_routed_experts": "num_experts",
+        "num_experts_per_tok": "num_experts_per_token",
+        "norm_topk_prob": "moe_renormalize",
+        "n_group": "num_expert_group",
+        "n_shared_experts": "num_shared_experts",
+        "max_position_embeddings": "model_max_length",
+    }
+    return {
+        **hf,
+        **{ours: hf[theirs] for ours, theirs in renamed.items() if theirs in hf},
+        "layer_types": layer_types,
+        "mlp_layer_types": mlp_layer_types,
+        "linear_head_dim": linear.get("head_dim", hf.get("linear_head_dim", 128)),
+        "linear_num_heads": linear.get("num_heads", hf.get("linear_num_heads", 32)),
+        "linear_conv_kernel_dim": linear.get("short_conv_kernel_size", hf.get("linear_conv_kernel_dim", 4)),
+    }
 
 
 def lfm2_layer_types(hf: dict[str, Any]) -> list[str]:

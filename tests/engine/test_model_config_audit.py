@@ -54,6 +54,7 @@ from transformers import (
     HunYuanDenseV1Config,
     InternLM3Config,
     Jais2Config,
+    KimiLinearConfig,
     Lfm2Config,
     Lfm2MoeConfig,
     Mamba2Config,
@@ -144,6 +145,8 @@ NOT_DECODE_LAYERS = {
     "qwen3.5-by-interval-tied",
     "qwen3-next-sparse-step-dense-layer-unnormalized",
     "qwen3-next-as-qwen-leaves-it",
+    "kimi-linear-kda-mla-kda-kda-experts",
+    "kimi-linear-as-moonshot-names-it",
     "mamba2-no-attention",
     "bamba-mamba-attention-mamba-biases",
     "bamba-as-ibm-names-it",
@@ -254,6 +257,20 @@ MLA = {
         if key not in ("num_kv_heads", "n_group", "topk_group")
     },
     "num_key_value_heads": 4,  # (transformers' MLA expands its keys to every head)
+}
+# Kimi Linear's latent attention (MLA's sizes), KDA's heads and its experts, on a tiny scale
+KIMI_LINEAR = {
+    **{key: value for key, value in MLA.items() if key in ("kv_lora_rank", "q_lora_rank")},
+    **{key: value for key, value in MLA.items() if key.startswith(("qk_", "v_head"))},
+    "linear_num_heads": 2,
+    "linear_head_dim": 16,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "moe_intermediate_size": 16,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
 }
 # a tiny Llama's config.json as DeepSeek-V2's (its refusals come before any weight loads)
 DEEPSEEK_V2 = {"architectures": ["DeepseekV2ForCausalLM"], **MLA}
@@ -397,6 +414,21 @@ def qwen3_next_as_qwen_leaves_it(config: dict[str, Any]) -> None:
 def without_norm_topk_prob(config: dict[str, Any]) -> None:
     """Qwen2-MoE's config.json as Qwen wrote them, without it: not renormalized."""
     assert config.pop("norm_topk_prob") is False
+
+
+def kimi_linear_as_moonshot_names_it(config: dict[str, Any]) -> None:
+    """The Hub's config.json: the layers by `linear_attn_config` (counted from 1), with the linear
+    attention's heads and convolution; the first dense MLPs by `first_k_dense_replace`; no rope."""
+    layer_types = config.pop("layer_types")
+    config["linear_attn_config"] = {
+        "full_attn_layers": [i + 1 for i, kind in enumerate(layer_types) if kind == "full_attention"],
+        "kda_layers": [i + 1 for i, kind in enumerate(layer_types) if kind == "linear_attention"],
+        "head_dim": config.pop("linear_head_dim"),
+        "num_heads": config.pop("linear_num_heads"),
+        "short_conv_kernel_size": config.pop("linear_conv_kernel_dim"),
+    }
+    assert config.pop("mlp_layer_types") == ["dense", "sparse", "sparse", "sparse"]
+    config.update(first_k_dense_replace=1, mla_use_nope=True, moe_router_activation_func="sigmoid")
 
 
 def without_rms_norm_eps(config: dict[str, Any]) -> None:
@@ -1078,6 +1110,31 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         ),
         qwen3_next_as_qwen_leaves_it,
     ),
+    # Kimi Linear: KDA (2 heads of 16, a decay a key channel) in layers 0, 2 and 3, latent attention
+    # without rotary (4 heads over a latent of 56 + 8) in layer 1; 2 of 8 experts a token in 2 of 4
+    # groups (DeepSeek-V3's routing) beside a shared expert in layers 1 and 2, layers 0 and 3 dense;
+    # norm eps 0.1 (at 1e-2 transformers' own bfloat16 tokens sit nats below its float32 ones here)
+    "kimi-linear-kda-mla-kda-kda-experts": (
+        lambda: KimiLinearConfig(
+            **{**TINY, "num_hidden_layers": 4},
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse", "dense"],
+            rms_norm_eps=0.1,
+            **KIMI_LINEAR,
+        ),
+        None,
+    ),
+    # as the Hub's config.json names it (`kimi_linear_as_moonshot_names_it`)
+    "kimi-linear-as-moonshot-names-it": (
+        lambda: KimiLinearConfig(
+            **{**TINY, "num_hidden_layers": 4},
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+            rms_norm_eps=0.1,
+            **KIMI_LINEAR,
+        ),
+        kimi_linear_as_moonshot_names_it,
+    ),
     # as LiquidAI's config.json names it: attention by full_attn_idxs, block_ff_dim, tie_embedding;
     # without rope keys or norm_eps (theta 1e6, eps 1e-5 by default)
     "lfm2-as-the-hub-names-it": (
@@ -1703,6 +1760,10 @@ def test_phi2s_lm_head_bias_moves_the_greedy_tokens(
         ("granitemoeshared-shared-expert", "model.layers.1.shared_mlp.input_linear.weight"),
         ("lfm2-moe-dense-layer-0-sigmoid-biased-experts", "model.layers.1.feed_forward.experts.3.w3.weight"),
         ("qwen3-next-as-qwen-leaves-it", "model.layers.1.mlp.experts.3.up_proj.weight"),
+        # (and KDA's convolution as three tensors, its forget gate's beside it)
+        ("kimi-linear-kda-mla-kda-kda-experts", "model.layers.0.self_attn.q_conv1d.weight"),
+        ("kimi-linear-kda-mla-kda-kda-experts", "model.layers.2.self_attn.f_a_proj.weight"),
+        ("kimi-linear-kda-mla-kda-kda-experts", "model.layers.1.block_sparse_moe.experts.5.w3.weight"),
     ],
 )
 def test_experts_as_the_hub_lays_them_out_load_as_stacked(

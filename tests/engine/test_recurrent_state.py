@@ -47,6 +47,7 @@ HYBRIDS = {
     "nemotron-h": nemotron_h_config,
     "mamba2": lambda: tiny_hybrid_config("mamba2"),
     "qwen3.5": lambda: tiny_hybrid_config("qwen3.5"),
+    "kimi-linear": lambda: tiny_hybrid_config("kimi-linear"),
 }
 
 
@@ -121,7 +122,7 @@ def test_speculative_decoding_and_lora_are_refused_naming_them(hybrid_dir: str, 
 
     name = json.loads((Path(hybrid_dir) / "config.json").read_text())["architectures"][0]
     base = AutoModelForCausalLM.from_pretrained(hybrid_dir)
-    targets = ["in_proj", "in_proj_qkv"]  # (a convolution's or Mamba2's; Gated DeltaNet's)
+    targets = ["in_proj", "in_proj_qkv", "b_proj"]  # (a convolution's or Mamba2's; Gated DeltaNet's; KDA's)
     get_peft_model(base, LoraConfig(r=4, target_modules=targets)).save_pretrained(tmp_path)
     ngram = {"method": "ngram", "num_speculative_tokens": 3}
     with pytest.raises(
@@ -159,7 +160,7 @@ def test_tp2_splits_mamba2s_heads_and_matches_single_rank(
         assert llm.engine.stats().num_recompute_preemptions > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next"])
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next", "kimi-linear"])
 def test_tp2_splits_the_gated_delta_heads_and_matches_single_rank(
     tmp_path: Path, default_model_dir: str, family: str
 ) -> None:
@@ -167,18 +168,20 @@ def test_tp2_splits_the_gated_delta_heads_and_matches_single_rank(
     (their rows of in_proj_qkv, the convolution, z, b and a, their A_log, dt_bias and states), the
     gated attention's query-and-gate pairs split by head; under chunked prefill and recompute
     preemption. Qwen3-Next's fused projections (in_proj_qkvz, in_proj_ba: each key head's rows
-    together) give each rank the same rows."""
+    together) give each rank the same rows. Kimi Linear's KDA: each rank one of its 2 heads (their
+    rows of q, k, v, b, the forget gate's and the output gate's up-projections, dt_bias a channel,
+    A_log), the low-rank down-projections whole; its latent attention's heads split."""
     model_dir = save_tiny_model(tmp_path / family, default_model_dir, tiny_hybrid_config(family))
     reference = single_rank_reference(model_dir, tiny_prompts(), num_kv_blocks=256, block_size=8)
     settings = {"num_kv_blocks": 24, "block_size": 8, "max_num_batched_tokens": 24, "max_num_seqs": 8}
     with tensor_parallel_llm(model_dir, 2, **settings) as llm:
         mixer = llm.engine.executor.worker.model_runner.recurrent_layers[0]  # type: ignore[attr-defined]
-        assert (mixer.num_k_heads, mixer.num_v_heads) == (1, 2)
+        assert (mixer.num_k_heads, mixer.num_v_heads) == ((1, 1) if family == "kimi-linear" else (1, 2))
         assert_matches_reference(greedy_reference(llm, tiny_prompts()), reference)
         assert llm.engine.stats().num_recompute_preemptions > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next"])
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next", "kimi-linear"])
 def test_gated_delta_splits_it_cannot_make_are_refused(
     tmp_path: Path, default_model_dir: str, family: str
 ) -> None:
@@ -193,9 +196,10 @@ def test_gated_delta_splits_it_cannot_make_are_refused(
     engine = SimpleNamespace(model=model, parallel=SimpleNamespace(tensor_parallel_size=4))
     with pytest.raises(ValueError, match="4 does not divide the 2 linear-attention key heads"):
         check_tensor_parallel_size(engine)  # type: ignore[arg-type]
-    (Path(model_dir) / "config.json").write_text(json.dumps({**config, "linear_num_value_heads": 3}))
-    with pytest.raises(ValueError, match="2 linear-attention key heads do not divide its 3 value heads"):
-        LLM(model=model_dir, dtype="float32", num_kv_blocks=16)
+    if family != "kimi-linear":  # (KDA has as many key heads as value heads)
+        (Path(model_dir) / "config.json").write_text(json.dumps({**config, "linear_num_value_heads": 3}))
+        with pytest.raises(ValueError, match="2 linear-attention key heads do not divide its 3 value heads"):
+            LLM(model=model_dir, dtype="float32", num_kv_blocks=16)
     (Path(model_dir) / "config.json").write_text(
         json.dumps({**config, "layer_types": ["linear_attention", "full_attention", "mamba"]})
     )

@@ -1,5 +1,7 @@
-"""The gated delta rule's linear attention (Gated DeltaNet: the linear-attention layers of Qwen3.5),
-with the state it carries for each request from step to step (`layers.recurrent`).
+"""The gated delta rule's linear attention (Gated DeltaNet: the linear-attention layers of Qwen3.5 and
+Qwen3-Next), with the state it carries for each request from step to step (`layers.recurrent`);
+`DeltaRuleLayer` is what it shares with Kimi Linear's (`layers.kimi_delta`), whose decay is a key
+channel's (`chunked_channel_delta_rule`).
 
 in_proj_qkv gives each token the inputs of a causal depthwise convolution (then SiLU) that split into
 queries and keys (`num_k_heads` of `head_k_dim`) and values (`num_v_heads` of `head_v_dim`, each key
@@ -60,10 +62,14 @@ class GatedDeltaDims:
             )
 
 
-class GatedDeltaNet(RecurrentLayer):
-    """Under tensor parallelism each rank holds its share of the key heads and of the value heads they
-    serve: their rows of the projections and the convolution, their A_log and dt_bias, their states;
-    out_proj sums the ranks' parts."""
+class DeltaRuleLayer(RecurrentLayer):
+    """What the delta rule's layers share (`GatedDeltaNet`; Kimi Linear's, `layers.kimi_delta`): this
+    rank's share of the key heads and of the value heads they serve, a causal convolution over their
+    queries, keys and values (`conv_weight`: this rank's rows of the checkpoint's [q | k | v]), a
+    state per request and value head, and one input projection (`in_proj`) of the parts
+    `in_proj_parts` names, each this rank's rows of a checkpoint tensor (`load_in_proj`)."""
+
+    in_proj: ReplicatedLinear
 
     def __init__(self, dims: GatedDeltaDims) -> None:
         super().__init__()
@@ -73,28 +79,25 @@ class GatedDeltaNet(RecurrentLayer):
         self.num_k_heads, self.num_v_heads = dims.num_k_heads // tp_size, dims.num_v_heads // tp_size
         self.key_dim, self.value_dim = self.num_k_heads * dims.head_k_dim, self.num_v_heads * dims.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        # this rank's rows of the checkpoint's [q | k | v] (projection and convolution), z, b and a
         full_key = dims.num_k_heads * dims.head_k_dim
-        keys, values, heads = rank_rows(self.key_dim), rank_rows(self.value_dim), rank_rows(self.num_v_heads)
-        qkv_rows = torch.cat((keys, full_key + keys, 2 * full_key + values))
-        # in_proj_qkv, in_proj_z, in_proj_b and in_proj_a as one matmul: [qkv | z | b | a] a token
-        self.in_proj_parts = {"qkv": qkv_rows, "z": values, "b": heads, "a": heads}
-        self.in_proj_sizes = [len(rows) for rows in self.in_proj_parts.values()]
-        self.in_proj = ReplicatedLinear(dims.hidden_size, sum(self.in_proj_sizes), bias=False)
-        self.in_proj.weight.weight_loader = self._in_proj_loader  # type: ignore[attr-defined]
+        keys, values = rank_rows(self.key_dim), rank_rows(self.value_dim)
+        self.qkv_rows = torch.cat((keys, full_key + keys, 2 * full_key + values))
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, dims.conv_width), requires_grad=False)
-        self.conv_weight.weight_loader = rows_loader(qkv_rows)  # type: ignore[attr-defined]
-        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
-        self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
-        for param in (self.dt_bias, self.A_log):
-            param.weight_loader = rows_loader(heads)  # type: ignore[attr-defined]
-        self.norm_weight = nn.Parameter(torch.ones(dims.head_v_dim), requires_grad=False)  # (every head's)
-        self.out_proj = RowParallelLinear(dims.num_v_heads * dims.head_v_dim, dims.hidden_size, bias=False)
+        self.conv_weight.weight_loader = rows_loader(self.qkv_rows)  # type: ignore[attr-defined]
+        self.in_proj_parts: dict[str, torch.Tensor] = {}  # set by `set_in_proj`
+        self.in_proj_sizes: list[int] = []
         self.conv_state: torch.Tensor | None = None  # [rows, width - 1, conv_dim], set by `bind_state`
         self.delta_state: torch.Tensor | None = None  # [rows, v heads, head_k_dim, head_v_dim]
 
-    def _in_proj_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: str) -> None:
-        """The checkpoint's in_proj_`part` (qkv, z, b or a): this rank's rows of it, in its place."""
+    def set_in_proj(self, parts: dict[str, torch.Tensor]) -> None:
+        """`in_proj`: the checkpoint's `parts` (each its rows on this rank) as one matmul, in order."""
+        self.in_proj_parts = parts
+        self.in_proj_sizes = [len(rows) for rows in parts.values()]
+        self.in_proj = ReplicatedLinear(self.dims.hidden_size, sum(self.in_proj_sizes), bias=False)
+        self.in_proj.weight.weight_loader = self.load_in_proj  # type: ignore[attr-defined]
+
+    def load_in_proj(self, param: nn.Parameter, loaded: torch.Tensor, part: str) -> None:
+        """The checkpoint's projection `part`: this rank's rows of it, in its place in `in_proj`."""
         start = 0
         for name, rows in self.in_proj_parts.items():
             if name == part:
@@ -119,27 +122,22 @@ class GatedDeltaNet(RecurrentLayer):
         self.conv_state[row] = 0
         self.delta_state[row] = 0
 
-    def forward(self, hidden: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
+    def conv_qkv(
+        self, qkv: torch.Tensor, step: RecurrentStep
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q and k [tokens, v heads, head_k_dim] (L2-normed, q scaled by head_k_dim^-1/2, each key head
+        repeated for its value heads) and v [tokens, v heads, head_v_dim], in float32, from the
+        projected [q | k | v] through the convolution and SiLU (the requests' convolution states
+        advanced)."""
         assert self.conv_state is not None, "bind_state() first"
         dims = self.dims
-        qkv, z, b, a = self.in_proj(hidden).split(self.in_proj_sizes, dim=-1)
-        qkv = causal_conv(
-            qkv,
-            self.conv_state,
-            self.conv_weight,
-            None,
-            step.rows,
-            step.windows[self.width],
-        )
+        qkv = causal_conv(qkv, self.conv_state, self.conv_weight, None, step.rows, step.windows[self.width])
         q, k, v = F.silu(qkv).float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         repeat = self.num_v_heads // self.num_k_heads
         q = l2_normed(q.unflatten(-1, (self.num_k_heads, dims.head_k_dim))) * dims.head_k_dim**-0.5
         k = l2_normed(k.unflatten(-1, (self.num_k_heads, dims.head_k_dim)))
         q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
-        beta = torch.sigmoid(b).float()
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
-        o = self.scan(q, k, v.unflatten(-1, (self.num_v_heads, dims.head_v_dim)), g, beta, step)
-        return self.out_proj(self.gated_norm(o.to(hidden.dtype), z).flatten(1))
+        return q, k, v.unflatten(-1, (self.num_v_heads, dims.head_v_dim))
 
     def scan(
         self,
@@ -151,11 +149,13 @@ class GatedDeltaNet(RecurrentLayer):
         step: RecurrentStep,
     ) -> torch.Tensor:
         """o [tokens, v heads, head_v_dim] (float32) of the step's tokens, each request's state advanced;
-        q and k [tokens, v heads, head_k_dim] (each key head repeated for its value heads)."""
+        q and k [tokens, v heads, head_k_dim] (each key head repeated for its value heads); g the decay
+        [tokens, v heads] a head's, or [tokens, v heads, head_k_dim] a key channel's (Kimi's)."""
         assert self.delta_state is not None
         o = torch.empty_like(v)
         rows, tokens = step.single_tokens
-        if tokens.numel() and self.delta_state.is_cpu and cpu_kernels.load():
+        by_channel = g.dim() == 3
+        if tokens.numel() and not by_channel and self.delta_state.is_cpu and cpu_kernels.load():
             o[tokens] = cpu_kernels.gated_delta_decode(
                 self.delta_state, rows, q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens]
             )
@@ -163,9 +163,10 @@ class GatedDeltaNet(RecurrentLayer):
             state = self.delta_state[rows].float()
             o[tokens] = delta_rule_step(state, q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens])
             self.delta_state[rows] = state.to(self.delta_state.dtype)
+        rule = chunked_channel_delta_rule if by_channel else chunked_delta_rule
         for row, start, n in step.runs:
             span = slice(start, start + n)
-            o[span], state = chunked_delta_rule(
+            o[span], state = rule(
                 q[span],
                 k[span],
                 v[span],
@@ -176,6 +177,32 @@ class GatedDeltaNet(RecurrentLayer):
             )
             self.delta_state[row] = state.to(self.delta_state.dtype)
         return o
+
+
+class GatedDeltaNet(DeltaRuleLayer):
+    """Qwen3.5's: in_proj_qkv, in_proj_z, in_proj_b and in_proj_a one matmul. Under tensor parallelism
+    each rank holds its share of the key heads and of the value heads they serve: their rows of the
+    projections and the convolution, their A_log and dt_bias, their states; out_proj sums the ranks'
+    parts."""
+
+    def __init__(self, dims: GatedDeltaDims) -> None:
+        super().__init__(dims)
+        values, heads = rank_rows(self.value_dim), rank_rows(self.num_v_heads)
+        self.set_in_proj({"qkv": self.qkv_rows, "z": values, "b": heads, "a": heads})
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        for param in (self.dt_bias, self.A_log):
+            param.weight_loader = rows_loader(heads)  # type: ignore[attr-defined]
+        self.norm_weight = nn.Parameter(torch.ones(dims.head_v_dim), requires_grad=False)  # (every head's)
+        self.out_proj = RowParallelLinear(dims.num_v_heads * dims.head_v_dim, dims.hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
+        qkv, z, b, a = self.in_proj(hidden).split(self.in_proj_sizes, dim=-1)
+        q, k, v = self.conv_qkv(qkv, step)
+        beta = torch.sigmoid(b).float()
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        o = self.scan(q, k, v, g, beta, step)
+        return self.out_proj(self.gated_norm(o.to(hidden.dtype), z).flatten(1))
 
     def gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Each head of o RMS-normed (in float32, rounded to o's dtype), times the weight in o's dtype,
@@ -198,8 +225,9 @@ def delta_rule_step(
     beta: torch.Tensor,
 ) -> torch.Tensor:
     """One token of each sequence: `state` [sequences, heads, dk, dv] advanced in place, its output
-    [sequences, heads, dv] returned."""
-    state.mul_(torch.exp(g)[..., None, None])
+    [sequences, heads, dv] returned; g [sequences, heads] a head's decay, or [sequences, heads, dk] a
+    key channel's."""
+    state.mul_(torch.exp(g)[..., None] if g.dim() == 3 else torch.exp(g)[..., None, None])
     predicted = torch.einsum("nhkv,nhk->nhv", state, k)
     state.add_(k[..., :, None] * ((v - predicted) * beta[..., None])[..., None, :])
     return torch.einsum("nhkv,nhk->nhv", state, q)
@@ -247,4 +275,48 @@ def chunked_delta_rule(
         updates = updates_free[:, c] - updates_per_state[:, c] @ state
         out[:, c] = q_decayed[:, c] @ state + attention[:, c] @ updates
         state = state * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ updates
+    return out.flatten(1, 2)[:, :num_tokens].transpose(0, 1), state
+
+
+def chunked_channel_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_delta_rule` with a decay a key channel (g [tokens, heads, dk]: Kimi Linear's), S's row
+    d decayed by exp(g_d): in a chunk each pair (t, s <= t) decays channel d by exp(G_t,d - G_s,d),
+    summed into L[t, s] = beta_t sum_d k_t,d k_s,d exp(G_t,d - G_s,d) (s < t) and the queries' weights
+    sum_d q_t,d k_s,d exp(G_t,d - G_s,d) (s <= t), each chunk's [heads, C, C, dk] differences taken
+    under the mask before exp (no exp(-G) to overflow); the rest as the scalar rule's, exp(G) a row of
+    S at a time."""
+    num_tokens = q.shape[0]
+    pad = -num_tokens % chunk_size
+    # [heads, chunks, chunk_size, ...]
+    q, k, v, g = (
+        F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unflatten(1, (-1, chunk_size)) for x in (q, k, v, g)
+    )
+    beta = F.pad(beta, (0, 0, 0, pad)).transpose(0, 1).unflatten(1, (-1, chunk_size))
+    cumulative = g.cumsum(2)  # [heads, chunks, C, dk]
+    lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    eye = torch.eye(chunk_size, device=q.device)
+    out = torch.empty_like(v)
+    for c in range(q.shape[1]):
+        G = cumulative[:, c]
+        differences = G[:, :, None, :] - G[:, None, :, :]  # [heads, t, s, dk]
+        pair_decay = differences.masked_fill(~lower[:, :, None], float("-inf")).exp()
+        k_c, q_c, beta_c = k[:, c], q[:, c], beta[:, c]
+        kk = torch.einsum("htd,hsd,htsd->hts", k_c, k_c, pair_decay)
+        system = eye + torch.tril(kk, diagonal=-1) * beta_c[..., None]
+        k_beta = k_c * beta_c[..., None]
+        updates_free = torch.linalg.solve_triangular(system, v[:, c] * beta_c[..., None], upper=False)
+        updates_per_state = torch.linalg.solve_triangular(system, k_beta * G.exp(), upper=False)
+        updates = updates_free - updates_per_state @ state
+        attention = torch.einsum("htd,hsd,htsd->hts", q_c, k_c, pair_decay)
+        out[:, c] = (q_c * G.exp()) @ state + attention @ updates
+        to_end = (G[:, -1:] - G).exp()  # [heads, C, dk]
+        state = state * G[:, -1].exp()[..., None] + (k_c * to_end).transpose(-1, -2) @ updates
     return out.flatten(1, 2)[:, :num_tokens].transpose(0, 1), state

@@ -86,6 +86,8 @@ class MLAAttention(LlamaAttention):
     `attention_bias` on q_a_proj, kv_a_proj_with_mqa and o_proj. Llama's attention protocol (forward)
     and none of its projections."""
 
+    turns_pe = True  # the rope turns q_pe and k_pe (Kimi Linear's turns nothing: `models.kimi_linear`)
+
     def __init__(
         self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
     ) -> None:
@@ -125,10 +127,12 @@ class MLAAttention(LlamaAttention):
         )
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.latent_dim, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        # q_pe's heads and the one k_pe turned together
-        q_pe, k_pe = ops.apply_rotary(torch.cat((q_pe, k_pe[:, None]), dim=1), *rotary[:2]).split(
-            [self.num_heads, 1], dim=1
-        )
+        if self.turns_pe:  # q_pe's heads and the one k_pe turned together
+            q_pe, k_pe = ops.apply_rotary(torch.cat((q_pe, k_pe[:, None]), dim=1), *rotary[:2]).split(
+                [self.num_heads, 1], dim=1
+            )
+        else:
+            k_pe = k_pe[:, None]
         up = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
         w_uk, w_uv = up.split([self.nope_dim, self.v_dim], dim=1)  # [heads, nope | v, latent]
         # each head's query in the latent's space: [heads, tokens, nope] @ [heads, nope, latent]
@@ -171,7 +175,7 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
     checkpoints set it false). GPT-J's rotary, in float32 as transformers' complex rotation runs it.
     The defaults are DeepseekV2Config's."""
 
-    decoder_layer_class = MLADecoderLayer
+    decoder_layer_class: type[LlamaDecoderLayer] = MLADecoderLayer
     # (q, k and v are no Llama projections here: only the MLP's gate and up are stacked)
     stacked_params = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 

@@ -19,6 +19,7 @@ from pagedserve.models.hybrid import (
     Mamba2ForCausalLM,
     NemotronHForCausalLM,
 )
+from pagedserve.models.kimi_linear import KimiLinearForCausalLM
 from pagedserve.models.llama import (
     Ernie4_5ForCausalLM,
     Exaone4ForCausalLM,
@@ -116,6 +117,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "KimiLinearForCausalLM": KimiLinearForCausalLM,
 }
 
 

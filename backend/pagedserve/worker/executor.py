@@ -20,6 +20,7 @@ from pagedserve.launch import launch_env
 from pagedserve.layers.linear import check_head_split
 from pagedserve.layers.mamba2 import check_split as check_mamba2_split
 from pagedserve.models.hybrid import mamba2_dims
+from pagedserve.models.kimi_linear import kimi_delta_dims
 from pagedserve.models.qwen3_5 import gated_delta_dims
 from pagedserve.worker.worker import Worker
 
@@ -126,6 +127,8 @@ def check_tensor_parallel_size(config: EngineConfig) -> None:
         "Qwen3NextForCausalLM",
     ):  # (its linear attention's key heads)
         gated_delta_dims(model.hf_config).check_split(tp)
+    if architecture_of(model.hf_config) == "KimiLinearForCausalLM":  # (its linear attention's heads)
+        kimi_delta_dims(model.hf_config).check_split(tp)
     intermediate_size = int(model.hf_config.get("intermediate_size", 0))
     if intermediate_size % tp:
         raise ValueError(
