@@ -11,8 +11,11 @@ every fourth attention (12 heads, 4 KV heads, no rope), the others Mamba2 (24 he
 128, one group, convolutions of 4 taps), a dense shared MLP 2,048 wide. `qwen3.5` is a Qwen3.5 layout at a CPU's scale: hidden 1,024,
 12 layers, every fourth gated full attention (8 heads of 128, 2 KV heads, a quarter of each turned),
 the others Gated DeltaNet (4 key heads and 8 value heads of 128, convolutions of 4 taps), an MLP
-3,072 wide. Each with the default model's tokenizer and vocabulary, saved by transformers'
-`save_pretrained` in bfloat16.
+3,072 wide. `kimi-linear` is a Kimi Linear layout at a CPU's scale: hidden 1,024, 12 layers, every
+fourth DeepSeek latent attention without rotary (8 heads, a latent of 256 + 32), the others Kimi Delta
+Attention (8 heads of 128, convolutions of 4 taps), layer 0's MLP dense (3,072), the others 2 of 16
+experts of 512 beside a shared one (its LM head untied, as Kimi's). Each with the default model's
+tokenizer and vocabulary, saved by transformers' `save_pretrained` in bfloat16.
 """
 
 from __future__ import annotations
@@ -66,6 +69,27 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "linear_value_head_dim": 128,
         },
     ),
+    "kimi-linear": (
+        "KimiLinearConfig",
+        {
+            "hidden_size": 1024,
+            "num_hidden_layers": 12,
+            "intermediate_size": 3072,
+            "num_attention_heads": 8,
+            "kv_lora_rank": 256,
+            "q_lora_rank": None,
+            "qk_nope_head_dim": 64,
+            "qk_rope_head_dim": 32,
+            "v_head_dim": 64,
+            "layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(12)],
+            "linear_num_heads": 8,
+            "linear_head_dim": 128,
+            "num_local_experts": 16,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 512,
+            "tie_word_embeddings": False,  # (transformers' Kimi Linear ties nothing)
+        },
+    ),
 }
 
 
@@ -87,11 +111,10 @@ def main() -> None:
     config = getattr(transformers, class_name)(
         vocab_size=len(tokenizer),
         max_position_embeddings=4096,
-        tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **shape,
+        **{"tie_word_embeddings": True, **shape},
     )
     torch.manual_seed(args.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

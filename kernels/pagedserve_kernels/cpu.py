@@ -131,7 +131,9 @@ def gated_delta_decode(
     `load()`): each request's state rows[i] of `state` [rows, heads, head_k_dim, head_v_dim] (float32
     or bfloat16) decayed by exp(g) and advanced in place by k (beta (v - S^T k))^T, and o = S^T q
     [requests, heads, head_v_dim] (float32) of the advanced state returned, from q and k [requests,
-    heads, head_k_dim], v [requests, heads, head_v_dim], g and beta [requests, heads], all float32."""
+    heads, head_k_dim], v [requests, heads, head_v_dim], beta [requests, heads] and g [requests,
+    heads] (a decay a head) or [requests, heads, head_k_dim] (a decay a key channel, each row of S its
+    own: Kimi's), all float32."""
     return torch.ops.pagedserve_cpu.gated_delta_decode(state, rows, q, k, v, g, beta)
 
 

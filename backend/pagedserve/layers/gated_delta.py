@@ -154,8 +154,7 @@ class DeltaRuleLayer(RecurrentLayer):
         assert self.delta_state is not None
         o = torch.empty_like(v)
         rows, tokens = step.single_tokens
-        by_channel = g.dim() == 3
-        if tokens.numel() and not by_channel and self.delta_state.is_cpu and cpu_kernels.load():
+        if tokens.numel() and self.delta_state.is_cpu and cpu_kernels.load():
             o[tokens] = cpu_kernels.gated_delta_decode(
                 self.delta_state, rows, q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens]
             )
@@ -163,7 +162,7 @@ class DeltaRuleLayer(RecurrentLayer):
             state = self.delta_state[rows].float()
             o[tokens] = delta_rule_step(state, q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens])
             self.delta_state[rows] = state.to(self.delta_state.dtype)
-        rule = chunked_channel_delta_rule if by_channel else chunked_delta_rule
+        rule = chunked_channel_delta_rule if g.dim() == 3 else chunked_delta_rule
         for row, start, n in step.runs:
             span = slice(start, start + n)
             o[span], state = rule(

@@ -17,8 +17,8 @@ o_proj.
 
 Under tensor parallelism each rank holds its share of the heads: their rows of q, k, v, b, f_b, g_b,
 the convolution, dt_bias and A_log, their states; f_a_proj and g_a_proj whole on every rank; o_proj
-sums the ranks' parts. Decodes advance in torch (`delta_rule_step`); the C++ kernel takes a decay a
-head alone.
+sums the ranks' parts. Decodes advance as Gated DeltaNet's do (the C++ kernel, `delta_rule_step`
+where it does not build), a decay a channel.
 """
 
 from __future__ import annotations
