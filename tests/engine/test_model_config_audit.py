@@ -153,6 +153,7 @@ NOT_DECODE_LAYERS = {
     "lfm2-moe-dense-layer-0-sigmoid-biased-experts",
     "nemotron-h-mamba-mlp-attention-mlp-mamba-mlp",
     "nemotron-h-as-nvidia-names-it",
+    "nemotron3-mamba-experts-attention-experts",
     "granite4-h-mamba-attention-mamba",
     "granite4-h-experts-hub-names",
     "lfm2-conv-attention-conv-conv",
@@ -235,6 +236,16 @@ GRANITE4 = {
 # Mamba2 on a tiny scale (`layers.mamba2`): 8 heads of 16 (128 = 2 x hidden) in 2 groups, a state of
 # 16, chunks of 32
 GRANITE4_MAMBA = {"mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 32}
+# Nemotron 3's experts on a tiny scale
+NEMOTRON3_EXPERTS = {
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "moe_intermediate_size": 16,
+    "moe_shared_expert_intermediate_size": 32,
+    "routed_scaling_factor": 2.5,
+}
 # Nemotron-H on a tiny scale: Mamba2 as GRANITE4_MAMBA's, norm eps 1e-2
 NEMOTRON_H = {
     **{key: value for key, value in TINY.items() if key != "num_hidden_layers"},
@@ -989,6 +1000,16 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     # as NVIDIA's config.json names it: hybrid_override_pattern, mamba_n_groups; NemotronHConfig's
     # norm eps (1e-5) and state dtype (float32) by default
     "nemotron-h-as-nvidia-names-it": (lambda: NemotronHConfig(**NEMOTRON_H), nemotron_h_as_nvidia_names_it),
+    # Nemotron 3 on a tiny scale: Nemotron-H's blocks with experts at layers 1 and 3, 2 of 8 ungated
+    # ReLU² experts a token in 2 of 4 groups (DeepSeek-V3's routing, scaled by 2.5) beside an ungated
+    # shared expert
+    "nemotron3-mamba-experts-attention-experts": (
+        lambda: NemotronHConfig(
+            **{**NEMOTRON_H, "layers_block_type": ["mamba", "moe", "attention", "moe", "mamba", "mlp"]},
+            **NEMOTRON3_EXPERTS,
+        ),
+        None,
+    ),
     # Liquid AI's LFM2-8B-A1B at a tiny scale: LFM2's layers, layer 0's MLP dense, the others 2 of 8
     # experts, each scored by a sigmoid and picked by it plus the router's expert_bias, scaled by 1.5
     "lfm2-moe-dense-layer-0-sigmoid-biased-experts": (
@@ -1694,7 +1715,8 @@ def test_nemotron_h_under_nvidias_backbone_names_serves_the_same_tokens(
     variant_dir: Callable[[str], str], tmp_path: Path
 ) -> None:
     """NVIDIA's checkpoints name the model `backbone` (`backbone.embeddings`, `backbone.layers.N.norm`,
-    `backbone.norm_f`), where transformers 5 saves it as `model`."""
+    `backbone.norm_f`), where transformers 5 saves it as `model`; Nemotron 3's carry multi-token
+    prediction layers (`mtp.*`), which transformers and this engine leave out."""
     from safetensors.torch import load_file, save_file
 
     model_dir = variant_dir("nemotron-h-as-nvidia-names-it")
@@ -1703,6 +1725,7 @@ def test_nemotron_h_under_nvidias_backbone_names_serves_the_same_tokens(
     weights = load_file(str(nvidia / "model.safetensors"))
     renamed = {key.replace("model.", "backbone.", 1): tensor for key, tensor in weights.items()}
     assert "backbone.norm_f.weight" in renamed and "backbone.layers.0.mixer.A_log" in renamed
+    renamed["mtp.layers.0.mixer.gate.weight"] = torch.ones(8, 64)
     save_file(renamed, str(nvidia / "model.safetensors"), metadata={"format": "pt"})
     prompts = long_prompts()
     ours = greedy(LLM(model=str(nvidia), dtype="float32", num_kv_blocks=128, block_size=16), prompts, 4)
@@ -1764,6 +1787,7 @@ def test_phi2s_lm_head_bias_moves_the_greedy_tokens(
         ("kimi-linear-kda-mla-kda-kda-experts", "model.layers.0.self_attn.q_conv1d.weight"),
         ("kimi-linear-kda-mla-kda-kda-experts", "model.layers.2.self_attn.f_a_proj.weight"),
         ("kimi-linear-kda-mla-kda-kda-experts", "model.layers.1.block_sparse_moe.experts.5.w3.weight"),
+        ("nemotron3-mamba-experts-attention-experts", "backbone.layers.3.mixer.experts.5.up_proj.weight"),
     ],
 )
 def test_experts_as_the_hub_lays_them_out_load_as_stacked(
@@ -2314,10 +2338,18 @@ def test_rotary_tables_equal_transformers(
             lambda c: c.update(architectures=["PhiForCausalLM"], qk_layernorm=True),
             "qk_layernorm \\(LayerNorms of q and k\\) is not supported",
         ),
-        # Nemotron-H's layers: M, *, - (and E, its experts, refused by name)
+        # Nemotron-H's layers: M, *, - and E (Nemotron 3's experts, but in a latent space or biased)
         (
-            lambda c: c.update(architectures=["NemotronHForCausalLM"], hybrid_override_pattern="*E"),
-            "layers_block_type: layer 1 is 'moe' \\(Nemotron-H's experts, Nemotron 3's, are not served",
+            lambda c: c.update(
+                architectures=["NemotronHForCausalLM"], hybrid_override_pattern="*E", moe_latent_size=8
+            ),
+            "moe_latent_size \\(experts in a latent space\\) is not served",
+        ),
+        (
+            lambda c: c.update(
+                architectures=["NemotronHForCausalLM"], hybrid_override_pattern="*E", mlp_bias=True
+            ),
+            "mlp_bias is not served for Nemotron-H's experts",
         ),
         (
             lambda c: c.update(
@@ -2334,6 +2366,15 @@ def test_rotary_tables_equal_transformers(
         (
             lambda c: c.update(architectures=["StableLmForCausalLM"], qk_layernorm=True),
             "qk_layernorm \\(per-head LayerNorms of q and k\\) is not supported",
+        ),
+        # Kimi Linear's latent attention turns nothing, its router is a sigmoid's
+        (
+            lambda c: c.update(architectures=["KimiLinearForCausalLM"], mla_use_nope=False),
+            "mla_use_nope false \\(a rotary latent attention\\) is not served for Kimi Linear",
+        ),
+        (
+            lambda c: c.update(architectures=["KimiLinearForCausalLM"], moe_router_activation_func="softmax"),
+            "moe_router_activation_func must be sigmoid, got 'softmax'",
         ),
     ],
     ids=[
@@ -2365,10 +2406,13 @@ def test_rotary_tables_equal_transformers(
         "deepseek-v3-groups-short-of-top-k",
         "glm4-moe-lite-layer-type",
         "phi-qk-layernorm",
-        "nemotron-h-experts",
+        "nemotron3-latent-experts",
+        "nemotron3-biased-experts",
         "nemotron-h-state-dtype",
         "nemotron-h-pattern",
         "stablelm-qk-layernorm",
+        "kimi-linear-rotary-latent",
+        "kimi-linear-softmax-router",
     ],
 )
 def test_an_unsupported_option_is_refused_naming_it(

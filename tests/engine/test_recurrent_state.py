@@ -137,16 +137,35 @@ def test_speculative_decoding_and_lora_are_refused_naming_them(hybrid_dir: str, 
     assert greedy(llm, prompts()[:1]) == greedy(llm, prompts()[:1])  # and it still serves
 
 
+# Nemotron 3's experts in its MLP layers: 2 of 8 ungated ones a token in 2 of 4 groups, a shared one
+NEMOTRON3_EXPERTS = {
+    # (transformers' names, set on a built config: "linear_attention" for Mamba2)
+    "layers_block_type": ["linear_attention", "moe", "full_attention", "moe", "linear_attention", "mlp"],
+    "n_routed_experts": 8,
+    "n_group": 4,
+    "topk_group": 2,
+    "moe_intermediate_size": 16,
+    "moe_shared_expert_intermediate_size": 32,
+}
+
+
 @pytest.mark.parametrize(
-    ("name", "change"), [("granite4-h", {"mamba_n_groups": 1}), ("nemotron-h", {}), ("mamba2", {})]
+    ("name", "change"),
+    [
+        ("granite4-h", {"mamba_n_groups": 1}),
+        ("nemotron-h", {}),
+        ("nemotron-h", NEMOTRON3_EXPERTS),
+        ("mamba2", {}),
+    ],
 )
 def test_tp2_splits_mamba2s_heads_and_matches_single_rank(
     tmp_path: Path, default_model_dir: str, name: str, change: dict[str, object]
 ) -> None:
     """Each rank its half of the Mamba2 heads (their z, x and dt rows of in_proj, convolution channels,
     A, D, dt_bias, norm weights and states) and its groups' B and C: Nemotron-H's 2 groups split,
-    Granite's one group whole on each rank, its gated norm's sum of squares all-reduced; under chunked
-    prefill and recompute preemption."""
+    Granite's one group whole on each rank, its gated norm's sum of squares all-reduced; Nemotron 3's
+    ungated experts and shared expert split by their intermediate features; under chunked prefill and
+    recompute preemption."""
     config = HYBRIDS[name]()
     for key, value in change.items():
         setattr(config, key, value)

@@ -5,7 +5,8 @@ to sum to one where the model says so). Qwen2-MoE adds a shared expert every tok
 by a sigmoid gate. GPT-OSS biases the router and the experts, and clamps its SwiGLU (`Experts`).
 GLM-4.5 and DeepSeek-V3 score each expert by a sigmoid, pick by the scores plus a bias of their own
 among the best groups of experts, scale the weights, and add an ungated shared expert; their router
-is float32 (`Router`). DeepSeek-V2 picks by the softmax among the best groups.
+is float32 (`Router`). DeepSeek-V2 picks by the softmax among the best groups. Nemotron 3 routes as
+DeepSeek-V3 does to ungated ReLU² experts (`Experts.gated`), which run one by one on GPUs too.
 
 Experts are tensor-parallel as the dense MLP is: every rank holds each expert's share of the
 intermediate features (gate and up column-parallel, down row-parallel), sums its partial outputs,
@@ -37,7 +38,14 @@ from torch import nn
 
 from pagedserve.distributed import all_reduce
 from pagedserve.layers import ops
-from pagedserve.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from pagedserve.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+
+UNGATED_ACTIVATIONS = ("relu2",)  # (ungated experts': Nemotron 3's)
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,9 @@ class Experts:
     routed_scaling_factor: float = 1.0
     router_float32: bool = False
     shared_gate: bool = True  # Qwen2-MoE's shared expert scaled by a sigmoid gate; GLM-4.5's is not
+    # SwiGLU experts (gate and up); Nemotron 3's are ungated: up, ReLU² ("relu2"), down, as is their
+    # shared expert
+    gated: bool = True
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -77,10 +88,9 @@ class Experts:
             raise ValueError(
                 f"model: config.json's num_experts_per_tok {self.top_k} must be 1 to the {self.num_experts} experts"
             )
-        if self.activation not in reference.MOE_ACTIVATIONS:
-            raise ValueError(
-                f"model: experts' activation {self.activation!r} ({' or '.join(reference.MOE_ACTIVATIONS)})"
-            )
+        activations = reference.MOE_ACTIVATIONS if self.gated else UNGATED_ACTIVATIONS
+        if self.activation not in activations:
+            raise ValueError(f"model: experts' activation {self.activation!r} ({' or '.join(activations)})")
         if not (self.swiglu_limit > 0 and math.isfinite(self.swiglu_limit)):
             raise ValueError(f"model: config.json's swiglu_limit must be positive, got {self.swiglu_limit}")
         if self.scoring not in ("softmax", "sigmoid"):
@@ -107,19 +117,25 @@ class Experts:
 
 
 class Expert(nn.Module):
-    """A SwiGLU MLP (GPT-OSS's: clamped, biased) whose output is this rank's partial sums (the
-    block reduces them; rank 0 alone adds the down projection's bias)."""
+    """A SwiGLU MLP (GPT-OSS's: clamped, biased), or an ungated one (up, ReLU², down: Nemotron 3's),
+    whose output is this rank's partial sums (the block reduces them; rank 0 alone adds the down
+    projection's bias)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, spec: Experts | None = None) -> None:
         super().__init__()
         bias = spec is not None and spec.bias
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias=bias
-        )
+        if spec is not None and not spec.gated:
+            self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias)
+        else:
+            self.gate_up_proj = MergedColumnParallelLinear(
+                hidden_size, [intermediate_size, intermediate_size], bias=bias
+            )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, reduce_results=False)
         self.spec = spec
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.spec is not None and not self.spec.gated:  # (relu2, `UNGATED_ACTIVATIONS`)
+            return self.down_proj(torch.square(F.relu(self.up_proj(x))))
         gate_up = self.gate_up_proj(x)
         if self.spec is None or self.spec.activation == "silu":
             return self.down_proj(ops.silu_and_mul(gate_up))
@@ -222,8 +238,10 @@ class SparseMoeBlock(nn.Module):
         # and their biases [E, 2I], [E, H] (GPT-OSS's; w2's on rank 0 alone, as `Expert` adds it)
         self.w13_bias: nn.Parameter | None = None
         self.w2_bias: nn.Parameter | None = None
-        if spec.shared_intermediate_size:
-            self.shared_expert = Expert(hidden_size, spec.shared_intermediate_size)
+        if spec.shared_intermediate_size:  # (ungated where the experts are: Nemotron 3's)
+            self.shared_expert = Expert(
+                hidden_size, spec.shared_intermediate_size, None if spec.gated else spec
+            )
             if spec.shared_gate:
                 self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
         # its index in `_BLOCKS`, for the compiled pass's op: a buffer, so a graph input (as
@@ -234,7 +252,10 @@ class SparseMoeBlock(nn.Module):
 
     def stack_experts(self) -> None:
         """The experts' weights (this rank's shards) as two stacked tensors for the Triton kernel;
-        the per-expert layers go (their weights would be a second copy)."""
+        the per-expert layers go (their weights would be a second copy). Ungated experts, which the
+        kernel does not take, stay per expert (`run_experts`) on GPUs too."""
+        if not self.spec.gated:
+            return
         experts: list[Expert] = list(self.experts)  # type: ignore[arg-type]
         self.w13 = _stacked([e.gate_up_proj.weight for e in experts])
         self.w2 = _stacked([e.down_proj.weight for e in experts])

@@ -12,8 +12,8 @@ request from step to step in place of a KV cache (`layers.recurrent`):
   multipliers, every MLP `shared_mlp` (of `shared_intermediate_size`), beside experts where
   `num_local_experts` is not 0 (Granite MoE's, stacked in the checkpoint).
 - IBM's Bamba: Granite 4.0's Mamba2 layers beside attention over half of each head, Llama's MLPs.
-- NVIDIA's Nemotron-H and Nemotron Nano 2: a layer a block, Mamba2, attention without rope or an
-  ungated ReLU² MLP (`NemotronHBlock`).
+- NVIDIA's Nemotron-H, Nemotron Nano 2 and Nemotron 3: a layer a block, Mamba2, attention without
+  rope, an ungated ReLU² MLP or experts (`NemotronHBlock`, `nemotron_h_experts`).
 - Mamba2 alone (Mamba-Codestral-7B): every layer Mamba2, no attention, no KV cache.
 
 A model with any recurrent layer runs without prefix caching or swapping (`ModelConfig.recurrent`).
@@ -398,10 +398,40 @@ def nemotron_h_mamba_dims(cfg: dict[str, Any]) -> Mamba2Dims:
     )
 
 
+def nemotron_h_experts(cfg: dict[str, Any]) -> Experts:
+    """Nemotron 3's experts (NemotronHConfig's defaults where config.json leaves a key out):
+    `n_routed_experts` (8) ungated ReLU² experts of `moe_intermediate_size` (7,688), routed as
+    DeepSeek-V3's (a sigmoid a score, picked by it plus `e_score_correction_bias` among the best
+    `topk_group` of `n_group` groups, `num_experts_per_tok` (2) a token, renormalized where
+    `norm_topk_prob`, scaled by `routed_scaling_factor`; the router in float32), beside an ungated
+    shared expert of `moe_shared_expert_intermediate_size` (7,688). A latent projection around the
+    experts (`moe_latent_size`) and biased MLPs (`mlp_bias`) are refused by name."""
+    if cfg.get("moe_latent_size") is not None:
+        raise ValueError("model: config.json's moe_latent_size (experts in a latent space) is not served")
+    if cfg.get("mlp_bias"):
+        raise ValueError("model: config.json's mlp_bias is not served for Nemotron-H's experts")
+    return Experts(
+        num_experts=int(cfg.get("n_routed_experts", cfg.get("num_local_experts", 8))),
+        top_k=int(cfg.get("num_experts_per_tok", 2)),
+        intermediate_size=int(cfg.get("moe_intermediate_size", 7688)),
+        renormalize=bool(cfg.get("norm_topk_prob", True)),
+        shared_intermediate_size=int(cfg.get("moe_shared_expert_intermediate_size", 7688)),
+        shared_gate=False,
+        activation=cfg.get("mlp_hidden_act", "relu2"),
+        gated=False,
+        scoring="sigmoid",
+        selection_bias=True,
+        num_groups=int(cfg.get("n_group", 1)),
+        topk_groups=int(cfg.get("topk_group", 1)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        router_float32=True,
+    )
+
+
 class NemotronHBlock(LlamaDecoderLayer):
     """Nemotron-H's layer: one norm (NemotronHRMSNorm's, in float32), then one block, `mixer`: attention
-    without rope, Mamba2, or an ungated ReLU² MLP, by the layer's type; its output joins the residual
-    stream."""
+    without rope, Mamba2, an ungated ReLU² MLP, or Nemotron 3's experts (`nemotron_h_experts`), by the
+    layer's type; its output joins the residual stream."""
 
     def __init__(
         self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
@@ -418,10 +448,8 @@ class NemotronHBlock(LlamaDecoderLayer):
         elif kind == "mlp":
             self.mixer = UngatedMLP(cfg)
         else:
-            raise ValueError(
-                f"model: config.json's layers_block_type: layer {layer_index} is {kind!r} (Nemotron-H's "
-                "experts, Nemotron 3's, are not served; its mamba, attention and mlp layers are)"
-            )
+            assert kind == "moe", kind  # (`nemotron_h_layer_types` names no other)
+            self.mixer = SparseMoeBlock(cfg["hidden_size"], nemotron_h_experts(cfg))
         self.input_layernorm = self.norm(cfg)
 
     mamba_dims = staticmethod(nemotron_h_mamba_dims)
@@ -450,9 +478,9 @@ class NemotronHBlock(LlamaDecoderLayer):
 
 
 class NemotronHForCausalLM(LlamaForCausalLM):
-    """NVIDIA's Nemotron-H (8B, 47B, 56B) and Nemotron Nano 2 (9B, 12B): a layer a block, each Mamba2,
-    attention (no rope) or an ungated ReLU² MLP (`NemotronHBlock`), as `hybrid_override_pattern`
-    lays them out; NemotronHConfig's defaults where config.json leaves a key out (head_dim 128, norms
+    """NVIDIA's Nemotron-H (8B, 47B, 56B), Nemotron Nano 2 (9B, 12B) and Nemotron 3 (Nano 30B-A3B): a
+    layer a block, each Mamba2, attention (no rope), an ungated ReLU² MLP or experts (`NemotronHBlock`),
+    as `hybrid_override_pattern` lays them out; NemotronHConfig's defaults where config.json leaves a key out (head_dim 128, norms
     at eps `layer_norm_epsilon` 1e-5, an untied LM head, the Mamba2 states in float32)."""
 
     decoder_layer_class = NemotronHBlock
@@ -545,16 +573,28 @@ _NEMOTRON_H_NAMES = {  # (NVIDIA's checkpoints name the model `backbone`, transf
     "model.norm_f.": "model.norm.",
     ".mixer.conv1d.weight": ".mixer.conv_weight",
     ".mixer.conv1d.bias": ".mixer.conv_bias",
+    ".mixer.shared_experts.": ".mixer.shared_expert.",
 }
 _LAYER_NORM = re.compile(r"^model\.layers\.(\d+)\.norm\.")
+_STACKED_EXPERTS = re.compile(r"\.mixer\.experts\.(up_proj|down_proj)$")
 
 
 def _nemotron_h_renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Nemotron-H's names as ours: `backbone` as `model`, the embeddings and final norm as Llama's,
     each layer's norm as `input_layernorm` (its `norm` is Llama's norm builder), the Mamba2
-    convolution's tensors as `Mamba2Mixer` holds them."""
+    convolution's tensors as `Mamba2Mixer` holds them, the experts one by one (transformers 5 stacks
+    them: up_proj [experts, intermediate, hidden], down_proj [experts, hidden, intermediate]), the
+    shared expert as `SparseMoeBlock` names it; the multi-token prediction layers (`mtp.*`) left out."""
     for name, tensor in _renamed(weights, _NEMOTRON_H_NAMES):
-        yield _LAYER_NORM.sub(r"model.layers.\1.input_layernorm.", name), tensor
+        if name.startswith("mtp."):
+            continue
+        name = _LAYER_NORM.sub(r"model.layers.\1.input_layernorm.", name)
+        stacked = _STACKED_EXPERTS.search(name)
+        if stacked is None:
+            yield name, tensor
+            continue
+        for number, expert in enumerate(tensor.unbind(0)):
+            yield f"{name[: stacked.start()]}.mixer.experts.{number}.{stacked[1]}.weight", expert
 
 
 def mamba2_dims(cfg: dict[str, Any]) -> Mamba2Dims | None:
