@@ -439,7 +439,8 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
     with a Mistral text config) as a `MistralForCausalLM`, Ministral 3 (the same with a `ministral3`
     one) as a `Ministral3ForCausalLM`; Qwen2-VL and Qwen2.5-VL as a `Qwen2ForCausalLM`, Qwen3-VL (dense) as
     a `Qwen3ForCausalLM`, Qwen3-VL-MoE as a `Qwen3MoeForCausalLM`, their M-RoPE as one rope; LFM2-VL as
-    an `Lfm2ForCausalLM`. Any other config as it is."""
+    an `Lfm2ForCausalLM`; Llama 4 (`Llama4ForConditionalGeneration`) as a `Llama4ForCausalLM`. Any other
+    config as it is."""
     architecture = architecture_of(hf)
     if architecture == "Gemma3ForConditionalGeneration":
         from transformers import Gemma3TextConfig
@@ -468,6 +469,14 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
         text["tie_word_embeddings"] = bool(outer.tie_word_embeddings)
         # (M-RoPE turns a text token's time, height and width sections by its one position, as one rope
         # does: transformers' config class gives it rope_type default, its sections beside, unread here)
+    elif architecture == "Llama4ForConditionalGeneration":
+        from transformers import Llama4Config, PretrainedConfig
+
+        outer = Llama4Config(**hf)
+        assert isinstance(outer.text_config, PretrainedConfig)  # (built from a dict or None)
+        text = outer.text_config.to_dict()
+        text["architectures"] = ["Llama4ForCausalLM"]
+        text["tie_word_embeddings"] = bool(outer.tie_word_embeddings)
     elif architecture == "Lfm2VlForConditionalGeneration":
         from transformers import Lfm2VlConfig, PretrainedConfig
 
@@ -499,18 +508,28 @@ MULTIMODAL_TEXT_DECODERS = (
     "Mistral3ForConditionalGeneration",
     *_QWEN_VL,
     "Lfm2VlForConditionalGeneration",
+    "Llama4ForConditionalGeneration",
 )
 
 
 def _max_model_len(hf: dict[str, Any], requested: int | None) -> int:
     """The requested context length, else the model's (a sliding window bounds what a layer attends
     to, not the positions). A model without attention (Mamba2's) has no positions to run past: any
-    length, 2,048 unless requested (vLLM's where a config names none)."""
+    length, 2,048 unless requested (vLLM's where a config names none). Llama 4's chunked attention is
+    served within one chunk: its context is at most `attention_chunk_size`."""
     if num_kv_cache_layers(hf) == 0:
         if requested is not None and requested < 1:
             raise ValueError(f"max_model_len: must be at least 1, got {requested}")
         return requested or 2048
     limit = rope_context_length(hf)
+    chunk = hf.get("attention_chunk_size") if architecture_of(hf) == "Llama4ForCausalLM" else None
+    if chunk is not None and chunk < limit:  # (Llama 4's chunked attention: served within one chunk)
+        if requested is not None and requested > chunk:
+            raise ValueError(
+                f"max_model_len: Llama 4's chunked attention is served within one chunk "
+                f"(attention_chunk_size {chunk}), got {requested}"
+            )
+        limit = chunk
     if requested is not None and not 1 <= requested <= limit:
         raise ValueError(f"max_model_len: must be in [1, {limit}] for this model, got {requested}")
     return requested or limit
@@ -838,6 +857,7 @@ _DEFAULT_THETA = {
     "SolarOpenForCausalLM": 1_000_000.0,
     "Lfm2ForCausalLM": 1_000_000.0,
     "Lfm2MoeForCausalLM": 1_000_000.0,
+    "Llama4ForCausalLM": 500_000.0,
 }
 # where it names no rope parameters at all, the config class's (GptOssConfig's YaRN)
 _DEFAULT_ROPE: dict[str, dict[str, Any]] = {

@@ -57,6 +57,7 @@ from transformers import (
     KimiLinearConfig,
     Lfm2Config,
     Lfm2MoeConfig,
+    Llama4TextConfig,
     Mamba2Config,
     MiniCPM3Config,
     Ministral3Config,
@@ -154,6 +155,7 @@ NOT_DECODE_LAYERS = {
     "nemotron-h-mamba-mlp-attention-mlp-mamba-mlp",
     "nemotron-h-as-nvidia-names-it",
     "nemotron3-mamba-experts-attention-experts",
+    "llama4-experts-every-other-layer-nope-temperature",
     "granite4-h-mamba-attention-mamba",
     "granite4-h-experts-hub-names",
     "lfm2-conv-attention-conv-conv",
@@ -1156,6 +1158,24 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         ),
         kimi_linear_as_moonshot_names_it,
     ),
+    # Llama 4: GPT-J's rotary by Llama 3's scaling in layers 0-2, q and k RMS-normed after it; layer 3
+    # NoPE, its queries scaled from position 3 on (floor_scale 4); 4 experts of 24 (the top one by its
+    # logit, its input scaled by the logit's sigmoid) beside a shared expert in layers 1 and 3, the
+    # others' MLPs dense (96); its chunked attention's chunk as long as the context
+    "llama4-experts-every-other-layer-nope-temperature": (
+        lambda: Llama4TextConfig(
+            **{**TINY, "num_hidden_layers": 4, "intermediate_size": 24},
+            head_dim=16,
+            intermediate_size_mlp=96,
+            num_local_experts=4,
+            interleave_moe_layer_step=2,
+            floor_scale=4,
+            attn_scale=0.5,
+            attention_chunk_size=1024,
+            rope_parameters={**LLAMA3_ROPE, "rope_theta": 500_000.0},
+        ),
+        None,
+    ),
     # as LiquidAI's config.json names it: attention by full_attn_idxs, block_ff_dim, tie_embedding;
     # without rope keys or norm_eps (theta 1e6, eps 1e-5 by default)
     "lfm2-as-the-hub-names-it": (
@@ -1674,6 +1694,51 @@ def test_an_lfm2_vl_checkpoint_serves_its_text_decoder(tmp_path: Path, default_m
     assert type(model).__name__ == "Lfm2VlForConditionalGeneration"
     llm = assert_float32_matches(model_dir, model, prompts, theirs)
     assert llm.engine.config.model.architecture == "Lfm2ForCausalLM"
+
+
+def test_a_llama4_checkpoint_serves_its_text_decoder(tmp_path: Path, default_model_dir: str) -> None:
+    """Llama 4's checkpoints are all Llama4ForConditionalGeneration: its text decoder served (the
+    variant above's layers), its tokens and logprobs transformers' own multimodal model's on text
+    prompts; the vision model and projector (`vision_model.*`, `multi_modal_projector.*`) left out."""
+    import transformers
+
+    make_config, _ = VARIANTS["llama4-experts-every-other-layer-nope-temperature"]
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "vision_output_dim": 32,
+        "projector_input_dim": 32,
+        "projector_output_dim": 32,
+        "image_size": 28,
+        "patch_size": 14,
+    }
+    config = transformers.Llama4Config(text_config=make_config().to_dict(), vision_config=vision)
+    model_dir = save_tiny_model(tmp_path / "llama4", default_model_dir, config)
+    prompts = long_prompts()
+    model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert type(model).__name__ == "Llama4ForConditionalGeneration"
+    llm = assert_float32_matches(model_dir, model, prompts, theirs)
+    assert llm.engine.config.model.architecture == "Llama4ForCausalLM"
+
+
+def test_llama4s_context_is_one_chunk_of_its_chunked_attention(
+    variant_dir: Callable[[str], str], tmp_path: Path
+) -> None:
+    """Its rope layers attend within chunks of `attention_chunk_size`: served within one chunk, the
+    context capped at it and a longer one refused naming the setting."""
+    model_dir = with_config(
+        tmp_path / "m",
+        variant_dir("llama4-experts-every-other-layer-nope-temperature"),
+        lambda c: c.update(attention_chunk_size=512),
+    )
+    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=64, block_size=16)
+    assert llm.engine.config.model.max_model_len == 512
+    with pytest.raises(
+        ValueError, match="max_model_len: Llama 4's chunked attention is served within one chunk"
+    ):
+        LLM(model=model_dir, dtype="float32", num_kv_blocks=64, block_size=16, max_model_len=600)
 
 
 # --- mixtures of experts -----------------------------------------------------------------------------

@@ -6,7 +6,9 @@ by a sigmoid gate. GPT-OSS biases the router and the experts, and clamps its Swi
 GLM-4.5 and DeepSeek-V3 score each expert by a sigmoid, pick by the scores plus a bias of their own
 among the best groups of experts, scale the weights, and add an ungated shared expert; their router
 is float32 (`Router`). DeepSeek-V2 picks by the softmax among the best groups. Nemotron 3 routes as
-DeepSeek-V3 does to ungated ReLU² experts (`Experts.gated`), which run one by one on GPUs too.
+DeepSeek-V3 does to ungated ReLU² experts (`Experts.gated`), which run one by one on GPUs too; Llama
+4 picks its top expert by the logits and scales the expert's input by the sigmoid of its logit
+(`Experts.weighted_inputs`), one by one on GPUs too.
 
 Experts are tensor-parallel as the dense MLP is: every rank holds each expert's share of the
 intermediate features (gate and up column-parallel, down row-parallel), sums its partial outputs,
@@ -80,6 +82,8 @@ class Experts:
     # SwiGLU experts (gate and up); Nemotron 3's are ungated: up, ReLU² ("relu2"), down, as is their
     # shared expert
     gated: bool = True
+    # Llama 4's: each expert's input scaled by the token's weight for it, its output summed as it is
+    weighted_inputs: bool = False
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -194,23 +198,31 @@ class Router(nn.Module):
 
 
 def run_experts(
-    experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+    experts: nn.ModuleList,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weighted_inputs: bool = False,
 ) -> torch.Tensor:
-    """Each token's experts' outputs weighted by `weights` and summed, in float32, then in x's dtype."""
+    """Each token's experts' outputs weighted by `weights` (or, `weighted_inputs`, their inputs: Llama
+    4's, the weight rounded to x's dtype first as transformers' router rounds it) and summed, in
+    float32, then in x's dtype."""
     num_tokens, top_k = expert_ids.shape
     pairs = expert_ids.flatten()
     order = pairs.argsort(stable=True)  # the (token, expert) pairs, grouped by expert
     counts = torch.bincount(pairs, minlength=len(experts)).tolist()
     tokens = order // top_k  # each sorted pair's token
+    pair_weights = weights.flatten()[order, None]
+    inputs = x[tokens] * pair_weights.to(x.dtype) if weighted_inputs else x[tokens]
     outputs = [
         expert(rows)
-        for expert, rows, count in zip(experts, x[tokens].split(counts), counts, strict=True)
+        for expert, rows, count in zip(experts, inputs.split(counts), counts, strict=True)
         if count
     ]
     summed = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     if outputs:
-        weighted = torch.cat(outputs).float() * weights.flatten()[order, None]
-        summed.index_add_(0, tokens, weighted)
+        out = torch.cat(outputs).float()
+        summed.index_add_(0, tokens, out if weighted_inputs else out * pair_weights)
     return summed.to(x.dtype)
 
 
@@ -253,8 +265,9 @@ class SparseMoeBlock(nn.Module):
     def stack_experts(self) -> None:
         """The experts' weights (this rank's shards) as two stacked tensors for the Triton kernel;
         the per-expert layers go (their weights would be a second copy). Ungated experts, which the
-        kernel does not take, stay per expert (`run_experts`) on GPUs too."""
-        if not self.spec.gated:
+        kernel does not take, stay per expert (`run_experts`) on GPUs too, as do experts whose inputs
+        the weights scale (Llama 4's)."""
+        if not self.spec.gated or self.spec.weighted_inputs:
             return
         experts: list[Expert] = list(self.experts)  # type: ignore[arg-type]
         self.w13 = _stacked([e.gate_up_proj.weight for e in experts])
@@ -267,7 +280,7 @@ class SparseMoeBlock(nn.Module):
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         if self.w13 is None or self.w2 is None:
-            return run_experts(self.experts, x, weights, expert_ids)
+            return run_experts(self.experts, x, weights, expert_ids, self.spec.weighted_inputs)
         from pagedserve_kernels.moe import fused_moe  # (Triton: imported where it runs)
 
         spec = self.spec

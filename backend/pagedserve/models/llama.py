@@ -478,6 +478,8 @@ _IMAGE_PREFIXES = (
     "model.multi_modal_projector.",
     "visual.",  # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's vision towers
     "model.visual.",
+    "vision_model.",  # Llama 4's
+    "model.vision_model.",
 )
 
 

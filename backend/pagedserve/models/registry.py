@@ -35,6 +35,7 @@ from pagedserve.models.llama import (
     SeedOssForCausalLM,
     SmolLM3ForCausalLM,
 )
+from pagedserve.models.llama4 import Llama4ForCausalLM
 from pagedserve.models.moe import (
     Dots1ForCausalLM,
     Ernie4_5_MoeForCausalLM,
@@ -118,6 +119,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
 }
 
 

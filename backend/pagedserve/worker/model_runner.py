@@ -347,7 +347,12 @@ class ModelRunner:
         # Decode-only steps skip the forward pass, compiled or eager, where one C++ call runs every
         # layer (`fused_decode`), which reads the packed weights.
         self.fused_decode = FusedDecode.build(self.model, self.backend, self.dtype)
-        if self.config.cuda_graphs:
+        blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
+        if self.config.cuda_graphs and any(block.w13 is None for block in blocks):
+            # (experts the Triton kernel does not take, Llama 4's and Nemotron 3's, read how many rows
+            # each gets on the host: no graph can capture that)
+            logger.info("experts run one by one (not in the fused kernel): decode steps run eager")
+        elif self.config.cuda_graphs:
             logger.info(
                 "decode steps replay CUDA graphs, each captured at its first step (batch size, context)"
             )
