@@ -95,7 +95,8 @@ def tiny_hybrid_config(name: str) -> object:
     block: Mamba2, MLP, attention, MLP, Mamba2, MLP; its states in float32), "mamba2" (two Mamba2
     layers, no attention) "qwen3.5" (Gated DeltaNet at layers 0 and 2, 4 value heads over 2 key heads), "qwen3-next" (its layers
     as Qwen3-Next stores them, experts at layer 1) or "kimi-linear" (KDA's 2 heads at layers 0 and 2,
-    latent attention with q_proj, experts at layer 1); Mamba2's 8 heads of 16 in 2
+    latent attention with q_proj, experts at layer 1) or "falcon-h1" (attention and Mamba2 side by side in
+    both layers, its gated norm on); Mamba2's 8 heads of 16 in 2
     groups with states of 16, in chunks of 8, so prompts cross several and chunked prefill splits
     them anywhere."""
     import transformers
@@ -159,6 +160,21 @@ def tiny_hybrid_config(name: str) -> object:
             moe_intermediate_size=16,
             shared_expert_intermediate_size=32,
             decoder_sparse_step=2,
+        )
+    if name == "falcon-h1":
+        return transformers.FalconH1Config(
+            **small,
+            head_dim=16,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            mamba_d_ssm=64,
+            mamba_n_heads=8,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_chunk_size=8,
+            mamba_rms_norm=True,
+            key_multiplier=0.7,
+            ssm_multipliers=[1.1, 0.9, 1.4, 0.75, 1.25],
         )
     if name == "kimi-linear":
         return transformers.KimiLinearConfig(
@@ -243,6 +259,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                     "Lfm2",
                     "NemotronH",
                     "Bamba",
+                    "FalconH1",
                 )
             ):
                 param.normal_(

@@ -122,7 +122,8 @@ def special_floats(obj: dict[str, Any]) -> Any:
 def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
     """Each layer's token mixer in a hybrid model (`models.hybrid`): "full_attention", LFM2's "conv",
     "mamba" (Granite 4.0's, Bamba's, Nemotron-H's, Mamba2's), "gated_delta" (Qwen3.5's and Qwen3-Next's Gated DeltaNet),
-    "kimi_delta" (Kimi Linear's KDA, as `kimi_linear_config` reads its layers),
+    "kimi_delta" (Kimi Linear's KDA, as `kimi_linear_config` reads its layers), "parallel" (Falcon-H1's
+    attention and Mamba2 side by side),
     Nemotron-H's "mlp" (a layer of an MLP alone) or "moe"; None for a model of attention layers alone."""
     architecture = architecture_of(hf)
     if architecture in ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):
@@ -135,6 +136,8 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
         layer_types = ["mamba"] * hf["num_hidden_layers"]
     elif architecture in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
         layer_types = qwen3_5_layer_types(hf)
+    elif architecture == "FalconH1ForCausalLM":  # (attention and Mamba2 side by side in every layer)
+        layer_types = ["parallel"] * hf["num_hidden_layers"]
     elif architecture == "KimiLinearForCausalLM":
         names = {"full_attention": "full_attention", "linear_attention": "kimi_delta"}
         layer_types = [names[kind] for kind in kimi_linear_config(hf)["layer_types"]]
@@ -150,13 +153,17 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
 
 def is_recurrent(hf: dict[str, Any]) -> bool:
     """Whether some layer carries a state per request in place of a KV cache (`ModelConfig.recurrent`)."""
-    return bool({"conv", "mamba", "gated_delta", "kimi_delta"} & set(hybrid_layer_types(hf) or ()))
+    return bool(
+        {"conv", "mamba", "gated_delta", "kimi_delta", "parallel"} & set(hybrid_layer_types(hf) or ())
+    )
 
 
 def num_kv_cache_layers(hf: dict[str, Any]) -> int:
     """The layers that keep a KV cache: every one, but a hybrid's attention layers alone."""
     layer_types = hybrid_layer_types(hf)
-    return int(hf["num_hidden_layers"]) if layer_types is None else layer_types.count("full_attention")
+    if layer_types is None:
+        return int(hf["num_hidden_layers"])
+    return layer_types.count("full_attention") + layer_types.count("parallel")
 
 
 NEMOTRON_H_PATTERN = {"M": "mamba", "*": "full_attention", "-": "mlp", "E": "moe"}

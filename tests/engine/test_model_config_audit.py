@@ -39,6 +39,7 @@ from transformers import (
     Ernie4_5Config,
     Exaone4Config,
     ExaoneMoeConfig,
+    FalconH1Config,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -155,6 +156,8 @@ NOT_DECODE_LAYERS = {
     "nemotron-h-mamba-mlp-attention-mlp-mamba-mlp",
     "nemotron-h-as-nvidia-names-it",
     "nemotron3-mamba-experts-attention-experts",
+    "falcon-h1-multipliers-biases-norm-before-gate",
+    "falcon-h1-as-tii-leaves-it",
     "llama4-experts-every-other-layer-nope-temperature",
     "granite4-h-mamba-attention-mamba",
     "granite4-h-experts-hub-names",
@@ -238,6 +241,16 @@ GRANITE4 = {
 # Mamba2 on a tiny scale (`layers.mamba2`): 8 heads of 16 (128 = 2 x hidden) in 2 groups, a state of
 # 16, chunks of 32
 GRANITE4_MAMBA = {"mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 32}
+# Falcon-H1's Mamba2 on a tiny scale
+FALCON_H1_MAMBA = {
+    "head_dim": 16,
+    "mamba_d_ssm": 64,
+    "mamba_n_heads": 8,
+    "mamba_n_groups": 2,
+    "mamba_d_state": 16,
+    "mamba_chunk_size": 32,
+    "rms_norm_eps": 1e-2,
+}
 # Nemotron 3's experts on a tiny scale
 NEMOTRON3_EXPERTS = {
     "n_routed_experts": 8,
@@ -442,6 +455,18 @@ def kimi_linear_as_moonshot_names_it(config: dict[str, Any]) -> None:
     }
     assert config.pop("mlp_layer_types") == ["dense", "sparse", "sparse", "sparse"]
     config.update(first_k_dense_replace=1, mla_use_nope=True, moe_router_activation_func="sigmoid")
+
+
+def without_falcon_h1_defaults(config: dict[str, Any]) -> None:
+    """FalconH1Config's defaults left out: no gated norm, the multipliers 1, no biases."""
+    for key in (
+        "mamba_rms_norm",
+        "mamba_norm_before_gate",
+        "mlp_multipliers",
+        "ssm_multipliers",
+        "key_multiplier",
+    ):
+        config.pop(key)
 
 
 def without_rms_norm_eps(config: dict[str, Any]) -> None:
@@ -1175,6 +1200,36 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             rope_parameters={**LLAMA3_ROPE, "rope_theta": 500_000.0},
         ),
         None,
+    ),
+    # Falcon-H1: attention and Mamba2 (8 heads of 8 over d_ssm 64, 2 groups, states of 16) side by
+    # side in every layer; every μP multiplier away from 1 and from the others, every projection
+    # biased, Mamba2's gated norm after its norm
+    "falcon-h1-multipliers-biases-norm-before-gate": (
+        lambda: FalconH1Config(
+            **{**TINY, "num_hidden_layers": 3},
+            **FALCON_H1_MAMBA,
+            mamba_rms_norm=True,
+            mamba_norm_before_gate=True,
+            attention_bias=True,
+            mlp_bias=True,
+            mamba_proj_bias=True,
+            projectors_bias=True,
+            embedding_multiplier=1.7,
+            lm_head_multiplier=0.6,
+            mlp_multipliers=[1.3, 0.8],
+            key_multiplier=0.7,
+            attention_in_multiplier=1.2,
+            attention_out_multiplier=0.9,
+            ssm_multipliers=[1.1, 0.9, 1.4, 0.75, 1.25],
+            ssm_in_multiplier=1.15,
+            ssm_out_multiplier=0.85,
+        ),
+        None,
+    ),
+    # as TII's config.json leaves things out: Mamba2's norm off (y gated alone), no multipliers
+    "falcon-h1-as-tii-leaves-it": (
+        lambda: FalconH1Config(**{**TINY, "num_hidden_layers": 2}, **FALCON_H1_MAMBA),
+        without_falcon_h1_defaults,
     ),
     # as LiquidAI's config.json names it: attention by full_attn_idxs, block_ff_dim, tie_embedding;
     # without rope keys or norm_eps (theta 1e6, eps 1e-5 by default)

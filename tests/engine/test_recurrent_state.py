@@ -48,6 +48,7 @@ HYBRIDS = {
     "mamba2": lambda: tiny_hybrid_config("mamba2"),
     "qwen3.5": lambda: tiny_hybrid_config("qwen3.5"),
     "kimi-linear": lambda: tiny_hybrid_config("kimi-linear"),
+    "falcon-h1": lambda: tiny_hybrid_config("falcon-h1"),
 }
 
 
@@ -156,6 +157,7 @@ NEMOTRON3_EXPERTS = {
         ("nemotron-h", {}),
         ("nemotron-h", NEMOTRON3_EXPERTS),
         ("mamba2", {}),
+        ("falcon-h1", {}),
     ],
 )
 def test_tp2_splits_mamba2s_heads_and_matches_single_rank(
@@ -164,7 +166,8 @@ def test_tp2_splits_mamba2s_heads_and_matches_single_rank(
     """Each rank its half of the Mamba2 heads (their z, x and dt rows of in_proj, convolution channels,
     A, D, dt_bias, norm weights and states) and its groups' B and C: Nemotron-H's 2 groups split,
     Granite's one group whole on each rank, its gated norm's sum of squares all-reduced; Nemotron 3's
-    ungated experts and shared expert split by their intermediate features; under chunked prefill and
+    ungated experts and shared expert split by their intermediate features; Falcon-H1's Mamba2 beside
+    attention in every layer, its multipliers folded into each rank's rows; under chunked prefill and
     recompute preemption."""
     config = HYBRIDS[name]()
     for key, value in change.items():

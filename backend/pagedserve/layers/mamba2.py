@@ -1,5 +1,5 @@
-"""Mamba2's mixer (the state space layers of IBM's Granite 4.0 hybrids), with the state it carries for
-each request from step to step (`layers.recurrent`).
+"""Mamba2's mixer (the state space layers of IBM's Granite 4.0 hybrids, Nemotron-H's, Falcon-H1's), with
+the state it carries for each request from step to step (`layers.recurrent`).
 
 in_proj gives each token a gate z, the inputs xBC of a causal depthwise convolution (then SiLU), and a
 time step dt per head; the convolution's output splits into x (heads of `head_dim`), B and C (`groups`
@@ -48,6 +48,10 @@ class Mamba2Dims:
     norm_eps: float
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
     state_dtype: torch.dtype | None = None  # the states' (None: the model's)
+    out_bias: bool | None = None  # out_proj's bias (None: as in_proj's, `proj_bias`; Falcon-H1's its own)
+    # y and the gate z: "gate_then_norm" (Mamba2's RMSNormGated), "norm_then_gate" or "gate_only"
+    # (Falcon-H1's, by mamba_norm_before_gate and mamba_rms_norm)
+    norm: str = "gate_then_norm"
 
     @property
     def intermediate_size(self) -> int:
@@ -75,23 +79,29 @@ def check_split(dims: Mamba2Dims, tp_size: int) -> None:
 
 class GatedRMSNorm(nn.Module):
     """y * SiLU(z), RMS-normed over each of its groups of `group_size`, times the weight; in float32,
-    rounded once (Mamba2's RMSNormGated, the gate before the norm). This rank's `size` channels; where
-    one group spans every rank (`across_ranks`), its sum of squares is all-reduced."""
+    rounded once (Mamba2's RMSNormGated, the gate before the norm); or (`norm_first`, Falcon-H1's) y
+    normed, times the weight, then gated. This rank's `size` channels; where one group spans every
+    rank (`across_ranks`), its sum of squares is all-reduced."""
 
-    def __init__(self, size: int, group_size: int, eps: float, across_ranks: bool = False) -> None:
+    def __init__(
+        self, size: int, group_size: int, eps: float, across_ranks: bool = False, norm_first: bool = False
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.weight.weight_loader = rows_loader(rank_rows(size))  # type: ignore[attr-defined]
         self.group_size, self.eps, self.across_ranks = group_size, eps, across_ranks
+        self.norm_first = norm_first
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        gated = y.float() * F.silu(gate.float())
-        gated = gated.unflatten(-1, (-1, min(self.group_size, gated.shape[-1])))
-        squares = gated.pow(2).sum(-1, keepdim=True)
+        values = y.float() if self.norm_first else y.float() * F.silu(gate.float())
+        values = values.unflatten(-1, (-1, min(self.group_size, values.shape[-1])))
+        squares = values.pow(2).sum(-1, keepdim=True)
         if self.across_ranks:
             squares = all_reduce(squares)
-        normed = gated * torch.rsqrt(squares / self.group_size + self.eps)
-        return (self.weight.float() * normed.flatten(-2)).to(gate.dtype)
+        normed = self.weight.float() * (values * torch.rsqrt(squares / self.group_size + self.eps)).flatten(
+            -2
+        )
+        return (normed * F.silu(gate.float()) if self.norm_first else normed).to(gate.dtype)
 
 
 class Mamba2Mixer(RecurrentLayer):
@@ -138,8 +148,19 @@ class Mamba2Mixer(RecurrentLayer):
         for param in (self.dt_bias, self.A_log, self.D):
             param.weight_loader = rows_loader(heads)  # type: ignore[attr-defined]
         one_group_across = dims.num_groups == 1 and tp_size > 1
-        self.norm = GatedRMSNorm(self.inner, inner // dims.num_groups, dims.norm_eps, one_group_across)
-        self.out_proj = RowParallelLinear(inner, dims.hidden_size, bias=dims.proj_bias)
+        if dims.norm not in ("gate_then_norm", "norm_then_gate", "gate_only"):
+            raise ValueError(f"Mamba2's norm {dims.norm!r} (gate_then_norm, norm_then_gate or gate_only)")
+        self.norm: GatedRMSNorm | None = None
+        if dims.norm != "gate_only":
+            self.norm = GatedRMSNorm(
+                self.inner,
+                inner // dims.num_groups,
+                dims.norm_eps,
+                one_group_across,
+                norm_first=dims.norm == "norm_then_gate",
+            )
+        out_bias = dims.proj_bias if dims.out_bias is None else dims.out_bias
+        self.out_proj = RowParallelLinear(inner, dims.hidden_size, bias=out_bias)
         self.conv_state: torch.Tensor | None = None  # [rows, width - 1, conv_dim], set by `bind_state`
         self.ssm_state: torch.Tensor | None = None  # [rows, heads, head_dim, state_size]
 
@@ -173,6 +194,8 @@ class Mamba2Mixer(RecurrentLayer):
             c.unflatten(-1, (self.num_groups, self.state_size)),
             step,
         )
+        if self.norm is None:  # (Falcon-H1's without mamba_rms_norm: y gated alone)
+            return self.out_proj((y.flatten(1) * F.silu(gate)).to(gate.dtype))
         return self.out_proj(self.norm(y.flatten(1), gate))
 
     def scan(

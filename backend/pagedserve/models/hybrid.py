@@ -44,6 +44,7 @@ from pagedserve.layers.moe import Experts, SparseMoeBlock
 from pagedserve.layers.norm import Float32RMSNorm, RMSNorm
 from pagedserve.layers.recurrent import RecurrentLayer
 from pagedserve.layers.short_conv import ShortConv
+from pagedserve.models.falcon_h1 import falcon_h1_mamba_dims
 from pagedserve.models.llama import (
     Biases,
     LayerOptions,
@@ -599,9 +600,11 @@ def _nemotron_h_renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator
 
 def mamba2_dims(cfg: dict[str, Any]) -> Mamba2Dims | None:
     """A hybrid model's Mamba2 sizes, as its layers read config.json (None: no Mamba2 layer)."""
-    if "mamba" not in (hybrid_layer_types(cfg) or ()):
+    if not {"mamba", "parallel"} & set(hybrid_layer_types(cfg) or ()):
         return None
     architecture = architecture_of(cfg)
+    if architecture == "FalconH1ForCausalLM":
+        return falcon_h1_mamba_dims(cfg)
     if architecture == "NemotronHForCausalLM":
         return nemotron_h_mamba_dims(cfg)
     if architecture == "Mamba2ForCausalLM":

@@ -9,6 +9,7 @@ from pagedserve.models.deepseek import (
     Glm4MoeLiteForCausalLM,
     MiniCPM3ForCausalLM,
 )
+from pagedserve.models.falcon_h1 import FalconH1ForCausalLM
 from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.hybrid import (
@@ -120,6 +121,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,
+    "FalconH1ForCausalLM": FalconH1ForCausalLM,
 }
 
 
