@@ -14,7 +14,9 @@ the others Gated DeltaNet (4 key heads and 8 value heads of 128, convolutions of
 3,072 wide. `kimi-linear` is a Kimi Linear layout at a CPU's scale: hidden 1,024, 12 layers, every
 fourth DeepSeek latent attention without rotary (8 heads, a latent of 256 + 32), the others Kimi Delta
 Attention (8 heads of 128, convolutions of 4 taps), layer 0's MLP dense (3,072), the others 2 of 16
-experts of 512 beside a shared one (its LM head untied, as Kimi's). Each with the default model's
+experts of 512 beside a shared one (its LM head untied, as Kimi's). `falcon-h1` is a Falcon-H1 layout
+at a CPU's scale: hidden 1,024, 12 layers, each attention (8 heads of 128, 2 KV heads) beside Mamba2
+(16 heads of 64, a state of 128, one group), an MLP 2,048 wide. Each with the default model's
 tokenizer and vocabulary, saved by transformers' `save_pretrained` in bfloat16.
 """
 
@@ -67,6 +69,21 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "linear_num_value_heads": 8,
             "linear_key_head_dim": 128,
             "linear_value_head_dim": 128,
+        },
+    ),
+    "falcon-h1": (
+        "FalconH1Config",
+        {
+            "hidden_size": 1024,
+            "num_hidden_layers": 12,
+            "intermediate_size": 2048,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "mamba_d_ssm": 1024,
+            "mamba_n_heads": 16,
+            "mamba_n_groups": 1,
+            "mamba_d_state": 128,
         },
     ),
     "kimi-linear": (
