@@ -297,6 +297,7 @@ KIMI_LINEAR = {
     "moe_intermediate_size": 16,
     "n_shared_experts": 1,
     "routed_scaling_factor": 2.5,
+    "rms_norm_eps": 0.1,  # (at 1e-2 transformers' own bfloat16 tokens sit nats below its float32 ones)
 }
 # a tiny Llama's config.json as DeepSeek-V2's (its refusals come before any weight loads)
 DEEPSEEK_V2 = {"architectures": ["DeepseekV2ForCausalLM"], **MLA}
@@ -1160,14 +1161,12 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     ),
     # Kimi Linear: KDA (2 heads of 16, a decay a key channel) in layers 0, 2 and 3, latent attention
     # without rotary (4 heads over a latent of 56 + 8) in layer 1; 2 of 8 experts a token in 2 of 4
-    # groups (DeepSeek-V3's routing) beside a shared expert in layers 1 and 2, layers 0 and 3 dense;
-    # norm eps 0.1 (at 1e-2 transformers' own bfloat16 tokens sit nats below its float32 ones here)
+    # groups (DeepSeek-V3's routing) beside a shared expert in layers 1 and 2, layers 0 and 3 dense
     "kimi-linear-kda-mla-kda-kda-experts": (
         lambda: KimiLinearConfig(
             **{**TINY, "num_hidden_layers": 4},
             layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
             mlp_layer_types=["dense", "sparse", "sparse", "dense"],
-            rms_norm_eps=0.1,
             **KIMI_LINEAR,
         ),
         None,
@@ -1178,7 +1177,6 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             **{**TINY, "num_hidden_layers": 4},
             layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
             mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-            rms_norm_eps=0.1,
             **KIMI_LINEAR,
         ),
         kimi_linear_as_moonshot_names_it,
@@ -2383,7 +2381,8 @@ def test_rotary_tables_equal_transformers(
                 mamba_n_heads=8,
                 mamba_d_head=32,
             ),
-            r"mamba_d_head \(32\) times mamba_n_heads \(8\) must be mamba_expand x hidden_size \(128\)",
+            r"mamba_d_head \(32\) times mamba_n_heads \(8\) must be its Mamba2 width \(128: mamba_d_ssm, else "
+            r"mamba_expand x hidden_size\)",
         ),
         (
             lambda c: c.update(

@@ -232,6 +232,13 @@ def delta_rule_step(
     return torch.einsum("nhkv,nhk->nhv", state, q)
 
 
+def in_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[tokens, heads, ...] -> [heads, chunks, chunk_size, ...], the last chunk padded with zeros (a
+    padded token's beta and g are 0: it changes no state)."""
+    padded = torch.cat((x, x.new_zeros(-x.shape[0] % chunk_size, *x.shape[1:])))
+    return padded.transpose(0, 1).unflatten(1, (-1, chunk_size))
+
+
 def chunked_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -248,12 +255,7 @@ def chunked_delta_rule(
     for s < t; then o_t = exp(G_t) S^T q_t + sum over s <= t of exp(G_t - G_s) (q_t.k_s) u_s and the
     state leaves as exp(G_C) S + sum of exp(G_C - G_s) k_s u_s^T."""
     num_tokens = q.shape[0]
-    pad = -num_tokens % chunk_size
-    # [heads, chunks, chunk_size, ...]
-    q, k, v = (
-        F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unflatten(1, (-1, chunk_size)) for x in (q, k, v)
-    )
-    g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(0, 1).unflatten(1, (-1, chunk_size)) for x in (g, beta))
+    q, k, v, g, beta = (in_chunks(x, chunk_size) for x in (q, k, v, g, beta))
     cumulative = g.cumsum(-1)
     decay = (cumulative[..., :, None] - cumulative[..., None, :]).tril().exp().tril()  # [.., t, s]
     strictly_lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril(-1)
@@ -293,12 +295,7 @@ def chunked_channel_delta_rule(
     under the mask before exp (no exp(-G) to overflow); the rest as the scalar rule's, exp(G) a row of
     S at a time."""
     num_tokens = q.shape[0]
-    pad = -num_tokens % chunk_size
-    # [heads, chunks, chunk_size, ...]
-    q, k, v, g = (
-        F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unflatten(1, (-1, chunk_size)) for x in (q, k, v, g)
-    )
-    beta = F.pad(beta, (0, 0, 0, pad)).transpose(0, 1).unflatten(1, (-1, chunk_size))
+    q, k, v, g, beta = (in_chunks(x, chunk_size) for x in (q, k, v, g, beta))
     cumulative = g.cumsum(2)  # [heads, chunks, C, dk]
     lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     eye = torch.eye(chunk_size, device=q.device)

@@ -18,6 +18,7 @@ the hidden size (`mamba_d_ssm`); in_proj biased by `mamba_proj_bias`, out_proj b
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -25,41 +26,20 @@ import torch
 
 from pagedserve.layers.attention import AttentionBackend, AttentionMetadata
 from pagedserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
+from pagedserve.models.hybrid import granite_mamba_dims
 from pagedserve.models.llama import LayerOptions, LlamaDecoderLayer, LlamaForCausalLM, Rotary, Scales
 
 
 def falcon_h1_mamba_dims(cfg: dict[str, Any]) -> Mamba2Dims:
-    """Falcon-H1's Mamba2 sizes, FalconH1Config's defaults where config.json leaves a key out."""
-    hidden, heads = cfg["hidden_size"], int(cfg.get("mamba_n_heads", 128))
-    inner = cfg.get("mamba_d_ssm", 1024)
-    inner = int(cfg.get("mamba_expand", 2)) * hidden if inner is None else int(inner)
-    head_dim = cfg.get("mamba_d_head", "auto")
-    head_dim = inner // heads if head_dim == "auto" else int(head_dim)
-    if head_dim * heads != inner:
-        raise ValueError(
-            f"model: config.json's mamba_d_head ({head_dim}) times mamba_n_heads ({heads}) must be its "
-            f"Mamba2 width ({inner}: mamba_d_ssm, else mamba_expand x hidden_size)"
-        )
-    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    """Falcon-H1's Mamba2 sizes: Granite 4.0's keys (`mamba_*`) with FalconH1Config's defaults (an inner
+    width `mamba_d_ssm` of 1,024, norms at eps 1e-5), out_proj biased by `projectors_bias`, the gated
+    norm as `mamba_rms_norm` and `mamba_norm_before_gate` ask."""
     if not cfg.get("mamba_rms_norm", False):
         norm = "gate_only"
     else:
         norm = "norm_then_gate" if cfg.get("mamba_norm_before_gate", True) else "gate_then_norm"
-    return Mamba2Dims(
-        hidden_size=hidden,
-        num_heads=heads,
-        head_dim=head_dim,
-        num_groups=int(cfg.get("mamba_n_groups", 1)),
-        state_size=int(cfg.get("mamba_d_state", 256)),
-        conv_width=int(cfg.get("mamba_d_conv", 4)),
-        chunk_size=int(cfg.get("mamba_chunk_size", 256)),
-        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-        out_bias=bool(cfg.get("projectors_bias", False)),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        time_step_limit=(float(limit[0]), float(limit[1])),
-        norm=norm,
-    )
+    dims = granite_mamba_dims({"mamba_d_ssm": 1024, **cfg}, norm_eps=1e-5)
+    return dataclasses.replace(dims, out_bias=bool(cfg.get("projectors_bias", False)), norm=norm)
 
 
 class FalconH1DecoderLayer(LlamaDecoderLayer):

@@ -44,7 +44,6 @@ from pagedserve.layers.moe import Experts, SparseMoeBlock
 from pagedserve.layers.norm import Float32RMSNorm, RMSNorm
 from pagedserve.layers.recurrent import RecurrentLayer
 from pagedserve.layers.short_conv import ShortConv
-from pagedserve.models.falcon_h1 import falcon_h1_mamba_dims
 from pagedserve.models.llama import (
     Biases,
     LayerOptions,
@@ -240,16 +239,18 @@ def _split_in_proj(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tupl
 
 
 def granite_mamba_dims(cfg: dict[str, Any], norm_eps: float = 1e-6) -> Mamba2Dims:
-    """Granite 4.0's Mamba2 sizes (Bamba's), GraniteMoeHybridConfig's defaults where config.json leaves a
-    key out; the gated norm at `rms_norm_eps`, `norm_eps` by default."""
+    """Granite 4.0's Mamba2 sizes (Bamba's, Falcon-H1's), GraniteMoeHybridConfig's defaults where
+    config.json leaves a key out; the gated norm at `rms_norm_eps`, `norm_eps` by default; the inner
+    width `mamba_d_ssm` where set (Falcon-H1's), else mamba_expand x hidden_size."""
     hidden, heads = cfg["hidden_size"], int(cfg.get("mamba_n_heads", 128))
-    inner = int(cfg.get("mamba_expand", 2)) * hidden
+    inner = cfg.get("mamba_d_ssm")
+    inner = int(cfg.get("mamba_expand", 2)) * hidden if inner is None else int(inner)
     head_dim = cfg.get("mamba_d_head", "auto")
     head_dim = inner // heads if head_dim == "auto" else int(head_dim)
     if head_dim * heads != inner:
         raise ValueError(
-            f"model: config.json's mamba_d_head ({head_dim}) times mamba_n_heads ({heads}) must be "
-            f"mamba_expand x hidden_size ({inner})"
+            f"model: config.json's mamba_d_head ({head_dim}) times mamba_n_heads ({heads}) must be its "
+            f"Mamba2 width ({inner}: mamba_d_ssm, else mamba_expand x hidden_size)"
         )
     limit = cfg.get("time_step_limit") or (0.0, float("inf"))
     return Mamba2Dims(
@@ -604,6 +605,8 @@ def mamba2_dims(cfg: dict[str, Any]) -> Mamba2Dims | None:
         return None
     architecture = architecture_of(cfg)
     if architecture == "FalconH1ForCausalLM":
+        from pagedserve.models.falcon_h1 import falcon_h1_mamba_dims  # (it builds on this module)
+
         return falcon_h1_mamba_dims(cfg)
     if architecture == "NemotronHForCausalLM":
         return nemotron_h_mamba_dims(cfg)
