@@ -36,6 +36,9 @@
 # (a bias joins its product in float32, before the one rounding, as F.linear adds it: on the CPU
 # too, checked for float16 and bfloat16)
 #   out[t] = sum_j y[t * k + j]                            a torch sum over k: no atomics, deterministic
+# Under WEIGHTED_INPUTS (Llama 4's experts) the weight scales the expert's input instead, rounded to
+# x's dtype as the router's sigmoid is, and x[t] * weight rounded too; the output goes unweighted:
+#   g, u = round(round(x[t] * round(weights[p])) @ gate_e.T ...),   y[p] = round(h[p] @ down_e.T + b2[e])
 # act, a constexpr of the gate/up kernel (so each compiles only its own):
 #   "silu"        silu(g) * u                                             (Mixtral, Qwen, ...)
 #   "swiglu_oai"  g' * sigmoid(alpha * g') * (u' + 1), g' = min(g, limit),
@@ -156,6 +159,7 @@ def _gate_up_kernel(
     block_expert_ids_ptr: tl.tensor,
     num_valid_rows_ptr: tl.tensor,
     num_pairs: tl.tensor,
+    weights_ptr: tl.tensor,
     alpha: tl.tensor,
     limit: tl.tensor,
     HIDDEN: tl.constexpr,
@@ -163,6 +167,7 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    WEIGHTED_INPUTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -170,7 +175,8 @@ def _gate_up_kernel(
 ) -> None:
     """Program (block, column tile): h[p, cols] = act(x[t] @ gate_e[cols].T + gate bias,
     x[t] @ up_e[cols].T + up bias) for the block's pairs p, of tokens t = p // TOP_K, and its expert
-    e; act is ACTIVATION ("silu" or "swiglu_oai", with alpha and limit)."""
+    e; act is ACTIVATION ("silu" or "swiglu_oai", with alpha and limit); under WEIGHTED_INPUTS x[t]
+    scaled first by the pair's weight (both rounded to x's dtype)."""
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(num_valid_rows_ptr):
         return
@@ -182,15 +188,19 @@ def _gate_up_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     col_mask = cols < INTER
 
+    dtype = h_ptr.dtype.element_ty
+    if WEIGHTED_INPUTS:
+        weight = _round(tl.load(weights_ptr + pair_ids, mask=row_mask, other=0.0), dtype).to(tl.float32)
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):  # each x tile is read once, for both products
         a = _load_rows(x_ptr, pair_ids // TOP_K, row_mask, k0, HIDDEN, BLOCK_K)
+        if WEIGHTED_INPUTS:
+            a = _round(a.to(tl.float32) * weight[:, None], dtype).to(a.dtype)
         gate += _dot(a, _load_columns(gate_ptr, cols, col_mask, k0, HIDDEN, BLOCK_K), UPCAST)
         up += _dot(a, _load_columns(up_ptr, cols, col_mask, k0, HIDDEN, BLOCK_K), UPCAST)
 
     # the projections rounded as F.linear (with its bias) rounds them, then the activation
-    dtype = h_ptr.dtype.element_ty
     gate_bias = expert * (2 * INTER) + cols  # b13 [E, 2I]: the expert's gate biases, then its up biases
     gate = _round(_add_bias(gate, b13_ptr, gate_bias, col_mask, HAS_BIAS), dtype)
     up = _round(_add_bias(up, b13_ptr, gate_bias + INTER, col_mask, HAS_BIAS), dtype)
@@ -216,13 +226,15 @@ def _down_kernel(
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    WEIGHTED_INPUTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
 ) -> None:
     """Program (block, column tile): y[p, cols] = weights[p] * round(h[p] @ down_e[cols].T + down
-    bias), in float32, for the block's pairs p and its expert e."""
+    bias), in float32, for the block's pairs p and its expert e (unweighted under WEIGHTED_INPUTS:
+    the gate/up kernel scaled the input)."""
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(num_valid_rows_ptr):
         return
@@ -241,8 +253,9 @@ def _down_kernel(
     # the expert's output (with its bias) is rounded to the model's dtype before the weighting, as an
     # Expert's is
     acc = _add_bias(acc, b2_ptr, expert * HIDDEN + cols, col_mask, HAS_BIAS)
-    weight = tl.load(weights_ptr + pair_ids, mask=row_mask, other=0.0)
-    y = _round(acc, h_ptr.dtype.element_ty) * weight[:, None]
+    y = _round(acc, h_ptr.dtype.element_ty)
+    if not WEIGHTED_INPUTS:
+        y = y * tl.load(weights_ptr + pair_ids, mask=row_mask, other=0.0)[:, None]
     mask = row_mask[:, None] & col_mask[None, :]
     tl.store(y_ptr + pair_ids[:, None] * HIDDEN + cols[None, :], y, mask=mask)
 
@@ -403,11 +416,13 @@ def fused_moe(
     activation: str = "silu",
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
+    weighted_inputs: bool = False,
 ) -> torch.Tensor:
     """out[t] = sum_j weights[t, j] * down_e(act(gate_e(x[t]), up_e(x[t]))), e = expert_ids[t, j]:
     [T, H] in x's dtype. `activation` "silu" is silu(gate) * up; "swiglu_oai" GPT-OSS's clamped
     SwiGLU (`swiglu_alpha`, `swiglu_limit`); the projections add `w13_bias` [E, 2I] and `w2_bias`
-    [E, H] when given (see the layouts at the top and reference.fused_moe_reference)."""
+    [E, H] when given; `weighted_inputs` (Llama 4's): out[t] = sum_j down_e(act(... x[t] weights[t, j]))
+    (see the layouts at the top and reference.fused_moe_reference)."""
     hidden, inter = _check_moe_args(x, w13, w2, weights, expert_ids)
     num_experts, num_tokens, top_k = w13.shape[0], *expert_ids.shape
     _check_bias("w13_bias", w13_bias, x, (num_experts, 2 * inter))
@@ -431,9 +446,20 @@ def fused_moe(
     swiglu = (float(swiglu_alpha), float(swiglu_limit))
     gate_up = {"TOP_K": top_k, "HAS_BIAS": w13_bias is not None, "ACTIVATION": activation}
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, _BLOCK_N))](
-        x, w13, w13_bias, h, *blocks, *swiglu, UPCAST=upcast, **gate_up, **sizes
+        x,
+        w13,
+        w13_bias,
+        h,
+        *blocks,
+        weights,
+        *swiglu,
+        UPCAST=upcast,
+        WEIGHTED_INPUTS=weighted_inputs,
+        **gate_up,
+        **sizes,
     )
+    down = {"HAS_BIAS": w2_bias is not None, "WEIGHTED_INPUTS": weighted_inputs}
     _down_kernel[(num_blocks, triton.cdiv(hidden, _BLOCK_N))](
-        h, w2, w2_bias, weights, y, *blocks, HAS_BIAS=w2_bias is not None, UPCAST=upcast, **sizes
+        h, w2, w2_bias, weights, y, *blocks, UPCAST=upcast, **down, **sizes
     )
     return y.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)

@@ -398,9 +398,12 @@ def fused_moe_reference(
     activation: str = "silu",
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
+    weighted_inputs: bool = False,
 ) -> torch.Tensor:
     """A mixture-of-experts MLP, as `pagedserve.layers.moe.run_experts` computes it: out[t] =
-    sum_j weights[t, j] * down_e(act(gate_e(x[t]), up_e(x[t]))) with e = expert_ids[t, j].
+    sum_j weights[t, j] * down_e(act(gate_e(x[t]), up_e(x[t]))) with e = expert_ids[t, j]; under
+    `weighted_inputs` (Llama 4's) sum_j down_e(act(... x[t] * weights[t, j])), the weight rounded to x's
+    dtype and the product too.
 
     x [T, H]; w13 [E, 2I, H] (expert e's gate rows [:I], up rows [I:]); w2 [E, H, I]; weights
     [T, k] float32; expert_ids [T, k]; optional biases w13_bias [E, 2I] (gate [:I], up [I:]) and
@@ -418,13 +421,14 @@ def fused_moe_reference(
             continue
         b13 = None if w13_bias is None else w13_bias[expert]
         b2 = None if w2_bias is None else w2_bias[expert]
-        gate_up = F.linear(x[tokens], w13[expert], b13)
+        rows = x[tokens] * weights[tokens, slots, None].to(x.dtype) if weighted_inputs else x[tokens]
+        gate_up = F.linear(rows, w13[expert], b13)
         if activation == "silu":
             h = silu_and_mul(gate_up)
         else:
             h = swiglu_oai_and_mul(gate_up, swiglu_alpha, swiglu_limit)
         y = F.linear(h, w2[expert], b2)
-        out.index_add_(0, tokens, weights[tokens, slots, None] * y.float())
+        out.index_add_(0, tokens, y.float() if weighted_inputs else weights[tokens, slots, None] * y.float())
     return out.to(x.dtype)
 
 

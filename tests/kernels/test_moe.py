@@ -98,6 +98,32 @@ def test_fused_moe_matches_reference(
         assert_mostly_bitwise_equal(out, expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "hidden", "inter", "num_experts", "top_k", "unused"), CASES[:2])
+def test_fused_moe_weighted_inputs_matches_reference(
+    num_tokens: int,
+    hidden: int,
+    inter: int,
+    num_experts: int,
+    top_k: int,
+    unused: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Llama 4's experts: each pair's weight scales the expert's input (rounded to x's dtype, the
+    product too), its output summed unweighted; weights away from one, so that the kernel weighting
+    the output instead (or not at all) is told apart."""
+    x = torch.randn(num_tokens, hidden, device=device).to(dtype)
+    w13, w2 = make_experts(num_experts, hidden, inter, dtype, device)
+    weights, expert_ids = make_routing(num_tokens, num_experts, top_k, unused, device)
+    weights = torch.sigmoid(torch.randn_like(weights) * 2)  # (Llama 4's: a sigmoid a pair)
+    out = moe.fused_moe(x, w13, w2, weights, expert_ids, weighted_inputs=True)
+    expected = reference.fused_moe_reference(x, w13, w2, weights, expert_ids, weighted_inputs=True)
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCES[dtype])
+    weighted_outputs = reference.fused_moe_reference(x, w13, w2, weights, expert_ids)
+    assert not torch.allclose(weighted_outputs.float(), expected.float(), **TOLERANCES[dtype])
+
+
 def assert_mostly_bitwise_equal(out: torch.Tensor, expected: torch.Tensor) -> None:
     """At most 1% of the outputs (or one, of a small output) differ: an ulp from the summation order."""
     assert int((out != expected).sum()) <= max(1, expected.numel() // 100)
@@ -138,6 +164,14 @@ def test_reference_is_the_serving_path(dtype: torch.dtype) -> None:
     expected = run_experts(nn.ModuleList(experts), x, weights, expert_ids)
     torch.testing.assert_close(
         reference.fused_moe_reference(x, w13, w2, weights, expert_ids), expected, atol=0, rtol=0
+    )
+    # and Llama 4's weighted inputs
+    expected = run_experts(nn.ModuleList(experts), x, weights, expert_ids, weighted_inputs=True)
+    torch.testing.assert_close(
+        reference.fused_moe_reference(x, w13, w2, weights, expert_ids, weighted_inputs=True),
+        expected,
+        atol=0,
+        rtol=0,
     )
 
 

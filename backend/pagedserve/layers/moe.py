@@ -8,7 +8,7 @@ among the best groups of experts, scale the weights, and add an ungated shared e
 is float32 (`Router`). DeepSeek-V2 picks by the softmax among the best groups. Nemotron 3 routes as
 DeepSeek-V3 does to ungated ReLU² experts (`Experts.gated`), which run one by one on GPUs too; Llama
 4 picks its top expert by the logits and scales the expert's input by the sigmoid of its logit
-(`Experts.weighted_inputs`), one by one on GPUs too.
+(`Experts.weighted_inputs`, in the fused kernel too).
 
 Experts are tensor-parallel as the dense MLP is: every rank holds each expert's share of the
 intermediate features (gate and up column-parallel, down row-parallel), sums its partial outputs,
@@ -265,9 +265,8 @@ class SparseMoeBlock(nn.Module):
     def stack_experts(self) -> None:
         """The experts' weights (this rank's shards) as two stacked tensors for the Triton kernel;
         the per-expert layers go (their weights would be a second copy). Ungated experts, which the
-        kernel does not take, stay per expert (`run_experts`) on GPUs too, as do experts whose inputs
-        the weights scale (Llama 4's)."""
-        if not self.spec.gated or self.spec.weighted_inputs:
+        kernel does not take, stay per expert (`run_experts`) on GPUs too."""
+        if not self.spec.gated:
             return
         experts: list[Expert] = list(self.experts)  # type: ignore[arg-type]
         self.w13 = _stacked([e.gate_up_proj.weight for e in experts])
@@ -295,6 +294,7 @@ class SparseMoeBlock(nn.Module):
             activation=spec.activation,
             swiglu_alpha=spec.swiglu_alpha,
             swiglu_limit=spec.swiglu_limit,
+            weighted_inputs=spec.weighted_inputs,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,6 @@ as transformers' Llama4ForCausalLM runs it. Llama's layer with:
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -92,9 +91,7 @@ class Llama4ForCausalLM(MoeForCausalLM):
             raise ValueError(
                 f"model: config.json's interleave_moe_layer_step must be a positive integer, got {step!r}"
             )
-        moe_layers = cfg.get("moe_layers")
-        if moe_layers is None:
-            moe_layers = range(step - 1, num_layers, step)
+        moe_layers = set(cfg.get("moe_layers") or range(step - 1, num_layers, step))
         spec = Experts(
             num_experts=num_experts_of(cfg, 16),
             top_k=int(cfg.get("num_experts_per_tok", 1)),
@@ -105,10 +102,7 @@ class Llama4ForCausalLM(MoeForCausalLM):
             scoring="sigmoid",
             weighted_inputs=True,
         )
-        return [spec if i in set(moe_layers) else None for i in range(num_layers)]
-
-    def layer_options(self, cfg: dict[str, Any]) -> list[LayerOptions]:
-        return [dataclasses.replace(options, qk_norm=False) for options in super().layer_options(cfg)]
+        return [spec if i in moe_layers else None for i in range(num_layers)]
 
     def step_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
         """The rope layers' tables, and the NoPE layers' query scales (float32, [tokens, 1, 1])."""

@@ -349,7 +349,7 @@ class ModelRunner:
         self.fused_decode = FusedDecode.build(self.model, self.backend, self.dtype)
         blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
         if self.config.cuda_graphs and any(block.w13 is None for block in blocks):
-            # (experts the Triton kernel does not take, Llama 4's and Nemotron 3's, read how many rows
+            # (experts the Triton kernel does not take, Nemotron 3's ungated ones, read how many rows
             # each gets on the host: no graph can capture that)
             logger.info("experts run one by one (not in the fused kernel): decode steps run eager")
         elif self.config.cuda_graphs:
