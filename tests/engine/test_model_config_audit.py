@@ -1749,6 +1749,32 @@ def test_an_lfm2_vl_checkpoint_serves_its_text_decoder(tmp_path: Path, default_m
     assert llm.engine.config.model.architecture == "Lfm2ForCausalLM"
 
 
+def test_a_kimi_linear_convolution_missing_a_part_is_refused_naming_them(
+    variant_dir: Callable[[str], str], tmp_path: Path
+) -> None:
+    """The Hub's KDA convolution comes as q_conv1d, k_conv1d and v_conv1d: a layer short of one is
+    refused naming what it has."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    make_config, _ = VARIANTS["kimi-linear-kda-mla-kda-kda-experts"]
+    model = transformers.AutoModelForCausalLM.from_config(make_config())
+    stacked = variant_dir("kimi-linear-kda-mla-kda-kda-experts")
+    model.load_state_dict(load_file(f"{stacked}/model.safetensors"), strict=False)
+    hub = tmp_path / "hub"
+    model.save_pretrained(hub)
+    for file in Path(stacked).iterdir():
+        if not (hub / file.name).exists():
+            shutil.copy(file, hub / file.name)
+    weights = load_file(str(hub / "model.safetensors"))
+    del weights["model.layers.2.self_attn.k_conv1d.weight"]
+    save_file(weights, str(hub / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"model.layers.2 has \['q', 'v'\] of q_conv1d, k_conv1d and v_conv1d"
+    ):
+        LLM(model=str(hub), dtype="float32", num_kv_blocks=16)
+
+
 def test_a_llama4_checkpoint_serves_its_text_decoder(tmp_path: Path, default_model_dir: str) -> None:
     """Llama 4's checkpoints are all Llama4ForConditionalGeneration: its text decoder served (the
     variant above's layers), its tokens and logprobs transformers' own multimodal model's on text
