@@ -1742,11 +1742,17 @@ def test_an_lfm2_vl_checkpoint_serves_its_text_decoder(tmp_path: Path, default_m
         text_config=text, vision_config=vision, projector_hidden_size=32, tie_word_embeddings=False
     )
     model_dir = save_tiny_model(tmp_path / "lfm2-vl", default_model_dir, config)
+    assert_serves_its_text_decoder(model_dir, "Lfm2VlForConditionalGeneration", "Lfm2ForCausalLM")
+
+
+def assert_serves_its_text_decoder(model_dir: str, multimodal: str, served: str) -> None:
+    """The multimodal checkpoint `model_dir` (transformers' `multimodal` class) serves as its text
+    decoder (`served`), its float32 tokens and logprobs transformers' own on text prompts."""
     prompts = long_prompts()
     model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    assert type(model).__name__ == "Lfm2VlForConditionalGeneration"
+    assert type(model).__name__ == multimodal
     llm = assert_float32_matches(model_dir, model, prompts, theirs)
-    assert llm.engine.config.model.architecture == "Lfm2ForCausalLM"
+    assert llm.engine.config.model.architecture == served
 
 
 def test_a_kimi_linear_convolution_missing_a_part_is_refused_naming_them(
@@ -1795,11 +1801,7 @@ def test_a_llama4_checkpoint_serves_its_text_decoder(tmp_path: Path, default_mod
     }
     config = transformers.Llama4Config(text_config=make_config().to_dict(), vision_config=vision)
     model_dir = save_tiny_model(tmp_path / "llama4", default_model_dir, config)
-    prompts = long_prompts()
-    model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    assert type(model).__name__ == "Llama4ForConditionalGeneration"
-    llm = assert_float32_matches(model_dir, model, prompts, theirs)
-    assert llm.engine.config.model.architecture == "Llama4ForCausalLM"
+    assert_serves_its_text_decoder(model_dir, "Llama4ForConditionalGeneration", "Llama4ForCausalLM")
 
 
 def test_llama4s_context_is_one_chunk_of_its_chunked_attention(
