@@ -99,13 +99,14 @@ _NAMES = {
 
 def _folded_multipliers(cfg: dict[str, Any]) -> dict[str, float | torch.Tensor]:
     """Each weight's multiplier (a row's, for in_proj's), by its name past the layer: the attention's
-    input multiplier on q, k and v's weights, the key multiplier on k's weight and bias, ..."""
+    input multiplier on q, k and v's weights, the key multiplier on k's weight and bias, ...; those
+    of 1 left out (their tensors load as they are, with no float32 copy)."""
     attn_in, key = float(cfg.get("attention_in_multiplier", 1.0)), float(cfg.get("key_multiplier", 1.0))
     attn_out = float(cfg.get("attention_out_multiplier", 1.0))
     ssm_in, ssm_out = float(cfg.get("ssm_in_multiplier", 1.0)), float(cfg.get("ssm_out_multiplier", 1.0))
     gate, down = (float(m) for m in (cfg.get("mlp_multipliers") or (1.0, 1.0)))
     rows = _mup_vector(cfg)
-    return {
+    factors: dict[str, float | torch.Tensor] = {
         "self_attn.q_proj.weight": attn_in,
         "self_attn.k_proj.weight": attn_in * key,
         "self_attn.k_proj.bias": key,
@@ -121,6 +122,7 @@ def _folded_multipliers(cfg: dict[str, Any]) -> dict[str, float | torch.Tensor]:
         "mlp.down_proj.weight": down,
         "mlp.down_proj.bias": down,
     }
+    return {name: m for name, m in factors.items() if bool((torch.as_tensor(m) != 1.0).any())}
 
 
 def _mup_vector(cfg: dict[str, Any]) -> torch.Tensor:
