@@ -260,6 +260,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                     "NemotronH",
                     "Bamba",
                     "FalconH1",
+                    "Cohere",
                 )
             ):
                 param.normal_(

@@ -865,6 +865,8 @@ _DEFAULT_THETA = {
     "Lfm2ForCausalLM": 1_000_000.0,
     "Lfm2MoeForCausalLM": 1_000_000.0,
     "Llama4ForCausalLM": 500_000.0,
+    "CohereForCausalLM": 500_000.0,
+    "MiniMaxM2ForCausalLM": 5_000_000.0,
 }
 # where it names no rope parameters at all, the config class's (GptOssConfig's YaRN)
 _DEFAULT_ROPE: dict[str, dict[str, Any]] = {

@@ -32,6 +32,7 @@ from transformers import (
     ArceeConfig,
     BambaConfig,
     Cohere2Config,
+    CohereConfig,
     DeepseekV2Config,
     DeepseekV3Config,
     Dots1Config,
@@ -61,6 +62,7 @@ from transformers import (
     Llama4TextConfig,
     Mamba2Config,
     MiniCPM3Config,
+    MiniMaxM2Config,
     Ministral3Config,
     MistralConfig,
     MixtralConfig,
@@ -183,6 +185,9 @@ NOT_DECODE_LAYERS = {
     "ernie4.5-moe-biased-picking",
     "hunyuan-alpha-rope-norms-after-rotary",
     "cohere2-parallel-sliding-rope-global-nope",
+    "cohere-head-layernorms-default-theta",
+    "minimax-m2-whole-qk-norms-partial-rope-sigmoid-biased-experts",
+    "minimax-m2-as-minimax-names-it",
     "exaone4-sliding-rope-global-nope",
     "exaone4-no-window",
     "ernie4.5-biases-default-tie",
@@ -251,6 +256,8 @@ FALCON_H1_MAMBA = {
     "mamba_chunk_size": 32,
     "rms_norm_eps": 1e-2,
 }
+# MiniMax-M2's on a tiny scale: 8 of each 16-dimension head turned, 2 of 8 experts a token
+MINIMAX_M2 = {"head_dim": 16, "rotary_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2}
 # Nemotron 3's experts on a tiny scale
 NEMOTRON3_EXPERTS = {
     "n_routed_experts": 8,
@@ -468,6 +475,11 @@ def without_falcon_h1_defaults(config: dict[str, Any]) -> None:
         "key_multiplier",
     ):
         config.pop(key)
+
+
+def minimax_m2_as_minimax_names_it(config: dict[str, Any]) -> None:
+    del config["rope_parameters"]
+    config.update(qk_norm_type="per_layer", use_qk_norm=True, scoring_func="sigmoid", use_routing_bias=True)
 
 
 def without_rms_norm_eps(config: dict[str, Any]) -> None:
@@ -703,6 +715,26 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             **{**TINY, "num_hidden_layers": 4}, head_dim=16, sliding_window=24, tie_word_embeddings=True
         ),
         drop("logit_scale", "tie_word_embeddings", "layer_types"),
+    ),
+    # Cohere's Command R+: attention and the MLP side by side on one LayerNorm, GPT-J's rotary in
+    # every layer at CohereConfig's theta (5e5, config.json naming none), each query and key head
+    # LayerNormed by a weight of its own (`use_qk_norm`), the logits scaled by 1/16, the head tied
+    "cohere-head-layernorms-default-theta": (
+        lambda: CohereConfig(**TINY, use_qk_norm=True),
+        drop("rope_parameters", "logit_scale", "tie_word_embeddings"),
+    ),
+    # MiniMax-M2: q and k each RMS-normed over the whole projection (in float32), NeoX's rotary over the
+    # first 8 of each head's 16 dimensions, every MLP 2 of 8 experts a token, each scored by a sigmoid
+    # and picked by its score plus a bias, the picked scores renormalized
+    "minimax-m2-whole-qk-norms-partial-rope-sigmoid-biased-experts": (
+        lambda: MiniMaxM2Config(**TINY, **MINIMAX_M2),
+        None,
+    ),
+    # the same as MiniMax's config.json lays it out: the turned part of a head by rotary_dim alone, no
+    # rope parameters (MiniMaxM2Config's theta, 5e6), its keys transformers does not read
+    "minimax-m2-as-minimax-names-it": (
+        lambda: MiniMaxM2Config(**TINY, **MINIMAX_M2),
+        minimax_m2_as_minimax_names_it,
     ),
     # Tencent's Hunyuan dense: each query and key head normed after the rotation; the rope its
     # checkpoints call dynamic, with a fixed alpha (the base stretched 1000^(16/14)), as they ship it
@@ -1830,14 +1862,16 @@ def test_llama4s_context_is_one_chunk_of_its_chunked_attention(
     [
         ("glm4-moe-grouped-biased-routing", "model.layers.2.eh_proj.weight"),
         ("deepseek-v3-mla-yarn-grouped-experts-4.x-config", "model.layers.2.enorm.weight"),
+        ("minimax-m2-as-minimax-names-it", "model.layers.2.eh_proj.weight"),
     ],
 )
 def test_a_next_token_prediction_layer_is_left_out(
     variant_dir: Callable[[str], str], tmp_path: Path, name: str, extra: str
 ) -> None:
-    """GLM-4.5's and DeepSeek-V3's checkpoints hold a next-token prediction layer past
+    """GLM-4.5's, DeepSeek-V3's and MiniMax-M2's checkpoints hold next-token prediction layers past
     `num_hidden_layers` (GLM-4.5's `model.layers.46.*` beside 46 layers, DeepSeek-V3's
-    `model.layers.61.*`), which transformers' model and vLLM's serving leave out."""
+    `model.layers.61.*`, MiniMax-M2's `model.layers.62.*` on), which transformers' model and vLLM's
+    serving leave out."""
     from safetensors.torch import load_file, save_file
 
     model_dir = variant_dir(name)
@@ -1934,6 +1968,10 @@ def test_phi2s_lm_head_bias_moves_the_greedy_tokens(
         ("kimi-linear-kda-mla-kda-kda-experts", "model.layers.2.self_attn.f_a_proj.weight"),
         ("kimi-linear-kda-mla-kda-kda-experts", "model.layers.1.block_sparse_moe.experts.5.w3.weight"),
         ("nemotron3-mamba-experts-attention-experts", "backbone.layers.3.mixer.experts.5.up_proj.weight"),
+        (
+            "minimax-m2-whole-qk-norms-partial-rope-sigmoid-biased-experts",
+            "model.layers.1.block_sparse_moe.e_score_correction_bias",
+        ),
     ],
 )
 def test_experts_as_the_hub_lays_them_out_load_as_stacked(

@@ -254,6 +254,15 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         # GPT-NeoX: each rank's heads cut from the fused query_key_value, attention and the MLP side by
         # side on their two norms
         ("GPTNeoXConfig", {"num_kv_heads": 4}),
+        # Command R+: each rank's query heads' rows of the head norms' weights, the one KV head's row
+        # on both ranks, reordered for GPT-J's rotary as q's and k's rows are
+        ("CohereConfig", {"num_kv_heads": 1, "use_qk_norm": True}),
+        # MiniMax-M2: q and k normed over all heads of both ranks, a rank's share of each norm's weight;
+        # the float32 router and its picking bias whole on each rank; NeoX's rotary over half a head
+        (
+            "MiniMaxM2Config",
+            {"rotary_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2},
+        ),
     ],
     ids=[
         "phi3",
@@ -267,6 +276,8 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         "starcoder2",
         "apertus",
         "gpt-neox",
+        "cohere-head-norms",
+        "minimax-m2",
     ],
 )
 def test_tp2_llama_family_layouts_match_single_rank(

@@ -1,5 +1,6 @@
-"""Cohere's Command R7B and Command A (`Cohere2ForCausalLM`) as transformers computes them, on the
-Llama family's tensor-parallel layers. What they add to Llama's layer:
+"""Cohere's Command R and R+ (`CohereForCausalLM`), Command R7B and Command A (`Cohere2ForCausalLM`)
+as transformers computes them, on the Llama family's tensor-parallel layers. What they add to Llama's
+layer:
 
 - attention and the MLP side by side: both read the same normed input, and both outputs join the
   residual stream at once (`ParallelDecoderLayer`);
@@ -9,20 +10,29 @@ Llama family's tensor-parallel layers. What they add to Llama's layer:
   reordered on load), computed in float32, and only in the sliding layers (three of every four by
   default, a window of 4,096): the global layers turn by no position (NoPE);
 - the logits multiplied by `logit_scale` (1/16 by default); the LM head tied by default.
+
+Command R and R+ turn q and k in every layer and have no window; where `use_qk_norm` (R+), each query
+and key head is LayerNormed over its head_dim by a weight of its own, in float32 (`HeadLayerNorm`),
+before the rotation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.config import default_layer_types
+from pagedserve.distributed import get_tp_rank, get_tp_size
+from pagedserve.layers import ops
 from pagedserve.layers.attention import AttentionBackend, AttentionMetadata
 from pagedserve.layers.norm import LayerNorm, RMSNorm
 from pagedserve.models.llama import (
     LayerOptions,
+    LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
     Rotary,
@@ -68,11 +78,71 @@ class ParallelDecoderLayer(LlamaDecoderLayer):
         return self.self_attn(rotary, normed, metadata) + self.mlp(mlp_normed), stream
 
 
-class Cohere2ForCausalLM(LlamaForCausalLM):
-    """Command R7B and Command A (see the module docstring); Cohere2Config's defaults where config.json
-    leaves a key out."""
+class HeadLayerNorm(RMSNorm):
+    """Command R+'s q or k norm: each head LayerNormed over its head_dim (no bias), in float32, times a
+    weight of its own (the checkpoint's [heads, head_dim]), rounded to x's dtype once. This rank holds
+    its heads' rows (a KV head replicated on `replicas` ranks: its row on each)."""
 
-    decoder_layer_class = ParallelDecoderLayer
+    def __init__(self, num_heads: int, head_dim: int, replicas: int, eps: float) -> None:
+        super().__init__(head_dim, eps)
+        self.weight = nn.Parameter(torch.ones(num_heads, head_dim), requires_grad=False)
+        self.replicas = replicas
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        heads, shards = param.shape[0], get_tp_size() // self.replicas
+        if loaded.shape != (heads * shards, param.shape[1]):
+            raise ValueError(
+                f"checkpoint's q or k norm has shape {tuple(loaded.shape)}; config.json's heads make "
+                f"{(heads * shards, param.shape[1])}"
+            )
+        param.data.copy_(loaded.narrow(0, get_tp_rank() // self.replicas * heads, heads))
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [tokens, heads, head_dim] (no residual: a head norm joins no stream)."""
+        assert residual is None
+        normed = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+class CohereAttention(LlamaAttention):
+    """Llama's attention with Command R+'s head norms (`use_qk_norm`) before the rotation."""
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        super().__init__(cfg, backend, options, layer_index)
+        if cfg.get("use_qk_norm"):
+            eps, replicas = layer_norm_eps(cfg), self.qkv_proj.num_kv_head_replicas
+            self.q_norm = HeadLayerNorm(self.num_heads, self.head_dim, 1, eps)
+            self.k_norm = HeadLayerNorm(self.num_kv_heads, self.head_dim, replicas, eps)
+
+    def rotated_qkv(
+        self, rotary: Rotary, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = self.qkv_proj(hidden)
+        q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = cast(torch.Tensor, self.q_norm(q)), cast(torch.Tensor, self.k_norm(k))
+        qk = torch.cat((q, k), dim=1)
+        if self.rotary:
+            qk = ops.apply_rotary(qk, *rotary)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return q, k, qkv[:, self.q_size + self.kv_size :]
+
+
+class CohereDecoderLayer(ParallelDecoderLayer):
+    attention_class = CohereAttention
+
+
+class CohereForCausalLM(LlamaForCausalLM):
+    """Command R and R+ (see the module docstring): q and k turned in every layer, no window;
+    CohereConfig's defaults where config.json leaves a key out."""
+
+    decoder_layer_class: type[LlamaDecoderLayer] = CohereDecoderLayer
     interleaved_rotary = True
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
@@ -83,6 +153,30 @@ class Cohere2ForCausalLM(LlamaForCausalLM):
         if not self.logit_scale > 0:  # (a greedy step takes the argmax before the logits are scaled)
             raise ValueError(f"model: config.json's logit_scale must be positive, got {self.logit_scale}")
 
+    def step_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        """The tables rounded to the model's dtype, then applied in float32, as transformers' Cohere
+        and Cohere2 turn q and k."""
+        return tuple(table.float() for table in self.rotary_emb(positions, dtype))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden) * self.logit_scale
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The head norms' weights reordered in each head as q's and k's rows are (`checkpoint_rows`)."""
+        super().load_weights(
+            (name, self.checkpoint_rows("q_proj", tensor.flatten()).view_as(tensor))
+            if name.endswith((".self_attn.q_norm.weight", ".self_attn.k_norm.weight"))
+            else (name, tensor)
+            for name, tensor in weights
+        )
+
+
+class Cohere2ForCausalLM(CohereForCausalLM):
+    """Command R7B and Command A (see the module docstring): Command R's layer without head norms, the
+    global layers NoPE; Cohere2Config's defaults where config.json leaves a key out."""
+
+    decoder_layer_class = ParallelDecoderLayer
+
     @staticmethod
     def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
         """The sliding layers turn q and k; the global ones do not (where the model has a window)."""
@@ -90,11 +184,3 @@ class Cohere2ForCausalLM(LlamaForCausalLM):
             return [True] * cfg["num_hidden_layers"]
         layer_types = cfg.get("layer_types") or default_layer_types(cfg, "Cohere2ForCausalLM")
         return [kind == "sliding_attention" for kind in layer_types]
-
-    def step_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
-        """The tables rounded to the model's dtype, then applied in float32, as transformers' Cohere2
-        turns q and k."""
-        return tuple(table.float() for table in self.rotary_emb(positions, dtype))
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden) * self.logit_scale

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedserve.models.cohere import Cohere2ForCausalLM
+from pagedserve.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from pagedserve.models.deepseek import (
     DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
@@ -37,6 +37,7 @@ from pagedserve.models.llama import (
     SmolLM3ForCausalLM,
 )
 from pagedserve.models.llama4 import Llama4ForCausalLM
+from pagedserve.models.minimax import MiniMaxM2ForCausalLM
 from pagedserve.models.moe import (
     Dots1ForCausalLM,
     Ernie4_5_MoeForCausalLM,
@@ -81,7 +82,9 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
+    "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
+    "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "StableLmForCausalLM": StableLmForCausalLM,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "ArceeForCausalLM": ArceeForCausalLM,
