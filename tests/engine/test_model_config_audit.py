@@ -2475,6 +2475,10 @@ def test_rotary_tables_equal_transformers(
             lambda c: c.update(architectures=["Cohere2ForCausalLM"], logit_scale=-1.0),
             "logit_scale must be positive, got -1.0",
         ),
+        (
+            lambda c: c.update(architectures=["MiniMaxM2ForCausalLM"], qk_norm_type="per_head"),
+            "qk_norm_type 'per_head' is not supported for MiniMaxM2ForCausalLM",
+        ),
         # (transformers divides by them)
         (
             lambda c: c.update(architectures=["Ernie4_5_MoeForCausalLM"], moe_layer_interval=0),
@@ -2582,6 +2586,7 @@ def test_rotary_tables_equal_transformers(
         "olmoe-clip-qkv-not-a-number",
         "ernie4.5-moe-biases",
         "cohere2-negative-logit-scale",
+        "minimax-m2-per-head-qk-norm",
         "ernie4.5-moe-layer-interval-0",
         "exaone4-sliding-window-pattern-0",
         "deepseek-v2-noaux-tc",
