@@ -248,20 +248,25 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                 param.normal_(
                     0.0, 0.5
                 )  # Gemma, Qwen3.5 and Qwen3-Next scale by 1 + weight: zeros would hide the weight
-            elif name.endswith("norm.weight") and type(model).__name__.startswith(
-                (
-                    "Olmo",
-                    "Starcoder2",
-                    "StableLm",
-                    "GPTNeoX",
-                    "PhiForCausalLM",
-                    "Jais2",
-                    "Lfm2",
-                    "NemotronH",
-                    "Bamba",
-                    "FalconH1",
-                    "Cohere",
+            elif (
+                name.endswith("norm.weight")
+                and type(model).__name__.startswith(
+                    (
+                        "Olmo",
+                        "Starcoder2",
+                        "StableLm",
+                        "GPTNeoX",
+                        "PhiForCausalLM",
+                        "Jais2",
+                        "Lfm2",
+                        "NemotronH",
+                        "Bamba",
+                        "FalconH1",
+                        "Cohere",
+                        "OPT",
+                    )
                 )
+                or re.search(r"\.ln_[12f]\.weight$", name)
             ):
                 param.normal_(
                     1.0, 0.5

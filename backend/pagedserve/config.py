@@ -80,6 +80,8 @@ class ModelConfig:
         hf = text_decoder_config(hf)
         if architecture_of(hf) == "KimiLinearForCausalLM":
             hf = kimi_linear_config(hf)
+        if architecture_of(hf) in GPT2_NAMED:
+            hf = gpt2_config(hf)
         if architecture_of(hf) == "NemotronHForCausalLM":  # (its layer types count its layers)
             hf = {**hf, "num_hidden_layers": len(nemotron_h_layer_types(hf))}
         num_layers = num_kv_cache_layers(hf)
@@ -286,6 +288,49 @@ def kimi_linear_config(hf: dict[str, Any]) -> dict[str, Any]:
         "linear_head_dim": linear.get("head_dim", hf.get("linear_head_dim", 128)),
         "linear_num_heads": linear.get("num_heads", hf.get("linear_num_heads", 32)),
         "linear_conv_kernel_dim": linear.get("short_conv_kernel_size", hf.get("linear_conv_kernel_dim", 4)),
+    }
+
+
+# the architectures whose config.json names its sizes as GPT-2's does (n_embd...; OPT's by Llama's
+# names but for ffn_dim)
+GPT2_NAMED = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM")
+
+
+def gpt2_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """GPT-2's, GPTBigCode's and OPT's config.json under Llama's names (transformers' attribute_map),
+    with each config class's defaults for the keys it leaves out: GPT-2's and GPTBigCode's n_embd,
+    n_layer, n_head, n_inner (4 n_embd), n_positions, layer_norm_epsilon and activation_function;
+    GPTBigCode's one KV head where `multi_query` (its default); OPT's ffn_dim and
+    activation_function. Every such model ties its LM head by default."""
+    if architecture_of(hf) == "OPTForCausalLM":
+        hidden = hf.get("hidden_size", 768)
+        named = {
+            "hidden_size": hidden,
+            "num_hidden_layers": hf.get("num_hidden_layers", 12),
+            "num_attention_heads": hf.get("num_attention_heads", 12),
+            "intermediate_size": hf.get("ffn_dim", 3072),
+            "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+            "hidden_act": hf.get("activation_function", "relu"),
+        }
+    else:
+        hidden, heads = hf.get("n_embd", 768), hf.get("n_head", 12)
+        bigcode = architecture_of(hf) == "GPTBigCodeForCausalLM"
+        named = {
+            "hidden_size": hidden,
+            "num_hidden_layers": hf.get("n_layer", 12),
+            "num_attention_heads": heads,
+            "num_key_value_heads": 1 if bigcode and hf.get("multi_query", True) else heads,
+            "intermediate_size": hf.get("n_inner") or 4 * hidden,
+            "max_position_embeddings": hf.get("n_positions", 1024),
+            "layer_norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+            "hidden_act": hf.get("activation_function", "gelu_pytorch_tanh" if bigcode else "gelu_new"),
+        }
+    named["num_key_value_heads"] = named.get("num_key_value_heads", named["num_attention_heads"])
+    return {
+        **hf,
+        **named,
+        "vocab_size": hf.get("vocab_size", 50272 if architecture_of(hf) == "OPTForCausalLM" else 50257),
+        "tie_word_embeddings": hf.get("tie_word_embeddings", True),
     }
 
 

@@ -47,6 +47,8 @@ from transformers import (
     Glm4Config,
     Glm4MoeConfig,
     Glm4MoeLiteConfig,
+    GPT2Config,
+    GPTBigCodeConfig,
     GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
@@ -72,6 +74,7 @@ from transformers import (
     Olmo3Config,
     OlmoConfig,
     OlmoeConfig,
+    OPTConfig,
     Phi3Config,
     PhiConfig,
     Qwen2Config,
@@ -218,6 +221,10 @@ NOT_DECODE_LAYERS = {
     "solar-open-every-layer-experts-default-theta",
     "exaone-moe-sliding-nope-global-experts-from-layer-1",
     "olmo1-non-affine-layernorms-clip-qkv",
+    "gpt2-learned-positions-conv1d-fused-qkv",
+    "gpt-bigcode-multi-query",
+    "gpt-bigcode-heads-side-by-side-unscaled",
+    "opt-relu-offset-positions",
 }
 
 ConfigPatch = Callable[[dict[str, Any]], None]
@@ -255,6 +262,19 @@ FALCON_H1_MAMBA = {
     "mamba_d_state": 16,
     "mamba_chunk_size": 32,
     "rms_norm_eps": 1e-2,
+}
+# GPT-2's sizes as its config names them, TINY's
+GPT2_TINY = {
+    "vocab_size": 49152,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_inner": 96,
+    "n_positions": 1024,
+    "initializer_range": 0.2,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
 }
 # MiniMax-M2's on a tiny scale: 8 of each 16-dimension head turned, 2 of 8 experts a token
 MINIMAX_M2 = {"head_dim": 16, "rotary_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2}
@@ -1010,6 +1030,26 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     ),
     # Ai2's OLMo 1: LayerNorms of no weight or bias, q, k and v clamped at 1.5 (the clamp binds here)
     "olmo1-non-affine-layernorms-clip-qkv": (lambda: OlmoConfig(**TINY, clip_qkv=1.5), None),
+    # OpenAI's GPT-2: a learned embedding of each position added to the token's, no rotary, LayerNorms,
+    # every projection biased and stored input by output (Conv1D), q, k and v in one, an ungated
+    # GELU MLP (tanh), the head tied
+    "gpt2-learned-positions-conv1d-fused-qkv": (lambda: GPT2Config(**GPT2_TINY), None),
+    # BigCode's StarCoder: GPT-2's layer as nn.Linear tensors, one KV head (multi_query, the default)
+    "gpt-bigcode-multi-query": (lambda: GPTBigCodeConfig(**GPT2_TINY), None),
+    # ... or each head's q, k and v side by side in c_attn, q.k unscaled (`scale_attn_weights` false)
+    "gpt-bigcode-heads-side-by-side-unscaled": (
+        lambda: GPTBigCodeConfig(**GPT2_TINY, multi_query=False, scale_attn_weights=False),
+        None,
+    ),
+    # Meta's OPT: GPT-2's layer with a ReLU MLP (fc1, fc2), its position embeddings offset by 2
+    "opt-relu-offset-positions": (
+        lambda: OPTConfig(
+            **{k: v for k, v in TINY.items() if k not in ("intermediate_size", "num_key_value_heads")},
+            ffn_dim=96,
+            word_embed_proj_dim=64,
+        ),
+        None,
+    ),
     # SmolLM3's layers without rotary (NoPE): here layer 1 of 2; by default layer 3 of 4
     "smollm3-nope-layer-1": (lambda: SmolLM3Config(**TINY, no_rope_layers=[1, 0]), None),
     "smollm3-nope-by-default": (
@@ -1891,6 +1931,46 @@ def test_a_next_token_prediction_layer_is_left_out(
     assert ours == plain
 
 
+def gpt2_as_openai_released_it(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """openai-community/gpt2's names: no `transformer.` prefix, each layer's causal mask beside it."""
+    released = {name.removeprefix("transformer."): tensor for name, tensor in weights.items()}
+    released["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 1024, 1024, dtype=torch.bool))
+    return released
+
+
+def opt_as_meta_released_it(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """facebook/opt-125m's names: `decoder.` without `model.`."""
+    return {name.removeprefix("model."): tensor for name, tensor in weights.items()}
+
+
+@pytest.mark.parametrize(
+    ("name", "as_released"),
+    [
+        ("gpt2-learned-positions-conv1d-fused-qkv", gpt2_as_openai_released_it),
+        ("opt-relu-offset-positions", opt_as_meta_released_it),
+    ],
+    ids=["gpt2", "opt"],
+)
+def test_gpt2_and_opt_checkpoints_as_first_released_serve_the_same_tokens(
+    variant_dir: Callable[[str], str],
+    tmp_path: Path,
+    name: str,
+    as_released: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model_dir = variant_dir(name)
+    released = tmp_path / "released"
+    shutil.copytree(model_dir, released)
+    weights = as_released(load_file(str(released / "model.safetensors")))
+    assert not any(key.startswith(("transformer.", "model.")) for key in weights)
+    save_file(weights, str(released / "model.safetensors"), metadata={"format": "pt"})
+    prompts = long_prompts()
+    ours = greedy(LLM(model=str(released), dtype="float32", num_kv_blocks=128, block_size=16), prompts, 4)
+    plain = greedy(LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16), prompts, 4)
+    assert ours == plain
+
+
 def test_nemotron_h_under_nvidias_backbone_names_serves_the_same_tokens(
     variant_dir: Callable[[str], str], tmp_path: Path
 ) -> None:
@@ -2479,6 +2559,18 @@ def test_rotary_tables_equal_transformers(
             lambda c: c.update(architectures=["MiniMaxM2ForCausalLM"], qk_norm_type="per_head"),
             "qk_norm_type 'per_head' is not supported for MiniMaxM2ForCausalLM",
         ),
+        (
+            lambda c: c.update(architectures=["GPT2LMHeadModel"], scale_attn_by_inverse_layer_idx=True),
+            "scale_attn_by_inverse_layer_idx is not supported for GPT2LMHeadModel",
+        ),
+        (
+            lambda c: c.update(architectures=["OPTForCausalLM"], do_layer_norm_before=False),
+            "do_layer_norm_before False is not supported for OPTForCausalLM",
+        ),
+        (
+            lambda c: c.update(architectures=["OPTForCausalLM"], word_embed_proj_dim=32),
+            "word_embed_proj_dim 32 is not supported for OPTForCausalLM",
+        ),
         # (transformers divides by them)
         (
             lambda c: c.update(architectures=["Ernie4_5_MoeForCausalLM"], moe_layer_interval=0),
@@ -2587,6 +2679,9 @@ def test_rotary_tables_equal_transformers(
         "ernie4.5-moe-biases",
         "cohere2-negative-logit-scale",
         "minimax-m2-per-head-qk-norm",
+        "gpt2-inverse-layer-scaling",
+        "opt-norms-after-layers",
+        "opt-embedding-projection",
         "ernie4.5-moe-layer-interval-0",
         "exaone4-sliding-window-pattern-0",
         "deepseek-v2-noaux-tc",

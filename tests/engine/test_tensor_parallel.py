@@ -259,6 +259,11 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         ("CohereConfig", {"num_kv_heads": 1, "use_qk_norm": True}),
         # MiniMax-M2: q and k normed over all heads of both ranks, a rank's share of each norm's weight;
         # the float32 router and its picking bias whole on each rank; NeoX's rotary over half a head
+        # GPT-2: each rank's heads' rows cut from the fused, transposed c_attn, the learned position
+        # embeddings whole on each rank; GPTBigCode's one KV head on both ranks; OPT's offset positions
+        ("GPT2Config", {}),
+        ("GPTBigCodeConfig", {}),
+        ("OPTConfig", {"ffn_dim": 96, "word_embed_proj_dim": 64}),
         (
             "MiniMaxM2Config",
             {"rotary_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2},
@@ -277,6 +282,9 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         "apertus",
         "gpt-neox",
         "cohere-head-norms",
+        "gpt2",
+        "gpt-bigcode",
+        "opt",
         "minimax-m2",
     ],
 )

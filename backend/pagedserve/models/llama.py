@@ -372,9 +372,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """The hidden states of the last layer, normed. `layer_step`, where given, runs each decoder
         layer in place of calling it (the model runner's layer compiled alone, `ModelRunner._compile`)."""
-        hidden = self.embed_tokens(input_ids)
-        if self.scales.embedding != 1.0:
-            hidden = hidden * self.scales.embedding
+        hidden = self.embed(input_ids, positions)
         # Layers compiled one at a time take the rotary tables in float32, as the whole model's graph
         # read them (inductor fuses the tables' cast to bf16 away): tables rounded to bf16 between
         # graphs put the default model's bf16 logprobs further from float32's (mean error on
@@ -382,6 +380,13 @@ class LlamaForCausalLM(nn.Module):
         rotary = self.step_rotary(positions, hidden.dtype if layer_step is None else torch.float32)
         hidden, residual = self.run_layers(rotary, hidden, metadata, layer_step)
         hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings (times Granite's multiplier; GPT-2's add their positions')."""
+        hidden = self.embed_tokens(input_ids)
+        if self.scales.embedding != 1.0:
+            hidden = hidden * self.scales.embedding
         return hidden
 
     def run_layers(

@@ -66,6 +66,7 @@ class XIELU(nn.Module):
 
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "relu": nn.ReLU,
     "relu2": ReLU2,
     "gelu_pytorch_tanh": GELUTanh,
     "gelu_new": GELUTanh,  # (the same tanh approximation, written out in transformers' NewGELUActivation)
