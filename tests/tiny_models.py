@@ -242,12 +242,16 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                 )
             ):
                 param.normal_(1.0, 0.5)
-            if name.endswith("norm.weight") and type(model).__name__.startswith(
-                ("Gemma", "Qwen3_5", "Qwen3Next")
+            if (
+                name.endswith("norm.weight")
+                and type(model).__name__.startswith(("Gemma", "Qwen3_5", "Qwen3Next"))
+                and not type(model).__name__.startswith("Gemma4")  # (Gemma 4's norms: by their weight)
             ):
                 param.normal_(
                     0.0, 0.5
                 )  # Gemma, Qwen3.5 and Qwen3-Next scale by 1 + weight: zeros would hide the weight
+            elif re.search(r"\.[qk]_norm\.weight$", name) and type(model).__name__.startswith("Gemma4"):
+                param.normal_(0.5, 0.2)  # (Gemma 4 leaves q.k unscaled: its head norms scale it)
             elif (
                 name.endswith("norm.weight")
                 and type(model).__name__.startswith(
@@ -264,6 +268,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                         "FalconH1",
                         "Cohere",
                         "OPT",
+                        "Gemma4",
                     )
                 )
                 or re.search(r"\.ln_[12f]\.weight$", name)
@@ -286,6 +291,8 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                 ("e_score_correction_bias", ".expert_bias")
             ):  # GLM-4.5's, LFM2-MoE's: zeros would hide the bias never added
                 buffer.normal_(0.0, 0.3)
+            elif name.endswith(".layer_scalar"):  # Gemma 4's: ones would hide a scalar never applied
+                buffer.uniform_(0.5, 1.5)
     weights = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         del weights["lm_head.weight"]

@@ -82,6 +82,8 @@ class ModelConfig:
             hf = kimi_linear_config(hf)
         if architecture_of(hf) in GPT2_NAMED:
             hf = gpt2_config(hf)
+        if architecture_of(hf) == "Gemma4ForCausalLM":
+            hf = gemma4_config(hf)
         if architecture_of(hf) == "NemotronHForCausalLM":  # (its layer types count its layers)
             hf = {**hf, "num_hidden_layers": len(nemotron_h_layer_types(hf))}
         num_layers = num_kv_cache_layers(hf)
@@ -334,6 +336,41 @@ def gpt2_config(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def gemma4_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4's config.json as Gemma4TextConfig reads it: `layer_types` by default five sliding layers
+    to a full one, the last layer full whatever config.json says (transformers forces it)."""
+    num_layers = hf["num_hidden_layers"]
+    layer_types = list(
+        hf.get("layer_types")
+        or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(num_layers)]
+    )
+    if len(layer_types) != num_layers:
+        raise ValueError(
+            f"model: config.json's layer_types has {len(layer_types)} entries for {num_layers} layers"
+        )
+    layer_types[-1] = "full_attention"
+    return {**hf, "layer_types": layer_types}
+
+
+def gemma4_layer_shapes(hf: dict[str, Any]) -> list[tuple[int, int]]:
+    """Each Gemma 4 layer's (KV heads, head size) as Gemma4TextConfig resolves them: the sliding
+    layers' `num_key_value_heads` (4) of `head_dim` (256); the full ones' `global_head_dim` (512), with
+    `num_global_key_value_heads` KV heads where `attention_k_eq_v`; or as transformers saves them,
+    `per_layer_config` by layer index."""
+    heads, head_dim = int(hf.get("num_key_value_heads") or 4), int(hf.get("head_dim") or 256)
+    overrides = hf.get("per_layer_config")
+    if overrides is None:
+        full: dict[str, Any] = {"head_dim": hf.get("global_head_dim", 512)}
+        if hf.get("attention_k_eq_v") and hf.get("num_global_key_value_heads") is not None:
+            full["num_key_value_heads"] = hf["num_global_key_value_heads"]
+        overrides = {str(i): full for i, kind in enumerate(hf["layer_types"]) if kind == "full_attention"}
+    layers = [overrides.get(str(i)) or overrides.get(i) or {} for i in range(hf["num_hidden_layers"])]
+    return [
+        (int(layer.get("num_key_value_heads") or heads), int(layer.get("head_dim") or head_dim))
+        for layer in layers
+    ]
+
+
 def lfm2_layer_types(hf: dict[str, Any]) -> list[str]:
     """Each of LFM2's layers, "full_attention" or "conv": config.json's `layer_types`, else attention
     at `full_attn_idxs` (every layer where it names neither), as Lfm2Config reads them."""
@@ -355,8 +392,19 @@ def kv_cache_entry(hf: dict[str, Any]) -> tuple[int, int]:
     """(KV heads, head size) of what a token leaves in each layer's KV cache: config.json's KV heads of
     `head_dim` (else hidden_size / heads); under DeepSeek's multi-head latent attention (`kv_lora_rank`
     in config.json) one head of its compressed latent and rotated key part (kv_lora_rank +
-    qk_rope_head_dim), which every query head reads, as its key and as its value (`values_in_keys`)."""
+    qk_rope_head_dim), which every query head reads, as its key and as its value (`values_in_keys`).
+    Gemma 4's layers differ (`gemma4_layer_shapes`): every layer's entry is the largest one, heads of
+    the smallest head size; a layer of smaller entries holds each of its KV heads more than once."""
     num_heads = hf["num_attention_heads"]
+    if architecture_of(hf) == "Gemma4ForCausalLM":
+        shapes = gemma4_layer_shapes(hf)
+        entry, head_dim = max(heads * dim for heads, dim in shapes), min(dim for _, dim in shapes)
+        if any(entry % dim for _, dim in shapes):
+            raise ValueError(
+                f"model: Gemma 4's layers' KV entries {sorted(set(shapes))} (heads, head size) do not "
+                "share one size"
+            )
+        return entry // head_dim, head_dim
     if "kv_lora_rank" in hf:
         dims = mla_dims(hf, ("kv_lora_rank", "qk_rope_head_dim"))
         return 1, dims["kv_lora_rank"] + dims["qk_rope_head_dim"]
@@ -499,6 +547,12 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
 
         text = Gemma3TextConfig(**(hf.get("text_config") or {})).to_dict()
         text["architectures"] = ["Gemma3ForCausalLM"]
+    elif architecture == "Gemma4ForConditionalGeneration":
+        from transformers import Gemma4TextConfig
+
+        text = Gemma4TextConfig(**(hf.get("text_config") or {})).to_dict()
+        text["architectures"] = ["Gemma4ForCausalLM"]
+        text["tie_word_embeddings"] = hf.get("tie_word_embeddings", text["tie_word_embeddings"])
     elif architecture == "Mistral3ForConditionalGeneration":
         from transformers import Mistral3Config, PretrainedConfig
 
@@ -557,6 +611,7 @@ _QWEN_VL = {
 # the multimodal architectures whose text decoder is served (`text_decoder_config`)
 MULTIMODAL_TEXT_DECODERS = (
     "Gemma3ForConditionalGeneration",
+    "Gemma4ForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
     *_QWEN_VL,
     "Lfm2VlForConditionalGeneration",
@@ -593,7 +648,7 @@ def rope_context_length(hf: dict[str, Any]) -> int:
     128K from 32K with factor 4). llama3's tables already reach max_position_embeddings, and so do
     Gemma 3's (its global layers' linear scaling, vLLM's exception)."""
     positions = int(hf.get("max_position_embeddings", 2048))
-    if architecture_of(hf) == "Gemma3ForCausalLM":
+    if architecture_of(hf) in ("Gemma3ForCausalLM", "Gemma4ForCausalLM"):
         return positions
     rope = rope_parameters(
         olmo3_rope_config(hf, "full_attention") if architecture_of(hf) == "Olmo3ForCausalLM" else hf
@@ -612,6 +667,7 @@ def rope_context_length(hf: dict[str, Any]) -> int:
 
 
 _WINDOW_ON_UNLESS_OFF = (
+    "Gemma4ForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
     "Phi3ForCausalLM",
@@ -634,6 +690,7 @@ _WINDOW_OFF_UNLESS_ON = (
     "Qwen3MoeForCausalLM",
 )
 _WINDOW_IN_SOME_LAYERS = (
+    "Gemma4ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "SmolLM3ForCausalLM",
@@ -649,6 +706,7 @@ _WINDOW_IN_SOME_LAYERS = (
 )
 # where config.json has no `sliding_window` key, transformers' config class default
 _DEFAULT_WINDOW = {
+    "Gemma4ForCausalLM": 512,
     "MistralForCausalLM": 4096,
     "Gemma2ForCausalLM": 4096,
     "Gemma3ForCausalLM": 4096,

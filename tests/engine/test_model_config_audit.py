@@ -43,6 +43,7 @@ from transformers import (
     FalconH1Config,
     Gemma2Config,
     Gemma3TextConfig,
+    Gemma4TextConfig,
     GemmaConfig,
     Glm4Config,
     Glm4MoeConfig,
@@ -221,6 +222,8 @@ NOT_DECODE_LAYERS = {
     "solar-open-every-layer-experts-default-theta",
     "exaone-moe-sliding-nope-global-experts-from-layer-1",
     "olmo1-non-affine-layernorms-clip-qkv",
+    "gemma4-k-eq-v-proportional-rope-repeated-kv-heads",
+    "gemma4-default-layer-types-as-google-names-it",
     "gpt2-learned-positions-conv1d-fused-qkv",
     "gpt-bigcode-multi-query",
     "gpt-bigcode-heads-side-by-side-unscaled",
@@ -263,6 +266,9 @@ FALCON_H1_MAMBA = {
     "mamba_chunk_size": 32,
     "rms_norm_eps": 1e-2,
 }
+# Gemma 4 on a tiny scale: heads of 16 in the sliding layers (a window of 24), of 32 in the full
+# ones, no per-layer embeddings
+GEMMA4 = {"head_dim": 16, "global_head_dim": 32, "sliding_window": 24, "hidden_size_per_layer_input": 0}
 # GPT-2's sizes as its config names them, TINY's
 GPT2_TINY = {
     "vocab_size": 49152,
@@ -495,6 +501,16 @@ def without_falcon_h1_defaults(config: dict[str, Any]) -> None:
         "key_multiplier",
     ):
         config.pop(key)
+
+
+def gemma4_last_layer_sliding(config: dict[str, Any]) -> None:
+    config["layer_types"][-1] = "sliding_attention"
+
+
+def gemma4_as_google_names_it(config: dict[str, Any]) -> None:
+    for key in ("layer_types", "per_layer_config", "tie_word_embeddings"):
+        del config[key]
+    config["global_head_dim"] = 32
 
 
 def minimax_m2_as_minimax_names_it(config: dict[str, Any]) -> None:
@@ -1030,6 +1046,29 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     ),
     # Ai2's OLMo 1: LayerNorms of no weight or bias, q, k and v clamped at 1.5 (the clamp binds here)
     "olmo1-non-affine-layernorms-clip-qkv": (lambda: OlmoConfig(**TINY, clip_qkv=1.5), None),
+    # Google's Gemma 4: norms by their weights, values RMS-normed, q.k unscaled; sliding layers (by 24)
+    # of 4 KV heads of 16 and full ones of one KV head of 32, their values their keys' projection
+    # (`attention_k_eq_v`), turned by the proportional rope (4 of 16 pairs), each KV head held twice to
+    # fill the 64-wide KV entry; each layer's output times its scalar; logits soft-capped. config.json's
+    # last layer sliding: transformers makes it full.
+    "gemma4-k-eq-v-proportional-rope-repeated-kv-heads": (
+        lambda: Gemma4TextConfig(
+            **{**TINY, "num_hidden_layers": 4, "num_key_value_heads": 4},
+            **GEMMA4,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            final_logit_softcapping=30.0,
+        ),
+        gemma4_last_layer_sliding,
+    ),
+    # ... as its config.json leaves things: five sliding layers to a full one (of 2 KV heads of 32, the
+    # sliding layers' 2 of 16 each held twice), `global_head_dim` rather than transformers' per-layer
+    # config, the head tied by default
+    "gemma4-default-layer-types-as-google-names-it": (
+        lambda: Gemma4TextConfig(**{**TINY, "num_hidden_layers": 6}, **GEMMA4),
+        gemma4_as_google_names_it,
+    ),
     # OpenAI's GPT-2: a learned embedding of each position added to the token's, no rotary, LayerNorms,
     # every projection biased and stored input by output (Conv1D), q, k and v in one, an ungated
     # GELU MLP (tanh), the head tied
@@ -1876,6 +1915,28 @@ def test_a_llama4_checkpoint_serves_its_text_decoder(tmp_path: Path, default_mod
     assert_serves_its_text_decoder(model_dir, "Llama4ForConditionalGeneration", "Llama4ForCausalLM")
 
 
+def test_a_gemma4_checkpoint_serves_its_text_decoder(tmp_path: Path, default_model_dir: str) -> None:
+    """Gemma 4's checkpoints are Gemma4ForConditionalGeneration: its text decoder served (the variant
+    above's layers, their KV heads repeated), its tokens and logprobs transformers' own multimodal
+    model's on text prompts; the vision tower and its embedder (`model.vision_tower.*`,
+    `model.embed_vision.*`) left out."""
+    import transformers
+
+    make_config, patch = VARIANTS["gemma4-k-eq-v-proportional-rope-repeated-kv-heads"]
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "patch_size": 14,
+    }
+    config = transformers.Gemma4Config(text_config=make_config().to_dict(), vision_config=vision)
+    model_dir = save_tiny_model(tmp_path / "gemma4", default_model_dir, config)
+    assert_serves_its_text_decoder(model_dir, "Gemma4ForConditionalGeneration", "Gemma4ForCausalLM")
+
+
 def test_llama4s_context_is_one_chunk_of_its_chunked_attention(
     variant_dir: Callable[[str], str], tmp_path: Path
 ) -> None:
@@ -2385,6 +2446,31 @@ def test_an_olmo3_config_without_rope_keys_turns_both_layer_types_by_theta_5e5(
     torch.testing.assert_close(ours, torch.cat((cos[0, :, :8], sin[0, :, :8]), dim=-1))
 
 
+@pytest.mark.parametrize("factor", [1.0, 8.0])
+def test_gemma4s_proportional_rope_equals_transformers(factor: float) -> None:
+    """Gemma 4's full layers: NeoX's pairs over the whole 64-dimension head, the first quarter of them
+    turning by theta^(-2i / 64) (divided by `factor`), the others by no angle."""
+    from pagedserve.models.gemma import gemma3_rope_config
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+    rope = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6, "factor": factor}
+    config = Gemma4TextConfig(
+        **TINY,
+        head_dim=16,
+        global_head_dim=64,
+        hidden_size_per_layer_input=0,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": rope,
+        },
+    )
+    positions = torch.arange(0, 1024, 37)
+    cos, sin = Gemma4TextRotaryEmbedding(config)(torch.zeros(1), positions[None], "full_attention")
+    table = RotaryEmbedding(64, 1024, gemma3_rope_config(config.to_dict(), "full_attention")).cos_sin_cache
+    assert torch.equal(table[positions, 8:32], torch.ones(len(positions), 24))  # (the still pairs' cos)
+    torch.testing.assert_close(table[positions], torch.cat((cos[0, :, :32], sin[0, :, :32]), dim=-1))
+
+
 @pytest.mark.parametrize(
     ("overrides", "patch"),
     [
@@ -2560,6 +2646,22 @@ def test_rotary_tables_equal_transformers(
             "qk_norm_type 'per_head' is not supported for MiniMaxM2ForCausalLM",
         ),
         (
+            lambda c: c.update(architectures=["Gemma4ForCausalLM"]),  # (Gemma4TextConfig's default: 256)
+            "hidden_size_per_layer_input \\(per-layer embeddings\\) is not supported for Gemma4ForCausalLM",
+        ),
+        (
+            lambda c: c.update(
+                architectures=["Gemma4ForCausalLM"], hidden_size_per_layer_input=0, num_kv_shared_layers=2
+            ),
+            "num_kv_shared_layers \\(layers sharing KV states\\) is not supported",
+        ),
+        (
+            lambda c: c.update(
+                architectures=["Gemma4ForCausalLM"], hidden_size_per_layer_input=0, enable_moe_block=True
+            ),
+            "enable_moe_block \\(mixtures of experts\\) is not supported",
+        ),
+        (
             lambda c: c.update(architectures=["GPT2LMHeadModel"], scale_attn_by_inverse_layer_idx=True),
             "scale_attn_by_inverse_layer_idx is not supported for GPT2LMHeadModel",
         ),
@@ -2679,6 +2781,9 @@ def test_rotary_tables_equal_transformers(
         "ernie4.5-moe-biases",
         "cohere2-negative-logit-scale",
         "minimax-m2-per-head-qk-norm",
+        "gemma4-per-layer-embeddings",
+        "gemma4-shared-kv-layers",
+        "gemma4-experts",
         "gpt2-inverse-layer-scaling",
         "opt-norms-after-layers",
         "opt-embedding-projection",

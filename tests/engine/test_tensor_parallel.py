@@ -261,6 +261,20 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         # the float32 router and its picking bias whole on each rank; NeoX's rotary over half a head
         # GPT-2: each rank's heads' rows cut from the fused, transposed c_attn, the learned position
         # embeddings whole on each rank; GPTBigCode's one KV head on both ranks; OPT's offset positions
+        # Gemma 4: the full layers' one KV head of 32 held twice (one a rank), the sliding layers' two
+        # of 16 each twice (two a rank): one entry size on each rank; their values their keys'
+        (
+            "Gemma4TextConfig",
+            {
+                "num_layers": 4,
+                "layer_types": ["sliding_attention", "full_attention"] * 2,
+                "global_head_dim": 32,
+                "num_global_key_value_heads": 1,
+                "attention_k_eq_v": True,
+                "sliding_window": 12,
+                "hidden_size_per_layer_input": 0,
+            },
+        ),
         ("GPT2Config", {}),
         ("GPTBigCodeConfig", {}),
         ("OPTConfig", {"ffn_dim": 96, "word_embed_proj_dim": 64}),
@@ -282,6 +296,7 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         "apertus",
         "gpt-neox",
         "cohere-head-norms",
+        "gemma4",
         "gpt2",
         "gpt-bigcode",
         "opt",

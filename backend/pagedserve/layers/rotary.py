@@ -1,5 +1,5 @@
 """Rotary position embedding with the scaling variants Llama-family checkpoints use (default, linear,
-llama3, yarn, Phi-3's longrope). The cos/sin table is computed once, in float32, exactly as Hugging
+llama3, yarn, Phi-3's longrope, Gemma 4's proportional). The cos/sin table is computed once, in float32, exactly as Hugging
 Face computes it (YaRN's and LongRoPE's attention factors included: they scale cos and sin alike)."""
 
 from __future__ import annotations
@@ -23,6 +23,11 @@ def _inv_freq(rotary_dim: int, params: dict[str, Any], max_position: int) -> tup
         # Hunyuan's "dynamic" with a fixed alpha: the base stretched once, by alpha^(d / (d - 2)), the
         # same at every length (transformers' HunYuan rotary reads it so, as "ntk_alpha")
         base, kind = base * params["alpha"] ** (rotary_dim / (rotary_dim - 2)), "default"
+    if kind == "proportional":  # Gemma 4's full layers: the whole head's pairs, the first ones turning
+        angles = int(params.get("partial_rotary_factor", 1.0) * rotary_dim // 2)
+        turning = 1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / rotary_dim))
+        still = torch.zeros(rotary_dim // 2 - angles)
+        return torch.cat((turning, still)) / params.get("factor", 1.0), 1.0
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     if kind == "default":
         return inv_freq, 1.0
@@ -36,7 +41,7 @@ def _inv_freq(rotary_dim: int, params: dict[str, Any], max_position: int) -> tup
         return _longrope_inv_freq(rotary_dim, params, max_position)
     raise ValueError(
         f"model: config.json's rope_type {kind!r} (rope_scaling / rope_parameters) is not supported "
-        "(default, linear, llama3, yarn, longrope, and dynamic with a fixed alpha are)"
+        "(default, linear, llama3, yarn, longrope, proportional, and dynamic with a fixed alpha are)"
     )
 
 
@@ -123,7 +128,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, hf_config: dict[str, Any]) -> None:
         super().__init__()
         params = rope_parameters(hf_config)
-        self.rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        # (a proportional rope turns pairs across the whole head, some by a frequency of 0)
+        partial = 1.0 if params["rope_type"] == "proportional" else params.get("partial_rotary_factor", 1.0)
+        self.rotary_dim = int(head_dim * partial)
         inv_freq, scale = _inv_freq(self.rotary_dim, params, max_position)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         table = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)

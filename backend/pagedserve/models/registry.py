@@ -11,6 +11,7 @@ from pagedserve.models.deepseek import (
 )
 from pagedserve.models.falcon_h1 import FalconH1ForCausalLM
 from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
+from pagedserve.models.gemma4 import Gemma4ForCausalLM
 from pagedserve.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, OPTForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.hybrid import (
@@ -87,6 +88,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "StableLmForCausalLM": StableLmForCausalLM,

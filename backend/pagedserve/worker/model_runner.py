@@ -336,8 +336,10 @@ class ModelRunner:
             module.packed_weight = copy
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for attention, kv_cache in zip(self.model.attention_layers, kv_caches, strict=True):
-            attention.kv_cache = kv_cache
+        for attention, (keys, values) in zip(self.model.attention_layers, kv_caches, strict=True):
+            # (each layer's view of its entries, in heads of its own size: Gemma 4's differ by layer)
+            shape = (*keys.shape[:2], attention.num_kv_heads, -1)
+            attention.kv_cache = (keys.view(shape), values.view(shape))
         if self.config.compile:
             self.forward = self._compile()
             # Where the weights were left to inductor, its frozen graph holds packed copies of its

@@ -46,7 +46,11 @@ class Worker:
     @property
     def num_kv_heads(self) -> int:
         layers = self.model_runner.model.attention_layers
-        return layers[0].num_kv_heads if layers else self.config.model.num_kv_heads  # (no attention: 1)
+        if not layers:  # (no attention: 1)
+            return self.config.model.num_kv_heads
+        # this rank's heads of the model's head size (Gemma 4's layers hold the same entry in heads of
+        # sizes of their own: `config.kv_cache_entry`)
+        return layers[0].num_kv_heads * layers[0].head_dim // self.config.model.head_dim
 
     def bytes_per_block(self) -> int:
         model = self.config.model

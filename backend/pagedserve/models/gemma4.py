@@ -1,0 +1,214 @@
+"""Google's Gemma 4 (`Gemma4ForCausalLM`; the text decoder of `Gemma4ForConditionalGeneration`: Gemma
+4 31B, and its siblings without per-layer embeddings) as transformers computes it, on the Llama
+family's tensor-parallel layers. What it adds to Gemma 3's layer:
+
+- norms by their weight alone (not 1 + weight), in float32; each value head RMS-normed too (without
+  a weight); q.k unscaled (the query norms set its scale);
+- sliding layers of `head_dim` (256) and `num_key_value_heads` turned by the local rope, and full
+  layers of their own size (`global_head_dim`, 512; `num_global_key_value_heads` where
+  `attention_k_eq_v`), turned by a "proportional" rope: NeoX's pairs over the whole head, the first
+  `partial_rotary_factor` of them turning (by theta^(-2i / head_dim)), the rest not;
+- where `attention_k_eq_v`, the full layers' values are their keys' projection (no v_proj), before
+  the key norm and the rotation;
+- each layer's output (the whole residual stream) times its `layer_scalar`.
+
+The KV cache holds one entry size for every layer (`config.kv_cache_entry`): a layer whose KV heads
+make a smaller entry holds each of them more than once (its k_proj and v_proj rows repeated on
+load), as a KV head replicated across tensor-parallel ranks is.
+
+Refused by name: per-layer embeddings (`hidden_size_per_layer_input`: Gemma 4 E2B and E4B), layers
+sharing KV states (`num_kv_shared_layers`), mixtures of experts (`enable_moe_block`), bidirectional
+attention over text.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.config import gemma4_layer_shapes, layer_windows
+from pagedserve.distributed import get_tp_size
+from pagedserve.layers import ops
+from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.layers.linear import QKVParallelLinear, RowParallelLinear
+from pagedserve.layers.norm import Float32RMSNorm
+from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.models.gemma import GemmaForCausalLM, GemmaMLP, GemmaRotary, gemma3_rope_config
+from pagedserve.models.llama import LlamaForCausalLM, rms_norm_eps
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) in float32, rounded to x's dtype (Gemma 4's value norm: no weight)."""
+    normed = x.float()
+    return (normed * torch.pow(normed.square().mean(-1, keepdim=True) + eps, -0.5)).to(x.dtype)
+
+
+class Gemma4Attention(nn.Module):
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        backend: AttentionBackend,
+        layer_index: int,
+        *,
+        head_dim: int,
+        cache_kv_heads: int,
+        local: bool,
+        window: int,
+    ) -> None:
+        super().__init__()
+        hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        bias = bool(cfg.get("attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, cache_kv_heads, bias=bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.head_dim, self.local, self.eps = head_dim, local, rms_norm_eps(cfg)
+        self.q_norm = Float32RMSNorm(head_dim, self.eps)
+        self.k_norm = Float32RMSNorm(head_dim, self.eps)
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, head_dim, backend, layer_index, scale=1.0, window=window
+        )
+
+    def forward(self, rotary: GemmaRotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm.normed(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm.normed(k.view(-1, self.num_kv_heads, self.head_dim))
+        v = _rms(v.view(-1, self.num_kv_heads, self.head_dim), self.eps)
+        cos, sin = rotary[2:] if self.local else rotary[:2]
+        q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v.flatten(1), metadata))
+
+
+class Gemma4DecoderLayer(nn.Module):
+    """Gemma 3's four norms (by their weights alone) around attention and the MLP, the layer's output
+    times `layer_scalar`. Llama's layer protocol: the stream is `hidden + residual`, so both parts are
+    scaled."""
+
+    def __init__(self, cfg: dict[str, Any], attention: Gemma4Attention) -> None:
+        super().__init__()
+        eps, size = rms_norm_eps(cfg), cfg["hidden_size"]
+        self.self_attn, self.mlp = attention, GemmaMLP(cfg, legacy_gelu=False)
+        self.input_layernorm = Float32RMSNorm(size, eps)
+        self.post_attention_layernorm = Float32RMSNorm(size, eps)
+        self.pre_feedforward_layernorm = Float32RMSNorm(size, eps)
+        self.post_feedforward_layernorm = Float32RMSNorm(size, eps)
+        self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
+
+    def forward(
+        self,
+        rotary: GemmaRotary,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = hidden if residual is None else residual + hidden
+        attended = self.self_attn(rotary, self.input_layernorm.normed(stream), metadata)
+        stream = stream + self.post_attention_layernorm.normed(attended)
+        out = self.post_feedforward_layernorm.normed(self.mlp(self.pre_feedforward_layernorm.normed(stream)))
+        return out * self.layer_scalar, stream * self.layer_scalar
+
+
+_REFUSED = (  # (config.json key, its default in Gemma4TextConfig, what it adds)
+    ("hidden_size_per_layer_input", 256, "per-layer embeddings"),
+    ("num_kv_shared_layers", 0, "layers sharing KV states"),
+    ("enable_moe_block", False, "mixtures of experts"),
+)
+
+
+def cache_repeats(shapes: list[tuple[int, int]], num_heads: int, tp_size: int) -> list[int]:
+    """How many times each layer's KV heads (`shapes`: (KV heads, head size) a layer) are held so that
+    every layer's entry on a rank is the same: the largest one (a KV head on more ranks than one
+    whole on each, as tensor parallelism replicates it)."""
+    entry = max(max(heads, tp_size) // tp_size * dim for heads, dim in shapes)
+    repeats = []
+    for heads, dim in shapes:
+        held = entry // dim * tp_size
+        if entry % dim or held % heads or num_heads % held:
+            raise ValueError(
+                f"model: Gemma 4's layers of {heads} KV heads of {dim} cannot fill a KV entry of {entry} a "
+                f"rank ({tp_size} ranks, {num_heads} query heads)"
+            )
+        repeats.append(held // heads)
+    return repeats
+
+
+class Gemma4ForCausalLM(GemmaForCausalLM):
+    """Gemma 4 (see the module docstring); Gemma4TextConfig's defaults where config.json leaves a key
+    out. Gemma 1-3's embedding scale, forward pass and logit soft-capping."""
+
+    architecture = "Gemma4ForCausalLM"
+    local_rope = True
+    reads = {"final_logit_softcapping": None}
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        nn.Module.__init__(self)
+        for key, default, what in _REFUSED:
+            if cfg.get(key, default):
+                raise ValueError(
+                    f"model: config.json's {key} ({what}) is not supported for Gemma4ForCausalLM"
+                )
+        if cfg.get("use_bidirectional_attention") == "all":
+            raise ValueError(
+                "model: config.json's use_bidirectional_attention 'all' is not supported for Gemma 4"
+            )
+        hidden, num_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+        shapes = gemma4_layer_shapes(cfg)
+        local = [kind == "sliding_attention" for kind in cfg["layer_types"]]
+        # each layer's KV heads as the cache holds them: its real ones, each repeated `repeats[i]` times
+        self.repeats = cache_repeats(shapes, cfg["num_attention_heads"], get_tp_size())
+        self.k_eq_v = [bool(cfg.get("attention_k_eq_v")) and not is_local for is_local in local]
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], hidden)
+        self.embedding_scale = hidden**0.5  # rounded to the dtype, as transformers rounds it
+        global_dim = next((dim for (_, dim), is_local in zip(shapes, local) if not is_local), shapes[0][1])
+        local_dim = next((dim for (_, dim), is_local in zip(shapes, local) if is_local), shapes[0][1])
+        self.rotary_emb = RotaryEmbedding(global_dim, max_position, gemma3_rope_config(cfg, "full_attention"))
+        self.local_rotary_emb = RotaryEmbedding(
+            local_dim, max_position, gemma3_rope_config(cfg, "sliding_attention")
+        )
+        windows = layer_windows(cfg, self.architecture)
+        self.layers = nn.ModuleList(
+            Gemma4DecoderLayer(
+                cfg,
+                Gemma4Attention(
+                    cfg,
+                    backend,
+                    index,
+                    head_dim=shapes[index][1],
+                    cache_kv_heads=shapes[index][0] * self.repeats[index],
+                    local=local[index],
+                    window=windows[index],
+                ),
+            )
+            for index in range(num_layers)
+        )
+        self.norm = Float32RMSNorm(hidden, rms_norm_eps(cfg))
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], hidden)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.softcap = float(cfg.get("final_logit_softcapping") or 0.0)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        LlamaForCausalLM.load_weights(self, self._as_cached(weights))
+
+    def _as_cached(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """k_proj's and v_proj's rows as the cache holds the heads (each repeated); a full layer's keys'
+        projection as its values' too where `attention_k_eq_v`; the vision and audio towers left out."""
+        for name, tensor in weights:
+            if re.match(r"^model\.(embed_vision|embed_audio|audio_tower)\.", name):
+                continue
+            match = re.search(r"(?:^|\.)layers\.(\d+)\.self_attn\.(k|v)_proj\.(weight|bias)$", name)
+            if match is None or "vision_tower" in name:
+                yield name, tensor
+                continue
+            index = int(match[1])
+            head_dim = self.decoder_layers[index].self_attn.head_dim
+            rows = tensor.unflatten(0, (-1, head_dim)).repeat_interleave(self.repeats[index], 0).flatten(0, 1)
+            yield name, rows
+            if match[2] == "k" and self.k_eq_v[index]:
+                yield name.replace(".k_proj.", ".v_proj."), rows
