@@ -252,6 +252,8 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                 )  # Gemma, Qwen3.5 and Qwen3-Next scale by 1 + weight: zeros would hide the weight
             elif re.search(r"\.[qk]_norm\.weight$", name) and type(model).__name__.startswith("Gemma4"):
                 param.normal_(0.5, 0.2)  # (Gemma 4 leaves q.k unscaled: its head norms scale it)
+            elif re.search(r"(layernorm_[12]\.weight|\.router\.scale|\.per_expert_scale)$", name):
+                param.normal_(1.0, 0.3)  # Gemma 4's experts' norms and router scales
             elif (
                 name.endswith("norm.weight")
                 and type(model).__name__.startswith(

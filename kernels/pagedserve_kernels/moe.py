@@ -136,6 +136,15 @@ def _silu_and_mul(gate: tl.tensor, up: tl.tensor, dtype: tl.constexpr) -> tl.ten
 
 
 @triton.jit
+def _gelu_tanh_and_mul(gate: tl.tensor, up: tl.tensor, dtype: tl.constexpr) -> tl.tensor:
+    """As reference.gelu_tanh_and_mul of the rounded projections: GELU's tanh approximation in float32
+    (tanh(u) as 2 / (1 + exp(-2u)) - 1), rounded, times up."""
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+    tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+    return _round(0.5 * gate * (1.0 + tanh), dtype) * up
+
+
+@triton.jit
 def _swiglu_oai_and_mul(
     gate: tl.tensor, up: tl.tensor, alpha: tl.tensor, limit: tl.tensor, dtype: tl.constexpr
 ) -> tl.tensor:
@@ -206,6 +215,8 @@ def _gate_up_kernel(
     up = _round(_add_bias(up, b13_ptr, gate_bias + INTER, col_mask, HAS_BIAS), dtype)
     if ACTIVATION == "swiglu_oai":
         h = _swiglu_oai_and_mul(gate, up, alpha, limit, dtype)
+    elif ACTIVATION == "gelu_tanh":
+        h = _gelu_tanh_and_mul(gate, up, dtype)
     else:
         h = _silu_and_mul(gate, up, dtype)
     mask = row_mask[:, None] & col_mask[None, :]
@@ -420,7 +431,8 @@ def fused_moe(
 ) -> torch.Tensor:
     """out[t] = sum_j weights[t, j] * down_e(act(gate_e(x[t]), up_e(x[t]))), e = expert_ids[t, j]:
     [T, H] in x's dtype. `activation` "silu" is silu(gate) * up; "swiglu_oai" GPT-OSS's clamped
-    SwiGLU (`swiglu_alpha`, `swiglu_limit`); the projections add `w13_bias` [E, 2I] and `w2_bias`
+    SwiGLU (`swiglu_alpha`, `swiglu_limit`); "gelu_tanh" GELU's tanh approximation of gate times up
+    (Gemma 4's); the projections add `w13_bias` [E, 2I] and `w2_bias`
     [E, H] when given; `weighted_inputs` (Llama 4's): out[t] = sum_j down_e(act(... x[t] weights[t, j]))
     (see the layouts at the top and reference.fused_moe_reference)."""
     hidden, inter = _check_moe_args(x, w13, w2, weights, expert_ids)

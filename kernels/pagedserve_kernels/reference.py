@@ -383,7 +383,14 @@ def swiglu_oai_and_mul(x: torch.Tensor, alpha: float, limit: float) -> torch.Ten
     return gate * torch.sigmoid(gate * alpha) * (up + 1)
 
 
-MOE_ACTIVATIONS = ("silu", "swiglu_oai")
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * d] -> [..., d]: GELU (tanh approximation) of the first half times the second (Gemma 4's
+    experts)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+MOE_ACTIVATIONS = ("silu", "swiglu_oai", "gelu_tanh")
 
 
 def fused_moe_reference(
@@ -409,7 +416,8 @@ def fused_moe_reference(
     [T, k] float32; expert_ids [T, k]; optional biases w13_bias [E, 2I] (gate [:I], up [I:]) and
     w2_bias [E, H] in x's dtype (GPT-OSS's experts). `activation` "silu": silu(gate) * up
     (`silu_and_mul`); "swiglu_oai": GPT-OSS's clamped SwiGLU (`swiglu_oai_and_mul`, with
-    `swiglu_alpha` and `swiglu_limit`). Each expert's output is computed in x's dtype (an `Expert`'s
+    `swiglu_alpha` and `swiglu_limit`); "gelu_tanh": GELU's tanh approximation of gate, times up
+    (Gemma 4's, `gelu_tanh_and_mul`). Each expert's output is computed in x's dtype (an `Expert`'s
     linears, their biases added as F.linear adds them), weighted and summed in float32, expert by
     expert, and the sum cast to x's dtype."""
     if activation not in MOE_ACTIVATIONS:
@@ -425,6 +433,8 @@ def fused_moe_reference(
         gate_up = F.linear(rows, w13[expert], b13)
         if activation == "silu":
             h = silu_and_mul(gate_up)
+        elif activation == "gelu_tanh":
+            h = gelu_tanh_and_mul(gate_up)
         else:
             h = swiglu_oai_and_mul(gate_up, swiglu_alpha, swiglu_limit)
         y = F.linear(h, w2[expert], b2)

@@ -224,6 +224,7 @@ NOT_DECODE_LAYERS = {
     "olmo1-non-affine-layernorms-clip-qkv",
     "gemma4-k-eq-v-proportional-rope-repeated-kv-heads",
     "gemma4-default-layer-types-as-google-names-it",
+    "gemma4-experts-beside-the-mlp",
     "gpt2-learned-positions-conv1d-fused-qkv",
     "gpt-bigcode-multi-query",
     "gpt-bigcode-heads-side-by-side-unscaled",
@@ -1068,6 +1069,21 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "gemma4-default-layer-types-as-google-names-it": (
         lambda: Gemma4TextConfig(**{**TINY, "num_hidden_layers": 6}, **GEMMA4),
         gemma4_as_google_names_it,
+    ),
+    # Gemma 4 26B-A4B's layers: beside the dense MLP 2 of 4 experts (GELU) a token, picked by a router
+    # of their own over the layer's input stream, scaled by their per-expert scales; each output
+    # normed before they are added
+    "gemma4-experts-beside-the-mlp": (
+        lambda: Gemma4TextConfig(
+            **{**TINY, "num_hidden_layers": 2},
+            **GEMMA4,
+            layer_types=["sliding_attention", "full_attention"],
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+        ),
+        None,
     ),
     # OpenAI's GPT-2: a learned embedding of each position added to the token's, no rotary, LayerNorms,
     # every projection biased and stored input by output (Conv1D), q, k and v in one, an ungated
@@ -2656,12 +2672,6 @@ def test_rotary_tables_equal_transformers(
             "num_kv_shared_layers \\(layers sharing KV states\\) is not supported",
         ),
         (
-            lambda c: c.update(
-                architectures=["Gemma4ForCausalLM"], hidden_size_per_layer_input=0, enable_moe_block=True
-            ),
-            "enable_moe_block \\(mixtures of experts\\) is not supported",
-        ),
-        (
             lambda c: c.update(architectures=["GPT2LMHeadModel"], scale_attn_by_inverse_layer_idx=True),
             "scale_attn_by_inverse_layer_idx is not supported for GPT2LMHeadModel",
         ),
@@ -2783,7 +2793,6 @@ def test_rotary_tables_equal_transformers(
         "minimax-m2-per-head-qk-norm",
         "gemma4-per-layer-embeddings",
         "gemma4-shared-kv-layers",
-        "gemma4-experts",
         "gpt2-inverse-layer-scaling",
         "opt-norms-after-layers",
         "opt-embedding-projection",

@@ -262,7 +262,8 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         # GPT-2: each rank's heads' rows cut from the fused, transposed c_attn, the learned position
         # embeddings whole on each rank; GPTBigCode's one KV head on both ranks; OPT's offset positions
         # Gemma 4: the full layers' one KV head of 32 held twice (one a rank), the sliding layers' two
-        # of 16 each twice (two a rank): one entry size on each rank; their values their keys'
+        # of 16 each twice (two a rank): one entry size on each rank; their values their keys'; each
+        # rank's share of every expert beside the dense MLP, the router whole on each
         (
             "Gemma4TextConfig",
             {
@@ -273,6 +274,10 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
                 "attention_k_eq_v": True,
                 "sliding_window": 12,
                 "hidden_size_per_layer_input": 0,
+                "enable_moe_block": True,
+                "num_experts": 4,
+                "top_k_experts": 2,
+                "moe_intermediate_size": 32,
             },
         ),
         ("GPT2Config", {}),

@@ -312,6 +312,7 @@ VARIANTS = [
     pytest.param("swiglu_oai", (), id="swiglu_oai"),
     pytest.param("silu", ("w13_bias",), id="silu-w13_bias"),
     pytest.param("silu", ("w2_bias",), id="silu-w2_bias"),
+    pytest.param("gelu_tanh", (), id="gelu_tanh"),  # (Gemma 4's experts)
 ]
 
 

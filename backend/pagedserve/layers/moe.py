@@ -61,7 +61,8 @@ class Experts:
     renormalize: bool
     shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
     bias: bool = False  # GPT-OSS's: the router's, and each expert's gate/up and down projections'
-    # "silu": SwiGLU; "swiglu_oai": GPT-OSS's clamped SwiGLU (`swiglu_oai_and_mul`)
+    # "silu": SwiGLU; "swiglu_oai": GPT-OSS's clamped SwiGLU (`swiglu_oai_and_mul`); "gelu_tanh":
+    # GELU's tanh approximation of the gate (Gemma 4's)
     activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
@@ -143,6 +144,8 @@ class Expert(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.spec is None or self.spec.activation == "silu":
             return self.down_proj(ops.silu_and_mul(gate_up))
+        if self.spec.activation == "gelu_tanh":  # (Gemma 4's)
+            return self.down_proj(reference.gelu_tanh_and_mul(gate_up))
         alpha, limit = self.spec.swiglu_alpha, self.spec.swiglu_limit
         return self.down_proj(reference.swiglu_oai_and_mul(gate_up, alpha, limit))
 

@@ -16,9 +16,10 @@ The KV cache holds one entry size for every layer (`config.kv_cache_entry`): a l
 make a smaller entry holds each of them more than once (its k_proj and v_proj rows repeated on
 load), as a KV head replicated across tensor-parallel ranks is.
 
+Gemma 4 26B-A4B's experts (`enable_moe_block`) run beside each layer's dense MLP (`Gemma4Experts`).
+
 Refused by name: per-layer embeddings (`hidden_size_per_layer_input`: Gemma 4 E2B and E4B), layers
-sharing KV states (`num_kv_shared_layers`), mixtures of experts (`enable_moe_block`), bidirectional
-attention over text.
+sharing KV states (`num_kv_shared_layers`), bidirectional attention over text.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ import torch
 from torch import nn
 
 from pagedserve.config import gemma4_layer_shapes, layer_windows
-from pagedserve.distributed import get_tp_size
+from pagedserve.distributed import all_reduce, get_tp_size
 from pagedserve.layers import ops
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.linear import QKVParallelLinear, RowParallelLinear
+from pagedserve.layers.moe import Experts, SparseMoeBlock, route
 from pagedserve.layers.norm import Float32RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.models.gemma import GemmaForCausalLM, GemmaMLP, GemmaRotary, gemma3_rope_config
@@ -84,9 +86,43 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v.flatten(1), metadata))
 
 
+class Gemma4Experts(SparseMoeBlock):
+    """26B-A4B's experts, beside each layer's dense MLP (`enable_moe_block`): `num_experts` SwiGLUs of
+    GELU (tanh), `top_k_experts` a token, picked by a router of its own: the layer's input stream
+    RMS-normed (no weight), times `scale` and hidden_size^-1/2, through `gate` (the checkpoint's
+    `router.proj`), its softmax's top k renormalized, each then times its expert's
+    `per_expert_scale`."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        hidden, num_experts = cfg["hidden_size"], int(cfg["num_experts"])
+        spec = Experts(
+            num_experts=num_experts,
+            top_k=int(cfg["top_k_experts"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            renormalize=True,
+            activation="gelu_tanh",
+        )
+        super().__init__(hidden, spec)
+        self.scale = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts), requires_grad=False)
+        self.eps, self.root = rms_norm_eps(cfg), hidden**-0.5
+
+    def mix(self, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        """The experts' sum over `x` (the stream normed for them), routed by `stream`."""
+        logits = self.gate(_rms(stream, self.eps) * self.scale * self.root)
+        weights, expert_ids = route(logits, self.spec)
+        weights = weights * self.per_expert_scale[expert_ids]
+        if torch.compiler.is_compiling():
+            out = torch.ops.pagedserve.moe_experts(x, weights, expert_ids, self.moe_index)
+        else:
+            out = self.run_experts(x, weights, expert_ids)
+        return all_reduce(out)
+
+
 class Gemma4DecoderLayer(nn.Module):
     """Gemma 3's four norms (by their weights alone) around attention and the MLP, the layer's output
-    times `layer_scalar`. Llama's layer protocol: the stream is `hidden + residual`, so both parts are
+    times `layer_scalar`; under `enable_moe_block` experts beside the MLP, each output normed before
+    they are added. Llama's layer protocol: the stream is `hidden + residual`, so both parts are
     scaled."""
 
     def __init__(self, cfg: dict[str, Any], attention: Gemma4Attention) -> None:
@@ -98,6 +134,11 @@ class Gemma4DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = Float32RMSNorm(size, eps)
         self.post_feedforward_layernorm = Float32RMSNorm(size, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
+        self.experts = Gemma4Experts(cfg) if cfg.get("enable_moe_block") else None
+        if self.experts is not None:
+            self.post_feedforward_layernorm_1 = Float32RMSNorm(size, eps)
+            self.pre_feedforward_layernorm_2 = Float32RMSNorm(size, eps)
+            self.post_feedforward_layernorm_2 = Float32RMSNorm(size, eps)
 
     def forward(
         self,
@@ -109,14 +150,19 @@ class Gemma4DecoderLayer(nn.Module):
         stream = hidden if residual is None else residual + hidden
         attended = self.self_attn(rotary, self.input_layernorm.normed(stream), metadata)
         stream = stream + self.post_attention_layernorm.normed(attended)
-        out = self.post_feedforward_layernorm.normed(self.mlp(self.pre_feedforward_layernorm.normed(stream)))
+        out = self.mlp(self.pre_feedforward_layernorm.normed(stream))
+        if self.experts is not None:
+            mixed = self.experts.mix(self.pre_feedforward_layernorm_2.normed(stream), stream)
+            out = self.post_feedforward_layernorm_1.normed(out) + self.post_feedforward_layernorm_2.normed(
+                mixed
+            )
+        out = self.post_feedforward_layernorm.normed(out)
         return out * self.layer_scalar, stream * self.layer_scalar
 
 
 _REFUSED = (  # (config.json key, its default in Gemma4TextConfig, what it adds)
     ("hidden_size_per_layer_input", 256, "per-layer embeddings"),
     ("num_kv_shared_layers", 0, "layers sharing KV states"),
-    ("enable_moe_block", False, "mixtures of experts"),
 )
 
 
@@ -198,9 +244,16 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
 
     def _as_cached(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """k_proj's and v_proj's rows as the cache holds the heads (each repeated); a full layer's keys'
-        projection as its values' too where `attention_k_eq_v`; the vision and audio towers left out."""
+        projection as its values' too where `attention_k_eq_v`; the router under the experts' names,
+        the stacked experts cut one by one; the vision and audio towers left out."""
         for name, tensor in weights:
             if re.match(r"^model\.(embed_vision|embed_audio|audio_tower)\.", name):
+                continue
+            name = re.sub(r"\.router\.proj\.", ".experts.gate.", name)
+            name = re.sub(r"\.router\.(scale|per_expert_scale)$", r".experts.\1", name)
+            stacked = re.search(r"\.experts\.(gate_up_proj|down_proj)$", name)
+            if stacked is not None:
+                yield from _experts_one_by_one(name[: stacked.start()], stacked[1], tensor)
                 continue
             match = re.search(r"(?:^|\.)layers\.(\d+)\.self_attn\.(k|v)_proj\.(weight|bias)$", name)
             if match is None or "vision_tower" in name:
@@ -212,3 +265,17 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
             yield name, rows
             if match[2] == "k" and self.k_eq_v[index]:
                 yield name.replace(".k_proj.", ".v_proj."), rows
+
+
+def _experts_one_by_one(
+    layer: str, projection: str, tensor: torch.Tensor
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """transformers' stacked experts (gate_up_proj [experts, 2 x intermediate, hidden], down_proj
+    [experts, hidden, intermediate]) as each expert's gate, up and down projections."""
+    for number, expert in enumerate(tensor.unbind(0)):
+        if projection == "down_proj":
+            yield f"{layer}.experts.experts.{number}.down_proj.weight", expert
+        else:
+            gate, up = expert.chunk(2)
+            yield f"{layer}.experts.experts.{number}.gate_proj.weight", gate
+            yield f"{layer}.experts.experts.{number}.up_proj.weight", up
