@@ -163,7 +163,15 @@ def is_recurrent(hf: dict[str, Any]) -> bool:
 
 
 def num_kv_cache_layers(hf: dict[str, Any]) -> int:
-    """The layers that keep a KV cache: every one, but a hybrid's attention layers alone."""
+    """The layers that keep a KV cache: every one, but a hybrid's attention layers alone and Gemma 4's
+    layers before its KV-shared ones (`num_kv_shared_layers`, which read earlier layers' caches)."""
+    if architecture_of(hf) == "Gemma4ForCausalLM":
+        shared = int(hf.get("num_kv_shared_layers") or 0)
+        if not 0 <= shared < hf["num_hidden_layers"]:
+            raise ValueError(
+                f"model: config.json's num_kv_shared_layers must be 0 to {hf['num_hidden_layers'] - 1}, got {shared}"
+            )
+        return int(hf["num_hidden_layers"]) - shared
     layer_types = hybrid_layer_types(hf)
     if layer_types is None:
         return int(hf["num_hidden_layers"])
@@ -397,7 +405,7 @@ def kv_cache_entry(hf: dict[str, Any]) -> tuple[int, int]:
     the smallest head size; a layer of smaller entries holds each of its KV heads more than once."""
     num_heads = hf["num_attention_heads"]
     if architecture_of(hf) == "Gemma4ForCausalLM":
-        shapes = gemma4_layer_shapes(hf)
+        shapes = gemma4_layer_shapes(hf)[: num_kv_cache_layers(hf)]
         entry, head_dim = max(heads * dim for heads, dim in shapes), min(dim for _, dim in shapes)
         if any(entry % dim for _, dim in shapes):
             raise ValueError(

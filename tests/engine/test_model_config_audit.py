@@ -225,6 +225,7 @@ NOT_DECODE_LAYERS = {
     "gemma4-k-eq-v-proportional-rope-repeated-kv-heads",
     "gemma4-default-layer-types-as-google-names-it",
     "gemma4-experts-beside-the-mlp",
+    "gemma4-per-layer-embeddings-shared-kv-layers",
     "gpt2-learned-positions-conv1d-fused-qkv",
     "gpt-bigcode-multi-query",
     "gpt-bigcode-heads-side-by-side-unscaled",
@@ -1069,6 +1070,22 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "gemma4-default-layer-types-as-google-names-it": (
         lambda: Gemma4TextConfig(**{**TINY, "num_hidden_layers": 6}, **GEMMA4),
         gemma4_as_google_names_it,
+    ),
+    # Gemma 4 E2B's and E4B's layers: per-layer embeddings (8 a layer: the token's own and the
+    # embeddings projected and normed, each layer's share gated by its stream); the last two layers
+    # reading the KV caches of the last earlier layer of their type (`num_kv_shared_layers`), their
+    # MLPs twice as wide (`use_double_wide_mlp`)
+    "gemma4-per-layer-embeddings-shared-kv-layers": (
+        lambda: Gemma4TextConfig(
+            **{**TINY, "num_hidden_layers": 5},
+            **{**GEMMA4, "hidden_size_per_layer_input": 8},
+            vocab_size_per_layer_input=49152,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"]
+            + ["sliding_attention", "full_attention"],
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+        ),
+        None,
     ),
     # Gemma 4 26B-A4B's layers: beside the dense MLP 2 of 4 experts (GELU) a token, picked by a router
     # of their own over the layer's input stream, scaled by their per-expert scales; each output
@@ -2662,14 +2679,10 @@ def test_rotary_tables_equal_transformers(
             "qk_norm_type 'per_head' is not supported for MiniMaxM2ForCausalLM",
         ),
         (
-            lambda c: c.update(architectures=["Gemma4ForCausalLM"]),  # (Gemma4TextConfig's default: 256)
-            "hidden_size_per_layer_input \\(per-layer embeddings\\) is not supported for Gemma4ForCausalLM",
-        ),
-        (
             lambda c: c.update(
                 architectures=["Gemma4ForCausalLM"], hidden_size_per_layer_input=0, num_kv_shared_layers=2
             ),
-            "num_kv_shared_layers \\(layers sharing KV states\\) is not supported",
+            "num_kv_shared_layers must be 0 to 1, got 2",
         ),
         (
             lambda c: c.update(architectures=["GPT2LMHeadModel"], scale_attn_by_inverse_layer_idx=True),
@@ -2791,8 +2804,7 @@ def test_rotary_tables_equal_transformers(
         "ernie4.5-moe-biases",
         "cohere2-negative-logit-scale",
         "minimax-m2-per-head-qk-norm",
-        "gemma4-per-layer-embeddings",
-        "gemma4-shared-kv-layers",
+        "gemma4-every-layer-kv-shared",
         "gpt2-inverse-layer-scaling",
         "opt-norms-after-layers",
         "opt-embedding-projection",

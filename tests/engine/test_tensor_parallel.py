@@ -263,7 +263,9 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         # embeddings whole on each rank; GPTBigCode's one KV head on both ranks; OPT's offset positions
         # Gemma 4: the full layers' one KV head of 32 held twice (one a rank), the sliding layers' two
         # of 16 each twice (two a rank): one entry size on each rank; their values their keys'; each
-        # rank's share of every expert beside the dense MLP, the router whole on each
+        # rank's share of every expert beside the dense MLP, the router whole on each; each rank's
+        # vocabulary rows of the per-layer embeddings; layers 2 and 3 reading layers 0's and 1's KV
+        # caches, each rank its heads'
         (
             "Gemma4TextConfig",
             {
@@ -273,7 +275,9 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
                 "num_global_key_value_heads": 1,
                 "attention_k_eq_v": True,
                 "sliding_window": 12,
-                "hidden_size_per_layer_input": 0,
+                "hidden_size_per_layer_input": 8,
+                "vocab_size_per_layer_input": 49152,
+                "num_kv_shared_layers": 2,
                 "enable_moe_block": True,
                 "num_experts": 4,
                 "top_k_experts": 2,

@@ -403,12 +403,15 @@ class Attention(nn.Module):
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """Write this step's k, v into the cache, then attend: [num_tokens, num_heads * head_dim]."""
+        """Write this step's k, v into the cache, then attend: [num_tokens, num_heads * head_dim]. k and
+        v of no rows write nothing: another layer's queries read this one's cache (Gemma 4's KV-shared
+        layers, after this layer wrote the step's keys and values)."""
         assert self.kv_cache is not None, (
             "KV cache not bound: the model runner binds it before the first step"
         )
         k_cache, v_cache = self.kv_cache
-        self.backend.write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if k.shape[0]:
+            self.backend.write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
         # (the sinks stay float32 whatever the model's dtype: the kernels take them so)
         sinks = None if self.sinks is None else self.sinks.float()
         num_decodes, scale, limits = metadata.num_decodes, self.scale, (self.window, self.softcap, sinks)

@@ -1,6 +1,6 @@
 """Google's Gemma 4 (`Gemma4ForCausalLM`; the text decoder of `Gemma4ForConditionalGeneration`: Gemma
-4 31B, and its siblings without per-layer embeddings) as transformers computes it, on the Llama
-family's tensor-parallel layers. What it adds to Gemma 3's layer:
+4 31B, 26B-A4B, E4B, E2B) as transformers computes it, on the Llama family's tensor-parallel layers.
+What it adds to Gemma 3's layer:
 
 - norms by their weight alone (not 1 + weight), in float32; each value head RMS-normed too (without
   a weight); q.k unscaled (the query norms set its scale);
@@ -18,30 +18,42 @@ load), as a KV head replicated across tensor-parallel ranks is.
 
 Gemma 4 26B-A4B's experts (`enable_moe_block`) run beside each layer's dense MLP (`Gemma4Experts`).
 
-Refused by name: per-layer embeddings (`hidden_size_per_layer_input`: Gemma 4 E2B and E4B), layers
-sharing KV states (`num_kv_shared_layers`), bidirectional attention over text.
+E2B and E4B add per-layer embeddings (`hidden_size_per_layer_input`): each token's own a layer
+(`embed_tokens_per_layer`) and the embeddings projected (`per_layer_model_projection`), each layer's
+share gated by its stream and added after its MLP; and KV-shared layers (the last
+`num_kv_shared_layers`), whose queries read the KV cache of the last earlier layer of their type
+(`Gemma4SharedAttention`: they keep no cache of their own), their MLPs twice as wide where
+`use_double_wide_mlp`.
+
+Refused by name: bidirectional attention over text (`use_bidirectional_attention` "all").
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.config import gemma4_layer_shapes, layer_windows
+from pagedserve.config import gemma4_layer_shapes, layer_windows, num_kv_cache_layers
 from pagedserve.distributed import all_reduce, get_tp_size
 from pagedserve.layers import ops
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedserve.layers.linear import QKVParallelLinear, RowParallelLinear
+from pagedserve.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from pagedserve.layers.moe import Experts, SparseMoeBlock, route
 from pagedserve.layers.norm import Float32RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
-from pagedserve.models.gemma import GemmaForCausalLM, GemmaMLP, GemmaRotary, gemma3_rope_config
-from pagedserve.models.llama import LlamaForCausalLM, rms_norm_eps
+from pagedserve.models.gemma import GemmaForCausalLM, GemmaMLP, gemma3_rope_config
+from pagedserve.models.llama import LayerStep, LlamaForCausalLM, Rotary, rms_norm_eps
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,14 +88,38 @@ class Gemma4Attention(nn.Module):
             self.num_heads, self.num_kv_heads, head_dim, backend, layer_index, scale=1.0, window=window
         )
 
-    def forward(self, rotary: GemmaRotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm.normed(q.view(-1, self.num_heads, self.head_dim))
         k = self.k_norm.normed(k.view(-1, self.num_kv_heads, self.head_dim))
         v = _rms(v.view(-1, self.num_kv_heads, self.head_dim), self.eps)
-        cos, sin = rotary[2:] if self.local else rotary[:2]
+        cos, sin = rotary[2:4] if self.local else rotary[:2]
         q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
         return self.o_proj(self.attn(q, k, v.flatten(1), metadata))
+
+
+class Gemma4SharedAttention(nn.Module):
+    """A KV-shared layer's attention (from `num_hidden_layers - num_kv_shared_layers` on): its own
+    queries over the keys and values an earlier layer of its type wrote (`source`, that layer's
+    `Attention`, called with no keys or values of its own: it writes nothing); no key or value
+    projections."""
+
+    def __init__(self, cfg: dict[str, Any], source: Attention, *, local: bool) -> None:
+        super().__init__()
+        hidden, num_heads, head_dim = cfg["hidden_size"], cfg["num_attention_heads"], source.head_dim
+        bias = bool(cfg.get("attention_bias", False))
+        self.query = ColumnParallelLinear(hidden, num_heads * head_dim, bias=bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=bias)
+        self.q_norm = Float32RMSNorm(head_dim, rms_norm_eps(cfg))
+        self.head_dim, self.local = head_dim, local
+        self.__dict__["source"] = source  # (not a submodule: the source layer owns it)
+
+    def forward(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        source: Attention = self.__dict__["source"]
+        q = self.q_norm.normed(self.query(hidden).view(-1, source.num_heads, self.head_dim))
+        cos, sin = rotary[2:4] if self.local else rotary[:2]
+        none = q.new_empty(0, source.num_kv_heads * self.head_dim)
+        return self.o_proj(source(ops.apply_rotary(q, cos, sin), none, none, metadata))
 
 
 class Gemma4Experts(SparseMoeBlock):
@@ -125,10 +161,24 @@ class Gemma4DecoderLayer(nn.Module):
     they are added. Llama's layer protocol: the stream is `hidden + residual`, so both parts are
     scaled."""
 
-    def __init__(self, cfg: dict[str, Any], attention: Gemma4Attention) -> None:
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        attention: Gemma4Attention | Gemma4SharedAttention,
+        index: int,
+        mlp_width: int,
+    ) -> None:
         super().__init__()
         eps, size = rms_norm_eps(cfg), cfg["hidden_size"]
-        self.self_attn, self.mlp = attention, GemmaMLP(cfg, legacy_gelu=False)
+        self.self_attn = attention
+        self.mlp = GemmaMLP({**cfg, "intermediate_size": mlp_width}, legacy_gelu=False)
+        self.index = index
+        per_layer = int(cfg.get("hidden_size_per_layer_input", 256) or 0)
+        self.per_layer_input_gate = self.per_layer_projection = self.post_per_layer_input_norm = None
+        if per_layer:  # per-layer embeddings (E2B, E4B): this layer's share, gated by the stream
+            self.per_layer_input_gate = ReplicatedLinear(size, per_layer)
+            self.per_layer_projection = ReplicatedLinear(per_layer, size)
+            self.post_per_layer_input_norm = Float32RMSNorm(size, eps)
         self.input_layernorm = Float32RMSNorm(size, eps)
         self.post_attention_layernorm = Float32RMSNorm(size, eps)
         self.pre_feedforward_layernorm = Float32RMSNorm(size, eps)
@@ -142,7 +192,7 @@ class Gemma4DecoderLayer(nn.Module):
 
     def forward(
         self,
-        rotary: GemmaRotary,
+        rotary: Rotary,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
@@ -157,13 +207,29 @@ class Gemma4DecoderLayer(nn.Module):
                 mixed
             )
         out = self.post_feedforward_layernorm.normed(out)
+        if self.per_layer_input_gate is not None:
+            assert self.per_layer_projection is not None and self.post_per_layer_input_norm is not None
+            stream = stream + out
+            gated = F.gelu(self.per_layer_input_gate(stream), approximate="tanh") * rotary[4][:, self.index]
+            out = self.post_per_layer_input_norm.normed(self.per_layer_projection(gated))
         return out * self.layer_scalar, stream * self.layer_scalar
 
 
-_REFUSED = (  # (config.json key, its default in Gemma4TextConfig, what it adds)
-    ("hidden_size_per_layer_input", 256, "per-layer embeddings"),
-    ("num_kv_shared_layers", 0, "layers sharing KV states"),
-)
+def kv_sources(cfg: dict[str, Any]) -> dict[int, int]:
+    """Each KV-shared layer (the last `num_kv_shared_layers`) -> the layer whose keys and values it
+    reads: the last one before them of its type (sliding or full), as transformers picks it."""
+    layer_types, num_cache_layers = cfg["layer_types"], num_kv_cache_layers(cfg)
+    sources = {}
+    for index in range(num_cache_layers, len(layer_types)):
+        kind = layer_types[index]
+        earlier = [i for i in range(num_cache_layers) if layer_types[i] == kind]
+        if not earlier:
+            raise ValueError(
+                f"model: Gemma 4's KV-shared layer {index} ({kind}) has no earlier {kind} layer to read "
+                f"(num_kv_shared_layers {len(layer_types) - num_cache_layers})"
+            )
+        sources[index] = earlier[-1]
+    return sources
 
 
 def cache_repeats(shapes: list[tuple[int, int]], num_heads: int, tp_size: int) -> list[int]:
@@ -193,11 +259,6 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
         nn.Module.__init__(self)
-        for key, default, what in _REFUSED:
-            if cfg.get(key, default):
-                raise ValueError(
-                    f"model: config.json's {key} ({what}) is not supported for Gemma4ForCausalLM"
-                )
         if cfg.get("use_bidirectional_attention") == "all":
             raise ValueError(
                 "model: config.json's use_bidirectional_attention 'all' is not supported for Gemma 4"
@@ -205,8 +266,12 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
         hidden, num_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
         shapes = gemma4_layer_shapes(cfg)
         local = [kind == "sliding_attention" for kind in cfg["layer_types"]]
-        # each layer's KV heads as the cache holds them: its real ones, each repeated `repeats[i]` times
-        self.repeats = cache_repeats(shapes, cfg["num_attention_heads"], get_tp_size())
+        sources = kv_sources(cfg)  # a KV-shared layer's: the earlier layer whose KV cache it reads
+        self.num_cache_layers = num_kv_cache_layers(cfg)
+        # each cache layer's KV heads as the cache holds them: its real ones, each repeated `repeats[i]` times
+        self.repeats = cache_repeats(
+            shapes[: self.num_cache_layers], cfg["num_attention_heads"], get_tp_size()
+        )
         self.k_eq_v = [bool(cfg.get("attention_k_eq_v")) and not is_local for is_local in local]
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], hidden)
         self.embedding_scale = hidden**0.5  # rounded to the dtype, as transformers rounds it
@@ -217,10 +282,12 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
             local_dim, max_position, gemma3_rope_config(cfg, "sliding_attention")
         )
         windows = layer_windows(cfg, self.architecture)
-        self.layers = nn.ModuleList(
-            Gemma4DecoderLayer(
-                cfg,
-                Gemma4Attention(
+        width = int(cfg["intermediate_size"])
+        self.layers = nn.ModuleList()
+        for index in range(num_layers):
+            attention: Gemma4Attention | Gemma4SharedAttention
+            if index < self.num_cache_layers:
+                attention = Gemma4Attention(
                     cfg,
                     backend,
                     index,
@@ -228,16 +295,59 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
                     cache_kv_heads=shapes[index][0] * self.repeats[index],
                     local=local[index],
                     window=windows[index],
-                ),
-            )
-            for index in range(num_layers)
-        )
+                )
+                mlp_width = width
+            else:  # (`use_double_wide_mlp`: the KV-shared layers' MLPs twice as wide)
+                source = cast(Gemma4DecoderLayer, self.layers[sources[index]]).self_attn
+                attention = Gemma4SharedAttention(cfg, cast(Gemma4Attention, source).attn, local=local[index])
+                mlp_width = width * (2 if cfg.get("use_double_wide_mlp") else 1)
+            self.layers.append(Gemma4DecoderLayer(cfg, attention, index, mlp_width))
+        # per-layer embeddings (E2B, E4B): a token's own for every layer, and the embeddings projected
+        self.per_layer = int(cfg.get("hidden_size_per_layer_input", 256) or 0)
+        if self.per_layer:
+            vocab = int(cfg.get("vocab_size_per_layer_input", 262_144))
+            self.embed_tokens_per_layer = VocabParallelEmbedding(vocab, num_layers * self.per_layer)
+            self.per_layer_model_projection = ReplicatedLinear(hidden, num_layers * self.per_layer)
+            self.per_layer_projection_norm = Float32RMSNorm(self.per_layer, rms_norm_eps(cfg))
         self.norm = Float32RMSNorm(hidden, rms_norm_eps(cfg))
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
         self.lm_head = ParallelLMHead(cfg["vocab_size"], hidden)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.softcap = float(cfg.get("final_logit_softcapping") or 0.0)
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        """The layers with a KV cache of their own (the KV-shared ones read another's)."""
+        return [layer.self_attn.attn for layer in self.decoder_layers[: self.num_cache_layers]]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        layer_step: LayerStep | None = None,
+    ) -> torch.Tensor:
+        """Gemma's, with each layer's per-layer input (E2B's, E4B's) after the four rotary tables."""
+        if not self.per_layer:
+            return super().forward(input_ids, positions, metadata, layer_step)
+        hidden = self.embed_tokens(input_ids)
+        hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
+        tables = (*self.rotary_emb(positions, hidden.dtype), *self.local_rotary_emb(positions, hidden.dtype))
+        rotary = (*tables, self.per_layer_inputs(input_ids, hidden))
+        hidden, residual = self.run_layers(rotary, hidden, metadata, layer_step)
+        return cast(Float32RMSNorm, self.norm).normed(residual + hidden)
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """[tokens, layers, hidden_size_per_layer_input]: the embeddings (`embedded`) projected, times
+        hidden_size^-1/2, RMS-normed, plus the tokens' own per-layer embeddings (times
+        sqrt(hidden_size_per_layer_input)), times 2^-1/2."""
+        per_layer, num_layers = self.per_layer, len(self.layers)
+        own = self.embed_tokens_per_layer(input_ids)
+        own = (own * torch.tensor(per_layer**0.5, dtype=own.dtype)).view(-1, num_layers, per_layer)
+        projected = self.per_layer_model_projection(embedded) * embedded.shape[-1] ** -0.5
+        projected = self.per_layer_projection_norm.normed(projected.view(-1, num_layers, per_layer))
+        return (projected + own) * 2**-0.5
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         LlamaForCausalLM.load_weights(self, self._as_cached(weights))
@@ -254,6 +364,13 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
             stacked = re.search(r"\.experts\.(gate_up_proj|down_proj)$", name)
             if stacked is not None:
                 yield from _experts_one_by_one(name[: stacked.start()], stacked[1], tensor)
+                continue
+            shared = re.search(r"(?:^|\.)layers\.(\d+)\.self_attn\.", name)
+            if shared is not None and "vision_tower" not in name and int(shared[1]) >= self.num_cache_layers:
+                # a KV-shared layer: its query projection alone (its checkpoint may hold unread k, v)
+                if re.search(r"\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.", name):
+                    continue
+                yield name.replace(".self_attn.q_proj.", ".self_attn.query."), tensor
                 continue
             match = re.search(r"(?:^|\.)layers\.(\d+)\.self_attn\.(k|v)_proj\.(weight|bias)$", name)
             if match is None or "vision_tower" in name:
