@@ -244,7 +244,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                 param.normal_(1.0, 0.5)
             if (
                 name.endswith("norm.weight")
-                and type(model).__name__.startswith(("Gemma", "Qwen3_5", "Qwen3Next"))
+                and type(model).__name__.startswith(("Gemma", "VaultGemma", "Qwen3_5", "Qwen3Next"))
                 and not type(model).__name__.startswith("Gemma4")  # (Gemma 4's norms: by their weight)
             ):
                 param.normal_(
@@ -271,6 +271,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                         "Cohere",
                         "OPT",
                         "Gemma4",
+                        "Helium",
                     )
                 )
                 or re.search(r"\.ln_[12f]\.weight$", name)

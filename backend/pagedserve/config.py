@@ -675,6 +675,9 @@ def rope_context_length(hf: dict[str, Any]) -> int:
 
 
 _WINDOW_ON_UNLESS_OFF = (
+    "MinistralForCausalLM",
+    "CwmForCausalLM",
+    "VaultGemmaForCausalLM",
     "Gemma4ForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
@@ -698,6 +701,9 @@ _WINDOW_OFF_UNLESS_ON = (
     "Qwen3MoeForCausalLM",
 )
 _WINDOW_IN_SOME_LAYERS = (
+    "MinistralForCausalLM",
+    "CwmForCausalLM",
+    "VaultGemmaForCausalLM",
     "Gemma4ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
@@ -714,6 +720,9 @@ _WINDOW_IN_SOME_LAYERS = (
 )
 # where config.json has no `sliding_window` key, transformers' config class default
 _DEFAULT_WINDOW = {
+    "MinistralForCausalLM": 4096,
+    "CwmForCausalLM": 8192,
+    "VaultGemmaForCausalLM": 4096,
     "Gemma4ForCausalLM": 512,
     "MistralForCausalLM": 4096,
     "Gemma2ForCausalLM": 4096,
@@ -920,7 +929,12 @@ def default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
     Gemma2Config and GptOssConfig: every other layer full; Gemma3TextConfig: every
     `sliding_window_pattern`-th (6) full; Olmo3Config: every fourth full, Exaone4Config and
     Cohere2Config every `sliding_window_pattern`-th (4); the others sliding)."""
-    patterns = {"Gemma2ForCausalLM": 2, "GptOssForCausalLM": 2, "Olmo3ForCausalLM": 4}
+    patterns = {
+        "Gemma2ForCausalLM": 2,
+        "VaultGemmaForCausalLM": 2,
+        "GptOssForCausalLM": 2,
+        "Olmo3ForCausalLM": 4,
+    }
     if architecture == "Cohere2ForCausalLM":
         patterns[architecture] = hf.get("sliding_window_pattern", 4)
     if architecture == "Gemma3ForCausalLM":
@@ -940,6 +954,8 @@ def default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
         sliding = [bool((i + 1) % pattern) for i in range(hf["num_hidden_layers"])]
     elif architecture == "SmolLM3ForCausalLM":
         sliding = [not turns for turns in smollm3_rotary_layers(hf)]
+    elif architecture == "CwmForCausalLM":  # CwmConfig's: every fourth layer full, the first of them
+        sliding = [bool(i % 4) for i in range(hf["num_hidden_layers"])]
     elif architecture == "Qwen2MoeForCausalLM":  # every other layer below max_window_layers
         first_full = hf.get("max_window_layers", 28)
         sliding = [bool((i + 1) % 2) and i < first_full for i in range(hf["num_hidden_layers"])]
@@ -976,6 +992,8 @@ _DEFAULT_THETA = {
     "Lfm2ForCausalLM": 1_000_000.0,
     "Lfm2MoeForCausalLM": 1_000_000.0,
     "Llama4ForCausalLM": 500_000.0,
+    "HeliumForCausalLM": 100_000.0,
+    "CwmForCausalLM": 1_000_000.0,
     "CohereForCausalLM": 500_000.0,
     "MiniMaxM2ForCausalLM": 5_000_000.0,
 }
@@ -999,6 +1017,15 @@ _DEFAULT_ROPE: dict[str, dict[str, Any]] = {
         "mscale": 1.0,
         "mscale_all_dim": 1.0,
         "llama_4_scaling_beta": 0.1,
+    },
+    # CwmConfig's: Llama 3.1's rope 16x over 8,192 positions, theta 1e6
+    "CwmForCausalLM": {
+        "rope_type": "llama3",
+        "rope_theta": 1_000_000.0,
+        "factor": 16.0,
+        "original_max_position_embeddings": 8192,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
     },
     # ApertusConfig's: Llama 3.1's rope 8x over 8,192 positions
     "ApertusForCausalLM": {

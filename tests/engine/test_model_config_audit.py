@@ -33,6 +33,7 @@ from transformers import (
     BambaConfig,
     Cohere2Config,
     CohereConfig,
+    CwmConfig,
     DeepseekV2Config,
     DeepseekV3Config,
     Dots1Config,
@@ -48,6 +49,7 @@ from transformers import (
     Glm4Config,
     Glm4MoeConfig,
     Glm4MoeLiteConfig,
+    GlmConfig,
     GPT2Config,
     GPTBigCodeConfig,
     GPTNeoXConfig,
@@ -56,6 +58,7 @@ from transformers import (
     GraniteMoeConfig,
     GraniteMoeHybridConfig,
     GraniteMoeSharedConfig,
+    HeliumConfig,
     HunYuanDenseV1Config,
     InternLM3Config,
     Jais2Config,
@@ -67,6 +70,7 @@ from transformers import (
     MiniCPM3Config,
     MiniMaxM2Config,
     Ministral3Config,
+    MinistralConfig,
     MistralConfig,
     MixtralConfig,
     NemotronConfig,
@@ -90,6 +94,7 @@ from transformers import (
     SolarOpenConfig,
     StableLmConfig,
     Starcoder2Config,
+    VaultGemmaConfig,
 )
 
 TINY = {
@@ -222,6 +227,8 @@ NOT_DECODE_LAYERS = {
     "solar-open-every-layer-experts-default-theta",
     "exaone-moe-sliding-nope-global-experts-from-layer-1",
     "olmo1-non-affine-layernorms-clip-qkv",
+    "helium-float32-norms-interleaved-rotary-default-theta",
+    "vaultgemma-no-norms-after",
     "gemma4-k-eq-v-proportional-rope-repeated-kv-heads",
     "gemma4-default-layer-types-as-google-names-it",
     "gemma4-experts-beside-the-mlp",
@@ -1048,6 +1055,34 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     ),
     # Ai2's OLMo 1: LayerNorms of no weight or bias, q, k and v clamped at 1.5 (the clamp binds here)
     "olmo1-non-affine-layernorms-clip-qkv": (lambda: OlmoConfig(**TINY, clip_qkv=1.5), None),
+    # Zhipu's GLM-4-9B: GLM-4-0414's attention (q, k and v biased, GPT-J's rotary over half of each
+    # head) and fused gate/up in Llama's layer; GlmConfig's norm eps (config.json naming none)
+    "glm-partial-interleaved-rotary-default-eps": (
+        lambda: GlmConfig(**TINY, head_dim=16),
+        without_rms_norm_eps,
+    ),
+    # Kyutai's Helium: norms multiplied in float32, q, k and v biased, GPT-J's rotary at HeliumConfig's
+    # theta (1e5, config.json naming none)
+    "helium-float32-norms-interleaved-rotary-default-theta": (
+        lambda: HeliumConfig(**TINY, head_dim=16, attention_bias=True),
+        drop("rope_parameters"),
+    ),
+    # Meta's Code World Model: Llama 3's layer, every fourth layer full from the first (the others
+    # sliding by 24), CwmConfig's rope (Llama 3.1's 16x over 8,192 at theta 1e6) where config.json
+    # names neither
+    "cwm-every-fourth-layer-full-default-rope": (
+        lambda: CwmConfig(**{**TINY, "num_hidden_layers": 4}, head_dim=16, sliding_window=24),
+        drop("layer_types", "rope_parameters"),
+    ),
+    # Mistral's Ministral-8B: Mistral's layer, its window (24) in the layers `layer_types` names
+    "ministral-window-in-layer-1": (
+        lambda: MinistralConfig(
+            **TINY, head_dim=16, sliding_window=24, layer_types=["full_attention", "sliding_attention"]
+        ),
+        None,
+    ),
+    # Google's VaultGemma: Gemma 2's layer without its norms after attention and the MLP
+    "vaultgemma-no-norms-after": (lambda: VaultGemmaConfig(**TINY, **GEMMA2), None),
     # Google's Gemma 4: norms by their weights, values RMS-normed, q.k unscaled; sliding layers (by 24)
     # of 4 KV heads of 16 and full ones of one KV head of 32, their values their keys' projection
     # (`attention_k_eq_v`), turned by the proportional rope (4 of 16 pairs), each KV head held twice to

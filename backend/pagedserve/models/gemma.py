@@ -17,6 +17,7 @@ Gemma (`GemmaForCausalLM`: Gemma 1, CodeGemma), Gemma 2 (`Gemma2ForCausalLM`) an
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
@@ -268,3 +269,17 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
     local_rope = True
     # (transformers' Gemma 3 reads no attn_logit_softcapping: its attention passes none on)
     reads = {"query_pre_attn_scalar": 256, "final_logit_softcapping": None}
+
+
+class VaultGemmaForCausalLM(Gemma2ForCausalLM):
+    """Google's VaultGemma (1B, trained with differential privacy): Gemma 2's layer without its norms
+    after attention and the MLP, the norm before the MLP named `pre_feedforward_layernorm`."""
+
+    architecture = "VaultGemmaForCausalLM"
+    sandwich_norms = False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(
+            (name.replace(".pre_feedforward_layernorm.", ".post_attention_layernorm."), tensor)
+            for name, tensor in weights
+        )

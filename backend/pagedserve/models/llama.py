@@ -30,7 +30,7 @@ from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMe
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedserve.layers.moe import Experts, SparseMoeBlock
-from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.norm import Float32RMSNorm, RMSNorm
 from pagedserve.layers.recurrent import RecurrentLayer
 from pagedserve.layers.rotary import RotaryEmbedding
 
@@ -722,13 +722,50 @@ class Glm4ForCausalLM(Phi3ForCausalLM):
     after the attention and the MLP too (`Glm4DecoderLayer`); GPT-J's rotary over the first
     `partial_rotary_factor` of each head (0.5 by default), `interleaved_rotary`."""
 
-    decoder_layer_class = Glm4DecoderLayer
+    decoder_layer_class: type[LlamaDecoderLayer] = Glm4DecoderLayer
     interleaved_rotary = True
     default_partial_rotary = 0.5  # Glm4Config's
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        eps = cfg.get("rms_norm_eps", 1.5625e-07)  # (Glm4Config's and GlmConfig's default)
+        super().__init__({**cfg, "rms_norm_eps": eps}, max_position, backend)
 
     @staticmethod
     def attention_biases(cfg: dict[str, Any]) -> Biases:
         return bool(cfg.get("attention_bias", True)), False
+
+
+class GlmForCausalLM(Glm4ForCausalLM):
+    """Zhipu's GLM-4 (GLM-4-9B-Chat, GLM-4-9B-0414's predecessor; glm-edge): GLM-4-0414's attention,
+    fused gate/up and partial GPT-J rotary in Llama's layer (no norms after attention and the MLP);
+    GlmConfig's defaults where config.json leaves a key out."""
+
+    decoder_layer_class = LlamaDecoderLayer
+
+
+class HeliumDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer with norms that multiply by their weights in float32 (HeliumRMSNorm)."""
+
+    @staticmethod
+    def norm(cfg: dict[str, Any]) -> RMSNorm:
+        return Float32RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
+
+
+class HeliumForCausalLM(LlamaForCausalLM):
+    """Kyutai's Helium (2B): Llama's layer with float32-weighted norms (eps 1e-8 by default), q, k and v
+    biased by `attention_bias` (o never), GPT-J's rotary (`interleaved_rotary`), head_dim 128 by
+    default (HeliumConfig's)."""
+
+    decoder_layer_class = HeliumDecoderLayer
+    interleaved_rotary = True
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        defaults = {"head_dim": cfg.get("head_dim") or 128, "rms_norm_eps": cfg.get("rms_norm_eps", 1e-8)}
+        super().__init__({**cfg, **defaults}, max_position, backend)
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        return bool(cfg.get("attention_bias", False)), False
 
 
 class Exaone4ForCausalLM(LlamaForCausalLM):

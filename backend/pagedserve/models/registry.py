@@ -10,7 +10,12 @@ from pagedserve.models.deepseek import (
     MiniCPM3ForCausalLM,
 )
 from pagedserve.models.falcon_h1 import FalconH1ForCausalLM
-from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
+from pagedserve.models.gemma import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    GemmaForCausalLM,
+    VaultGemmaForCausalLM,
+)
 from pagedserve.models.gemma4 import Gemma4ForCausalLM
 from pagedserve.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, OPTForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
@@ -27,7 +32,9 @@ from pagedserve.models.llama import (
     Ernie4_5ForCausalLM,
     Exaone4ForCausalLM,
     Glm4ForCausalLM,
+    GlmForCausalLM,
     GraniteForCausalLM,
+    HeliumForCausalLM,
     HunYuanDenseV1ForCausalLM,
     InternLM3ForCausalLM,
     LlamaForCausalLM,
@@ -89,6 +96,11 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM,
+    "HeliumForCausalLM": HeliumForCausalLM,
+    "CwmForCausalLM": LlamaForCausalLM,
+    "MinistralForCausalLM": LlamaForCausalLM,
+    "VaultGemmaForCausalLM": VaultGemmaForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "StableLmForCausalLM": StableLmForCausalLM,
