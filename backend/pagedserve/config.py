@@ -994,6 +994,7 @@ _DEFAULT_THETA = {
     "Llama4ForCausalLM": 500_000.0,
     "HeliumForCausalLM": 100_000.0,
     "CwmForCausalLM": 1_000_000.0,
+    "HYV3ForCausalLM": 11_158_840.0,
     "CohereForCausalLM": 500_000.0,
     "MiniMaxM2ForCausalLM": 5_000_000.0,
 }

@@ -60,6 +60,7 @@ from transformers import (
     GraniteMoeSharedConfig,
     HeliumConfig,
     HunYuanDenseV1Config,
+    HYV3Config,
     InternLM3Config,
     Jais2Config,
     KimiLinearConfig,
@@ -228,6 +229,7 @@ NOT_DECODE_LAYERS = {
     "exaone-moe-sliding-nope-global-experts-from-layer-1",
     "olmo1-non-affine-layernorms-clip-qkv",
     "helium-float32-norms-interleaved-rotary-default-theta",
+    "hy-v3-sigmoid-biased-experts-shared-default-theta",
     "vaultgemma-no-norms-after",
     "gemma4-k-eq-v-proportional-rope-repeated-kv-heads",
     "gemma4-default-layer-types-as-google-names-it",
@@ -1055,6 +1057,20 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     ),
     # Ai2's OLMo 1: LayerNorms of no weight or bias, q, k and v clamped at 1.5 (the clamp binds here)
     "olmo1-non-affine-layernorms-clip-qkv": (lambda: OlmoConfig(**TINY, clip_qkv=1.5), None),
+    # Tencent's HY 3: each query and key head normed; layer 0 dense, layer 1 2 of 8 experts a token,
+    # each scored by a sigmoid and picked by its score plus a bias, renormalized and scaled by 2.826
+    # (HYV3Config's), beside an ungated shared expert; theta and layer kinds HYV3Config's (config.json
+    # naming neither)
+    "hy-v3-sigmoid-biased-experts-shared-default-theta": (
+        lambda: HYV3Config(
+            **TINY,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+        ),
+        drop("rope_parameters", "router_scaling_factor", "mlp_layer_types"),
+    ),
     # Zhipu's GLM-4-9B: GLM-4-0414's attention (q, k and v biased, GPT-J's rotary over half of each
     # head) and fused gate/up in Llama's layer; GlmConfig's norm eps (config.json naming none)
     "glm-partial-interleaved-rotary-default-eps": (
@@ -2177,6 +2193,8 @@ def test_phi2s_lm_head_bias_moves_the_greedy_tokens(
         ("kimi-linear-kda-mla-kda-kda-experts", "model.layers.2.self_attn.f_a_proj.weight"),
         ("kimi-linear-kda-mla-kda-kda-experts", "model.layers.1.block_sparse_moe.experts.5.w3.weight"),
         ("nemotron3-mamba-experts-attention-experts", "backbone.layers.3.mixer.experts.5.up_proj.weight"),
+        ("hy-v3-sigmoid-biased-experts-shared-default-theta", "model.layers.1.mlp.shared_mlp.up_proj.weight"),
+        ("hy-v3-sigmoid-biased-experts-shared-default-theta", "model.layers.1.mlp.router.gate.weight"),
         (
             "minimax-m2-whole-qk-norms-partial-rope-sigmoid-biased-experts",
             "model.layers.1.block_sparse_moe.e_score_correction_bias",

@@ -408,6 +408,54 @@ class SolarOpenForCausalLM(MoeForCausalLM):
         super().load_weights(deepseek_v3_names(weights, len(self.layers)))
 
 
+class HYV3ForCausalLM(MoeForCausalLM):
+    """Tencent's HY 3 (`HYV3ForCausalLM`): Llama's layer with each query and key head RMS-normed before
+    the rotation (Qwen3's); the MLPs dense or experts by `mlp_layer_types` (the first dense, the others
+    experts by default): `num_experts` (192), `num_experts_per_tok` (8) a token, each scored by a
+    sigmoid and picked by its score plus `e_score_correction_bias`, the picked scores renormalized and
+    scaled by `router_scaling_factor` (2.826), the router in float32, beside an ungated shared expert
+    of `num_shared_experts` experts' width; theta 11,158,840 by default (HYV3Config's). Its next-token
+    prediction layers (past `num_hidden_layers`) are left out."""
+
+    qk_norm = True
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        width = int(cfg.get("moe_intermediate_size", 1536))
+        spec = Experts(
+            num_experts=num_experts_of(cfg, 192),
+            top_k=int(cfg.get("num_experts_per_tok", 8)),
+            intermediate_size=width,
+            renormalize=True,
+            shared_intermediate_size=width * int(cfg.get("num_shared_experts", 1)),
+            shared_gate=False,
+            scoring="sigmoid",
+            selection_bias=True,
+            routed_scaling_factor=float(cfg.get("router_scaling_factor", 2.826)),
+            router_float32=True,
+        )
+        first_dense = [i > 0 for i in range(cfg["num_hidden_layers"])]
+        return [spec if sparse else None for sparse in sparse_by_kind(cfg, first_dense)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(deepseek_v3_names(_hy_v3_names(weights), len(self.layers)))
+
+
+# HY 3's names (the Hub's, then transformers') -> DeepSeek-V3's layout
+_HY_V3_RENAMES = (
+    (".mlp.router.gate.", ".mlp.gate."),
+    (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
+    (".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),
+    (".mlp.shared_mlp.", ".mlp.shared_experts."),
+)
+
+
+def _hy_v3_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        for old, new in _HY_V3_RENAMES:
+            name = name.replace(old, new)
+        yield name, tensor
+
+
 def sparse_by_kind(cfg: dict[str, Any], otherwise: list[bool]) -> list[bool]:
     """Which layers' MLPs are experts by `mlp_layer_types` ("dense" or "sparse" a layer: GLM-4.7-Flash's,
     K-EXAONE's), `otherwise` where config.json names none."""
