@@ -272,9 +272,10 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                         "OPT",
                         "Gemma4",
                         "Helium",
+                        "Falcon",
                     )
                 )
-                or re.search(r"\.ln_[12f]\.weight$", name)
+                or re.search(r"\.ln_([12f]|attn|mlp)\.weight$", name)
             ):
                 param.normal_(
                     1.0, 0.5

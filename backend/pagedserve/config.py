@@ -84,6 +84,8 @@ class ModelConfig:
             hf = gpt2_config(hf)
         if architecture_of(hf) == "Gemma4ForCausalLM":
             hf = gemma4_config(hf)
+        if architecture_of(hf) == "FalconForCausalLM":
+            hf = falcon_config(hf)
         if architecture_of(hf) == "NemotronHForCausalLM":  # (its layer types count its layers)
             hf = {**hf, "num_hidden_layers": len(nemotron_h_layer_types(hf))}
         num_layers = num_kv_cache_layers(hf)
@@ -341,6 +343,20 @@ def gpt2_config(hf: dict[str, Any]) -> dict[str, Any]:
         **named,
         "vocab_size": hf.get("vocab_size", 50272 if architecture_of(hf) == "OPTForCausalLM" else 50257),
         "tie_word_embeddings": hf.get("tie_word_embeddings", True),
+    }
+
+
+def falcon_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """Falcon's config.json as FalconConfig reads it: its KV heads (`num_kv_heads`, every head's by
+    default) under the new decoder architecture or without `multi_query`, else one; its MLP
+    `ffn_hidden_size` wide (4 x hidden by default)."""
+    heads = hf["num_attention_heads"]
+    grouped = hf.get("new_decoder_architecture", False) or not hf.get("multi_query", True)
+    return {
+        **hf,
+        "num_key_value_heads": (hf.get("num_kv_heads") or heads) if grouped else 1,
+        "intermediate_size": hf.get("ffn_hidden_size") or 4 * hf["hidden_size"],
+        "head_dim": hf["hidden_size"] // heads,
     }
 
 

@@ -41,6 +41,7 @@ from transformers import (
     Ernie4_5Config,
     Exaone4Config,
     ExaoneMoeConfig,
+    FalconConfig,
     FalconH1Config,
     Gemma2Config,
     Gemma3TextConfig,
@@ -235,6 +236,9 @@ NOT_DECODE_LAYERS = {
     "gemma4-default-layer-types-as-google-names-it",
     "gemma4-experts-beside-the-mlp",
     "gemma4-per-layer-embeddings-shared-kv-layers",
+    "falcon-7b-multi-query-one-norm",
+    "falcon-40b-grouped-kv-two-norms-biases",
+    "falcon-sequential-heads-side-by-side",
     "gpt2-learned-positions-conv1d-fused-qkv",
     "gpt-bigcode-multi-query",
     "gpt-bigcode-heads-side-by-side-unscaled",
@@ -280,6 +284,11 @@ FALCON_H1_MAMBA = {
 # Gemma 4 on a tiny scale: heads of 16 in the sliding layers (a window of 24), of 32 in the full
 # ones, no per-layer embeddings
 GEMMA4 = {"head_dim": 16, "global_head_dim": 32, "sliding_window": 24, "hidden_size_per_layer_input": 0}
+# Falcon's on a tiny scale (TINY's, as FalconConfig names them)
+FALCON_TINY = {
+    **{k: v for k, v in TINY.items() if k not in ("intermediate_size", "num_key_value_heads")},
+    "ffn_hidden_size": 96,
+}
 # GPT-2's sizes as its config names them, TINY's
 GPT2_TINY = {
     "vocab_size": 49152,
@@ -1151,6 +1160,20 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             top_k_experts=2,
             moe_intermediate_size=32,
         ),
+        None,
+    ),
+    # TII's Falcon-7B: attention (every query head, then one key and one value in query_key_value) and
+    # the ungated GELU MLP side by side on one LayerNorm, no biases, NeoX's rotary, the head tied
+    "falcon-7b-multi-query-one-norm": (lambda: FalconConfig(**FALCON_TINY), None),
+    # Falcon-40B's new decoder architecture: each KV group's queries, key and value together, the two
+    # branches on norms of their own (ln_attn, ln_mlp); biased projections
+    "falcon-40b-grouped-kv-two-norms-biases": (
+        lambda: FalconConfig(**FALCON_TINY, new_decoder_architecture=True, num_kv_heads=2, bias=True),
+        None,
+    ),
+    # ... and one layer after the other (`parallel_attn` false), every head's q, k and v side by side
+    "falcon-sequential-heads-side-by-side": (
+        lambda: FalconConfig(**FALCON_TINY, multi_query=False, parallel_attn=False, bias=True),
         None,
     ),
     # OpenAI's GPT-2: a learned embedding of each position added to the token's, no rotary, LayerNorms,
@@ -2738,6 +2761,16 @@ def test_rotary_tables_equal_transformers(
             "num_kv_shared_layers must be 0 to 1, got 2",
         ),
         (
+            lambda c: c.update(architectures=["FalconForCausalLM"], alibi=True),
+            "alibi \\(ALiBi positions, Falcon-RW's\\) is not supported",
+        ),
+        (
+            lambda c: c.update(
+                architectures=["FalconForCausalLM"], new_decoder_architecture=True, parallel_attn=False
+            ),
+            "new_decoder_architecture needs parallel_attn",
+        ),
+        (
             lambda c: c.update(architectures=["GPT2LMHeadModel"], scale_attn_by_inverse_layer_idx=True),
             "scale_attn_by_inverse_layer_idx is not supported for GPT2LMHeadModel",
         ),
@@ -2858,6 +2891,8 @@ def test_rotary_tables_equal_transformers(
         "cohere2-negative-logit-scale",
         "minimax-m2-per-head-qk-norm",
         "gemma4-every-layer-kv-shared",
+        "falcon-alibi",
+        "falcon-new-architecture-sequential",
         "gpt2-inverse-layer-scaling",
         "opt-norms-after-layers",
         "opt-embedding-projection",

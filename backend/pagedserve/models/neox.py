@@ -5,6 +5,11 @@
   on by default; else one after the other), q, k and v in one checkpoint tensor a head at a time
   (`query_key_value`), every projection biased, the rope over the first `rotary_pct` of each head
   (0.25) at `rotary_emb_base`;
+- TII's Falcon (Falcon-7B, 40B, 180B, Falcon 2 11B): GPT-NeoX's layers (side by side on one norm
+  where `parallel_attn`, on two under `new_decoder_architecture`, else one after the other),
+  projections biased by `bias` (off by default), q, k and v in one tensor laid out three ways (each
+  KV group's queries, key and value under the new architecture; every query then the one key and value
+  under `multi_query`; else a head at a time), NeoX's rotary over the whole head, exact GELU;
 - Stability AI's StableLM (StableLM 2, StableLM-3B-4E1T, Stable Code): LayerNorms with a bias where
   Llama has RMSNorms, the rope over the first `partial_rotary_factor` of each head (0.25 by default),
   q, k and v biased by `use_qkv_bias`, Llama's SwiGLU; attention and the MLP side by side on one norm
@@ -158,3 +163,94 @@ class GPTNeoXForCausalLM(UngatedForCausalLM):
             parts = tensor.unflatten(0, (-1, 3, self.head_dim)).unbind(1)  # each [heads, head_dim, ...]
             for part, rows in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
                 yield name.replace(".attention.query_key_value.", f".self_attn.{part}."), rows.flatten(0, 1)
+
+
+class FalconParallelDecoderLayer(GPTNeoXParallelDecoderLayer):
+    """Falcon-7B's layer: attention and the ungated MLP side by side on one LayerNorm."""
+
+    mlp_norm_of_its_own = False
+
+
+# Falcon's checkpoint names -> Llama's (the fused query_key_value is cut in `_as_llama`)
+_FALCON_NAMES = [
+    (re.compile(r"^transformer\.word_embeddings\."), "model.embed_tokens."),
+    (re.compile(r"^transformer\.ln_f\."), "model.norm."),
+    (re.compile(r"^transformer\.h\."), "model.layers."),
+    (re.compile(r"\.self_attention\.dense\."), ".self_attn.o_proj."),
+    (re.compile(r"\.mlp\.dense_h_to_4h\."), ".mlp.up_proj."),
+    (re.compile(r"\.mlp\.dense_4h_to_h\."), ".mlp.down_proj."),
+    (re.compile(r"\.ln_attn\."), ".input_layernorm."),
+    (re.compile(r"\.ln_mlp\."), ".mlp_layernorm."),
+]
+
+
+class FalconForCausalLM(UngatedForCausalLM):
+    """Falcon (see the module docstring); FalconConfig's defaults where config.json leaves a key out
+    (its sizes read by `config.falcon_config`). ALiBi (Falcon-RW's) is refused."""
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        if cfg.get("alibi"):
+            raise ValueError("model: config.json's alibi (ALiBi positions, Falcon-RW's) is not supported")
+        self.new_architecture = bool(cfg.get("new_decoder_architecture", False))
+        self.multi_query = bool(cfg.get("multi_query", True))
+        parallel = cfg.get("parallel_attn", True)
+        norms = cfg.get("num_ln_in_parallel_attn") or (2 if self.new_architecture else 1)
+        if self.new_architecture and not parallel:
+            raise ValueError(
+                "model: config.json's new_decoder_architecture needs parallel_attn (transformers builds none without)"
+            )
+        # (this model's layers, before they are built)
+        if not parallel:
+            self.decoder_layer_class = LayerNormDecoderLayer
+        elif norms == 2:
+            self.decoder_layer_class = GPTNeoXParallelDecoderLayer
+        else:
+            self.decoder_layer_class = FalconParallelDecoderLayer
+        cfg = {
+            **cfg,
+            "rms_norm_eps": float(cfg.get("layer_norm_epsilon", 1e-5)),
+            "mlp_bias": bool(cfg.get("bias", False)),
+            "hidden_act": cfg.get("activation", "gelu"),
+            "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+        }
+        super().__init__(cfg, max_position, backend)
+        self.head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+        self.heads = (cfg["num_attention_heads"], cfg["num_key_value_heads"])
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        bias = bool(cfg.get("bias", False))
+        return bias, bias
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._as_llama(weights))
+
+    def _as_llama(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors under Llama's names, `query_key_value` cut into q_proj, k_proj and
+        v_proj by its layout (`_qkv_rows`)."""
+        for name, tensor in weights:
+            for pattern, replacement in _FALCON_NAMES:
+                name = pattern.sub(replacement, name)
+            if ".self_attention.query_key_value." not in name:
+                yield name, tensor
+                continue
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), self._qkv_rows(tensor), strict=True):
+                yield name.replace(".self_attention.query_key_value.", f".self_attn.{part}."), rows
+
+    def _qkv_rows(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q's, k's and v's rows of `query_key_value` (a weight's or a bias's): under the new architecture
+        each KV group's queries, then its key and value; under multi_query every query, then the one
+        key and value; else each head's q, k and v side by side."""
+        heads, kv_heads = self.heads
+        if tensor.shape[0] != (heads + 2 * kv_heads) * self.head_dim:
+            raise ValueError(
+                f"checkpoint's query_key_value has {tensor.shape[0]} rows; config.json's {heads} heads "
+                f"and {kv_heads} KV heads of {self.head_dim} make {(heads + 2 * kv_heads) * self.head_dim}"
+            )
+        if self.new_architecture:
+            groups = tensor.unflatten(0, (kv_heads, -1, self.head_dim))
+            return groups[:, :-2].flatten(0, 2), groups[:, -2].flatten(0, 1), groups[:, -1].flatten(0, 1)
+        if self.multi_query:
+            return tuple(tensor.split([heads * self.head_dim, self.head_dim, self.head_dim]))
+        per_head = tensor.unflatten(0, (heads, 3, self.head_dim))
+        return tuple(per_head[:, part].flatten(0, 1) for part in range(3))

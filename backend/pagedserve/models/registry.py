@@ -60,7 +60,7 @@ from pagedserve.models.moe import (
     Qwen3MoeForCausalLM,
     SolarOpenForCausalLM,
 )
-from pagedserve.models.neox import GPTNeoXForCausalLM, StableLmForCausalLM
+from pagedserve.models.neox import FalconForCausalLM, GPTNeoXForCausalLM, StableLmForCausalLM
 from pagedserve.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM, OlmoForCausalLM
 from pagedserve.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from pagedserve.models.ungated import (
@@ -99,6 +99,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "HYV3ForCausalLM": HYV3ForCausalLM,
+    "FalconForCausalLM": FalconForCausalLM,
     "HeliumForCausalLM": HeliumForCausalLM,
     "CwmForCausalLM": LlamaForCausalLM,
     "MinistralForCausalLM": LlamaForCausalLM,
