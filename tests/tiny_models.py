@@ -93,7 +93,7 @@ def tiny_hybrid_config(name: str) -> object:
     """A tiny hybrid's transformers config (`save_tiny_model` writes its checkpoint): "lfm2" (short
     convolutions at layers 0 and 2), "granite4-h" (Mamba2 at layers 0 and 2), "nemotron-h" (a layer a
     block: Mamba2, MLP, attention, MLP, Mamba2, MLP; its states in float32), "mamba2" (two Mamba2
-    layers, no attention) "qwen3.5" (Gated DeltaNet at layers 0 and 2, 4 value heads over 2 key heads), "qwen3-next" (its layers
+    layers, no attention), "mamba" (two of Mamba 1's, states of 16), "qwen3.5" (Gated DeltaNet at layers 0 and 2, 4 value heads over 2 key heads), "qwen3-next" (its layers
     as Qwen3-Next stores them, experts at layer 1) or "kimi-linear" (KDA's 2 heads at layers 0 and 2,
     latent attention with q_proj, experts at layer 1) or "falcon-h1" (attention and Mamba2 side by side in
     both layers, its gated norm on); Mamba2's 8 heads of 16 in 2
@@ -138,6 +138,13 @@ def tiny_hybrid_config(name: str) -> object:
         return transformers.Mamba2Config(
             **mamba2, num_hidden_layers=2, num_heads=8, head_dim=16, n_groups=2, state_size=16, chunk_size=8
         )
+    if name == "mamba":
+        mamba = {
+            key: value
+            for key, value in small.items()
+            if "attention" not in key and key != "max_position_embeddings"
+        }
+        return transformers.MambaConfig(**mamba, num_hidden_layers=2, state_size=16)
     qwen3_5 = {
         "head_dim": 32,
         "intermediate_size": 96,

@@ -127,7 +127,7 @@ def special_floats(obj: dict[str, Any]) -> Any:
 
 def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
     """Each layer's token mixer in a hybrid model (`models.hybrid`): "full_attention", LFM2's "conv",
-    "mamba" (Granite 4.0's, Bamba's, Nemotron-H's, Mamba2's), "gated_delta" (Qwen3.5's and Qwen3-Next's Gated DeltaNet),
+    "mamba" (Granite 4.0's, Bamba's, Nemotron-H's, Mamba2's), "mamba1" (Mamba's, FalconMamba's), "gated_delta" (Qwen3.5's and Qwen3-Next's Gated DeltaNet),
     "kimi_delta" (Kimi Linear's KDA, as `kimi_linear_config` reads its layers), "parallel" (Falcon-H1's
     attention and Mamba2 side by side),
     Nemotron-H's "mlp" (a layer of an MLP alone) or "moe"; None for a model of attention layers alone."""
@@ -140,6 +140,8 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
         layer_types = nemotron_h_layer_types(hf)
     elif architecture == "Mamba2ForCausalLM":
         layer_types = ["mamba"] * hf["num_hidden_layers"]
+    elif architecture in ("MambaForCausalLM", "FalconMambaForCausalLM"):
+        layer_types = ["mamba1"] * hf["num_hidden_layers"]
     elif architecture in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
         layer_types = qwen3_5_layer_types(hf)
     elif architecture == "FalconH1ForCausalLM":  # (attention and Mamba2 side by side in every layer)
@@ -160,7 +162,8 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
 def is_recurrent(hf: dict[str, Any]) -> bool:
     """Whether some layer carries a state per request in place of a KV cache (`ModelConfig.recurrent`)."""
     return bool(
-        {"conv", "mamba", "gated_delta", "kimi_delta", "parallel"} & set(hybrid_layer_types(hf) or ())
+        {"conv", "mamba", "mamba1", "gated_delta", "kimi_delta", "parallel"}
+        & set(hybrid_layer_types(hf) or ())
     )
 
 

@@ -43,6 +43,7 @@ from transformers import (
     ExaoneMoeConfig,
     FalconConfig,
     FalconH1Config,
+    FalconMambaConfig,
     Gemma2Config,
     Gemma3TextConfig,
     Gemma4TextConfig,
@@ -69,6 +70,7 @@ from transformers import (
     Lfm2MoeConfig,
     Llama4TextConfig,
     Mamba2Config,
+    MambaConfig,
     MiniCPM3Config,
     MiniMaxM2Config,
     Ministral3Config,
@@ -236,6 +238,8 @@ NOT_DECODE_LAYERS = {
     "gemma4-default-layer-types-as-google-names-it",
     "gemma4-experts-beside-the-mlp",
     "gemma4-per-layer-embeddings-shared-kv-layers",
+    "mamba-selective-scan-tied",
+    "falcon-mamba-normed-b-c-dt",
     "falcon-7b-multi-query-one-norm",
     "falcon-40b-grouped-kv-two-norms-biases",
     "falcon-sequential-heads-side-by-side",
@@ -284,6 +288,18 @@ FALCON_H1_MAMBA = {
 # Gemma 4 on a tiny scale: heads of 16 in the sliding layers (a window of 24), of 32 in the full
 # ones, no per-layer embeddings
 GEMMA4 = {"head_dim": 16, "global_head_dim": 32, "sliding_window": 24, "hidden_size_per_layer_input": 0}
+# Mamba (1) on a tiny scale: two layers of 144 channels (expand 2), states of 16, a time step of
+# rank 5 by default (ceil(72 / 16): MambaConfig's "auto")
+MAMBA_TINY = {
+    "vocab_size": TINY["vocab_size"],
+    "hidden_size": 72,
+    "num_hidden_layers": 2,
+    "state_size": 16,
+    "initializer_range": 0.2,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
 # Falcon's on a tiny scale (TINY's, as FalconConfig names them)
 FALCON_TINY = {
     **{k: v for k, v in TINY.items() if k not in ("intermediate_size", "num_key_value_heads")},
@@ -1306,6 +1322,14 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         ),
         None,
     ),
+    # Mamba (1) alone: two layers of its selective state space (MAMBA_TINY's), the time step's rank
+    # and the tied LM head MambaConfig's defaults (config.json naming neither)
+    "mamba-selective-scan-tied": (
+        lambda: MambaConfig(**MAMBA_TINY),
+        drop("tie_word_embeddings", "time_step_rank"),
+    ),
+    # TII's FalconMamba: Mamba's layers with B, C and the time step RMS-normed (no weight)
+    "falcon-mamba-normed-b-c-dt": (lambda: FalconMambaConfig(**MAMBA_TINY), None),
     # Qwen3.5: Gated DeltaNet (4 value heads over 2 key heads of 16, states 16 x 16) in layers 0 and 2,
     # gated attention (head_dim 32, a quarter turned) with every projection biased in layer 1
     "qwen3.5-delta-attention-delta-biases": (
@@ -1543,6 +1567,8 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
     assert llm.engine.config.model.max_model_len == {
         "llama-linear-rope": 4096,
         "mamba2-no-attention": 2048,
+        "mamba-selective-scan-tied": 2048,
+        "falcon-mamba-normed-b-c-dt": 2048,
     }.get(name, 1024)
     bf16 = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=128, block_size=16)
     gap = worst_gap(model, prompts, greedy(bf16, prompts, MAX_TOKENS))

@@ -46,6 +46,7 @@ HYBRIDS = {
     "granite4-h": granite4_h_config,
     "nemotron-h": nemotron_h_config,
     "mamba2": lambda: tiny_hybrid_config("mamba2"),
+    "mamba": lambda: tiny_hybrid_config("mamba"),
     "qwen3.5": lambda: tiny_hybrid_config("qwen3.5"),
     "kimi-linear": lambda: tiny_hybrid_config("kimi-linear"),
     "falcon-h1": lambda: tiny_hybrid_config("falcon-h1"),
@@ -178,6 +179,20 @@ def test_tp2_splits_mamba2s_heads_and_matches_single_rank(
     with tensor_parallel_llm(model_dir, 2, **settings) as llm:
         mixer = llm.engine.executor.worker.model_runner.recurrent_layers[0]  # type: ignore[attr-defined]
         assert (mixer.num_heads, mixer.num_groups) == (4, 1)
+        assert_matches_reference(greedy_reference(llm, tiny_prompts()), reference)
+        assert llm.engine.stats().num_recompute_preemptions > 0
+
+
+def test_tp2_splits_mambas_channels_and_matches_single_rank(tmp_path: Path, default_model_dir: str) -> None:
+    """Mamba (1): each rank its half of the channels (their x and z rows of in_proj, convolution taps,
+    dt_proj rows and bias, A and D rows, states); x_proj's partial sums over them all-reduced; under
+    chunked prefill and recompute preemption."""
+    model_dir = save_tiny_model(tmp_path / "mamba", default_model_dir, HYBRIDS["mamba"]())
+    reference = single_rank_reference(model_dir, tiny_prompts(), num_kv_blocks=256, block_size=8)
+    settings = {"num_kv_blocks": 24, "block_size": 8, "max_num_batched_tokens": 24, "max_num_seqs": 8}
+    with tensor_parallel_llm(model_dir, 2, **settings) as llm:
+        mixer = llm.engine.executor.worker.model_runner.recurrent_layers[0]  # type: ignore[attr-defined]
+        assert mixer.inner == 64  # (of 128 channels)
         assert_matches_reference(greedy_reference(llm, tiny_prompts()), reference)
         assert llm.engine.stats().num_recompute_preemptions > 0
 

@@ -39,6 +39,7 @@ from pagedserve.config import (
     rope_parameters,
 )
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from pagedserve.layers.mamba import MambaMixer, mamba_dims
 from pagedserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
 from pagedserve.layers.moe import Experts, SparseMoeBlock
 from pagedserve.layers.norm import Float32RMSNorm, RMSNorm
@@ -473,7 +474,7 @@ class NemotronHBlock(LlamaDecoderLayer):
     def mix(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         if isinstance(self.mixer, LlamaAttention):
             return cast(torch.Tensor, self.mixer(rotary, hidden, metadata))
-        if isinstance(self.mixer, Mamba2Mixer):
+        if isinstance(self.mixer, RecurrentLayer):  # (Mamba2's, Mamba's)
             assert metadata.recurrent is not None, "a step of a model with a state per request"
             return cast(torch.Tensor, self.mixer(hidden, metadata.recurrent))
         return cast(torch.Tensor, self.mixer(hidden))
@@ -567,6 +568,47 @@ class Mamba2ForCausalLM(NemotronHForCausalLM):
         layer_types = ["mamba"] * cfg["num_hidden_layers"]
         cfg = {**cfg, "layers_block_type": layer_types}
         super().__init__(cfg, max_position, backend)
+
+
+class MambaBlock(Mamba2Block):
+    """A Mamba (1) model's layer: Llama's RMSNorm, then Mamba's selective state space."""
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        nn.Module.__init__(self)
+        self.mixer = MambaMixer(mamba_dims(cfg))
+        self.input_layernorm = self.norm(cfg)
+
+
+class MambaForCausalLM(Mamba2ForCausalLM):
+    """Mamba (1) alone (state-spaces' mamba-130m to 2.8b) and TII's FalconMamba-7B (its B, C and time
+    step RMS-normed, `layers.mamba`): every layer a norm and Mamba's state space, no attention;
+    MambaConfig's defaults where config.json leaves a key out (norms at eps `layer_norm_epsilon`
+    1e-5, the LM head tied)."""
+
+    decoder_layer_class = MambaBlock
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        # (no attention: the rotary table Llama's model keeps is one of a head of 2, never read)
+        cfg = {
+            **cfg,
+            "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+            "num_attention_heads": 1,
+            "head_dim": 2,
+        }
+        super().__init__(cfg, max_position, backend)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(
+            (
+                name.replace(".mixer.dt_proj.bias", ".mixer.dt_bias").replace(
+                    "backbone.embedding.", "backbone.embeddings."
+                ),
+                tensor,
+            )
+            for name, tensor in weights
+        )
 
 
 _NEMOTRON_H_NAMES = {  # (NVIDIA's checkpoints name the model `backbone`, transformers 5 saves it `model`)

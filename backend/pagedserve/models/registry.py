@@ -25,6 +25,7 @@ from pagedserve.models.hybrid import (
     Lfm2ForCausalLM,
     Lfm2MoeForCausalLM,
     Mamba2ForCausalLM,
+    MambaForCausalLM,
     NemotronHForCausalLM,
 )
 from pagedserve.models.kimi_linear import KimiLinearForCausalLM
@@ -100,6 +101,8 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "GlmForCausalLM": GlmForCausalLM,
     "HYV3ForCausalLM": HYV3ForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
+    "MambaForCausalLM": MambaForCausalLM,
+    "FalconMambaForCausalLM": MambaForCausalLM,
     "HeliumForCausalLM": HeliumForCausalLM,
     "CwmForCausalLM": LlamaForCausalLM,
     "MinistralForCausalLM": LlamaForCausalLM,
