@@ -93,7 +93,8 @@ def tiny_hybrid_config(name: str) -> object:
     """A tiny hybrid's transformers config (`save_tiny_model` writes its checkpoint): "lfm2" (short
     convolutions at layers 0 and 2), "granite4-h" (Mamba2 at layers 0 and 2), "nemotron-h" (a layer a
     block: Mamba2, MLP, attention, MLP, Mamba2, MLP; its states in float32), "mamba2" (two Mamba2
-    layers, no attention), "mamba" (two of Mamba 1's, states of 16), "qwen3.5" (Gated DeltaNet at layers 0 and 2, 4 value heads over 2 key heads), "qwen3-next" (its layers
+    layers, no attention), "mamba" (two of Mamba 1's, states of 16), "jamba" (Mamba 1 at layers 0 and 2,
+    attention and experts at layer 1), "qwen3.5" (Gated DeltaNet at layers 0 and 2, 4 value heads over 2 key heads), "qwen3-next" (its layers
     as Qwen3-Next stores them, experts at layer 1) or "kimi-linear" (KDA's 2 heads at layers 0 and 2,
     latent attention with q_proj, experts at layer 1) or "falcon-h1" (attention and Mamba2 side by side in
     both layers, its gated norm on); Mamba2's 8 heads of 16 in 2
@@ -137,6 +138,16 @@ def tiny_hybrid_config(name: str) -> object:
         }
         return transformers.Mamba2Config(
             **mamba2, num_hidden_layers=2, num_heads=8, head_dim=16, n_groups=2, state_size=16, chunk_size=8
+        )
+    if name == "jamba":  # attention at layer 1, Mamba at 0 and 2, 2 of 4 experts at layer 1
+        return transformers.JambaConfig(
+            **small,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            num_experts=4,
+            use_mamba_kernels=False,
         )
     if name == "mamba":
         mamba = {
@@ -280,6 +291,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                         "Gemma4",
                         "Helium",
                         "Falcon",
+                        "Jamba",
                     )
                 )
                 or re.search(r"\.ln_([12f]|attn|mlp)\.weight$", name)

@@ -127,7 +127,7 @@ def special_floats(obj: dict[str, Any]) -> Any:
 
 def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
     """Each layer's token mixer in a hybrid model (`models.hybrid`): "full_attention", LFM2's "conv",
-    "mamba" (Granite 4.0's, Bamba's, Nemotron-H's, Mamba2's), "mamba1" (Mamba's, FalconMamba's), "gated_delta" (Qwen3.5's and Qwen3-Next's Gated DeltaNet),
+    "mamba" (Granite 4.0's, Bamba's, Nemotron-H's, Mamba2's), "mamba1" (Mamba's, FalconMamba's, Jamba's), "gated_delta" (Qwen3.5's and Qwen3-Next's Gated DeltaNet),
     "kimi_delta" (Kimi Linear's KDA, as `kimi_linear_config` reads its layers), "parallel" (Falcon-H1's
     attention and Mamba2 side by side),
     Nemotron-H's "mlp" (a layer of an MLP alone) or "moe"; None for a model of attention layers alone."""
@@ -142,6 +142,8 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
         layer_types = ["mamba"] * hf["num_hidden_layers"]
     elif architecture in ("MambaForCausalLM", "FalconMambaForCausalLM"):
         layer_types = ["mamba1"] * hf["num_hidden_layers"]
+    elif architecture == "JambaForCausalLM":
+        layer_types = jamba_layer_types(hf)
     elif architecture in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
         layer_types = qwen3_5_layer_types(hf)
     elif architecture == "FalconH1ForCausalLM":  # (attention and Mamba2 side by side in every layer)
@@ -157,6 +159,17 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
     else:
         layer_types = None
     return layer_types
+
+
+def jamba_layer_types(hf: dict[str, Any]) -> list[str]:
+    """Jamba's layers: attention every `attn_layer_period`-th (8) from `attn_layer_offset` (4), Mamba's
+    state space ("mamba1") the others (JambaConfig's `layers_block_type`)."""
+    period, offset = int(hf.get("attn_layer_period", 8)), int(hf.get("attn_layer_offset", 4))
+    if not 0 <= offset < period:
+        raise ValueError(
+            f"model: config.json's attn_layer_offset {offset} must be 0 to attn_layer_period {period} - 1"
+        )
+    return ["full_attention" if i % period == offset else "mamba1" for i in range(hf["num_hidden_layers"])]
 
 
 def is_recurrent(hf: dict[str, Any]) -> bool:

@@ -64,6 +64,7 @@ from transformers import (
     HunYuanDenseV1Config,
     HYV3Config,
     InternLM3Config,
+    JambaConfig,
     Jais2Config,
     KimiLinearConfig,
     Lfm2Config,
@@ -239,6 +240,7 @@ NOT_DECODE_LAYERS = {
     "gemma4-experts-beside-the-mlp",
     "gemma4-per-layer-embeddings-shared-kv-layers",
     "mamba-selective-scan-tied",
+    "jamba-mamba-attention-experts",
     "falcon-mamba-normed-b-c-dt",
     "falcon-7b-multi-query-one-norm",
     "falcon-40b-grouped-kv-two-norms-biases",
@@ -1328,6 +1330,20 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         lambda: MambaConfig(**MAMBA_TINY),
         drop("tie_word_embeddings", "time_step_rank"),
     ),
+    # AI21's Jamba: attention without positions at layers 1 and 3 (`attn_layer_period` 2, offset 1),
+    # Mamba's state space (its time step, B and C RMS-normed by weights of their own) at 0 and 2; 2 of 4
+    # experts a token at layers 1 and 3, weighted by their softmax over all four (not renormalized)
+    "jamba-mamba-attention-experts": (
+        lambda: JambaConfig(
+            **{**TINY, "num_hidden_layers": 4},
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            use_mamba_kernels=False,
+        ),
+        None,
+    ),
     # TII's FalconMamba: Mamba's layers with B, C and the time step RMS-normed (no weight)
     "falcon-mamba-normed-b-c-dt": (lambda: FalconMambaConfig(**MAMBA_TINY), None),
     # Qwen3.5: Gated DeltaNet (4 value heads over 2 key heads of 16, states 16 x 16) in layers 0 and 2,
@@ -2244,6 +2260,7 @@ def test_phi2s_lm_head_bias_moves_the_greedy_tokens(
         ("nemotron3-mamba-experts-attention-experts", "backbone.layers.3.mixer.experts.5.up_proj.weight"),
         ("hy-v3-sigmoid-biased-experts-shared-default-theta", "model.layers.1.mlp.shared_mlp.up_proj.weight"),
         ("hy-v3-sigmoid-biased-experts-shared-default-theta", "model.layers.1.mlp.router.gate.weight"),
+        ("jamba-mamba-attention-experts", "model.layers.1.feed_forward.experts.3.up_proj.weight"),
         (
             "minimax-m2-whole-qk-norms-partial-rope-sigmoid-biased-experts",
             "model.layers.1.block_sparse_moe.e_score_correction_bias",

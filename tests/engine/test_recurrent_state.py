@@ -47,6 +47,7 @@ HYBRIDS = {
     "nemotron-h": nemotron_h_config,
     "mamba2": lambda: tiny_hybrid_config("mamba2"),
     "mamba": lambda: tiny_hybrid_config("mamba"),
+    "jamba": lambda: tiny_hybrid_config("jamba"),
     "qwen3.5": lambda: tiny_hybrid_config("qwen3.5"),
     "kimi-linear": lambda: tiny_hybrid_config("kimi-linear"),
     "falcon-h1": lambda: tiny_hybrid_config("falcon-h1"),

@@ -1,4 +1,5 @@
-"""Mamba's selective state space (Mamba 1: state-spaces' mamba-130m to 2.8b, TII's FalconMamba), with
+"""Mamba's selective state space (Mamba 1: state-spaces' mamba-130m to 2.8b, TII's FalconMamba, AI21's
+Jamba's Mamba layers), with
 the state it carries for each request from step to step (`layers.recurrent`).
 
 in_proj gives each token x and a gate z (`intermediate_size` channels each); x goes through a causal
@@ -9,7 +10,7 @@ rank) + its bias). Each channel c keeps a state h [state_size], advanced by ever
     h <- exp(dt_c A_c) h + dt_c x_c B,    y_c = h . C + D_c x_c,    A = -exp(A_log) [channels, state_size]
 
 and y times SiLU(z) goes through out_proj. FalconMamba RMS-normalizes the low-rank part, B and C
-(without weights) before they are used. Each state decays by its own rate (A_c is a row, Mamba2's a
+(without weights) before they are used, Jamba's Mamba layers with weights. Each state decays by its own rate (A_c is a row, Mamba2's a
 scalar a head), so a prompt's tokens advance the state one at a time; a step's one-token sequences
 advance together. In float32, the states kept in the model's dtype (transformers' cache)."""
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from torch import nn
 from pagedserve.config import architecture_of
 from pagedserve.distributed import get_tp_size
 from pagedserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.recurrent import RecurrentLayer, RecurrentStep, causal_conv, rank_rows, rows_loader
 
 
@@ -38,8 +40,10 @@ class MambaDims:
     time_step_rank: int
     conv_bias: bool
     proj_bias: bool
-    # FalconMamba's RMS norms (no weight) of the time step's low-rank part, B and C (0: none)
+    # FalconMamba's RMS norms (no weight) of the time step's low-rank part, B and C (0: none); Jamba's
+    # with weights (`inner_norm_weights`: dt_layernorm, b_layernorm, c_layernorm)
     inner_norm_eps: float = 0.0
+    inner_norm_weights: bool = False
 
 
 def mamba_dims(cfg: dict[str, Any]) -> MambaDims:
@@ -96,6 +100,11 @@ class MambaMixer(RecurrentLayer):
         for param in (self.dt_bias, self.A_log, self.D):
             param.weight_loader = rows_loader(channels)  # type: ignore[attr-defined]
         self.out_proj = RowParallelLinear(dims.intermediate_size, dims.hidden_size, bias=dims.proj_bias)
+        self.dt_layernorm = self.b_layernorm = self.c_layernorm = None
+        if dims.inner_norm_weights:  # (whole on every rank: x_proj's outputs are)
+            self.dt_layernorm = RMSNorm(low_rank, dims.inner_norm_eps)
+            self.b_layernorm = RMSNorm(size, dims.inner_norm_eps)
+            self.c_layernorm = RMSNorm(size, dims.inner_norm_eps)
         self.conv_state: torch.Tensor | None = None  # [rows, width - 1, channels], set by `bind_state`
         self.ssm_state: torch.Tensor | None = None  # [rows, channels, state_size]
 
@@ -116,8 +125,12 @@ class MambaMixer(RecurrentLayer):
     def inner_norms(
         self, low_rank: torch.Tensor, b: torch.Tensor, c: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        """FalconMamba's RMS norms (no weight) of the time step's low-rank part, B and C; none else."""
+        """FalconMamba's RMS norms (no weight) of the time step's low-rank part, B and C, Jamba's with
+        weights (Llama's RMSNorm); none else."""
         eps = self.dims.inner_norm_eps
+        if self.dt_layernorm is not None and self.b_layernorm is not None and self.c_layernorm is not None:
+            norms = (self.dt_layernorm, self.b_layernorm, self.c_layernorm)
+            return tuple(cast(torch.Tensor, norm(t)) for norm, t in zip(norms, (low_rank, b, c), strict=True))
         if not eps:
             return low_rank, b, c
         return tuple(

@@ -21,6 +21,7 @@ A model with any recurrent layer runs without prefix caching or swapping (`Model
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -34,12 +35,13 @@ from pagedserve.config import (
     default_head_dim,
     granite_layer_types,
     hybrid_layer_types,
+    jamba_layer_types,
     lfm2_layer_types,
     nemotron_h_layer_types,
     rope_parameters,
 )
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
-from pagedserve.layers.mamba import MambaMixer, mamba_dims
+from pagedserve.layers.mamba import MambaDims, MambaMixer, mamba_dims
 from pagedserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
 from pagedserve.layers.moe import Experts, SparseMoeBlock
 from pagedserve.layers.norm import Float32RMSNorm, RMSNorm
@@ -52,6 +54,7 @@ from pagedserve.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
     Rotary,
+    check_silu,
     granite_shared_mlp,
     rms_norm_eps,
 )
@@ -118,6 +121,81 @@ def lfm2_intermediate_size(cfg: dict[str, Any]) -> int:
             multiple = int(cfg.get("block_multiple_of", 256))
             size = multiple * -(-int(multiplier * size) // multiple)
     return size
+
+
+def jamba_mamba_dims(cfg: dict[str, Any]) -> MambaDims:
+    """Jamba's Mamba layers' sizes, JambaConfig's defaults where config.json leaves a key out."""
+    hidden, rank = int(cfg["hidden_size"]), cfg.get("mamba_dt_rank", "auto")
+    return MambaDims(
+        hidden_size=hidden,
+        intermediate_size=int(cfg.get("mamba_expand", 2)) * hidden,
+        state_size=int(cfg.get("mamba_d_state", 16)),
+        conv_width=int(cfg.get("mamba_d_conv", 4)),
+        time_step_rank=math.ceil(hidden / 16) if rank == "auto" else int(rank),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        inner_norm_eps=rms_norm_eps(cfg),
+        inner_norm_weights=True,
+    )
+
+
+class JambaDecoderLayer(HybridDecoderLayer):
+    def recurrent_mixer(self, cfg: dict[str, Any]) -> RecurrentLayer:
+        return MambaMixer(jamba_mamba_dims(cfg))
+
+
+class JambaForCausalLM(LlamaForCausalLM):
+    """AI21's Jamba (Jamba v0.1, 1.5 and 1.6 Mini and Large, Jamba Reasoning 3B): Llama's pre-norm layers
+    whose token mixer is attention without positions (no rotary) every `attn_layer_period`-th layer
+    from `attn_layer_offset`, else Mamba's state space with its time step, B and C RMS-normed by weights
+    of their own (`layers.mamba`); the MLP experts every `expert_layer_period`-th layer from
+    `expert_layer_offset` (`num_experts`, `num_experts_per_tok` a token, weighted by their softmax over
+    all experts, not renormalized), else dense; JambaConfig's defaults where config.json leaves a key
+    out."""
+
+    decoder_layer_class = JambaDecoderLayer
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        cfg = {**cfg, "layer_types": jamba_layer_types(cfg), "rms_norm_eps": rms_norm_eps(cfg)}
+        super().__init__(cfg, max_position, backend)
+
+    @staticmethod
+    def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
+        return [False] * cfg["num_hidden_layers"]
+
+    def layer_options(self, cfg: dict[str, Any]) -> list[LayerOptions]:
+        check_silu(cfg)
+        spec = Experts(
+            num_experts=int(cfg.get("num_experts", 16)),
+            top_k=int(cfg.get("num_experts_per_tok", 2)),
+            intermediate_size=int(cfg["intermediate_size"]),
+            renormalize=False,
+        )
+        period, offset = int(cfg.get("expert_layer_period", 2)), int(cfg.get("expert_layer_offset", 1))
+        return [
+            replace(options, experts=spec if index % period == offset and spec.num_experts > 1 else None)
+            for index, options in enumerate(super().layer_options(cfg))
+        ]
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return attention_of(self.layers)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        renamed = _renamed(weights, _JAMBA_NAMES)
+        super().load_weights(per_expert_weights(renamed, hidden_size=self.embed_tokens.weight.shape[1]))
+
+
+_JAMBA_NAMES = {
+    ".mamba.conv1d.weight": ".mixer.conv_weight",
+    ".mamba.conv1d.bias": ".mixer.conv_bias",
+    ".mamba.dt_proj.bias": ".mixer.dt_bias",
+    ".mamba.": ".mixer.",
+    ".feed_forward.router.": ".mlp.gate.",
+    ".feed_forward.": ".mlp.",
+    ".pre_ff_layernorm.": ".post_attention_layernorm.",
+    "model.final_layernorm.": "model.norm.",
+}
 
 
 class Lfm2DecoderLayer(HybridDecoderLayer):

@@ -22,6 +22,7 @@ from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.hybrid import (
     BambaForCausalLM,
     GraniteMoeHybridForCausalLM,
+    JambaForCausalLM,
     Lfm2ForCausalLM,
     Lfm2MoeForCausalLM,
     Mamba2ForCausalLM,
@@ -103,6 +104,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "FalconForCausalLM": FalconForCausalLM,
     "MambaForCausalLM": MambaForCausalLM,
     "FalconMambaForCausalLM": MambaForCausalLM,
+    "JambaForCausalLM": JambaForCausalLM,
     "HeliumForCausalLM": HeliumForCausalLM,
     "CwmForCausalLM": LlamaForCausalLM,
     "MinistralForCausalLM": LlamaForCausalLM,
