@@ -321,15 +321,19 @@ def kimi_linear_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 # the architectures whose config.json names its sizes as GPT-2's does (n_embd...; OPT's by Llama's
 # names but for ffn_dim)
-GPT2_NAMED = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM")
+GPT2_NAMED = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM", "GPTJForCausalLM")
+
+
+_GPT2_NAMED_VOCAB = {"OPTForCausalLM": 50272, "GPTJForCausalLM": 50400}
 
 
 def gpt2_config(hf: dict[str, Any]) -> dict[str, Any]:
-    """GPT-2's, GPTBigCode's and OPT's config.json under Llama's names (transformers' attribute_map),
-    with each config class's defaults for the keys it leaves out: GPT-2's and GPTBigCode's n_embd,
+    """GPT-2's, GPTBigCode's, GPT-J's and OPT's config.json under Llama's names (transformers'
+    attribute_map), with each config class's defaults for the keys it leaves out: GPT-2's, GPTBigCode's
+    and GPT-J's n_embd,
     n_layer, n_head, n_inner (4 n_embd), n_positions, layer_norm_epsilon and activation_function;
     GPTBigCode's one KV head where `multi_query` (its default); OPT's ffn_dim and
-    activation_function. Every such model ties its LM head by default."""
+    activation_function. Each ties its LM head by default but GPT-J."""
     if architecture_of(hf) == "OPTForCausalLM":
         hidden = hf.get("hidden_size", 768)
         named = {
@@ -342,6 +346,7 @@ def gpt2_config(hf: dict[str, Any]) -> dict[str, Any]:
         }
     else:
         hidden, heads = hf.get("n_embd", 768), hf.get("n_head", 12)
+        gptj = architecture_of(hf) == "GPTJForCausalLM"
         bigcode = architecture_of(hf) == "GPTBigCodeForCausalLM"
         named = {
             "hidden_size": hidden,
@@ -349,7 +354,7 @@ def gpt2_config(hf: dict[str, Any]) -> dict[str, Any]:
             "num_attention_heads": heads,
             "num_key_value_heads": 1 if bigcode and hf.get("multi_query", True) else heads,
             "intermediate_size": hf.get("n_inner") or 4 * hidden,
-            "max_position_embeddings": hf.get("n_positions", 1024),
+            "max_position_embeddings": hf.get("n_positions", 2048 if gptj else 1024),
             "layer_norm_eps": hf.get("layer_norm_epsilon", 1e-5),
             "hidden_act": hf.get("activation_function", "gelu_pytorch_tanh" if bigcode else "gelu_new"),
         }
@@ -357,8 +362,9 @@ def gpt2_config(hf: dict[str, Any]) -> dict[str, Any]:
     return {
         **hf,
         **named,
-        "vocab_size": hf.get("vocab_size", 50272 if architecture_of(hf) == "OPTForCausalLM" else 50257),
-        "tie_word_embeddings": hf.get("tie_word_embeddings", True),
+        "vocab_size": hf.get("vocab_size", _GPT2_NAMED_VOCAB.get(architecture_of(hf), 50257)),
+        # (GPT-J's untied by default, the others' tied)
+        "tie_word_embeddings": hf.get("tie_word_embeddings", architecture_of(hf) != "GPTJForCausalLM"),
     }
 
 

@@ -54,6 +54,7 @@ from transformers import (
     GlmConfig,
     GPT2Config,
     GPTBigCodeConfig,
+    GPTJConfig,
     GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
@@ -246,6 +247,7 @@ NOT_DECODE_LAYERS = {
     "falcon-40b-grouped-kv-two-norms-biases",
     "falcon-sequential-heads-side-by-side",
     "gpt2-learned-positions-conv1d-fused-qkv",
+    "gptj-parallel-interleaved-partial-rotary-biased-head",
     "gpt-bigcode-multi-query",
     "gpt-bigcode-heads-side-by-side-unscaled",
     "opt-relu-offset-positions",
@@ -1204,6 +1206,13 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "gpt-bigcode-heads-side-by-side-unscaled": (
         lambda: GPTBigCodeConfig(**GPT2_TINY, multi_query=False, scale_attn_weights=False),
         None,
+    ),
+    # EleutherAI's GPT-J: attention and a biased ungated GELU MLP side by side on one LayerNorm, no
+    # attention biases, GPT-J's rotary over the first 8 of each 16-dimension head, an LM head with a
+    # bias, untied (GPTJConfig's default, config.json naming none)
+    "gptj-parallel-interleaved-partial-rotary-biased-head": (
+        lambda: GPTJConfig(**{**GPT2_TINY, "n_positions": 1024}, rotary_dim=8),
+        drop("tie_word_embeddings"),
     ),
     # Meta's OPT: GPT-2's layer with a ReLU MLP (fc1, fc2), its position embeddings offset by 2
     "opt-relu-offset-positions": (

@@ -15,7 +15,8 @@ Each reads transformers' config class defaults where config.json leaves a key ou
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -276,3 +277,49 @@ class PhiForCausalLM(UngatedForCausalLM):
             )
             for name, tensor in weights
         )
+
+
+class GPTJForCausalLM(PhiForCausalLM):
+    """EleutherAI's GPT-J (GPT-J-6B and its fine-tunes): Phi-2's layer (attention and an ungated GELU MLP
+    side by side on one LayerNorm, the MLP's `fc_in` and `fc_out` biased, an LM head with a bias), no
+    attention biases, GPT-J's rotary (neighbouring dimensions turned together: `interleaved_rotary`)
+    over the first `rotary_dim` (64) of each head; its sizes read under GPT-2's names
+    (`config.gpt2_config`), GPTJConfig's defaults where config.json leaves a key out (an untied LM
+    head)."""
+
+    interleaved_rotary = True
+
+    @classmethod
+    def rope_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        rotary_dim = cfg.get("rotary_dim", 64)
+        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+        return {**cfg, "partial_rotary_factor": rotary_dim / head_dim if rotary_dim else 1.0}
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        return False, False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        LlamaForCausalLM.load_weights(self, _gptj_names(weights))
+
+
+_GPTJ_NAMES = (
+    (re.compile(r"^transformer\.wte\."), "model.embed_tokens."),
+    (re.compile(r"^transformer\.ln_f\."), "model.norm."),
+    (re.compile(r"^transformer\.h\.(\d+)\.ln_1\."), r"model.layers.\1.input_layernorm."),
+    (re.compile(r"^transformer\.h\.(\d+)\.attn\.out_proj\."), r"model.layers.\1.self_attn.o_proj."),
+    (re.compile(r"^transformer\.h\.(\d+)\.attn\."), r"model.layers.\1.self_attn."),
+    (re.compile(r"^transformer\.h\.(\d+)\.mlp\.fc_in\."), r"model.layers.\1.mlp.up_proj."),
+    (re.compile(r"^transformer\.h\.(\d+)\.mlp\.fc_out\."), r"model.layers.\1.mlp.down_proj."),
+)
+
+
+def _gptj_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """GPT-J's names as Llama's; the older checkpoints' causal masks (`attn.bias`, `attn.masked_bias`)
+    left out."""
+    for name, tensor in weights:
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue
+        for pattern, replacement in _GPTJ_NAMES:
+            name = pattern.sub(replacement, name)
+        yield name, tensor
