@@ -321,7 +321,13 @@ def kimi_linear_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 # the architectures whose config.json names its sizes as GPT-2's does (n_embd...; OPT's by Llama's
 # names but for ffn_dim)
-GPT2_NAMED = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM", "GPTJForCausalLM")
+GPT2_NAMED = (
+    "GPT2LMHeadModel",
+    "GPTBigCodeForCausalLM",
+    "OPTForCausalLM",
+    "GPTJForCausalLM",
+    "GPTNeoForCausalLM",
+)
 
 
 _GPT2_NAMED_VOCAB = {"OPTForCausalLM": 50272, "GPTJForCausalLM": 50400}
@@ -334,7 +340,25 @@ def gpt2_config(hf: dict[str, Any]) -> dict[str, Any]:
     n_layer, n_head, n_inner (4 n_embd), n_positions, layer_norm_epsilon and activation_function;
     GPTBigCode's one KV head where `multi_query` (its default); OPT's ffn_dim and
     activation_function. Each ties its LM head by default but GPT-J."""
-    if architecture_of(hf) == "OPTForCausalLM":
+    if architecture_of(hf) == "GPTNeoForCausalLM":
+        hidden = hf.get("hidden_size", 2048)
+        kinds = [
+            kind
+            for kinds, repeat in hf.get("attention_types") or [[["global", "local"], 12]]
+            for kind in kinds * repeat
+        ]
+        named = {
+            "hidden_size": hidden,
+            "num_hidden_layers": hf.get("num_layers", 24),
+            "num_attention_heads": hf.get("num_heads", 16),
+            "intermediate_size": hf.get("intermediate_size") or 4 * hidden,
+            "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+            "layer_norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+            "hidden_act": hf.get("activation_function", "gelu_new"),
+            "layer_types": ["sliding_attention" if kind == "local" else "full_attention" for kind in kinds],
+            "sliding_window": hf.get("window_size", 256),
+        }
+    elif architecture_of(hf) == "OPTForCausalLM":
         hidden = hf.get("hidden_size", 768)
         named = {
             "hidden_size": hidden,
@@ -713,6 +737,7 @@ def rope_context_length(hf: dict[str, Any]) -> int:
 
 
 _WINDOW_ON_UNLESS_OFF = (
+    "GPTNeoForCausalLM",
     "MinistralForCausalLM",
     "CwmForCausalLM",
     "VaultGemmaForCausalLM",
@@ -739,6 +764,7 @@ _WINDOW_OFF_UNLESS_ON = (
     "Qwen3MoeForCausalLM",
 )
 _WINDOW_IN_SOME_LAYERS = (
+    "GPTNeoForCausalLM",
     "MinistralForCausalLM",
     "CwmForCausalLM",
     "VaultGemmaForCausalLM",
@@ -758,6 +784,7 @@ _WINDOW_IN_SOME_LAYERS = (
 )
 # where config.json has no `sliding_window` key, transformers' config class default
 _DEFAULT_WINDOW = {
+    "GPTNeoForCausalLM": 256,
     "MinistralForCausalLM": 4096,
     "CwmForCausalLM": 8192,
     "VaultGemmaForCausalLM": 4096,

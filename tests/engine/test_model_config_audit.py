@@ -55,6 +55,7 @@ from transformers import (
     GPT2Config,
     GPTBigCodeConfig,
     GPTJConfig,
+    GPTNeoConfig,
     GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
@@ -248,6 +249,7 @@ NOT_DECODE_LAYERS = {
     "falcon-sequential-heads-side-by-side",
     "gpt2-learned-positions-conv1d-fused-qkv",
     "gptj-parallel-interleaved-partial-rotary-biased-head",
+    "gpt-neo-unscaled-local-layer-1",
     "gpt-bigcode-multi-query",
     "gpt-bigcode-heads-side-by-side-unscaled",
     "opt-relu-offset-positions",
@@ -1213,6 +1215,25 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "gptj-parallel-interleaved-partial-rotary-biased-head": (
         lambda: GPTJConfig(**{**GPT2_TINY, "n_positions": 1024}, rotary_dim=8),
         drop("tie_word_embeddings"),
+    ),
+    # EleutherAI's GPT-Neo: learned positions, q, k and v unbiased (o biased), q.k unscaled, layer 1
+    # local (a window of 24: `attention_types`), layer 0 global
+    "gpt-neo-unscaled-local-layer-1": (
+        lambda: GPTNeoConfig(
+            vocab_size=49152,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            intermediate_size=96,
+            max_position_embeddings=1024,
+            window_size=24,
+            attention_types=[[["global", "local"], 1]],
+            initializer_range=0.2,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=2,
+        ),
+        None,
     ),
     # Meta's OPT: GPT-2's layer with a ReLU MLP (fc1, fc2), its position embeddings offset by 2
     "opt-relu-offset-positions": (

@@ -147,6 +147,38 @@ class GPTBigCodeForCausalLM(GPT2LMHeadModel):
         return tuple(per_head[:, part].flatten(0, 1) for part in range(3))
 
 
+# GPT-Neo's names -> ours (after `transformer.` is taken off)
+_GPT_NEO_RENAMES = (
+    (re.compile(r"^h\.(\d+)\.attn\.attention\.out_proj\."), r"layers.\1.self_attn.o_proj."),
+    (re.compile(r"^h\.(\d+)\.attn\.attention\."), r"layers.\1.self_attn."),
+    *_GPT2_RENAMES,
+)
+
+
+class GPTNeoForCausalLM(LearnedPositionsForCausalLM):
+    """EleutherAI's GPT-Neo (125M, 1.3B, 2.7B): GPT-2's layer as nn.Linear tensors, q, k and v apart and
+    unbiased (o biased), q.k unscaled, the layers `attention_types` names local sliding a window of
+    `window_size` (every other one by default: `config.gpt2_config`); GPTNeoConfig's defaults where
+    config.json leaves a key out."""
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        return False, True
+
+    @staticmethod
+    def read_scales(cfg: dict[str, Any]) -> Scales:
+        return Scales(attention=1.0)
+
+    def renamed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            name = name.removeprefix("transformer.")
+            if name.endswith((".attn.attention.bias", ".attn.attention.masked_bias")):
+                continue  # (older checkpoints' causal masks)
+            for pattern, replacement in _GPT_NEO_RENAMES:
+                name = pattern.sub(replacement, name)
+            yield name, tensor
+
+
 # OPT's names -> ours (after `model.decoder.` or `decoder.` is taken off)
 _OPT_RENAMES = (
     (re.compile(r"^final_layer_norm\."), "norm."),

@@ -17,7 +17,12 @@ from pagedserve.models.gemma import (
     VaultGemmaForCausalLM,
 )
 from pagedserve.models.gemma4 import Gemma4ForCausalLM
-from pagedserve.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, OPTForCausalLM
+from pagedserve.models.gpt2 import (
+    GPT2LMHeadModel,
+    GPTBigCodeForCausalLM,
+    GPTNeoForCausalLM,
+    OPTForCausalLM,
+)
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.hybrid import (
     BambaForCausalLM,
@@ -107,6 +112,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "FalconMambaForCausalLM": MambaForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
     "GPTJForCausalLM": GPTJForCausalLM,
+    "GPTNeoForCausalLM": GPTNeoForCausalLM,
     "HeliumForCausalLM": HeliumForCausalLM,
     "CwmForCausalLM": LlamaForCausalLM,
     "MinistralForCausalLM": LlamaForCausalLM,
