@@ -334,12 +334,12 @@ _GPT2_NAMED_VOCAB = {"OPTForCausalLM": 50272, "GPTJForCausalLM": 50400}
 
 
 def gpt2_config(hf: dict[str, Any]) -> dict[str, Any]:
-    """GPT-2's, GPTBigCode's, GPT-J's and OPT's config.json under Llama's names (transformers'
-    attribute_map), with each config class's defaults for the keys it leaves out: GPT-2's, GPTBigCode's
-    and GPT-J's n_embd,
-    n_layer, n_head, n_inner (4 n_embd), n_positions, layer_norm_epsilon and activation_function;
-    GPTBigCode's one KV head where `multi_query` (its default); OPT's ffn_dim and
-    activation_function. Each ties its LM head by default but GPT-J."""
+    """GPT-2's, GPTBigCode's, GPT-J's, GPT-Neo's and OPT's config.json under Llama's names
+    (transformers' attribute_map), with each config class's defaults for the keys it leaves out: GPT-2's,
+    GPTBigCode's and GPT-J's n_embd, n_layer, n_head, n_inner (4 n_embd), n_positions,
+    layer_norm_epsilon and activation_function; GPTBigCode's one KV head where `multi_query` (its
+    default); GPT-Neo's num_layers, num_heads, its local layers (`attention_types`) as sliding ones of
+    `window_size`; OPT's ffn_dim and activation_function. Each ties its LM head by default but GPT-J."""
     if architecture_of(hf) == "GPTNeoForCausalLM":
         hidden = hf.get("hidden_size", 2048)
         kinds = [
@@ -347,6 +347,10 @@ def gpt2_config(hf: dict[str, Any]) -> dict[str, Any]:
             for kinds, repeat in hf.get("attention_types") or [[["global", "local"], 12]]
             for kind in kinds * repeat
         ]
+        if len(kinds) != hf.get("num_layers", 24):
+            raise ValueError(
+                f"model: config.json's attention_types name {len(kinds)} layers for its {hf.get('num_layers', 24)}"
+            )
         named = {
             "hidden_size": hidden,
             "num_hidden_layers": hf.get("num_layers", 24),

@@ -2844,6 +2844,12 @@ def test_rotary_tables_equal_transformers(
             "new_decoder_architecture needs parallel_attn",
         ),
         (
+            lambda c: c.update(
+                architectures=["GPTNeoForCausalLM"], num_layers=2, attention_types=[[["global", "local"], 2]]
+            ),
+            "attention_types name 4 layers for its 2",
+        ),
+        (
             lambda c: c.update(architectures=["GPT2LMHeadModel"], scale_attn_by_inverse_layer_idx=True),
             "scale_attn_by_inverse_layer_idx is not supported for GPT2LMHeadModel",
         ),
@@ -2966,6 +2972,7 @@ def test_rotary_tables_equal_transformers(
         "gemma4-every-layer-kv-shared",
         "falcon-alibi",
         "falcon-new-architecture-sequential",
+        "gpt-neo-attention-types-not-its-layers",
         "gpt2-inverse-layer-scaling",
         "opt-norms-after-layers",
         "opt-embedding-projection",

@@ -123,8 +123,8 @@ class Gemma4SharedAttention(nn.Module):
 
 
 class Gemma4Experts(SparseMoeBlock):
-    """26B-A4B's experts, beside each layer's dense MLP (`enable_moe_block`): `num_experts` SwiGLUs of
-    GELU (tanh), `top_k_experts` a token, picked by a router of its own: the layer's input stream
+    """26B-A4B's experts, beside each layer's dense MLP (`enable_moe_block`): `num_experts` gated MLPs of
+    GELU (tanh) and up, `top_k_experts` a token, picked by a router of its own: the layer's input stream
     RMS-normed (no weight), times `scale` and hidden_size^-1/2, through `gate` (the checkpoint's
     `router.proj`), its softmax's top k renormalized, each then times its expert's
     `per_expert_scale`."""
@@ -255,7 +255,6 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
 
     architecture = "Gemma4ForCausalLM"
     local_rope = True
-    reads = {"final_logit_softcapping": None}
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
         nn.Module.__init__(self)

@@ -9,6 +9,8 @@ Llama's names by `config.gpt2_config`):
 - BigCode's GPTBigCode (`GPTBigCodeForCausalLM`: StarCoder, SantaCoder, WizardCoder, IBM's Granite
   Code 20B and 34B): GPT-2's layer as nn.Linear tensors, one KV head where `multi_query` (its default;
   else each head's q, k and v side by side in `c_attn`);
+- EleutherAI's GPT-Neo (`GPTNeoForCausalLM`): GPT-2's layer as nn.Linear tensors, q, k and v apart and
+  unbiased, q.k unscaled, local layers sliding a window (`GPTNeoForCausalLM`);
 - Meta's OPT (`OPTForCausalLM`: OPT-125m to 66B): the same layer with a ReLU MLP (`fc1`, `fc2`), q, k, v
   and o apart, its position embeddings offset by 2 (`OPT_POSITION_OFFSET`).
 
