@@ -277,6 +277,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                 and type(model).__name__.startswith(
                     (
                         "Olmo",
+                        "FlexOlmo",
                         "Starcoder2",
                         "StableLm",
                         "GPTNeoX",
@@ -292,6 +293,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                         "Helium",
                         "Falcon",
                         "Jamba",
+                        "HyperCLOVAX",
                     )
                 )
                 or re.search(r"\.ln_([12f]|attn|mlp)\.weight$", name)

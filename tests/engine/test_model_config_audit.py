@@ -44,6 +44,7 @@ from transformers import (
     FalconConfig,
     FalconH1Config,
     FalconMambaConfig,
+    FlexOlmoConfig,
     Gemma2Config,
     Gemma3TextConfig,
     Gemma4TextConfig,
@@ -64,6 +65,7 @@ from transformers import (
     GraniteMoeSharedConfig,
     HeliumConfig,
     HunYuanDenseV1Config,
+    HyperCLOVAXConfig,
     HYV3Config,
     InternLM3Config,
     Jais2Config,
@@ -213,6 +215,7 @@ NOT_DECODE_LAYERS = {
     "olmo3-yarn-global-layers-4.x-config",
     "olmo3-sliding-theta-default-layer-types",
     "olmoe-clip-qkv",
+    "flex-olmo-post-norms-experts",
     "deepseek-v3-mla-yarn-grouped-experts-4.x-config",
     "deepseek-v2-lite-q-proj-greedy-experts",
     "deepseek-v2-group-limited-biases",
@@ -236,6 +239,7 @@ NOT_DECODE_LAYERS = {
     "olmo1-non-affine-layernorms-clip-qkv",
     "helium-float32-norms-interleaved-rotary-default-theta",
     "hy-v3-sigmoid-biased-experts-shared-default-theta",
+    "hyperclovax-post-norms-multiplied-logits",
     "vaultgemma-no-norms-after",
     "gemma4-k-eq-v-proportional-rope-repeated-kv-heads",
     "gemma4-default-layer-types-as-google-names-it",
@@ -879,6 +883,12 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     # OLMoE: Llama's layer with OLMo's whole-projection q and k norms, q, k and v clamped at 1.5 (the
     # clamp binds here), 2 of 4 experts a token, their weights not renormalized
     "olmoe-clip-qkv": (lambda: OlmoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, clip_qkv=1.5), None),
+    # Ai2's FlexOlmo: OLMo 2's post-norm layer with every MLP 2 of 4 experts a token, weighted by their
+    # softmax over all four, not renormalized (FlexOlmoConfig's default, config.json naming none)
+    "flex-olmo-post-norms-experts": (
+        lambda: FlexOlmoConfig(**TINY, num_experts=4, num_experts_per_tok=2),
+        drop("norm_topk_prob"),
+    ),
     # DeepSeek-V3 as its checkpoints ship: the 4.x layout, YaRN (4x over 256 positions) with
     # mscale 1 and mscale_all_dim 0.7 (cos and sin scaled by their ratio, q.k by the latter's square);
     # experts routed in 2 of 4 groups by sigmoid scores plus a bias, scaled by 2.5; GPT-J's rotary
@@ -1101,6 +1111,15 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             moe_intermediate_size=16,
         ),
         drop("rope_parameters", "router_scaling_factor", "mlp_layer_types"),
+    ),
+    # NAVER's HyperCLOVA X: Granite's multipliers (the logits multiplied, not divided), each branch's
+    # output normed before the residual multiplier; q.k by head_dim^-1/2 (config.json naming no
+    # attention_multiplier)
+    "hyperclovax-post-norms-multiplied-logits": (
+        lambda: HyperCLOVAXConfig(
+            **TINY, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=0.25
+        ),
+        drop("attention_multiplier"),
     ),
     # Zhipu's GLM-4-9B: GLM-4-0414's attention (q, k and v biased, GPT-J's rotary over half of each
     # head) and fused gate/up in Llama's layer; GlmConfig's norm eps (config.json naming none)

@@ -245,7 +245,11 @@ class PostNormDecoderLayer(LlamaDecoderLayer):
     ) -> None:
         nn.Module.__init__(self)  # (not Llama's norms)
         self.self_attn = self.attention_class(cfg, backend, options, layer_index)
-        self.mlp = self.dense_mlp(cfg)
+        self.mlp = (  # (FlexOlmo's experts)
+            self.dense_mlp(cfg)
+            if options.experts is None
+            else SparseMoeBlock(cfg["hidden_size"], options.experts)
+        )
         self.post_attention_layernorm = self.norm(cfg)  # (OLMo's: multiplied in float32)
         self.post_feedforward_layernorm = self.norm(cfg)
 
@@ -588,6 +592,58 @@ class GraniteForCausalLM(LlamaForCausalLM):
         if not scales.logits > 0:  # (a greedy step takes the argmax of the logits before dividing)
             raise ValueError(f"model: config.json's logits_scaling must be positive, got {scales.logits}")
         return scales
+
+
+class HyperCLOVAXDecoderLayer(LlamaDecoderLayer):
+    """Granite's layer with each branch's output normed (`post_norm1`, `post_norm2`, where
+    `use_post_norm`) before the residual multiplier scales it."""
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        super().__init__(cfg, backend, options, layer_index)
+        post_norms = bool(cfg.get("use_post_norm", True))
+        self.post_norm1 = self.norm(cfg) if post_norms else None
+        self.post_norm2 = self.norm(cfg) if post_norms else None
+
+    def forward(
+        self,
+        rotary: Rotary,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.normed_input(hidden, residual)
+        hidden = self.mix(rotary, hidden, metadata)
+        if self.post_norm1 is not None:
+            hidden = cast(torch.Tensor, self.post_norm1(hidden))
+        hidden, residual = self.post_attention_layernorm(hidden * self.residual_multiplier, residual)
+        hidden = self.mlp(hidden)
+        if self.post_norm2 is not None:
+            hidden = cast(torch.Tensor, self.post_norm2(hidden))
+        return hidden * self.residual_multiplier, residual
+
+
+class HyperCLOVAXForCausalLM(GraniteForCausalLM):
+    """NAVER's HyperCLOVA X SEED (Think 14B, Text Instruct): Granite's layer and multipliers, each branch's
+    output normed before the residual multiplier (`HyperCLOVAXDecoderLayer`), q.k by
+    `attention_multiplier` (head_dim^-1/2 by default), the logits multiplied by `logits_scaling` (Granite
+    divides by its); HyperCLOVAXConfig's defaults where config.json leaves a key out (every multiplier 1)."""
+
+    decoder_layer_class = HyperCLOVAXDecoderLayer
+
+    @staticmethod
+    def read_scales(cfg: dict[str, Any]) -> Scales:
+        logits = float(cfg.get("logits_scaling", 1.0))
+        if not logits > 0:  # (a greedy step takes the argmax of the logits before scaling)
+            raise ValueError(f"model: config.json's logits_scaling must be positive, got {logits}")
+        attention = cfg.get("attention_multiplier")
+        return Scales(
+            embedding=float(cfg.get("embedding_multiplier", 1.0)),
+            attention=None if attention is None else float(attention),
+            residual=float(cfg.get("residual_multiplier", 1.0)),
+            logits=1.0 / logits,
+        )
 
 
 def granite_shared_mlp(

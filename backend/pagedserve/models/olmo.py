@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
@@ -41,10 +42,11 @@ from pagedserve.models.llama import (
     LlamaForCausalLM,
     PostNormDecoderLayer,
     Rotary,
+    check_silu,
     head_dim_of,
     rms_norm_eps,
 )
-from pagedserve.models.moe import MoeForCausalLM, num_experts_of
+from pagedserve.models.moe import MoeForCausalLM, num_experts_of, per_expert_weights
 
 
 class ProjectionRMSNorm(RMSNorm):
@@ -157,6 +159,26 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         if self.sliding_rotary_emb is None:
             return cos, sin, cos, sin
         return cos, sin, *self.sliding_rotary_emb(positions, torch.float32)
+
+
+class FlexOlmoForCausalLM(Olmo2ForCausalLM):
+    """Ai2's FlexOlmo (FlexOlmo-7x7B): OLMo 2's layer (norms after attention and the MLP, q and k normed
+    whole) with every MLP `num_experts` experts (7), `num_experts_per_tok` a token (5), weighted by
+    their softmax over all of them, renormalized where `norm_topk_prob` (off by default: OLMoE's
+    router); FlexOlmoConfig's defaults where config.json leaves a key out."""
+
+    def layer_options(self, cfg: dict[str, Any]) -> list[LayerOptions]:
+        check_silu(cfg)
+        spec = Experts(
+            num_experts=num_experts_of(cfg, 7),
+            top_k=int(cfg.get("num_experts_per_tok", 5)),
+            intermediate_size=int(cfg["intermediate_size"]),
+            renormalize=bool(cfg.get("norm_topk_prob", False)),
+        )
+        return [dataclasses.replace(options, experts=spec) for options in super().layer_options(cfg)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(per_expert_weights(weights, hidden_size=self.embed_tokens.weight.shape[1]))
 
 
 class Olmo3ForCausalLM(Olmo2ForCausalLM):

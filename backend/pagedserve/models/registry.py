@@ -43,6 +43,7 @@ from pagedserve.models.llama import (
     GraniteForCausalLM,
     HeliumForCausalLM,
     HunYuanDenseV1ForCausalLM,
+    HyperCLOVAXForCausalLM,
     InternLM3ForCausalLM,
     LlamaForCausalLM,
     Ministral3ForCausalLM,
@@ -68,7 +69,13 @@ from pagedserve.models.moe import (
     SolarOpenForCausalLM,
 )
 from pagedserve.models.neox import FalconForCausalLM, GPTNeoXForCausalLM, StableLmForCausalLM
-from pagedserve.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM, OlmoForCausalLM
+from pagedserve.models.olmo import (
+    FlexOlmoForCausalLM,
+    Olmo2ForCausalLM,
+    Olmo3ForCausalLM,
+    OlmoeForCausalLM,
+    OlmoForCausalLM,
+)
 from pagedserve.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from pagedserve.models.ungated import (
     ApertusForCausalLM,
@@ -113,6 +120,8 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "JambaForCausalLM": JambaForCausalLM,
     "GPTJForCausalLM": GPTJForCausalLM,
     "GPTNeoForCausalLM": GPTNeoForCausalLM,
+    "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
+    "HyperCLOVAXForCausalLM": HyperCLOVAXForCausalLM,
     "HeliumForCausalLM": HeliumForCausalLM,
     "CwmForCausalLM": LlamaForCausalLM,
     "MinistralForCausalLM": LlamaForCausalLM,
