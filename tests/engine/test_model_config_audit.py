@@ -104,6 +104,7 @@ from transformers import (
     StableLmConfig,
     Starcoder2Config,
     VaultGemmaConfig,
+    YoutuConfig,
 )
 
 TINY = {
@@ -215,6 +216,7 @@ NOT_DECODE_LAYERS = {
     "olmo3-yarn-global-layers-4.x-config",
     "olmo3-sliding-theta-default-layer-types",
     "olmoe-clip-qkv",
+    "youtu-mla-dense-tied",
     "flex-olmo-post-norms-experts",
     "deepseek-v3-mla-yarn-grouped-experts-4.x-config",
     "deepseek-v2-lite-q-proj-greedy-experts",
@@ -363,6 +365,14 @@ MLA = {
     },
     "num_key_value_heads": 4,  # (transformers' MLA expands its keys to every head)
 }
+MLA_SIZES = (
+    "num_key_value_heads",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+)
 # Kimi Linear's latent attention (MLA's sizes), KDA's heads and its experts, on a tiny scale
 KIMI_LINEAR = {
     **{key: value for key, value in MLA.items() if key in ("kv_lora_rank", "q_lora_rank")},
@@ -920,6 +930,14 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             **{**TINY, **MLA, "q_lora_rank": None, "kv_lora_rank": 24}, n_shared_experts=2
         ),
         None,
+    ),
+    # Tencent's Youtu-LLM: DeepSeek-V3's latent attention (GPT-J's rotary: `rope_interleave`, its
+    # default) with a dense MLP in every layer, the LM head tied (YoutuConfig's default)
+    "youtu-mla-dense-tied": (
+        lambda: YoutuConfig(
+            **{**TINY, **{k: v for k, v in MLA.items() if k in MLA_SIZES}}, embedding_initializer_range=0.2
+        ),
+        drop("tie_word_embeddings"),
     ),
     # DeepSeek-V2's routing: the top 2 among the best 2 of 4 groups (a group worth its best expert),
     # scaled by 16 (V2's); q_a_proj, kv_a_proj_with_mqa and o_proj biased

@@ -298,6 +298,18 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
         return [spec if sparse else None for sparse in self.sparse_layers(cfg, first_dense=3)]
 
 
+class YoutuForCausalLM(DeepseekV3ForCausalLM):
+    """Tencent's Youtu-LLM (2B): DeepSeek-V3's latent attention (GPT-J's rotary where `rope_interleave`,
+    the default) with a dense SwiGLU in every layer, the LM head tied by default (YoutuConfig's)."""
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        cfg = {**cfg, "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
+        super().__init__(cfg, max_position, backend)
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        return [None] * cfg["num_hidden_layers"]
+
+
 class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
     """Zhipu's GLM-4.7-Flash: DeepSeek-V3's layer (MLA, its experts with Glm4MoeLiteConfig's defaults),
     the MLPs dense or experts as `mlp_layer_types` says ("dense", "sparse"), else the first

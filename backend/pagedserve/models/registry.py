@@ -8,6 +8,7 @@ from pagedserve.models.deepseek import (
     DeepseekV3ForCausalLM,
     Glm4MoeLiteForCausalLM,
     MiniCPM3ForCausalLM,
+    YoutuForCausalLM,
 )
 from pagedserve.models.falcon_h1 import FalconH1ForCausalLM
 from pagedserve.models.gemma import (
@@ -122,6 +123,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "GPTNeoForCausalLM": GPTNeoForCausalLM,
     "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
     "HyperCLOVAXForCausalLM": HyperCLOVAXForCausalLM,
+    "YoutuForCausalLM": YoutuForCausalLM,
     "HeliumForCausalLM": HeliumForCausalLM,
     "CwmForCausalLM": LlamaForCausalLM,
     "MinistralForCausalLM": LlamaForCausalLM,
