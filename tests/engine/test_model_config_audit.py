@@ -82,6 +82,7 @@ from transformers import (
     MinistralConfig,
     MistralConfig,
     MixtralConfig,
+    NanoChatConfig,
     NemotronConfig,
     NemotronHConfig,
     Olmo2Config,
@@ -255,6 +256,7 @@ NOT_DECODE_LAYERS = {
     "falcon-sequential-heads-side-by-side",
     "gpt2-learned-positions-conv1d-fused-qkv",
     "gptj-parallel-interleaved-partial-rotary-biased-head",
+    "nanochat-weightless-norms-reversed-rotary-softcap",
     "gpt-neo-unscaled-local-layer-1",
     "gpt-bigcode-multi-query",
     "gpt-bigcode-heads-side-by-side-unscaled",
@@ -1245,6 +1247,13 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "gpt-bigcode-heads-side-by-side-unscaled": (
         lambda: GPTBigCodeConfig(**GPT2_TINY, multi_query=False, scale_attn_weights=False),
         None,
+    ),
+    # Andrej Karpathy's nanochat: RMSNorms of no weight (the embeddings normed too), the rotation the
+    # other way, each query and key head normed after it, an ungated ReLU² MLP, the logits
+    # soft-capped at 15 (NanoChatConfig's default, config.json naming none)
+    "nanochat-weightless-norms-reversed-rotary-softcap": (
+        lambda: NanoChatConfig(**TINY),
+        drop("final_logit_softcapping"),
     ),
     # EleutherAI's GPT-J: attention and a biased ungated GELU MLP side by side on one LayerNorm, no
     # attention biases, GPT-J's rotary over the first 8 of each 16-dimension head, an LM head with a

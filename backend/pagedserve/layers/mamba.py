@@ -27,7 +27,7 @@ from torch import nn
 from pagedserve.config import architecture_of
 from pagedserve.distributed import get_tp_size
 from pagedserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.norm import RMSNorm, weightless_rms_norm
 from pagedserve.layers.recurrent import RecurrentLayer, RecurrentStep, causal_conv, rank_rows, rows_loader
 
 
@@ -133,10 +133,7 @@ class MambaMixer(RecurrentLayer):
             return tuple(cast(torch.Tensor, norm(t)) for norm, t in zip(norms, (low_rank, b, c), strict=True))
         if not eps:
             return low_rank, b, c
-        return tuple(
-            (t.float() * torch.rsqrt(t.float().square().mean(-1, keepdim=True) + eps)).to(t.dtype)
-            for t in (low_rank, b, c)
-        )
+        return tuple(weightless_rms_norm(t, eps) for t in (low_rank, b, c))
 
     def forward(self, hidden: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
         assert self.conv_state is not None, "bind_state() first"

@@ -58,3 +58,22 @@ class LayerNorm(Float32RMSNorm):
         weight = (self.weight + self.weight_offset).float()
         bias = None if self.bias is None else self.bias.float()
         return F.layer_norm(x.float(), (x.shape[-1],), weight, bias, self.eps).to(x.dtype)
+
+
+def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension, in float32, no weight, rounded to x's dtype once
+    (Llama4TextWeightlessRMSNorm: Llama 4's q and k, Gemma 4's values, FalconMamba's B, C and time step,
+    NanoChat's every norm)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class WeightlessRMSNorm(Float32RMSNorm):
+    """`weightless_rms_norm` with RMSNorm's call form (NanoChat's norms): no parameters."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        nn.Module.__init__(self)  # (no weight)
+        self.eps = eps
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        return weightless_rms_norm(x, self.eps)

@@ -50,16 +50,10 @@ from pagedserve.layers.linear import (
     RowParallelLinear,
 )
 from pagedserve.layers.moe import Experts, SparseMoeBlock, route
-from pagedserve.layers.norm import Float32RMSNorm
+from pagedserve.layers.norm import Float32RMSNorm, weightless_rms_norm
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.models.gemma import GemmaForCausalLM, GemmaMLP, gemma3_rope_config
 from pagedserve.models.llama import LayerStep, LlamaForCausalLM, Rotary, rms_norm_eps
-
-
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) in float32, rounded to x's dtype (Gemma 4's value norm: no weight)."""
-    normed = x.float()
-    return (normed * torch.pow(normed.square().mean(-1, keepdim=True) + eps, -0.5)).to(x.dtype)
 
 
 class Gemma4Attention(nn.Module):
@@ -92,7 +86,7 @@ class Gemma4Attention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm.normed(q.view(-1, self.num_heads, self.head_dim))
         k = self.k_norm.normed(k.view(-1, self.num_kv_heads, self.head_dim))
-        v = _rms(v.view(-1, self.num_kv_heads, self.head_dim), self.eps)
+        v = weightless_rms_norm(v.view(-1, self.num_kv_heads, self.head_dim), self.eps)
         cos, sin = rotary[2:4] if self.local else rotary[:2]
         q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
         return self.o_proj(self.attn(q, k, v.flatten(1), metadata))
@@ -145,7 +139,7 @@ class Gemma4Experts(SparseMoeBlock):
 
     def mix(self, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
         """The experts' sum over `x` (the stream normed for them), routed by `stream`."""
-        logits = self.gate(_rms(stream, self.eps) * self.scale * self.root)
+        logits = self.gate(weightless_rms_norm(stream, self.eps) * self.scale * self.root)
         weights, expert_ids = route(logits, self.spec)
         weights = weights * self.per_expert_scale[expert_ids]
         if torch.compiler.is_compiling():

@@ -29,6 +29,7 @@ import torch
 from pagedserve.config import smollm3_rotary_layers
 from pagedserve.layers.attention import AttentionBackend, AttentionMetadata
 from pagedserve.layers.moe import Experts
+from pagedserve.layers.norm import weightless_rms_norm
 from pagedserve.models.llama import (
     LayerOptions,
     LlamaAttention,
@@ -55,12 +56,6 @@ class Llama4Attention(LlamaAttention):
         if self.temperature_tuning:
             q = (q.float() * rotary[2]).to(q.dtype)
         return self.o_proj(self.attn(q, k, v, metadata))
-
-
-def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Each head RMS-normed in float32, no weight, in x's dtype (Llama4TextWeightlessRMSNorm)."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class Llama4DecoderLayer(LlamaDecoderLayer):

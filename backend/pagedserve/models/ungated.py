@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +26,17 @@ from torch import nn
 from pagedserve.layers.attention import AttentionBackend
 from pagedserve.layers.embedding import ParallelLMHead
 from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear
-from pagedserve.layers.norm import LayerNorm, RMSNorm
+from pagedserve.layers.norm import LayerNorm, RMSNorm, WeightlessRMSNorm, weightless_rms_norm
 from pagedserve.models.cohere import ParallelDecoderLayer
-from pagedserve.models.llama import Biases, LlamaDecoderLayer, LlamaForCausalLM, rms_norm_eps
+from pagedserve.models.llama import (
+    Biases,
+    LayerOptions,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    Rotary,
+    rms_norm_eps,
+)
 
 
 class ReLU2(nn.Module):
@@ -323,3 +331,62 @@ def _gptj_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
         for pattern, replacement in _GPTJ_NAMES:
             name = pattern.sub(replacement, name)
         yield name, tensor
+
+
+class NanoChatAttention(LlamaAttention):
+    """Llama's attention with NanoChat's head norms (no weight) after the rotation."""
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        super().__init__(cfg, backend, options, layer_index)
+        self.eps = rms_norm_eps(cfg)
+
+    def rotated_qkv(
+        self, rotary: Rotary, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().rotated_qkv(rotary, hidden)
+        return weightless_rms_norm(q, self.eps), weightless_rms_norm(k, self.eps), v
+
+
+class NanoChatDecoderLayer(UngatedDecoderLayer):
+    """Llama's layer with weightless RMSNorms, NanoChat's attention and an ungated ReLU² MLP."""
+
+    attention_class = NanoChatAttention
+
+    @staticmethod
+    def norm(cfg: dict[str, Any]) -> RMSNorm:
+        return WeightlessRMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
+
+
+class NanoChatForCausalLM(UngatedForCausalLM):
+    """Andrej Karpathy's nanochat (`NanoChatForCausalLM`): Llama's layer with RMSNorms of no weight (the
+    embeddings normed too, by the final norm, before the first layer), each query and key head normed
+    (no weight) after the rotation, which turns the other way (sin negated: its rotate_half is
+    [x2, -x1]), an ungated ReLU² MLP (`fc1`, `fc2`), the logits soft-capped at
+    `final_logit_softcapping` (15); NanoChatConfig's defaults where config.json leaves a key out."""
+
+    decoder_layer_class = NanoChatDecoderLayer
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        cfg = {**cfg, "hidden_act": cfg.get("hidden_act", "relu2")}
+        super().__init__(cfg, max_position, backend)
+        self.softcap = float(cfg.get("final_logit_softcapping", 15.0) or 0.0)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return cast(WeightlessRMSNorm, self.norm).normed(self.embed_tokens(input_ids))
+
+    def step_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        cos, sin = self.rotary_emb(positions, dtype)
+        return cos, -sin
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(Soft-capping is monotonic: the greedy argmax of the LM head stands.)"""
+        logits = self.lm_head.compute_logits(hidden)
+        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(
+            (name.replace(".mlp.fc1.", ".mlp.up_proj.").replace(".mlp.fc2.", ".mlp.down_proj."), tensor)
+            for name, tensor in weights
+        )
