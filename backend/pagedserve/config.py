@@ -741,6 +741,7 @@ def rope_context_length(hf: dict[str, Any]) -> int:
 
 
 _WINDOW_ON_UNLESS_OFF = (
+    "GraniteSWAForCausalLM",
     "GPTNeoForCausalLM",
     "MinistralForCausalLM",
     "CwmForCausalLM",
@@ -768,6 +769,7 @@ _WINDOW_OFF_UNLESS_ON = (
     "Qwen3MoeForCausalLM",
 )
 _WINDOW_IN_SOME_LAYERS = (
+    "GraniteSWAForCausalLM",
     "GPTNeoForCausalLM",
     "MinistralForCausalLM",
     "CwmForCausalLM",
@@ -788,6 +790,7 @@ _WINDOW_IN_SOME_LAYERS = (
 )
 # where config.json has no `sliding_window` key, transformers' config class default
 _DEFAULT_WINDOW = {
+    "GraniteSWAForCausalLM": 128,
     "GPTNeoForCausalLM": 256,
     "MinistralForCausalLM": 4096,
     "CwmForCausalLM": 8192,
@@ -1023,7 +1026,7 @@ def default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
         sliding = [bool((i + 1) % pattern) for i in range(hf["num_hidden_layers"])]
     elif architecture == "SmolLM3ForCausalLM":
         sliding = [not turns for turns in smollm3_rotary_layers(hf)]
-    elif architecture == "CwmForCausalLM":  # CwmConfig's: every fourth layer full, the first of them
+    elif architecture in ("CwmForCausalLM", "GraniteSWAForCausalLM"):  # every fourth full, the first of them
         sliding = [bool(i % 4) for i in range(hf["num_hidden_layers"])]
     elif architecture == "Qwen2MoeForCausalLM":  # every other layer below max_window_layers
         first_full = hf.get("max_window_layers", 28)

@@ -63,6 +63,7 @@ from transformers import (
     GraniteMoeConfig,
     GraniteMoeHybridConfig,
     GraniteMoeSharedConfig,
+    GraniteSWAConfig,
     HeliumConfig,
     HunYuanDenseV1Config,
     HyperCLOVAXConfig,
@@ -243,6 +244,7 @@ NOT_DECODE_LAYERS = {
     "helium-float32-norms-interleaved-rotary-default-theta",
     "hy-v3-sigmoid-biased-experts-shared-default-theta",
     "hyperclovax-post-norms-multiplied-logits",
+    "granite-swa-sinks-windows-layer-thetas",
     "vaultgemma-no-norms-after",
     "gemma4-k-eq-v-proportional-rope-repeated-kv-heads",
     "gemma4-default-layer-types-as-google-names-it",
@@ -1131,6 +1133,18 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             moe_intermediate_size=16,
         ),
         drop("rope_parameters", "router_scaling_factor", "mlp_layer_types"),
+    ),
+    # IBM's Granite SWA: Granite's multipliers, a learned sink a head in every layer, layers 1-3
+    # sliding by 24 (every fourth full from the first: GraniteSWAConfig's default), layer 2 without
+    # rope and layer 3 at a theta of its own (`layer_rope_theta`)
+    "granite-swa-sinks-windows-layer-thetas": (
+        lambda: GraniteSWAConfig(
+            **{**TINY, "num_hidden_layers": 4},
+            **GRANITE_SCALES,
+            sliding_window=24,
+            layer_rope_theta=[10000.0, 10000.0, 0, 500.0],
+        ),
+        drop("layer_types"),
     ),
     # NAVER's HyperCLOVA X: Granite's multipliers (the logits multiplied, not divided), each branch's
     # output normed before the residual multiplier; q.k by head_dim^-1/2 (config.json naming no

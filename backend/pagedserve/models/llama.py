@@ -9,6 +9,7 @@ batch of tokens, [num_tokens]."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -592,6 +593,74 @@ class GraniteForCausalLM(LlamaForCausalLM):
         if not scales.logits > 0:  # (a greedy step takes the argmax of the logits before dividing)
             raise ValueError(f"model: config.json's logits_scaling must be positive, got {scales.logits}")
         return scales
+
+
+def granite_swa_thetas(cfg: dict[str, Any]) -> list[float]:
+    """Granite SWA's rope theta a layer (`layer_rope_theta`; 0: no rope), the model's where config.json
+    names none."""
+    thetas = cfg.get("layer_rope_theta") or [rope_parameters(cfg)["rope_theta"]] * cfg["num_hidden_layers"]
+    if len(thetas) != cfg["num_hidden_layers"]:
+        raise ValueError(
+            f"model: config.json's layer_rope_theta has {len(thetas)} entries for {cfg['num_hidden_layers']} layers"
+        )
+    return [float(theta) for theta in thetas]
+
+
+class GraniteSWAAttention(LlamaAttention):
+    """Llama's attention turned by its layer's rope: the step's tables `table` (two a theta)."""
+
+    table = 0
+
+    def forward(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        tables = rotary[2 * self.table : 2 * self.table + 2]
+        return self.o_proj(self.attn(*self.rotated_qkv(tables, hidden), metadata))
+
+
+class GraniteSWADecoderLayer(LlamaDecoderLayer):
+    attention_class = GraniteSWAAttention
+
+
+class GraniteSWAForCausalLM(GraniteForCausalLM):
+    """IBM's Granite SWA: Granite's layer and multipliers, a learned sink a head in every layer's
+    attention (GPT-OSS's), a window of `sliding_window` (128) in the layers `layer_types` names (every
+    one but each fourth from the first by default), each layer's rope at its `layer_rope_theta` (0:
+    none); GraniteSWAConfig's defaults where config.json leaves a key out (the LM head tied)."""
+
+    decoder_layer_class = GraniteSWADecoderLayer
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        cfg = {**cfg, "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
+        super().__init__(cfg, max_position, backend)
+        thetas = granite_swa_thetas(cfg)
+        self.thetas = sorted({theta for theta in thetas if theta})
+        rope = {key: value for key, value in cfg.items() if key not in ("rope_scaling", "rope_theta")}
+        self.rotary_embs = nn.ModuleList(
+            RotaryEmbedding(
+                head_dim_of(cfg),
+                max_position,
+                {**rope, "rope_parameters": {**rope_parameters(cfg), "rope_theta": theta}},
+            )
+            for theta in self.thetas
+        )
+        for layer, theta in zip(self.decoder_layers, thetas, strict=True):
+            if theta:
+                cast(GraniteSWAAttention, layer.self_attn).table = self.thetas.index(theta)
+
+    @staticmethod
+    def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
+        return [bool(theta) for theta in granite_swa_thetas(cfg)]
+
+    def layer_options(self, cfg: dict[str, Any]) -> list[LayerOptions]:
+        return [dataclasses.replace(options, sinks=True) for options in super().layer_options(cfg)]
+
+    def step_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        """Each distinct theta's tables, in `thetas`' order."""
+        return tuple(table for rotary in self.rotary_embs for table in rotary(positions, dtype))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(
+            (name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), tensor) for name, tensor in weights
+        )
 
 
 class HyperCLOVAXDecoderLayer(LlamaDecoderLayer):
