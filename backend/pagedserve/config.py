@@ -741,6 +741,7 @@ def rope_context_length(hf: dict[str, Any]) -> int:
 
 
 _WINDOW_ON_UNLESS_OFF = (
+    "GraniteMoeSWAForCausalLM",
     "GraniteSWAForCausalLM",
     "GPTNeoForCausalLM",
     "MinistralForCausalLM",
@@ -769,6 +770,7 @@ _WINDOW_OFF_UNLESS_ON = (
     "Qwen3MoeForCausalLM",
 )
 _WINDOW_IN_SOME_LAYERS = (
+    "GraniteMoeSWAForCausalLM",
     "GraniteSWAForCausalLM",
     "GPTNeoForCausalLM",
     "MinistralForCausalLM",
@@ -791,6 +793,7 @@ _WINDOW_IN_SOME_LAYERS = (
 # where config.json has no `sliding_window` key, transformers' config class default
 _DEFAULT_WINDOW = {
     "GraniteSWAForCausalLM": 128,
+    "GraniteMoeSWAForCausalLM": 128,
     "GPTNeoForCausalLM": 256,
     "MinistralForCausalLM": 4096,
     "CwmForCausalLM": 8192,
@@ -1026,7 +1029,11 @@ def default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
         sliding = [bool((i + 1) % pattern) for i in range(hf["num_hidden_layers"])]
     elif architecture == "SmolLM3ForCausalLM":
         sliding = [not turns for turns in smollm3_rotary_layers(hf)]
-    elif architecture in ("CwmForCausalLM", "GraniteSWAForCausalLM"):  # every fourth full, the first of them
+    elif architecture in (
+        "CwmForCausalLM",
+        "GraniteSWAForCausalLM",
+        "GraniteMoeSWAForCausalLM",
+    ):  # every fourth full, the first
         sliding = [bool(i % 4) for i in range(hf["num_hidden_layers"])]
     elif architecture == "Qwen2MoeForCausalLM":  # every other layer below max_window_layers
         first_full = hf.get("max_window_layers", 28)

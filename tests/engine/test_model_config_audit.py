@@ -63,6 +63,7 @@ from transformers import (
     GraniteMoeConfig,
     GraniteMoeHybridConfig,
     GraniteMoeSharedConfig,
+    GraniteMoeSWAConfig,
     GraniteSWAConfig,
     HeliumConfig,
     HunYuanDenseV1Config,
@@ -245,6 +246,7 @@ NOT_DECODE_LAYERS = {
     "hy-v3-sigmoid-biased-experts-shared-default-theta",
     "hyperclovax-post-norms-multiplied-logits",
     "granite-swa-sinks-windows-layer-thetas",
+    "granitemoe-swa-experts-sinks-windows",
     "vaultgemma-no-norms-after",
     "gemma4-k-eq-v-proportional-rope-repeated-kv-heads",
     "gemma4-default-layer-types-as-google-names-it",
@@ -1145,6 +1147,18 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             layer_rope_theta=[10000.0, 10000.0, 0, 500.0],
         ),
         drop("layer_types"),
+    ),
+    # IBM's Granite MoE SWA: Granite MoE's experts (2 of 4 a token, no shared expert by default) in
+    # Granite SWA's layers, their window (128) and every layer at the model's theta
+    # GraniteMoeSWAConfig's defaults (config.json naming neither)
+    "granitemoe-swa-experts-sinks-windows": (
+        lambda: GraniteMoeSWAConfig(
+            **{**TINY, "num_hidden_layers": 4},
+            **GRANITE_SCALES,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+        drop("layer_rope_theta", "shared_intermediate_size", "sliding_window"),
     ),
     # NAVER's HyperCLOVA X: Granite's multipliers (the logits multiplied, not divided), each branch's
     # output normed before the residual multiplier; q.k by head_dim^-1/2 (config.json naming no

@@ -620,19 +620,15 @@ class GraniteSWADecoderLayer(LlamaDecoderLayer):
     attention_class = GraniteSWAAttention
 
 
-class GraniteSWAForCausalLM(GraniteForCausalLM):
-    """IBM's Granite SWA: Granite's layer and multipliers, a learned sink a head in every layer's
-    attention (GPT-OSS's), a window of `sliding_window` (128) in the layers `layer_types` names (every
-    one but each fourth from the first by default), each layer's rope at its `layer_rope_theta` (0:
-    none); GraniteSWAConfig's defaults where config.json leaves a key out (the LM head tied)."""
+class LayerThetas(nn.Module):
+    """Granite SWA's ropes: one table pair a distinct non-zero `layer_rope_theta`, each layer's
+    attention told which pair is its (`GraniteSWAAttention.table`); theta 0 turns none (its layer's
+    `rotary_layers` entry is False)."""
 
-    decoder_layer_class = GraniteSWADecoderLayer
-
-    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
-        cfg = {**cfg, "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
-        super().__init__(cfg, max_position, backend)
+    def __init__(self, cfg: dict[str, Any], max_position: int, attentions: list[GraniteSWAAttention]) -> None:
+        super().__init__()
         thetas = granite_swa_thetas(cfg)
-        self.thetas = sorted({theta for theta in thetas if theta})
+        distinct = sorted({theta for theta in thetas if theta})
         rope = {key: value for key, value in cfg.items() if key not in ("rope_scaling", "rope_theta")}
         self.rotary_embs = nn.ModuleList(
             RotaryEmbedding(
@@ -640,11 +636,33 @@ class GraniteSWAForCausalLM(GraniteForCausalLM):
                 max_position,
                 {**rope, "rope_parameters": {**rope_parameters(cfg), "rope_theta": theta}},
             )
-            for theta in self.thetas
+            for theta in distinct
         )
-        for layer, theta in zip(self.decoder_layers, thetas, strict=True):
+        for attention, theta in zip(attentions, thetas, strict=True):
             if theta:
-                cast(GraniteSWAAttention, layer.self_attn).table = self.thetas.index(theta)
+                attention.table = distinct.index(theta)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        return tuple(table for rotary in self.rotary_embs for table in rotary(positions, dtype))
+
+
+def swa_attentions(model: LlamaForCausalLM) -> list[GraniteSWAAttention]:
+    return [cast(GraniteSWAAttention, layer.self_attn) for layer in model.decoder_layers]
+
+
+class GraniteSWAForCausalLM(GraniteForCausalLM):
+    """IBM's Granite SWA: Granite's layer and multipliers, a learned sink a head in every layer's
+    attention (GPT-OSS's), a window of `sliding_window` (128) in the layers `layer_types` names (every
+    one but each fourth from the first by default), each layer's rope at its `layer_rope_theta` (0:
+    none: `LayerThetas`); GraniteSWAConfig's defaults where config.json leaves a key out (the LM head
+    tied)."""
+
+    decoder_layer_class = GraniteSWADecoderLayer
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        cfg = {**cfg, "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
+        super().__init__(cfg, max_position, backend)
+        self.layer_thetas = LayerThetas(cfg, max_position, swa_attentions(self))
 
     @staticmethod
     def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
@@ -654,13 +672,16 @@ class GraniteSWAForCausalLM(GraniteForCausalLM):
         return [dataclasses.replace(options, sinks=True) for options in super().layer_options(cfg)]
 
     def step_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
-        """Each distinct theta's tables, in `thetas`' order."""
-        return tuple(table for rotary in self.rotary_embs for table in rotary(positions, dtype))
+        return cast(Rotary, self.layer_thetas(positions, dtype))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(
-            (name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), tensor) for name, tensor in weights
-        )
+        super().load_weights(sinks_renamed(weights))
+
+
+def sinks_renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's attention sinks (`self_attn.sinks`) under our name (its `Attention`'s)."""
+    for name, tensor in weights:
+        yield name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), tensor
 
 
 class HyperCLOVAXDecoderLayer(LlamaDecoderLayer):

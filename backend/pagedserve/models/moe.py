@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -28,10 +28,16 @@ from pagedserve.models.llama import (
     Ernie4_5ForCausalLM,
     Exaone4ForCausalLM,
     GraniteForCausalLM,
+    GraniteSWADecoderLayer,
+    GraniteSWAForCausalLM,
     LayerOptions,
+    LayerThetas,
     LlamaForCausalLM,
+    Rotary,
     check_silu,
     granite_shared_mlp,
+    sinks_renamed,
+    swa_attentions,
 )
 
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -174,6 +180,32 @@ class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(granite_shared_mlp(weights, "mlp.shared_expert"))
+
+
+class GraniteMoeSWAForCausalLM(GraniteMoeSharedForCausalLM):
+    """IBM's Granite MoE SWA: Granite MoE's experts (a shared expert where `shared_intermediate_size`,
+    none by default) in Granite SWA's layers (sinks, windows, a rope a layer: `GraniteSWAForCausalLM`);
+    GraniteMoeSWAConfig's defaults where config.json leaves a key out (the LM head tied)."""
+
+    decoder_layer_class = GraniteSWADecoderLayer
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        cfg = {**cfg, "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
+        super().__init__(cfg, max_position, backend)
+        self.layer_thetas = LayerThetas(cfg, max_position, swa_attentions(self))
+
+    @staticmethod
+    def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
+        return GraniteSWAForCausalLM.rotary_layers(cfg)
+
+    def layer_options(self, cfg: dict[str, Any]) -> list[LayerOptions]:
+        return [dataclasses.replace(options, sinks=True) for options in super().layer_options(cfg)]
+
+    def step_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        return cast(Rotary, self.layer_thetas(positions, dtype))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(sinks_renamed(weights))
 
 
 class Qwen2MoeForCausalLM(MoeForCausalLM):
