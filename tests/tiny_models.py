@@ -294,6 +294,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                         "Falcon",
                         "Jamba",
                         "HyperCLOVAX",
+                        "Afmoe",
                     )
                 )
                 or re.search(r"\.ln_([12f]|attn|mlp)\.weight$", name)

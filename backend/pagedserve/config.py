@@ -741,6 +741,7 @@ def rope_context_length(hf: dict[str, Any]) -> int:
 
 
 _WINDOW_ON_UNLESS_OFF = (
+    "AfmoeForCausalLM",
     "GraniteMoeSWAForCausalLM",
     "GraniteSWAForCausalLM",
     "GPTNeoForCausalLM",
@@ -770,6 +771,7 @@ _WINDOW_OFF_UNLESS_ON = (
     "Qwen3MoeForCausalLM",
 )
 _WINDOW_IN_SOME_LAYERS = (
+    "AfmoeForCausalLM",
     "GraniteMoeSWAForCausalLM",
     "GraniteSWAForCausalLM",
     "GPTNeoForCausalLM",
@@ -792,6 +794,7 @@ _WINDOW_IN_SOME_LAYERS = (
 )
 # where config.json has no `sliding_window` key, transformers' config class default
 _DEFAULT_WINDOW = {
+    "AfmoeForCausalLM": 1024,
     "GraniteSWAForCausalLM": 128,
     "GraniteMoeSWAForCausalLM": 128,
     "GPTNeoForCausalLM": 256,
@@ -1014,6 +1017,8 @@ def default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
         patterns[architecture] = hf.get("sliding_window_pattern", 4)
     if architecture == "Gemma3ForCausalLM":
         patterns[architecture] = hf.get("sliding_window_pattern", 6)
+    if architecture == "AfmoeForCausalLM":
+        patterns[architecture] = hf.get("global_attn_every_n_layers", 4)
     if architecture in (
         "Exaone4ForCausalLM",
         "ExaoneMoeForCausalLM",

@@ -28,6 +28,7 @@ from test_compile import decode_layers_available
 from test_hf_parity import assert_greedy_equal, hf_greedy
 from tiny_models import DEEPSEEK_V3, save_mxfp4_gpt_oss, save_tiny_model
 from transformers import (
+    AfmoeConfig,
     ApertusConfig,
     ArceeConfig,
     BambaConfig,
@@ -247,6 +248,7 @@ NOT_DECODE_LAYERS = {
     "hyperclovax-post-norms-multiplied-logits",
     "granite-swa-sinks-windows-layer-thetas",
     "granitemoe-swa-experts-sinks-windows",
+    "afmoe-gated-attention-sandwich-norms-experts-mup",
     "vaultgemma-no-norms-after",
     "gemma4-k-eq-v-proportional-rope-repeated-kv-heads",
     "gemma4-default-layer-types-as-google-names-it",
@@ -1159,6 +1161,25 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             num_experts_per_tok=2,
         ),
         drop("layer_rope_theta", "shared_intermediate_size", "sliding_window"),
+    ),
+    # Arcee's AFMoE (Trinity): norms around attention and the MLP, head norms, the attention's output
+    # gated, layers 1 and 3 global without rope, 0 and 2 sliding by 24 (`global_attn_every_n_layers`
+    # 2, config.json naming no layer types); layer 0 dense, then 2 of 8 sigmoid-scored experts picked
+    # with a bias, renormalized and scaled by 2.5, beside a shared expert; muP's embedding scale
+    "afmoe-gated-attention-sandwich-norms-experts-mup": (
+        lambda: AfmoeConfig(
+            **{**TINY, "num_hidden_layers": 4},
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            num_shared_experts=1,
+            route_scale=2.5,
+            sliding_window=24,
+            global_attn_every_n_layers=2,
+            mup_enabled=True,
+        ),
+        drop("layer_types"),
     ),
     # NAVER's HyperCLOVA X: Granite's multipliers (the logits multiplied, not divided), each branch's
     # output normed before the residual multiplier; q.k by head_dim^-1/2 (config.json naming no
@@ -2365,6 +2386,7 @@ def test_phi2s_lm_head_bias_moves_the_greedy_tokens(
         ("hy-v3-sigmoid-biased-experts-shared-default-theta", "model.layers.1.mlp.shared_mlp.up_proj.weight"),
         ("hy-v3-sigmoid-biased-experts-shared-default-theta", "model.layers.1.mlp.router.gate.weight"),
         ("jamba-mamba-attention-experts", "model.layers.1.feed_forward.experts.3.up_proj.weight"),
+        ("afmoe-gated-attention-sandwich-norms-experts-mup", "model.layers.1.mlp.experts.3.up_proj.weight"),
         (
             "minimax-m2-whole-qk-norms-partial-rope-sigmoid-biased-experts",
             "model.layers.1.block_sparse_moe.e_score_correction_bias",

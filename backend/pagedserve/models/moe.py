@@ -21,8 +21,12 @@ from typing import Any, cast
 
 import torch
 
-from pagedserve.layers.attention import AttentionBackend
+from pagedserve.config import default_layer_types
+from pagedserve.layers import ops
+from pagedserve.layers.attention import AttentionBackend, AttentionMetadata
+from pagedserve.layers.linear import ColumnParallelLinear
 from pagedserve.layers.moe import Experts
+from pagedserve.layers.norm import Float32RMSNorm, RMSNorm
 from pagedserve.models.llama import (
     Biases,
     Ernie4_5ForCausalLM,
@@ -32,10 +36,14 @@ from pagedserve.models.llama import (
     GraniteSWAForCausalLM,
     LayerOptions,
     LayerThetas,
+    LlamaAttention,
+    LlamaDecoderLayer,
     LlamaForCausalLM,
     Rotary,
+    Scales,
     check_silu,
     granite_shared_mlp,
+    rms_norm_eps,
     sinks_renamed,
     swa_attentions,
 )
@@ -206,6 +214,115 @@ class GraniteMoeSWAForCausalLM(GraniteMoeSharedForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(sinks_renamed(weights))
+
+
+class AfmoeAttention(LlamaAttention):
+    """Arcee's AFMoE attention: each query and key head RMS-normed (in float32), turned in the sliding
+    layers alone, the output gated by the sigmoid of a projection of the layer's input
+    (`output_gate`: the checkpoint's `self_attn.gate_proj`)."""
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        super().__init__(cfg, backend, dataclasses.replace(options, qk_norm=False), layer_index)
+        self.q_norm = Float32RMSNorm(self.head_dim, rms_norm_eps(cfg))
+        self.k_norm = Float32RMSNorm(self.head_dim, rms_norm_eps(cfg))
+        heads = cfg["num_attention_heads"]
+        self.output_gate = ColumnParallelLinear(cfg["hidden_size"], heads * self.head_dim, bias=False)
+
+    def forward(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = cast(Float32RMSNorm, self.q_norm).normed(q.view(-1, self.num_heads, self.head_dim))
+        k = cast(Float32RMSNorm, self.k_norm).normed(k.view(-1, self.num_kv_heads, self.head_dim))
+        if self.rotary:
+            q, k = ops.apply_rotary(q, *rotary), ops.apply_rotary(k, *rotary)
+        attended = self.attn(q, k, v, metadata) * torch.sigmoid(self.output_gate(hidden))
+        return self.o_proj(attended)
+
+
+class AfmoeDecoderLayer(LlamaDecoderLayer):
+    """Norms before and after attention and the MLP (four a layer, multiplied in float32), AFMoE's
+    attention; the MLP dense or experts."""
+
+    attention_class = AfmoeAttention
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        super().__init__(cfg, backend, options, layer_index)
+        self.pre_mlp_layernorm = self.norm(cfg)
+        self.post_mlp_layernorm = self.norm(cfg)
+
+    @staticmethod
+    def norm(cfg: dict[str, Any]) -> RMSNorm:
+        return Float32RMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
+
+    def forward(
+        self,
+        rotary: Rotary,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = hidden if residual is None else residual + hidden
+        attended = self.self_attn(rotary, cast(Float32RMSNorm, self.input_layernorm).normed(stream), metadata)
+        stream = stream + cast(Float32RMSNorm, self.post_attention_layernorm).normed(attended)
+        out = self.mlp(cast(Float32RMSNorm, self.pre_mlp_layernorm).normed(stream))
+        return cast(Float32RMSNorm, self.post_mlp_layernorm).normed(out), stream
+
+
+class AfmoeForCausalLM(MoeForCausalLM):
+    """Arcee's AFMoE (Trinity Mini, Nano, Large): AFMoE's attention (`AfmoeAttention`; every
+    `global_attn_every_n_layers`-th layer global, without rope, the others sliding a window of
+    `sliding_window`) and norms around it and the MLP; the first `num_dense_layers` MLPs dense, the
+    others `num_experts` experts, `num_experts_per_tok` a token, scored by a sigmoid, picked by it plus
+    the router's `expert_bias`, renormalized and scaled by `route_scale`, beside an ungated shared
+    expert of `num_shared_experts` experts' width; the embeddings times sqrt(hidden) where
+    `mup_enabled`; AfmoeConfig's defaults where config.json leaves a key out (head_dim 128)."""
+
+    decoder_layer_class = AfmoeDecoderLayer
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        super().__init__({**cfg, "head_dim": cfg.get("head_dim") or 128}, max_position, backend)
+
+    @staticmethod
+    def read_scales(cfg: dict[str, Any]) -> Scales:
+        return Scales(embedding=cfg["hidden_size"] ** 0.5 if cfg.get("mup_enabled") else 1.0)
+
+    @staticmethod
+    def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
+        """The sliding layers turn q and k; the global ones do not."""
+        layer_types = cfg.get("layer_types") or default_layer_types(cfg, "AfmoeForCausalLM")
+        return [kind == "sliding_attention" for kind in layer_types]
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        width = int(cfg.get("moe_intermediate_size", 1408))
+        spec = Experts(
+            num_experts=num_experts_of(cfg, 64),
+            top_k=int(cfg.get("num_experts_per_tok", 6)),
+            intermediate_size=width,
+            renormalize=True,
+            shared_intermediate_size=width * int(cfg.get("num_shared_experts", 2)),
+            shared_gate=False,
+            scoring="sigmoid",
+            selection_bias=True,
+            routed_scaling_factor=float(cfg.get("route_scale", 1.0)),
+            router_float32=True,
+        )
+        dense = int(cfg.get("num_dense_layers", 1))
+        return [None if i < dense else spec for i in range(cfg["num_hidden_layers"])]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        renamed = (
+            (
+                name.replace(".self_attn.gate_proj.", ".self_attn.output_gate.")
+                .replace(".mlp.router.gate.", ".mlp.gate.")
+                .replace(".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
+                tensor,
+            )
+            for name, tensor in weights
+        )
+        super().load_weights(deepseek_v3_names(renamed, len(self.layers)))
 
 
 class Qwen2MoeForCausalLM(MoeForCausalLM):

@@ -58,6 +58,7 @@ from pagedserve.models.llama import (
 from pagedserve.models.llama4 import Llama4ForCausalLM
 from pagedserve.models.minimax import MiniMaxM2ForCausalLM
 from pagedserve.models.moe import (
+    AfmoeForCausalLM,
     Dots1ForCausalLM,
     Ernie4_5_MoeForCausalLM,
     ExaoneMoeForCausalLM,
@@ -130,6 +131,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "NanoChatForCausalLM": NanoChatForCausalLM,
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
+    "AfmoeForCausalLM": AfmoeForCausalLM,
     "HeliumForCausalLM": HeliumForCausalLM,
     "CwmForCausalLM": LlamaForCausalLM,
     "MinistralForCausalLM": LlamaForCausalLM,
