@@ -22,7 +22,7 @@ from pagedserve.config import rope_parameters
 from pagedserve.layers.attention import AttentionBackend
 from pagedserve.layers.moe import Experts
 from pagedserve.models.llama import LlamaDecoderLayer, head_dim_of
-from pagedserve.models.moe import MoeForCausalLM, num_experts_of, past_layer
+from pagedserve.models.moe import MoeForCausalLM, num_experts_of, past_layer, sigmoid_biased_experts
 from pagedserve.models.olmo import OlmoAttention
 
 
@@ -60,14 +60,12 @@ class MiniMaxM2ForCausalLM(MoeForCausalLM):
         return {**cfg, "partial_rotary_factor": rotary_dim / head_dim_of(cfg)}
 
     def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
-        spec = Experts(
+        spec = sigmoid_biased_experts(
             num_experts=num_experts_of(cfg, 256),
             top_k=int(cfg.get("num_experts_per_tok", 8)),
-            intermediate_size=int(cfg.get("intermediate_size", 1536)),
-            renormalize=True,
-            scoring="sigmoid",
-            selection_bias=True,
-            router_float32=True,
+            width=int(cfg.get("intermediate_size", 1536)),
+            num_shared=0,
+            scale=1.0,
         )
         return [spec] * cfg["num_hidden_layers"]
 

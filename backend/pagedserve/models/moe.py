@@ -296,18 +296,12 @@ class AfmoeForCausalLM(MoeForCausalLM):
         return [kind == "sliding_attention" for kind in layer_types]
 
     def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
-        width = int(cfg.get("moe_intermediate_size", 1408))
-        spec = Experts(
+        spec = sigmoid_biased_experts(
             num_experts=num_experts_of(cfg, 64),
             top_k=int(cfg.get("num_experts_per_tok", 6)),
-            intermediate_size=width,
-            renormalize=True,
-            shared_intermediate_size=width * int(cfg.get("num_shared_experts", 2)),
-            shared_gate=False,
-            scoring="sigmoid",
-            selection_bias=True,
-            routed_scaling_factor=float(cfg.get("route_scale", 1.0)),
-            router_float32=True,
+            width=int(cfg.get("moe_intermediate_size", 1408)),
+            num_shared=int(cfg.get("num_shared_experts", 2)),
+            scale=float(cfg.get("route_scale", 1.0)),
         )
         dense = int(cfg.get("num_dense_layers", 1))
         return [None if i < dense else spec for i in range(cfg["num_hidden_layers"])]
@@ -366,6 +360,27 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(deepseek_v3_names(weights, len(self.layers)))
+
+
+def sigmoid_biased_experts(
+    num_experts: int, top_k: int, width: int, num_shared: int, scale: float
+) -> Experts:
+    """Experts of `width` each scored by a sigmoid and picked by the score plus the router's
+    `e_score_correction_bias` (no groups), the picked scores renormalized and times `scale`, beside an
+    ungated shared expert of `num_shared` experts' width (none where 0); the router in float32
+    (MiniMax-M2's, HY 3's, AFMoE's)."""
+    return Experts(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=width,
+        renormalize=True,
+        shared_intermediate_size=width * num_shared,
+        shared_gate=False,
+        scoring="sigmoid",
+        selection_bias=True,
+        routed_scaling_factor=scale,
+        router_float32=True,
+    )
 
 
 def deepseek_v3_names(
@@ -569,18 +584,12 @@ class HYV3ForCausalLM(MoeForCausalLM):
     qk_norm = True
 
     def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
-        width = int(cfg.get("moe_intermediate_size", 1536))
-        spec = Experts(
+        spec = sigmoid_biased_experts(
             num_experts=num_experts_of(cfg, 192),
             top_k=int(cfg.get("num_experts_per_tok", 8)),
-            intermediate_size=width,
-            renormalize=True,
-            shared_intermediate_size=width * int(cfg.get("num_shared_experts", 1)),
-            shared_gate=False,
-            scoring="sigmoid",
-            selection_bias=True,
-            routed_scaling_factor=float(cfg.get("router_scaling_factor", 2.826)),
-            router_float32=True,
+            width=int(cfg.get("moe_intermediate_size", 1536)),
+            num_shared=int(cfg.get("num_shared_experts", 1)),
+            scale=float(cfg.get("router_scaling_factor", 2.826)),
         )
         first_dense = [i > 0 for i in range(cfg["num_hidden_layers"])]
         return [spec if sparse else None for sparse in sparse_by_kind(cfg, first_dense)]
