@@ -741,6 +741,7 @@ def rope_context_length(hf: dict[str, Any]) -> int:
 
 
 _WINDOW_ON_UNLESS_OFF = (
+    "Cohere2MoeForCausalLM",
     "AfmoeForCausalLM",
     "GraniteMoeSWAForCausalLM",
     "GraniteSWAForCausalLM",
@@ -771,6 +772,7 @@ _WINDOW_OFF_UNLESS_ON = (
     "Qwen3MoeForCausalLM",
 )
 _WINDOW_IN_SOME_LAYERS = (
+    "Cohere2MoeForCausalLM",
     "AfmoeForCausalLM",
     "GraniteMoeSWAForCausalLM",
     "GraniteSWAForCausalLM",
@@ -794,6 +796,7 @@ _WINDOW_IN_SOME_LAYERS = (
 )
 # where config.json has no `sliding_window` key, transformers' config class default
 _DEFAULT_WINDOW = {
+    "Cohere2MoeForCausalLM": 4096,
     "AfmoeForCausalLM": 1024,
     "GraniteSWAForCausalLM": 128,
     "GraniteMoeSWAForCausalLM": 128,

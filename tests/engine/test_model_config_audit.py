@@ -33,6 +33,7 @@ from transformers import (
     ArceeConfig,
     BambaConfig,
     Cohere2Config,
+    Cohere2MoeConfig,
     CohereConfig,
     CwmConfig,
     DeepseekV2Config,
@@ -209,6 +210,8 @@ NOT_DECODE_LAYERS = {
     "hunyuan-alpha-rope-norms-after-rotary",
     "cohere2-parallel-sliding-rope-global-nope",
     "cohere-head-layernorms-default-theta",
+    "cohere2-moe-dense-prefix-averaged-shared-expert",
+    "cohere2-moe-rmsnorm-sigmoid-summed",
     "minimax-m2-whole-qk-norms-partial-rope-sigmoid-biased-experts",
     "minimax-m2-as-minimax-names-it",
     "exaone4-sliding-rope-global-nope",
@@ -304,6 +307,18 @@ FALCON_H1_MAMBA = {
     "mamba_d_state": 16,
     "mamba_chunk_size": 32,
     "rms_norm_eps": 1e-2,
+}
+# Command A Plus on a tiny scale: 4 layers, 4 experts of TINY's width, a shared one, the dense
+# prefix's MLP of 48, a window of 24 past the prefix every other layer
+COHERE2_MOE = {
+    **{**TINY, "num_hidden_layers": 4},
+    "head_dim": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_shared_experts": 1,
+    "prefix_dense_intermediate_size": 48,
+    "sliding_window": 24,
+    "sliding_window_pattern": 2,
 }
 # Gemma 4 on a tiny scale: heads of 16 in the sliding layers (a window of 24), of 32 in the full
 # ones, no per-layer embeddings
@@ -577,6 +592,12 @@ def gemma4_as_google_names_it(config: dict[str, Any]) -> None:
     config["global_head_dim"] = 32
 
 
+def cohere2_moe_as_cohere_leaves_it(config: dict[str, Any]) -> None:
+    for key in ("layer_types", "mlp_layer_types"):
+        del config[key]
+    config["first_k_dense_replace"] = 1
+
+
 def minimax_m2_as_minimax_names_it(config: dict[str, Any]) -> None:
     del config["rope_parameters"]
     config.update(qk_norm_type="per_layer", use_qk_norm=True, scoring_func="sigmoid", use_routing_bias=True)
@@ -835,6 +856,25 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "minimax-m2-as-minimax-names-it": (
         lambda: MiniMaxM2Config(**TINY, **MINIMAX_M2),
         minimax_m2_as_minimax_names_it,
+    ),
+    # Cohere's Command A Plus: Command R7B's parallel layer on a LayerNorm; layer 0 a dense SwiGLU of 48
+    # turned by the rope (its prefix's window pattern 1), layers 1-3 experts (2 of 4 a token by the
+    # softmax of the picked logits) beside a shared expert, averaged (Cohere2MoeConfig's default);
+    # layer 2 global (every second past the prefix), the others sliding by 24; the layer kinds derived
+    # from first_k_dense_replace as config.json leaves them
+    "cohere2-moe-dense-prefix-averaged-shared-expert": (
+        lambda: Cohere2MoeConfig(**COHERE2_MOE, first_k_dense_replace=1),
+        cohere2_moe_as_cohere_leaves_it,
+    ),
+    # ... with RMSNorms (`rms_norm_eps`), sigmoid-scored experts renormalized, the shared expert added
+    "cohere2-moe-rmsnorm-sigmoid-summed": (
+        lambda: Cohere2MoeConfig(
+            **COHERE2_MOE,
+            rms_norm_eps=1e-5,
+            expert_selection_fn="sigmoid",
+            shared_expert_combination_strategy="sum",
+        ),
+        None,
     ),
     # Tencent's Hunyuan dense: each query and key head normed after the rotation; the rope its
     # checkpoints call dynamic, with a fixed alpha (the base stretched 1000^(16/14)), as they ship it
@@ -2386,6 +2426,10 @@ def test_phi2s_lm_head_bias_moves_the_greedy_tokens(
         ("hy-v3-sigmoid-biased-experts-shared-default-theta", "model.layers.1.mlp.shared_mlp.up_proj.weight"),
         ("hy-v3-sigmoid-biased-experts-shared-default-theta", "model.layers.1.mlp.router.gate.weight"),
         ("jamba-mamba-attention-experts", "model.layers.1.feed_forward.experts.3.up_proj.weight"),
+        (
+            "cohere2-moe-dense-prefix-averaged-shared-expert",
+            "model.layers.1.mlp.shared_experts.up_proj.weight",
+        ),
         ("afmoe-gated-attention-sandwich-norms-experts-mup", "model.layers.1.mlp.experts.3.up_proj.weight"),
         (
             "minimax-m2-whole-qk-norms-partial-rope-sigmoid-biased-experts",
@@ -2930,6 +2974,12 @@ def test_rotary_tables_equal_transformers(
             "num_kv_shared_layers must be 0 to 1, got 2",
         ),
         (
+            lambda c: c.update(
+                architectures=["Cohere2MoeForCausalLM"], shared_expert_combination_strategy="max"
+            ),
+            "shared_expert_combination_strategy 'max' \\(sum or average\\)",
+        ),
+        (
             lambda c: c.update(architectures=["FalconForCausalLM"], alibi=True),
             "alibi \\(ALiBi positions, Falcon-RW's\\) is not supported",
         ),
@@ -3066,6 +3116,7 @@ def test_rotary_tables_equal_transformers(
         "cohere2-negative-logit-scale",
         "minimax-m2-per-head-qk-norm",
         "gemma4-every-layer-kv-shared",
+        "cohere2-moe-shared-expert-strategy",
         "falcon-alibi",
         "falcon-new-architecture-sequential",
         "gpt-neo-attention-types-not-its-layers",

@@ -1,5 +1,5 @@
-"""Cohere's Command R and R+ (`CohereForCausalLM`), Command R7B and Command A (`Cohere2ForCausalLM`)
-as transformers computes them, on the Llama family's tensor-parallel layers. What they add to Llama's
+"""Cohere's Command R and R+ (`CohereForCausalLM`), Command R7B and Command A (`Cohere2ForCausalLM`),
+Command A Plus (`Cohere2MoeForCausalLM`: experts, see its docstring) as transformers computes them, on the Llama family's tensor-parallel layers. What they add to Llama's
 layer:
 
 - attention and the MLP side by side: both read the same normed input, and both outputs join the
@@ -18,6 +18,7 @@ before the rotation.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -29,14 +30,18 @@ from pagedserve.config import default_layer_types
 from pagedserve.distributed import get_tp_rank, get_tp_size
 from pagedserve.layers import ops
 from pagedserve.layers.attention import AttentionBackend, AttentionMetadata
+from pagedserve.layers.moe import Experts, SparseMoeBlock
 from pagedserve.layers.norm import LayerNorm, RMSNorm
 from pagedserve.models.llama import (
     LayerOptions,
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
+    LlamaMLP,
     Rotary,
+    check_silu,
 )
+from pagedserve.models.moe import per_expert_weights
 
 
 def layer_norm_eps(cfg: dict[str, Any]) -> float:
@@ -184,3 +189,111 @@ class Cohere2ForCausalLM(CohereForCausalLM):
             return [True] * cfg["num_hidden_layers"]
         layer_types = cfg.get("layer_types") or default_layer_types(cfg, "Cohere2ForCausalLM")
         return [kind == "sliding_attention" for kind in layer_types]
+
+
+class AveragedSharedMoeBlock(SparseMoeBlock):
+    """Command A Plus's experts where `shared_expert_combination_strategy` is "average": the routed
+    experts' sum and the shared expert's output averaged (halved) rather than added."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 0.5
+
+
+class Cohere2MoeDecoderLayer(ParallelDecoderLayer):
+    """Command R7B's parallel layer (one norm before attention and the MLP side by side: RMSNorm where
+    config.json names `rms_norm_eps`, else Cohere's LayerNorm) whose MLP is the dense prefix's SwiGLU of
+    `prefix_dense_intermediate_size` or experts."""
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        super().__init__(cfg, backend, options, layer_index)
+        if options.experts is not None:
+            average = cfg.get("shared_expert_combination_strategy", "average") == "average"
+            block = (
+                AveragedSharedMoeBlock
+                if average and options.experts.shared_intermediate_size
+                else SparseMoeBlock
+            )
+            self.mlp = block(cfg["hidden_size"], options.experts)
+
+    def dense_mlp(self, cfg: dict[str, Any]) -> nn.Module:
+        width = cfg.get("prefix_dense_intermediate_size") or cfg["intermediate_size"]
+        return LlamaMLP({**cfg, "intermediate_size": width})
+
+    @staticmethod
+    def norm(cfg: dict[str, Any]) -> RMSNorm:
+        if cfg.get("rms_norm_eps") is not None:
+            return RMSNorm(cfg["hidden_size"], float(cfg["rms_norm_eps"]))
+        return LayerNorm(cfg["hidden_size"], layer_norm_eps(cfg), bias=False)
+
+
+class Cohere2MoeForCausalLM(Cohere2ForCausalLM):
+    """Cohere's Command A Plus (`Cohere2MoeForCausalLM`): Command R7B's layers (GPT-J's rotary in the
+    sliding layers, and in the dense prefix's where `prefix_dense_sliding_window_pattern` is 1) whose
+    MLPs are, after the dense prefix (`mlp_layer_types`, or `first_k_dense_replace`), `num_experts`
+    experts of `intermediate_size`, `num_experts_per_tok` a token, by the softmax of the picked logits
+    (or their sigmoids, renormalized where `norm_topk_prob`), beside a shared expert of
+    `num_shared_experts` experts' width added or averaged (`shared_expert_combination_strategy`);
+    Cohere2MoeConfig's defaults where config.json leaves a key out."""
+
+    decoder_layer_class = Cohere2MoeDecoderLayer
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        strategy = cfg.get("shared_expert_combination_strategy", "average")
+        selection = cfg.get("expert_selection_fn", "softmax")
+        if strategy not in ("sum", "average") or selection not in ("softmax", "sigmoid"):
+            raise ValueError(
+                f"model: config.json's shared_expert_combination_strategy {strategy!r} (sum or average) or "
+                f"expert_selection_fn {selection!r} (softmax or sigmoid) is not supported"
+            )
+        super().__init__(cohere2_moe_config(cfg), max_position, backend)
+
+    @staticmethod
+    def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
+        """The sliding layers turn q and k, and the dense prefix's where its window pattern is 1."""
+        force = cfg.get("prefix_dense_sliding_window_pattern", 1) == 1
+        return [
+            kind == "sliding_attention" or (force and mlp == "dense")
+            for kind, mlp in zip(cfg["layer_types"], cfg["mlp_layer_types"], strict=True)
+        ]
+
+    def layer_options(self, cfg: dict[str, Any]) -> list[LayerOptions]:
+        check_silu(cfg)
+        selection = cfg.get("expert_selection_fn", "softmax")
+        width = int(cfg["intermediate_size"])
+        spec = Experts(
+            num_experts=int(cfg.get("num_experts", 8)),
+            top_k=int(cfg.get("num_experts_per_tok", 2)),
+            intermediate_size=width,
+            renormalize=selection == "softmax" or bool(cfg.get("norm_topk_prob", True)),
+            shared_intermediate_size=width * int(cfg.get("num_shared_experts", 0)),
+            shared_gate=False,
+            scoring=selection,
+        )
+        return [
+            dataclasses.replace(options, experts=spec if mlp == "sparse" else None)
+            for options, mlp in zip(super().layer_options(cfg), cfg["mlp_layer_types"], strict=True)
+        ]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        renamed = (
+            (name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor) for name, tensor in weights
+        )
+        super().load_weights(per_expert_weights(renamed, hidden_size=self.embed_tokens.weight.shape[1]))
+
+
+def cohere2_moe_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Command A Plus's layer kinds as Cohere2MoeConfig derives them where config.json names none: the
+    first `first_k_dense_replace` layers dense, sliding but each `prefix_dense_sliding_window_pattern`-th
+    (1: none sliding), the others experts, sliding but each `sliding_window_pattern`-th (4)."""
+    num_layers, dense = cfg["num_hidden_layers"], int(cfg.get("first_k_dense_replace", 0))
+    prefix, pattern = (
+        int(cfg.get("prefix_dense_sliding_window_pattern", 1)),
+        int(cfg.get("sliding_window_pattern", 4)),
+    )
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % prefix else "full_attention" for i in range(dense)
+    ] + ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers - dense)]
+    mlp_types = cfg.get("mlp_layer_types") or ["dense" if i < dense else "sparse" for i in range(num_layers)]
+    return {**cfg, "layer_types": layer_types, "mlp_layer_types": mlp_types}

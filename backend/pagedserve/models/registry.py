@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedserve.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
+from pagedserve.models.cohere import Cohere2ForCausalLM, Cohere2MoeForCausalLM, CohereForCausalLM
 from pagedserve.models.deepseek import (
     DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
@@ -132,6 +132,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
     "AfmoeForCausalLM": AfmoeForCausalLM,
+    "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM,
     "HeliumForCausalLM": HeliumForCausalLM,
     "CwmForCausalLM": LlamaForCausalLM,
     "MinistralForCausalLM": LlamaForCausalLM,
