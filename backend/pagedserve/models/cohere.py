@@ -61,9 +61,15 @@ class ParallelDecoderLayer(LlamaDecoderLayer):
     ) -> None:
         nn.Module.__init__(self)  # (not Llama's norms)
         self.self_attn = self.attention_class(cfg, backend, options, layer_index)
-        self.mlp = self.dense_mlp(cfg)
+        self.mlp = (
+            self.dense_mlp(cfg) if options.experts is None else self.experts_block(cfg, options.experts)
+        )
         self.input_layernorm = self.norm(cfg)
         self.mlp_layernorm = self.norm(cfg) if self.mlp_norm_of_its_own else None
+
+    def experts_block(self, cfg: dict[str, Any], spec: Experts) -> nn.Module:
+        """The MLP of a layer with experts (Command A Plus's)."""
+        return SparseMoeBlock(cfg["hidden_size"], spec)
 
     @staticmethod
     def norm(cfg: dict[str, Any]) -> RMSNorm:
@@ -204,18 +210,10 @@ class Cohere2MoeDecoderLayer(ParallelDecoderLayer):
     config.json names `rms_norm_eps`, else Cohere's LayerNorm) whose MLP is the dense prefix's SwiGLU of
     `prefix_dense_intermediate_size` or experts."""
 
-    def __init__(
-        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
-    ) -> None:
-        super().__init__(cfg, backend, options, layer_index)
-        if options.experts is not None:
-            average = cfg.get("shared_expert_combination_strategy", "average") == "average"
-            block = (
-                AveragedSharedMoeBlock
-                if average and options.experts.shared_intermediate_size
-                else SparseMoeBlock
-            )
-            self.mlp = block(cfg["hidden_size"], options.experts)
+    def experts_block(self, cfg: dict[str, Any], spec: Experts) -> nn.Module:
+        average = cfg.get("shared_expert_combination_strategy", "average") == "average"
+        block = AveragedSharedMoeBlock if average and spec.shared_intermediate_size else SparseMoeBlock
+        return block(cfg["hidden_size"], spec)
 
     def dense_mlp(self, cfg: dict[str, Any]) -> nn.Module:
         width = cfg.get("prefix_dense_intermediate_size") or cfg["intermediate_size"]
