@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -78,16 +79,9 @@ class ModelConfig:
         hf = apply_hf_overrides(hf, hf_overrides or {})
         check_quantization(hf)
         hf = text_decoder_config(hf)
-        if architecture_of(hf) == "KimiLinearForCausalLM":
-            hf = kimi_linear_config(hf)
-        if architecture_of(hf) in GPT2_NAMED:
-            hf = gpt2_config(hf)
-        if architecture_of(hf) == "Gemma4ForCausalLM":
-            hf = gemma4_config(hf)
-        if architecture_of(hf) == "FalconForCausalLM":
-            hf = falcon_config(hf)
-        if architecture_of(hf) == "NemotronHForCausalLM":  # (its layer types count its layers)
-            hf = {**hf, "num_hidden_layers": len(nemotron_h_layer_types(hf))}
+        reader = _CONFIG_READERS.get(architecture_of(hf))
+        if reader is not None:
+            hf = reader(hf)
         num_layers = num_kv_cache_layers(hf)
         if num_layers:
             num_heads = hf["num_attention_heads"]
@@ -445,6 +439,22 @@ def gemma4_layer_shapes(hf: dict[str, Any]) -> list[tuple[int, int]]:
     ]
 
 
+def _nemotron_h_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """Nemotron-H's layer count: its layer types' (a layer a block)."""
+    return {**hf, "num_hidden_layers": len(nemotron_h_layer_types(hf))}
+
+
+# the architectures whose config.json the model and the engine read through a reader of their own
+# (their names, defaults or layer counts under Llama's), after `text_decoder_config`
+_CONFIG_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "KimiLinearForCausalLM": kimi_linear_config,
+    **dict.fromkeys(GPT2_NAMED, gpt2_config),
+    "Gemma4ForCausalLM": gemma4_config,
+    "FalconForCausalLM": falcon_config,
+    "NemotronHForCausalLM": _nemotron_h_config,
+}
+
+
 def lfm2_layer_types(hf: dict[str, Any]) -> list[str]:
     """Each of LFM2's layers, "full_attention" or "conv": config.json's `layer_types`, else attention
     at `full_attn_idxs` (every layer where it names neither), as Lfm2Config reads them."""
@@ -475,8 +485,8 @@ def kv_cache_entry(hf: dict[str, Any]) -> tuple[int, int]:
         entry, head_dim = max(heads * dim for heads, dim in shapes), min(dim for _, dim in shapes)
         if any(entry % dim for _, dim in shapes):
             raise ValueError(
-                f"model: Gemma 4's layers' KV entries {sorted(set(shapes))} (heads, head size) do not "
-                "share one size"
+                f"model: config.json's head sizes and KV heads give Gemma 4's layers KV entries "
+                f"{sorted(set(shapes))} (heads, head size) of no one size"
             )
         return entry // head_dim, head_dim
     if "kv_lora_rank" in hf:

@@ -249,6 +249,7 @@ NOT_DECODE_LAYERS = {
     "helium-float32-norms-interleaved-rotary-default-theta",
     "hy-v3-sigmoid-biased-experts-shared-default-theta",
     "hyperclovax-post-norms-multiplied-logits",
+    "hyperclovax-no-post-norms-default-multipliers",
     "granite-swa-sinks-windows-layer-thetas",
     "granitemoe-swa-experts-sinks-windows",
     "afmoe-gated-attention-sandwich-norms-experts-mup",
@@ -320,6 +321,8 @@ COHERE2_MOE = {
     "sliding_window": 24,
     "sliding_window_pattern": 2,
 }
+# a tiny Llama's config.json as a Gemma 4's (the refusals): heads of 16, no per-layer embeddings
+GEMMA4_REFUSED = {"architectures": ["Gemma4ForCausalLM"], "hidden_size_per_layer_input": 0, "head_dim": 16}
 # Gemma 4 on a tiny scale: heads of 16 in the sliding layers (a window of 24), of 32 in the full
 # ones, no per-layer embeddings
 GEMMA4 = {"head_dim": 16, "global_head_dim": 32, "sliding_window": 24, "hidden_size_per_layer_input": 0}
@@ -1229,6 +1232,12 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             **TINY, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=0.25
         ),
         drop("attention_multiplier"),
+    ),
+    # ... without its norms after each branch (`use_post_norm` false) and every multiplier 1
+    # (HyperCLOVAXConfig's defaults, config.json naming none)
+    "hyperclovax-no-post-norms-default-multipliers": (
+        lambda: HyperCLOVAXConfig(**TINY, use_post_norm=False),
+        drop("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier"),
     ),
     # Zhipu's GLM-4-9B: GLM-4-0414's attention (q, k and v biased, GPT-J's rotary over half of each
     # head) and fused gate/up in Llama's layer; GlmConfig's norm eps (config.json naming none)
@@ -2968,6 +2977,34 @@ def test_rotary_tables_equal_transformers(
             "qk_norm_type 'per_head' is not supported for MiniMaxM2ForCausalLM",
         ),
         (
+            lambda c: c.update(GEMMA4_REFUSED, layer_types=["sliding_attention"]),
+            "layer_types has 1 entries for 2 layers",
+        ),
+        (
+            lambda c: c.update(
+                GEMMA4_REFUSED, layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=1
+            ),
+            "num_kv_shared_layers 1 leaves layer 1 \\(full_attention\\) no earlier full_attention layer",
+        ),
+        (  # (a sliding layer's entry of 2 x 16, a full one's of 1 x 24)
+            lambda c: c.update(
+                GEMMA4_REFUSED, global_head_dim=24, attention_k_eq_v=True, num_global_key_value_heads=1
+            ),
+            "head sizes and KV heads give Gemma 4's layers KV entries .* of no one size",
+        ),
+        (  # (the full layers' entry of 2 x 48 needs the sliding ones' 2 heads of 16 held 6 times: 4 query heads)
+            lambda c: c.update(GEMMA4_REFUSED, global_head_dim=48),
+            "cannot fill a KV entry of 96 a rank \\(1 ranks, 4 query heads\\)",
+        ),
+        (
+            lambda c: c.update(architectures=["JambaForCausalLM"], attn_layer_period=2, attn_layer_offset=2),
+            "attn_layer_offset 2 must be 0 to attn_layer_period 2 - 1",
+        ),
+        (
+            lambda c: c.update(architectures=["GraniteSWAForCausalLM"], layer_rope_theta=[1e4]),
+            "layer_rope_theta has 1 entries for 2 layers",
+        ),
+        (
             lambda c: c.update(
                 architectures=["Gemma4ForCausalLM"], hidden_size_per_layer_input=0, num_kv_shared_layers=2
             ),
@@ -3115,6 +3152,12 @@ def test_rotary_tables_equal_transformers(
         "ernie4.5-moe-biases",
         "cohere2-negative-logit-scale",
         "minimax-m2-per-head-qk-norm",
+        "gemma4-layer-types-not-its-layers",
+        "gemma4-kv-shared-layer-without-source",
+        "gemma4-kv-entries-of-no-one-size",
+        "gemma4-kv-heads-cannot-fill-the-entry",
+        "jamba-attention-offset-past-its-period",
+        "granite-swa-thetas-not-its-layers",
         "gemma4-every-layer-kv-shared",
         "cohere2-moe-shared-expert-strategy",
         "falcon-alibi",

@@ -219,8 +219,8 @@ def kv_sources(cfg: dict[str, Any]) -> dict[int, int]:
         earlier = [i for i in range(num_cache_layers) if layer_types[i] == kind]
         if not earlier:
             raise ValueError(
-                f"model: Gemma 4's KV-shared layer {index} ({kind}) has no earlier {kind} layer to read "
-                f"(num_kv_shared_layers {len(layer_types) - num_cache_layers})"
+                f"model: config.json's num_kv_shared_layers {len(layer_types) - num_cache_layers} leaves "
+                f"layer {index} ({kind}) no earlier {kind} layer whose KV cache it could read"
             )
         sources[index] = earlier[-1]
     return sources
@@ -236,8 +236,8 @@ def cache_repeats(shapes: list[tuple[int, int]], num_heads: int, tp_size: int) -
         held = entry // dim * tp_size
         if entry % dim or held % heads or num_heads % held:
             raise ValueError(
-                f"model: Gemma 4's layers of {heads} KV heads of {dim} cannot fill a KV entry of {entry} a "
-                f"rank ({tp_size} ranks, {num_heads} query heads)"
+                f"model: config.json's head sizes and KV heads give layers of {heads} KV heads of {dim}, "
+                f"which cannot fill a KV entry of {entry} a rank ({tp_size} ranks, {num_heads} query heads)"
             )
         repeats.append(held // heads)
     return repeats

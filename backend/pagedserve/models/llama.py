@@ -707,11 +707,15 @@ class HyperCLOVAXDecoderLayer(LlamaDecoderLayer):
         hidden = self.mix(rotary, hidden, metadata)
         if self.post_norm1 is not None:
             hidden = cast(torch.Tensor, self.post_norm1(hidden))
-        hidden, residual = self.post_attention_layernorm(hidden * self.residual_multiplier, residual)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
         hidden = self.mlp(hidden)
         if self.post_norm2 is not None:
             hidden = cast(torch.Tensor, self.post_norm2(hidden))
-        return hidden * self.residual_multiplier, residual
+        if self.residual_multiplier != 1.0:  # (the next layer's norm or the final one adds it)
+            hidden = hidden * self.residual_multiplier
+        return hidden, residual
 
 
 class HyperCLOVAXForCausalLM(GraniteForCausalLM):
