@@ -2483,6 +2483,40 @@ def test_experts_as_the_hub_lays_them_out_load_as_stacked(
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.parametrize(
+    ("name", "key", "head_rows", "message"),
+    [
+        (
+            "falcon-7b-multi-query-one-norm",
+            "transformer.h.0.self_attention.query_key_value.weight",
+            16,
+            r"checkpoint's query_key_value has 80 rows; config.json's 4 heads and 1 KV heads of 16 make 96",
+        ),
+        (
+            "cohere-head-layernorms-default-theta",
+            "model.layers.0.self_attn.q_norm.weight",
+            1,
+            r"checkpoint's q or k norm has shape \(3, 16\); config.json's heads make \(4, 16\)",
+        ),
+    ],
+    ids=["falcon-fused-qkv", "cohere-head-norms"],
+)
+def test_a_per_head_weight_cut_short_is_refused_naming_it(
+    tmp_path: Path, default_model_dir: str, name: str, key: str, head_rows: int, message: str
+) -> None:
+    """A checkpoint one head short of config.json's heads (here the first layer's, a head's rows cut
+    off) is refused with both counts, not cut by the config's sizes into the wrong heads."""
+    from safetensors.torch import load_file, save_file
+
+    make_config, patch = VARIANTS[name]
+    model_dir = Path(build(tmp_path, name, make_config(), patch, default_model_dir))
+    weights = load_file(model_dir / "model.safetensors")
+    weights[key] = weights[key][:-head_rows].clone()
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(model_dir), dtype="float32", num_kv_blocks=8)
+
+
 # --- sliding windows --------------------------------------------------------------------------------
 
 

@@ -268,6 +268,22 @@ def test_mamba2_splits_it_cannot_make_are_refused_before_any_rank_starts(
         LLM(model=model_dir, dtype="float32", num_kv_blocks=16, tensor_parallel_size=4)
 
 
+@pytest.mark.parametrize("family", ["mamba", "jamba"])
+def test_mamba_channel_splits_it_cannot_make_are_refused_before_any_rank_starts(
+    tmp_path: Path, default_model_dir: str, family: str
+) -> None:
+    model_dir = save_tiny_model(tmp_path / family, default_model_dir, HYBRIDS[family]())
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    # (Jamba's channels are its Mamba layers' own, not the MLP's intermediate_size, which 3 divides)
+    model = SimpleNamespace(num_layers=0, num_heads=4, num_kv_heads=2, hf_config=config)
+    engine = SimpleNamespace(model=model, parallel=SimpleNamespace(tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide Mamba's 128 channels"):
+        check_tensor_parallel_size(engine)  # type: ignore[arg-type]
+    if family == "mamba":
+        with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide Mamba's 128 channels"):
+            LLM(model=model_dir, dtype="float32", num_kv_blocks=16, tensor_parallel_size=3)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

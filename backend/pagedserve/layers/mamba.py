@@ -45,6 +45,13 @@ class MambaDims:
     inner_norm_eps: float = 0.0
     inner_norm_weights: bool = False
 
+    def check_split(self, tp_size: int) -> None:
+        """The channels split evenly across ranks."""
+        if self.intermediate_size % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size: {tp_size} does not divide Mamba's {self.intermediate_size} channels"
+            )
+
 
 def mamba_dims(cfg: dict[str, Any]) -> MambaDims:
     """A Mamba (1) model's sizes, MambaConfig's (FalconMambaConfig's) defaults where config.json leaves
@@ -72,10 +79,7 @@ class MambaMixer(RecurrentLayer):
     def __init__(self, dims: MambaDims) -> None:
         super().__init__()
         tp_size = get_tp_size()
-        if dims.intermediate_size % tp_size:
-            raise ValueError(
-                f"tensor_parallel_size: {tp_size} does not divide Mamba's {dims.intermediate_size} channels"
-            )
+        dims.check_split(tp_size)
         self.dims, self.width = dims, dims.conv_width
         self.inner = dims.intermediate_size // tp_size
         channels = rank_rows(self.inner)  # this rank's, of in_proj's x [0, I) and z [I, 2I), and the rest

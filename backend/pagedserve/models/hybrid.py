@@ -719,6 +719,16 @@ def _nemotron_h_renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator
             yield f"{name[: stacked.start()]}.mixer.experts.{number}.{stacked[1]}.weight", expert
 
 
+def mamba1_dims(cfg: dict[str, Any]) -> MambaDims | None:
+    """A model's Mamba (1) sizes, as its layers read config.json (None: no Mamba (1) layer)."""
+    architecture = architecture_of(cfg)
+    if architecture in ("MambaForCausalLM", "FalconMambaForCausalLM"):
+        return mamba_dims(cfg)
+    if architecture == "JambaForCausalLM":
+        return jamba_mamba_dims(cfg)
+    return None
+
+
 def mamba2_dims(cfg: dict[str, Any]) -> Mamba2Dims | None:
     """A hybrid model's Mamba2 sizes, as its layers read config.json (None: no Mamba2 layer)."""
     if not {"mamba", "parallel"} & set(hybrid_layer_types(cfg) or ()):

@@ -19,7 +19,7 @@ from pagedserve.distributed import all_reduce_min
 from pagedserve.launch import launch_env
 from pagedserve.layers.linear import check_head_split
 from pagedserve.layers.mamba2 import check_split as check_mamba2_split
-from pagedserve.models.hybrid import mamba2_dims
+from pagedserve.models.hybrid import mamba1_dims, mamba2_dims
 from pagedserve.models.kimi_linear import kimi_delta_dims
 from pagedserve.models.qwen3_5 import gated_delta_dims
 from pagedserve.worker.worker import Worker
@@ -121,6 +121,9 @@ def check_tensor_parallel_size(config: EngineConfig) -> None:
     dims = mamba2_dims(model.hf_config)
     if dims is not None:
         check_mamba2_split(dims, tp)
+    mamba_channels = mamba1_dims(model.hf_config)
+    if mamba_channels is not None:
+        mamba_channels.check_split(tp)
     if architecture_of(model.hf_config) in (
         "Qwen3_5ForCausalLM",
         "Qwen3_5MoeForCausalLM",
