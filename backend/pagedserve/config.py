@@ -706,21 +706,12 @@ MULTIMODAL_TEXT_DECODERS = (
 def _max_model_len(hf: dict[str, Any], requested: int | None) -> int:
     """The requested context length, else the model's (a sliding window bounds what a layer attends
     to, not the positions). A model without attention (Mamba2's) has no positions to run past: any
-    length, 2,048 unless requested (vLLM's where a config names none). Llama 4's chunked attention is
-    served within one chunk: its context is at most `attention_chunk_size`."""
+    length, 2,048 unless requested (vLLM's where a config names none)."""
     if num_kv_cache_layers(hf) == 0:
         if requested is not None and requested < 1:
             raise ValueError(f"max_model_len: must be at least 1, got {requested}")
         return requested or 2048
     limit = rope_context_length(hf)
-    chunk = hf.get("attention_chunk_size") if architecture_of(hf) == "Llama4ForCausalLM" else None
-    if chunk is not None and chunk < limit:  # (Llama 4's chunked attention: served within one chunk)
-        if requested is not None and requested > chunk:
-            raise ValueError(
-                f"max_model_len: Llama 4's chunked attention is served within one chunk "
-                f"(attention_chunk_size {chunk}), got {requested}"
-            )
-        limit = chunk
     if requested is not None and not 1 <= requested <= limit:
         raise ValueError(f"max_model_len: must be in [1, {limit}] for this model, got {requested}")
     return requested or limit
@@ -1062,6 +1053,34 @@ def default_layer_types(hf: dict[str, Any], architecture: str) -> list[str]:
     return ["sliding_attention" if slides else "full_attention" for slides in sliding]
 
 
+def llama4_layer_types(hf: dict[str, Any]) -> list[str]:
+    """Each of Llama 4's layers' attention, chunked_attention or full_attention: `layer_types`, by
+    default as Llama4TextConfig fills it in, chunked in the rope layers (`no_rope_layers`) unless
+    attention_chunk_size is null."""
+    chunk = hf.get("attention_chunk_size", 8192)
+    types = hf.get("layer_types") or [
+        "chunked_attention" if turns and chunk is not None else "full_attention"
+        for turns in smollm3_rotary_layers(hf)
+    ]
+    if len(types) != hf["num_hidden_layers"] or not set(types) <= {"chunked_attention", "full_attention"}:
+        raise ValueError(
+            f"model: config.json's layer_types must name {hf['num_hidden_layers']} layers, each "
+            f"chunked_attention or full_attention, got {types}"
+        )
+    if "chunked_attention" in types and not (isinstance(chunk, int) and chunk > 0):
+        raise ValueError(
+            f"model: config.json's attention_chunk_size must be a positive integer, got {chunk!r}"
+        )
+    return list(types)
+
+
+def attention_chunk(hf: dict[str, Any]) -> int:
+    """The chunk size of a model's chunked attention (Llama 4's: `layers.chunked`); 0, none."""
+    if architecture_of(hf) != "Llama4ForCausalLM" or "chunked_attention" not in llama4_layer_types(hf):
+        return 0
+    return int(hf.get("attention_chunk_size", 8192))
+
+
 def smollm3_rotary_layers(hf: dict[str, Any]) -> list[bool]:
     """Which of SmolLM3's layers turn q and k by their positions: `no_rope_layers` (1 turns, 0 does
     not; NoPE), by default all but every `no_rope_layer_interval`-th, as SmolLM3Config fills it in."""
@@ -1301,6 +1320,12 @@ class EngineConfig:
                 raise ValueError(f"lora_modules: {exc}") from None
         if self.model.recurrent:
             self._check_recurrent_state()
+        chunk = attention_chunk(self.model.hf_config)
+        if chunk % self.cache.block_size:
+            raise ValueError(
+                f"block_size: {self.cache.block_size} does not divide the model's attention_chunk_size "
+                f"{chunk} (each chunk of its attention must start a block)"
+            )
 
     def _check_recurrent_state(self) -> None:
         """What a model with a state per sequence (`ModelConfig.recurrent`) cannot run with."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,7 +119,8 @@ def test_only_decode_steps_that_fit_replay() -> None:
 
 
 class EagerGraph:
-    """What a captured graph does on replay, on a CPU: run the forward pass over the static buffers."""
+    """What a captured graph does on replay, on a CPU: run the forward pass over the static buffers,
+    deriving again whatever it derives from them (chunked attention's views of the step)."""
 
     def __init__(self, run: Callable[[], torch.Tensor]) -> None:
         self.graph, self.run, self.hidden = self, run, torch.empty(0)
@@ -134,8 +136,7 @@ class EagerReplay(CudaGraphs):
 
     def _capture(self, batch: int, context: int) -> EagerGraph:  # type: ignore[override]
         self.captured.append((batch, context))
-        inputs = self.static_inputs(batch, context)
-        return EagerGraph(lambda: self.forward(*inputs))
+        return EagerGraph(lambda: self.forward(*self.static_inputs(batch, context)))
 
 
 def workload() -> tuple[list[list[int]], list[SamplingParams]]:
@@ -164,6 +165,22 @@ def greedy_token_ids(llm: LLM) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
 
 
+def tiny_llama4(tmp_path: Path, tokenizer_dir: str) -> str:
+    """A Llama 4 whose layer 0 attends within chunks of 32 positions (two blocks of 16), layer 1
+    (NoPE) over everything: the workload's decodes cross chunks."""
+    from tiny_models import build_tiny_llama
+
+    return build_tiny_llama(
+        tmp_path / "llama4",
+        tokenizer_dir,
+        config_class="Llama4TextConfig",
+        intermediate_size_mlp=96,
+        num_local_experts=2,
+        no_rope_layers=[1, 0],
+        attention_chunk_size=32,
+    )
+
+
 def test_padded_replays_give_the_eager_tokens(tiny_llama_dir: str) -> None:
     expected = greedy_token_ids(engine(tiny_llama_dir, "cpu", enforce_eager=True))
     llm = engine(tiny_llama_dir, "cpu", enforce_eager=True)
@@ -176,6 +193,21 @@ def test_padded_replays_give_the_eager_tokens(tiny_llama_dir: str) -> None:
     # every batch size from 8 down, padded to 8, 4, 2, 1, in three context buckets
     assert {batch for batch, _ in replay.captured} == {8, 4, 2, 1}
     assert {context for _, context in replay.captured} == {256, 512, 1024}
+
+
+def test_chunked_attention_replays_give_the_eager_tokens(default_model_dir: str, tmp_path: Path) -> None:
+    """Llama 4's chunked attention views the step (its decode rows' block tables shifted to their
+    chunks, contexts cut) from the static buffers, padding rows and all, at every replay."""
+    model_dir = tiny_llama4(tmp_path, default_model_dir)
+    expected = greedy_token_ids(engine(model_dir, "cpu", enforce_eager=True))
+    llm = engine(model_dir, "cpu", enforce_eager=True)
+    runner = llm.engine.executor.worker.model_runner
+    assert runner.attention_chunks == [32]
+    replay = EagerReplay(runner.forward, runner.device, MAX_NUM_SEQS, runner.max_blocks_per_seq, 16)
+    runner.cuda_graphs = replay
+
+    assert greedy_token_ids(llm) == expected
+    assert {batch for batch, _ in replay.captured} == {8, 4, 2, 1}
 
 
 def test_draft_rows_replay_with_the_tokens_drafts_leave_unchanged(
@@ -229,9 +261,15 @@ def test_a_failed_capture_falls_back_to_the_forward_pass(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_graphs_give_the_eager_tokens(tiny_llama_dir: str) -> None:
-    expected = greedy_token_ids(engine(tiny_llama_dir, "cuda", enforce_eager=True))
-    llm = engine(tiny_llama_dir, "cuda", enforce_eager=False)
+@pytest.mark.parametrize("model", ["llama", "llama4-chunked"])
+def test_cuda_graphs_give_the_eager_tokens(
+    tiny_llama_dir: str, default_model_dir: str, tmp_path: Path, model: str
+) -> None:
+    """Llama 4's chunked attention derives its view of the step inside the graph (captured on
+    metadata of the capture's own), so every replay derives it again."""
+    model_dir = tiny_llama_dir if model == "llama" else tiny_llama4(tmp_path, default_model_dir)
+    expected = greedy_token_ids(engine(model_dir, "cuda", enforce_eager=True))
+    llm = engine(model_dir, "cuda", enforce_eager=False)
     graphs = llm.engine.executor.worker.model_runner.cuda_graphs
     assert graphs is not None
 

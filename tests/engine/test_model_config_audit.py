@@ -1616,7 +1616,8 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     # Llama 4: GPT-J's rotary by Llama 3's scaling in layers 0-2, q and k RMS-normed after it; layer 3
     # NoPE, its queries scaled from position 3 on (floor_scale 4); 4 experts of 24 (the top one by its
     # logit, its input scaled by the logit's sigmoid) beside a shared expert in layers 1 and 3, the
-    # others' MLPs dense (96); its chunked attention's chunk as long as the context
+    # others' MLPs dense (96); layers 0-2 attend within chunks of 32 positions (two blocks of 16): the
+    # prompts' prefills cross 10 and 11 chunks, the second prompt's decodes one more (at 352)
     "llama4-experts-every-other-layer-nope-temperature": (
         lambda: Llama4TextConfig(
             **{**TINY, "num_hidden_layers": 4, "intermediate_size": 24},
@@ -1626,7 +1627,7 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             interleave_moe_layer_step=2,
             floor_scale=4,
             attn_scale=0.5,
-            attention_chunk_size=1024,
+            attention_chunk_size=32,
             rope_parameters={**LLAMA3_ROPE, "rope_theta": 500_000.0},
         ),
         None,
@@ -1787,6 +1788,7 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
         "deepseek-v3-mla-yarn-grouped-experts-4.x-config",
         "starcoder2-gelu-biases-window-tied",
         "apertus-xielu-head-norms-default-rope",
+        "llama4-experts-every-other-layer-nope-temperature",  # (chunked attention inside the graph's op)
     ],
 )
 def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str], name: str) -> None:
@@ -2260,22 +2262,57 @@ def test_a_gemma4_checkpoint_serves_its_text_decoder(tmp_path: Path, default_mod
     assert_serves_its_text_decoder(model_dir, "Gemma4ForConditionalGeneration", "Gemma4ForCausalLM")
 
 
-def test_llama4s_context_is_one_chunk_of_its_chunked_attention(
-    variant_dir: Callable[[str], str], tmp_path: Path
+def test_llama4s_chunked_attention_reaches_past_one_chunk(variant_dir: Callable[[str], str]) -> None:
+    """Its rope layers attend within chunks of 32 positions, its NoPE layer over all of them, to the
+    model's whole 1,024 positions: prompts arriving 40 tokens a step (parts that start and end inside
+    chunks, beside other requests' decodes), and a prompt whose first 192 tokens (6 chunks) come from
+    the prefix cache, give transformers' greedy tokens and logprobs."""
+    model_dir = variant_dir("llama4-experts-every-other-layer-nope-temperature")
+    first, second = long_prompts()
+    rng = random.Random(1)
+    sharing = first[:192] + [rng.randrange(3, 49152) for _ in range(77)]
+    model, theirs = hf_greedy(model_dir, [first, second, sharing], MAX_TOKENS)
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        num_kv_blocks=128,
+        block_size=16,
+        max_num_batched_tokens=40,
+        max_num_seqs=4,
+    )
+    assert llm.engine.config.model.max_model_len == 1024
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([first, second], params) + llm.generate([sharing], params)
+    assert outputs[2].num_cached_tokens == 192
+    ours = [out.outputs[0] for out in outputs]
+    assert_greedy_equal(model, [first, second, sharing], [o.token_ids for o in ours], theirs)
+    for prompt, completion in zip([first, second, sharing], ours, strict=True):
+        expected = float(hf_logprobs(model, prompt, completion.token_ids)[0].sum())
+        assert completion.cumulative_logprob == pytest.approx(expected, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"attention_chunk_size": 48}, "block_size: 32 does not divide the model's attention_chunk_size 48"),
+        ({"attention_chunk_size": 0}, "attention_chunk_size must be a positive integer, got 0"),
+        (
+            {"layer_types": ["chunked_attention", "sliding_attention", "full_attention", "full_attention"]},
+            "layer_types must name 4 layers, each chunked_attention or full_attention",
+        ),
+    ],
+    ids=["chunk-not-in-blocks", "chunk-zero", "unknown-layer-type"],
+)
+def test_llama4_chunks_it_cannot_serve_are_refused_naming_the_setting(
+    variant_dir: Callable[[str], str], tmp_path: Path, change: dict[str, Any], message: str
 ) -> None:
-    """Its rope layers attend within chunks of `attention_chunk_size`: served within one chunk, the
-    context capped at it and a longer one refused naming the setting."""
     model_dir = with_config(
         tmp_path / "m",
         variant_dir("llama4-experts-every-other-layer-nope-temperature"),
-        lambda c: c.update(attention_chunk_size=512),
+        lambda c: c.update(change),
     )
-    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=64, block_size=16)
-    assert llm.engine.config.model.max_model_len == 512
-    with pytest.raises(
-        ValueError, match="max_model_len: Llama 4's chunked attention is served within one chunk"
-    ):
-        LLM(model=model_dir, dtype="float32", num_kv_blocks=64, block_size=16, max_model_len=600)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=model_dir, dtype="float32", num_kv_blocks=64, block_size=32)
 
 
 # --- mixtures of experts -----------------------------------------------------------------------------

@@ -291,6 +291,18 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
             "MiniMaxM2Config",
             {"rotary_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2},
         ),
+        # each rank's heads attending within chunks of 16 (two blocks of 8) in layer 0, layer 1 NoPE
+        # with its query temperature; experts in both
+        (
+            "Llama4TextConfig",
+            {
+                "intermediate_size_mlp": 96,
+                "num_local_experts": 2,
+                "no_rope_layers": [1, 0],
+                "attention_chunk_size": 16,
+                "floor_scale": 4,
+            },
+        ),
     ],
     ids=[
         "phi3",
@@ -310,6 +322,7 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         "gpt-bigcode",
         "opt",
         "minimax-m2",
+        "llama4-chunked",
     ],
 )
 def test_tp2_llama_family_layouts_match_single_rank(

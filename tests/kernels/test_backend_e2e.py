@@ -187,6 +187,51 @@ def test_deepseeks_latent_attention_in_the_triton_kernels_equals_the_torch_backe
 
 
 @pytest.mark.timeout(600)
+def test_llama4s_chunked_attention_in_the_triton_kernels_equals_the_torch_backend(
+    default_model_dir: str, device: torch.device, tmp_path: Path
+) -> None:
+    """Llama 4 beside the Triton backend: layer 0 attends within chunks of 16 positions (two blocks of
+    8), layer 1 (NoPE) over everything; prompts of 21 and 7 tokens arrive 16 tokens a step, so prefill
+    parts start inside chunks and cross them, and decodes cross them too: the torch backend's tokens,
+    which the chunks change."""
+    from tiny_models import build_tiny_llama
+
+    def build(name: str, chunk: int) -> str:
+        if (tmp_path / name).exists():
+            return str(tmp_path / name)
+        return build_tiny_llama(
+            tmp_path / name,
+            default_model_dir,
+            config_class="Llama4TextConfig",
+            intermediate_size_mlp=96,
+            num_local_experts=2,
+            no_rope_layers=[1, 0],
+            attention_chunk_size=chunk,
+        )
+
+    prompts = [list(range(100, 121)), list(range(900, 907)), [5]]  # (short: the interpreter is slow)
+
+    def tokens(chunk: int, backend: str) -> list[list[int]]:
+        llm = LLM(
+            model=build(f"chunk-{chunk}", chunk),
+            dtype="float32",
+            device=str(device),
+            attention_backend=backend,
+            num_kv_blocks=16,
+            block_size=8,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+        )
+        chunks = [attn.chunk for attn in llm.engine.executor.worker.model_runner.attention_layers]
+        assert chunks == [chunk, 0]
+        return greedy_token_ids(llm, prompts)
+
+    expected = tokens(16, "torch")
+    assert tokens(16, "triton") == expected
+    assert tokens(1024, "torch") != expected  # (one chunk as long as the context: no cut)
+
+
+@pytest.mark.timeout(600)
 def test_triton_backend_verifies_drafts_as_decode_rows(
     tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

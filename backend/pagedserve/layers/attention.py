@@ -27,6 +27,7 @@ from pagedserve_kernels import reference
 from torch import nn
 
 from pagedserve.distributed import get_tp_rank
+from pagedserve.layers.chunked import ChunkedPrefills, chunk_decodes
 
 if TYPE_CHECKING:
     from pagedserve.layers.recurrent import RecurrentStep
@@ -55,10 +56,45 @@ class AttentionMetadata:
     # the step's sequences as a model's layers with a state per request read them (LFM2's, Mamba2's:
     # `layers.recurrent`), built by the model runner for such a model alone
     recurrent: RecurrentStep | None = None
+    # the step's prefills cut at each chunk size's boundaries (`layers.chunked`), built by the model
+    # runner for a model with chunked attention alone; and the step as such layers see it (`chunk_local`)
+    chunked_prefills: dict[int, ChunkedPrefills] = field(default_factory=dict)
+    chunk_views: dict[int, AttentionMetadata] = field(default_factory=dict)
 
     @property
     def num_prefills(self) -> int:
         return self.prefill_context_lens.shape[0]
+
+    def chunk_local(self, chunk: int, block_size: int) -> AttentionMetadata:
+        """The step as a layer attending within chunks of `chunk` positions sees it: each sequence's
+        queries over their own chunk's keys alone (`layers.chunked`). Derived by the step's first such
+        layer, shared by the others."""
+        view = self.chunk_views.get(chunk)
+        if view is not None:
+            return view
+        tables, context_lens, longest = chunk_decodes(
+            self.decode_block_tables, self.decode_context_lens, self.max_decode_context_len, chunk, block_size
+        )
+        view = AttentionMetadata(
+            slot_mapping=self.slot_mapping,
+            num_decodes=self.num_decodes,
+            decode_block_tables=tables,
+            decode_context_lens=context_lens,
+            prefill_block_tables=self.prefill_block_tables,
+            prefill_query_start_loc=self.prefill_query_start_loc,
+            prefill_context_lens=self.prefill_context_lens,
+            max_decode_context_len=longest,
+            max_prefill_query_len=self.max_prefill_query_len,
+        )
+        if self.num_prefills:
+            assert chunk in self.chunked_prefills, "the model runner cuts a step's prefills at its chunks"
+            prefills = self.chunked_prefills[chunk]
+            view.prefill_block_tables = prefills.block_tables
+            view.prefill_query_start_loc = prefills.query_start_loc
+            view.prefill_context_lens = prefills.context_lens
+            view.max_prefill_query_len = prefills.max_query_len
+        self.chunk_views[chunk] = view
+        return view
 
 
 class AttentionBackend(abc.ABC):
@@ -363,16 +399,19 @@ class Attention(nn.Module):
         window: int = 0,
         softcap: float = 0.0,
         sinks: bool = False,
+        chunk: int = 0,
     ) -> None:
         """`scale` multiplies q.k: 1 / sqrt(head_dim) unless the model names its own (Granite's).
         `window`: a query sees the last `window` positions alone (a sliding window; 0, all).
+        `chunk` C: a query at p sees positions C * (p // C)..p alone (Llama 4's chunked attention,
+        `layers.chunked`; 0, all).
         `softcap` c: each score s becomes c * tanh(s / c) (Gemma 2's soft-capping; 0, none).
         `sinks`: a learned logit a query head (the parameter `sinks`, this rank's `num_heads` of
         them) joins each softmax with no value (GPT-OSS's attention sinks)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
-        self.window, self.softcap = window, softcap
+        self.window, self.softcap, self.chunk = window, softcap, chunk
         self.sinks: nn.Parameter | None = None
         if sinks:
             self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
@@ -412,6 +451,8 @@ class Attention(nn.Module):
         k_cache, v_cache = self.kv_cache
         if k.shape[0]:
             self.backend.write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if self.chunk:
+            metadata = metadata.chunk_local(self.chunk, k_cache.shape[1])
         # (the sinks stay float32 whatever the model's dtype: the kernels take them so)
         sinks = None if self.sinks is None else self.sinks.float()
         num_decodes, scale, limits = metadata.num_decodes, self.scale, (self.window, self.softcap, sinks)

@@ -9,7 +9,7 @@ as transformers' Llama4ForCausalLM runs it. Llama's layer with:
 - on the NoPE layers each query scaled by 1 + attn_scale ln(1 + floor((position + 1) / floor_scale))
   (`attn_temperature_tuning`: 1 below floor_scale's 8,192 positions), in float32, rounded once;
 - the rope layers' chunked attention (`attention_chunk_size`, 8,192: a token attends within its
-  chunk) served within one chunk: the context is capped at it (`config._max_model_len`);
+  chunk; `layer_types`' chunked_attention, `layers.chunked`), the NoPE layers' over the whole context;
 - MoE layers (`moe_layers`, by default every `interleave_moe_layer_step`-th: Scout's every layer,
   Maverick's every other one): `num_local_experts` SwiGLU experts of `intermediate_size`, the top
   `num_experts_per_tok` (1) by the router's logits, each expert's input scaled by the sigmoid of its
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.config import smollm3_rotary_layers
+from pagedserve.config import attention_chunk, llama4_layer_types, smollm3_rotary_layers
 from pagedserve.layers.attention import AttentionBackend, AttentionMetadata
 from pagedserve.layers.moe import Experts
 from pagedserve.layers.norm import weightless_rms_norm
@@ -46,6 +46,8 @@ class Llama4Attention(LlamaAttention):
         self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
     ) -> None:
         super().__init__(cfg, backend, options, layer_index)
+        if llama4_layer_types(cfg)[layer_index] == "chunked_attention":
+            self.attn.chunk = attention_chunk(cfg)
         self.qk_norm_eps = rms_norm_eps(cfg) if self.rotary and cfg.get("use_qk_norm", True) else None
         self.temperature_tuning = not self.rotary and bool(cfg.get("attn_temperature_tuning", True))
 

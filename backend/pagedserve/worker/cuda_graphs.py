@@ -147,13 +147,14 @@ class CudaGraphs:
     def _capture(self, batch: int, context: int) -> _Graph:
         """Capture the forward pass over the static buffers (filled with the current step, so the
         eager run before it, which compiles the step's Triton kernels outside the capture, writes the
-        same K/V as the replay that follows)."""
+        same K/V as the replay that follows). The capture takes metadata of its own: what layers
+        derive from it (chunked attention's views, `AttentionMetadata.chunk_local`) is then derived
+        inside the graph, again at every replay, not kept from the eager run."""
         start = time.perf_counter()
-        input_ids, positions, metadata = self.static_inputs(batch, context)
-        self.forward(input_ids, positions, metadata)
+        self.forward(*self.static_inputs(batch, context))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.forward(input_ids, positions, metadata)
+            hidden = self.forward(*self.static_inputs(batch, context))
         self.pool = graph.pool()
         logger.debug(
             "CUDA graph for decode steps of %d sequences, contexts up to %d tokens, captured in %.0f ms",

@@ -30,6 +30,7 @@ from pagedserve.layers.attention import (
     make_attention_backend,
     step_metadata,
 )
+from pagedserve.layers.chunked import chunk_prefills
 from pagedserve.layers.linear import LinearBase, can_pack_weights, packed_before_compiling
 from pagedserve.layers.moe import SparseMoeBlock
 from pagedserve.layers.recurrent import ConvWindows, RecurrentStep, conv_windows
@@ -254,6 +255,8 @@ class ModelRunner:
         if self.recurrent_layers:
             self._bind_states(max_seqs)
         self.conv_widths = sorted({layer.width for layer in self.recurrent_layers})
+        # chunked attention's chunk sizes (Llama 4's), each step's prefills cut at their boundaries
+        self.attention_chunks = sorted({attn.chunk for attn in self.attention_layers if attn.chunk})
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.block_tables = torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
         self.free_rows = list(range(max_seqs - 1, -1, -1))
@@ -724,6 +727,16 @@ class ModelRunner:
             max_decode_context_len=int(decode_context_lens.max()) if num_decodes else 0,
             max_prefill_query_len=int(q_lens[num_decode_requests:].max()) if n > num_decode_requests else 0,
         )
+        if n > num_decode_requests:
+            for chunk in self.attention_chunks:
+                metadata.chunked_prefills[chunk] = chunk_prefills(
+                    starts[num_decode_requests:],
+                    q_lens[num_decode_requests:],
+                    tables[num_decode_requests:],
+                    chunk,
+                    self.block_size,
+                    self.device,
+                )
         if self.recurrent_layers:
             metadata.recurrent = RecurrentStep(to_device(rows), rows.tolist(), q_lens.tolist())
             for width in self.conv_widths:
