@@ -16,7 +16,9 @@ fourth DeepSeek latent attention without rotary (8 heads, a latent of 256 + 32),
 Attention (8 heads of 128, convolutions of 4 taps), layer 0's MLP dense (3,072), the others 2 of 16
 experts of 512 beside a shared one (its LM head untied, as Kimi's). `falcon-h1` is a Falcon-H1 layout
 at a CPU's scale: hidden 1,024, 12 layers, each attention (8 heads of 128, 2 KV heads) beside Mamba2
-(16 heads of 64, a state of 128, one group), an MLP 2,048 wide. Each with the default model's
+(16 heads of 64, a state of 128, one group), an MLP 2,048 wide. `mamba` is mamba-130m's shape (Mamba
+1, no attention): hidden 768, 24 layers of 1,536 channels, each a state of 16, convolutions of 4 taps.
+Each with the default model's
 tokenizer and vocabulary, saved by transformers' `save_pretrained` in bfloat16.
 """
 
@@ -85,6 +87,10 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "mamba_n_groups": 1,
             "mamba_d_state": 128,
         },
+    ),
+    "mamba": (
+        "MambaConfig",
+        {"hidden_size": 768, "num_hidden_layers": 24, "state_size": 16, "expand": 2, "conv_kernel": 4},
     ),
     "kimi-linear": (
         "KimiLinearConfig",

@@ -31,6 +31,7 @@ _SOURCES = (
     Path(__file__).parent / "csrc" / "linear_amx.cpp",
     Path(__file__).parent / "csrc" / "linear_avx512.cpp",
     Path(__file__).parent / "csrc" / "decode_layers.cpp",
+    Path(__file__).parent / "csrc" / "mamba.cpp",
     Path(__file__).parent / "csrc" / "mamba2.cpp",
     Path(__file__).parent / "csrc" / "gated_delta.cpp",
 )
@@ -99,6 +100,24 @@ def _linear_avx512_shape(
 ) -> torch.Tensor:
     """What `linear_avx512` returns, for tracing (torch.compile)."""
     return x.new_empty((*x.shape[:-1], packed.shape[0] * packed.shape[2]))
+
+
+def mamba_scan(
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+) -> torch.Tensor:
+    """Mamba (1)'s selective scan over a step's tokens (csrc/mamba.cpp; needs `load()`): request i's
+    tokens starts[i]..starts[i + 1] in order, its state rows[i] of `state` [rows, channels, state_size]
+    (float32 or bfloat16) advanced in place a token at a time, h <- exp(dt A) h + (dt x) B, and
+    y = h . C [tokens, channels] (float32) returned, from x and dt [tokens, channels], A [channels,
+    state_size], and B and C [tokens, state_size], all float32; `starts` int64 [requests + 1]."""
+    return torch.ops.pagedserve_cpu.mamba_scan(state, rows, starts, x, dt, a, b, c)
 
 
 def mamba2_decode(

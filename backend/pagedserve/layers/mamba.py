@@ -10,9 +10,11 @@ rank) + its bias). Each channel c keeps a state h [state_size], advanced by ever
     h <- exp(dt_c A_c) h + dt_c x_c B,    y_c = h . C + D_c x_c,    A = -exp(A_log) [channels, state_size]
 
 and y times SiLU(z) goes through out_proj. FalconMamba RMS-normalizes the low-rank part, B and C
-(without weights) before they are used, Jamba's Mamba layers with weights. Each state decays by its own rate (A_c is a row, Mamba2's a
-scalar a head), so a prompt's tokens advance the state one at a time; a step's one-token sequences
-advance together. In float32, the states kept in the model's dtype (transformers' cache)."""
+(without weights) before they are used, Jamba's Mamba layers with weights. Each state decays by its
+own rate (A_c is a row, Mamba2's a scalar a head), so a prompt's tokens advance the state one at a
+time: on a CPU in the C++ kernels, every request's tokens in one call (csrc/mamba.cpp, threads taking
+channels); elsewhere a step's one-token sequences together and a prompt a token at a time from
+Python. In float32, the states kept in the model's dtype (transformers' cache)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+from pagedserve_kernels import cpu as cpu_kernels
 from torch import nn
 
 from pagedserve.config import architecture_of
@@ -158,21 +161,41 @@ class MambaMixer(RecurrentLayer):
         self, x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, step: RecurrentStep
     ) -> torch.Tensor:
         """y [tokens, channels] (float32, with D's skip) of the step's tokens, each request's state
-        advanced; b and c [tokens, state_size]."""
+        advanced; b and c [tokens, state_size]. On a CPU the C++ kernels scan every request's tokens
+        in one call (`cpu_kernels.mamba_scan`), elsewhere `scan_states`."""
         assert self.ssm_state is not None
         a = -torch.exp(self.A_log.float())
-        y = torch.empty_like(x)
-        rows, tokens = step.single_tokens
-        if tokens.numel():  # one token each, advanced together
-            state = self.ssm_state[rows].float()
-            y[tokens] = advance(state, x[tokens], dt[tokens], a, b[tokens], c[tokens])
-            self.ssm_state[rows] = state.to(self.ssm_state.dtype)
-        for row, start, n in step.runs:
-            state = self.ssm_state[row].float()
-            for t in range(start, start + n):  # (each state its own decay: a token at a time)
-                y[t] = advance(state, x[t], dt[t], a, b[t], c[t])
-            self.ssm_state[row] = state.to(self.ssm_state.dtype)
+        if self.ssm_state.is_cpu and cpu_kernels.load():
+            y = cpu_kernels.mamba_scan(self.ssm_state, step.rows, step.token_starts, x, dt, a, b, c)
+        else:
+            y = scan_states(self.ssm_state, step, x, dt, a, b, c)
         return y + self.D.float() * x
+
+
+def scan_states(
+    states: torch.Tensor,
+    step: RecurrentStep,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+) -> torch.Tensor:
+    """`cpu_kernels.mamba_scan` in torch (GPUs; CPUs without the C++ kernels): the decodes' states
+    advanced together, each prompt's a token at a time (each state its own decay); y [tokens,
+    channels] without D's skip."""
+    y = torch.empty_like(x)
+    rows, tokens = step.single_tokens
+    if tokens.numel():  # one token each, advanced together
+        state = states[rows].float()
+        y[tokens] = advance(state, x[tokens], dt[tokens], a, b[tokens], c[tokens])
+        states[rows] = state.to(states.dtype)
+    for row, start, n in step.runs:
+        state = states[row].float()
+        for t in range(start, start + n):
+            y[t] = advance(state, x[t], dt[t], a, b[t], c[t])
+        states[row] = state.to(states.dtype)
+    return y
 
 
 def advance(

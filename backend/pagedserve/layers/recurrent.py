@@ -56,6 +56,12 @@ class RecurrentStep:
         )
 
     @functools.cached_property
+    def token_starts(self) -> torch.Tensor:
+        """[sequences + 1] int64 on the host: where each sequence's tokens start in the packed batch,
+        then their count."""
+        return torch.tensor(np.cumsum([0, *self.query_lens]), dtype=torch.int64)
+
+    @functools.cached_property
     def runs(self) -> list[tuple[int, int, int]]:
         """(row, first token, tokens) of each sequence with more than one token this step (prompts)."""
         starts = np.cumsum([0, *self.query_lens[:-1]])

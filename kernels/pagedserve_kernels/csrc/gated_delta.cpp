@@ -105,7 +105,7 @@ void advance(at::Tensor& state, const int64_t* rows, const float* q, const float
 
 at::Tensor gated_delta_decode(at::Tensor& state, const at::Tensor& rows, const at::Tensor& q, const at::Tensor& k,
                               const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta) {
-  pagedserve::check_states(state, "[rows, heads, head_k_dim, head_v_dim]");
+  pagedserve::check_states(state, 4, "[rows, heads, head_k_dim, head_v_dim]");
   const int64_t num_heads = state.size(1), dk = state.size(2), dv = state.size(3);
   TORCH_CHECK(dv <= kMaxValueDim, "state: head_v_dim ", dv, " is past ", kMaxValueDim);
   TORCH_CHECK(dk <= kMaxKeyDim, "state: head_k_dim ", dk, " is past ", kMaxKeyDim);

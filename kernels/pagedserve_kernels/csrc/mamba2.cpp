@@ -75,7 +75,7 @@ void advance(at::Tensor& state, const int64_t* rows, const float* x, const float
 
 at::Tensor mamba2_decode(at::Tensor& state, const at::Tensor& rows, const at::Tensor& x, const at::Tensor& dt,
                          const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
-  pagedserve::check_states(state, "[rows, heads, head_dim, state_size]");
+  pagedserve::check_states(state, 4, "[rows, heads, head_dim, state_size]");
   const int64_t num_heads = state.size(1), head_dim = state.size(2), state_size = state.size(3);
   const auto ids = pagedserve::checked_rows(rows, state);
   const int64_t* row = ids.data_ptr<int64_t>();

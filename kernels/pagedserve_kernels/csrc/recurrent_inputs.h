@@ -1,6 +1,6 @@
-// The inputs of a recurrent layer's decode kernel (mamba2.cpp, gated_delta.cpp), checked as the
-// layers pass them: the states [rows, heads, ...] contiguous float32 or bfloat16, the requests' state
-// rows int64 and within them, every other input float32 of its expected shape.
+// The inputs of a recurrent layer's kernel (mamba.cpp, mamba2.cpp, gated_delta.cpp), checked as the
+// layers pass them: the states [rows, ...] contiguous float32 or bfloat16, the requests' state rows
+// int64 and within them, every other input float32 of its expected shape.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,8 +9,8 @@
 
 namespace pagedserve {
 
-inline void check_states(const at::Tensor& state, const char* layout) {
-  TORCH_CHECK(state.dim() == 4 && state.is_contiguous() &&
+inline void check_states(const at::Tensor& state, int64_t dims, const char* layout) {
+  TORCH_CHECK(state.dim() == dims && state.is_contiguous() &&
                   (state.scalar_type() == at::kFloat || state.scalar_type() == at::kBFloat16),
               "state: contiguous float32 or bfloat16 ", layout);
 }
