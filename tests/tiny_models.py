@@ -295,9 +295,10 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                         "Jamba",
                         "HyperCLOVAX",
                         "Afmoe",
+                        "Bloom",
                     )
                 )
-                or re.search(r"\.ln_([12f]|attn|mlp)\.weight$", name)
+                or re.search(r"\.(ln|norm)_([12f]|attn|mlp)\.weight$", name)
             ):
                 param.normal_(
                     1.0, 0.5

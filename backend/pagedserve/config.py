@@ -390,6 +390,42 @@ def gpt2_config(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def alibi_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """BLOOM's and MPT's config.json under Llama's names, with BloomConfig's and MptConfig's defaults
+    for the keys it leaves out: BLOOM's n_layer, n_head, hidden_size (or n_embed), its context
+    `seq_length` (2,048 where it names none: ALiBi has no positions to run past, vLLM's default);
+    MPT's d_model, n_heads, n_layers and max_seq_len; both MLPs 4 x hidden wide, both LM heads tied."""
+    if architecture_of(hf) == "MptForCausalLM":
+        hidden, named = (
+            hf.get("d_model", 2048),
+            {
+                "num_hidden_layers": hf.get("n_layers", 24),
+                "num_attention_heads": hf.get("n_heads", 16),
+                "max_position_embeddings": hf.get("max_seq_len", 2048),
+                "vocab_size": hf.get("vocab_size", 50368),
+            },
+        )
+    else:
+        hidden, named = (
+            hf.get("hidden_size") or hf.get("n_embed", 64),
+            {
+                "num_hidden_layers": hf.get("n_layer", 2),
+                "num_attention_heads": hf.get("n_head", 8),
+                "max_position_embeddings": hf.get("seq_length", 2048),
+                "vocab_size": hf.get("vocab_size", 250880),
+            },
+        )
+    return {
+        **hf,
+        **named,
+        "hidden_size": hidden,
+        "num_key_value_heads": named["num_attention_heads"],
+        "intermediate_size": 4 * hidden,
+        "rms_norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+        "tie_word_embeddings": hf.get("tie_word_embeddings", True),
+    }
+
+
 def falcon_config(hf: dict[str, Any]) -> dict[str, Any]:
     """Falcon's config.json as FalconConfig reads it: its KV heads (`num_kv_heads`, every head's by
     default) under the new decoder architecture or without `multi_query`, else one; its MLP
@@ -451,6 +487,8 @@ _CONFIG_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     **dict.fromkeys(GPT2_NAMED, gpt2_config),
     "Gemma4ForCausalLM": gemma4_config,
     "FalconForCausalLM": falcon_config,
+    "BloomForCausalLM": alibi_config,
+    "MptForCausalLM": alibi_config,
     "NemotronHForCausalLM": _nemotron_h_config,
 }
 

@@ -34,6 +34,10 @@
 # Attention sinks (`sinks` [num_heads] float32, GPT-OSS's; None is none): head h's softmax has one more
 # logit, sinks[h], with no value. A row's online softmax starts from it (m = sinks[h] * log2 e, l = 1,
 # acc = 0); split-K adds it once, in the merge. HAS_SINKS is a constexpr: without sinks, as before.
+#
+# ALiBi (`alibi_slopes` [num_heads] float32, BLOOM's and MPT's; None is none): head h's score of the key
+# at position j, for the query at p, gains slopes[h] * (j - p) after any soft-capping, in base 2 as
+# slopes[h] * log2 e * (j - p). ALIBI is a constexpr: without slopes, as before.
 """Paged attention kernels: decode (one query token per sequence, optional split-K) and prefill over
 packed variable-length queries whose keys, earlier context included, are in the paged cache."""
 
@@ -53,7 +57,7 @@ from pagedserve_kernels._checks import (
     check_shape,
     check_tensor,
 )
-from pagedserve_kernels.reference import check_sinks
+from pagedserve_kernels.reference import check_alibi, check_sinks
 
 _LOG2E = 1.4426950408889634
 # tl.dot needs every dimension >= 16 on GPUs; smaller group/head/tile sizes are padded and masked.
@@ -130,6 +134,26 @@ def _softmax_start(
 
 
 @triton.jit
+def _alibi_slopes(
+    alibi_ptr: tl.tensor, heads: tl.tensor, mask: tl.tensor, ROWS: tl.constexpr, ALIBI: tl.constexpr
+) -> tl.tensor:
+    """ROWS rows' ALiBi slopes (query heads `heads`, `mask`ed rows 0) in base 2; zeros, unread,
+    without ALIBI."""
+    if ALIBI:
+        return tl.load(alibi_ptr + heads, mask=mask, other=0.0) * 1.4426950408889634  # log2 e
+    return tl.zeros([ROWS], tl.float32)
+
+
+@triton.jit
+def _alibi_bias(slopes: tl.tensor, distance: tl.tensor, ALIBI: tl.constexpr) -> tl.tensor:
+    """[rows, keys]: each row's slope times each key's distance to the row's query (key - query);
+    nothing is computed without ALIBI (its scores never read it)."""
+    if ALIBI:
+        return slopes[:, None] * distance.to(tl.float32)
+    return slopes[:, None]
+
+
+@triton.jit
 def _online_softmax_step(
     q: tl.tensor,
     k: tl.tensor,
@@ -141,8 +165,10 @@ def _online_softmax_step(
     scale_log2: tl.tensor,
     softcap_scale: tl.tensor,
     softcap_log2: tl.tensor,
+    bias: tl.tensor,
     UPCAST: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """One key tile of flash attention. A row may have no valid key in a tile, and none yet at all:
     under a window a prefill row's keys start after its tile's first row's, and a split may hold
@@ -150,10 +176,12 @@ def _online_softmax_step(
 
     Scores in base 2: q.k * scale_log2 (scale * log2 e), or under SOFTCAP the capped natural score
     c * tanh(scale * q.k / c) times log2 e, as tanh(q.k * softcap_scale) * softcap_log2 (scale / c and
-    c * log2 e)."""
+    c * log2 e). Under ALIBI `bias` (in base 2, [rows, keys]) is added after the cap."""
     qk = _dot(q, tl.trans(k), UPCAST)
     # a constexpr condition: only the chosen branch is compiled
     scores = _tanh(qk * softcap_scale) * softcap_log2 if SOFTCAP else qk * scale_log2
+    if ALIBI:
+        scores = scores + bias
     scores = tl.where(valid, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     # exponents are taken against 0 while a row's max is still -inf: exp2(-inf - 0) weighs 0, where
@@ -176,6 +204,7 @@ def _decode_kernel(
     out_ptr: tl.tensor,
     lse_ptr: tl.tensor,
     sinks_ptr: tl.tensor,
+    alibi_ptr: tl.tensor,
     scale_log2: tl.tensor,
     softcap_scale: tl.tensor,
     softcap_log2: tl.tensor,
@@ -202,6 +231,7 @@ def _decode_kernel(
     UPCAST: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    ALIBI: tl.constexpr,
 ) -> None:
     """Program (seq, kv_head, split): the group's query heads over keys
     [kv_start + split * tokens_per_split, min(kv_start + (split + 1) * tokens_per_split, context_len)),
@@ -232,6 +262,7 @@ def _decode_kernel(
 
     m_i, l_i = _softmax_start(sinks_ptr, heads, g_mask, BLOCK_G, HAS_SINKS)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    slopes = _alibi_slopes(alibi_ptr, heads, g_mask, BLOCK_G, ALIBI)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile_start in range(start, end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
@@ -242,9 +273,11 @@ def _decode_kernel(
             k_cache_ptr, v_cache_ptr, block_table_ptr, offs_n, n_mask, kv_head, offs_d, d_mask,
             stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
         )  # fmt: skip
+        bias = _alibi_bias(slopes, offs_n[None, :] - (context_len - 1), ALIBI)
         m_i, l_i, acc = _online_softmax_step(
-            q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, softcap_scale, softcap_log2, UPCAST, SOFTCAP
-        )
+            q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, softcap_scale, softcap_log2, bias, UPCAST,
+            SOFTCAP, ALIBI,
+        )  # fmt: skip
 
     # l_i >= 1 once a key was seen (the max key adds exp2(0)); an empty split (start >= context_len,
     # or a block longer than a split and every key of the split before `first`) keeps l_i == 0,
@@ -315,6 +348,7 @@ def _prefill_kernel(
     context_lens_ptr: tl.tensor,
     out_ptr: tl.tensor,
     sinks_ptr: tl.tensor,
+    alibi_ptr: tl.tensor,
     scale_log2: tl.tensor,
     softcap_scale: tl.tensor,
     softcap_log2: tl.tensor,
@@ -336,6 +370,7 @@ def _prefill_kernel(
     UPCAST: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    ALIBI: tl.constexpr,
 ) -> None:
     """Program (seq, kv_head, q_tile): BLOCK_Q = BLOCK_M // GROUP query tokens of the sequence, times
     the GROUP query heads of kv_head, as BLOCK_M rows:
@@ -371,6 +406,7 @@ def _prefill_kernel(
 
     m_i, l_i = _softmax_start(sinks_ptr, heads, m_mask, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    slopes = _alibi_slopes(alibi_ptr, heads, m_mask, BLOCK_M, ALIBI)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # keys past the tile's last query position are causally masked for every row: stop there;
     # a tile past the sequence's last token (grid sized for the longest) reads nothing
@@ -385,9 +421,11 @@ def _prefill_kernel(
         )  # fmt: skip
         causal = (offs_n[None, :] <= positions[:, None]) & (offs_n[None, :] >= row_first[:, None])
         valid = n_mask[None, :] & causal
+        bias = _alibi_bias(slopes, offs_n[None, :] - positions[:, None], ALIBI)
         m_i, l_i, acc = _online_softmax_step(
-            q, k, v, valid, m_i, l_i, acc, scale_log2, softcap_scale, softcap_log2, UPCAST, SOFTCAP
-        )
+            q, k, v, valid, m_i, l_i, acc, scale_log2, softcap_scale, softcap_log2, bias, UPCAST, SOFTCAP,
+            ALIBI,
+        )  # fmt: skip
 
     out = acc / tl.maximum(l_i, 1.0)[:, None]  # padded rows that saw no key keep l_i == 0
     out_rows = (q_start + tokens).to(tl.int64) * stride_ot + heads * stride_oh
@@ -403,6 +441,7 @@ def _check_attention_args(
     window: int,
     softcap: float,
     sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
 ) -> int:
     """Checks shared by decode and prefill; returns the GQA group size (query heads per KV head)."""
     if window < 0:
@@ -419,6 +458,7 @@ def _check_attention_args(
         query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens
     )
     check_sinks(sinks, query)
+    check_alibi(alibi_slopes, query)
     num_heads, head_dim = query.shape[1:]
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert head_dim == cache_head_dim, f"query head_dim {head_dim} != cache head_dim {cache_head_dim}"
@@ -468,11 +508,13 @@ def paged_attention_decode(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context, its last `window` tokens only under a
     sliding window (0: none; see reference.paged_attention_decode), its scores s soft-capped to
     softcap * tanh(s / softcap) under `softcap` (0: none; Gemma 2's attn_logit_softcapping), each
-    head's softmax joined by its sink logit under `sinks` (float32 [num_heads], None: none; GPT-OSS's).
+    head's softmax joined by its sink logit under `sinks` (float32 [num_heads], None: none; GPT-OSS's),
+    its scores biased by distance under `alibi_slopes` (float32 [num_heads], None: none; BLOOM's).
 
     num_splits > 1 splits the keys each query sees into that many ranges run in parallel and merged
     (split-K, for long contexts and few sequences); None picks it from the context length (under a
@@ -487,7 +529,9 @@ def paged_attention_decode(
     Each sequence's first ceil(context_len / block_size) ids must name blocks of the cache (an id
     outside it reads other memory, or faults); the ids past them, and under a window those of the
     blocks wholly before it, are never read."""
-    group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens, window, softcap, sinks)
+    group = _check_attention_args(
+        query, k_cache, v_cache, block_tables, context_lens, window, softcap, sinks, alibi_slopes
+    )
     num_seqs, num_heads, head_dim = query.shape
     check_shape("context_lens", context_lens, (num_seqs,))
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -512,7 +556,7 @@ def paged_attention_decode(
     if num_splits == 1:
         _launch_decode(
             query, k_cache, v_cache, block_tables, context_lens, scale, group, out, None, span, window,
-            softcap, sinks,
+            softcap, sinks, alibi_slopes,
         )  # fmt: skip
         return out
     partial = torch.empty(
@@ -522,7 +566,7 @@ def paged_attention_decode(
     # the splits run without the sinks: the merge adds each once
     _launch_decode(
         query, k_cache, v_cache, block_tables, context_lens, scale, group, partial, lse, tokens_per_split,
-        window, softcap, None,
+        window, softcap, None, alibi_slopes,
     )  # fmt: skip
     _merge_splits_kernel[(num_seqs, num_heads)](
         partial, lse, out, out if sinks is None else sinks, num_splits,
@@ -547,6 +591,7 @@ def _launch_decode(
     window: int,
     softcap: float,
     sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
 ) -> None:
     """out is the final [S, H, D] output (lse None) or the [S, H, splits, D] partials with their
     [S, H, splits] log2-sum-exp2 in lse; `sinks` only with the final output (a split's partials have
@@ -562,7 +607,8 @@ def _launch_decode(
     scale_log2, softcap_scale, softcap_log2, has_softcap = _score_args(scale, softcap)
     _decode_kernel[grid](
         query, k_cache, v_cache, block_tables, context_lens, out, lse if is_split else out,
-        out if sinks is None else sinks, scale_log2, softcap_scale, softcap_log2, tokens_per_split, window,
+        out if sinks is None else sinks, out if alibi_slopes is None else alibi_slopes, scale_log2,
+        softcap_scale, softcap_log2, tokens_per_split, window,
         *query.stride()[:2], *k_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), stride_split, *lse_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
@@ -570,7 +616,7 @@ def _launch_decode(
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
         BLOCK_N=max(_MIN_DOT, min(_DECODE_BLOCK_N, triton.next_power_of_2(tokens_per_split))),
         IS_SPLIT=is_split, UPCAST=triton.knobs.runtime.interpret, SOFTCAP=has_softcap,
-        HAS_SINKS=sinks is not None,
+        HAS_SINKS=sinks is not None, ALIBI=alibi_slopes is not None,
     )  # fmt: skip
 
 
@@ -587,17 +633,20 @@ def paged_attention_prefill(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed variable-length queries over keys in the paged cache, each
     query over its last `window` positions only under a sliding window (0: none), scores
-    soft-capped under `softcap` (0: none) and softmaxes joined by `sinks` (None: none) as in
-    paged_attention_decode (see reference.paged_attention_prefill). Requires q_len <= context_len
+    soft-capped under `softcap` (0: none), softmaxes joined by `sinks` (None: none) and scores biased
+    by `alibi_slopes` (None: none) as in paged_attention_decode (see reference.paged_attention_prefill). Requires q_len <= context_len
     for every sequence. max_query_len spares a device-to-host sync when the caller knows it.
 
     Block ids are trusted, as in paged_attention_decode: those covering each context must name
     blocks of the cache; the ids past them, and under a window those of the blocks wholly before
     the first query's, are never read."""
-    group = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens, window, softcap, sinks)
+    group = _check_attention_args(
+        query, k_cache, v_cache, block_tables, context_lens, window, softcap, sinks, alibi_slopes
+    )
     num_seqs = context_lens.shape[0]
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
@@ -612,10 +661,12 @@ def paged_attention_prefill(
     scale_log2, softcap_scale, softcap_log2, has_softcap = _score_args(scale, softcap)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
-        out if sinks is None else sinks, scale_log2, softcap_scale, softcap_log2, window,
+        out if sinks is None else sinks, out if alibi_slopes is None else alibi_slopes, scale_log2,
+        softcap_scale, softcap_log2, window,
         *query.stride()[:2], *k_cache.stride()[:3], block_tables.stride(0), *out.stride()[:2],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_N=_PREFILL_BLOCK_N,
         UPCAST=triton.knobs.runtime.interpret, SOFTCAP=has_softcap, HAS_SINKS=sinks is not None,
+        ALIBI=alibi_slopes is not None,
     )  # fmt: skip
     return out

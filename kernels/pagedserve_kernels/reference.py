@@ -17,6 +17,9 @@ Under soft-capping (`softcap` c > 0; 0 is none: Gemma 2's attention logit soft-c
 s = scale * q.k becomes c * tanh(s / c) before the mask and the softmax.
 Under attention sinks (`sinks` [num_heads] float32; None is none: GPT-OSS's) query head h's softmax
 has one more logit, sinks[h], with no value: p_j = exp(s_j) / (sum_k exp(s_k) + exp(sinks[h])).
+Under ALiBi (`alibi_slopes` [num_heads] float32; None is none: BLOOM's, MPT's) query head h's score
+of the key at position j, for the query at p, gains slopes[h] * (j - p) (after any soft-capping),
+in float32: a linear penalty on distance in place of positions.
 """
 
 from __future__ import annotations
@@ -72,6 +75,26 @@ def check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
         raise ValueError(f"sinks: on {sinks.device}, the query on {query.device}")
 
 
+def check_alibi(alibi_slopes: torch.Tensor | None, query: torch.Tensor) -> None:
+    """alibi_slopes: None, or one float32 slope a query head ([num_heads], contiguous) on the query's
+    device; a ValueError names them."""
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise ValueError(f"alibi_slopes: expected a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise ValueError(f"alibi_slopes: dtype {alibi_slopes.dtype}, expected torch.float32")
+    if tuple(alibi_slopes.shape) != (query.shape[1],):
+        raise ValueError(
+            f"alibi_slopes: expected shape ({query.shape[1]},) (one a query head), got "
+            f"{tuple(alibi_slopes.shape)}"
+        )
+    if not alibi_slopes.is_contiguous():
+        raise ValueError(f"alibi_slopes: must be contiguous, got strides {alibi_slopes.stride()}")
+    if alibi_slopes.device != query.device:
+        raise ValueError(f"alibi_slopes: on {alibi_slopes.device}, the query on {query.device}")
+
+
 def decode_key_mask(
     context_lens: torch.Tensor, num_slots: int, dtype: torch.dtype, window: int = 0
 ) -> torch.Tensor:
@@ -98,17 +121,20 @@ def paged_attention_decode(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence ([num_seqs, num_heads, head_dim]) over its paged context (its
     last `window` tokens under a sliding window; scores soft-capped by `softcap`; each head's softmax
-    joined by its sink logit under `sinks`). `max_context_len` (host-side) and `key_mask`
-    (`decode_key_mask`, of the same window) may be passed in to save work.
+    joined by its sink logit under `sinks`; biased by distance under `alibi_slopes`).
+    `max_context_len` (host-side) and `key_mask` (`decode_key_mask`, of the same window) may be
+    passed in to save work.
 
     The query heads sharing a KV head ride in the query-length dimension of one SDPA call:
 
         query [S, H, D] -> [S, KVH, H / KVH, D]  against  keys [S, KVH, slots, D]
     """
     check_sinks(sinks, query)
+    check_alibi(alibi_slopes, query)
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_seqs == 0:  # an empty batch, as the kernels return it (context_lens.max() has no value)
@@ -123,7 +149,11 @@ def paged_attention_decode(
     grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     # the group's heads are the rows of a KV head's scores: their sinks [KVH, H / KVH] likewise
     group_sinks = None if sinks is None else sinks.view(num_kv_heads, -1)
-    out = _attention(grouped, keys, values, key_mask, scale, softcap, group_sinks)
+    bias = None
+    if alibi_slopes is not None:  # [S, KVH, H / KVH, slots]: the query sits at context_len - 1
+        distance = torch.arange(keys.shape[2], device=query.device) - (context_lens.long() - 1)[:, None]
+        bias = alibi_slopes.view(num_kv_heads, -1)[None, :, :, None] * distance[:, None, None, :]
+    out = _attention(grouped, keys, values, key_mask, scale, softcap, group_sinks, bias)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
@@ -140,6 +170,7 @@ class PrefillBatch:
     mask: torch.Tensor  # [num_seqs, 1, max_query_len, num_blocks * block_size] additive, causal
     max_query_len: int
     num_blocks: int
+    positions: torch.Tensor  # [num_seqs, max_query_len] int64: each padded row's position
 
 
 # One padded SDPA call computes every query-key pair of the padded batch (its mask lets SDPA skip
@@ -182,7 +213,7 @@ def plan_prefill_batch(
         visible &= slots[None, None, :] > query_pos[:, :, None] - window
     visible[:, :, 0] |= ~visible.any(dim=-1)  # padded rows (r >= q_len) see slot 0: a finite row
     mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-    return PrefillBatch(rows, mask[:, None], max_q, num_blocks)
+    return PrefillBatch(rows, mask[:, None], max_q, num_blocks, query_pos)
 
 
 def prefill_rows(
@@ -213,17 +244,20 @@ def paged_attention_prefill(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed variable-length queries ([num_tokens, num_heads, head_dim]) whose
     keys, earlier context included, are already in the paged cache, each query over the last
     `window` positions only under a sliding window. `batch` (`plan_prefill_batch`, of the same
     window) pads them into one SDPA call; without it each sequence is attended on its own. Scores
-    are soft-capped by `softcap`, and each head's softmax joined by its sink logit under `sinks`."""
+    are soft-capped by `softcap`, each head's softmax joined by its sink logit under `sinks`, and
+    scores biased by distance under `alibi_slopes`."""
     check_sinks(sinks, query)
+    check_alibi(alibi_slopes, query)
     if batch is None:
         return _prefill_each_sequence(
             query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap,
-            sinks,
+            sinks, alibi_slopes,
         )  # fmt: skip
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = context_lens.shape[0]
@@ -233,7 +267,11 @@ def paged_attention_prefill(
     keys = gather_kv(k_cache, block_tables, batch.num_blocks).transpose(1, 2)  # [S, KVH, slots, D]
     values = gather_kv(v_cache, block_tables, batch.num_blocks).transpose(1, 2)
     head_sinks = None if sinks is None else sinks[:, None]  # a head's rows: [H, 1]
-    out = _attention(padded_q, keys, values, batch.mask, scale, softcap, head_sinks)  # [S, H, max_q, D]
+    bias = None
+    if alibi_slopes is not None:  # [S, H, max_q, slots]
+        distance = torch.arange(keys.shape[2], device=query.device) - batch.positions[:, :, None]
+        bias = alibi_slopes[None, :, None, None] * distance[:, None]
+    out = _attention(padded_q, keys, values, batch.mask, scale, softcap, head_sinks, bias)  # [S, H, max_q, D]
     return out.transpose(1, 2).reshape(-1, num_heads, head_dim).index_select(0, batch.rows)
 
 
@@ -248,6 +286,7 @@ def _prefill_each_sequence(
     window: int,
     softcap: float,
     sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
 ) -> torch.Tensor:
     out = torch.empty_like(query)
     block_size = k_cache.shape[1]
@@ -261,7 +300,7 @@ def _prefill_each_sequence(
         keys = gather_kv(k_cache, table, num_blocks)[:, :context_len].transpose(1, 2)
         values = gather_kv(v_cache, table, num_blocks)[:, :context_len].transpose(1, 2)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        attended = _causal_attention(q, keys, values, scale, window, softcap, sinks)
+        attended = _causal_attention(q, keys, values, scale, window, softcap, sinks, alibi_slopes)
         out[start:end] = attended.squeeze(0).transpose(0, 1)
     return out
 
@@ -274,15 +313,17 @@ def _causal_attention(
     window: int,
     softcap: float,
     sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     q_len, kv_len = q.shape[2], k.shape[2]
-    if q_len == kv_len and not window and not softcap and sinks is None:
+    if q_len == kv_len and not window and not softcap and sinks is None and alibi_slopes is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
     kv_pos = torch.arange(kv_len, device=q.device)[None, :]
     mask = (kv_pos <= q_pos) & (kv_pos > q_pos - window) if window else kv_pos <= q_pos
     head_sinks = None if sinks is None else sinks[:, None]  # a head's rows: [H, 1]
-    return _attention(q, k, v, mask, scale, softcap, head_sinks)
+    bias = None if alibi_slopes is None else alibi_slopes[:, None, None] * (kv_pos - q_pos)  # [H, q, kv]
+    return _attention(q, k, v, mask, scale, softcap, head_sinks, bias)
 
 
 def _attention(
@@ -293,12 +334,14 @@ def _attention(
     scale: float,
     softcap: float,
     sinks: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """scaled_dot_product_attention of q [..., H, q_len, D] over k, v [..., KVH, kv_len, D] (query
     heads grouped over KV heads), `mask` boolean (True: seen) or additive; under `softcap` the scores
-    soft-capped before the mask, and under `sinks` (float32, broadcast against the scores' rows
-    [..., H, q_len]) each row's softmax joined by its sink logit: both in float32 (SDPA has neither)."""
-    if not softcap and sinks is None:
+    soft-capped before the mask, under `sinks` (float32, broadcast against the scores' rows
+    [..., H, q_len]) each row's softmax joined by its sink logit, and `bias` (float32, broadcast
+    against the scores: ALiBi's) added after the cap: all in float32 (SDPA has none of them)."""
+    if not softcap and sinks is None and bias is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     group = q.shape[-3] // k.shape[-3]
     k, v = k.repeat_interleave(group, dim=-3).float(), v.repeat_interleave(group, dim=-3).float()
@@ -307,6 +350,8 @@ def _attention(
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
     scores = scores + mask.float()
+    if bias is not None:
+        scores = scores + bias
     if sinks is None:
         weights = torch.softmax(scores, dim=-1)
     else:  # exp(s_j) / (sum_k exp(s_k) + exp(sink)), each exponent taken against the row's total

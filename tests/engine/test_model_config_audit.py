@@ -32,6 +32,7 @@ from transformers import (
     ApertusConfig,
     ArceeConfig,
     BambaConfig,
+    BloomConfig,
     Cohere2Config,
     Cohere2MoeConfig,
     CohereConfig,
@@ -86,6 +87,7 @@ from transformers import (
     MinistralConfig,
     MistralConfig,
     MixtralConfig,
+    MptConfig,
     NanoChatConfig,
     NemotronConfig,
     NemotronHConfig,
@@ -168,6 +170,10 @@ GRANITE_SCALES = {
 # `decode_layers` takes a qkv bias alone (Granite's multipliers, Phi-3's partial rotary and SmolLM3's
 # NoPE layers it runs) and no Gemma layer (worker/fused_decode.py): these run without it
 NOT_DECODE_LAYERS = {
+    "bloom-alibi-embedding-norm-fused-heads",
+    "bloom-6-heads-interleaved-slopes",
+    "mpt-alibi-no-biases-wqkv",
+    "mpt-6-heads-mpt-order-slopes",
     "qwen3.5-moe-shared-expert",
     "qwen3.5-delta-attention-delta-biases",
     "qwen3.5-by-interval-tied",
@@ -342,6 +348,24 @@ MAMBA_TINY = {
 FALCON_TINY = {
     **{k: v for k, v in TINY.items() if k not in ("intermediate_size", "num_key_value_heads")},
     "ffn_hidden_size": 96,
+}
+# BLOOM's and MPT's sizes as their configs name them, TINY's (4 heads of 16; every MLP 4 x hidden)
+BLOOM_TINY = {
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "initializer_range": 0.2,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+MPT_TINY = {
+    **{k: v for k, v in BLOOM_TINY.items() if k not in ("hidden_size", "n_layer", "n_head")},
+    "d_model": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "max_seq_len": 1024,
 }
 # GPT-2's sizes as its config names them, TINY's
 GPT2_TINY = {
@@ -1339,6 +1363,25 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     # every projection biased and stored input by output (Conv1D), q, k and v in one, an ungated
     # GELU MLP (tanh), the head tied
     "gpt2-learned-positions-conv1d-fused-qkv": (lambda: GPT2Config(**GPT2_TINY), None),
+    # BigScience's BLOOM: ALiBi in place of positions (4 heads' slopes 2^-2, 2^-4, 2^-6, 2^-8), a
+    # LayerNorm on the embeddings, GPT-2's sequential layer with every projection biased, q, k and v a
+    # head at a time in `query_key_value`, the head tied
+    "bloom-alibi-embedding-norm-fused-heads": (lambda: BloomConfig(**BLOOM_TINY), None),
+    # ... 6 heads of 16: BLOOM's slopes for a head count that is no power of two (the 4 heads', then
+    # every other one of 8 heads'); the norms' eps and the tied head by BloomConfig's defaults
+    "bloom-6-heads-interleaved-slopes": (
+        lambda: BloomConfig(**{**BLOOM_TINY, "hidden_size": 96, "n_head": 6}),
+        drop("layer_norm_epsilon", "tie_word_embeddings"),
+    ),
+    # MosaicML's MPT: ALiBi, no bias anywhere (its LayerNorms' neither), q, k and v one after the other
+    # in `Wqkv`, an exact GELU MLP, the head tied
+    "mpt-alibi-no-biases-wqkv": (lambda: MptConfig(**MPT_TINY), None),
+    # ... 6 heads of 16 (MPT's order of slopes for a head count that is no power of two), the tied
+    # head and the norms' eps by MptConfig's defaults
+    "mpt-6-heads-mpt-order-slopes": (
+        lambda: MptConfig(**{**MPT_TINY, "d_model": 96, "n_heads": 6}),
+        drop("layer_norm_epsilon", "tie_word_embeddings"),
+    ),
     # BigCode's StarCoder: GPT-2's layer as nn.Linear tensors, one KV head (multi_query, the default)
     "gpt-bigcode-multi-query": (lambda: GPTBigCodeConfig(**GPT2_TINY), None),
     # ... or each head's q, k and v side by side in c_attn, q.k unscaled (`scale_attn_weights` false)
@@ -1758,6 +1801,8 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
     assert llm.engine.config.model.max_model_len == {
         "llama-linear-rope": 4096,
         "mamba2-no-attention": 2048,
+        "bloom-alibi-embedding-norm-fused-heads": 2048,  # (ALiBi: no positions to run past, vLLM's default)
+        "bloom-6-heads-interleaved-slopes": 2048,
         "mamba-selective-scan-tied": 2048,
         "falcon-mamba-normed-b-c-dt": 2048,
     }.get(name, 1024)
@@ -3093,6 +3138,36 @@ def test_rotary_tables_equal_transformers(
         ),
         (
             lambda c: c.update(
+                architectures=["BloomForCausalLM"], apply_residual_connection_post_layernorm=True
+            ),
+            "apply_residual_connection_post_layernorm \\(the residual taken after each norm\\)",
+        ),
+        (
+            lambda c: c.update(architectures=["MptForCausalLM"], attn_config={"clip_qkv": 6.0}),
+            "attn_config's clip_qkv is not supported",
+        ),
+        (
+            lambda c: c.update(architectures=["MptForCausalLM"], attn_config={"qk_ln": True}),
+            "attn_config's qk_ln is not supported",
+        ),
+        (
+            lambda c: c.update(architectures=["MptForCausalLM"], attn_config={"softmax_scale": 0.5}),
+            "attn_config's softmax_scale is not supported",
+        ),
+        (
+            lambda c: c.update(architectures=["MptForCausalLM"], attn_config={"alibi_bias_max": 4}),
+            "attn_config's alibi_bias_max other than 8 is not supported",
+        ),
+        (
+            lambda c: c.update(architectures=["MptForCausalLM"], expansion_ratio=8),
+            "expansion_ratio other than 4 is not supported",
+        ),
+        (
+            lambda c: c.update(architectures=["MptForCausalLM"], no_bias=False),
+            "no_bias false is not supported",
+        ),
+        (
+            lambda c: c.update(
                 architectures=["FalconForCausalLM"], new_decoder_architecture=True, parallel_attn=False
             ),
             "new_decoder_architecture needs parallel_attn",
@@ -3232,6 +3307,13 @@ def test_rotary_tables_equal_transformers(
         "gemma4-every-layer-kv-shared",
         "cohere2-moe-shared-expert-strategy",
         "falcon-alibi",
+        "bloom-residual-after-norm",
+        "mpt-clip-qkv",
+        "mpt-qk-ln",
+        "mpt-softmax-scale",
+        "mpt-alibi-bias-max",
+        "mpt-expansion-ratio",
+        "mpt-biases",
         "falcon-new-architecture-sequential",
         "gpt-neo-attention-types-not-its-layers",
         "gpt2-inverse-layer-scaling",

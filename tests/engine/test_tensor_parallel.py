@@ -291,6 +291,10 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
             "MiniMaxM2Config",
             {"rotary_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2},
         ),
+        # each rank's heads biased by their own ALiBi slopes (BLOOM's; MPT's), BLOOM's fused heads
+        # and embedding norm, MPT's Wqkv and unbiased norms
+        ("BloomConfig", {}),
+        ("MptConfig", {}),
         # each rank's heads attending within chunks of 16 (two blocks of 8) in layer 0, layer 1 NoPE
         # with its query temperature; experts in both
         (
@@ -322,6 +326,8 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         "gpt-bigcode",
         "opt",
         "minimax-m2",
+        "bloom",
+        "mpt",
         "llama4-chunked",
     ],
 )

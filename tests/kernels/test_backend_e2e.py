@@ -187,6 +187,39 @@ def test_deepseeks_latent_attention_in_the_triton_kernels_equals_the_torch_backe
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("config_class", ["BloomConfig", "MptConfig"])
+def test_alibi_in_the_triton_kernels_equals_the_torch_backend(
+    default_model_dir: str, device: torch.device, tmp_path: Path, config_class: str
+) -> None:
+    """BLOOM and MPT beside the Triton backend: their ALiBi slopes (6 heads: no power of two) in the
+    decode and prefill kernels, prompts arriving 16 tokens a step: the torch backend's tokens (its
+    reference attention with the slopes)."""
+    from tiny_models import build_tiny_llama
+
+    model_dir = build_tiny_llama(
+        tmp_path / "alibi", default_model_dir, config_class=config_class, num_heads=6
+    )
+    prompts = [list(range(100, 121)), list(range(900, 907)), [5]]  # (short: the interpreter is slow)
+
+    def tokens(backend: str) -> list[list[int]]:
+        llm = LLM(
+            model=model_dir,
+            dtype="float32",
+            device=str(device),
+            attention_backend=backend,
+            num_kv_blocks=16,
+            block_size=8,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+        )
+        [slopes] = {attn.alibi_slopes for attn in llm.engine.executor.worker.model_runner.attention_layers}
+        assert slopes is not None and slopes.shape == (6,)
+        return greedy_token_ids(llm, prompts)
+
+    assert tokens("triton") == tokens("torch")
+
+
+@pytest.mark.timeout(600)
 def test_llama4s_chunked_attention_in_the_triton_kernels_equals_the_torch_backend(
     default_model_dir: str, device: torch.device, tmp_path: Path
 ) -> None:

@@ -100,7 +100,8 @@ class AttentionMetadata:
 class AttentionBackend(abc.ABC):
     """Paged attention of a layer whose queries see the last `window` positions (0: all of them),
     its scores soft-capped by `softcap` (0: none), each query head's softmax joined by its logit in
-    `sinks` (float32 [heads]; None: none; GPT-OSS's attention sinks)."""
+    `sinks` (float32 [heads]; None: none; GPT-OSS's attention sinks), its scores biased by distance
+    under `alibi_slopes` (float32 [heads]; None: none; BLOOM's and MPT's ALiBi)."""
 
     name: str
 
@@ -125,6 +126,7 @@ class AttentionBackend(abc.ABC):
         window: int,
         softcap: float,
         sinks: torch.Tensor | None,
+        alibi_slopes: torch.Tensor | None,
     ) -> torch.Tensor:
         """[num_decodes, heads, head_dim] queries over the decode sequences' paged context."""
 
@@ -139,6 +141,7 @@ class AttentionBackend(abc.ABC):
         window: int,
         softcap: float,
         sinks: torch.Tensor | None,
+        alibi_slopes: torch.Tensor | None,
     ) -> torch.Tensor:
         """The packed prefill tokens' queries, causal over their paged context."""
 
@@ -156,8 +159,8 @@ class TorchAttentionBackend(AttentionBackend):
     straight from the paged cache) where they build. The decode mask and the padded prefill layout
     are built once per step, not once per layer.
 
-    Decode attention at head sizes past 256 (DeepSeek's latent heads) runs the reference
-    (`MAX_KERNEL_DECODE_HEAD_SIZE`).
+    Decode attention at head sizes past 256 (DeepSeek's latent heads), and ALiBi's (which the C++
+    kernels do not take), runs the reference (`MAX_KERNEL_DECODE_HEAD_SIZE`).
 
     Prefill attention in bfloat16, head size 64, 96, 128 or 256 (`cpu.PREFILL_HEAD_SIZES`), on a build
     with AVX512-BF16 runs in the C++ prefill kernel (`cpu.paged_attention_prefill`: tiles of query
@@ -203,8 +206,9 @@ class TorchAttentionBackend(AttentionBackend):
         window: int,
         softcap: float,
         sinks: torch.Tensor | None,
+        alibi_slopes: torch.Tensor | None,
     ) -> torch.Tensor:
-        if self.cpu_kernels and query.shape[-1] <= MAX_KERNEL_DECODE_HEAD_SIZE:
+        if self.cpu_kernels and query.shape[-1] <= MAX_KERNEL_DECODE_HEAD_SIZE and alibi_slopes is None:
             return cpu_kernels.paged_attention_decode(
                 query,
                 k_cache,
@@ -233,6 +237,7 @@ class TorchAttentionBackend(AttentionBackend):
             window=window,
             softcap=softcap,
             sinks=sinks,
+            alibi_slopes=alibi_slopes,
         )
 
     def prefill(
@@ -245,8 +250,9 @@ class TorchAttentionBackend(AttentionBackend):
         window: int,
         softcap: float,
         sinks: torch.Tensor | None,
+        alibi_slopes: torch.Tensor | None,
     ) -> torch.Tensor:
-        if self._prefill_in_kernel(query.dtype, query.shape[-1]):
+        if self._prefill_in_kernel(query.dtype, query.shape[-1]) and alibi_slopes is None:
             return cpu_kernels.paged_attention_prefill(
                 query,
                 k_cache,
@@ -279,6 +285,7 @@ class TorchAttentionBackend(AttentionBackend):
             window=window,
             softcap=softcap,
             sinks=sinks,
+            alibi_slopes=alibi_slopes,
         )
 
 
@@ -311,6 +318,7 @@ class TritonAttentionBackend(AttentionBackend):
         window: int,
         softcap: float,
         sinks: torch.Tensor | None,
+        alibi_slopes: torch.Tensor | None,
     ) -> torch.Tensor:
         return self._attention.paged_attention_decode(
             query,
@@ -323,6 +331,7 @@ class TritonAttentionBackend(AttentionBackend):
             window=window,
             softcap=softcap,
             sinks=sinks,
+            alibi_slopes=alibi_slopes,
         )
 
     def prefill(
@@ -335,6 +344,7 @@ class TritonAttentionBackend(AttentionBackend):
         window: int,
         softcap: float,
         sinks: torch.Tensor | None,
+        alibi_slopes: torch.Tensor | None,
     ) -> torch.Tensor:
         return self._attention.paged_attention_prefill(
             query,
@@ -348,6 +358,7 @@ class TritonAttentionBackend(AttentionBackend):
             window=window,
             softcap=softcap,
             sinks=sinks,
+            alibi_slopes=alibi_slopes,
         )
 
 
@@ -407,11 +418,15 @@ class Attention(nn.Module):
         `layers.chunked`; 0, all).
         `softcap` c: each score s becomes c * tanh(s / c) (Gemma 2's soft-capping; 0, none).
         `sinks`: a learned logit a query head (the parameter `sinks`, this rank's `num_heads` of
-        them) joins each softmax with no value (GPT-OSS's attention sinks)."""
+        them) joins each softmax with no value (GPT-OSS's attention sinks).
+        `alibi_slopes` (a buffer, None unless a model sets this rank's heads' float32 slopes): each
+        score biased by slope x (key position - query position) (BLOOM's and MPT's ALiBi)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.window, self.softcap, self.chunk = window, softcap, chunk
+        self.alibi_slopes: torch.Tensor | None
+        self.register_buffer("alibi_slopes", None, persistent=False)
         self.sinks: nn.Parameter | None = None
         if sinks:
             self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
@@ -455,7 +470,8 @@ class Attention(nn.Module):
             metadata = metadata.chunk_local(self.chunk, k_cache.shape[1])
         # (the sinks stay float32 whatever the model's dtype: the kernels take them so)
         sinks = None if self.sinks is None else self.sinks.float()
-        num_decodes, scale, limits = metadata.num_decodes, self.scale, (self.window, self.softcap, sinks)
+        num_decodes, scale = metadata.num_decodes, self.scale
+        limits = (self.window, self.softcap, sinks, self.alibi_slopes)
         if metadata.num_prefills == 0:
             out = self.backend.decode(q, k_cache, v_cache, metadata, scale, *limits)
         else:

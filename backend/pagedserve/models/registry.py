@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedserve.models.alibi import BloomForCausalLM, MptForCausalLM
 from pagedserve.models.cohere import Cohere2ForCausalLM, Cohere2MoeForCausalLM, CohereForCausalLM
 from pagedserve.models.deepseek import (
     DeepseekV2ForCausalLM,
@@ -133,6 +134,8 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
     "AfmoeForCausalLM": AfmoeForCausalLM,
     "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM,
+    "BloomForCausalLM": BloomForCausalLM,
+    "MptForCausalLM": MptForCausalLM,
     "HeliumForCausalLM": HeliumForCausalLM,
     "CwmForCausalLM": LlamaForCausalLM,
     "MinistralForCausalLM": LlamaForCausalLM,
