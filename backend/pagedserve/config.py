@@ -426,6 +426,34 @@ def alibi_config(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def dbrx_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """DBRX's config.json under Llama's names, DbrxConfig's defaults where it leaves a key out: d_model,
+    n_heads, n_layers, max_seq_len; `attn_config`'s kv_n_heads (1), clip_qkv and rope_theta (where
+    config.json names no rope_parameters: DBRX's own releases keep theta there); `ffn_config`'s
+    ffn_hidden_size, moe_num_experts (4), moe_top_k (1), moe_normalize_expert_weights (1) and
+    ffn_act_fn (SiLU's)."""
+    attn, ffn = hf.get("attn_config") or {}, hf.get("ffn_config") or {}
+    named = {
+        "hidden_size": hf.get("d_model", 2048),
+        "num_hidden_layers": hf.get("n_layers", 24),
+        "num_attention_heads": hf.get("n_heads", 16),
+        "num_key_value_heads": attn.get("kv_n_heads", 1),
+        "max_position_embeddings": hf.get("max_seq_len", 2048),
+        "vocab_size": hf.get("vocab_size", 32000),
+        "clip_qkv": attn.get("clip_qkv"),
+        "intermediate_size": ffn.get("ffn_hidden_size", 3584),
+        "num_local_experts": ffn.get("moe_num_experts", 4),
+        "num_experts_per_tok": ffn.get("moe_top_k", 1),
+        "moe_normalize_expert_weights": ffn.get("moe_normalize_expert_weights", 1.0),
+        "hidden_act": (ffn.get("ffn_act_fn") or {"name": "silu"}).get("name", "silu"),
+        "rms_norm_eps": 1e-5,  # (nn.LayerNorm's default)
+        "tie_word_embeddings": hf.get("tie_word_embeddings", False),
+    }
+    if not hf.get("rope_parameters") and "rope_theta" in attn:
+        named["rope_theta"] = attn["rope_theta"]
+    return {**hf, **named}
+
+
 def falcon_config(hf: dict[str, Any]) -> dict[str, Any]:
     """Falcon's config.json as FalconConfig reads it: its KV heads (`num_kv_heads`, every head's by
     default) under the new decoder architecture or without `multi_query`, else one; its MLP
@@ -488,6 +516,7 @@ _CONFIG_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Gemma4ForCausalLM": gemma4_config,
     "FalconForCausalLM": falcon_config,
     "BloomForCausalLM": alibi_config,
+    "DbrxForCausalLM": dbrx_config,
     "MptForCausalLM": alibi_config,
     "NemotronHForCausalLM": _nemotron_h_config,
 }

@@ -37,6 +37,7 @@ from transformers import (
     Cohere2MoeConfig,
     CohereConfig,
     CwmConfig,
+    DbrxConfig,
     DeepseekV2Config,
     DeepseekV3Config,
     Dots1Config,
@@ -170,6 +171,8 @@ GRANITE_SCALES = {
 # `decode_layers` takes a qkv bias alone (Granite's multipliers, Phi-3's partial rotary and SmolLM3's
 # NoPE layers it runs) and no Gemma layer (worker/fused_decode.py): these run without it
 NOT_DECODE_LAYERS = {
+    "dbrx-clamped-wqkv-stacked-expert-rows",
+    "dbrx-defaults-one-kv-head",
     "bloom-alibi-embedding-norm-fused-heads",
     "bloom-6-heads-interleaved-slopes",
     "mpt-alibi-no-biases-wqkv",
@@ -367,6 +370,8 @@ MPT_TINY = {
     "n_heads": 4,
     "max_seq_len": 1024,
 }
+# a DBRX config.json of TINY's sizes, for the refusals
+DBRX_REFUSED = {"architectures": ["DbrxForCausalLM"], "d_model": 64, "n_heads": 4, "n_layers": 2}
 # GPT-2's sizes as its config names them, TINY's
 GPT2_TINY = {
     "vocab_size": 49152,
@@ -494,6 +499,18 @@ def olmo3_as_transformers_4(config: dict[str, Any]) -> None:
     rope = config.pop("rope_parameters")["full_attention"]
     config["rope_theta"] = rope.pop("rope_theta")
     config["rope_scaling"] = rope
+
+
+def dbrx_defaults_left_out(config: dict[str, Any]) -> None:
+    """DBRX's config.json without the keys DbrxConfig has defaults for (the KV heads, the experts'
+    count, norm and activation; no rope_parameters, its theta in attn_config; no tie_word_embeddings)."""
+    del config["rope_parameters"], config["tie_word_embeddings"]
+    for sub, keys in (
+        ("attn_config", ("kv_n_heads",)),
+        ("ffn_config", ("moe_num_experts", "moe_normalize_expert_weights", "ffn_act_fn")),
+    ):
+        for key in keys:
+            del config[sub][key]
 
 
 def drop_partial_rotary_factor(config: dict[str, Any]) -> None:
@@ -1376,6 +1393,29 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     # MosaicML's MPT: ALiBi, no bias anywhere (its LayerNorms' neither), q, k and v one after the other
     # in `Wqkv`, an exact GELU MLP, the head tied
     "mpt-alibi-no-biases-wqkv": (lambda: MptConfig(**MPT_TINY), None),
+    # Databricks' DBRX: LayerNorms of no bias, q, k and v in one `Wqkv` clamped to +-2 (at this scale
+    # a clamp that bites), 2 KV heads; every MLP 8 experts of 32 whose rows share one tensor a
+    # projection (w1, v1, w2), 2 a token by the router's softmax, their weights divided by their sum
+    "dbrx-clamped-wqkv-stacked-expert-rows": (
+        lambda: DbrxConfig(
+            **MPT_TINY,
+            attn_config={"clip_qkv": 2.0, "kv_n_heads": 2, "rope_theta": 10000.0},
+            ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2},
+        ),
+        None,
+    ),
+    # ... DbrxConfig's defaults where it has them: one KV head, 4 experts, their weights normalized, SiLU;
+    # the rope's theta where DBRX's releases keep it, in attn_config (transformers' DBRX needs it there,
+    # and a clip_qkv, but turns by rope_parameters': the same 10,000 here). (Its default top expert
+    # alone flips experts in bfloat16 here, transformers' too: 2 a token.)
+    "dbrx-defaults-one-kv-head": (
+        lambda: DbrxConfig(
+            **MPT_TINY,
+            attn_config={"rope_theta": 10000.0, "clip_qkv": 2.0},
+            ffn_config={"ffn_hidden_size": 32, "moe_top_k": 2},
+        ),
+        dbrx_defaults_left_out,
+    ),
     # ... 6 heads of 16 (MPT's order of slopes for a head count that is no power of two), the tied
     # head and the norms' eps by MptConfig's defaults
     "mpt-6-heads-mpt-order-slopes": (
@@ -2565,6 +2605,17 @@ def test_experts_as_the_hub_lays_them_out_load_as_stacked(
     assert outputs[0] == outputs[1]
 
 
+def test_dbrx_releases_rope_theta_in_attn_config() -> None:
+    """DBRX's own config.json (no rope_parameters) keeps its theta, 500,000, in attn_config: the model
+    turns by it (transformers 5 reads only rope_parameters, whose default then stands)."""
+    from pagedserve.config import _CONFIG_READERS, rope_parameters
+
+    released = {**DBRX_REFUSED, "attn_config": {"clip_qkv": 8, "kv_n_heads": 8, "rope_theta": 500000}}
+    assert rope_parameters(_CONFIG_READERS["DbrxForCausalLM"](released))["rope_theta"] == 500000
+    saved = {**released, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert rope_parameters(_CONFIG_READERS["DbrxForCausalLM"](saved))["rope_theta"] == 10000.0
+
+
 @pytest.mark.parametrize(
     ("name", "key", "head_rows", "message"),
     [
@@ -3167,6 +3218,14 @@ def test_rotary_tables_equal_transformers(
             "no_bias false is not supported",
         ),
         (
+            lambda c: c.update(DBRX_REFUSED, ffn_config={"moe_normalize_expert_weights": 2.0}),
+            "moe_normalize_expert_weights 2.0 is not supported \\(1 or null\\)",
+        ),
+        (
+            lambda c: c.update(DBRX_REFUSED, ffn_config={"ffn_act_fn": {"name": "gelu"}}),
+            "hidden_act 'gelu' is not supported \\(silu is\\)",
+        ),
+        (
             lambda c: c.update(
                 architectures=["FalconForCausalLM"], new_decoder_architecture=True, parallel_attn=False
             ),
@@ -3314,6 +3373,8 @@ def test_rotary_tables_equal_transformers(
         "mpt-alibi-bias-max",
         "mpt-expansion-ratio",
         "mpt-biases",
+        "dbrx-expert-weights-2-norm",
+        "dbrx-gelu-experts",
         "falcon-new-architecture-sequential",
         "gpt-neo-attention-types-not-its-layers",
         "gpt2-inverse-layer-scaling",

@@ -295,6 +295,16 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         # and embedding norm, MPT's Wqkv and unbiased norms
         ("BloomConfig", {}),
         ("MptConfig", {}),
+        # DBRX's Wqkv cut into each rank's heads (2 KV heads: one a rank), clamped; its experts' shared
+        # rows cut into experts, each split across the ranks
+        (
+            "DbrxConfig",
+            {
+                "d_model": 64,  # (DbrxConfig sizes its experts by d_model, not by hidden_size)
+                "attn_config": {"clip_qkv": 2.0, "kv_n_heads": 2, "rope_theta": 10000.0},
+                "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+            },
+        ),
         # each rank's heads attending within chunks of 16 (two blocks of 8) in layer 0, layer 1 NoPE
         # with its query temperature; experts in both
         (
@@ -328,6 +338,7 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         "minimax-m2",
         "bloom",
         "mpt",
+        "dbrx",
         "llama4-chunked",
     ],
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagedserve.models.alibi import BloomForCausalLM, MptForCausalLM
 from pagedserve.models.cohere import Cohere2ForCausalLM, Cohere2MoeForCausalLM, CohereForCausalLM
+from pagedserve.models.dbrx import DbrxForCausalLM
 from pagedserve.models.deepseek import (
     DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
@@ -136,6 +137,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM,
     "BloomForCausalLM": BloomForCausalLM,
     "MptForCausalLM": MptForCausalLM,
+    "DbrxForCausalLM": DbrxForCausalLM,
     "HeliumForCausalLM": HeliumForCausalLM,
     "CwmForCausalLM": LlamaForCausalLM,
     "MinistralForCausalLM": LlamaForCausalLM,
