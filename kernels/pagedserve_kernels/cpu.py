@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve_kernels.reference import check_sinks
+from pagedserve_kernels.reference import check_alibi, check_sinks
 
 logger = logging.getLogger(__name__)
 
@@ -177,17 +177,20 @@ def paged_attention_decode(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`reference.paged_attention_decode`, reading K/V straight from the paged cache (needs `load()`),
     under a sliding `window` only each context's last `window` slots, each score s soft-capped to
     softcap * tanh(s / softcap) under a `softcap` (0: none; a negative or non-finite one is a
     RuntimeError), each head's softmax joined by its sink logit under `sinks` (float32 [num_heads];
-    None: none; a bad one is a ValueError). The block ids covering each context are checked first (a
+    None: none; a bad one is a ValueError), each score biased by distance under `alibi_slopes` (as
+    the sinks: float32 [num_heads]). The block ids covering each context are checked first (a
     RuntimeError names one outside the cache); those past it are padding, never read, and may hold
     anything."""
     check_sinks(sinks, query)
+    check_alibi(alibi_slopes, query)
     return torch.ops.pagedserve_cpu.paged_attention_decode(
-        query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, sinks
+        query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, sinks, alibi_slopes
     )
 
 
@@ -202,16 +205,19 @@ def paged_attention_prefill(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`reference.paged_attention_prefill`, its sliding `window`, score `softcap` and `sinks` too (as
-    for decode), for bfloat16 and head sizes 64, 96, 128 and 256 (`PREFILL_HEAD_SIZES`) on a build whose
+    """`reference.paged_attention_prefill`, its sliding `window`, score `softcap`, `sinks` and
+    `alibi_slopes` too (as for decode), for bfloat16 and head sizes 64, 96, 128 and 256 (`PREFILL_HEAD_SIZES`) on a build whose
     `decode_isa()` is "avx512_bf16" (a RuntimeError elsewhere): tiles of 16 (query token, query head)
     lanes sharing a KV head, scores and P V both by vdpbf16ps, the softmax weights rounded to bfloat16
     for P V as flash attention rounds them. Needs `load()`; block ids are checked as for decode."""
     check_sinks(sinks, query)
+    check_alibi(alibi_slopes, query)
     return torch.ops.pagedserve_cpu.paged_attention_prefill(
-        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap, sinks
-    )
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap, sinks,
+        alibi_slopes,
+    )  # fmt: skip
 
 
 def decode_isa() -> str:

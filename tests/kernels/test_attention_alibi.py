@@ -5,23 +5,34 @@ The reference is held to that formula written out as transformers' BLOOM attenti
 (`bloom_attention`: slopes times each key's absolute position added to the scaled scores, which the
 softmax's shift invariance makes the same) over a small paged cache: decode and prefill (whole prompts
 and chunks after earlier context, both of its paths), GQA, with and without a sliding window, float32.
-The Triton kernels (under the interpreter on CPU, small shapes) are held to the reference: decode
-single-pass and with 3 splits forced, and prefill, float32 and bfloat16. Large slopes must leave each
-query on its own key alone (an implementation that ignored them fails). Bad `alibi_slopes` arguments
-are refused by every entry point with a ValueError naming them.
+The C++ kernels are held to the reference with slopes: decode in float32 (the generic loops) and
+bfloat16 (the AVX512-BF16 path where the CPU has it) at head sizes 64 and 128, with and without a
+window, and at 80, 96 and 256; the bfloat16 prefill kernel in each lane arrangement. So are the
+Triton kernels (under the interpreter on CPU, small shapes): decode single-pass and with 3 splits
+forced, and prefill, float32 and bfloat16. Large slopes must leave each query on its own key alone
+(an implementation that ignored them fails). Bad `alibi_slopes` arguments are refused by every entry
+point with a ValueError naming them (by the C++ ops' own checks with a RuntimeError too).
 """
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
-from pagedserve_kernels import attention, reference
+from pagedserve_kernels import attention, cpu, reference
 from test_attention import make_paged_cache, spy_on_decode_splits
 from test_attention_sinks import (
+    CPU_DECODE_CONTEXTS,
+    CPU_DECODE_HEADS,
+    CPU_PREFILL_SHAPES,
     TRITON_TOLERANCES,
+    built,  # noqa: F401 (a fixture)
+    needs_a_compiler,
     prefill_case,
     sequence_kv,
 )
+from test_cpu_attention import assert_as_near_as_the_reference, needs_the_prefill_kernel
 
 HEADS, KV_HEADS, BLOCK_SIZE, HEAD_DIM = 6, 2, 4, 16
 SCALE = HEAD_DIM**-0.5
@@ -98,6 +109,100 @@ def test_reference_prefill_is_bloom_attention(window: int, padded: bool) -> None
         torch.testing.assert_close(out[rows], expected, atol=1e-6, rtol=1e-5)
     plain = reference.paged_attention_prefill(query, cache.k_cache, cache.v_cache, *tail)
     assert (out - plain).abs().max() > 0.1
+
+
+# The C++ kernels against the reference
+
+
+@needs_a_compiler
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("window", [0, 7], ids=["full", "w7"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), CPU_DECODE_HEADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_decode_with_alibi_matches_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, window: int
+) -> None:
+    """float32: the generic loops; bfloat16: the AVX512-BF16 path where the CPU has it (its 256-token
+    tiles padded with their last key: the 300-token context's second)."""
+    cache = make_paged_cache(CPU_DECODE_CONTEXTS, num_kv_heads, head_dim, 16, dtype, CPU)
+    query = torch.randn(len(CPU_DECODE_CONTEXTS), num_heads, head_dim).to(dtype)
+    slopes = slopes_of(num_heads)
+    tail = (cache.block_tables, cache.context_lens, head_dim**-0.5)
+    out = cpu.paged_attention_decode(
+        query, cache.k_cache, cache.v_cache, *tail, window=window, alibi_slopes=slopes
+    )
+    biased = functools.partial(reference.paged_attention_decode, window=window, alibi_slopes=slopes)
+    assert_as_near_as_the_reference(out, biased, query, cache, tail)
+    plain = reference.paged_attention_decode(
+        query.float(), cache.k_cache.float(), cache.v_cache.float(), *tail
+    )
+    assert (out.float() - plain).abs().max() > 0.1  # the slopes moved the output
+
+
+@needs_a_compiler
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"),
+    [
+        (torch.float32, 80),
+        (torch.bfloat16, 80),
+        (torch.float16, 64),
+        (torch.bfloat16, 96),
+        (torch.bfloat16, 256),
+    ],
+    ids=["fp32-d80", "bf16-d80", "fp16-d64", "bf16-d96", "bf16-d256"],
+)
+def test_cpu_decode_with_alibi_at_other_head_sizes(dtype: torch.dtype, head_dim: int) -> None:
+    cache = make_paged_cache(CPU_DECODE_CONTEXTS, 2, head_dim, 8, dtype, CPU)
+    query = torch.randn(len(CPU_DECODE_CONTEXTS), 6, head_dim).to(dtype)
+    slopes = slopes_of(6)
+    tail = (cache.block_tables, cache.context_lens, head_dim**-0.5)
+    out = cpu.paged_attention_decode(query, cache.k_cache, cache.v_cache, *tail, alibi_slopes=slopes)
+    biased = functools.partial(reference.paged_attention_decode, alibi_slopes=slopes)
+    assert_as_near_as_the_reference(out, biased, query, cache, tail)
+
+
+@needs_a_compiler
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("window", [0, 7], ids=["full", "w7"])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(6, 2, 64), (20, 1, 64), (8, 2, 128)],
+    ids=["gqa3-d64", "gqa20-d64", "gqa4-d128"],
+)
+def test_cpu_prefill_with_alibi_matches_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, window: int
+) -> None:
+    """The bfloat16 prefill kernel's lane arrangements: 5 rows of 3 heads (a dead lane past the rows),
+    20 heads of one KV head (lanes past the group's heads: no slope of theirs to read) and 4 rows of 4
+    heads at head size 128."""
+    needs_the_prefill_kernel()
+    cache, starts, query = prefill_case(
+        CPU_PREFILL_SHAPES, num_heads, num_kv_heads, head_dim, 8, torch.bfloat16
+    )
+    slopes = 2.0 ** -torch.linspace(0.5, 8.0, num_heads)
+    tail = (cache.block_tables, starts, cache.context_lens, head_dim**-0.5)
+    out = cpu.paged_attention_prefill(
+        query, cache.k_cache, cache.v_cache, *tail, window=window, alibi_slopes=slopes
+    )
+    biased = functools.partial(reference.paged_attention_prefill, window=window, alibi_slopes=slopes)
+    assert_as_near_as_the_reference(out, biased, query, cache, tail, rounds_weights=True)
+
+
+@needs_a_compiler
+@pytest.mark.usefixtures("built")
+def test_cpu_ops_refuse_bad_slopes_naming_them() -> None:
+    """The C++ ops check `alibi_slopes` themselves too (a caller may reach torch.ops directly)."""
+    cache, starts, query = prefill_case([(1, 5), (1, 9)], HEADS, KV_HEADS, 64, BLOCK_SIZE, torch.bfloat16)
+    kv = (query, cache.k_cache, cache.v_cache, cache.block_tables)
+    for bad in (torch.zeros(HEADS, dtype=torch.float64), torch.zeros(KV_HEADS), torch.zeros(2 * HEADS)[::2]):
+        with pytest.raises(RuntimeError, match="paged_attention_decode: alibi_slopes must be float32"):
+            torch.ops.pagedserve_cpu.paged_attention_decode(*kv, cache.context_lens, 0.125, 0, 0.0, None, bad)
+        with pytest.raises(RuntimeError, match="paged_attention_prefill: alibi_slopes must be float32"):
+            torch.ops.pagedserve_cpu.paged_attention_prefill(
+                *kv, starts, cache.context_lens, 0.125, 0, 0.0, None, bad
+            )
 
 
 # The Triton kernels against the reference (under the interpreter on CPU: small shapes)
@@ -180,11 +285,12 @@ BAD_SLOPES = {
 
 @pytest.mark.parametrize("problem", list(BAD_SLOPES))
 @pytest.mark.parametrize(
-    "entry", ["reference.decode", "reference.prefill", "triton.decode", "triton.prefill"]
+    "entry",
+    [f"{module}.{kind}" for module in ("reference", "cpu", "triton") for kind in ("decode", "prefill")],
 )
 def test_bad_alibi_slopes_are_refused_naming_them(entry: str, problem: str, device: torch.device) -> None:
     module_name, kind = entry.split(".")
-    module = {"reference": reference, "triton": attention}[module_name]
+    module = {"reference": reference, "cpu": cpu, "triton": attention}[module_name]
     device = device if module_name == "triton" else CPU
     make, message = BAD_SLOPES[problem]
     cache, starts, query = prefill_case([(1, 5), (1, 9)], HEADS, KV_HEADS, 64, BLOCK_SIZE, device=device)

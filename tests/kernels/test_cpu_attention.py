@@ -442,35 +442,6 @@ def test_decode_past_head_size_256_runs_the_reference(head_dim: int, kernel: boo
     assert_as_near_as_the_reference(out, reference.paged_attention_decode, query, cache, tail)
 
 
-def test_alibi_runs_in_the_reference() -> None:
-    """The C++ kernels take no ALiBi slopes: decode and the bf16 prefill beside them run the
-    reference's, with the slopes."""
-    lens = [1, 9, 300]
-    cache = make_paged_cache(lens, 2, 64, 8, torch.bfloat16, torch.device("cpu"))
-    query = torch.randn(len(lens), 8, 64).to(torch.bfloat16)
-    slopes = 2.0 ** -torch.arange(1.0, 9.0)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.full((len(lens),), -1), num_decodes=len(lens),
-        decode_block_tables=cache.block_tables, decode_context_lens=cache.context_lens,
-        prefill_block_tables=cache.block_tables, prefill_query_start_loc=torch.arange(4, dtype=torch.int32),
-        prefill_context_lens=cache.context_lens, max_decode_context_len=max(lens), max_prefill_query_len=1,
-    )  # fmt: skip
-    backend = TorchAttentionBackend(torch.device("cpu"))
-    args = (cache.k_cache, cache.v_cache, metadata, 0.125, 0, 0.0, None, slopes)
-    with torch.profiler.profile() as prof:
-        decoded, prefilled = backend.decode(query, *args), backend.prefill(query, *args)
-    calls = {event.key for event in prof.key_averages()}
-    assert not any(call.startswith("pagedserve_cpu::paged_attention") for call in calls)
-    tail = (cache.block_tables, cache.context_lens, 0.125)
-    expected = reference.paged_attention_decode(
-        query, cache.k_cache, cache.v_cache, *tail, alibi_slopes=slopes
-    )
-    torch.testing.assert_close(decoded, expected)
-    torch.testing.assert_close(prefilled, expected)  # (one token a prompt: the same queries)
-    plain = reference.paged_attention_decode(query, cache.k_cache, cache.v_cache, *tail)
-    assert (decoded.float() - plain.float()).abs().max() > 0.1
-
-
 def prefill_metadata(cache: PagedCache, starts: torch.Tensor) -> AttentionMetadata:
     return AttentionMetadata(
         slot_mapping=torch.full((int(starts[-1]),), -1), num_decodes=0,

@@ -159,8 +159,8 @@ class TorchAttentionBackend(AttentionBackend):
     straight from the paged cache) where they build. The decode mask and the padded prefill layout
     are built once per step, not once per layer.
 
-    Decode attention at head sizes past 256 (DeepSeek's latent heads), and ALiBi's (which the C++
-    kernels do not take), runs the reference (`MAX_KERNEL_DECODE_HEAD_SIZE`).
+    Decode attention at head sizes past 256 (DeepSeek's latent heads) runs the reference
+    (`MAX_KERNEL_DECODE_HEAD_SIZE`).
 
     Prefill attention in bfloat16, head size 64, 96, 128 or 256 (`cpu.PREFILL_HEAD_SIZES`), on a build
     with AVX512-BF16 runs in the C++ prefill kernel (`cpu.paged_attention_prefill`: tiles of query
@@ -208,7 +208,7 @@ class TorchAttentionBackend(AttentionBackend):
         sinks: torch.Tensor | None,
         alibi_slopes: torch.Tensor | None,
     ) -> torch.Tensor:
-        if self.cpu_kernels and query.shape[-1] <= MAX_KERNEL_DECODE_HEAD_SIZE and alibi_slopes is None:
+        if self.cpu_kernels and query.shape[-1] <= MAX_KERNEL_DECODE_HEAD_SIZE:
             return cpu_kernels.paged_attention_decode(
                 query,
                 k_cache,
@@ -219,6 +219,7 @@ class TorchAttentionBackend(AttentionBackend):
                 window=window,
                 softcap=softcap,
                 sinks=sinks,
+                alibi_slopes=alibi_slopes,
             )
         if window not in metadata.decode_key_masks:
             num_blocks = -(-metadata.max_decode_context_len // k_cache.shape[1])
@@ -252,7 +253,7 @@ class TorchAttentionBackend(AttentionBackend):
         sinks: torch.Tensor | None,
         alibi_slopes: torch.Tensor | None,
     ) -> torch.Tensor:
-        if self._prefill_in_kernel(query.dtype, query.shape[-1]) and alibi_slopes is None:
+        if self._prefill_in_kernel(query.dtype, query.shape[-1]):
             return cpu_kernels.paged_attention_prefill(
                 query,
                 k_cache,
@@ -264,6 +265,7 @@ class TorchAttentionBackend(AttentionBackend):
                 window=window,
                 softcap=softcap,
                 sinks=sinks,
+                alibi_slopes=alibi_slopes,
             )
         if window not in metadata.prefill_batches:
             metadata.prefill_batches[window] = reference.plan_prefill_batch(

@@ -12,8 +12,7 @@ tensor-parallel layers (their sizes read under Llama's names by `config.alibi_co
   (`alibi_bias_max` 8, which transformers' MPT always takes), by MPT's order for other head counts.
 
 The slopes are this rank's heads' (`alibi_slopes`), given to each layer's `Attention`, which the
-kernels read (`pagedserve_kernels.reference`, `.attention`; the C++ CPU kernels take none, so ALiBi's
-attention runs in the reference on CPUs). Refused by name: BLOOM's residual after the norm
+kernels read (the C++ CPU kernels, the Triton kernels, the torch reference). Refused by name: BLOOM's residual after the norm
 (`apply_residual_connection_post_layernorm`), MPT's clipped or normed q and k (`clip_qkv`, `qk_ln`),
 another softmax scale or alibi_bias_max, no ALiBi, an MLP of another width, and biases (`no_bias`
 false), none of which transformers' MPT runs."""

@@ -20,6 +20,8 @@
 // Under attention sinks (`sinks`, GPT-OSS's: one float32 logit a query head, no value) each head's
 // online softmax starts from its sink (running max sinks[h], running sum exp(0) = 1, accumulator 0);
 // without them (a null pointer) it starts from -inf and 0 as before: a branch a row, none in the loops.
+// Under ALiBi (`alibi_slopes`, BLOOM's and MPT's: one float32 slope a query head) each score (after
+// any softcap) gains slope * (key position - query position); without them, a branch a chunk or tile.
 //
 // paged_attention_prefill: causal attention of packed prompt chunks (bfloat16, head size 64, 96, 128
 // or 256, AVX512-BF16 builds only), the engine's bf16 prefill path: tiles of query tokens times the
@@ -27,7 +29,8 @@
 // Each K/V row is read once a tile, not once a query token as the decode kernel over prefill rows
 // reads it.
 // Under a window a tile's keys start at the first its earliest token sees; under a softcap the scores
-// are capped as decode caps them, before the mask; under sinks each lane starts from its head's sink.
+// are capped as decode caps them, before the mask; under sinks each lane starts from its head's sink;
+// under ALiBi each lane's scores gain its head's slope times the key's distance from its token.
 //
 // write_kv_cache: this step's K/V rows copied into their slots, one call per layer.
 //
@@ -211,26 +214,27 @@ void check_softcap(const char* op, double softcap) {
               softcap);
 }
 
-// sinks: none, or one float32 logit a query head ([num_heads], contiguous, on the CPU), as the ops
-// take them; their data, or null for none
-const float* sinks_data(const char* op, const std::optional<at::Tensor>& sinks, int64_t num_heads) {
-  if (!sinks.has_value()) return nullptr;
-  const at::Tensor& s = *sinks;
+// sinks or ALiBi's slopes (`name`): none, or one float32 value a query head ([num_heads], contiguous,
+// on the CPU), as the ops take them; their data, or null for none
+const float* head_floats(const char* op, const char* name, const std::optional<at::Tensor>& values,
+                         int64_t num_heads) {
+  if (!values.has_value()) return nullptr;
+  const at::Tensor& s = *values;
   TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 1 && s.size(0) == num_heads && s.is_contiguous() &&
                   s.device().is_cpu(),
-              op, ": sinks must be float32 [", num_heads, "] (one a query head), contiguous, on the CPU; got ",
+              op, ": ", name, " must be float32 [", num_heads, "] (one a query head), contiguous, on the CPU; got ",
               s.scalar_type(), " ", s.sizes(), " on ", s.device());
   return s.data_ptr<float>();
 }
 
 // What both decode kernels read: sizes, data pointers and strides of one call's tensors (checked by
-// paged_attention_decode), the sliding window (0: none), the softcap (0: none), the sinks (null:
-// none), and the slot arithmetic of the paged layout.
+// paged_attention_decode), the sliding window (0: none), the softcap (0: none), the sinks and ALiBi's
+// slopes (null: none), and the slot arithmetic of the paged layout.
 template <typename scalar_t>
 struct DecodeArgs {
   DecodeArgs(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
              const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
-             double softcap, const float* sinks = nullptr)
+             double softcap, const float* sinks = nullptr, const float* alibi = nullptr)
       : num_seqs(query.size(0)),
         num_heads(query.size(1)),
         dim(query.size(2)),
@@ -248,6 +252,7 @@ struct DecodeArgs {
         softcap(static_cast<float>(softcap)),
         inv_softcap(softcap > 0.0 ? static_cast<float>(1.0 / softcap) : 0.0f),
         sinks(sinks),
+        alibi(alibi),
         q(query.data_ptr<scalar_t>()),
         k_cache(k_cache.data_ptr<scalar_t>()),
         v_cache(v_cache.data_ptr<scalar_t>()),
@@ -262,6 +267,7 @@ struct DecodeArgs {
   int64_t window;  // > 0: a row sees its context's last `window` tokens; 0: all of them
   float softcap, inv_softcap;  // > 0: each score s becomes softcap * tanh(s * inv_softcap); 0: as it is
   const float* sinks;          // [num_heads]: each head's sink logit, in the scores' units; null: none
+  const float* alibi;          // [num_heads]: each head's ALiBi slope; null: none
   const scalar_t *q, *k_cache, *v_cache;
   const int32_t *tables, *lens;
   scalar_t* out;
@@ -330,6 +336,11 @@ void decode_rows(const DecodeArgs<scalar_t>& a, int64_t begin, int64_t end) {
         float* s = scores.data() + h * kChunk;
         score_chunk<kDim>(qf.data() + h * dim, key, slot_size, n, s, dim);
         if (a.softcap > 0.0f) softcap_scores(s, n, a.softcap, a.inv_softcap);
+        if (a.alibi != nullptr) {  // the key at first + t, the query at context_len - 1
+          const float slope = a.alibi[h];
+          const int64_t distance = first - (context_len - 1);
+          for (int64_t t = 0; t < n; ++t) s[t] += slope * static_cast<float>(distance + t);
+        }
         float chunk_max = maxes[h];
         for (int64_t t = 0; t < n; ++t) chunk_max = std::max(chunk_max, s[t]);
         const float correction = std::exp(maxes[h] - chunk_max);  // 0 on the first chunk (exp(-inf))
@@ -543,6 +554,17 @@ void decode_rows_avx512_bf16(const DecodeArgs<c10::BFloat16>& a, int64_t begin, 
           if (a.softcap > 0.0f)  // the tile's scores capped in place (the padding's too: still its last)
             for (int64_t c = 0; c < n; c += kChunk)
               _mm512_store_ps(s + c, softcap16(_mm512_load_ps(s + c), vcap, vinv_cap));
+          if (a.alibi != nullptr) {  // the key at first + t (the padding's: its last), the query at context_len - 1
+            const __m512 slope = _mm512_set1_ps(a.alibi[kv * group + g]);
+            const __m512i last = _mm512_set1_epi32(static_cast<int32_t>(n - 1));
+            const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+            const __m512 distance = _mm512_set1_ps(static_cast<float>(first - (context_len - 1)));
+            for (int64_t c = 0; c < n; c += kChunk) {
+              const __m512i t = _mm512_min_epi32(_mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(c))), last);
+              const __m512 bias = _mm512_mul_ps(slope, _mm512_add_ps(distance, _mm512_cvtepi32_ps(t)));
+              _mm512_store_ps(s + c, _mm512_add_ps(_mm512_load_ps(s + c), bias));
+            }
+          }
         }
         for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
           const int64_t count = std::min<int64_t>(kHeadsPerPass, group - g0);
@@ -633,7 +655,7 @@ inline void transpose16(__m512* r) {
 struct PrefillArgs {
   PrefillArgs(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-              double scale, int64_t window, double softcap, const float* sinks)
+              double scale, int64_t window, double softcap, const float* sinks, const float* alibi)
       : num_seqs(block_tables.size(0)),
         num_heads(query.size(1)),
         dim(query.size(2)),
@@ -655,6 +677,7 @@ struct PrefillArgs {
         softcap(static_cast<float>(softcap)),
         inv_softcap(softcap > 0.0 ? static_cast<float>(1.0 / softcap) : 0.0f),
         sinks(sinks),
+        alibi(alibi),
         q(query.data_ptr<c10::BFloat16>()),
         k_cache(k_cache.data_ptr<c10::BFloat16>()),
         v_cache(v_cache.data_ptr<c10::BFloat16>()),
@@ -670,6 +693,7 @@ struct PrefillArgs {
   int64_t window;  // > 0: a token at p sees keys p - window + 1..p; 0: keys 0..p
   float softcap, inv_softcap;  // > 0: each score s becomes softcap * tanh(s * inv_softcap); 0: as it is
   const float* sinks;          // [num_heads]: each head's sink logit, in the scores' units; null: none
+  const float* alibi;          // [num_heads]: each head's ALiBi slope; null: none
   const c10::BFloat16 *q, *k_cache, *v_cache;
   const int32_t *tables, *starts, *lens;
   c10::BFloat16* out;
@@ -694,6 +718,7 @@ struct LaneGroup {
   __m512i q[kDim / 2];  // lane l's query, dimensions 2i and 2i + 1 in dword i
   __m512 acc[kDim];     // acc[d], lane l: the weighted sum of V's dimension d
   __m512 max, sum;
+  __m512 slope;  // lane l's head's ALiBi slope (0 for a dead lane, and without ALiBi)
 };
 
 template <int64_t kDim>
@@ -711,6 +736,7 @@ class PrefillTileRunner {
     for (int l = 0; l < 16; ++l)  // dead lanes take the last row's position (finite scores, never stored)
       lane_pos[l] = static_cast<int32_t>(tile.first_pos + std::min<int64_t>(l / ht, tile.num_rows - 1));
     const __m512i positions = _mm512_load_si512(lane_pos);
+    positions_ = _mm512_cvtepi32_ps(positions);
     // a lane sees the keys above this (its position minus the window; -1 without one: every key)
     const __m512i before = a_.window > 0
                                ? _mm512_sub_epi32(positions, _mm512_set1_epi32(static_cast<int32_t>(a_.window)))
@@ -734,7 +760,7 @@ class PrefillTileRunner {
       for (int64_t kv = 0; kv < a_.num_kv_heads; ++kv) {
         pack_chunk(kv);
         for (int64_t hg = 0; hg < a_.head_groups; ++hg)
-          attend_chunk(groups_[kv * a_.head_groups + hg], masked ? valid : nullptr);
+          attend_chunk(groups_[kv * a_.head_groups + hg], masked ? valid : nullptr, k0);
       }
     }
     for (int64_t kv = 0; kv < a_.num_kv_heads; ++kv)
@@ -768,6 +794,12 @@ class PrefillTileRunner {
     g.max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     g.sum = _mm512_setzero_ps();
     if (a_.sinks != nullptr) start_at_sinks(tile, kv, hg, g);
+    alignas(64) float slopes[16];
+    for (int l = 0; l < 16; ++l) {
+      int64_t row, head;
+      slopes[l] = a_.alibi != nullptr && lane(tile, kv, hg, l, row, head) ? a_.alibi[head] : 0.0f;
+    }
+    g.slope = _mm512_load_ps(slopes);
   }
 
   // Each live lane's softmax holding its head's sink from the start: max sink, sum exp(0) = 1. Dead
@@ -806,7 +838,9 @@ class PrefillTileRunner {
     }
   }
 
-  void attend_chunk(LaneGroup<kDim>& g, const __mmask16* valid) const {
+  // The chunk of 16 keys from position k0 for lane group g (`valid`: each key's live lanes, or null
+  // where every lane sees every key).
+  void attend_chunk(LaneGroup<kDim>& g, const __mmask16* valid, int64_t k0) const {
     __m512 s[16];
     for (int j = 0; j < 16; ++j) s[j] = _mm512_setzero_ps();
     for (int64_t i = 0; i < kDim / 2; ++i) {
@@ -821,6 +855,9 @@ class PrefillTileRunner {
       const __m512 cap = _mm512_set1_ps(a_.softcap), inv_cap = _mm512_set1_ps(a_.inv_softcap);
       for (int j = 0; j < 16; ++j) s[j] = softcap16(s[j], cap, inv_cap);
     }
+    if (a_.alibi != nullptr)  // each lane's slope times the key's distance from its token
+      for (int j = 0; j < 16; ++j)
+        s[j] = _mm512_fmadd_ps(g.slope, _mm512_sub_ps(_mm512_set1_ps(static_cast<float>(k0 + j)), positions_), s[j]);
     __m512 chunk_max = g.max;
     for (int j = 0; j < 16; ++j) {
       if (valid != nullptr) s[j] = _mm512_mask_mov_ps(neg_inf, valid[j], s[j]);
@@ -868,6 +905,7 @@ class PrefillTileRunner {
 
   const PrefillArgs& a_;
   std::vector<LaneGroup<kDim>> groups_;
+  __m512 positions_;  // the tile's lanes' token positions
   int64_t slots_[16];
   alignas(64) int32_t keys_[8 * kDim];    // bf16 pairs: 16 keys of kDim / 2 dwords
   alignas(64) int32_t values_[8 * kDim];  // bf16 pairs: 8 key pairs of kDim dwords
@@ -939,11 +977,13 @@ at::Tensor paged_attention_decode(
     double scale,
     int64_t window,
     double softcap,
-    const std::optional<at::Tensor>& sinks) {
+    const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& alibi_slopes) {
   check_attention_shapes(query, k_cache, v_cache, "seqs");
   TORCH_CHECK(window >= 0, "paged_attention_decode: window must be 0 (none) or positive, got ", window);
   check_softcap("paged_attention_decode", softcap);
-  const float* sink_logits = sinks_data("paged_attention_decode", sinks, query.size(1));
+  const float* sink_logits = head_floats("paged_attention_decode", "sinks", sinks, query.size(1));
+  const float* slopes = head_floats("paged_attention_decode", "alibi_slopes", alibi_slopes, query.size(1));
   TORCH_CHECK(query.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "query rows and the caches must be contiguous");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -959,15 +999,16 @@ at::Tensor paged_attention_decode(
   auto out = at::empty_like(query);
   switch (query.scalar_type()) {
     case at::kFloat:
-      dispatch_dim(DecodeArgs<float>(out, query, k_cache, v_cache, tables, lens, scale, window, softcap, sink_logits));
+      dispatch_dim(
+          DecodeArgs<float>(out, query, k_cache, v_cache, tables, lens, scale, window, softcap, sink_logits, slopes));
       break;
     case at::kBFloat16:
-      dispatch_dim(
-          DecodeArgs<c10::BFloat16>(out, query, k_cache, v_cache, tables, lens, scale, window, softcap, sink_logits));
+      dispatch_dim(DecodeArgs<c10::BFloat16>(out, query, k_cache, v_cache, tables, lens, scale, window, softcap,
+                                             sink_logits, slopes));
       break;
     case at::kHalf:
-      dispatch_dim(
-          DecodeArgs<c10::Half>(out, query, k_cache, v_cache, tables, lens, scale, window, softcap, sink_logits));
+      dispatch_dim(DecodeArgs<c10::Half>(out, query, k_cache, v_cache, tables, lens, scale, window, softcap,
+                                         sink_logits, slopes));
       break;
     default: TORCH_CHECK(false, "paged_attention_decode: float32, bfloat16 or float16, not ", query.scalar_type());
   }
@@ -978,7 +1019,8 @@ at::Tensor paged_attention_decode(
 // there first): query [tokens, heads, head_dim], sequence s's rows query_start_loc[s] ..
 // query_start_loc[s + 1], at the last positions of its context_lens[s] tokens, each over its last
 // `window` positions only under a window (> 0), its scores soft-capped under a softcap (> 0), each
-// head's softmax joined by its sink logit under sinks (none: nullopt). bfloat16,
+// head's softmax joined by its sink logit under sinks (none: nullopt), its scores biased by distance
+// under alibi_slopes (none: nullopt). bfloat16,
 // head sizes 64, 96, 128 and 256, on AVX512-BF16 builds (decode_isa() == "avx512_bf16"); elsewhere the
 // caller keeps SDPA.
 at::Tensor paged_attention_prefill(
@@ -991,11 +1033,13 @@ at::Tensor paged_attention_prefill(
     double scale,
     int64_t window,
     double softcap,
-    const std::optional<at::Tensor>& sinks) {
+    const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& alibi_slopes) {
   check_attention_shapes(query, k_cache, v_cache, "tokens");
   TORCH_CHECK(window >= 0, "paged_attention_prefill: window must be 0 (none) or positive, got ", window);
   check_softcap("paged_attention_prefill", softcap);
-  const float* sink_logits = sinks_data("paged_attention_prefill", sinks, query.size(1));
+  const float* sink_logits = head_floats("paged_attention_prefill", "sinks", sinks, query.size(1));
+  const float* slopes = head_floats("paged_attention_prefill", "alibi_slopes", alibi_slopes, query.size(1));
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16,
               "paged_attention_prefill: bfloat16 query and caches");
@@ -1024,7 +1068,7 @@ at::Tensor paged_attention_prefill(
   const auto q = query.stride(2) == 1 ? query : query.contiguous();  // a head's dimensions in one run
   auto out = at::empty(query.sizes(), query.options());
 #ifdef PAGEDSERVE_AVX512_BF16
-  const PrefillArgs args(out, q, k_cache, v_cache, tables, starts, lens, scale, window, softcap, sink_logits);
+  const PrefillArgs args(out, q, k_cache, v_cache, tables, starts, lens, scale, window, softcap, sink_logits, slopes);
   switch (args.dim) {  // one of the sizes checked above
     case 64: prefill_kernel_avx512_bf16<64>(args); break;
     case 96: prefill_kernel_avx512_bf16<96>(args); break;
@@ -1032,7 +1076,7 @@ at::Tensor paged_attention_prefill(
     default: prefill_kernel_avx512_bf16<256>(args); break;
   }
 #else
-  (void)sink_logits;
+  (void)sink_logits, (void)slopes;
   TORCH_CHECK(false, "paged_attention_prefill: this build has no AVX512-BF16 (decode_isa() is generic)");
 #endif
   return out;
@@ -1780,10 +1824,11 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("logprob_rows(Tensor logits, Tensor? tokens, int k) -> (Tensor, Tensor, Tensor)");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
+        "Tensor context_lens, float scale, int window=0, float softcap=0.0, Tensor? sinks=None, "
+        "Tensor? alibi_slopes=None) -> Tensor");
   m.def("paged_attention_prefill(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor query_start_loc, Tensor context_lens, float scale, int window=0, float softcap=0.0, "
-        "Tensor? sinks=None) -> Tensor");
+        "Tensor? sinks=None, Tensor? alibi_slopes=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
