@@ -1164,6 +1164,7 @@ def smollm3_rotary_layers(hf: dict[str, Any]) -> list[bool]:
 # 10,000 for the others)
 _DEFAULT_THETA = {
     "MixtralForCausalLM": 1e6,
+    "PhimoeForCausalLM": 1e6,
     "SmolLM3ForCausalLM": 2e6,
     "GptOssForCausalLM": 150_000.0,
     "Olmo3ForCausalLM": 500_000.0,

@@ -99,6 +99,7 @@ from transformers import (
     OPTConfig,
     Phi3Config,
     PhiConfig,
+    PhimoeConfig,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3_5MoeTextConfig,
@@ -161,6 +162,9 @@ MAX_TOKENS = 16
 # Measured on these checkpoints: transformers' own bfloat16 tokens sit at most 0.21 below its float32
 # best (ours at most 0.21 too); a model that drops its rope scaling or a bias sits ~10 below.
 BF16_GAP = 0.5
+# ... but for routers whose hard margins flip experts in bfloat16 (Phi-3.5-MoE's sparsemixer): there
+# transformers' own bfloat16 tokens sit 2.6-3.0 below, and ours are held to within 0.05 of its
+BF16_AS_TRANSFORMERS = {"phimoe-sparsemixer-longrope-mscale-biases", "phimoe-defaults"}
 # Granite's multipliers, each away from 1 and from the others (its attention scale in place of 16^-0.5)
 GRANITE_SCALES = {
     "embedding_multiplier": 12.0,
@@ -171,6 +175,8 @@ GRANITE_SCALES = {
 # `decode_layers` takes a qkv bias alone (Granite's multipliers, Phi-3's partial rotary and SmolLM3's
 # NoPE layers it runs) and no Gemma layer (worker/fused_decode.py): these run without it
 NOT_DECODE_LAYERS = {
+    "phimoe-sparsemixer-longrope-mscale-biases",
+    "phimoe-defaults",
     "dbrx-clamped-wqkv-stacked-expert-rows",
     "dbrx-defaults-one-kv-head",
     "bloom-alibi-embedding-norm-fused-heads",
@@ -1396,6 +1402,35 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     # Databricks' DBRX: LayerNorms of no bias, q, k and v in one `Wqkv` clamped to +-2 (at this scale
     # a clamp that bites), 2 KV heads; every MLP 8 experts of 32 whose rows share one tensor a
     # projection (w1, v1, w2), 2 a token by the router's softmax, their weights divided by their sum
+    # Microsoft's Phi-3.5-MoE: Mixtral's layout with LayerNorms, every projection and the LM head
+    # biased; 8 experts of 96, the 2 sparsemixer picks, each weighted by its softmax over the experts
+    # within a relative 0.6 of it (a margin wide enough to take others in); LongRoPE's long factors
+    # with Phi-3.5-MoE's own attention factor (`long_mscale`)
+    "phimoe-sparsemixer-longrope-mscale-biases": (
+        lambda: PhimoeConfig(
+            **TINY,
+            num_local_experts=8,
+            attention_bias=True,
+            lm_head_bias=True,
+            router_jitter_noise=0.3,
+            original_max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.3, 1.4, 1.5],
+                "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0],
+                "short_mscale": 1.1,
+                "long_mscale": 1.3,
+            },
+        ),
+        None,
+    ),
+    # ... PhimoeConfig's defaults where config.json leaves them out: 16 experts, the 0.01 margin, theta
+    # 1e6, LayerNorms at 1e-5, no biases
+    "phimoe-defaults": (
+        lambda: PhimoeConfig(**TINY),
+        drop("num_local_experts", "router_jitter_noise", "rope_parameters", "rms_norm_eps", "attention_bias"),
+    ),
     "dbrx-clamped-wqkv-stacked-expert-rows": (
         lambda: DbrxConfig(
             **MPT_TINY,
@@ -1797,6 +1832,20 @@ def hf_logprobs(model: Any, prompt: list[int], output: list[int]) -> tuple[torch
     return logprobs.gather(1, torch.tensor(output)[:, None])[:, 0], logprobs.max(dim=-1).values
 
 
+def hf_bf16_gap(model_dir: str, model: Any, prompts: list[list[int]]) -> float:
+    """`worst_gap` of transformers' own bfloat16 greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    outputs = [
+        bf16.generate(
+            torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False
+        )[0, len(prompt) :].tolist()
+        for prompt in prompts
+    ]
+    return worst_gap(model, prompts, outputs)
+
+
 def worst_gap(model: Any, prompts: list[list[int]], outputs: list[list[int]]) -> float:
     """How far below transformers' best float32 logprob the worst of our chosen tokens sits."""
     gaps = [best - chosen for chosen, best in map(hf_logprobs, [model] * len(prompts), prompts, outputs)]
@@ -1848,7 +1897,10 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
     }.get(name, 1024)
     bf16 = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=128, block_size=16)
     gap = worst_gap(model, prompts, greedy(bf16, prompts, MAX_TOKENS))
-    assert gap < BF16_GAP, f"a bfloat16 token sits {gap:.2f} below transformers' float32 best"
+    limit = BF16_GAP
+    if name in BF16_AS_TRANSFORMERS:  # (no further below than transformers' own bfloat16 tokens)
+        limit = max(BF16_GAP, hf_bf16_gap(model_dir, model, prompts) + 0.05)
+    assert gap < limit, f"a bfloat16 token sits {gap:.2f} below transformers' float32 best"
     # eager too, its decode steps in one C++ call where the CPU has it, but for biases beyond qkv
     fused = bf16.engine.executor.worker.model_runner.fused_decode
     assert (fused is not None) == (decode_layers_available() and name not in NOT_DECODE_LAYERS)
@@ -3218,6 +3270,12 @@ def test_rotary_tables_equal_transformers(
             "no_bias false is not supported",
         ),
         (
+            lambda c: c.update(
+                architectures=["PhimoeForCausalLM"], num_local_experts=4, num_experts_per_tok=3
+            ),
+            "num_experts_per_tok 3: sparsemixer picks 2",
+        ),
+        (
             lambda c: c.update(DBRX_REFUSED, ffn_config={"moe_normalize_expert_weights": 2.0}),
             "moe_normalize_expert_weights 2.0 is not supported \\(1 or null\\)",
         ),
@@ -3373,6 +3431,7 @@ def test_rotary_tables_equal_transformers(
         "mpt-alibi-bias-max",
         "mpt-expansion-ratio",
         "mpt-biases",
+        "phimoe-top-3",
         "dbrx-expert-weights-2-norm",
         "dbrx-gelu-experts",
         "falcon-new-architecture-sequential",

@@ -305,6 +305,17 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
                 "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
             },
         ),
+        # Phi-3.5-MoE's sparsemixer routing (the same picks on every rank), each rank's slice of the LM
+        # head's bias, LayerNorms with biases
+        (
+            "PhimoeConfig",
+            {
+                "num_local_experts": 4,
+                "attention_bias": True,
+                "lm_head_bias": True,
+                "router_jitter_noise": 0.3,
+            },
+        ),
         # each rank's heads attending within chunks of 16 (two blocks of 8) in layer 0, layer 1 NoPE
         # with its query temperature; experts in both
         (
@@ -339,6 +350,7 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         "bloom",
         "mpt",
         "dbrx",
+        "phimoe",
         "llama4-chunked",
     ],
 )

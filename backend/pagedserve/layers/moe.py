@@ -85,6 +85,8 @@ class Experts:
     gated: bool = True
     # Llama 4's: each expert's input scaled by the token's weight for it, its output summed as it is
     weighted_inputs: bool = False
+    # "sparsemixer" scoring (Phi-3.5-MoE's, top 2): `route_sparsemixer`'s, within this relative margin
+    sparsemixer_eps: float = 0.01
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -98,8 +100,10 @@ class Experts:
             raise ValueError(f"model: experts' activation {self.activation!r} ({' or '.join(activations)})")
         if not (self.swiglu_limit > 0 and math.isfinite(self.swiglu_limit)):
             raise ValueError(f"model: config.json's swiglu_limit must be positive, got {self.swiglu_limit}")
-        if self.scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"model: experts' scoring {self.scoring!r} (softmax or sigmoid)")
+        if self.scoring not in ("softmax", "sigmoid", "sparsemixer"):
+            raise ValueError(f"model: experts' scoring {self.scoring!r} (softmax, sigmoid or sparsemixer)")
+        if self.scoring == "sparsemixer" and self.top_k != 2:
+            raise ValueError(f"model: config.json's num_experts_per_tok {self.top_k}: sparsemixer picks 2")
         if not (self.num_groups >= 1 and self.num_experts % self.num_groups == 0):
             raise ValueError(
                 f"model: config.json's n_group {self.num_groups} must divide the {self.num_experts} experts"
@@ -156,7 +160,9 @@ def route(
     """Each token's `top_k` experts [tokens, top_k] (int64) and their weights (float32): the softmax
     of the logits over all experts (or each one's sigmoid), in float32 as transformers takes it; the
     experts picked by those scores, or by the scores plus `selection_bias` among the best groups
-    (`Experts`)."""
+    (`Experts`); under "sparsemixer" scoring, `route_sparsemixer`'s."""
+    if spec.scoring == "sparsemixer":
+        return route_sparsemixer(router_logits, spec.sparsemixer_eps)
     if spec.scoring == "sigmoid":
         scores = router_logits.float().sigmoid()
     else:
@@ -178,6 +184,23 @@ def route(
     if spec.routed_scaling_factor != 1.0:
         weights = weights * spec.routed_scaling_factor
     return weights, expert_ids
+
+
+def route_sparsemixer(router_logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-3.5-MoE's routing at inference (transformers' `sparsemixer`, not training): the best expert,
+    weighted by its softmax over the experts whose logits lie within a relative 2 `eps` of it; then the
+    best of the others, weighted by its softmax over those of the others within 2 `eps` of it (the
+    margins measured against each expert's |logit|, at least the best's). In float32."""
+    scores = router_logits.float()
+    candidates, weights, expert_ids = scores, [], []
+    for _ in range(2):
+        best, top = candidates.max(dim=-1, keepdim=True)
+        far = (best - scores) / scores.abs().clamp(min=best) > 2 * eps
+        gates = candidates.masked_fill(far, float("-inf")).softmax(dim=-1)
+        weights.append(gates.gather(-1, top))
+        expert_ids.append(top)
+        candidates = candidates.scatter(-1, top, float("-inf"))
+    return torch.cat(weights, dim=-1), torch.cat(expert_ids, dim=-1)
 
 
 class Router(nn.Module):

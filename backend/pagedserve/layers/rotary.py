@@ -48,7 +48,8 @@ def _inv_freq(rotary_dim: int, params: dict[str, Any], max_position: int) -> tup
 def _longrope_inv_freq(dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
     """LongRoPE (Phi-3's 128K and Phi-3.5's, Phi-4-mini's): each frequency divided by its own factor,
     `short_factor`'s within the pretraining length, `long_factor`'s past it; cos and sin scaled by the
-    attention factor (sqrt(1 + ln(factor) / ln(pretraining length)) unless given).
+    attention factor (Phi-3.5-MoE's `short_mscale` or `long_mscale` likewise, else `attention_factor`,
+    else sqrt(1 + ln(factor) / ln(pretraining length))).
 
     transformers picks the factors for a whole sequence by its length, and recomputes the sequence's
     cache when it grows past the pretraining length. A paged cache keeps every block it wrote, so the
@@ -65,7 +66,10 @@ def _longrope_inv_freq(dim: int, params: dict[str, Any], max_position: int) -> t
             f"dimensions), got {str(factors)[:100]}"
         )
     factor = params["factor"]
-    attention_factor = params.get("attention_factor")
+    # (Phi-3.5-MoE's: an attention factor of each kind, `short_mscale` and `long_mscale`)
+    attention_factor = params.get("long_mscale" if name == "long_factor" else "short_mscale")
+    if attention_factor is None:
+        attention_factor = params.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
     shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim

@@ -1,7 +1,8 @@
 """Llama-family decoders whose MLPs are mixtures of experts (`layers.moe`): Mixtral (Mistral's layer,
 every MLP 8 experts, 2 a token), IBM's Granite MoE (Granite's layer), Qwen2-MoE (Qwen2's layer, with a
 shared expert), Granite MoE with a shared expert, Qwen3-MoE (Qwen3's layer), GLM-4.5 (DeepSeek-V3's routing), ERNIE 4.5 MoE (a
-picking bias on a softmax) and dots.llm1 (Qwen3's layer, DeepSeek-V3's experts). Qwen's
+picking bias on a softmax), dots.llm1 (Qwen3's layer, DeepSeek-V3's experts) and Phi-3.5-MoE (LayerNorms,
+biased projections and LM head, Mixtral's experts picked by `route_sparsemixer`). Qwen's
 `decoder_sparse_step` and `mlp_only_layers`, GLM's and dots.llm1's `first_k_dense_replace` and
 ERNIE's `moe_layer_*` keep some layers dense.
 
@@ -24,9 +25,10 @@ import torch
 from pagedserve.config import default_layer_types
 from pagedserve.layers import ops
 from pagedserve.layers.attention import AttentionBackend, AttentionMetadata
+from pagedserve.layers.embedding import ParallelLMHead
 from pagedserve.layers.linear import ColumnParallelLinear
 from pagedserve.layers.moe import Experts
-from pagedserve.layers.norm import Float32RMSNorm, RMSNorm
+from pagedserve.layers.norm import Float32RMSNorm, LayerNorm, RMSNorm
 from pagedserve.models.llama import (
     Biases,
     Ernie4_5ForCausalLM,
@@ -672,3 +674,43 @@ class ExaoneMoeForCausalLM(MoeForCausalLM):
                 ((n, t) for n, t in weights if not n.startswith(("mtp.", "model.mtp."))), len(self.layers)
             )
         )
+
+
+class PhimoeDecoderLayer(LlamaDecoderLayer):
+    """Phi-3.5-MoE's layer: Mixtral's, its norms LayerNorms (with a bias) at `rms_norm_eps`."""
+
+    @staticmethod
+    def norm(cfg: dict[str, Any]) -> RMSNorm:
+        return LayerNorm(cfg["hidden_size"], rms_norm_eps(cfg))
+
+
+class PhimoeForCausalLM(MoeForCausalLM):
+    """Microsoft's Phi-3.5-MoE (`PhimoeForCausalLM`): Mixtral's layout with LayerNorms, q, k, v and o
+    biased by `attention_bias`, an LM head biased by `lm_head_bias`; every MLP `num_local_experts`
+    (16) experts, the 2 `route_sparsemixer` picks (within `router_jitter_noise` 0.01); the rope's
+    LongRoPE with its own attention factors (`short_mscale`, `long_mscale`). PhimoeConfig's defaults
+    where config.json leaves a key out (theta 1e6)."""
+
+    decoder_layer_class = PhimoeDecoderLayer
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        super().__init__({"rms_norm_eps": 1e-5, **cfg}, max_position, backend)
+        if cfg.get("lm_head_bias", False):
+            self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], bias=True)
+            if self.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The hub's Mixtral names, or transformers 5's (the router `mlp.router`, the experts stacked)."""
+        super().load_weights((name.replace(".mlp.router.", ".mlp.gate."), tensor) for name, tensor in weights)
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        spec = Experts(
+            num_experts=num_experts_of(cfg, 16),
+            top_k=cfg.get("num_experts_per_tok", 2),
+            intermediate_size=cfg.get("intermediate_size", 6400),
+            renormalize=False,
+            scoring="sparsemixer",
+            sparsemixer_eps=float(cfg.get("router_jitter_noise", 0.01)),
+        )
+        return [spec] * cfg["num_hidden_layers"]
