@@ -59,40 +59,30 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) 
 def check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
     """sinks: None, or one float32 logit a query head ([num_heads], contiguous) on the query's
     device. Every entry point taking `sinks` checks them here: a ValueError names them."""
-    if sinks is None:
-        return
-    if not isinstance(sinks, torch.Tensor):
-        raise ValueError(f"sinks: expected a torch.Tensor or None, got {type(sinks).__name__}")
-    if sinks.dtype != torch.float32:
-        raise ValueError(f"sinks: dtype {sinks.dtype}, expected torch.float32")
-    if tuple(sinks.shape) != (query.shape[1],):
-        raise ValueError(
-            f"sinks: expected shape ({query.shape[1]},) (one a query head), got {tuple(sinks.shape)}"
-        )
-    if not sinks.is_contiguous():
-        raise ValueError(f"sinks: must be contiguous, got strides {sinks.stride()}")
-    if sinks.device != query.device:
-        raise ValueError(f"sinks: on {sinks.device}, the query on {query.device}")
+    _check_per_head("sinks", sinks, query, "logit")
 
 
 def check_alibi(alibi_slopes: torch.Tensor | None, query: torch.Tensor) -> None:
     """alibi_slopes: None, or one float32 slope a query head ([num_heads], contiguous) on the query's
     device; a ValueError names them."""
-    if alibi_slopes is None:
+    _check_per_head("alibi_slopes", alibi_slopes, query, "slope")
+
+
+def _check_per_head(name: str, values: torch.Tensor | None, query: torch.Tensor, what: str) -> None:
+    if values is None:
         return
-    if not isinstance(alibi_slopes, torch.Tensor):
-        raise ValueError(f"alibi_slopes: expected a torch.Tensor or None, got {type(alibi_slopes).__name__}")
-    if alibi_slopes.dtype != torch.float32:
-        raise ValueError(f"alibi_slopes: dtype {alibi_slopes.dtype}, expected torch.float32")
-    if tuple(alibi_slopes.shape) != (query.shape[1],):
+    if not isinstance(values, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor or None, got {type(values).__name__}")
+    if values.dtype != torch.float32:
+        raise ValueError(f"{name}: dtype {values.dtype}, expected torch.float32")
+    if tuple(values.shape) != (query.shape[1],):
         raise ValueError(
-            f"alibi_slopes: expected shape ({query.shape[1]},) (one a query head), got "
-            f"{tuple(alibi_slopes.shape)}"
+            f"{name}: expected shape ({query.shape[1]},) (one {what} a query head), got {tuple(values.shape)}"
         )
-    if not alibi_slopes.is_contiguous():
-        raise ValueError(f"alibi_slopes: must be contiguous, got strides {alibi_slopes.stride()}")
-    if alibi_slopes.device != query.device:
-        raise ValueError(f"alibi_slopes: on {alibi_slopes.device}, the query on {query.device}")
+    if not values.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous, got strides {values.stride()}")
+    if values.device != query.device:
+        raise ValueError(f"{name}: on {values.device}, the query on {query.device}")
 
 
 def decode_key_mask(

@@ -69,6 +69,21 @@ def with_window(model_dir: str, root: Path, window: int) -> str:
     return str(root)
 
 
+def short_prompts_llm(model_dir: str, device: torch.device, backend: str) -> LLM:
+    """An engine for a few short prompts, 16 tokens a step (chunks after cached context beside
+    decodes), blocks of 8."""
+    return LLM(
+        model=model_dir,
+        dtype="float32",
+        device=str(device),
+        attention_backend=backend,
+        num_kv_blocks=16,
+        block_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+    )
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("window", [0, 20], ids=["full", "window-20"])
 def test_triton_backend_greedy_equals_torch_backend(
@@ -170,16 +185,7 @@ def test_deepseeks_latent_attention_in_the_triton_kernels_equals_the_torch_backe
     prompts = [list(range(100, 121)), list(range(900, 907)), [5]]  # (short: the interpreter is slow)
 
     def tokens(backend: str) -> list[list[int]]:
-        llm = LLM(
-            model=model_dir,
-            dtype="float32",
-            device=str(device),
-            attention_backend=backend,
-            num_kv_blocks=16,
-            block_size=8,
-            max_num_seqs=4,
-            max_num_batched_tokens=16,
-        )
+        llm = short_prompts_llm(model_dir, device, backend)
         assert llm.engine.executor.worker.num_kv_heads == 1
         return greedy_token_ids(llm, prompts)
 
@@ -192,8 +198,8 @@ def test_alibi_in_the_triton_kernels_equals_the_torch_backend(
     default_model_dir: str, device: torch.device, tmp_path: Path, config_class: str
 ) -> None:
     """BLOOM and MPT beside the Triton backend: their ALiBi slopes (6 heads: no power of two) in the
-    decode and prefill kernels, prompts arriving 16 tokens a step: the torch backend's tokens (its
-    reference attention with the slopes)."""
+    decode and prefill kernels, prompts arriving 16 tokens a step: the torch backend's tokens (the C++
+    kernels' attention with the slopes)."""
     from tiny_models import build_tiny_llama
 
     model_dir = build_tiny_llama(
@@ -202,16 +208,7 @@ def test_alibi_in_the_triton_kernels_equals_the_torch_backend(
     prompts = [list(range(100, 121)), list(range(900, 907)), [5]]  # (short: the interpreter is slow)
 
     def tokens(backend: str) -> list[list[int]]:
-        llm = LLM(
-            model=model_dir,
-            dtype="float32",
-            device=str(device),
-            attention_backend=backend,
-            num_kv_blocks=16,
-            block_size=8,
-            max_num_seqs=4,
-            max_num_batched_tokens=16,
-        )
+        llm = short_prompts_llm(model_dir, device, backend)
         [slopes] = {attn.alibi_slopes for attn in llm.engine.executor.worker.model_runner.attention_layers}
         assert slopes is not None and slopes.shape == (6,)
         return greedy_token_ids(llm, prompts)
@@ -245,16 +242,7 @@ def test_llama4s_chunked_attention_in_the_triton_kernels_equals_the_torch_backen
     prompts = [list(range(100, 121)), list(range(900, 907)), [5]]  # (short: the interpreter is slow)
 
     def tokens(chunk: int, backend: str) -> list[list[int]]:
-        llm = LLM(
-            model=build(f"chunk-{chunk}", chunk),
-            dtype="float32",
-            device=str(device),
-            attention_backend=backend,
-            num_kv_blocks=16,
-            block_size=8,
-            max_num_seqs=4,
-            max_num_batched_tokens=16,
-        )
+        llm = short_prompts_llm(build(f"chunk-{chunk}", chunk), device, backend)
         chunks = [attn.chunk for attn in llm.engine.executor.worker.model_runner.attention_layers]
         assert chunks == [chunk, 0]
         return greedy_token_ids(llm, prompts)
