@@ -258,7 +258,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                     ".q_a_layernorm.weight",  # DeepSeek's latents' norms
                     ".kv_a_layernorm.weight",
                 )
-            ):
+            ) or re.search(r"_layernorm\.norms\.\d+\.weight$", name):  # (StableLM's head norms)
                 param.normal_(1.0, 0.5)
             if (
                 name.endswith("norm.weight")

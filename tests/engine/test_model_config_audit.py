@@ -253,7 +253,8 @@ NOT_DECODE_LAYERS = {
     "granitemoeshared-shared-expert",
     "minicpm3-mla-mup-scales-longrope",
     "stablelm-layernorms-quarter-rotary-qkv-bias",
-    "stablelm-parallel-residual",
+    "stablelm-parallel-residual-head-norms",
+    "stablelm-head-norms",
     "gpt-neox-parallel-its-own-rope-names",
     "gpt-neox-sequential",
     "phi2-parallel-biased-head",
@@ -1142,11 +1143,14 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
         lambda: StableLmConfig(**TINY, use_qkv_bias=True),
         drop_partial_rotary_factor,
     ),
-    # StableLM 2 12B's layer: attention and the MLP side by side on one LayerNorm
-    "stablelm-parallel-residual": (
-        lambda: StableLmConfig(**TINY, use_parallel_residual=True),
+    # StableLM 2 12B's layer: attention and the MLP side by side on one LayerNorm, each query and key
+    # head LayerNormed by a weight of its own before the rotation (a tensor a head in the checkpoint)
+    "stablelm-parallel-residual-head-norms": (
+        lambda: StableLmConfig(**TINY, use_parallel_residual=True, qk_layernorm=True),
         None,
     ),
+    # ... the head norms in StableLM's sequential layer
+    "stablelm-head-norms": (lambda: StableLmConfig(**TINY, qk_layernorm=True), None),
     # GPT-NeoX (Pythia) as its checkpoints ship: attention and the GELU MLP side by side on two
     # LayerNorms, q, k and v in one tensor a head at a time, the rope named rotary_pct (here 0.5) and
     # rotary_emb_base (here 1,000)
@@ -2657,6 +2661,24 @@ def test_experts_as_the_hub_lays_them_out_load_as_stacked(
     assert outputs[0] == outputs[1]
 
 
+def test_a_head_norm_missing_from_the_checkpoint_is_named(
+    variant_dir: Callable[[str], str], tmp_path: Path
+) -> None:
+    """StableLM's head norms come a tensor a head: a layer's missing one is refused naming the layer's
+    norm and the heads that came, not loaded short."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(variant_dir("stablelm-head-norms"), model_dir)
+    weights = load_file(model_dir / "model.safetensors")
+    del weights["model.layers.0.self_attn.k_layernorm.norms.1.weight"]
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match="head norms for 'model.layers.0.self_attn.k_norm.weight' stop at 1 heads"
+    ):
+        LLM(model=str(model_dir), dtype="float32", num_kv_blocks=8)
+
+
 def test_dbrx_releases_rope_theta_in_attn_config() -> None:
     """DBRX's own config.json (no rope_parameters) keeps its theta, 500,000, in attn_config: the model
     turns by it (transformers 5 reads only rope_parameters, whose default then stands)."""
@@ -3380,10 +3402,6 @@ def test_rotary_tables_equal_transformers(
             lambda c: c.update(architectures=["NemotronHForCausalLM"], hybrid_override_pattern="M*X"),
             "hybrid_override_pattern must be a string of M, \\*, - and E, got 'M\\*X'",
         ),
-        (
-            lambda c: c.update(architectures=["StableLmForCausalLM"], qk_layernorm=True),
-            "qk_layernorm \\(per-head LayerNorms of q and k\\) is not supported",
-        ),
         # Kimi Linear's latent attention turns nothing, its router is a sigmoid's
         (
             lambda c: c.update(architectures=["KimiLinearForCausalLM"], mla_use_nope=False),
@@ -3452,7 +3470,6 @@ def test_rotary_tables_equal_transformers(
         "nemotron3-biased-experts",
         "nemotron-h-state-dtype",
         "nemotron-h-pattern",
-        "stablelm-qk-layernorm",
         "kimi-linear-rotary-latent",
         "kimi-linear-softmax-router",
     ],

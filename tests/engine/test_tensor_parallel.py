@@ -293,6 +293,8 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         ),
         # each rank's heads biased by their own ALiBi slopes (BLOOM's; MPT's), BLOOM's fused heads
         # and embedding norm, MPT's Wqkv and unbiased norms
+        # StableLM 2 12B's head norms: each rank its heads' rows (2 KV heads, one a rank)
+        ("StableLmConfig", {"qk_layernorm": True, "use_parallel_residual": True}),
         ("BloomConfig", {}),
         ("MptConfig", {}),
         # DBRX's Wqkv cut into each rank's heads (2 KV heads: one a rank), clamped; its experts' shared
@@ -347,6 +349,7 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         "gpt-bigcode",
         "opt",
         "minimax-m2",
+        "stablelm-head-norms",
         "bloom",
         "mpt",
         "dbrx",

@@ -13,7 +13,8 @@
 - Stability AI's StableLM (StableLM 2, StableLM-3B-4E1T, Stable Code): LayerNorms with a bias where
   Llama has RMSNorms, the rope over the first `partial_rotary_factor` of each head (0.25 by default),
   q, k and v biased by `use_qkv_bias`, Llama's SwiGLU; attention and the MLP side by side on one norm
-  where `use_parallel_residual` (StableLM 2 12B's)."""
+  where `use_parallel_residual`, and each query and key head LayerNormed by a weight of its own before
+  the rotation where `qk_layernorm` (StableLM 2 12B's both: Command R+'s head norms)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from torch import nn
 from pagedserve.config import rope_parameters
 from pagedserve.layers.attention import AttentionBackend
 from pagedserve.layers.norm import LayerNorm, RMSNorm
-from pagedserve.models.cohere import ParallelDecoderLayer
+from pagedserve.models.cohere import CohereAttention, ParallelDecoderLayer
 from pagedserve.models.llama import Biases, LlamaDecoderLayer, LlamaForCausalLM
 from pagedserve.models.ungated import LayerNormDecoderLayer, UngatedForCausalLM, UngatedMLP
 
@@ -52,26 +53,70 @@ class StableLmParallelDecoderLayer(ParallelDecoderLayer):
         return layer_norm(cfg)
 
 
+class StableLmHeadNormDecoderLayer(StableLmDecoderLayer):
+    """StableLM's layer with its q and k head norms (`qk_layernorm`)."""
+
+    attention_class = CohereAttention
+
+
+class StableLmParallelHeadNormDecoderLayer(StableLmParallelDecoderLayer):
+    """StableLM 2 12B's: attention (its q and k head norms) and the MLP side by side on one LayerNorm."""
+
+    attention_class = CohereAttention
+
+
 class StableLmForCausalLM(LlamaForCausalLM):
-    """StableLM (see the module docstring); StableLmConfig's defaults where config.json leaves a key out.
-    Per-head LayerNorms of q and k (`qk_layernorm`, StableLM 2 12B's) are refused by name."""
+    """StableLM (see the module docstring); StableLmConfig's defaults where config.json leaves a key
+    out. Its head norms load from a tensor a head (`q_layernorm.norms.N`: `_stacked_head_norms`)."""
 
     rotates_part_of_a_head = True
     default_partial_rotary = 0.25  # StableLmConfig's
     decoder_layer_class: type[LlamaDecoderLayer] = StableLmDecoderLayer
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
-        if cfg.get("qk_layernorm"):
-            raise ValueError(
-                "model: config.json's qk_layernorm (per-head LayerNorms of q and k) is not supported"
-            )
-        if cfg.get("use_parallel_residual"):  # (this model's layers, before they are built)
-            self.decoder_layer_class = StableLmParallelDecoderLayer
-        super().__init__(cfg, max_position, backend)
+        # (this model's layers, before they are built)
+        parallel, head_norms = bool(cfg.get("use_parallel_residual")), bool(cfg.get("qk_layernorm"))
+        self.decoder_layer_class = {
+            (False, False): StableLmDecoderLayer,
+            (True, False): StableLmParallelDecoderLayer,
+            (False, True): StableLmHeadNormDecoderLayer,
+            (True, True): StableLmParallelHeadNormDecoderLayer,
+        }[parallel, head_norms]
+        super().__init__({**cfg, "use_qk_norm": head_norms}, max_position, backend)
+        heads = cfg["num_attention_heads"]
+        self.num_heads = {"q_layernorm": heads, "k_layernorm": cfg.get("num_key_value_heads") or heads}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._stacked_head_norms(weights))
+
+    def _stacked_head_norms(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's head norms, a LayerNorm a head (`self_attn.q_layernorm.norms.N.weight`),
+        as one [heads, head_dim] weight a layer (`self_attn.q_norm.weight`), once all its heads came."""
+        pending: dict[str, dict[int, torch.Tensor]] = {}
+        for name, tensor in weights:
+            match = _HEAD_NORM.search(name)
+            if match is None:
+                yield name, tensor
+                continue
+            target = f"{name[: match.start()]}.self_attn.{match[1][0]}_norm.weight"
+            heads = pending.setdefault(target, {})
+            heads[int(match[2])] = tensor
+            if len(heads) == self.num_heads[match[1]]:
+                yield target, torch.stack([heads[h] for h in range(len(heads))])
+                del pending[target]
+        if pending:
+            target, heads = next(iter(pending.items()))
+            raise ValueError(f"checkpoint's head norms for {target!r} stop at {len(heads)} heads")
 
     @staticmethod
     def attention_biases(cfg: dict[str, Any]) -> Biases:
         return bool(cfg.get("use_qkv_bias", False)), False
+
+
+# StableLM's head norm of head N (`StableLmLayerNormPerHead`)
+_HEAD_NORM = re.compile(r"\.self_attn\.(q_layernorm|k_layernorm)\.norms\.(\d+)\.weight$")
 
 
 class GPTNeoXParallelDecoderLayer(ParallelDecoderLayer):
