@@ -1,8 +1,9 @@
 """Llama-family decoders whose MLPs are mixtures of experts (`layers.moe`): Mixtral (Mistral's layer,
 every MLP 8 experts, 2 a token), IBM's Granite MoE (Granite's layer), Qwen2-MoE (Qwen2's layer, with a
 shared expert), Granite MoE with a shared expert, Qwen3-MoE (Qwen3's layer), GLM-4.5 (DeepSeek-V3's routing), ERNIE 4.5 MoE (a
-picking bias on a softmax), dots.llm1 (Qwen3's layer, DeepSeek-V3's experts) and Phi-3.5-MoE (LayerNorms,
-biased projections and LM head, Mixtral's experts picked by `route_sparsemixer`). Qwen's
+picking bias on a softmax), dots.llm1 (Qwen3's layer, DeepSeek-V3's experts), Phi-3.5-MoE (LayerNorms,
+biased projections and LM head, Mixtral's experts picked by `route_sparsemixer`) and Hunyuan-A13B
+(Hunyuan's dense layer, experts beside a shared MLP). Qwen's
 `decoder_sparse_step` and `mlp_only_layers`, GLM's and dots.llm1's `first_k_dense_replace` and
 ERNIE's `moe_layer_*` keep some layers dense.
 
@@ -36,6 +37,7 @@ from pagedserve.models.llama import (
     GraniteForCausalLM,
     GraniteSWADecoderLayer,
     GraniteSWAForCausalLM,
+    HunYuanDecoderLayer,
     LayerOptions,
     LayerThetas,
     LlamaAttention,
@@ -714,3 +716,49 @@ class PhimoeForCausalLM(MoeForCausalLM):
             sparsemixer_eps=float(cfg.get("router_jitter_noise", 0.01)),
         )
         return [spec] * cfg["num_hidden_layers"]
+
+
+class HunYuanMoEV1ForCausalLM(MoeForCausalLM):
+    """Tencent's Hunyuan-A13B (`HunYuanMoEV1ForCausalLM`): Hunyuan's dense layer (each query and key
+    head RMS-normed after the rotation) with every MLP `num_experts` experts, the top `moe_topk` (an
+    int, or one a layer) by a float32 router's softmax (`gate.wg`), renormalized, beside a shared MLP
+    (`shared_mlp`, ungated by any weight); experts and shared MLP `intermediate_size` wide, as
+    transformers builds them."""
+
+    decoder_layer_class = HunYuanDecoderLayer
+    qk_norm = True
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        num_layers, top_ks = cfg["num_hidden_layers"], cfg.get("moe_topk", 1)
+        top_ks = top_ks if isinstance(top_ks, list) else [top_ks] * num_layers
+        if len(top_ks) != num_layers:
+            raise ValueError(
+                f"model: config.json's moe_topk lists {len(top_ks)} values for {num_layers} layers"
+            )
+        return [
+            Experts(
+                num_experts=int(cfg.get("num_experts", 1)),
+                top_k=int(top_k),
+                intermediate_size=cfg["intermediate_size"],
+                renormalize=True,
+                shared_intermediate_size=cfg["intermediate_size"],
+                shared_gate=False,
+                router_float32=True,
+            )
+            for top_k in top_ks
+        ]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights((_hunyuan_moe_name(name), tensor) for name, tensor in weights)
+
+
+def _hunyuan_moe_name(name: str) -> str:
+    """Hunyuan-A13B's names as ours: its head norms, its router (`gate.wg`) and its shared MLP."""
+    for theirs, ours in (
+        (".query_layernorm.", ".q_norm."),
+        (".key_layernorm.", ".k_norm."),
+        (".mlp.gate.wg.", ".mlp.gate."),
+        (".mlp.shared_mlp.", ".mlp.shared_expert."),
+    ):
+        name = name.replace(theirs, ours)
+    return name
