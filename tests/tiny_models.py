@@ -296,6 +296,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                         "HyperCLOVAX",
                         "Afmoe",
                         "Bloom",
+                        "Persimmon",
                     )
                 )
                 or re.search(r"\.(ln|norm)_([12f]|attn|mlp)\.weight$", name)

@@ -690,8 +690,8 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
     with a Mistral text config) as a `MistralForCausalLM`, Ministral 3 (the same with a `ministral3`
     one) as a `Ministral3ForCausalLM`; Qwen2-VL and Qwen2.5-VL as a `Qwen2ForCausalLM`, Qwen3-VL (dense) as
     a `Qwen3ForCausalLM`, Qwen3-VL-MoE as a `Qwen3MoeForCausalLM`, their M-RoPE as one rope; LFM2-VL as
-    an `Lfm2ForCausalLM`; Llama 4 (`Llama4ForConditionalGeneration`) as a `Llama4ForCausalLM`. Any other
-    config as it is."""
+    an `Lfm2ForCausalLM`; Llama 4 (`Llama4ForConditionalGeneration`) as a `Llama4ForCausalLM`; Fuyu
+    (`FuyuForCausalLM`) as a `PersimmonForCausalLM`. Any other config as it is."""
     architecture = architecture_of(hf)
     if architecture == "Gemma3ForConditionalGeneration":
         from transformers import Gemma3TextConfig
@@ -734,6 +734,14 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
         text = outer.text_config.to_dict()
         text["architectures"] = ["Llama4ForCausalLM"]
         text["tie_word_embeddings"] = bool(outer.tie_word_embeddings)
+    elif architecture == "FuyuForCausalLM":
+        from transformers import FuyuConfig, PretrainedConfig
+
+        outer = FuyuConfig(**hf)
+        assert isinstance(outer.text_config, PretrainedConfig)  # (built from a dict or None)
+        text = outer.text_config.to_dict()
+        text["architectures"] = ["PersimmonForCausalLM"]
+        text["tie_word_embeddings"] = bool(outer.tie_word_embeddings)
     elif architecture == "Lfm2VlForConditionalGeneration":
         from transformers import Lfm2VlConfig, PretrainedConfig
 
@@ -767,6 +775,7 @@ MULTIMODAL_TEXT_DECODERS = (
     *_QWEN_VL,
     "Lfm2VlForConditionalGeneration",
     "Llama4ForConditionalGeneration",
+    "FuyuForCausalLM",
 )
 
 

@@ -98,6 +98,7 @@ from transformers import (
     OlmoConfig,
     OlmoeConfig,
     OPTConfig,
+    PersimmonConfig,
     Phi3Config,
     PhiConfig,
     PhimoeConfig,
@@ -181,6 +182,7 @@ GRANITE_SCALES = {
 # `decode_layers` takes a qkv bias alone (Granite's multipliers, Phi-3's partial rotary and SmolLM3's
 # NoPE layers it runs) and no Gemma layer (worker/fused_decode.py): these run without it
 NOT_DECODE_LAYERS = {
+    "persimmon-head-layernorms-half-rotary-relu2",
     "hunyuan-a13b-experts-per-layer-shared-mlp",
     "phimoe-sparsemixer-longrope-mscale-biases",
     "phimoe-defaults",
@@ -1426,6 +1428,13 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     # Databricks' DBRX: LayerNorms of no bias, q, k and v in one `Wqkv` clamped to +-2 (at this scale
     # a clamp that bites), 2 KV heads; every MLP 8 experts of 32 whose rows share one tensor a
     # projection (w1, v1, w2), 2 a token by the router's softmax, their weights divided by their sum
+    # Adept's Persimmon: GPT-NeoX's sequential layer (q, k and v a head at a time in query_key_value,
+    # every projection biased), each query and key head LayerNormed (one weight and bias for all)
+    # before the rope over half of each head, a ReLU² MLP: each by PersimmonConfig's defaults
+    "persimmon-head-layernorms-half-rotary-relu2": (
+        lambda: PersimmonConfig(**{k: v for k, v in TINY.items() if k != "num_key_value_heads"}),
+        drop("rope_parameters", "hidden_act", "qk_layernorm"),
+    ),
     # Microsoft's Phi-3.5-MoE: Mixtral's layout with LayerNorms, every projection and the LM head
     # biased; 8 experts of 96, the 2 sparsemixer picks, each weighted by its softmax over the experts
     # within a relative 0.6 of it (a margin wide enough to take others in); LongRoPE's long factors
@@ -2376,6 +2385,18 @@ def test_a_kimi_linear_convolution_missing_a_part_is_refused_naming_them(
         ValueError, match=r"model.layers.2 has \['q', 'v'\] of q_conv1d, k_conv1d and v_conv1d"
     ):
         LLM(model=str(hub), dtype="float32", num_kv_blocks=16)
+
+
+def test_a_fuyu_checkpoint_serves_its_text_decoder(tmp_path: Path, default_model_dir: str) -> None:
+    """Adept's Fuyu: its Persimmon text decoder served (the Persimmon variant's layers), its tokens and
+    logprobs transformers' own FuyuForCausalLM's on text prompts; the patch embedding
+    (`vision_embed_tokens`) left out."""
+    import transformers
+
+    make_config, _ = VARIANTS["persimmon-head-layernorms-half-rotary-relu2"]
+    config = transformers.FuyuConfig(text_config=make_config().to_dict(), patch_size=4)
+    model_dir = save_tiny_model(tmp_path / "fuyu", default_model_dir, config)
+    assert_serves_its_text_decoder(model_dir, "FuyuForCausalLM", "PersimmonForCausalLM")
 
 
 def test_a_llama4_checkpoint_serves_its_text_decoder(tmp_path: Path, default_model_dir: str) -> None:

@@ -293,6 +293,8 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         ),
         # each rank's heads biased by their own ALiBi slopes (BLOOM's; MPT's), BLOOM's fused heads
         # and embedding norm, MPT's Wqkv and unbiased norms
+        # Persimmon's head LayerNorms (one weight for all heads, whole on every rank), its fused heads
+        ("PersimmonConfig", {"num_kv_heads": 4}),
         # Hunyuan-A13B's experts beside a shared MLP (each split across the ranks), the router whole
         ("HunYuanMoEV1Config", {"num_experts": 4, "moe_topk": 2}),
         # StableLM 2 12B's head norms: each rank its heads' rows (2 KV heads, one a rank)
@@ -351,6 +353,7 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         "gpt-bigcode",
         "opt",
         "minimax-m2",
+        "persimmon",
         "hunyuan-a13b",
         "stablelm-head-norms",
         "bloom",

@@ -490,6 +490,8 @@ _IMAGE_PREFIXES = (
     "model.visual.",
     "vision_model.",  # Llama 4's
     "model.vision_model.",
+    "vision_embed_tokens.",  # Fuyu's
+    "model.vision_embed_tokens.",
 )
 
 

@@ -26,10 +26,19 @@ import torch
 from torch import nn
 
 from pagedserve.config import rope_parameters
+from pagedserve.layers import ops
 from pagedserve.layers.attention import AttentionBackend
 from pagedserve.layers.norm import LayerNorm, RMSNorm
 from pagedserve.models.cohere import CohereAttention, ParallelDecoderLayer
-from pagedserve.models.llama import Biases, LlamaDecoderLayer, LlamaForCausalLM
+from pagedserve.models.llama import (
+    Biases,
+    LayerOptions,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    Rotary,
+    rms_norm_eps,
+)
 from pagedserve.models.ungated import LayerNormDecoderLayer, UngatedForCausalLM, UngatedMLP
 
 
@@ -201,13 +210,19 @@ class GPTNeoXForCausalLM(UngatedForCausalLM):
             if ".attention.query_key_value." not in name:
                 yield name, tensor
                 continue
-            if tensor.shape[0] % (3 * self.head_dim):
-                raise ValueError(
-                    f"checkpoint's {name!r} has {tensor.shape[0]} rows, no whole number of heads"
-                )
-            parts = tensor.unflatten(0, (-1, 3, self.head_dim)).unbind(1)  # each [heads, head_dim, ...]
-            for part, rows in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
-                yield name.replace(".attention.query_key_value.", f".self_attn.{part}."), rows.flatten(0, 1)
+            yield from per_head_qkv(name, ".attention.query_key_value.", tensor, self.head_dim)
+
+
+def per_head_qkv(
+    name: str, fused: str, tensor: torch.Tensor, head_dim: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A fused q/k/v tensor (or bias) laid out a head at a time, [heads x (q | k | v), ...] (GPT-NeoX's,
+    Persimmon's `query_key_value`, named `fused` in `name`), as q_proj, k_proj and v_proj."""
+    if tensor.shape[0] % (3 * head_dim):
+        raise ValueError(f"checkpoint's {name!r} has {tensor.shape[0]} rows, no whole number of heads")
+    parts = tensor.unflatten(0, (-1, 3, head_dim)).unbind(1)  # each [heads, head_dim, ...]
+    for part, rows in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
+        yield name.replace(fused, f".self_attn.{part}."), rows.flatten(0, 1)
 
 
 class FalconParallelDecoderLayer(GPTNeoXParallelDecoderLayer):
@@ -299,3 +314,80 @@ class FalconForCausalLM(UngatedForCausalLM):
             return tuple(tensor.split([heads * self.head_dim, self.head_dim, self.head_dim]))
         per_head = tensor.unflatten(0, (heads, 3, self.head_dim))
         return tuple(per_head[:, part].flatten(0, 1) for part in range(3))
+
+
+class PersimmonAttention(LlamaAttention):
+    """Llama's attention with each query and key head LayerNormed before the rotation, one weight and
+    bias for all heads (`q_layernorm`, `k_layernorm`, where `qk_layernorm`: Persimmon's default)."""
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        super().__init__(cfg, backend, options, layer_index)
+        self.q_layernorm = self.k_layernorm = None
+        if cfg.get("qk_layernorm", True):
+            self.q_layernorm = LayerNorm(self.head_dim, rms_norm_eps(cfg))
+            self.k_layernorm = LayerNorm(self.head_dim, rms_norm_eps(cfg))
+
+    def rotated_qkv(
+        self, rotary: Rotary, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = self.qkv_proj(hidden)
+        q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_layernorm is not None and self.k_layernorm is not None:
+            q, k = self.q_layernorm.normed(q), self.k_layernorm.normed(k)
+        qk = ops.apply_rotary(torch.cat((q, k), dim=1), *rotary)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return q, k, qkv[:, self.q_size + self.kv_size :]
+
+
+class PersimmonDecoderLayer(LayerNormDecoderLayer):
+    attention_class = PersimmonAttention
+
+
+class PersimmonForCausalLM(UngatedForCausalLM):
+    """Adept's Persimmon-8B (and Fuyu-8B's text decoder): GPT-NeoX's sequential layer (LayerNorms with
+    a bias, every projection biased, q, k and v a head at a time in `query_key_value`), each query and
+    key head LayerNormed before the rotation (`PersimmonAttention`), the rope over the first
+    `partial_rotary_factor` (0.5) of each head, an ungated ReLU² MLP, an untied LM head.
+    PersimmonConfig's defaults where config.json leaves a key out."""
+
+    decoder_layer_class = PersimmonDecoderLayer
+    rotates_part_of_a_head = True
+    default_partial_rotary = 0.5  # PersimmonConfig's
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        cfg = {
+            **cfg,
+            "rms_norm_eps": float(cfg.get("layer_norm_eps", 1e-5)),
+            "mlp_bias": True,
+            "hidden_act": cfg.get("hidden_act", "relu2"),
+        }
+        super().__init__(cfg, max_position, backend)
+        self.head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+
+    @staticmethod
+    def attention_biases(cfg: dict[str, Any]) -> Biases:
+        return True, True
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._as_llama(weights))
+
+    def _as_llama(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            for theirs, ours in _PERSIMMON_NAMES:
+                name = name.replace(theirs, ours)
+            if ".self_attn.query_key_value." in name:
+                yield from per_head_qkv(name, ".self_attn.query_key_value.", tensor, self.head_dim)
+            else:
+                yield name, tensor
+
+
+# Persimmon's checkpoint names -> Llama's (the fused query_key_value cut by `per_head_qkv`)
+_PERSIMMON_NAMES = [
+    (".self_attn.dense.", ".self_attn.o_proj."),
+    (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
+    (".mlp.dense_4h_to_h.", ".mlp.down_proj."),
+    (".final_layernorm.", ".norm."),
+]

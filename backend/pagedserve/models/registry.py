@@ -76,7 +76,12 @@ from pagedserve.models.moe import (
     Qwen3MoeForCausalLM,
     SolarOpenForCausalLM,
 )
-from pagedserve.models.neox import FalconForCausalLM, GPTNeoXForCausalLM, StableLmForCausalLM
+from pagedserve.models.neox import (
+    FalconForCausalLM,
+    GPTNeoXForCausalLM,
+    PersimmonForCausalLM,
+    StableLmForCausalLM,
+)
 from pagedserve.models.olmo import (
     FlexOlmoForCausalLM,
     Olmo2ForCausalLM,
@@ -142,6 +147,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "DbrxForCausalLM": DbrxForCausalLM,
     "PhimoeForCausalLM": PhimoeForCausalLM,
     "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
+    "PersimmonForCausalLM": PersimmonForCausalLM,
     "HeliumForCausalLM": HeliumForCausalLM,
     "CwmForCausalLM": LlamaForCausalLM,
     "MinistralForCausalLM": LlamaForCausalLM,
