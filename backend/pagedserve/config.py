@@ -713,43 +713,21 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
         text["architectures"] = [
             "Ministral3ForCausalLM" if text_config.model_type == "ministral3" else "MistralForCausalLM"
         ]
-    elif architecture in _QWEN_VL:
+    elif architecture in _OUTER_CONFIGS:
         import transformers
 
-        config_class, served = _QWEN_VL[architecture]
+        config_class, served = _OUTER_CONFIGS[architecture]
         outer = getattr(transformers, config_class)(**hf)
         text = outer.text_config.to_dict()
         text["architectures"] = [served]
         if served == "Qwen3MoeForCausalLM":  # (Qwen3-VL-MoE's router renormalizes, whatever the config says)
             text["norm_topk_prob"] = True
-        # transformers ties the LM head by the outer config's tie_word_embeddings (Qwen3-VL-2B's, 4B's)
+        # transformers ties the LM head by the outer config's tie_word_embeddings (Qwen3-VL-2B's, 4B's;
+        # LFM2-VL's, tied by default)
         text["tie_word_embeddings"] = bool(outer.tie_word_embeddings)
-        # (M-RoPE turns a text token's time, height and width sections by its one position, as one rope
-        # does: transformers' config class gives it rope_type default, its sections beside, unread here)
-    elif architecture == "Llama4ForConditionalGeneration":
-        from transformers import Llama4Config, PretrainedConfig
-
-        outer = Llama4Config(**hf)
-        assert isinstance(outer.text_config, PretrainedConfig)  # (built from a dict or None)
-        text = outer.text_config.to_dict()
-        text["architectures"] = ["Llama4ForCausalLM"]
-        text["tie_word_embeddings"] = bool(outer.tie_word_embeddings)
-    elif architecture == "FuyuForCausalLM":
-        from transformers import FuyuConfig, PretrainedConfig
-
-        outer = FuyuConfig(**hf)
-        assert isinstance(outer.text_config, PretrainedConfig)  # (built from a dict or None)
-        text = outer.text_config.to_dict()
-        text["architectures"] = ["PersimmonForCausalLM"]
-        text["tie_word_embeddings"] = bool(outer.tie_word_embeddings)
-    elif architecture == "Lfm2VlForConditionalGeneration":
-        from transformers import Lfm2VlConfig, PretrainedConfig
-
-        outer = Lfm2VlConfig(**hf)
-        assert isinstance(outer.text_config, PretrainedConfig)  # (built from a dict or None)
-        text = outer.text_config.to_dict()
-        text["architectures"] = ["Lfm2ForCausalLM"]
-        text["tie_word_embeddings"] = bool(outer.tie_word_embeddings)  # (the outer config's, tied by default)
+        # (Qwen's M-RoPE turns a text token's time, height and width sections by its one position, as
+        # one rope does: transformers' config class gives it rope_type default, its sections beside,
+        # unread here)
     else:
         return hf
     if hf.get("quantization_config"):  # (the checkpoint's, text decoder and all: an FP8 one's scales)
@@ -758,24 +736,25 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
-# Qwen's vision-language checkpoints -> (their config class, the text model served)
-_QWEN_VL = {
+# multimodal checkpoints whose config class holds the text decoder's config (`text_config`) -> (that
+# class, the text model served): Qwen's vision-language ones, Llama 4, LFM2-VL, Fuyu
+_OUTER_CONFIGS = {
     "Qwen2VLForConditionalGeneration": ("Qwen2VLConfig", "Qwen2ForCausalLM"),
     "Qwen2_5_VLForConditionalGeneration": ("Qwen2_5_VLConfig", "Qwen2ForCausalLM"),
     "Qwen3_5ForConditionalGeneration": ("Qwen3_5Config", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeConfig", "Qwen3_5MoeForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("Qwen3VLConfig", "Qwen3ForCausalLM"),
     "Qwen3VLMoeForConditionalGeneration": ("Qwen3VLMoeConfig", "Qwen3MoeForCausalLM"),
+    "Llama4ForConditionalGeneration": ("Llama4Config", "Llama4ForCausalLM"),
+    "Lfm2VlForConditionalGeneration": ("Lfm2VlConfig", "Lfm2ForCausalLM"),
+    "FuyuForCausalLM": ("FuyuConfig", "PersimmonForCausalLM"),
 }
 # the multimodal architectures whose text decoder is served (`text_decoder_config`)
 MULTIMODAL_TEXT_DECODERS = (
     "Gemma3ForConditionalGeneration",
     "Gemma4ForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
-    *_QWEN_VL,
-    "Lfm2VlForConditionalGeneration",
-    "Llama4ForConditionalGeneration",
-    "FuyuForCausalLM",
+    *_OUTER_CONFIGS,
 )
 
 

@@ -2746,8 +2746,14 @@ def test_dbrx_releases_rope_theta_in_attn_config() -> None:
             1,
             r"checkpoint's q or k norm has shape \(3, 16\); config.json's heads make \(4, 16\)",
         ),
+        (
+            "dbrx-clamped-wqkv-stacked-expert-rows",
+            "transformer.blocks.0.norm_attn_norm.attn.Wqkv.weight",
+            16,
+            r"checkpoint's 'model.layers.0.self_attn.Wqkv.weight' has 112 rows; config.json's heads make 128",
+        ),
     ],
-    ids=["falcon-fused-qkv", "cohere-head-norms"],
+    ids=["falcon-fused-qkv", "cohere-head-norms", "dbrx-wqkv"],
 )
 def test_a_per_head_weight_cut_short_is_refused_naming_it(
     tmp_path: Path, default_model_dir: str, name: str, key: str, head_rows: int, message: str

@@ -55,6 +55,12 @@ class DbrxForCausalLM(MoeForCausalLM):
 
     decoder_layer_class = DbrxDecoderLayer
 
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        super().__init__(cfg, max_position, backend)
+        self.num_local_experts = cfg["num_local_experts"]
+        heads = cfg["num_attention_heads"]
+        self.heads = heads, cfg["num_key_value_heads"], cfg["hidden_size"] // heads
+
     def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
         norm = cfg.get("moe_normalize_expert_weights", 1.0)
         if norm not in (1, 1.0, None):
@@ -69,12 +75,6 @@ class DbrxForCausalLM(MoeForCausalLM):
         )
         return [spec] * cfg["num_hidden_layers"]
 
-    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
-        super().__init__(cfg, max_position, backend)
-        self.num_local_experts = cfg["num_local_experts"]
-        heads = cfg["num_attention_heads"]
-        self.heads = heads, cfg["num_key_value_heads"], cfg["hidden_size"] // heads
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._dbrx_names(weights))
 
@@ -88,6 +88,10 @@ class DbrxForCausalLM(MoeForCausalLM):
                 name = pattern.sub(replacement, name)
             if ".self_attn.Wqkv." in name:
                 sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+                if tensor.shape[0] != sum(sizes):
+                    raise ValueError(
+                        f"checkpoint's {name!r} has {tensor.shape[0]} rows; config.json's heads make {sum(sizes)}"
+                    )
                 for part, rows in zip(("q_proj", "k_proj", "v_proj"), tensor.split(sizes), strict=True):
                     yield name.replace(".self_attn.Wqkv.", f".self_attn.{part}."), rows
                 continue

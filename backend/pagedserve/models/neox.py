@@ -26,17 +26,14 @@ import torch
 from torch import nn
 
 from pagedserve.config import rope_parameters
-from pagedserve.layers import ops
 from pagedserve.layers.attention import AttentionBackend
 from pagedserve.layers.norm import LayerNorm, RMSNorm
 from pagedserve.models.cohere import CohereAttention, ParallelDecoderLayer
 from pagedserve.models.llama import (
     Biases,
     LayerOptions,
-    LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
-    Rotary,
     rms_norm_eps,
 )
 from pagedserve.models.ungated import LayerNormDecoderLayer, UngatedForCausalLM, UngatedMLP
@@ -316,30 +313,18 @@ class FalconForCausalLM(UngatedForCausalLM):
         return tuple(per_head[:, part].flatten(0, 1) for part in range(3))
 
 
-class PersimmonAttention(LlamaAttention):
-    """Llama's attention with each query and key head LayerNormed before the rotation, one weight and
-    bias for all heads (`q_layernorm`, `k_layernorm`, where `qk_layernorm`: Persimmon's default)."""
+class PersimmonAttention(CohereAttention):
+    """Command R+'s attention (its head norms before the rotation) with Persimmon's head norms: a
+    LayerNorm of one weight and bias for all heads (`q_layernorm`, `k_layernorm`, where
+    `qk_layernorm`: Persimmon's default)."""
 
     def __init__(
         self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
     ) -> None:
         super().__init__(cfg, backend, options, layer_index)
-        self.q_layernorm = self.k_layernorm = None
         if cfg.get("qk_layernorm", True):
-            self.q_layernorm = LayerNorm(self.head_dim, rms_norm_eps(cfg))
-            self.k_layernorm = LayerNorm(self.head_dim, rms_norm_eps(cfg))
-
-    def rotated_qkv(
-        self, rotary: Rotary, hidden: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = self.qkv_proj(hidden)
-        q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_layernorm is not None and self.k_layernorm is not None:
-            q, k = self.q_layernorm.normed(q), self.k_layernorm.normed(k)
-        qk = ops.apply_rotary(torch.cat((q, k), dim=1), *rotary)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        return q, k, qkv[:, self.q_size + self.kv_size :]
+            self.q_norm = LayerNorm(self.head_dim, rms_norm_eps(cfg))
+            self.k_norm = LayerNorm(self.head_dim, rms_norm_eps(cfg))
 
 
 class PersimmonDecoderLayer(LayerNormDecoderLayer):
@@ -387,6 +372,8 @@ class PersimmonForCausalLM(UngatedForCausalLM):
 # Persimmon's checkpoint names -> Llama's (the fused query_key_value cut by `per_head_qkv`)
 _PERSIMMON_NAMES = [
     (".self_attn.dense.", ".self_attn.o_proj."),
+    (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+    (".self_attn.k_layernorm.", ".self_attn.k_norm."),
     (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
     (".mlp.dense_4h_to_h.", ".mlp.down_proj."),
     (".final_layernorm.", ".norm."),

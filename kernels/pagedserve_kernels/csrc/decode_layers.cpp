@@ -251,9 +251,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("pagedserve_cpu::paged_attention_decode", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, double, int64_t, double, const std::optional<at::Tensor>&)>();
-  // no softcap, no sinks: the models decode_layers runs have neither
-  return op.call(q, k_cache, v_cache, block_tables, context_lens, scale, window, 0.0, std::nullopt);
+                            const at::Tensor&, double, int64_t, double, const std::optional<at::Tensor>&,
+                            const std::optional<at::Tensor>&)>();
+  // no softcap, no sinks, no ALiBi: the models decode_layers runs have none
+  return op.call(q, k_cache, v_cache, block_tables, context_lens, scale, window, 0.0, std::nullopt, std::nullopt);
 }
 
 // A barrier for the threads of one parallel region. Two threads meet here in a few hundred
