@@ -297,6 +297,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                         "Afmoe",
                         "Bloom",
                         "Persimmon",
+                        "BioGpt",
                     )
                 )
                 or re.search(r"\.(ln|norm)_([12f]|attn|mlp)\.weight$", name)
@@ -322,8 +323,8 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
             elif name.endswith(".layer_scalar"):  # Gemma 4's: ones would hide a scalar never applied
                 buffer.uniform_(0.5, 1.5)
     weights = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        del weights["lm_head.weight"]
+    if getattr(config, "tie_word_embeddings", False):  # (BioGPT's head is `output_projection`)
+        del weights["output_projection.weight" if "output_projection.weight" in weights else "lm_head.weight"]
     dest.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
     config_dict = config.to_dict()  # type: ignore[attr-defined]

@@ -32,6 +32,7 @@ from transformers import (
     ApertusConfig,
     ArceeConfig,
     BambaConfig,
+    BioGptConfig,
     BloomConfig,
     Cohere2Config,
     Cohere2MoeConfig,
@@ -182,6 +183,7 @@ GRANITE_SCALES = {
 # `decode_layers` takes a qkv bias alone (Granite's multipliers, Phi-3's partial rotary and SmolLM3's
 # NoPE layers it runs) and no Gemma layer (worker/fused_decode.py): these run without it
 NOT_DECODE_LAYERS = {
+    "biogpt-scaled-embeddings-offset-positions",
     "persimmon-head-layernorms-half-rotary-relu2",
     "hunyuan-a13b-experts-per-layer-shared-mlp",
     "phimoe-sparsemixer-longrope-mscale-biases",
@@ -1412,6 +1414,13 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     # every projection biased and stored input by output (Conv1D), q, k and v in one, an ungated
     # GELU MLP (tanh), the head tied
     "gpt2-learned-positions-conv1d-fused-qkv": (lambda: GPT2Config(**GPT2_TINY), None),
+    # Microsoft's BioGPT: OPT's layer (learned positions offset by 2, LayerNorms with a bias at 1e-5
+    # whatever layer_norm_eps says, every projection biased), a GELU MLP, the token embeddings times
+    # sqrt(hidden); the activation, the scaling and the tied head by BioGptConfig's defaults
+    "biogpt-scaled-embeddings-offset-positions": (
+        lambda: BioGptConfig(**{k: v for k, v in TINY.items() if k != "num_key_value_heads"}),
+        drop("hidden_act", "scale_embedding", "tie_word_embeddings"),
+    ),
     # BigScience's BLOOM: ALiBi in place of positions (4 heads' slopes 2^-2, 2^-4, 2^-6, 2^-8), a
     # LayerNorm on the embeddings, GPT-2's sequential layer with every projection biased, q, k and v a
     # head at a time in `query_key_value`, the head tied

@@ -287,6 +287,7 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         ("GPT2Config", {}),
         ("GPTBigCodeConfig", {}),
         ("OPTConfig", {"ffn_dim": 96, "word_embed_proj_dim": 64}),
+        ("BioGptConfig", {"num_kv_heads": 4}),
         (
             "MiniMaxM2Config",
             {"rotary_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2},
@@ -352,6 +353,7 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         "gpt2",
         "gpt-bigcode",
         "opt",
+        "biogpt",
         "minimax-m2",
         "persimmon",
         "hunyuan-a13b",

@@ -13,6 +13,9 @@ Llama's names by `config.gpt2_config`):
   unbiased, q.k unscaled, local layers sliding a window (`GPTNeoForCausalLM`);
 - Meta's OPT (`OPTForCausalLM`: OPT-125m to 66B): the same layer with a ReLU MLP (`fc1`, `fc2`), q, k, v
   and o apart, its position embeddings offset by 2 (`OPT_POSITION_OFFSET`).
+- Microsoft's BioGPT (`BioGptForCausalLM`: BioGPT, BioGPT-Large): OPT's layer with a GELU MLP, its
+  LayerNorms at nn.LayerNorm's eps (1e-5, whatever `layer_norm_eps` says: transformers' BioGPT reads
+  it nowhere), the token embeddings times sqrt(hidden) (`scale_embedding`), the head tied.
 
 Refused by name: GPT-2's `scale_attn_by_inverse_layer_idx`, OPT's norms after the layers
 (`do_layer_norm_before` false: OPT-350m), its projection between the embeddings and the layers
@@ -20,6 +23,7 @@ Refused by name: GPT-2's `scale_attn_by_inverse_layer_idx`, OPT's norms after th
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -221,3 +225,39 @@ class OPTForCausalLM(LearnedPositionsForCausalLM):
             for pattern, replacement in _OPT_RENAMES:
                 name = pattern.sub(replacement, name)
             yield name, tensor
+
+
+# BioGPT's names -> OPT's (then `_OPT_RENAMES`'), after `biogpt.` is taken off
+_BIOGPT_RENAMES = (
+    (re.compile(r"^layer_norm\."), "final_layer_norm."),
+    (re.compile(r"^output_projection\."), "lm_head."),
+)
+
+
+class BioGptForCausalLM(OPTForCausalLM):
+    """BioGPT (see the module docstring); BioGptConfig's defaults where config.json leaves a key out."""
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        cfg = {
+            **cfg,
+            "layer_norm_eps": 1e-5,  # (nn.LayerNorm's default: transformers' BioGPT builds its norms so)
+            "hidden_act": cfg.get("hidden_act", "gelu"),
+            "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+        }
+        super().__init__(cfg, max_position, backend)
+        self.embed_scale = math.sqrt(cfg["hidden_size"]) if cfg.get("scale_embedding", True) else 1.0
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale + F.embedding(
+            positions + self.position_offset, self.embed_positions
+        )
+
+    def renamed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        def as_opt(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                name = name.removeprefix("biogpt.")
+                for pattern, replacement in _BIOGPT_RENAMES:
+                    name = pattern.sub(replacement, name)
+                yield name, tensor
+
+        return super().renamed(as_opt(weights))

@@ -21,6 +21,7 @@ from pagedserve.models.gemma import (
 )
 from pagedserve.models.gemma4 import Gemma4ForCausalLM
 from pagedserve.models.gpt2 import (
+    BioGptForCausalLM,
     GPT2LMHeadModel,
     GPTBigCodeForCausalLM,
     GPTNeoForCausalLM,
@@ -148,6 +149,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "PhimoeForCausalLM": PhimoeForCausalLM,
     "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
     "PersimmonForCausalLM": PersimmonForCausalLM,
+    "BioGptForCausalLM": BioGptForCausalLM,
     "HeliumForCausalLM": HeliumForCausalLM,
     "CwmForCausalLM": LlamaForCausalLM,
     "MinistralForCausalLM": LlamaForCausalLM,
