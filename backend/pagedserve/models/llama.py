@@ -652,14 +652,13 @@ def swa_attentions(model: LlamaForCausalLM) -> list[GraniteSWAAttention]:
     return [cast(GraniteSWAAttention, layer.self_attn) for layer in model.decoder_layers]
 
 
-class GraniteSWAForCausalLM(GraniteForCausalLM):
-    """IBM's Granite SWA: Granite's layer and multipliers, a learned sink a head in every layer's
-    attention (GPT-OSS's), a window of `sliding_window` (128) in the layers `layer_types` names (every
-    one but each fourth from the first by default), each layer's rope at its `layer_rope_theta` (0:
-    none: `LayerThetas`); GraniteSWAConfig's defaults where config.json leaves a key out (the LM head
-    tied)."""
+class GraniteSWALayers(LlamaForCausalLM):
+    """What Granite SWA's layers add to a model, its dense one or its MoE one (put first among the
+    bases): a learned sink a head in every layer's attention (GPT-OSS's), a window of `sliding_window`
+    (128) in the layers `layer_types` names (every one but each fourth from the first by default),
+    each layer's rope at its `layer_rope_theta` (0: none: `LayerThetas`), the LM head tied by default."""
 
-    decoder_layer_class = GraniteSWADecoderLayer
+    decoder_layer_class: type[LlamaDecoderLayer] = GraniteSWADecoderLayer
 
     def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
         cfg = {**cfg, "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
@@ -678,6 +677,11 @@ class GraniteSWAForCausalLM(GraniteForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(sinks_renamed(weights))
+
+
+class GraniteSWAForCausalLM(GraniteSWALayers, GraniteForCausalLM):
+    """IBM's Granite SWA: Granite's layer and multipliers in Granite SWA's layers (`GraniteSWALayers`);
+    GraniteSWAConfig's defaults where config.json leaves a key out."""
 
 
 def sinks_renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -770,10 +774,12 @@ class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
     qk_norm = True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(
-            (name.replace(".query_layernorm.", ".q_norm.").replace(".key_layernorm.", ".k_norm."), tensor)
-            for name, tensor in weights
-        )
+        super().load_weights((hunyuan_name(name), tensor) for name, tensor in weights)
+
+
+def hunyuan_name(name: str) -> str:
+    """Hunyuan's head norms (`query_layernorm`, `key_layernorm`) under our names."""
+    return name.replace(".query_layernorm.", ".q_norm.").replace(".key_layernorm.", ".k_norm.")
 
 
 class Ministral3DecoderLayer(LlamaDecoderLayer):

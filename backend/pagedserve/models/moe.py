@@ -35,11 +35,9 @@ from pagedserve.models.llama import (
     Ernie4_5ForCausalLM,
     Exaone4ForCausalLM,
     GraniteForCausalLM,
-    GraniteSWADecoderLayer,
-    GraniteSWAForCausalLM,
+    GraniteSWALayers,
     HunYuanDecoderLayer,
     LayerOptions,
-    LayerThetas,
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -47,9 +45,8 @@ from pagedserve.models.llama import (
     Scales,
     check_silu,
     granite_shared_mlp,
+    hunyuan_name,
     rms_norm_eps,
-    sinks_renamed,
-    swa_attentions,
 )
 
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -194,30 +191,10 @@ class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
         super().load_weights(granite_shared_mlp(weights, "mlp.shared_expert"))
 
 
-class GraniteMoeSWAForCausalLM(GraniteMoeSharedForCausalLM):
+class GraniteMoeSWAForCausalLM(GraniteSWALayers, GraniteMoeSharedForCausalLM):
     """IBM's Granite MoE SWA: Granite MoE's experts (a shared expert where `shared_intermediate_size`,
-    none by default) in Granite SWA's layers (sinks, windows, a rope a layer: `GraniteSWAForCausalLM`);
-    GraniteMoeSWAConfig's defaults where config.json leaves a key out (the LM head tied)."""
-
-    decoder_layer_class = GraniteSWADecoderLayer
-
-    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
-        cfg = {**cfg, "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
-        super().__init__(cfg, max_position, backend)
-        self.layer_thetas = LayerThetas(cfg, max_position, swa_attentions(self))
-
-    @staticmethod
-    def rotary_layers(cfg: dict[str, Any]) -> list[bool]:
-        return GraniteSWAForCausalLM.rotary_layers(cfg)
-
-    def layer_options(self, cfg: dict[str, Any]) -> list[LayerOptions]:
-        return [dataclasses.replace(options, sinks=True) for options in super().layer_options(cfg)]
-
-    def step_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
-        return cast(Rotary, self.layer_thetas(positions, dtype))
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(sinks_renamed(weights))
+    none by default) in Granite SWA's layers (`GraniteSWALayers`); GraniteMoeSWAConfig's defaults where
+    config.json leaves a key out."""
 
 
 class AfmoeAttention(LlamaAttention):
@@ -753,12 +730,9 @@ class HunYuanMoEV1ForCausalLM(MoeForCausalLM):
 
 
 def _hunyuan_moe_name(name: str) -> str:
-    """Hunyuan-A13B's names as ours: its head norms, its router (`gate.wg`) and its shared MLP."""
-    for theirs, ours in (
-        (".query_layernorm.", ".q_norm."),
-        (".key_layernorm.", ".k_norm."),
-        (".mlp.gate.wg.", ".mlp.gate."),
-        (".mlp.shared_mlp.", ".mlp.shared_expert."),
-    ):
-        name = name.replace(theirs, ours)
-    return name
+    """Hunyuan-A13B's names as ours: Hunyuan's head norms, its router (`gate.wg`) and its shared MLP."""
+    return (
+        hunyuan_name(name)
+        .replace(".mlp.gate.wg.", ".mlp.gate.")
+        .replace(".mlp.shared_mlp.", ".mlp.shared_expert.")
+    )
