@@ -263,13 +263,17 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
             if (
                 name.endswith("norm.weight")
                 and type(model).__name__.startswith(("Gemma", "VaultGemma", "Qwen3_5", "Qwen3Next"))
-                and not type(model).__name__.startswith("Gemma4")  # (Gemma 4's norms: by their weight)
+                and not type(model).__name__.startswith(("Gemma4", "Gemma3n"))  # (their norms: by the weight)
             ):
                 param.normal_(
                     0.0, 0.5
                 )  # Gemma, Qwen3.5 and Qwen3-Next scale by 1 + weight: zeros would hide the weight
-            elif re.search(r"\.[qk]_norm\.weight$", name) and type(model).__name__.startswith("Gemma4"):
-                param.normal_(0.5, 0.2)  # (Gemma 4 leaves q.k unscaled: its head norms scale it)
+            elif re.search(r"\.[qk]_norm\.weight$", name) and type(model).__name__.startswith(
+                ("Gemma4", "Gemma3n")
+            ):
+                param.normal_(0.5, 0.2)  # (Gemma 4 and 3n leave q.k unscaled: their head norms scale it)
+            elif name.endswith(".altup.correct_output_scale"):  # Gemma 3n's (zeros would hide it)
+                param.normal_(1.0, 0.3)
             elif re.search(r"(layernorm_[12]\.weight|\.router\.scale|\.per_expert_scale)$", name):
                 param.normal_(1.0, 0.3)  # Gemma 4's experts' norms and router scales
             elif (
@@ -290,6 +294,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                         "Cohere",
                         "OPT",
                         "Gemma4",
+                        "Gemma3n",
                         "Helium",
                         "Falcon",
                         "Jamba",

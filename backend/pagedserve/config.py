@@ -176,9 +176,12 @@ def is_recurrent(hf: dict[str, Any]) -> bool:
 
 def num_kv_cache_layers(hf: dict[str, Any]) -> int:
     """The layers that keep a KV cache: every one, but a hybrid's attention layers alone and Gemma 4's
-    layers before its KV-shared ones (`num_kv_shared_layers`, which read earlier layers' caches)."""
-    if architecture_of(hf) == "Gemma4ForCausalLM":
-        shared = int(hf.get("num_kv_shared_layers") or 0)
+    and Gemma 3n's layers before their KV-shared ones (`num_kv_shared_layers`, which read earlier
+    layers' caches; Gemma3nTextConfig's default 15)."""
+    if architecture_of(hf) in ("Gemma4ForCausalLM", "Gemma3nForCausalLM"):
+        shared = int(
+            hf.get("num_kv_shared_layers", 15 if architecture_of(hf) == "Gemma3nForCausalLM" else 0) or 0
+        )
         if not 0 <= shared < hf["num_hidden_layers"]:
             raise ValueError(
                 f"model: config.json's num_kv_shared_layers must be 0 to {hf['num_hidden_layers'] - 1}, got {shared}"
@@ -484,6 +487,36 @@ def gemma4_config(hf: dict[str, Any]) -> dict[str, Any]:
     return {**hf, "layer_types": layer_types}
 
 
+def gemma3n_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3n's config.json as Gemma3nTextConfig reads it: `layer_types` by default four sliding
+    layers to a full one; `intermediate_size` one for all layers or one a layer (a list of them here);
+    `activation_sparsity_pattern` one a layer, by default 0.95 in the first 10 where there are more than
+    10 (0 elsewhere)."""
+    num_layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(num_layers)
+    ]
+    widths = hf.get("intermediate_size", 16_384)
+    widths = list(widths) if isinstance(widths, list | tuple) else [widths] * num_layers
+    sparse = 10 if num_layers > 10 else 0
+    sparsity = hf.get("activation_sparsity_pattern")
+    sparsity = [0.95] * sparse + [0.0] * (num_layers - sparse) if sparsity is None else sparsity
+    sparsity = list(sparsity) if isinstance(sparsity, list | tuple) else [sparsity] * num_layers
+    for key, values in (("layer_types", layer_types), ("intermediate_size", widths)):
+        if len(values) != num_layers:
+            raise ValueError(f"model: config.json's {key} has {len(values)} entries for {num_layers} layers")
+    if len(sparsity) != num_layers:
+        raise ValueError(
+            f"model: config.json's activation_sparsity_pattern has {len(sparsity)} entries for {num_layers} layers"
+        )
+    return {
+        **hf,
+        "layer_types": list(layer_types),
+        "intermediate_size": widths,
+        "activation_sparsity_pattern": sparsity,
+    }
+
+
 def gemma4_layer_shapes(hf: dict[str, Any]) -> list[tuple[int, int]]:
     """Each Gemma 4 layer's (KV heads, head size) as Gemma4TextConfig resolves them: the sliding
     layers' `num_key_value_heads` (4) of `head_dim` (256); the full ones' `global_head_dim` (512), with
@@ -514,6 +547,7 @@ _CONFIG_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "KimiLinearForCausalLM": kimi_linear_config,
     **dict.fromkeys(GPT2_NAMED, gpt2_config),
     "Gemma4ForCausalLM": gemma4_config,
+    "Gemma3nForCausalLM": gemma3n_config,
     "FalconForCausalLM": falcon_config,
     "BloomForCausalLM": alibi_config,
     "DbrxForCausalLM": dbrx_config,
@@ -691,18 +725,21 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
     one) as a `Ministral3ForCausalLM`; Qwen2-VL and Qwen2.5-VL as a `Qwen2ForCausalLM`, Qwen3-VL (dense) as
     a `Qwen3ForCausalLM`, Qwen3-VL-MoE as a `Qwen3MoeForCausalLM`, their M-RoPE as one rope; LFM2-VL as
     an `Lfm2ForCausalLM`; Llama 4 (`Llama4ForConditionalGeneration`) as a `Llama4ForCausalLM`; Fuyu
-    (`FuyuForCausalLM`) as a `PersimmonForCausalLM`. Any other config as it is."""
+    (`FuyuForCausalLM`) as a `PersimmonForCausalLM`; Gemma 4 and Gemma 3n (`Gemma4ForConditionalGeneration`,
+    `Gemma3nForConditionalGeneration`) as a `Gemma4ForCausalLM` and a `Gemma3nForCausalLM`. Any other
+    config as it is."""
     architecture = architecture_of(hf)
     if architecture == "Gemma3ForConditionalGeneration":
         from transformers import Gemma3TextConfig
 
         text = Gemma3TextConfig(**(hf.get("text_config") or {})).to_dict()
         text["architectures"] = ["Gemma3ForCausalLM"]
-    elif architecture == "Gemma4ForConditionalGeneration":
-        from transformers import Gemma4TextConfig
+    elif architecture in ("Gemma4ForConditionalGeneration", "Gemma3nForConditionalGeneration"):
+        import transformers
 
-        text = Gemma4TextConfig(**(hf.get("text_config") or {})).to_dict()
-        text["architectures"] = ["Gemma4ForCausalLM"]
+        config_class, served = _GEMMA_TEXT_CONFIGS[architecture]
+        text = getattr(transformers, config_class)(**(hf.get("text_config") or {})).to_dict()
+        text["architectures"] = [served]
         text["tie_word_embeddings"] = hf.get("tie_word_embeddings", text["tie_word_embeddings"])
     elif architecture == "Mistral3ForConditionalGeneration":
         from transformers import Mistral3Config, PretrainedConfig
@@ -736,6 +773,12 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
+# Gemma 4's and Gemma 3n's multimodal checkpoints -> (the config class of their `text_config`, the
+# text model served)
+_GEMMA_TEXT_CONFIGS = {
+    "Gemma4ForConditionalGeneration": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
+    "Gemma3nForConditionalGeneration": ("Gemma3nTextConfig", "Gemma3nForCausalLM"),
+}
 # multimodal checkpoints whose config class holds the text decoder's config (`text_config`) -> (that
 # class, the text model served): Qwen's vision-language ones, Llama 4, LFM2-VL, Fuyu
 _OUTER_CONFIGS = {
@@ -752,7 +795,7 @@ _OUTER_CONFIGS = {
 # the multimodal architectures whose text decoder is served (`text_decoder_config`)
 MULTIMODAL_TEXT_DECODERS = (
     "Gemma3ForConditionalGeneration",
-    "Gemma4ForConditionalGeneration",
+    *_GEMMA_TEXT_CONFIGS,
     "Mistral3ForConditionalGeneration",
     *_OUTER_CONFIGS,
 )
@@ -778,7 +821,7 @@ def rope_context_length(hf: dict[str, Any]) -> int:
     128K from 32K with factor 4). llama3's tables already reach max_position_embeddings, and so do
     Gemma 3's (its global layers' linear scaling, vLLM's exception)."""
     positions = int(hf.get("max_position_embeddings", 2048))
-    if architecture_of(hf) in ("Gemma3ForCausalLM", "Gemma4ForCausalLM"):
+    if architecture_of(hf) in ("Gemma3ForCausalLM", "Gemma4ForCausalLM", "Gemma3nForCausalLM"):
         return positions
     rope = rope_parameters(
         olmo3_rope_config(hf, "full_attention") if architecture_of(hf) == "Olmo3ForCausalLM" else hf
@@ -806,6 +849,7 @@ _WINDOW_ON_UNLESS_OFF = (
     "CwmForCausalLM",
     "VaultGemmaForCausalLM",
     "Gemma4ForCausalLM",
+    "Gemma3nForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
     "Phi3ForCausalLM",
@@ -837,6 +881,7 @@ _WINDOW_IN_SOME_LAYERS = (
     "CwmForCausalLM",
     "VaultGemmaForCausalLM",
     "Gemma4ForCausalLM",
+    "Gemma3nForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "SmolLM3ForCausalLM",
@@ -861,6 +906,7 @@ _DEFAULT_WINDOW = {
     "CwmForCausalLM": 8192,
     "VaultGemmaForCausalLM": 4096,
     "Gemma4ForCausalLM": 512,
+    "Gemma3nForCausalLM": 512,
     "MistralForCausalLM": 4096,
     "Gemma2ForCausalLM": 4096,
     "Gemma3ForCausalLM": 4096,

@@ -51,6 +51,7 @@ from transformers import (
     FalconMambaConfig,
     FlexOlmoConfig,
     Gemma2Config,
+    Gemma3nTextConfig,
     Gemma3TextConfig,
     Gemma4TextConfig,
     GemmaConfig,
@@ -285,6 +286,8 @@ NOT_DECODE_LAYERS = {
     "gemma4-default-layer-types-as-google-names-it",
     "gemma4-experts-beside-the-mlp",
     "gemma4-per-layer-embeddings-shared-kv-layers",
+    "gemma3n-altup-laurel-sparse-gates-shared-kv",
+    "gemma3n-defaults",
     "mamba-selective-scan-tied",
     "jamba-mamba-attention-experts",
     "falcon-mamba-normed-b-c-dt",
@@ -353,6 +356,24 @@ GEMMA4_REFUSED = {"architectures": ["Gemma4ForCausalLM"], "hidden_size_per_layer
 # Gemma 4 on a tiny scale: heads of 16 in the sliding layers (a window of 24), of 32 in the full
 # ones, no per-layer embeddings
 GEMMA4 = {"head_dim": 16, "global_head_dim": 32, "sliding_window": 24, "hidden_size_per_layer_input": 0}
+# Gemma 3n on a tiny scale: heads of 16 (a window of 24), per-layer embeddings of 8 from a vocabulary
+# of 1,000, LAuReL of rank 8, the last two layers KV-shared
+GEMMA3N = {
+    "head_dim": 16,
+    "sliding_window": 24,
+    "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": 1000,
+    "laurel_rank": 8,
+    "num_kv_shared_layers": 2,
+}
+# a tiny Llama's config.json as a Gemma 3n's (the refusals)
+GEMMA3N_REFUSED = {
+    "architectures": ["Gemma3nForCausalLM"],
+    "hidden_activation": "gelu_pytorch_tanh",
+    "head_dim": 16,
+    "hidden_size_per_layer_input": 8,
+    "num_kv_shared_layers": 0,
+}
 # Mamba (1) on a tiny scale: two layers of 144 channels (expand 2), states of 16, a time step of
 # rank 5 by default (ceil(72 / 16): MambaConfig's "auto")
 MAMBA_TINY = {
@@ -652,6 +673,22 @@ def gemma4_as_google_names_it(config: dict[str, Any]) -> None:
     for key in ("layer_types", "per_layer_config", "tie_word_embeddings"):
         del config[key]
     config["global_head_dim"] = 32
+
+
+def gemma3n_as_google_leaves_it(config: dict[str, Any]) -> None:
+    for key in (
+        "layer_types",
+        "activation_sparsity_pattern",
+        "altup_active_idx",
+        "altup_correct_scale",
+        "altup_num_inputs",
+        "final_logit_softcapping",
+        "tie_word_embeddings",
+        "hidden_activation",
+        "rope_parameters",
+    ):
+        del config[key]
+    config["intermediate_size"] = 96
 
 
 def cohere2_moe_as_cohere_leaves_it(config: dict[str, Any]) -> None:
@@ -1395,6 +1432,28 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
             moe_intermediate_size=32,
         ),
         None,
+    ),
+    # Google's Gemma 3n (E2B's and E4B's layers): four AltUp streams, each layer predicting them all
+    # from a mix by the active one's router, correcting them by its change; LAuReL's low-rank branch
+    # beside attention; the first two MLPs' gates cut at their mean plus 1.645 standard deviations; MLPs
+    # of two widths; per-layer embeddings (8 a layer; tokens past the 1,000th take token 0's); the last
+    # two layers reading the KV caches of the last earlier layer of their type; logits soft-capped
+    "gemma3n-altup-laurel-sparse-gates-shared-kv": (
+        lambda: Gemma3nTextConfig(
+            **{**TINY, "num_hidden_layers": 5, "intermediate_size": [96, 64, 96, 64, 96]},
+            **GEMMA3N,
+            activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0, 0.0],
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"]
+            + ["sliding_attention", "full_attention"],
+        ),
+        None,
+    ),
+    # ... as its config.json leaves things: four sliding layers to a full one, one MLP width, no sparse
+    # layers (10 of more than 10 are), AltUp's active stream the first, its output scaled, thetas of 1e6
+    # and 1e4 (full and sliding layers)
+    "gemma3n-defaults": (
+        lambda: Gemma3nTextConfig(**{**TINY, "num_hidden_layers": 10}, **GEMMA3N),
+        gemma3n_as_google_leaves_it,
     ),
     # TII's Falcon-7B: attention (every query head, then one key and one value in query_key_value) and
     # the ungated GELU MLP side by side on one LayerNorm, no biases, NeoX's rotary, the head tied
@@ -2453,6 +2512,49 @@ def test_a_gemma4_checkpoint_serves_its_text_decoder(tmp_path: Path, default_mod
     assert_serves_its_text_decoder(model_dir, "Gemma4ForConditionalGeneration", "Gemma4ForCausalLM")
 
 
+def test_a_gemma3n_checkpoint_serves_its_text_decoder(
+    variant_dir: Callable[[str], str], tmp_path: Path
+) -> None:
+    """Gemma 3n's checkpoints are Gemma3nForConditionalGeneration, whose vision tower transformers
+    builds through timm (not installed here): the text variant's weights under its names
+    (`model.language_model.*`) beside tower and embedder tensors (`model.vision_tower.*`,
+    `model.audio_tower.*`, `model.embed_vision.*`, `model.embed_audio.*`), config.json's
+    `text_config` with Gemma3nTextConfig's defaults, serve as the text checkpoint does (which the
+    variant test holds to transformers): the same tokens and logprobs."""
+    from safetensors.torch import load_file, save_file
+
+    text_dir = Path(variant_dir("gemma3n-altup-laurel-sparse-gates-shared-kv"))
+    weights = {
+        f"model.language_model.{name.removeprefix('model.')}": tensor
+        for name, tensor in load_file(str(text_dir / "model.safetensors")).items()
+    }
+    for name in (
+        "model.vision_tower.timm_model.conv_stem.conv.weight",
+        "model.audio_tower.subsample_conv_projection.conv_0.conv.weight",
+        "model.embed_vision.embedding.weight",
+        "model.embed_audio.embedding_projection.weight",
+    ):
+        weights[name] = torch.ones(4, 4)
+    multimodal = tmp_path / "gemma3n"
+    shutil.copytree(text_dir, multimodal)
+    save_file(weights, str(multimodal / "model.safetensors"), metadata={"format": "pt"})
+    text_config = json.loads((text_dir / "config.json").read_text())
+    for key in ("architectures", "final_logit_softcapping"):  # (Gemma3nTextConfig's default: 30)
+        del text_config[key]
+    config = {"architectures": ["Gemma3nForConditionalGeneration"], "model_type": "gemma3n"}
+    (multimodal / "config.json").write_text(json.dumps({**config, "text_config": text_config}))
+    prompts = long_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    served = []
+    for model_dir in (text_dir, multimodal):
+        llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128, block_size=16)
+        assert llm.engine.config.model.architecture == "Gemma3nForCausalLM"
+        served.append(
+            [(r.outputs[0].token_ids, r.outputs[0].cumulative_logprob) for r in llm.generate(prompts, params)]
+        )
+    assert served[1] == served[0]
+
+
 def test_llama4s_chunked_attention_reaches_past_one_chunk(variant_dir: Callable[[str], str]) -> None:
     """Its rope layers attend within chunks of 32 positions, its NoPE layer over all of them, to the
     model's whole 1,024 positions: prompts arriving 40 tokens a step (parts that start and end inside
@@ -3294,6 +3396,30 @@ def test_rotary_tables_equal_transformers(
             "cannot fill a KV entry of 96 a rank \\(1 ranks, 4 query heads\\)",
         ),
         (
+            lambda c: c.update(GEMMA3N_REFUSED, intermediate_size=[96]),
+            "intermediate_size has 1 entries for 2 layers",
+        ),
+        (
+            lambda c: c.update(GEMMA3N_REFUSED, activation_sparsity_pattern=[0.95]),
+            "activation_sparsity_pattern has 1 entries for 2 layers",
+        ),
+        (
+            lambda c: c.update(GEMMA3N_REFUSED, activation_sparsity_pattern=[1.0, 0.0]),
+            "activation_sparsity_pattern must hold values in \\[0, 1\\), got 1.0",
+        ),
+        (
+            lambda c: c.update(GEMMA3N_REFUSED, altup_active_idx=4),
+            "altup_active_idx must be below altup_num_inputs 4, got 4",
+        ),
+        (
+            lambda c: c.update(GEMMA3N_REFUSED, attention_k_eq_v=True),
+            "attention_k_eq_v, enable_moe_block or a hidden_size_per_layer_input of 0 is not Gemma 3n's",
+        ),
+        (  # (Gemma3nTextConfig's default: 15 of E4B's 35 layers)
+            lambda c: c.update({k: v for k, v in GEMMA3N_REFUSED.items() if k != "num_kv_shared_layers"}),
+            "num_kv_shared_layers must be 0 to 1, got 15",
+        ),
+        (
             lambda c: c.update(architectures=["JambaForCausalLM"], attn_layer_period=2, attn_layer_offset=2),
             "attn_layer_offset 2 must be 0 to attn_layer_period 2 - 1",
         ),
@@ -3493,6 +3619,12 @@ def test_rotary_tables_equal_transformers(
         "gemma4-kv-shared-layer-without-source",
         "gemma4-kv-entries-of-no-one-size",
         "gemma4-kv-heads-cannot-fill-the-entry",
+        "gemma3n-widths-not-its-layers",
+        "gemma3n-sparsity-not-its-layers",
+        "gemma3n-sparsity-1",
+        "gemma3n-active-stream-past-its-streams",
+        "gemma3n-k-eq-v",
+        "gemma3n-default-kv-shared-layers",
         "jamba-attention-offset-past-its-period",
         "granite-swa-thetas-not-its-layers",
         "gemma4-every-layer-kv-shared",

@@ -284,6 +284,22 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
                 "moe_intermediate_size": 32,
             },
         ),
+        # Gemma 3n: the sparse layers' gates cut at a mean and deviation over both ranks' halves of the
+        # gate; AltUp's and LAuReL's weights whole on each rank; layers 3 and 4 reading 2's and 1's caches
+        (
+            "Gemma3nTextConfig",
+            {
+                "num_layers": 5,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]
+                + ["sliding_attention", "full_attention"],
+                "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0, 0.0],
+                "sliding_window": 12,
+                "hidden_size_per_layer_input": 8,
+                "vocab_size_per_layer_input": 1000,
+                "laurel_rank": 8,
+                "num_kv_shared_layers": 2,
+            },
+        ),
         ("GPT2Config", {}),
         ("GPTBigCodeConfig", {}),
         ("OPTConfig", {"ffn_dim": 96, "word_embed_proj_dim": 64}),
@@ -350,6 +366,7 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         "gpt-neox",
         "cohere-head-norms",
         "gemma4",
+        "gemma3n",
         "gpt2",
         "gpt-bigcode",
         "opt",

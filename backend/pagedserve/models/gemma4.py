@@ -257,7 +257,7 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
                 "model: config.json's use_bidirectional_attention 'all' is not supported for Gemma 4"
             )
         hidden, num_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-        shapes = gemma4_layer_shapes(cfg)
+        shapes = self.layer_shapes(cfg)
         local = [kind == "sliding_attention" for kind in cfg["layer_types"]]
         sources = kv_sources(cfg)  # a KV-shared layer's: the earlier layer whose KV cache it reads
         self.num_cache_layers = num_kv_cache_layers(cfg)
@@ -275,7 +275,6 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
             local_dim, max_position, gemma3_rope_config(cfg, "sliding_attention")
         )
         windows = layer_windows(cfg, self.architecture)
-        width = int(cfg["intermediate_size"])
         self.layers = nn.ModuleList()
         for index in range(num_layers):
             attention: Gemma4Attention | Gemma4SharedAttention
@@ -289,12 +288,10 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
                     local=local[index],
                     window=windows[index],
                 )
-                mlp_width = width
-            else:  # (`use_double_wide_mlp`: the KV-shared layers' MLPs twice as wide)
-                source = cast(Gemma4DecoderLayer, self.layers[sources[index]]).self_attn
+            else:
+                source = self.layers[sources[index]].self_attn
                 attention = Gemma4SharedAttention(cfg, cast(Gemma4Attention, source).attn, local=local[index])
-                mlp_width = width * (2 if cfg.get("use_double_wide_mlp") else 1)
-            self.layers.append(Gemma4DecoderLayer(cfg, attention, index, mlp_width))
+            self.layers.append(self.decoder_layer(cfg, attention, index))
         # per-layer embeddings (E2B, E4B): a token's own for every layer, and the embeddings projected
         self.per_layer = int(cfg.get("hidden_size_per_layer_input", 256) or 0)
         if self.per_layer:
@@ -308,6 +305,21 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.softcap = float(cfg.get("final_logit_softcapping") or 0.0)
+
+    @staticmethod
+    def layer_shapes(cfg: dict[str, Any]) -> list[tuple[int, int]]:
+        """Each layer's (KV heads, head size)."""
+        return gemma4_layer_shapes(cfg)
+
+    def decoder_layer(
+        self, cfg: dict[str, Any], attention: Gemma4Attention | Gemma4SharedAttention, index: int
+    ) -> nn.Module:
+        """Layer `index` around its attention (`use_double_wide_mlp`: the KV-shared layers' MLPs twice
+        as wide)."""
+        width = int(cfg["intermediate_size"])
+        if isinstance(attention, Gemma4SharedAttention) and cfg.get("use_double_wide_mlp"):
+            width *= 2
+        return Gemma4DecoderLayer(cfg, attention, index, width)
 
     @property
     def attention_layers(self) -> list[Attention]:

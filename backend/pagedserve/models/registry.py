@@ -19,6 +19,7 @@ from pagedserve.models.gemma import (
     GemmaForCausalLM,
     VaultGemmaForCausalLM,
 )
+from pagedserve.models.gemma3n import Gemma3nForCausalLM
 from pagedserve.models.gemma4 import Gemma4ForCausalLM
 from pagedserve.models.gpt2 import (
     BioGptForCausalLM,
@@ -127,6 +128,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma3nForCausalLM": Gemma3nForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "HYV3ForCausalLM": HYV3ForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,

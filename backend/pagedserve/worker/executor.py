@@ -132,11 +132,12 @@ def check_tensor_parallel_size(config: EngineConfig) -> None:
         gated_delta_dims(model.hf_config).check_split(tp)
     if architecture_of(model.hf_config) == "KimiLinearForCausalLM":  # (its linear attention's heads)
         kimi_delta_dims(model.hf_config).check_split(tp)
-    intermediate_size = int(model.hf_config.get("intermediate_size", 0))
-    if intermediate_size % tp:
-        raise ValueError(
-            f"tensor_parallel_size: {tp} does not divide the model's intermediate size {intermediate_size}"
-        )
+    widths = model.hf_config.get("intermediate_size", 0)  # (Gemma 3n's: one a layer)
+    for intermediate_size in widths if isinstance(widths, list) else [widths]:
+        if int(intermediate_size) % tp:
+            raise ValueError(
+                f"tensor_parallel_size: {tp} does not divide the model's intermediate size {intermediate_size}"
+            )
 
 
 def build_worker(config: EngineConfig, eos_token_ids: frozenset[int]) -> tuple[Worker, int, int]:
