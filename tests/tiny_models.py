@@ -295,6 +295,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                         "OPT",
                         "Gemma4",
                         "Gemma3n",
+                        "Zamba2",
                         "Helium",
                         "Falcon",
                         "Jamba",
@@ -327,9 +328,14 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                 buffer.normal_(0.0, 0.3)
             elif name.endswith(".layer_scalar"):  # Gemma 4's: ones would hide a scalar never applied
                 buffer.uniform_(0.5, 1.5)
-    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state = model.state_dict()
     if getattr(config, "tie_word_embeddings", False):  # (BioGPT's head is `output_projection`)
-        del weights["output_projection.weight" if "output_projection.weight" in weights else "lm_head.weight"]
+        del state["output_projection.weight" if "output_projection.weight" in state else "lm_head.weight"]
+    weights, kept = {}, set()
+    for name, tensor in state.items():  # a tensor tied to an earlier one left out (Zamba2's shared blocks)
+        if tensor.data_ptr() not in kept:
+            kept.add(tensor.data_ptr())
+            weights[name] = tensor.contiguous()
     dest.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
     config_dict = config.to_dict()  # type: ignore[attr-defined]

@@ -123,7 +123,7 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
     """Each layer's token mixer in a hybrid model (`models.hybrid`): "full_attention", LFM2's "conv",
     "mamba" (Granite 4.0's, Bamba's, Nemotron-H's, Mamba2's), "mamba1" (Mamba's, FalconMamba's, Jamba's), "gated_delta" (Qwen3.5's and Qwen3-Next's Gated DeltaNet),
     "kimi_delta" (Kimi Linear's KDA, as `kimi_linear_config` reads its layers), "parallel" (Falcon-H1's
-    attention and Mamba2 side by side),
+    attention and Mamba2 side by side; Zamba2's hybrid layers, a shared attention block before Mamba2),
     Nemotron-H's "mlp" (a layer of an MLP alone) or "moe"; None for a model of attention layers alone."""
     architecture = architecture_of(hf)
     if architecture in ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):
@@ -145,6 +145,9 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
     elif architecture == "KimiLinearForCausalLM":
         names = {"full_attention": "full_attention", "linear_attention": "kimi_delta"}
         layer_types = [names[kind] for kind in kimi_linear_config(hf)["layer_types"]]
+    elif architecture == "Zamba2ForCausalLM":  # (a hybrid layer: a shared attention block, then Mamba2)
+        kinds = zamba2_config(hf)["layers_block_type"]
+        layer_types = ["parallel" if kind == "hybrid" else "mamba" for kind in kinds]
     elif architecture == "BambaForCausalLM":
         attention = hf.get("attn_layer_indices") or ()
         layer_types = [
@@ -487,6 +490,39 @@ def gemma4_config(hf: dict[str, Any]) -> dict[str, Any]:
     return {**hf, "layer_types": layer_types}
 
 
+# Zamba2Config's layers where config.json names none (Zamba2-2.7B's 54)
+_ZAMBA2_LAYERS = (
+    ["mamba"] + (["mamba"] * 5 + ["hybrid"]) * 7 + ["mamba"] * 4 + ["hybrid"] + ["mamba"] * 3 + ["hybrid"]
+) + ["mamba"] * 2
+
+
+def zamba2_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """Zamba2's config.json as Zamba2Config reads it: `layers_block_type`, each "mamba" (or
+    "linear_attention": Mamba2) or "hybrid" (a shared attention block, then Mamba2), by default
+    Zamba2-2.7B's 54 layers; attention heads of `attention_head_dim` (or `head_dim`), by default
+    2 x hidden_size / heads (their input is the layer's beside the embeddings, 2 x hidden_size wide), as
+    many KV heads as query heads unless named; the MLP 4 x hidden_size wide unless named; 4,096
+    positions, 16,384 where `use_long_context`."""
+    num_layers, hidden, heads = hf["num_hidden_layers"], hf["hidden_size"], hf["num_attention_heads"]
+    names = {"mamba": "mamba", "linear_attention": "mamba", "hybrid": "hybrid"}
+    kinds = hf.get("layers_block_type") or _ZAMBA2_LAYERS
+    if len(kinds) != num_layers or not set(kinds) <= set(names):
+        raise ValueError(
+            f"model: config.json's layers_block_type must name {num_layers} layers, each mamba or hybrid, "
+            f"got {kinds!r}"
+        )
+    return {
+        **hf,
+        "layers_block_type": [names[kind] for kind in kinds],
+        "head_dim": hf.get("attention_head_dim") or hf.get("head_dim") or 2 * hidden // heads,
+        "num_key_value_heads": hf.get("num_key_value_heads") or heads,
+        "intermediate_size": hf.get("intermediate_size") or 4 * hidden,
+        "max_position_embeddings": 16_384
+        if hf.get("use_long_context")
+        else hf.get("max_position_embeddings", 4096),
+    }
+
+
 def gemma3n_config(hf: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3n's config.json as Gemma3nTextConfig reads it: `layer_types` by default four sliding
     layers to a full one; `intermediate_size` one for all layers or one a layer (a list of them here);
@@ -548,6 +584,7 @@ _CONFIG_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     **dict.fromkeys(GPT2_NAMED, gpt2_config),
     "Gemma4ForCausalLM": gemma4_config,
     "Gemma3nForCausalLM": gemma3n_config,
+    "Zamba2ForCausalLM": zamba2_config,
     "FalconForCausalLM": falcon_config,
     "BloomForCausalLM": alibi_config,
     "DbrxForCausalLM": dbrx_config,

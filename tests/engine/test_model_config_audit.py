@@ -118,6 +118,7 @@ from transformers import (
     Starcoder2Config,
     VaultGemmaConfig,
     YoutuConfig,
+    Zamba2Config,
 )
 
 TINY = {
@@ -287,6 +288,8 @@ NOT_DECODE_LAYERS = {
     "gemma4-experts-beside-the-mlp",
     "gemma4-per-layer-embeddings-shared-kv-layers",
     "gemma3n-altup-laurel-sparse-gates-shared-kv",
+    "zamba2-shared-blocks-adapters-rope",
+    "zamba2-defaults",
     "gemma3n-defaults",
     "mamba-selective-scan-tied",
     "jamba-mamba-attention-experts",
@@ -374,6 +377,17 @@ GEMMA3N_REFUSED = {
     "hidden_size_per_layer_input": 8,
     "num_kv_shared_layers": 0,
 }
+# a tiny Llama's config.json as a Zamba2's (the refusals)
+ZAMBA2_REFUSED = {
+    "architectures": ["Zamba2ForCausalLM"],
+    "hidden_act": "gelu",
+    "layers_block_type": ["mamba", "hybrid"],
+    "n_mamba_heads": 8,
+    "mamba_d_state": 16,
+}
+# Zamba2's Mamba2 on a tiny scale: 8 heads of 16 (128 = 2 x hidden) in 2 groups, a state of 16,
+# chunks of 32
+ZAMBA2_MAMBA = {"n_mamba_heads": 8, "mamba_ngroups": 2, "mamba_d_state": 16, "chunk_size": 32}
 # Mamba (1) on a tiny scale: two layers of 144 channels (expand 2), states of 16, a time step of
 # rank 5 by default (ceil(72 / 16): MambaConfig's "auto")
 MAMBA_TINY = {
@@ -689,6 +703,20 @@ def gemma3n_as_google_leaves_it(config: dict[str, Any]) -> None:
     ):
         del config[key]
     config["intermediate_size"] = 96
+
+
+def zamba2_as_zyphra_leaves_it(config: dict[str, Any]) -> None:
+    for key in (
+        "num_mem_blocks",
+        "use_shared_attention_adapter",
+        "use_mem_rope",
+        "mamba_ngroups",
+        "intermediate_size",
+        "num_key_value_heads",
+        "hidden_act",
+        "adapter_rank",
+    ):
+        config.pop(key, None)
 
 
 def cohere2_moe_as_cohere_leaves_it(config: dict[str, Any]) -> None:
@@ -1454,6 +1482,33 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "gemma3n-defaults": (
         lambda: Gemma3nTextConfig(**{**TINY, "num_hidden_layers": 10}, **GEMMA3N),
         gemma3n_as_google_leaves_it,
+    ),
+    # Zyphra's Zamba2: Mamba2 in every layer (8 heads of 16 in 2 groups, chunks of 32), three of them
+    # hybrid, taking two shared blocks in turn (attention over the stream beside the embeddings, heads
+    # of 32 turned by the rope, then a GELU MLP), each with adapters of its own on q, k, v and the MLP.
+    # (Weights of 0.1: at TINY's 0.2 both its and our float32 logprobs sit ~1e-3 from float64's.)
+    "zamba2-shared-blocks-adapters-rope": (
+        lambda: Zamba2Config(
+            **{**TINY, "num_hidden_layers": 6, "num_key_value_heads": 4, "initializer_range": 0.1},
+            **ZAMBA2_MAMBA,
+            layers_block_type=["mamba", "hybrid"] * 3,
+            num_mem_blocks=2,
+            use_shared_attention_adapter=True,
+            adapter_rank=8,
+            use_mem_rope=True,
+        ),
+        None,
+    ),
+    # ... as its config.json leaves things: one block, adapters on the MLP alone, no rope, Mamba2 of one
+    # group, the MLP 4 x hidden_size, as many KV heads as query heads, exact GELU
+    "zamba2-defaults": (
+        lambda: Zamba2Config(
+            **{**TINY, "num_hidden_layers": 4, "initializer_range": 0.1, "intermediate_size": None}
+            | {"num_key_value_heads": None},
+            **{**ZAMBA2_MAMBA, "mamba_ngroups": 1},
+            layers_block_type=["hybrid", "mamba"] * 2,
+        ),
+        zamba2_as_zyphra_leaves_it,
     ),
     # TII's Falcon-7B: attention (every query head, then one key and one value in query_key_value) and
     # the ungated GELU MLP side by side on one LayerNorm, no biases, NeoX's rotary, the head tied
@@ -3420,6 +3475,26 @@ def test_rotary_tables_equal_transformers(
             "num_kv_shared_layers must be 0 to 1, got 15",
         ),
         (
+            lambda c: c.update(ZAMBA2_REFUSED, layers_block_type=["mamba", "attention"]),
+            "layers_block_type must name 2 layers, each mamba or hybrid, got \\['mamba', 'attention'\\]",
+        ),
+        (
+            lambda c: c.update(ZAMBA2_REFUSED, hidden_act="silu"),
+            "hidden_act 'silu' is not supported for Zamba2",
+        ),
+        (  # (TINY's 2 KV heads of 32)
+            lambda c: c.update(ZAMBA2_REFUSED, use_shared_attention_adapter=True),
+            "use_shared_attention_adapter needs q's, k's and v's heads 2 x hidden_size \\(128\\) wide",
+        ),
+        (
+            lambda c: c.update(ZAMBA2_REFUSED, num_mem_blocks=0),
+            "num_mem_blocks must be at least 1, got 0",
+        ),
+        (
+            lambda c: c.update(ZAMBA2_REFUSED, n_mamba_heads=6),
+            "n_mamba_heads 6 does not divide mamba_expand x hidden_size 128",
+        ),
+        (
             lambda c: c.update(architectures=["JambaForCausalLM"], attn_layer_period=2, attn_layer_offset=2),
             "attn_layer_offset 2 must be 0 to attn_layer_period 2 - 1",
         ),
@@ -3619,6 +3694,11 @@ def test_rotary_tables_equal_transformers(
         "gemma4-kv-shared-layer-without-source",
         "gemma4-kv-entries-of-no-one-size",
         "gemma4-kv-heads-cannot-fill-the-entry",
+        "zamba2-layer-type",
+        "zamba2-silu",
+        "zamba2-adapters-on-narrower-heads",
+        "zamba2-no-blocks",
+        "zamba2-mamba-heads",
         "gemma3n-widths-not-its-layers",
         "gemma3n-sparsity-not-its-layers",
         "gemma3n-sparsity-1",

@@ -399,6 +399,42 @@ def test_tp2_llama_family_layouts_match_single_rank(
         assert_matches_reference(greedy_reference(llm, prompts), reference)
 
 
+def test_tp2_zamba2_shared_blocks_and_adapters_match_single_rank(
+    tmp_path: Path, default_model_dir: str, prompts: list[list[int]]
+) -> None:
+    """Zamba2: each rank its Mamba2 heads and groups, its heads of the two shared blocks (taken in turn
+    by three hybrid layers, each with a KV cache of its own) and its rows of every adapter's up
+    projection (q's, k's, v's heads 2 x hidden_size wide, as its adapters need them)."""
+    from tiny_models import save_tiny_model
+    from transformers import Zamba2Config
+
+    config = Zamba2Config(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        layers_block_type=["mamba", "hybrid"] * 3,
+        num_mem_blocks=2,
+        use_shared_attention_adapter=True,
+        adapter_rank=8,
+        use_mem_rope=True,
+        n_mamba_heads=8,
+        mamba_ngroups=2,
+        mamba_d_state=16,
+        chunk_size=32,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    model_dir = save_tiny_model(tmp_path / "zamba2", default_model_dir, config)
+    reference = single_rank_reference(model_dir, prompts, num_kv_blocks=256, block_size=8)
+    with tensor_parallel_llm(model_dir, 2, num_kv_blocks=256, block_size=8) as llm:
+        assert_matches_reference(greedy_reference(llm, prompts), reference)
+
+
 def test_tp2_deepseek_latent_attention_matches_single_rank_under_swap_and_chunked_prefill(
     tmp_path: Path, default_model_dir: str, prompts: list[list[int]]
 ) -> None:

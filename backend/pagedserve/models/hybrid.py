@@ -742,4 +742,8 @@ def mamba2_dims(cfg: dict[str, Any]) -> Mamba2Dims | None:
         return nemotron_h_mamba_dims(cfg)
     if architecture == "Mamba2ForCausalLM":
         return mamba2_model_dims(cfg)
+    if architecture == "Zamba2ForCausalLM":
+        from pagedserve.models.zamba2 import zamba2_mamba_dims  # (it builds on llama's, as this does)
+
+        return zamba2_mamba_dims(cfg)
     return granite_mamba_dims(cfg, norm_eps=1e-5 if architecture == "BambaForCausalLM" else 1e-6)

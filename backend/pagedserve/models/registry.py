@@ -102,6 +102,7 @@ from pagedserve.models.ungated import (
     PhiForCausalLM,
     Starcoder2ForCausalLM,
 )
+from pagedserve.models.zamba2 import Zamba2ForCausalLM
 
 # every architecture served is Llama-family (Gemma's and OLMo's on its layers, with decoder layers of
 # their own; the mixtures of experts on its layers, with experts for MLPs): the model runner and `fused_decode` use
@@ -198,6 +199,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
+    "Zamba2ForCausalLM": Zamba2ForCausalLM,
 }
 
 
