@@ -96,8 +96,9 @@ def tiny_hybrid_config(name: str) -> object:
     layers, no attention), "mamba" (two of Mamba 1's, states of 16), "jamba" (Mamba 1 at layers 0 and 2,
     attention and experts at layer 1), "qwen3.5" (Gated DeltaNet at layers 0 and 2, 4 value heads over 2 key heads), "qwen3-next" (its layers
     as Qwen3-Next stores them, experts at layer 1) or "kimi-linear" (KDA's 2 heads at layers 0 and 2,
-    latent attention with q_proj, experts at layer 1) or "falcon-h1" (attention and Mamba2 side by side in
-    both layers, its gated norm on); Mamba2's 8 heads of 16 in 2
+    latent attention with q_proj, experts at layer 1), "falcon-h1" (attention and Mamba2 side by side in
+    both layers, its gated norm on), "minimax" (lightning attention at layers 0 and 2) or "zamba2"
+    (Mamba2 in three layers, a shared attention block before it in two); Mamba2's 8 heads of 16 in 2
     groups with states of 16, in chunks of 8, so prompts cross several and chunked prefill splits
     them anywhere."""
     import transformers
@@ -193,6 +194,27 @@ def tiny_hybrid_config(name: str) -> object:
             mamba_rms_norm=True,
             key_multiplier=0.7,
             ssm_multipliers=[1.1, 0.9, 1.4, 0.75, 1.25],
+        )
+    if name == "minimax":  # lightning attention at layers 0 and 2, 2 of 4 experts in every layer
+        return transformers.MiniMaxConfig(
+            **small,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            num_local_experts=4,
+        )
+    if name == "zamba2":  # Mamba2 in every layer, the shared block before it at layers 1 and 2
+        return transformers.Zamba2Config(
+            **small,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            layers_block_type=["mamba", "hybrid", "hybrid"],
+            use_mem_rope=True,
+            adapter_rank=8,
+            n_mamba_heads=8,
+            mamba_ngroups=2,
+            mamba_d_state=16,
+            chunk_size=8,
         )
     if name == "kimi-linear":
         return transformers.KimiLinearConfig(

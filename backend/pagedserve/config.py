@@ -122,7 +122,8 @@ def special_floats(obj: dict[str, Any]) -> Any:
 def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
     """Each layer's token mixer in a hybrid model (`models.hybrid`): "full_attention", LFM2's "conv",
     "mamba" (Granite 4.0's, Bamba's, Nemotron-H's, Mamba2's), "mamba1" (Mamba's, FalconMamba's, Jamba's), "gated_delta" (Qwen3.5's and Qwen3-Next's Gated DeltaNet),
-    "kimi_delta" (Kimi Linear's KDA, as `kimi_linear_config` reads its layers), "parallel" (Falcon-H1's
+    "kimi_delta" (Kimi Linear's KDA, as `kimi_linear_config` reads its layers), "lightning" (MiniMax's
+    lightning attention), "parallel" (Falcon-H1's
     attention and Mamba2 side by side; Zamba2's hybrid layers, a shared attention block before Mamba2),
     Nemotron-H's "mlp" (a layer of an MLP alone) or "moe"; None for a model of attention layers alone."""
     architecture = architecture_of(hf)
@@ -145,6 +146,9 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
     elif architecture == "KimiLinearForCausalLM":
         names = {"full_attention": "full_attention", "linear_attention": "kimi_delta"}
         layer_types = [names[kind] for kind in kimi_linear_config(hf)["layer_types"]]
+    elif architecture == "MiniMaxForCausalLM":
+        names = {"full_attention": "full_attention", "linear_attention": "lightning"}
+        layer_types = [names[kind] for kind in minimax_config(hf)["layer_types"]]
     elif architecture == "Zamba2ForCausalLM":  # (a hybrid layer: a shared attention block, then Mamba2)
         kinds = zamba2_config(hf)["layers_block_type"]
         layer_types = ["parallel" if kind == "hybrid" else "mamba" for kind in kinds]
@@ -170,11 +174,9 @@ def jamba_layer_types(hf: dict[str, Any]) -> list[str]:
 
 
 def is_recurrent(hf: dict[str, Any]) -> bool:
-    """Whether some layer carries a state per request in place of a KV cache (`ModelConfig.recurrent`)."""
-    return bool(
-        {"conv", "mamba", "mamba1", "gated_delta", "kimi_delta", "parallel"}
-        & set(hybrid_layer_types(hf) or ())
-    )
+    """Whether some layer carries a state per request in place of a KV cache (`ModelConfig.recurrent`):
+    any of `hybrid_layer_types` but attention's and Nemotron-H's MLP layers."""
+    return bool(set(hybrid_layer_types(hf) or ()) - {"full_attention", "mlp", "moe"})
 
 
 def num_kv_cache_layers(hf: dict[str, Any]) -> int:
@@ -490,6 +492,40 @@ def gemma4_config(hf: dict[str, Any]) -> dict[str, Any]:
     return {**hf, "layer_types": layer_types}
 
 
+# MiniMax's own config.json names (MiniMax-Text-01's, MiniMax-M1's) -> MiniMaxConfig's
+_MINIMAX_NAMES = {
+    "layernorm_full_attention_alpha": "full_attn_alpha_factor",
+    "layernorm_full_attention_beta": "full_attn_beta_factor",
+    "layernorm_linear_attention_alpha": "linear_attn_alpha_factor",
+    "layernorm_linear_attention_beta": "linear_attn_beta_factor",
+    "layernorm_mlp_alpha": "mlp_alpha_factor",
+    "layernorm_mlp_beta": "mlp_beta_factor",
+}
+
+
+def minimax_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """MiniMax's config.json as MiniMaxConfig reads it, or as MiniMax's own release names it
+    (`attn_type_list`: 1 a softmax attention layer, 0 a lightning one; `layernorm_*_alpha` and
+    `_beta` for the residual factors): `layer_types` by default full attention in every other layer
+    from the first. A `postnorm` of false (the residual before the norm) is refused: transformers'
+    layer always adds the normed input."""
+    num_layers = hf["num_hidden_layers"]
+    if hf.get("postnorm") is False:
+        raise ValueError("model: config.json's postnorm false is not supported for MiniMax (postnorm is)")
+    layer_types = hf.get("layer_types")
+    if layer_types is None and hf.get("attn_type_list") is not None:
+        layer_types = ["full_attention" if kind == 1 else "linear_attention" for kind in hf["attn_type_list"]]
+    if layer_types is None:
+        layer_types = ["full_attention" if i % 2 == 0 else "linear_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "linear_attention"}:
+        raise ValueError(
+            f"model: config.json's layer_types must name {num_layers} layers, each full_attention or "
+            f"linear_attention, got {layer_types!r}"
+        )
+    factors = {ours: hf[theirs] for theirs, ours in _MINIMAX_NAMES.items() if theirs in hf}
+    return {**factors, **hf, "layer_types": list(layer_types)}
+
+
 # Zamba2Config's layers where config.json names none (Zamba2-2.7B's 54)
 _ZAMBA2_LAYERS = (
     ["mamba"] + (["mamba"] * 5 + ["hybrid"]) * 7 + ["mamba"] * 4 + ["hybrid"] + ["mamba"] * 3 + ["hybrid"]
@@ -585,6 +621,7 @@ _CONFIG_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Gemma4ForCausalLM": gemma4_config,
     "Gemma3nForCausalLM": gemma3n_config,
     "Zamba2ForCausalLM": zamba2_config,
+    "MiniMaxForCausalLM": minimax_config,
     "FalconForCausalLM": falcon_config,
     "BloomForCausalLM": alibi_config,
     "DbrxForCausalLM": dbrx_config,
@@ -887,6 +924,7 @@ _WINDOW_ON_UNLESS_OFF = (
     "VaultGemmaForCausalLM",
     "Gemma4ForCausalLM",
     "Gemma3nForCausalLM",
+    "MiniMaxForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
     "Phi3ForCausalLM",
@@ -1235,6 +1273,7 @@ def smollm3_rotary_layers(hf: dict[str, Any]) -> list[bool]:
 # 10,000 for the others)
 _DEFAULT_THETA = {
     "MixtralForCausalLM": 1e6,
+    "MiniMaxForCausalLM": 1e6,
     "PhimoeForCausalLM": 1e6,
     "SmolLM3ForCausalLM": 2e6,
     "GptOssForCausalLM": 150_000.0,

@@ -86,6 +86,7 @@ from transformers import (
     Mamba2Config,
     MambaConfig,
     MiniCPM3Config,
+    MiniMaxConfig,
     MiniMaxM2Config,
     Ministral3Config,
     MinistralConfig,
@@ -289,6 +290,8 @@ NOT_DECODE_LAYERS = {
     "gemma4-per-layer-embeddings-shared-kv-layers",
     "gemma3n-altup-laurel-sparse-gates-shared-kv",
     "zamba2-shared-blocks-adapters-rope",
+    "minimax-lightning-attention-post-norm-factors",
+    "minimax-defaults",
     "zamba2-defaults",
     "gemma3n-defaults",
     "mamba-selective-scan-tied",
@@ -376,6 +379,15 @@ GEMMA3N_REFUSED = {
     "head_dim": 16,
     "hidden_size_per_layer_input": 8,
     "num_kv_shared_layers": 0,
+}
+# MiniMax-Text-01's residual factors, each away from 1 and from the others (MiniMaxConfig's names)
+MINIMAX_FACTORS = {
+    "full_attn_alpha_factor": 1.7,
+    "full_attn_beta_factor": 0.6,
+    "linear_attn_alpha_factor": 1.3,
+    "linear_attn_beta_factor": 0.8,
+    "mlp_alpha_factor": 1.5,
+    "mlp_beta_factor": 0.7,
 }
 # a tiny Llama's config.json as a Zamba2's (the refusals)
 ZAMBA2_REFUSED = {
@@ -703,6 +715,11 @@ def gemma3n_as_google_leaves_it(config: dict[str, Any]) -> None:
     ):
         del config[key]
     config["intermediate_size"] = 96
+
+
+def minimax_as_transformers_leaves_it(config: dict[str, Any]) -> None:
+    for key in ("layer_types", "rope_parameters", *MINIMAX_FACTORS):
+        del config[key]
 
 
 def zamba2_as_zyphra_leaves_it(config: dict[str, Any]) -> None:
@@ -1482,6 +1499,29 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "gemma3n-defaults": (
         lambda: Gemma3nTextConfig(**{**TINY, "num_hidden_layers": 10}, **GEMMA3N),
         gemma3n_as_google_leaves_it,
+    ),
+    # MiniMax-Text-01's layers: lightning attention (4 heads of 16, each its own decay rate, falling
+    # layer by layer; prompts cross chunks of 64) in the middle two, softmax attention (GQA, the rope)
+    # in the first and last, within a window of 40; Mixtral's experts (2 of 4) in every layer; each
+    # layer post-norm with its residual factors (the mixer's by its kind, the MLP's) away from 1
+    "minimax-lightning-attention-post-norm-factors": (
+        lambda: MiniMaxConfig(
+            **{**TINY, "num_hidden_layers": 4, "initializer_range": 0.1},
+            layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=40,
+            **MINIMAX_FACTORS,
+        ),
+        None,
+    ),
+    # ... as MiniMaxConfig leaves things: every other layer lightning from the second, factors of 1,
+    # theta 1e6
+    "minimax-defaults": (
+        lambda: MiniMaxConfig(
+            **{**TINY, "num_hidden_layers": 4, "initializer_range": 0.1}, num_local_experts=4
+        ),
+        minimax_as_transformers_leaves_it,
     ),
     # Zyphra's Zamba2: Mamba2 in every layer (8 heads of 16 in 2 groups, chunks of 32), three of them
     # hybrid, taking two shared blocks in turn (attention over the stream beside the embeddings, heads
@@ -2610,6 +2650,34 @@ def test_a_gemma3n_checkpoint_serves_its_text_decoder(
     assert served[1] == served[0]
 
 
+def test_minimax_text_01s_own_config_names_serve_as_transformers_names(
+    variant_dir: Callable[[str], str], tmp_path: Path
+) -> None:
+    """MiniMax-Text-01's and MiniMax-M1's own config.json names its layers by `attn_type_list` (1
+    softmax attention, 0 lightning) and its residual factors `layernorm_*_alpha`/`_beta`, beside
+    `postnorm`: such a config serves as the transformers-named variant does (which the variant test
+    holds to transformers), the same tokens and logprobs."""
+    named = Path(variant_dir("minimax-lightning-attention-post-norm-factors"))
+    own = tmp_path / "minimax"
+    shutil.copytree(named, own)
+    config = json.loads((named / "config.json").read_text())
+    config["attn_type_list"] = [1 if kind == "full_attention" else 0 for kind in config.pop("layer_types")]
+    for part in ("full_attention", "linear_attention", "mlp"):
+        for factor in ("alpha", "beta"):
+            ours = f"{part.replace('attention', 'attn')}_{factor}_factor"
+            config[f"layernorm_{part}_{factor}"] = config.pop(ours)
+    config["postnorm"] = True
+    (own / "config.json").write_text(json.dumps(config))
+    prompts = long_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    served = []
+    for model_dir in (named, own):
+        llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128, block_size=16)
+        outputs = [r.outputs[0] for r in llm.generate(prompts, params)]
+        served.append([(o.token_ids, o.cumulative_logprob) for o in outputs])
+    assert served[1] == served[0]
+
+
 def test_llama4s_chunked_attention_reaches_past_one_chunk(variant_dir: Callable[[str], str]) -> None:
     """Its rope layers attend within chunks of 32 positions, its NoPE layer over all of them, to the
     model's whole 1,024 positions: prompts arriving 40 tokens a step (parts that start and end inside
@@ -3475,6 +3543,14 @@ def test_rotary_tables_equal_transformers(
             "num_kv_shared_layers must be 0 to 1, got 15",
         ),
         (
+            lambda c: c.update(architectures=["MiniMaxForCausalLM"], postnorm=False),
+            "postnorm false is not supported for MiniMax",
+        ),
+        (
+            lambda c: c.update(architectures=["MiniMaxForCausalLM"], layer_types=["full_attention", "mamba"]),
+            "layer_types must name 2 layers, each full_attention or linear_attention, got",
+        ),
+        (
             lambda c: c.update(ZAMBA2_REFUSED, layers_block_type=["mamba", "attention"]),
             "layers_block_type must name 2 layers, each mamba or hybrid, got \\['mamba', 'attention'\\]",
         ),
@@ -3694,6 +3770,8 @@ def test_rotary_tables_equal_transformers(
         "gemma4-kv-shared-layer-without-source",
         "gemma4-kv-entries-of-no-one-size",
         "gemma4-kv-heads-cannot-fill-the-entry",
+        "minimax-pre-norm",
+        "minimax-layer-type",
         "zamba2-layer-type",
         "zamba2-silu",
         "zamba2-adapters-on-narrower-heads",

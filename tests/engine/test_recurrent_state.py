@@ -1,5 +1,5 @@
 """Models that carry a state per request beside their KV cache (LFM2's short convolutions, Granite
-4.0's and Nemotron-H's Mamba2 layers: `layers.recurrent`) through the engine's paths that break a sequence's steps
+4.0's, Nemotron-H's and Zamba2's Mamba2 layers, MiniMax's lightning attention: `layers.recurrent`) through the engine's paths that break a sequence's steps
 apart: prompts in chunks, preemption under memory pressure, parallel samples, shared prefixes. Each
 gives the tokens a roomy engine gives, since the state is built only by the steps computing the
 sequence from its first token: no prefix caching, no swapping, forks that share no blocks. What cannot
@@ -51,6 +51,8 @@ HYBRIDS = {
     "qwen3.5": lambda: tiny_hybrid_config("qwen3.5"),
     "kimi-linear": lambda: tiny_hybrid_config("kimi-linear"),
     "falcon-h1": lambda: tiny_hybrid_config("falcon-h1"),
+    "minimax": lambda: tiny_hybrid_config("minimax"),
+    "zamba2": lambda: tiny_hybrid_config("zamba2"),
 }
 
 
@@ -125,7 +127,8 @@ def test_speculative_decoding_and_lora_are_refused_naming_them(hybrid_dir: str, 
 
     name = json.loads((Path(hybrid_dir) / "config.json").read_text())["architectures"][0]
     base = AutoModelForCausalLM.from_pretrained(hybrid_dir)
-    targets = ["in_proj", "in_proj_qkv", "b_proj"]  # (a convolution's or Mamba2's; Gated DeltaNet's; KDA's)
+    # (a convolution's or Mamba2's; Gated DeltaNet's; KDA's; lightning attention's)
+    targets = ["in_proj", "in_proj_qkv", "b_proj", "qkv_proj"]
     get_peft_model(base, LoraConfig(r=4, target_modules=targets)).save_pretrained(tmp_path)
     ngram = {"method": "ngram", "num_speculative_tokens": 3}
     with pytest.raises(

@@ -300,6 +300,18 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
                 "num_kv_shared_layers": 2,
             },
         ),
+        # MiniMax-Text-01: each rank its lightning heads (their rows of qkv_proj and output_gate, their
+        # decay rates and states), their outputs normed over both ranks' heads
+        (
+            "MiniMaxConfig",
+            {
+                "num_layers": 3,
+                "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+                "num_local_experts": 4,
+                "full_attn_alpha_factor": 1.7,
+                "linear_attn_beta_factor": 0.8,
+            },
+        ),
         ("GPT2Config", {}),
         ("GPTBigCodeConfig", {}),
         ("OPTConfig", {"ffn_dim": 96, "word_embed_proj_dim": 64}),
@@ -367,6 +379,7 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         "cohere-head-norms",
         "gemma4",
         "gemma3n",
+        "minimax-lightning",
         "gpt2",
         "gpt-bigcode",
         "opt",

@@ -72,7 +72,8 @@ class HybridDecoderLayer(LlamaDecoderLayer):
     ) -> None:
         nn.Module.__init__(self)
         layer_types = cfg["layer_types"]
-        self.mixer = None if layer_types[layer_index] == "full_attention" else self.recurrent_mixer(cfg)
+        recurrent = layer_types[layer_index] != "full_attention"
+        self.mixer = self.recurrent_mixer(cfg, layer_index) if recurrent else None
         if self.mixer is None:  # its attention's index among the attention layers (their KV caches)
             attention_index = layer_types[:layer_index].count("full_attention")
             self.self_attn = self.attention_class(cfg, backend, options, attention_index)
@@ -85,7 +86,8 @@ class HybridDecoderLayer(LlamaDecoderLayer):
         self.input_layernorm = self.norm(cfg)
         self.post_attention_layernorm = self.norm(cfg)
 
-    def recurrent_mixer(self, cfg: dict[str, Any]) -> RecurrentLayer:
+    def recurrent_mixer(self, cfg: dict[str, Any], layer_index: int) -> RecurrentLayer:
+        """Layer `layer_index`'s token mixer where it is not attention."""
         raise NotImplementedError
 
     def mix(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -140,7 +142,7 @@ def jamba_mamba_dims(cfg: dict[str, Any]) -> MambaDims:
 
 
 class JambaDecoderLayer(HybridDecoderLayer):
-    def recurrent_mixer(self, cfg: dict[str, Any]) -> RecurrentLayer:
+    def recurrent_mixer(self, cfg: dict[str, Any], layer_index: int) -> RecurrentLayer:
         return MambaMixer(jamba_mamba_dims(cfg))
 
 
@@ -199,7 +201,7 @@ _JAMBA_NAMES = {
 
 
 class Lfm2DecoderLayer(HybridDecoderLayer):
-    def recurrent_mixer(self, cfg: dict[str, Any]) -> RecurrentLayer:
+    def recurrent_mixer(self, cfg: dict[str, Any], layer_index: int) -> RecurrentLayer:
         return ShortConv(cfg)
 
 
@@ -348,7 +350,7 @@ def granite_mamba_dims(cfg: dict[str, Any], norm_eps: float = 1e-6) -> Mamba2Dim
 
 
 class GraniteHybridDecoderLayer(HybridDecoderLayer):
-    def recurrent_mixer(self, cfg: dict[str, Any]) -> RecurrentLayer:
+    def recurrent_mixer(self, cfg: dict[str, Any], layer_index: int) -> RecurrentLayer:
         return Mamba2Mixer(granite_mamba_dims(cfg))
 
 
@@ -402,7 +404,7 @@ _GRANITE_NAMES = {
 
 
 class BambaDecoderLayer(HybridDecoderLayer):
-    def recurrent_mixer(self, cfg: dict[str, Any]) -> RecurrentLayer:
+    def recurrent_mixer(self, cfg: dict[str, Any], layer_index: int) -> RecurrentLayer:
         return Mamba2Mixer(granite_mamba_dims(cfg, norm_eps=1e-5))
 
 

@@ -53,7 +53,7 @@ def kimi_delta_dims(cfg: dict[str, Any]) -> GatedDeltaDims:
 class KimiLinearDecoderLayer(HybridDecoderLayer):
     attention_class = NoPELatentAttention
 
-    def recurrent_mixer(self, cfg: dict[str, Any]) -> RecurrentLayer:
+    def recurrent_mixer(self, cfg: dict[str, Any], layer_index: int) -> RecurrentLayer:
         return KimiDeltaAttention(kimi_delta_dims(cfg))
 
 

@@ -1,5 +1,14 @@
-"""MiniMax-M2 (`MiniMaxM2ForCausalLM`: MiniMax-M2, M2.1) as transformers computes it, on the Llama
-family's tensor-parallel layers. What it adds to Mixtral's layer:
+"""MiniMax's models as transformers computes them, on the Llama family's tensor-parallel layers.
+
+MiniMax-Text-01 and MiniMax-M1 (`MiniMaxForCausalLM`): Mixtral's experts in every layer; the token
+mixer lightning attention (`layers.lightning`) where `layer_types` says "linear_attention", Llama's
+attention (GQA, the rope over the whole head, `sliding_window` where config.json names one) where it
+says "full_attention"; each layer post-norm, DeepNet's way: the mixer's input normed, and the normed
+input times an alpha plus the mixer's output times a beta, normed, the MLP's input (`*_alpha_factor`,
+`*_beta_factor`, by the mixer's kind and the MLP's), the next layer's input the MLP's normed input times
+its alpha plus its output times its beta.
+
+MiniMax-M2 (`MiniMaxM2ForCausalLM`: MiniMax-M2, M2.1). What it adds to Mixtral's layer:
 
 - q and k RMS-normed over the whole projection (all query heads together, all key heads), each norm
   multiplied by its weight in float32 (OLMo 2's norms: `models.olmo.OlmoAttention`), before the rotation;
@@ -13,17 +22,101 @@ The checkpoints' next-token prediction layers (numbered past `num_hidden_layers`
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from pagedserve.config import rope_parameters
-from pagedserve.layers.attention import AttentionBackend
+from pagedserve.config import minimax_config, rope_parameters
+from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from pagedserve.layers.lightning import LightningAttention, LightningDims
 from pagedserve.layers.moe import Experts
-from pagedserve.models.llama import LlamaDecoderLayer, head_dim_of
-from pagedserve.models.moe import MoeForCausalLM, num_experts_of, past_layer, sigmoid_biased_experts
+from pagedserve.layers.recurrent import RecurrentLayer
+from pagedserve.models.hybrid import HybridDecoderLayer, attention_of
+from pagedserve.models.llama import LayerOptions, LlamaDecoderLayer, Rotary, head_dim_of
+from pagedserve.models.moe import (
+    MixtralForCausalLM,
+    MoeForCausalLM,
+    num_experts_of,
+    past_layer,
+    sigmoid_biased_experts,
+)
 from pagedserve.models.olmo import OlmoAttention
+
+
+class MiniMaxDecoderLayer(HybridDecoderLayer):
+    """MiniMax-Text-01's post-norm layer (see the module docstring). Llama's layer protocol: its output
+    is `hidden + residual`, the MLP's part and the normed input's."""
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        super().__init__(cfg, backend, options, layer_index)
+        kind = "full_attn" if self.mixer is None else "linear_attn"
+        self.mix_alpha, self.mix_beta = (
+            float(cfg.get(f"{kind}_{part}_factor", 1)) for part in ("alpha", "beta")
+        )
+        self.mlp_alpha, self.mlp_beta = (
+            float(cfg.get(f"mlp_{part}_factor", 1)) for part in ("alpha", "beta")
+        )
+
+    def recurrent_mixer(self, cfg: dict[str, Any], layer_index: int) -> RecurrentLayer:
+        dims = LightningDims(
+            hidden_size=cfg["hidden_size"],
+            num_heads=cfg["num_attention_heads"],
+            head_dim=head_dim_of(cfg),
+            layer_index=layer_index,
+            num_layers=cfg["num_hidden_layers"],
+        )
+        return LightningAttention(dims)
+
+    def forward(
+        self,
+        rotary: Rotary,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = hidden if residual is None else hidden + residual
+        normed = cast(torch.Tensor, self.input_layernorm(stream))
+        stream = normed * self.mix_alpha + self.mix(rotary, normed, metadata) * self.mix_beta
+        normed = cast(torch.Tensor, self.post_attention_layernorm(stream))
+        return self.mlp(normed) * self.mlp_beta, normed * self.mlp_alpha
+
+
+class MiniMaxForCausalLM(MixtralForCausalLM):
+    """MiniMax-Text-01 and MiniMax-M1 (see the module docstring); MiniMaxConfig's defaults where
+    config.json leaves a key out (`config.minimax_config` reads its layers and residual factors)."""
+
+    decoder_layer_class = MiniMaxDecoderLayer
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        super().__init__(minimax_config(cfg), max_position, backend)
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return attention_of(self.layers)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        linear = {i for i, layer in enumerate(self.layers) if isinstance(layer.mixer, LightningAttention)}
+        super().load_weights(_lightning_names(weights, linear))
+
+
+def _lightning_names(
+    weights: Iterable[tuple[str, torch.Tensor]], linear: set[int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The lightning layers' tensors (`self_attn.*` of the layers in `linear`) under our names; the
+    decays transformers saves with them (`slope_rate`, `*_decay`) left out: they are the config's."""
+    for name, tensor in weights:
+        layer = re.match(r"^model\.layers\.(\d+)\.self_attn\.", name)
+        if layer is not None and int(layer[1]) in linear:
+            if name.endswith(("_decay", ".slope_rate")):
+                continue
+            name = name.replace(".self_attn.norm.weight", ".self_attn.norm_weight").replace(
+                ".self_attn.", ".mixer."
+            )
+        yield name, tensor
 
 
 class MiniMaxM2Attention(OlmoAttention):

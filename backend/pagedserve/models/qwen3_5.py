@@ -95,7 +95,7 @@ class Qwen3_5DecoderLayer(HybridDecoderLayer):
     def norm(cfg: dict[str, Any]) -> GemmaRMSNorm:
         return GemmaRMSNorm(cfg["hidden_size"], rms_norm_eps(cfg))
 
-    def recurrent_mixer(self, cfg: dict[str, Any]) -> RecurrentLayer:
+    def recurrent_mixer(self, cfg: dict[str, Any], layer_index: int) -> RecurrentLayer:
         return GatedDeltaNet(gated_delta_dims(cfg))
 
 

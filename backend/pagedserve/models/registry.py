@@ -60,7 +60,7 @@ from pagedserve.models.llama import (
     SmolLM3ForCausalLM,
 )
 from pagedserve.models.llama4 import Llama4ForCausalLM
-from pagedserve.models.minimax import MiniMaxM2ForCausalLM
+from pagedserve.models.minimax import MiniMaxForCausalLM, MiniMaxM2ForCausalLM
 from pagedserve.models.moe import (
     AfmoeForCausalLM,
     Dots1ForCausalLM,
@@ -200,6 +200,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Llama4ForCausalLM": Llama4ForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "Zamba2ForCausalLM": Zamba2ForCausalLM,
+    "MiniMaxForCausalLM": MiniMaxForCausalLM,
 }
 
 
