@@ -310,6 +310,7 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
                         "PhiForCausalLM",
                         "Jais2",
                         "Lfm2",
+                        "Lfm3",
                         "NemotronH",
                         "Bamba",
                         "FalconH1",

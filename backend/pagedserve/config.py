@@ -129,6 +129,10 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
     architecture = architecture_of(hf)
     if architecture in ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):
         layer_types = lfm2_layer_types(hf)
+    elif architecture == "Lfm3ForCausalLM":  # (its sliding layers attention too, of a window)
+        layer_types = [
+            "conv" if kind == "conv" else "full_attention" for kind in lfm3_config(hf)["layer_types"]
+        ]
     elif architecture == "GraniteMoeHybridForCausalLM":
         layer_types = granite_layer_types(hf)
     elif architecture == "NemotronHForCausalLM":
@@ -492,6 +496,42 @@ def gemma4_config(hf: dict[str, Any]) -> dict[str, Any]:
     return {**hf, "layer_types": layer_types}
 
 
+def lfm3_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """LFM3's config.json as Lfm3Config reads it: `layer_types` ("conv", "sliding_attention",
+    "full_attention") by default attention at every fourth layer from the third, sliding attention
+    at every fourth from the fifth, convolutions elsewhere; `rope_parameters` by layer type, by default
+    the full layers' proportional (theta 1e6, half the head's pairs turning) and the sliding layers'
+    default (theta 1e4); convolutions of 7 taps."""
+    num_layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types") or [
+        "full_attention" if i % 4 == 2 else "sliding_attention" if i % 4 == 0 and i > 0 else "conv"
+        for i in range(num_layers)
+    ]
+    if len(layer_types) != num_layers or not set(layer_types) <= {
+        "conv",
+        "sliding_attention",
+        "full_attention",
+    }:
+        raise ValueError(
+            f"model: config.json's layer_types must name {num_layers} layers, each conv, sliding_attention "
+            f"or full_attention, got {layer_types!r}"
+        )
+    rope = hf.get("rope_parameters") or {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {
+            "rope_type": "proportional",
+            "rope_theta": 1_000_000.0,
+            "partial_rotary_factor": 0.5,
+        },
+    }
+    return {
+        **hf,
+        "layer_types": list(layer_types),
+        "rope_parameters": rope,
+        "conv_L_cache": hf.get("conv_L_cache", 7),
+    }
+
+
 # MiniMax's own config.json names (MiniMax-Text-01's, MiniMax-M1's) -> MiniMaxConfig's
 _MINIMAX_NAMES = {
     "layernorm_full_attention_alpha": "full_attn_alpha_factor",
@@ -622,6 +662,7 @@ _CONFIG_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Gemma3nForCausalLM": gemma3n_config,
     "Zamba2ForCausalLM": zamba2_config,
     "MiniMaxForCausalLM": minimax_config,
+    "Lfm3ForCausalLM": lfm3_config,
     "FalconForCausalLM": falcon_config,
     "BloomForCausalLM": alibi_config,
     "DbrxForCausalLM": dbrx_config,
@@ -895,7 +936,12 @@ def rope_context_length(hf: dict[str, Any]) -> int:
     128K from 32K with factor 4). llama3's tables already reach max_position_embeddings, and so do
     Gemma 3's (its global layers' linear scaling, vLLM's exception)."""
     positions = int(hf.get("max_position_embeddings", 2048))
-    if architecture_of(hf) in ("Gemma3ForCausalLM", "Gemma4ForCausalLM", "Gemma3nForCausalLM"):
+    if architecture_of(hf) in (
+        "Gemma3ForCausalLM",
+        "Gemma4ForCausalLM",
+        "Gemma3nForCausalLM",
+        "Lfm3ForCausalLM",
+    ):
         return positions
     rope = rope_parameters(
         olmo3_rope_config(hf, "full_attention") if architecture_of(hf) == "Olmo3ForCausalLM" else hf
@@ -925,6 +971,7 @@ _WINDOW_ON_UNLESS_OFF = (
     "Gemma4ForCausalLM",
     "Gemma3nForCausalLM",
     "MiniMaxForCausalLM",
+    "Lfm3ForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
     "Phi3ForCausalLM",
@@ -957,6 +1004,7 @@ _WINDOW_IN_SOME_LAYERS = (
     "VaultGemmaForCausalLM",
     "Gemma4ForCausalLM",
     "Gemma3nForCausalLM",
+    "Lfm3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "SmolLM3ForCausalLM",
@@ -982,6 +1030,7 @@ _DEFAULT_WINDOW = {
     "VaultGemmaForCausalLM": 4096,
     "Gemma4ForCausalLM": 512,
     "Gemma3nForCausalLM": 512,
+    "Lfm3ForCausalLM": 256,
     "MistralForCausalLM": 4096,
     "Gemma2ForCausalLM": 4096,
     "Gemma3ForCausalLM": 4096,

@@ -82,6 +82,7 @@ from transformers import (
     KimiLinearConfig,
     Lfm2Config,
     Lfm2MoeConfig,
+    Lfm3Config,
     Llama4TextConfig,
     Mamba2Config,
     MambaConfig,
@@ -291,6 +292,8 @@ NOT_DECODE_LAYERS = {
     "gemma3n-altup-laurel-sparse-gates-shared-kv",
     "zamba2-shared-blocks-adapters-rope",
     "minimax-lightning-attention-post-norm-factors",
+    "lfm3-sliding-layer-proportional-rope",
+    "lfm3-defaults",
     "minimax-defaults",
     "zamba2-defaults",
     "gemma3n-defaults",
@@ -715,6 +718,19 @@ def gemma3n_as_google_leaves_it(config: dict[str, Any]) -> None:
     ):
         del config[key]
     config["intermediate_size"] = 96
+
+
+def lfm3_as_liquid_leaves_it(config: dict[str, Any]) -> None:
+    for key in (
+        "layer_types",
+        "rope_parameters",
+        "sliding_window",
+        "use_attention_gate",
+        "use_sandwich_norm",
+        "conv_L_cache",
+        "tie_word_embeddings",
+    ):
+        del config[key]
 
 
 def minimax_as_transformers_leaves_it(config: dict[str, Any]) -> None:
@@ -1499,6 +1515,27 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "gemma3n-defaults": (
         lambda: Gemma3nTextConfig(**{**TINY, "num_hidden_layers": 10}, **GEMMA3N),
         gemma3n_as_google_leaves_it,
+    ),
+    # Liquid AI's LFM3: LFM2's convolutions and attention, a sliding layer (a window of 24, its own rope
+    # of theta 1e4) and a full one (the proportional rope: 4 of 8 pairs turning), no head gates, no
+    # sandwich norms
+    "lfm3-sliding-layer-proportional-rope": (
+        lambda: Lfm3Config(
+            **{**TINY, "num_hidden_layers": 5},
+            head_dim=16,
+            layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention"],
+            sliding_window=24,
+            use_attention_gate=False,
+            use_sandwich_norm=False,
+        ),
+        None,
+    ),
+    # ... as its config.json leaves things: full attention at layer 2, sliding at 4 (a window of 256,
+    # which the prompts cross), convolutions of 7 taps elsewhere, every head's output gated, sandwich
+    # norms, the ropes' defaults, the head tied
+    "lfm3-defaults": (
+        lambda: Lfm3Config(**{**TINY, "num_hidden_layers": 6}, head_dim=16),
+        lfm3_as_liquid_leaves_it,
     ),
     # MiniMax-Text-01's layers: lightning attention (4 heads of 16, each its own decay rate, falling
     # layer by layer; prompts cross chunks of 64) in the middle two, softmax attention (GQA, the rope)
@@ -3543,6 +3580,10 @@ def test_rotary_tables_equal_transformers(
             "num_kv_shared_layers must be 0 to 1, got 15",
         ),
         (
+            lambda c: c.update(architectures=["Lfm3ForCausalLM"], layer_types=["conv", "linear_attention"]),
+            "layer_types must name 2 layers, each conv, sliding_attention or full_attention, got",
+        ),
+        (
             lambda c: c.update(architectures=["MiniMaxForCausalLM"], postnorm=False),
             "postnorm false is not supported for MiniMax",
         ),
@@ -3770,6 +3811,7 @@ def test_rotary_tables_equal_transformers(
         "gemma4-kv-shared-layer-without-source",
         "gemma4-kv-entries-of-no-one-size",
         "gemma4-kv-heads-cannot-fill-the-entry",
+        "lfm3-layer-type",
         "minimax-pre-norm",
         "minimax-layer-type",
         "zamba2-layer-type",

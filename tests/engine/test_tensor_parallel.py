@@ -312,6 +312,15 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
                 "linear_attn_beta_factor": 0.8,
             },
         ),
+        # LFM3: each rank its convolution channels (7 taps), its heads' gates, both ropes' tables whole
+        (
+            "Lfm3Config",
+            {
+                "num_layers": 3,
+                "layer_types": ["conv", "sliding_attention", "full_attention"],
+                "sliding_window": 12,
+            },
+        ),
         ("GPT2Config", {}),
         ("GPTBigCodeConfig", {}),
         ("OPTConfig", {"ffn_dim": 96, "word_embed_proj_dim": 64}),
@@ -380,6 +389,7 @@ def test_tp2_qwen3_splits_heads_and_keeps_their_norms_whole(
         "gemma4",
         "gemma3n",
         "minimax-lightning",
+        "lfm3",
         "gpt2",
         "gpt-bigcode",
         "opt",

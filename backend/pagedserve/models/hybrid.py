@@ -37,16 +37,20 @@ from pagedserve.config import (
     hybrid_layer_types,
     jamba_layer_types,
     lfm2_layer_types,
+    lfm3_config,
     nemotron_h_layer_types,
     rope_parameters,
 )
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from pagedserve.layers.linear import ColumnParallelLinear
 from pagedserve.layers.mamba import MambaDims, MambaMixer, mamba_dims
 from pagedserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
 from pagedserve.layers.moe import Experts, SparseMoeBlock
 from pagedserve.layers.norm import Float32RMSNorm, RMSNorm
 from pagedserve.layers.recurrent import RecurrentLayer
+from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.layers.short_conv import ShortConv
+from pagedserve.models.gemma import gemma3_rope_config
 from pagedserve.models.llama import (
     Biases,
     LayerOptions,
@@ -56,6 +60,7 @@ from pagedserve.models.llama import (
     Rotary,
     check_silu,
     granite_shared_mlp,
+    head_dim_of,
     rms_norm_eps,
 )
 from pagedserve.models.moe import GraniteMoeSharedForCausalLM, per_expert_weights
@@ -270,6 +275,99 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         experts = _renamed_by_pattern(weights, _LFM2_EXPERT_NAMES)
         super().load_weights(per_expert_weights(experts, hidden_size=self.embed_tokens.weight.shape[1]))
+
+
+class Lfm3Attention(LlamaAttention):
+    """Qwen3's attention (each query and key head RMS-normed) turned by its layer type's rope (a
+    sliding layer's, `local`: the last two of the step's tables), each head's output times the sigmoid
+    of its gate (`g_proj`, where `use_attention_gate`)."""
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        super().__init__(cfg, backend, options, layer_index)
+        self.local = False  # (set by the layer)
+        gated = bool(cfg.get("use_attention_gate", True))
+        self.g_proj = ColumnParallelLinear(cfg["hidden_size"], cfg["num_attention_heads"]) if gated else None
+
+    def forward(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.rotated_qkv(rotary[2:4] if self.local else rotary[:2], hidden)
+        out = self.attn(q, k, v, metadata)
+        if self.g_proj is not None:
+            gates = torch.sigmoid(self.g_proj(hidden))[..., None]
+            out = (out.view(-1, self.num_heads, self.head_dim) * gates).flatten(1)
+        return self.o_proj(out)
+
+
+class Lfm3DecoderLayer(Lfm2DecoderLayer):
+    """LFM2's layer (a convolution or attention, then a SwiGLU MLP), a sliding layer's attention of its
+    own rope and window, each part's output RMS-normed before it joins the stream where
+    `use_sandwich_norm`."""
+
+    attention_class = Lfm3Attention
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        kinds = cfg["layer_types"]
+        mixers = ["conv" if kind == "conv" else "full_attention" for kind in kinds]
+        super().__init__({**cfg, "layer_types": mixers}, backend, options, layer_index)
+        if self.mixer is None:
+            cast(Lfm3Attention, self.self_attn).local = kinds[layer_index] == "sliding_attention"
+        sandwich = bool(cfg.get("use_sandwich_norm", True))
+        self.post_operator_norm = self.norm(cfg) if sandwich else None
+        self.post_ffn_norm = self.norm(cfg) if sandwich else None
+
+    def forward(
+        self,
+        rotary: Rotary,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = hidden if residual is None else hidden + residual
+        mixed = self.mix(rotary, cast(torch.Tensor, self.input_layernorm(stream)), metadata)
+        if self.post_operator_norm is not None:
+            mixed = cast(torch.Tensor, self.post_operator_norm(mixed))
+        stream = stream + mixed
+        out = self.mlp(self.post_attention_layernorm(stream))
+        if self.post_ffn_norm is not None:
+            out = self.post_ffn_norm(out)
+        return out, stream
+
+
+class Lfm3ForCausalLM(Lfm2ForCausalLM):
+    """Liquid AI's LFM3 (LFM3-1.7B): LFM2's convolutions and attention, sliding attention layers of a
+    window (`sliding_window`, 256) and a rope of their own (`rope_parameters["sliding_attention"]`),
+    the full layers' rope proportional, attention heads gated, sandwich norms (`Lfm3DecoderLayer`), the
+    MLP `intermediate_size` wide as configured; Lfm3Config's defaults where config.json leaves a key
+    out (`config.lfm3_config`). Both ropes' tables in float32, as transformers turns q and k."""
+
+    decoder_layer_class = Lfm3DecoderLayer
+    rotates_part_of_a_head = True  # (the full layers' proportional rope turns half the head's pairs)
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        cfg = lfm3_config(cfg)
+        cfg = {
+            **cfg,
+            "rms_norm_eps": float(cfg.get("norm_eps", 1e-5)),
+            "tie_word_embeddings": cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True)),
+        }
+        LlamaForCausalLM.__init__(self, cfg, max_position, backend)
+        self.sliding_rotary_emb = RotaryEmbedding(
+            head_dim_of(cfg), max_position, gemma3_rope_config(cfg, "sliding_attention")
+        )
+
+    @classmethod
+    def rope_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        return gemma3_rope_config(lfm3_config(cfg), "full_attention")
+
+    def step_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        """The full layers' tables, then the sliding layers'."""
+        return (
+            *self.rotary_emb(positions, torch.float32),
+            *self.sliding_rotary_emb(positions, torch.float32),
+        )
 
 
 # LFM2-MoE's experts and router (the hub's per-expert w1/w3/w2, transformers 5's stacked ones) as Qwen's

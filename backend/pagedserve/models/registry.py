@@ -35,6 +35,7 @@ from pagedserve.models.hybrid import (
     JambaForCausalLM,
     Lfm2ForCausalLM,
     Lfm2MoeForCausalLM,
+    Lfm3ForCausalLM,
     Mamba2ForCausalLM,
     MambaForCausalLM,
     NemotronHForCausalLM,
@@ -201,6 +202,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "Zamba2ForCausalLM": Zamba2ForCausalLM,
     "MiniMaxForCausalLM": MiniMaxForCausalLM,
+    "Lfm3ForCausalLM": Lfm3ForCausalLM,
 }
 
 
