@@ -97,7 +97,8 @@ def tiny_hybrid_config(name: str) -> object:
     attention and experts at layer 1), "qwen3.5" (Gated DeltaNet at layers 0 and 2, 4 value heads over 2 key heads), "qwen3-next" (its layers
     as Qwen3-Next stores them, experts at layer 1) or "kimi-linear" (KDA's 2 heads at layers 0 and 2,
     latent attention with q_proj, experts at layer 1), "falcon-h1" (attention and Mamba2 side by side in
-    both layers, its gated norm on), "minimax" (lightning attention at layers 0 and 2) or "zamba2"
+    both layers, its gated norm on), "olmo-hybrid" (Gated DeltaNet at layers 0 and 2 as Qwen3.5's),
+    "minimax" (lightning attention at layers 0 and 2) or "zamba2"
     (Mamba2 in three layers, a shared attention block before it in two); Mamba2's 8 heads of 16 in 2
     groups with states of 16, in chunks of 8, so prompts cross several and chunked prefill splits
     them anywhere."""
@@ -194,6 +195,17 @@ def tiny_hybrid_config(name: str) -> object:
             mamba_rms_norm=True,
             key_multiplier=0.7,
             ssm_multipliers=[1.1, 0.9, 1.4, 0.75, 1.25],
+        )
+    if name == "olmo-hybrid":  # Gated DeltaNet at layers 0 and 2 (Qwen3.5's heads), OLMo 3's attention at 1
+        return transformers.OlmoHybridConfig(
+            **small,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
         )
     if name == "minimax":  # lightning attention at layers 0 and 2, 2 of 4 experts in every layer
         return transformers.MiniMaxConfig(

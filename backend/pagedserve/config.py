@@ -150,6 +150,9 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str] | None:
     elif architecture == "KimiLinearForCausalLM":
         names = {"full_attention": "full_attention", "linear_attention": "kimi_delta"}
         layer_types = [names[kind] for kind in kimi_linear_config(hf)["layer_types"]]
+    elif architecture == "OlmoHybridForCausalLM":
+        names = {"full_attention": "full_attention", "linear_attention": "gated_delta"}
+        layer_types = [names[kind] for kind in olmo_hybrid_config(hf)["layer_types"]]
     elif architecture == "MiniMaxForCausalLM":
         names = {"full_attention": "full_attention", "linear_attention": "lightning"}
         layer_types = [names[kind] for kind in minimax_config(hf)["layer_types"]]
@@ -532,6 +535,25 @@ def lfm3_config(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def olmo_hybrid_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """OLMo Hybrid's config.json as OlmoHybridConfig reads it: `layer_types` by default Gated DeltaNet
+    ("linear_attention") but every fourth layer, full attention (the last where that leaves none);
+    the rope theta 10,000 unless named (a `rope_parameters` whose rope_theta is null: NoPE)."""
+    num_layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        layer_types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)]
+        if "full_attention" not in layer_types:
+            layer_types[-1] = "full_attention"
+    if len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "linear_attention"}:
+        raise ValueError(
+            f"model: config.json's layer_types must name {num_layers} layers, each full_attention or "
+            f"linear_attention, got {layer_types!r}"
+        )
+    rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10_000.0)}
+    return {**hf, "layer_types": list(layer_types), "rope_parameters": rope}
+
+
 # MiniMax's own config.json names (MiniMax-Text-01's, MiniMax-M1's) -> MiniMaxConfig's
 _MINIMAX_NAMES = {
     "layernorm_full_attention_alpha": "full_attn_alpha_factor",
@@ -663,6 +685,7 @@ _CONFIG_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Zamba2ForCausalLM": zamba2_config,
     "MiniMaxForCausalLM": minimax_config,
     "Lfm3ForCausalLM": lfm3_config,
+    "OlmoHybridForCausalLM": olmo_hybrid_config,
     "FalconForCausalLM": falcon_config,
     "BloomForCausalLM": alibi_config,
     "DbrxForCausalLM": dbrx_config,

@@ -101,6 +101,7 @@ from transformers import (
     Olmo3Config,
     OlmoConfig,
     OlmoeConfig,
+    OlmoHybridConfig,
     OPTConfig,
     PersimmonConfig,
     Phi3Config,
@@ -293,6 +294,9 @@ NOT_DECODE_LAYERS = {
     "zamba2-shared-blocks-adapters-rope",
     "minimax-lightning-attention-post-norm-factors",
     "lfm3-sliding-layer-proportional-rope",
+    "olmo-hybrid-delta-attention-delta",
+    "olmo-hybrid-defaults",
+    "olmo-hybrid-nope",
     "lfm3-defaults",
     "minimax-defaults",
     "zamba2-defaults",
@@ -718,6 +722,19 @@ def gemma3n_as_google_leaves_it(config: dict[str, Any]) -> None:
     ):
         del config[key]
     config["intermediate_size"] = 96
+
+
+def olmo_hybrid_as_ai2_leaves_it(config: dict[str, Any]) -> None:
+    for key in (
+        "layer_types",
+        "rope_parameters",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_allow_neg_eigval",
+    ):
+        del config[key]
 
 
 def lfm3_as_liquid_leaves_it(config: dict[str, Any]) -> None:
@@ -1515,6 +1532,36 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "gemma3n-defaults": (
         lambda: Gemma3nTextConfig(**{**TINY, "num_hidden_layers": 10}, **GEMMA3N),
         gemma3n_as_google_leaves_it,
+    ),
+    # Ai2's OLMo Hybrid: Gated DeltaNet (its six projections, 4 value heads over 2 key heads of 16)
+    # around an OLMo 3 attention layer (norms after attention and the MLP, q and k normed whole), beta
+    # in [0, 1] (`linear_allow_neg_eigval` off)
+    "olmo-hybrid-delta-attention-delta": (
+        lambda: OlmoHybridConfig(
+            **{**TINY, "num_hidden_layers": 3},
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_allow_neg_eigval=False,
+        ),
+        None,
+    ),
+    # ... its attention without positions (NoPE: a rope of no theta), its long-context form
+    "olmo-hybrid-nope": (
+        lambda: OlmoHybridConfig(
+            **{**TINY, "num_hidden_layers": 2},
+            layer_types=["linear_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": None},
+        ),
+        None,
+    ),
+    # ... as its config.json leaves things: three Gated DeltaNet layers to one attention layer, key heads
+    # as many as the query heads of 0.75 x hidden / heads, value heads twice as wide, beta in [0, 2]
+    "olmo-hybrid-defaults": (
+        lambda: OlmoHybridConfig(**{**TINY, "num_hidden_layers": 4}),
+        olmo_hybrid_as_ai2_leaves_it,
     ),
     # Liquid AI's LFM3: LFM2's convolutions and attention, a sliding layer (a window of 24, its own rope
     # of theta 1e4) and a full one (the proportional rope: 4 of 8 pairs turning), no head gates, no
@@ -3584,6 +3631,10 @@ def test_rotary_tables_equal_transformers(
             "layer_types must name 2 layers, each conv, sliding_attention or full_attention, got",
         ),
         (
+            lambda c: c.update(architectures=["OlmoHybridForCausalLM"], layer_types=["full_attention"] * 3),
+            "layer_types must name 2 layers, each full_attention or linear_attention, got",
+        ),
+        (
             lambda c: c.update(architectures=["MiniMaxForCausalLM"], postnorm=False),
             "postnorm false is not supported for MiniMax",
         ),
@@ -3812,6 +3863,7 @@ def test_rotary_tables_equal_transformers(
         "gemma4-kv-entries-of-no-one-size",
         "gemma4-kv-heads-cannot-fill-the-entry",
         "lfm3-layer-type",
+        "olmo-hybrid-layer-types-not-its-layers",
         "minimax-pre-norm",
         "minimax-layer-type",
         "zamba2-layer-type",

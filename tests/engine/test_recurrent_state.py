@@ -53,6 +53,7 @@ HYBRIDS = {
     "falcon-h1": lambda: tiny_hybrid_config("falcon-h1"),
     "minimax": lambda: tiny_hybrid_config("minimax"),
     "zamba2": lambda: tiny_hybrid_config("zamba2"),
+    "olmo-hybrid": lambda: tiny_hybrid_config("olmo-hybrid"),
 }
 
 
@@ -201,7 +202,7 @@ def test_tp2_splits_mambas_channels_and_matches_single_rank(tmp_path: Path, defa
         assert llm.engine.stats().num_recompute_preemptions > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next", "kimi-linear"])
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next", "kimi-linear", "olmo-hybrid"])
 def test_tp2_splits_the_gated_delta_heads_and_matches_single_rank(
     tmp_path: Path, default_model_dir: str, family: str
 ) -> None:
@@ -211,7 +212,8 @@ def test_tp2_splits_the_gated_delta_heads_and_matches_single_rank(
     preemption. Qwen3-Next's fused projections (in_proj_qkvz, in_proj_ba: each key head's rows
     together) give each rank the same rows. Kimi Linear's KDA: each rank one of its 2 heads (their
     rows of q, k, v, b, the forget gate's and the output gate's up-projections, dt_bias a channel,
-    A_log), the low-rank down-projections whole; its latent attention's heads split."""
+    A_log), the low-rank down-projections whole; its latent attention's heads split. OLMo Hybrid's
+    six projections each give each rank its heads' rows."""
     model_dir = save_tiny_model(tmp_path / family, default_model_dir, tiny_hybrid_config(family))
     reference = single_rank_reference(model_dir, tiny_prompts(), num_kv_blocks=256, block_size=8)
     settings = {"num_kv_blocks": 24, "block_size": 8, "max_num_batched_tokens": 24, "max_num_seqs": 8}
@@ -222,7 +224,7 @@ def test_tp2_splits_the_gated_delta_heads_and_matches_single_rank(
         assert llm.engine.stats().num_recompute_preemptions > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next", "kimi-linear"])
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next", "kimi-linear", "olmo-hybrid"])
 def test_gated_delta_splits_it_cannot_make_are_refused(
     tmp_path: Path, default_model_dir: str, family: str
 ) -> None:

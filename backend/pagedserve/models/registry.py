@@ -92,6 +92,7 @@ from pagedserve.models.olmo import (
     OlmoeForCausalLM,
     OlmoForCausalLM,
 )
+from pagedserve.models.olmo_hybrid import OlmoHybridForCausalLM
 from pagedserve.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from pagedserve.models.ungated import (
     ApertusForCausalLM,
@@ -203,6 +204,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Zamba2ForCausalLM": Zamba2ForCausalLM,
     "MiniMaxForCausalLM": MiniMaxForCausalLM,
     "Lfm3ForCausalLM": Lfm3ForCausalLM,
+    "OlmoHybridForCausalLM": OlmoHybridForCausalLM,
 }
 
 

@@ -21,6 +21,7 @@ from pagedserve.layers.linear import check_head_split
 from pagedserve.layers.mamba2 import check_split as check_mamba2_split
 from pagedserve.models.hybrid import mamba1_dims, mamba2_dims
 from pagedserve.models.kimi_linear import kimi_delta_dims
+from pagedserve.models.olmo_hybrid import olmo_hybrid_delta_dims
 from pagedserve.models.qwen3_5 import gated_delta_dims
 from pagedserve.worker.worker import Worker
 
@@ -132,6 +133,8 @@ def check_tensor_parallel_size(config: EngineConfig) -> None:
         gated_delta_dims(model.hf_config).check_split(tp)
     if architecture_of(model.hf_config) == "KimiLinearForCausalLM":  # (its linear attention's heads)
         kimi_delta_dims(model.hf_config).check_split(tp)
+    if architecture_of(model.hf_config) == "OlmoHybridForCausalLM":
+        olmo_hybrid_delta_dims(model.hf_config).check_split(tp)
     widths = model.hf_config.get("intermediate_size", 0)  # (Gemma 3n's: one a layer)
     for intermediate_size in widths if isinstance(widths, list) else [widths]:
         if int(intermediate_size) % tp:
