@@ -18,6 +18,9 @@ experts of 512 beside a shared one (its LM head untied, as Kimi's). `falcon-h1` 
 at a CPU's scale: hidden 1,024, 12 layers, each attention (8 heads of 128, 2 KV heads) beside Mamba2
 (16 heads of 64, a state of 128, one group), an MLP 2,048 wide. `mamba` is mamba-130m's shape (Mamba
 1, no attention): hidden 768, 24 layers of 1,536 channels, each a state of 16, convolutions of 4 taps.
+`minimax` is a MiniMax-Text-01 layout at a CPU's scale: hidden 1,024, 12 layers, every fourth softmax
+attention (8 heads of 128, 2 KV heads), the others lightning attention (8 heads of 128), 2 of 8
+experts of 1,024 in every layer.
 Each with the default model's
 tokenizer and vocabulary, saved by transformers' `save_pretrained` in bfloat16.
 """
@@ -91,6 +94,20 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "mamba": (
         "MambaConfig",
         {"hidden_size": 768, "num_hidden_layers": 24, "state_size": 16, "expand": 2, "conv_kernel": 4},
+    ),
+    "minimax": (
+        "MiniMaxConfig",
+        {
+            "hidden_size": 1024,
+            "num_hidden_layers": 12,
+            "intermediate_size": 1024,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(12)],
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+        },
     ),
     "kimi-linear": (
         "KimiLinearConfig",

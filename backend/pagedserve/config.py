@@ -535,6 +535,24 @@ def lfm3_config(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def mellum_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """Mellum's config.json as MellumConfig reads it: `layer_types` every layer full attention by
+    default; `rope_parameters` by layer type, by default theta 5e5 for the full layers and 1e4 for the
+    sliding ones."""
+    num_layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types") or ["full_attention"] * num_layers
+    if len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "sliding_attention"}:
+        raise ValueError(
+            f"model: config.json's layer_types must name {num_layers} layers, each full_attention or "
+            f"sliding_attention, got {layer_types!r}"
+        )
+    rope = hf.get("rope_parameters") or {
+        "full_attention": {"rope_type": "default", "rope_theta": 500_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
+    return {**hf, "layer_types": list(layer_types), "rope_parameters": rope}
+
+
 def olmo_hybrid_config(hf: dict[str, Any]) -> dict[str, Any]:
     """OLMo Hybrid's config.json as OlmoHybridConfig reads it: `layer_types` by default Gated DeltaNet
     ("linear_attention") but every fourth layer, full attention (the last where that leaves none);
@@ -686,6 +704,7 @@ _CONFIG_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "MiniMaxForCausalLM": minimax_config,
     "Lfm3ForCausalLM": lfm3_config,
     "OlmoHybridForCausalLM": olmo_hybrid_config,
+    "MellumForCausalLM": mellum_config,
     "FalconForCausalLM": falcon_config,
     "BloomForCausalLM": alibi_config,
     "DbrxForCausalLM": dbrx_config,
@@ -864,9 +883,12 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
     a `Qwen3ForCausalLM`, Qwen3-VL-MoE as a `Qwen3MoeForCausalLM`, their M-RoPE as one rope; LFM2-VL as
     an `Lfm2ForCausalLM`; Llama 4 (`Llama4ForConditionalGeneration`) as a `Llama4ForCausalLM`; Fuyu
     (`FuyuForCausalLM`) as a `PersimmonForCausalLM`; Gemma 4 and Gemma 3n (`Gemma4ForConditionalGeneration`,
-    `Gemma3nForConditionalGeneration`) as a `Gemma4ForCausalLM` and a `Gemma3nForCausalLM`. Any other
-    config as it is."""
+    `Gemma3nForConditionalGeneration`) as a `Gemma4ForCausalLM` and a `Gemma3nForCausalLM`. An
+    architecture its release names otherwise than transformers (MiniCPM5-MoE's `MiniCPM5MoEForCausalLM`)
+    under transformers' name. Any other config as it is."""
     architecture = architecture_of(hf)
+    if architecture in _ARCHITECTURE_ALIASES:  # (as transformers' config class renames it)
+        return {**hf, "architectures": [_ARCHITECTURE_ALIASES[architecture]]}
     if architecture == "Gemma3ForConditionalGeneration":
         from transformers import Gemma3TextConfig
 
@@ -911,6 +933,8 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
+# the names a release gives its architecture -> transformers' (its config class renames them so)
+_ARCHITECTURE_ALIASES = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM"}
 # Gemma 4's and Gemma 3n's multimodal checkpoints -> (the config class of their `text_config`, the
 # text model served)
 _GEMMA_TEXT_CONFIGS = {
@@ -964,7 +988,8 @@ def rope_context_length(hf: dict[str, Any]) -> int:
         "Gemma4ForCausalLM",
         "Gemma3nForCausalLM",
         "Lfm3ForCausalLM",
-    ):
+        "MellumForCausalLM",
+    ):  # (their ropes by layer type)
         return positions
     rope = rope_parameters(
         olmo3_rope_config(hf, "full_attention") if architecture_of(hf) == "Olmo3ForCausalLM" else hf
@@ -995,6 +1020,7 @@ _WINDOW_ON_UNLESS_OFF = (
     "Gemma3nForCausalLM",
     "MiniMaxForCausalLM",
     "Lfm3ForCausalLM",
+    "MellumForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
     "Phi3ForCausalLM",
@@ -1028,6 +1054,7 @@ _WINDOW_IN_SOME_LAYERS = (
     "Gemma4ForCausalLM",
     "Gemma3nForCausalLM",
     "Lfm3ForCausalLM",
+    "MellumForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "SmolLM3ForCausalLM",
@@ -1054,6 +1081,7 @@ _DEFAULT_WINDOW = {
     "Gemma4ForCausalLM": 512,
     "Gemma3nForCausalLM": 512,
     "Lfm3ForCausalLM": 256,
+    "MellumForCausalLM": 1024,
     "MistralForCausalLM": 4096,
     "Gemma2ForCausalLM": 4096,
     "Gemma3ForCausalLM": 4096,
@@ -1344,6 +1372,7 @@ def smollm3_rotary_layers(hf: dict[str, Any]) -> list[bool]:
 # where config.json names no rope_theta, the config class's default (transformers' `default_theta`;
 # 10,000 for the others)
 _DEFAULT_THETA = {
+    "MiniCPM5MoeForCausalLM": 5e6,
     "MixtralForCausalLM": 1e6,
     "MiniMaxForCausalLM": 1e6,
     "PhimoeForCausalLM": 1e6,

@@ -86,7 +86,9 @@ from transformers import (
     Llama4TextConfig,
     Mamba2Config,
     MambaConfig,
+    MellumConfig,
     MiniCPM3Config,
+    MiniCPM5MoeConfig,
     MiniMaxConfig,
     MiniMaxM2Config,
     Ministral3Config,
@@ -295,6 +297,10 @@ NOT_DECODE_LAYERS = {
     "minimax-lightning-attention-post-norm-factors",
     "lfm3-sliding-layer-proportional-rope",
     "olmo-hybrid-delta-attention-delta",
+    "minicpm5-moe-gated-attention-grouped-experts",
+    "mellum-sliding-layers-own-rope-dense-first",
+    "mellum-defaults",
+    "minicpm5-moe-as-openbmb-names-it",
     "olmo-hybrid-defaults",
     "olmo-hybrid-nope",
     "lfm3-defaults",
@@ -395,6 +401,14 @@ MINIMAX_FACTORS = {
     "linear_attn_beta_factor": 0.8,
     "mlp_alpha_factor": 1.5,
     "mlp_beta_factor": 0.7,
+}
+# MiniCPM5-MoE's experts on a tiny scale
+MINICPM5_EXPERTS = {
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "n_group": 2,
+    "topk_group": 1,
 }
 # a tiny Llama's config.json as a Zamba2's (the refusals)
 ZAMBA2_REFUSED = {
@@ -722,6 +736,17 @@ def gemma3n_as_google_leaves_it(config: dict[str, Any]) -> None:
     ):
         del config[key]
     config["intermediate_size"] = 96
+
+
+def mellum_as_jetbrains_leaves_it(config: dict[str, Any]) -> None:
+    for key in ("layer_types", "mlp_layer_types", "rope_parameters", "norm_topk_prob"):
+        del config[key]
+
+
+def minicpm5_as_openbmb_names_it(config: dict[str, Any]) -> None:
+    for key in ("mlp_layer_types", "rope_parameters", "routed_scaling_factor"):
+        del config[key]
+    config["architectures"] = ["MiniCPM5MoEForCausalLM"]
 
 
 def olmo_hybrid_as_ai2_leaves_it(config: dict[str, Any]) -> None:
@@ -1532,6 +1557,54 @@ VARIANTS: dict[str, tuple[Callable[[], Any], ConfigPatch | None]] = {
     "gemma3n-defaults": (
         lambda: Gemma3nTextConfig(**{**TINY, "num_hidden_layers": 10}, **GEMMA3N),
         gemma3n_as_google_leaves_it,
+    ),
+    # JetBrains' Mellum 2: Qwen3-MoE's layers, two sliding (a window of 24, a rope of theta 1e4 against
+    # the full layers' 5e5), the first MLP dense, the others 2 of 4 experts
+    "mellum-sliding-layers-own-rope-dense-first": (
+        lambda: MellumConfig(
+            **{**TINY, "num_hidden_layers": 4},
+            head_dim=16,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+            sliding_window=24,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+        ),
+        None,
+    ),
+    # ... as its config.json leaves things: every layer full attention and experts, thetas by default
+    "mellum-defaults": (
+        lambda: MellumConfig(
+            **{**TINY, "num_hidden_layers": 2},
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+        ),
+        mellum_as_jetbrains_leaves_it,
+    ),
+    # OpenBMB's MiniCPM5-MoE: GLM-4.5's experts (2 of 8 in 2 groups, one picked, a shared expert,
+    # scaled by 2.5) past a dense layer, Qwen3.5's gated attention (q and its gate from one projection)
+    # without head norms, all four projections biased. (Weights of 0.1: at 0.2 transformers' own
+    # bfloat16 tokens sat 1.1-2.8 below its float32 best, near-tied experts flipping.)
+    "minicpm5-moe-gated-attention-grouped-experts": (
+        lambda: MiniCPM5MoeConfig(
+            **{**TINY, "num_hidden_layers": 3, "initializer_range": 0.1},
+            **MINICPM5_EXPERTS,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            attention_bias=True,
+            routed_scaling_factor=2.5,
+        ),
+        None,
+    ),
+    # ... as its release names it (`MiniCPM5MoEForCausalLM`), the dense layers by `first_k_dense_replace`
+    # (1 by default), theta 5e6 and experts scaled by 3.66 by default
+    "minicpm5-moe-as-openbmb-names-it": (
+        lambda: MiniCPM5MoeConfig(
+            **{**TINY, "num_hidden_layers": 3, "initializer_range": 0.1}, **MINICPM5_EXPERTS
+        ),
+        minicpm5_as_openbmb_names_it,
     ),
     # Ai2's OLMo Hybrid: Gated DeltaNet (its six projections, 4 value heads over 2 key heads of 16)
     # around an OLMo 3 attention layer (norms after attention and the MLP, q and k normed whole), beta
@@ -3635,6 +3708,10 @@ def test_rotary_tables_equal_transformers(
             "layer_types must name 2 layers, each full_attention or linear_attention, got",
         ),
         (
+            lambda c: c.update(architectures=["MellumForCausalLM"], layer_types=["full_attention", "conv"]),
+            "layer_types must name 2 layers, each full_attention or sliding_attention, got",
+        ),
+        (
             lambda c: c.update(architectures=["MiniMaxForCausalLM"], postnorm=False),
             "postnorm false is not supported for MiniMax",
         ),
@@ -3864,6 +3941,7 @@ def test_rotary_tables_equal_transformers(
         "gemma4-kv-heads-cannot-fill-the-entry",
         "lfm3-layer-type",
         "olmo-hybrid-layer-types-not-its-layers",
+        "mellum-layer-type",
         "minimax-pre-norm",
         "minimax-layer-type",
         "zamba2-layer-type",

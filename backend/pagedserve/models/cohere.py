@@ -40,6 +40,7 @@ from pagedserve.models.llama import (
     LlamaMLP,
     Rotary,
     check_silu,
+    residual_stream,
 )
 from pagedserve.models.moe import per_expert_weights
 
@@ -83,7 +84,7 @@ class ParallelDecoderLayer(LlamaDecoderLayer):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = hidden if residual is None else residual + hidden
+        stream = residual_stream(hidden, residual)
         normed = cast(torch.Tensor, self.input_layernorm(stream))
         mlp_normed = normed if self.mlp_layernorm is None else self.mlp_layernorm(stream)
         return self.self_attn(rotary, normed, metadata) + self.mlp(mlp_normed), stream

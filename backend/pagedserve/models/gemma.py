@@ -31,7 +31,7 @@ from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedserve.layers.norm import Float32RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
-from pagedserve.models.llama import LayerStep, LlamaForCausalLM, head_dim_of, rms_norm_eps
+from pagedserve.models.llama import LayerStep, LlamaForCausalLM, head_dim_of, residual_stream, rms_norm_eps
 
 # a step's cos and sin tables: the global layers', then the local layers' (the same for Gemma 1 and 2)
 GemmaRotary = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -159,7 +159,7 @@ class GemmaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = hidden if residual is None else residual + hidden
+        stream = residual_stream(hidden, residual)
         attended = self.self_attn(rotary, self.input_layernorm.normed(stream), metadata)
         if not self.sandwich_norms:
             stream = stream + attended

@@ -234,13 +234,7 @@ class Gemma3nForCausalLM(Gemma4ForCausalLM):
         metadata: AttentionMetadata,
         layer_step: LayerStep | None = None,
     ) -> torch.Tensor:
-        embedded = self.embed_tokens(input_ids)
-        embedded = embedded * torch.tensor(self.embedding_scale, dtype=embedded.dtype)
-        tables = (
-            *self.rotary_emb(positions, embedded.dtype),
-            *self.local_rotary_emb(positions, embedded.dtype),
-        )
-        rotary = (*tables, self.per_layer_inputs(input_ids, embedded))
+        embedded, rotary = self.embedded_and_rotary(input_ids, positions)
         magnitude = torch.mean(embedded**2, dim=-1, keepdim=True) ** 0.5
         streams = [embedded] + [rescaled(project(embedded), magnitude) for project in self.altup_projections]
         out, _ = self.run_layers(rotary, torch.stack(streams, dim=1), metadata, layer_step)

@@ -53,7 +53,7 @@ from pagedserve.layers.moe import Experts, SparseMoeBlock, route
 from pagedserve.layers.norm import Float32RMSNorm, weightless_rms_norm
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.models.gemma import GemmaForCausalLM, GemmaMLP, gemma3_rope_config
-from pagedserve.models.llama import LayerStep, LlamaForCausalLM, Rotary, rms_norm_eps
+from pagedserve.models.llama import LayerStep, LlamaForCausalLM, Rotary, residual_stream, rms_norm_eps
 
 
 class Gemma4Attention(nn.Module):
@@ -191,7 +191,7 @@ class Gemma4DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = hidden if residual is None else residual + hidden
+        stream = residual_stream(hidden, residual)
         attended = self.self_attn(rotary, self.input_layernorm.normed(stream), metadata)
         stream = stream + self.post_attention_layernorm.normed(attended)
         out = self.mlp(self.pre_feedforward_layernorm.normed(stream))
@@ -336,12 +336,19 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
         """Gemma's, with each layer's per-layer input (E2B's, E4B's) after the four rotary tables."""
         if not self.per_layer:
             return super().forward(input_ids, positions, metadata, layer_step)
+        hidden, rotary = self.embedded_and_rotary(input_ids, positions)
+        hidden, residual = self.run_layers(rotary, hidden, metadata, layer_step)
+        return cast(Float32RMSNorm, self.norm).normed(residual + hidden)
+
+    def embedded_and_rotary(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, Rotary]:
+        """The tokens' embeddings (scaled), and what every layer reads beside the stream: the full and
+        the sliding layers' rotary tables, then the per-layer inputs."""
         hidden = self.embed_tokens(input_ids)
         hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
         tables = (*self.rotary_emb(positions, hidden.dtype), *self.local_rotary_emb(positions, hidden.dtype))
-        rotary = (*tables, self.per_layer_inputs(input_ids, hidden))
-        hidden, residual = self.run_layers(rotary, hidden, metadata, layer_step)
-        return cast(Float32RMSNorm, self.norm).normed(residual + hidden)
+        return hidden, (*tables, self.per_layer_inputs(input_ids, hidden))
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """[tokens, layers, hidden_size_per_layer_input]: the embeddings (`embedded`) projected, times

@@ -61,9 +61,10 @@ from pagedserve.models.llama import (
     check_silu,
     granite_shared_mlp,
     head_dim_of,
+    residual_stream,
     rms_norm_eps,
 )
-from pagedserve.models.moe import GraniteMoeSharedForCausalLM, per_expert_weights
+from pagedserve.models.moe import GraniteMoeSharedForCausalLM, LayerTypeRopeAttention, per_expert_weights
 from pagedserve.models.ungated import UngatedMLP
 
 
@@ -277,16 +278,14 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
         super().load_weights(per_expert_weights(experts, hidden_size=self.embed_tokens.weight.shape[1]))
 
 
-class Lfm3Attention(LlamaAttention):
-    """Qwen3's attention (each query and key head RMS-normed) turned by its layer type's rope (a
-    sliding layer's, `local`: the last two of the step's tables), each head's output times the sigmoid
-    of its gate (`g_proj`, where `use_attention_gate`)."""
+class Lfm3Attention(LayerTypeRopeAttention):
+    """Qwen3's attention (each query and key head RMS-normed) turned by its layer type's rope, each
+    head's output times the sigmoid of its gate (`g_proj`, where `use_attention_gate`)."""
 
     def __init__(
         self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
     ) -> None:
         super().__init__(cfg, backend, options, layer_index)
-        self.local = False  # (set by the layer)
         gated = bool(cfg.get("use_attention_gate", True))
         self.g_proj = ColumnParallelLinear(cfg["hidden_size"], cfg["num_attention_heads"]) if gated else None
 
@@ -325,7 +324,7 @@ class Lfm3DecoderLayer(Lfm2DecoderLayer):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = hidden if residual is None else hidden + residual
+        stream = residual_stream(hidden, residual)
         mixed = self.mix(rotary, cast(torch.Tensor, self.input_layernorm(stream)), metadata)
         if self.post_operator_norm is not None:
             mixed = cast(torch.Tensor, self.post_operator_norm(mixed))

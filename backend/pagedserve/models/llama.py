@@ -236,6 +236,12 @@ class LlamaDecoderLayer(nn.Module):
         return hidden, residual
 
 
+def residual_stream(hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """The residual stream a layer takes under Llama's layer protocol: the previous layer's output and
+    its residual added (the embeddings alone at the first layer)."""
+    return hidden if residual is None else residual + hidden
+
+
 class PostNormDecoderLayer(LlamaDecoderLayer):
     """Llama's layer protocol (it takes the residual stream as `hidden + residual` and returns its own
     pair) with the norms after attention and the MLP instead of before them (OLMo 2's, EXAONE 4's):
@@ -261,7 +267,7 @@ class PostNormDecoderLayer(LlamaDecoderLayer):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = hidden if residual is None else residual + hidden
+        stream = residual_stream(hidden, residual)
         attended = self.self_attn(rotary, stream, metadata)
         stream = stream + cast(torch.Tensor, self.post_attention_layernorm(attended))
         return cast(torch.Tensor, self.post_feedforward_layernorm(self.mlp(stream))), stream

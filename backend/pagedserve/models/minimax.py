@@ -34,7 +34,7 @@ from pagedserve.layers.lightning import LightningAttention, LightningDims
 from pagedserve.layers.moe import Experts
 from pagedserve.layers.recurrent import RecurrentLayer
 from pagedserve.models.hybrid import HybridDecoderLayer, attention_of
-from pagedserve.models.llama import LayerOptions, LlamaDecoderLayer, Rotary, head_dim_of
+from pagedserve.models.llama import LayerOptions, LlamaDecoderLayer, Rotary, head_dim_of, residual_stream
 from pagedserve.models.moe import (
     MixtralForCausalLM,
     MoeForCausalLM,
@@ -78,7 +78,7 @@ class MiniMaxDecoderLayer(HybridDecoderLayer):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = hidden if residual is None else hidden + residual
+        stream = residual_stream(hidden, residual)
         normed = cast(torch.Tensor, self.input_layernorm(stream))
         stream = normed * self.mix_alpha + self.mix(rotary, normed, metadata) * self.mix_beta
         normed = cast(torch.Tensor, self.post_attention_layernorm(stream))

@@ -23,13 +23,15 @@ from typing import Any, cast
 
 import torch
 
-from pagedserve.config import default_layer_types
+from pagedserve.config import default_layer_types, mellum_config
 from pagedserve.layers import ops
 from pagedserve.layers.attention import AttentionBackend, AttentionMetadata
 from pagedserve.layers.embedding import ParallelLMHead
 from pagedserve.layers.linear import ColumnParallelLinear
 from pagedserve.layers.moe import Experts
 from pagedserve.layers.norm import Float32RMSNorm, LayerNorm, RMSNorm
+from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.models.gemma import gemma3_rope_config
 from pagedserve.models.llama import (
     Biases,
     Ernie4_5ForCausalLM,
@@ -45,7 +47,9 @@ from pagedserve.models.llama import (
     Scales,
     check_silu,
     granite_shared_mlp,
+    head_dim_of,
     hunyuan_name,
+    residual_stream,
     rms_norm_eps,
 )
 
@@ -245,7 +249,7 @@ class AfmoeDecoderLayer(LlamaDecoderLayer):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = hidden if residual is None else residual + hidden
+        stream = residual_stream(hidden, residual)
         attended = self.self_attn(rotary, cast(Float32RMSNorm, self.input_layernorm).normed(stream), metadata)
         stream = stream + cast(Float32RMSNorm, self.post_attention_layernorm).normed(attended)
         out = self.mlp(cast(Float32RMSNorm, self.pre_mlp_layernorm).normed(stream))
@@ -491,6 +495,67 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
 
     def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
         return qwen_experts(cfg, Experts(128, 8, 768, renormalize=False))
+
+
+class LayerTypeRopeAttention(LlamaAttention):
+    """Llama's attention turned by its layer type's rope: a sliding layer's (`local`, set by its layer)
+    the last two of the step's four tables."""
+
+    local = False
+
+    def forward(self, rotary: Rotary, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.rotated_qkv(rotary[2:4] if self.local else rotary[:2], hidden)
+        return self.o_proj(self.attn(q, k, v, metadata))
+
+
+class MellumDecoderLayer(LlamaDecoderLayer):
+    attention_class = LayerTypeRopeAttention
+
+    def __init__(
+        self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
+    ) -> None:
+        super().__init__(cfg, backend, options, layer_index)
+        cast(LayerTypeRopeAttention, self.self_attn).local = (
+            cfg["layer_types"][layer_index] == "sliding_attention"
+        )
+
+
+class MellumForCausalLM(Qwen3MoeForCausalLM):
+    """JetBrains' Mellum 2 (Mellum2-12B-A2.5B): Qwen3-MoE's layers, sliding attention layers by
+    `layer_types` (a window of `sliding_window`, 1,024, and a rope of their own: theta 1e4 against the
+    full layers' 5e5 by default), dense MLPs by `mlp_layer_types` (every layer experts by default: 64
+    of 896, 8 a token, renormalized); MellumConfig's defaults where config.json leaves a key out
+    (`config.mellum_config`). The next-token prediction layers (`mtp.*`) are left out."""
+
+    decoder_layer_class = MellumDecoderLayer
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, backend: AttentionBackend) -> None:
+        cfg = mellum_config(cfg)
+        super().__init__(cfg, max_position, backend)
+        self.sliding_rotary_emb = RotaryEmbedding(
+            head_dim_of(cfg), max_position, gemma3_rope_config(cfg, "sliding_attention")
+        )
+
+    @classmethod
+    def rope_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        return gemma3_rope_config(mellum_config(cfg), "full_attention")
+
+    def step_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        """The full layers' tables, then the sliding layers'."""
+        return (*self.rotary_emb(positions, dtype), *self.sliding_rotary_emb(positions, dtype))
+
+    def read_experts(self, cfg: dict[str, Any]) -> list[Experts | None]:
+        spec = Experts(
+            num_experts=num_experts_of(cfg, 64),
+            top_k=int(cfg.get("num_experts_per_tok", 8)),
+            intermediate_size=int(cfg.get("moe_intermediate_size", 896)),
+            renormalize=bool(cfg.get("norm_topk_prob", True)),
+        )
+        sparse = sparse_by_kind(cfg, [True] * cfg["num_hidden_layers"])
+        return [spec if is_sparse else None for is_sparse in sparse]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights((name, tensor) for name, tensor in weights if not name.startswith("mtp."))
 
 
 DOTS1_EXPERTS = {

@@ -26,7 +26,7 @@ from pagedserve.layers.gated_delta import GatedDeltaDims, GatedDeltaNet
 from pagedserve.layers.norm import Float32RMSNorm, RMSNorm
 from pagedserve.layers.recurrent import RecurrentLayer, RecurrentStep, rank_rows
 from pagedserve.models.hybrid import HybridDecoderLayer, attention_of
-from pagedserve.models.llama import LayerOptions, LlamaForCausalLM, Rotary, rms_norm_eps
+from pagedserve.models.llama import LayerOptions, LlamaForCausalLM, Rotary, residual_stream, rms_norm_eps
 from pagedserve.models.olmo import OlmoAttention
 
 
@@ -94,7 +94,7 @@ class OlmoHybridDecoderLayer(HybridDecoderLayer):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = hidden if residual is None else hidden + residual
+        stream = residual_stream(hidden, residual)
         if self.mixer is None:  # post-norm
             attended = self.mix(rotary, stream, metadata)
             stream = stream + cast(torch.Tensor, self.post_attention_layernorm(attended))

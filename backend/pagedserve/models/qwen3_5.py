@@ -52,7 +52,9 @@ from pagedserve.models.moe import num_experts_of, per_expert_weights, qwen_exper
 
 class GatedAttention(LlamaAttention):
     """Qwen3.5's full attention: Llama's with an output gate a head (from q_proj, beside its query),
-    q and k normed by (1 + weight), the output times sigmoid(gate) before o_proj."""
+    q and k normed by (1 + weight) (where `head_norms`), the output times sigmoid(gate) before o_proj."""
+
+    head_norms = True
 
     def __init__(
         self, cfg: dict[str, Any], backend: AttentionBackend, options: LayerOptions, layer_index: int
@@ -69,8 +71,8 @@ class GatedAttention(LlamaAttention):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // 2, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.head_dim = head_dim
-        self.q_norm = GemmaRMSNorm(head_dim, rms_norm_eps(cfg))
-        self.k_norm = GemmaRMSNorm(head_dim, rms_norm_eps(cfg))
+        self.q_norm = GemmaRMSNorm(head_dim, rms_norm_eps(cfg)) if self.head_norms else None
+        self.k_norm = GemmaRMSNorm(head_dim, rms_norm_eps(cfg)) if self.head_norms else None
         self.rotary = True
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, backend, layer_index)
 
@@ -80,8 +82,9 @@ class GatedAttention(LlamaAttention):
         k = qkv[:, 2 * self.q_size : 2 * self.q_size + self.kv_size].view(
             -1, self.num_kv_heads, self.head_dim
         )
-        q_norm, k_norm = cast(GemmaRMSNorm, self.q_norm), cast(GemmaRMSNorm, self.k_norm)
-        q, k = q_norm.normed(query_gate[:, :, 0]), k_norm.normed(k)
+        q = query_gate[:, :, 0]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = cast(GemmaRMSNorm, self.q_norm).normed(q), cast(GemmaRMSNorm, self.k_norm).normed(k)
         q, k = ops.apply_rotary(q, *rotary[:2]), ops.apply_rotary(k, *rotary[:2])
         out = self.attn(q, k, qkv[:, 2 * self.q_size + self.kv_size :], metadata)
         gate = query_gate[:, :, 1].reshape(out.shape)

@@ -61,6 +61,7 @@ from pagedserve.models.llama import (
     SmolLM3ForCausalLM,
 )
 from pagedserve.models.llama4 import Llama4ForCausalLM
+from pagedserve.models.minicpm5 import MiniCPM5MoeForCausalLM
 from pagedserve.models.minimax import MiniMaxForCausalLM, MiniMaxM2ForCausalLM
 from pagedserve.models.moe import (
     AfmoeForCausalLM,
@@ -73,6 +74,7 @@ from pagedserve.models.moe import (
     GraniteMoeSWAForCausalLM,
     HunYuanMoEV1ForCausalLM,
     HYV3ForCausalLM,
+    MellumForCausalLM,
     MixtralForCausalLM,
     PhimoeForCausalLM,
     Qwen2MoeForCausalLM,
@@ -205,6 +207,8 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "MiniMaxForCausalLM": MiniMaxForCausalLM,
     "Lfm3ForCausalLM": Lfm3ForCausalLM,
     "OlmoHybridForCausalLM": OlmoHybridForCausalLM,
+    "MiniCPM5MoeForCausalLM": MiniCPM5MoeForCausalLM,
+    "MellumForCausalLM": MellumForCausalLM,
 }
 
 

@@ -41,7 +41,7 @@ from pagedserve.layers.linear import (
 from pagedserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
-from pagedserve.models.llama import LayerStep, LlamaForCausalLM, Rotary, Scales, rms_norm_eps
+from pagedserve.models.llama import LayerStep, LlamaForCausalLM, Rotary, Scales, residual_stream, rms_norm_eps
 
 
 def zamba2_mamba_dims(cfg: dict[str, Any]) -> Mamba2Dims:
@@ -123,7 +123,7 @@ class Zamba2MambaLayer(nn.Module):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = hidden if residual is None else hidden + residual
+        stream = residual_stream(hidden, residual)
         return self.mixed(stream, metadata), stream
 
     def mixed(self, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -160,7 +160,7 @@ class Zamba2HybridLayer(Zamba2MambaLayer):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = hidden if residual is None else hidden + residual
+        stream = residual_stream(hidden, residual)
         shared = self.linear(self.run_block(rotary, stream, metadata))
         return self.mixed(stream + shared, metadata), stream
 
