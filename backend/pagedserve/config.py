@@ -568,7 +568,8 @@ def olmo_hybrid_config(hf: dict[str, Any]) -> dict[str, Any]:
             f"model: config.json's layer_types must name {num_layers} layers, each full_attention or "
             f"linear_attention, got {layer_types!r}"
         )
-    rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10_000.0)}
+    rope = dict(hf.get("rope_parameters") or {"rope_type": "default"})
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10_000.0))  # (a theta named null stays: NoPE)
     return {**hf, "layer_types": list(layer_types), "rope_parameters": rope}
 
 

@@ -3122,6 +3122,18 @@ def test_dbrx_releases_rope_theta_in_attn_config() -> None:
     assert rope_parameters(_CONFIG_READERS["DbrxForCausalLM"](saved))["rope_theta"] == 10000.0
 
 
+def test_olmo_hybrid_is_nope_only_where_its_rope_names_a_null_theta() -> None:
+    """OlmoHybridConfig fills a rope_parameters without rope_theta with its default theta (the rope
+    turns); only a theta named null turns the attention layers' rope off (NoPE)."""
+    from pagedserve.config import olmo_hybrid_config
+
+    base = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4}
+    no_theta = olmo_hybrid_config({**base, "rope_parameters": {"rope_type": "default"}})
+    assert no_theta["rope_parameters"]["rope_theta"] == 10_000.0
+    null_theta = olmo_hybrid_config({**base, "rope_parameters": {"rope_type": "default", "rope_theta": None}})
+    assert null_theta["rope_parameters"]["rope_theta"] is None
+
+
 @pytest.mark.parametrize(
     ("name", "key", "head_rows", "message"),
     [
