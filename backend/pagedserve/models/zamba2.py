@@ -14,7 +14,7 @@ layers (`layers.mamba2`), some of them "hybrid", where a shared transformer bloc
 A checkpoint holds a block's weights (and all of its layers' adapters, in slots by the hybrid layer's
 number) under the first hybrid layer that takes it; they load into the one block each layer holds.
 transformers' decode steps do not clamp the time step (its prompts do): no output differs where
-time steps stay above `time_step_min` (0.001), as trained ones do.
+time steps stay above `time_step_min` (0.001).
 """
 
 from __future__ import annotations
