@@ -35,7 +35,13 @@ from pagedserve.layers.attention import AttentionBackend, AttentionMetadata
 from pagedserve.layers.linear import ReplicatedLinear
 from pagedserve.layers.norm import Float32RMSNorm
 from pagedserve.models.gemma import GemmaMLP
-from pagedserve.models.gemma4 import Gemma4Attention, Gemma4ForCausalLM, Gemma4SharedAttention
+from pagedserve.models.gemma4 import (
+    Gemma4Attention,
+    Gemma4ForCausalLM,
+    Gemma4SharedAttention,
+    per_layer_parts,
+    per_layer_share,
+)
 from pagedserve.models.llama import LayerStep, Rotary, rms_norm_eps
 
 
@@ -146,9 +152,9 @@ class Gemma3nDecoderLayer(nn.Module):
         self.post_attention_layernorm = Float32RMSNorm(size, eps)
         self.pre_feedforward_layernorm = Float32RMSNorm(size, eps)
         self.post_feedforward_layernorm = Float32RMSNorm(size, eps)
-        self.per_layer_input_gate = ReplicatedLinear(size, per_layer)
-        self.per_layer_projection = ReplicatedLinear(per_layer, size)
-        self.post_per_layer_input_norm = Float32RMSNorm(size, eps)
+        self.per_layer_input_gate, self.per_layer_projection, self.post_per_layer_input_norm = (
+            per_layer_parts(size, per_layer, eps)
+        )
         self.index, self.correct_scale = index, bool(cfg.get("altup_correct_scale", True))
 
     def forward(
@@ -171,9 +177,7 @@ class Gemma3nDecoderLayer(nn.Module):
         first = corrected[:, self.altup.active]
         if self.correct_scale:
             first = first * self.altup.correct_output_scale
-        gated = F.gelu(self.per_layer_input_gate(first), approximate="tanh") * rotary[4][:, self.index]
-        added = self.post_per_layer_input_norm.normed(self.per_layer_projection(gated))
-        corrected = torch.cat((corrected[:, :1], corrected[:, 1:] + added[:, None]), dim=1)
+        corrected[:, 1:] += per_layer_share(self, first, rotary[4][:, self.index])[:, None]
         return corrected, corrected
 
 

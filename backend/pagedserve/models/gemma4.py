@@ -170,9 +170,8 @@ class Gemma4DecoderLayer(nn.Module):
         per_layer = int(cfg.get("hidden_size_per_layer_input", 256) or 0)
         self.per_layer_input_gate = self.per_layer_projection = self.post_per_layer_input_norm = None
         if per_layer:  # per-layer embeddings (E2B, E4B): this layer's share, gated by the stream
-            self.per_layer_input_gate = ReplicatedLinear(size, per_layer)
-            self.per_layer_projection = ReplicatedLinear(per_layer, size)
-            self.post_per_layer_input_norm = Float32RMSNorm(size, eps)
+            parts = per_layer_parts(size, per_layer, eps)
+            self.per_layer_input_gate, self.per_layer_projection, self.post_per_layer_input_norm = parts
         self.input_layernorm = Float32RMSNorm(size, eps)
         self.post_attention_layernorm = Float32RMSNorm(size, eps)
         self.pre_feedforward_layernorm = Float32RMSNorm(size, eps)
@@ -202,11 +201,29 @@ class Gemma4DecoderLayer(nn.Module):
             )
         out = self.post_feedforward_layernorm.normed(out)
         if self.per_layer_input_gate is not None:
-            assert self.per_layer_projection is not None and self.post_per_layer_input_norm is not None
             stream = stream + out
-            gated = F.gelu(self.per_layer_input_gate(stream), approximate="tanh") * rotary[4][:, self.index]
-            out = self.post_per_layer_input_norm.normed(self.per_layer_projection(gated))
+            out = per_layer_share(self, stream, rotary[4][:, self.index])
         return out * self.layer_scalar, stream * self.layer_scalar
+
+
+def per_layer_parts(
+    size: int, per_layer: int, eps: float
+) -> tuple[ReplicatedLinear, ReplicatedLinear, Float32RMSNorm]:
+    """A layer's parts for its share of the per-layer inputs (E2B's, E4B's, Gemma 3n's): the gate
+    (`per_layer_input_gate`), the projection back (`per_layer_projection`), the norm after it
+    (`post_per_layer_input_norm`)."""
+    return ReplicatedLinear(size, per_layer), ReplicatedLinear(per_layer, size), Float32RMSNorm(size, eps)
+
+
+def per_layer_share(layer: nn.Module, x: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """`layer`'s share of the per-layer inputs (`inputs`, [tokens, per-layer size]), gated by `x`:
+    GELU-tanh of the gate over x, times the inputs, projected back and normed (`per_layer_parts`)."""
+    gate, projection = (
+        cast(ReplicatedLinear, layer.per_layer_input_gate),
+        cast(ReplicatedLinear, layer.per_layer_projection),
+    )
+    gated = F.gelu(gate(x), approximate="tanh") * inputs
+    return cast(Float32RMSNorm, layer.post_per_layer_input_norm).normed(projection(gated))
 
 
 def kv_sources(cfg: dict[str, Any]) -> dict[int, int]:
