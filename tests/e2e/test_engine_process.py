@@ -355,3 +355,42 @@ def test_tensor_parallel_ranks_under_the_engine_process(tiny_llama_dir: str, tmp
         [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     )
     assert served == list(offline[0].outputs[0].token_ids)
+
+
+def test_a_tokenizer_that_does_not_pickle_is_loaded_by_the_engine_process_itself(
+    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The front end hands its tokenizer to the engine process (EngineProcess.send_tokenizer) rather
+    than have it load one again; one that does not pickle is said to, and the engine process loads its
+    own: it detokenizes, and stops at a stop string, as the offline engine does."""
+    import pickle
+
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.engine import core_process
+    from pagedserve.tokenizer import load_tokenizer
+
+    def unpicklable(model: object) -> object:
+        tokenizer = load_tokenizer(model)  # type: ignore[arg-type]
+        tokenizer.callback = lambda: None  # (a lambda does not pickle)
+        return tokenizer
+
+    monkeypatch.setattr(core_process, "load_tokenizer", unpicklable)
+    server = InProcessServer(
+        tiny_llama_dir, None, dtype="float32", num_kv_blocks=128, engine_process=True
+    ).start()
+    try:
+        assert any("does not pickle" in r.getMessage() for r in caplog.records)
+        with pytest.raises(AttributeError):  # (what the front end met)
+            pickle.dumps(server.llm.tokenizer)
+        prompt, max_tokens = "The capital of France is", 24
+        llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128)
+        offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens))[0].outputs[0]
+        stop = offline.text[len(offline.text) // 2 :][:4]
+        cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, stop=[stop]))[0]
+        for stops, expected in (([], offline.text), ([stop], cut.outputs[0].text)):
+            params = pb.SamplingParameters(temperature=0, max_tokens=max_tokens, stop=stops)
+            call = server.stub.Generate(pb.GenerateRequest(text=prompt, sampling=params), timeout=60)
+            assert "".join(r.text for r in call) == expected
+        assert cut.outputs[0].finish_reason == "stop"
+    finally:
+        server.stop()

@@ -54,6 +54,7 @@ from pagedserve.errors import EngineDeadError
 from pagedserve.outputs import RequestDelta, RequestMetrics
 from pagedserve.telemetry import EngineMetrics
 from pagedserve.threads import name_os_thread
+from pagedserve.tokenizer import load_tokenizer
 from pagedserve.worker.executor import Executor
 from pagedserve.worker.multiproc_executor import (
     StartupError,
@@ -145,7 +146,8 @@ _STATS_CALLS = ("record_step", "record_aborted")  # _MetricCalls whose first arg
 
 class EngineProcess(Executor):
     """The front end's handle on the engine process, and its EngineFace's executor (whose health and
-    shutdown are the process's). Starting it builds the engine there and waits until it is built."""
+    shutdown are the process's). Starting it starts the process, which builds the engine once
+    `send_tokenizer` has handed it the front end's tokenizer; `wait_ready` waits until it is built."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.tensor_parallel_size = config.parallel.tensor_parallel_size
@@ -163,14 +165,36 @@ class EngineProcess(Executor):
             _started.append(self._proc)
         theirs.close()
         assert self._proc.stdin is not None
-        self._proc.stdin.write(pickle.dumps(config))
-        self._proc.stdin.close()
+        self._stdin = self._proc.stdin
+        self._stdin.write(pickle.dumps(config))
+        self._stdin.flush()  # (its imports start on it)
         self._conn = Connection(ours.detach())
         self._outbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._sent: dict[int, Inbox] = {}  # by number, until a pass applies it
         self._next_number = 0
         self._dead_reason: str | None = None
         self._shut_down = False
+
+    def send_tokenizer(self, tokenizer: Any) -> None:
+        """Hand the engine process the front end's tokenizer, which it then takes as its own rather than
+        load it again: a load in a fresh process imports transformers' model configurations, ~1 s of
+        a 2-core host's CPU, and parses the tokenizer's files. One that does not pickle (a tokenizer
+        class of a model's own code) goes as None: the engine process loads its own."""
+        try:
+            sent = pickle.dumps(tokenizer)
+        except Exception as exc:  # pickle raises what the object's own __reduce__ raises
+            logger.warning(
+                "the tokenizer does not pickle (%s: %s): the engine process loads its own",
+                type(exc).__name__,
+                exc,
+            )
+            sent = pickle.dumps(None)
+        with contextlib.suppress(BrokenPipeError):  # it has died: wait_ready says how
+            self._stdin.write(sent)
+            self._stdin.close()
+
+    def wait_ready(self) -> None:
+        """Wait until the engine process has built its engine; raise what stopped it building."""
         try:
             ready = self._conn.recv()
         except (EOFError, OSError):
@@ -275,7 +299,11 @@ class EngineFace(LLMEngine):
     def __init__(self, config: EngineConfig) -> None:
         process = EngineProcess(config)
         try:
-            super().__init__(config, executor=process)
+            # loaded while the engine process imports what it runs on, then handed to it
+            tokenizer = load_tokenizer(config.model)
+            process.send_tokenizer(tokenizer)
+            process.wait_ready()
+            super().__init__(config, executor=process, tokenizer=tokenizer)
         except BaseException:
             process.shutdown()
             raise
@@ -316,10 +344,11 @@ def stop_engine_processes() -> None:
 # -- the engine process's side -----------------------------------------------------------------------
 
 
-def serve(conn: Connection, config: EngineConfig) -> int:
-    """Build the engine, then run passes for the front end until it sends STOP or goes away."""
+def serve(conn: Connection, config: EngineConfig, tokenizer: Any = None) -> int:
+    """Build the engine (on the front end's `tokenizer`, unless None), then run passes for the front end
+    until it sends STOP or goes away."""
     try:
-        llm = LLMEngine(config)
+        llm = LLMEngine(config, tokenizer=tokenizer)
     except Exception as exc:
         # a setting's error (exit 2) or a failed tensor-parallel start-up (exit 1): the front end
         # reports it as it would its own; anything else is logged here with its traceback
@@ -510,7 +539,13 @@ def _main() -> int:
     signal.signal(signal.SIGTERM, _stop_while_starting)
     config: EngineConfig = pickle.load(sys.stdin.buffer)
     logs.configure_from_environment("engine")
-    return serve(Connection(int(sys.argv[1])), config)
+    try:
+        tokenizer = pickle.load(sys.stdin.buffer)  # the front end's (EngineProcess.send_tokenizer)
+    except EOFError:  # the front end failed before it had one, and stops this process
+        return 1
+    except Exception:  # (a class this process cannot import: it loads its own)
+        tokenizer = None
+    return serve(Connection(int(sys.argv[1])), config, tokenizer)
 
 
 if __name__ == "__main__":

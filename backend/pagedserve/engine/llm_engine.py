@@ -63,10 +63,12 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
-        """`executor`: the one built for `config` unless given (an engine process's, EngineFace)."""
+    def __init__(self, config: EngineConfig, executor: Executor | None = None, tokenizer: Any = None) -> None:
+        """`executor` and `tokenizer`: those of `config` unless given (an EngineFace's: the engine
+        process's, and its tokenizer loaded while that process started)."""
         self.config = config
-        self.tokenizer = load_tokenizer(config.model)  # before the model: a wrong one fails in a second
+        # before the model: a wrong one fails in a second
+        self.tokenizer = load_tokenizer(config.model) if tokenizer is None else tokenizer
         if config.chat_template is not None:
             self.tokenizer.chat_template = config.chat_template
         self.eos_token_ids = _eos_token_ids(config.model.path, self.tokenizer)
