@@ -19,15 +19,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engines (and spawned servers) run eagerly unless a test asks for the compiled forward pass, which
 # takes ~30 s to compile: tests/engine/test_compile.py and the parity tests' compiled cases do.
 os.environ.setdefault("PAGEDSERVE_ENFORCE_EAGER", "1")
-# Under xdist (two workers on two cores, the suite's way) each worker's own engines and models run on
-# one thread: the workers keep both cores busy already (a run's CPUs ~2% idle), and a second thread
-# a worker only contends with the other worker. The audit's 157 transformers variants: 97.6 s on two
-# workers of one thread, 109.3 s of two (2026-12-07). The servers and ranks tests start keep
-# torch's default.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    import torch
-
-    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

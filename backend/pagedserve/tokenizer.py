@@ -117,9 +117,10 @@ _loaded_lock = threading.Lock()
 
 
 def _files_key(path: str) -> tuple[object, ...]:
-    """A directory and every file in it, each by name, size and modification time: a file written since
-    (a tokenizer's, a chat template, config.json, whose model type can pick the tokenizer's class)
-    changes the key, and the tokenizer loads again."""
+    """A directory (as named: transformers matches some names to a tokenizer class) and every file in
+    it, each by name, size and modification time: a file written since (a tokenizer's, a chat
+    template, config.json, whose model type can pick the tokenizer's class) changes the key, and the
+    tokenizer loads again."""
     folder = os.path.realpath(path)
     files = []
     with os.scandir(folder) as entries:
@@ -130,4 +131,4 @@ def _files_key(path: str) -> tuple[object, ...]:
                 continue
             if entry.is_file():
                 files.append((entry.name, info.st_size, info.st_mtime_ns))
-    return (folder, *sorted(files))
+    return (path, folder, *sorted(files))
