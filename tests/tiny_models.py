@@ -376,10 +376,15 @@ def save_tiny_model(dest: Path, tokenizer_dir: str, config: object, *, seed: int
     config_dict = config.to_dict()  # type: ignore[attr-defined]
     config_dict["architectures"] = [type(model).__name__]
     (dest / "config.json").write_text(json.dumps(config_dict, indent=2))
-    for name in TOKENIZER_FILES:
-        if (Path(tokenizer_dir) / name).exists():
-            shutil.copy(Path(tokenizer_dir) / name, dest / name)
+    copy_tokenizer(tokenizer_dir, dest)
     return str(dest)
+
+
+def copy_tokenizer(source: str | Path, dest: Path) -> None:
+    """The tokenizer's files of `source` (those of TOKENIZER_FILES it holds) into the directory `dest`."""
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).exists():
+            shutil.copy(Path(source) / name, dest / name)
 
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

@@ -5,14 +5,13 @@ and applies the chat template as a load does; a file of the directory written si
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import transformers
 from pagedserve import LLM, SamplingParams
 from pagedserve.tokenizer import load_tokenizer
-from tiny_models import TOKENIZER_FILES
+from tiny_models import copy_tokenizer
 
 TEXTS = ["The capital of France is", "  two  spaces, naïve café 世界 🙂", "<|im_start|>user\nhi<|im_end|>"]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -29,9 +28,7 @@ class _Model:
 def tokenizer_dir(tiny_llama_dir: str, tmp_path: Path) -> Path:
     folder = tmp_path / "tokenizer"
     folder.mkdir()
-    for name in TOKENIZER_FILES:
-        if (Path(tiny_llama_dir) / name).exists():
-            shutil.copy(Path(tiny_llama_dir) / name, folder / name)
+    copy_tokenizer(tiny_llama_dir, folder)
     return folder
 
 

@@ -13,7 +13,7 @@ import pytest
 from model_files import model_without_tokenizer
 from pagedserve import LLM, SamplingParams
 from pagedserve.settings import EngineSettings
-from tiny_models import TOKENIZER_FILES
+from tiny_models import copy_tokenizer
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -84,9 +84,7 @@ def test_the_chat_template_is_the_tokenizers(tiny_llama_dir: str, tmp_path: Path
     """A tokenizer whose chat template differs from the model directory's: the chat prompt is its."""
     tokenizer_dir = tmp_path / "plain-chat"
     tokenizer_dir.mkdir()
-    for name in TOKENIZER_FILES:
-        if (Path(tiny_llama_dir) / name).exists():
-            shutil.copy(Path(tiny_llama_dir) / name, tokenizer_dir / name)
+    copy_tokenizer(tiny_llama_dir, tokenizer_dir)
     (tokenizer_dir / "chat_template.jinja").unlink(missing_ok=True)
     tokenizer_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
     tokenizer_config["chat_template"] = (
