@@ -178,8 +178,8 @@ class EngineProcess(Executor):
     def send_tokenizer(self, tokenizer: Any) -> None:
         """Hand the engine process the front end's tokenizer, which it then takes as its own rather than
         load it again: a load in a fresh process imports transformers' model configurations, ~1 s of
-        a 2-core host's CPU, and parses the tokenizer's files. One that does not pickle (a tokenizer
-        class of a model's own code) goes as None: the engine process loads its own."""
+        a 2-core host's CPU, and parses the tokenizer's files. One that does not pickle (an attribute
+        set on it that pickle cannot take) goes as None: the engine process loads its own."""
         try:
             sent = pickle.dumps(tokenizer)
         except Exception as exc:  # pickle raises what the object's own __reduce__ raises
