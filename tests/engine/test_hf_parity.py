@@ -46,17 +46,24 @@ class NearTieDivergence(UserWarning):
     summary (also under -q) so that CI output reports it."""
 
 
+def hf_model(model_dir: str, **load: Any) -> Any:
+    """transformers' float32 model of `model_dir` (`load`: more of from_pretrained's arguments): a
+    multimodal checkpoint as transformers' multimodal model (Qwen3.5's config also maps to a text-only
+    causal LM, which would read its text decoder alone)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    multimodal = "vision_config" in json.loads((Path(model_dir) / "config.json").read_text())
+    auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    return auto.from_pretrained(model_dir, dtype=torch.float32, **load).eval()
+
+
 def hf_greedy(
     model_dir: str, prompts: list[list[int]], max_new_tokens: int, **load: Any
 ) -> tuple[object, list[list[int]]]:
     """transformers' float32 greedy tokens (`load`: more of from_pretrained's arguments)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
+    from transformers import GenerationConfig
 
-    # a multimodal checkpoint as transformers' multimodal model (Qwen3.5's config also maps to a
-    # text-only causal LM, which would read its text decoder alone)
-    multimodal = "vision_config" in json.loads((Path(model_dir) / "config.json").read_text())
-    auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
-    model = auto.from_pretrained(model_dir, dtype=torch.float32, **load).eval()
+    model = hf_model(model_dir, **load)
     # no EOS at all (like ignore_eos): the model's own generation config would stop at it
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     model.generation_config = config
@@ -108,19 +115,32 @@ def assert_each_token_is_hf_greedy(
     goes on checking every later token, where a comparison with `generate` stops at the first."""
     ties = []
     for i, (prompt, out) in enumerate(zip(prompts, ours)):
-        with torch.inference_mode():
-            logits = model(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1 :]  # type: ignore[operator]
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        top = logprobs.max(dim=-1)
-        chosen = logprobs.gather(-1, torch.tensor(out).unsqueeze(-1)).squeeze(-1)
-        for pos in torch.nonzero(chosen < top.values).flatten().tolist():
-            gap = float(top.values[pos] - chosen[pos])
-            theirs = int(top.indices[pos])
-            assert gap < NEAR_TIE, (
-                f"prompt {i}: token {pos} ({out[pos]}) is not HF's greedy choice ({theirs}), logprob gap {gap:.2e}"
-            )
-            ties.append(f"prompt {i}: near-tie at token {pos} ({out[pos]} vs HF {theirs}, HF gap {gap:.1e})")
-            warnings.warn(ties[-1], NearTieDivergence, stacklevel=2)
+        ties += assert_hf_greedy_choices(i, out, hf_next_token_logprobs(model, prompt, out))
+    return ties
+
+
+def hf_next_token_logprobs(model: object, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """HF's float32 log-softmax over the vocabulary before each token of `out` ([len(out), vocab]):
+    one forward pass over the prompt and `out`."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1 :]  # type: ignore[operator]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def assert_hf_greedy_choices(index: int, out: list[int], logprobs: torch.Tensor) -> list[str]:
+    """Each token of `out` (prompt `index`'s) is the greedy choice of HF's `logprobs` before it
+    (`hf_next_token_logprobs`), or within NEAR_TIE of it: see assert_each_token_is_hf_greedy."""
+    ties = []
+    top = logprobs.max(dim=-1)
+    chosen = logprobs.gather(-1, torch.tensor(out).unsqueeze(-1)).squeeze(-1)
+    for pos in torch.nonzero(chosen < top.values).flatten().tolist():
+        gap = float(top.values[pos] - chosen[pos])
+        theirs = int(top.indices[pos])
+        assert gap < NEAR_TIE, (
+            f"prompt {index}: token {pos} ({out[pos]}) is not HF's greedy choice ({theirs}), logprob gap {gap:.2e}"
+        )
+        ties.append(f"prompt {index}: near-tie at token {pos} ({out[pos]} vs HF {theirs}, HF gap {gap:.1e})")
+        warnings.warn(ties[-1], NearTieDivergence, stacklevel=3)
     return ties
 
 

@@ -25,7 +25,13 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers.rotary import RotaryEmbedding
 from test_compile import decode_layers_available
-from test_hf_parity import assert_greedy_equal, hf_greedy
+from test_hf_parity import (
+    assert_greedy_equal,
+    assert_hf_greedy_choices,
+    hf_greedy,
+    hf_model,
+    hf_next_token_logprobs,
+)
 from tiny_models import DEEPSEEK_V3, save_mxfp4_gpt_oss, save_tiny_model
 from transformers import (
     AfmoeConfig,
@@ -2205,18 +2211,20 @@ def worst_gap(model: Any, prompts: list[list[int]], outputs: list[list[int]]) ->
     return max(float(gap.max()) for gap in gaps)
 
 
-def assert_float32_matches(
-    model_dir: str, model: Any, prompts: list[list[int]], theirs: list[list[int]]
-) -> LLM:
-    """Our float32 greedy tokens are transformers' (`theirs`, by `model`), their logprobs its logprobs
-    (the logits as transformers scales them: Granite's logits_scaling). Returns our engine."""
-    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16)
+def assert_float32_matches(model_dir: str, model: Any, prompts: list[list[int]], **settings: Any) -> LLM:
+    """Each of our float32 greedy tokens is transformers' (`model`'s) greedy choice after the tokens
+    before it, but for near-ties (assert_hf_greedy_choices: by induction, its greedy `generate`), and
+    their logprobs its logprobs (the logits as transformers scales them: Granite's logits_scaling), all
+    from one transformers forward pass a prompt. `settings`: more of LLM's. Returns our engine."""
+    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16, **settings)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    ours = [r.outputs[0] for r in llm.generate(prompts, params)]
-    assert_greedy_equal(model, prompts, [o.token_ids for o in ours], theirs)
-    for prompt, completion in zip(prompts, ours):
-        expected = float(hf_logprobs(model, prompt, completion.token_ids)[0].sum())
-        assert completion.cumulative_logprob == pytest.approx(expected, abs=1e-3)
+    for i, (prompt, output) in enumerate(zip(prompts, llm.generate(prompts, params), strict=True)):
+        ours = output.outputs[0]
+        assert len(ours.token_ids) == MAX_TOKENS
+        theirs = hf_next_token_logprobs(model, prompt, ours.token_ids)
+        assert_hf_greedy_choices(i, ours.token_ids, theirs)
+        expected = float(theirs.gather(1, torch.tensor(ours.token_ids)[:, None]).sum())
+        assert ours.cumulative_logprob == pytest.approx(expected, abs=1e-3)
     return llm
 
 
@@ -2234,10 +2242,14 @@ def variant_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: str) -> None:
+def test_variant_matches_transformers(
+    variant_dir: Callable[[str], str], default_model_dir: str, name: str
+) -> None:
     model_dir, prompts = variant_dir(name), long_prompts()
-    model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    llm = assert_float32_matches(model_dir, model, prompts, theirs)
+    model = hf_model(model_dir)
+    # (every variant holds the default model's tokenizer: read from one directory, each engine's a copy
+    # of the first's, not a load of its own: tokenizer.load_tokenizer)
+    llm = assert_float32_matches(model_dir, model, prompts, tokenizer=default_model_dir)
     # no window caps these; linear scaling reaches its factor times the positions (vLLM's rule)
     # (and Mamba2 alone, without positions, takes vLLM's 2,048 where a config names no length)
     assert llm.engine.config.model.max_model_len == {
@@ -2248,7 +2260,9 @@ def test_variant_matches_transformers(variant_dir: Callable[[str], str], name: s
         "mamba-selective-scan-tied": 2048,
         "falcon-mamba-normed-b-c-dt": 2048,
     }.get(name, 1024)
-    bf16 = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=128, block_size=16)
+    bf16 = LLM(
+        model=model_dir, dtype="bfloat16", num_kv_blocks=128, block_size=16, tokenizer=default_model_dir
+    )
     gap = worst_gap(model, prompts, greedy(bf16, prompts, MAX_TOKENS))
     limit = BF16_GAP
     if name in BF16_AS_TRANSFORMERS:  # (no further below than transformers' own bfloat16 tokens)
@@ -2344,10 +2358,8 @@ def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(
 
     model_dir = save_mxfp4_gpt_oss(tmp_path / "mxfp4", variant_dir("gpt-oss-sinks-clamped-experts"))
     prompts = long_prompts()
-    model, theirs = hf_greedy(
-        model_dir, prompts, MAX_TOKENS, quantization_config=Mxfp4Config(dequantize=True)
-    )
-    assert_float32_matches(model_dir, model, prompts, theirs)
+    model = hf_model(model_dir, quantization_config=Mxfp4Config(dequantize=True))
+    assert_float32_matches(model_dir, model, prompts)
 
 
 def test_mxfp4_blocks_without_their_scales_are_refused_naming_them(
@@ -2637,7 +2649,7 @@ def test_a_qwen_vl_checkpoint_serves_its_text_decoder(
     checkpoints store them (input by output) too."""
     model_dir = qwen_vl_multimodal(tmp_path / family, default_model_dir, family, tie)
     prompts = long_prompts()
-    model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    model = hf_model(model_dir)
     assert type(model).__name__.endswith("ForConditionalGeneration")
     if layout == "hub" and family == "qwen3.5":
         with_mtp_layer(model_dir)
@@ -2645,7 +2657,7 @@ def test_a_qwen_vl_checkpoint_serves_its_text_decoder(
         qwen3_vl_moe_experts_as_the_hub_stores_them(model_dir)
     elif layout == "hub":
         qwen_vl_as_the_hub_lays_it_out(model_dir)
-    llm = assert_float32_matches(model_dir, model, prompts, theirs)
+    llm = assert_float32_matches(model_dir, model, prompts)
     assert llm.engine.config.model.architecture == architecture
 
 
@@ -2673,9 +2685,9 @@ def assert_serves_its_text_decoder(model_dir: str, multimodal: str, served: str)
     """The multimodal checkpoint `model_dir` (transformers' `multimodal` class) serves as its text
     decoder (`served`), its float32 tokens and logprobs transformers' own on text prompts."""
     prompts = long_prompts()
-    model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    model = hf_model(model_dir)
     assert type(model).__name__ == multimodal
-    llm = assert_float32_matches(model_dir, model, prompts, theirs)
+    llm = assert_float32_matches(model_dir, model, prompts)
     assert llm.engine.config.model.architecture == served
 
 
