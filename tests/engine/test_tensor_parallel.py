@@ -417,8 +417,11 @@ def test_tp2_llama_family_layouts_match_single_rank(
     model_dir = build_tiny_llama(
         tmp_path / "model", default_model_dir, config_class=config_class, **overrides
     )
-    reference = single_rank_reference(model_dir, prompts, num_kv_blocks=256, block_size=8)
-    with tensor_parallel_llm(model_dir, 2, num_kv_blocks=256, block_size=8) as llm:
+    # (the default model's tokenizer, which every layout holds: read from one directory, each engine's
+    # a copy of the first's rather than a load of its own)
+    settings: dict[str, object] = {"num_kv_blocks": 256, "block_size": 8, "tokenizer": default_model_dir}
+    reference = single_rank_reference(model_dir, prompts, **settings)
+    with tensor_parallel_llm(model_dir, 2, **settings) as llm:
         assert_matches_reference(greedy_reference(llm, prompts), reference)
 
 
