@@ -2185,9 +2185,7 @@ def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int
 def hf_logprobs(model: Any, prompt: list[int], output: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' float32 logprob of each token of `output` after the tokens before it, and of its
     best choice there."""
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    logprobs = hf_next_token_logprobs(model, prompt, output)
     return logprobs.gather(1, torch.tensor(output)[:, None])[:, 0], logprobs.max(dim=-1).values
 
 
