@@ -1,8 +1,8 @@
 """The model's tokenizer: where it is read from (`--tokenizer`, else the model directory), loaded, and
-checked against the model it serves. Every process that tokenizes (the front end, each rank a launcher
-started) loads it from `ModelConfig.tokenizer_path`, so they all read the same one; an engine process
-takes its front end's (`EngineProcess.send_tokenizer`). An engine built again in one process copies the
-tokenizer it loaded before (`_Loaded`)."""
+checked against the model it serves. Every process that tokenizes (the engine, each rank a launcher
+started) loads it from `ModelConfig.tokenizer_path`, so they all read the same one; the front end of an
+engine process takes that process's (`EngineProcess.receive_handover`). An engine built again in one
+process copies the tokenizer it loaded before (`_Loaded`)."""
 
 from __future__ import annotations
 

@@ -357,31 +357,59 @@ def test_tensor_parallel_ranks_under_the_engine_process(tiny_llama_dir: str, tmp
     assert served == list(offline[0].outputs[0].token_ids)
 
 
-def test_a_tokenizer_that_does_not_pickle_is_loaded_by_the_engine_process_itself(
-    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The front end hands its tokenizer to the engine process (EngineProcess.send_tokenizer) rather
-    than have it load one again; one that does not pickle is said to, and the engine process loads its
-    own: it detokenizes, and stops at a stop string, as the offline engine does."""
-    import pickle
-
-    from pagedserve import LLM, SamplingParams
-    from pagedserve.engine import core_process
-    from pagedserve.tokenizer import load_tokenizer
-
-    def unpicklable(model: object) -> object:
-        tokenizer = load_tokenizer(model)  # type: ignore[arg-type]
-        tokenizer.callback = lambda: None  # (a lambda does not pickle)
-        return tokenizer
-
-    monkeypatch.setattr(core_process, "load_tokenizer", unpicklable)
-    server = InProcessServer(
-        tiny_llama_dir, None, dtype="float32", num_kv_blocks=128, engine_process=True
-    ).start()
+def test_the_front_end_starts_and_serves_without_torch(tiny_llama_dir: str, tmp_path: Path) -> None:
+    """The engine process resolves the engine's configuration (the device: torch) and loads the
+    tokenizer (transformers' model configurations: torch), then hands both to the front end, which
+    imports no torch: a second less of start-up and torch's hundreds of MB less in it. It still
+    tokenizes, detokenizes and applies the chat template."""
+    proc = serve_with_engine_process(tiny_llama_dir, tmp_path / "server.log")
     try:
-        assert any("does not pickle" in r.getMessage() for r in caplog.records)
-        with pytest.raises(AttributeError):  # (what the front end met)
-            pickle.dumps(server.llm.tokenizer)
+        engine = engine_process_of(proc)
+        assert engine is not None
+        front_end = psutil.Process(proc.proc.pid)
+
+        def maps_torch(process: psutil.Process) -> bool:
+            return any("libtorch" in m.path for m in process.memory_maps())
+
+        assert maps_torch(engine) and not maps_torch(front_end)
+        params = pb.SamplingParameters(temperature=0, max_tokens=8, ignore_eos=True)
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Name a colour.")])
+        for prompt in ({"text": "The capital of France is"}, {"messages": chat}):
+            responses = list(proc.stub.Generate(pb.GenerateRequest(sampling=params, **prompt), timeout=60))
+            assert sum(len(r.token_ids) for r in responses) == 8 and "".join(r.text for r in responses)
+        assert not maps_torch(front_end)
+    finally:
+        proc.stop()
+
+
+def test_a_tokenizer_the_front_end_cannot_unpickle_is_loaded_there(
+    tiny_llama_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine process hands its tokenizer to the front end (EngineProcess.receive_handover) rather
+    than have it load one again; one that does not unpickle there (its class's state refused) is said
+    not to, and the front end loads its own: it detokenizes, and stops at a stop string, as the offline
+    engine does. (One the engine process cannot pickle: test_core_process.py.)"""
+    from pagedserve import LLM, SamplingParams
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    def refuse_once(self: object, state: object) -> None:
+        del TokenizersBackend.__setstate__  # (the front end's own load, a copy, then goes through)
+        raise RuntimeError("this state is not taken here")
+
+    TokenizersBackend.__setstate__ = refuse_once  # type: ignore[attr-defined]
+    try:
+        server = InProcessServer(
+            tiny_llama_dir, None, dtype="float32", num_kv_blocks=128, engine_process=True
+        ).start()
+    finally:
+        if "__setstate__" in vars(TokenizersBackend):  # (the server failed before unpickling it)
+            del TokenizersBackend.__setstate__
+    try:
+        assert any(
+            "tokenizer does not unpickle (RuntimeError: this state is not taken here)" in r.getMessage()
+            for r in caplog.records
+        )
+        assert isinstance(server.llm.tokenizer, TokenizersBackend)
         prompt, max_tokens = "The capital of France is", 24
         llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128)
         offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens))[0].outputs[0]

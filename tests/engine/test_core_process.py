@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import pickle
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from multiprocessing import Pipe
+from multiprocessing.connection import Connection
 from typing import Any, cast
 
 import pytest
@@ -25,6 +27,7 @@ from pagedserve.engine.core_process import (
     _MetricCalls,
     _run_passes,
     _sendable,
+    send_tokenizer,
 )
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import AdapterInUseError
@@ -189,3 +192,30 @@ def test_an_error_that_does_not_pickle_crosses_as_its_repr() -> None:
         "lora_name",
         "'sql' is in use",
     )
+
+
+def test_a_tokenizer_that_does_not_pickle_goes_to_the_front_end_as_none(
+    tiny_llama_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine process hands the front end its tokenizer; one that does not pickle (an attribute
+    pickle cannot take) is said not to and goes as None, and the front end loads its own
+    (EngineProcess.receive_handover; that side: test_engine_process.py). One that pickles arrives
+    whole: it tokenizes as the engine process's does."""
+    from pagedserve.tokenizer import load_tokenizer
+
+    class Model:
+        path = tokenizer_path = tiny_llama_dir
+
+    tokenizer = load_tokenizer(Model())  # type: ignore[arg-type]
+    ours, theirs = socket.socketpair()
+    with Connection(ours.detach()) as sender, Connection(theirs.detach()) as front_end:
+        # (sent from a thread: a tokenizer's MBs fill the socket's buffer until the front end reads)
+        sent = threading.Thread(target=send_tokenizer, args=(sender, tokenizer))
+        sent.start()
+        text = "The capital of France is"
+        assert front_end.recv()(text).input_ids == tokenizer(text).input_ids
+        sent.join()
+        tokenizer.callback = lambda: None  # (a lambda does not pickle)
+        send_tokenizer(sender, tokenizer)
+        assert front_end.recv() is None
+    assert any("the tokenizer does not pickle" in r.getMessage() for r in caplog.records)

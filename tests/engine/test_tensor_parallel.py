@@ -593,7 +593,7 @@ def test_workers_exit_when_the_engine_process_dies(tiny_llama_dir: str) -> None:
 def test_a_process_that_ignores_sigterm_is_killed_and_said_so(caplog: pytest.LogCaptureFixture) -> None:
     """stop_processes (ranks, engine processes): SIGTERM, then after 5 s SIGKILL, with a warning
     naming the process (an engine process that stopped answering used to be named so)."""
-    from pagedserve.worker.multiproc_executor import stop_processes
+    from pagedserve.worker.processes import stop_processes
 
     stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", stubborn], stdout=subprocess.PIPE)

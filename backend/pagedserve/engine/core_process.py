@@ -10,6 +10,11 @@ wait for the writers of the last step's tokens (bench/README.md, "Serving over g
                                                   engine's stats, its metric calls
     shutdown: (STOP,)                 ──────────▶ exits (stopping its tensor-parallel ranks)
 
+Start-up: the front end sends the settings; the engine process resolves the engine's configuration
+from them, loads the tokenizer, hands both back, then builds the engine. The front end thus starts
+without torch (resolving the device and loading a tokenizer import it: ~1 s and hundreds of MB; the
+first structured-output request's grammar, xgrammar, imports it later).
+
 The front end keeps an LLMEngine without a model (`EngineFace`): the tokenizer, the config, the
 checks of a request (a scheduler of the same size that never runs), the Prometheus metrics (the
 engine process's calls to its own replayed on them) and the LoRA adapters' names; its stats are the
@@ -52,16 +57,12 @@ from pagedserve.engine.core import Add, Inbox, Pass, run_pass
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine
 from pagedserve.errors import EngineDeadError
 from pagedserve.outputs import RequestDelta, RequestMetrics
+from pagedserve.settings import EngineSettings
 from pagedserve.telemetry import EngineMetrics
 from pagedserve.threads import name_os_thread
 from pagedserve.tokenizer import load_tokenizer
 from pagedserve.worker.executor import Executor
-from pagedserve.worker.multiproc_executor import (
-    StartupError,
-    describe_exit,
-    stop_processes,
-    stop_spawned_ranks,
-)
+from pagedserve.worker.processes import StartupError, describe_exit, stop_processes, stop_spawned_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -146,11 +147,12 @@ _STATS_CALLS = ("record_step", "record_aborted")  # _MetricCalls whose first arg
 
 class EngineProcess(Executor):
     """The front end's handle on the engine process, and its EngineFace's executor (whose health and
-    shutdown are the process's). Starting it starts the process, which builds the engine once
-    `send_tokenizer` has handed it the front end's tokenizer; `wait_ready` waits until it is built."""
+    shutdown are the process's). Starting it starts the process, which resolves the engine's
+    configuration from the settings, loads the model's tokenizer, hands both over (`receive_handover`)
+    and then builds the engine; `wait_ready` waits until it is built."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.tensor_parallel_size = config.parallel.tensor_parallel_size
+    def __init__(self, settings: EngineSettings) -> None:
+        self.tensor_parallel_size = settings.tensor_parallel_size
         ours, theirs = socket.socketpair()
         # the same import path as this process, as multiprocessing's spawn does
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -166,8 +168,8 @@ class EngineProcess(Executor):
         theirs.close()
         assert self._proc.stdin is not None
         self._stdin = self._proc.stdin
-        self._stdin.write(pickle.dumps(config))
-        self._stdin.flush()  # (its imports start on it)
+        self._stdin.write(pickle.dumps(settings))
+        self._stdin.close()  # (its imports start on it)
         self._conn = Connection(ours.detach())
         self._outbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._sent: dict[int, Inbox] = {}  # by number, until a pass applies it
@@ -175,23 +177,36 @@ class EngineProcess(Executor):
         self._dead_reason: str | None = None
         self._shut_down = False
 
-    def send_tokenizer(self, tokenizer: Any) -> None:
-        """Hand the engine process the front end's tokenizer, which it then takes as its own rather than
-        load it again: a load in a fresh process imports transformers' model configurations, ~1 s of
-        a 2-core host's CPU, and parses the tokenizer's files. One that does not pickle (an attribute
-        set on it that pickle cannot take) goes as None: the engine process loads its own."""
+    def receive_handover(self) -> tuple[EngineConfig, Any]:
+        """The engine's configuration and tokenizer, as the engine process resolved and loaded them: the
+        front end takes both as its own rather than make them again. Resolving the device (`auto`)
+        imports torch, and loading a tokenizer imports transformers' model configurations, torch among
+        them, and parses the tokenizer's files: ~2 s of a 2-core host's CPU and torch's hundreds of MB
+        in a process that otherwise starts without it, where unpickling takes ~0.1 s. The tokenizer
+        is None where none came (one that does not pickle) or it does not unpickle here: the front end
+        then loads its own. Raises what stopped the engine process (ValueError: a setting)."""
         try:
-            sent = pickle.dumps(tokenizer)
-        except Exception as exc:  # pickle raises what the object's own __reduce__ raises
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.wait()
+            raise StartupError(f"the engine process {self._exit()} while starting") from None
+        if isinstance(message, _Failed):
+            self._proc.wait()
+            raise message.error
+        config = cast(EngineConfig, message)
+        try:
+            tokenizer = self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.wait()
+            raise StartupError(f"the engine process {self._exit()} while starting") from None
+        except Exception as exc:  # unpickling raises what the tokenizer's classes raise
             logger.warning(
-                "the tokenizer does not pickle (%s: %s): the engine process loads its own",
+                "the engine process's tokenizer does not unpickle (%s: %s): the front end loads its own",
                 type(exc).__name__,
                 exc,
             )
-            sent = pickle.dumps(None)
-        with contextlib.suppress(BrokenPipeError):  # it has died: wait_ready says how
-            self._stdin.write(sent)
-            self._stdin.close()
+            tokenizer = None
+        return config, tokenizer
 
     def wait_ready(self) -> None:
         """Wait until the engine process has built its engine; raise what stopped it building."""
@@ -296,12 +311,10 @@ class EngineFace(LLMEngine):
 
     executor: EngineProcess
 
-    def __init__(self, config: EngineConfig) -> None:
-        process = EngineProcess(config)
+    def __init__(self, settings: EngineSettings) -> None:
+        process = EngineProcess(settings)
         try:
-            # loaded while the engine process imports what it runs on, then handed to it
-            tokenizer = load_tokenizer(config.model)
-            process.send_tokenizer(tokenizer)
+            config, tokenizer = process.receive_handover()  # (no tokenizer: LLMEngine loads it)
             process.wait_ready()
             super().__init__(config, executor=process, tokenizer=tokenizer)
         except BaseException:
@@ -309,6 +322,10 @@ class EngineFace(LLMEngine):
             raise
         self._stats = process.ready.stats
         self.metrics.watch_engine_process(process.pid)
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings) -> EngineFace:
+        return cls(settings)
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -344,9 +361,9 @@ def stop_engine_processes() -> None:
 # -- the engine process's side -----------------------------------------------------------------------
 
 
-def serve(conn: Connection, config: EngineConfig, tokenizer: Any = None) -> int:
-    """Build the engine (on the front end's `tokenizer`, unless None), then run passes for the front end
-    until it sends STOP or goes away."""
+def serve(conn: Connection, config: EngineConfig, tokenizer: Any) -> int:
+    """Build the engine on `tokenizer` (the one handed to the front end), then run passes for the front
+    end until it sends STOP or goes away."""
     try:
         llm = LLMEngine(config, tokenizer=tokenizer)
     except Exception as exc:
@@ -537,15 +554,35 @@ def _main() -> int:
     # stops this process, which must not die of a KeyboardInterrupt first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _stop_while_starting)
-    config: EngineConfig = pickle.load(sys.stdin.buffer)
+    settings: EngineSettings = pickle.load(sys.stdin.buffer)
     logs.configure_from_environment("engine")
+    conn = Connection(int(sys.argv[1]))
     try:
-        tokenizer = pickle.load(sys.stdin.buffer)  # the front end's (EngineProcess.send_tokenizer)
-    except EOFError:  # the front end failed before it had one, and stops this process
+        config = settings.to_engine_config()
+        tokenizer = load_tokenizer(config.model)
+    except ValueError as exc:  # a setting (the model's path, the tokenizer's): the front end reports it
+        conn.send(_Failed(_sendable(exc)))
         return 1
-    except Exception:  # (a class this process cannot import: it loads its own)
-        tokenizer = None
-    return serve(Connection(int(sys.argv[1])), config, tokenizer)
+    try:
+        conn.send(config)
+        send_tokenizer(conn, tokenizer)
+    except OSError:  # the front end has gone
+        return 1
+    return serve(conn, config, tokenizer)
+
+
+def send_tokenizer(conn: Connection, tokenizer: Any) -> None:
+    """Hand the front end this process's tokenizer (EngineProcess.receive_handover). One that does not
+    pickle (an attribute set on it that pickle cannot take) goes as None: the front end loads its
+    own."""
+    try:
+        sent = pickle.dumps(tokenizer)
+    except Exception as exc:  # pickle raises what the object's own __reduce__ raises
+        logger.warning(
+            "the tokenizer does not pickle (%s: %s): the front end loads its own", type(exc).__name__, exc
+        )
+        sent = pickle.dumps(None)
+    conn.send_bytes(sent)
 
 
 if __name__ == "__main__":

@@ -400,7 +400,7 @@ def _exit_now(code: int) -> NoReturn:
     tensor-parallel rendezvous), while an orchestrator waits and then kills. Nothing it built needs
     more than the process's end, except the ranks and the engine process it started."""
     from pagedserve.engine.core_process import stop_engine_processes
-    from pagedserve.worker.multiproc_executor import stop_spawned_ranks
+    from pagedserve.worker.processes import stop_spawned_ranks
 
     for sig in (signal.SIGTERM, signal.SIGINT):  # already exiting: another signal must not cut this short
         signal.signal(sig, signal.SIG_IGN)
@@ -444,7 +444,7 @@ async def _serve(settings: ServeSettings, flags: set[str], startup: _Startup) ->
     from pagedserve.rpc.server import Server, keepalive_options
     from pagedserve.rpc.tls import ServerTls
     from pagedserve.telemetry import RequestTracer, configure_tracing
-    from pagedserve.worker.multiproc_executor import StartupError
+    from pagedserve.worker.processes import StartupError
 
     try:
         provider = configure_tracing(settings.otlp_traces_endpoint, settings.traces_exporter)

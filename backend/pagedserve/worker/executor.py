@@ -3,27 +3,25 @@
 `Executor` is the seam between the engine and the ranks. Two implementations: `InProcessExecutor`
 (tensor-parallel size 1, here) and `MultiprocExecutor` (worker/multiproc_executor.py: N ranks, this
 process is rank 0). `create_executor` picks one.
+
+Importing this module imports no torch (the ranks' code is imported by the functions that build
+them): the front end of an engine process holds an `Executor` (its `EngineProcess`) and never
+imports torch, which would cost it a second of start-up and hundreds of MB.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
-
-import torch
+from typing import TYPE_CHECKING
 
 from pagedserve import logs
 from pagedserve.config import EngineConfig, architecture_of
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedserve.distributed import all_reduce_min
 from pagedserve.launch import launch_env
-from pagedserve.layers.linear import check_head_split
-from pagedserve.layers.mamba2 import check_split as check_mamba2_split
-from pagedserve.models.hybrid import mamba1_dims, mamba2_dims
-from pagedserve.models.kimi_linear import kimi_delta_dims
-from pagedserve.models.olmo_hybrid import olmo_hybrid_delta_dims
-from pagedserve.models.qwen3_5 import gated_delta_dims
-from pagedserve.worker.worker import Worker
+
+if TYPE_CHECKING:
+    from pagedserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +114,13 @@ def create_executor(config: EngineConfig, eos_token_ids: frozenset[int]) -> Exec
 
 def check_tensor_parallel_size(config: EngineConfig) -> None:
     """Fail before any rank starts when the model's heads or MLP cannot be split `tp` ways."""
+    from pagedserve.layers.linear import check_head_split
+    from pagedserve.layers.mamba2 import check_split as check_mamba2_split
+    from pagedserve.models.hybrid import mamba1_dims, mamba2_dims
+    from pagedserve.models.kimi_linear import kimi_delta_dims
+    from pagedserve.models.olmo_hybrid import olmo_hybrid_delta_dims
+    from pagedserve.models.qwen3_5 import gated_delta_dims
+
     model, tp = config.model, config.parallel.tensor_parallel_size
     if model.num_layers:  # (the attention heads, where there is attention)
         check_head_split(model.num_heads, model.num_kv_heads, tp)
@@ -148,6 +153,11 @@ def build_worker(config: EngineConfig, eos_token_ids: frozenset[int]) -> tuple[W
 
     The scheduler's block ids index every rank's cache, so all ranks take the same number of blocks:
     the minimum of what each has room for."""
+    import torch
+
+    from pagedserve.distributed import all_reduce_min
+    from pagedserve.worker.worker import Worker
+
     torch.manual_seed(config.seed)
     worker = Worker(config, eos_token_ids)
     num_blocks = all_reduce_min(worker.determine_num_blocks())

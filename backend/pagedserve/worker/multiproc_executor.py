@@ -59,6 +59,7 @@ from pagedserve.distributed import CollectiveError, StepFault
 from pagedserve.errors import EngineDeadError
 from pagedserve.launch import LaunchEnv
 from pagedserve.worker.executor import Executor, build_worker, log_capacity
+from pagedserve.worker.processes import StartupError, describe_exit, spawning, stop_processes
 from pagedserve.worker.worker import Worker
 
 if TYPE_CHECKING:
@@ -79,18 +80,6 @@ _LAUNCHED_FAULT_GRACE_S = 3.0  # a launcher's rank k > 0 that stopped on a fault
 _STEP, _PING, _STOP, _LORA, _LOGS = "step", "ping", "stop", "lora", "logs"
 
 T = TypeVar("T")
-
-# Every rank this process started, for stop_spawned_ranks(); once that has run, no more start.
-_spawned: list[subprocess.Popen[bytes]] = []
-# (reentrant: an engine process stops its ranks from a SIGTERM handler, which may run on the thread
-# that holds it while it spawns them)
-_spawn_lock = threading.RLock()
-_spawning_stopped = False
-
-
-class StartupError(RuntimeError):
-    """Start-up failed: a tensor-parallel rank or the engine process exited, or a rank never started
-    (its own error is in the log)."""
 
 
 class OutOfStepError(EngineDeadError):
@@ -497,10 +486,7 @@ def _spawn_ranks(
     # the same import path as this process, as multiprocessing's spawn does
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     procs: list[subprocess.Popen[bytes]] = []
-    with _spawn_lock:
-        if _spawning_stopped:
-            raise StartupError("tensor-parallel start-up failed: this process is exiting")
-        _spawned[:] = [proc for proc in _spawned if proc.poll() is None]
+    with spawning() as spawned:
         for rank in range(1, tp):
             args = _SpawnArgs(config, eos_token_ids, _local_launch(rank, tp), store_port)
             proc = subprocess.Popen(
@@ -508,23 +494,12 @@ def _spawn_ranks(
                 stdin=subprocess.PIPE,
                 env=env,
             )
-            _spawned.append(proc)
+            spawned.append(proc)
             assert proc.stdin is not None
             proc.stdin.write(pickle.dumps(args))
             proc.stdin.close()
             procs.append(proc)
     return procs
-
-
-def stop_spawned_ranks() -> None:
-    """Stop every rank this process started, and start no more: for a process that exits while an
-    engine is still starting in another thread (nothing can interrupt it), whose ranks would
-    otherwise outlive it."""
-    global _spawning_stopped
-    with _spawn_lock:
-        _spawning_stopped = True
-        procs = list(_spawned)
-    stop_processes(procs, 0.0)
 
 
 def _check_local_devices(device: str, tp: int) -> None:
@@ -559,30 +534,6 @@ def _exited_ranks(procs: list[subprocess.Popen[bytes]]) -> str:
         for rank, proc in enumerate(procs, start=1)
         if proc.poll() is not None
     )
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with code {code}"
-
-
-def stop_processes(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
-    """Wait up to `grace_s` for the ranks to exit, then terminate, then kill."""
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(5.0)
-        except subprocess.TimeoutExpired:
-            logger.warning("process %d did not stop within 5 s of SIGTERM: killed", proc.pid)
-            proc.kill()
-            proc.wait()
 
 
 def spawned_rank_main() -> int:
