@@ -2291,22 +2291,22 @@ def test_variant_matches_transformers(
         "llama4-experts-every-other-layer-nope-temperature",  # (chunked attention inside the graph's op)
     ],
 )
-def test_variant_matches_transformers_compiled(variant_dir: Callable[[str], str], name: str) -> None:
+def test_variant_matches_transformers_compiled(
+    variant_dir: Callable[[str], str], default_model_dir: str, name: str
+) -> None:
     """The CPU default: the torch.compile'd forward pass (and, for bfloat16 on CPUs with AVX512-BF16,
     decode steps in one C++ call, which takes a qkv bias and Qwen3's head norms and refuses other
     biases). ~30 s a compile."""
     model_dir, prompts = variant_dir(name), long_prompts()
-    model, theirs = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    for dtype in ("float32", "bfloat16"):
-        llm = LLM(model=model_dir, dtype=dtype, num_kv_blocks=128, block_size=16, enforce_eager=False)
-        assert llm.engine.config.compile
-        ours = greedy(llm, prompts, MAX_TOKENS)
-        if dtype == "float32":
-            assert_greedy_equal(model, prompts, ours, theirs)
-        else:
-            assert worst_gap(model, prompts, ours) < BF16_GAP
-            fused = llm.engine.executor.worker.model_runner.fused_decode
-            assert (fused is not None) == (decode_layers_available() and name not in NOT_DECODE_LAYERS)
+    model = hf_model(model_dir)
+    compiled = {"tokenizer": default_model_dir, "enforce_eager": False}  # (tokenizer: as the eager test's)
+    llm = assert_float32_matches(model_dir, model, prompts, **compiled)
+    assert llm.engine.config.compile
+    bf16 = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=128, block_size=16, **compiled)
+    assert bf16.engine.config.compile
+    assert worst_gap(model, prompts, greedy(bf16, prompts, MAX_TOKENS)) < BF16_GAP
+    fused = bf16.engine.executor.worker.model_runner.fused_decode
+    assert (fused is not None) == (decode_layers_available() and name not in NOT_DECODE_LAYERS)
 
 
 def test_longrope_within_its_pretraining_length_takes_the_short_factors(
