@@ -185,20 +185,11 @@ class EngineProcess(Executor):
         in a process that otherwise starts without it, where unpickling takes ~0.1 s. The tokenizer
         is None where none came (one that does not pickle) or it does not unpickle here: the front end
         then loads its own. Raises what stopped the engine process (ValueError: a setting)."""
+        config = cast(EngineConfig, self._starting_message())
         try:
-            message = self._conn.recv()
-        except (EOFError, OSError):
-            self._proc.wait()
-            raise StartupError(f"the engine process {self._exit()} while starting") from None
-        if isinstance(message, _Failed):
-            self._proc.wait()
-            raise message.error
-        config = cast(EngineConfig, message)
-        try:
-            tokenizer = self._conn.recv()
-        except (EOFError, OSError):
-            self._proc.wait()
-            raise StartupError(f"the engine process {self._exit()} while starting") from None
+            tokenizer = self._starting_message()
+        except StartupError:
+            raise
         except Exception as exc:  # unpickling raises what the tokenizer's classes raise
             logger.warning(
                 "the engine process's tokenizer does not unpickle (%s: %s): the front end loads its own",
@@ -210,20 +201,26 @@ class EngineProcess(Executor):
 
     def wait_ready(self) -> None:
         """Wait until the engine process has built its engine; raise what stopped it building."""
-        try:
-            ready = self._conn.recv()
-        except (EOFError, OSError):
-            self._proc.wait()
-            raise StartupError(f"the engine process {self._exit()} while starting") from None
-        if isinstance(ready, _Failed):
-            self._proc.wait()
-            raise ready.error
+        ready = self._starting_message()
         self.ready: _Ready = ready
         self.num_kv_blocks, self.num_cpu_blocks = ready.num_kv_blocks, ready.num_cpu_blocks
         # the loop never waits on the socket: an inbox sent while the engine process is itself
         # waiting to send a pass (the reader held back, _MAX_PASSES_AHEAD) would deadlock them
         threading.Thread(target=self._send_all, name="pagedserve-core-sender", daemon=True).start()
         atexit.register(self.shutdown)
+
+    def _starting_message(self) -> Any:
+        """The engine process's next message while it starts. Raises what stopped it: its error (a
+        setting's ValueError), or StartupError where it exited."""
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.wait()
+            raise StartupError(f"the engine process {self._exit()} while starting") from None
+        if isinstance(message, _Failed):
+            self._proc.wait()
+            raise message.error
+        return message
 
     @property
     def pid(self) -> int:
@@ -561,7 +558,8 @@ def _main() -> int:
         config = settings.to_engine_config()
         tokenizer = load_tokenizer(config.model)
     except ValueError as exc:  # a setting (the model's path, the tokenizer's): the front end reports it
-        conn.send(_Failed(_sendable(exc)))
+        with contextlib.suppress(OSError):  # (unless it has gone)
+            conn.send(_Failed(_sendable(exc)))
         return 1
     try:
         conn.send(config)

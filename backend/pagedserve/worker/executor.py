@@ -5,8 +5,8 @@
 process is rank 0). `create_executor` picks one.
 
 Importing this module imports no torch (the ranks' code is imported by the functions that build
-them): the front end of an engine process holds an `Executor` (its `EngineProcess`) and never
-imports torch, which would cost it a second of start-up and hundreds of MB.
+them): the front end of an engine process holds an `Executor` (its `EngineProcess`) and starts
+without torch, which would cost it a second of start-up and hundreds of MB.
 """
 
 from __future__ import annotations
