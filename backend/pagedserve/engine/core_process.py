@@ -167,9 +167,8 @@ class EngineProcess(Executor):
             _started.append(self._proc)
         theirs.close()
         assert self._proc.stdin is not None
-        self._stdin = self._proc.stdin
-        self._stdin.write(pickle.dumps(settings))
-        self._stdin.close()  # (its imports start on it)
+        self._proc.stdin.write(pickle.dumps(settings))
+        self._proc.stdin.close()  # (its imports start on it)
         self._conn = Connection(ours.detach())
         self._outbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._sent: dict[int, Inbox] = {}  # by number, until a pass applies it
@@ -181,7 +180,7 @@ class EngineProcess(Executor):
         """The engine's configuration and tokenizer, as the engine process resolved and loaded them: the
         front end takes both as its own rather than make them again. Resolving the device (`auto`)
         imports torch, and loading a tokenizer imports transformers' model configurations, torch among
-        them, and parses the tokenizer's files: ~2 s of a 2-core host's CPU and torch's hundreds of MB
+        them, and parses the tokenizer's files: ~3 s of a 2-core host's CPU and torch's hundreds of MB
         in a process that otherwise starts without it, where unpickling takes ~0.1 s. The tokenizer
         is None where none came (one that does not pickle) or it does not unpickle here: the front end
         then loads its own. Raises what stopped the engine process (ValueError: a setting)."""
