@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import transformers
 from pagedserve import LLM, SamplingParams
-from pagedserve.tokenizer import load_tokenizer
+from pagedserve import tokenizer as tokenizer_module
+from pagedserve.tokenizer import _rebuilt, load_tokenizer
 from tiny_models import copy_tokenizer
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 TEXTS = ["The capital of France is", "  two  spaces, naïve café 世界 🙂", "<|im_start|>user\nhi<|im_end|>"]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -73,6 +76,118 @@ def test_a_second_load_is_a_copy_of_its_own_that_tokenizes_as_the_first(
     assert "<extra_token_of_one_copy>" not in third.get_vocab()
     assert "<extra_token_of_one_copy>" not in third.all_special_tokens
     assert len(third) == len(first)
+
+
+def test_a_copy_is_rebuilt_around_the_loaded_model_not_parsed_again(
+    tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = load_tokenizer(_Model(tokenizer_dir))
+
+    def parse(*args: object) -> None:
+        raise AssertionError("a copy parsed the Rust tokenizer's JSON again")
+
+    monkeypatch.setattr(Tokenizer, "from_str", parse)
+    second = load_tokenizer(_Model(tokenizer_dir))
+    assert second._tokenizer.to_str() == first._tokenizer.to_str()
+    assert [second.encode(text) for text in TEXTS] == [first.encode(text) for text in TEXTS]
+
+
+def test_a_tokenizer_not_rebuilt_as_it_is_is_copied_through_its_json(
+    tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def without_its_decoder(rust: Tokenizer) -> Tokenizer:
+        own = _rebuilt(rust)
+        own.decoder = decoders.Fuse()
+        return own
+
+    monkeypatch.setattr(tokenizer_module, "_rebuilt", without_its_decoder)
+    first = load_tokenizer(_Model(tokenizer_dir))
+    second = load_tokenizer(_Model(tokenizer_dir))
+    assert second._tokenizer.to_str() == first._tokenizer.to_str()
+    ids = first.encode(TEXTS[1])
+    assert second.decode(ids) == first.decode(ids) == TEXTS[1]
+
+
+def _wordpiece() -> Tokenizer:
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "hello", "world", "##s", "new", "##word"]
+    rust = Tokenizer(models.WordPiece({word: i for i, word in enumerate(words)}, unk_token="[UNK]"))
+    rust.normalizer = normalizers.BertNormalizer(lowercase=True)
+    rust.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    rust.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+    )
+    rust.decoder = decoders.WordPiece()
+    rust.add_special_tokens(["[PAD]", "[UNK]", "[CLS]", "[SEP]"])
+    rust.add_tokens(
+        [AddedToken("newword", single_word=True, lstrip=True), AddedToken("<Raw>", normalized=False)]
+    )
+    rust.enable_truncation(12, stride=1, strategy="only_first", direction="left")
+    rust.enable_padding(direction="left", pad_id=0, pad_token="[PAD]", length=14)
+    return rust
+
+
+def _unigram() -> Tokenizer:
+    pieces = [("<unk>", 0.0), ("▁a", -1.0), ("b", -2.0), ("▁hello", -1.5)]
+    rust = Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=False))
+    rust.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(" ", "▁")])
+    rust.pre_tokenizer = pre_tokenizers.Metaspace()
+    rust.decoder = decoders.Metaspace()
+    rust.add_special_tokens([AddedToken("</s>", special=True), "<pad>"])
+    rust.encode_special_tokens = True
+    return rust
+
+
+def _byte_fallback_bpe() -> Tokenizer:
+    vocab = {"<unk>": 0, "▁": 1, "a": 2, "b": 3, "ab": 4, "▁ab": 5, "<0x41>": 6, "<0xC3>": 7, "<0xA9>": 8}
+    rust = Tokenizer(models.BPE(vocab, [("a", "b"), ("▁", "ab")], byte_fallback=True, unk_token="<unk>"))
+    rust.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    rust.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    rust.add_special_tokens(["<unk>"])
+    rust.add_tokens(["zzz"])
+    return rust
+
+
+@pytest.mark.parametrize(
+    ("make", "texts"),
+    [
+        (_wordpiece, ["Hello worlds newword <Raw>", "hello   NEWWORD"]),
+        (_unigram, ["hello ab</s>", "a b <pad> hello"]),
+        (_byte_fallback_bpe, ["ab ab zzz", "é ab"]),
+    ],
+    ids=["wordpiece-truncation-padding", "unigram-metaspace", "bpe-byte-fallback"],
+)
+def test_a_rebuilt_tokenizer_is_the_loaded_one_and_its_own(make: Any, texts: list[str]) -> None:
+    """Each kind of model, normalizer, pre-tokenizer, post-processor and decoder, added tokens of every
+    kind, truncation and padding: a rebuilt tokenizer serializes as the one it copies, and tokenizes
+    and detokenizes as it does; what is changed on one copy reaches neither the loaded one nor the
+    next copy."""
+    loaded = make()
+    json = loaded.to_str()
+    copy = _rebuilt(loaded)
+    assert copy.to_str() == json
+    for text in texts:
+        assert copy.encode(text).tokens == loaded.encode(text).tokens
+        ids = loaded.encode(text).ids
+        assert copy.decode(ids) == loaded.decode(ids)
+        assert copy.decode(ids, skip_special_tokens=False) == loaded.decode(ids, skip_special_tokens=False)
+    copy.add_special_tokens(["<of-one-copy>"])
+    copy.no_truncation()
+    copy.no_padding()
+    # the parts changed where they are, as much as each kind allows
+    if isinstance(copy.normalizer, normalizers.BertNormalizer):
+        copy.normalizer.lowercase = False
+    if isinstance(copy.pre_tokenizer, pre_tokenizers.Metaspace):
+        copy.pre_tokenizer.replacement = "_"
+    if isinstance(copy.decoder, decoders.WordPiece):
+        copy.decoder.prefix = "@@"
+    copy.post_processor = processors.ByteLevel()
+    assert copy.to_str() != json
+    assert loaded.to_str() == json
+    assert _rebuilt(loaded).to_str() == json
 
 
 @pytest.mark.parametrize("written", ["chat_template.jinja", "tokenizer_config.json"])
