@@ -92,8 +92,9 @@ class _Loaded:
     Rust tokenizer's JSON again took 0.1 s. A Rust tokenizer that `_rebuilt` does not give back as it
     is (its JSON differs: a part it does not copy) is copied through its JSON."""
 
-    def __init__(self, python_side: Any, rust: Any, rust_json: str | None) -> None:
-        self.python_side, self.rust, self.rust_json = python_side, rust, rust_json
+    def __init__(self, python_side: Any, rust: Any) -> None:
+        # (`rust`: a Rust tokenizer to rebuild, or the JSON of one to parse)
+        self.python_side, self.rust = python_side, rust
 
     @classmethod
     def of(cls, tokenizer: Any) -> _Loaded | None:
@@ -108,16 +109,15 @@ class _Loaded:
         try:
             own = _rebuilt(rust)  # (the loaded tokenizer's added tokens are its engine's to change)
         except Exception:  # a part the bindings cannot copy
-            return cls(python_side, None, rust_json)
-        return cls(python_side, own, None) if own.to_str() == rust_json else cls(python_side, None, rust_json)
+            return cls(python_side, rust_json)
+        return cls(python_side, own if own.to_str() == rust_json else rust_json)
 
     def copy(self) -> Any:
         from tokenizers import Tokenizer
 
         tokenizer = copy.deepcopy(self.python_side)
-        tokenizer._tokenizer = (
-            Tokenizer.from_str(self.rust_json) if self.rust is None else _rebuilt(self.rust)
-        )
+        rust = self.rust
+        tokenizer._tokenizer = Tokenizer.from_str(rust) if isinstance(rust, str) else _rebuilt(rust)
         return tokenizer
 
 
