@@ -6,8 +6,12 @@ process copies the tokenizer it loaded before (`_Loaded`)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import hashlib
+import json
 import os
+import stat
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -63,15 +67,15 @@ def load_tokenizer(model: ModelConfig) -> Any:
         loaded = _loaded.get(key)
         if loaded is not None:
             _loaded.move_to_end(key)
-    if loaded is not None:
-        return loaded.copy()
+    if loaded is not None and (loaded.path == model.tokenizer_path or not loaded.path_bound):
+        return loaded.copy(model.tokenizer_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_path)
     except Exception as exc:  # transformers and tokenizers raise many kinds for a broken file
         raise ValueError(
             f"tokenizer: the tokenizer in {model.tokenizer_path!r} does not load: {type(exc).__name__}: {exc}"
         ) from None
-    loaded = _Loaded.of(tokenizer)
+    loaded = _Loaded.of(tokenizer, model.tokenizer_path)
     if loaded is not None:
         with _loaded_lock:
             _loaded[key] = loaded
@@ -88,16 +92,23 @@ class _Loaded:
     one's model (`_rebuilt`): the vocabulary and merges, which nothing changes, are shared by the
     copies; the parts a caller changes (added tokens, truncation, padding) and the small ones
     (normalizer, pre-tokenizer, post-processor, decoder) are each copy's own. SmolLM2's tokenizer
-    (49,152 tokens, 48,900 merges), on the 2-core host: 0.25 s a load; a copy ~1 ms, where parsing the
-    Rust tokenizer's JSON again took 0.1 s. A Rust tokenizer that `_rebuilt` does not give back as it
-    is (its JSON differs: a part it does not copy) is copied through its JSON."""
+    (49,152 tokens, 48,900 merges), on the 2-core host: 0.25-0.37 s a load; a copy ~1 ms, where parsing
+    the Rust tokenizer's JSON again took 0.1 s. A Rust tokenizer that `_rebuilt` does not give back as
+    it is (its JSON differs: a part it does not copy) is copied through its JSON.
 
-    def __init__(self, python_side: Any, rust: Any) -> None:
+    A copy for another directory holding the same files (`_files_key`) names that directory
+    (`name_or_path`, as a load from it does), unless the loaded tokenizer names its own directory
+    anywhere else (`path_bound`): that one is loaded again."""
+
+    def __init__(self, python_side: Any, rust: Any, path: str) -> None:
         # (`rust`: a Rust tokenizer to rebuild, or the JSON of one to parse)
-        self.python_side, self.rust = python_side, rust
+        self.python_side, self.rust, self.path = python_side, rust, path
+        others = [value for name, value in vars(python_side).items() if name != "name_or_path"]
+        others += [value for name, value in python_side.init_kwargs.items() if name != "name_or_path"]
+        self.path_bound = any(isinstance(value, str) and path in value for value in others)
 
     @classmethod
-    def of(cls, tokenizer: Any) -> _Loaded | None:
+    def of(cls, tokenizer: Any, path: str) -> _Loaded | None:
         """None for a tokenizer without a Rust tokenizer (a slow one): loaded afresh every time."""
         from tokenizers import Tokenizer
 
@@ -109,13 +120,16 @@ class _Loaded:
         try:
             own = _rebuilt(rust)  # (the loaded tokenizer's added tokens are its engine's to change)
         except Exception:  # a part the bindings cannot copy
-            return cls(python_side, rust_json)
-        return cls(python_side, own if own.to_str() == rust_json else rust_json)
+            return cls(python_side, rust_json, path)
+        return cls(python_side, own if own.to_str() == rust_json else rust_json, path)
 
-    def copy(self) -> Any:
+    def copy(self, path: str) -> Any:
+        """A copy for the directory `path` (this one's, or one holding the same files)."""
         from tokenizers import Tokenizer
 
         tokenizer = copy.deepcopy(self.python_side)
+        if path != self.path:
+            tokenizer.name_or_path = tokenizer.init_kwargs["name_or_path"] = path
         rust = self.rust
         tokenizer._tokenizer = Tokenizer.from_str(rust) if isinstance(rust, str) else _rebuilt(rust)
         return tokenizer
@@ -149,19 +163,58 @@ _loaded: OrderedDict[tuple[object, ...], _Loaded] = OrderedDict()
 _loaded_lock = threading.Lock()
 
 
+# A file up to this size is keyed by its contents: a tokenizer's files, the configs, chat templates
+# (Gemma 3's tokenizer.json is 33 MB). A larger one by its size and modification time.
+_HASHED_MAX_BYTES = 64 << 20
+# Weights, which no tokenizer is read from: left out of the key (each fine-tune's checkpoint differs).
+_WEIGHTS_SUFFIXES = (".safetensors", ".gguf", ".pt", ".pth", ".bin", ".ckpt", ".h5", ".msgpack")
+
+
 def _files_key(path: str) -> tuple[object, ...]:
-    """A directory (as named: transformers matches some names to a tokenizer class) and every file in
-    it, each by name, size and modification time: a file written since (a tokenizer's, a chat
-    template, config.json, whose model type can pick the tokenizer's class) changes the key, and the
-    tokenizer loads again."""
+    """What a tokenizer loaded from the directory `path` can depend on, so that a file written since (a
+    tokenizer's, a chat template, a config) changes the key and the tokenizer loads again: every file
+    under it but the weights, by name and contents (`_file_key`); and a relative path itself.
+    transformers matches some hub ids (`org/name-*`) to a tokenizer class by the name it loads from,
+    which an absolute path cannot match: two directories named absolutely that hold the same tokenizer
+    (a fine-tune's checkpoints, models of one family) share one load. ~5 ms for the default model's
+    directory."""
     folder = os.path.realpath(path)
     files = []
-    with os.scandir(folder) as entries:
-        for entry in entries:
-            try:
-                info = entry.stat()  # (follows links: a hub snapshot's files are links to blobs)
-            except OSError:
+    for root, _, names in os.walk(folder):
+        for name in names:
+            if name.endswith(_WEIGHTS_SUFFIXES) and not name.startswith("tokenizer"):
                 continue
-            if entry.is_file():
-                files.append((entry.name, info.st_size, info.st_mtime_ns))
-    return (path, folder, *sorted(files))
+            with contextlib.suppress(OSError):
+                files.append(
+                    _file_key(os.path.join(root, name), os.path.relpath(os.path.join(root, name), folder))
+                )
+    return (None if os.path.isabs(path) else path, *sorted(file for file in files if file is not None))
+
+
+def _file_key(file: str, name: str) -> tuple[str, object] | None:
+    """A file by its contents; config.json by what AutoTokenizer reads of it (its model type and those of
+    the configs it holds, a tokenizer class, a model name, remote code), the rest of it being the
+    model's; a file larger than _HASHED_MAX_BYTES by its size and modification time; None for what is
+    not a file."""
+    info = os.stat(file)  # (follows links: a hub snapshot's files are links to blobs)
+    if not stat.S_ISREG(info.st_mode):
+        return None
+    if info.st_size > _HASHED_MAX_BYTES:
+        return (name, (info.st_size, info.st_mtime_ns))
+    with open(file, "rb") as f:
+        data = f.read()
+    if name == "config.json":
+        with contextlib.suppress(ValueError):
+            config = json.loads(data)
+            if isinstance(config, dict):
+                read = {
+                    key: config.get(key)
+                    for key in ("model_type", "tokenizer_class", "model_name", "auto_map")
+                }
+                read |= {
+                    key: value["model_type"]
+                    for key, value in config.items()
+                    if isinstance(value, dict) and "model_type" in value
+                }
+                return (name, json.dumps(read, sort_keys=True, default=str))
+    return (name, hashlib.sha256(data).hexdigest())

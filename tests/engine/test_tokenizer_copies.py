@@ -5,6 +5,8 @@ and applies the chat template as a load does; a file of the directory written si
 from __future__ import annotations
 
 import json
+import shutil
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,12 @@ class _Model:
 
     def __init__(self, path: Path) -> None:
         self.path = self.tokenizer_path = str(path)
+
+
+@pytest.fixture(autouse=True)
+def no_tokenizer_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """None of the tokenizers this process loaded before (another test's of the same files)."""
+    monkeypatch.setattr(tokenizer_module, "_loaded", OrderedDict())
 
 
 @pytest.fixture
@@ -76,6 +84,69 @@ def test_a_second_load_is_a_copy_of_its_own_that_tokenizes_as_the_first(
     assert "<extra_token_of_one_copy>" not in third.get_vocab()
     assert "<extra_token_of_one_copy>" not in third.all_special_tokens
     assert len(third) == len(first)
+
+
+def test_another_directory_holding_the_same_tokenizer_gets_a_copy_naming_it(
+    tiny_llama_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Directories holding the same tokenizer share one load (a fine-tune's checkpoints, models of one
+    family built for tests): their weights are not the tokenizer's, nor is config.json but for what
+    AutoTokenizer reads of it (the model type, which can pick the tokenizer's class). Each copy is
+    named by its own directory, as a load from it is."""
+    loads = loads_counted(monkeypatch)
+
+    def model(name: str, **config: object) -> Path:
+        folder = tmp_path / name
+        shutil.copytree(tiny_llama_dir, folder)
+        original = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**original, **config}))
+        return folder
+
+    first = model("first")
+    wider = model("wider", hidden_size=128, intermediate_size=256)
+    (wider / "model.safetensors").write_bytes(b"another checkpoint's weights")
+    qwen = model("qwen", model_type="qwen2")
+    shorter = model("shorter")
+    config = json.loads((shorter / "tokenizer_config.json").read_text())
+    (shorter / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 64}))
+
+    tokenizers = [load_tokenizer(_Model(folder)) for folder in (first, wider, qwen, shorter)]
+    assert loads == [str(first), str(qwen), str(shorter)]  # wider's is a copy of first's
+    assert tokenizers[1].name_or_path == tokenizers[1].init_kwargs["name_or_path"] == str(wider)
+    assert [tokenizers[1].encode(text) for text in TEXTS] == [tokenizers[0].encode(text) for text in TEXTS]
+    assert tokenizers[3].model_max_length == 64 != tokenizers[0].model_max_length
+    shutil.copy(first / "tokenizer_config.json", shorter / "tokenizer_config.json")
+    assert load_tokenizer(_Model(shorter)).model_max_length == tokenizers[0].model_max_length
+    assert len(loads) == 3  # the same files as first's again: a copy
+    # a relative name is a load of its own (transformers matches some hub ids by the name)
+    monkeypatch.chdir(tmp_path)
+    assert load_tokenizer(_Model(Path("wider"))).name_or_path == "wider"
+    assert loads[-1] == "wider"
+
+
+def test_a_tokenizer_naming_its_directory_elsewhere_is_loaded_for_another(
+    tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tokenizer that keeps its directory beside its name (a vocabulary file's path, as a slow one
+    keeps it) would name the first directory in a copy for another: loaded again there."""
+    loads: list[str] = []
+    load = transformers.AutoTokenizer.from_pretrained
+
+    def keeping_its_vocab_file(path: str, *args: object, **kwargs: object) -> Any:
+        loads.append(path)
+        tokenizer = load(path, *args, **kwargs)
+        tokenizer.init_kwargs["vocab_file"] = f"{path}/tokenizer.json"
+        return tokenizer
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", keeping_its_vocab_file)
+    twin = tmp_path / "twin"
+    shutil.copytree(tokenizer_dir, twin)
+    load_tokenizer(_Model(tokenizer_dir))
+    again = load_tokenizer(_Model(tokenizer_dir))
+    there = load_tokenizer(_Model(twin))
+    assert loads == [str(tokenizer_dir), str(twin)]
+    assert again.init_kwargs["vocab_file"] == f"{tokenizer_dir}/tokenizer.json"
+    assert there.init_kwargs["vocab_file"] == f"{twin}/tokenizer.json"
 
 
 def test_a_copy_is_rebuilt_around_the_loaded_model_not_parsed_again(
