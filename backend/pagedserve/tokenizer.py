@@ -2,7 +2,8 @@
 checked against the model it serves. Every process that tokenizes (the engine, each rank a launcher
 started) loads it from `ModelConfig.tokenizer_path`, so they all read the same one; the front end of an
 engine process takes that process's (`EngineProcess.receive_handover`). An engine built again in one
-process copies the tokenizer it loaded before (`_Loaded`)."""
+process copies the tokenizer it loaded before, from its directory or from another holding the same
+tokenizer (`_Loaded`, `_files_key`)."""
 
 from __future__ import annotations
 
@@ -176,13 +177,14 @@ def _files_key(path: str) -> tuple[object, ...]:
     under it but the weights, by name and contents (`_file_key`); and a relative path itself.
     transformers matches some hub ids (`org/name-*`) to a tokenizer class by the name it loads from,
     which an absolute path cannot match: two directories named absolutely that hold the same tokenizer
-    (a fine-tune's checkpoints, models of one family) share one load. ~5 ms for the default model's
+    (a fine-tune's checkpoints, models of one family) share one load. ~3 ms for the default model's
     directory."""
     folder = os.path.realpath(path)
     files = []
-    for root, _, names in os.walk(folder):
+    for root, folders, names in os.walk(folder):
+        folders[:] = [name for name in folders if not name.startswith(".")]  # (.git, .cache: no tokenizer)
         for name in names:
-            if name.endswith(_WEIGHTS_SUFFIXES) and not name.startswith("tokenizer"):
+            if name.startswith(".") or name.endswith(_WEIGHTS_SUFFIXES) and not name.startswith("tokenizer"):
                 continue
             with contextlib.suppress(OSError):
                 files.append(

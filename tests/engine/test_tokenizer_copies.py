@@ -105,6 +105,8 @@ def test_another_directory_holding_the_same_tokenizer_gets_a_copy_naming_it(
     first = model("first")
     wider = model("wider", hidden_size=128, intermediate_size=256)
     (wider / "model.safetensors").write_bytes(b"another checkpoint's weights")
+    (wider / ".cache").mkdir()  # (a hidden folder: a hub download's locks, a clone's .git)
+    (wider / ".cache" / "download.lock").write_text("its own")
     qwen = model("qwen", model_type="qwen2")
     shorter = model("shorter")
     config = json.loads((shorter / "tokenizer_config.json").read_text())
