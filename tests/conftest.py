@@ -25,7 +25,7 @@ os.environ.setdefault("PAGEDSERVE_ENFORCE_EAGER", "1")
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Take what collection built (every imported module, every test item: ~500,000 objects) out of the
     garbage collector's scans, as `serve` takes its start-up's (rpc/cli.py: freeze_startup_heap).
-    Otherwise each full collection walks all of it, ~0.4 s on 2 cores: one whenever the objects
+    Otherwise each full collection walks all of it, 0.3-0.5 s on 2 cores: one whenever the objects
     surviving into the oldest generation since the last number a quarter of it, and one each time an
     `LLM` is freed while another lives (llm.py: _HeapFreeze). A heap frozen first is the caller's, so
     `LLM`s leave it as it is: each engine's objects stay in the collector's scans, and its cycles are
