@@ -187,17 +187,17 @@ def _files_key(path: str) -> tuple[object, ...]:
             if name.startswith(".") or name.endswith(_WEIGHTS_SUFFIXES) and not name.startswith("tokenizer"):
                 continue
             with contextlib.suppress(OSError):
-                files.append(
-                    _file_key(os.path.join(root, name), os.path.relpath(os.path.join(root, name), folder))
-                )
-    return (None if os.path.isabs(path) else path, *sorted(file for file in files if file is not None))
+                if (key := _file_key(os.path.join(root, name), folder)) is not None:
+                    files.append(key)
+    return (None if os.path.isabs(path) else path, *sorted(files))
 
 
-def _file_key(file: str, name: str) -> tuple[str, object] | None:
-    """A file by its contents; config.json by what AutoTokenizer reads of it (its model type and those of
+def _file_key(file: str, folder: str) -> tuple[str, object] | None:
+    """A file (named by its path under `folder`) by its contents; config.json by what AutoTokenizer reads of it (its model type and those of
     the configs it holds, a tokenizer class, a model name, remote code), the rest of it being the
     model's; a file larger than _HASHED_MAX_BYTES by its size and modification time; None for what is
     not a file."""
+    name = os.path.relpath(file, folder)
     info = os.stat(file)  # (follows links: a hub snapshot's files are links to blobs)
     if not stat.S_ISREG(info.st_mode):
         return None
