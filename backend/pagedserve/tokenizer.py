@@ -193,10 +193,10 @@ def _files_key(path: str) -> tuple[object, ...]:
 
 
 def _file_key(file: str, folder: str) -> tuple[str, object] | None:
-    """A file (named by its path under `folder`) by its contents; config.json by what AutoTokenizer reads of it (its model type and those of
-    the configs it holds, a tokenizer class, a model name, remote code), the rest of it being the
-    model's; a file larger than _HASHED_MAX_BYTES by its size and modification time; None for what is
-    not a file."""
+    """A file, named by its path under `folder`, by its contents; config.json by what AutoTokenizer
+    reads of it (its model type and those of the configs it holds, a tokenizer class, a model name,
+    remote code), the rest of it being the model's; a file larger than _HASHED_MAX_BYTES by its size
+    and modification time; None for what is not a file."""
     name = os.path.relpath(file, folder)
     info = os.stat(file)  # (follows links: a hub snapshot's files are links to blobs)
     if not stat.S_ISREG(info.st_mode):
