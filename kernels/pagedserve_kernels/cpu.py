@@ -1,5 +1,5 @@
 """C++ kernels for CPU runs (`csrc/`), built on first use by torch's extension builder and cached
-(`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions): ~40 s on 2 cores once per machine
+(`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions): ~28 s on 2 cores once per machine
 and source version, then a library load.
 
 They are compiled for the machine they run on (`-march=native`, the CPU's flags in the library's name,

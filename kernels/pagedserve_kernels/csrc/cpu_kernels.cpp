@@ -46,6 +46,7 @@
 
 #include "bf16_vec.h"
 #include "decode_parts.h"
+#include "ops.h"
 #include "paged_checks.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -1829,6 +1830,26 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_attention_prefill(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor query_start_loc, Tensor context_lens, float scale, int window=0, float softcap=0.0, "
         "Tensor? sinks=None, Tensor? alibi_slopes=None) -> Tensor");
+  // the ops of the other files (ops.h)
+  m.def("linear_amx_supported() -> bool", &pagedserve::linear_amx_supported);
+  m.def("pack_linear_weight(Tensor weight) -> Tensor", &pagedserve::pack_linear_weight);
+  m.def("linear_amx(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
+  m.def("linear_argmax_amx(Tensor x, Tensor packed, Tensor? bias, int num_columns) -> Tensor");
+  m.def("linear_avx512_supported() -> bool", &pagedserve::linear_avx512_supported);
+  m.def("pack_linear_weight_avx512(Tensor weight) -> Tensor", &pagedserve::pack_linear_weight_avx512);
+  m.def("linear_avx512(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
+  m.def("linear_argmax_avx512(Tensor x, Tensor packed, Tensor? bias, int num_columns) -> Tensor");
+  m.def("decode_layers_supported() -> bool", &pagedserve::decode_layers_supported);
+  m.def(
+      "decode_layers(Tensor input_ids, Tensor positions, Tensor embedding, Tensor cos_sin_cache, Tensor[] norms, "
+      "Tensor[] qkv, Tensor[] qkv_bias, Tensor[] qk_norms, Tensor[] o_proj, Tensor[] gate_up, Tensor[] down, Tensor final_norm, "
+      "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
+      "int num_heads, int num_kv_heads, float eps, float scale, int[] windows, float embedding_scale, "
+      "float residual_scale, bool[] rotary_layers) -> Tensor");
+  m.def("mamba_scan(Tensor(a!) state, Tensor rows, Tensor starts, Tensor x, Tensor dt, Tensor a, Tensor b, "
+        "Tensor c) -> Tensor");
+  m.def("mamba2_decode(Tensor(a!) state, Tensor rows, Tensor x, Tensor dt, Tensor a, Tensor b, Tensor c) -> Tensor");
+  m.def("gated_delta_decode(Tensor(a!) state, Tensor rows, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
@@ -1839,4 +1860,15 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("invert_rows", &invert_rows);
   m.impl("sample_rows", &sample_rows);
   m.impl("logprob_rows", &logprob_rows);
+  m.impl("linear_amx", &pagedserve::linear_amx);
+  m.impl("linear_argmax_amx", &pagedserve::linear_argmax_amx);
+  m.impl("linear_avx512", &pagedserve::linear_avx512);
+  m.impl("linear_argmax_avx512", &pagedserve::linear_argmax_avx512);
+  m.impl("decode_layers", &pagedserve::decode_layers);
+  m.impl("mamba_scan", &pagedserve::mamba_scan);
+  m.impl("mamba2_decode", &pagedserve::mamba2_decode);
+  m.impl("gated_delta_decode", &pagedserve::gated_delta_decode);
 }
+
+// Weights in oneDNN's layout make decode_layers' call dispatch as MkldnnCPU.
+TORCH_LIBRARY_IMPL(pagedserve_cpu, MkldnnCPU, m) { m.impl("decode_layers", &pagedserve::decode_layers); }

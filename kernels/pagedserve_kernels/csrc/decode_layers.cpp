@@ -31,10 +31,10 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include "bf16_vec.h"
 #include "decode_parts.h"
+#include "ops.h"
 #include "paged_checks.h"
 #include "panel_range.h"
 
@@ -473,6 +473,10 @@ at::Tensor embedded(const at::Tensor& embedding, const at::Tensor& input_ids, do
 
 bool is_bf16_cpu(const at::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kBFloat16; }
 
+}  // namespace
+
+namespace pagedserve {
+
 // input_ids, positions [T] int64; embedding [vocab, hidden]; cos_sin_cache [positions, rotary_dim] float32
 // ([cos | sin] halves; rotary_dim even, up to head_dim: the first rotary_dim values of each q and k head
 // turn); per layer L: norms[2L] (input, post-attention), qkv[L], qkv_bias[L] or empty, qk_norms[2L] (query,
@@ -648,18 +652,4 @@ bool decode_layers_supported() {
 #endif
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
-  m.def("decode_layers_supported() -> bool", &decode_layers_supported);
-  m.def(
-      "decode_layers(Tensor input_ids, Tensor positions, Tensor embedding, Tensor cos_sin_cache, Tensor[] norms, "
-      "Tensor[] qkv, Tensor[] qkv_bias, Tensor[] qk_norms, Tensor[] o_proj, Tensor[] gate_up, Tensor[] down, Tensor final_norm, "
-      "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
-      "int num_heads, int num_kv_heads, float eps, float scale, int[] windows, float embedding_scale, "
-      "float residual_scale, bool[] rotary_layers) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }
-// Weights in oneDNN's layout make the call dispatch as MkldnnCPU.
-TORCH_LIBRARY_IMPL(pagedserve_cpu, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }
+}  // namespace pagedserve

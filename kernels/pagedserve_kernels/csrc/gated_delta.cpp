@@ -10,14 +10,15 @@
 // them in a float32 copy and scatters them back. The states are float32 or bfloat16 (read widened,
 // advanced in float32, stored rounded to nearest even); q, k, v, g and beta are float32, q and k one
 // row a value head.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <cstdint>
 
 #include "bf16_vec.h"
+#include "ops.h"
 #include "recurrent_inputs.h"
 
 namespace {
@@ -103,6 +104,10 @@ void advance(at::Tensor& state, const int64_t* rows, const float* q, const float
   });
 }
 
+}  // namespace
+
+namespace pagedserve {
+
 at::Tensor gated_delta_decode(at::Tensor& state, const at::Tensor& rows, const at::Tensor& q, const at::Tensor& k,
                               const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta) {
   pagedserve::check_states(state, 4, "[rows, heads, head_k_dim, head_v_dim]");
@@ -130,10 +135,4 @@ at::Tensor gated_delta_decode(at::Tensor& state, const at::Tensor& rows, const a
   return o;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
-  m.def("gated_delta_decode(Tensor(a!) state, Tensor rows, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("gated_delta_decode", &gated_delta_decode); }
+}  // namespace pagedserve

@@ -23,12 +23,12 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <torch/library.h>
 
 #include "argmax_best.h"
 #include "bf16_vec.h"
 #include "decode_parts.h"
 #include "linear_inputs.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -181,14 +181,6 @@ LinearArgs linear_args(const pagedserve::LinearInputs& in, const at::Tensor& pac
 
 #endif  // PAGEDSERVE_AMX
 
-bool linear_amx_supported() {
-#ifdef PAGEDSERVE_AMX
-  return request_amx();
-#else
-  return false;
-#endif
-}
-
 void check_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16,
               "linear_amx: the weight must be a bfloat16 CPU tensor, got ", weight.scalar_type());
@@ -196,6 +188,46 @@ void check_weight(const at::Tensor& weight) {
               weight.sizes());
   TORCH_CHECK(weight.size(0) % (2 * kTileRows) == 0 && weight.size(1) % kTileK == 0,
               "linear_amx: out_features must be a multiple of 32 and in_features of 32, got ", weight.sizes());
+}
+
+// What both multiplies refuse: a build or CPU without AMX, a `packed` not in its tiles.
+void check_tiles(const char* kernel, const at::Tensor& packed) {
+  TORCH_CHECK(pagedserve::linear_amx_supported(), kernel,
+              ": this build or CPU has no AMX bfloat16 (check linear_amx_supported() first)");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 && packed.dim() == 5 &&
+                  packed.size(0) % 2 == 0 && packed.size(2) == kTileRows && packed.size(3) == 16 &&
+                  packed.size(4) == 2 && packed.is_contiguous(),
+              kernel, ": `packed` must come from pack_linear_weight, got ", packed.sizes());
+}
+
+#ifdef PAGEDSERVE_AMX
+// One thread's pairs of n-blocks for linear_argmax_amx, on its tile configuration (given back at the end).
+struct ArgmaxPairs {
+  const LinearArgs& args;
+  int64_t num_columns;
+  pagedserve::AmxTiles tiles;
+
+  void operator()(int64_t pair, bool, pagedserve::RowBests& best) {
+    LinearArgs own = args;
+    own.best_value = best.value.data();
+    own.best_index = best.index.data();
+    own.num_columns = num_columns;
+    multiply_pair(own, pair, tiles);
+  }
+  ~ArgmaxPairs() { pagedserve::release_amx_tiles(tiles); }
+};
+#endif
+
+}  // namespace
+
+namespace pagedserve {
+
+bool linear_amx_supported() {
+#ifdef PAGEDSERVE_AMX
+  return request_amx();
+#else
+  return false;
+#endif
 }
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
@@ -218,16 +250,6 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return packed;
 }
 
-// What both multiplies refuse: a build or CPU without AMX, a `packed` not in its tiles.
-void check_tiles(const char* kernel, const at::Tensor& packed) {
-  TORCH_CHECK(linear_amx_supported(), kernel,
-              ": this build or CPU has no AMX bfloat16 (check linear_amx_supported() first)");
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 && packed.dim() == 5 &&
-                  packed.size(0) % 2 == 0 && packed.size(2) == kTileRows && packed.size(3) == 16 &&
-                  packed.size(4) == 2 && packed.is_contiguous(),
-              kernel, ": `packed` must come from pack_linear_weight, got ", packed.sizes());
-}
-
 at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   check_tiles("linear_amx", packed);
   const int64_t n = packed.size(0) * kTileRows, k = packed.size(1) * kTileK;
@@ -245,24 +267,6 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const std::
 #endif
   return out.view(in.out_shape);
 }
-
-#ifdef PAGEDSERVE_AMX
-// One thread's pairs of n-blocks for linear_argmax_amx, on its tile configuration (given back at the end).
-struct ArgmaxPairs {
-  const LinearArgs& args;
-  int64_t num_columns;
-  pagedserve::AmxTiles tiles;
-
-  void operator()(int64_t pair, bool, pagedserve::RowBests& best) {
-    LinearArgs own = args;
-    own.best_value = best.value.data();
-    own.best_index = best.index.data();
-    own.num_columns = num_columns;
-    multiply_pair(own, pair, tiles);
-  }
-  ~ArgmaxPairs() { pagedserve::release_amx_tiles(tiles); }
-};
-#endif
 
 // Greedy sampling from the LM head: each row's argmax over the first `num_columns` outputs of
 // linear_amx(x, packed, bias), as argmax_rows reads them from its output (bfloat16, the first maximum,
@@ -292,38 +296,26 @@ at::Tensor linear_argmax_amx(const at::Tensor& x, const at::Tensor& packed, cons
   return out.view(out_shape);
 }
 
-}  // namespace
-
-bool pagedserve::amx_tiles_usable() { return linear_amx_supported(); }
+bool amx_tiles_usable() { return linear_amx_supported(); }
 
 #ifdef PAGEDSERVE_AMX
-void pagedserve::linear_amx_panel(const c10::BFloat16* x, int64_t ld_x, const c10::BFloat16* packed,
-                                  const c10::BFloat16* bias, c10::BFloat16* out, int64_t rows, int64_t n, int64_t k,
-                                  int64_t panel, AmxTiles& tiles) {
+void linear_amx_panel(const c10::BFloat16* x, int64_t ld_x, const c10::BFloat16* packed,
+                      const c10::BFloat16* bias, c10::BFloat16* out, int64_t rows, int64_t n, int64_t k,
+                      int64_t panel, AmxTiles& tiles) {
   multiply_pair(LinearArgs{x, ld_x, packed, bias, out, rows, n, k / kTileK}, panel, tiles);
 }
 
-void pagedserve::release_amx_tiles(AmxTiles& tiles) {
+void release_amx_tiles(AmxTiles& tiles) {
   if (tiles.rows_a >= 0) _tile_release();
   tiles = AmxTiles{};
 }
 #else
-void pagedserve::linear_amx_panel(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*,
-                                  c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, AmxTiles&) {
+void linear_amx_panel(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*,
+                      c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, AmxTiles&) {
   TORCH_INTERNAL_ASSERT(false, "linear_amx_panel: this build has no AMX (check amx_tiles_usable() first)");
 }
 
-void pagedserve::release_amx_tiles(AmxTiles&) {}
+void release_amx_tiles(AmxTiles&) {}
 #endif
 
-TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
-  m.def("linear_amx_supported() -> bool", &linear_amx_supported);
-  m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
-  m.def("linear_amx(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
-  m.def("linear_argmax_amx(Tensor x, Tensor packed, Tensor? bias, int num_columns) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
-  m.impl("linear_amx", &linear_amx);
-  m.impl("linear_argmax_amx", &linear_argmax_amx);
-}
+}  // namespace pagedserve

@@ -38,12 +38,12 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <torch/library.h>
 
 #include "argmax_best.h"
 #include "bf16_vec.h"
 #include "decode_parts.h"
 #include "linear_inputs.h"
+#include "ops.h"
 #include "panel_range.h"
 
 #include <algorithm>
@@ -180,28 +180,9 @@ void multiply_panel(const LinearArgs& a, int64_t panel, bool last_panel) {
 
 #endif  // PAGEDSERVE_AVX512_BF16
 
-bool linear_avx512_supported() {
-#ifdef PAGEDSERVE_AVX512_BF16
-  return true;
-#else
-  return false;
-#endif
-}
-
-at::Tensor pack_linear_weight_avx512(const at::Tensor& weight) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16,
-              "linear_avx512: the weight must be a bfloat16 CPU tensor, got ", weight.scalar_type());
-  TORCH_CHECK(weight.dim() == 2, "linear_avx512: the weight must be [out_features, in_features], got ",
-              weight.sizes());
-  TORCH_CHECK(weight.size(0) % kPanel == 0 && weight.size(1) % 2 == 0,
-              "linear_avx512: out_features must be a multiple of 32 and in_features even, got ", weight.sizes());
-  const int64_t n = weight.size(0), k = weight.size(1);
-  return weight.contiguous().view({n / kPanel, kPanel, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
-}
-
 // What both multiplies refuse: a build or CPU without AVX512-BF16, a `packed` not in its panels.
 void check_avx512_panels(const char* kernel, const at::Tensor& packed) {
-  TORCH_CHECK(linear_avx512_supported(), kernel,
+  TORCH_CHECK(pagedserve::linear_avx512_supported(), kernel,
               ": this build or CPU has no AVX512-BF16 (check linear_avx512_supported() first)");
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
                   packed.size(2) == kPanel && packed.size(3) == 2 && packed.is_contiguous(),
@@ -222,6 +203,29 @@ LinearArgs linear_args(const pagedserve::LinearInputs& in, const at::Tensor& pac
                     k / 2};
 }
 #endif
+
+}  // namespace
+
+namespace pagedserve {
+
+bool linear_avx512_supported() {
+#ifdef PAGEDSERVE_AVX512_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack_linear_weight_avx512(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16,
+              "linear_avx512: the weight must be a bfloat16 CPU tensor, got ", weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 2, "linear_avx512: the weight must be [out_features, in_features], got ",
+              weight.sizes());
+  TORCH_CHECK(weight.size(0) % kPanel == 0 && weight.size(1) % 2 == 0,
+              "linear_avx512: out_features must be a multiple of 32 and in_features even, got ", weight.sizes());
+  const int64_t n = weight.size(0), k = weight.size(1);
+  return weight.contiguous().view({n / kPanel, kPanel, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
 
 at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   check_avx512_panels("linear_avx512", packed);
@@ -281,7 +285,7 @@ at::Tensor linear_argmax_avx512(const at::Tensor& x, const at::Tensor& packed, c
   return out.view(out_shape);
 }
 
-}  // namespace
+}  // namespace pagedserve
 
 #ifdef PAGEDSERVE_AVX512_BF16
 void pagedserve::linear_avx512_panel(const c10::BFloat16* x, int64_t ld_x, const c10::BFloat16* packed,
@@ -290,15 +294,3 @@ void pagedserve::linear_avx512_panel(const c10::BFloat16* x, int64_t ld_x, const
   if (rows > 0) multiply_panel(LinearArgs{x, ld_x, packed, bias, out, rows, n, k / 2}, panel, !prefetch_next);
 }
 #endif
-
-TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
-  m.def("linear_avx512_supported() -> bool", &linear_avx512_supported);
-  m.def("pack_linear_weight_avx512(Tensor weight) -> Tensor", &pack_linear_weight_avx512);
-  m.def("linear_avx512(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
-  m.def("linear_argmax_avx512(Tensor x, Tensor packed, Tensor? bias, int num_columns) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
-  m.impl("linear_avx512", &linear_avx512);
-  m.impl("linear_argmax_avx512", &linear_argmax_avx512);
-}

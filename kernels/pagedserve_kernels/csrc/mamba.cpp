@@ -18,13 +18,14 @@
 #define CPU_CAPABILITY_AVX2
 #endif
 #endif
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
 
 #include <cstdint>
 
+#include "ops.h"
 #include "recurrent_inputs.h"
 
 namespace {
@@ -77,6 +78,10 @@ void scan(at::Tensor& state, const int64_t* rows, const int64_t* starts, const f
   });
 }
 
+}  // namespace
+
+namespace pagedserve {
+
 at::Tensor mamba_scan(at::Tensor& state, const at::Tensor& rows, const at::Tensor& starts, const at::Tensor& x,
                       const at::Tensor& dt, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
   pagedserve::check_states(state, 3, "[rows, channels, state_size]");
@@ -112,11 +117,4 @@ at::Tensor mamba_scan(at::Tensor& state, const at::Tensor& rows, const at::Tenso
   return y;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
-  m.def("mamba_scan(Tensor(a!) state, Tensor rows, Tensor starts, Tensor x, Tensor dt, Tensor a, Tensor b, "
-        "Tensor c) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("mamba_scan", &mamba_scan); }
+}  // namespace pagedserve

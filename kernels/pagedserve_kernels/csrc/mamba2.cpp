@@ -8,14 +8,15 @@
 // back: seven passes over states that a 64-request step of 24 heads x 64 x 128 holds 25 MB of. The
 // states are float32 or bfloat16 (read widened, advanced in float32, stored rounded to nearest even);
 // x, dt, A, B and C are float32, B and C one row a group, each shared by num_heads / num_groups heads.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <cstdint>
 
 #include "bf16_vec.h"
+#include "ops.h"
 #include "recurrent_inputs.h"
 
 namespace {
@@ -73,6 +74,10 @@ void advance(at::Tensor& state, const int64_t* rows, const float* x, const float
   });
 }
 
+}  // namespace
+
+namespace pagedserve {
+
 at::Tensor mamba2_decode(at::Tensor& state, const at::Tensor& rows, const at::Tensor& x, const at::Tensor& dt,
                          const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
   pagedserve::check_states(state, 4, "[rows, heads, head_dim, state_size]");
@@ -101,10 +106,4 @@ at::Tensor mamba2_decode(at::Tensor& state, const at::Tensor& rows, const at::Te
   return y;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
-  m.def("mamba2_decode(Tensor(a!) state, Tensor rows, Tensor x, Tensor dt, Tensor a, Tensor b, Tensor c) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("mamba2_decode", &mamba2_decode); }
+}  // namespace pagedserve

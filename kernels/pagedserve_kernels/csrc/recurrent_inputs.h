@@ -3,7 +3,7 @@
 // int64 and within them, every other input float32 of its expected shape.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 
