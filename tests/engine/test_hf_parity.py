@@ -8,6 +8,8 @@ two cores), the same verdict where no tie occurs, and a stricter one after a tie
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import warnings
 from pathlib import Path
@@ -121,10 +123,19 @@ def assert_each_token_is_hf_greedy(
 
 def hf_next_token_logprobs(model: object, prompt: list[int], out: list[int]) -> torch.Tensor:
     """HF's float32 log-softmax over the vocabulary before each token of `out` ([len(out), vocab]):
-    one forward pass over the prompt and `out`."""
+    one forward pass over the prompt and `out`, its LM head over those last len(out) positions alone
+    where the model takes `logits_to_keep` (the audit's 300-token prompts of tiny models with the
+    default vocabulary spent most of their pass on the prompt's logits)."""
+    keep = {"logits_to_keep": len(out)} if _takes_logits_to_keep(type(model)) else {}
     with torch.inference_mode():
-        logits = model(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1 :]  # type: ignore[operator]
+        logits = model(torch.tensor([prompt + out[:-1]]), **keep).logits[0, -len(out) :]  # type: ignore[operator]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+@functools.cache
+def _takes_logits_to_keep(model_class: type) -> bool:
+    forward = getattr(model_class, "forward", None)  # (a stand-in model may have none)
+    return forward is not None and "logits_to_keep" in inspect.signature(forward).parameters
 
 
 def assert_hf_greedy_choices(index: int, out: list[int], logprobs: torch.Tensor) -> list[str]:
