@@ -11,13 +11,16 @@ from collections.abc import Iterator
 
 import pytest
 from pagedserve import LLM, SamplingParams
+from pagedserve import llm as llm_module
 
 
 @pytest.fixture(autouse=True)
-def thawed_heap() -> Iterator[None]:
+def thawed_heap(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A heap nobody froze, as LLM finds it in a program of its own (the suite's conftest.py freezes
-    the collected heap; frozen again after each test)."""
+    the collected heap, which an earlier LLM of this process may have found as the caller's; frozen
+    again after each test)."""
     gc.unfreeze()
+    monkeypatch.setattr(llm_module._HEAP, "callers", False)
     yield
     gc.collect()
     gc.freeze()
@@ -93,3 +96,22 @@ def test_a_heap_the_caller_froze_is_left_as_it_is(tiny_llama_dir: str) -> None:
         assert engine() is None
     finally:
         gc.unfreeze()
+
+
+def test_the_callers_freeze_once_found_holds_without_counting_again(
+    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found once, the caller's freeze holds for the process's later LLMs: none counts the frozen
+    objects again (`gc.get_freeze_count` walks them all), and none freezes the heap, even once the
+    caller has thawed it."""
+    settings = {"model": tiny_llama_dir, "dtype": "float32", "block_size": 16, "max_num_seqs": 4}
+    gc.freeze()
+    try:
+        LLM(**settings)  # finds the caller's freeze (and is freed at once)
+    finally:
+        gc.unfreeze()
+    counted: list[int] = []
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: counted.append(1) or 0)
+    llm = LLM(**settings)
+    assert counted == []
+    assert any(obj is llm.engine for obj in gc.get_objects())  # not frozen
