@@ -46,7 +46,8 @@ class _HeapFreeze:
     later LLM freezes or thaws the heap (where the caller thaws it after all, its LLMs are only
     collected as often as any other objects). Looking again each time would walk every frozen object
     (`gc.get_freeze_count` counts them one by one): 37 ms a build under the test suite's frozen
-    collection (~500,000 objects), 11.6 s of its eager audit's 97 s."""
+    collection (~500,000 objects); its eager audit (314 LLMs) took 85.7 s looking each time, 70.5 s
+    without."""
 
     def __init__(self) -> None:
         self.holders = 0  # live LLMs that froze the heap
