@@ -296,26 +296,26 @@ at::Tensor linear_argmax_amx(const at::Tensor& x, const at::Tensor& packed, cons
   return out.view(out_shape);
 }
 
-bool amx_tiles_usable() { return linear_amx_supported(); }
+}  // namespace pagedserve
+
+bool pagedserve::amx_tiles_usable() { return linear_amx_supported(); }
 
 #ifdef PAGEDSERVE_AMX
-void linear_amx_panel(const c10::BFloat16* x, int64_t ld_x, const c10::BFloat16* packed,
-                      const c10::BFloat16* bias, c10::BFloat16* out, int64_t rows, int64_t n, int64_t k,
-                      int64_t panel, AmxTiles& tiles) {
+void pagedserve::linear_amx_panel(const c10::BFloat16* x, int64_t ld_x, const c10::BFloat16* packed,
+                                  const c10::BFloat16* bias, c10::BFloat16* out, int64_t rows, int64_t n, int64_t k,
+                                  int64_t panel, AmxTiles& tiles) {
   multiply_pair(LinearArgs{x, ld_x, packed, bias, out, rows, n, k / kTileK}, panel, tiles);
 }
 
-void release_amx_tiles(AmxTiles& tiles) {
+void pagedserve::release_amx_tiles(AmxTiles& tiles) {
   if (tiles.rows_a >= 0) _tile_release();
   tiles = AmxTiles{};
 }
 #else
-void linear_amx_panel(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*,
-                      c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, AmxTiles&) {
+void pagedserve::linear_amx_panel(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*,
+                                  c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, AmxTiles&) {
   TORCH_INTERNAL_ASSERT(false, "linear_amx_panel: this build has no AMX (check amx_tiles_usable() first)");
 }
 
-void release_amx_tiles(AmxTiles&) {}
+void pagedserve::release_amx_tiles(AmxTiles&) {}
 #endif
-
-}  // namespace pagedserve
